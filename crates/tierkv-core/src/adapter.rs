@@ -1,0 +1,185 @@
+//! The contract every tier below L1 implements.
+//!
+//! Adapters are asynchronous and batched: a `submit_*` call queues work and returns a [`TaskId`]
+//! at once; the outcome arrives later as a [`Completion`] on the adapter's channel, which the
+//! controllers `select!` on together with their own queues. Buffers are owned: a store or load
+//! takes the buffers and hands them back inside its completion, so no borrow is held across the
+//! wait (what direct I/O and DMA engines need).
+
+use crossbeam_channel::Receiver;
+
+use crate::bitmap::Bitmap;
+use crate::key::ObjectKey;
+
+/// Identifies one submitted task of one adapter; unique for the adapter's lifetime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskId(pub u64);
+
+/// A copy into or out of a chunk buffer failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BufferError {
+    /// The host slice and the buffer differ in length.
+    #[error("buffer holds {buffer} bytes, the copy moves {copy}")]
+    LengthMismatch {
+        /// Bytes the buffer holds.
+        buffer: u64,
+        /// Bytes the copy tried to move.
+        copy: u64,
+    },
+    /// The device refused the copy.
+    #[error("device copy failed: {0}")]
+    Device(String),
+}
+
+/// A chunk an adapter reads from while storing it (an L1 slot, usually on a GPU).
+pub trait ChunkSource: Send {
+    /// Bytes in the chunk.
+    fn len(&self) -> u64;
+
+    /// Whether the chunk holds no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies the whole chunk into `dst`, whose length must equal [`ChunkSource::len`].
+    fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BufferError>;
+
+    /// The chunk's bytes, when they live in host memory and can be read in place.
+    fn host_bytes(&self) -> Option<&[u8]> {
+        None
+    }
+}
+
+/// A chunk an adapter writes into while loading it (an L1 slot reserved for the load).
+pub trait ChunkSink: Send {
+    /// Bytes in the chunk.
+    fn len(&self) -> u64;
+
+    /// Whether the chunk holds no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Fills the whole chunk from `src`, whose length must equal [`ChunkSink::len`].
+    fn copy_from_host(&mut self, src: &[u8]) -> Result<(), BufferError>;
+
+    /// The chunk's bytes, when they live in host memory and can be written in place (a read
+    /// from disk can then land in them without a staging copy).
+    fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
+}
+
+/// One key to store and the buffer its bytes come from.
+pub struct StoreItem {
+    /// The object's identity.
+    pub key: ObjectKey,
+    /// Where the bytes are read from.
+    pub source: Box<dyn ChunkSource>,
+}
+
+/// One key to load and the buffer its bytes go to.
+pub struct LoadItem {
+    /// The object's identity.
+    pub key: ObjectKey,
+    /// Where the bytes are written to.
+    pub sink: Box<dyn ChunkSink>,
+}
+
+/// Why a whole task failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TierError {
+    /// The adapter was closed before the task finished.
+    #[error("tier is closed")]
+    Closed,
+    /// The tier is full and nothing can be evicted.
+    #[error("tier is full: {0}")]
+    NoSpace(String),
+    /// The operating system reported an error.
+    #[error("I/O error: {0}")]
+    Io(String),
+    /// A buffer copy failed.
+    #[error(transparent)]
+    Buffer(#[from] BufferError),
+}
+
+/// The outcome of one task.
+pub enum Completion {
+    /// A store task finished: every key stored, or the task failed as a whole.
+    Stored {
+        /// The task.
+        task: TaskId,
+        /// Success, or why nothing of the task can be relied upon.
+        result: Result<(), TierError>,
+        /// The source buffers, handed back.
+        sources: Vec<StoreItem>,
+    },
+    /// A lookup-and-lock task finished.
+    LookedUp {
+        /// The task.
+        task: TaskId,
+        /// Bit `i`: key `i` is present and locked against this tier's eviction until unlocked.
+        locked: Bitmap,
+    },
+    /// A load task finished.
+    Loaded {
+        /// The task.
+        task: TaskId,
+        /// Bit `i`: key `i` was copied whole into its sink.
+        loaded: Bitmap,
+        /// The sink buffers, handed back.
+        sinks: Vec<LoadItem>,
+    },
+}
+
+impl Completion {
+    /// The task this completion belongs to.
+    pub fn task(&self) -> TaskId {
+        match self {
+            Completion::Stored { task, .. }
+            | Completion::LookedUp { task, .. }
+            | Completion::Loaded { task, .. } => *task,
+        }
+    }
+}
+
+/// How full a tier is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierUsage {
+    /// Bytes the tier may hold.
+    pub capacity_bytes: u64,
+    /// Bytes held by stored objects.
+    pub used_bytes: u64,
+    /// Objects stored.
+    pub objects: u64,
+}
+
+/// A tier below L1: host memory, disk, later a remote store.
+pub trait TierAdapter: Send + Sync {
+    /// A short name for logs and metric labels ("l2", "disk").
+    fn name(&self) -> &str;
+
+    /// Queues a store of every item; one completion answers for the whole task.
+    fn submit_store(&self, items: Vec<StoreItem>) -> TaskId;
+
+    /// Queues a lookup that also locks every present key against this tier's eviction.
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId;
+
+    /// Queues a load of every item; absent keys are reported, the others still load.
+    fn submit_load(&self, items: Vec<LoadItem>) -> TaskId;
+
+    /// Returns one lock per key taken by a lookup; keys never locked are ignored.
+    fn unlock(&self, keys: &[ObjectKey]);
+
+    /// Deletes the keys that are not locked; returns how many were deleted.
+    fn delete(&self, keys: &[ObjectKey]) -> usize;
+
+    /// Current usage.
+    fn usage(&self) -> TierUsage;
+
+    /// The channel completions arrive on. It has one consumer: the controller that submits.
+    fn completions(&self) -> Receiver<Completion>;
+
+    /// Stops accepting work; tasks still queued complete as failures, none hangs.
+    fn close(&self);
+}

@@ -1,0 +1,30 @@
+//! tierkv-core: the vocabulary every tierkv crate shares.
+//!
+//! It owns object identity ([`ObjectKey`] and its parts), the chained chunk hash, chunk layouts,
+//! the per-key result codes, the validated `extra_count`, a clock that tests can drive, the
+//! eviction policies, and the [`TierAdapter`] contract that lower tiers implement.
+//!
+//! Architecture invariant: this crate does no I/O, spawns no threads and depends on neither
+//! tokio nor cudarc. Slots, leases and devices live in `tierkv-l1`; stores and loads in the tier
+//! crates.
+
+mod adapter;
+mod bitmap;
+mod clock;
+mod error;
+mod extra;
+pub mod hash;
+mod key;
+mod layout;
+pub mod policy;
+
+pub use adapter::{
+    BufferError, ChunkSink, ChunkSource, Completion, LoadItem, StoreItem, TaskId, TierAdapter,
+    TierError, TierUsage,
+};
+pub use bitmap::Bitmap;
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::KeyError;
+pub use extra::{ExtraCount, ExtraCountOutOfRange};
+pub use key::{ChunkHash, GroupId, KvRank, Namespace, ObjectKey};
+pub use layout::{DType, Layout, LayoutError, TensorSpec};

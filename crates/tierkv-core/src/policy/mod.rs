@@ -1,0 +1,107 @@
+//! Eviction policies: which cached objects to drop first.
+//!
+//! One trait, one file per policy. A policy only orders keys; it knows nothing of slots, bytes or
+//! leases. Its caller decides which keys may go right now (not leased, not being written, not
+//! locked) and passes that decision in as an eligibility filter, so the policy never proposes a
+//! key its caller cannot evict.
+
+mod list;
+mod lru;
+mod s3fifo;
+
+use std::hash::Hash;
+
+pub use lru::Lru;
+pub use s3fifo::S3Fifo;
+
+/// Orders tracked keys for eviction.
+///
+/// Implementations are single-threaded; callers wrap them in the lock that guards the index the
+/// keys live in, so the eligibility filter sees a consistent state.
+pub trait EvictionPolicy<K>: Send {
+    /// Starts tracking `key` as newly cached. A key already tracked is left exactly as it is.
+    fn insert(&mut self, key: K);
+
+    /// Records a use of `key`. Unknown keys are ignored.
+    fn touch(&mut self, key: &K);
+
+    /// Stops tracking `key` because its owner deleted it (not an eviction). Returns whether it was
+    /// tracked; unknown keys are ignored.
+    fn remove(&mut self, key: &K) -> bool;
+
+    /// The number of tracked keys.
+    fn len(&self) -> usize;
+
+    /// Whether no key is tracked.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether `key` is tracked.
+    fn contains(&self, key: &K) -> bool;
+
+    /// Chooses up to `n` victims among the keys for which `eligible` returns true, stops
+    /// tracking them and returns them, first victim first.
+    ///
+    /// Ineligible keys are skipped, not dropped: they stay tracked. The caller must evict every
+    /// returned key.
+    fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K>;
+}
+
+/// Which eviction policy to build.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    /// Least recently used first.
+    #[default]
+    Lru,
+    /// S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO filters out objects used once,
+    /// a main FIFO with reinsertion keeps the rest; a ghost FIFO remembers recent evictions.
+    S3Fifo,
+}
+
+impl PolicyKind {
+    /// Every kind, for tests that run against each policy.
+    pub const ALL: [PolicyKind; 2] = [PolicyKind::Lru, PolicyKind::S3Fifo];
+
+    /// A new, empty policy of this kind.
+    pub fn build<K>(self) -> Box<dyn EvictionPolicy<K>>
+    where
+        K: Hash + Eq + Clone + Send + 'static,
+    {
+        match self {
+            PolicyKind::Lru => Box::new(Lru::new()),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::new()),
+        }
+    }
+
+    /// The name used in configuration files and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::Lru => "lru",
+            PolicyKind::S3Fifo => "s3fifo",
+        }
+    }
+}
+
+/// A fraction outside `[0, 1]` (or NaN) given to [`evict_fraction`].
+#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
+#[error("eviction ratio must be within [0, 1], got {0}")]
+pub struct InvalidRatio(pub f64);
+
+/// Evicts the fraction `ratio` of the tracked keys, counting only eligible ones as victims.
+///
+/// `ratio` 0 evicts nothing and 1 evicts every eligible key. Ratios outside `[0, 1]`, and NaN,
+/// are rejected rather than clamped: a caller that computes a bad ratio has a bug worth seeing.
+pub fn evict_fraction<K>(
+    policy: &mut dyn EvictionPolicy<K>,
+    ratio: f64,
+    eligible: &mut dyn FnMut(&K) -> bool,
+) -> Result<Vec<K>, InvalidRatio> {
+    if !(0.0..=1.0).contains(&ratio) {
+        return Err(InvalidRatio(ratio));
+    }
+    // The product of a ratio in [0, 1] and a length is a non-negative finite float no larger
+    // than the length, so the conversion cannot overflow.
+    let n = (ratio * policy.len() as f64).ceil() as usize;
+    Ok(policy.evict(n, eligible))
+}
