@@ -1,0 +1,165 @@
+//! The L1 arena in GPU memory, through cudarc's dynamically loaded driver API.
+//!
+//! The crate builds and its tests run on machines without CUDA: nothing here calls into cudarc
+//! before [`cuda_available`] has found the driver library, because cudarc panics when asked to
+//! load a library that is not there.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, result, sys};
+
+use super::{DeviceArena, DeviceError, check_range};
+
+/// Whether the CUDA driver library is present and reports at least one device.
+pub fn cuda_available() -> Result<(), DeviceError> {
+    // SAFETY: this only tries to open the driver's shared library by its known names; it runs
+    // no CUDA code.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(DeviceError::CudaUnavailable(
+            "the CUDA driver library (libcuda) is not installed".into(),
+        ));
+    }
+    match CudaContext::device_count() {
+        Ok(n) if n > 0 => Ok(()),
+        Ok(_) => Err(DeviceError::CudaUnavailable(
+            "the driver reports no device".into(),
+        )),
+        Err(e) => Err(DeviceError::CudaUnavailable(format!(
+            "the driver failed to initialise: {e}"
+        ))),
+    }
+}
+
+/// One device allocation holding every L1 slot.
+#[derive(Debug)]
+pub struct CudaArena {
+    context: Arc<CudaContext>,
+    base: sys::CUdeviceptr,
+    len: u64,
+    name: String,
+}
+
+impl CudaArena {
+    /// Allocates `bytes` on device `ordinal`.
+    pub fn new(ordinal: usize, bytes: u64) -> Result<Self, DeviceError> {
+        cuda_available()?;
+        let alloc_error = |reason: String| DeviceError::Alloc {
+            backend: "cuda",
+            bytes,
+            reason,
+        };
+        let len = usize::try_from(bytes)
+            .map_err(|_| alloc_error("larger than the address space".into()))?;
+        if len == 0 {
+            return Err(alloc_error("an arena needs at least one byte".into()));
+        }
+        let context = CudaContext::new(ordinal)
+            .map_err(|e| DeviceError::CudaUnavailable(format!("device {ordinal}: {e}")))?;
+        let name = context
+            .name()
+            .unwrap_or_else(|_| format!("CUDA device {ordinal}"));
+        context
+            .bind_to_thread()
+            .map_err(|e| alloc_error(e.to_string()))?;
+        // SAFETY: the context is bound to this thread; the returned pointer is owned by the arena
+        // and freed once, in `Drop`.
+        let base = unsafe { result::malloc_sync(len) }.map_err(|e| alloc_error(e.to_string()))?;
+        Ok(CudaArena {
+            context,
+            base,
+            len: bytes,
+            name,
+        })
+    }
+
+    fn bind(&self) -> Result<(), DeviceError> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| DeviceError::Copy(e.to_string()))
+    }
+}
+
+impl DeviceArena for CudaArena {
+    fn backend(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn describe(&self) -> String {
+        format!("cuda ({}), {} bytes", self.name, self.len)
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    unsafe fn copy_in(&self, offset: u64, src: &[u8]) -> Result<(), DeviceError> {
+        check_range(offset, src.len() as u64, self.len)?;
+        self.bind()?;
+        // SAFETY: the destination range lies inside our allocation (checked above) and the caller
+        // guarantees no concurrent access to it.
+        unsafe { result::memcpy_htod_sync(self.base + offset, src) }
+            .map_err(|e| DeviceError::Copy(e.to_string()))
+    }
+
+    unsafe fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<(), DeviceError> {
+        check_range(offset, dst.len() as u64, self.len)?;
+        self.bind()?;
+        // SAFETY: as in `copy_in`, with no concurrent writer.
+        unsafe { result::memcpy_dtoh_sync(dst, self.base + offset) }
+            .map_err(|e| DeviceError::Copy(e.to_string()))
+    }
+
+    fn host_base(&self) -> Option<NonNull<u8>> {
+        None
+    }
+
+    fn device_base(&self) -> Option<u64> {
+        Some(self.base)
+    }
+}
+
+impl Drop for CudaArena {
+    fn drop(&mut self) {
+        // A failure here leaves device memory to the driver's context teardown; there is nobody
+        // to report it to in a destructor.
+        if self.bind().is_ok() {
+            // SAFETY: `base` came from `malloc_sync` in `new` and is freed only here.
+            let _ = unsafe { result::free_sync(self.base) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_arena_round_trip_or_skip() {
+        if let Err(why) = cuda_available() {
+            eprintln!("skipped: no usable CUDA device ({why})");
+            return;
+        }
+        let arena = CudaArena::new(0, 1 << 20).unwrap();
+        let data: Vec<u8> = (0..=255).cycle().take(4096).collect();
+        let mut back = vec![0; data.len()];
+        // SAFETY: single-threaded test, no concurrent access.
+        unsafe {
+            arena.copy_in(8192, &data).unwrap();
+            arena.copy_out(8192, &mut back).unwrap();
+        }
+        assert_eq!(back, data);
+        assert!(arena.device_base().is_some());
+    }
+
+    #[test]
+    fn explicit_cuda_request_fails_cleanly_without_a_device() {
+        match cuda_available() {
+            Ok(()) => eprintln!("skipped: a CUDA device is present"),
+            Err(_) => assert!(matches!(
+                CudaArena::new(0, 4096),
+                Err(DeviceError::CudaUnavailable(_))
+            )),
+        }
+    }
+}

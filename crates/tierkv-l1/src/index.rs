@@ -1,0 +1,148 @@
+//! The sharded index: key -> entry, with each shard's own eviction order.
+//!
+//! Each shard is one mutex over a hash map and an eviction policy. Keeping the policy inside the
+//! shard means the eligibility filter it is given sees exactly the entries it orders, under the
+//! same lock, so a victim is never leased or written by the time it is removed.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use foldhash::fast::RandomState;
+use parking_lot::{Mutex, MutexGuard};
+use tierkv_core::ObjectKey;
+use tierkv_core::policy::{EvictionPolicy, PolicyKind};
+
+use crate::lease::OwnerId;
+use crate::slots::{SlotId, Slots};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EntryState {
+    /// Reserved by `owner`, invisible to readers.
+    Writing { owner: OwnerId },
+    /// Finished and visible.
+    Ready,
+}
+
+pub(crate) struct Entry {
+    pub(crate) slot: SlotId,
+    /// Distinguishes this life of the key from earlier and later ones.
+    pub(crate) generation: u64,
+    /// Bytes of the object (its layout's size), at most the slot size.
+    pub(crate) len: u64,
+    pub(crate) state: EntryState,
+    /// Freed when its last share returns instead of staying cached (prefetch promotions).
+    pub(crate) temporary: bool,
+    /// Read shares outstanding, over every lease.
+    pub(crate) shares: u64,
+}
+
+/// The accounting class of an entry: every slot is in exactly one class or free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Class {
+    Writing,
+    Leased,
+    Cached,
+    Gone,
+}
+
+impl Entry {
+    pub(crate) fn class(&self) -> Class {
+        match (self.state, self.shares) {
+            (EntryState::Writing { .. }, _) => Class::Writing,
+            (EntryState::Ready, 0) => Class::Cached,
+            (EntryState::Ready, _) => Class::Leased,
+        }
+    }
+
+    pub(crate) fn is_writing(&self) -> bool {
+        matches!(self.state, EntryState::Writing { .. })
+    }
+
+    /// Evictable: finished, unleased, kept after reads, and no copy under way.
+    pub(crate) fn is_evictable(&self, slots: &Slots) -> bool {
+        self.class() == Class::Cached && !self.temporary && slots.is_idle(self.slot)
+    }
+}
+
+/// Slot counts per class, kept in step with every entry transition.
+#[derive(Default)]
+pub(crate) struct Counts {
+    pub(crate) writing: AtomicU64,
+    pub(crate) leased: AtomicU64,
+    pub(crate) cached: AtomicU64,
+}
+
+impl Counts {
+    fn counter(&self, class: Class) -> Option<&AtomicU64> {
+        match class {
+            Class::Writing => Some(&self.writing),
+            Class::Leased => Some(&self.leased),
+            Class::Cached => Some(&self.cached),
+            Class::Gone => None,
+        }
+    }
+
+    /// Moves one slot from class `from` to class `to` (`Gone` for a new or removed entry).
+    pub(crate) fn moved(&self, from: Class, to: Class) {
+        if from == to {
+            return;
+        }
+        if let Some(c) = self.counter(to) {
+            c.fetch_add(1, Ordering::AcqRel);
+        }
+        if let Some(c) = self.counter(from) {
+            c.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+pub(crate) struct Shard {
+    pub(crate) map: HashMap<ObjectKey, Entry, RandomState>,
+    /// Tracks exactly the finished, non-temporary entries of `map`.
+    pub(crate) policy: Box<dyn EvictionPolicy<ObjectKey>>,
+}
+
+/// A shard on its own cache line pair, so neighbouring locks do not share a line.
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
+
+pub(crate) struct Index {
+    shards: Box<[Padded]>,
+    hasher: RandomState,
+}
+
+impl Index {
+    pub(crate) fn new(shards: usize, policy: PolicyKind) -> Self {
+        let shards = (0..shards)
+            .map(|_| {
+                Padded(Mutex::new(Shard {
+                    map: HashMap::default(),
+                    policy: policy.build(),
+                }))
+            })
+            .collect();
+        Index {
+            shards,
+            hasher: RandomState::default(),
+        }
+    }
+
+    pub(crate) fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The shard a key lives in, locked.
+    pub(crate) fn shard(&self, key: &ObjectKey) -> MutexGuard<'_, Shard> {
+        // The shard count is a power of two, so masking the hash picks a shard uniformly. The
+        // top bits are used because hash maps consume the low ones.
+        let hash = self.hasher.hash_one(key);
+        let index = (hash >> 32) as usize & (self.shards.len() - 1);
+        self.shards[index].0.lock()
+    }
+
+    /// Shard `index` (modulo the shard count), locked.
+    pub(crate) fn shard_at(&self, index: usize) -> MutexGuard<'_, Shard> {
+        self.shards[index % self.shards.len()].0.lock()
+    }
+}

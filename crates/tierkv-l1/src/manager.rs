@@ -1,0 +1,1199 @@
+//! The L1 manager: the entry state machine, read leases, write reservations and accounting.
+//!
+//! Lock order, everywhere: a lease shard, then index shards one at a time (only the audit holds
+//! several), then the free list. No lock is held across a byte copy: copies happen through
+//! guards after the locks are released.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use tierkv_core::{Clock, ExtraCount, KeyError, Layout, ObjectKey, SystemClock};
+
+use crate::access::{ReadAccess, SlotHandle, WriteAccess};
+use crate::config::L1Config;
+use crate::device::{self, DeviceArena};
+use crate::error::L1Error;
+use crate::index::{Class, Counts, Entry, EntryState, Index, Shard};
+use crate::lease::{
+    KeyShares, LeaseId, LeaseRecord, LeaseShard, LeaseTable, OwnerId, Readers, all_readers,
+};
+use crate::metrics::{EvictionReason, L1Metrics};
+use crate::slots::{SlotId, Slots};
+
+/// Hears about L1 events that other components act on. Called outside every L1 lock.
+pub trait L1Observer: Send + Sync {
+    /// Objects became visible through `finish_write` (never through a prefetch promotion): the
+    /// store pipeline copies them to the lower tiers.
+    fn writes_finished(&self, keys: &[ObjectKey]) {
+        let _ = keys;
+    }
+
+    /// Objects were evicted.
+    fn evicted(&self, keys: &[ObjectKey], reason: EvictionReason) {
+        let _ = (keys, reason);
+    }
+}
+
+/// An observer that ignores everything.
+#[derive(Debug, Default)]
+pub struct NoObserver;
+
+impl L1Observer for NoObserver {}
+
+/// What an L1 shares with the rest of the node: the clock leases expire by, and who listens.
+#[derive(Clone)]
+pub struct L1Context {
+    /// The clock lease deadlines are measured on.
+    pub clock: Arc<dyn Clock>,
+    /// Told of finished writes and evictions.
+    pub observer: Arc<dyn L1Observer>,
+}
+
+impl Default for L1Context {
+    fn default() -> Self {
+        L1Context {
+            clock: Arc::new(SystemClock::new()),
+            observer: Arc::new(NoObserver),
+        }
+    }
+}
+
+/// How `reserve_write` treats a key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WriteMode {
+    /// A new object: refused if the key is present or being written.
+    #[default]
+    Create,
+    /// Rewrite a finished, unleased object in its own slot: refused if absent. Aborting an
+    /// update deletes the object, because its old bytes may already be overwritten.
+    Update,
+}
+
+/// What happens to an object when its last read share returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Lifetime {
+    /// It stays cached until evicted or deleted.
+    #[default]
+    Cached,
+    /// It is freed at once: a prefetch promotion that exists only to be read. Temporary
+    /// objects become visible only through `finish_write_and_reserve_read`.
+    Temporary,
+}
+
+/// The answer to a lease request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadGrant {
+    /// The lease holding every granted key; `None` when no key was granted.
+    pub lease: Option<LeaseId>,
+    /// Readers of the lease, `1 + extra_count`: each must return its share.
+    pub readers: u32,
+    /// Per requested key, where its bytes are, or why it was refused.
+    pub results: Vec<Result<SlotHandle, KeyError>>,
+}
+
+impl ReadGrant {
+    /// The number of keys granted from the start of the request without a gap: the prefix hit.
+    pub fn leading_hits(&self) -> usize {
+        self.results.iter().take_while(|r| r.is_ok()).count()
+    }
+}
+
+/// What a release returned.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Shares returned (one per reader per key).
+    pub shares: u64,
+    /// Keys whose last share this returned.
+    pub unleased: usize,
+    /// Whether the lease has no share left and is gone.
+    pub lease_ended: bool,
+}
+
+/// What `clear` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cleared {
+    /// Objects removed.
+    pub removed: usize,
+    /// Leased or in-flight objects left in place (non-forced clear only).
+    pub kept: usize,
+}
+
+/// What `release_owner` returned.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OwnerReleased {
+    /// Leases ended.
+    pub leases: usize,
+    /// Shares returned.
+    pub shares: u64,
+    /// Write reservations aborted.
+    pub aborted_writes: usize,
+}
+
+/// Where a key stands, without taking a lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Presence {
+    /// Not in L1.
+    Absent,
+    /// Reserved and being written: invisible to readers.
+    Writing,
+    /// Finished and visible.
+    Ready {
+        /// Read shares outstanding.
+        shares: u64,
+        /// Freed when the last share returns.
+        temporary: bool,
+    },
+}
+
+/// Occupancy, in slots and bytes. Exact when no operation is in flight; while operations run, a
+/// snapshot may straddle one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Bytes of all slots.
+    pub capacity_bytes: u64,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// Slots in the arena.
+    pub slots: u64,
+    /// Bytes that cannot be reclaimed now: objects being written, leased objects, and slots
+    /// still pinned by a copy after their object was removed.
+    pub used_bytes: u64,
+    /// Bytes of finished, unleased objects: evictable, so admission counts them as available.
+    pub cached_bytes: u64,
+    /// Bytes of free slots.
+    pub free_bytes: u64,
+    /// Objects being written.
+    pub writing: u64,
+    /// Finished objects with read shares outstanding.
+    pub leased: u64,
+    /// Finished objects with no share outstanding.
+    pub cached: u64,
+    /// Slots whose object is gone but a copy still pins them.
+    pub retiring: u64,
+}
+
+/// The L1 tier: every read and write of tierkv passes through it.
+pub struct L1Manager {
+    slots: Arc<Slots>,
+    index: Index,
+    leases: LeaseTable,
+    counts: Counts,
+    active_leases: AtomicU64,
+    generations: AtomicU64,
+    evict_cursor: AtomicUsize,
+    config: L1Config,
+    clock: Arc<dyn Clock>,
+    observer: Arc<dyn L1Observer>,
+    metrics: L1Metrics,
+}
+
+impl std::fmt::Debug for L1Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("L1Manager")
+            .field("arena", &self.slots.arena())
+            .field("usage", &self.usage())
+            .finish()
+    }
+}
+
+/// Which shares a release returns.
+enum Selection<'a> {
+    /// The readers of `mask`, on `keys` (every key of the lease for `None`); each named reader
+    /// must still hold its share of each named key.
+    Strict {
+        mask: u128,
+        keys: Option<&'a [ObjectKey]>,
+    },
+    /// Every share still outstanding.
+    Everything,
+}
+
+impl L1Manager {
+    /// Validates the configuration, opens the device arena and builds an empty L1.
+    pub fn build(config: L1Config, context: L1Context) -> Result<Self, L1Error> {
+        let (slot_count, shards) = config.validate()?;
+        let arena = device::open_arena(config.device, u64::from(slot_count) * config.slot_bytes)?;
+        let manager = L1Manager {
+            slots: Arc::new(Slots::new(arena, config.slot_bytes, slot_count)),
+            index: Index::new(shards, config.policy),
+            leases: LeaseTable::new(),
+            counts: Counts::default(),
+            active_leases: AtomicU64::new(0),
+            generations: AtomicU64::new(1),
+            evict_cursor: AtomicUsize::new(0),
+            config,
+            clock: context.clock,
+            observer: context.observer,
+            metrics: L1Metrics::register(),
+        };
+        manager.publish();
+        Ok(manager)
+    }
+
+    /// The configuration the manager was built with.
+    pub fn config(&self) -> &L1Config {
+        &self.config
+    }
+
+    /// The device arena the slots live in.
+    pub fn arena(&self) -> &dyn DeviceArena {
+        self.slots.arena()
+    }
+
+    // ----- writes -----
+
+    /// Reserves a slot per key for a write. Reserved objects are invisible to every reader until
+    /// `finish_write`.
+    ///
+    /// When no slot is free, cached objects are evicted by policy. When nothing more can be
+    /// evicted, this key and every later key of the batch get `OutOfMemory`: a batch degrades to
+    /// its longest allocatable prefix, never to a prefix with holes.
+    pub fn reserve_write(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        layout: &Layout,
+        mode: WriteMode,
+        lifetime: Lifetime,
+    ) -> Result<Vec<Result<SlotHandle, KeyError>>, L1Error> {
+        let len = layout.size_bytes();
+        if len > self.slots.slot_bytes() {
+            let error = L1Error::LayoutTooLarge {
+                layout_bytes: len,
+                slot_bytes: self.slots.slot_bytes(),
+            };
+            self.metrics.request_error(&error);
+            return Err(error);
+        }
+        let temporary = lifetime == Lifetime::Temporary;
+        let mut evicted = Vec::new();
+        let mut out_of_memory = false;
+        let results = keys
+            .iter()
+            .map(|key| {
+                let result = if out_of_memory {
+                    Err(KeyError::OutOfMemory)
+                } else {
+                    match mode {
+                        WriteMode::Create => self.create(owner, key, len, temporary, &mut evicted),
+                        WriteMode::Update => self.relock_for_update(owner, key, len, temporary),
+                    }
+                };
+                out_of_memory |= result == Err(KeyError::OutOfMemory);
+                self.count_refusal(&result);
+                result
+            })
+            .collect();
+        self.announce_evictions(&evicted, EvictionReason::OnDemand);
+        self.publish();
+        Ok(results)
+    }
+
+    fn create(
+        &self,
+        owner: OwnerId,
+        key: &ObjectKey,
+        len: u64,
+        temporary: bool,
+        evicted: &mut Vec<ObjectKey>,
+    ) -> Result<SlotHandle, KeyError> {
+        // Refuse present keys before allocating, so a duplicate write never evicts anything.
+        if let Some(entry) = self.index.shard(key).map.get(key) {
+            return Err(write_conflict(entry));
+        }
+        let slot = match self.slots.alloc() {
+            Some(slot) => slot,
+            None => self.evict_one(evicted).ok_or(KeyError::OutOfMemory)?,
+        };
+        let mut shard = self.index.shard(key);
+        // Another writer may have reserved the key while we looked for a slot: the insert below,
+        // under the shard lock, is the one place that decides who writes the key (rule 3).
+        if let Some(entry) = shard.map.get(key) {
+            let refusal = write_conflict(entry);
+            drop(shard);
+            self.slots.give_back(slot);
+            return Err(refusal);
+        }
+        let generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        let entry = Entry {
+            slot,
+            generation,
+            len,
+            state: EntryState::Writing { owner },
+            temporary,
+            shares: 0,
+        };
+        shard.map.insert(*key, entry);
+        self.counts.moved(Class::Gone, Class::Writing);
+        Ok(self.handle(slot, len))
+    }
+
+    fn relock_for_update(
+        &self,
+        owner: OwnerId,
+        key: &ObjectKey,
+        len: u64,
+        temporary: bool,
+    ) -> Result<SlotHandle, KeyError> {
+        let mut guard = self.index.shard(key);
+        let Shard { map, policy } = &mut *guard;
+        let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
+        if entry.is_writing() {
+            return Err(KeyError::WriteInFlight);
+        }
+        if entry.shares > 0 || !self.slots.is_idle(entry.slot) {
+            return Err(KeyError::Locked);
+        }
+        if entry.len != len {
+            return Err(KeyError::LayoutMismatch);
+        }
+        let before = entry.class();
+        entry.state = EntryState::Writing { owner };
+        entry.temporary = temporary;
+        entry.generation = self.generations.fetch_add(1, Ordering::Relaxed);
+        policy.remove(key);
+        self.counts.moved(before, Class::Writing);
+        Ok(self.handle(entry.slot, len))
+    }
+
+    /// Pins the slot of a key `owner` is writing, for copying bytes in. Until the guard drops, the
+    /// write cannot be finished, so a half-copied object never becomes visible.
+    pub fn write_access(&self, owner: OwnerId, key: &ObjectKey) -> Result<WriteAccess, L1Error> {
+        let result = (|| {
+            let shard = self.index.shard(key);
+            let entry = shard.map.get(key).ok_or(KeyError::NotFound)?;
+            self.check_writer(entry, owner)?;
+            if !self.slots.pin_write(entry.slot) {
+                return Err(KeyError::Busy);
+            }
+            Ok(WriteAccess::new(
+                Arc::clone(&self.slots),
+                entry.slot,
+                entry.len,
+            ))
+        })();
+        result.map_err(|error| self.refuse(L1Error::Key { key: *key, error }))
+    }
+
+    /// Makes written objects visible and tells the store pipeline about them.
+    pub fn finish_write(&self, owner: OwnerId, keys: &[ObjectKey]) -> Vec<Result<(), KeyError>> {
+        let mut finished = Vec::with_capacity(keys.len());
+        let results = keys
+            .iter()
+            .map(|key| {
+                let result = self.finish_one(owner, key, |entry, policy| {
+                    if entry.temporary {
+                        return Err(KeyError::WrongState);
+                    }
+                    entry.state = EntryState::Ready;
+                    policy.insert(*key);
+                    Ok(())
+                });
+                if result.is_ok() {
+                    finished.push(*key);
+                }
+                self.count_refusal(&result);
+                result
+            })
+            .collect();
+        if !finished.is_empty() {
+            self.metrics.writes_finished(finished.len());
+            self.observer.writes_finished(&finished);
+        }
+        self.publish();
+        results
+    }
+
+    /// Applies `finish` to the `Writing` entry of `key` owned by `owner`, once no write guard
+    /// copies into it, and keeps the accounting in step.
+    fn finish_one(
+        &self,
+        owner: OwnerId,
+        key: &ObjectKey,
+        finish: impl FnOnce(
+            &mut Entry,
+            &mut dyn tierkv_core::policy::EvictionPolicy<ObjectKey>,
+        ) -> Result<(), KeyError>,
+    ) -> Result<(), KeyError> {
+        let mut guard = self.index.shard(key);
+        let Shard { map, policy } = &mut *guard;
+        let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
+        self.check_writer(entry, owner)?;
+        if self.slots.has_writer(entry.slot) {
+            return Err(KeyError::Busy);
+        }
+        let before = entry.class();
+        finish(entry, policy.as_mut())?;
+        self.counts.moved(before, entry.class());
+        Ok(())
+    }
+
+    /// Drops write reservations. Nothing of an aborted write was ever visible; its slot is freed
+    /// as soon as no copy pins it.
+    pub fn abort_write(&self, owner: OwnerId, keys: &[ObjectKey]) -> Vec<Result<(), KeyError>> {
+        let results = keys
+            .iter()
+            .map(|key| {
+                let result = (|| {
+                    let mut shard = self.index.shard(key);
+                    let entry = shard.map.get(key).ok_or(KeyError::NotFound)?;
+                    self.check_writer(entry, owner)?;
+                    self.remove_entry(&mut shard, key);
+                    Ok(())
+                })();
+                self.count_refusal(&result);
+                result
+            })
+            .collect();
+        self.publish();
+        results
+    }
+
+    /// Refuses a write operation on an entry that is not `owner`'s reservation.
+    fn check_writer(&self, entry: &Entry, owner: OwnerId) -> Result<(), KeyError> {
+        match entry.state {
+            EntryState::Writing { owner: writer } if writer == owner => Ok(()),
+            EntryState::Writing { .. } => Err(KeyError::Locked),
+            EntryState::Ready => Err(KeyError::WrongState),
+        }
+    }
+
+    // ----- reads -----
+
+    /// Leases every ready key for `1 + extra_count` readers. Each key is answered on its own;
+    /// one lease holds all the keys granted.
+    pub fn reserve_read(&self, owner: OwnerId, keys: &[ObjectKey], extra: ExtraCount) -> ReadGrant {
+        self.lease_keys(owner, keys, extra, |key, entry, policy| match entry.state {
+            EntryState::Writing { .. } => Err(KeyError::NotReadable),
+            EntryState::Ready => {
+                policy.touch(key);
+                Ok(())
+            }
+        })
+    }
+
+    /// Makes `owner`'s written objects visible and leases them in one step, so no eviction can
+    /// slip between the two. This is how prefetched objects are promoted into L1: it does not
+    /// tell the store pipeline, because the bytes came from a lower tier.
+    pub fn finish_write_and_reserve_read(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        extra: ExtraCount,
+    ) -> ReadGrant {
+        self.lease_keys(owner, keys, extra, |key, entry, policy| {
+            match entry.state {
+                EntryState::Writing { owner: writer } if writer == owner => {}
+                EntryState::Writing { .. } => return Err(KeyError::Locked),
+                EntryState::Ready => return Err(KeyError::WrongState),
+            }
+            if self.slots.has_writer(entry.slot) {
+                return Err(KeyError::Busy);
+            }
+            entry.state = EntryState::Ready;
+            if !entry.temporary {
+                policy.insert(*key);
+            }
+            Ok(())
+        })
+    }
+
+    /// Takes `1 + extra` shares of every key that `admit` accepts (it may change the entry's
+    /// state, e.g. finish it), under the key's shard lock, and records them in one new lease.
+    fn lease_keys(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        extra: ExtraCount,
+        mut admit: impl FnMut(
+            &ObjectKey,
+            &mut Entry,
+            &mut dyn tierkv_core::policy::EvictionPolicy<ObjectKey>,
+        ) -> Result<(), KeyError>,
+    ) -> ReadGrant {
+        let readers = extra.readers();
+        let deadline = self.clock.now() + self.config.lease_ttl;
+        let mut record = LeaseRecord::new(owner, readers, deadline, keys.len());
+        let results: Vec<_> = keys
+            .iter()
+            .map(|key| {
+                let result = (|| {
+                    if record.keys.contains_key(key) {
+                        return Err(KeyError::Duplicate);
+                    }
+                    let mut guard = self.index.shard(key);
+                    let Shard { map, policy } = &mut *guard;
+                    let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
+                    let before = entry.class();
+                    admit(key, entry, policy.as_mut())?;
+                    entry.shares += u64::from(readers);
+                    self.counts.moved(before, entry.class());
+                    let shares = KeyShares {
+                        generation: entry.generation,
+                        outstanding: all_readers(readers),
+                        marked: false,
+                    };
+                    record.keys.insert(*key, shares);
+                    Ok(self.handle(entry.slot, entry.len))
+                })();
+                self.count_refusal(&result);
+                result
+            })
+            .collect();
+        let granted = record.keys.len() as u64;
+        let lease = (granted > 0).then(|| {
+            self.active_leases.fetch_add(1, Ordering::AcqRel);
+            self.leases.insert(record)
+        });
+        self.metrics.read_shares(granted * u64::from(readers));
+        self.publish();
+        ReadGrant {
+            lease,
+            readers,
+            results,
+        }
+    }
+
+    /// Pins the slot of a leased key for reading by `reader`, who must still hold its share.
+    pub fn read_access(
+        &self,
+        lease: LeaseId,
+        reader: u8,
+        key: &ObjectKey,
+    ) -> Result<ReadAccess, L1Error> {
+        let result = (|| {
+            let mut shard = self.leases.shard(lease);
+            let record = self.live_lease(&mut shard, lease)?;
+            let mask = Readers::One(reader).mask(lease, record.readers)?;
+            let Some(shares) = record.keys.get(key) else {
+                return Err(L1Error::NotLeased {
+                    lease,
+                    key: *key,
+                    error: self.classify(key),
+                });
+            };
+            if shares.outstanding & mask == 0 {
+                return Err(L1Error::AlreadyReleased {
+                    lease,
+                    reader,
+                    key: *key,
+                });
+            }
+            let index = self.index.shard(key);
+            match index.map.get(key) {
+                Some(entry) if entry.generation == shares.generation => {
+                    self.slots.pin_read(entry.slot);
+                    Ok(ReadAccess::new(
+                        Arc::clone(&self.slots),
+                        entry.slot,
+                        entry.len,
+                    ))
+                }
+                // Force-deleted under the lease.
+                _ => Err(L1Error::Key {
+                    key: *key,
+                    error: KeyError::NotFound,
+                }),
+            }
+        })();
+        result.map_err(|e| self.refuse(e))
+    }
+
+    /// Returns the shares of `readers` on `keys` of a lease (every key for `None`).
+    ///
+    /// The whole request is checked before anything changes: a reader that already returned its
+    /// share of one of the keys, a reader the lease does not have, a key the lease does not cover
+    /// or a key named twice refuses the request and leaves every share where it was.
+    pub fn finish_read(
+        &self,
+        lease: LeaseId,
+        readers: Readers,
+        keys: Option<&[ObjectKey]>,
+    ) -> Result<Released, L1Error> {
+        let result = (|| {
+            let mut shard = self.leases.shard(lease);
+            let record = self.live_lease(&mut shard, lease)?;
+            let mask = readers.mask(lease, record.readers)?;
+            self.release(&mut shard, lease, Selection::Strict { mask, keys })
+        })();
+        result.map_err(|e| self.refuse(e))
+    }
+
+    /// Returns every share still outstanding on a lease: for keys the engine decided not to read,
+    /// or a lookup that is abandoned.
+    pub fn release_lease(&self, lease: LeaseId) -> Result<Released, L1Error> {
+        let result = (|| {
+            let mut shard = self.leases.shard(lease);
+            self.live_lease(&mut shard, lease)?;
+            self.release(&mut shard, lease, Selection::Everything)
+        })();
+        result.map_err(|e| self.refuse(e))
+    }
+
+    /// The live record of `lease`, revoking it first if its deadline passed.
+    fn live_lease<'s>(
+        &self,
+        shard: &'s mut LeaseShard,
+        lease: LeaseId,
+    ) -> Result<&'s mut LeaseRecord, L1Error> {
+        let now = self.clock.now();
+        match shard.live.get(&lease.0) {
+            None => return Err(shard.gone(lease)),
+            Some(record) if record.deadline <= now => {
+                self.revoke(shard, lease);
+                return Err(L1Error::LeaseExpired(lease));
+            }
+            Some(_) => {}
+        }
+        shard
+            .live
+            .get_mut(&lease.0)
+            .ok_or(L1Error::UnknownLease(lease))
+    }
+
+    fn release(
+        &self,
+        shard: &mut LeaseShard,
+        lease: LeaseId,
+        selection: Selection<'_>,
+    ) -> Result<Released, L1Error> {
+        let Some(record) = shard.live.get_mut(&lease.0) else {
+            return Err(shard.gone(lease));
+        };
+        let mut released = match selection {
+            Selection::Strict { mask, keys } => {
+                self.check_release(record, lease, mask, keys)?;
+                self.return_shares(record, keys, |_| mask)
+            }
+            Selection::Everything => self.return_shares(record, None, |outstanding| outstanding),
+        };
+        if record.keys.is_empty() {
+            shard.live.remove(&lease.0);
+            shard.bury_released(lease);
+            self.active_leases.fetch_sub(1, Ordering::AcqRel);
+            released.lease_ended = true;
+        }
+        self.publish();
+        Ok(released)
+    }
+
+    /// Checks that every reader of `mask` holds its share of every selected key, each key named
+    /// once. Changes nothing when it fails (the marks it sets are cleared again).
+    fn check_release(
+        &self,
+        record: &mut LeaseRecord,
+        lease: LeaseId,
+        mask: u128,
+        keys: Option<&[ObjectKey]>,
+    ) -> Result<(), L1Error> {
+        let missing = |key: &ObjectKey, outstanding: u128| {
+            let reader = (mask & !outstanding).trailing_zeros() as u8;
+            L1Error::AlreadyReleased {
+                lease,
+                reader,
+                key: *key,
+            }
+        };
+        let Some(list) = keys else {
+            return match record
+                .keys
+                .iter()
+                .find(|(_, s)| s.outstanding & mask != mask)
+            {
+                Some((key, shares)) => Err(missing(key, shares.outstanding)),
+                None => Ok(()),
+            };
+        };
+        let mut failure = None;
+        for key in list {
+            match record.keys.get_mut(key) {
+                None => {
+                    failure = Some(L1Error::NotLeased {
+                        lease,
+                        key: *key,
+                        error: self.classify(key),
+                    })
+                }
+                Some(s) if s.marked => {
+                    failure = Some(L1Error::NotLeased {
+                        lease,
+                        key: *key,
+                        error: KeyError::Duplicate,
+                    })
+                }
+                Some(s) if s.outstanding & mask != mask => {
+                    failure = Some(missing(key, s.outstanding))
+                }
+                Some(s) => s.marked = true,
+            }
+            if failure.is_some() {
+                break;
+            }
+        }
+        match failure {
+            None => Ok(()),
+            Some(error) => {
+                for key in list {
+                    if let Some(s) = record.keys.get_mut(key) {
+                        s.marked = false;
+                    }
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Returns `take(outstanding)` readers' shares of each selected key and drops keys with no
+    /// share left from the lease.
+    fn return_shares(
+        &self,
+        record: &mut LeaseRecord,
+        keys: Option<&[ObjectKey]>,
+        take: impl Fn(u128) -> u128,
+    ) -> Released {
+        let mut released = Released::default();
+        let mut give_back = |key: &ObjectKey, shares: &mut KeyShares| {
+            shares.marked = false;
+            let returning = take(shares.outstanding) & shares.outstanding;
+            shares.outstanding &= !returning;
+            let n = u64::from(returning.count_ones());
+            released.shares += n;
+            if n > 0 && self.return_to_entry(key, shares.generation, n) {
+                released.unleased += 1;
+            }
+        };
+        match keys {
+            None => record
+                .keys
+                .iter_mut()
+                .for_each(|(key, shares)| give_back(key, shares)),
+            Some(list) => {
+                for key in list {
+                    if let Some(shares) = record.keys.get_mut(key) {
+                        give_back(key, shares);
+                    }
+                }
+            }
+        }
+        record.keys.retain(|_, shares| shares.outstanding != 0);
+        released
+    }
+
+    /// Takes `n` shares off the entry of `key`; a temporary entry whose last share this was is
+    /// freed. Returns whether the entry has no share left. An entry force-deleted (or deleted and
+    /// written again) under the lease has another generation and is left alone.
+    fn return_to_entry(&self, key: &ObjectKey, generation: u64, n: u64) -> bool {
+        let mut shard = self.index.shard(key);
+        let Some(entry) = shard.map.get_mut(key) else {
+            return false;
+        };
+        if entry.generation != generation {
+            return false;
+        }
+        let before = entry.class();
+        // The lease ledger holds at least `n` of this entry's shares; the audit checks that the
+        // two agree, so saturation here would only hide a bug the audit reports.
+        entry.shares = entry.shares.saturating_sub(n);
+        if entry.shares > 0 {
+            return false;
+        }
+        self.counts.moved(before, Class::Cached);
+        if entry.temporary {
+            self.remove_entry(&mut shard, key);
+        }
+        true
+    }
+
+    /// Revokes a lease whose deadline passed: returns every share, remembers why, counts it.
+    fn revoke(&self, shard: &mut LeaseShard, lease: LeaseId) {
+        if let Some(mut record) = shard.live.remove(&lease.0) {
+            self.return_shares(&mut record, None, |outstanding| outstanding);
+            shard.bury_revoked(lease);
+            self.active_leases.fetch_sub(1, Ordering::AcqRel);
+            self.metrics.lease_expired();
+        }
+    }
+
+    /// Revokes every lease past its deadline. Returns how many. The storage layer calls this
+    /// periodically; a late release of a revoked lease is answered `LeaseExpired`.
+    pub fn expire_leases(&self) -> usize {
+        let now = self.clock.now();
+        let mut expired = 0;
+        for shard in self.leases.shards() {
+            let mut shard = shard.lock();
+            let due: Vec<u64> = shard
+                .live
+                .iter()
+                .filter(|(_, r)| r.deadline <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in due {
+                self.revoke(&mut shard, LeaseId(id));
+                expired += 1;
+            }
+        }
+        if expired > 0 {
+            self.publish();
+        }
+        expired
+    }
+
+    // ----- removal -----
+
+    /// Deletes objects. Leased objects and objects being written are refused with `Locked`
+    /// unless `force`; a forced delete leaves the leases in place, but their shares no longer
+    /// touch anything, and a copy under way finishes on the old slot before it is reused.
+    pub fn delete(&self, keys: &[ObjectKey], force: bool) -> Vec<Result<(), KeyError>> {
+        let results = keys
+            .iter()
+            .map(|key| {
+                let result = (|| {
+                    let mut shard = self.index.shard(key);
+                    let entry = shard.map.get(key).ok_or(KeyError::NotFound)?;
+                    if !force && entry.class() != Class::Cached {
+                        return Err(KeyError::Locked);
+                    }
+                    self.remove_entry(&mut shard, key);
+                    Ok(())
+                })();
+                self.count_refusal(&result);
+                result
+            })
+            .collect();
+        self.publish();
+        results
+    }
+
+    /// Deletes every cached object, or with `force` every object.
+    pub fn clear(&self, force: bool) -> Cleared {
+        let mut cleared = Cleared::default();
+        for i in 0..self.index.shard_count() {
+            let mut guard = self.index.shard_at(i);
+            let Shard { map, policy } = &mut *guard;
+            map.retain(|key, entry| {
+                if !force && entry.class() != Class::Cached {
+                    cleared.kept += 1;
+                    return true;
+                }
+                policy.remove(key);
+                self.counts.moved(entry.class(), Class::Gone);
+                self.slots.retire(entry.slot);
+                cleared.removed += 1;
+                false
+            });
+        }
+        self.publish();
+        cleared
+    }
+
+    /// Returns everything `owner` holds: ends its leases (every share) and aborts its write
+    /// reservations. Called when a client disconnects.
+    pub fn release_owner(&self, owner: OwnerId) -> OwnerReleased {
+        let mut report = OwnerReleased::default();
+        for shard in self.leases.shards() {
+            let mut shard = shard.lock();
+            let owned: Vec<u64> = shard
+                .live
+                .iter()
+                .filter(|(_, r)| r.owner == owner)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in owned {
+                if let Ok(released) = self.release(&mut shard, LeaseId(id), Selection::Everything) {
+                    report.leases += 1;
+                    report.shares += released.shares;
+                }
+            }
+        }
+        for i in 0..self.index.shard_count() {
+            let mut guard = self.index.shard_at(i);
+            guard.map.retain(|_, entry| {
+                if entry.state != (EntryState::Writing { owner }) {
+                    return true;
+                }
+                self.counts.moved(Class::Writing, Class::Gone);
+                self.slots.retire(entry.slot);
+                report.aborted_writes += 1;
+                false
+            });
+        }
+        self.publish();
+        report
+    }
+
+    /// Removes `key`'s entry from its (locked) shard and retires its slot.
+    fn remove_entry(&self, shard: &mut Shard, key: &ObjectKey) {
+        if let Some(entry) = shard.map.remove(key) {
+            shard.policy.remove(key);
+            self.counts.moved(entry.class(), Class::Gone);
+            self.slots.retire(entry.slot);
+        }
+    }
+
+    // ----- eviction -----
+
+    /// Evicts one cached object, chosen by its shard's policy, and hands its slot to the caller.
+    /// Shards are tried round-robin, so victims spread evenly; with one shard the order is
+    /// exactly the policy's.
+    fn evict_one(&self, victims: &mut Vec<ObjectKey>) -> Option<SlotId> {
+        let shards = self.index.shard_count();
+        for _ in 0..shards {
+            let at = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
+            let mut guard = self.index.shard_at(at);
+            let Shard { map, policy } = &mut *guard;
+            let slots = &*self.slots;
+            let mut eligible =
+                |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(slots));
+            let Some(key) = policy.evict(1, &mut eligible).pop() else {
+                continue;
+            };
+            if let Some(entry) = map.remove(&key) {
+                self.counts.moved(entry.class(), Class::Gone);
+                // The filter saw the slot idle under this lock, and pins are only taken under it.
+                self.slots.recycle(entry.slot);
+                victims.push(key);
+                return Some(entry.slot);
+            }
+        }
+        None
+    }
+
+    /// Evicts cached objects while more than the high watermark of slots is occupied, down to the
+    /// low watermark. Returns the victims. The storage layer calls this in the background so
+    /// reservations rarely have to evict on their own path.
+    pub fn evict_to_watermark(&self) -> Vec<ObjectKey> {
+        let slots = self.slots.count() as f64;
+        let occupied = || u64::from(self.slots.count()) - self.slots.free_count();
+        let mut victims = Vec::new();
+        if occupied() as f64 > self.config.watermark.high * slots {
+            let target = (self.config.watermark.low * slots).floor() as u64;
+            while occupied() > target {
+                match self.evict_one(&mut victims) {
+                    Some(slot) => self.slots.give_back(slot),
+                    None => break,
+                }
+            }
+        }
+        self.announce_evictions(&victims, EvictionReason::Watermark);
+        self.publish();
+        victims
+    }
+
+    fn announce_evictions(&self, victims: &[ObjectKey], reason: EvictionReason) {
+        if !victims.is_empty() {
+            self.metrics.evicted(reason, victims.len());
+            self.observer.evicted(victims, reason);
+        }
+    }
+
+    // ----- inspection -----
+
+    /// Where `key` stands, without leasing it.
+    pub fn presence(&self, key: &ObjectKey) -> Presence {
+        match self.index.shard(key).map.get(key) {
+            None => Presence::Absent,
+            Some(entry) if entry.is_writing() => Presence::Writing,
+            Some(entry) => Presence::Ready {
+                shares: entry.shares,
+                temporary: entry.temporary,
+            },
+        }
+    }
+
+    /// Occupancy now.
+    pub fn usage(&self) -> Usage {
+        let slot_bytes = self.slots.slot_bytes();
+        let slots = u64::from(self.slots.count());
+        let writing = self.counts.writing.load(Ordering::Acquire);
+        let leased = self.counts.leased.load(Ordering::Acquire);
+        let cached = self.counts.cached.load(Ordering::Acquire);
+        let retiring = self.slots.retiring_count();
+        let used = writing + leased + retiring;
+        Usage {
+            capacity_bytes: slots * slot_bytes,
+            slot_bytes,
+            slots,
+            used_bytes: used * slot_bytes,
+            cached_bytes: cached * slot_bytes,
+            free_bytes: slots.saturating_sub(used + cached) * slot_bytes,
+            writing,
+            leased,
+            cached,
+            retiring,
+        }
+    }
+
+    /// Leases not yet fully released or revoked.
+    pub fn active_leases(&self) -> u64 {
+        self.active_leases.load(Ordering::Acquire)
+    }
+
+    /// Recounts everything under every lock and checks the invariants: every slot is owned by
+    /// exactly one entry, or free, or retiring; the class counters match the entries; each
+    /// entry's share count equals the shares its leases hold; the policies track exactly the
+    /// finished, non-temporary entries.
+    ///
+    /// Expensive. For tests and for operators verifying a live daemon. Slot ownership is exact
+    /// only while no guard is alive (a guard may free a retired slot during the audit).
+    pub fn audit(&self) -> Result<(), String> {
+        let leases: Vec<_> = self.leases.shards().map(|s| s.lock()).collect();
+        let shards: Vec<_> = (0..self.index.shard_count())
+            .map(|i| self.index.shard_at(i))
+            .collect();
+        let (free, retiring) = self.slots.snapshot();
+
+        let mut held: HashMap<(ObjectKey, u64), u64> = HashMap::new();
+        let mut live_leases = 0;
+        for shard in &leases {
+            for (id, record) in &shard.live {
+                live_leases += 1;
+                if record.keys.is_empty() {
+                    return Err(format!("lease #{id} is live with no key"));
+                }
+                for (key, shares) in &record.keys {
+                    if shares.outstanding == 0
+                        || shares.marked
+                        || shares.outstanding & !all_readers(record.readers) != 0
+                    {
+                        return Err(format!(
+                            "lease #{id} holds a malformed share set for {key:?}"
+                        ));
+                    }
+                    *held.entry((*key, shares.generation)).or_default() +=
+                        u64::from(shares.outstanding.count_ones());
+                }
+            }
+        }
+        if live_leases != self.active_leases() {
+            return Err(format!(
+                "{live_leases} live leases, counter says {}",
+                self.active_leases()
+            ));
+        }
+
+        let mut owner = vec![false; self.slots.count() as usize];
+        let mut claim =
+            |slot: SlotId, what: &dyn Fn() -> String| match owner.get_mut(slot.0 as usize) {
+                Some(taken) if !*taken => {
+                    *taken = true;
+                    Ok(())
+                }
+                Some(_) => Err(format!(
+                    "slot {} is claimed twice (second by {})",
+                    slot.0,
+                    what()
+                )),
+                None => Err(format!("slot {} does not exist ({})", slot.0, what())),
+            };
+        let (mut writing, mut leased, mut cached) = (0u64, 0u64, 0u64);
+        for shard in &shards {
+            let mut tracked = 0;
+            for (key, entry) in &shard.map {
+                claim(entry.slot, &|| format!("{key:?}"))?;
+                let expected = held.get(&(*key, entry.generation)).copied().unwrap_or(0);
+                if entry.shares != expected {
+                    return Err(format!(
+                        "{key:?} counts {} shares, its leases hold {expected}",
+                        entry.shares
+                    ));
+                }
+                if entry.len > self.slots.slot_bytes() {
+                    return Err(format!("{key:?} is longer than a slot"));
+                }
+                let should_track = !entry.is_writing() && !entry.temporary;
+                if shard.policy.contains(key) != should_track {
+                    return Err(format!(
+                        "{key:?}: policy tracking is {}, should be {should_track}",
+                        !should_track
+                    ));
+                }
+                tracked += usize::from(should_track);
+                match entry.class() {
+                    Class::Writing => writing += 1,
+                    Class::Leased => leased += 1,
+                    Class::Cached if entry.temporary => {
+                        return Err(format!("{key:?} is temporary and unleased"));
+                    }
+                    Class::Cached => cached += 1,
+                    Class::Gone => {}
+                }
+            }
+            if shard.policy.len() != tracked {
+                return Err(format!(
+                    "a policy tracks {} keys, its shard has {tracked}",
+                    shard.policy.len()
+                ));
+            }
+        }
+        for slot in &free {
+            claim(*slot, &|| "the free list".into())?;
+        }
+        for slot in &retiring {
+            claim(*slot, &|| "retirement".into())?;
+        }
+        if let Some(lost) = owner.iter().position(|taken| !taken) {
+            return Err(format!("slot {lost} is neither owned, free nor retiring"));
+        }
+        let counted = (writing, leased, cached, retiring.len() as u64);
+        let usage = self.usage();
+        let counters = (usage.writing, usage.leased, usage.cached, usage.retiring);
+        if counted != counters {
+            return Err(format!(
+                "recount (writing, leased, cached, retiring) = {counted:?}, counters = {counters:?}"
+            ));
+        }
+        if usage.used_bytes + usage.cached_bytes + usage.free_bytes != usage.capacity_bytes
+            || usage.free_bytes != free.len() as u64 * usage.slot_bytes
+        {
+            return Err(format!(
+                "usage does not add up: {usage:?} with {} free slots",
+                free.len()
+            ));
+        }
+        Ok(())
+    }
+
+    // ----- helpers -----
+
+    fn handle(&self, slot: SlotId, len: u64) -> SlotHandle {
+        SlotHandle {
+            slot,
+            offset: self.slots.offset(slot),
+            len,
+        }
+    }
+
+    /// `NotFound` for a key not in L1, `WrongState` for one that is.
+    fn classify(&self, key: &ObjectKey) -> KeyError {
+        if self.index.shard(key).map.contains_key(key) {
+            KeyError::WrongState
+        } else {
+            KeyError::NotFound
+        }
+    }
+
+    fn count_refusal<T>(&self, result: &Result<T, KeyError>) {
+        if let Err(error) = result {
+            self.metrics.key_error(*error);
+        }
+    }
+
+    fn refuse(&self, error: L1Error) -> L1Error {
+        self.metrics.request_error(&error);
+        error
+    }
+
+    fn publish(&self) {
+        self.metrics.publish(&self.usage(), self.active_leases());
+    }
+}
+
+/// Why a key cannot be reserved for a new write.
+fn write_conflict(entry: &Entry) -> KeyError {
+    if entry.is_writing() {
+        KeyError::WriteInFlight
+    } else {
+        KeyError::AlreadyPresent
+    }
+}

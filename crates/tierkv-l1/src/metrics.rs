@@ -1,0 +1,194 @@
+//! The L1's metrics, registered once through the `metrics` facade (no exporter here).
+
+use metrics::{Counter, Gauge, Unit, counter, describe_counter, describe_gauge, gauge};
+use tierkv_core::KeyError;
+
+use crate::error::L1Error;
+
+const TIER: &str = "l1";
+
+/// Why objects left L1 without being deleted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvictionReason {
+    /// A reservation found no free slot.
+    OnDemand,
+    /// Occupancy crossed the high watermark.
+    Watermark,
+}
+
+impl EvictionReason {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictionReason::OnDemand => "on_demand",
+            EvictionReason::Watermark => "watermark",
+        }
+    }
+}
+
+/// Request-level error reasons, registered up front so every counter exists from the start.
+const REQUEST_ERRORS: [&str; 9] = [
+    "layout_too_large",
+    "unknown_lease",
+    "lease_expired",
+    "lease_released",
+    "no_such_reader",
+    "already_released",
+    "not_leased",
+    "out_of_range",
+    "device",
+];
+
+pub(crate) struct L1Metrics {
+    capacity: Gauge,
+    used: Gauge,
+    cached: Gauge,
+    free: Gauge,
+    objects: Gauge,
+    leases: Gauge,
+    evicted_on_demand: Counter,
+    evicted_watermark: Counter,
+    lease_expiries: Counter,
+    writes_finished: Counter,
+    read_shares: Counter,
+    key_errors: Vec<(KeyError, Counter)>,
+    request_errors: Vec<(&'static str, Counter)>,
+}
+
+impl L1Metrics {
+    pub(crate) fn register() -> Self {
+        describe_gauge!(
+            "tierkv_tier_capacity_bytes",
+            Unit::Bytes,
+            "Bytes a tier may hold."
+        );
+        describe_gauge!(
+            "tierkv_tier_used_bytes",
+            Unit::Bytes,
+            "Bytes held by objects being written or read (not evictable)."
+        );
+        describe_gauge!(
+            "tierkv_tier_cached_bytes",
+            Unit::Bytes,
+            "Bytes held by finished, unleased objects (evictable)."
+        );
+        describe_gauge!(
+            "tierkv_tier_free_bytes",
+            Unit::Bytes,
+            "Bytes of free slots."
+        );
+        describe_gauge!(
+            "tierkv_tier_objects",
+            Unit::Count,
+            "Objects held by a tier, in every state."
+        );
+        describe_gauge!(
+            "tierkv_l1_leases_active",
+            Unit::Count,
+            "Read leases not yet fully released."
+        );
+        describe_counter!(
+            "tierkv_evictions_total",
+            Unit::Count,
+            "Objects evicted, by tier and reason."
+        );
+        describe_counter!(
+            "tierkv_lease_expiries_total",
+            Unit::Count,
+            "Read leases revoked at their deadline."
+        );
+        describe_counter!(
+            "tierkv_l1_writes_finished_total",
+            Unit::Count,
+            "Objects made visible by finish_write."
+        );
+        describe_counter!(
+            "tierkv_l1_read_shares_total",
+            Unit::Count,
+            "Read shares granted (one per reader per object)."
+        );
+        describe_counter!(
+            "tierkv_errors_total",
+            Unit::Count,
+            "Refused requests and keys, by tier and reason."
+        );
+        let key_errors = KeyError::ALL
+            .into_iter()
+            .map(|e| {
+                (
+                    e,
+                    counter!("tierkv_errors_total", "tier" => TIER, "reason" => e.as_str()),
+                )
+            })
+            .collect();
+        let request_errors = REQUEST_ERRORS
+            .into_iter()
+            .map(|r| {
+                (
+                    r,
+                    counter!("tierkv_errors_total", "tier" => TIER, "reason" => r),
+                )
+            })
+            .collect();
+        L1Metrics {
+            capacity: gauge!("tierkv_tier_capacity_bytes", "tier" => TIER),
+            used: gauge!("tierkv_tier_used_bytes", "tier" => TIER),
+            cached: gauge!("tierkv_tier_cached_bytes", "tier" => TIER),
+            free: gauge!("tierkv_tier_free_bytes", "tier" => TIER),
+            objects: gauge!("tierkv_tier_objects", "tier" => TIER),
+            leases: gauge!("tierkv_l1_leases_active"),
+            evicted_on_demand: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "on_demand"),
+            evicted_watermark: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "watermark"),
+            lease_expiries: counter!("tierkv_lease_expiries_total", "tier" => TIER),
+            writes_finished: counter!("tierkv_l1_writes_finished_total"),
+            read_shares: counter!("tierkv_l1_read_shares_total"),
+            key_errors,
+            request_errors,
+        }
+    }
+
+    pub(crate) fn publish(&self, usage: &crate::Usage, leases: u64) {
+        self.capacity.set(usage.capacity_bytes as f64);
+        self.used.set(usage.used_bytes as f64);
+        self.cached.set(usage.cached_bytes as f64);
+        self.free.set(usage.free_bytes as f64);
+        self.objects
+            .set((usage.writing + usage.leased + usage.cached) as f64);
+        self.leases.set(leases as f64);
+    }
+
+    pub(crate) fn evicted(&self, reason: EvictionReason, n: usize) {
+        match reason {
+            EvictionReason::OnDemand => self.evicted_on_demand.increment(n as u64),
+            EvictionReason::Watermark => self.evicted_watermark.increment(n as u64),
+        }
+    }
+
+    pub(crate) fn lease_expired(&self) {
+        self.lease_expiries.increment(1);
+    }
+
+    pub(crate) fn writes_finished(&self, n: usize) {
+        self.writes_finished.increment(n as u64);
+    }
+
+    pub(crate) fn read_shares(&self, n: u64) {
+        self.read_shares.increment(n);
+    }
+
+    pub(crate) fn key_error(&self, error: KeyError) {
+        if let Some((_, c)) = self.key_errors.iter().find(|(e, _)| *e == error) {
+            c.increment(1);
+        }
+    }
+
+    pub(crate) fn request_error(&self, error: &L1Error) {
+        if let L1Error::Key { error, .. } = error {
+            return self.key_error(*error);
+        }
+        let reason = error.reason();
+        if let Some((_, c)) = self.request_errors.iter().find(|(r, _)| *r == reason) {
+            c.increment(1);
+        }
+    }
+}

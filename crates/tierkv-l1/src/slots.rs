@@ -1,0 +1,165 @@
+//! The slot table: fixed-size slots over one device arena, and the pin word that keeps a slot
+//! from being reused while a copy into or out of it is under way.
+//!
+//! Every slot has one atomic state word:
+//!
+//! ```text
+//!  bit 31   RETIRED  the entry that owned the slot is gone; free it when the last pin drops
+//!  bit 30   WRITER   a write guard is copying into the slot (at most one)
+//!  bits 0-29         pins: guards (readers, plus the writer) copying now
+//! ```
+//!
+//! Pins are only taken while the caller holds the index shard lock of a live entry that owns the
+//! slot, and retirement only happens under that same lock after the entry is removed. So a pin
+//! can never be taken on a retired slot, and whichever of `retire` and the last `unpin` comes
+//! second returns the slot to the free list: exactly once.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::device::DeviceArena;
+
+const RETIRED: u32 = 1 << 31;
+const WRITER: u32 = 1 << 30;
+const PINS: u32 = WRITER - 1;
+
+/// The index of a slot in the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SlotId(pub u32);
+
+pub(crate) struct Slots {
+    arena: Box<dyn DeviceArena>,
+    slot_bytes: u64,
+    states: Box<[AtomicU32]>,
+    free: Mutex<Vec<SlotId>>,
+    /// Slots whose entry is gone but which a copy still pins.
+    retiring: AtomicU64,
+}
+
+impl Slots {
+    pub(crate) fn new(arena: Box<dyn DeviceArena>, slot_bytes: u64, count: u32) -> Self {
+        let states = (0..count).map(|_| AtomicU32::new(0)).collect();
+        // Pop from the end: hand out low slots first, which keeps small tests readable.
+        let free = (0..count).rev().map(SlotId).collect();
+        Slots {
+            arena,
+            slot_bytes,
+            states,
+            free: Mutex::new(free),
+            retiring: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn arena(&self) -> &dyn DeviceArena {
+        self.arena.as_ref()
+    }
+
+    pub(crate) fn slot_bytes(&self) -> u64 {
+        self.slot_bytes
+    }
+
+    pub(crate) fn count(&self) -> u32 {
+        self.states.len() as u32
+    }
+
+    pub(crate) fn offset(&self, slot: SlotId) -> u64 {
+        u64::from(slot.0) * self.slot_bytes
+    }
+
+    pub(crate) fn free_count(&self) -> u64 {
+        self.free.lock().len() as u64
+    }
+
+    pub(crate) fn retiring_count(&self) -> u64 {
+        self.retiring.load(Ordering::Acquire)
+    }
+
+    /// Takes a free slot, if any.
+    pub(crate) fn alloc(&self) -> Option<SlotId> {
+        self.free.lock().pop()
+    }
+
+    /// Returns a slot that was allocated but never became an entry.
+    pub(crate) fn give_back(&self, slot: SlotId) {
+        self.free.lock().push(slot);
+    }
+
+    fn state(&self, slot: SlotId) -> &AtomicU32 {
+        // Slot ids are only minted by `new` below `count`, so the index is in bounds.
+        &self.states[slot.0 as usize]
+    }
+
+    /// Whether no copy pins the slot: it may be evicted, or re-locked for an update.
+    pub(crate) fn is_idle(&self, slot: SlotId) -> bool {
+        self.state(slot).load(Ordering::Acquire) & (PINS | WRITER) == 0
+    }
+
+    /// Whether a write guard is copying into the slot.
+    pub(crate) fn has_writer(&self, slot: SlotId) -> bool {
+        self.state(slot).load(Ordering::Acquire) & WRITER != 0
+    }
+
+    /// Pins the slot of a live `Ready` entry for a read. Call with the entry's shard locked.
+    pub(crate) fn pin_read(&self, slot: SlotId) {
+        self.state(slot).fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Pins the slot of a live `Writing` entry for the one writer; `false` if a writer already
+    /// holds it. Call with the entry's shard locked.
+    pub(crate) fn pin_write(&self, slot: SlotId) -> bool {
+        self.state(slot)
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |word| {
+                (word & WRITER == 0).then_some(word + WRITER + 1)
+            })
+            .is_ok()
+    }
+
+    /// Drops a pin taken by `pin_read` (or `pin_write` with `writer`). The last pin of a retired
+    /// slot frees it.
+    pub(crate) fn unpin(&self, slot: SlotId, writer: bool) {
+        let delta = if writer { WRITER + 1 } else { 1 };
+        let before = self.state(slot).fetch_sub(delta, Ordering::AcqRel);
+        if before & RETIRED != 0 && before & PINS == 1 {
+            self.release_retired(slot);
+        }
+    }
+
+    /// The slot's entry is gone (call with its shard locked, after removing it). The slot is free
+    /// now if nothing pins it, else when its last pin drops. Returns whether it was freed now.
+    pub(crate) fn retire(&self, slot: SlotId) -> bool {
+        // Count it as retiring first, so the counter never dips below zero if the last unpin
+        // races with us.
+        self.retiring.fetch_add(1, Ordering::AcqRel);
+        let before = self.state(slot).fetch_or(RETIRED, Ordering::AcqRel);
+        if before & PINS == 0 {
+            self.release_retired(slot);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Like `retire`, for an idle slot the caller reuses at once instead of freeing (eviction on
+    /// behalf of a reservation). Call with the shard locked and `is_idle(slot)` just checked.
+    pub(crate) fn recycle(&self, slot: SlotId) {
+        debug_assert!(self.is_idle(slot));
+        self.state(slot).store(0, Ordering::Release);
+    }
+
+    fn release_retired(&self, slot: SlotId) {
+        self.state(slot).store(0, Ordering::Release);
+        self.free.lock().push(slot);
+        self.retiring.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// A copy of the free list and the set of retired-but-pinned slots, for audits.
+    pub(crate) fn snapshot(&self) -> (Vec<SlotId>, Vec<SlotId>) {
+        let free = self.free.lock().clone();
+        let retiring = (0..self.count())
+            .map(SlotId)
+            .filter(|s| self.state(*s).load(Ordering::Acquire) & RETIRED != 0)
+            .collect();
+        (free, retiring)
+    }
+}
