@@ -6,7 +6,6 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
@@ -65,35 +64,45 @@ impl Entry {
     }
 }
 
-/// Slot counts per class, kept in step with every entry transition.
-#[derive(Default)]
+/// Slot counts per class of one shard, changed only under the shard's lock together with the
+/// entry transition they count. Per shard rather than global, so threads working on different
+/// shards never contend on a shared counter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Counts {
-    pub(crate) writing: AtomicU64,
-    pub(crate) leased: AtomicU64,
-    pub(crate) cached: AtomicU64,
+    pub(crate) writing: u64,
+    pub(crate) leased: u64,
+    pub(crate) cached: u64,
 }
 
 impl Counts {
-    fn counter(&self, class: Class) -> Option<&AtomicU64> {
+    fn counter(&mut self, class: Class) -> Option<&mut u64> {
         match class {
-            Class::Writing => Some(&self.writing),
-            Class::Leased => Some(&self.leased),
-            Class::Cached => Some(&self.cached),
+            Class::Writing => Some(&mut self.writing),
+            Class::Leased => Some(&mut self.leased),
+            Class::Cached => Some(&mut self.cached),
             Class::Gone => None,
         }
     }
 
     /// Moves one slot from class `from` to class `to` (`Gone` for a new or removed entry).
-    pub(crate) fn moved(&self, from: Class, to: Class) {
+    pub(crate) fn moved(&mut self, from: Class, to: Class) {
         if from == to {
             return;
         }
         if let Some(c) = self.counter(to) {
-            c.fetch_add(1, Ordering::AcqRel);
+            *c += 1;
         }
         if let Some(c) = self.counter(from) {
-            c.fetch_sub(1, Ordering::AcqRel);
+            // Every entry was counted in its class when it entered it, so this cannot underflow
+            // unless a transition was missed; the audit would then report the mismatch.
+            *c = c.saturating_sub(1);
         }
+    }
+
+    pub(crate) fn add(&mut self, other: Counts) {
+        self.writing += other.writing;
+        self.leased += other.leased;
+        self.cached += other.cached;
     }
 }
 
@@ -101,6 +110,8 @@ pub(crate) struct Shard {
     pub(crate) map: HashMap<ObjectKey, Entry, RandomState>,
     /// Tracks exactly the finished, non-temporary entries of `map`.
     pub(crate) policy: Box<dyn EvictionPolicy<ObjectKey>>,
+    /// The classes of the entries of `map`.
+    pub(crate) counts: Counts,
 }
 
 /// A shard on its own cache line pair, so neighbouring locks do not share a line.
@@ -119,6 +130,7 @@ impl Index {
                 Padded(Mutex::new(Shard {
                     map: HashMap::default(),
                     policy: policy.build(),
+                    counts: Counts::default(),
                 }))
             })
             .collect();
@@ -139,6 +151,15 @@ impl Index {
         let hash = self.hasher.hash_one(key);
         let index = (hash >> 32) as usize & (self.shards.len() - 1);
         self.shards[index].0.lock()
+    }
+
+    /// The class counts summed over every shard (each shard read under its lock, one at a time).
+    pub(crate) fn totals(&self) -> Counts {
+        let mut totals = Counts::default();
+        for shard in self.shards.iter() {
+            totals.add(shard.0.lock().counts);
+        }
+        totals
     }
 
     /// Shard `index` (modulo the shard count), locked.

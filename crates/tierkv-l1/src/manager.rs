@@ -178,8 +178,6 @@ pub struct L1Manager {
     slots: Arc<Slots>,
     index: Index,
     leases: LeaseTable,
-    counts: Counts,
-    active_leases: AtomicU64,
     generations: AtomicU64,
     evict_cursor: AtomicUsize,
     config: L1Config,
@@ -218,8 +216,6 @@ impl L1Manager {
             slots: Arc::new(Slots::new(arena, config.slot_bytes, slot_count)),
             index: Index::new(shards, config.policy),
             leases: LeaseTable::new(),
-            counts: Counts::default(),
-            active_leases: AtomicU64::new(0),
             generations: AtomicU64::new(1),
             evict_cursor: AtomicUsize::new(0),
             config,
@@ -227,7 +223,7 @@ impl L1Manager {
             observer: context.observer,
             metrics: L1Metrics::register(),
         };
-        manager.publish();
+        manager.publish_metrics();
         Ok(manager)
     }
 
@@ -286,7 +282,6 @@ impl L1Manager {
             })
             .collect();
         self.announce_evictions(&evicted, EvictionReason::OnDemand);
-        self.publish();
         Ok(results)
     }
 
@@ -325,7 +320,7 @@ impl L1Manager {
             shares: 0,
         };
         shard.map.insert(*key, entry);
-        self.counts.moved(Class::Gone, Class::Writing);
+        shard.counts.moved(Class::Gone, Class::Writing);
         Ok(self.handle(slot, len))
     }
 
@@ -337,7 +332,11 @@ impl L1Manager {
         temporary: bool,
     ) -> Result<SlotHandle, KeyError> {
         let mut guard = self.index.shard(key);
-        let Shard { map, policy } = &mut *guard;
+        let Shard {
+            map,
+            policy,
+            counts,
+        } = &mut *guard;
         let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
         if entry.is_writing() {
             return Err(KeyError::WriteInFlight);
@@ -353,7 +352,7 @@ impl L1Manager {
         entry.temporary = temporary;
         entry.generation = self.generations.fetch_add(1, Ordering::Relaxed);
         policy.remove(key);
-        self.counts.moved(before, Class::Writing);
+        counts.moved(before, Class::Writing);
         Ok(self.handle(entry.slot, len))
     }
 
@@ -401,7 +400,6 @@ impl L1Manager {
             self.metrics.writes_finished(finished.len());
             self.observer.writes_finished(&finished);
         }
-        self.publish();
         results
     }
 
@@ -417,7 +415,11 @@ impl L1Manager {
         ) -> Result<(), KeyError>,
     ) -> Result<(), KeyError> {
         let mut guard = self.index.shard(key);
-        let Shard { map, policy } = &mut *guard;
+        let Shard {
+            map,
+            policy,
+            counts,
+        } = &mut *guard;
         let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
         self.check_writer(entry, owner)?;
         if self.slots.has_writer(entry.slot) {
@@ -425,15 +427,14 @@ impl L1Manager {
         }
         let before = entry.class();
         finish(entry, policy.as_mut())?;
-        self.counts.moved(before, entry.class());
+        counts.moved(before, entry.class());
         Ok(())
     }
 
     /// Drops write reservations. Nothing of an aborted write was ever visible; its slot is freed
     /// as soon as no copy pins it.
     pub fn abort_write(&self, owner: OwnerId, keys: &[ObjectKey]) -> Vec<Result<(), KeyError>> {
-        let results = keys
-            .iter()
+        keys.iter()
             .map(|key| {
                 let result = (|| {
                     let mut shard = self.index.shard(key);
@@ -445,9 +446,7 @@ impl L1Manager {
                 self.count_refusal(&result);
                 result
             })
-            .collect();
-        self.publish();
-        results
+            .collect()
     }
 
     /// Refuses a write operation on an entry that is not `owner`'s reservation.
@@ -523,12 +522,16 @@ impl L1Manager {
                         return Err(KeyError::Duplicate);
                     }
                     let mut guard = self.index.shard(key);
-                    let Shard { map, policy } = &mut *guard;
+                    let Shard {
+                        map,
+                        policy,
+                        counts,
+                    } = &mut *guard;
                     let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
                     let before = entry.class();
                     admit(key, entry, policy.as_mut())?;
                     entry.shares += u64::from(readers);
-                    self.counts.moved(before, entry.class());
+                    counts.moved(before, entry.class());
                     let shares = KeyShares {
                         generation: entry.generation,
                         outstanding: all_readers(readers),
@@ -542,12 +545,8 @@ impl L1Manager {
             })
             .collect();
         let granted = record.keys.len() as u64;
-        let lease = (granted > 0).then(|| {
-            self.active_leases.fetch_add(1, Ordering::AcqRel);
-            self.leases.insert(record)
-        });
+        let lease = (granted > 0).then(|| self.leases.insert(record));
         self.metrics.read_shares(granted * u64::from(readers));
-        self.publish();
         ReadGrant {
             lease,
             readers,
@@ -671,10 +670,8 @@ impl L1Manager {
         if record.keys.is_empty() {
             shard.live.remove(&lease.0);
             shard.bury_released(lease);
-            self.active_leases.fetch_sub(1, Ordering::AcqRel);
             released.lease_ended = true;
         }
-        self.publish();
         Ok(released)
     }
 
@@ -784,7 +781,8 @@ impl L1Manager {
     /// freed. Returns whether the entry has no share left. An entry force-deleted (or deleted and
     /// written again) under the lease has another generation and is left alone.
     fn return_to_entry(&self, key: &ObjectKey, generation: u64, n: u64) -> bool {
-        let mut shard = self.index.shard(key);
+        let mut guard = self.index.shard(key);
+        let shard = &mut *guard;
         let Some(entry) = shard.map.get_mut(key) else {
             return false;
         };
@@ -798,9 +796,9 @@ impl L1Manager {
         if entry.shares > 0 {
             return false;
         }
-        self.counts.moved(before, Class::Cached);
+        shard.counts.moved(before, Class::Cached);
         if entry.temporary {
-            self.remove_entry(&mut shard, key);
+            self.remove_entry(shard, key);
         }
         true
     }
@@ -810,7 +808,6 @@ impl L1Manager {
         if let Some(mut record) = shard.live.remove(&lease.0) {
             self.return_shares(&mut record, None, |outstanding| outstanding);
             shard.bury_revoked(lease);
-            self.active_leases.fetch_sub(1, Ordering::AcqRel);
             self.metrics.lease_expired();
         }
     }
@@ -833,9 +830,6 @@ impl L1Manager {
                 expired += 1;
             }
         }
-        if expired > 0 {
-            self.publish();
-        }
         expired
     }
 
@@ -845,8 +839,7 @@ impl L1Manager {
     /// unless `force`; a forced delete leaves the leases in place, but their shares no longer
     /// touch anything, and a copy under way finishes on the old slot before it is reused.
     pub fn delete(&self, keys: &[ObjectKey], force: bool) -> Vec<Result<(), KeyError>> {
-        let results = keys
-            .iter()
+        keys.iter()
             .map(|key| {
                 let result = (|| {
                     let mut shard = self.index.shard(key);
@@ -860,9 +853,7 @@ impl L1Manager {
                 self.count_refusal(&result);
                 result
             })
-            .collect();
-        self.publish();
-        results
+            .collect()
     }
 
     /// Deletes every cached object, or with `force` every object.
@@ -870,20 +861,23 @@ impl L1Manager {
         let mut cleared = Cleared::default();
         for i in 0..self.index.shard_count() {
             let mut guard = self.index.shard_at(i);
-            let Shard { map, policy } = &mut *guard;
+            let Shard {
+                map,
+                policy,
+                counts,
+            } = &mut *guard;
             map.retain(|key, entry| {
                 if !force && entry.class() != Class::Cached {
                     cleared.kept += 1;
                     return true;
                 }
                 policy.remove(key);
-                self.counts.moved(entry.class(), Class::Gone);
+                counts.moved(entry.class(), Class::Gone);
                 self.slots.retire(entry.slot);
                 cleared.removed += 1;
                 false
             });
         }
-        self.publish();
         cleared
     }
 
@@ -908,17 +902,17 @@ impl L1Manager {
         }
         for i in 0..self.index.shard_count() {
             let mut guard = self.index.shard_at(i);
-            guard.map.retain(|_, entry| {
+            let Shard { map, counts, .. } = &mut *guard;
+            map.retain(|_, entry| {
                 if entry.state != (EntryState::Writing { owner }) {
                     return true;
                 }
-                self.counts.moved(Class::Writing, Class::Gone);
+                counts.moved(Class::Writing, Class::Gone);
                 self.slots.retire(entry.slot);
                 report.aborted_writes += 1;
                 false
             });
         }
-        self.publish();
         report
     }
 
@@ -926,7 +920,7 @@ impl L1Manager {
     fn remove_entry(&self, shard: &mut Shard, key: &ObjectKey) {
         if let Some(entry) = shard.map.remove(key) {
             shard.policy.remove(key);
-            self.counts.moved(entry.class(), Class::Gone);
+            shard.counts.moved(entry.class(), Class::Gone);
             self.slots.retire(entry.slot);
         }
     }
@@ -941,7 +935,11 @@ impl L1Manager {
         for _ in 0..shards {
             let at = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
             let mut guard = self.index.shard_at(at);
-            let Shard { map, policy } = &mut *guard;
+            let Shard {
+                map,
+                policy,
+                counts,
+            } = &mut *guard;
             let slots = &*self.slots;
             let mut eligible =
                 |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(slots));
@@ -949,7 +947,7 @@ impl L1Manager {
                 continue;
             };
             if let Some(entry) = map.remove(&key) {
-                self.counts.moved(entry.class(), Class::Gone);
+                counts.moved(entry.class(), Class::Gone);
                 // The filter saw the slot idle under this lock, and pins are only taken under it.
                 self.slots.recycle(entry.slot);
                 victims.push(key);
@@ -976,7 +974,6 @@ impl L1Manager {
             }
         }
         self.announce_evictions(&victims, EvictionReason::Watermark);
-        self.publish();
         victims
     }
 
@@ -1001,14 +998,19 @@ impl L1Manager {
         }
     }
 
-    /// Occupancy now.
+    /// Occupancy now: each shard's counts are read under its lock, one shard at a time.
     pub fn usage(&self) -> Usage {
+        self.usage_of(self.index.totals(), self.slots.retiring_count())
+    }
+
+    fn usage_of(&self, counts: Counts, retiring: u64) -> Usage {
         let slot_bytes = self.slots.slot_bytes();
         let slots = u64::from(self.slots.count());
-        let writing = self.counts.writing.load(Ordering::Acquire);
-        let leased = self.counts.leased.load(Ordering::Acquire);
-        let cached = self.counts.cached.load(Ordering::Acquire);
-        let retiring = self.slots.retiring_count();
+        let Counts {
+            writing,
+            leased,
+            cached,
+        } = counts;
         let used = writing + leased + retiring;
         Usage {
             capacity_bytes: slots * slot_bytes,
@@ -1026,7 +1028,17 @@ impl L1Manager {
 
     /// Leases not yet fully released or revoked.
     pub fn active_leases(&self) -> u64 {
-        self.active_leases.load(Ordering::Acquire)
+        self.leases
+            .shards()
+            .map(|shard| shard.lock().live.len() as u64)
+            .sum()
+    }
+
+    /// Sets the L1 gauges (bytes used / cached / free / capacity, objects, active leases) from
+    /// the current state. Counters move with the events they count; gauges are refreshed here,
+    /// on the caller's metrics tick, so the hot paths never pay for them.
+    pub fn publish_metrics(&self) {
+        self.metrics.publish(&self.usage(), self.active_leases());
     }
 
     /// Recounts everything under every lock and checks the invariants: every slot is owned by
@@ -1044,10 +1056,8 @@ impl L1Manager {
         let (free, retiring) = self.slots.snapshot();
 
         let mut held: HashMap<(ObjectKey, u64), u64> = HashMap::new();
-        let mut live_leases = 0;
         for shard in &leases {
             for (id, record) in &shard.live {
-                live_leases += 1;
                 if record.keys.is_empty() {
                     return Err(format!("lease #{id} is live with no key"));
                 }
@@ -1065,12 +1075,6 @@ impl L1Manager {
                 }
             }
         }
-        if live_leases != self.active_leases() {
-            return Err(format!(
-                "{live_leases} live leases, counter says {}",
-                self.active_leases()
-            ));
-        }
 
         let mut owner = vec![false; self.slots.count() as usize];
         let mut claim =
@@ -1086,9 +1090,10 @@ impl L1Manager {
                 )),
                 None => Err(format!("slot {} does not exist ({})", slot.0, what())),
             };
-        let (mut writing, mut leased, mut cached) = (0u64, 0u64, 0u64);
+        let mut totals = Counts::default();
         for shard in &shards {
             let mut tracked = 0;
+            let mut recount = Counts::default();
             for (key, entry) in &shard.map {
                 claim(entry.slot, &|| format!("{key:?}"))?;
                 let expected = held.get(&(*key, entry.generation)).copied().unwrap_or(0);
@@ -1110,15 +1115,22 @@ impl L1Manager {
                 }
                 tracked += usize::from(should_track);
                 match entry.class() {
-                    Class::Writing => writing += 1,
-                    Class::Leased => leased += 1,
+                    Class::Writing => recount.writing += 1,
+                    Class::Leased => recount.leased += 1,
                     Class::Cached if entry.temporary => {
                         return Err(format!("{key:?} is temporary and unleased"));
                     }
-                    Class::Cached => cached += 1,
+                    Class::Cached => recount.cached += 1,
                     Class::Gone => {}
                 }
             }
+            if recount != shard.counts {
+                return Err(format!(
+                    "a shard counts {:?}, its entries are {recount:?}",
+                    shard.counts
+                ));
+            }
+            totals.add(recount);
             if shard.policy.len() != tracked {
                 return Err(format!(
                     "a policy tracks {} keys, its shard has {tracked}",
@@ -1135,14 +1147,14 @@ impl L1Manager {
         if let Some(lost) = owner.iter().position(|taken| !taken) {
             return Err(format!("slot {lost} is neither owned, free nor retiring"));
         }
-        let counted = (writing, leased, cached, retiring.len() as u64);
-        let usage = self.usage();
-        let counters = (usage.writing, usage.leased, usage.cached, usage.retiring);
-        if counted != counters {
+        if retiring.len() as u64 != self.slots.retiring_count() {
             return Err(format!(
-                "recount (writing, leased, cached, retiring) = {counted:?}, counters = {counters:?}"
+                "{} slots are retiring, the counter says {}",
+                retiring.len(),
+                self.slots.retiring_count()
             ));
         }
+        let usage = self.usage_of(totals, retiring.len() as u64);
         if usage.used_bytes + usage.cached_bytes + usage.free_bytes != usage.capacity_bytes
             || usage.free_bytes != free.len() as u64 * usage.slot_bytes
         {
@@ -1182,10 +1194,6 @@ impl L1Manager {
     fn refuse(&self, error: L1Error) -> L1Error {
         self.metrics.request_error(&error);
         error
-    }
-
-    fn publish(&self) {
-        self.metrics.publish(&self.usage(), self.active_leases());
     }
 }
 

@@ -1,0 +1,363 @@
+//! L1 metadata and copy throughput: lease + release of a 64-chunk prefix, reserve_write +
+//! finish_write of 64 chunks, on one thread and on two, and the slot copy path.
+//!
+//! Each figure is printed at the end next to a limit measured in the same run: for metadata, a
+//! bare `HashMap` lookup-and-increment per chunk (the least any index must do, no locks, no
+//! ledger); for copies, `memcpy` of the same size. Run with
+//! `cargo bench -p tierkv-l1 --bench l1_ops`.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "benchmark setup: a failure aborts the run"
+)]
+#![allow(
+    clippy::print_stdout,
+    reason = "the summary table is the benchmark's output"
+)]
+#![allow(
+    missing_docs,
+    reason = "criterion's macros generate undocumented items"
+)]
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group};
+use parking_lot::Mutex;
+use tierkv_core::{ChunkHash, ExtraCount, KvRank, Layout, Namespace, ObjectKey};
+use tierkv_l1::{
+    DeviceKind, L1Config, L1Context, L1Manager, Lifetime, OwnerId, Readers, WriteMode,
+};
+
+const PREFIX: usize = 64;
+const OWNER: OwnerId = OwnerId(1);
+
+/// Total operations and time per figure, over every sample criterion takes.
+static TOTALS: Mutex<Vec<(&'static str, u64, Duration)>> = Mutex::new(Vec::new());
+
+fn record(name: &'static str, ops: u64, elapsed: Duration) -> Duration {
+    let mut totals = TOTALS.lock();
+    match totals.iter_mut().find(|(n, ..)| *n == name) {
+        Some((_, o, t)) => {
+            *o += ops;
+            *t += elapsed;
+        }
+        None => totals.push((name, ops, elapsed)),
+    }
+    elapsed
+}
+
+fn key(i: u64) -> ObjectKey {
+    ObjectKey::new(
+        Namespace::new("bench", ""),
+        ChunkHash(u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835)),
+        KvRank::Shared,
+    )
+}
+
+fn l1(slots: u64, slot_bytes: u64) -> L1Manager {
+    let config = L1Config {
+        device: DeviceKind::Emulated,
+        ..L1Config::new(slots * slot_bytes, slot_bytes)
+    };
+    L1Manager::build(config, L1Context::default()).unwrap()
+}
+
+fn write(l1: &L1Manager, keys: &[ObjectKey], layout: &Layout) {
+    let reserved = l1
+        .reserve_write(OWNER, keys, layout, WriteMode::Create, Lifetime::Cached)
+        .unwrap();
+    assert!(reserved.iter().all(|r| r.is_ok()));
+    assert!(l1.finish_write(OWNER, keys).iter().all(|r| r.is_ok()));
+}
+
+/// Runs `work(thread, iters)` on `threads` threads at once and returns the wall time.
+fn timed_on_threads(threads: usize, iters: u64, work: &(dyn Fn(usize, u64) + Sync)) -> Duration {
+    if threads == 1 {
+        let start = Instant::now();
+        work(0, iters);
+        return start.elapsed();
+    }
+    let barrier = Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let barrier = &barrier;
+            s.spawn(move || {
+                barrier.wait();
+                work(t, iters);
+                barrier.wait();
+            });
+        }
+        barrier.wait();
+        let start = Instant::now();
+        barrier.wait();
+        start.elapsed()
+    })
+}
+
+fn lease_release(c: &mut Criterion) {
+    let layout = Layout::bytes(4096).unwrap();
+    let l1 = l1(4096, 4096);
+    let prefixes: Vec<Vec<ObjectKey>> = (0..2)
+        .map(|t| (0..PREFIX as u64).map(|i| key(t * 1000 + i)).collect())
+        .collect();
+    for prefix in &prefixes {
+        write(&l1, prefix, &layout);
+    }
+    let cycle = |prefix: &[ObjectKey]| {
+        let grant = l1.reserve_read(OWNER, prefix, ExtraCount::ZERO);
+        black_box(
+            l1.finish_read(grant.lease.unwrap(), Readers::All, None)
+                .unwrap(),
+        );
+    };
+    let mut group = c.benchmark_group("lease+release 64-chunk prefix");
+    for (threads, shared, name) in [
+        (1, false, "lease+release, 1 thread"),
+        (2, false, "lease+release, 2 threads, own prefixes"),
+        (2, true, "lease+release, 2 threads, one shared prefix"),
+    ] {
+        group.throughput(Throughput::Elements((PREFIX * threads) as u64));
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let work = |t: usize, iters: u64| {
+                    let prefix = &prefixes[if shared { 0 } else { t }];
+                    for _ in 0..iters {
+                        cycle(prefix);
+                    }
+                };
+                let elapsed = timed_on_threads(threads, iters, &work);
+                record(name, iters * (PREFIX * threads) as u64, elapsed)
+            });
+        });
+    }
+    group.finish();
+}
+
+fn reserve_finish(c: &mut Criterion) {
+    let layout = Layout::bytes(4096).unwrap();
+    let mut group = c.benchmark_group("reserve_write+finish_write 64 chunks");
+    // Into free slots: the L1 is emptied between iterations (outside the timing).
+    let empty = l1(4096, 4096);
+    let keys: Vec<ObjectKey> = (0..PREFIX as u64).map(key).collect();
+    group.throughput(Throughput::Elements(PREFIX as u64));
+    let name = "reserve+finish into free slots, 1 thread";
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let mut elapsed = Duration::ZERO;
+            for _ in 0..iters {
+                empty.clear(true);
+                let start = Instant::now();
+                write(&empty, &keys, &layout);
+                elapsed += start.elapsed();
+            }
+            record(name, iters * PREFIX as u64, elapsed)
+        });
+    });
+    // Into a full L1: every reservation evicts a cached chunk on demand, the steady state of a
+    // busy node.
+    for threads in [1usize, 2] {
+        let full = l1(1024, 4096);
+        let filler: Vec<ObjectKey> = (0..1024).map(|i| key(1 << 40 | i)).collect();
+        write(&full, &filler, &layout);
+        let name = if threads == 1 {
+            "reserve+finish evicting, 1 thread"
+        } else {
+            "reserve+finish evicting, 2 threads"
+        };
+        let next = std::sync::atomic::AtomicU64::new(0);
+        group.throughput(Throughput::Elements((PREFIX * threads) as u64));
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let work = |_t: usize, iters: u64| {
+                    let mut batch = Vec::with_capacity(PREFIX);
+                    for _ in 0..iters {
+                        let first =
+                            next.fetch_add(PREFIX as u64, std::sync::atomic::Ordering::Relaxed);
+                        batch.clear();
+                        batch.extend((first..first + PREFIX as u64).map(key));
+                        write(&full, &batch, &layout);
+                    }
+                };
+                let elapsed = timed_on_threads(threads, iters, &work);
+                record(name, iters * (PREFIX * threads) as u64, elapsed)
+            });
+        });
+    }
+    group.finish();
+}
+
+/// The floor for metadata: a plain map lookup and counter bump per chunk, one thread, no locks.
+fn baseline(c: &mut Criterion) {
+    let keys: Vec<ObjectKey> = (0..PREFIX as u64).map(key).collect();
+    let mut map: HashMap<ObjectKey, u64, foldhash::fast::RandomState> = HashMap::default();
+    for k in &keys {
+        map.insert(*k, 0);
+    }
+    let mut group = c.benchmark_group("limit");
+    group.throughput(Throughput::Elements(2 * PREFIX as u64));
+    let name = "bare HashMap lookup+increment, 1 thread";
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                // One "lease" and one "release" per chunk, as the L1 figures count them.
+                for delta in [1u64, u64::MAX] {
+                    for k in &keys {
+                        if let Some(v) = map.get_mut(black_box(k)) {
+                            *v = v.wrapping_add(delta);
+                        }
+                    }
+                }
+            }
+            record(name, iters * 2 * PREFIX as u64, start.elapsed())
+        });
+    });
+    // The same with an uncontended mutex per chunk: the least a thread-safe index pays.
+    let locked: Vec<Mutex<HashMap<ObjectKey, u64, foldhash::fast::RandomState>>> =
+        (0..16).map(|_| Mutex::new(HashMap::default())).collect();
+    for (i, k) in keys.iter().enumerate() {
+        locked[i % 16].lock().insert(*k, 0);
+    }
+    let name = "mutex + HashMap lookup+increment, 1 thread";
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                for delta in [1u64, u64::MAX] {
+                    for (i, k) in keys.iter().enumerate() {
+                        if let Some(v) = locked[i % 16].lock().get_mut(black_box(k)) {
+                            *v = v.wrapping_add(delta);
+                        }
+                    }
+                }
+            }
+            record(name, iters * 2 * PREFIX as u64, start.elapsed())
+        });
+    });
+    group.finish();
+}
+
+/// Copies of 2 MiB chunks, rotating over 128 MiB so neither side is served from cache.
+fn copies(c: &mut Criterion) {
+    const SIZE: u64 = 2 << 20;
+    const CHUNKS: u64 = 64;
+    let l1 = l1(CHUNKS, SIZE);
+    let keys: Vec<ObjectKey> = (0..CHUNKS).map(|i| key(7 << 32 | i)).collect();
+    let layout = Layout::bytes(SIZE).unwrap();
+    let reserved = l1
+        .reserve_write(OWNER, &keys, &layout, WriteMode::Create, Lifetime::Cached)
+        .unwrap();
+    assert!(reserved.iter().all(|r| r.is_ok()));
+    for k in &keys {
+        l1.write_access(OWNER, k)
+            .unwrap()
+            .write_at(0, &vec![3u8; SIZE as usize])
+            .unwrap();
+    }
+    assert!(l1.finish_write(OWNER, &keys).iter().all(|r| r.is_ok()));
+    let lease = l1
+        .reserve_read(OWNER, &keys, ExtraCount::ZERO)
+        .lease
+        .unwrap();
+    let guards: Vec<_> = keys
+        .iter()
+        .map(|k| l1.read_access(lease, 0, k).unwrap())
+        .collect();
+    let sources: Vec<Vec<u8>> = (0..CHUNKS).map(|i| vec![i as u8; SIZE as usize]).collect();
+    let mut destinations: Vec<Vec<u8>> = (0..CHUNKS).map(|_| vec![0u8; SIZE as usize]).collect();
+    let mut group = c.benchmark_group("copy 2 MiB");
+    group.throughput(Throughput::Bytes(SIZE));
+    let name = "L1 slot -> host (read_at)";
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for i in 0..iters as usize {
+                let n = destinations.len();
+                guards[i % guards.len()]
+                    .read_at(0, black_box(&mut destinations[(i * 7) % n]))
+                    .unwrap();
+            }
+            record(name, iters * SIZE, start.elapsed())
+        });
+    });
+    let name = "memcpy host -> host";
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for i in 0..iters as usize {
+                let n = destinations.len();
+                black_box(&mut destinations[(i * 7) % n])
+                    .copy_from_slice(black_box(&sources[i % sources.len()]));
+            }
+            record(name, iters * SIZE, start.elapsed())
+        });
+    });
+    group.finish();
+}
+
+fn rate(name: &str) -> Option<f64> {
+    let totals = TOTALS.lock();
+    let (_, ops, time) = totals.iter().find(|(n, ..)| *n == name)?;
+    Some(*ops as f64 / time.as_secs_f64())
+}
+
+fn summary() {
+    let limit = rate("bare HashMap lookup+increment, 1 thread");
+    let memcpy = rate("memcpy host -> host");
+    println!(
+        "\n{:<48} {:>14} {:>14} {:>12} {:>10}",
+        "figure", "per second", "per core", "vs limit", "vs target"
+    );
+    for (name, threads, is_copy) in [
+        ("lease+release, 1 thread", 1.0, false),
+        ("lease+release, 2 threads, own prefixes", 2.0, false),
+        ("lease+release, 2 threads, one shared prefix", 2.0, false),
+        ("reserve+finish into free slots, 1 thread", 1.0, false),
+        ("reserve+finish evicting, 1 thread", 1.0, false),
+        ("reserve+finish evicting, 2 threads", 2.0, false),
+        ("bare HashMap lookup+increment, 1 thread", 1.0, false),
+        ("mutex + HashMap lookup+increment, 1 thread", 1.0, false),
+        ("L1 slot -> host (read_at)", 1.0, true),
+        ("memcpy host -> host", 1.0, true),
+    ] {
+        let Some(r) = rate(name) else { continue };
+        let per_core = r / threads;
+        let (unit, scale, reference) = if is_copy {
+            ("GB/s", 1e9, memcpy)
+        } else {
+            ("M", 1e6, limit)
+        };
+        let versus = reference
+            .map(|l| format!("{:.2}", per_core / l))
+            .unwrap_or_default();
+        // The target: 2 million chunk lease+release operations per second per core.
+        let target = if name.starts_with("lease") {
+            format!("{:.2}", per_core / 2e6)
+        } else {
+            String::new()
+        };
+        println!(
+            "{name:<48} {:>11.2} {unit:<2} {:>11.2} {unit:<2} {versus:>12} {target:>10}",
+            r / scale,
+            per_core / scale
+        );
+    }
+    println!(
+        "limits measured in this run: metadata = bare HashMap per chunk (no lock); copies = memcpy of 2 MiB over 128 MiB"
+    );
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = baseline, lease_release, reserve_finish, copies
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    summary();
+}
