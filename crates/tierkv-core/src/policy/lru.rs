@@ -1,68 +1,85 @@
-//! Least recently used. (Placeholder implementation: O(n) touches.)
+//! Least recently used: one recency list, most recent at the front.
 
-use std::collections::VecDeque;
+use std::fmt;
+use std::hash::Hash;
 
 use super::EvictionPolicy;
+use super::list::KeyedLists;
+
+/// The only list: most recently used at the front, least recently used at the back.
+const RECENCY: usize = 0;
 
 /// Least recently used first.
-#[derive(Debug)]
+///
+/// The baseline policy: it keeps what was used last, which suits workloads whose reuse distance
+/// is shorter than the cache. Inserting, touching and removing a key are O(1) and allocate
+/// nothing once the policy has held its peak number of keys; an eviction costs O(1) per key it
+/// returns or skips.
 pub struct Lru<K> {
-    order: VecDeque<K>,
+    keys: KeyedLists<K, (), 1>,
 }
 
-impl<K> Lru<K> {
+impl<K: Hash + Eq + Clone> Lru<K> {
     /// An empty policy.
     pub fn new() -> Self {
-        Lru { order: VecDeque::new() }
+        Lru {
+            keys: KeyedLists::new(),
+        }
     }
 }
 
-impl<K> Default for Lru<K> {
+impl<K: Hash + Eq + Clone> Default for Lru<K> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<K: PartialEq + Clone + Send> EvictionPolicy<K> for Lru<K> {
+impl<K> fmt::Debug for Lru<K>
+where
+    K: Hash + Eq + Clone,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lru")
+            .field("len", &self.keys.len(RECENCY))
+            .finish()
+    }
+}
+
+impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for Lru<K> {
     fn insert(&mut self, key: K) {
-        if !self.order.contains(&key) {
-            self.order.push_back(key);
-        }
+        // A key already tracked keeps its place: being cached again is not a use.
+        self.keys.push_front_if_absent(RECENCY, key, ());
     }
 
     fn touch(&mut self, key: &K) {
-        if let Some(pos) = self.order.iter().position(|k| k == key)
-            && let Some(k) = self.order.remove(pos)
-        {
-            self.order.push_back(k);
+        if let Some(id) = self.keys.find(key) {
+            self.keys.move_to_front(id, RECENCY);
         }
     }
 
     fn remove(&mut self, key: &K) -> bool {
-        match self.order.iter().position(|k| k == key) {
-            Some(pos) => self.order.remove(pos).is_some(),
-            None => false,
-        }
+        self.keys.remove(key).is_some()
     }
 
     fn len(&self) -> usize {
-        self.order.len()
+        self.keys.len(RECENCY)
     }
 
     fn contains(&self, key: &K) -> bool {
-        self.order.contains(key)
+        self.keys.find(key).is_some()
     }
 
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {
-        let mut victims = Vec::new();
-        let mut i = 0;
-        while victims.len() < n && i < self.order.len() {
-            if eligible(&self.order[i]) {
-                if let Some(k) = self.order.remove(i) {
-                    victims.push(k);
-                }
-            } else {
-                i += 1;
+        let mut victims = Vec::with_capacity(n.min(self.len()));
+        // Walk from the least recently used key towards the most recent. The next node is read
+        // before the current one may be removed; skipped keys are neither moved nor dropped.
+        let mut next = self.keys.back(RECENCY);
+        while victims.len() < n
+            && let Some(id) = next
+        {
+            next = self.keys.newer(id);
+            if eligible(self.keys.key(id)) {
+                victims.push(self.keys.remove_node(id).0);
             }
         }
         victims

@@ -8,6 +8,8 @@
 mod list;
 mod lru;
 mod s3fifo;
+#[cfg(test)]
+mod tests;
 
 use std::hash::Hash;
 
