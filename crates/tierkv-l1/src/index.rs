@@ -144,13 +144,62 @@ impl Index {
         self.shards.len()
     }
 
-    /// The shard a key lives in, locked.
-    pub(crate) fn shard(&self, key: &ObjectKey) -> MutexGuard<'_, Shard> {
+    fn shard_index(&self, key: &ObjectKey) -> usize {
         // The shard count is a power of two, so masking the hash picks a shard uniformly. The
         // top bits are used because hash maps consume the low ones.
         let hash = self.hasher.hash_one(key);
-        let index = (hash >> 32) as usize & (self.shards.len() - 1);
-        self.shards[index].0.lock()
+        (hash >> 32) as usize & (self.shards.len() - 1)
+    }
+
+    /// The shard a key lives in, locked.
+    pub(crate) fn shard(&self, key: &ObjectKey) -> MutexGuard<'_, Shard> {
+        self.shards[self.shard_index(key)].0.lock()
+    }
+
+    /// Calls `visit(shard, i)` for every item, grouped by the shard of `key(item)` so each shard
+    /// is locked once per batch rather than once per key. Within a shard, items are visited in
+    /// their order in `items`.
+    pub(crate) fn visit_grouped<T>(
+        &self,
+        items: &[T],
+        key: impl Fn(&T) -> &ObjectKey,
+        mut visit: impl FnMut(&mut Shard, usize),
+    ) {
+        if self.shards.len() == 1 {
+            let mut shard = self.shards[0].0.lock();
+            (0..items.len()).for_each(|i| visit(&mut shard, i));
+            return;
+        }
+        if self.shards.len() <= 64 {
+            // Note which shards the batch touches in a bitmask, then visit them in order: no
+            // sort, one small allocation.
+            let shard_of: Vec<u8> = items
+                .iter()
+                .map(|item| self.shard_index(key(item)) as u8)
+                .collect();
+            let mut present = shard_of.iter().fold(0u64, |mask, s| mask | 1 << s);
+            while present != 0 {
+                let index = present.trailing_zeros() as u8;
+                present &= present - 1;
+                let mut shard = self.shards[usize::from(index)].0.lock();
+                for (i, _) in shard_of.iter().enumerate().filter(|(_, s)| **s == index) {
+                    visit(&mut shard, i);
+                }
+            }
+            return;
+        }
+        let mut order: Vec<(usize, usize)> = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| (self.shard_index(key(item)), i))
+            .collect();
+        order.sort_unstable();
+        for group in order.chunk_by(|a, b| a.0 == b.0) {
+            let mut shard = self.shards[group[0].0].0.lock();
+            for &(_, i) in group {
+                visit(&mut shard, i);
+            }
+        }
     }
 
     /// The class counts summed over every shard (each shard read under its lock, one at a time).

@@ -514,19 +514,21 @@ impl L1Manager {
         let readers = extra.readers();
         let deadline = self.clock.now() + self.config.lease_ttl;
         let mut record = LeaseRecord::new(owner, readers, deadline, keys.len());
-        let results: Vec<_> = keys
-            .iter()
-            .map(|key| {
-                let result = (|| {
+        let mut results = vec![Err(KeyError::NotFound); keys.len()];
+        self.index.visit_grouped(
+            keys,
+            |k| k,
+            |shard, i| {
+                let key = &keys[i];
+                results[i] = (|| {
                     if record.keys.contains_key(key) {
                         return Err(KeyError::Duplicate);
                     }
-                    let mut guard = self.index.shard(key);
                     let Shard {
                         map,
                         policy,
                         counts,
-                    } = &mut *guard;
+                    } = shard;
                     let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
                     let before = entry.class();
                     admit(key, entry, policy.as_mut())?;
@@ -540,10 +542,9 @@ impl L1Manager {
                     record.keys.insert(*key, shares);
                     Ok(self.handle(entry.slot, entry.len))
                 })();
-                self.count_refusal(&result);
-                result
-            })
-            .collect();
+            },
+        );
+        results.iter().for_each(|result| self.count_refusal(result));
         let granted = record.keys.len() as u64;
         let lease = (granted > 0).then(|| self.leases.insert(record));
         self.metrics.read_shares(granted * u64::from(readers));
@@ -750,14 +751,16 @@ impl L1Manager {
         take: impl Fn(u128) -> u128,
     ) -> Released {
         let mut released = Released::default();
+        // First the ledger (no index lock needed), then the entries, a shard at a time.
+        let mut returned: Vec<(ObjectKey, u64, u64)> = Vec::new();
         let mut give_back = |key: &ObjectKey, shares: &mut KeyShares| {
             shares.marked = false;
             let returning = take(shares.outstanding) & shares.outstanding;
             shares.outstanding &= !returning;
             let n = u64::from(returning.count_ones());
             released.shares += n;
-            if n > 0 && self.return_to_entry(key, shares.generation, n) {
-                released.unleased += 1;
+            if n > 0 {
+                returned.push((*key, shares.generation, n));
             }
         };
         match keys {
@@ -774,15 +777,24 @@ impl L1Manager {
             }
         }
         record.keys.retain(|_, shares| shares.outstanding != 0);
+        self.index.visit_grouped(
+            &returned,
+            |r| &r.0,
+            |shard, i| {
+                let (key, generation, n) = &returned[i];
+                if self.return_to_entry(shard, key, *generation, *n) {
+                    released.unleased += 1;
+                }
+            },
+        );
         released
     }
 
-    /// Takes `n` shares off the entry of `key`; a temporary entry whose last share this was is
-    /// freed. Returns whether the entry has no share left. An entry force-deleted (or deleted and
-    /// written again) under the lease has another generation and is left alone.
-    fn return_to_entry(&self, key: &ObjectKey, generation: u64, n: u64) -> bool {
-        let mut guard = self.index.shard(key);
-        let shard = &mut *guard;
+    /// Takes `n` shares off the entry of `key` in its (locked) shard; a temporary entry whose last
+    /// share this was is freed. Returns whether the entry has no share left. An entry
+    /// force-deleted (or deleted and written again) under the lease has another generation and is
+    /// left alone.
+    fn return_to_entry(&self, shard: &mut Shard, key: &ObjectKey, generation: u64, n: u64) -> bool {
         let Some(entry) = shard.map.get_mut(key) else {
             return false;
         };
