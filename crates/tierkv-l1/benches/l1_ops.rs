@@ -73,7 +73,9 @@ fn write(l1: &L1Manager, keys: &[ObjectKey], layout: &Layout) {
     assert!(l1.finish_write(OWNER, keys).iter().all(|r| r.is_ok()));
 }
 
-/// Runs `work(thread, iters)` on `threads` threads at once and returns the wall time.
+/// Runs `work(thread, iters)` on `threads` threads at once and returns the wall time from the
+/// moment all of them are ready until the last one is done. A worker's panic is raised here
+/// rather than leaving the others waiting.
 fn timed_on_threads(threads: usize, iters: u64, work: &(dyn Fn(usize, u64) + Sync)) -> Duration {
     if threads == 1 {
         let start = Instant::now();
@@ -82,17 +84,22 @@ fn timed_on_threads(threads: usize, iters: u64, work: &(dyn Fn(usize, u64) + Syn
     }
     let barrier = Barrier::new(threads + 1);
     std::thread::scope(|s| {
-        for t in 0..threads {
-            let barrier = &barrier;
-            s.spawn(move || {
-                barrier.wait();
-                work(t, iters);
-                barrier.wait();
-            });
-        }
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    work(t, iters);
+                })
+            })
+            .collect();
         barrier.wait();
         let start = Instant::now();
-        barrier.wait();
+        for worker in workers {
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
         start.elapsed()
     })
 }

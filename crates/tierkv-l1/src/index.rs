@@ -6,6 +6,8 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
@@ -114,9 +116,50 @@ pub(crate) struct Shard {
     pub(crate) counts: Counts,
 }
 
-/// A shard on its own cache line pair, so neighbouring locks do not share a line.
+/// A shard on its own cache line pair, so neighbouring locks do not share a line, with a copy of
+/// its cached count that eviction reads without taking the lock.
 #[repr(align(128))]
-struct Padded(Mutex<Shard>);
+struct Padded {
+    lock: Mutex<Shard>,
+    cached: AtomicU64,
+}
+
+/// A locked shard. Releasing it refreshes the shard's cached-count mirror, so every change made
+/// under the lock is reflected there without each call site remembering to do it.
+pub(crate) struct ShardGuard<'a> {
+    shard: MutexGuard<'a, Shard>,
+    cached: &'a AtomicU64,
+}
+
+impl Deref for ShardGuard<'_> {
+    type Target = Shard;
+
+    fn deref(&self) -> &Shard {
+        &self.shard
+    }
+}
+
+impl DerefMut for ShardGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Shard {
+        &mut self.shard
+    }
+}
+
+impl Drop for ShardGuard<'_> {
+    fn drop(&mut self) {
+        self.cached
+            .store(self.shard.counts.cached, Ordering::Relaxed);
+    }
+}
+
+impl Padded {
+    fn lock(&self) -> ShardGuard<'_> {
+        ShardGuard {
+            shard: self.lock.lock(),
+            cached: &self.cached,
+        }
+    }
+}
 
 pub(crate) struct Index {
     shards: Box<[Padded]>,
@@ -126,12 +169,13 @@ pub(crate) struct Index {
 impl Index {
     pub(crate) fn new(shards: usize, policy: PolicyKind) -> Self {
         let shards = (0..shards)
-            .map(|_| {
-                Padded(Mutex::new(Shard {
+            .map(|_| Padded {
+                lock: Mutex::new(Shard {
                     map: HashMap::default(),
                     policy: policy.build(),
                     counts: Counts::default(),
-                }))
+                }),
+                cached: AtomicU64::new(0),
             })
             .collect();
         Index {
@@ -152,8 +196,8 @@ impl Index {
     }
 
     /// The shard a key lives in, locked.
-    pub(crate) fn shard(&self, key: &ObjectKey) -> MutexGuard<'_, Shard> {
-        self.shards[self.shard_index(key)].0.lock()
+    pub(crate) fn shard(&self, key: &ObjectKey) -> ShardGuard<'_> {
+        self.shards[self.shard_index(key)].lock()
     }
 
     /// Calls `visit(shard, i)` for every item, grouped by the shard of `key(item)` so each shard
@@ -166,7 +210,7 @@ impl Index {
         mut visit: impl FnMut(&mut Shard, usize),
     ) {
         if self.shards.len() == 1 {
-            let mut shard = self.shards[0].0.lock();
+            let mut shard = self.shards[0].lock();
             (0..items.len()).for_each(|i| visit(&mut shard, i));
             return;
         }
@@ -181,7 +225,7 @@ impl Index {
             while present != 0 {
                 let index = present.trailing_zeros() as u8;
                 present &= present - 1;
-                let mut shard = self.shards[usize::from(index)].0.lock();
+                let mut shard = self.shards[usize::from(index)].lock();
                 for (i, _) in shard_of.iter().enumerate().filter(|(_, s)| **s == index) {
                     visit(&mut shard, i);
                 }
@@ -195,7 +239,7 @@ impl Index {
             .collect();
         order.sort_unstable();
         for group in order.chunk_by(|a, b| a.0 == b.0) {
-            let mut shard = self.shards[group[0].0].0.lock();
+            let mut shard = self.shards[group[0].0].lock();
             for &(_, i) in group {
                 visit(&mut shard, i);
             }
@@ -206,13 +250,21 @@ impl Index {
     pub(crate) fn totals(&self) -> Counts {
         let mut totals = Counts::default();
         for shard in self.shards.iter() {
-            totals.add(shard.0.lock().counts);
+            totals.add(shard.lock().counts);
         }
         totals
     }
 
+    /// The number of cached (evictable) objects shard `index` held when its lock was last
+    /// released. Read without the lock: a hint for choosing where to evict, never for accounting.
+    pub(crate) fn cached_hint(&self, index: usize) -> u64 {
+        self.shards[index % self.shards.len()]
+            .cached
+            .load(Ordering::Relaxed)
+    }
+
     /// Shard `index` (modulo the shard count), locked.
-    pub(crate) fn shard_at(&self, index: usize) -> MutexGuard<'_, Shard> {
-        self.shards[index % self.shards.len()].0.lock()
+    pub(crate) fn shard_at(&self, index: usize) -> ShardGuard<'_> {
+        self.shards[index % self.shards.len()].lock()
     }
 }

@@ -940,13 +940,27 @@ impl L1Manager {
     // ----- eviction -----
 
     /// Evicts one cached object, chosen by its shard's policy, and hands its slot to the caller.
-    /// Shards are tried round-robin, so victims spread evenly; with one shard the order is
-    /// exactly the policy's.
+    /// With one shard the order is exactly the policy's; with several it is the policy's order
+    /// within a shard chosen where cached objects are most plentiful.
     fn evict_one(&self, victims: &mut Vec<ObjectKey>) -> Option<SlotId> {
         let shards = self.index.shard_count();
-        for _ in 0..shards {
-            let at = self.evict_cursor.fetch_add(1, Ordering::Relaxed);
-            let mut guard = self.index.shard_at(at);
+        // Two random shards, the one holding more cached objects first ("power of two choices"):
+        // new keys land in shards at random, so evicting evenly across shards would let some
+        // shards drain and lose their newest objects. Then every other shard in turn, so `None`
+        // means no shard has anything evictable.
+        let draw = self.evict_cursor.fetch_add(1, Ordering::Relaxed) as u64;
+        let mixed = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let (a, b) = (
+            (mixed >> 32) as usize % shards,
+            (mixed >> 8) as usize % shards,
+        );
+        let first = if self.index.cached_hint(a) >= self.index.cached_hint(b) {
+            a
+        } else {
+            b
+        };
+        for step in 0..shards {
+            let mut guard = self.index.shard_at(first + step);
             let Shard {
                 map,
                 policy,
