@@ -1057,3 +1057,53 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
 }
 
 use tierkv_l1::LeaseId;
+
+#[test]
+fn metrics_report_usage_evictions_and_refusals() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let f = metrics::with_local_recorder(&recorder, || l1(2));
+    f.write(&keys(0..2));
+    f.lease(&key(0), 0);
+    f.reserve(&[key(2)]); // evicts key 1, the only cached object
+    let _ = f.l1.reserve_read(OWNER, &[key(9)], extra(0)); // one NotFound
+    f.l1.publish_metrics();
+    // One snapshot: taking one drains the debugging recorder.
+    let snapshot = snapshotter.snapshot().into_vec();
+    let value = |name: &str, label: Option<(&str, &str)>| -> f64 {
+        snapshot
+            .iter()
+            .filter(|(k, ..)| k.key().name() == name)
+            .filter(|(k, ..)| {
+                label.is_none_or(|(l, v)| k.key().labels().any(|x| x.key() == l && x.value() == v))
+            })
+            .map(|(.., v)| match v {
+                DebugValue::Counter(n) => *n as f64,
+                DebugValue::Gauge(g) => g.into_inner(),
+                DebugValue::Histogram(_) => f64::NAN,
+            })
+            .sum()
+    };
+    assert_eq!(
+        value("tierkv_tier_capacity_bytes", Some(("tier", "l1"))),
+        (2 * SLOT) as f64
+    );
+    assert_eq!(
+        value("tierkv_tier_used_bytes", None),
+        (2 * SLOT) as f64,
+        "one leased, one being written"
+    );
+    assert_eq!(value("tierkv_tier_cached_bytes", None), 0.0);
+    assert_eq!(value("tierkv_tier_free_bytes", None), 0.0);
+    assert_eq!(value("tierkv_tier_objects", None), 2.0);
+    assert_eq!(value("tierkv_l1_leases_active", None), 1.0);
+    assert_eq!(
+        value("tierkv_evictions_total", Some(("reason", "on_demand"))),
+        1.0
+    );
+    assert_eq!(
+        value("tierkv_errors_total", Some(("reason", "not_found"))),
+        1.0
+    );
+    assert_eq!(value("tierkv_l1_writes_finished_total", None), 2.0);
+}
