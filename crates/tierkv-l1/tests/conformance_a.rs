@@ -132,24 +132,20 @@ fn a8_extra_count_out_of_range_is_rejected_naming_the_bound() {
 
 // ----- finish_read / leases -----
 
+/// Why a release of `key` by reader 0 of `lease` is refused as outside the lease.
+fn not_leased(f: &Fixture, lease: LeaseId, key: tierkv_core::ObjectKey) -> KeyError {
+    match f.l1.finish_read(lease, Readers::One(0), Some(&[key])) {
+        Err(L1Error::NotLeased { error, .. }) => error,
+        other => panic!("expected a NotLeased refusal, got {other:?}"),
+    }
+}
+
 #[test]
 fn a9_finish_read_of_missing_key_is_not_found() {
     let f = l1(8);
     f.write(&[key(0)]);
     let lease = f.lease(&key(0), 0);
-    let error =
-        f.l1.finish_read(lease, Readers::One(0), Some(&[key(9)]))
-            .unwrap_err();
-    assert!(
-        matches!(
-            error,
-            L1Error::NotLeased {
-                error: KeyError::NotFound,
-                ..
-            }
-        ),
-        "{error}"
-    );
+    assert_eq!(not_leased(&f, lease, key(9)), KeyError::NotFound);
     assert_eq!(f.shares(&key(0)), 1, "the lease's own key is untouched");
 }
 
@@ -158,19 +154,7 @@ fn a10_finish_read_of_never_leased_ready_key_is_wrong_state() {
     let f = l1(8);
     f.write(&[key(0), key(1)]);
     let lease = f.lease(&key(0), 0);
-    let error =
-        f.l1.finish_read(lease, Readers::One(0), Some(&[key(1)]))
-            .unwrap_err();
-    assert!(
-        matches!(
-            error,
-            L1Error::NotLeased {
-                error: KeyError::WrongState,
-                ..
-            }
-        ),
-        "{error}"
-    );
+    assert_eq!(not_leased(&f, lease, key(1)), KeyError::WrongState);
     assert_eq!(f.shares(&key(0)), 1);
     assert_eq!(f.shares(&key(1)), 0);
 }
@@ -181,19 +165,7 @@ fn a11_finish_read_of_writing_key_is_wrong_state() {
     f.write(&[key(0)]);
     f.reserve(&[key(1)]);
     let lease = f.lease(&key(0), 0);
-    let error =
-        f.l1.finish_read(lease, Readers::One(0), Some(&[key(1)]))
-            .unwrap_err();
-    assert!(
-        matches!(
-            error,
-            L1Error::NotLeased {
-                error: KeyError::WrongState,
-                ..
-            }
-        ),
-        "{error}"
-    );
+    assert_eq!(not_leased(&f, lease, key(1)), KeyError::WrongState);
     assert_eq!(f.l1.presence(&key(1)), Presence::Writing);
 }
 
@@ -334,15 +306,7 @@ fn a15_lease_past_its_deadline_is_revoked_counted_and_reported() {
 #[test]
 fn a16_new_key_reserve_write_succeeds() {
     let f = l1(8);
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &[key(0)],
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&[key(0)]);
     let handle = results[0].unwrap();
     assert_eq!(handle.len, SLOT);
     assert_eq!(f.l1.presence(&key(0)), Presence::Writing);
@@ -370,15 +334,7 @@ fn a17_second_reserve_of_a_key_being_written_is_write_in_flight() {
 fn a18_reserve_of_a_ready_key_is_already_present() {
     let f = l1(8);
     f.write(&[key(0)]);
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &[key(0)],
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&[key(0)]);
     assert_eq!(results, vec![Err(KeyError::AlreadyPresent)]);
     assert_eq!(
         (f.usage().cached, f.usage().writing),
@@ -392,30 +348,14 @@ fn a19_reserve_of_a_leased_key_is_already_present() {
     let f = l1(8);
     f.write(&[key(0)]);
     f.lease(&key(0), 0);
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &[key(0)],
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&[key(0)]);
     assert_eq!(results, vec![Err(KeyError::AlreadyPresent)]);
 }
 
 #[test]
 fn a20_batch_of_five_gets_five_distinct_slots() {
     let f = l1(8);
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &keys(0..5),
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&keys(0..5));
     let mut slots: Vec<_> = results.iter().map(|r| r.unwrap().slot).collect();
     slots.sort();
     slots.dedup();
@@ -426,15 +366,7 @@ fn a20_batch_of_five_gets_five_distinct_slots() {
 #[test]
 fn a21_batch_degrades_to_its_longest_allocatable_prefix() {
     let f = l1(8);
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &keys(0..10),
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&keys(0..10));
     assert!(results[..8].iter().all(|r| r.is_ok()));
     assert_eq!(
         results[8..],
@@ -452,15 +384,7 @@ fn a22_cached_entries_make_room_but_leased_and_writing_ones_never_do() {
     f.write(&keys(0..6));
     let leases = [f.lease(&key(4), 0), f.lease(&key(5), 0)];
     f.reserve(&keys(6..8));
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &keys(10..15),
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&keys(10..15));
     assert!(results[..4].iter().all(|r| r.is_ok()), "{results:?}");
     assert_eq!(results[4], Err(KeyError::OutOfMemory));
     let evicted: Vec<_> = f.recorder.evicted.lock().iter().map(|(k, _)| *k).collect();
@@ -591,15 +515,7 @@ fn a26_promotion_makes_a_writing_key_ready_and_leased() {
         f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(1));
     assert_eq!(grant.readers, 2);
     assert_eq!(f.shares(&key(0)), 2);
-    let again =
-        f.l1.reserve_write(
-            OWNER,
-            &[key(0)],
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let again = f.try_reserve(&[key(0)]);
     assert_eq!(
         again,
         vec![Err(KeyError::AlreadyPresent)],
@@ -738,15 +654,7 @@ fn a36_ready_unleased_entries_are_cached_never_used() {
     );
     assert_eq!(u.cached_bytes, 3 * SLOT);
     // Admission counts cached bytes as available: 7 more keys fit an L1 with 4 free slots.
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &keys(10..17),
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&keys(10..17));
     assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
 }
 
@@ -876,15 +784,7 @@ fn half_written_object_cannot_be_finished_and_an_aborted_slot_waits_for_its_copy
     // Aborting under the copy hides the key at once but keeps the slot until the copy ends.
     assert_eq!(f.l1.abort_write(OWNER, &[key(0)]), vec![Ok(())]);
     assert_eq!(f.usage().retiring, 1);
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &[key(1)],
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&[key(1)]);
     assert_eq!(
         results,
         vec![Err(KeyError::OutOfMemory)],
@@ -905,15 +805,7 @@ fn reader_copying_out_keeps_its_slot_through_expiry_and_eviction_pressure() {
     f.clock.advance(LEASE_TTL);
     assert_eq!(f.l1.expire_leases(), 1);
     // Unleased now, but a copy is under way: eviction must pass it over.
-    let results =
-        f.l1.reserve_write(
-            OWNER,
-            &[key(1)],
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+    let results = f.try_reserve(&[key(1)]);
     assert_eq!(results, vec![Err(KeyError::OutOfMemory)]);
     let mut bytes = vec![0; SLOT as usize];
     guard.read_at(0, &mut bytes).unwrap();

@@ -102,12 +102,19 @@ pub fn payload(key: &ObjectKey, version: u64) -> Vec<u8> {
 }
 
 impl Fixture {
+    /// Reserves every key for a new cached object and returns the per-key answers.
+    pub fn try_reserve(
+        &self,
+        keys: &[ObjectKey],
+    ) -> Vec<Result<tierkv_l1::SlotHandle, tierkv_core::KeyError>> {
+        self.l1
+            .reserve_write(OWNER, keys, &layout(), WriteMode::Create, Lifetime::Cached)
+            .unwrap()
+    }
+
     /// Reserves every key, asserting success.
     pub fn reserve(&self, keys: &[ObjectKey]) {
-        let results = self
-            .l1
-            .reserve_write(OWNER, keys, &layout(), WriteMode::Create, Lifetime::Cached)
-            .unwrap();
+        let results = self.try_reserve(keys);
         assert!(
             results.iter().all(|r| r.is_ok()),
             "reserve failed: {results:?}"
