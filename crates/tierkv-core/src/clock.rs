@@ -52,7 +52,12 @@ impl ManualClock {
     /// Moves the clock forward.
     pub fn advance(&self, by: Duration) {
         let by = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
-        self.nanos.fetch_add(by, Ordering::SeqCst);
+        // Saturate rather than wrap: a clock that jumped back to zero would un-expire leases.
+        let _ = self
+            .nanos
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                Some(now.saturating_add(by))
+            });
     }
 }
 

@@ -512,7 +512,8 @@ impl L1Manager {
         ) -> Result<(), KeyError>,
     ) -> ReadGrant {
         let readers = extra.readers();
-        let deadline = self.clock.now() + self.config.lease_ttl;
+        // Saturating: a configured TTL near `Duration::MAX` means "never", not a panic.
+        let deadline = self.clock.now().saturating_add(self.config.lease_ttl);
         let mut record = LeaseRecord::new(owner, readers, deadline, keys.len());
         let mut results = vec![Err(KeyError::NotFound); keys.len()];
         self.index.visit_grouped(

@@ -999,3 +999,16 @@ fn metrics_report_usage_evictions_and_refusals() {
     );
     assert_eq!(value("tierkv_l1_writes_finished_total", None), 2.0);
 }
+
+#[test]
+fn an_enormous_lease_ttl_means_never_not_a_panic() {
+    let f = with_config(tierkv_l1::L1Config {
+        lease_ttl: Duration::MAX,
+        ..config(2)
+    });
+    f.write(&[key(0)]);
+    let lease = f.lease(&key(0), 0);
+    f.clock.advance(Duration::MAX);
+    assert_eq!(f.l1.expire_leases(), 0);
+    f.release(lease, 0);
+}
