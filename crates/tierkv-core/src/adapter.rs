@@ -70,6 +70,52 @@ pub trait ChunkSink: Send {
     }
 }
 
+/// A chunk in an owned host `Vec`: the buffer tests, staging copies and host-only callers use.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VecChunk(pub Vec<u8>);
+
+impl ChunkSource for VecChunk {
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BufferError> {
+        if dst.len() != self.0.len() {
+            return Err(BufferError::LengthMismatch {
+                buffer: self.0.len() as u64,
+                copy: dst.len() as u64,
+            });
+        }
+        dst.copy_from_slice(&self.0);
+        Ok(())
+    }
+
+    fn host_bytes(&self) -> Option<&[u8]> {
+        Some(&self.0)
+    }
+}
+
+impl ChunkSink for VecChunk {
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+
+    fn copy_from_host(&mut self, src: &[u8]) -> Result<(), BufferError> {
+        if src.len() != self.0.len() {
+            return Err(BufferError::LengthMismatch {
+                buffer: self.0.len() as u64,
+                copy: src.len() as u64,
+            });
+        }
+        self.0.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(&mut self.0)
+    }
+}
+
 /// One key to store and the buffer its bytes come from.
 pub struct StoreItem {
     /// The object's identity.
@@ -152,6 +198,9 @@ pub struct TierUsage {
     pub used_bytes: u64,
     /// Objects stored.
     pub objects: u64,
+    /// Locks held by lookups and not yet returned (one per key per lookup): zero when every
+    /// pipeline is idle, which the pipeline tests check.
+    pub locks: u64,
 }
 
 /// A tier below L1: host memory, disk, later a remote store.
@@ -169,6 +218,9 @@ pub trait TierAdapter: Send + Sync {
     fn submit_load(&self, items: Vec<LoadItem>) -> TaskId;
 
     /// Returns one lock per key taken by a lookup; keys never locked are ignored.
+    ///
+    /// A key locked by two lookups needs two unlocks. Storing a key that is already present
+    /// succeeds without rewriting it: equal keys mean equal bytes.
     fn unlock(&self, keys: &[ObjectKey]);
 
     /// Deletes the keys that are not locked; returns how many were deleted.

@@ -20,7 +20,7 @@ pub mod policy;
 
 pub use adapter::{
     BufferError, ChunkSink, ChunkSource, Completion, LoadItem, StoreItem, TaskId, TierAdapter,
-    TierError, TierUsage,
+    TierError, TierUsage, VecChunk,
 };
 pub use bitmap::Bitmap;
 pub use clock::{Clock, ManualClock, SystemClock};

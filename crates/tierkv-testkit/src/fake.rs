@@ -1,0 +1,279 @@
+//! An in-memory tier with fault injection.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use parking_lot::Mutex;
+use tierkv_core::policy::{EvictionPolicy, Lru};
+use tierkv_core::{
+    Bitmap, Completion, LoadItem, ObjectKey, StoreItem, TaskId, TierAdapter, TierError, TierUsage,
+};
+
+enum Task {
+    Store(TaskId, Vec<StoreItem>),
+    Lookup(TaskId, Vec<ObjectKey>),
+    Load(TaskId, Vec<LoadItem>),
+}
+
+struct State {
+    objects: HashMap<ObjectKey, Vec<u8>>,
+    locks: HashMap<ObjectKey, u64>,
+    order: Lru<ObjectKey>,
+    failing_loads: HashSet<ObjectKey>,
+    holding: bool,
+    held: Vec<Task>,
+    closed: bool,
+}
+
+/// An in-memory tier of a fixed number of objects, evicting least recently used unlocked ones.
+///
+/// Tasks run at once on the submitting thread unless [`FakeTier::hold`] is on, in which case
+/// they wait, in flight, until [`FakeTier::release_held`] or [`TierAdapter::close`].
+pub struct FakeTier {
+    name: String,
+    capacity: usize,
+    chunk_bytes: u64,
+    state: Mutex<State>,
+    next_task: AtomicU64,
+    sender: Sender<Completion>,
+    receiver: Receiver<Completion>,
+}
+
+impl FakeTier {
+    /// A tier holding at most `capacity` objects of `chunk_bytes` bytes.
+    pub fn new(name: &str, capacity: usize, chunk_bytes: u64) -> Self {
+        let (sender, receiver) = unbounded();
+        FakeTier {
+            name: name.to_string(),
+            capacity,
+            chunk_bytes,
+            state: Mutex::new(State {
+                objects: HashMap::new(),
+                locks: HashMap::new(),
+                order: Lru::new(),
+                failing_loads: HashSet::new(),
+                holding: false,
+                held: Vec::new(),
+                closed: false,
+            }),
+            next_task: AtomicU64::new(1),
+            sender,
+            receiver,
+        }
+    }
+
+    /// Stores `bytes` under `key` directly, outside any task (test setup).
+    pub fn insert(&self, key: ObjectKey, bytes: Vec<u8>) {
+        let mut state = self.state.lock();
+        state.order.insert(key);
+        state.objects.insert(key, bytes);
+    }
+
+    /// From now on, loads of these keys fail (the key reads as not loaded).
+    pub fn fail_loads_of(&self, keys: &[ObjectKey]) {
+        self.state.lock().failing_loads.extend(keys.iter().copied());
+    }
+
+    /// From now on, tasks wait in flight instead of running.
+    pub fn hold(&self) {
+        self.state.lock().holding = true;
+    }
+
+    /// Runs every held task and stops holding.
+    pub fn release_held(&self) {
+        let held = {
+            let mut state = self.state.lock();
+            state.holding = false;
+            std::mem::take(&mut state.held)
+        };
+        for task in held {
+            self.run(task);
+        }
+    }
+
+    /// Tasks submitted and not yet run.
+    pub fn held_tasks(&self) -> usize {
+        self.state.lock().held.len()
+    }
+
+    /// Whether the tier holds `key`.
+    pub fn contains(&self, key: &ObjectKey) -> bool {
+        self.state.lock().objects.contains_key(key)
+    }
+
+    fn task_id(&self) -> TaskId {
+        TaskId(self.next_task.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn submit(&self, task: Task) {
+        let mut state = self.state.lock();
+        if state.closed {
+            drop(state);
+            self.fail(task, TierError::Closed);
+        } else if state.holding {
+            state.held.push(task);
+        } else {
+            drop(state);
+            self.run(task);
+        }
+    }
+
+    fn fail(&self, task: Task, error: TierError) {
+        let completion = match task {
+            Task::Store(task, sources) => Completion::Stored {
+                task,
+                result: Err(error),
+                sources,
+            },
+            Task::Lookup(task, keys) => Completion::LookedUp {
+                task,
+                locked: Bitmap::new(keys.len()),
+            },
+            Task::Load(task, sinks) => Completion::Loaded {
+                task,
+                loaded: Bitmap::new(sinks.len()),
+                sinks,
+            },
+        };
+        let _ = self.sender.send(completion);
+    }
+
+    fn run(&self, task: Task) {
+        let completion = match task {
+            Task::Store(task, sources) => {
+                let result = self.store(&sources);
+                Completion::Stored {
+                    task,
+                    result,
+                    sources,
+                }
+            }
+            Task::Lookup(task, keys) => {
+                let mut state = self.state.lock();
+                let locked = Bitmap::from_bools(keys.iter().map(|key| {
+                    let present = state.objects.contains_key(key);
+                    if present {
+                        *state.locks.entry(*key).or_default() += 1;
+                        state.order.touch(key);
+                    }
+                    present
+                }));
+                Completion::LookedUp { task, locked }
+            }
+            Task::Load(task, mut sinks) => {
+                let state = self.state.lock();
+                let loaded = Bitmap::from_bools(sinks.iter_mut().map(|item| {
+                    !state.failing_loads.contains(&item.key)
+                        && state
+                            .objects
+                            .get(&item.key)
+                            .is_some_and(|bytes| item.sink.copy_from_host(bytes).is_ok())
+                }));
+                Completion::Loaded {
+                    task,
+                    loaded,
+                    sinks,
+                }
+            }
+        };
+        let _ = self.sender.send(completion);
+    }
+
+    fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
+        for item in items {
+            let mut bytes = vec![0; item.source.len() as usize];
+            item.source.copy_to_host(&mut bytes)?;
+            let mut state = self.state.lock();
+            if state.objects.contains_key(&item.key) {
+                continue;
+            }
+            if state.objects.len() >= self.capacity {
+                let State { order, locks, .. } = &mut *state;
+                let Some(victim) = order.evict(1, &mut |k| !locks.contains_key(k)).pop() else {
+                    return Err(TierError::NoSpace(format!(
+                        "{} objects, all locked",
+                        self.capacity
+                    )));
+                };
+                state.objects.remove(&victim);
+            }
+            state.order.insert(item.key);
+            state.objects.insert(item.key, bytes);
+        }
+        Ok(())
+    }
+}
+
+impl TierAdapter for FakeTier {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
+        let task = self.task_id();
+        self.submit(Task::Store(task, items));
+        task
+    }
+
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
+        let task = self.task_id();
+        self.submit(Task::Lookup(task, keys));
+        task
+    }
+
+    fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
+        let task = self.task_id();
+        self.submit(Task::Load(task, items));
+        task
+    }
+
+    fn unlock(&self, keys: &[ObjectKey]) {
+        let mut state = self.state.lock();
+        for key in keys {
+            if let Some(count) = state.locks.get_mut(key) {
+                *count -= 1;
+                if *count == 0 {
+                    state.locks.remove(key);
+                }
+            }
+        }
+    }
+
+    fn delete(&self, keys: &[ObjectKey]) -> usize {
+        let mut state = self.state.lock();
+        let mut deleted = 0;
+        for key in keys {
+            if !state.locks.contains_key(key) && state.objects.remove(key).is_some() {
+                state.order.remove(key);
+                deleted += 1;
+            }
+        }
+        deleted
+    }
+
+    fn usage(&self) -> TierUsage {
+        let state = self.state.lock();
+        TierUsage {
+            capacity_bytes: self.capacity as u64 * self.chunk_bytes,
+            used_bytes: state.objects.values().map(|b| b.len() as u64).sum(),
+            objects: state.objects.len() as u64,
+            locks: state.locks.values().sum(),
+        }
+    }
+
+    fn completions(&self) -> Receiver<Completion> {
+        self.receiver.clone()
+    }
+
+    fn close(&self) {
+        let held = {
+            let mut state = self.state.lock();
+            state.closed = true;
+            std::mem::take(&mut state.held)
+        };
+        for task in held {
+            self.fail(task, TierError::Closed);
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! tierkv-testkit: what the tier and pipeline tests share.
+//!
+//! - [`FakeTier`]: an in-memory [`TierAdapter`] whose failures and timing a test controls (loads
+//!   that fail for chosen keys, tasks held in flight until released or closed). The pipeline
+//!   tests use it only where a scenario needs an injected failure; everything else runs on the
+//!   real tiers.
+//! - [`contract`]: the adapter contract (CONFORMANCE C1-C8) written once, and
+//!   [`tier_contract_tests!`] to run it against an implementation.
+//!
+//! Test code only: nothing outside `[dev-dependencies]` may depend on this crate.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test support: a failure is a failed test"
+)]
+
+pub mod contract;
+mod fake;
+
+pub use fake::FakeTier;
+
+#[doc(hidden)]
+pub use tierkv_core::TierAdapter;
