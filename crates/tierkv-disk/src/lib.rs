@@ -1,0 +1,1 @@
+//! tierkv-disk: the persistent disk tier (work in progress).

@@ -1,0 +1,1 @@
+//! tierkv-l2: the host-memory tier (work in progress).
