@@ -1,0 +1,20 @@
+//! tierkv-bench: what every tierkv benchmark measures against.
+//!
+//! A figure means little alone: "12 GB/s" may be excellent or poor depending on the machine. So
+//! each benchmark measures the physical limit it is bounded by in the same run, on the same
+//! machine and filesystem, and prints its figure as a ratio of that limit:
+//!
+//! - [`memcpy_bandwidth`]: single-core host copy bandwidth, over buffers larger than the last
+//!   level cache (the bound of every host-memory copy path);
+//! - [`direct_read_bandwidth`]: sequential read bandwidth of a freshly written file read with
+//!   `O_DIRECT`, so the page cache cannot flatter it (the bound of disk loads).
+//!
+//! [`Table`] prints the figures and their ratios in one format across benchmarks.
+
+mod aligned;
+mod limits;
+mod table;
+
+pub use aligned::AlignedBuf;
+pub use limits::{direct_read_bandwidth, memcpy_bandwidth};
+pub use table::Table;

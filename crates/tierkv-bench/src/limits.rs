@@ -1,0 +1,100 @@
+//! The physical limits, measured.
+
+use std::fs::{File, OpenOptions};
+use std::hint::black_box;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::AlignedBuf;
+
+/// Total bytes spread over so neither side of a copy stays in cache (twice a 32 MiB L3 and more).
+const SPREAD: usize = 128 << 20;
+
+/// Single-core `memcpy` bandwidth in bytes per second for copies of `chunk` bytes, rotating over
+/// 128 MiB of sources and destinations, for at least `time`.
+pub fn memcpy_bandwidth(chunk: usize, time: Duration) -> f64 {
+    let chunk = chunk.max(1);
+    let count = (SPREAD / chunk).max(2);
+    let sources: Vec<Vec<u8>> = (0..count).map(|i| vec![i as u8; chunk]).collect();
+    let mut destinations: Vec<Vec<u8>> = (0..count).map(|_| vec![0u8; chunk]).collect();
+    // One pass to fault every page in before timing.
+    for (d, s) in destinations.iter_mut().zip(&sources) {
+        d.copy_from_slice(s);
+    }
+    let start = Instant::now();
+    let mut copied = 0usize;
+    let mut i = 0usize;
+    while start.elapsed() < time {
+        let (s, d) = (i % count, (i * 7 + 3) % count);
+        black_box(&mut destinations[d]).copy_from_slice(black_box(&sources[s]));
+        copied += chunk;
+        i += 1;
+    }
+    copied as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Sequential read bandwidth, in bytes per second, of a fresh `file_bytes` file in `dir` read with
+/// `O_DIRECT` in blocks of `block` bytes: what the disk delivers when the page cache cannot help.
+///
+/// The file is written with `O_DIRECT` too and synced, then read once; it is removed afterwards.
+pub fn direct_read_bandwidth(dir: &Path, file_bytes: usize, block: usize) -> io::Result<f64> {
+    let mut buf = AlignedBuf::new(block)
+        .ok_or_else(|| io::Error::other("cannot allocate an aligned buffer"))?;
+    let block = buf.as_slice().len();
+    let blocks = file_bytes.div_ceil(block).max(1);
+    let path = dir.join(format!(".tierkv-bench-seq-{}", std::process::id()));
+    let result = (|| {
+        let mut file = direct(&path, true)?;
+        buf.as_mut_slice()
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = i as u8);
+        for _ in 0..blocks {
+            file.write_all(buf.as_slice())?;
+        }
+        file.sync_all()?;
+        drop(file);
+        let mut file = direct(&path, false)?;
+        let start = Instant::now();
+        let mut read = 0usize;
+        loop {
+            let n = file.read(buf.as_mut_slice())?;
+            if n == 0 {
+                break;
+            }
+            read += n;
+        }
+        Ok(read as f64 / start.elapsed().as_secs_f64())
+    })();
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+fn direct(path: &Path, write: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(!write)
+        .write(write)
+        .create(write)
+        .truncate(write)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_measure_something_plausible() {
+        let copy = memcpy_bandwidth(1 << 20, Duration::from_millis(50));
+        assert!(copy > 1e8, "memcpy below 100 MB/s: {copy}");
+        let dir = tempfile::tempdir().unwrap();
+        match direct_read_bandwidth(dir.path(), 8 << 20, 1 << 20) {
+            Ok(read) => assert!(read > 1e6, "direct reads below 1 MB/s: {read}"),
+            // Some filesystems (tmpfs) refuse O_DIRECT; the benchmark then says so.
+            Err(e) => eprintln!("skipped: O_DIRECT unsupported here: {e}"),
+        }
+    }
+}
