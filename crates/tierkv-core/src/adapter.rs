@@ -141,6 +141,14 @@ pub enum TierError {
     /// The tier is full and nothing can be evicted.
     #[error("tier is full: {0}")]
     NoSpace(String),
+    /// A chunk larger than the tier stores.
+    #[error("a chunk of {bytes} bytes exceeds this tier's limit of {limit} bytes")]
+    TooLarge {
+        /// Bytes of the chunk.
+        bytes: u64,
+        /// The largest chunk the tier stores.
+        limit: u64,
+    },
     /// The operating system reported an error.
     #[error("I/O error: {0}")]
     Io(String),

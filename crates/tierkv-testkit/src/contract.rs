@@ -389,3 +389,122 @@ macro_rules! tier_contract_tests {
         )*
     };
 }
+
+/// A tier shared by several test threads: one router thread owns the completion channel (it has
+/// one consumer by contract) and hands each completion to the thread that submitted its task.
+pub struct SharedTier {
+    /// The tier under test.
+    pub tier: Arc<dyn TierAdapter>,
+    /// Bytes per chunk.
+    pub chunk_bytes: u64,
+    waiting: Arc<parking_lot::Mutex<HashMap<TaskId, crossbeam_channel::Sender<Completion>>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    router: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SharedTier {
+    /// Starts routing the completions of `tier`.
+    pub fn new(tier: Arc<dyn TierAdapter>, chunk_bytes: u64) -> Self {
+        let waiting: Arc<
+            parking_lot::Mutex<HashMap<TaskId, crossbeam_channel::Sender<Completion>>>,
+        > = Arc::default();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let completions = tier.completions();
+        let router = {
+            let (waiting, stop) = (Arc::clone(&waiting), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                    if let Ok(done) = completions.recv_timeout(Duration::from_millis(20)) {
+                        // The submitter registered its task under this lock before the
+                        // completion could be routed, so the sender is always there.
+                        if let Some(reply) = waiting.lock().remove(&done.task()) {
+                            let _ = reply.send(done);
+                        }
+                    }
+                }
+            })
+        };
+        SharedTier {
+            tier,
+            chunk_bytes,
+            waiting,
+            stop,
+            router: Some(router),
+        }
+    }
+
+    /// Submits with `submit` and waits for that task's completion.
+    pub fn call(&self, submit: impl FnOnce(&dyn TierAdapter) -> TaskId) -> Completion {
+        let (reply, done) = crossbeam_channel::bounded(1);
+        {
+            let mut waiting = self.waiting.lock();
+            let task = submit(self.tier.as_ref());
+            waiting.insert(task, reply);
+        }
+        done.recv_timeout(DEADLINE)
+            .unwrap_or_else(|_| panic!("a task hung"))
+    }
+
+    /// Stores `keys` with their payloads.
+    pub fn store(&self, keys: &[ObjectKey]) -> Result<(), TierError> {
+        let items: Vec<StoreItem> = keys
+            .iter()
+            .map(|k| StoreItem {
+                key: *k,
+                source: Box::new(VecChunk(payload(k, self.chunk_bytes))),
+            })
+            .collect();
+        match self.call(|tier| tier.submit_store(items)) {
+            Completion::Stored { result, .. } => result,
+            _ => panic!("a store completed as something else"),
+        }
+    }
+
+    /// Looks up and locks `keys`.
+    pub fn lookup(&self, keys: &[ObjectKey]) -> Bitmap {
+        match self.call(|tier| tier.submit_lookup_and_lock(keys.to_vec())) {
+            Completion::LookedUp { locked, .. } => locked,
+            _ => panic!("a lookup completed as something else"),
+        }
+    }
+
+    /// Loads `keys` and asserts every key that loaded holds exactly its payload; returns which
+    /// loaded.
+    pub fn load_verified(&self, keys: &[ObjectKey]) -> Bitmap {
+        let items: Vec<LoadItem> = keys
+            .iter()
+            .map(|k| LoadItem {
+                key: *k,
+                sink: Box::new(VecChunk(vec![0; self.chunk_bytes as usize])),
+            })
+            .collect();
+        match self.call(|tier| tier.submit_load(items)) {
+            Completion::Loaded {
+                loaded, mut sinks, ..
+            } => {
+                for i in loaded.iter_ones() {
+                    let bytes = sinks[i]
+                        .sink
+                        .host_bytes_mut()
+                        .expect("the harness loads into host buffers");
+                    assert!(
+                        *bytes == payload(&keys[i], self.chunk_bytes),
+                        "{:?} loaded another object's bytes",
+                        keys[i]
+                    );
+                }
+                loaded
+            }
+            _ => panic!("a load completed as something else"),
+        }
+    }
+}
+
+impl Drop for SharedTier {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(router) = self.router.take() {
+            let _ = router.join();
+        }
+    }
+}

@@ -1,0 +1,565 @@
+//! The HostStore: an index of fixed-size slots in one host arena, worker threads that run tasks,
+//! and the `TierAdapter` face.
+//!
+//! Every entry is *being stored* (invisible) or *ready*. A store task reserves its slots under
+//! the index lock, copies outside it, then publishes them all, or on any failure drops them all:
+//! a failed store task leaves no trace. Loads copy out of slots pinned under the lock; eviction
+//! and deletion skip pinned and locked entries, so a slot is never reused under a copy.
+
+use std::collections::{HashMap, HashSet};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use foldhash::fast::RandomState;
+use parking_lot::Mutex;
+use tierkv_core::policy::EvictionPolicy;
+use tierkv_core::{
+    Bitmap, ChunkSink, ChunkSource, Completion, LoadItem, ObjectKey, StoreItem, TaskId,
+    TierAdapter, TierError, TierUsage,
+};
+
+use crate::arena::{Arena, MemoryKind};
+use crate::config::HostStoreConfig;
+use crate::error::L2Error;
+use crate::metrics::{Failure, L2Metrics};
+
+struct Entry {
+    slot: u32,
+    len: u64,
+    /// False while its store task copies into it: invisible to lookups, loads and deletes.
+    ready: bool,
+    /// Locks taken by lookups and not yet returned.
+    locks: u64,
+    /// Loads copying out of the slot right now.
+    pins: u64,
+}
+
+impl Entry {
+    fn evictable(&self) -> bool {
+        self.ready && self.locks == 0 && self.pins == 0
+    }
+}
+
+struct Index {
+    map: HashMap<ObjectKey, Entry, RandomState>,
+    free: Vec<u32>,
+    /// Tracks exactly the ready entries.
+    policy: Box<dyn EvictionPolicy<ObjectKey>>,
+    locks: u64,
+    ready: u64,
+}
+
+impl Index {
+    /// `n` slots for a store task, evicting unlocked, unpinned entries that are not among the
+    /// task's own keys. All or nothing: when `n` cannot be had, nothing is evicted and the
+    /// candidates go back to the policy. Returns the slots and the number evicted.
+    fn reserve_slots(
+        &mut self,
+        n: usize,
+        task_keys: &HashSet<ObjectKey, RandomState>,
+    ) -> Option<(Vec<u32>, u64)> {
+        let from_free = n.min(self.free.len());
+        let short = n - from_free;
+        let Index { map, policy, .. } = self;
+        let victims = if short > 0 {
+            policy.evict(short, &mut |k| {
+                !task_keys.contains(k) && map.get(k).is_some_and(Entry::evictable)
+            })
+        } else {
+            Vec::new()
+        };
+        if victims.len() < short {
+            for victim in victims {
+                policy.insert(victim);
+            }
+            return None;
+        }
+        let mut slots = self.free.split_off(self.free.len() - from_free);
+        for victim in &victims {
+            if let Some(entry) = self.map.remove(victim) {
+                slots.push(entry.slot);
+                self.ready -= 1;
+            }
+        }
+        Some((slots, victims.len() as u64))
+    }
+
+    /// Drops entries that a store task reserved and did not publish.
+    fn forget(&mut self, reserved: &[(ObjectKey, u32)]) {
+        for (key, slot) in reserved {
+            if self.map.remove(key).is_some() {
+                self.free.push(*slot);
+            }
+        }
+    }
+}
+
+enum Job {
+    Store(TaskId, Vec<StoreItem>),
+    Lookup(TaskId, Vec<ObjectKey>),
+    Load(TaskId, Vec<LoadItem>),
+}
+
+struct Shared {
+    arena: Arena,
+    chunk_bytes: u64,
+    slots: u32,
+    index: Mutex<Index>,
+    closed: AtomicBool,
+    next_task: AtomicU64,
+    done: Sender<Completion>,
+    completions: Receiver<Completion>,
+    metrics: L2Metrics,
+}
+
+/// The host-memory tier (L2).
+pub struct HostStore {
+    shared: Arc<Shared>,
+    jobs: Mutex<Option<Sender<Job>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    config: HostStoreConfig,
+}
+
+impl HostStore {
+    /// Allocates the arena and starts the workers.
+    pub fn open(config: HostStoreConfig) -> Result<Self, L2Error> {
+        let slots = config.slots()?;
+        let arena = Arena::new(u64::from(slots) * config.chunk_bytes, config.memory)?;
+        let (done, completions) = unbounded();
+        let shared = Arc::new(Shared {
+            arena,
+            chunk_bytes: config.chunk_bytes,
+            slots,
+            index: Mutex::new(Index {
+                map: HashMap::default(),
+                free: (0..slots).rev().collect(),
+                policy: config.policy.build(),
+                locks: 0,
+                ready: 0,
+            }),
+            closed: AtomicBool::new(false),
+            next_task: AtomicU64::new(1),
+            done,
+            completions,
+            metrics: L2Metrics::register(),
+        });
+        let (jobs, queue) = unbounded::<Job>();
+        let mut workers = Vec::with_capacity(config.workers);
+        for n in 0..config.workers {
+            let (shared, queue) = (Arc::clone(&shared), queue.clone());
+            let worker = std::thread::Builder::new()
+                .name(format!("tierkv-l2-{n}"))
+                .spawn(move || shared.work(&queue))
+                .map_err(|e| L2Error::Thread(e.to_string()));
+            match worker {
+                Ok(handle) => workers.push(handle),
+                Err(e) => {
+                    // Stop the workers already started before reporting.
+                    drop(jobs);
+                    workers
+                        .into_iter()
+                        .for_each(|w: JoinHandle<()>| drop(w.join()));
+                    return Err(e);
+                }
+            }
+        }
+        let store = HostStore {
+            shared,
+            jobs: Mutex::new(Some(jobs)),
+            workers: Mutex::new(workers),
+            config,
+        };
+        store.publish_metrics();
+        Ok(store)
+    }
+
+    /// The memory the arena actually got.
+    pub fn memory(&self) -> MemoryKind {
+        self.shared.arena.kind()
+    }
+
+    /// The configuration the store was opened with.
+    pub fn config(&self) -> &HostStoreConfig {
+        &self.config
+    }
+
+    /// Sets the L2 gauges from the current state.
+    pub fn publish_metrics(&self) {
+        self.shared.publish();
+    }
+
+    fn submit(&self, make: impl FnOnce(TaskId) -> Job) -> TaskId {
+        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
+        let job = make(task);
+        let sender = self.jobs.lock().clone();
+        match sender {
+            Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
+                if let Err(refused) = sender.send(job) {
+                    self.shared.fail(refused.0, TierError::Closed);
+                }
+            }
+            _ => self.shared.fail(job, TierError::Closed),
+        }
+        task
+    }
+}
+
+impl Shared {
+    fn work(&self, queue: &Receiver<Job>) {
+        while let Ok(job) = queue.recv() {
+            if self.closed.load(Ordering::Acquire) {
+                self.fail(job, TierError::Closed);
+                continue;
+            }
+            let (task, kind) = match &job {
+                Job::Store(task, _) => (*task, 0),
+                Job::Lookup(task, keys) => (*task, 1 + keys.len()),
+                Job::Load(task, _) => (*task, usize::MAX),
+            };
+            match catch_unwind(AssertUnwindSafe(|| self.run(job))) {
+                Ok(completion) => {
+                    let _ = self.done.send(completion);
+                }
+                // A bug in this crate, not in a caller's buffer (those are caught per copy): the
+                // buffers went down with the panic, so the task completes as a failure without
+                // them rather than never.
+                Err(_) => {
+                    self.metrics.failed(Failure::Panic);
+                    let completion = match kind {
+                        0 => Completion::Stored {
+                            task,
+                            result: Err(TierError::Io("internal panic".into())),
+                            sources: vec![],
+                        },
+                        usize::MAX => Completion::Loaded {
+                            task,
+                            loaded: Bitmap::new(0),
+                            sinks: vec![],
+                        },
+                        n => Completion::LookedUp {
+                            task,
+                            locked: Bitmap::new(n - 1),
+                        },
+                    };
+                    let _ = self.done.send(completion);
+                }
+            }
+            self.publish();
+        }
+    }
+
+    fn run(&self, job: Job) -> Completion {
+        match job {
+            Job::Store(task, sources) => {
+                let result = self.store(&sources);
+                Completion::Stored {
+                    task,
+                    result,
+                    sources,
+                }
+            }
+            Job::Lookup(task, keys) => Completion::LookedUp {
+                task,
+                locked: self.lookup_and_lock(&keys),
+            },
+            Job::Load(task, mut sinks) => {
+                let loaded = self.load(&mut sinks);
+                Completion::Loaded {
+                    task,
+                    loaded,
+                    sinks,
+                }
+            }
+        }
+    }
+
+    /// Completes a job that will not run.
+    fn fail(&self, job: Job, error: TierError) {
+        self.metrics.failed(Failure::Closed);
+        let completion = match job {
+            Job::Store(task, sources) => Completion::Stored {
+                task,
+                result: Err(error),
+                sources,
+            },
+            Job::Lookup(task, keys) => Completion::LookedUp {
+                task,
+                locked: Bitmap::new(keys.len()),
+            },
+            Job::Load(task, sinks) => Completion::Loaded {
+                task,
+                loaded: Bitmap::new(sinks.len()),
+                sinks,
+            },
+        };
+        let _ = self.done.send(completion);
+    }
+
+    fn slot_range(&self, slot: u32, len: u64) -> (usize, usize) {
+        ((u64::from(slot) * self.chunk_bytes) as usize, len as usize)
+    }
+
+    fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
+        if let Some(item) = items
+            .iter()
+            .find(|item| item.source.len() > self.chunk_bytes)
+        {
+            self.metrics.failed(Failure::TooLarge);
+            return Err(TierError::TooLarge {
+                bytes: item.source.len(),
+                limit: self.chunk_bytes,
+            });
+        }
+        // Reserve a slot for every key not yet here (present or in flight: equal keys, equal
+        // bytes), all at once, so a task that cannot fit evicts nothing.
+        let task_keys: HashSet<ObjectKey, RandomState> =
+            items.iter().map(|item| item.key).collect();
+        let mut reserved: Vec<(ObjectKey, u32)> = Vec::with_capacity(items.len());
+        let mut to_copy: Vec<(&StoreItem, u32)> = Vec::with_capacity(items.len());
+        let evicted;
+        {
+            let mut index = self.index.lock();
+            let mut seen: HashSet<ObjectKey, RandomState> = HashSet::default();
+            let new: Vec<&StoreItem> = items
+                .iter()
+                .filter(|item| !index.map.contains_key(&item.key) && seen.insert(item.key))
+                .collect();
+            let Some((slots, victims)) = index.reserve_slots(new.len(), &task_keys) else {
+                drop(index);
+                self.metrics.failed(Failure::NoSpace);
+                return Err(TierError::NoSpace(format!(
+                    "{} chunks do not fit: the other slots of {} are locked, pinned or being stored",
+                    new.len(),
+                    self.slots
+                )));
+            };
+            evicted = victims;
+            for (item, slot) in new.into_iter().zip(slots) {
+                let entry = Entry {
+                    slot,
+                    len: item.source.len(),
+                    ready: false,
+                    locks: 0,
+                    pins: 0,
+                };
+                index.map.insert(item.key, entry);
+                reserved.push((item.key, slot));
+                to_copy.push((item, slot));
+            }
+        }
+        self.metrics.evicted(evicted);
+        // Copy outside the lock. The reserved slots are this task's alone.
+        let mut failure = None;
+        for (item, slot) in &to_copy {
+            let (offset, len) = self.slot_range(*slot, item.source.len());
+            // SAFETY: the slot was reserved above for this task only; nothing reads an entry that
+            // is not ready, and nothing else writes a reserved slot.
+            let dst = unsafe { self.arena.bytes_mut(offset, len) };
+            let copied = catch_unwind(AssertUnwindSafe(|| copy_in(item.source.as_ref(), dst)));
+            match copied {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failure = Some(TierError::Buffer(e)),
+                Err(_) => {
+                    failure = Some(TierError::Io(format!(
+                        "the source of {:?} panicked",
+                        item.key
+                    )))
+                }
+            }
+            if failure.is_some() {
+                break;
+            }
+        }
+        let mut index = self.index.lock();
+        if let Some(error) = failure {
+            index.forget(&reserved);
+            drop(index);
+            self.metrics.failed(Failure::Copy);
+            return Err(error);
+        }
+        for (key, _) in &reserved {
+            if let Some(entry) = index.map.get_mut(key) {
+                entry.ready = true;
+            }
+            index.policy.insert(*key);
+            index.ready += 1;
+        }
+        drop(index);
+        let bytes = to_copy.iter().map(|(item, _)| item.source.len()).sum();
+        self.metrics.stored(to_copy.len() as u64, bytes);
+        Ok(())
+    }
+
+    fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
+        let mut index = self.index.lock();
+        let Index {
+            map, policy, locks, ..
+        } = &mut *index;
+        Bitmap::from_bools(keys.iter().map(|key| match map.get_mut(key) {
+            Some(entry) if entry.ready => {
+                entry.locks += 1;
+                *locks += 1;
+                policy.touch(key);
+                true
+            }
+            _ => false,
+        }))
+    }
+
+    fn load(&self, items: &mut [LoadItem]) -> Bitmap {
+        // Pin under the lock, copy outside it, unpin under it again.
+        let pinned: Vec<Option<(u32, u64)>> = {
+            let mut index = self.index.lock();
+            items
+                .iter()
+                .map(|item| match index.map.get_mut(&item.key) {
+                    Some(entry) if entry.ready && entry.len == item.sink.len() => {
+                        entry.pins += 1;
+                        Some((entry.slot, entry.len))
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let mut loaded = Bitmap::new(items.len());
+        let mut bytes = 0;
+        for (i, (item, pin)) in items.iter_mut().zip(&pinned).enumerate() {
+            let Some((slot, len)) = pin else { continue };
+            let (offset, len) = self.slot_range(*slot, *len);
+            // SAFETY: the entry is ready and pinned: nobody writes or reuses its slot until it is
+            // unpinned below.
+            let src = unsafe { self.arena.bytes(offset, len) };
+            let copied = catch_unwind(AssertUnwindSafe(|| copy_out(src, item.sink.as_mut())));
+            if matches!(copied, Ok(Ok(()))) {
+                loaded.set(i, true);
+                bytes += len as u64;
+            } else {
+                self.metrics.failed(Failure::Copy);
+            }
+        }
+        let mut index = self.index.lock();
+        for (item, pin) in items.iter().zip(&pinned) {
+            if pin.is_some()
+                && let Some(entry) = index.map.get_mut(&item.key)
+            {
+                entry.pins -= 1;
+            }
+        }
+        drop(index);
+        self.metrics.loaded(loaded.count_ones() as u64, bytes);
+        loaded
+    }
+
+    fn usage(&self) -> TierUsage {
+        let index = self.index.lock();
+        let occupied = u64::from(self.slots) - index.free.len() as u64;
+        TierUsage {
+            capacity_bytes: u64::from(self.slots) * self.chunk_bytes,
+            used_bytes: occupied * self.chunk_bytes,
+            objects: index.ready,
+            locks: index.locks,
+        }
+    }
+
+    fn publish(&self) {
+        let usage = self.usage();
+        self.metrics
+            .publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
+    }
+}
+
+/// Copies a source into a slot: in place when the source is host memory.
+fn copy_in(source: &dyn ChunkSource, dst: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
+    match source.host_bytes() {
+        Some(bytes) if bytes.len() == dst.len() => {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        }
+        _ => source.copy_to_host(dst),
+    }
+}
+
+/// Copies a slot into a sink: in place when the sink is host memory.
+fn copy_out(src: &[u8], sink: &mut dyn ChunkSink) -> Result<(), tierkv_core::BufferError> {
+    match sink.host_bytes_mut() {
+        Some(bytes) if bytes.len() == src.len() => {
+            bytes.copy_from_slice(src);
+            Ok(())
+        }
+        _ => sink.copy_from_host(src),
+    }
+}
+
+impl TierAdapter for HostStore {
+    fn name(&self) -> &str {
+        "l2"
+    }
+
+    fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
+        self.submit(|task| Job::Store(task, items))
+    }
+
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
+        self.submit(|task| Job::Lookup(task, keys))
+    }
+
+    fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
+        self.submit(|task| Job::Load(task, items))
+    }
+
+    fn unlock(&self, keys: &[ObjectKey]) {
+        let mut index = self.shared.index.lock();
+        for key in keys {
+            if let Some(entry) = index.map.get_mut(key)
+                && entry.locks > 0
+            {
+                entry.locks -= 1;
+                index.locks -= 1;
+            }
+        }
+    }
+
+    fn delete(&self, keys: &[ObjectKey]) -> usize {
+        let mut index = self.shared.index.lock();
+        let mut deleted = 0;
+        for key in keys {
+            if index.map.get(key).is_some_and(Entry::evictable)
+                && let Some(entry) = index.map.remove(key)
+            {
+                index.policy.remove(key);
+                index.free.push(entry.slot);
+                index.ready -= 1;
+                deleted += 1;
+            }
+        }
+        deleted
+    }
+
+    fn usage(&self) -> TierUsage {
+        self.shared.usage()
+    }
+
+    fn completions(&self) -> Receiver<Completion> {
+        self.shared.completions.clone()
+    }
+
+    fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        // Disconnecting the queue lets the workers drain it (failing what is left) and exit.
+        drop(self.jobs.lock().take());
+        let workers = std::mem::take(&mut *self.workers.lock());
+        for worker in workers {
+            let _ = worker.join();
+        }
+        self.shared.publish();
+    }
+}
+
+impl Drop for HostStore {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

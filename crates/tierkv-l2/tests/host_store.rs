@@ -1,0 +1,375 @@
+//! HostStore behaviour beyond the contract: refusals, panicking buffers, metrics, concurrency,
+//! and a model-based property test.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use proptest::prelude::*;
+use tierkv_core::{BufferError, ChunkSource, StoreItem, TierError, VecChunk};
+use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
+use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload};
+
+const CHUNK: u64 = 16 << 10;
+
+fn harness(chunks: u64, workers: usize) -> Harness {
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        workers,
+        ..HostStoreConfig::new(chunks * CHUNK, CHUNK)
+    };
+    let tier = Arc::new(HostStore::open(config).unwrap());
+    Harness::new(OpenTier {
+        tier,
+        chunk_bytes: CHUNK,
+        keep: Box::new(()),
+    })
+}
+
+#[test]
+fn a_chunk_larger_than_a_slot_is_refused_and_leaves_nothing() {
+    let mut h = harness(4, 1);
+    let item = StoreItem {
+        key: key(1),
+        source: Box::new(VecChunk(vec![0; CHUNK as usize + 1])),
+    };
+    let task = h.tier.submit_store(vec![item]);
+    match h.wait(task) {
+        tierkv_core::Completion::Stored { result, .. } => {
+            assert_eq!(
+                result,
+                Err(TierError::TooLarge {
+                    bytes: CHUNK + 1,
+                    limit: CHUNK
+                })
+            )
+        }
+        _ => panic!("not a store completion"),
+    }
+    assert_eq!(h.tier.usage().used_bytes, 0);
+}
+
+struct Exploding;
+
+impl ChunkSource for Exploding {
+    fn len(&self) -> u64 {
+        CHUNK
+    }
+
+    fn copy_to_host(&self, _dst: &mut [u8]) -> Result<(), BufferError> {
+        panic!("this buffer explodes");
+    }
+}
+
+#[test]
+fn a_panicking_source_fails_its_task_whole_and_the_store_keeps_working() {
+    let mut h = harness(8, 1);
+    let items = vec![
+        StoreItem {
+            key: key(1),
+            source: Box::new(VecChunk(payload(&key(1), CHUNK))),
+        },
+        StoreItem {
+            key: key(2),
+            source: Box::new(Exploding),
+        },
+    ];
+    let task = h.tier.submit_store(items);
+    match h.wait(task) {
+        tierkv_core::Completion::Stored {
+            result, sources, ..
+        } => {
+            assert!(result.is_err());
+            assert_eq!(
+                sources.len(),
+                2,
+                "the buffers come back even though one panicked"
+            );
+        }
+        _ => panic!("not a store completion"),
+    }
+    assert_eq!(
+        h.present(&keys(1..3)).count_ones(),
+        0,
+        "nothing of a failed store task is visible"
+    );
+    assert_eq!(h.tier.usage().used_bytes, 0, "its slots were freed");
+    h.store(&[key(3)]).unwrap();
+    h.assert_loads(&[key(3)]);
+}
+
+#[test]
+fn metrics_count_stores_loads_bytes_and_evictions() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let mut h = metrics::with_local_recorder(&recorder, || harness(2, 1));
+    h.store(&keys(0..2)).unwrap();
+    h.store(&keys(2..3)).unwrap(); // evicts the first
+    // A task cannot evict its own keys: three new keys never fit two slots at once.
+    assert!(matches!(h.store(&keys(5..8)), Err(TierError::NoSpace(_))));
+    h.assert_loads(&keys(1..3));
+    let snapshot = snapshotter.snapshot().into_vec();
+    let value = |name: &str| -> f64 {
+        snapshot
+            .iter()
+            .filter(|(k, ..)| k.key().name() == name && k.key().labels().any(|l| l.value() == "l2"))
+            .map(|(.., v)| match v {
+                DebugValue::Counter(n) => *n as f64,
+                DebugValue::Gauge(g) => g.into_inner(),
+                DebugValue::Histogram(_) => f64::NAN,
+            })
+            .sum()
+    };
+    assert_eq!(value("tierkv_tier_stores_total"), 3.0);
+    assert_eq!(value("tierkv_tier_bytes_written_total"), (3 * CHUNK) as f64);
+    assert_eq!(value("tierkv_tier_loads_total"), 2.0);
+    assert_eq!(value("tierkv_tier_bytes_read_total"), (2 * CHUNK) as f64);
+    assert_eq!(value("tierkv_evictions_total"), 1.0);
+    assert_eq!(value("tierkv_tier_used_bytes"), (2 * CHUNK) as f64);
+    assert_eq!(value("tierkv_tier_capacity_bytes"), (2 * CHUNK) as f64);
+}
+
+#[test]
+fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        workers: 4,
+        ..HostStoreConfig::new(24 * CHUNK, CHUNK)
+    };
+    let shared = SharedTier::new(Arc::new(HostStore::open(config).unwrap()), CHUNK);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let shared = &shared;
+            s.spawn(move || {
+                let mut seed = t * 7919 + 1;
+                for _ in 0..200 {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let k = key((seed >> 33) % 64);
+                    match (seed >> 20) % 4 {
+                        0 => drop(shared.store(&[k])),
+                        1 => drop(shared.load_verified(&[k])),
+                        2 => {
+                            if shared.lookup(&[k]).get(0) {
+                                assert!(
+                                    shared.load_verified(&[k]).get(0),
+                                    "a locked key failed to load"
+                                );
+                                shared.tier.unlock(&[k]);
+                            }
+                        }
+                        _ => drop(shared.tier.delete(&[k])),
+                    }
+                }
+            });
+        }
+    });
+    let usage = shared.tier.usage();
+    assert_eq!(usage.locks, 0);
+    assert_eq!(usage.used_bytes, usage.objects * CHUNK, "{usage:?}");
+}
+
+#[test]
+fn a_store_task_never_evicts_its_own_keys_and_a_failed_one_evicts_nothing() {
+    let mut h = harness(4, 1);
+    h.store(&[key(1), key(2), key(5)]).unwrap();
+    assert_eq!(h.lookup(&[key(1), key(2), key(5)]).count_ones(), 3);
+    h.store(&[key(0)]).unwrap();
+    // Key 0 is the only evictable object, and it is part of the task: the task cannot fit.
+    assert!(matches!(
+        h.store(&[key(3), key(0)]),
+        Err(TierError::NoSpace(_))
+    ));
+    assert!(h.present(&[key(0)]).get(0), "the task evicted its own key");
+    // Two new keys where one slot can be freed: refused, and the cached object survives.
+    assert!(matches!(
+        h.store(&[key(6), key(7)]),
+        Err(TierError::NoSpace(_))
+    ));
+    assert!(
+        h.present(&[key(0)]).get(0),
+        "a failed task evicted a cached object"
+    );
+    h.assert_loads(&[key(0)]);
+}
+
+/// A sink that announces its load is under way, then waits (at most ten seconds) to be let go
+/// before it copies, holding the load in flight.
+struct GatedSink {
+    started: crossbeam_channel::Sender<()>,
+    proceed: crossbeam_channel::Receiver<()>,
+    bytes: Vec<u8>,
+    out: crossbeam_channel::Sender<Vec<u8>>,
+}
+
+impl tierkv_core::ChunkSink for GatedSink {
+    fn len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    fn copy_from_host(&mut self, src: &[u8]) -> Result<(), BufferError> {
+        let _ = self.started.send(());
+        let _ = self
+            .proceed
+            .recv_timeout(std::time::Duration::from_secs(10));
+        self.bytes.copy_from_slice(src);
+        let _ = self.out.send(self.bytes.clone());
+        Ok(())
+    }
+}
+
+#[test]
+fn a_slot_being_loaded_is_never_evicted_under_the_copy() {
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        workers: 2,
+        ..HostStoreConfig::new(CHUNK, CHUNK)
+    };
+    let tier = Arc::new(HostStore::open(config).unwrap());
+    let mut h = Harness::new(OpenTier {
+        tier,
+        chunk_bytes: CHUNK,
+        keep: Box::new(()),
+    });
+    h.store(&[key(0)]).unwrap();
+    let (started, is_started) = crossbeam_channel::bounded(1);
+    let (let_go, proceed) = crossbeam_channel::bounded(1);
+    let (out, copied) = crossbeam_channel::bounded(1);
+    let sink = GatedSink {
+        started,
+        proceed,
+        bytes: vec![0; CHUNK as usize],
+        out,
+    };
+    let load = h.tier.submit_load(vec![tierkv_core::LoadItem {
+        key: key(0),
+        sink: Box::new(sink),
+    }]);
+    is_started
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .unwrap();
+    // The only slot is pinned by the load: a store that needs it must be refused, not evict it.
+    let reused = h.store(&[key(1)]);
+    let_go.send(()).unwrap();
+    let bytes = copied
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .unwrap();
+    h.wait(load);
+    assert!(
+        matches!(reused, Err(TierError::NoSpace(_))),
+        "a pinned slot was reused: {reused:?}"
+    );
+    assert!(
+        bytes == payload(&key(0), CHUNK),
+        "the load saw another object's bytes"
+    );
+    h.store(&[key(1)]).unwrap();
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Store(Vec<u64>),
+    Lookup(Vec<u64>),
+    Unlock(Vec<u64>),
+    Delete(Vec<u64>),
+    Load(Vec<u64>),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let ks = || prop::collection::vec(0u64..8, 1..4);
+    prop_oneof![
+        3 => ks().prop_map(Op::Store),
+        2 => ks().prop_map(Op::Lookup),
+        2 => ks().prop_map(Op::Unlock),
+        1 => ks().prop_map(Op::Delete),
+        2 => ks().prop_map(Op::Load),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// A model of presence and locks: locked keys are never evicted, lock counts agree, present
+    /// keys load their own bytes, and usage adds up after every step.
+    #[test]
+    fn the_store_agrees_with_a_model_of_presence_and_locks(ops in prop::collection::vec(op(), 1..40)) {
+        let mut h = harness(4, 1);
+        let mut present: BTreeSet<u64> = BTreeSet::new();
+        let mut locks: BTreeMap<u64, u64> = BTreeMap::new();
+        for op in ops {
+            match op {
+                Op::Store(ids) => {
+                    let result = h.store(&ids.iter().map(|i| key(*i)).collect::<Vec<_>>());
+                    let new: BTreeSet<u64> = ids.iter().copied().filter(|i| !present.contains(i)).collect();
+                    // Evictable: present, unlocked and not one of the task's own keys. A store fits
+                    // if free plus evictable slots suffice; a failed one changes nothing.
+                    let task: BTreeSet<u64> = ids.iter().copied().collect();
+                    let evictable = present.iter().filter(|i| !locks.contains_key(i) && !task.contains(i)).count();
+                    let fits = new.len() <= 4 - present.len() + evictable;
+                    prop_assert_eq!(result.is_ok(), fits, "store of {:?} with present {:?} locks {:?}", new, present, locks);
+                    // Which keys were evicted is the policy's choice; read back what is present.
+                    let found = h.present(&(0..8).map(key).collect::<Vec<_>>());
+                    let now: BTreeSet<u64> = found.iter_ones().map(|i| i as u64).collect();
+                    for locked in locks.keys() {
+                        prop_assert!(now.contains(locked), "locked key {} was evicted", locked);
+                    }
+                    if fits {
+                        for i in &new {
+                            prop_assert!(now.contains(i), "stored key {} is missing", i);
+                        }
+                    } else {
+                        prop_assert_eq!(&now, &present, "a failed store changed what is stored");
+                    }
+                    present = now;
+                }
+                Op::Lookup(ids) => {
+                    let found = h.lookup(&ids.iter().map(|i| key(*i)).collect::<Vec<_>>());
+                    for (n, i) in ids.iter().enumerate() {
+                        prop_assert_eq!(found.get(n), present.contains(i));
+                        if found.get(n) {
+                            *locks.entry(*i).or_default() += 1;
+                        }
+                    }
+                }
+                Op::Unlock(ids) => {
+                    h.tier.unlock(&ids.iter().map(|i| key(*i)).collect::<Vec<_>>());
+                    for i in ids {
+                        if let Some(n) = locks.get_mut(&i) {
+                            *n -= 1;
+                            if *n == 0 {
+                                locks.remove(&i);
+                            }
+                        }
+                    }
+                }
+                Op::Delete(ids) => {
+                    let unique: BTreeSet<u64> = ids.iter().copied().collect();
+                    let expected = unique.iter().filter(|i| present.contains(i) && !locks.contains_key(i)).count();
+                    let deleted = h.tier.delete(&unique.iter().map(|i| key(*i)).collect::<Vec<_>>());
+                    prop_assert_eq!(deleted, expected);
+                    present.retain(|i| !unique.contains(i) || locks.contains_key(i));
+                }
+                Op::Load(ids) => {
+                    let ks: Vec<_> = ids.iter().map(|i| key(*i)).collect();
+                    let (loaded, bytes) = h.load(&ks);
+                    for (n, i) in ids.iter().enumerate() {
+                        prop_assert_eq!(loaded.get(n), present.contains(i));
+                        if loaded.get(n) {
+                            prop_assert!(bytes[n] == payload(&ks[n], CHUNK));
+                        }
+                    }
+                }
+            }
+            let usage = h.tier.usage();
+            prop_assert_eq!(usage.locks, locks.values().sum::<u64>());
+            prop_assert_eq!(usage.objects, present.len() as u64);
+            prop_assert_eq!(usage.used_bytes, present.len() as u64 * CHUNK);
+        }
+    }
+}
