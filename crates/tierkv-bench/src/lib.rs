@@ -11,10 +11,9 @@
 //!
 //! [`Table`] prints the figures and their ratios in one format across benchmarks.
 
-mod aligned;
 mod limits;
 mod table;
 
-pub use aligned::AlignedBuf;
 pub use limits::{direct_read_bandwidth, memcpy_bandwidth};
 pub use table::Table;
+pub use tierkv_core::AlignedBuf;

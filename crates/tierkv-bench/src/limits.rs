@@ -7,7 +7,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::AlignedBuf;
+use tierkv_core::AlignedBuf;
 
 /// Total bytes spread over so neither side of a copy stays in cache (twice a 32 MiB L3 and more).
 const SPREAD: usize = 128 << 20;

@@ -4,11 +4,13 @@
 //! the per-key result codes, the validated `extra_count`, a clock that tests can drive, the
 //! eviction policies, and the [`TierAdapter`] contract that lower tiers implement.
 //!
-//! Architecture invariant: this crate does no I/O, spawns no threads and depends on neither
+//! Architecture invariant: this crate does no I/O (it offers page-aligned buffers for those who
+//! do), spawns no threads and depends on neither
 //! tokio nor cudarc. Slots, leases and devices live in `tierkv-l1`; stores and loads in the tier
 //! crates.
 
 mod adapter;
+mod aligned;
 mod bitmap;
 mod clock;
 mod error;
@@ -22,6 +24,7 @@ pub use adapter::{
     BufferError, ChunkSink, ChunkSource, Completion, LoadItem, StoreItem, TaskId, TierAdapter,
     TierError, TierUsage, VecChunk,
 };
+pub use aligned::{ALIGN, AlignedBuf};
 pub use bitmap::Bitmap;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::KeyError;

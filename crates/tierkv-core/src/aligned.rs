@@ -1,4 +1,4 @@
-//! Page-aligned heap buffers, as `O_DIRECT` needs them.
+//! Page-aligned heap buffers, as direct I/O needs them (the disk tier, benchmarks).
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;

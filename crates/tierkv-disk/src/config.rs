@@ -1,0 +1,169 @@
+//! DiskStore configuration: plain data, validated when the store opens.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tierkv_core::policy::PolicyKind;
+
+use crate::error::DiskError;
+use crate::format::{BLOCK, record_bytes};
+
+/// When written records are forced to stable storage. `docs/disk-format.md` states what each
+/// promises after a crash.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FsyncPolicy {
+    /// Never: the OS writes back when it likes. Fastest; a crash may lose recent records.
+    Never,
+    /// A background thread syncs written segments at this interval.
+    Periodic(Duration),
+    /// Every store task is synced before it completes: a success is durable.
+    #[default]
+    Always,
+}
+
+/// How loads read records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReadMode {
+    /// `pread` with `O_DIRECT` into aligned buffers (buffered `pread` where the filesystem
+    /// refuses `O_DIRECT`): I/O errors come back as errors.
+    #[default]
+    Direct,
+    /// Copy out of a read-only mapping of each segment. An I/O error under a mapping is a
+    /// `SIGBUS`, not an error; see `docs/disk-format.md` for why `Direct` is the default.
+    Mmap,
+}
+
+/// How a DiskStore is built.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DiskStoreConfig {
+    /// The directory of the segment files; created if missing.
+    pub dir: PathBuf,
+    /// Bytes of disk the store may use, rounded down to whole segments.
+    pub capacity_bytes: u64,
+    /// Bytes per segment file (a multiple of 4 KiB); eviction frees a whole segment.
+    pub segment_bytes: u64,
+    /// The largest payload stored; larger chunks are refused.
+    pub max_chunk_bytes: u64,
+    /// When records are synced.
+    pub fsync: FsyncPolicy,
+    /// Worker threads: how many tasks run at once. Loads run in parallel; writes are appended
+    /// one at a time.
+    pub io_threads: usize,
+    /// How loads read.
+    pub read_mode: ReadMode,
+    /// Which policy picks the segment to evict.
+    pub policy: PolicyKind,
+}
+
+impl DiskStoreConfig {
+    /// A store in `dir` of `capacity_bytes` in 256 MiB segments, for chunks up to
+    /// `max_chunk_bytes`; `Always` fsync, four I/O threads, direct reads, LRU segments.
+    pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64, max_chunk_bytes: u64) -> Self {
+        DiskStoreConfig {
+            dir: dir.into(),
+            capacity_bytes,
+            segment_bytes: 256 << 20,
+            max_chunk_bytes,
+            fsync: FsyncPolicy::default(),
+            io_threads: 4,
+            read_mode: ReadMode::default(),
+            policy: PolicyKind::Lru,
+        }
+    }
+
+    /// Validates the configuration; returns the number of segments.
+    pub(crate) fn segments(&self) -> Result<u32, DiskError> {
+        let bad = |why: String| Err(DiskError::Config(why));
+        if self.segment_bytes == 0 || !self.segment_bytes.is_multiple_of(BLOCK) {
+            return bad(format!(
+                "segment_bytes must be a positive multiple of {BLOCK}, got {}",
+                self.segment_bytes
+            ));
+        }
+        if self.max_chunk_bytes == 0 {
+            return bad("max_chunk_bytes must be positive".into());
+        }
+        if BLOCK + record_bytes(self.max_chunk_bytes) > self.segment_bytes {
+            return bad(format!(
+                "a segment of {} bytes cannot hold a record of a {}-byte chunk (it needs {})",
+                self.segment_bytes,
+                self.max_chunk_bytes,
+                BLOCK + record_bytes(self.max_chunk_bytes)
+            ));
+        }
+        let segments = self.capacity_bytes / self.segment_bytes;
+        if segments < 2 {
+            return bad(format!(
+                "capacity_bytes ({}) must hold at least two segments of {} bytes: one to write, one to evict",
+                self.capacity_bytes, self.segment_bytes
+            ));
+        }
+        if self.io_threads == 0 || self.io_threads > 256 {
+            return bad(format!(
+                "io_threads must be within 1..=256, got {}",
+                self.io_threads
+            ));
+        }
+        if let FsyncPolicy::Periodic(every) = self.fsync
+            && every.is_zero()
+        {
+            return bad("a periodic fsync interval must be positive".into());
+        }
+        u32::try_from(segments).or_else(|_| {
+            bad(format!(
+                "{segments} segments exceed the limit of {}",
+                u32::MAX
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_the_problem() {
+        let ok = DiskStoreConfig {
+            segment_bytes: 1 << 20,
+            ..DiskStoreConfig::new("/tmp/x", 8 << 20, 64 << 10)
+        };
+        assert_eq!(ok.segments().unwrap(), 8);
+        let err = |c: DiskStoreConfig| c.segments().unwrap_err().to_string();
+        assert!(
+            err(DiskStoreConfig {
+                segment_bytes: 1000,
+                ..ok.clone()
+            })
+            .contains("multiple of 4096")
+        );
+        assert!(
+            err(DiskStoreConfig {
+                max_chunk_bytes: 1 << 20,
+                ..ok.clone()
+            })
+            .contains("cannot hold")
+        );
+        assert!(
+            err(DiskStoreConfig {
+                capacity_bytes: 1 << 20,
+                ..ok.clone()
+            })
+            .contains("two segments")
+        );
+        assert!(
+            err(DiskStoreConfig {
+                io_threads: 0,
+                ..ok.clone()
+            })
+            .contains("io_threads")
+        );
+        assert!(
+            err(DiskStoreConfig {
+                fsync: FsyncPolicy::Periodic(Duration::ZERO),
+                ..ok
+            })
+            .contains("periodic")
+        );
+    }
+}

@@ -1,0 +1,1066 @@
+//! The DiskStore: segment files, the in-memory index rebuilt at open, worker threads, and the
+//! `TierAdapter` face.
+//!
+//! Writes append records to one active segment, one record at a time, each write finishing
+//! before the next starts; so after a crash only the last record of a segment can be torn, and
+//! the scan at open stops there. Records become visible in the index only after their whole
+//! store task was written (and synced, under `FsyncPolicy::Always`). Loads read a record while
+//! its segment is pinned, verify header, epoch, key and payload checksum, and only then copy
+//! into the caller's sink. Eviction drops a whole sealed segment that holds no locked and no
+//! pinned record, and reuses its file under a new epoch.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasher;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use parking_lot::Mutex;
+use tierkv_core::policy::EvictionPolicy;
+use tierkv_core::{
+    AlignedBuf, Bitmap, ChunkSink, ChunkSource, Completion, LoadItem, ObjectKey, StoreItem, TaskId,
+    TierAdapter, TierError, TierUsage,
+};
+
+use crate::config::{DiskStoreConfig, FsyncPolicy, ReadMode};
+use crate::error::DiskError;
+use crate::format::{BLOCK, Header, Superblock, payload_checksum, record_bytes};
+use crate::metrics::{DiskMetrics, Failure};
+use crate::segment::{IoMode, SegmentFile, probe, segment_id, segment_path, sync_dir};
+
+/// Where a record lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Loc {
+    segment: u32,
+    offset: u64,
+    len: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    /// No records: never created, or failed to initialise.
+    Free,
+    /// Being initialised for a new epoch by the writer.
+    Preparing,
+    /// Receiving appends.
+    Active,
+    /// Full or closed for appends; evictable when nothing locks or pins it.
+    Sealed,
+}
+
+struct Segment {
+    file: Option<Arc<SegmentFile>>,
+    status: Status,
+    epoch: u64,
+    /// End of the last record written (appends go here).
+    end: u64,
+    /// Keys whose records were published into this segment (some may since be deleted).
+    keys: Vec<ObjectKey>,
+    live: u64,
+    live_bytes: u64,
+    /// Distinct keys of this segment that lookups hold locked.
+    locked: u64,
+    /// Loads reading from this segment now.
+    pins: u64,
+}
+
+impl Segment {
+    fn free() -> Self {
+        Segment {
+            file: None,
+            status: Status::Free,
+            epoch: 0,
+            end: BLOCK,
+            keys: Vec::new(),
+            live: 0,
+            live_bytes: 0,
+            locked: 0,
+            pins: 0,
+        }
+    }
+
+    fn evictable(&self) -> bool {
+        self.status == Status::Sealed && self.locked == 0 && self.pins == 0
+    }
+}
+
+struct Index {
+    map: HashMap<ObjectKey, Loc>,
+    /// Lock count and segment of every locked key.
+    locks: HashMap<ObjectKey, (u64, u32)>,
+    lock_total: u64,
+    segments: Vec<Segment>,
+    /// Tracks exactly the sealed segments.
+    policy: Box<dyn EvictionPolicy<u32>>,
+    /// Keys a store task is writing now: a second task storing the same key skips it.
+    in_flight: HashSet<ObjectKey>,
+}
+
+impl Index {
+    /// Drops the index entry of `key` if it still points at `loc`.
+    fn drop_record(&mut self, key: &ObjectKey, loc: Loc) {
+        if self.map.get(key) == Some(&loc) {
+            self.map.remove(key);
+            let segment = &mut self.segments[loc.segment as usize];
+            segment.live -= 1;
+            segment.live_bytes -= record_bytes(loc.len);
+        }
+    }
+}
+
+/// The writer's state: only one store task appends at a time.
+struct Writer {
+    active: Option<u32>,
+    staging: AlignedBuf,
+    /// Segments written since the last periodic sync.
+    dirty: HashSet<u32>,
+}
+
+enum Job {
+    Store(TaskId, Vec<StoreItem>),
+    Lookup(TaskId, Vec<ObjectKey>),
+    Load(TaskId, Vec<LoadItem>),
+}
+
+struct Shared {
+    config: DiskStoreConfig,
+    io: IoMode,
+    /// Why stores are refused, when the directory cannot be written.
+    read_only: Option<String>,
+    index: Mutex<Index>,
+    writer: Mutex<Writer>,
+    closed: AtomicBool,
+    next_task: AtomicU64,
+    epochs: AtomicU64,
+    done: Sender<Completion>,
+    completions: Receiver<Completion>,
+    metrics: DiskMetrics,
+}
+
+/// The persistent, checksummed disk tier.
+pub struct DiskStore {
+    shared: Arc<Shared>,
+    jobs: Mutex<Option<Sender<Job>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    flusher: Mutex<Option<(Sender<()>, JoinHandle<()>)>>,
+    recovered: Recovered,
+}
+
+/// What opening the store found in its directory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Recovered {
+    /// Records indexed.
+    pub records: u64,
+    /// Segments with a valid superblock.
+    pub segments: u32,
+    /// Blocks skipped because they held neither a valid record header nor its payload: damaged
+    /// headers, and the payloads behind them, until the next valid record.
+    pub damaged_blocks: u64,
+    /// Records whose header is valid but whose payload the file does not hold whole (a write
+    /// torn by a crash, or a truncated file): not indexed.
+    pub torn_records: u32,
+}
+
+impl DiskStore {
+    /// Opens (or creates) the store in `config.dir` and rebuilds its index from the segment
+    /// headers. A directory that cannot be written opens read-only: loads work, stores fail.
+    pub fn open(config: DiskStoreConfig) -> Result<Self, DiskError> {
+        let segments = config.segments()?;
+        let dir = config.dir.clone();
+        let exists = dir.is_dir();
+        if let Err(e) = std::fs::create_dir_all(&dir)
+            && !exists
+        {
+            return Err(DiskError::io("creating directory", &dir)(e));
+        }
+        let (io, read_only) = match probe(&dir) {
+            Ok(mode) => (mode, None),
+            Err(e) => (
+                Self::read_mode_of_existing(&dir),
+                Some(format!(
+                    "the directory {} is not writable: {e}",
+                    dir.display()
+                )),
+            ),
+        };
+        let (index, recovered) = scan(&config, segments, io, read_only.is_none())?;
+        let staging = AlignedBuf::new(record_bytes(config.max_chunk_bytes) as usize)
+            .ok_or_else(|| DiskError::Config("cannot allocate the write buffer".into()))?;
+        let (done, completions) = unbounded();
+        let shared = Arc::new(Shared {
+            io,
+            read_only,
+            index: Mutex::new(index),
+            writer: Mutex::new(Writer {
+                active: None,
+                staging,
+                dirty: HashSet::new(),
+            }),
+            closed: AtomicBool::new(false),
+            next_task: AtomicU64::new(1),
+            epochs: AtomicU64::new(0),
+            done,
+            completions,
+            metrics: DiskMetrics::register(),
+            config,
+        });
+        let store = DiskStore {
+            shared: Arc::clone(&shared),
+            jobs: Mutex::new(None),
+            workers: Mutex::new(Vec::new()),
+            flusher: Mutex::new(None),
+            recovered,
+        };
+        store.start_threads()?;
+        store.publish_metrics();
+        Ok(store)
+    }
+
+    /// For a read-only directory: direct I/O if an existing segment accepts it.
+    fn read_mode_of_existing(dir: &Path) -> IoMode {
+        let first = std::fs::read_dir(dir).ok().and_then(|entries| {
+            entries
+                .flatten()
+                .find(|e| e.file_name().to_str().and_then(segment_id).is_some())
+                .map(|e| e.path())
+        });
+        match first {
+            Some(path) if SegmentFile::open(path.clone(), false, IoMode::Direct).is_ok() => {
+                IoMode::Direct
+            }
+            _ => IoMode::Buffered,
+        }
+    }
+
+    fn start_threads(&self) -> Result<(), DiskError> {
+        let (jobs, queue) = unbounded::<Job>();
+        let mut workers = Vec::new();
+        for n in 0..self.shared.config.io_threads {
+            let (shared, queue) = (Arc::clone(&self.shared), queue.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("tierkv-disk-{n}"))
+                .spawn(move || shared.work(&queue))
+                .map_err(DiskError::Thread)?;
+            workers.push(handle);
+        }
+        *self.jobs.lock() = Some(jobs);
+        *self.workers.lock() = workers;
+        if let FsyncPolicy::Periodic(every) = self.shared.config.fsync {
+            let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
+            let shared = Arc::clone(&self.shared);
+            let handle = std::thread::Builder::new()
+                .name("tierkv-disk-flush".into())
+                .spawn(move || {
+                    while let Err(crossbeam_channel::RecvTimeoutError::Timeout) =
+                        stopped.recv_timeout(every)
+                    {
+                        shared.sync_dirty();
+                    }
+                })
+                .map_err(DiskError::Thread)?;
+            *self.flusher.lock() = Some((stop, handle));
+        }
+        Ok(())
+    }
+
+    /// How file I/O is done: direct, or buffered where the filesystem refuses direct I/O.
+    pub fn io_mode(&self) -> IoMode {
+        self.shared.io
+    }
+
+    /// Why stores are refused, when the directory could not be written at open.
+    pub fn read_only(&self) -> Option<&str> {
+        self.shared.read_only.as_deref()
+    }
+
+    /// What the scan at open found.
+    pub fn recovered(&self) -> Recovered {
+        self.recovered
+    }
+
+    /// Sets the disk gauges from the current state.
+    pub fn publish_metrics(&self) {
+        self.shared.publish();
+    }
+
+    fn submit(&self, make: impl FnOnce(TaskId) -> Job) -> TaskId {
+        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
+        let job = make(task);
+        let sender = self.jobs.lock().clone();
+        match sender {
+            Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
+                if let Err(refused) = sender.send(job) {
+                    self.shared.fail(refused.0);
+                }
+            }
+            _ => self.shared.fail(job),
+        }
+        task
+    }
+}
+
+/// Rebuilds the index from the segment files in the directory.
+fn scan(
+    config: &DiskStoreConfig,
+    segments: u32,
+    io: IoMode,
+    writable: bool,
+) -> Result<(Index, Recovered), DiskError> {
+    let mut index = Index {
+        map: HashMap::new(),
+        locks: HashMap::new(),
+        lock_total: 0,
+        segments: (0..segments).map(|_| Segment::free()).collect(),
+        policy: config.policy.build(),
+        in_flight: HashSet::new(),
+    };
+    let mut recovered = Recovered::default();
+    let entries = std::fs::read_dir(&config.dir).map_err(DiskError::io("listing", &config.dir))?;
+    let mut ids: Vec<u32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(segment_id))
+        .filter(|id| *id < segments)
+        .collect();
+    ids.sort_unstable();
+    let mut header = AlignedBuf::new(BLOCK as usize)
+        .ok_or_else(|| DiskError::Config("cannot allocate".into()))?;
+    for id in ids {
+        let path = segment_path(&config.dir, id);
+        let file = SegmentFile::open(path.clone(), writable, io)
+            .map_err(DiskError::io("opening segment", &path))?;
+        let len = file
+            .len()
+            .map_err(DiskError::io("reading segment", &path))?;
+        let superblock = match file.read_at(header.as_mut_slice(), 0) {
+            Ok(()) => Superblock::decode(header.as_slice()).ok(),
+            Err(_) => None,
+        };
+        let segment = &mut index.segments[id as usize];
+        segment.file = Some(Arc::new(file));
+        // A segment without a valid superblock holds nothing; its file is reused as is.
+        let Some(superblock) = superblock.filter(|sb| sb.id == id) else {
+            continue;
+        };
+        recovered.segments += 1;
+        segment.epoch = superblock.epoch;
+        let limit = len.min(config.segment_bytes);
+        let mut at = BLOCK;
+        let mut records = Vec::new();
+        let mut resyncing = false;
+        while at + BLOCK <= limit {
+            let file = segment.file.as_ref().map(Arc::clone);
+            let Some(file) = file else { break };
+            if file.read_at(header.as_mut_slice(), at).is_err() {
+                break;
+            }
+            match Header::decode(header.as_slice()) {
+                Ok(h) if h.epoch == superblock.epoch => {
+                    let size = record_bytes(h.len);
+                    if h.len > config.max_chunk_bytes || at + size > limit {
+                        recovered.torn_records += 1;
+                        break;
+                    }
+                    records.push((
+                        h.key,
+                        Loc {
+                            segment: id,
+                            offset: at,
+                            len: h.len,
+                        },
+                    ));
+                    at += size;
+                    resyncing = false;
+                }
+                // A record of an earlier life of this segment: this life's records end here.
+                Ok(_) => break,
+                // Never written: appends are sequential, so nothing of this epoch follows. (While
+                // resyncing, a zero block may be payload, so the search goes on.)
+                Err(_) if !resyncing && header.as_slice().iter().all(|b| *b == 0) => break,
+                // A damaged header: skip block by block to the next valid record. Headers are
+                // block-aligned and carry the segment's random epoch, which no payload can guess.
+                Err(_) => {
+                    recovered.damaged_blocks += 1;
+                    resyncing = true;
+                    at += BLOCK;
+                }
+            }
+        }
+        segment.end = at;
+        segment.status = Status::Sealed;
+        for (key, loc) in records {
+            // One object per key: a second copy (written again after a delete) is redundant.
+            if index.map.contains_key(&key) {
+                continue;
+            }
+            index.map.insert(key, loc);
+            let segment = &mut index.segments[id as usize];
+            segment.keys.push(key);
+            segment.live += 1;
+            segment.live_bytes += record_bytes(loc.len);
+            recovered.records += 1;
+        }
+        index.policy.insert(id);
+    }
+    Ok((index, recovered))
+}
+
+impl Shared {
+    fn work(&self, queue: &Receiver<Job>) {
+        let mut staging = AlignedBuf::new(record_bytes(self.config.max_chunk_bytes) as usize);
+        while let Ok(job) = queue.recv() {
+            if self.closed.load(Ordering::Acquire) {
+                self.fail(job);
+                continue;
+            }
+            let (task, kind) = match &job {
+                Job::Store(task, _) => (*task, 0),
+                Job::Lookup(task, keys) => (*task, 1 + keys.len()),
+                Job::Load(task, _) => (*task, usize::MAX),
+            };
+            let Some(buffer) = staging.as_mut() else {
+                // Without a read buffer this worker cannot load; fail rather than hang.
+                self.fail(job);
+                continue;
+            };
+            match catch_unwind(AssertUnwindSafe(|| self.run(job, buffer))) {
+                Ok(completion) => {
+                    let _ = self.done.send(completion);
+                }
+                // A bug in this crate (caller buffers are caught per copy): the task completes as
+                // a failure without its buffers rather than never.
+                Err(_) => {
+                    self.metrics.failed(Failure::Panic);
+                    let completion = match kind {
+                        0 => Completion::Stored {
+                            task,
+                            result: Err(TierError::Io("internal panic".into())),
+                            sources: vec![],
+                        },
+                        usize::MAX => Completion::Loaded {
+                            task,
+                            loaded: Bitmap::new(0),
+                            sinks: vec![],
+                        },
+                        n => Completion::LookedUp {
+                            task,
+                            locked: Bitmap::new(n - 1),
+                        },
+                    };
+                    let _ = self.done.send(completion);
+                }
+            }
+            self.publish();
+        }
+    }
+
+    fn run(&self, job: Job, staging: &mut AlignedBuf) -> Completion {
+        match job {
+            Job::Store(task, sources) => {
+                let result = self.store(&sources);
+                Completion::Stored {
+                    task,
+                    result,
+                    sources,
+                }
+            }
+            Job::Lookup(task, keys) => Completion::LookedUp {
+                task,
+                locked: self.lookup_and_lock(&keys),
+            },
+            Job::Load(task, mut sinks) => {
+                let loaded = self.load(&mut sinks, staging);
+                Completion::Loaded {
+                    task,
+                    loaded,
+                    sinks,
+                }
+            }
+        }
+    }
+
+    /// Completes a job that will not run.
+    fn fail(&self, job: Job) {
+        self.metrics.failed(Failure::Closed);
+        let completion = match job {
+            Job::Store(task, sources) => Completion::Stored {
+                task,
+                result: Err(TierError::Closed),
+                sources,
+            },
+            Job::Lookup(task, keys) => Completion::LookedUp {
+                task,
+                locked: Bitmap::new(keys.len()),
+            },
+            Job::Load(task, sinks) => Completion::Loaded {
+                task,
+                loaded: Bitmap::new(sinks.len()),
+                sinks,
+            },
+        };
+        let _ = self.done.send(completion);
+    }
+
+    // ----- stores -----
+
+    fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
+        if let Some(why) = &self.read_only {
+            self.metrics.failed(Failure::ReadOnly);
+            return Err(TierError::Io(format!(
+                "{why}; stores are refused, loads still work"
+            )));
+        }
+        if let Some(item) = items
+            .iter()
+            .find(|item| item.source.len() > self.config.max_chunk_bytes)
+        {
+            self.metrics.failed(Failure::TooLarge);
+            return Err(TierError::TooLarge {
+                bytes: item.source.len(),
+                limit: self.config.max_chunk_bytes,
+            });
+        }
+        let mut writer = self.writer.lock();
+        let new: Vec<&StoreItem> = {
+            let mut index = self.index.lock();
+            items
+                .iter()
+                .filter(|item| {
+                    !index.map.contains_key(&item.key) && index.in_flight.insert(item.key)
+                })
+                .collect()
+        };
+        let mut written: Vec<(ObjectKey, Loc)> = Vec::with_capacity(new.len());
+        let mut result = new.iter().try_for_each(|item| {
+            let loc = self.append(&mut writer, item)?;
+            written.push((item.key, loc));
+            Ok(())
+        });
+        if result.is_ok() && self.config.fsync == FsyncPolicy::Always {
+            result = self.sync_segments(written.iter().map(|(_, loc)| loc.segment));
+        }
+        let mut index = self.index.lock();
+        for item in &new {
+            index.in_flight.remove(&item.key);
+        }
+        if result.is_ok() {
+            for (key, loc) in &written {
+                index.map.insert(*key, *loc);
+                let segment = &mut index.segments[loc.segment as usize];
+                segment.keys.push(*key);
+                segment.live += 1;
+                segment.live_bytes += record_bytes(loc.len);
+            }
+            if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
+                writer
+                    .dirty
+                    .extend(written.iter().map(|(_, loc)| loc.segment));
+            }
+        }
+        drop(index);
+        drop(writer);
+        match &result {
+            Ok(()) => self.metrics.stored(
+                written.len() as u64,
+                written.iter().map(|(_, l)| l.len).sum(),
+            ),
+            Err(TierError::NoSpace(_)) => self.metrics.failed(Failure::NoSpace),
+            Err(TierError::Buffer(_)) => self.metrics.failed(Failure::Copy),
+            Err(_) => self.metrics.failed(Failure::Io),
+        }
+        result
+    }
+
+    /// Writes one record at the end of the active segment, opening a new one when it is full.
+    fn append(&self, writer: &mut Writer, item: &StoreItem) -> Result<Loc, TierError> {
+        let len = item.source.len();
+        let size = record_bytes(len);
+        let (segment, offset, epoch, file) = self.reserve(writer, size)?;
+        let record = &mut writer.staging.as_mut_slice()[..size as usize];
+        let (head, payload) = record.split_at_mut(BLOCK as usize);
+        let payload_bytes = &mut payload[..len as usize];
+        let copied = catch_unwind(AssertUnwindSafe(|| {
+            copy_in(item.source.as_ref(), payload_bytes)
+        }));
+        match copied {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(TierError::Buffer(e)),
+            Err(_) => {
+                return Err(TierError::Io(format!(
+                    "the source of {:?} panicked",
+                    item.key
+                )));
+            }
+        }
+        payload[len as usize..].fill(0);
+        let checksum = payload_checksum(&payload[..len as usize]);
+        Header {
+            epoch,
+            key: item.key,
+            len,
+            checksum,
+        }
+        .encode(head);
+        if let Err(e) = file.write_at(record, offset) {
+            // The segment now ends in a record that may be partial: stop appending to it, so no
+            // record is ever written after one the scan would stop at.
+            self.seal(writer, segment);
+            return Err(io_error(&file.path, "writing", &e));
+        }
+        let mut index = self.index.lock();
+        index.segments[segment as usize].end = offset + size;
+        Ok(Loc {
+            segment,
+            offset,
+            len,
+        })
+    }
+
+    /// Room for `size` bytes in the active segment: its id, the offset, its epoch and file.
+    fn reserve(
+        &self,
+        writer: &mut Writer,
+        size: u64,
+    ) -> Result<(u32, u64, u64, Arc<SegmentFile>), TierError> {
+        if let Some(active) = writer.active {
+            let index = self.index.lock();
+            let segment = &index.segments[active as usize];
+            if segment.end + size <= self.config.segment_bytes
+                && let Some(file) = &segment.file
+            {
+                return Ok((active, segment.end, segment.epoch, Arc::clone(file)));
+            }
+            drop(index);
+            self.seal(writer, active);
+        }
+        let (id, file) = self.open_segment()?;
+        writer.active = Some(id);
+        Ok((
+            id,
+            BLOCK,
+            self.index.lock().segments[id as usize].epoch,
+            file,
+        ))
+    }
+
+    /// Stops appending to `segment`; it becomes evictable.
+    fn seal(&self, writer: &mut Writer, segment: u32) {
+        let mut index = self.index.lock();
+        let seg = &mut index.segments[segment as usize];
+        if seg.status == Status::Active {
+            seg.status = Status::Sealed;
+            index.policy.insert(segment);
+        }
+        if writer.active == Some(segment) {
+            writer.active = None;
+        }
+    }
+
+    /// A segment initialised for a new epoch: a free one, or the policy's evictable victim. When
+    /// the disk is too full to create a segment file, an existing segment is reused instead, so a
+    /// capacity larger than the disk degrades into a smaller cache rather than failing.
+    fn open_segment(&self) -> Result<(u32, Arc<SegmentFile>), TierError> {
+        match self.open_segment_from(true) {
+            Err(TierError::NoSpace(full)) => self
+                .open_segment_from(false)
+                .map_err(|_| TierError::NoSpace(full)),
+            other => other,
+        }
+    }
+
+    /// Like `open_segment`; free segments without a file are used only if `create` allows.
+    fn open_segment_from(&self, create: bool) -> Result<(u32, Arc<SegmentFile>), TierError> {
+        let (id, evicted, existing) = {
+            let mut index = self.index.lock();
+            let free = index
+                .segments
+                .iter()
+                .position(|s| s.status == Status::Free && (create || s.file.is_some()))
+                .map(|i| i as u32);
+            let (id, evicted) = match free {
+                Some(id) => (id, 0),
+                None => {
+                    let Index {
+                        segments, policy, ..
+                    } = &mut *index;
+                    let victim = policy
+                        .evict(1, &mut |id| segments[*id as usize].evictable())
+                        .pop();
+                    let Some(id) = victim else {
+                        return Err(TierError::NoSpace(format!(
+                            "all {} segments of {} bytes hold locked or pinned records",
+                            index.segments.len(),
+                            self.config.segment_bytes
+                        )));
+                    };
+                    let keys = std::mem::take(&mut index.segments[id as usize].keys);
+                    let mut evicted = 0;
+                    for key in keys {
+                        if index.map.get(&key).is_some_and(|loc| loc.segment == id) {
+                            index.map.remove(&key);
+                            evicted += 1;
+                        }
+                    }
+                    (id, evicted)
+                }
+            };
+            let segment = &mut index.segments[id as usize];
+            segment.status = Status::Preparing;
+            segment.live = 0;
+            segment.live_bytes = 0;
+            segment.end = BLOCK;
+            (id, evicted, segment.file.clone())
+        };
+        self.metrics.evicted(evicted);
+        let initialised = self.initialise(id, existing);
+        let mut index = self.index.lock();
+        let segment = &mut index.segments[id as usize];
+        match initialised {
+            Ok((file, epoch)) => {
+                segment.file = Some(Arc::clone(&file));
+                segment.epoch = epoch;
+                segment.status = Status::Active;
+                Ok((id, file))
+            }
+            Err(e) => {
+                segment.status = Status::Free;
+                Err(e)
+            }
+        }
+    }
+
+    /// Creates (or reuses) segment `id`'s file at full size and writes a superblock with a new
+    /// epoch, so every record of the previous epoch stops matching.
+    fn initialise(
+        &self,
+        id: u32,
+        existing: Option<Arc<SegmentFile>>,
+    ) -> Result<(Arc<SegmentFile>, u64), TierError> {
+        let path = segment_path(&self.config.dir, id);
+        let bytes = self.config.segment_bytes;
+        let file = match existing {
+            Some(file) if file.len().is_ok_and(|len| len >= bytes) => file,
+            _ => {
+                let created = SegmentFile::create(path.clone(), bytes, self.io)
+                    .map_err(|e| io_error(&path, "creating", &e))?;
+                if self.config.fsync != FsyncPolicy::Never {
+                    sync_dir(&self.config.dir)
+                        .map_err(|e| io_error(&self.config.dir, "syncing", &e))?;
+                }
+                Arc::new(created)
+            }
+        };
+        let epoch = self.new_epoch(id);
+        let mut block = AlignedBuf::new(BLOCK as usize)
+            .ok_or_else(|| TierError::Io("cannot allocate".into()))?;
+        Superblock {
+            id,
+            epoch,
+            segment_bytes: bytes,
+        }
+        .encode(block.as_mut_slice());
+        file.write_at(block.as_slice(), 0)
+            .map_err(|e| io_error(&path, "writing the superblock of", &e))?;
+        if self.config.fsync != FsyncPolicy::Never {
+            file.sync().map_err(|e| io_error(&path, "syncing", &e))?;
+        }
+        Ok((file, epoch))
+    }
+
+    /// An epoch no earlier life of any segment had: random per process, so a payload can never be
+    /// crafted to pass for a record header of a future epoch.
+    fn new_epoch(&self, id: u32) -> u64 {
+        let n = self.epochs.fetch_add(1, Ordering::Relaxed);
+        std::collections::hash_map::RandomState::new().hash_one((
+            id,
+            n,
+            std::time::SystemTime::now(),
+        ))
+    }
+
+    fn sync_segments(&self, segments: impl Iterator<Item = u32>) -> Result<(), TierError> {
+        let unique: HashSet<u32> = segments.collect();
+        let files: Vec<Arc<SegmentFile>> = {
+            let index = self.index.lock();
+            unique
+                .iter()
+                .filter_map(|id| index.segments[*id as usize].file.clone())
+                .collect()
+        };
+        for file in files {
+            file.sync()
+                .map_err(|e| io_error(&file.path, "syncing", &e))?;
+        }
+        Ok(())
+    }
+
+    /// The periodic flusher's step: syncs the segments written since the last one.
+    fn sync_dirty(&self) {
+        let dirty = std::mem::take(&mut self.writer.lock().dirty);
+        if self.sync_segments(dirty.into_iter()).is_err() {
+            self.metrics.failed(Failure::Io);
+        }
+    }
+
+    // ----- lookups and loads -----
+
+    fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
+        let mut index = self.index.lock();
+        let index = &mut *index;
+        Bitmap::from_bools(keys.iter().map(|key| {
+            let Some(loc) = index.map.get(key).copied() else {
+                return false;
+            };
+            let (count, _) = index.locks.entry(*key).or_insert((0, loc.segment));
+            *count += 1;
+            if *count == 1 {
+                index.segments[loc.segment as usize].locked += 1;
+            }
+            index.lock_total += 1;
+            index.policy.touch(&loc.segment);
+            true
+        }))
+    }
+
+    fn load(&self, items: &mut [LoadItem], staging: &mut AlignedBuf) -> Bitmap {
+        // Pin the segments under the lock, read outside it, unpin under it again.
+        let planned: Vec<Option<(Loc, u64, Arc<SegmentFile>)>> = {
+            let mut index = self.index.lock();
+            items
+                .iter()
+                .map(|item| {
+                    let loc = *index.map.get(&item.key)?;
+                    let segment = &mut index.segments[loc.segment as usize];
+                    let file = segment.file.clone()?;
+                    segment.pins += 1;
+                    let epoch = segment.epoch;
+                    index.policy.touch(&loc.segment);
+                    Some((loc, epoch, file))
+                })
+                .collect()
+        };
+        let mut loaded = Bitmap::new(items.len());
+        let mut bytes = 0;
+        let mut damaged = Vec::new();
+        for (i, (item, plan)) in items.iter_mut().zip(&planned).enumerate() {
+            let Some((loc, epoch, file)) = plan else {
+                continue;
+            };
+            match self.read_record(file, *loc, *epoch, &item.key, item.sink.as_mut(), staging) {
+                Ok(()) => {
+                    loaded.set(i, true);
+                    bytes += loc.len;
+                }
+                Err(ReadFailure::Sink) => self.metrics.failed(Failure::Copy),
+                Err(ReadFailure::Damaged) => {
+                    self.metrics.checksum_failed();
+                    damaged.push((item.key, *loc));
+                }
+                Err(ReadFailure::Io) => {
+                    self.metrics.failed(Failure::Io);
+                    damaged.push((item.key, *loc));
+                }
+            }
+        }
+        let mut index = self.index.lock();
+        for (loc, _, _) in planned.iter().flatten() {
+            index.segments[loc.segment as usize].pins -= 1;
+        }
+        // A record that failed verification or could not be read is never served again.
+        for (key, loc) in damaged {
+            index.drop_record(&key, loc);
+        }
+        drop(index);
+        self.metrics.loaded(loaded.count_ones() as u64, bytes);
+        loaded
+    }
+
+    /// Reads, verifies and copies one record into `sink`.
+    fn read_record(
+        &self,
+        file: &SegmentFile,
+        loc: Loc,
+        epoch: u64,
+        key: &ObjectKey,
+        sink: &mut dyn ChunkSink,
+        staging: &mut AlignedBuf,
+    ) -> Result<(), ReadFailure> {
+        if sink.len() != loc.len {
+            return Err(ReadFailure::Sink);
+        }
+        let size = record_bytes(loc.len) as usize;
+        let record: &[u8] = match self.config.read_mode {
+            ReadMode::Direct => {
+                let buf = &mut staging.as_mut_slice()[..size];
+                file.read_at(buf, loc.offset).map_err(|_| ReadFailure::Io)?;
+                buf
+            }
+            ReadMode::Mmap => {
+                let map = file.mapping().map_err(|_| ReadFailure::Io)?;
+                let start = loc.offset as usize;
+                map.get(start..start + size).ok_or(ReadFailure::Io)?
+            }
+        };
+        let (head, payload) = record.split_at(BLOCK as usize);
+        let header = Header::decode(head).map_err(|_| ReadFailure::Damaged)?;
+        let payload = &payload[..loc.len as usize];
+        if header.epoch != epoch
+            || header.key != *key
+            || header.len != loc.len
+            || payload_checksum(payload) != header.checksum
+        {
+            return Err(ReadFailure::Damaged);
+        }
+        match catch_unwind(AssertUnwindSafe(|| copy_out(payload, sink))) {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(ReadFailure::Sink),
+        }
+    }
+
+    fn usage(&self) -> TierUsage {
+        let index = self.index.lock();
+        TierUsage {
+            capacity_bytes: index.segments.len() as u64 * self.config.segment_bytes,
+            used_bytes: index.segments.iter().map(|s| s.live_bytes).sum(),
+            objects: index.map.len() as u64,
+            locks: index.lock_total,
+        }
+    }
+
+    fn publish(&self) {
+        let usage = self.usage();
+        self.metrics
+            .publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
+    }
+}
+
+enum ReadFailure {
+    /// The record failed verification: torn, corrupted, or not the record asked for.
+    Damaged,
+    /// The OS could not read it.
+    Io,
+    /// The caller's buffer refused the bytes.
+    Sink,
+}
+
+fn io_error(path: &Path, action: &str, error: &std::io::Error) -> TierError {
+    let message = format!("{action} {}: {error}", path.display());
+    if error.raw_os_error() == Some(libc::ENOSPC) {
+        TierError::NoSpace(message)
+    } else {
+        TierError::Io(message)
+    }
+}
+
+/// Copies a source into a record's payload area: in place when the source is host memory.
+fn copy_in(source: &dyn ChunkSource, dst: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
+    match source.host_bytes() {
+        Some(bytes) if bytes.len() == dst.len() => {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        }
+        _ => source.copy_to_host(dst),
+    }
+}
+
+/// Copies a verified payload into a sink: in place when the sink is host memory.
+fn copy_out(src: &[u8], sink: &mut dyn ChunkSink) -> Result<(), tierkv_core::BufferError> {
+    match sink.host_bytes_mut() {
+        Some(bytes) if bytes.len() == src.len() => {
+            bytes.copy_from_slice(src);
+            Ok(())
+        }
+        _ => sink.copy_from_host(src),
+    }
+}
+
+impl TierAdapter for DiskStore {
+    fn name(&self) -> &str {
+        "disk"
+    }
+
+    fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
+        self.submit(|task| Job::Store(task, items))
+    }
+
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
+        self.submit(|task| Job::Lookup(task, keys))
+    }
+
+    fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
+        self.submit(|task| Job::Load(task, items))
+    }
+
+    fn unlock(&self, keys: &[ObjectKey]) {
+        let mut index = self.shared.index.lock();
+        let index = &mut *index;
+        for key in keys {
+            let Some((count, segment)) = index.locks.get_mut(key) else {
+                continue;
+            };
+            *count -= 1;
+            index.lock_total -= 1;
+            if *count == 0 {
+                let segment = *segment;
+                index.locks.remove(key);
+                index.segments[segment as usize].locked -= 1;
+            }
+        }
+    }
+
+    /// Deletes unlocked keys from the index. Not persistent: after a restart a deleted record may
+    /// be found again (its bytes are still the bytes of its key), until its segment is reused.
+    fn delete(&self, keys: &[ObjectKey]) -> usize {
+        let mut index = self.shared.index.lock();
+        let mut deleted = 0;
+        for key in keys {
+            if index.locks.contains_key(key) {
+                continue;
+            }
+            if let Some(loc) = index.map.get(key).copied()
+                && index.segments[loc.segment as usize].pins == 0
+            {
+                index.drop_record(key, loc);
+                deleted += 1;
+            }
+        }
+        deleted
+    }
+
+    fn usage(&self) -> TierUsage {
+        self.shared.usage()
+    }
+
+    fn completions(&self) -> Receiver<Completion> {
+        self.shared.completions.clone()
+    }
+
+    fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        drop(self.jobs.lock().take());
+        let workers = std::mem::take(&mut *self.workers.lock());
+        for worker in workers {
+            let _ = worker.join();
+        }
+        if let Some((stop, flusher)) = self.flusher.lock().take() {
+            drop(stop);
+            let _ = flusher.join();
+        }
+        // Whatever the policy, a clean close leaves everything written on stable storage.
+        if self.shared.read_only.is_none() {
+            let all: Vec<u32> = (0..self.shared.index.lock().segments.len() as u32).collect();
+            if self.shared.sync_segments(all.into_iter()).is_err() {
+                self.shared.metrics.failed(Failure::Io);
+            }
+        }
+        self.shared.publish();
+    }
+}
+
+impl Drop for DiskStore {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

@@ -1,0 +1,682 @@
+//! The disk tier's own scenarios: CONFORMANCE C9-C12, a restart with thousands of records, a
+//! reopen after corruption in several segments, real I/O failures, and concurrency.
+//!
+//! Failures are real where the machine allows: a tiny tmpfs for a full disk, a read-only
+//! remount for an unwritable directory, an ext4 image on a loop device whose backing file is cut
+//! short for EIO. Tests that cannot mount (not root, no loop devices) say so and return.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tierkv_core::{TierAdapter, TierError};
+use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, IoMode, ReadMode, record_bytes};
+use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys};
+
+const CHUNK: u64 = 64 << 10;
+
+fn config(dir: &Path, segments: u64, per_segment: u64) -> DiskStoreConfig {
+    let segment_bytes = BLOCK + per_segment * record_bytes(CHUNK);
+    DiskStoreConfig {
+        segment_bytes,
+        io_threads: 2,
+        ..DiskStoreConfig::new(dir, segments * segment_bytes, CHUNK)
+    }
+}
+
+fn open(config: DiskStoreConfig) -> (Harness, Arc<DiskStore>) {
+    let store = Arc::new(DiskStore::open(config).unwrap());
+    let chunk_bytes = CHUNK;
+    (
+        Harness::new(OpenTier {
+            tier: store.clone(),
+            chunk_bytes,
+            keep: Box::new(()),
+        }),
+        store,
+    )
+}
+
+/// Byte offset of record `n` (from 0) of a segment whose records are all `CHUNK` long.
+fn record_offset(n: u64) -> u64 {
+    BLOCK + n * record_bytes(CHUNK)
+}
+
+fn segment(dir: &Path, id: u32) -> PathBuf {
+    dir.join(format!("seg-{id:08}.tkv"))
+}
+
+fn flip(path: &Path, at: u64) {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, at).unwrap();
+    file.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
+    file.sync_all().unwrap();
+}
+
+fn counter(snapshotter: &Snapshotter, name: &str, reason: Option<&str>) -> u64 {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(k, ..)| k.key().name() == name)
+        .filter(|(k, ..)| {
+            reason.is_none_or(|r| {
+                k.key()
+                    .labels()
+                    .any(|l| l.key() == "reason" && l.value() == r)
+            })
+        })
+        .map(|(.., v)| if let DebugValue::Counter(n) = v { n } else { 0 })
+        .sum()
+}
+
+#[test]
+fn c9_a_restarted_store_serves_what_it_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 8, 4));
+        h.store(&keys(0..10)).unwrap();
+    }
+    let (mut h, store) = open(config(dir.path(), 8, 4));
+    assert_eq!(store.recovered().records, 10);
+    assert_eq!(h.present(&keys(0..10)).count_ones(), 10);
+    h.assert_loads(&keys(0..10));
+    h.store(&keys(10..12)).unwrap();
+    h.assert_loads(&keys(0..12));
+}
+
+#[test]
+fn restart_with_thousands_of_records_across_many_segments() {
+    const SMALL: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let segment_bytes = BLOCK + 64 * record_bytes(SMALL);
+    let config = DiskStoreConfig {
+        segment_bytes,
+        fsync: FsyncPolicy::Never,
+        ..DiskStoreConfig::new(dir.path(), 64 * segment_bytes, SMALL)
+    };
+    let harness = |config: &DiskStoreConfig| {
+        let store = Arc::new(DiskStore::open(config.clone()).unwrap());
+        (
+            Harness::new(OpenTier {
+                tier: store.clone(),
+                chunk_bytes: SMALL,
+                keep: Box::new(()),
+            }),
+            store,
+        )
+    };
+    {
+        let (mut h, _) = harness(&config);
+        for batch in 0..30 {
+            h.store(&keys(batch * 100..batch * 100 + 100)).unwrap();
+        }
+        // Closing syncs, whatever the fsync policy.
+    }
+    let (mut h, store) = harness(&config);
+    let recovered = store.recovered();
+    assert_eq!(recovered.records, 3000);
+    assert_eq!(recovered.segments, 47, "3,000 records of 64 per segment");
+    assert_eq!((recovered.damaged_blocks, recovered.torn_records), (0, 0));
+    for batch in 0..30 {
+        h.assert_loads(&keys(batch * 100..batch * 100 + 100));
+    }
+}
+
+#[test]
+fn c10_a_flipped_payload_byte_is_a_counted_miss_and_the_others_load() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 4, 8));
+        h.store(&keys(0..5)).unwrap();
+    }
+    flip(&segment(dir.path(), 0), record_offset(2) + BLOCK + 777);
+    let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(dir.path(), 4, 8)));
+    assert_eq!(
+        store.recovered().records,
+        5,
+        "payloads are verified on load, not at open"
+    );
+    let (loaded, _) = h.load(&keys(0..5));
+    assert_eq!(
+        loaded,
+        tierkv_core::Bitmap::from_bools([true, true, false, true, true])
+    );
+    h.assert_loads(&[key(0), key(1), key(3), key(4)]);
+    assert_eq!(
+        counter(&snapshotter, "tierkv_checksum_failures_total", None),
+        1
+    );
+    assert_eq!(
+        h.tier.usage().objects,
+        4,
+        "the damaged record left the index"
+    );
+    assert!(!h.present(&[key(2)]).get(0));
+
+    // The same while the store is open: the next load finds it.
+    flip(&segment(dir.path(), 0), record_offset(4) + BLOCK + 5);
+    assert!(!h.load(&[key(4)]).0.get(0));
+    assert_eq!(
+        counter(&snapshotter, "tierkv_checksum_failures_total", None),
+        1,
+        "a new snapshot counts anew"
+    );
+    // A good copy can be stored again.
+    h.store(&[key(2), key(4)]).unwrap();
+    h.assert_loads(&keys(0..5));
+}
+
+#[test]
+fn c11_a_torn_last_record_is_absent_after_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 4, 8));
+        h.store(&keys(0..5)).unwrap();
+    }
+    // A crash in the middle of the fifth record's payload.
+    let file = OpenOptions::new()
+        .write(true)
+        .open(segment(dir.path(), 0))
+        .unwrap();
+    file.set_len(record_offset(4) + BLOCK + 1000).unwrap();
+    let (mut h, store) = open(config(dir.path(), 4, 8));
+    assert_eq!(store.recovered().records, 4);
+    assert_eq!(store.recovered().torn_records, 1);
+    h.assert_loads(&keys(0..4));
+    assert!(!h.present(&[key(4)]).get(0), "the torn record is absent");
+    h.store(&keys(4..20)).unwrap();
+    h.assert_loads(&keys(4..20));
+}
+
+#[test]
+fn damaged_records_in_several_segments_are_misses_and_everything_else_loads() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 6, 4));
+        for first in [0, 4, 8, 12] {
+            h.store(&keys(first..first + 4)).unwrap();
+        }
+    }
+    flip(&segment(dir.path(), 1), record_offset(1) + BLOCK + 100); // key 5: payload
+    flip(&segment(dir.path(), 2), record_offset(2) + 30); // key 10: header
+    flip(
+        &segment(dir.path(), 3),
+        record_offset(3) + BLOCK + CHUNK - 1,
+    ); // key 15: last payload byte
+    let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(dir.path(), 6, 4)));
+    let recovered = store.recovered();
+    assert_eq!(
+        recovered.records, 15,
+        "only the record with a damaged header is not indexed"
+    );
+    assert_eq!(
+        recovered.damaged_blocks,
+        1 + CHUNK / BLOCK,
+        "its header and payload blocks were skipped"
+    );
+    let (loaded, _) = h.load(&keys(0..16));
+    let missing: Vec<usize> = (0..16).filter(|i| !loaded.get(*i)).collect();
+    assert_eq!(missing, vec![5, 10, 15]);
+    assert_eq!(
+        counter(&snapshotter, "tierkv_checksum_failures_total", None),
+        2,
+        "keys 5 and 15"
+    );
+    let good: Vec<_> = (0..16)
+        .filter(|i| ![5, 10, 15].contains(i))
+        .map(key)
+        .collect();
+    h.assert_loads(&good);
+}
+
+#[test]
+fn read_modes_agree_and_both_refuse_damage() {
+    for mode in [ReadMode::Direct, ReadMode::Mmap] {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut h, _) = open(DiskStoreConfig {
+            read_mode: mode,
+            ..config(dir.path(), 4, 8)
+        });
+        h.store(&keys(0..6)).unwrap();
+        h.assert_loads(&keys(0..6));
+        flip(&segment(dir.path(), 0), record_offset(3) + BLOCK + 9);
+        let (loaded, _) = h.load(&keys(0..6));
+        assert_eq!(loaded.count_ones(), 5, "{mode:?}");
+        assert!(!loaded.get(3), "{mode:?} served a damaged record");
+    }
+}
+
+#[test]
+fn periodic_and_never_fsync_keep_everything_after_a_clean_close() {
+    for fsync in [
+        FsyncPolicy::Never,
+        FsyncPolicy::Periodic(std::time::Duration::from_millis(5)),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut h, _) = open(DiskStoreConfig {
+                fsync,
+                ..config(dir.path(), 4, 4)
+            });
+            h.store(&keys(0..6)).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let (mut h, _) = open(DiskStoreConfig {
+            fsync,
+            ..config(dir.path(), 4, 4)
+        });
+        h.assert_loads(&keys(0..6));
+    }
+}
+
+#[test]
+fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(
+        DiskStore::open(DiskStoreConfig {
+            io_threads: 4,
+            ..config(dir.path(), 6, 4)
+        })
+        .unwrap(),
+    );
+    let shared = SharedTier::new(store.clone(), CHUNK);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let shared = &shared;
+            s.spawn(move || {
+                let mut seed = t * 7919 + 3;
+                for _ in 0..60 {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let k = key((seed >> 33) % 48);
+                    match (seed >> 20) % 4 {
+                        0 => drop(shared.store(&[k])),
+                        1 => drop(shared.load_verified(&[k])),
+                        2 => {
+                            if shared.lookup(&[k]).get(0) {
+                                assert!(
+                                    shared.load_verified(&[k]).get(0),
+                                    "a locked key failed to load"
+                                );
+                                shared.tier.unlock(&[k]);
+                            }
+                        }
+                        _ => drop(shared.tier.delete(&[k])),
+                    }
+                }
+            });
+        }
+    });
+    let usage = store.usage();
+    assert_eq!(usage.locks, 0);
+    assert_eq!(
+        usage.used_bytes,
+        usage.objects * record_bytes(CHUNK),
+        "{usage:?}"
+    );
+}
+
+/// A filesystem mounted for one test, unmounted (and its loop device detached) on drop.
+struct Mounted {
+    dir: tempfile::TempDir,
+    loop_device: Option<String>,
+    image: Option<tempfile::NamedTempFile>,
+}
+
+fn run(program: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{program}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    } else {
+        Err(format!(
+            "{program} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Mounted {
+    fn tmpfs(size: &str) -> Option<Self> {
+        let dir = tempfile::tempdir().ok()?;
+        let path = dir.path().to_str()?.to_string();
+        match run(
+            "mount",
+            &["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", &path],
+        ) {
+            Ok(_) => Some(Mounted {
+                dir,
+                loop_device: None,
+                image: None,
+            }),
+            Err(why) => {
+                eprintln!("skipped: cannot mount a tmpfs here ({why})");
+                None
+            }
+        }
+    }
+
+    fn ext4_on_loop(mebibytes: u64) -> Option<Self> {
+        let image = tempfile::NamedTempFile::new().ok()?;
+        image.as_file().set_len(mebibytes << 20).ok()?;
+        let image_path = image.path().to_str()?.to_string();
+        let dir = tempfile::tempdir().ok()?;
+        let path = dir.path().to_str()?.to_string();
+        let attempt = || -> Result<String, String> {
+            run("mkfs.ext4", &["-q", "-F", &image_path])?;
+            let device = run("losetup", &["-f", "--show", &image_path])?;
+            if let Err(why) = run("mount", &[&device, &path]) {
+                let _ = run("losetup", &["-d", &device]);
+                return Err(why);
+            }
+            Ok(device)
+        };
+        match attempt() {
+            Ok(device) => Some(Mounted {
+                dir,
+                loop_device: Some(device),
+                image: Some(image),
+            }),
+            Err(why) => {
+                eprintln!("skipped: cannot mount an ext4 image on a loop device here ({why})");
+                None
+            }
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn remount_read_only(&self) -> Result<String, String> {
+        run(
+            "mount",
+            &["-o", "remount,ro", self.path().to_str().unwrap_or_default()],
+        )
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = run("umount", &["-l", self.path().to_str().unwrap_or_default()]);
+        if let Some(device) = &self.loop_device {
+            let _ = run("losetup", &["-d", device]);
+        }
+        drop(self.image.take());
+    }
+}
+
+#[test]
+fn c12_an_unwritable_directory_opens_read_only_and_still_loads() {
+    let Some(mount) = Mounted::tmpfs("8m") else {
+        return;
+    };
+    let dir = mount.path().join("tier");
+    {
+        let (mut h, _) = open(config(&dir, 4, 4));
+        h.store(&keys(0..6)).unwrap();
+    }
+    mount.remount_read_only().unwrap();
+    let (mut h, store) = open(config(&dir, 4, 4));
+    let why = store
+        .read_only()
+        .expect("a read-only directory must be reported")
+        .to_string();
+    assert!(why.contains("not writable"), "{why}");
+    h.assert_loads(&keys(0..6));
+    match h.store(&[key(9)]) {
+        Err(TierError::Io(message)) => assert!(message.contains("not writable"), "{message}"),
+        other => panic!("a store into a read-only directory answered {other:?}"),
+    }
+    assert!(h.lookup(&keys(0..2)).get(1), "lookups still work");
+    h.tier.unlock(&keys(0..2));
+}
+
+#[test]
+fn c12_a_full_disk_fails_stores_cleanly_and_keeps_loading() {
+    let Some(mount) = Mounted::tmpfs("1m") else {
+        return;
+    };
+    // Twenty segments configured, room for four on the filesystem.
+    let (mut h, _) = open(config(mount.path(), 20, 3));
+    for first in (0..12).step_by(3) {
+        h.store(&keys(first..first + 3)).unwrap();
+    }
+    assert_eq!(h.lookup(&keys(0..12)).count_ones(), 12);
+    match h.store(&[key(12)]) {
+        Err(TierError::NoSpace(message)) => assert!(message.contains("No space left"), "{message}"),
+        other => panic!("a store into a full disk with every segment locked answered {other:?}"),
+    }
+    h.assert_loads(&keys(0..12));
+    h.tier.unlock(&keys(0..12));
+    // With segments to reuse, the full disk behaves as a smaller cache.
+    h.store(&keys(12..15)).unwrap();
+    h.assert_loads(&keys(12..15));
+}
+
+/// The physical byte offset of a file's first extent, from `filefrag`.
+fn physical_start(path: &Path) -> Option<u64> {
+    let out = run("filefrag", &["-e", "-b4096", path.to_str()?]).ok()?;
+    // Extent lines look like: "   0:        0..      63:      34816..     34879:     64: ..."
+    let line = out.lines().find(|l| l.trim_start().starts_with("0:"))?;
+    let physical = line.split(':').nth(2)?.split("..").next()?.trim();
+    physical.parse::<u64>().ok().map(|block| block * 4096)
+}
+
+#[test]
+fn c12_eio_on_read_is_a_counted_miss_and_other_keys_keep_loading() {
+    let Some(mount) = Mounted::ext4_on_loop(48) else {
+        return;
+    };
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (mut h, store) =
+        metrics::with_local_recorder(&recorder, || open(config(mount.path(), 8, 3)));
+    assert_eq!(store.io_mode(), IoMode::Direct);
+    h.store(&keys(0..3)).unwrap(); // segment 0
+    h.store(&keys(3..6)).unwrap(); // segment 1
+    let (Some(first), Some(second)) = (
+        physical_start(&segment(mount.path(), 0)),
+        physical_start(&segment(mount.path(), 1)),
+    ) else {
+        eprintln!("skipped: filefrag could not locate the segments");
+        return;
+    };
+    if second <= first {
+        eprintln!("skipped: the filesystem placed segment 1 before segment 0");
+        return;
+    }
+    // Cut the device short inside segment 1's first record (two blocks in: its superblock and
+    // the record's header stay, the payload goes): reads of keys 3-5 now fail with EIO below the
+    // filesystem. (A cut exactly at a read's end also fails that read on this kernel.)
+    mount
+        .image
+        .as_ref()
+        .unwrap()
+        .as_file()
+        .set_len(second + 2 * BLOCK)
+        .unwrap();
+    let (loaded, _) = h.load(&keys(0..6));
+    assert_eq!(
+        loaded,
+        tierkv_core::Bitmap::from_bools([true, true, true, false, false, false])
+    );
+    h.assert_loads(&keys(0..3));
+    assert_eq!(
+        counter(&snapshotter, "tierkv_errors_total", Some("io")),
+        3,
+        "each failed read is counted"
+    );
+    assert_eq!(
+        h.tier.usage().objects,
+        3,
+        "unreadable records left the index"
+    );
+    // The store keeps running: lookups answer, and another load of the lost keys is a plain miss.
+    assert_eq!(h.present(&keys(0..6)).count_ones(), 3);
+    assert_eq!(h.load(&keys(3..6)).0.count_ones(), 0);
+}
+
+#[test]
+fn a_reused_segment_forgets_its_earlier_records_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        // Three segments of four: storing 22 keys reuses segments several times, and the last
+        // life of the last segment is half written over records of an earlier life.
+        let (mut h, _) = open(config(dir.path(), 3, 4));
+        for first in (0..22).step_by(2) {
+            h.store(&keys(first..first + 2)).unwrap();
+        }
+    }
+    let (mut h, store) = open(config(dir.path(), 3, 4));
+    let found = h.present(&keys(0..22));
+    let present: Vec<usize> = found.iter_ones().collect();
+    assert_eq!(store.recovered().records as usize, present.len());
+    assert!(
+        present.iter().all(|i| *i >= 12),
+        "records of an earlier life came back: {present:?}"
+    );
+    assert!(
+        present.len() >= 8,
+        "the last two segments' records survive: {present:?}"
+    );
+    let survivors: Vec<_> = present.iter().map(|i| key(*i as u64)).collect();
+    h.assert_loads(&survivors);
+}
+
+/// A sink that signals when its copy starts and waits (at most ten seconds) to be let go.
+struct GatedSink {
+    started: crossbeam_channel::Sender<()>,
+    proceed: crossbeam_channel::Receiver<()>,
+    bytes: Vec<u8>,
+}
+
+impl tierkv_core::ChunkSink for GatedSink {
+    fn len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    fn copy_from_host(&mut self, src: &[u8]) -> Result<(), tierkv_core::BufferError> {
+        let _ = self.started.send(());
+        let _ = self
+            .proceed
+            .recv_timeout(std::time::Duration::from_secs(10));
+        self.bytes.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_segment_being_read_is_never_evicted_under_the_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, _) = open(config(dir.path(), 2, 2));
+    h.store(&keys(0..2)).unwrap(); // segment 0
+    h.store(&keys(2..4)).unwrap(); // segment 1
+    assert!(
+        h.lookup(&[key(2)]).get(0),
+        "segment 1 is locked from here on"
+    );
+    // Load keys 0 and 1 (both in segment 0), held after the first copy.
+    let (started, is_started) = crossbeam_channel::bounded(1);
+    let (let_go, proceed) = crossbeam_channel::bounded(1);
+    let gated = GatedSink {
+        started,
+        proceed,
+        bytes: vec![0; CHUNK as usize],
+    };
+    let items = vec![
+        tierkv_core::LoadItem {
+            key: key(0),
+            sink: Box::new(gated),
+        },
+        tierkv_core::LoadItem {
+            key: key(1),
+            sink: Box::new(tierkv_core::VecChunk(vec![0; CHUNK as usize])),
+        },
+    ];
+    let load = h.tier.submit_load(items);
+    is_started
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .unwrap();
+    // The only other segment is locked, segment 0 is pinned by the load: nothing may be evicted.
+    let refused = h.store(&[key(4)]);
+    let_go.send(()).unwrap();
+    let loaded = match h.wait(load) {
+        tierkv_core::Completion::Loaded { loaded, .. } => loaded,
+        _ => panic!("not a load completion"),
+    };
+    assert!(
+        matches!(refused, Err(TierError::NoSpace(_))),
+        "a pinned segment was evicted: {refused:?}"
+    );
+    assert_eq!(loaded.count_ones(), 2, "the load was cut short");
+    h.tier.unlock(&[key(2)]);
+}
+
+#[test]
+fn a_record_that_is_not_the_key_asked_for_is_a_miss() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, _) = open(config(dir.path(), 4, 4));
+    h.store(&keys(0..2)).unwrap();
+    // A misdirected write: record 1, valid in every byte, lands where record 0 lives.
+    let path = segment(dir.path(), 0);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let mut record = vec![0; record_bytes(CHUNK) as usize];
+    file.read_exact_at(&mut record, record_offset(1)).unwrap();
+    file.write_all_at(&record, record_offset(0)).unwrap();
+    file.sync_all().unwrap();
+    assert!(
+        !h.load(&[key(0)]).0.get(0),
+        "the bytes of key 1 were served as key 0"
+    );
+    h.assert_loads(&[key(1)]);
+}
+
+#[test]
+fn the_scan_finds_records_after_a_damaged_header_even_past_zero_payload_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 4, 4));
+        h.store(&[key(0)]).unwrap();
+        // A chunk of zeros (KV caches have them: padding, masked positions).
+        let zeros = tierkv_core::StoreItem {
+            key: key(1),
+            source: Box::new(tierkv_core::VecChunk(vec![0; CHUNK as usize])),
+        };
+        let task = h.tier.submit_store(vec![zeros]);
+        assert!(matches!(
+            h.wait(task),
+            tierkv_core::Completion::Stored { result: Ok(()), .. }
+        ));
+        h.store(&keys(2..4)).unwrap();
+    }
+    flip(&segment(dir.path(), 0), record_offset(1) + 20);
+    let (mut h, store) = open(config(dir.path(), 4, 4));
+    assert_eq!(store.recovered().records, 3);
+    h.assert_loads(&[key(0), key(2), key(3)]);
+}
