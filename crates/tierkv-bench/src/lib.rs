@@ -14,6 +14,6 @@
 mod limits;
 mod table;
 
-pub use limits::{direct_read_bandwidth, memcpy_bandwidth};
+pub use limits::{direct_file_bandwidth, direct_read_bandwidth, memcpy_bandwidth};
 pub use table::Table;
 pub use tierkv_core::AlignedBuf;

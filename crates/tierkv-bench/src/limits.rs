@@ -2,7 +2,8 @@
 
 use std::fs::{File, OpenOptions};
 use std::hint::black_box;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
+use std::os::unix::fs::FileExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -37,9 +38,20 @@ pub fn memcpy_bandwidth(chunk: usize, time: Duration) -> f64 {
 
 /// Sequential read bandwidth, in bytes per second, of a fresh `file_bytes` file in `dir` read with
 /// `O_DIRECT` in blocks of `block` bytes: what the disk delivers when the page cache cannot help.
-///
-/// The file is written with `O_DIRECT` too and synced, then read once; it is removed afterwards.
 pub fn direct_read_bandwidth(dir: &Path, file_bytes: usize, block: usize) -> io::Result<f64> {
+    direct_file_bandwidth(dir, file_bytes, block, 1).map(|(_, read)| read)
+}
+
+/// Sequential (write, read) bandwidth in bytes per second of a fresh `file_bytes` file in `dir`,
+/// written with `O_DIRECT` and synced, then read back with `O_DIRECT` in blocks of `block` bytes
+/// by `readers` threads at once (thread `t` reads blocks `t`, `t + readers`, ...: the file is still
+/// read front to back, with `readers` requests in flight). The file is removed afterwards.
+pub fn direct_file_bandwidth(
+    dir: &Path,
+    file_bytes: usize,
+    block: usize,
+    readers: usize,
+) -> io::Result<(f64, f64)> {
     let mut buf = AlignedBuf::new(block)
         .ok_or_else(|| io::Error::other("cannot allocate an aligned buffer"))?;
     let block = buf.as_slice().len();
@@ -51,25 +63,48 @@ pub fn direct_read_bandwidth(dir: &Path, file_bytes: usize, block: usize) -> io:
             .iter_mut()
             .enumerate()
             .for_each(|(i, b)| *b = i as u8);
+        let start = Instant::now();
         for _ in 0..blocks {
             file.write_all(buf.as_slice())?;
         }
         file.sync_all()?;
+        let write = (blocks * block) as f64 / start.elapsed().as_secs_f64();
         drop(file);
-        let mut file = direct(&path, false)?;
-        let start = Instant::now();
-        let mut read = 0usize;
-        loop {
-            let n = file.read(buf.as_mut_slice())?;
-            if n == 0 {
-                break;
-            }
-            read += n;
-        }
-        Ok(read as f64 / start.elapsed().as_secs_f64())
+        let read = parallel_read(&path, blocks, block, readers)?;
+        Ok((write, read))
     })();
     let _ = std::fs::remove_file(&path);
     result
+}
+
+fn parallel_read(path: &Path, blocks: usize, block: usize, readers: usize) -> io::Result<f64> {
+    let readers = readers.max(1);
+    let start = Instant::now();
+    let read: io::Result<Vec<usize>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..readers)
+            .map(|t| {
+                s.spawn(move || -> io::Result<usize> {
+                    let file = direct(path, false)?;
+                    let mut buf = AlignedBuf::new(block)
+                        .ok_or_else(|| io::Error::other("cannot allocate"))?;
+                    let mut read = 0;
+                    for b in (t..blocks).step_by(readers) {
+                        file.read_exact_at(buf.as_mut_slice(), (b * block) as u64)?;
+                        read += block;
+                    }
+                    Ok(read)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| Err(io::Error::other("a reader panicked")))
+            })
+            .collect()
+    });
+    Ok(read?.iter().sum::<usize>() as f64 / start.elapsed().as_secs_f64())
 }
 
 fn direct(path: &Path, write: bool) -> io::Result<File> {

@@ -1,0 +1,214 @@
+//! Lower-tier bandwidth: HostStore (L2) and DiskStore store and load of 2 MiB and 16 MiB chunks
+//! with several tasks in flight, each printed as a ratio of a limit measured in the same run on
+//! the same machine and filesystem: single-core memcpy for the host tier, sequential `O_DIRECT`
+//! write of a fresh file, and its sequential `O_DIRECT` read with as many requests in flight as
+//! the store has I/O threads, for the disk tier. Disk loads are cold: the store writes with
+//! `O_DIRECT` (nothing enters the page cache), and each chunk is read once per read mode.
+//!
+//! `cargo bench -p tierkv-bench --bench tiers` (set `TIERKV_BENCH_DIR` to measure another
+//! filesystem; the default is the system temporary directory).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "benchmark setup: a failure aborts the run"
+)]
+#![allow(clippy::print_stdout, reason = "the table is the benchmark's output")]
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tierkv_bench::{Table, direct_file_bandwidth, memcpy_bandwidth};
+use tierkv_core::{
+    ChunkHash, Completion, KvRank, LoadItem, Namespace, ObjectKey, StoreItem, TaskId, TierAdapter,
+    VecChunk,
+};
+use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, ReadMode, record_bytes};
+use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
+
+/// Tasks kept in flight, and chunks per task.
+const IN_FLIGHT: usize = 4;
+const PER_TASK: usize = 2;
+
+fn key(i: u64) -> ObjectKey {
+    ObjectKey::new(
+        Namespace::new("bench", ""),
+        ChunkHash(u128::from(i) << 32 | 7),
+        KvRank::Shared,
+    )
+}
+
+/// Buffers of `chunk` bytes, allocated and touched before any timing, as L1 slots would be.
+fn buffers(total: usize, chunk: u64, fill: u8) -> Vec<Option<Vec<u8>>> {
+    (0..total)
+        .map(|i| Some(vec![fill ^ i as u8; chunk as usize]))
+        .collect()
+}
+
+/// Runs `total` chunks through `submit` in tasks of `PER_TASK`, `IN_FLIGHT` tasks at a time, and
+/// returns bytes per second. `submit(first_chunk)` submits one task. Completions (and the buffers
+/// they hand back) are kept until the clock stops, so freeing them is not measured.
+fn pump(
+    tier: &dyn TierAdapter,
+    total: usize,
+    chunk: u64,
+    mut submit: impl FnMut(usize) -> TaskId,
+) -> f64 {
+    let completions = tier.completions();
+    let mut finished = Vec::with_capacity(total);
+    let mut waiting = VecDeque::new();
+    let (mut next, mut moved) = (0, 0u64);
+    let start = Instant::now();
+    while next < total || !waiting.is_empty() {
+        while next < total && waiting.len() < IN_FLIGHT {
+            waiting.push_back(submit(next));
+            next += PER_TASK;
+        }
+        let done = completions
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a task hung");
+        waiting.retain(|t| *t != done.task());
+        moved += match &done {
+            Completion::Stored {
+                result, sources, ..
+            } => {
+                result.as_ref().expect("a benchmark store failed");
+                sources.len() as u64 * chunk
+            }
+            Completion::Loaded { loaded, .. } => loaded.count_ones() as u64 * chunk,
+            Completion::LookedUp { .. } => 0,
+        };
+        finished.push(done);
+    }
+    let rate = moved as f64 / start.elapsed().as_secs_f64();
+    assert_eq!(moved, total as u64 * chunk, "not every chunk was moved");
+    rate
+}
+
+fn store_all(tier: &dyn TierAdapter, total: usize, chunk: u64) -> f64 {
+    let mut sources = buffers(total, chunk, 0x5a);
+    pump(tier, total, chunk, |first| {
+        let items = (first..(first + PER_TASK).min(total))
+            .map(|i| StoreItem {
+                key: key(i as u64),
+                source: Box::new(VecChunk(sources[i].take().unwrap_or_default())),
+            })
+            .collect();
+        tier.submit_store(items)
+    })
+}
+
+fn load_all(tier: &dyn TierAdapter, total: usize, chunk: u64) -> f64 {
+    let mut sinks = buffers(total, chunk, 1);
+    pump(tier, total, chunk, |first| {
+        let items = (first..(first + PER_TASK).min(total))
+            .map(|i| LoadItem {
+                key: key(i as u64),
+                sink: Box::new(VecChunk(sinks[i].take().unwrap_or_default())),
+            })
+            .collect();
+        tier.submit_load(items)
+    })
+}
+
+fn host(table: &mut Table, chunk: u64, total: usize) {
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        workers: 2,
+        ..HostStoreConfig::new(chunk * total as u64, chunk)
+    };
+    let store = HostStore::open(config).unwrap();
+    // A first pass faults the arena's pages in, as a long-running daemon's arena would be.
+    store_all(&store, total, chunk);
+    store.delete(&(0..total as u64).map(key).collect::<Vec<_>>());
+    let mib = chunk >> 20;
+    let limit = format!("memcpy {mib} MiB");
+    table.figure(
+        &format!("HostStore store, {mib} MiB chunks"),
+        store_all(&store, total, chunk),
+        &limit,
+    );
+    table.figure(
+        &format!("HostStore load, {mib} MiB chunks"),
+        load_all(&store, total, chunk),
+        &limit,
+    );
+}
+
+fn disk(table: &mut Table, parent: &Path, chunk: u64, total: usize) {
+    let run = tempfile::tempdir_in(parent).unwrap();
+    let segment_bytes = (BLOCK + 16 * record_bytes(chunk))
+        .max(256 << 20)
+        .next_multiple_of(BLOCK);
+    let capacity = (total as u64 * record_bytes(chunk)).div_ceil(segment_bytes) * segment_bytes
+        + 2 * segment_bytes;
+    let config = DiskStoreConfig {
+        segment_bytes,
+        io_threads: IN_FLIGHT,
+        fsync: FsyncPolicy::Never,
+        ..DiskStoreConfig::new(run.path(), capacity, chunk)
+    };
+    let mib = chunk >> 20;
+    {
+        let store = DiskStore::open(config.clone()).unwrap();
+        let start = Instant::now();
+        store_all(&store, total, chunk);
+        store.close(); // syncs everything written
+        let rate = total as f64 * chunk as f64 / start.elapsed().as_secs_f64();
+        table.figure(
+            &format!("DiskStore store + sync, {mib} MiB chunks"),
+            rate,
+            &format!("disk sequential write, {mib} MiB requests"),
+        );
+    }
+    for mode in [ReadMode::Direct, ReadMode::Mmap] {
+        let store = DiskStore::open(DiskStoreConfig {
+            read_mode: mode,
+            ..config.clone()
+        })
+        .unwrap();
+        let name = format!("DiskStore cold load ({mode:?}), {mib} MiB chunks");
+        table.figure(
+            &name,
+            load_all(&store, total, chunk),
+            &format!("disk sequential read, {mib} MiB requests x {IN_FLIGHT}"),
+        );
+    }
+}
+
+fn main() {
+    let dir = std::env::var_os("TIERKV_BENCH_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let work = tempfile::tempdir_in(&dir).unwrap();
+    let mut table = Table::new("GB/s", 1e9);
+    for mib in [2usize, 16] {
+        table.limit(
+            &format!("memcpy {mib} MiB"),
+            memcpy_bandwidth(mib << 20, Duration::from_secs(1)),
+        );
+    }
+    for mib in [2usize, 16] {
+        // Writes one at a time (the store appends one record at a time); reads with as many in
+        // flight as the store has I/O threads; both in requests of the chunk size.
+        let (write, _) =
+            direct_file_bandwidth(work.path(), 1 << 30, mib << 20, 1).expect("O_DIRECT is needed");
+        let (_, read) = direct_file_bandwidth(work.path(), 1 << 30, mib << 20, IN_FLIGHT)
+            .expect("O_DIRECT is needed");
+        table.limit(&format!("disk sequential write, {mib} MiB requests"), write);
+        table.limit(
+            &format!("disk sequential read, {mib} MiB requests x {IN_FLIGHT}"),
+            read,
+        );
+    }
+    host(&mut table, 2 << 20, 256);
+    host(&mut table, 16 << 20, 32);
+    disk(&mut table, work.path(), 2 << 20, 512);
+    disk(&mut table, work.path(), 16 << 20, 64);
+    println!("{}", table.render());
+    println!(
+        "filesystem: {}; host tier: plain memory, 2 workers; disk tier: {IN_FLIGHT} I/O threads",
+        dir.display()
+    );
+}
