@@ -151,6 +151,10 @@ impl DiskMetrics {
         self.checksum_failures.increment(1);
     }
 
+    pub(crate) fn checksum_failures(&self, n: u64) {
+        self.checksum_failures.increment(n);
+    }
+
     pub(crate) fn failed(&self, failure: Failure) {
         if let Some((_, c)) = self.failures.iter().find(|(f, _)| *f == failure) {
             c.increment(1);

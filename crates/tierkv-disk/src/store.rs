@@ -95,8 +95,6 @@ struct Index {
     segments: Vec<Segment>,
     /// Tracks exactly the sealed segments.
     policy: Box<dyn EvictionPolicy<u32>>,
-    /// Keys a store task is writing now: a second task storing the same key skips it.
-    in_flight: HashSet<ObjectKey>,
 }
 
 impl Index {
@@ -156,9 +154,12 @@ pub struct Recovered {
     pub records: u64,
     /// Segments with a valid superblock.
     pub segments: u32,
-    /// Blocks skipped because they held neither a valid record header nor its payload: damaged
-    /// headers, and the payloads behind them, until the next valid record.
+    /// Blocks skipped between valid records of a segment: damaged headers and the payloads
+    /// behind them. (A damaged header at the very end of a segment's records cannot be told
+    /// from bytes of the segment's earlier life; it ends the segment and is not counted.)
     pub damaged_blocks: u64,
+    /// Records skipped because their header failed verification: not indexed.
+    pub damaged_records: u32,
     /// Records whose header is valid but whose payload the file does not hold whole (a write
     /// torn by a crash, or a truncated file): not indexed.
     pub torn_records: u32,
@@ -214,6 +215,10 @@ impl DiskStore {
             flusher: Mutex::new(None),
             recovered,
         };
+        // Records the scan could not index are misses like those a load finds damaged.
+        store.shared.metrics.checksum_failures(
+            u64::from(recovered.damaged_records) + u64::from(recovered.torn_records),
+        );
         store.start_threads()?;
         store.publish_metrics();
         Ok(store)
@@ -303,6 +308,9 @@ impl DiskStore {
 }
 
 /// Rebuilds the index from the segment files in the directory.
+///
+/// Segments are scanned in parallel, `io_threads` at a time (each header is one small read, so
+/// a restart is bound by read latency, which parallel requests hide), then indexed in id order.
 fn scan(
     config: &DiskStoreConfig,
     segments: u32,
@@ -315,7 +323,6 @@ fn scan(
         lock_total: 0,
         segments: (0..segments).map(|_| Segment::free()).collect(),
         policy: config.policy.build(),
-        in_flight: HashSet::new(),
     };
     let mut recovered = Recovered::default();
     let entries = std::fs::read_dir(&config.dir).map_err(DiskError::io("listing", &config.dir))?;
@@ -325,72 +332,23 @@ fn scan(
         .filter(|id| *id < segments)
         .collect();
     ids.sort_unstable();
-    let mut header = AlignedBuf::new(BLOCK as usize)
-        .ok_or_else(|| DiskError::Config("cannot allocate".into()))?;
-    for id in ids {
-        let path = segment_path(&config.dir, id);
-        let file = SegmentFile::open(path.clone(), writable, io)
-            .map_err(DiskError::io("opening segment", &path))?;
-        let len = file
-            .len()
-            .map_err(DiskError::io("reading segment", &path))?;
-        let superblock = match file.read_at(header.as_mut_slice(), 0) {
-            Ok(()) => Superblock::decode(header.as_slice()).ok(),
-            Err(_) => None,
-        };
+    let mut scanned = scan_files(config, &ids, io, writable)?;
+    scanned.sort_unstable_by_key(|s| s.id);
+    for Scanned { id, file, found } in scanned {
         let segment = &mut index.segments[id as usize];
         segment.file = Some(Arc::new(file));
         // A segment without a valid superblock holds nothing; its file is reused as is.
-        let Some(superblock) = superblock.filter(|sb| sb.id == id) else {
+        let Some((epoch, found)) = found else {
             continue;
         };
         recovered.segments += 1;
-        segment.epoch = superblock.epoch;
-        let limit = len.min(config.segment_bytes);
-        let mut at = BLOCK;
-        let mut records = Vec::new();
-        let mut resyncing = false;
-        while at + BLOCK <= limit {
-            let file = segment.file.as_ref().map(Arc::clone);
-            let Some(file) = file else { break };
-            if file.read_at(header.as_mut_slice(), at).is_err() {
-                break;
-            }
-            match Header::decode(header.as_slice()) {
-                Ok(h) if h.epoch == superblock.epoch => {
-                    let size = record_bytes(h.len);
-                    if h.len > config.max_chunk_bytes || at + size > limit {
-                        recovered.torn_records += 1;
-                        break;
-                    }
-                    records.push((
-                        h.key,
-                        Loc {
-                            segment: id,
-                            offset: at,
-                            len: h.len,
-                        },
-                    ));
-                    at += size;
-                    resyncing = false;
-                }
-                // A record of an earlier life of this segment: this life's records end here.
-                Ok(_) => break,
-                // Never written: appends are sequential, so nothing of this epoch follows. (While
-                // resyncing, a zero block may be payload, so the search goes on.)
-                Err(_) if !resyncing && header.as_slice().iter().all(|b| *b == 0) => break,
-                // A damaged header: skip block by block to the next valid record. Headers are
-                // block-aligned and carry the segment's random epoch, which no payload can guess.
-                Err(_) => {
-                    recovered.damaged_blocks += 1;
-                    resyncing = true;
-                    at += BLOCK;
-                }
-            }
-        }
-        segment.end = at;
+        recovered.damaged_blocks += found.damaged_blocks;
+        recovered.damaged_records += found.damaged_records;
+        recovered.torn_records += found.torn_records;
+        segment.epoch = epoch;
+        segment.end = found.end;
         segment.status = Status::Sealed;
-        for (key, loc) in records {
+        for (key, loc) in found.records {
             // One object per key: a second copy (written again after a delete) is redundant.
             if index.map.contains_key(&key) {
                 continue;
@@ -407,6 +365,181 @@ fn scan(
     Ok((index, recovered))
 }
 
+/// One segment file as the scan found it.
+struct Scanned {
+    id: u32,
+    file: SegmentFile,
+    /// The epoch of its valid superblock and what it holds; `None` without a valid superblock.
+    found: Option<(u64, SegmentScan)>,
+}
+
+/// Scans the segment files `ids` on up to `io_threads` threads; in no particular order.
+fn scan_files(
+    config: &DiskStoreConfig,
+    ids: &[u32],
+    io: IoMode,
+    writable: bool,
+) -> Result<Vec<Scanned>, DiskError> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let worker = || -> Result<Vec<Scanned>, DiskError> {
+        let mut buf = AlignedBuf::new(SCAN_WINDOW as usize)
+            .ok_or_else(|| DiskError::Config("cannot allocate the scan buffer".into()))?;
+        let mut out = Vec::new();
+        while let Some(id) = ids.get(next.fetch_add(1, Ordering::Relaxed)) {
+            out.push(scan_file(config, *id, io, writable, &mut buf)?);
+        }
+        Ok(out)
+    };
+    let threads = config.io_threads.min(ids.len());
+    if threads <= 1 {
+        return worker();
+    }
+    std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(threads);
+        for n in 0..threads {
+            let handle = std::thread::Builder::new()
+                .name(format!("tierkv-disk-scan-{n}"))
+                .spawn_scoped(scope, worker)
+                .map_err(DiskError::Thread)?;
+            handles.push(handle);
+        }
+        let mut all = Vec::with_capacity(ids.len());
+        for handle in handles {
+            let part = handle.join().unwrap_or_else(|_| {
+                Err(DiskError::io("scanning", &config.dir)(
+                    std::io::Error::other("a scan thread panicked"),
+                ))
+            })?;
+            all.extend(part);
+        }
+        Ok(all)
+    })
+}
+
+/// Opens segment `id` and scans its current life.
+fn scan_file(
+    config: &DiskStoreConfig,
+    id: u32,
+    io: IoMode,
+    writable: bool,
+    buf: &mut AlignedBuf,
+) -> Result<Scanned, DiskError> {
+    let path = segment_path(&config.dir, id);
+    let file = SegmentFile::open(path.clone(), writable, io)
+        .map_err(DiskError::io("opening segment", &path))?;
+    let len = file
+        .len()
+        .map_err(DiskError::io("reading segment", &path))?;
+    let superblock = match file.read_at(&mut buf.as_mut_slice()[..BLOCK as usize], 0) {
+        Ok(()) => Superblock::decode(buf.as_slice()).ok(),
+        Err(_) => None,
+    };
+    let found = superblock.filter(|sb| sb.id == id).map(|sb| {
+        // Whole blocks only: a file cut short mid-block ends at its last whole block.
+        let limit = len.min(config.segment_bytes) / BLOCK * BLOCK;
+        (
+            sb.epoch,
+            scan_segment(&file, id, sb.epoch, limit, config, buf),
+        )
+    });
+    Ok(Scanned { id, file, found })
+}
+
+/// The most bytes the scan reads at once while it searches past a damaged header.
+const SCAN_WINDOW: u64 = 1 << 20;
+
+/// What the scan found in one segment's current life.
+#[derive(Default)]
+struct SegmentScan {
+    records: Vec<(ObjectKey, Loc)>,
+    /// Where the life's last record ends: appends would go here.
+    end: u64,
+    damaged_blocks: u64,
+    damaged_records: u32,
+    torn_records: u32,
+}
+
+/// Reads the record headers of segment `id`'s life `epoch`, from block 1 to `limit` (a whole
+/// number of blocks).
+///
+/// A block that is neither a header of this life nor zeros is either a damaged header of this
+/// life or bytes of an earlier life past this life's end; the two cannot be told apart by the
+/// block alone. A damaged record is at most `record_bytes(max_chunk_bytes)` long, so if it is
+/// one, the next record of this life (if any) starts within that distance: the scan searches
+/// exactly that window for a header of this epoch, and ends the life where it finds none (or
+/// finds a header of an earlier life). The search never runs past one record's length.
+fn scan_segment(
+    file: &SegmentFile,
+    id: u32,
+    epoch: u64,
+    limit: u64,
+    config: &DiskStoreConfig,
+    buf: &mut AlignedBuf,
+) -> SegmentScan {
+    let max_record = record_bytes(config.max_chunk_bytes);
+    let mut found = SegmentScan::default();
+    let mut at = BLOCK;
+    'records: while at + BLOCK <= limit {
+        let head = &mut buf.as_mut_slice()[..BLOCK as usize];
+        if file.read_at(head, at).is_err() {
+            break;
+        }
+        match Header::decode(head) {
+            Ok(h) if h.epoch == epoch => {
+                let size = record_bytes(h.len);
+                if h.len > config.max_chunk_bytes || at + size > limit {
+                    found.torn_records += 1;
+                    break;
+                }
+                found.records.push((
+                    h.key,
+                    Loc {
+                        segment: id,
+                        offset: at,
+                        len: h.len,
+                    },
+                ));
+                at += size;
+            }
+            // A record of an earlier life of this segment: this life's records end here.
+            Ok(_) => break,
+            // Never written: appends are sequential, so nothing of this life follows.
+            Err(_) if head.iter().all(|b| *b == 0) => break,
+            Err(_) => {
+                // Search the blocks after it (zeros included: payloads may be zero) for the
+                // next header of this life. Headers are block-aligned and carry the segment's
+                // random epoch, which no payload can guess.
+                let end = (at + max_record + BLOCK).min(limit);
+                let mut from = at + BLOCK;
+                while from < end {
+                    let piece = (end - from).min(buf.as_slice().len() as u64);
+                    let bytes = &mut buf.as_mut_slice()[..piece as usize];
+                    if file.read_at(bytes, from).is_err() {
+                        break 'records;
+                    }
+                    for (n, block) in bytes.chunks_exact(BLOCK as usize).enumerate() {
+                        match Header::decode(block) {
+                            Ok(h) if h.epoch == epoch => {
+                                let next = from + n as u64 * BLOCK;
+                                found.damaged_blocks += (next - at) / BLOCK;
+                                found.damaged_records += 1;
+                                at = next;
+                                continue 'records;
+                            }
+                            Ok(_) => break 'records,
+                            Err(_) => {}
+                        }
+                    }
+                    from += piece;
+                }
+                break;
+            }
+        }
+    }
+    found.end = at;
+    found
+}
+
 impl Shared {
     fn work(&self, queue: &Receiver<Job>) {
         let mut staging = AlignedBuf::new(record_bytes(self.config.max_chunk_bytes) as usize);
@@ -415,68 +548,58 @@ impl Shared {
                 self.fail(job);
                 continue;
             }
-            let (task, kind) = match &job {
-                Job::Store(task, _) => (*task, 0),
-                Job::Lookup(task, keys) => (*task, 1 + keys.len()),
-                Job::Load(task, _) => (*task, usize::MAX),
-            };
             let Some(buffer) = staging.as_mut() else {
                 // Without a read buffer this worker cannot load; fail rather than hang.
                 self.fail(job);
                 continue;
             };
-            match catch_unwind(AssertUnwindSafe(|| self.run(job, buffer))) {
-                Ok(completion) => {
-                    let _ = self.done.send(completion);
-                }
-                // A bug in this crate (caller buffers are caught per copy): the task completes as
-                // a failure without its buffers rather than never.
-                Err(_) => {
-                    self.metrics.failed(Failure::Panic);
-                    let completion = match kind {
-                        0 => Completion::Stored {
-                            task,
-                            result: Err(TierError::Io("internal panic".into())),
-                            sources: vec![],
-                        },
-                        usize::MAX => Completion::Loaded {
-                            task,
-                            loaded: Bitmap::new(0),
-                            sinks: vec![],
-                        },
-                        n => Completion::LookedUp {
-                            task,
-                            locked: Bitmap::new(n - 1),
-                        },
-                    };
-                    let _ = self.done.send(completion);
-                }
-            }
+            let completion = self.run(job, buffer);
+            let _ = self.done.send(completion);
             self.publish();
         }
     }
 
+    /// Runs a job. The job's buffers stay outside the code that may panic, so a panic (a bug in
+    /// this crate, or a caller's buffer whose methods panic) completes the task as a failure,
+    /// counted, with every buffer handed back; pins and other state are released by guards.
     fn run(&self, job: Job, staging: &mut AlignedBuf) -> Completion {
         match job {
             Job::Store(task, sources) => {
-                let result = self.store(&sources);
+                let result = self
+                    .contained(|| self.store(&sources))
+                    .unwrap_or_else(|| Err(TierError::Io("internal panic while storing".into())));
                 Completion::Stored {
                     task,
                     result,
                     sources,
                 }
             }
-            Job::Lookup(task, keys) => Completion::LookedUp {
-                task,
-                locked: self.lookup_and_lock(&keys),
-            },
+            Job::Lookup(task, keys) => {
+                let locked = self
+                    .contained(|| self.lookup_and_lock(&keys))
+                    .unwrap_or_else(|| Bitmap::new(keys.len()));
+                Completion::LookedUp { task, locked }
+            }
             Job::Load(task, mut sinks) => {
-                let loaded = self.load(&mut sinks, staging);
+                let loaded = self
+                    .contained(|| self.load(&mut sinks, staging))
+                    .unwrap_or_else(|| Bitmap::new(sinks.len()));
                 Completion::Loaded {
                     task,
                     loaded,
                     sinks,
                 }
+            }
+        }
+    }
+
+    /// Runs `f`, turning a panic into `None` (counted).
+    fn contained<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(value) => Some(value),
+            Err(_) => {
+                self.metrics.failed(Failure::Panic);
+                None
             }
         }
     }
@@ -522,14 +645,15 @@ impl Shared {
                 limit: self.config.max_chunk_bytes,
             });
         }
+        // One store task appends at a time (the writer lock), so the keys being written now are
+        // exactly this task's: a key present in the index, or repeated in the batch, is skipped.
         let mut writer = self.writer.lock();
         let new: Vec<&StoreItem> = {
-            let mut index = self.index.lock();
+            let index = self.index.lock();
+            let mut batch = HashSet::with_capacity(items.len());
             items
                 .iter()
-                .filter(|item| {
-                    !index.map.contains_key(&item.key) && index.in_flight.insert(item.key)
-                })
+                .filter(|item| !index.map.contains_key(&item.key) && batch.insert(item.key))
                 .collect()
         };
         let mut written: Vec<(ObjectKey, Loc)> = Vec::with_capacity(new.len());
@@ -542,9 +666,6 @@ impl Shared {
             result = self.sync_segments(written.iter().map(|(_, loc)| loc.segment));
         }
         let mut index = self.index.lock();
-        for item in &new {
-            index.in_flight.remove(&item.key);
-        }
         if result.is_ok() {
             for (key, loc) in &written {
                 index.map.insert(*key, *loc);
@@ -825,7 +946,12 @@ impl Shared {
     }
 
     fn load(&self, items: &mut [LoadItem], staging: &mut AlignedBuf) -> Bitmap {
-        // Pin the segments under the lock, read outside it, unpin under it again.
+        // Pin the segments under the lock, read outside it; the guard unpins them under it
+        // again, on every path out of here, a panic included.
+        let mut pins = Pins {
+            index: &self.index,
+            segments: Vec::with_capacity(items.len()),
+        };
         let planned: Vec<Option<(Loc, u64, Arc<SegmentFile>)>> = {
             let mut index = self.index.lock();
             items
@@ -835,6 +961,7 @@ impl Shared {
                     let segment = &mut index.segments[loc.segment as usize];
                     let file = segment.file.clone()?;
                     segment.pins += 1;
+                    pins.segments.push(loc.segment);
                     let epoch = segment.epoch;
                     index.policy.touch(&loc.segment);
                     Some((loc, epoch, file))
@@ -864,15 +991,15 @@ impl Shared {
                 }
             }
         }
-        let mut index = self.index.lock();
-        for (loc, _, _) in planned.iter().flatten() {
-            index.segments[loc.segment as usize].pins -= 1;
+        // A record that failed verification or could not be read is never served again. (It is
+        // dropped while its segment is still pinned, so `loc` cannot name a reused segment.)
+        if !damaged.is_empty() {
+            let mut index = self.index.lock();
+            for (key, loc) in damaged {
+                index.drop_record(&key, loc);
+            }
         }
-        // A record that failed verification or could not be read is never served again.
-        for (key, loc) in damaged {
-            index.drop_record(&key, loc);
-        }
-        drop(index);
+        drop(pins);
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
         loaded
     }
@@ -933,6 +1060,24 @@ impl Shared {
         let usage = self.usage();
         self.metrics
             .publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
+    }
+}
+
+/// Segments a load pinned; unpinned when dropped.
+struct Pins<'a> {
+    index: &'a Mutex<Index>,
+    segments: Vec<u32>,
+}
+
+impl Drop for Pins<'_> {
+    fn drop(&mut self) {
+        if self.segments.is_empty() {
+            return;
+        }
+        let mut index = self.index.lock();
+        for segment in &self.segments {
+            index.segments[*segment as usize].pins -= 1;
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tierkv_core::{TierAdapter, TierError};
 use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, IoMode, ReadMode, record_bytes};
-use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys};
+use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload};
 
 const CHUNK: u64 = 64 << 10;
 
@@ -232,13 +232,14 @@ fn damaged_records_in_several_segments_are_misses_and_everything_else_loads() {
         1 + CHUNK / BLOCK,
         "its header and payload blocks were skipped"
     );
+    assert_eq!(recovered.damaged_records, 1);
     let (loaded, _) = h.load(&keys(0..16));
     let missing: Vec<usize> = (0..16).filter(|i| !loaded.get(*i)).collect();
     assert_eq!(missing, vec![5, 10, 15]);
     assert_eq!(
         counter(&snapshotter, "tierkv_checksum_failures_total", None),
-        2,
-        "keys 5 and 15"
+        3,
+        "key 10's header when the store opened, keys 5 and 15's payloads when they were loaded"
     );
     let good: Vec<_> = (0..16)
         .filter(|i| ![5, 10, 15].contains(i))
@@ -679,4 +680,183 @@ fn the_scan_finds_records_after_a_damaged_header_even_past_zero_payload_blocks()
     let (mut h, store) = open(config(dir.path(), 4, 4));
     assert_eq!(store.recovered().records, 3);
     h.assert_loads(&[key(0), key(2), key(3)]);
+}
+
+/// Stores one `len`-byte chunk of `k` and waits for the outcome.
+fn store_sized(h: &mut Harness, k: tierkv_core::ObjectKey, len: u64) {
+    let item = tierkv_core::StoreItem {
+        key: k,
+        source: Box::new(tierkv_core::VecChunk(payload(&k, len))),
+    };
+    let task = h.tier.submit_store(vec![item]);
+    match h.wait(task) {
+        tierkv_core::Completion::Stored { result, .. } => result.unwrap(),
+        _ => panic!("not a store completion"),
+    }
+}
+
+/// Loads one `len`-byte chunk of `k` and returns its bytes, if it loaded.
+fn load_sized(h: &mut Harness, k: tierkv_core::ObjectKey, len: u64) -> Option<Vec<u8>> {
+    let item = tierkv_core::LoadItem {
+        key: k,
+        sink: Box::new(tierkv_core::VecChunk(vec![0; len as usize])),
+    };
+    let task = h.tier.submit_load(vec![item]);
+    match h.wait(task) {
+        tierkv_core::Completion::Loaded {
+            loaded, mut sinks, ..
+        } => loaded
+            .get(0)
+            .then(|| sinks[0].sink.host_bytes_mut().unwrap().to_vec()),
+        _ => panic!("not a load completion"),
+    }
+}
+
+#[test]
+fn a_reused_segment_that_ends_inside_an_older_payload_reopens_without_damage() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 2, 4));
+        h.store(&keys(0..8)).unwrap(); // both segments full of 64 KiB records
+        // Segment 0 is reused for two 4 KiB chunks: its new life ends in the middle of the
+        // payload of its earlier life's first record, which is neither a header nor zeros.
+        store_sized(&mut h, key(100), BLOCK);
+        store_sized(&mut h, key(101), BLOCK);
+    }
+    let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(dir.path(), 2, 4)));
+    let recovered = store.recovered();
+    assert_eq!(recovered.records, 6, "keys 100, 101 and segment 1's four");
+    assert_eq!(
+        (recovered.damaged_blocks, recovered.torn_records),
+        (0, 0),
+        "the end of a life over older bytes is not damage: {recovered:?}"
+    );
+    assert_eq!(
+        counter(&snapshotter, "tierkv_checksum_failures_total", None),
+        0
+    );
+    for k in [key(100), key(101)] {
+        assert_eq!(load_sized(&mut h, k, BLOCK), Some(payload(&k, BLOCK)));
+    }
+    h.assert_loads(&keys(4..8));
+}
+
+#[test]
+fn records_damaged_or_torn_before_a_restart_are_counted_when_it_opens() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 4, 8));
+        h.store(&keys(0..5)).unwrap();
+    }
+    flip(&segment(dir.path(), 0), record_offset(1) + 40); // key 1: header
+    let file = OpenOptions::new()
+        .write(true)
+        .open(segment(dir.path(), 0))
+        .unwrap();
+    file.set_len(record_offset(4) + BLOCK + 1000).unwrap(); // key 4: torn
+    let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(dir.path(), 4, 8)));
+    assert_eq!(store.recovered().records, 3);
+    assert_eq!(store.recovered().torn_records, 1);
+    assert_eq!(
+        counter(&snapshotter, "tierkv_checksum_failures_total", None),
+        2,
+        "one damaged header and one torn record"
+    );
+    assert_eq!(h.present(&keys(0..5)).count_ones(), 3);
+    h.assert_loads(&[key(0), key(2), key(3)]);
+}
+
+/// A sink whose `len` panics: a bug in the caller's buffer type.
+struct PanickingSink;
+
+impl tierkv_core::ChunkSink for PanickingSink {
+    fn len(&self) -> u64 {
+        panic!("a sink that cannot say its length")
+    }
+
+    fn copy_from_host(&mut self, _: &[u8]) -> Result<(), tierkv_core::BufferError> {
+        Ok(())
+    }
+}
+
+/// A source whose `len` panics from its second call on.
+struct FlakySource {
+    calls: std::sync::atomic::AtomicU32,
+}
+
+impl tierkv_core::ChunkSource for FlakySource {
+    fn len(&self) -> u64 {
+        let calls = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        assert!(calls == 0, "a source that cannot say its length twice");
+        CHUNK
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
+        dst.fill(1);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_panic_inside_a_task_fails_it_and_leaves_no_pin_and_no_stuck_key_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, _) = open(config(dir.path(), 2, 2));
+    h.store(&keys(0..2)).unwrap(); // segment 0
+    h.store(&keys(2..4)).unwrap(); // segment 1
+
+    // A load that panics after segment 0 was pinned for it.
+    let items = vec![
+        tierkv_core::LoadItem {
+            key: key(0),
+            sink: Box::new(PanickingSink),
+        },
+        tierkv_core::LoadItem {
+            key: key(1),
+            sink: Box::new(tierkv_core::VecChunk(vec![0; CHUNK as usize])),
+        },
+    ];
+    let task = h.tier.submit_load(items);
+    match h.wait(task) {
+        tierkv_core::Completion::Loaded { loaded, sinks, .. } => {
+            assert_eq!(loaded.len(), 2, "one bit per key, even after a panic");
+            assert_eq!(loaded.count_ones(), 0);
+            assert_eq!(sinks.len(), 2, "the sinks are handed back");
+        }
+        _ => panic!("not a load completion"),
+    }
+    // Segment 0 (touched by the load) is evicted second: only if the panic left it unpinned.
+    h.store(&keys(4..6)).unwrap();
+    h.store(&keys(6..8)).unwrap();
+    assert_eq!(
+        h.present(&keys(0..2)).count_ones(),
+        0,
+        "segment 0 stayed pinned"
+    );
+    h.assert_loads(&keys(4..8));
+
+    // A store that panics half-way must not leave its key unstorable.
+    let flaky = tierkv_core::StoreItem {
+        key: key(9),
+        source: Box::new(FlakySource {
+            calls: std::sync::atomic::AtomicU32::new(0),
+        }),
+    };
+    let task = h.tier.submit_store(vec![flaky]);
+    match h.wait(task) {
+        tierkv_core::Completion::Stored {
+            result, sources, ..
+        } => {
+            assert!(result.is_err(), "a panicking store reported success");
+            assert_eq!(sources.len(), 1, "the sources are handed back");
+        }
+        _ => panic!("not a store completion"),
+    }
+    h.store(&[key(9)]).unwrap();
+    h.assert_loads(&[key(9)]);
 }

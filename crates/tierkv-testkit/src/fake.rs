@@ -22,6 +22,7 @@ struct State {
     order: Lru<ObjectKey>,
     failing_loads: HashSet<ObjectKey>,
     holding: bool,
+    holding_loads: bool,
     held: Vec<Task>,
     closed: bool,
 }
@@ -54,6 +55,7 @@ impl FakeTier {
                 order: Lru::new(),
                 failing_loads: HashSet::new(),
                 holding: false,
+                holding_loads: false,
                 held: Vec::new(),
                 closed: false,
             }),
@@ -80,11 +82,17 @@ impl FakeTier {
         self.state.lock().holding = true;
     }
 
+    /// From now on, load tasks (only) wait in flight; lookups and stores still run.
+    pub fn hold_loads(&self) {
+        self.state.lock().holding_loads = true;
+    }
+
     /// Runs every held task and stops holding.
     pub fn release_held(&self) {
         let held = {
             let mut state = self.state.lock();
             state.holding = false;
+            state.holding_loads = false;
             std::mem::take(&mut state.held)
         };
         for task in held {
@@ -111,7 +119,7 @@ impl FakeTier {
         if state.closed {
             drop(state);
             self.fail(task, TierError::Closed);
-        } else if state.holding {
+        } else if state.holding || (state.holding_loads && matches!(task, Task::Load(..))) {
             state.held.push(task);
         } else {
             drop(state);

@@ -1,0 +1,800 @@
+//! The PrefetchController: promotes chunks from the lower tiers into L1 read leases.
+//!
+//! One thread owns a submission queue (fed from any thread), a FIFO of pending requests and at
+//! most `max_in_flight` active ones. Each active request goes through:
+//!
+//! 1. lookup-and-lock of its keys (those not already leased in L1) on every tier;
+//! 2. plan: the hit over all groups given what L1 and the tiers hold; each needed key comes from
+//!    the fastest tier that has it; every other lock is returned;
+//! 3. reserve temporary L1 slots for the needed keys, then plan again over what was reserved
+//!    (a slot that could not be had trims the hit; reservations past it are aborted);
+//! 4. load into the reserved slots;
+//! 5. finalize: plan again over what loaded; the needed keys are made visible and leased in one
+//!    step (`finish_write_and_reserve_read` with the request's `extra_count`); everything else
+//!    reserved is aborted, never visible; every tier lock is returned.
+//!
+//! The caller keeps the L1 hits it leased before submitting (rule 4: pin before you allocate);
+//! the controller never touches them.
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, select, unbounded};
+use parking_lot::{Condvar, Mutex};
+use tierkv_core::{
+    Bitmap, ChunkSink, Completion, ExtraCount, KeyError, Layout, LoadItem, ObjectKey,
+};
+use tierkv_l1::{L1Manager, LeaseId, Lifetime, OwnerId, Readers, WriteMode};
+
+use crate::hit::{GroupKind, hit_chunks};
+use crate::metrics::PrefetchMetrics;
+use crate::router::{TierEvent, TierRouter};
+
+/// Identifies a submitted prefetch request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// How a PrefetchController runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefetchConfig {
+    /// Requests worked on at once; the rest wait in FIFO order.
+    pub max_in_flight: usize,
+    /// How long `stop` waits for tier tasks still in flight before giving up on them.
+    pub drain_timeout: Duration,
+}
+
+impl Default for PrefetchConfig {
+    fn default() -> Self {
+        PrefetchConfig {
+            max_in_flight: 8,
+            drain_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One KV-cache group of a request.
+#[derive(Clone, Debug)]
+pub struct GroupRequest {
+    /// How the group attends, which decides which chunks a hit needs.
+    pub kind: GroupKind,
+    /// The layout of the group's chunks.
+    pub layout: Layout,
+    /// The group's chunk keys, in token order.
+    pub keys: Vec<ObjectKey>,
+    /// Which keys the caller already holds leased in L1 (they are neither looked up nor loaded).
+    pub in_l1: Vec<bool>,
+}
+
+/// What to prefetch.
+#[derive(Clone, Debug)]
+pub struct PrefetchRequest {
+    /// Who the temporary slots and the resulting lease belong to.
+    pub owner: OwnerId,
+    /// Readers beyond the first of the resulting lease.
+    pub extra: ExtraCount,
+    /// Tokens per chunk, for sliding windows.
+    pub chunk_tokens: u64,
+    /// The groups; one full-attention group for an ordinary model.
+    pub groups: Vec<GroupRequest>,
+}
+
+impl PrefetchRequest {
+    /// A request for one full-attention group of `keys`, none of them in L1.
+    pub fn prefix(owner: OwnerId, extra: ExtraCount, layout: Layout, keys: Vec<ObjectKey>) -> Self {
+        let in_l1 = vec![false; keys.len()];
+        PrefetchRequest {
+            owner,
+            extra,
+            chunk_tokens: 1,
+            groups: vec![GroupRequest {
+                kind: GroupKind::FullAttention,
+                layout,
+                keys,
+                in_l1,
+            }],
+        }
+    }
+}
+
+/// The outcome of a prefetch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prefetched {
+    /// The hit over all groups, counting the caller's L1 hits: chunks before it are available.
+    pub hit_chunks: usize,
+    /// The lease holding the chunks loaded for this hit; `None` when nothing was loaded.
+    pub lease: Option<LeaseId>,
+    /// Readers of the lease (`1 + extra_count`).
+    pub readers: u32,
+    /// Per group, per key: whether the lease holds it.
+    pub leased: Vec<Vec<bool>>,
+    /// The order in which requests started (0 for the first ever started).
+    pub started: u64,
+}
+
+/// Why a prefetch has no result.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PrefetchError {
+    /// The controller stopped before the request finished.
+    #[error("the prefetch controller stopped")]
+    Stopped,
+    /// The controller failed; the message says how.
+    #[error("the prefetch controller failed: {0}")]
+    Failed(String),
+    /// The wait ended before the request did; its result stays claimable.
+    #[error("the prefetch did not finish in time; its result can still be waited for")]
+    Timeout,
+    /// The request or id is malformed.
+    #[error("invalid prefetch: {0}")]
+    Invalid(String),
+}
+
+type Outcome = Result<Prefetched, PrefetchError>;
+
+/// Where a key stands in a request: (group, index within the group).
+type At = (usize, usize);
+
+struct Shared {
+    /// `None` while a request runs, `Some` once its outcome is ready to hand out (once).
+    results: Mutex<HashMap<RequestId, Option<Outcome>>>,
+    ready: Condvar,
+    next_id: AtomicU64,
+    accepting: AtomicBool,
+    metrics: PrefetchMetrics,
+}
+
+impl Shared {
+    fn deliver(&self, id: RequestId, outcome: Outcome) {
+        let mut results = self.results.lock();
+        if let Some(slot) = results.get_mut(&id) {
+            *slot = Some(outcome);
+        }
+        self.ready.notify_all();
+    }
+}
+
+enum Command {
+    Submit(RequestId, PrefetchRequest),
+    Stop,
+}
+
+/// The prefetch pipeline: a thread, its queues, and the results it hands out.
+pub struct PrefetchController {
+    commands: Sender<Command>,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl PrefetchController {
+    /// Starts the controller thread over `l1` and the routed lower tiers.
+    pub fn start(
+        l1: Arc<L1Manager>,
+        router: Arc<TierRouter>,
+        config: PrefetchConfig,
+    ) -> std::io::Result<Self> {
+        let (commands, inbox) = unbounded();
+        let shared = Arc::new(Shared {
+            results: Mutex::new(HashMap::new()),
+            ready: Condvar::new(),
+            next_id: AtomicU64::new(1),
+            accepting: AtomicBool::new(true),
+            metrics: PrefetchMetrics::register(),
+        });
+        let (events_tx, events) = unbounded();
+        let worker = Worker {
+            l1,
+            router,
+            config,
+            shared: Arc::clone(&shared),
+            events_tx,
+            pending: VecDeque::new(),
+            active: HashMap::new(),
+            tasks: HashMap::new(),
+            started: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("tierkv-prefetch".into())
+            .spawn(move || worker.run(&inbox, &events))?;
+        Ok(PrefetchController {
+            commands,
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Queues a request. Fails at once if the controller stopped or the request is malformed.
+    pub fn submit(&self, request: PrefetchRequest) -> Result<RequestId, PrefetchError> {
+        validate(&request)?;
+        if !self.shared.accepting.load(Ordering::Acquire) {
+            return Err(PrefetchError::Stopped);
+        }
+        let id = RequestId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
+        self.shared.results.lock().insert(id, None);
+        if self.commands.send(Command::Submit(id, request)).is_err() {
+            self.shared.results.lock().remove(&id);
+            return Err(PrefetchError::Stopped);
+        }
+        Ok(id)
+    }
+
+    /// The outcome of `id` if it is ready, handed out once; `None` while it runs, after it was
+    /// handed out, and for ids never issued.
+    pub fn query(&self, id: RequestId) -> Option<Outcome> {
+        let mut results = self.shared.results.lock();
+        match results.get(&id) {
+            Some(Some(_)) => results.remove(&id).flatten(),
+            _ => None,
+        }
+    }
+
+    /// Waits up to `timeout` for the outcome of `id` and hands it out.
+    ///
+    /// A wait that times out hands out nothing: the outcome stays claimable by a later `query`
+    /// or `wait`, and the lease in it belongs to the request's owner all along, so it is never
+    /// orphaned (the owner's release, or the lease's deadline, returns it if nobody claims it).
+    pub fn wait(&self, id: RequestId, timeout: Duration) -> Outcome {
+        let deadline = Instant::now() + timeout;
+        let mut results = self.shared.results.lock();
+        loop {
+            match results.get(&id) {
+                None => {
+                    return Err(PrefetchError::Invalid(format!(
+                        "no outcome is waiting for request {}",
+                        id.0
+                    )));
+                }
+                Some(Some(_)) => {
+                    return results
+                        .remove(&id)
+                        .flatten()
+                        .unwrap_or(Err(PrefetchError::Stopped));
+                }
+                Some(None) => {
+                    if self
+                        .shared
+                        .ready
+                        .wait_until(&mut results, deadline)
+                        .timed_out()
+                    {
+                        return Err(PrefetchError::Timeout);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops the controller: pending requests fail as stopped, active ones finish (or, past the
+    /// drain timeout, are cleaned up and fail as stopped). Idempotent.
+    pub fn stop(&self) {
+        self.shared.accepting.store(false, Ordering::Release);
+        let _ = self.commands.send(Command::Stop);
+        if let Some(thread) = self.thread.lock().take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for PrefetchController {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn validate(request: &PrefetchRequest) -> Result<(), PrefetchError> {
+    let invalid = |why: &str| Err(PrefetchError::Invalid(why.into()));
+    if request.groups.is_empty() {
+        return invalid("a request needs at least one group");
+    }
+    if request.chunk_tokens == 0 {
+        return invalid("chunk_tokens must be positive");
+    }
+    if request.groups.iter().any(|g| g.keys.len() != g.in_l1.len()) {
+        return invalid("every group needs one in_l1 flag per key");
+    }
+    Ok(())
+}
+
+/// Where a request stands.
+#[derive(Clone)]
+enum Phase {
+    /// Waiting for lookups: per tier, its bitmap over `wanted` once it arrived.
+    LookingUp {
+        found: Vec<Option<Bitmap>>,
+        waiting: usize,
+    },
+    /// Waiting for loads.
+    Loading { waiting: usize },
+}
+
+#[derive(Clone)]
+struct Active {
+    request: PrefetchRequest,
+    started: u64,
+    /// The (group, index) of every key not in L1, in order: what was looked up.
+    wanted: Vec<At>,
+    phase: Phase,
+    /// Locks held per tier (returned when the request ends).
+    locked: Vec<Vec<ObjectKey>>,
+    /// Where each needed key is loaded from.
+    source: HashMap<At, usize>,
+    /// Keys reserved in L1 (temporary slots), by position.
+    reserved: Vec<At>,
+    /// Keys whose load succeeded.
+    loaded: Vec<At>,
+}
+
+impl Active {
+    fn key(&self, at: At) -> ObjectKey {
+        self.request.groups[at.0].keys[at.1]
+    }
+
+    /// The hit if `available(group, index)` said which chunks are there, besides L1's.
+    fn hit(&self, available: impl Fn(usize, usize) -> bool) -> usize {
+        let present: Vec<Vec<bool>> = self
+            .request
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, group)| {
+                (0..group.keys.len())
+                    .map(|i| group.in_l1[i] || available(g, i))
+                    .collect()
+            })
+            .collect();
+        let groups: Vec<(GroupKind, &[bool])> = self
+            .request
+            .groups
+            .iter()
+            .zip(&present)
+            .map(|(group, p)| (group.kind, p.as_slice()))
+            .collect();
+        hit_chunks(&groups, self.request.chunk_tokens)
+    }
+
+    /// The keys not in L1 that a hit of `n` needs.
+    fn needed(&self, n: usize) -> Vec<At> {
+        let mut needed = Vec::new();
+        for (g, group) in self.request.groups.iter().enumerate() {
+            for i in group.kind.needed(n, self.request.chunk_tokens) {
+                if !group.in_l1[i] {
+                    needed.push((g, i));
+                }
+            }
+        }
+        needed
+    }
+}
+
+struct Worker {
+    l1: Arc<L1Manager>,
+    router: Arc<TierRouter>,
+    config: PrefetchConfig,
+    shared: Arc<Shared>,
+    events_tx: Sender<TierEvent>,
+    pending: VecDeque<(RequestId, PrefetchRequest)>,
+    active: HashMap<RequestId, Active>,
+    tasks: HashMap<(usize, tierkv_core::TaskId), RequestId>,
+    started: u64,
+}
+
+impl Worker {
+    fn run(mut self, inbox: &Receiver<Command>, events: &Receiver<TierEvent>) {
+        let mut stopping: Option<Instant> = None;
+        loop {
+            if let Some(since) = stopping
+                && (self.active.is_empty() || since.elapsed() >= self.config.drain_timeout)
+            {
+                break;
+            }
+            let step = catch_unwind(AssertUnwindSafe(|| {
+                select! {
+                    recv(inbox) -> command => match command {
+                        Ok(Command::Submit(id, request)) if stopping.is_none() => {
+                            self.pending.push_back((id, request));
+                            self.start_pending();
+                        }
+                        Ok(Command::Submit(id, _)) => self.shared.deliver(id, Err(PrefetchError::Stopped)),
+                        // A stop, or every controller handle gone: drain and end.
+                        Ok(Command::Stop) | Err(_) => {
+                            if stopping.is_none() {
+                                stopping = Some(Instant::now());
+                                for (id, _) in std::mem::take(&mut self.pending) {
+                                    self.shared.deliver(id, Err(PrefetchError::Stopped));
+                                }
+                            }
+                        }
+                    },
+                    recv(events) -> event => {
+                        if let Ok(event) = event {
+                            self.on_event(event);
+                        }
+                    },
+                    default(Duration::from_millis(50)) => {},
+                }
+                self.shared
+                    .metrics
+                    .queues(self.pending.len(), self.active.len());
+            }));
+            if let Err(panic) = step {
+                let why = panic_message(&panic);
+                tracing::error!(%why, "the prefetch controller panicked; failing every request and stopping");
+                self.shared.metrics.panicked();
+                self.fail_everything(PrefetchError::Failed(why));
+                return;
+            }
+        }
+        // Past the drain timeout: give up on what is still in flight.
+        self.fail_everything(PrefetchError::Stopped);
+    }
+
+    /// Ends every request: pending ones fail, active ones are cleaned up from what their entries
+    /// recorded (reservations aborted, locks returned) and fail, and so does any outcome still
+    /// undelivered (a request that was in hand when a panic struck). Stops accepting.
+    fn fail_everything(&mut self, error: PrefetchError) {
+        self.shared.accepting.store(false, Ordering::Release);
+        for (id, _) in std::mem::take(&mut self.pending) {
+            self.shared.deliver(id, Err(error.clone()));
+        }
+        for (id, active) in std::mem::take(&mut self.active) {
+            let _ = catch_unwind(AssertUnwindSafe(|| self.release_everything(&active, &[])));
+            self.shared.metrics.failed();
+            self.shared.deliver(id, Err(error.clone()));
+        }
+        let mut results = self.shared.results.lock();
+        for outcome in results.values_mut().filter(|o| o.is_none()) {
+            *outcome = Some(Err(error.clone()));
+        }
+        self.shared.ready.notify_all();
+        drop(results);
+        self.shared.metrics.queues(0, 0);
+    }
+
+    fn start_pending(&mut self) {
+        while self.active.len() < self.config.max_in_flight.max(1) {
+            let Some((id, request)) = self.pending.pop_front() else {
+                break;
+            };
+            let wanted: Vec<At> = request
+                .groups
+                .iter()
+                .enumerate()
+                .flat_map(|(g, group)| {
+                    (0..group.keys.len())
+                        .filter(|i| !group.in_l1[*i])
+                        .map(move |i| (g, i))
+                })
+                .collect();
+            let tiers = self.router.len();
+            let active = Active {
+                request,
+                started: self.started,
+                wanted,
+                phase: Phase::LookingUp {
+                    found: vec![None; tiers],
+                    waiting: 0,
+                },
+                locked: vec![Vec::new(); tiers],
+                source: HashMap::new(),
+                reserved: Vec::new(),
+                loaded: Vec::new(),
+            };
+            self.started += 1;
+            self.shared.metrics.started();
+            let keys: Vec<ObjectKey> = active.wanted.iter().map(|at| active.key(*at)).collect();
+            let nothing_to_look_up = keys.is_empty() || tiers == 0;
+            self.active.insert(id, active);
+            if nothing_to_look_up {
+                if let Some(active) = self.active.get(&id).cloned() {
+                    self.plan(id, active);
+                }
+                continue;
+            }
+            for tier in 0..tiers {
+                let submitted = self.router.submit(tier, &self.events_tx, |t| {
+                    t.submit_lookup_and_lock(keys.clone())
+                });
+                if let Some(task) = submitted {
+                    self.tasks.insert((tier, task), id);
+                    if let Some(Active {
+                        phase: Phase::LookingUp { waiting, .. },
+                        ..
+                    }) = self.active.get_mut(&id)
+                    {
+                        *waiting += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_event(&mut self, event: TierEvent) {
+        let TierEvent { tier, completion } = event;
+        let Some(id) = self.tasks.remove(&(tier, completion.task())) else {
+            // Nothing we submitted is unknown to us while we run; count it if it ever happens.
+            self.shared.metrics.late_completion();
+            return;
+        };
+        // Record what the completion says in the request's entry first: if anything later in
+        // this step panics, the entry still tells what to give back.
+        let Some(active) = self.active.get_mut(&id) else {
+            return;
+        };
+        let done = match completion {
+            Completion::LookedUp { locked, .. } => {
+                for i in locked.iter_ones() {
+                    if let Some(at) = active.wanted.get(i).copied() {
+                        let key = active.key(at);
+                        active.locked[tier].push(key);
+                    }
+                }
+                match &mut active.phase {
+                    Phase::LookingUp { found, waiting } => {
+                        found[tier] = Some(locked);
+                        *waiting -= 1;
+                        *waiting == 0
+                    }
+                    Phase::Loading { .. } => false,
+                }
+            }
+            Completion::Loaded { loaded, sinks, .. } => {
+                // Drop the sinks (the write guards) before finishing or aborting their writes.
+                let keys: Vec<ObjectKey> = sinks.iter().map(|item| item.key).collect();
+                drop(sinks);
+                let arrived: Vec<At> = keys
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| loaded.get(*i))
+                    .filter_map(|(_, key)| {
+                        active
+                            .reserved
+                            .iter()
+                            .find(|at| active.key(**at) == *key)
+                            .copied()
+                    })
+                    .collect();
+                active.loaded.extend(arrived);
+                match &mut active.phase {
+                    Phase::Loading { waiting } => {
+                        *waiting -= 1;
+                        *waiting == 0
+                    }
+                    Phase::LookingUp { .. } => false,
+                }
+            }
+            // Stores are not submitted by this pipeline.
+            Completion::Stored { .. } => false,
+        };
+        if done {
+            let next = active.clone();
+            match next.phase {
+                Phase::LookingUp { .. } => self.plan(id, next),
+                Phase::Loading { .. } => self.finalize(id, next),
+            }
+        }
+    }
+
+    /// Phase 2 and 3: choose sources, return the other locks, reserve slots, start loads.
+    fn plan(&mut self, id: RequestId, mut active: Active) {
+        let found: Vec<Option<Bitmap>> = match &active.phase {
+            Phase::LookingUp { found, .. } => found.clone(),
+            Phase::Loading { .. } => Vec::new(),
+        };
+        let position: HashMap<At, usize> = active
+            .wanted
+            .iter()
+            .enumerate()
+            .map(|(n, at)| (*at, n))
+            .collect();
+        let tier_of = |at: At| -> Option<usize> {
+            let n = *position.get(&at)?;
+            found
+                .iter()
+                .position(|bits| bits.as_ref().is_some_and(|b| b.get(n)))
+        };
+        let n = active.hit(|g, i| tier_of((g, i)).is_some());
+        for at in active.needed(n) {
+            if let Some(tier) = tier_of(at) {
+                active.source.insert(at, tier);
+            }
+        }
+        self.unlock_all_but_sources(&mut active);
+        self.active.insert(id, active.clone());
+
+        // Reserve temporary slots, group by group, and plan again over what was reserved.
+        for g in 0..active.request.groups.len() {
+            let wanted: Vec<At> = active
+                .needed(n)
+                .into_iter()
+                .filter(|at| at.0 == g)
+                .collect();
+            if wanted.is_empty() {
+                continue;
+            }
+            let keys: Vec<ObjectKey> = wanted.iter().map(|at| active.key(*at)).collect();
+            let layout = &active.request.groups[g].layout;
+            let results = self
+                .l1
+                .reserve_write(
+                    active.request.owner,
+                    &keys,
+                    layout,
+                    WriteMode::Create,
+                    Lifetime::Temporary,
+                )
+                .unwrap_or_else(|_| vec![Err(KeyError::OutOfMemory); keys.len()]);
+            for (at, result) in wanted.iter().zip(results) {
+                if result.is_ok() {
+                    active.reserved.push(*at);
+                }
+            }
+            self.active.insert(id, active.clone());
+        }
+        let n = active.hit(|g, i| active.reserved.contains(&(g, i)));
+        let needed = active.needed(n);
+        let (keep, drop_now): (Vec<At>, Vec<At>) = active
+            .reserved
+            .iter()
+            .copied()
+            .partition(|at| needed.contains(at));
+        self.abort(&active, &drop_now);
+        active.reserved = keep;
+        active.source.retain(|at, _| active.reserved.contains(at));
+        self.unlock_all_but_sources(&mut active);
+
+        // Load, tier by tier, into the reserved slots.
+        let mut waiting = 0;
+        for tier in 0..self.router.len() {
+            let mut items: Vec<LoadItem> = Vec::new();
+            for at in active
+                .reserved
+                .iter()
+                .filter(|at| active.source.get(at) == Some(&tier))
+            {
+                let key = active.key(*at);
+                if let Ok(access) = self.l1.write_access(active.request.owner, &key) {
+                    items.push(LoadItem {
+                        key,
+                        sink: Box::new(access) as Box<dyn ChunkSink>,
+                    });
+                }
+            }
+            if items.is_empty() {
+                continue;
+            }
+            if let Some(task) = self
+                .router
+                .submit(tier, &self.events_tx, |t| t.submit_load(items))
+            {
+                self.tasks.insert((tier, task), id);
+                waiting += 1;
+            }
+        }
+        if waiting == 0 {
+            self.finalize(id, active);
+        } else {
+            active.phase = Phase::Loading { waiting };
+            self.active.insert(id, active);
+        }
+    }
+
+    /// Phase 5: lease what loaded for the hit, abort the rest, return every lock.
+    fn finalize(&mut self, id: RequestId, active: Active) {
+        let n = active.hit(|g, i| active.loaded.contains(&(g, i)));
+        let needed = active.needed(n);
+        let to_lease: Vec<At> = active
+            .loaded
+            .iter()
+            .copied()
+            .filter(|at| needed.contains(at))
+            .collect();
+        let keys: Vec<ObjectKey> = to_lease.iter().map(|at| active.key(*at)).collect();
+        let grant = self.l1.finish_write_and_reserve_read(
+            active.request.owner,
+            &keys,
+            active.request.extra,
+        );
+        let granted: Vec<At> = to_lease
+            .iter()
+            .zip(&grant.results)
+            .filter(|(_, r)| r.is_ok())
+            .map(|(at, _)| *at)
+            .collect();
+        // A key refused here vanished (its owner disconnected): plan once more without it and
+        // hand back the shares of what the smaller hit does not need.
+        let n = active.hit(|g, i| granted.contains(&(g, i)));
+        let needed = active.needed(n);
+        let surplus: Vec<ObjectKey> = granted
+            .iter()
+            .filter(|at| !needed.contains(at))
+            .map(|at| active.key(*at))
+            .collect();
+        let mut lease = grant.lease;
+        if let (Some(held), false) = (lease, surplus.is_empty())
+            && let Ok(released) = self.l1.finish_read(held, Readers::All, Some(&surplus))
+            && released.lease_ended
+        {
+            lease = None;
+        }
+        let leased_now: Vec<At> = granted
+            .iter()
+            .copied()
+            .filter(|at| needed.contains(at))
+            .collect();
+        self.release_everything(&active, &granted);
+        let leased = active
+            .request
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, group)| {
+                (0..group.keys.len())
+                    .map(|i| leased_now.contains(&(g, i)))
+                    .collect()
+            })
+            .collect();
+        self.shared.metrics.finished(leased_now.len() as u64);
+        let outcome = Prefetched {
+            hit_chunks: n,
+            lease,
+            readers: grant.readers,
+            leased,
+            started: active.started,
+        };
+        self.active.remove(&id);
+        self.shared.deliver(id, Ok(outcome));
+        self.start_pending();
+    }
+
+    /// Returns the tier locks of keys that are not the chosen source of a needed key.
+    fn unlock_all_but_sources(&self, active: &mut Active) {
+        for tier in 0..active.locked.len() {
+            let keep: Vec<ObjectKey> = active
+                .source
+                .iter()
+                .filter(|(_, t)| **t == tier)
+                .map(|(at, _)| active.request.groups[at.0].keys[at.1])
+                .collect();
+            let (kept, returned): (Vec<ObjectKey>, Vec<ObjectKey>) =
+                active.locked[tier].iter().partition(|k| keep.contains(k));
+            if let Some(adapter) = self.router.tier(tier) {
+                adapter.unlock(&returned);
+            }
+            active.locked[tier] = kept;
+        }
+    }
+
+    /// Aborts the reservations at `positions`.
+    fn abort(&self, active: &Active, positions: &[At]) {
+        let keys: Vec<ObjectKey> = positions.iter().map(|at| active.key(*at)).collect();
+        if !keys.is_empty() {
+            self.l1.abort_write(active.request.owner, &keys);
+        }
+    }
+
+    /// Aborts every reservation except `kept`, and returns every tier lock.
+    fn release_everything(&self, active: &Active, kept: &[At]) {
+        let doomed: Vec<At> = active
+            .reserved
+            .iter()
+            .copied()
+            .filter(|at| !kept.contains(at))
+            .collect();
+        self.abort(active, &doomed);
+        for (tier, keys) in active.locked.iter().enumerate() {
+            if let Some(adapter) = self.router.tier(tier) {
+                adapter.unlock(keys);
+            }
+        }
+    }
+}
+
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}

@@ -1,0 +1,77 @@
+//! The prefetch pipeline's metrics, registered once through the `metrics` facade.
+
+use metrics::{Counter, Gauge, Unit, counter, describe_counter, describe_gauge, gauge};
+
+pub(crate) struct PrefetchMetrics {
+    queue_depth: Gauge,
+    in_flight: Gauge,
+    requests: Counter,
+    loaded_chunks: Counter,
+    failed: Counter,
+    panics: Counter,
+    late: Counter,
+}
+
+impl PrefetchMetrics {
+    pub(crate) fn register() -> Self {
+        describe_gauge!(
+            "tierkv_prefetch_queue_depth",
+            Unit::Count,
+            "Prefetch requests waiting to start."
+        );
+        describe_gauge!(
+            "tierkv_prefetch_in_flight",
+            Unit::Count,
+            "Prefetch requests being worked on."
+        );
+        describe_counter!(
+            "tierkv_prefetch_requests_total",
+            Unit::Count,
+            "Prefetch requests started."
+        );
+        describe_counter!(
+            "tierkv_prefetch_loaded_chunks_total",
+            Unit::Count,
+            "Chunks promoted from a lower tier into an L1 lease."
+        );
+        describe_counter!(
+            "tierkv_errors_total",
+            Unit::Count,
+            "Refused requests and keys, by component and reason."
+        );
+        PrefetchMetrics {
+            queue_depth: gauge!("tierkv_prefetch_queue_depth"),
+            in_flight: gauge!("tierkv_prefetch_in_flight"),
+            requests: counter!("tierkv_prefetch_requests_total"),
+            loaded_chunks: counter!("tierkv_prefetch_loaded_chunks_total"),
+            failed: counter!("tierkv_errors_total", "component" => "prefetch", "reason" => "failed"),
+            panics: counter!("tierkv_errors_total", "component" => "prefetch", "reason" => "panic"),
+            late: counter!("tierkv_errors_total", "component" => "prefetch", "reason" => "late_completion"),
+        }
+    }
+
+    pub(crate) fn queues(&self, pending: usize, active: usize) {
+        self.queue_depth.set(pending as f64);
+        self.in_flight.set(active as f64);
+    }
+
+    pub(crate) fn started(&self) {
+        self.requests.increment(1);
+    }
+
+    pub(crate) fn finished(&self, loaded: u64) {
+        self.loaded_chunks.increment(loaded);
+    }
+
+    pub(crate) fn failed(&self) {
+        self.failed.increment(1);
+    }
+
+    pub(crate) fn panicked(&self) {
+        self.panics.increment(1);
+    }
+
+    pub(crate) fn late_completion(&self) {
+        self.late.increment(1);
+    }
+}

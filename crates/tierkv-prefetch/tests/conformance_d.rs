@@ -1,0 +1,620 @@
+//! CONFORMANCE D: the PrefetchController, one test per id, on the real L1Manager with a real
+//! HostStore and DiskStore; the fault-injecting fake only where a scenario needs a failure or a
+//! task held in flight (D9, D13, D14).
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::unbounded;
+use tierkv_core::{Completion, ExtraCount, Layout, ObjectKey, StoreItem, TierAdapter, VecChunk};
+use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, record_bytes};
+use tierkv_l1::{DeviceKind, L1Config, L1Context, L1Manager, OwnerId, Presence, Readers};
+use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
+use tierkv_prefetch::{
+    PrefetchConfig, PrefetchController, PrefetchError, PrefetchRequest, Prefetched, TierRouter,
+};
+use tierkv_testkit::FakeTier;
+use tierkv_testkit::contract::{key, keys, payload};
+
+const CHUNK: u64 = 16 << 10;
+const OWNER: OwnerId = OwnerId(7);
+const WAIT: Duration = Duration::from_secs(20);
+
+struct Rig {
+    l1: Arc<L1Manager>,
+    router: Arc<TierRouter>,
+    prefetch: PrefetchController,
+    _dirs: Vec<tempfile::TempDir>,
+}
+
+fn l1(slots: u64) -> Arc<L1Manager> {
+    let config = L1Config {
+        device: DeviceKind::Emulated,
+        ..L1Config::new(slots * CHUNK, CHUNK)
+    };
+    Arc::new(L1Manager::build(config, L1Context::default()).unwrap())
+}
+
+fn host() -> Arc<dyn TierAdapter> {
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        ..HostStoreConfig::new(64 * CHUNK, CHUNK)
+    };
+    Arc::new(HostStore::open(config).unwrap())
+}
+
+fn disk(dir: &tempfile::TempDir) -> Arc<dyn TierAdapter> {
+    let segment_bytes = BLOCK + 8 * record_bytes(CHUNK);
+    let config = DiskStoreConfig {
+        segment_bytes,
+        ..DiskStoreConfig::new(dir.path(), 8 * segment_bytes, CHUNK)
+    };
+    Arc::new(DiskStore::open(config).unwrap())
+}
+
+fn rig_with(
+    tiers: Vec<Arc<dyn TierAdapter>>,
+    dirs: Vec<tempfile::TempDir>,
+    config: PrefetchConfig,
+) -> Rig {
+    let l1 = l1(32);
+    let router = Arc::new(TierRouter::start(tiers).unwrap());
+    let prefetch = PrefetchController::start(l1.clone(), router.clone(), config).unwrap();
+    Rig {
+        l1,
+        router,
+        prefetch,
+        _dirs: dirs,
+    }
+}
+
+/// A rig with the HostStore as its only lower tier.
+fn rig_l2() -> Rig {
+    rig_with(vec![host()], vec![], PrefetchConfig::default())
+}
+
+/// A rig with the HostStore and then the DiskStore.
+fn rig_l2_disk() -> Rig {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = disk(&dir);
+    rig_with(vec![host(), disk], vec![dir], PrefetchConfig::default())
+}
+
+impl Rig {
+    /// Stores `keys` into tier `tier` with `bytes(key)`, through the router.
+    fn seed_with(&self, tier: usize, keys: &[ObjectKey], bytes: impl Fn(&ObjectKey) -> Vec<u8>) {
+        let (reply, done) = unbounded();
+        let items: Vec<StoreItem> = keys
+            .iter()
+            .map(|k| StoreItem {
+                key: *k,
+                source: Box::new(VecChunk(bytes(k))),
+            })
+            .collect();
+        self.router
+            .submit(tier, &reply, |t| t.submit_store(items))
+            .unwrap();
+        match done.recv_timeout(WAIT).unwrap().completion {
+            Completion::Stored { result, .. } => result.unwrap(),
+            _ => panic!("not a store completion"),
+        }
+    }
+
+    fn seed(&self, tier: usize, keys: &[ObjectKey]) {
+        self.seed_with(tier, keys, |k| payload(k, CHUNK));
+    }
+
+    fn prefetch(&self, keys: Vec<ObjectKey>, extra: i64) -> Prefetched {
+        let request = PrefetchRequest::prefix(
+            OWNER,
+            ExtraCount::new(extra).unwrap(),
+            Layout::bytes(CHUNK).unwrap(),
+            keys,
+        );
+        let id = self.prefetch.submit(request).unwrap();
+        self.prefetch.wait(id, WAIT).unwrap()
+    }
+
+    fn bytes(&self, result: &Prefetched, reader: u8, key: &ObjectKey) -> Vec<u8> {
+        let guard = self
+            .l1
+            .read_access(result.lease.unwrap(), reader, key)
+            .unwrap();
+        let mut bytes = vec![0; CHUNK as usize];
+        guard.read_at(0, &mut bytes).unwrap();
+        bytes
+    }
+
+    fn locks(&self) -> Vec<u64> {
+        self.router.tiers().map(|t| t.usage().locks).collect()
+    }
+
+    fn absent(&self, keys: &[ObjectKey]) -> bool {
+        keys.iter().all(|k| self.l1.presence(k) == Presence::Absent)
+    }
+}
+
+#[test]
+fn d1_starts_and_stops_cleanly_with_one_adapter_and_with_none() {
+    let one = rig_l2();
+    one.prefetch.stop();
+    one.prefetch.stop();
+    let none = rig_with(vec![], vec![], PrefetchConfig::default());
+    let started = Instant::now();
+    none.prefetch.stop();
+    assert!(started.elapsed() < Duration::from_secs(2));
+    let request = PrefetchRequest::prefix(
+        OWNER,
+        ExtraCount::ZERO,
+        Layout::bytes(CHUNK).unwrap(),
+        keys(0..1),
+    );
+    assert_eq!(none.prefetch.submit(request), Err(PrefetchError::Stopped));
+}
+
+#[test]
+fn d2_five_keys_in_the_lower_tier_are_five_hits_all_leased() {
+    let rig = rig_l2();
+    rig.seed(0, &keys(0..5));
+    let result = rig.prefetch(keys(0..5), 0);
+    assert_eq!(result.hit_chunks, 5);
+    for k in keys(0..5) {
+        assert_eq!(
+            rig.l1.presence(&k),
+            Presence::Ready {
+                shares: 1,
+                temporary: true
+            }
+        );
+        assert_eq!(rig.bytes(&result, 0, &k), payload(&k, CHUNK));
+    }
+    assert_eq!(rig.locks(), vec![0]);
+}
+
+#[test]
+fn d3_a_gap_trims_the_hit_to_the_leading_run() {
+    let rig = rig_l2();
+    rig.seed(0, &[key(0), key(1), key(3), key(4)]);
+    let result = rig.prefetch(keys(0..5), 0);
+    assert_eq!(result.hit_chunks, 2);
+    assert_eq!(result.leased, vec![vec![true, true, false, false, false]]);
+    assert!(matches!(
+        rig.l1.presence(&key(1)),
+        Presence::Ready { shares: 1, .. }
+    ));
+    assert!(rig.absent(&keys(2..5)), "keys past the gap were promoted");
+    assert_eq!(
+        rig.locks(),
+        vec![0],
+        "keys past the gap are unlocked in the tier"
+    );
+}
+
+#[test]
+fn d4_a_missing_first_key_is_zero_hits() {
+    let rig = rig_l2();
+    rig.seed(0, &keys(1..4));
+    let result = rig.prefetch(keys(0..4), 0);
+    assert_eq!((result.hit_chunks, result.lease), (0, None));
+    assert!(rig.absent(&keys(0..4)));
+    assert_eq!(rig.l1.usage().used_bytes, 0);
+    assert_eq!(rig.locks(), vec![0]);
+}
+
+#[test]
+fn d5_two_tiers_combine_and_overlaps_come_from_the_faster() {
+    let rig = rig_l2_disk();
+    rig.seed(0, &keys(0..2));
+    rig.seed(1, &keys(2..4));
+    let result = rig.prefetch(keys(0..4), 0);
+    assert_eq!(result.hit_chunks, 4);
+    for k in keys(0..4) {
+        assert_eq!(rig.bytes(&result, 0, &k), payload(&k, CHUNK));
+    }
+    rig.l1.release_lease(result.lease.unwrap()).unwrap();
+
+    // Overlap: key 11 in both tiers. The disk's copy is marked, so the bytes tell the source.
+    let rig = rig_l2_disk();
+    rig.seed(0, &[key(10), key(11)]);
+    rig.seed_with(1, &[key(11), key(12)], |k| {
+        if *k == key(11) {
+            vec![0xdd; CHUNK as usize]
+        } else {
+            payload(k, CHUNK)
+        }
+    });
+    let result = rig.prefetch(keys(10..13), 0);
+    assert_eq!(result.hit_chunks, 3);
+    assert_eq!(
+        rig.bytes(&result, 0, &key(11)),
+        payload(&key(11), CHUNK),
+        "key 11 came from the slower tier"
+    );
+    assert_eq!(rig.bytes(&result, 0, &key(12)), payload(&key(12), CHUNK));
+    assert_eq!(rig.locks(), vec![0, 0]);
+}
+
+#[test]
+fn d6_no_hits_and_no_tiers_complete_at_once() {
+    let rig = rig_l2();
+    let started = Instant::now();
+    assert_eq!(rig.prefetch(keys(0..3), 0).hit_chunks, 0);
+    let none = rig_with(vec![], vec![], PrefetchConfig::default());
+    assert_eq!(none.prefetch(keys(0..3), 0).hit_chunks, 0);
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn d7_a_result_is_handed_out_once() {
+    let rig = rig_l2();
+    rig.seed(0, &keys(0..2));
+    let request = PrefetchRequest::prefix(
+        OWNER,
+        ExtraCount::ZERO,
+        Layout::bytes(CHUNK).unwrap(),
+        keys(0..2),
+    );
+    let id = rig.prefetch.submit(request).unwrap();
+    let deadline = Instant::now() + WAIT;
+    let first = loop {
+        if let Some(outcome) = rig.prefetch.query(id) {
+            break outcome;
+        }
+        assert!(Instant::now() < deadline, "the prefetch never finished");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(first.unwrap().hit_chunks, 2);
+    assert_eq!(
+        rig.prefetch.query(id),
+        None,
+        "a second query yields nothing"
+    );
+    assert_eq!(
+        rig.prefetch.query(tierkv_prefetch::RequestId(999_999)),
+        None,
+        "an unknown id yields nothing"
+    );
+    assert!(matches!(
+        rig.prefetch.wait(id, Duration::from_millis(10)),
+        Err(PrefetchError::Invalid(_))
+    ));
+}
+
+#[test]
+fn d8_no_tier_holds_a_lock_after_any_kind_of_request() {
+    let rig = rig_l2_disk();
+    rig.seed(0, &keys(0..3));
+    rig.seed(1, &keys(2..6));
+    rig.seed(0, &[key(8)]);
+    let full = rig.prefetch(keys(0..6), 0); // full hit, overlap on key 2
+    let trimmed = rig.prefetch(vec![key(8), key(9), key(3)], 0); // trimmed after key 8
+    let zero = rig.prefetch(vec![key(20), key(0)], 0); // zero hits
+    assert_eq!(
+        (full.hit_chunks, trimmed.hit_chunks, zero.hit_chunks),
+        (6, 1, 0)
+    );
+    assert_eq!(rig.locks(), vec![0, 0]);
+}
+
+#[test]
+fn d9_max_in_flight_two_runs_four_requests_in_submission_order() {
+    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
+    for k in keys(0..8) {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    fake.hold();
+    let config = PrefetchConfig {
+        max_in_flight: 2,
+        ..PrefetchConfig::default()
+    };
+    let rig = rig_with(vec![fake.clone()], vec![], config);
+    let ids: Vec<_> = (0..4)
+        .map(|r| {
+            let request = PrefetchRequest::prefix(
+                OWNER,
+                ExtraCount::ZERO,
+                Layout::bytes(CHUNK).unwrap(),
+                keys(2 * r..2 * r + 2),
+            );
+            rig.prefetch.submit(request).unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + WAIT;
+    while fake.held_tasks() < 2 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(fake.held_tasks(), 2, "only two requests may be in flight");
+    fake.release_held();
+    for (n, id) in ids.into_iter().enumerate() {
+        let result = rig.prefetch.wait(id, WAIT).unwrap();
+        assert_eq!(result.hit_chunks, 2);
+        assert_eq!(
+            result.started, n as u64,
+            "requests start in submission order"
+        );
+    }
+    assert_eq!(rig.locks(), vec![0]);
+}
+
+#[test]
+fn d10_extra_count_sets_the_releases_needed_per_loaded_key() {
+    for extra in [0u8, 1, 3] {
+        let rig = rig_l2();
+        rig.seed(0, &keys(0..2));
+        let result = rig.prefetch(keys(0..2), i64::from(extra));
+        assert_eq!(result.readers, 1 + u32::from(extra));
+        let lease = result.lease.unwrap();
+        for reader in 0..=extra {
+            assert!(
+                matches!(rig.l1.presence(&key(0)), Presence::Ready { .. }),
+                "freed before reader {reader}"
+            );
+            rig.l1
+                .finish_read(lease, Readers::One(reader), None)
+                .unwrap();
+        }
+        assert!(
+            rig.absent(&keys(0..2)),
+            "temporary objects are freed by their last release"
+        );
+    }
+}
+
+#[test]
+fn d11_extra_count_one_with_a_gap() {
+    let rig = rig_l2();
+    rig.seed(0, &[key(0), key(1), key(3), key(4)]);
+    let result = rig.prefetch(keys(0..5), 1);
+    assert_eq!(result.hit_chunks, 2);
+    for k in keys(0..2) {
+        assert_eq!(
+            rig.l1.presence(&k),
+            Presence::Ready {
+                shares: 2,
+                temporary: true
+            }
+        );
+    }
+    assert!(rig.absent(&keys(2..5)));
+    let lease = result.lease.unwrap();
+    rig.l1.finish_read(lease, Readers::One(0), None).unwrap();
+    assert!(matches!(
+        rig.l1.presence(&key(0)),
+        Presence::Ready { shares: 1, .. }
+    ));
+    rig.l1.finish_read(lease, Readers::One(1), None).unwrap();
+    assert!(rig.absent(&keys(0..2)));
+}
+
+#[test]
+fn d12_a_key_being_written_in_l1_trims_the_hit() {
+    let rig = rig_l2();
+    rig.seed(0, &keys(0..3));
+    let writer = OwnerId(99);
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let reserved = rig.l1.reserve_write(
+        writer,
+        &[key(1)],
+        &layout,
+        tierkv_l1::WriteMode::Create,
+        tierkv_l1::Lifetime::Cached,
+    );
+    assert!(reserved.unwrap()[0].is_ok());
+    let result = rig.prefetch(keys(0..3), 1);
+    assert_eq!(result.hit_chunks, 1);
+    assert_eq!(
+        rig.l1.presence(&key(0)),
+        Presence::Ready {
+            shares: 2,
+            temporary: true
+        },
+        "all shares taken"
+    );
+    assert_eq!(
+        rig.l1.presence(&key(1)),
+        Presence::Writing,
+        "the other writer's reservation is untouched"
+    );
+    assert!(rig.absent(&[key(2)]), "key 2 was not left behind in L1");
+    assert_eq!(rig.locks(), vec![0]);
+}
+
+#[test]
+fn d13_a_failed_load_is_never_visible_and_what_loaded_past_it_is_released() {
+    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
+    for k in keys(0..3) {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    fake.fail_loads_of(&[key(1)]);
+    let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
+    let result = rig.prefetch(keys(0..3), 2);
+    assert_eq!(result.hit_chunks, 1);
+    assert_eq!(
+        rig.l1.presence(&key(0)),
+        Presence::Ready {
+            shares: 3,
+            temporary: true
+        }
+    );
+    assert!(
+        rig.absent(&keys(1..3)),
+        "the failed key and the one loaded past it are gone"
+    );
+    assert_eq!(rig.bytes(&result, 2, &key(0)), payload(&key(0), CHUNK));
+    assert_eq!(rig.locks(), vec![0]);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
+fn d14_stop_with_requests_in_flight_neither_hangs_nor_leaks() {
+    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
+    for k in keys(0..4) {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    fake.hold_loads();
+    let config = PrefetchConfig {
+        drain_timeout: Duration::from_millis(200),
+        ..PrefetchConfig::default()
+    };
+    let rig = rig_with(vec![fake.clone()], vec![], config);
+    let request = PrefetchRequest::prefix(
+        OWNER,
+        ExtraCount::ZERO,
+        Layout::bytes(CHUNK).unwrap(),
+        keys(0..4),
+    );
+    let id = rig.prefetch.submit(request).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while fake.held_tasks() == 0 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The load is in flight: four temporary slots are reserved and four tier locks are held.
+    assert_eq!(rig.l1.usage().writing, 4);
+    assert_eq!(rig.locks(), vec![4]);
+    let started = Instant::now();
+    rig.prefetch.stop();
+    assert!(started.elapsed() < Duration::from_secs(5), "stop hung");
+    assert_eq!(rig.prefetch.wait(id, WAIT), Err(PrefetchError::Stopped));
+    assert!(rig.absent(&keys(0..4)), "every reservation was aborted");
+    assert_eq!(rig.locks(), vec![0], "every tier lock was returned");
+    // The tier gives the sinks back when it closes; then the slots are free again.
+    fake.close();
+    let deadline = Instant::now() + WAIT;
+    while rig.l1.usage().free_bytes != rig.l1.usage().capacity_bytes {
+        assert!(
+            Instant::now() < deadline,
+            "slots stayed pinned: {:?}",
+            rig.l1.usage()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    rig.l1.audit().unwrap();
+}
+
+/// The rule for waits: a timed-out wait must not orphan the lease. The outcome stays
+/// claimable; the lease in it belongs to the request's owner from the start, so the owner's
+/// release (a disconnect) returns its shares if nobody ever claims it.
+#[test]
+fn a_timed_out_wait_leaves_the_result_claimable_and_the_lease_owned() {
+    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
+    for k in keys(0..4) {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    fake.hold_loads();
+    let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
+    let submit = |range| {
+        let request = PrefetchRequest::prefix(
+            OWNER,
+            ExtraCount::ZERO,
+            Layout::bytes(CHUNK).unwrap(),
+            keys(range),
+        );
+        rig.prefetch.submit(request).unwrap()
+    };
+    let claimed = submit(0..2);
+    let abandoned = submit(2..4);
+    assert_eq!(
+        rig.prefetch.wait(claimed, Duration::from_millis(50)),
+        Err(PrefetchError::Timeout)
+    );
+    fake.release_held();
+    let result = rig.prefetch.wait(claimed, WAIT).unwrap();
+    assert_eq!(
+        result.hit_chunks, 2,
+        "the result outlived the timed-out wait"
+    );
+    // Nobody claims the other one; its owner goes away, and the shares come back.
+    let deadline = Instant::now() + WAIT;
+    while rig.l1.presence(&key(3)) == Presence::Absent
+        || rig.l1.presence(&key(3)) == Presence::Writing
+    {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let released = rig.l1.release_owner(OWNER);
+    assert_eq!(released.leases, 2, "both leases belonged to the owner");
+    assert!(rig.absent(&keys(0..4)));
+    assert!(
+        rig.prefetch.wait(abandoned, WAIT).is_ok(),
+        "still claimable, though its shares are back"
+    );
+}
+
+/// A tier that panics when asked to unlock: a bug inside the controller thread's reach.
+struct PanicsOnUnlock(FakeTier);
+
+impl TierAdapter for PanicsOnUnlock {
+    fn name(&self) -> &str {
+        "panics"
+    }
+    fn submit_store(&self, items: Vec<StoreItem>) -> tierkv_core::TaskId {
+        self.0.submit_store(items)
+    }
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> tierkv_core::TaskId {
+        self.0.submit_lookup_and_lock(keys)
+    }
+    fn submit_load(&self, items: Vec<tierkv_core::LoadItem>) -> tierkv_core::TaskId {
+        self.0.submit_load(items)
+    }
+    fn unlock(&self, _keys: &[ObjectKey]) {
+        panic!("unlock exploded");
+    }
+    fn delete(&self, keys: &[ObjectKey]) -> usize {
+        self.0.delete(keys)
+    }
+    fn usage(&self) -> tierkv_core::TierUsage {
+        self.0.usage()
+    }
+    fn completions(&self) -> crossbeam_channel::Receiver<Completion> {
+        self.0.completions()
+    }
+    fn close(&self) {
+        self.0.close()
+    }
+}
+
+#[test]
+fn a_panic_in_the_controller_thread_fails_requests_cleanly_instead_of_hanging() {
+    let fake = FakeTier::new("fake", 64, CHUNK);
+    for k in keys(0..4) {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    let rig = rig_with(
+        vec![Arc::new(PanicsOnUnlock(fake))],
+        vec![],
+        PrefetchConfig::default(),
+    );
+    // A gap makes the controller unlock the keys past it, and the tier panics.
+    let request = PrefetchRequest::prefix(
+        OWNER,
+        ExtraCount::ZERO,
+        Layout::bytes(CHUNK).unwrap(),
+        vec![key(0), key(9), key(1)],
+    );
+    let id = rig.prefetch.submit(request).unwrap();
+    match rig.prefetch.wait(id, WAIT) {
+        Err(PrefetchError::Failed(why)) => assert!(why.contains("unlock exploded"), "{why}"),
+        other => panic!("a panicking controller answered {other:?}"),
+    }
+    let again = PrefetchRequest::prefix(
+        OWNER,
+        ExtraCount::ZERO,
+        Layout::bytes(CHUNK).unwrap(),
+        keys(0..1),
+    );
+    assert_eq!(
+        rig.prefetch.submit(again),
+        Err(PrefetchError::Stopped),
+        "a failed controller refuses work at once"
+    );
+    assert!(rig.absent(&keys(0..4)), "its reservations were aborted");
+    rig.l1.audit().unwrap();
+}
