@@ -99,6 +99,15 @@ impl ReadGrant {
     }
 }
 
+/// Eviction victims leased instead of evicted (for write-back).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EvictionLease {
+    /// The lease holding one share of every victim; `None` when nothing was evictable.
+    pub lease: Option<LeaseId>,
+    /// The victims, in the order eviction chose them.
+    pub keys: Vec<ObjectKey>,
+}
+
 /// What a release returned.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Released {
@@ -940,15 +949,15 @@ impl L1Manager {
 
     // ----- eviction -----
 
-    /// Evicts one cached object, chosen by its shard's policy, and hands its slot to the caller.
-    /// With one shard the order is exactly the policy's; with several it is the policy's order
-    /// within a shard chosen where cached objects are most plentiful.
-    fn evict_one(&self, victims: &mut Vec<ObjectKey>) -> Option<SlotId> {
+    /// Finds the next eviction victim and hands it, with its locked shard, to `take`.
+    ///
+    /// Two random shards are considered, the one holding more cached objects first ("power of two
+    /// choices"): new keys land in shards at random, so taking victims evenly across shards would
+    /// let some shards drain and lose their newest objects. Then every other shard in turn, so
+    /// `None` means no shard has anything evictable. With one shard the order is exactly the
+    /// policy's. The victim has already left the policy's tracking when `take` sees it.
+    fn with_victim<R>(&self, take: impl FnOnce(&mut Shard, ObjectKey) -> R) -> Option<R> {
         let shards = self.index.shard_count();
-        // Two random shards, the one holding more cached objects first ("power of two choices"):
-        // new keys land in shards at random, so evicting evenly across shards would let some
-        // shards drain and lose their newest objects. Then every other shard in turn, so `None`
-        // means no shard has anything evictable.
         let draw = self.evict_cursor.fetch_add(1, Ordering::Relaxed) as u64;
         let mixed = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
         let (a, b) = (
@@ -962,26 +971,64 @@ impl L1Manager {
         };
         for step in 0..shards {
             let mut guard = self.index.shard_at(first + step);
-            let Shard {
-                map,
-                policy,
-                counts,
-            } = &mut *guard;
+            let shard = &mut *guard;
             let slots = &*self.slots;
+            let map = &shard.map;
             let mut eligible =
                 |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(slots));
-            let Some(key) = policy.evict(1, &mut eligible).pop() else {
-                continue;
-            };
-            if let Some(entry) = map.remove(&key) {
-                counts.moved(entry.class(), Class::Gone);
-                // The filter saw the slot idle under this lock, and pins are only taken under it.
-                self.slots.recycle(entry.slot);
-                victims.push(key);
-                return Some(entry.slot);
+            if let Some(key) = shard.policy.evict(1, &mut eligible).pop() {
+                return Some(take(shard, key));
             }
         }
         None
+    }
+
+    /// Evicts one cached object and hands its slot to the caller.
+    fn evict_one(&self, victims: &mut Vec<ObjectKey>) -> Option<SlotId> {
+        self.with_victim(|shard, key| {
+            let entry = shard.map.remove(&key)?;
+            shard.counts.moved(entry.class(), Class::Gone);
+            // The filter saw the slot idle under this lock, and pins are only taken under it.
+            self.slots.recycle(entry.slot);
+            victims.push(key);
+            Some(entry.slot)
+        })
+        .flatten()
+    }
+
+    /// Leases up to `n` eviction victims, chosen as eviction would choose them, to `owner` instead
+    /// of evicting them: each becomes temporary, so it is freed when its last share returns.
+    ///
+    /// This is how write-back works: the caller copies the victims to the next tier and then
+    /// returns the shares. Readers may still lease a victim meanwhile; it goes when they are done.
+    pub fn lease_eviction_candidates(&self, owner: OwnerId, n: usize) -> EvictionLease {
+        let readers = ExtraCount::ZERO.readers();
+        let deadline = self.clock.now().saturating_add(self.config.lease_ttl);
+        let mut record = LeaseRecord::new(owner, readers, deadline, n);
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            let leased = self.with_victim(|shard, key| {
+                let entry = shard.map.get_mut(&key)?;
+                let before = entry.class();
+                entry.temporary = true;
+                entry.shares += u64::from(readers);
+                shard.counts.moved(before, entry.class());
+                let shares = KeyShares {
+                    generation: entry.generation,
+                    outstanding: all_readers(readers),
+                    marked: false,
+                };
+                record.keys.insert(key, shares);
+                Some(key)
+            });
+            match leased.flatten() {
+                Some(key) => keys.push(key),
+                None => break,
+            }
+        }
+        let lease = (!record.keys.is_empty()).then(|| self.leases.insert(record));
+        self.metrics.read_shares(keys.len() as u64);
+        EvictionLease { lease, keys }
     }
 
     /// Evicts cached objects while more than the high watermark of slots is occupied, down to the
