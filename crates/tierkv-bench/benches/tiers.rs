@@ -32,18 +32,12 @@ const IN_FLIGHT: usize = 4;
 const PER_TASK: usize = 2;
 
 fn key(i: u64) -> ObjectKey {
-    ObjectKey::new(
-        Namespace::new("bench", ""),
-        ChunkHash(u128::from(i) << 32 | 7),
-        KvRank::Shared,
-    )
+    ObjectKey::new(Namespace::new("bench", ""), ChunkHash(u128::from(i) << 32 | 7), KvRank::Shared)
 }
 
 /// Buffers of `chunk` bytes, allocated and touched before any timing, as L1 slots would be.
 fn buffers(total: usize, chunk: u64, fill: u8) -> Vec<Option<Vec<u8>>> {
-    (0..total)
-        .map(|i| Some(vec![fill ^ i as u8; chunk as usize]))
-        .collect()
+    (0..total).map(|i| Some(vec![fill ^ i as u8; chunk as usize])).collect()
 }
 
 /// Runs `total` chunks through `submit` in tasks of `PER_TASK`, `IN_FLIGHT` tasks at a time, and
@@ -65,14 +59,10 @@ fn pump(
             waiting.push_back(submit(next));
             next += PER_TASK;
         }
-        let done = completions
-            .recv_timeout(Duration::from_secs(60))
-            .expect("a task hung");
+        let done = completions.recv_timeout(Duration::from_secs(60)).expect("a task hung");
         waiting.retain(|t| *t != done.task());
         moved += match &done {
-            Completion::Stored {
-                result, sources, ..
-            } => {
+            Completion::Stored { result, sources, .. } => {
                 result.as_ref().expect("a benchmark store failed");
                 sources.len() as u64 * chunk
             }
@@ -138,9 +128,7 @@ fn host(table: &mut Table, chunk: u64, total: usize) {
 
 fn disk(table: &mut Table, parent: &Path, chunk: u64, total: usize) {
     let run = tempfile::tempdir_in(parent).unwrap();
-    let segment_bytes = (BLOCK + 16 * record_bytes(chunk))
-        .max(256 << 20)
-        .next_multiple_of(BLOCK);
+    let segment_bytes = (BLOCK + 16 * record_bytes(chunk)).max(256 << 20).next_multiple_of(BLOCK);
     let capacity = (total as u64 * record_bytes(chunk)).div_ceil(segment_bytes) * segment_bytes
         + 2 * segment_bytes;
     let config = DiskStoreConfig {
@@ -163,11 +151,7 @@ fn disk(table: &mut Table, parent: &Path, chunk: u64, total: usize) {
         );
     }
     for mode in [ReadMode::Direct, ReadMode::Mmap] {
-        let store = DiskStore::open(DiskStoreConfig {
-            read_mode: mode,
-            ..config.clone()
-        })
-        .unwrap();
+        let store = DiskStore::open(DiskStoreConfig { read_mode: mode, ..config.clone() }).unwrap();
         let name = format!("DiskStore cold load ({mode:?}), {mib} MiB chunks");
         table.figure(
             &name,
@@ -197,10 +181,7 @@ fn main() {
         let (_, read) = direct_file_bandwidth(work.path(), 1 << 30, mib << 20, IN_FLIGHT)
             .expect("O_DIRECT is needed");
         table.limit(&format!("disk sequential write, {mib} MiB requests"), write);
-        table.limit(
-            &format!("disk sequential read, {mib} MiB requests x {IN_FLIGHT}"),
-            read,
-        );
+        table.limit(&format!("disk sequential read, {mib} MiB requests x {IN_FLIGHT}"), read);
     }
     host(&mut table, 2 << 20, 256);
     host(&mut table, 16 << 20, 32);

@@ -59,10 +59,7 @@ pub fn direct_file_bandwidth(
     let path = dir.join(format!(".tierkv-bench-seq-{}", std::process::id()));
     let result = (|| {
         let mut file = direct(&path, true)?;
-        buf.as_mut_slice()
-            .iter_mut()
-            .enumerate()
-            .for_each(|(i, b)| *b = i as u8);
+        buf.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
         let start = Instant::now();
         for _ in 0..blocks {
             file.write_all(buf.as_slice())?;
@@ -98,10 +95,7 @@ fn parallel_read(path: &Path, blocks: usize, block: usize, readers: usize) -> io
             .collect();
         workers
             .into_iter()
-            .map(|w| {
-                w.join()
-                    .unwrap_or_else(|_| Err(io::Error::other("a reader panicked")))
-            })
+            .map(|w| w.join().unwrap_or_else(|_| Err(io::Error::other("a reader panicked"))))
             .collect()
     });
     Ok(read?.iter().sum::<usize>() as f64 / start.elapsed().as_secs_f64())

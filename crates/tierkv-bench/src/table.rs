@@ -15,10 +15,7 @@ pub struct Table {
 impl Table {
     /// A table whose values are shown in `unit`, `scale` base units each (e.g. "GB/s", 1e9).
     pub fn new(unit: &str, scale: f64) -> Self {
-        Table {
-            rows: Vec::new(),
-            unit: (unit.to_string(), scale),
-        }
+        Table { rows: Vec::new(), unit: (unit.to_string(), scale) }
     }
 
     /// A limit row: a figure others are compared with.

@@ -12,10 +12,7 @@ pub struct Bitmap {
 impl Bitmap {
     /// `len` bits, all clear.
     pub fn new(len: usize) -> Self {
-        Bitmap {
-            words: vec![0; len.div_ceil(64)],
-            len,
-        }
+        Bitmap { words: vec![0; len.div_ceil(64)], len }
     }
 
     /// `len` bits, all set.
@@ -111,9 +108,7 @@ impl Bitmap {
 
 impl fmt::Debug for Bitmap {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let bits: String = (0..self.len)
-            .map(|i| if self.get(i) { '1' } else { '0' })
-            .collect();
+        let bits: String = (0..self.len).map(|i| if self.get(i) { '1' } else { '0' }).collect();
         write!(f, "Bitmap({bits})")
     }
 }

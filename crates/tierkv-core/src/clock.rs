@@ -19,9 +19,7 @@ pub struct SystemClock {
 impl SystemClock {
     /// A clock whose origin is now.
     pub fn new() -> Self {
-        SystemClock {
-            origin: Instant::now(),
-        }
+        SystemClock { origin: Instant::now() }
     }
 }
 
@@ -55,9 +53,7 @@ impl ManualClock {
         // Saturate rather than wrap: a clock that jumped back to zero would un-expire leases.
         let _ = self
             .nanos
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
-                Some(now.saturating_add(by))
-            });
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| Some(now.saturating_add(by)));
     }
 }
 

@@ -103,10 +103,7 @@ mod tests {
         let hashes = hasher.prefix_hashes(&tokens);
         let golden = [GOLDEN_ROOT, GOLDEN_CHUNK0, GOLDEN_CHUNK1];
         let actual = [root().0, hashes[0].0, hashes[1].0];
-        assert_eq!(
-            actual, golden,
-            "the chunk hash encoding changed: this breaks stored data"
-        );
+        assert_eq!(actual, golden, "the chunk hash encoding changed: this breaks stored data");
         assert_eq!(chain(root(), &[1, 2, 3], b"lora:7").0, GOLDEN_EXTRA);
     }
 
@@ -144,10 +141,7 @@ mod tests {
     #[test]
     fn token_count_separates_tokens_from_extra_bytes() {
         // Without the count, tokens [1] + extra [2,0,0,0] would equal tokens [1, 2].
-        assert_ne!(
-            chain(root(), &[1], &2u32.to_le_bytes()),
-            chain(root(), &[1, 2], &[])
-        );
+        assert_ne!(chain(root(), &[1], &2u32.to_le_bytes()), chain(root(), &[1, 2], &[]));
     }
 
     #[test]

@@ -78,12 +78,7 @@ pub struct ObjectKey {
 impl ObjectKey {
     /// A key of group 0, the common case of a model with one KV-cache group.
     pub fn new(namespace: Namespace, chunk: ChunkHash, rank: KvRank) -> Self {
-        ObjectKey {
-            namespace,
-            chunk,
-            rank,
-            group: GroupId(0),
-        }
+        ObjectKey { namespace, chunk, rank, group: GroupId(0) }
     }
 }
 
@@ -102,22 +97,10 @@ mod tests {
     fn keys_differ_by_every_field() {
         let ns = Namespace::new("m", "");
         let base = ObjectKey::new(ns, ChunkHash(7), KvRank::Shared);
-        let other_rank = ObjectKey {
-            rank: KvRank::Rank { rank: 0, world: 1 },
-            ..base
-        };
-        let other_group = ObjectKey {
-            group: GroupId(1),
-            ..base
-        };
-        let other_ns = ObjectKey {
-            namespace: Namespace::new("m", "x"),
-            ..base
-        };
-        let other_chunk = ObjectKey {
-            chunk: ChunkHash(8),
-            ..base
-        };
+        let other_rank = ObjectKey { rank: KvRank::Rank { rank: 0, world: 1 }, ..base };
+        let other_group = ObjectKey { group: GroupId(1), ..base };
+        let other_ns = ObjectKey { namespace: Namespace::new("m", "x"), ..base };
+        let other_chunk = ObjectKey { chunk: ChunkHash(8), ..base };
         for other in [other_rank, other_group, other_ns, other_chunk] {
             assert_ne!(base, other);
         }

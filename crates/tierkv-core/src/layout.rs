@@ -79,23 +79,16 @@ impl Layout {
                 .iter()
                 .try_fold(1u64, |acc, dim| acc.checked_mul(*dim))
                 .ok_or(LayoutError::Overflow)?;
-            let bytes = elements
-                .checked_mul(tensor.dtype.size_bytes())
-                .ok_or(LayoutError::Overflow)?;
+            let bytes =
+                elements.checked_mul(tensor.dtype.size_bytes()).ok_or(LayoutError::Overflow)?;
             size_bytes = size_bytes.checked_add(bytes).ok_or(LayoutError::Overflow)?;
         }
-        Ok(Layout {
-            tensors,
-            size_bytes,
-        })
+        Ok(Layout { tensors, size_bytes })
     }
 
     /// An opaque layout of `size_bytes` bytes (one `U8` tensor).
     pub fn bytes(size_bytes: u64) -> Result<Self, LayoutError> {
-        Self::new(vec![TensorSpec {
-            dtype: DType::U8,
-            shape: vec![size_bytes],
-        }])
+        Self::new(vec![TensorSpec { dtype: DType::U8, shape: vec![size_bytes] }])
     }
 
     /// The tensors, in order.
@@ -116,14 +109,8 @@ mod tests {
     #[test]
     fn size_sums_every_tensor() {
         // K and V of 2 layers x 256 tokens x 8 heads x 128 dims in bf16.
-        let kv = TensorSpec {
-            dtype: DType::BF16,
-            shape: vec![2, 2, 256, 8, 128],
-        };
-        let scales = TensorSpec {
-            dtype: DType::F32,
-            shape: vec![2, 256],
-        };
+        let kv = TensorSpec { dtype: DType::BF16, shape: vec![2, 2, 256, 8, 128] };
+        let scales = TensorSpec { dtype: DType::F32, shape: vec![2, 256] };
         let layout = Layout::new(vec![kv, scales]).unwrap();
         assert_eq!(layout.size_bytes(), 2 * 2 * 256 * 8 * 128 * 2 + 2 * 256 * 4);
         assert_eq!(Layout::bytes(4096).unwrap().size_bytes(), 4096);
@@ -132,26 +119,11 @@ mod tests {
     #[test]
     fn bad_layouts_are_typed_errors() {
         assert_eq!(Layout::new(vec![]), Err(LayoutError::Empty));
-        let zero = TensorSpec {
-            dtype: DType::F16,
-            shape: vec![4, 0],
-        };
-        assert_eq!(
-            Layout::new(vec![zero]),
-            Err(LayoutError::EmptyTensor { tensor: 0 })
-        );
-        let none = TensorSpec {
-            dtype: DType::F16,
-            shape: vec![],
-        };
-        assert_eq!(
-            Layout::new(vec![none]),
-            Err(LayoutError::EmptyTensor { tensor: 0 })
-        );
-        let huge = TensorSpec {
-            dtype: DType::F32,
-            shape: vec![u64::MAX / 2, 3],
-        };
+        let zero = TensorSpec { dtype: DType::F16, shape: vec![4, 0] };
+        assert_eq!(Layout::new(vec![zero]), Err(LayoutError::EmptyTensor { tensor: 0 }));
+        let none = TensorSpec { dtype: DType::F16, shape: vec![] };
+        assert_eq!(Layout::new(vec![none]), Err(LayoutError::EmptyTensor { tensor: 0 }));
+        let huge = TensorSpec { dtype: DType::F32, shape: vec![u64::MAX / 2, 3] };
         assert_eq!(Layout::new(vec![huge]), Err(LayoutError::Overflow));
     }
 }

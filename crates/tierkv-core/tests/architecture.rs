@@ -5,10 +5,8 @@ use std::path::Path;
 
 /// The dependency names of a crate's `[dependencies]` table.
 fn dependencies(crate_dir: &str) -> Vec<String> {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(crate_dir)
-        .join("Cargo.toml");
+    let manifest =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(crate_dir).join("Cargo.toml");
     let text = std::fs::read_to_string(&manifest)
         .unwrap_or_else(|e| panic!("{}: {e}", manifest.display()));
     let mut in_dependencies = false;

@@ -26,10 +26,7 @@ use std::time::Instant;
 use serde::Deserialize;
 use tierkv_core::policy::{EvictionPolicy, PolicyKind};
 
-const TRACE_DIR: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/traces/mooncake/"
-);
+const TRACE_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/traces/mooncake/");
 
 /// Cache sizes in blocks at which S3-FIFO must beat LRU.
 const CAPACITIES: [usize; 4] = [1_000, 5_859, 10_000, 30_000];
@@ -38,23 +35,11 @@ const CAPACITIES: [usize; 4] = [1_000, 5_859, 10_000, 30_000];
 const LRU_REFERENCE: [(&str, [(usize, f64); 5]); 2] = [
     (
         "conversation_trace.jsonl",
-        [
-            (1_000, 0.0445),
-            (5_859, 0.1355),
-            (10_000, 0.2112),
-            (30_000, 0.3257),
-            (50_000, 0.3546),
-        ],
+        [(1_000, 0.0445), (5_859, 0.1355), (10_000, 0.2112), (30_000, 0.3257), (50_000, 0.3546)],
     ),
     (
         "synthetic_trace.jsonl",
-        [
-            (1_000, 0.0825),
-            (5_859, 0.3094),
-            (10_000, 0.4235),
-            (30_000, 0.6242),
-            (50_000, 0.6396),
-        ],
+        [(1_000, 0.0825), (5_859, 0.3094), (10_000, 0.4235), (30_000, 0.6242), (50_000, 0.6396)],
     ),
 ];
 
@@ -103,10 +88,7 @@ fn hit_ratio(kind: PolicyKind, order: Order, capacity: usize, requests: &[Vec<u6
     let mut policy: Box<dyn EvictionPolicy<u64>> = kind.build();
     let (mut hits, mut blocks) = (0usize, 0usize);
     for request in requests {
-        let run = request
-            .iter()
-            .take_while(|block| policy.contains(block))
-            .count();
+        let run = request.iter().take_while(|block| policy.contains(block)).count();
         hits += run;
         blocks += request.len();
         let (hit, missed) = request.split_at(run);
@@ -148,30 +130,13 @@ fn s3fifo_beats_lru_on_the_mooncake_traces() {
     let mut runs = vec![];
     for (trace, (_, reference)) in LRU_REFERENCE.iter().enumerate() {
         for &(capacity, _) in reference {
-            runs.push(Run {
-                trace,
-                kind: PolicyKind::Lru,
-                order: Order::RootFirst,
-                capacity,
-            });
-            runs.push(Run {
-                trace,
-                kind: PolicyKind::Lru,
-                order: Order::LeafFirst,
-                capacity,
-            });
-            runs.push(Run {
-                trace,
-                kind: PolicyKind::S3Fifo,
-                order: Order::LeafFirst,
-                capacity,
-            });
+            runs.push(Run { trace, kind: PolicyKind::Lru, order: Order::RootFirst, capacity });
+            runs.push(Run { trace, kind: PolicyKind::Lru, order: Order::LeafFirst, capacity });
+            runs.push(Run { trace, kind: PolicyKind::S3Fifo, order: Order::LeafFirst, capacity });
         }
     }
     // The replays are independent: spread them over the available cores.
-    let workers = std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(runs.len());
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(runs.len());
     let ratios: Vec<f64> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .map(|worker| {
@@ -182,10 +147,7 @@ fn s3fifo_beats_lru_on_the_mooncake_traces() {
                         .skip(worker)
                         .step_by(workers)
                         .map(|(i, run)| {
-                            (
-                                i,
-                                hit_ratio(run.kind, run.order, run.capacity, &traces[run.trace]),
-                            )
+                            (i, hit_ratio(run.kind, run.order, run.capacity, &traces[run.trace]))
                         })
                         .collect::<Vec<_>>()
                 })
@@ -207,10 +169,7 @@ fn s3fifo_beats_lru_on_the_mooncake_traces() {
     };
 
     println!("prefix hit ratio; LRU root first, and both policies leaf first");
-    println!(
-        "{:<26} {:>8} {:>9} {:>9} {:>9}",
-        "trace", "blocks", "LRU", "LRU leaf", "S3-FIFO"
-    );
+    println!("{:<26} {:>8} {:>9} {:>9} {:>9}", "trace", "blocks", "LRU", "LRU leaf", "S3-FIFO");
     let mut failures = vec![];
     for (trace, (name, reference)) in LRU_REFERENCE.iter().enumerate() {
         for &(capacity, expected) in reference {
@@ -219,9 +178,7 @@ fn s3fifo_beats_lru_on_the_mooncake_traces() {
             let s3fifo = ratio(trace, PolicyKind::S3Fifo, Order::LeafFirst, capacity);
             println!("{name:<26} {capacity:>8} {lru:>9.4} {lru_leaf:>9.4} {s3fifo:>9.4}");
             if (lru - expected).abs() > 0.005 {
-                failures.push(format!(
-                    "{name} at {capacity}: LRU {lru:.4}, reference {expected}"
-                ));
+                failures.push(format!("{name} at {capacity}: LRU {lru:.4}, reference {expected}"));
             }
             if CAPACITIES.contains(&capacity) && !(s3fifo > lru && s3fifo > lru_leaf) {
                 failures.push(format!(

@@ -99,22 +99,15 @@ impl DiskStoreConfig {
             ));
         }
         if self.io_threads == 0 || self.io_threads > 256 {
-            return bad(format!(
-                "io_threads must be within 1..=256, got {}",
-                self.io_threads
-            ));
+            return bad(format!("io_threads must be within 1..=256, got {}", self.io_threads));
         }
         if let FsyncPolicy::Periodic(every) = self.fsync
             && every.is_zero()
         {
             return bad("a periodic fsync interval must be positive".into());
         }
-        u32::try_from(segments).or_else(|_| {
-            bad(format!(
-                "{segments} segments exceed the limit of {}",
-                u32::MAX
-            ))
-        })
+        u32::try_from(segments)
+            .or_else(|_| bad(format!("{segments} segments exceed the limit of {}", u32::MAX)))
     }
 }
 
@@ -131,39 +124,18 @@ mod tests {
         assert_eq!(ok.segments().unwrap(), 8);
         let err = |c: DiskStoreConfig| c.segments().unwrap_err().to_string();
         assert!(
-            err(DiskStoreConfig {
-                segment_bytes: 1000,
-                ..ok.clone()
-            })
-            .contains("multiple of 4096")
+            err(DiskStoreConfig { segment_bytes: 1000, ..ok.clone() }).contains("multiple of 4096")
         );
         assert!(
-            err(DiskStoreConfig {
-                max_chunk_bytes: 1 << 20,
-                ..ok.clone()
-            })
-            .contains("cannot hold")
+            err(DiskStoreConfig { max_chunk_bytes: 1 << 20, ..ok.clone() }).contains("cannot hold")
         );
         assert!(
-            err(DiskStoreConfig {
-                capacity_bytes: 1 << 20,
-                ..ok.clone()
-            })
-            .contains("two segments")
+            err(DiskStoreConfig { capacity_bytes: 1 << 20, ..ok.clone() }).contains("two segments")
         );
+        assert!(err(DiskStoreConfig { io_threads: 0, ..ok.clone() }).contains("io_threads"));
         assert!(
-            err(DiskStoreConfig {
-                io_threads: 0,
-                ..ok.clone()
-            })
-            .contains("io_threads")
-        );
-        assert!(
-            err(DiskStoreConfig {
-                fsync: FsyncPolicy::Periodic(Duration::ZERO),
-                ..ok
-            })
-            .contains("periodic")
+            err(DiskStoreConfig { fsync: FsyncPolicy::Periodic(Duration::ZERO), ..ok })
+                .contains("periodic")
         );
     }
 }

@@ -30,10 +30,6 @@ impl DiskError {
         path: impl Into<PathBuf>,
     ) -> impl FnOnce(io::Error) -> DiskError {
         let path = path.into();
-        move |source| DiskError::Io {
-            action,
-            path,
-            source,
-        }
+        move |source| DiskError::Io { action, path, source }
     }
 }

@@ -174,10 +174,7 @@ impl Header {
         }
         let rank = match block[48] {
             0 => KvRank::Shared,
-            1 => KvRank::Rank {
-                rank: u16_at(block, 50),
-                world: u16_at(block, 52),
-            },
+            1 => KvRank::Rank { rank: u16_at(block, 50), world: u16_at(block, 52) },
             // A checksummed header with an unknown rank kind was written by a newer version.
             _ => return Err(Invalid::Version(version)),
         };
@@ -217,71 +214,34 @@ mod tests {
     #[test]
     fn headers_and_superblocks_round_trip() {
         let mut block = vec![0xAA; BLOCK as usize];
-        let header = Header {
-            epoch: 42,
-            key: key(),
-            len: 2 << 20,
-            checksum: 7,
-        };
+        let header = Header { epoch: 42, key: key(), len: 2 << 20, checksum: 7 };
         header.encode(&mut block);
         assert_eq!(Header::decode(&block), Ok(header));
-        let shared = Header {
-            key: ObjectKey {
-                rank: KvRank::Shared,
-                ..key()
-            },
-            ..header
-        };
+        let shared = Header { key: ObjectKey { rank: KvRank::Shared, ..key() }, ..header };
         shared.encode(&mut block);
         assert_eq!(Header::decode(&block), Ok(shared));
-        let sb = Superblock {
-            id: 9,
-            epoch: 0xdead_beef,
-            segment_bytes: 256 << 20,
-        };
+        let sb = Superblock { id: 9, epoch: 0xdead_beef, segment_bytes: 256 << 20 };
         sb.encode(&mut block);
         assert_eq!(Superblock::decode(&block), Ok(sb));
-        assert!(
-            block[SUPER_BODY + 8..].iter().all(|b| *b == 0),
-            "the rest of the block is zeroed"
-        );
+        assert!(block[SUPER_BODY + 8..].iter().all(|b| *b == 0), "the rest of the block is zeroed");
     }
 
     #[test]
     fn damage_is_recognised() {
         let mut block = vec![0; BLOCK as usize];
-        assert_eq!(
-            Header::decode(&block),
-            Err(Invalid::Magic),
-            "an unwritten block"
-        );
-        Header {
-            epoch: 1,
-            key: key(),
-            len: 10,
-            checksum: 3,
-        }
-        .encode(&mut block);
+        assert_eq!(Header::decode(&block), Err(Invalid::Magic), "an unwritten block");
+        Header { epoch: 1, key: key(), len: 10, checksum: 3 }.encode(&mut block);
         for at in [12, 20, 40, 49, 60, 70] {
             let mut torn = block.clone();
             torn[at] ^= 0x01;
-            assert_eq!(
-                Header::decode(&torn),
-                Err(Invalid::Checksum),
-                "flip at {at}"
-            );
+            assert_eq!(Header::decode(&torn), Err(Invalid::Checksum), "flip at {at}");
         }
         let mut newer = block.clone();
         newer[8] = 2;
         assert_eq!(Header::decode(&newer), Err(Invalid::Version(2)));
         assert_eq!(Header::decode(&block[..40]), Err(Invalid::Short));
         let mut sb = vec![0; BLOCK as usize];
-        Superblock {
-            id: 1,
-            epoch: 2,
-            segment_bytes: 3,
-        }
-        .encode(&mut sb);
+        Superblock { id: 1, epoch: 2, segment_bytes: 3 }.encode(&mut sb);
         sb[20] ^= 0x80;
         assert_eq!(Superblock::decode(&sb), Err(Invalid::Checksum));
     }
@@ -298,20 +258,11 @@ mod tests {
     #[test]
     fn golden_header_bytes() {
         let mut block = vec![0; BLOCK as usize];
-        Header {
-            epoch: 1,
-            key: key(),
-            len: 5,
-            checksum: 6,
-        }
-        .encode(&mut block);
+        Header { epoch: 1, key: key(), len: 5, checksum: 6 }.encode(&mut block);
         assert_eq!(&block[..8], b"TKVREC01");
         assert_eq!(&block[8..12], &[1, 0, 0, 0]);
         assert_eq!(&block[16..24], &[1, 0, 0, 0, 0, 0, 0, 0]);
-        assert_eq!(
-            &block[24..32],
-            &[0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11]
-        );
+        assert_eq!(&block[24..32], &[0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11]);
         assert_eq!(block[32], 0x10, "the chunk hash is little-endian");
         assert_eq!(&block[48..56], &[1, 0, 3, 0, 8, 0, 2, 0]);
         assert_eq!(&block[56..64], &[5, 0, 0, 0, 0, 0, 0, 0]);

@@ -75,21 +75,9 @@ impl DiskMetrics {
             Unit::Bytes,
             "Bytes loaded from a lower tier."
         );
-        describe_gauge!(
-            "tierkv_tier_capacity_bytes",
-            Unit::Bytes,
-            "Bytes a tier may hold."
-        );
-        describe_gauge!(
-            "tierkv_tier_used_bytes",
-            Unit::Bytes,
-            "Bytes held by objects."
-        );
-        describe_gauge!(
-            "tierkv_tier_objects",
-            Unit::Count,
-            "Objects held by a tier."
-        );
+        describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
+        describe_gauge!("tierkv_tier_used_bytes", Unit::Bytes, "Bytes held by objects.");
+        describe_gauge!("tierkv_tier_objects", Unit::Count, "Objects held by a tier.");
         describe_counter!(
             "tierkv_evictions_total",
             Unit::Count,
@@ -118,10 +106,7 @@ impl DiskMetrics {
             failures: Failure::ALL
                 .into_iter()
                 .map(|f| {
-                    (
-                        f,
-                        counter!("tierkv_errors_total", "tier" => TIER, "reason" => f.as_str()),
-                    )
+                    (f, counter!("tierkv_errors_total", "tier" => TIER, "reason" => f.as_str()))
                 })
                 .collect(),
         }

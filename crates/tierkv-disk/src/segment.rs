@@ -19,10 +19,7 @@ pub(crate) fn segment_path(dir: &Path, id: u32) -> PathBuf {
 
 /// The segment id a file name stands for, if it is a segment file.
 pub(crate) fn segment_id(name: &str) -> Option<u32> {
-    name.strip_prefix("seg-")?
-        .strip_suffix(".tkv")?
-        .parse()
-        .ok()
+    name.strip_prefix("seg-")?.strip_suffix(".tkv")?.parse().ok()
 }
 
 /// How the store does file I/O, decided once at open.
@@ -54,11 +51,7 @@ impl SegmentFile {
     /// Opens an existing segment.
     pub(crate) fn open(path: PathBuf, writable: bool, mode: IoMode) -> io::Result<Self> {
         let file = options(writable, false, mode).open(&path)?;
-        Ok(SegmentFile {
-            path,
-            file,
-            map: OnceLock::new(),
-        })
+        Ok(SegmentFile { path, file, map: OnceLock::new() })
     }
 
     /// Opens (creating if needed) a segment and makes sure `bytes` of disk are allocated to it,
@@ -81,11 +74,7 @@ impl SegmentFile {
             }
             file.set_len(bytes)?;
         }
-        Ok(SegmentFile {
-            path,
-            file,
-            map: OnceLock::new(),
-        })
+        Ok(SegmentFile { path, file, map: OnceLock::new() })
     }
 
     /// Writes all of `buf` at `offset` (both block-aligned for direct I/O).
@@ -119,8 +108,7 @@ impl SegmentFile {
             let _ = map.advise(Advice::Sequential);
             Ok(map)
         });
-        map.as_ref()
-            .map_err(|e| io::Error::new(e.kind(), e.to_string()))
+        map.as_ref().map_err(|e| io::Error::new(e.kind(), e.to_string()))
     }
 }
 

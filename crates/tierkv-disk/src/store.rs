@@ -181,10 +181,7 @@ impl DiskStore {
             Ok(mode) => (mode, None),
             Err(e) => (
                 Self::read_mode_of_existing(&dir),
-                Some(format!(
-                    "the directory {} is not writable: {e}",
-                    dir.display()
-                )),
+                Some(format!("the directory {} is not writable: {e}", dir.display())),
             ),
         };
         let (index, recovered) = scan(&config, segments, io, read_only.is_none())?;
@@ -195,11 +192,7 @@ impl DiskStore {
             io,
             read_only,
             index: Mutex::new(index),
-            writer: Mutex::new(Writer {
-                active: None,
-                staging,
-                dirty: HashSet::new(),
-            }),
+            writer: Mutex::new(Writer { active: None, staging, dirty: HashSet::new() }),
             closed: AtomicBool::new(false),
             next_task: AtomicU64::new(1),
             epochs: AtomicU64::new(0),
@@ -406,9 +399,9 @@ fn scan_files(
         let mut all = Vec::with_capacity(ids.len());
         for handle in handles {
             let part = handle.join().unwrap_or_else(|_| {
-                Err(DiskError::io("scanning", &config.dir)(
-                    std::io::Error::other("a scan thread panicked"),
-                ))
+                Err(DiskError::io("scanning", &config.dir)(std::io::Error::other(
+                    "a scan thread panicked",
+                )))
             })?;
             all.extend(part);
         }
@@ -427,9 +420,7 @@ fn scan_file(
     let path = segment_path(&config.dir, id);
     let file = SegmentFile::open(path.clone(), writable, io)
         .map_err(DiskError::io("opening segment", &path))?;
-    let len = file
-        .len()
-        .map_err(DiskError::io("reading segment", &path))?;
+    let len = file.len().map_err(DiskError::io("reading segment", &path))?;
     let superblock = match file.read_at(&mut buf.as_mut_slice()[..BLOCK as usize], 0) {
         Ok(()) => Superblock::decode(buf.as_slice()).ok(),
         Err(_) => None,
@@ -437,10 +428,7 @@ fn scan_file(
     let found = superblock.filter(|sb| sb.id == id).map(|sb| {
         // Whole blocks only: a file cut short mid-block ends at its last whole block.
         let limit = len.min(config.segment_bytes) / BLOCK * BLOCK;
-        (
-            sb.epoch,
-            scan_segment(&file, id, sb.epoch, limit, config, buf),
-        )
+        (sb.epoch, scan_segment(&file, id, sb.epoch, limit, config, buf))
     });
     Ok(Scanned { id, file, found })
 }
@@ -491,14 +479,7 @@ fn scan_segment(
                     found.torn_records += 1;
                     break;
                 }
-                found.records.push((
-                    h.key,
-                    Loc {
-                        segment: id,
-                        offset: at,
-                        len: h.len,
-                    },
-                ));
+                found.records.push((h.key, Loc { segment: id, offset: at, len: h.len }));
                 at += size;
             }
             // A record of an earlier life of this segment: this life's records end here.
@@ -568,11 +549,7 @@ impl Shared {
                 let result = self
                     .contained(|| self.store(&sources))
                     .unwrap_or_else(|| Err(TierError::Io("internal panic while storing".into())));
-                Completion::Stored {
-                    task,
-                    result,
-                    sources,
-                }
+                Completion::Stored { task, result, sources }
             }
             Job::Lookup(task, keys) => {
                 let locked = self
@@ -584,11 +561,7 @@ impl Shared {
                 let loaded = self
                     .contained(|| self.load(&mut sinks, staging))
                     .unwrap_or_else(|| Bitmap::new(sinks.len()));
-                Completion::Loaded {
-                    task,
-                    loaded,
-                    sinks,
-                }
+                Completion::Loaded { task, loaded, sinks }
             }
         }
     }
@@ -608,20 +581,15 @@ impl Shared {
     fn fail(&self, job: Job) {
         self.metrics.failed(Failure::Closed);
         let completion = match job {
-            Job::Store(task, sources) => Completion::Stored {
-                task,
-                result: Err(TierError::Closed),
-                sources,
-            },
-            Job::Lookup(task, keys) => Completion::LookedUp {
-                task,
-                locked: Bitmap::new(keys.len()),
-            },
-            Job::Load(task, sinks) => Completion::Loaded {
-                task,
-                loaded: Bitmap::new(sinks.len()),
-                sinks,
-            },
+            Job::Store(task, sources) => {
+                Completion::Stored { task, result: Err(TierError::Closed), sources }
+            }
+            Job::Lookup(task, keys) => {
+                Completion::LookedUp { task, locked: Bitmap::new(keys.len()) }
+            }
+            Job::Load(task, sinks) => {
+                Completion::Loaded { task, loaded: Bitmap::new(sinks.len()), sinks }
+            }
         };
         let _ = self.done.send(completion);
     }
@@ -631,13 +599,10 @@ impl Shared {
     fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
         if let Some(why) = &self.read_only {
             self.metrics.failed(Failure::ReadOnly);
-            return Err(TierError::Io(format!(
-                "{why}; stores are refused, loads still work"
-            )));
+            return Err(TierError::Io(format!("{why}; stores are refused, loads still work")));
         }
-        if let Some(item) = items
-            .iter()
-            .find(|item| item.source.len() > self.config.max_chunk_bytes)
+        if let Some(item) =
+            items.iter().find(|item| item.source.len() > self.config.max_chunk_bytes)
         {
             self.metrics.failed(Failure::TooLarge);
             return Err(TierError::TooLarge {
@@ -675,18 +640,15 @@ impl Shared {
                 segment.live_bytes += record_bytes(loc.len);
             }
             if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
-                writer
-                    .dirty
-                    .extend(written.iter().map(|(_, loc)| loc.segment));
+                writer.dirty.extend(written.iter().map(|(_, loc)| loc.segment));
             }
         }
         drop(index);
         drop(writer);
         match &result {
-            Ok(()) => self.metrics.stored(
-                written.len() as u64,
-                written.iter().map(|(_, l)| l.len).sum(),
-            ),
+            Ok(()) => {
+                self.metrics.stored(written.len() as u64, written.iter().map(|(_, l)| l.len).sum())
+            }
             Err(TierError::NoSpace(_)) => self.metrics.failed(Failure::NoSpace),
             Err(TierError::Buffer(_)) => self.metrics.failed(Failure::Copy),
             Err(_) => self.metrics.failed(Failure::Io),
@@ -702,28 +664,18 @@ impl Shared {
         let record = &mut writer.staging.as_mut_slice()[..size as usize];
         let (head, payload) = record.split_at_mut(BLOCK as usize);
         let payload_bytes = &mut payload[..len as usize];
-        let copied = catch_unwind(AssertUnwindSafe(|| {
-            copy_in(item.source.as_ref(), payload_bytes)
-        }));
+        let copied =
+            catch_unwind(AssertUnwindSafe(|| copy_in(item.source.as_ref(), payload_bytes)));
         match copied {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(TierError::Buffer(e)),
             Err(_) => {
-                return Err(TierError::Io(format!(
-                    "the source of {:?} panicked",
-                    item.key
-                )));
+                return Err(TierError::Io(format!("the source of {:?} panicked", item.key)));
             }
         }
         payload[len as usize..].fill(0);
         let checksum = payload_checksum(&payload[..len as usize]);
-        Header {
-            epoch,
-            key: item.key,
-            len,
-            checksum,
-        }
-        .encode(head);
+        Header { epoch, key: item.key, len, checksum }.encode(head);
         if let Err(e) = file.write_at(record, offset) {
             // The segment now ends in a record that may be partial: stop appending to it, so no
             // record is ever written after one the scan would stop at.
@@ -732,11 +684,7 @@ impl Shared {
         }
         let mut index = self.index.lock();
         index.segments[segment as usize].end = offset + size;
-        Ok(Loc {
-            segment,
-            offset,
-            len,
-        })
+        Ok(Loc { segment, offset, len })
     }
 
     /// Room for `size` bytes in the active segment: its id, the offset, its epoch and file.
@@ -758,12 +706,7 @@ impl Shared {
         }
         let (id, file) = self.open_segment()?;
         writer.active = Some(id);
-        Ok((
-            id,
-            BLOCK,
-            self.index.lock().segments[id as usize].epoch,
-            file,
-        ))
+        Ok((id, BLOCK, self.index.lock().segments[id as usize].epoch, file))
     }
 
     /// Stops appending to `segment`; it becomes evictable.
@@ -784,9 +727,9 @@ impl Shared {
     /// capacity larger than the disk degrades into a smaller cache rather than failing.
     fn open_segment(&self) -> Result<(u32, Arc<SegmentFile>), TierError> {
         match self.open_segment_from(true) {
-            Err(TierError::NoSpace(full)) => self
-                .open_segment_from(false)
-                .map_err(|_| TierError::NoSpace(full)),
+            Err(TierError::NoSpace(full)) => {
+                self.open_segment_from(false).map_err(|_| TierError::NoSpace(full))
+            }
             other => other,
         }
     }
@@ -803,12 +746,9 @@ impl Shared {
             let (id, evicted) = match free {
                 Some(id) => (id, 0),
                 None => {
-                    let Index {
-                        segments, policy, ..
-                    } = &mut *index;
-                    let victim = policy
-                        .evict(1, &mut |id| segments[*id as usize].evictable())
-                        .pop();
+                    let Index { segments, policy, .. } = &mut *index;
+                    let victim =
+                        policy.evict(1, &mut |id| segments[*id as usize].evictable()).pop();
                     let Some(id) = victim else {
                         return Err(TierError::NoSpace(format!(
                             "all {} segments of {} bytes hold locked or pinned records",
@@ -876,12 +816,7 @@ impl Shared {
         let epoch = self.new_epoch(id);
         let mut block = AlignedBuf::new(BLOCK as usize)
             .ok_or_else(|| TierError::Io("cannot allocate".into()))?;
-        Superblock {
-            id,
-            epoch,
-            segment_bytes: bytes,
-        }
-        .encode(block.as_mut_slice());
+        Superblock { id, epoch, segment_bytes: bytes }.encode(block.as_mut_slice());
         file.write_at(block.as_slice(), 0)
             .map_err(|e| io_error(&path, "writing the superblock of", &e))?;
         if self.config.fsync != FsyncPolicy::Never {
@@ -905,14 +840,10 @@ impl Shared {
         let unique: HashSet<u32> = segments.collect();
         let files: Vec<Arc<SegmentFile>> = {
             let index = self.index.lock();
-            unique
-                .iter()
-                .filter_map(|id| index.segments[*id as usize].file.clone())
-                .collect()
+            unique.iter().filter_map(|id| index.segments[*id as usize].file.clone()).collect()
         };
         for file in files {
-            file.sync()
-                .map_err(|e| io_error(&file.path, "syncing", &e))?;
+            file.sync().map_err(|e| io_error(&file.path, "syncing", &e))?;
         }
         Ok(())
     }
@@ -948,10 +879,7 @@ impl Shared {
     fn load(&self, items: &mut [LoadItem], staging: &mut AlignedBuf) -> Bitmap {
         // Pin the segments under the lock, read outside it; the guard unpins them under it
         // again, on every path out of here, a panic included.
-        let mut pins = Pins {
-            index: &self.index,
-            segments: Vec::with_capacity(items.len()),
-        };
+        let mut pins = Pins { index: &self.index, segments: Vec::with_capacity(items.len()) };
         let planned: Vec<Option<(Loc, u64, Arc<SegmentFile>)>> = {
             let mut index = self.index.lock();
             items
@@ -1058,8 +986,7 @@ impl Shared {
 
     fn publish(&self) {
         let usage = self.usage();
-        self.metrics
-            .publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
+        self.metrics.publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
     }
 }
 

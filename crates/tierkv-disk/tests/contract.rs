@@ -1,10 +1,7 @@
 //! CONFORMANCE C1-C8 against the DiskStore, with segments of two records so eviction is
 //! exercised constantly.
 
-#![allow(
-    clippy::unwrap_used,
-    reason = "test code: a failed unwrap is a failed test"
-)]
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
 use std::sync::Arc;
 

@@ -5,10 +5,7 @@
 //! remount for an unwritable directory, an ext4 image on a loop device whose backing file is cut
 //! short for EIO. Tests that cannot mount (not root, no loop devices) say so and return.
 
-#![allow(
-    clippy::unwrap_used,
-    reason = "test code: a failed unwrap is a failed test"
-)]
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
@@ -35,14 +32,7 @@ fn config(dir: &Path, segments: u64, per_segment: u64) -> DiskStoreConfig {
 fn open(config: DiskStoreConfig) -> (Harness, Arc<DiskStore>) {
     let store = Arc::new(DiskStore::open(config).unwrap());
     let chunk_bytes = CHUNK;
-    (
-        Harness::new(OpenTier {
-            tier: store.clone(),
-            chunk_bytes,
-            keep: Box::new(()),
-        }),
-        store,
-    )
+    (Harness::new(OpenTier { tier: store.clone(), chunk_bytes, keep: Box::new(()) }), store)
 }
 
 /// Byte offset of record `n` (from 0) of a segment whose records are all `CHUNK` long.
@@ -55,11 +45,7 @@ fn segment(dir: &Path, id: u32) -> PathBuf {
 }
 
 fn flip(path: &Path, at: u64) {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
+    let file = OpenOptions::new().read(true).write(true).open(path).unwrap();
     let mut byte = [0u8];
     file.read_exact_at(&mut byte, at).unwrap();
     file.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
@@ -73,11 +59,7 @@ fn counter(snapshotter: &Snapshotter, name: &str, reason: Option<&str>) -> u64 {
         .into_iter()
         .filter(|(k, ..)| k.key().name() == name)
         .filter(|(k, ..)| {
-            reason.is_none_or(|r| {
-                k.key()
-                    .labels()
-                    .any(|l| l.key() == "reason" && l.value() == r)
-            })
+            reason.is_none_or(|r| k.key().labels().any(|l| l.key() == "reason" && l.value() == r))
         })
         .map(|(.., v)| if let DebugValue::Counter(n) = v { n } else { 0 })
         .sum()
@@ -111,11 +93,7 @@ fn restart_with_thousands_of_records_across_many_segments() {
     let harness = |config: &DiskStoreConfig| {
         let store = Arc::new(DiskStore::open(config.clone()).unwrap());
         (
-            Harness::new(OpenTier {
-                tier: store.clone(),
-                chunk_bytes: SMALL,
-                keep: Box::new(()),
-            }),
+            Harness::new(OpenTier { tier: store.clone(), chunk_bytes: SMALL, keep: Box::new(()) }),
             store,
         )
     };
@@ -147,26 +125,12 @@ fn c10_a_flipped_payload_byte_is_a_counted_miss_and_the_others_load() {
     }
     flip(&segment(dir.path(), 0), record_offset(2) + BLOCK + 777);
     let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(dir.path(), 4, 8)));
-    assert_eq!(
-        store.recovered().records,
-        5,
-        "payloads are verified on load, not at open"
-    );
+    assert_eq!(store.recovered().records, 5, "payloads are verified on load, not at open");
     let (loaded, _) = h.load(&keys(0..5));
-    assert_eq!(
-        loaded,
-        tierkv_core::Bitmap::from_bools([true, true, false, true, true])
-    );
+    assert_eq!(loaded, tierkv_core::Bitmap::from_bools([true, true, false, true, true]));
     h.assert_loads(&[key(0), key(1), key(3), key(4)]);
-    assert_eq!(
-        counter(&snapshotter, "tierkv_checksum_failures_total", None),
-        1
-    );
-    assert_eq!(
-        h.tier.usage().objects,
-        4,
-        "the damaged record left the index"
-    );
+    assert_eq!(counter(&snapshotter, "tierkv_checksum_failures_total", None), 1);
+    assert_eq!(h.tier.usage().objects, 4, "the damaged record left the index");
     assert!(!h.present(&[key(2)]).get(0));
 
     // The same while the store is open: the next load finds it.
@@ -190,10 +154,7 @@ fn c11_a_torn_last_record_is_absent_after_reopen() {
         h.store(&keys(0..5)).unwrap();
     }
     // A crash in the middle of the fifth record's payload.
-    let file = OpenOptions::new()
-        .write(true)
-        .open(segment(dir.path(), 0))
-        .unwrap();
+    let file = OpenOptions::new().write(true).open(segment(dir.path(), 0)).unwrap();
     file.set_len(record_offset(4) + BLOCK + 1000).unwrap();
     let (mut h, store) = open(config(dir.path(), 4, 8));
     assert_eq!(store.recovered().records, 4);
@@ -217,16 +178,10 @@ fn damaged_records_in_several_segments_are_misses_and_everything_else_loads() {
     }
     flip(&segment(dir.path(), 1), record_offset(1) + BLOCK + 100); // key 5: payload
     flip(&segment(dir.path(), 2), record_offset(2) + 30); // key 10: header
-    flip(
-        &segment(dir.path(), 3),
-        record_offset(3) + BLOCK + CHUNK - 1,
-    ); // key 15: last payload byte
+    flip(&segment(dir.path(), 3), record_offset(3) + BLOCK + CHUNK - 1); // key 15: last payload byte
     let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(dir.path(), 6, 4)));
     let recovered = store.recovered();
-    assert_eq!(
-        recovered.records, 15,
-        "only the record with a damaged header is not indexed"
-    );
+    assert_eq!(recovered.records, 15, "only the record with a damaged header is not indexed");
     assert_eq!(
         recovered.damaged_blocks,
         1 + CHUNK / BLOCK,
@@ -241,10 +196,7 @@ fn damaged_records_in_several_segments_are_misses_and_everything_else_loads() {
         3,
         "key 10's header when the store opened, keys 5 and 15's payloads when they were loaded"
     );
-    let good: Vec<_> = (0..16)
-        .filter(|i| ![5, 10, 15].contains(i))
-        .map(key)
-        .collect();
+    let good: Vec<_> = (0..16).filter(|i| ![5, 10, 15].contains(i)).map(key).collect();
     h.assert_loads(&good);
 }
 
@@ -252,10 +204,7 @@ fn damaged_records_in_several_segments_are_misses_and_everything_else_loads() {
 fn read_modes_agree_and_both_refuse_damage() {
     for mode in [ReadMode::Direct, ReadMode::Mmap] {
         let dir = tempfile::tempdir().unwrap();
-        let (mut h, _) = open(DiskStoreConfig {
-            read_mode: mode,
-            ..config(dir.path(), 4, 8)
-        });
+        let (mut h, _) = open(DiskStoreConfig { read_mode: mode, ..config(dir.path(), 4, 8) });
         h.store(&keys(0..6)).unwrap();
         h.assert_loads(&keys(0..6));
         flip(&segment(dir.path(), 0), record_offset(3) + BLOCK + 9);
@@ -267,23 +216,14 @@ fn read_modes_agree_and_both_refuse_damage() {
 
 #[test]
 fn periodic_and_never_fsync_keep_everything_after_a_clean_close() {
-    for fsync in [
-        FsyncPolicy::Never,
-        FsyncPolicy::Periodic(std::time::Duration::from_millis(5)),
-    ] {
+    for fsync in [FsyncPolicy::Never, FsyncPolicy::Periodic(std::time::Duration::from_millis(5))] {
         let dir = tempfile::tempdir().unwrap();
         {
-            let (mut h, _) = open(DiskStoreConfig {
-                fsync,
-                ..config(dir.path(), 4, 4)
-            });
+            let (mut h, _) = open(DiskStoreConfig { fsync, ..config(dir.path(), 4, 4) });
             h.store(&keys(0..6)).unwrap();
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        let (mut h, _) = open(DiskStoreConfig {
-            fsync,
-            ..config(dir.path(), 4, 4)
-        });
+        let (mut h, _) = open(DiskStoreConfig { fsync, ..config(dir.path(), 4, 4) });
         h.assert_loads(&keys(0..6));
     }
 }
@@ -292,11 +232,7 @@ fn periodic_and_never_fsync_keep_everything_after_a_clean_close() {
 fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(
-        DiskStore::open(DiskStoreConfig {
-            io_threads: 4,
-            ..config(dir.path(), 6, 4)
-        })
-        .unwrap(),
+        DiskStore::open(DiskStoreConfig { io_threads: 4, ..config(dir.path(), 6, 4) }).unwrap(),
     );
     let shared = SharedTier::new(store.clone(), CHUNK);
     std::thread::scope(|s| {
@@ -305,9 +241,7 @@ fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
             s.spawn(move || {
                 let mut seed = t * 7919 + 3;
                 for _ in 0..60 {
-                    seed = seed
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     let k = key((seed >> 33) % 48);
                     match (seed >> 20) % 4 {
                         0 => drop(shared.store(&[k])),
@@ -329,48 +263,45 @@ fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
     });
     let usage = store.usage();
     assert_eq!(usage.locks, 0);
-    assert_eq!(
-        usage.used_bytes,
-        usage.objects * record_bytes(CHUNK),
-        "{usage:?}"
-    );
+    assert_eq!(usage.used_bytes, usage.objects * record_bytes(CHUNK), "{usage:?}");
 }
 
 /// A filesystem mounted for one test, unmounted (and its loop device detached) on drop.
+///
+/// Tests with a mount run one at a time: a child process that another test forks (`mount`,
+/// `mkfs.ext4`, ...) holds copies of this process's descriptors until it execs, and on a loaded
+/// machine that window is long enough for a segment file's descriptor to make a remount
+/// read-only fail with "mount point is busy".
 struct Mounted {
     dir: tempfile::TempDir,
     loop_device: Option<String>,
     image: Option<tempfile::NamedTempFile>,
+    _one_at_a_time: std::sync::MutexGuard<'static, ()>,
+}
+
+static MOUNTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The mount tests' turn; a test that failed while holding it does not block the others.
+fn mount_turn() -> std::sync::MutexGuard<'static, ()> {
+    MOUNTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn run(program: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{program}: {e}"))?;
+    let out = Command::new(program).args(args).output().map_err(|e| format!("{program}: {e}"))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
     } else {
-        Err(format!(
-            "{program} {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(format!("{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
 impl Mounted {
     fn tmpfs(size: &str) -> Option<Self> {
+        let turn = mount_turn();
         let dir = tempfile::tempdir().ok()?;
         let path = dir.path().to_str()?.to_string();
-        match run(
-            "mount",
-            &["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", &path],
-        ) {
-            Ok(_) => Some(Mounted {
-                dir,
-                loop_device: None,
-                image: None,
-            }),
+        match run("mount", &["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", &path]) {
+            Ok(_) => Some(Mounted { dir, loop_device: None, image: None, _one_at_a_time: turn }),
             Err(why) => {
                 eprintln!("skipped: cannot mount a tmpfs here ({why})");
                 None
@@ -379,6 +310,7 @@ impl Mounted {
     }
 
     fn ext4_on_loop(mebibytes: u64) -> Option<Self> {
+        let turn = mount_turn();
         let image = tempfile::NamedTempFile::new().ok()?;
         image.as_file().set_len(mebibytes << 20).ok()?;
         let image_path = image.path().to_str()?.to_string();
@@ -398,6 +330,7 @@ impl Mounted {
                 dir,
                 loop_device: Some(device),
                 image: Some(image),
+                _one_at_a_time: turn,
             }),
             Err(why) => {
                 eprintln!("skipped: cannot mount an ext4 image on a loop device here ({why})");
@@ -411,10 +344,7 @@ impl Mounted {
     }
 
     fn remount_read_only(&self) -> Result<String, String> {
-        run(
-            "mount",
-            &["-o", "remount,ro", self.path().to_str().unwrap_or_default()],
-        )
+        run("mount", &["-o", "remount,ro", self.path().to_str().unwrap_or_default()])
     }
 }
 
@@ -440,10 +370,7 @@ fn c12_an_unwritable_directory_opens_read_only_and_still_loads() {
     }
     mount.remount_read_only().unwrap();
     let (mut h, store) = open(config(&dir, 4, 4));
-    let why = store
-        .read_only()
-        .expect("a read-only directory must be reported")
-        .to_string();
+    let why = store.read_only().expect("a read-only directory must be reported").to_string();
     assert!(why.contains("not writable"), "{why}");
     h.assert_loads(&keys(0..6));
     match h.store(&[key(9)]) {
@@ -497,10 +424,9 @@ fn c12_eio_on_read_is_a_counted_miss_and_other_keys_keep_loading() {
     assert_eq!(store.io_mode(), IoMode::Direct);
     h.store(&keys(0..3)).unwrap(); // segment 0
     h.store(&keys(3..6)).unwrap(); // segment 1
-    let (Some(first), Some(second)) = (
-        physical_start(&segment(mount.path(), 0)),
-        physical_start(&segment(mount.path(), 1)),
-    ) else {
+    let (Some(first), Some(second)) =
+        (physical_start(&segment(mount.path(), 0)), physical_start(&segment(mount.path(), 1)))
+    else {
         eprintln!("skipped: filefrag could not locate the segments");
         return;
     };
@@ -511,29 +437,16 @@ fn c12_eio_on_read_is_a_counted_miss_and_other_keys_keep_loading() {
     // Cut the device short inside segment 1's first record (two blocks in: its superblock and
     // the record's header stay, the payload goes): reads of keys 3-5 now fail with EIO below the
     // filesystem. (A cut exactly at a read's end also fails that read on this kernel.)
-    mount
-        .image
-        .as_ref()
-        .unwrap()
-        .as_file()
-        .set_len(second + 2 * BLOCK)
-        .unwrap();
+    mount.image.as_ref().unwrap().as_file().set_len(second + 2 * BLOCK).unwrap();
     let (loaded, _) = h.load(&keys(0..6));
-    assert_eq!(
-        loaded,
-        tierkv_core::Bitmap::from_bools([true, true, true, false, false, false])
-    );
+    assert_eq!(loaded, tierkv_core::Bitmap::from_bools([true, true, true, false, false, false]));
     h.assert_loads(&keys(0..3));
     assert_eq!(
         counter(&snapshotter, "tierkv_errors_total", Some("io")),
         3,
         "each failed read is counted"
     );
-    assert_eq!(
-        h.tier.usage().objects,
-        3,
-        "unreadable records left the index"
-    );
+    assert_eq!(h.tier.usage().objects, 3, "unreadable records left the index");
     // The store keeps running: lookups answer, and another load of the lost keys is a plain miss.
     assert_eq!(h.present(&keys(0..6)).count_ones(), 3);
     assert_eq!(h.load(&keys(3..6)).0.count_ones(), 0);
@@ -554,14 +467,8 @@ fn a_reused_segment_forgets_its_earlier_records_across_a_restart() {
     let found = h.present(&keys(0..22));
     let present: Vec<usize> = found.iter_ones().collect();
     assert_eq!(store.recovered().records as usize, present.len());
-    assert!(
-        present.iter().all(|i| *i >= 12),
-        "records of an earlier life came back: {present:?}"
-    );
-    assert!(
-        present.len() >= 8,
-        "the last two segments' records survive: {present:?}"
-    );
+    assert!(present.iter().all(|i| *i >= 12), "records of an earlier life came back: {present:?}");
+    assert!(present.len() >= 8, "the last two segments' records survive: {present:?}");
     let survivors: Vec<_> = present.iter().map(|i| key(*i as u64)).collect();
     h.assert_loads(&survivors);
 }
@@ -580,9 +487,7 @@ impl tierkv_core::ChunkSink for GatedSink {
 
     fn copy_from_host(&mut self, src: &[u8]) -> Result<(), tierkv_core::BufferError> {
         let _ = self.started.send(());
-        let _ = self
-            .proceed
-            .recv_timeout(std::time::Duration::from_secs(10));
+        let _ = self.proceed.recv_timeout(std::time::Duration::from_secs(10));
         self.bytes.copy_from_slice(src);
         Ok(())
     }
@@ -594,32 +499,20 @@ fn a_segment_being_read_is_never_evicted_under_the_load() {
     let (mut h, _) = open(config(dir.path(), 2, 2));
     h.store(&keys(0..2)).unwrap(); // segment 0
     h.store(&keys(2..4)).unwrap(); // segment 1
-    assert!(
-        h.lookup(&[key(2)]).get(0),
-        "segment 1 is locked from here on"
-    );
+    assert!(h.lookup(&[key(2)]).get(0), "segment 1 is locked from here on");
     // Load keys 0 and 1 (both in segment 0), held after the first copy.
     let (started, is_started) = crossbeam_channel::bounded(1);
     let (let_go, proceed) = crossbeam_channel::bounded(1);
-    let gated = GatedSink {
-        started,
-        proceed,
-        bytes: vec![0; CHUNK as usize],
-    };
+    let gated = GatedSink { started, proceed, bytes: vec![0; CHUNK as usize] };
     let items = vec![
-        tierkv_core::LoadItem {
-            key: key(0),
-            sink: Box::new(gated),
-        },
+        tierkv_core::LoadItem { key: key(0), sink: Box::new(gated) },
         tierkv_core::LoadItem {
             key: key(1),
             sink: Box::new(tierkv_core::VecChunk(vec![0; CHUNK as usize])),
         },
     ];
     let load = h.tier.submit_load(items);
-    is_started
-        .recv_timeout(std::time::Duration::from_secs(10))
-        .unwrap();
+    is_started.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
     // The only other segment is locked, segment 0 is pinned by the load: nothing may be evicted.
     let refused = h.store(&[key(4)]);
     let_go.send(()).unwrap();
@@ -642,19 +535,12 @@ fn a_record_that_is_not_the_key_asked_for_is_a_miss() {
     h.store(&keys(0..2)).unwrap();
     // A misdirected write: record 1, valid in every byte, lands where record 0 lives.
     let path = segment(dir.path(), 0);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .unwrap();
+    let file = OpenOptions::new().read(true).write(true).open(&path).unwrap();
     let mut record = vec![0; record_bytes(CHUNK) as usize];
     file.read_exact_at(&mut record, record_offset(1)).unwrap();
     file.write_all_at(&record, record_offset(0)).unwrap();
     file.sync_all().unwrap();
-    assert!(
-        !h.load(&[key(0)]).0.get(0),
-        "the bytes of key 1 were served as key 0"
-    );
+    assert!(!h.load(&[key(0)]).0.get(0), "the bytes of key 1 were served as key 0");
     h.assert_loads(&[key(1)]);
 }
 
@@ -670,10 +556,7 @@ fn the_scan_finds_records_after_a_damaged_header_even_past_zero_payload_blocks()
             source: Box::new(tierkv_core::VecChunk(vec![0; CHUNK as usize])),
         };
         let task = h.tier.submit_store(vec![zeros]);
-        assert!(matches!(
-            h.wait(task),
-            tierkv_core::Completion::Stored { result: Ok(()), .. }
-        ));
+        assert!(matches!(h.wait(task), tierkv_core::Completion::Stored { result: Ok(()), .. }));
         h.store(&keys(2..4)).unwrap();
     }
     flip(&segment(dir.path(), 0), record_offset(1) + 20);
@@ -703,11 +586,9 @@ fn load_sized(h: &mut Harness, k: tierkv_core::ObjectKey, len: u64) -> Option<Ve
     };
     let task = h.tier.submit_load(vec![item]);
     match h.wait(task) {
-        tierkv_core::Completion::Loaded {
-            loaded, mut sinks, ..
-        } => loaded
-            .get(0)
-            .then(|| sinks[0].sink.host_bytes_mut().unwrap().to_vec()),
+        tierkv_core::Completion::Loaded { loaded, mut sinks, .. } => {
+            loaded.get(0).then(|| sinks[0].sink.host_bytes_mut().unwrap().to_vec())
+        }
         _ => panic!("not a load completion"),
     }
 }
@@ -733,10 +614,7 @@ fn a_reused_segment_that_ends_inside_an_older_payload_reopens_without_damage() {
         (0, 0),
         "the end of a life over older bytes is not damage: {recovered:?}"
     );
-    assert_eq!(
-        counter(&snapshotter, "tierkv_checksum_failures_total", None),
-        0
-    );
+    assert_eq!(counter(&snapshotter, "tierkv_checksum_failures_total", None), 0);
     for k in [key(100), key(101)] {
         assert_eq!(load_sized(&mut h, k, BLOCK), Some(payload(&k, BLOCK)));
     }
@@ -753,10 +631,7 @@ fn records_damaged_or_torn_before_a_restart_are_counted_when_it_opens() {
         h.store(&keys(0..5)).unwrap();
     }
     flip(&segment(dir.path(), 0), record_offset(1) + 40); // key 1: header
-    let file = OpenOptions::new()
-        .write(true)
-        .open(segment(dir.path(), 0))
-        .unwrap();
+    let file = OpenOptions::new().write(true).open(segment(dir.path(), 0)).unwrap();
     file.set_len(record_offset(4) + BLOCK + 1000).unwrap(); // key 4: torn
     let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(dir.path(), 4, 8)));
     assert_eq!(store.recovered().records, 3);
@@ -790,9 +665,7 @@ struct FlakySource {
 
 impl tierkv_core::ChunkSource for FlakySource {
     fn len(&self) -> u64 {
-        let calls = self
-            .calls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let calls = self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         assert!(calls == 0, "a source that cannot say its length twice");
         CHUNK
     }
@@ -812,10 +685,7 @@ fn a_panic_inside_a_task_fails_it_and_leaves_no_pin_and_no_stuck_key_behind() {
 
     // A load that panics after segment 0 was pinned for it.
     let items = vec![
-        tierkv_core::LoadItem {
-            key: key(0),
-            sink: Box::new(PanickingSink),
-        },
+        tierkv_core::LoadItem { key: key(0), sink: Box::new(PanickingSink) },
         tierkv_core::LoadItem {
             key: key(1),
             sink: Box::new(tierkv_core::VecChunk(vec![0; CHUNK as usize])),
@@ -833,25 +703,17 @@ fn a_panic_inside_a_task_fails_it_and_leaves_no_pin_and_no_stuck_key_behind() {
     // Segment 0 (touched by the load) is evicted second: only if the panic left it unpinned.
     h.store(&keys(4..6)).unwrap();
     h.store(&keys(6..8)).unwrap();
-    assert_eq!(
-        h.present(&keys(0..2)).count_ones(),
-        0,
-        "segment 0 stayed pinned"
-    );
+    assert_eq!(h.present(&keys(0..2)).count_ones(), 0, "segment 0 stayed pinned");
     h.assert_loads(&keys(4..8));
 
     // A store that panics half-way must not leave its key unstorable.
     let flaky = tierkv_core::StoreItem {
         key: key(9),
-        source: Box::new(FlakySource {
-            calls: std::sync::atomic::AtomicU32::new(0),
-        }),
+        source: Box::new(FlakySource { calls: std::sync::atomic::AtomicU32::new(0) }),
     };
     let task = h.tier.submit_store(vec![flaky]);
     match h.wait(task) {
-        tierkv_core::Completion::Stored {
-            result, sources, ..
-        } => {
+        tierkv_core::Completion::Stored { result, sources, .. } => {
             assert!(result.is_err(), "a panicking store reported success");
             assert_eq!(sources.len(), 1, "the sources are handed back");
         }

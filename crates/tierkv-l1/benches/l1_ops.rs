@@ -6,18 +6,9 @@
 //! ledger); for copies, `memcpy` of the same size. Run with
 //! `cargo bench -p tierkv-l1 --bench l1_ops`.
 
-#![allow(
-    clippy::unwrap_used,
-    reason = "benchmark setup: a failure aborts the run"
-)]
-#![allow(
-    clippy::print_stdout,
-    reason = "the summary table is the benchmark's output"
-)]
-#![allow(
-    missing_docs,
-    reason = "criterion's macros generate undocumented items"
-)]
+#![allow(clippy::unwrap_used, reason = "benchmark setup: a failure aborts the run")]
+#![allow(clippy::print_stdout, reason = "the summary table is the benchmark's output")]
+#![allow(missing_docs, reason = "criterion's macros generate undocumented items")]
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -58,17 +49,14 @@ fn key(i: u64) -> ObjectKey {
 }
 
 fn l1(slots: u64, slot_bytes: u64) -> L1Manager {
-    let config = L1Config {
-        device: DeviceKind::Emulated,
-        ..L1Config::new(slots * slot_bytes, slot_bytes)
-    };
+    let config =
+        L1Config { device: DeviceKind::Emulated, ..L1Config::new(slots * slot_bytes, slot_bytes) };
     L1Manager::build(config, L1Context::default()).unwrap()
 }
 
 fn write(l1: &L1Manager, keys: &[ObjectKey], layout: &Layout) {
-    let reserved = l1
-        .reserve_write(OWNER, keys, layout, WriteMode::Create, Lifetime::Cached)
-        .unwrap();
+    let reserved =
+        l1.reserve_write(OWNER, keys, layout, WriteMode::Create, Lifetime::Cached).unwrap();
     assert!(reserved.iter().all(|r| r.is_ok()));
     assert!(l1.finish_write(OWNER, keys).iter().all(|r| r.is_ok()));
 }
@@ -107,18 +95,14 @@ fn timed_on_threads(threads: usize, iters: u64, work: &(dyn Fn(usize, u64) + Syn
 fn lease_release(c: &mut Criterion) {
     let layout = Layout::bytes(4096).unwrap();
     let l1 = l1(4096, 4096);
-    let prefixes: Vec<Vec<ObjectKey>> = (0..2)
-        .map(|t| (0..PREFIX as u64).map(|i| key(t * 1000 + i)).collect())
-        .collect();
+    let prefixes: Vec<Vec<ObjectKey>> =
+        (0..2).map(|t| (0..PREFIX as u64).map(|i| key(t * 1000 + i)).collect()).collect();
     for prefix in &prefixes {
         write(&l1, prefix, &layout);
     }
     let cycle = |prefix: &[ObjectKey]| {
         let grant = l1.reserve_read(OWNER, prefix, ExtraCount::ZERO);
-        black_box(
-            l1.finish_read(grant.lease.unwrap(), Readers::All, None)
-                .unwrap(),
-        );
+        black_box(l1.finish_read(grant.lease.unwrap(), Readers::All, None).unwrap());
     };
     let mut group = c.benchmark_group("lease+release 64-chunk prefix");
     for (threads, shared, name) in [
@@ -254,25 +238,15 @@ fn copies(c: &mut Criterion) {
     let l1 = l1(CHUNKS, SIZE);
     let keys: Vec<ObjectKey> = (0..CHUNKS).map(|i| key(7 << 32 | i)).collect();
     let layout = Layout::bytes(SIZE).unwrap();
-    let reserved = l1
-        .reserve_write(OWNER, &keys, &layout, WriteMode::Create, Lifetime::Cached)
-        .unwrap();
+    let reserved =
+        l1.reserve_write(OWNER, &keys, &layout, WriteMode::Create, Lifetime::Cached).unwrap();
     assert!(reserved.iter().all(|r| r.is_ok()));
     for k in &keys {
-        l1.write_access(OWNER, k)
-            .unwrap()
-            .write_at(0, &vec![3u8; SIZE as usize])
-            .unwrap();
+        l1.write_access(OWNER, k).unwrap().write_at(0, &vec![3u8; SIZE as usize]).unwrap();
     }
     assert!(l1.finish_write(OWNER, &keys).iter().all(|r| r.is_ok()));
-    let lease = l1
-        .reserve_read(OWNER, &keys, ExtraCount::ZERO)
-        .lease
-        .unwrap();
-    let guards: Vec<_> = keys
-        .iter()
-        .map(|k| l1.read_access(lease, 0, k).unwrap())
-        .collect();
+    let lease = l1.reserve_read(OWNER, &keys, ExtraCount::ZERO).lease.unwrap();
+    let guards: Vec<_> = keys.iter().map(|k| l1.read_access(lease, 0, k).unwrap()).collect();
     let sources: Vec<Vec<u8>> = (0..CHUNKS).map(|i| vec![i as u8; SIZE as usize]).collect();
     let mut destinations: Vec<Vec<u8>> = (0..CHUNKS).map(|_| vec![0u8; SIZE as usize]).collect();
     let mut group = c.benchmark_group("copy 2 MiB");
@@ -332,14 +306,9 @@ fn summary() {
     ] {
         let Some(r) = rate(name) else { continue };
         let per_core = r / threads;
-        let (unit, scale, reference) = if is_copy {
-            ("GB/s", 1e9, memcpy)
-        } else {
-            ("M", 1e6, limit)
-        };
-        let versus = reference
-            .map(|l| format!("{:.2}", per_core / l))
-            .unwrap_or_default();
+        let (unit, scale, reference) =
+            if is_copy { ("GB/s", 1e9, memcpy) } else { ("M", 1e6, limit) };
+        let versus = reference.map(|l| format!("{:.2}", per_core / l)).unwrap_or_default();
         // The target: 2 million chunk lease+release operations per second per core.
         let target = if name.starts_with("lease") {
             format!("{:.2}", per_core / 2e6)

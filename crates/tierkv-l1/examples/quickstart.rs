@@ -11,10 +11,7 @@ use tierkv_l1::{L1Config, L1Context, L1Manager, Lifetime, OwnerId, Readers, Writ
 const CHUNK_BYTES: u64 = 64 << 10;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let l1 = L1Manager::build(
-        L1Config::new(64 * CHUNK_BYTES, CHUNK_BYTES),
-        L1Context::default(),
-    )?;
+    let l1 = L1Manager::build(L1Config::new(64 * CHUNK_BYTES, CHUNK_BYTES), L1Context::default())?;
     println!("L1 on {}", l1.arena().describe());
 
     // 1,024 prompt tokens in chunks of 256: four chained hashes, one key each.
@@ -34,8 +31,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         result?;
     }
     for (i, key) in keys.iter().enumerate() {
-        l1.write_access(worker, key)?
-            .write_at(0, &vec![i as u8; CHUNK_BYTES as usize])?;
+        l1.write_access(worker, key)?.write_at(0, &vec![i as u8; CHUNK_BYTES as usize])?;
     }
     for result in l1.finish_write(worker, &keys) {
         result?;
@@ -43,11 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Load: one lease, two readers (extra_count = 1); each reads and returns its own share.
     let grant = l1.reserve_read(worker, &keys, ExtraCount::new(1)?);
-    println!(
-        "prefix hit: {} of {} chunks",
-        grant.leading_hits(),
-        keys.len()
-    );
+    println!("prefix hit: {} of {} chunks", grant.leading_hits(), keys.len());
     let lease = grant.lease.ok_or("no chunk was granted")?;
     let mut buffer = vec![0u8; CHUNK_BYTES as usize];
     for rank in 0..2u8 {

@@ -37,11 +37,7 @@ impl Pinned {
         let len = len as u64;
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(self.offset + offset),
-            _ => Err(L1Error::OutOfRange {
-                offset,
-                len,
-                object: self.len,
-            }),
+            _ => Err(L1Error::OutOfRange { offset, len, object: self.len }),
         }
     }
 
@@ -67,22 +63,12 @@ pub struct ReadAccess(Pinned);
 impl WriteAccess {
     pub(crate) fn new(slots: Arc<Slots>, slot: SlotId, len: u64) -> Self {
         let offset = slots.offset(slot);
-        WriteAccess(Pinned {
-            slots,
-            slot,
-            offset,
-            len,
-            writer: true,
-        })
+        WriteAccess(Pinned { slots, slot, offset, len, writer: true })
     }
 
     /// Where the object lives.
     pub fn handle(&self) -> SlotHandle {
-        SlotHandle {
-            slot: self.0.slot,
-            offset: self.0.offset,
-            len: self.0.len,
-        }
+        SlotHandle { slot: self.0.slot, offset: self.0.offset, len: self.0.len }
     }
 
     /// Copies `src` into the object at `offset`.
@@ -110,22 +96,12 @@ impl WriteAccess {
 impl ReadAccess {
     pub(crate) fn new(slots: Arc<Slots>, slot: SlotId, len: u64) -> Self {
         let offset = slots.offset(slot);
-        ReadAccess(Pinned {
-            slots,
-            slot,
-            offset,
-            len,
-            writer: false,
-        })
+        ReadAccess(Pinned { slots, slot, offset, len, writer: false })
     }
 
     /// Where the object lives.
     pub fn handle(&self) -> SlotHandle {
-        SlotHandle {
-            slot: self.0.slot,
-            offset: self.0.offset,
-            len: self.0.len,
-        }
+        SlotHandle { slot: self.0.slot, offset: self.0.offset, len: self.0.len }
     }
 
     /// Copies the object's bytes at `offset` into `dst`.
@@ -153,10 +129,7 @@ fn whole(len: u64, copy: usize) -> Result<(), BufferError> {
     if copy as u64 == len {
         Ok(())
     } else {
-        Err(BufferError::LengthMismatch {
-            buffer: len,
-            copy: copy as u64,
-        })
+        Err(BufferError::LengthMismatch { buffer: len, copy: copy as u64 })
     }
 }
 
@@ -167,8 +140,7 @@ impl ChunkSource for ReadAccess {
 
     fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BufferError> {
         whole(self.0.len, dst.len())?;
-        self.read_at(0, dst)
-            .map_err(|e| BufferError::Device(e.to_string()))
+        self.read_at(0, dst).map_err(|e| BufferError::Device(e.to_string()))
     }
 
     fn host_bytes(&self) -> Option<&[u8]> {
@@ -183,8 +155,7 @@ impl ChunkSink for WriteAccess {
 
     fn copy_from_host(&mut self, src: &[u8]) -> Result<(), BufferError> {
         whole(self.0.len, src.len())?;
-        self.write_at(0, src)
-            .map_err(|e| BufferError::Device(e.to_string()))
+        self.write_at(0, src).map_err(|e| BufferError::Device(e.to_string()))
     }
 
     fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {

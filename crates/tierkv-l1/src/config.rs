@@ -38,10 +38,7 @@ pub struct Watermark {
 
 impl Default for Watermark {
     fn default() -> Self {
-        Watermark {
-            high: 0.95,
-            low: 0.90,
-        }
+        Watermark { high: 0.95, low: 0.90 }
     }
 }
 
@@ -66,9 +63,7 @@ impl L1Config {
 
     /// The number of whole slots that fit the capacity.
     pub fn slot_count(&self) -> u64 {
-        self.capacity_bytes
-            .checked_div(self.slot_bytes)
-            .unwrap_or(0)
+        self.capacity_bytes.checked_div(self.slot_bytes).unwrap_or(0)
     }
 
     pub(crate) fn validate(&self) -> Result<(u32, usize), L1Error> {
@@ -117,35 +112,11 @@ mod tests {
         let err = |c: L1Config| c.validate().unwrap_err().to_string();
         assert!(err(L1Config::new(1 << 20, 0)).contains("slot_bytes"));
         assert!(err(L1Config::new(1 << 20, 2 << 20)).contains("at least one slot"));
-        assert!(
-            err(L1Config {
-                shards: 3,
-                ..ok.clone()
-            })
-            .contains("power of two")
-        );
-        assert!(
-            err(L1Config {
-                lease_ttl: Duration::ZERO,
-                ..ok.clone()
-            })
-            .contains("lease_ttl")
-        );
-        let inverted = Watermark {
-            high: 0.5,
-            low: 0.9,
-        };
-        assert!(
-            err(L1Config {
-                watermark: inverted,
-                ..ok.clone()
-            })
-            .contains("watermarks")
-        );
-        assert_eq!(
-            L1Config::new(1 << 40, 1 << 20).validate().unwrap(),
-            (1 << 20, 64)
-        );
+        assert!(err(L1Config { shards: 3, ..ok.clone() }).contains("power of two"));
+        assert!(err(L1Config { lease_ttl: Duration::ZERO, ..ok.clone() }).contains("lease_ttl"));
+        let inverted = Watermark { high: 0.5, low: 0.9 };
+        assert!(err(L1Config { watermark: inverted, ..ok.clone() }).contains("watermarks"));
+        assert_eq!(L1Config::new(1 << 40, 1 << 20).validate().unwrap(), (1 << 20, 64));
         assert_eq!(L1Config { shards: 256, ..ok }.validate().unwrap().1, 256);
     }
 }

@@ -147,17 +147,13 @@ impl DerefMut for ShardGuard<'_> {
 
 impl Drop for ShardGuard<'_> {
     fn drop(&mut self) {
-        self.cached
-            .store(self.shard.counts.cached, Ordering::Relaxed);
+        self.cached.store(self.shard.counts.cached, Ordering::Relaxed);
     }
 }
 
 impl Padded {
     fn lock(&self) -> ShardGuard<'_> {
-        ShardGuard {
-            shard: self.lock.lock(),
-            cached: &self.cached,
-        }
+        ShardGuard { shard: self.lock.lock(), cached: &self.cached }
     }
 }
 
@@ -178,10 +174,7 @@ impl Index {
                 cached: AtomicU64::new(0),
             })
             .collect();
-        Index {
-            shards,
-            hasher: RandomState::default(),
-        }
+        Index { shards, hasher: RandomState::default() }
     }
 
     pub(crate) fn shard_count(&self) -> usize {
@@ -217,10 +210,8 @@ impl Index {
         if self.shards.len() <= 64 {
             // Note which shards the batch touches in a bitmask, then visit them in order: no
             // sort, one small allocation.
-            let shard_of: Vec<u8> = items
-                .iter()
-                .map(|item| self.shard_index(key(item)) as u8)
-                .collect();
+            let shard_of: Vec<u8> =
+                items.iter().map(|item| self.shard_index(key(item)) as u8).collect();
             let mut present = shard_of.iter().fold(0u64, |mask, s| mask | 1 << s);
             while present != 0 {
                 let index = present.trailing_zeros() as u8;
@@ -232,11 +223,8 @@ impl Index {
             }
             return;
         }
-        let mut order: Vec<(usize, usize)> = items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| (self.shard_index(key(item)), i))
-            .collect();
+        let mut order: Vec<(usize, usize)> =
+            items.iter().enumerate().map(|(i, item)| (self.shard_index(key(item)), i)).collect();
         order.sort_unstable();
         for group in order.chunk_by(|a, b| a.0 == b.0) {
             let mut shard = self.shards[group[0].0].lock();
@@ -258,9 +246,7 @@ impl Index {
     /// The number of cached (evictable) objects shard `index` held when its lock was last
     /// released. Read without the lock: a hint for choosing where to evict, never for accounting.
     pub(crate) fn cached_hint(&self, index: usize) -> u64 {
-        self.shards[index % self.shards.len()]
-            .cached
-            .load(Ordering::Relaxed)
+        self.shards[index % self.shards.len()].cached.load(Ordering::Relaxed)
     }
 
     /// Shard `index` (modulo the shard count), locked.

@@ -53,26 +53,14 @@ impl Readers {
             Readers::All => all,
             Readers::Set(set) if set != 0 && set & !all == 0 => set,
             Readers::One(reader) => {
-                return Err(L1Error::NoSuchReader {
-                    lease,
-                    reader,
-                    readers,
-                });
+                return Err(L1Error::NoSuchReader { lease, reader, readers });
             }
             // The lowest reader outside the lease names the problem; an empty set names reader 0
             // (an empty release would be a silent no-op, which the rules forbid).
             Readers::Set(set) => {
                 let outside = set & !all;
-                let reader = if outside == 0 {
-                    0
-                } else {
-                    outside.trailing_zeros() as u8
-                };
-                return Err(L1Error::NoSuchReader {
-                    lease,
-                    reader,
-                    readers,
-                });
+                let reader = if outside == 0 { 0 } else { outside.trailing_zeros() as u8 };
+                return Err(L1Error::NoSuchReader { lease, reader, readers });
             }
         };
         Ok(mask)
@@ -81,11 +69,7 @@ impl Readers {
 
 /// The bitmap of every reader of a lease with `readers` readers (1..=128).
 pub(crate) fn all_readers(readers: u32) -> u128 {
-    if readers >= 128 {
-        u128::MAX
-    } else {
-        (1u128 << readers) - 1
-    }
+    if readers >= 128 { u128::MAX } else { (1u128 << readers) - 1 }
 }
 
 /// One key's shares within a lease.
@@ -183,10 +167,7 @@ impl LeaseTable {
                 })
             })
             .collect();
-        LeaseTable {
-            shards,
-            next_id: AtomicU64::new(1),
-        }
+        LeaseTable { shards, next_id: AtomicU64::new(1) }
     }
 
     pub(crate) fn shard(&self, id: LeaseId) -> MutexGuard<'_, LeaseShard> {

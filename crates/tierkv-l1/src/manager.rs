@@ -52,10 +52,7 @@ pub struct L1Context {
 
 impl Default for L1Context {
     fn default() -> Self {
-        L1Context {
-            clock: Arc::new(SystemClock::new()),
-            observer: Arc::new(NoObserver),
-        }
+        L1Context { clock: Arc::new(SystemClock::new()), observer: Arc::new(NoObserver) }
     }
 }
 
@@ -208,10 +205,7 @@ impl std::fmt::Debug for L1Manager {
 enum Selection<'a> {
     /// The readers of `mask`, on `keys` (every key of the lease for `None`); each named reader
     /// must still hold its share of each named key.
-    Strict {
-        mask: u128,
-        keys: Option<&'a [ObjectKey]>,
-    },
+    Strict { mask: u128, keys: Option<&'a [ObjectKey]> },
     /// Every share still outstanding.
     Everything,
 }
@@ -264,10 +258,8 @@ impl L1Manager {
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, L1Error> {
         let len = layout.size_bytes();
         if len > self.slots.slot_bytes() {
-            let error = L1Error::LayoutTooLarge {
-                layout_bytes: len,
-                slot_bytes: self.slots.slot_bytes(),
-            };
+            let error =
+                L1Error::LayoutTooLarge { layout_bytes: len, slot_bytes: self.slots.slot_bytes() };
             self.metrics.request_error(&error);
             return Err(error);
         }
@@ -341,11 +333,7 @@ impl L1Manager {
         temporary: bool,
     ) -> Result<SlotHandle, KeyError> {
         let mut guard = self.index.shard(key);
-        let Shard {
-            map,
-            policy,
-            counts,
-        } = &mut *guard;
+        let Shard { map, policy, counts } = &mut *guard;
         let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
         if entry.is_writing() {
             return Err(KeyError::WriteInFlight);
@@ -375,11 +363,7 @@ impl L1Manager {
             if !self.slots.pin_write(entry.slot) {
                 return Err(KeyError::Busy);
             }
-            Ok(WriteAccess::new(
-                Arc::clone(&self.slots),
-                entry.slot,
-                entry.len,
-            ))
+            Ok(WriteAccess::new(Arc::clone(&self.slots), entry.slot, entry.len))
         })();
         result.map_err(|error| self.refuse(L1Error::Key { key: *key, error }))
     }
@@ -424,11 +408,7 @@ impl L1Manager {
         ) -> Result<(), KeyError>,
     ) -> Result<(), KeyError> {
         let mut guard = self.index.shard(key);
-        let Shard {
-            map,
-            policy,
-            counts,
-        } = &mut *guard;
+        let Shard { map, policy, counts } = &mut *guard;
         let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
         self.check_writer(entry, owner)?;
         if self.slots.has_writer(entry.slot) {
@@ -534,11 +514,7 @@ impl L1Manager {
                     if record.keys.contains_key(key) {
                         return Err(KeyError::Duplicate);
                     }
-                    let Shard {
-                        map,
-                        policy,
-                        counts,
-                    } = shard;
+                    let Shard { map, policy, counts } = shard;
                     let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
                     let before = entry.class();
                     admit(key, entry, policy.as_mut())?;
@@ -558,11 +534,7 @@ impl L1Manager {
         let granted = record.keys.len() as u64;
         let lease = (granted > 0).then(|| self.leases.insert(record));
         self.metrics.read_shares(granted * u64::from(readers));
-        ReadGrant {
-            lease,
-            readers,
-            results,
-        }
+        ReadGrant { lease, readers, results }
     }
 
     /// Pins the slot of a leased key for reading by `reader`, who must still hold its share.
@@ -577,34 +549,19 @@ impl L1Manager {
             let record = self.live_lease(&mut shard, lease)?;
             let mask = Readers::One(reader).mask(lease, record.readers)?;
             let Some(shares) = record.keys.get(key) else {
-                return Err(L1Error::NotLeased {
-                    lease,
-                    key: *key,
-                    error: self.classify(key),
-                });
+                return Err(L1Error::NotLeased { lease, key: *key, error: self.classify(key) });
             };
             if shares.outstanding & mask == 0 {
-                return Err(L1Error::AlreadyReleased {
-                    lease,
-                    reader,
-                    key: *key,
-                });
+                return Err(L1Error::AlreadyReleased { lease, reader, key: *key });
             }
             let index = self.index.shard(key);
             match index.map.get(key) {
                 Some(entry) if entry.generation == shares.generation => {
                     self.slots.pin_read(entry.slot);
-                    Ok(ReadAccess::new(
-                        Arc::clone(&self.slots),
-                        entry.slot,
-                        entry.len,
-                    ))
+                    Ok(ReadAccess::new(Arc::clone(&self.slots), entry.slot, entry.len))
                 }
                 // Force-deleted under the lease.
-                _ => Err(L1Error::Key {
-                    key: *key,
-                    error: KeyError::NotFound,
-                }),
+                _ => Err(L1Error::Key { key: *key, error: KeyError::NotFound }),
             }
         })();
         result.map_err(|e| self.refuse(e))
@@ -656,10 +613,7 @@ impl L1Manager {
             }
             Some(_) => {}
         }
-        shard
-            .live
-            .get_mut(&lease.0)
-            .ok_or(L1Error::UnknownLease(lease))
+        shard.live.get_mut(&lease.0).ok_or(L1Error::UnknownLease(lease))
     }
 
     fn release(
@@ -697,18 +651,10 @@ impl L1Manager {
     ) -> Result<(), L1Error> {
         let missing = |key: &ObjectKey, outstanding: u128| {
             let reader = (mask & !outstanding).trailing_zeros() as u8;
-            L1Error::AlreadyReleased {
-                lease,
-                reader,
-                key: *key,
-            }
+            L1Error::AlreadyReleased { lease, reader, key: *key }
         };
         let Some(list) = keys else {
-            return match record
-                .keys
-                .iter()
-                .find(|(_, s)| s.outstanding & mask != mask)
-            {
+            return match record.keys.iter().find(|(_, s)| s.outstanding & mask != mask) {
                 Some((key, shares)) => Err(missing(key, shares.outstanding)),
                 None => Ok(()),
             };
@@ -717,18 +663,12 @@ impl L1Manager {
         for key in list {
             match record.keys.get_mut(key) {
                 None => {
-                    failure = Some(L1Error::NotLeased {
-                        lease,
-                        key: *key,
-                        error: self.classify(key),
-                    })
+                    failure =
+                        Some(L1Error::NotLeased { lease, key: *key, error: self.classify(key) })
                 }
                 Some(s) if s.marked => {
-                    failure = Some(L1Error::NotLeased {
-                        lease,
-                        key: *key,
-                        error: KeyError::Duplicate,
-                    })
+                    failure =
+                        Some(L1Error::NotLeased { lease, key: *key, error: KeyError::Duplicate })
                 }
                 Some(s) if s.outstanding & mask != mask => {
                     failure = Some(missing(key, s.outstanding))
@@ -774,10 +714,7 @@ impl L1Manager {
             }
         };
         match keys {
-            None => record
-                .keys
-                .iter_mut()
-                .for_each(|(key, shares)| give_back(key, shares)),
+            None => record.keys.iter_mut().for_each(|(key, shares)| give_back(key, shares)),
             Some(list) => {
                 for key in list {
                     if let Some(shares) = record.keys.get_mut(key) {
@@ -841,12 +778,8 @@ impl L1Manager {
         let mut expired = 0;
         for shard in self.leases.shards() {
             let mut shard = shard.lock();
-            let due: Vec<u64> = shard
-                .live
-                .iter()
-                .filter(|(_, r)| r.deadline <= now)
-                .map(|(id, _)| *id)
-                .collect();
+            let due: Vec<u64> =
+                shard.live.iter().filter(|(_, r)| r.deadline <= now).map(|(id, _)| *id).collect();
             for id in due {
                 self.revoke(&mut shard, LeaseId(id));
                 expired += 1;
@@ -883,11 +816,7 @@ impl L1Manager {
         let mut cleared = Cleared::default();
         for i in 0..self.index.shard_count() {
             let mut guard = self.index.shard_at(i);
-            let Shard {
-                map,
-                policy,
-                counts,
-            } = &mut *guard;
+            let Shard { map, policy, counts } = &mut *guard;
             map.retain(|key, entry| {
                 if !force && entry.class() != Class::Cached {
                     cleared.kept += 1;
@@ -909,12 +838,8 @@ impl L1Manager {
         let mut report = OwnerReleased::default();
         for shard in self.leases.shards() {
             let mut shard = shard.lock();
-            let owned: Vec<u64> = shard
-                .live
-                .iter()
-                .filter(|(_, r)| r.owner == owner)
-                .map(|(id, _)| *id)
-                .collect();
+            let owned: Vec<u64> =
+                shard.live.iter().filter(|(_, r)| r.owner == owner).map(|(id, _)| *id).collect();
             for id in owned {
                 if let Ok(released) = self.release(&mut shard, LeaseId(id), Selection::Everything) {
                     report.leases += 1;
@@ -960,15 +885,8 @@ impl L1Manager {
         let shards = self.index.shard_count();
         let draw = self.evict_cursor.fetch_add(1, Ordering::Relaxed) as u64;
         let mixed = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let (a, b) = (
-            (mixed >> 32) as usize % shards,
-            (mixed >> 8) as usize % shards,
-        );
-        let first = if self.index.cached_hint(a) >= self.index.cached_hint(b) {
-            a
-        } else {
-            b
-        };
+        let (a, b) = ((mixed >> 32) as usize % shards, (mixed >> 8) as usize % shards);
+        let first = if self.index.cached_hint(a) >= self.index.cached_hint(b) { a } else { b };
         for step in 0..shards {
             let mut guard = self.index.shard_at(first + step);
             let shard = &mut *guard;
@@ -1065,10 +983,7 @@ impl L1Manager {
         match self.index.shard(key).map.get(key) {
             None => Presence::Absent,
             Some(entry) if entry.is_writing() => Presence::Writing,
-            Some(entry) => Presence::Ready {
-                shares: entry.shares,
-                temporary: entry.temporary,
-            },
+            Some(entry) => Presence::Ready { shares: entry.shares, temporary: entry.temporary },
         }
     }
 
@@ -1080,11 +995,7 @@ impl L1Manager {
     fn usage_of(&self, counts: Counts, retiring: u64) -> Usage {
         let slot_bytes = self.slots.slot_bytes();
         let slots = u64::from(self.slots.count());
-        let Counts {
-            writing,
-            leased,
-            cached,
-        } = counts;
+        let Counts { writing, leased, cached } = counts;
         let used = writing + leased + retiring;
         Usage {
             capacity_bytes: slots * slot_bytes,
@@ -1102,10 +1013,7 @@ impl L1Manager {
 
     /// Leases not yet fully released or revoked.
     pub fn active_leases(&self) -> u64 {
-        self.leases
-            .shards()
-            .map(|shard| shard.lock().live.len() as u64)
-            .sum()
+        self.leases.shards().map(|shard| shard.lock().live.len() as u64).sum()
     }
 
     /// Sets the L1 gauges (bytes used / cached / free / capacity, objects, active leases) from
@@ -1124,9 +1032,8 @@ impl L1Manager {
     /// only while no guard is alive (a guard may free a retired slot during the audit).
     pub fn audit(&self) -> Result<(), String> {
         let leases: Vec<_> = self.leases.shards().map(|s| s.lock()).collect();
-        let shards: Vec<_> = (0..self.index.shard_count())
-            .map(|i| self.index.shard_at(i))
-            .collect();
+        let shards: Vec<_> =
+            (0..self.index.shard_count()).map(|i| self.index.shard_at(i)).collect();
         let (free, retiring) = self.slots.snapshot();
 
         let mut held: HashMap<(ObjectKey, u64), u64> = HashMap::new();
@@ -1140,9 +1047,7 @@ impl L1Manager {
                         || shares.marked
                         || shares.outstanding & !all_readers(record.readers) != 0
                     {
-                        return Err(format!(
-                            "lease #{id} holds a malformed share set for {key:?}"
-                        ));
+                        return Err(format!("lease #{id} holds a malformed share set for {key:?}"));
                     }
                     *held.entry((*key, shares.generation)).or_default() +=
                         u64::from(shares.outstanding.count_ones());
@@ -1157,11 +1062,7 @@ impl L1Manager {
                     *taken = true;
                     Ok(())
                 }
-                Some(_) => Err(format!(
-                    "slot {} is claimed twice (second by {})",
-                    slot.0,
-                    what()
-                )),
+                Some(_) => Err(format!("slot {} is claimed twice (second by {})", slot.0, what())),
                 None => Err(format!("slot {} does not exist ({})", slot.0, what())),
             };
         let mut totals = Counts::default();
@@ -1232,10 +1133,7 @@ impl L1Manager {
         if usage.used_bytes + usage.cached_bytes + usage.free_bytes != usage.capacity_bytes
             || usage.free_bytes != free.len() as u64 * usage.slot_bytes
         {
-            return Err(format!(
-                "usage does not add up: {usage:?} with {} free slots",
-                free.len()
-            ));
+            return Err(format!("usage does not add up: {usage:?} with {} free slots", free.len()));
         }
         Ok(())
     }
@@ -1243,11 +1141,7 @@ impl L1Manager {
     // ----- helpers -----
 
     fn handle(&self, slot: SlotId, len: u64) -> SlotHandle {
-        SlotHandle {
-            slot,
-            offset: self.slots.offset(slot),
-            len,
-        }
+        SlotHandle { slot, offset: self.slots.offset(slot), len }
     }
 
     /// `NotFound` for a key not in L1, `WrongState` for one that is.
@@ -1273,9 +1167,5 @@ impl L1Manager {
 
 /// Why a key cannot be reserved for a new write.
 fn write_conflict(entry: &Entry) -> KeyError {
-    if entry.is_writing() {
-        KeyError::WriteInFlight
-    } else {
-        KeyError::AlreadyPresent
-    }
+    if entry.is_writing() { KeyError::WriteInFlight } else { KeyError::AlreadyPresent }
 }

@@ -57,11 +57,7 @@ pub(crate) struct L1Metrics {
 
 impl L1Metrics {
     pub(crate) fn register() -> Self {
-        describe_gauge!(
-            "tierkv_tier_capacity_bytes",
-            Unit::Bytes,
-            "Bytes a tier may hold."
-        );
+        describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
         describe_gauge!(
             "tierkv_tier_used_bytes",
             Unit::Bytes,
@@ -72,11 +68,7 @@ impl L1Metrics {
             Unit::Bytes,
             "Bytes held by finished, unleased objects (evictable)."
         );
-        describe_gauge!(
-            "tierkv_tier_free_bytes",
-            Unit::Bytes,
-            "Bytes of free slots."
-        );
+        describe_gauge!("tierkv_tier_free_bytes", Unit::Bytes, "Bytes of free slots.");
         describe_gauge!(
             "tierkv_tier_objects",
             Unit::Count,
@@ -114,21 +106,11 @@ impl L1Metrics {
         );
         let key_errors = KeyError::ALL
             .into_iter()
-            .map(|e| {
-                (
-                    e,
-                    counter!("tierkv_errors_total", "tier" => TIER, "reason" => e.as_str()),
-                )
-            })
+            .map(|e| (e, counter!("tierkv_errors_total", "tier" => TIER, "reason" => e.as_str())))
             .collect();
         let request_errors = REQUEST_ERRORS
             .into_iter()
-            .map(|r| {
-                (
-                    r,
-                    counter!("tierkv_errors_total", "tier" => TIER, "reason" => r),
-                )
-            })
+            .map(|r| (r, counter!("tierkv_errors_total", "tier" => TIER, "reason" => r)))
             .collect();
         L1Metrics {
             capacity: gauge!("tierkv_tier_capacity_bytes", "tier" => TIER),
@@ -152,8 +134,7 @@ impl L1Metrics {
         self.used.set(usage.used_bytes as f64);
         self.cached.set(usage.cached_bytes as f64);
         self.free.set(usage.free_bytes as f64);
-        self.objects
-            .set((usage.writing + usage.leased + usage.cached) as f64);
+        self.objects.set((usage.writing + usage.leased + usage.cached) as f64);
         self.leases.set(leases as f64);
     }
 

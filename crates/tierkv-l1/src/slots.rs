@@ -42,13 +42,7 @@ impl Slots {
         let states = (0..count).map(|_| AtomicU32::new(0)).collect();
         // Pop from the end: hand out low slots first, which keeps small tests readable.
         let free = (0..count).rev().map(SlotId).collect();
-        Slots {
-            arena,
-            slot_bytes,
-            states,
-            free: Mutex::new(free),
-            retiring: AtomicU64::new(0),
-        }
+        Slots { arena, slot_bytes, states, free: Mutex::new(free), retiring: AtomicU64::new(0) }
     }
 
     pub(crate) fn arena(&self) -> &dyn DeviceArena {

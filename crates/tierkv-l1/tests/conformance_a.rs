@@ -1,10 +1,7 @@
 //! CONFORMANCE A: the L1Manager scenarios, one test per id, on an L1 of 8 slots ("64 MiB with
 //! 8 MiB slots", scaled down to 8 KiB slots).
 
-#![allow(
-    clippy::unwrap_used,
-    reason = "test code: a failed unwrap is a failed test"
-)]
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
 mod common;
 
@@ -51,8 +48,7 @@ fn a4_batch_answers_each_key_on_its_own() {
     let f = l1(8);
     f.write(&[key(0)]);
     f.reserve(&[key(2)]);
-    let grant =
-        f.l1.reserve_read(OWNER, &[key(0), key(1), key(2)], extra(0));
+    let grant = f.l1.reserve_read(OWNER, &[key(0), key(1), key(2)], extra(0));
     assert!(grant.results[0].is_ok());
     assert_eq!(grant.results[1], Err(KeyError::NotFound));
     assert_eq!(grant.results[2], Err(KeyError::NotReadable));
@@ -69,11 +65,7 @@ fn a5_three_leases_need_three_releases() {
     assert_eq!(f.shares(&key(0)), 3);
     f.release(leases[0], 0);
     f.release(leases[1], 0);
-    assert_eq!(
-        f.shares(&key(0)),
-        1,
-        "still leased after two of three releases"
-    );
+    assert_eq!(f.shares(&key(0)), 1, "still leased after two of three releases");
     assert_eq!(f.usage().leased, 1);
     f.release(leases[2], 0);
     assert_eq!(f.shares(&key(0)), 0);
@@ -120,10 +112,7 @@ fn a8_extra_count_out_of_range_is_rejected_naming_the_bound() {
     let lease = f.lease(&key(0), 127);
     let before = f.usage();
     let error = f.l1.finish_read(lease, Readers::Set(0), None).unwrap_err();
-    assert!(
-        matches!(error, L1Error::NoSuchReader { readers: 128, .. }),
-        "{error}"
-    );
+    assert!(matches!(error, L1Error::NoSuchReader { readers: 128, .. }), "{error}");
     assert_eq!(f.usage(), before);
     assert_eq!(f.shares(&key(0)), 128);
     f.l1.finish_read(lease, Readers::All, None).unwrap();
@@ -173,27 +162,17 @@ fn a11_finish_read_of_writing_key_is_wrong_state() {
 fn a12_temporary_entry_is_freed_when_its_last_share_returns() {
     let f = l1(8);
     let results =
-        f.l1.reserve_write(
-            OWNER,
-            &[key(0)],
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Temporary,
-        )
-        .unwrap();
+        f.l1.reserve_write(OWNER, &[key(0)], &layout(), WriteMode::Create, Lifetime::Temporary)
+            .unwrap();
     assert!(results[0].is_ok());
     f.fill(&key(0), 0);
-    let grant =
-        f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(2));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(2));
     let lease = grant.lease.unwrap();
     f.release(lease, 0);
     f.release(lease, 1);
     assert_eq!(
         f.l1.presence(&key(0)),
-        Presence::Ready {
-            shares: 1,
-            temporary: true
-        },
+        Presence::Ready { shares: 1, temporary: true },
         "survives 2 of 3 releases"
     );
     assert_eq!(f.read(lease, 2, &key(0)), payload(&key(0), 0));
@@ -226,23 +205,11 @@ fn a14_double_release_is_an_error() {
     let lease = f.lease(&key(0), 2);
     f.release(lease, 1);
     let error = f.l1.finish_read(lease, Readers::One(1), None).unwrap_err();
-    assert!(
-        matches!(error, L1Error::AlreadyReleased { reader: 1, .. }),
-        "{error}"
-    );
-    assert_eq!(
-        f.shares(&key(0)),
-        2,
-        "the other readers' shares are untouched"
-    );
+    assert!(matches!(error, L1Error::AlreadyReleased { reader: 1, .. }), "{error}");
+    assert_eq!(f.shares(&key(0)), 2, "the other readers' shares are untouched");
     // A batch that includes the reader again is refused whole, even though reader 0 holds a share.
-    let error =
-        f.l1.finish_read(lease, Readers::Set(0b011), None)
-            .unwrap_err();
-    assert!(
-        matches!(error, L1Error::AlreadyReleased { reader: 1, .. }),
-        "{error}"
-    );
+    let error = f.l1.finish_read(lease, Readers::Set(0b011), None).unwrap_err();
+    assert!(matches!(error, L1Error::AlreadyReleased { reader: 1, .. }), "{error}");
     assert_eq!(f.shares(&key(0)), 2);
     f.release(lease, 0);
     f.release(lease, 2);
@@ -266,16 +233,9 @@ fn a15_lease_past_its_deadline_is_revoked_counted_and_reported() {
     // Evictable again: a new write into the full L1 evicts it.
     f.reserve(&[key(1)]);
     assert_eq!(f.l1.presence(&key(0)), Presence::Absent);
-    assert_eq!(
-        f.recorder.evicted.lock().as_slice(),
-        &[(key(0), EvictionReason::OnDemand)]
-    );
+    assert_eq!(f.recorder.evicted.lock().as_slice(), &[(key(0), EvictionReason::OnDemand)]);
     let error = f.l1.finish_read(swept, Readers::One(0), None).unwrap_err();
-    assert_eq!(
-        error,
-        L1Error::LeaseExpired(swept),
-        "a late release reports the expiry"
-    );
+    assert_eq!(error, L1Error::LeaseExpired(swept), "a late release reports the expiry");
 
     // A lease nobody swept is revoked by the late release itself.
     f.l1.finish_write(OWNER, &[key(1)]);
@@ -318,14 +278,8 @@ fn a17_second_reserve_of_a_key_being_written_is_write_in_flight() {
     let f = l1(8);
     f.reserve(&[key(0)]);
     let results =
-        f.l1.reserve_write(
-            OwnerId(2),
-            &[key(0)],
-            &layout(),
-            WriteMode::Create,
-            Lifetime::Cached,
-        )
-        .unwrap();
+        f.l1.reserve_write(OwnerId(2), &[key(0)], &layout(), WriteMode::Create, Lifetime::Cached)
+            .unwrap();
     assert_eq!(results, vec![Err(KeyError::WriteInFlight)]);
     assert_eq!(f.usage().writing, 1);
 }
@@ -336,11 +290,7 @@ fn a18_reserve_of_a_ready_key_is_already_present() {
     f.write(&[key(0)]);
     let results = f.try_reserve(&[key(0)]);
     assert_eq!(results, vec![Err(KeyError::AlreadyPresent)]);
-    assert_eq!(
-        (f.usage().cached, f.usage().writing),
-        (1, 0),
-        "no second copy"
-    );
+    assert_eq!((f.usage().cached, f.usage().writing), (1, 0), "no second copy");
 }
 
 #[test]
@@ -368,10 +318,7 @@ fn a21_batch_degrades_to_its_longest_allocatable_prefix() {
     let f = l1(8);
     let results = f.try_reserve(&keys(0..10));
     assert!(results[..8].iter().all(|r| r.is_ok()));
-    assert_eq!(
-        results[8..],
-        [Err(KeyError::OutOfMemory), Err(KeyError::OutOfMemory)]
-    );
+    assert_eq!(results[8..], [Err(KeyError::OutOfMemory), Err(KeyError::OutOfMemory)]);
     assert_eq!(f.usage().free_bytes, 0);
     f.assert_consistent();
 }
@@ -388,19 +335,9 @@ fn a22_cached_entries_make_room_but_leased_and_writing_ones_never_do() {
     assert!(results[..4].iter().all(|r| r.is_ok()), "{results:?}");
     assert_eq!(results[4], Err(KeyError::OutOfMemory));
     let evicted: Vec<_> = f.recorder.evicted.lock().iter().map(|(k, _)| *k).collect();
-    assert_eq!(
-        evicted,
-        keys(0..4),
-        "exactly the cached objects, least recently used first"
-    );
-    assert!(matches!(
-        f.l1.presence(&key(4)),
-        Presence::Ready { shares: 1, .. }
-    ));
-    assert!(matches!(
-        f.l1.presence(&key(5)),
-        Presence::Ready { shares: 1, .. }
-    ));
+    assert_eq!(evicted, keys(0..4), "exactly the cached objects, least recently used first");
+    assert!(matches!(f.l1.presence(&key(4)), Presence::Ready { shares: 1, .. }));
+    assert!(matches!(f.l1.presence(&key(5)), Presence::Ready { shares: 1, .. }));
     assert_eq!(f.l1.presence(&key(6)), Presence::Writing);
     assert_eq!(f.l1.presence(&key(7)), Presence::Writing);
     assert_eq!(
@@ -416,19 +353,9 @@ fn a23_finish_write_twice_is_wrong_state_and_of_a_missing_key_not_found() {
     let f = l1(8);
     f.reserve(&[key(0)]);
     assert_eq!(f.l1.finish_write(OWNER, &[key(0)]), vec![Ok(())]);
-    assert_eq!(
-        f.l1.finish_write(OWNER, &[key(0)]),
-        vec![Err(KeyError::WrongState)]
-    );
-    assert_eq!(
-        f.l1.finish_write(OWNER, &[key(1)]),
-        vec![Err(KeyError::NotFound)]
-    );
-    assert_eq!(
-        f.recorder.finished.lock().as_slice(),
-        &[key(0)],
-        "the store pipeline is told once"
-    );
+    assert_eq!(f.l1.finish_write(OWNER, &[key(0)]), vec![Err(KeyError::WrongState)]);
+    assert_eq!(f.l1.finish_write(OWNER, &[key(1)]), vec![Err(KeyError::NotFound)]);
+    assert_eq!(f.recorder.finished.lock().as_slice(), &[key(0)], "the store pipeline is told once");
 }
 
 #[test]
@@ -442,10 +369,7 @@ fn a24_aborted_write_frees_its_slot_and_was_never_visible() {
             let mut polls = 0u64;
             while !stop.load(Ordering::Acquire) || polls == 0 {
                 let grant = f.l1.reserve_read(OwnerId(9), &[key(0)], extra(0));
-                assert!(
-                    grant.results[0].is_err(),
-                    "an unfinished write became visible"
-                );
+                assert!(grant.results[0].is_err(), "an unfinished write became visible");
                 polls += 1;
             }
             polls
@@ -460,10 +384,7 @@ fn a24_aborted_write_frees_its_slot_and_was_never_visible() {
     assert!(watcher.join().unwrap() > 0);
     assert_eq!(f.l1.presence(&key(0)), Presence::Absent);
     assert_eq!(f.usage().free_bytes, f.usage().capacity_bytes);
-    assert_eq!(
-        f.l1.abort_write(OWNER, &[key(0)]),
-        vec![Err(KeyError::NotFound)]
-    );
+    assert_eq!(f.l1.abort_write(OWNER, &[key(0)]), vec![Err(KeyError::NotFound)]);
     f.assert_consistent();
 }
 
@@ -471,8 +392,7 @@ fn a24_aborted_write_frees_its_slot_and_was_never_visible() {
 fn a25_update_mode_relocks_the_same_slot_and_refuses_absent_keys() {
     let f = l1(8);
     let update = |k| {
-        f.l1.reserve_write(OWNER, &[k], &layout(), WriteMode::Update, Lifetime::Cached)
-            .unwrap()[0]
+        f.l1.reserve_write(OWNER, &[k], &layout(), WriteMode::Update, Lifetime::Cached).unwrap()[0]
     };
     assert_eq!(update(key(0)), Err(KeyError::NotFound));
     f.write(&[key(0)]);
@@ -490,14 +410,7 @@ fn a25_update_mode_relocks_the_same_slot_and_refuses_absent_keys() {
     let other = Layout::bytes(SLOT / 2).unwrap();
     f.l1.finish_write(OWNER, &[key(0)]);
     let mismatched =
-        f.l1.reserve_write(
-            OWNER,
-            &[key(0)],
-            &other,
-            WriteMode::Update,
-            Lifetime::Cached,
-        )
-        .unwrap();
+        f.l1.reserve_write(OWNER, &[key(0)], &other, WriteMode::Update, Lifetime::Cached).unwrap();
     assert_eq!(mismatched, vec![Err(KeyError::LayoutMismatch)]);
     f.assert_consistent();
 }
@@ -511,27 +424,18 @@ fn a26_promotion_makes_a_writing_key_ready_and_leased() {
     let f = l1(8);
     f.reserve(&[key(0)]);
     f.fill(&key(0), 0);
-    let grant =
-        f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(1));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(1));
     assert_eq!(grant.readers, 2);
     assert_eq!(f.shares(&key(0)), 2);
     let again = f.try_reserve(&[key(0)]);
-    assert_eq!(
-        again,
-        vec![Err(KeyError::AlreadyPresent)],
-        "not writable once promoted"
-    );
-    assert_eq!(
-        f.read(grant.lease.unwrap(), 1, &key(0)),
-        payload(&key(0), 0)
-    );
+    assert_eq!(again, vec![Err(KeyError::AlreadyPresent)], "not writable once promoted");
+    assert_eq!(f.read(grant.lease.unwrap(), 1, &key(0)), payload(&key(0), 0));
 }
 
 #[test]
 fn a27_promotion_of_a_missing_key_is_not_found() {
     let f = l1(8);
-    let grant =
-        f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0));
     assert_eq!(grant.results, vec![Err(KeyError::NotFound)]);
     assert_eq!(grant.lease, None);
 }
@@ -540,8 +444,7 @@ fn a27_promotion_of_a_missing_key_is_not_found() {
 fn a28_promotion_of_a_ready_key_is_wrong_state() {
     let f = l1(8);
     f.write(&[key(0)]);
-    let grant =
-        f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0));
     assert_eq!(grant.results, vec![Err(KeyError::WrongState)]);
     assert_eq!(f.shares(&key(0)), 0, "no share was taken");
 }
@@ -551,8 +454,7 @@ fn a29_promotion_batch_answers_each_key_on_its_own() {
     let f = l1(8);
     f.reserve(&[key(0)]);
     f.write(&[key(2)]);
-    let grant =
-        f.l1.finish_write_and_reserve_read(OWNER, &[key(0), key(1), key(2)], extra(0));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0), key(1), key(2)], extra(0));
     assert!(grant.results[0].is_ok());
     assert_eq!(grant.results[1], Err(KeyError::NotFound));
     assert_eq!(grant.results[2], Err(KeyError::WrongState));
@@ -565,10 +467,7 @@ fn a30_promotion_does_not_notify_the_store_pipeline() {
     let f = l1(8);
     f.reserve(&keys(0..2));
     f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0));
-    assert!(
-        f.recorder.finished.lock().is_empty(),
-        "a prefetch promotion is not a new write"
-    );
+    assert!(f.recorder.finished.lock().is_empty(), "a prefetch promotion is not a new write");
     f.l1.finish_write(OWNER, &[key(1)]);
     assert_eq!(f.recorder.finished.lock().as_slice(), &[key(1)]);
 }
@@ -604,16 +503,8 @@ fn a33_delete_of_writing_or_leased_is_locked_unless_forced() {
     assert_eq!(f.l1.presence(&key(0)), Presence::Absent);
     assert_eq!(f.l1.presence(&key(1)), Presence::Absent);
     // The lease outlives the forced delete; returning it touches nothing and is not an error.
-    assert_eq!(
-        f.l1.finish_read(lease, Readers::One(0), None)
-            .unwrap()
-            .unleased,
-        0
-    );
-    assert_eq!(
-        f.l1.finish_write(OWNER, &[key(0)]),
-        vec![Err(KeyError::NotFound)]
-    );
+    assert_eq!(f.l1.finish_read(lease, Readers::One(0), None).unwrap().unleased, 0);
+    assert_eq!(f.l1.finish_write(OWNER, &[key(0)]), vec![Err(KeyError::NotFound)]);
     f.assert_consistent();
 }
 
@@ -666,10 +557,7 @@ fn a37_cloning_or_dropping_handles_changes_no_counter() {
     let lease = grant.lease.unwrap();
     let before = (f.usage(), f.shares(&key(0)), f.l1.active_leases());
     let copies: Vec<_> = (0..100).map(|_| grant.clone()).collect();
-    let handles: Vec<_> = copies
-        .iter()
-        .flat_map(|g| g.results.iter().copied())
-        .collect();
+    let handles: Vec<_> = copies.iter().flat_map(|g| g.results.iter().copied()).collect();
     drop(copies);
     drop(handles);
     for _ in 0..10 {
@@ -737,23 +625,10 @@ fn old_lease_never_reads_or_releases_a_recreated_key() {
     f.fill(&key(0), 7);
     f.l1.finish_write(OWNER, &[key(0)]);
     let error = f.l1.read_access(old, 0, &key(0)).err().unwrap();
-    assert_eq!(
-        error,
-        L1Error::Key {
-            key: key(0),
-            error: KeyError::NotFound
-        }
-    );
+    assert_eq!(error, L1Error::Key { key: key(0), error: KeyError::NotFound });
     let fresh = f.lease(&key(0), 0);
-    assert_eq!(
-        f.l1.finish_read(old, Readers::All, None).unwrap().unleased,
-        0
-    );
-    assert_eq!(
-        f.shares(&key(0)),
-        1,
-        "the old lease's release took nothing from the new object"
-    );
+    assert_eq!(f.l1.finish_read(old, Readers::All, None).unwrap().unleased, 0);
+    assert_eq!(f.shares(&key(0)), 1, "the old lease's release took nothing from the new object");
     assert_eq!(f.read(fresh, 0, &key(0)), payload(&key(0), 7));
     f.assert_consistent();
 }
@@ -770,26 +645,18 @@ fn half_written_object_cannot_be_finished_and_an_aborted_slot_waits_for_its_copy
         "finish waits for the copy"
     );
     assert_eq!(
-        f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0))
-            .results,
+        f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0)).results,
         vec![Err(KeyError::Busy)]
     );
     assert!(matches!(
         f.l1.write_access(OWNER, &key(0)),
-        Err(L1Error::Key {
-            error: KeyError::Busy,
-            ..
-        })
+        Err(L1Error::Key { error: KeyError::Busy, .. })
     ));
     // Aborting under the copy hides the key at once but keeps the slot until the copy ends.
     assert_eq!(f.l1.abort_write(OWNER, &[key(0)]), vec![Ok(())]);
     assert_eq!(f.usage().retiring, 1);
     let results = f.try_reserve(&[key(1)]);
-    assert_eq!(
-        results,
-        vec![Err(KeyError::OutOfMemory)],
-        "the slot is not reused under the copy"
-    );
+    assert_eq!(results, vec![Err(KeyError::OutOfMemory)], "the slot is not reused under the copy");
     drop(guard);
     assert_eq!(f.usage().retiring, 0);
     f.reserve(&[key(1)]);
@@ -809,11 +676,7 @@ fn reader_copying_out_keeps_its_slot_through_expiry_and_eviction_pressure() {
     assert_eq!(results, vec![Err(KeyError::OutOfMemory)]);
     let mut bytes = vec![0; SLOT as usize];
     guard.read_at(0, &mut bytes).unwrap();
-    assert_eq!(
-        bytes,
-        payload(&key(0), 0),
-        "the bytes under a live copy are never overwritten"
-    );
+    assert_eq!(bytes, payload(&key(0), 0), "the bytes under a live copy are never overwritten");
     drop(guard);
     f.reserve(&[key(1)]);
     assert_eq!(f.l1.presence(&key(0)), Presence::Absent);
@@ -822,11 +685,7 @@ fn reader_copying_out_keeps_its_slot_through_expiry_and_eviction_pressure() {
 
 /// Everything observable about the L1, to prove a refused request changed nothing.
 fn fingerprint(f: &Fixture) -> (tierkv_l1::Usage, u64, Vec<Presence>) {
-    (
-        f.usage(),
-        f.l1.active_leases(),
-        keys(0..8).iter().map(|k| f.l1.presence(k)).collect(),
-    )
+    (f.usage(), f.l1.active_leases(), keys(0..8).iter().map(|k| f.l1.presence(k)).collect())
 }
 
 #[test]
@@ -834,58 +693,30 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     let f = l1(8);
     f.write(&keys(0..3));
     f.reserve(&[key(3)]);
-    let lease =
-        f.l1.reserve_read(OWNER, &keys(0..2), extra(1))
-            .lease
-            .unwrap();
+    let lease = f.l1.reserve_read(OWNER, &keys(0..2), extra(1)).lease.unwrap();
     f.release(lease, 1);
     let before = fingerprint(&f);
 
     let refusals: Vec<(&str, L1Error)> = vec![
-        (
-            "unknown lease",
-            f.l1.finish_read(LeaseId(999), Readers::One(0), None)
-                .unwrap_err(),
-        ),
-        (
-            "unknown lease (release all)",
-            f.l1.release_lease(LeaseId(999)).unwrap_err(),
-        ),
-        (
-            "reader without a share",
-            f.l1.finish_read(lease, Readers::One(5), None).unwrap_err(),
-        ),
-        (
-            "empty reader set",
-            f.l1.finish_read(lease, Readers::Set(0), None).unwrap_err(),
-        ),
+        ("unknown lease", f.l1.finish_read(LeaseId(999), Readers::One(0), None).unwrap_err()),
+        ("unknown lease (release all)", f.l1.release_lease(LeaseId(999)).unwrap_err()),
+        ("reader without a share", f.l1.finish_read(lease, Readers::One(5), None).unwrap_err()),
+        ("empty reader set", f.l1.finish_read(lease, Readers::Set(0), None).unwrap_err()),
         (
             "second release by reader 1",
-            f.l1.finish_read(lease, Readers::One(1), Some(&[key(1)]))
-                .unwrap_err(),
+            f.l1.finish_read(lease, Readers::One(1), Some(&[key(1)])).unwrap_err(),
         ),
         (
             "key named twice",
-            f.l1.finish_read(lease, Readers::One(0), Some(&[key(0), key(0)]))
-                .unwrap_err(),
+            f.l1.finish_read(lease, Readers::One(0), Some(&[key(0), key(0)])).unwrap_err(),
         ),
         (
             "key outside the lease after a good one",
-            f.l1.finish_read(lease, Readers::One(0), Some(&[key(0), key(2)]))
-                .unwrap_err(),
+            f.l1.finish_read(lease, Readers::One(0), Some(&[key(0), key(2)])).unwrap_err(),
         ),
-        (
-            "read by reader without a share",
-            f.l1.read_access(lease, 1, &key(0)).err().unwrap(),
-        ),
-        (
-            "read of a key outside the lease",
-            f.l1.read_access(lease, 0, &key(2)).err().unwrap(),
-        ),
-        (
-            "write into a finished key",
-            f.l1.write_access(OWNER, &key(0)).err().unwrap(),
-        ),
+        ("read by reader without a share", f.l1.read_access(lease, 1, &key(0)).err().unwrap()),
+        ("read of a key outside the lease", f.l1.read_access(lease, 0, &key(2)).err().unwrap()),
+        ("write into a finished key", f.l1.write_access(OWNER, &key(0)).err().unwrap()),
         (
             "write into another owner's reservation",
             f.l1.write_access(OwnerId(2), &key(3)).err().unwrap(),
@@ -903,11 +734,7 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
         ),
     ];
     for (what, error) in &refusals {
-        assert_eq!(
-            fingerprint(&f),
-            before,
-            "{what} ({error}) changed the state"
-        );
+        assert_eq!(fingerprint(&f), before, "{what} ({error}) changed the state");
     }
     let reasons: Vec<_> = refusals.iter().map(|(_, e)| e.reason()).collect();
     assert_eq!(
@@ -928,23 +755,12 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
         ]
     );
     // Per-key refusals of batches change nothing either.
-    assert_eq!(
-        f.l1.finish_write(OwnerId(2), &[key(3)]),
-        vec![Err(KeyError::Locked)]
-    );
-    assert_eq!(
-        f.l1.abort_write(OwnerId(2), &[key(3)]),
-        vec![Err(KeyError::Locked)]
-    );
+    assert_eq!(f.l1.finish_write(OwnerId(2), &[key(3)]), vec![Err(KeyError::Locked)]);
+    assert_eq!(f.l1.abort_write(OwnerId(2), &[key(3)]), vec![Err(KeyError::Locked)]);
     assert_eq!(f.l1.delete(&[key(0)], false), vec![Err(KeyError::Locked)]);
     assert_eq!(fingerprint(&f), before);
     // The lease still works for the shares that remain.
-    assert_eq!(
-        f.l1.finish_read(lease, Readers::One(0), None)
-            .unwrap()
-            .shares,
-        2
-    );
+    assert_eq!(f.l1.finish_read(lease, Readers::One(0), None).unwrap().shares, 2);
     f.assert_consistent();
 }
 
@@ -976,10 +792,7 @@ fn metrics_report_usage_evictions_and_refusals() {
             })
             .sum()
     };
-    assert_eq!(
-        value("tierkv_tier_capacity_bytes", Some(("tier", "l1"))),
-        (2 * SLOT) as f64
-    );
+    assert_eq!(value("tierkv_tier_capacity_bytes", Some(("tier", "l1"))), (2 * SLOT) as f64);
     assert_eq!(
         value("tierkv_tier_used_bytes", None),
         (2 * SLOT) as f64,
@@ -989,23 +802,14 @@ fn metrics_report_usage_evictions_and_refusals() {
     assert_eq!(value("tierkv_tier_free_bytes", None), 0.0);
     assert_eq!(value("tierkv_tier_objects", None), 2.0);
     assert_eq!(value("tierkv_l1_leases_active", None), 1.0);
-    assert_eq!(
-        value("tierkv_evictions_total", Some(("reason", "on_demand"))),
-        1.0
-    );
-    assert_eq!(
-        value("tierkv_errors_total", Some(("reason", "not_found"))),
-        1.0
-    );
+    assert_eq!(value("tierkv_evictions_total", Some(("reason", "on_demand"))), 1.0);
+    assert_eq!(value("tierkv_errors_total", Some(("reason", "not_found"))), 1.0);
     assert_eq!(value("tierkv_l1_writes_finished_total", None), 2.0);
 }
 
 #[test]
 fn an_enormous_lease_ttl_means_never_not_a_panic() {
-    let f = with_config(tierkv_l1::L1Config {
-        lease_ttl: Duration::MAX,
-        ..config(2)
-    });
+    let f = with_config(tierkv_l1::L1Config { lease_ttl: Duration::MAX, ..config(2) });
     f.write(&[key(0)]);
     let lease = f.lease(&key(0), 0);
     f.clock.advance(Duration::MAX);

@@ -11,10 +11,7 @@
 //! written. A share that was released or revoked can never be released again because the model
 //! answers such a release with an error and the manager must agree.
 
-#![allow(
-    clippy::unwrap_used,
-    reason = "test code: a failed unwrap is a failed test"
-)]
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
 mod common;
 
@@ -35,62 +32,21 @@ const TTL: Duration = Duration::from_millis(10);
 
 #[derive(Clone, Debug)]
 enum Op {
-    ReserveWrite {
-        keys: Vec<u8>,
-        update: bool,
-        temporary: bool,
-        owner: u8,
-    },
-    Fill {
-        key: u8,
-        owner: u8,
-    },
-    FinishWrite {
-        keys: Vec<u8>,
-        owner: u8,
-    },
-    AbortWrite {
-        keys: Vec<u8>,
-        owner: u8,
-    },
-    ReserveRead {
-        keys: Vec<u8>,
-        extra: u8,
-        owner: u8,
-    },
-    Promote {
-        keys: Vec<u8>,
-        extra: u8,
-        owner: u8,
-    },
-    FinishRead {
-        lease: usize,
-        readers: Readers,
-        keys: Option<Vec<u8>>,
-    },
-    ReleaseLease {
-        lease: usize,
-    },
-    Read {
-        lease: usize,
-        reader: u8,
-        key: u8,
-    },
-    Delete {
-        keys: Vec<u8>,
-        force: bool,
-    },
-    Clear {
-        force: bool,
-    },
+    ReserveWrite { keys: Vec<u8>, update: bool, temporary: bool, owner: u8 },
+    Fill { key: u8, owner: u8 },
+    FinishWrite { keys: Vec<u8>, owner: u8 },
+    AbortWrite { keys: Vec<u8>, owner: u8 },
+    ReserveRead { keys: Vec<u8>, extra: u8, owner: u8 },
+    Promote { keys: Vec<u8>, extra: u8, owner: u8 },
+    FinishRead { lease: usize, readers: Readers, keys: Option<Vec<u8>> },
+    ReleaseLease { lease: usize },
+    Read { lease: usize, reader: u8, key: u8 },
+    Delete { keys: Vec<u8>, force: bool },
+    Clear { force: bool },
     EvictWatermark,
-    Advance {
-        millis: u64,
-    },
+    Advance { millis: u64 },
     ExpireLeases,
-    ReleaseOwner {
-        owner: u8,
-    },
+    ReleaseOwner { owner: u8 },
 }
 
 fn key_list() -> impl Strategy<Value = Vec<u8>> {
@@ -173,20 +129,12 @@ struct Model {
 }
 
 fn all(readers: u32) -> u128 {
-    if readers >= 128 {
-        u128::MAX
-    } else {
-        (1 << readers) - 1
-    }
+    if readers >= 128 { u128::MAX } else { (1 << readers) - 1 }
 }
 
 impl Model {
     fn new() -> Self {
-        Model {
-            free: SLOTS,
-            next_lease: 1,
-            ..Model::default()
-        }
+        Model { free: SLOTS, next_lease: 1, ..Model::default() }
     }
 
     fn touch(&mut self, k: u8) {
@@ -209,11 +157,7 @@ impl Model {
 
     /// Evicts the least recently used cached entry; false when none is evictable.
     fn evict_one(&mut self, reason: EvictionReason) -> bool {
-        let victim = self
-            .lru
-            .iter()
-            .copied()
-            .find(|k| self.entries[k].shares == 0);
+        let victim = self.lru.iter().copied().find(|k| self.entries[k].shares == 0);
         match victim {
             Some(k) => {
                 self.remove(k);
@@ -228,12 +172,7 @@ impl Model {
     /// that never existed.
     fn lease_id(&self, pick: usize) -> LeaseId {
         let pick = pick % (self.issued.len() + 1);
-        LeaseId(
-            self.issued
-                .get(pick)
-                .copied()
-                .unwrap_or(1_000_000 + pick as u64),
-        )
+        LeaseId(self.issued.get(pick).copied().unwrap_or(1_000_000 + pick as u64))
     }
 
     /// `Ok` with the live lease id, or the error a dead one is answered with (revoking it first
@@ -276,11 +215,7 @@ impl Model {
             if n == 0 {
                 continue;
             }
-            if let Some(entry) = self
-                .entries
-                .get_mut(k)
-                .filter(|e| e.generation == generation)
-            {
+            if let Some(entry) = self.entries.get_mut(k).filter(|e| e.generation == generation) {
                 entry.shares -= n;
                 if entry.shares == 0 {
                     released.unleased += 1;
@@ -305,24 +240,14 @@ impl Model {
 
     /// Mostly a key the lease covers; one pick in `covered + 1` is any key.
     fn lease_key(&self, id: LeaseId, pick: u8) -> u8 {
-        let covered: Vec<u8> = self
-            .leases
-            .get(&id.0)
-            .map(|l| l.keys.keys().copied().collect())
-            .unwrap_or_default();
+        let covered: Vec<u8> =
+            self.leases.get(&id.0).map(|l| l.keys.keys().copied().collect()).unwrap_or_default();
         let pick = usize::from(pick);
-        covered
-            .get(pick % (covered.len() + 1))
-            .copied()
-            .unwrap_or((pick % usize::from(KEYS)) as u8)
+        covered.get(pick % (covered.len() + 1)).copied().unwrap_or((pick % usize::from(KEYS)) as u8)
     }
 
     fn classify(&self, k: u8) -> KeyError {
-        if self.entries.contains_key(&k) {
-            KeyError::WrongState
-        } else {
-            KeyError::NotFound
-        }
+        if self.entries.contains_key(&k) { KeyError::WrongState } else { KeyError::NotFound }
     }
 
     fn grant(
@@ -334,12 +259,7 @@ impl Model {
     ) -> Vec<Result<(), KeyError>> {
         let readers = u32::from(extra) + 1;
         let generation_of = |e: &MEntry| e.generation;
-        let mut lease = MLease {
-            owner,
-            readers,
-            deadline: self.now + TTL,
-            keys: BTreeMap::new(),
-        };
+        let mut lease = MLease { owner, readers, deadline: self.now + TTL, keys: BTreeMap::new() };
         let mut results = Vec::new();
         for &k in keys {
             let result = if lease.keys.contains_key(&k) {
@@ -417,10 +337,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let f = with_config(tierkv_l1::L1Config {
         shards: 1,
         lease_ttl: TTL,
-        watermark: Watermark {
-            high: 0.75,
-            low: 0.5,
-        },
+        watermark: Watermark { high: 0.75, low: 0.5 },
         ..config(SLOTS)
     });
     let mut m = Model::new();
@@ -448,22 +365,9 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
         }};
     }
     match op {
-        Op::ReserveWrite {
-            keys,
-            update,
-            temporary,
-            owner: o,
-        } => {
-            let mode = if *update {
-                WriteMode::Update
-            } else {
-                WriteMode::Create
-            };
-            let lifetime = if *temporary {
-                Lifetime::Temporary
-            } else {
-                Lifetime::Cached
-            };
+        Op::ReserveWrite { keys, update, temporary, owner: o } => {
+            let mode = if *update { WriteMode::Update } else { WriteMode::Create };
+            let lifetime = if *temporary { Lifetime::Temporary } else { Lifetime::Cached };
             let actual =
                 f.l1.reserve_write(owner(*o), &ks(keys), &layout(), mode, lifetime)
                     .map_err(|e| e.to_string())?;
@@ -530,10 +434,8 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                     guard
                         .write_at(0, &payload(&k(*key), m.next_version))
                         .map_err(|e| e.to_string())?;
-                    m.entries
-                        .get_mut(key)
-                        .unwrap_or_else(|| unreachable!())
-                        .content = Some(m.next_version);
+                    m.entries.get_mut(key).unwrap_or_else(|| unreachable!()).content =
+                        Some(m.next_version);
                 }
                 Err(L1Error::Key { error, .. }) => expect_eq!(Err::<(), KeyError>(error), expected),
                 Err(other) => return Err(format!("unexpected {other}")),
@@ -550,10 +452,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                         None => Err(KeyError::WrongState),
                         Some(_) if e.temporary => Err(KeyError::WrongState),
                         Some(_) => {
-                            m.entries
-                                .get_mut(&key)
-                                .unwrap_or_else(|| unreachable!())
-                                .writer = None;
+                            m.entries.get_mut(&key).unwrap_or_else(|| unreachable!()).writer = None;
                             m.lru.push(key);
                             m.finished.push(key);
                             Ok(())
@@ -579,16 +478,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                 .collect();
             expect_eq!(actual, expected);
         }
-        Op::ReserveRead {
-            keys,
-            extra,
-            owner: o,
-        }
-        | Op::Promote {
-            keys,
-            extra,
-            owner: o,
-        } => {
+        Op::ReserveRead { keys, extra, owner: o } | Op::Promote { keys, extra, owner: o } => {
             let promote = matches!(op, Op::Promote { .. });
             let count = ExtraCount::new(i64::from(*extra)).map_err(|e| e.to_string())?;
             let grant = if promote {
@@ -602,17 +492,11 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             expect_eq!(unit(grant.results), expected);
             expect_eq!(grant.lease, granted.then_some(LeaseId(expected_id)));
         }
-        Op::FinishRead {
-            lease,
-            readers,
-            keys,
-        } => {
+        Op::FinishRead { lease, readers, keys } => {
             let id = m.lease_id(*lease);
-            let keys: Option<Vec<u8>> = keys
-                .as_ref()
-                .map(|picks| picks.iter().map(|p| m.lease_key(id, *p)).collect());
-            let actual =
-                f.l1.finish_read(id, *readers, keys.as_ref().map(|l| ks(l)).as_deref());
+            let keys: Option<Vec<u8>> =
+                keys.as_ref().map(|picks| picks.iter().map(|p| m.lease_key(id, *p)).collect());
+            let actual = f.l1.finish_read(id, *readers, keys.as_ref().map(|l| ks(l)).as_deref());
             let expected = model_finish_read(m, id, *readers, keys.as_deref());
             match (&actual, &expected) {
                 (Ok(a), Ok(e)) => expect_eq!(a, e),
@@ -651,9 +535,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                 Err(actual) => match expected {
                     Err(e) if e == actual => {}
                     other => {
-                        return Err(format!(
-                            "manager refused with {actual}, model says {other:?}"
-                        ));
+                        return Err(format!("manager refused with {actual}, model says {other:?}"));
                     }
                 },
             }
@@ -706,12 +588,8 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             m.now += Duration::from_millis(*millis);
         }
         Op::ExpireLeases => {
-            let due: Vec<u64> = m
-                .leases
-                .iter()
-                .filter(|(_, l)| l.deadline <= m.now)
-                .map(|(id, _)| *id)
-                .collect();
+            let due: Vec<u64> =
+                m.leases.iter().filter(|(_, l)| l.deadline <= m.now).map(|(id, _)| *id).collect();
             for id in &due {
                 m.revoke(*id);
             }
@@ -719,12 +597,8 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
         }
         Op::ReleaseOwner { owner: o } => {
             let report = f.l1.release_owner(owner(*o));
-            let owned: Vec<u64> = m
-                .leases
-                .iter()
-                .filter(|(_, l)| l.owner == *o)
-                .map(|(id, _)| *id)
-                .collect();
+            let owned: Vec<u64> =
+                m.leases.iter().filter(|(_, l)| l.owner == *o).map(|(id, _)| *id).collect();
             let mut shares = 0;
             for id in &owned {
                 let mut record = m.leases.remove(id).unwrap_or_else(|| unreachable!());
@@ -732,12 +606,8 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                 shares += m.give_back(&mut record, &keys, None).shares;
                 m.ended.insert(*id, Ended::Released);
             }
-            let writes: Vec<u8> = m
-                .entries
-                .iter()
-                .filter(|(_, e)| e.writer == Some(*o))
-                .map(|(k, _)| *k)
-                .collect();
+            let writes: Vec<u8> =
+                m.entries.iter().filter(|(_, e)| e.writer == Some(*o)).map(|(k, _)| *k).collect();
             for key in &writes {
                 m.remove(*key);
             }
@@ -764,24 +634,12 @@ fn model_finish_read(
         Readers::All => everyone,
         Readers::Set(s) if s != 0 && s & !everyone == 0 => s,
         Readers::One(reader) => {
-            return Err(L1Error::NoSuchReader {
-                lease: id,
-                reader,
-                readers: record.readers,
-            });
+            return Err(L1Error::NoSuchReader { lease: id, reader, readers: record.readers });
         }
         Readers::Set(s) => {
             let outside = s & !everyone;
-            let reader = if outside == 0 {
-                0
-            } else {
-                outside.trailing_zeros() as u8
-            };
-            return Err(L1Error::NoSuchReader {
-                lease: id,
-                reader,
-                readers: record.readers,
-            });
+            let reader = if outside == 0 { 0 } else { outside.trailing_zeros() as u8 };
+            return Err(L1Error::NoSuchReader { lease: id, reader, readers: record.readers });
         }
     };
     let selected: Vec<u8> = match keys {
@@ -791,26 +649,14 @@ fn model_finish_read(
     let mut seen = BTreeSet::new();
     for &key in &selected {
         let Some((_, outstanding)) = record.keys.get(&key) else {
-            return Err(L1Error::NotLeased {
-                lease: id,
-                key: k(key),
-                error: m.classify(key),
-            });
+            return Err(L1Error::NotLeased { lease: id, key: k(key), error: m.classify(key) });
         };
         if !seen.insert(key) {
-            return Err(L1Error::NotLeased {
-                lease: id,
-                key: k(key),
-                error: KeyError::Duplicate,
-            });
+            return Err(L1Error::NotLeased { lease: id, key: k(key), error: KeyError::Duplicate });
         }
         if outstanding & mask != mask {
             let reader = (mask & !outstanding).trailing_zeros() as u8;
-            return Err(L1Error::AlreadyReleased {
-                lease: id,
-                reader,
-                key: k(key),
-            });
+            return Err(L1Error::AlreadyReleased { lease: id, reader, key: k(key) });
         }
     }
     let mut record = m.leases.remove(&live).unwrap_or_else(|| unreachable!());
@@ -824,32 +670,17 @@ fn model_read(m: &mut Model, id: LeaseId, reader: u8, key: u8) -> Result<Option<
     let live = m.live(id)?;
     let record = &m.leases[&live];
     if u32::from(reader) >= record.readers {
-        return Err(L1Error::NoSuchReader {
-            lease: id,
-            reader,
-            readers: record.readers,
-        });
+        return Err(L1Error::NoSuchReader { lease: id, reader, readers: record.readers });
     }
     let Some((generation, outstanding)) = record.keys.get(&key) else {
-        return Err(L1Error::NotLeased {
-            lease: id,
-            key: k(key),
-            error: m.classify(key),
-        });
+        return Err(L1Error::NotLeased { lease: id, key: k(key), error: m.classify(key) });
     };
     if outstanding & (1 << reader) == 0 {
-        return Err(L1Error::AlreadyReleased {
-            lease: id,
-            reader,
-            key: k(key),
-        });
+        return Err(L1Error::AlreadyReleased { lease: id, reader, key: k(key) });
     }
     match m.entries.get(&key) {
         Some(e) if e.generation == *generation => Ok(e.content),
-        _ => Err(L1Error::Key {
-            key: k(key),
-            error: KeyError::NotFound,
-        }),
+        _ => Err(L1Error::Key { key: k(key), error: KeyError::NotFound }),
     }
 }
 
@@ -858,10 +689,7 @@ fn check(f: &Fixture, m: &Model) -> Result<(), String> {
         let expected = match m.entries.get(&i) {
             None => Presence::Absent,
             Some(e) if e.writer.is_some() => Presence::Writing,
-            Some(e) => Presence::Ready {
-                shares: e.shares,
-                temporary: e.temporary,
-            },
+            Some(e) => Presence::Ready { shares: e.shares, temporary: e.temporary },
         };
         let actual = f.l1.presence(&k(i));
         if actual != expected {
@@ -870,16 +698,8 @@ fn check(f: &Fixture, m: &Model) -> Result<(), String> {
     }
     let u = f.usage();
     let writing = m.entries.values().filter(|e| e.writer.is_some()).count() as u64;
-    let leased = m
-        .entries
-        .values()
-        .filter(|e| e.writer.is_none() && e.shares > 0)
-        .count() as u64;
-    let cached = m
-        .entries
-        .values()
-        .filter(|e| e.writer.is_none() && e.shares == 0)
-        .count() as u64;
+    let leased = m.entries.values().filter(|e| e.writer.is_none() && e.shares > 0).count() as u64;
+    let cached = m.entries.values().filter(|e| e.writer.is_none() && e.shares == 0).count() as u64;
     if (u.writing, u.leased, u.cached, u.free_bytes / SLOT) != (writing, leased, cached, m.free) {
         return Err(format!(
             "usage {u:?}, model writing {writing} leased {leased} cached {cached} free {}",
@@ -902,13 +722,7 @@ fn check(f: &Fixture, m: &Model) -> Result<(), String> {
             m.leases.len()
         ));
     }
-    let evicted: Vec<_> = f
-        .recorder
-        .evicted
-        .lock()
-        .iter()
-        .map(|(key, r)| (*key, *r))
-        .collect();
+    let evicted: Vec<_> = f.recorder.evicted.lock().iter().map(|(key, r)| (*key, *r)).collect();
     let expected: Vec<_> = m.evicted.iter().map(|(key, r)| (k(*key), *r)).collect();
     if evicted != expected {
         return Err(format!("evictions {evicted:?}, model {expected:?}"));

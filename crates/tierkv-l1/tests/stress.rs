@@ -3,10 +3,7 @@
 //! same bytes, so any read that differs from them is a torn or half-written object made visible.
 //! At the end every owner returns what it holds, and the accounting and audit must be exact.
 
-#![allow(
-    clippy::unwrap_used,
-    reason = "test code: a failed unwrap is a failed test"
-)]
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
 mod common;
 
@@ -42,14 +39,9 @@ fn cycle(f: &Fixture, owner: OwnerId, rng: &mut Rng) {
         // Write, sometimes as a temporary promotion, sometimes aborted.
         0..=34 => {
             let temporary = rng.below(5) == 0;
-            let lifetime = if temporary {
-                Lifetime::Temporary
-            } else {
-                Lifetime::Cached
-            };
+            let lifetime = if temporary { Lifetime::Temporary } else { Lifetime::Cached };
             let reserved =
-                f.l1.reserve_write(owner, &[k], &layout(), WriteMode::Create, lifetime)
-                    .unwrap();
+                f.l1.reserve_write(owner, &[k], &layout(), WriteMode::Create, lifetime).unwrap();
             if reserved[0].is_err() {
                 return;
             }
@@ -123,10 +115,7 @@ fn read_and_release(
                 }
                 Err(L1Error::LeaseExpired(_)) => return,
                 // A forced delete removed the object under the lease.
-                Err(L1Error::Key {
-                    error: KeyError::NotFound,
-                    ..
-                }) => {}
+                Err(L1Error::Key { error: KeyError::NotFound, .. }) => {}
                 Err(other) => panic!("unexpected read refusal: {other}"),
             }
         }
@@ -135,10 +124,7 @@ fn read_and_release(
             1 => {
                 let _ = f.l1.finish_read(lease, Readers::One(reader), None);
                 let again = f.l1.finish_read(lease, Readers::One(reader), None);
-                assert!(
-                    again.is_err(),
-                    "a second release by one reader was accepted"
-                );
+                assert!(again.is_err(), "a second release by one reader was accepted");
             }
             _ => match f.l1.finish_read(lease, Readers::One(reader), None) {
                 Ok(_) | Err(L1Error::LeaseExpired(_)) => {}
@@ -150,10 +136,7 @@ fn read_and_release(
 
 #[test]
 fn a40_eight_threads_of_random_cycles_keep_the_accounting_exact() {
-    let f = with_config(L1Config {
-        lease_ttl: Duration::from_millis(50),
-        ..config(32)
-    });
+    let f = with_config(L1Config { lease_ttl: Duration::from_millis(50), ..config(32) });
     std::thread::scope(|s| {
         for t in 0..THREADS {
             let f = &f;
@@ -179,10 +162,7 @@ fn a40_eight_threads_of_random_cycles_keep_the_accounting_exact() {
 fn concurrent_writers_into_a_full_l1_are_never_refused_while_cached_objects_exist() {
     // 4 shards, all slots cached; two threads keep writing fresh batches, so every slot they get
     // comes from an on-demand eviction racing the other thread's.
-    let f = with_config(L1Config {
-        shards: 4,
-        ..config(256)
-    });
+    let f = with_config(L1Config { shards: 4, ..config(256) });
     f.write(&(0..256).map(|i| key(1 << 40 | i)).collect::<Vec<_>>());
     let next = std::sync::atomic::AtomicU64::new(0);
     std::thread::scope(|s| {
@@ -205,11 +185,7 @@ fn concurrent_writers_into_a_full_l1_are_never_refused_while_cached_objects_exis
                         results.iter().all(|r| r.is_ok()),
                         "refused with cached objects left: {results:?}"
                     );
-                    assert!(
-                        f.l1.finish_write(OwnerId(t), &batch)
-                            .iter()
-                            .all(|r| r.is_ok())
-                    );
+                    assert!(f.l1.finish_write(OwnerId(t), &batch).iter().all(|r| r.is_ok()));
                 }
             });
         }
@@ -224,24 +200,13 @@ fn sharded_eviction_stays_close_to_the_policy_order_over_a_long_run() {
     // all still be there. Shards whose population drifted empty would lose their newest objects
     // instead.
     let slots = 512;
-    let f = with_config(L1Config {
-        shards: 16,
-        ..config(slots)
-    });
+    let f = with_config(L1Config { shards: 16, ..config(slots) });
     let total = 60 * slots;
     for first in (0..total).step_by(64) {
         f.write(&keys(first..first + 64));
     }
     let recent = keys(total - slots / 4..total);
-    let lost = recent
-        .iter()
-        .filter(|k| f.l1.presence(k) == tierkv_l1::Presence::Absent)
-        .count();
-    assert_eq!(
-        lost,
-        0,
-        "{lost} of the {} newest objects were evicted",
-        recent.len()
-    );
+    let lost = recent.iter().filter(|k| f.l1.presence(k) == tierkv_l1::Presence::Absent).count();
+    assert_eq!(lost, 0, "{lost} of the {} newest objects were evicted", recent.len());
     f.assert_consistent();
 }

@@ -80,12 +80,7 @@ impl Arena {
             bytes: len as u64,
             reason: "null mapping".into(),
         })?;
-        Ok(Arena {
-            backing: Backing::Mapped(map),
-            base,
-            len,
-            kind,
-        })
+        Ok(Arena { backing: Backing::Mapped(map), base, len, kind })
     }
 
     fn mapped(len: usize, transparent_huge: bool) -> Result<Self, L2Error> {
@@ -111,11 +106,7 @@ impl Arena {
     }
 
     fn pinned(len: usize) -> Result<Self, L2Error> {
-        let error = |reason: String| L2Error::Memory {
-            kind: "pinned",
-            bytes: len as u64,
-            reason,
-        };
+        let error = |reason: String| L2Error::Memory { kind: "pinned", bytes: len as u64, reason };
         tierkv_l1::device::cuda_available().map_err(|e| error(e.to_string()))?;
         let context = CudaContext::new(0).map_err(|e| error(e.to_string()))?;
         context.bind_to_thread().map_err(|e| error(e.to_string()))?;
@@ -126,12 +117,7 @@ impl Arena {
         let ptr =
             unsafe { result::malloc_host(len, PORTABLE) }.map_err(|e| error(e.to_string()))?;
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| error("null allocation".into()))?;
-        Ok(Arena {
-            backing: Backing::Pinned(context),
-            base,
-            len,
-            kind: MemoryKind::Pinned,
-        })
+        Ok(Arena { backing: Backing::Pinned(context), base, len, kind: MemoryKind::Pinned })
     }
 
     pub(crate) fn kind(&self) -> MemoryKind {

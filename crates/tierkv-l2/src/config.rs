@@ -62,10 +62,7 @@ impl HostStoreConfig {
             ));
         }
         if self.workers == 0 || self.workers > 256 {
-            return bad(format!(
-                "workers must be within 1..=256, got {}",
-                self.workers
-            ));
+            return bad(format!("workers must be within 1..=256, got {}", self.workers));
         }
         u32::try_from(slots)
             .or_else(|_| bad(format!("{slots} slots exceed the limit of {}", u32::MAX)))
@@ -83,11 +80,8 @@ mod tests {
         assert!(err(HostStoreConfig::new(1 << 20, 0)).contains("chunk_bytes"));
         assert!(err(HostStoreConfig::new(1 << 10, 1 << 16)).contains("at least one chunk"));
         assert!(
-            err(HostStoreConfig {
-                workers: 0,
-                ..HostStoreConfig::new(1 << 20, 1 << 16)
-            })
-            .contains("workers")
+            err(HostStoreConfig { workers: 0, ..HostStoreConfig::new(1 << 20, 1 << 16) })
+                .contains("workers")
         );
     }
 }

@@ -15,13 +15,8 @@ pub(crate) enum Failure {
 }
 
 impl Failure {
-    const ALL: [Failure; 5] = [
-        Failure::NoSpace,
-        Failure::TooLarge,
-        Failure::Copy,
-        Failure::Closed,
-        Failure::Panic,
-    ];
+    const ALL: [Failure; 5] =
+        [Failure::NoSpace, Failure::TooLarge, Failure::Copy, Failure::Closed, Failure::Panic];
 
     fn as_str(self) -> &'static str {
         match self {
@@ -68,21 +63,9 @@ impl L2Metrics {
             Unit::Bytes,
             "Bytes loaded from a lower tier."
         );
-        describe_gauge!(
-            "tierkv_tier_capacity_bytes",
-            Unit::Bytes,
-            "Bytes a tier may hold."
-        );
-        describe_gauge!(
-            "tierkv_tier_used_bytes",
-            Unit::Bytes,
-            "Bytes held by objects."
-        );
-        describe_gauge!(
-            "tierkv_tier_objects",
-            Unit::Count,
-            "Objects held by a tier."
-        );
+        describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
+        describe_gauge!("tierkv_tier_used_bytes", Unit::Bytes, "Bytes held by objects.");
+        describe_gauge!("tierkv_tier_objects", Unit::Count, "Objects held by a tier.");
         describe_counter!(
             "tierkv_evictions_total",
             Unit::Count,
@@ -105,10 +88,7 @@ impl L2Metrics {
             failures: Failure::ALL
                 .into_iter()
                 .map(|f| {
-                    (
-                        f,
-                        counter!("tierkv_errors_total", "tier" => TIER, "reason" => f.as_str()),
-                    )
+                    (f, counter!("tierkv_errors_total", "tier" => TIER, "reason" => f.as_str()))
                 })
                 .collect(),
         }

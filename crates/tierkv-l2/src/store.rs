@@ -159,9 +159,7 @@ impl HostStore {
                 Err(e) => {
                     // Stop the workers already started before reporting.
                     drop(jobs);
-                    workers
-                        .into_iter()
-                        .for_each(|w: JoinHandle<()>| drop(w.join()));
+                    workers.into_iter().for_each(|w: JoinHandle<()>| drop(w.join()));
                     return Err(e);
                 }
             }
@@ -234,15 +232,10 @@ impl Shared {
                             result: Err(TierError::Io("internal panic".into())),
                             sources: vec![],
                         },
-                        usize::MAX => Completion::Loaded {
-                            task,
-                            loaded: Bitmap::new(0),
-                            sinks: vec![],
-                        },
-                        n => Completion::LookedUp {
-                            task,
-                            locked: Bitmap::new(n - 1),
-                        },
+                        usize::MAX => {
+                            Completion::Loaded { task, loaded: Bitmap::new(0), sinks: vec![] }
+                        }
+                        n => Completion::LookedUp { task, locked: Bitmap::new(n - 1) },
                     };
                     let _ = self.done.send(completion);
                 }
@@ -255,23 +248,14 @@ impl Shared {
         match job {
             Job::Store(task, sources) => {
                 let result = self.store(&sources);
-                Completion::Stored {
-                    task,
-                    result,
-                    sources,
-                }
+                Completion::Stored { task, result, sources }
             }
-            Job::Lookup(task, keys) => Completion::LookedUp {
-                task,
-                locked: self.lookup_and_lock(&keys),
-            },
+            Job::Lookup(task, keys) => {
+                Completion::LookedUp { task, locked: self.lookup_and_lock(&keys) }
+            }
             Job::Load(task, mut sinks) => {
                 let loaded = self.load(&mut sinks);
-                Completion::Loaded {
-                    task,
-                    loaded,
-                    sinks,
-                }
+                Completion::Loaded { task, loaded, sinks }
             }
         }
     }
@@ -280,20 +264,13 @@ impl Shared {
     fn fail(&self, job: Job, error: TierError) {
         self.metrics.failed(Failure::Closed);
         let completion = match job {
-            Job::Store(task, sources) => Completion::Stored {
-                task,
-                result: Err(error),
-                sources,
-            },
-            Job::Lookup(task, keys) => Completion::LookedUp {
-                task,
-                locked: Bitmap::new(keys.len()),
-            },
-            Job::Load(task, sinks) => Completion::Loaded {
-                task,
-                loaded: Bitmap::new(sinks.len()),
-                sinks,
-            },
+            Job::Store(task, sources) => Completion::Stored { task, result: Err(error), sources },
+            Job::Lookup(task, keys) => {
+                Completion::LookedUp { task, locked: Bitmap::new(keys.len()) }
+            }
+            Job::Load(task, sinks) => {
+                Completion::Loaded { task, loaded: Bitmap::new(sinks.len()), sinks }
+            }
         };
         let _ = self.done.send(completion);
     }
@@ -303,15 +280,9 @@ impl Shared {
     }
 
     fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
-        if let Some(item) = items
-            .iter()
-            .find(|item| item.source.len() > self.chunk_bytes)
-        {
+        if let Some(item) = items.iter().find(|item| item.source.len() > self.chunk_bytes) {
             self.metrics.failed(Failure::TooLarge);
-            return Err(TierError::TooLarge {
-                bytes: item.source.len(),
-                limit: self.chunk_bytes,
-            });
+            return Err(TierError::TooLarge { bytes: item.source.len(), limit: self.chunk_bytes });
         }
         // Reserve a slot for every key not yet here (present or in flight: equal keys, equal
         // bytes), all at once, so a task that cannot fit evicts nothing.
@@ -338,13 +309,7 @@ impl Shared {
             };
             evicted = victims;
             for (item, slot) in new.into_iter().zip(slots) {
-                let entry = Entry {
-                    slot,
-                    len: item.source.len(),
-                    ready: false,
-                    locks: 0,
-                    pins: 0,
-                };
+                let entry = Entry { slot, len: item.source.len(), ready: false, locks: 0, pins: 0 };
                 index.map.insert(item.key, entry);
                 reserved.push((item.key, slot));
                 to_copy.push((item, slot));
@@ -363,10 +328,7 @@ impl Shared {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => failure = Some(TierError::Buffer(e)),
                 Err(_) => {
-                    failure = Some(TierError::Io(format!(
-                        "the source of {:?} panicked",
-                        item.key
-                    )))
+                    failure = Some(TierError::Io(format!("the source of {:?} panicked", item.key)))
                 }
             }
             if failure.is_some() {
@@ -395,9 +357,7 @@ impl Shared {
 
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
-        let Index {
-            map, policy, locks, ..
-        } = &mut *index;
+        let Index { map, policy, locks, .. } = &mut *index;
         Bitmap::from_bools(keys.iter().map(|key| match map.get_mut(key) {
             Some(entry) if entry.ready => {
                 entry.locks += 1;
@@ -466,8 +426,7 @@ impl Shared {
 
     fn publish(&self) {
         let usage = self.usage();
-        self.metrics
-            .publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
+        self.metrics.publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
     }
 }
 

@@ -1,10 +1,7 @@
 //! HostStore behaviour beyond the contract: refusals, panicking buffers, metrics, concurrency,
 //! and a model-based property test.
 
-#![allow(
-    clippy::unwrap_used,
-    reason = "test code: a failed unwrap is a failed test"
-)]
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -24,30 +21,17 @@ fn harness(chunks: u64, workers: usize) -> Harness {
         ..HostStoreConfig::new(chunks * CHUNK, CHUNK)
     };
     let tier = Arc::new(HostStore::open(config).unwrap());
-    Harness::new(OpenTier {
-        tier,
-        chunk_bytes: CHUNK,
-        keep: Box::new(()),
-    })
+    Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) })
 }
 
 #[test]
 fn a_chunk_larger_than_a_slot_is_refused_and_leaves_nothing() {
     let mut h = harness(4, 1);
-    let item = StoreItem {
-        key: key(1),
-        source: Box::new(VecChunk(vec![0; CHUNK as usize + 1])),
-    };
+    let item = StoreItem { key: key(1), source: Box::new(VecChunk(vec![0; CHUNK as usize + 1])) };
     let task = h.tier.submit_store(vec![item]);
     match h.wait(task) {
         tierkv_core::Completion::Stored { result, .. } => {
-            assert_eq!(
-                result,
-                Err(TierError::TooLarge {
-                    bytes: CHUNK + 1,
-                    limit: CHUNK
-                })
-            )
+            assert_eq!(result, Err(TierError::TooLarge { bytes: CHUNK + 1, limit: CHUNK }))
         }
         _ => panic!("not a store completion"),
     }
@@ -70,34 +54,18 @@ impl ChunkSource for Exploding {
 fn a_panicking_source_fails_its_task_whole_and_the_store_keeps_working() {
     let mut h = harness(8, 1);
     let items = vec![
-        StoreItem {
-            key: key(1),
-            source: Box::new(VecChunk(payload(&key(1), CHUNK))),
-        },
-        StoreItem {
-            key: key(2),
-            source: Box::new(Exploding),
-        },
+        StoreItem { key: key(1), source: Box::new(VecChunk(payload(&key(1), CHUNK))) },
+        StoreItem { key: key(2), source: Box::new(Exploding) },
     ];
     let task = h.tier.submit_store(items);
     match h.wait(task) {
-        tierkv_core::Completion::Stored {
-            result, sources, ..
-        } => {
+        tierkv_core::Completion::Stored { result, sources, .. } => {
             assert!(result.is_err());
-            assert_eq!(
-                sources.len(),
-                2,
-                "the buffers come back even though one panicked"
-            );
+            assert_eq!(sources.len(), 2, "the buffers come back even though one panicked");
         }
         _ => panic!("not a store completion"),
     }
-    assert_eq!(
-        h.present(&keys(1..3)).count_ones(),
-        0,
-        "nothing of a failed store task is visible"
-    );
+    assert_eq!(h.present(&keys(1..3)).count_ones(), 0, "nothing of a failed store task is visible");
     assert_eq!(h.tier.usage().used_bytes, 0, "its slots were freed");
     h.store(&[key(3)]).unwrap();
     h.assert_loads(&[key(3)]);
@@ -148,9 +116,7 @@ fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
             s.spawn(move || {
                 let mut seed = t * 7919 + 1;
                 for _ in 0..200 {
-                    seed = seed
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     let k = key((seed >> 33) % 64);
                     match (seed >> 20) % 4 {
                         0 => drop(shared.store(&[k])),
@@ -182,20 +148,11 @@ fn a_store_task_never_evicts_its_own_keys_and_a_failed_one_evicts_nothing() {
     assert_eq!(h.lookup(&[key(1), key(2), key(5)]).count_ones(), 3);
     h.store(&[key(0)]).unwrap();
     // Key 0 is the only evictable object, and it is part of the task: the task cannot fit.
-    assert!(matches!(
-        h.store(&[key(3), key(0)]),
-        Err(TierError::NoSpace(_))
-    ));
+    assert!(matches!(h.store(&[key(3), key(0)]), Err(TierError::NoSpace(_))));
     assert!(h.present(&[key(0)]).get(0), "the task evicted its own key");
     // Two new keys where one slot can be freed: refused, and the cached object survives.
-    assert!(matches!(
-        h.store(&[key(6), key(7)]),
-        Err(TierError::NoSpace(_))
-    ));
-    assert!(
-        h.present(&[key(0)]).get(0),
-        "a failed task evicted a cached object"
-    );
+    assert!(matches!(h.store(&[key(6), key(7)]), Err(TierError::NoSpace(_))));
+    assert!(h.present(&[key(0)]).get(0), "a failed task evicted a cached object");
     h.assert_loads(&[key(0)]);
 }
 
@@ -215,9 +172,7 @@ impl tierkv_core::ChunkSink for GatedSink {
 
     fn copy_from_host(&mut self, src: &[u8]) -> Result<(), BufferError> {
         let _ = self.started.send(());
-        let _ = self
-            .proceed
-            .recv_timeout(std::time::Duration::from_secs(10));
+        let _ = self.proceed.recv_timeout(std::time::Duration::from_secs(10));
         self.bytes.copy_from_slice(src);
         let _ = self.out.send(self.bytes.clone());
         Ok(())
@@ -232,43 +187,22 @@ fn a_slot_being_loaded_is_never_evicted_under_the_copy() {
         ..HostStoreConfig::new(CHUNK, CHUNK)
     };
     let tier = Arc::new(HostStore::open(config).unwrap());
-    let mut h = Harness::new(OpenTier {
-        tier,
-        chunk_bytes: CHUNK,
-        keep: Box::new(()),
-    });
+    let mut h = Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) });
     h.store(&[key(0)]).unwrap();
     let (started, is_started) = crossbeam_channel::bounded(1);
     let (let_go, proceed) = crossbeam_channel::bounded(1);
     let (out, copied) = crossbeam_channel::bounded(1);
-    let sink = GatedSink {
-        started,
-        proceed,
-        bytes: vec![0; CHUNK as usize],
-        out,
-    };
-    let load = h.tier.submit_load(vec![tierkv_core::LoadItem {
-        key: key(0),
-        sink: Box::new(sink),
-    }]);
-    is_started
-        .recv_timeout(std::time::Duration::from_secs(10))
-        .unwrap();
+    let sink = GatedSink { started, proceed, bytes: vec![0; CHUNK as usize], out };
+    let load =
+        h.tier.submit_load(vec![tierkv_core::LoadItem { key: key(0), sink: Box::new(sink) }]);
+    is_started.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
     // The only slot is pinned by the load: a store that needs it must be refused, not evict it.
     let reused = h.store(&[key(1)]);
     let_go.send(()).unwrap();
-    let bytes = copied
-        .recv_timeout(std::time::Duration::from_secs(10))
-        .unwrap();
+    let bytes = copied.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
     h.wait(load);
-    assert!(
-        matches!(reused, Err(TierError::NoSpace(_))),
-        "a pinned slot was reused: {reused:?}"
-    );
-    assert!(
-        bytes == payload(&key(0), CHUNK),
-        "the load saw another object's bytes"
-    );
+    assert!(matches!(reused, Err(TierError::NoSpace(_))), "a pinned slot was reused: {reused:?}");
+    assert!(bytes == payload(&key(0), CHUNK), "the load saw another object's bytes");
     h.store(&[key(1)]).unwrap();
 }
 

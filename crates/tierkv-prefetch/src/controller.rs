@@ -49,10 +49,7 @@ pub struct PrefetchConfig {
 
 impl Default for PrefetchConfig {
     fn default() -> Self {
-        PrefetchConfig {
-            max_in_flight: 8,
-            drain_timeout: Duration::from_secs(5),
-        }
+        PrefetchConfig { max_in_flight: 8, drain_timeout: Duration::from_secs(5) }
     }
 }
 
@@ -90,12 +87,7 @@ impl PrefetchRequest {
             owner,
             extra,
             chunk_tokens: 1,
-            groups: vec![GroupRequest {
-                kind: GroupKind::FullAttention,
-                layout,
-                keys,
-                in_l1,
-            }],
+            groups: vec![GroupRequest { kind: GroupKind::FullAttention, layout, keys, in_l1 }],
         }
     }
 }
@@ -198,11 +190,7 @@ impl PrefetchController {
         let thread = std::thread::Builder::new()
             .name("tierkv-prefetch".into())
             .spawn(move || worker.run(&inbox, &events))?;
-        Ok(PrefetchController {
-            commands,
-            shared,
-            thread: Mutex::new(Some(thread)),
-        })
+        Ok(PrefetchController { commands, shared, thread: Mutex::new(Some(thread)) })
     }
 
     /// Queues a request. Fails at once if the controller stopped or the request is malformed.
@@ -247,18 +235,10 @@ impl PrefetchController {
                     )));
                 }
                 Some(Some(_)) => {
-                    return results
-                        .remove(&id)
-                        .flatten()
-                        .unwrap_or(Err(PrefetchError::Stopped));
+                    return results.remove(&id).flatten().unwrap_or(Err(PrefetchError::Stopped));
                 }
                 Some(None) => {
-                    if self
-                        .shared
-                        .ready
-                        .wait_until(&mut results, deadline)
-                        .timed_out()
-                    {
+                    if self.shared.ready.wait_until(&mut results, deadline).timed_out() {
                         return Err(PrefetchError::Timeout);
                     }
                 }
@@ -301,10 +281,7 @@ fn validate(request: &PrefetchRequest) -> Result<(), PrefetchError> {
 #[derive(Clone)]
 enum Phase {
     /// Waiting for lookups: per tier, its bitmap over `wanted` once it arrived.
-    LookingUp {
-        found: Vec<Option<Bitmap>>,
-        waiting: usize,
-    },
+    LookingUp { found: Vec<Option<Bitmap>>, waiting: usize },
     /// Waiting for loads.
     Loading { waiting: usize },
 }
@@ -339,9 +316,7 @@ impl Active {
             .iter()
             .enumerate()
             .map(|(g, group)| {
-                (0..group.keys.len())
-                    .map(|i| group.in_l1[i] || available(g, i))
-                    .collect()
+                (0..group.keys.len()).map(|i| group.in_l1[i] || available(g, i)).collect()
             })
             .collect();
         let groups: Vec<(GroupKind, &[bool])> = self
@@ -414,9 +389,7 @@ impl Worker {
                     },
                     default(Duration::from_millis(50)) => {},
                 }
-                self.shared
-                    .metrics
-                    .queues(self.pending.len(), self.active.len());
+                self.shared.metrics.queues(self.pending.len(), self.active.len());
             }));
             if let Err(panic) = step {
                 let why = panic_message(&panic);
@@ -462,9 +435,7 @@ impl Worker {
                 .iter()
                 .enumerate()
                 .flat_map(|(g, group)| {
-                    (0..group.keys.len())
-                        .filter(|i| !group.in_l1[*i])
-                        .map(move |i| (g, i))
+                    (0..group.keys.len()).filter(|i| !group.in_l1[*i]).map(move |i| (g, i))
                 })
                 .collect();
             let tiers = self.router.len();
@@ -472,10 +443,7 @@ impl Worker {
                 request,
                 started: self.started,
                 wanted,
-                phase: Phase::LookingUp {
-                    found: vec![None; tiers],
-                    waiting: 0,
-                },
+                phase: Phase::LookingUp { found: vec![None; tiers], waiting: 0 },
                 locked: vec![Vec::new(); tiers],
                 source: HashMap::new(),
                 reserved: Vec::new(),
@@ -493,15 +461,13 @@ impl Worker {
                 continue;
             }
             for tier in 0..tiers {
-                let submitted = self.router.submit(tier, &self.events_tx, |t| {
-                    t.submit_lookup_and_lock(keys.clone())
-                });
+                let submitted = self
+                    .router
+                    .submit(tier, &self.events_tx, |t| t.submit_lookup_and_lock(keys.clone()));
                 if let Some(task) = submitted {
                     self.tasks.insert((tier, task), id);
-                    if let Some(Active {
-                        phase: Phase::LookingUp { waiting, .. },
-                        ..
-                    }) = self.active.get_mut(&id)
+                    if let Some(Active { phase: Phase::LookingUp { waiting, .. }, .. }) =
+                        self.active.get_mut(&id)
                     {
                         *waiting += 1;
                     }
@@ -548,11 +514,7 @@ impl Worker {
                     .enumerate()
                     .filter(|(i, _)| loaded.get(*i))
                     .filter_map(|(_, key)| {
-                        active
-                            .reserved
-                            .iter()
-                            .find(|at| active.key(**at) == *key)
-                            .copied()
+                        active.reserved.iter().find(|at| active.key(**at) == *key).copied()
                     })
                     .collect();
                 active.loaded.extend(arrived);
@@ -582,17 +544,11 @@ impl Worker {
             Phase::LookingUp { found, .. } => found.clone(),
             Phase::Loading { .. } => Vec::new(),
         };
-        let position: HashMap<At, usize> = active
-            .wanted
-            .iter()
-            .enumerate()
-            .map(|(n, at)| (*at, n))
-            .collect();
+        let position: HashMap<At, usize> =
+            active.wanted.iter().enumerate().map(|(n, at)| (*at, n)).collect();
         let tier_of = |at: At| -> Option<usize> {
             let n = *position.get(&at)?;
-            found
-                .iter()
-                .position(|bits| bits.as_ref().is_some_and(|b| b.get(n)))
+            found.iter().position(|bits| bits.as_ref().is_some_and(|b| b.get(n)))
         };
         let n = active.hit(|g, i| tier_of((g, i)).is_some());
         for at in active.needed(n) {
@@ -605,11 +561,7 @@ impl Worker {
 
         // Reserve temporary slots, group by group, and plan again over what was reserved.
         for g in 0..active.request.groups.len() {
-            let wanted: Vec<At> = active
-                .needed(n)
-                .into_iter()
-                .filter(|at| at.0 == g)
-                .collect();
+            let wanted: Vec<At> = active.needed(n).into_iter().filter(|at| at.0 == g).collect();
             if wanted.is_empty() {
                 continue;
             }
@@ -634,11 +586,8 @@ impl Worker {
         }
         let n = active.hit(|g, i| active.reserved.contains(&(g, i)));
         let needed = active.needed(n);
-        let (keep, drop_now): (Vec<At>, Vec<At>) = active
-            .reserved
-            .iter()
-            .copied()
-            .partition(|at| needed.contains(at));
+        let (keep, drop_now): (Vec<At>, Vec<At>) =
+            active.reserved.iter().copied().partition(|at| needed.contains(at));
         self.abort(&active, &drop_now);
         active.reserved = keep;
         active.source.retain(|at, _| active.reserved.contains(at));
@@ -648,25 +597,16 @@ impl Worker {
         let mut waiting = 0;
         for tier in 0..self.router.len() {
             let mut items: Vec<LoadItem> = Vec::new();
-            for at in active
-                .reserved
-                .iter()
-                .filter(|at| active.source.get(at) == Some(&tier))
-            {
+            for at in active.reserved.iter().filter(|at| active.source.get(at) == Some(&tier)) {
                 let key = active.key(*at);
                 if let Ok(access) = self.l1.write_access(active.request.owner, &key) {
-                    items.push(LoadItem {
-                        key,
-                        sink: Box::new(access) as Box<dyn ChunkSink>,
-                    });
+                    items.push(LoadItem { key, sink: Box::new(access) as Box<dyn ChunkSink> });
                 }
             }
             if items.is_empty() {
                 continue;
             }
-            if let Some(task) = self
-                .router
-                .submit(tier, &self.events_tx, |t| t.submit_load(items))
+            if let Some(task) = self.router.submit(tier, &self.events_tx, |t| t.submit_load(items))
             {
                 self.tasks.insert((tier, task), id);
                 waiting += 1;
@@ -684,12 +624,8 @@ impl Worker {
     fn finalize(&mut self, id: RequestId, active: Active) {
         let n = active.hit(|g, i| active.loaded.contains(&(g, i)));
         let needed = active.needed(n);
-        let to_lease: Vec<At> = active
-            .loaded
-            .iter()
-            .copied()
-            .filter(|at| needed.contains(at))
-            .collect();
+        let to_lease: Vec<At> =
+            active.loaded.iter().copied().filter(|at| needed.contains(at)).collect();
         let keys: Vec<ObjectKey> = to_lease.iter().map(|at| active.key(*at)).collect();
         let grant = self.l1.finish_write_and_reserve_read(
             active.request.owner,
@@ -706,11 +642,8 @@ impl Worker {
         // hand back the shares of what the smaller hit does not need.
         let n = active.hit(|g, i| granted.contains(&(g, i)));
         let needed = active.needed(n);
-        let surplus: Vec<ObjectKey> = granted
-            .iter()
-            .filter(|at| !needed.contains(at))
-            .map(|at| active.key(*at))
-            .collect();
+        let surplus: Vec<ObjectKey> =
+            granted.iter().filter(|at| !needed.contains(at)).map(|at| active.key(*at)).collect();
         let mut lease = grant.lease;
         if let (Some(held), false) = (lease, surplus.is_empty())
             && let Ok(released) = self.l1.finish_read(held, Readers::All, Some(&surplus))
@@ -718,22 +651,15 @@ impl Worker {
         {
             lease = None;
         }
-        let leased_now: Vec<At> = granted
-            .iter()
-            .copied()
-            .filter(|at| needed.contains(at))
-            .collect();
+        let leased_now: Vec<At> =
+            granted.iter().copied().filter(|at| needed.contains(at)).collect();
         self.release_everything(&active, &granted);
         let leased = active
             .request
             .groups
             .iter()
             .enumerate()
-            .map(|(g, group)| {
-                (0..group.keys.len())
-                    .map(|i| leased_now.contains(&(g, i)))
-                    .collect()
-            })
+            .map(|(g, group)| (0..group.keys.len()).map(|i| leased_now.contains(&(g, i))).collect())
             .collect();
         self.shared.metrics.finished(leased_now.len() as u64);
         let outcome = Prefetched {
@@ -776,12 +702,8 @@ impl Worker {
 
     /// Aborts every reservation except `kept`, and returns every tier lock.
     fn release_everything(&self, active: &Active, kept: &[At]) {
-        let doomed: Vec<At> = active
-            .reserved
-            .iter()
-            .copied()
-            .filter(|at| !kept.contains(at))
-            .collect();
+        let doomed: Vec<At> =
+            active.reserved.iter().copied().filter(|at| !kept.contains(at)).collect();
         self.abort(active, &doomed);
         for (tier, keys) in active.locked.iter().enumerate() {
             if let Some(adapter) = self.router.tier(tier) {

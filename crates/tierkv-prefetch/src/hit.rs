@@ -40,9 +40,7 @@ pub fn hit_chunks(groups: &[(GroupKind, &[bool])], chunk_tokens: u64) -> usize {
     (1..=longest)
         .rev()
         .find(|n| {
-            groups
-                .iter()
-                .all(|(kind, present)| kind.needed(*n, chunk_tokens).all(|i| present[i]))
+            groups.iter().all(|(kind, present)| kind.needed(*n, chunk_tokens).all(|i| present[i]))
         })
         .unwrap_or(0)
 }
@@ -54,9 +52,7 @@ mod tests {
     const FULL: GroupKind = GroupKind::FullAttention;
 
     fn window(tokens: u64) -> GroupKind {
-        GroupKind::SlidingWindow {
-            window_tokens: tokens,
-        }
+        GroupKind::SlidingWindow { window_tokens: tokens }
     }
 
     #[test]
@@ -75,10 +71,7 @@ mod tests {
         assert_eq!(w.needed(5, 256), 3..5);
         assert_eq!(w.needed(1, 256), 0..1);
         assert_eq!(w.needed(0, 256), 0..0);
-        assert_eq!(
-            hit_chunks(&[(w, &[false, false, false, true, true])], 256),
-            5
-        );
+        assert_eq!(hit_chunks(&[(w, &[false, false, false, true, true])], 256), 5);
         // A window that is not a whole number of chunks still needs the partly covered chunk.
         assert_eq!(window(300).needed(4, 256), 2..4);
     }
@@ -88,16 +81,10 @@ mod tests {
         let full = [true, true, true, true, false];
         let sliding = [false, false, true, true, true];
         // Full attention allows up to 4; the window of 2 chunks at 4 needs chunks 2 and 3: present.
-        assert_eq!(
-            hit_chunks(&[(FULL, &full), (window(512), &sliding)], 256),
-            4
-        );
+        assert_eq!(hit_chunks(&[(FULL, &full), (window(512), &sliding)], 256), 4);
         // Without chunk 3 in the sliding group, 4 fails (needs 2,3), 3 fails (needs 1,2), 2 fails
         // (needs 0,1), 1 fails (needs 0): no hit.
         let sliding = [false, false, true, false, true];
-        assert_eq!(
-            hit_chunks(&[(FULL, &full), (window(512), &sliding)], 256),
-            0
-        );
+        assert_eq!(hit_chunks(&[(FULL, &full), (window(512), &sliding)], 256), 0);
     }
 }

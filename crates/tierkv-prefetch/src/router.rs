@@ -64,19 +64,13 @@ impl TierRouter {
                 Ok(thread) => threads.push(thread),
                 Err(e) => {
                     stop.store(true, Ordering::Release);
-                    threads
-                        .into_iter()
-                        .for_each(|t: JoinHandle<()>| drop(t.join()));
+                    threads.into_iter().for_each(|t: JoinHandle<()>| drop(t.join()));
                     return Err(e);
                 }
             }
             routed.push(Routed { adapter, routes });
         }
-        Ok(TierRouter {
-            tiers: routed,
-            stop,
-            threads: Mutex::new(threads),
-        })
+        Ok(TierRouter { tiers: routed, stop, threads: Mutex::new(threads) })
     }
 
     /// The number of tiers.

@@ -2,10 +2,7 @@
 //! HostStore and DiskStore; the fault-injecting fake only where a scenario needs a failure or a
 //! task held in flight (D9, D13, D14).
 
-#![allow(
-    clippy::unwrap_used,
-    reason = "test code: a failed unwrap is a failed test"
-)]
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,18 +30,13 @@ struct Rig {
 }
 
 fn l1(slots: u64) -> Arc<L1Manager> {
-    let config = L1Config {
-        device: DeviceKind::Emulated,
-        ..L1Config::new(slots * CHUNK, CHUNK)
-    };
+    let config = L1Config { device: DeviceKind::Emulated, ..L1Config::new(slots * CHUNK, CHUNK) };
     Arc::new(L1Manager::build(config, L1Context::default()).unwrap())
 }
 
 fn host() -> Arc<dyn TierAdapter> {
-    let config = HostStoreConfig {
-        memory: HostMemory::Plain,
-        ..HostStoreConfig::new(64 * CHUNK, CHUNK)
-    };
+    let config =
+        HostStoreConfig { memory: HostMemory::Plain, ..HostStoreConfig::new(64 * CHUNK, CHUNK) };
     Arc::new(HostStore::open(config).unwrap())
 }
 
@@ -65,12 +57,7 @@ fn rig_with(
     let l1 = l1(32);
     let router = Arc::new(TierRouter::start(tiers).unwrap());
     let prefetch = PrefetchController::start(l1.clone(), router.clone(), config).unwrap();
-    Rig {
-        l1,
-        router,
-        prefetch,
-        _dirs: dirs,
-    }
+    Rig { l1, router, prefetch, _dirs: dirs }
 }
 
 /// A rig with the HostStore as its only lower tier.
@@ -91,14 +78,9 @@ impl Rig {
         let (reply, done) = unbounded();
         let items: Vec<StoreItem> = keys
             .iter()
-            .map(|k| StoreItem {
-                key: *k,
-                source: Box::new(VecChunk(bytes(k))),
-            })
+            .map(|k| StoreItem { key: *k, source: Box::new(VecChunk(bytes(k))) })
             .collect();
-        self.router
-            .submit(tier, &reply, |t| t.submit_store(items))
-            .unwrap();
+        self.router.submit(tier, &reply, |t| t.submit_store(items)).unwrap();
         match done.recv_timeout(WAIT).unwrap().completion {
             Completion::Stored { result, .. } => result.unwrap(),
             _ => panic!("not a store completion"),
@@ -121,10 +103,7 @@ impl Rig {
     }
 
     fn bytes(&self, result: &Prefetched, reader: u8, key: &ObjectKey) -> Vec<u8> {
-        let guard = self
-            .l1
-            .read_access(result.lease.unwrap(), reader, key)
-            .unwrap();
+        let guard = self.l1.read_access(result.lease.unwrap(), reader, key).unwrap();
         let mut bytes = vec![0; CHUNK as usize];
         guard.read_at(0, &mut bytes).unwrap();
         bytes
@@ -148,12 +127,8 @@ fn d1_starts_and_stops_cleanly_with_one_adapter_and_with_none() {
     let started = Instant::now();
     none.prefetch.stop();
     assert!(started.elapsed() < Duration::from_secs(2));
-    let request = PrefetchRequest::prefix(
-        OWNER,
-        ExtraCount::ZERO,
-        Layout::bytes(CHUNK).unwrap(),
-        keys(0..1),
-    );
+    let request =
+        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..1));
     assert_eq!(none.prefetch.submit(request), Err(PrefetchError::Stopped));
 }
 
@@ -164,13 +139,7 @@ fn d2_five_keys_in_the_lower_tier_are_five_hits_all_leased() {
     let result = rig.prefetch(keys(0..5), 0);
     assert_eq!(result.hit_chunks, 5);
     for k in keys(0..5) {
-        assert_eq!(
-            rig.l1.presence(&k),
-            Presence::Ready {
-                shares: 1,
-                temporary: true
-            }
-        );
+        assert_eq!(rig.l1.presence(&k), Presence::Ready { shares: 1, temporary: true });
         assert_eq!(rig.bytes(&result, 0, &k), payload(&k, CHUNK));
     }
     assert_eq!(rig.locks(), vec![0]);
@@ -183,16 +152,9 @@ fn d3_a_gap_trims_the_hit_to_the_leading_run() {
     let result = rig.prefetch(keys(0..5), 0);
     assert_eq!(result.hit_chunks, 2);
     assert_eq!(result.leased, vec![vec![true, true, false, false, false]]);
-    assert!(matches!(
-        rig.l1.presence(&key(1)),
-        Presence::Ready { shares: 1, .. }
-    ));
+    assert!(matches!(rig.l1.presence(&key(1)), Presence::Ready { shares: 1, .. }));
     assert!(rig.absent(&keys(2..5)), "keys past the gap were promoted");
-    assert_eq!(
-        rig.locks(),
-        vec![0],
-        "keys past the gap are unlocked in the tier"
-    );
+    assert_eq!(rig.locks(), vec![0], "keys past the gap are unlocked in the tier");
 }
 
 #[test]
@@ -222,11 +184,7 @@ fn d5_two_tiers_combine_and_overlaps_come_from_the_faster() {
     let rig = rig_l2_disk();
     rig.seed(0, &[key(10), key(11)]);
     rig.seed_with(1, &[key(11), key(12)], |k| {
-        if *k == key(11) {
-            vec![0xdd; CHUNK as usize]
-        } else {
-            payload(k, CHUNK)
-        }
+        if *k == key(11) { vec![0xdd; CHUNK as usize] } else { payload(k, CHUNK) }
     });
     let result = rig.prefetch(keys(10..13), 0);
     assert_eq!(result.hit_chunks, 3);
@@ -253,12 +211,8 @@ fn d6_no_hits_and_no_tiers_complete_at_once() {
 fn d7_a_result_is_handed_out_once() {
     let rig = rig_l2();
     rig.seed(0, &keys(0..2));
-    let request = PrefetchRequest::prefix(
-        OWNER,
-        ExtraCount::ZERO,
-        Layout::bytes(CHUNK).unwrap(),
-        keys(0..2),
-    );
+    let request =
+        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..2));
     let id = rig.prefetch.submit(request).unwrap();
     let deadline = Instant::now() + WAIT;
     let first = loop {
@@ -269,11 +223,7 @@ fn d7_a_result_is_handed_out_once() {
         std::thread::sleep(Duration::from_millis(1));
     };
     assert_eq!(first.unwrap().hit_chunks, 2);
-    assert_eq!(
-        rig.prefetch.query(id),
-        None,
-        "a second query yields nothing"
-    );
+    assert_eq!(rig.prefetch.query(id), None, "a second query yields nothing");
     assert_eq!(
         rig.prefetch.query(tierkv_prefetch::RequestId(999_999)),
         None,
@@ -294,10 +244,7 @@ fn d8_no_tier_holds_a_lock_after_any_kind_of_request() {
     let full = rig.prefetch(keys(0..6), 0); // full hit, overlap on key 2
     let trimmed = rig.prefetch(vec![key(8), key(9), key(3)], 0); // trimmed after key 8
     let zero = rig.prefetch(vec![key(20), key(0)], 0); // zero hits
-    assert_eq!(
-        (full.hit_chunks, trimmed.hit_chunks, zero.hit_chunks),
-        (6, 1, 0)
-    );
+    assert_eq!((full.hit_chunks, trimmed.hit_chunks, zero.hit_chunks), (6, 1, 0));
     assert_eq!(rig.locks(), vec![0, 0]);
 }
 
@@ -308,10 +255,7 @@ fn d9_max_in_flight_two_runs_four_requests_in_submission_order() {
         fake.insert(k, payload(&k, CHUNK));
     }
     fake.hold();
-    let config = PrefetchConfig {
-        max_in_flight: 2,
-        ..PrefetchConfig::default()
-    };
+    let config = PrefetchConfig { max_in_flight: 2, ..PrefetchConfig::default() };
     let rig = rig_with(vec![fake.clone()], vec![], config);
     let ids: Vec<_> = (0..4)
         .map(|r| {
@@ -335,10 +279,7 @@ fn d9_max_in_flight_two_runs_four_requests_in_submission_order() {
     for (n, id) in ids.into_iter().enumerate() {
         let result = rig.prefetch.wait(id, WAIT).unwrap();
         assert_eq!(result.hit_chunks, 2);
-        assert_eq!(
-            result.started, n as u64,
-            "requests start in submission order"
-        );
+        assert_eq!(result.started, n as u64, "requests start in submission order");
     }
     assert_eq!(rig.locks(), vec![0]);
 }
@@ -356,14 +297,9 @@ fn d10_extra_count_sets_the_releases_needed_per_loaded_key() {
                 matches!(rig.l1.presence(&key(0)), Presence::Ready { .. }),
                 "freed before reader {reader}"
             );
-            rig.l1
-                .finish_read(lease, Readers::One(reader), None)
-                .unwrap();
+            rig.l1.finish_read(lease, Readers::One(reader), None).unwrap();
         }
-        assert!(
-            rig.absent(&keys(0..2)),
-            "temporary objects are freed by their last release"
-        );
+        assert!(rig.absent(&keys(0..2)), "temporary objects are freed by their last release");
     }
 }
 
@@ -374,21 +310,12 @@ fn d11_extra_count_one_with_a_gap() {
     let result = rig.prefetch(keys(0..5), 1);
     assert_eq!(result.hit_chunks, 2);
     for k in keys(0..2) {
-        assert_eq!(
-            rig.l1.presence(&k),
-            Presence::Ready {
-                shares: 2,
-                temporary: true
-            }
-        );
+        assert_eq!(rig.l1.presence(&k), Presence::Ready { shares: 2, temporary: true });
     }
     assert!(rig.absent(&keys(2..5)));
     let lease = result.lease.unwrap();
     rig.l1.finish_read(lease, Readers::One(0), None).unwrap();
-    assert!(matches!(
-        rig.l1.presence(&key(0)),
-        Presence::Ready { shares: 1, .. }
-    ));
+    assert!(matches!(rig.l1.presence(&key(0)), Presence::Ready { shares: 1, .. }));
     rig.l1.finish_read(lease, Readers::One(1), None).unwrap();
     assert!(rig.absent(&keys(0..2)));
 }
@@ -411,10 +338,7 @@ fn d12_a_key_being_written_in_l1_trims_the_hit() {
     assert_eq!(result.hit_chunks, 1);
     assert_eq!(
         rig.l1.presence(&key(0)),
-        Presence::Ready {
-            shares: 2,
-            temporary: true
-        },
+        Presence::Ready { shares: 2, temporary: true },
         "all shares taken"
     );
     assert_eq!(
@@ -436,17 +360,8 @@ fn d13_a_failed_load_is_never_visible_and_what_loaded_past_it_is_released() {
     let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
     let result = rig.prefetch(keys(0..3), 2);
     assert_eq!(result.hit_chunks, 1);
-    assert_eq!(
-        rig.l1.presence(&key(0)),
-        Presence::Ready {
-            shares: 3,
-            temporary: true
-        }
-    );
-    assert!(
-        rig.absent(&keys(1..3)),
-        "the failed key and the one loaded past it are gone"
-    );
+    assert_eq!(rig.l1.presence(&key(0)), Presence::Ready { shares: 3, temporary: true });
+    assert!(rig.absent(&keys(1..3)), "the failed key and the one loaded past it are gone");
     assert_eq!(rig.bytes(&result, 2, &key(0)), payload(&key(0), CHUNK));
     assert_eq!(rig.locks(), vec![0]);
     rig.l1.audit().unwrap();
@@ -459,17 +374,11 @@ fn d14_stop_with_requests_in_flight_neither_hangs_nor_leaks() {
         fake.insert(k, payload(&k, CHUNK));
     }
     fake.hold_loads();
-    let config = PrefetchConfig {
-        drain_timeout: Duration::from_millis(200),
-        ..PrefetchConfig::default()
-    };
+    let config =
+        PrefetchConfig { drain_timeout: Duration::from_millis(200), ..PrefetchConfig::default() };
     let rig = rig_with(vec![fake.clone()], vec![], config);
-    let request = PrefetchRequest::prefix(
-        OWNER,
-        ExtraCount::ZERO,
-        Layout::bytes(CHUNK).unwrap(),
-        keys(0..4),
-    );
+    let request =
+        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..4));
     let id = rig.prefetch.submit(request).unwrap();
     let deadline = Instant::now() + WAIT;
     while fake.held_tasks() == 0 {
@@ -489,11 +398,7 @@ fn d14_stop_with_requests_in_flight_neither_hangs_nor_leaks() {
     fake.close();
     let deadline = Instant::now() + WAIT;
     while rig.l1.usage().free_bytes != rig.l1.usage().capacity_bytes {
-        assert!(
-            Instant::now() < deadline,
-            "slots stayed pinned: {:?}",
-            rig.l1.usage()
-        );
+        assert!(Instant::now() < deadline, "slots stayed pinned: {:?}", rig.l1.usage());
         std::thread::sleep(Duration::from_millis(5));
     }
     rig.l1.audit().unwrap();
@@ -521,16 +426,10 @@ fn a_timed_out_wait_leaves_the_result_claimable_and_the_lease_owned() {
     };
     let claimed = submit(0..2);
     let abandoned = submit(2..4);
-    assert_eq!(
-        rig.prefetch.wait(claimed, Duration::from_millis(50)),
-        Err(PrefetchError::Timeout)
-    );
+    assert_eq!(rig.prefetch.wait(claimed, Duration::from_millis(50)), Err(PrefetchError::Timeout));
     fake.release_held();
     let result = rig.prefetch.wait(claimed, WAIT).unwrap();
-    assert_eq!(
-        result.hit_chunks, 2,
-        "the result outlived the timed-out wait"
-    );
+    assert_eq!(result.hit_chunks, 2, "the result outlived the timed-out wait");
     // Nobody claims the other one; its owner goes away, and the shares come back.
     let deadline = Instant::now() + WAIT;
     while rig.l1.presence(&key(3)) == Presence::Absent
@@ -587,11 +486,7 @@ fn a_panic_in_the_controller_thread_fails_requests_cleanly_instead_of_hanging() 
     for k in keys(0..4) {
         fake.insert(k, payload(&k, CHUNK));
     }
-    let rig = rig_with(
-        vec![Arc::new(PanicsOnUnlock(fake))],
-        vec![],
-        PrefetchConfig::default(),
-    );
+    let rig = rig_with(vec![Arc::new(PanicsOnUnlock(fake))], vec![], PrefetchConfig::default());
     // A gap makes the controller unlock the keys past it, and the tier panics.
     let request = PrefetchRequest::prefix(
         OWNER,
@@ -604,12 +499,8 @@ fn a_panic_in_the_controller_thread_fails_requests_cleanly_instead_of_hanging() 
         Err(PrefetchError::Failed(why)) => assert!(why.contains("unlock exploded"), "{why}"),
         other => panic!("a panicking controller answered {other:?}"),
     }
-    let again = PrefetchRequest::prefix(
-        OWNER,
-        ExtraCount::ZERO,
-        Layout::bytes(CHUNK).unwrap(),
-        keys(0..1),
-    );
+    let again =
+        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..1));
     assert_eq!(
         rig.prefetch.submit(again),
         Err(PrefetchError::Stopped),

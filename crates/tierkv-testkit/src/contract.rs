@@ -50,12 +50,7 @@ pub fn keys(range: std::ops::Range<u64>) -> Vec<ObjectKey> {
 pub fn payload(key: &ObjectKey, len: u64) -> Vec<u8> {
     let seed = (key.chunk.0 >> 64) as u64;
     (0..len)
-        .map(|i| {
-            (seed
-                .wrapping_mul(0x9e37_79b9)
-                .wrapping_add(i.wrapping_mul(31))
-                >> 3) as u8
-        })
+        .map(|i| (seed.wrapping_mul(0x9e37_79b9).wrapping_add(i.wrapping_mul(31)) >> 3) as u8)
         .collect()
 }
 
@@ -96,10 +91,7 @@ impl Harness {
             if done.task() == task {
                 return done;
             }
-            assert!(
-                self.early.insert(done.task(), done).is_none(),
-                "a task completed twice"
-            );
+            assert!(self.early.insert(done.task(), done).is_none(), "a task completed twice");
         }
     }
 
@@ -119,9 +111,7 @@ impl Harness {
     pub fn store(&mut self, keys: &[ObjectKey]) -> Result<(), TierError> {
         let task = self.submit_store(keys);
         match self.wait(task) {
-            Completion::Stored {
-                result, sources, ..
-            } => {
+            Completion::Stored { result, sources, .. } => {
                 assert_eq!(sources.len(), keys.len(), "a store hands every source back");
                 result
             }
@@ -174,10 +164,8 @@ impl Harness {
                 let mut bytes = Vec::with_capacity(keys.len());
                 for (mut item, k) in sinks.into_iter().zip(keys) {
                     assert_eq!(item.key, *k, "sinks come back in request order");
-                    let host = item
-                        .sink
-                        .host_bytes_mut()
-                        .expect("the harness loads into host buffers");
+                    let host =
+                        item.sink.host_bytes_mut().expect("the harness loads into host buffers");
                     bytes.push(host.to_vec());
                 }
                 (loaded, bytes)
@@ -189,16 +177,9 @@ impl Harness {
     /// Loads `keys` and asserts each arrived with exactly its payload.
     pub fn assert_loads(&mut self, keys: &[ObjectKey]) {
         let (loaded, bytes) = self.load(keys);
-        assert_eq!(
-            loaded.count_ones(),
-            keys.len(),
-            "not every key loaded: {loaded:?}"
-        );
+        assert_eq!(loaded.count_ones(), keys.len(), "not every key loaded: {loaded:?}");
         for (k, b) in keys.iter().zip(bytes) {
-            assert!(
-                b == payload(k, self.chunk_bytes),
-                "{k:?} loaded other bytes than were stored"
-            );
+            assert!(b == payload(k, self.chunk_bytes), "{k:?} loaded other bytes than were stored");
         }
     }
 
@@ -217,9 +198,7 @@ pub fn c1_store_completes_once_and_only_once(opener: Opener<'_>) {
     let mut h = open(opener, 8);
     h.store(&[key(0)]).unwrap();
     assert!(
-        h.completions
-            .recv_timeout(Duration::from_millis(200))
-            .is_err(),
+        h.completions.recv_timeout(Duration::from_millis(200)).is_err(),
         "a second completion arrived"
     );
     assert_eq!(h.tier.usage().objects, 1);
@@ -228,11 +207,7 @@ pub fn c1_store_completes_once_and_only_once(opener: Opener<'_>) {
 /// C2: lookups answer per key.
 pub fn c2_lookup_answers_per_key(opener: Opener<'_>) {
     let mut h = open(opener, 8);
-    assert_eq!(
-        h.lookup(&keys(0..3)),
-        Bitmap::new(3),
-        "unknown keys are misses"
-    );
+    assert_eq!(h.lookup(&keys(0..3)), Bitmap::new(3), "unknown keys are misses");
     h.store(&[key(0), key(2)]).unwrap();
     let found = h.lookup(&keys(0..4));
     assert_eq!(found, Bitmap::from_bools([true, false, true, false]));
@@ -259,10 +234,7 @@ pub fn c3_lock_protects_from_eviction_until_unlock(opener: Opener<'_>) {
     for i in 13..=40 {
         h.store(&[key(i)]).unwrap();
     }
-    assert!(
-        !h.present(&[key(0)]).get(0),
-        "an unlocked key survived a full turnover of the tier"
-    );
+    assert!(!h.present(&[key(0)]).get(0), "an unlocked key survived a full turnover of the tier");
 }
 
 /// C4: loads copy the exact bytes; absent keys are reported and the others still load.
@@ -281,10 +253,7 @@ pub fn c5_five_keys_in_one_task_and_unique_task_ids(opener: Opener<'_>) {
     let a = h.submit_store(&keys(0..5));
     let b = h.submit_store(&keys(5..6));
     let c = h.tier.submit_lookup_and_lock(keys(0..1));
-    assert!(
-        a != b && b != c && a != c,
-        "task ids repeat: {a:?} {b:?} {c:?}"
-    );
+    assert!(a != b && b != c && a != c, "task ids repeat: {a:?} {b:?} {c:?}");
     for task in [a, b, c] {
         h.wait(task);
     }
@@ -357,11 +326,7 @@ pub fn c8_close_with_tasks_in_flight(opener: Opener<'_>) {
     );
     let (loaded, _) = h.load(&keys(0..4));
     assert_eq!(loaded.count_ones(), 0, "a load after close must fail");
-    assert_eq!(
-        h.lookup(&keys(0..4)).count_ones(),
-        0,
-        "a lookup after close locks nothing"
-    );
+    assert_eq!(h.lookup(&keys(0..4)).count_ones(), 0, "a lookup after close locks nothing");
 }
 
 /// Expands to one `#[test]` per contract scenario, each opening tiers with `$open`, an
@@ -424,13 +389,7 @@ impl SharedTier {
                 }
             })
         };
-        SharedTier {
-            tier,
-            chunk_bytes,
-            waiting,
-            stop,
-            router: Some(router),
-        }
+        SharedTier { tier, chunk_bytes, waiting, stop, router: Some(router) }
     }
 
     /// Submits with `submit` and waits for that task's completion.
@@ -441,8 +400,7 @@ impl SharedTier {
             let task = submit(self.tier.as_ref());
             waiting.insert(task, reply);
         }
-        done.recv_timeout(DEADLINE)
-            .unwrap_or_else(|_| panic!("a task hung"))
+        done.recv_timeout(DEADLINE).unwrap_or_else(|_| panic!("a task hung"))
     }
 
     /// Stores `keys` with their payloads.
@@ -479,9 +437,7 @@ impl SharedTier {
             })
             .collect();
         match self.call(|tier| tier.submit_load(items)) {
-            Completion::Loaded {
-                loaded, mut sinks, ..
-            } => {
+            Completion::Loaded { loaded, mut sinks, .. } => {
                 for i in loaded.iter_ones() {
                     let bytes = sinks[i]
                         .sink

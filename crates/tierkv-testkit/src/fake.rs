@@ -129,20 +129,13 @@ impl FakeTier {
 
     fn fail(&self, task: Task, error: TierError) {
         let completion = match task {
-            Task::Store(task, sources) => Completion::Stored {
-                task,
-                result: Err(error),
-                sources,
-            },
-            Task::Lookup(task, keys) => Completion::LookedUp {
-                task,
-                locked: Bitmap::new(keys.len()),
-            },
-            Task::Load(task, sinks) => Completion::Loaded {
-                task,
-                loaded: Bitmap::new(sinks.len()),
-                sinks,
-            },
+            Task::Store(task, sources) => Completion::Stored { task, result: Err(error), sources },
+            Task::Lookup(task, keys) => {
+                Completion::LookedUp { task, locked: Bitmap::new(keys.len()) }
+            }
+            Task::Load(task, sinks) => {
+                Completion::Loaded { task, loaded: Bitmap::new(sinks.len()), sinks }
+            }
         };
         let _ = self.sender.send(completion);
     }
@@ -151,11 +144,7 @@ impl FakeTier {
         let completion = match task {
             Task::Store(task, sources) => {
                 let result = self.store(&sources);
-                Completion::Stored {
-                    task,
-                    result,
-                    sources,
-                }
+                Completion::Stored { task, result, sources }
             }
             Task::Lookup(task, keys) => {
                 let mut state = self.state.lock();
@@ -178,11 +167,7 @@ impl FakeTier {
                             .get(&item.key)
                             .is_some_and(|bytes| item.sink.copy_from_host(bytes).is_ok())
                 }));
-                Completion::Loaded {
-                    task,
-                    loaded,
-                    sinks,
-                }
+                Completion::Loaded { task, loaded, sinks }
             }
         };
         let _ = self.sender.send(completion);

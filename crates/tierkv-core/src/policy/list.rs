@@ -51,11 +51,7 @@ struct Ends {
 }
 
 impl Ends {
-    const EMPTY: Ends = Ends {
-        front: NIL,
-        back: NIL,
-        len: 0,
-    };
+    const EMPTY: Ends = Ends { front: NIL, back: NIL, len: 0 };
 }
 
 /// `N` doubly linked lists of distinct keys over one slab, indexed by key.
@@ -79,12 +75,7 @@ where
 {
     /// Empty lists.
     pub(crate) fn new() -> Self {
-        const {
-            assert!(
-                N >= 1 && N <= u8::MAX as usize,
-                "list numbers must fit in a u8"
-            )
-        };
+        const { assert!(N >= 1 && N <= u8::MAX as usize, "list numbers must fit in a u8") };
         KeyedLists {
             slots: Vec::new(),
             free: NIL,
@@ -122,10 +113,7 @@ where
         };
         let i = if self.free == NIL {
             // NIL must stay free to mean "no node", so the slab holds at most NIL slots.
-            assert!(
-                self.slots.len() < NIL as usize,
-                "more than u32::MAX - 1 keys tracked"
-            );
+            assert!(self.slots.len() < NIL as usize, "more than u32::MAX - 1 keys tracked");
             self.slots.push(Slot::Used(node));
             (self.slots.len() - 1) as u32
         } else {
@@ -236,9 +224,7 @@ where
 
     /// Takes the node `i` off its list, joining its neighbours; the node's own links go stale.
     fn unlink(&mut self, i: u32) {
-        let Node {
-            list, newer, older, ..
-        } = *self.node(i);
+        let Node { list, newer, older, .. } = *self.node(i);
         let list = usize::from(list);
         if newer == NIL {
             self.lists[list].front = older;
@@ -280,10 +266,7 @@ mod tests {
         for key in 0..4 {
             lists.push_front_if_absent(0, key, ());
         }
-        assert!(
-            !lists.push_front_if_absent(1, 2, ()).1,
-            "a key is on one list at most"
-        );
+        assert!(!lists.push_front_if_absent(1, 2, ()).1, "a key is on one list at most");
         assert_eq!(lists.remove(&1), Some(()));
         assert_eq!(lists.pop_back(0), Some((0, ())));
         let three = lists.find(&3).unwrap();

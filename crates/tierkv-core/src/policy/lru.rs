@@ -22,9 +22,7 @@ pub struct Lru<K> {
 impl<K: Hash + Eq + Clone> Lru<K> {
     /// An empty policy.
     pub fn new() -> Self {
-        Lru {
-            keys: KeyedLists::new(),
-        }
+        Lru { keys: KeyedLists::new() }
     }
 }
 
@@ -39,9 +37,7 @@ where
     K: Hash + Eq + Clone,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lru")
-            .field("len", &self.keys.len(RECENCY))
-            .finish()
+        f.debug_struct("Lru").field("len", &self.keys.len(RECENCY)).finish()
     }
 }
 

@@ -229,9 +229,7 @@ impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for S3Fifo<K> {
     }
 
     fn contains(&self, key: &K) -> bool {
-        self.keys
-            .find(key)
-            .is_some_and(|id| self.keys.list_of(id) != GHOST)
+        self.keys.find(key).is_some_and(|id| self.keys.list_of(id) != GHOST)
     }
 
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {
@@ -244,11 +242,7 @@ impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for S3Fifo<K> {
         // victim, and a round makes at most three calls, so the calls add O(1) per victim.
         let (small_len, main_len) = (self.keys.len(SMALL), self.keys.len(MAIN));
         let mut victims = Vec::with_capacity(n.min(small_len + main_len));
-        let mut scan = Scan {
-            small: self.keys.back(SMALL),
-            main: self.keys.back(MAIN),
-            steps: 0,
-        };
+        let mut scan = Scan { small: self.keys.back(SMALL), main: self.keys.back(MAIN), steps: 0 };
         while victims.len() < n {
             let victim = if scan.small.is_some() && (scan.main.is_none() || self.small_is_due()) {
                 self.evict_small(&mut scan, eligible)

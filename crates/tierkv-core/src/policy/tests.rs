@@ -31,11 +31,7 @@ fn b1_new_policy_tracks_and_proposes_nothing() {
         assert!(policy.is_empty(), "{kind:?}");
         assert!(!policy.contains(&0), "{kind:?}");
         assert!(policy.evict(10, &mut everything).is_empty(), "{kind:?}");
-        assert_eq!(
-            evict_fraction(policy.as_mut(), 1.0, &mut everything),
-            Ok(vec![]),
-            "{kind:?}"
-        );
+        assert_eq!(evict_fraction(policy.as_mut(), 1.0, &mut everything), Ok(vec![]), "{kind:?}");
     }
 }
 
@@ -89,10 +85,7 @@ fn b4_filter_skips_ineligible_and_still_returns_up_to_n() {
         let mut even = |key: &u32| key.is_multiple_of(2);
         let first = policy.evict(3, &mut even);
         assert_eq!(first.len(), 3, "{kind:?}: {first:?}");
-        assert!(
-            first.iter().all(|key| key.is_multiple_of(2)),
-            "{kind:?}: {first:?}"
-        );
+        assert!(first.iter().all(|key| key.is_multiple_of(2)), "{kind:?}: {first:?}");
         if kind == PolicyKind::Lru {
             assert_eq!(first, vec![0, 2, 4]);
         }
@@ -103,10 +96,7 @@ fn b4_filter_skips_ineligible_and_still_returns_up_to_n() {
         assert_eq!(all, vec![0, 2, 4, 6, 8], "{kind:?}");
         assert_eq!(policy.len(), 5, "{kind:?}");
         for key in (1..10).step_by(2) {
-            assert!(
-                policy.contains(&key),
-                "{kind:?}: ineligible {key} must stay tracked"
-            );
+            assert!(policy.contains(&key), "{kind:?}: ineligible {key} must stay tracked");
         }
         assert!(policy.evict(100, &mut even).is_empty(), "{kind:?}");
     }
@@ -117,11 +107,7 @@ fn b5_ratio_zero_one_and_out_of_range() {
     for kind in PolicyKind::ALL {
         let mut policy = with_keys(kind, 0..10);
         let mut below_eight = |key: &u32| *key < 8;
-        assert_eq!(
-            evict_fraction(policy.as_mut(), 0.0, &mut below_eight),
-            Ok(vec![]),
-            "{kind:?}"
-        );
+        assert_eq!(evict_fraction(policy.as_mut(), 0.0, &mut below_eight), Ok(vec![]), "{kind:?}");
         assert_eq!(policy.len(), 10, "{kind:?}");
         for ratio in [-0.1, 1.1, f64::INFINITY, f64::NEG_INFINITY] {
             assert_eq!(
@@ -131,15 +117,8 @@ fn b5_ratio_zero_one_and_out_of_range() {
             );
         }
         let nan = evict_fraction(policy.as_mut(), f64::NAN, &mut below_eight);
-        assert!(
-            matches!(nan, Err(InvalidRatio(r)) if r.is_nan()),
-            "{kind:?}: {nan:?}"
-        );
-        assert_eq!(
-            policy.len(),
-            10,
-            "{kind:?}: a rejected ratio evicts nothing"
-        );
+        assert!(matches!(nan, Err(InvalidRatio(r)) if r.is_nan()), "{kind:?}: {nan:?}");
+        assert_eq!(policy.len(), 10, "{kind:?}: a rejected ratio evicts nothing");
 
         let mut all = evict_fraction(policy.as_mut(), 1.0, &mut below_eight).unwrap();
         all.sort_unstable();
@@ -152,11 +131,7 @@ fn b5_ratio_zero_one_and_out_of_range() {
 /// Inserts `key` into a policy that holds at most `capacity` keys, evicting first when full, and
 /// returns the victims.
 fn insert_bounded(policy: &mut dyn EvictionPolicy<u32>, capacity: usize, key: u32) -> Vec<u32> {
-    let victims = if policy.len() >= capacity {
-        policy.evict(1, &mut everything)
-    } else {
-        vec![]
-    };
+    let victims = if policy.len() >= capacity { policy.evict(1, &mut everything) } else { vec![] };
     policy.insert(key);
     victims
 }
@@ -178,10 +153,7 @@ fn s3fifo_evicts_one_hit_wonders_before_keys_used_repeatedly() {
         let hot_survivors = hot.clone().filter(|key| policy.contains(key)).count();
         match kind {
             PolicyKind::S3Fifo => {
-                assert_eq!(
-                    hot_survivors, 4,
-                    "the scan must not flush keys used repeatedly"
-                );
+                assert_eq!(hot_survivors, 4, "the scan must not flush keys used repeatedly");
                 assert!(victims.iter().all(|key| *key >= 100), "{victims:?}");
             }
             // The contrast that makes the scenario meaningful: recency alone loses the hot keys.
@@ -211,22 +183,15 @@ fn s3fifo_ghost_hit_goes_to_main_and_survives_a_scan() {
         let next = cold.next().unwrap();
         insert_bounded(&mut policy, CAPACITY, next);
     }
-    assert!(
-        policy.contains(&0),
-        "the ghost hit must survive the scan: {policy:?}"
-    );
-    assert!(
-        !policy.contains(&1),
-        "a new key used once must not survive it"
-    );
+    assert!(policy.contains(&0), "the ghost hit must survive the scan: {policy:?}");
+    assert!(!policy.contains(&1), "a new key used once must not survive it");
 }
 
 #[test]
 fn s3fifo_small_fifo_supplies_victims_only_while_it_holds_its_share() {
-    for (policy, expected) in [
-        (S3Fifo::new(), [0, 1, 2, 10]),
-        (S3Fifo::with_tuning(0, 10), [10, 11, 0, 1]),
-    ] {
+    for (policy, expected) in
+        [(S3Fifo::new(), [0, 1, 2, 10]), (S3Fifo::with_tuning(0, 10), [10, 11, 0, 1])]
+    {
         let mut policy = policy;
         for key in 0..4 {
             policy.insert(key);
@@ -265,11 +230,7 @@ fn s3fifo_eviction_terminates_when_nothing_is_eligible() {
 
     assert!(policy.evict(usize::MAX, &mut |_| false).is_empty());
     assert!(tracked.iter().all(|key| policy.contains(key)));
-    assert_eq!(
-        policy.freq_of(&3),
-        Some(3),
-        "a skipped key keeps its frequency"
-    );
+    assert_eq!(policy.freq_of(&3), Some(3), "a skipped key keeps its frequency");
 
     // A lone eligible key is found wherever it is: at the top frequency on the main FIFO, it is
     // cycled down; on probation with a use, it is promoted and then taken from the main FIFO.
@@ -288,10 +249,7 @@ fn s3fifo_ineligible_keys_keep_their_fifo_and_frequency() {
     policy.touch(&0);
     let victims = policy.evict(3, &mut |key| *key != 0);
     assert_eq!(victims, vec![1, 2, 3]);
-    assert_eq!(
-        (policy.queue_of(&0), policy.freq_of(&0)),
-        (Some(SMALL), Some(2))
-    );
+    assert_eq!((policy.queue_of(&0), policy.freq_of(&0)), (Some(SMALL), Some(2)));
 }
 
 #[test]
@@ -337,16 +295,9 @@ fn s3fifo_promotion_threshold_is_honoured() {
         for _ in 0..touches_to_promote {
             policy.touch(&1);
         }
-        assert_eq!(
-            policy.evict(2, &mut everything),
-            vec![0, 2],
-            "threshold {threshold}"
-        );
+        assert_eq!(policy.evict(2, &mut everything), vec![0, 2], "threshold {threshold}");
         // Promotion starts the key afresh on the main FIFO.
-        assert_eq!(
-            (policy.queue_of(&1), policy.freq_of(&1)),
-            (Some(MAIN), Some(0))
-        );
+        assert_eq!((policy.queue_of(&1), policy.freq_of(&1)), (Some(MAIN), Some(0)));
     }
 }
 
@@ -399,12 +350,8 @@ fn check_against_model(mut policy: Box<dyn EvictionPolicy<u32>>, ops: &[Op], exa
             Op::Evict(n, mask) => {
                 let is_eligible = |key: &u32| mask & (1 << key) != 0;
                 let victims = policy.evict(n, &mut |key| is_eligible(key));
-                let expected: Vec<u32> = model
-                    .iter()
-                    .copied()
-                    .filter(|key| is_eligible(key))
-                    .take(n)
-                    .collect();
+                let expected: Vec<u32> =
+                    model.iter().copied().filter(|key| is_eligible(key)).take(n).collect();
                 assert_eq!(victims.len(), expected.len(), "{op:?}: {victims:?}");
                 if exact_lru {
                     assert_eq!(victims, expected, "{op:?}");
@@ -419,11 +366,7 @@ fn check_against_model(mut policy: Box<dyn EvictionPolicy<u32>>, ops: &[Op], exa
         }
         assert_eq!(policy.len(), model.len(), "after {op:?}");
         for key in 0..KEYS {
-            assert_eq!(
-                policy.contains(&key),
-                model.contains(&key),
-                "key {key} after {op:?}"
-            );
+            assert_eq!(policy.contains(&key), model.contains(&key), "key {key} after {op:?}");
         }
     }
 }

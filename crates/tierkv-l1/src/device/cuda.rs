@@ -22,12 +22,10 @@ pub fn cuda_available() -> Result<(), DeviceError> {
     }
     match CudaContext::device_count() {
         Ok(n) if n > 0 => Ok(()),
-        Ok(_) => Err(DeviceError::CudaUnavailable(
-            "the driver reports no device".into(),
-        )),
-        Err(e) => Err(DeviceError::CudaUnavailable(format!(
-            "the driver failed to initialise: {e}"
-        ))),
+        Ok(_) => Err(DeviceError::CudaUnavailable("the driver reports no device".into())),
+        Err(e) => {
+            Err(DeviceError::CudaUnavailable(format!("the driver failed to initialise: {e}")))
+        }
     }
 }
 
@@ -44,11 +42,7 @@ impl CudaArena {
     /// Allocates `bytes` on device `ordinal`.
     pub fn new(ordinal: usize, bytes: u64) -> Result<Self, DeviceError> {
         cuda_available()?;
-        let alloc_error = |reason: String| DeviceError::Alloc {
-            backend: "cuda",
-            bytes,
-            reason,
-        };
+        let alloc_error = |reason: String| DeviceError::Alloc { backend: "cuda", bytes, reason };
         let len = usize::try_from(bytes)
             .map_err(|_| alloc_error("larger than the address space".into()))?;
         if len == 0 {
@@ -56,27 +50,16 @@ impl CudaArena {
         }
         let context = CudaContext::new(ordinal)
             .map_err(|e| DeviceError::CudaUnavailable(format!("device {ordinal}: {e}")))?;
-        let name = context
-            .name()
-            .unwrap_or_else(|_| format!("CUDA device {ordinal}"));
-        context
-            .bind_to_thread()
-            .map_err(|e| alloc_error(e.to_string()))?;
+        let name = context.name().unwrap_or_else(|_| format!("CUDA device {ordinal}"));
+        context.bind_to_thread().map_err(|e| alloc_error(e.to_string()))?;
         // SAFETY: the context is bound to this thread; the returned pointer is owned by the arena
         // and freed once, in `Drop`.
         let base = unsafe { result::malloc_sync(len) }.map_err(|e| alloc_error(e.to_string()))?;
-        Ok(CudaArena {
-            context,
-            base,
-            len: bytes,
-            name,
-        })
+        Ok(CudaArena { context, base, len: bytes, name })
     }
 
     fn bind(&self) -> Result<(), DeviceError> {
-        self.context
-            .bind_to_thread()
-            .map_err(|e| DeviceError::Copy(e.to_string()))
+        self.context.bind_to_thread().map_err(|e| DeviceError::Copy(e.to_string()))
     }
 }
 
@@ -156,10 +139,9 @@ mod tests {
     fn explicit_cuda_request_fails_cleanly_without_a_device() {
         match cuda_available() {
             Ok(()) => eprintln!("skipped: a CUDA device is present"),
-            Err(_) => assert!(matches!(
-                CudaArena::new(0, 4096),
-                Err(DeviceError::CudaUnavailable(_))
-            )),
+            Err(_) => {
+                assert!(matches!(CudaArena::new(0, 4096), Err(DeviceError::CudaUnavailable(_))))
+            }
         }
     }
 }

@@ -25,11 +25,8 @@ unsafe impl Sync for EmulatedArena {}
 impl EmulatedArena {
     /// Maps `bytes` of anonymous memory.
     pub fn new(bytes: u64) -> Result<Self, DeviceError> {
-        let alloc_error = |reason: String| DeviceError::Alloc {
-            backend: "emulated",
-            bytes,
-            reason,
-        };
+        let alloc_error =
+            |reason: String| DeviceError::Alloc { backend: "emulated", bytes, reason };
         if bytes == 0 {
             return Err(alloc_error("an arena needs at least one byte".into()));
         }
@@ -107,10 +104,7 @@ mod tests {
             let mut back = vec![0; 100];
             arena.copy_out(4000, &mut back).unwrap();
             assert_eq!(back, data);
-            assert!(matches!(
-                arena.copy_in(8100, &data),
-                Err(DeviceError::OutOfBounds { .. })
-            ));
+            assert!(matches!(arena.copy_in(8100, &data), Err(DeviceError::OutOfBounds { .. })));
             assert!(arena.copy_out(u64::MAX, &mut back).is_err());
         }
         assert!(EmulatedArena::new(0).is_err());

@@ -1,9 +1,6 @@
 //! A small L1 on the emulated backend with a manual clock and an observer that remembers.
 
-#![allow(
-    dead_code,
-    reason = "each test binary uses a different part of the fixture"
-)]
+#![allow(dead_code, reason = "each test binary uses a different part of the fixture")]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,9 +30,7 @@ impl L1Observer for Recorder {
     }
 
     fn evicted(&self, keys: &[ObjectKey], reason: EvictionReason) {
-        self.evicted
-            .lock()
-            .extend(keys.iter().map(|k| (*k, reason)));
+        self.evicted.lock().extend(keys.iter().map(|k| (*k, reason)));
     }
 }
 
@@ -62,15 +57,8 @@ pub fn l1(slots: u64) -> Fixture {
 pub fn with_config(config: L1Config) -> Fixture {
     let clock = Arc::new(ManualClock::new());
     let recorder = Arc::new(Recorder::default());
-    let context = L1Context {
-        clock: clock.clone(),
-        observer: recorder.clone(),
-    };
-    Fixture {
-        l1: L1Manager::build(config, context).unwrap(),
-        clock,
-        recorder,
-    }
+    let context = L1Context { clock: clock.clone(), observer: recorder.clone() };
+    Fixture { l1: L1Manager::build(config, context).unwrap(), clock, recorder }
 }
 
 pub fn key(i: u64) -> ObjectKey {
@@ -96,9 +84,7 @@ pub fn extra(n: i64) -> ExtraCount {
 /// The bytes written for `key` in the `version`-th write of it.
 pub fn payload(key: &ObjectKey, version: u64) -> Vec<u8> {
     let seed = (key.chunk.0 as u64) ^ version.wrapping_mul(0x2545_f491_4f6c_dd1d);
-    (0..SLOT)
-        .map(|i| (seed.wrapping_add(i).wrapping_mul(0x9e37_79b9) >> 13) as u8)
-        .collect()
+    (0..SLOT).map(|i| (seed.wrapping_add(i).wrapping_mul(0x9e37_79b9) >> 13) as u8).collect()
 }
 
 impl Fixture {
@@ -107,18 +93,13 @@ impl Fixture {
         &self,
         keys: &[ObjectKey],
     ) -> Vec<Result<tierkv_l1::SlotHandle, tierkv_core::KeyError>> {
-        self.l1
-            .reserve_write(OWNER, keys, &layout(), WriteMode::Create, Lifetime::Cached)
-            .unwrap()
+        self.l1.reserve_write(OWNER, keys, &layout(), WriteMode::Create, Lifetime::Cached).unwrap()
     }
 
     /// Reserves every key, asserting success.
     pub fn reserve(&self, keys: &[ObjectKey]) {
         let results = self.try_reserve(keys);
-        assert!(
-            results.iter().all(|r| r.is_ok()),
-            "reserve failed: {results:?}"
-        );
+        assert!(results.iter().all(|r| r.is_ok()), "reserve failed: {results:?}");
     }
 
     /// Copies `payload(key, version)` into a reserved key.
@@ -138,14 +119,8 @@ impl Fixture {
 
     /// Leases one key and returns the lease id.
     pub fn lease(&self, key: &ObjectKey, extra_count: i64) -> tierkv_l1::LeaseId {
-        let grant = self
-            .l1
-            .reserve_read(OWNER, std::slice::from_ref(key), extra(extra_count));
-        assert!(
-            grant.results[0].is_ok(),
-            "lease of {key:?} failed: {:?}",
-            grant.results[0]
-        );
+        let grant = self.l1.reserve_read(OWNER, std::slice::from_ref(key), extra(extra_count));
+        assert!(grant.results[0].is_ok(), "lease of {key:?} failed: {:?}", grant.results[0]);
         grant.lease.unwrap()
     }
 
@@ -157,9 +132,7 @@ impl Fixture {
     }
 
     pub fn release(&self, lease: tierkv_l1::LeaseId, reader: u8) {
-        self.l1
-            .finish_read(lease, Readers::One(reader), None)
-            .unwrap();
+        self.l1.finish_read(lease, Readers::One(reader), None).unwrap();
     }
 
     pub fn usage(&self) -> Usage {
@@ -179,10 +152,6 @@ impl Fixture {
             panic!("L1 audit failed: {why}");
         }
         let u = self.usage();
-        assert_eq!(
-            u.used_bytes + u.cached_bytes + u.free_bytes,
-            u.capacity_bytes,
-            "{u:?}"
-        );
+        assert_eq!(u.used_bytes + u.cached_bytes + u.free_bytes, u.capacity_bytes, "{u:?}");
     }
 }
