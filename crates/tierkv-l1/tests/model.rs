@@ -47,6 +47,7 @@ enum Op {
     Advance { millis: u64 },
     ExpireLeases,
     ReleaseOwner { owner: u8 },
+    LeaseForEviction { n: usize, owner: u8 },
 }
 
 fn key_list() -> impl Strategy<Value = Vec<u8>> {
@@ -82,6 +83,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0u64..15).prop_map(|millis| Op::Advance { millis }),
         1 => Just(Op::ExpireLeases),
         1 => owner.prop_map(|owner| Op::ReleaseOwner { owner }),
+        1 => (1usize..4, 0u8..2).prop_map(|(n, owner)| Op::LeaseForEviction { n, owner }),
     ]
 }
 
@@ -594,6 +596,34 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                 m.revoke(*id);
             }
             expect_eq!(f.l1.expire_leases(), due.len());
+        }
+        Op::LeaseForEviction { n, owner: o } => {
+            let grant = f.l1.lease_eviction_candidates(owner(*o), *n);
+            let mut victims = Vec::new();
+            while victims.len() < *n {
+                let Some(k) = m.lru.iter().copied().find(|k| m.entries[k].shares == 0) else {
+                    break;
+                };
+                m.untrack(k);
+                victims.push(k);
+            }
+            let mut lease =
+                MLease { owner: *o, readers: 1, deadline: m.now + TTL, keys: BTreeMap::new() };
+            for k in &victims {
+                let entry = m.entries.get_mut(k).unwrap_or_else(|| unreachable!());
+                entry.temporary = true;
+                entry.shares += 1;
+                lease.keys.insert(*k, (entry.generation, 1));
+            }
+            let expected_id = (!victims.is_empty()).then(|| {
+                let id = m.next_lease;
+                m.next_lease += 1;
+                m.issued.push(id);
+                m.leases.insert(id, lease);
+                LeaseId(id)
+            });
+            expect_eq!(grant.keys, ks(&victims));
+            expect_eq!(grant.lease, expected_id);
         }
         Op::ReleaseOwner { owner: o } => {
             let report = f.l1.release_owner(owner(*o));
