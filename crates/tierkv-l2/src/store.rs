@@ -184,6 +184,36 @@ impl HostStore {
         &self.config
     }
 
+    /// Evicts unlocked, idle objects by policy while more than `high` of the slots are occupied,
+    /// down to `low`; returns how many. The storage layer calls this in the background, so stores
+    /// rarely have to evict on their own path.
+    pub fn evict_to_watermark(&self, high: f64, low: f64) -> usize {
+        let slots = f64::from(self.shared.slots);
+        let mut index = self.shared.index.lock();
+        let occupied = |index: &Index| u64::from(self.shared.slots) - index.free.len() as u64;
+        if (occupied(&index) as f64) <= high * slots {
+            return 0;
+        }
+        let target = (low * slots).floor() as u64;
+        let mut evicted = 0;
+        while occupied(&index) > target {
+            let Index { map, policy, .. } = &mut *index;
+            let Some(victim) =
+                policy.evict(1, &mut |k| map.get(k).is_some_and(Entry::evictable)).pop()
+            else {
+                break;
+            };
+            if let Some(entry) = index.map.remove(&victim) {
+                index.free.push(entry.slot);
+                index.ready -= 1;
+                evicted += 1;
+            }
+        }
+        drop(index);
+        self.shared.metrics.evicted(evicted as u64);
+        evicted
+    }
+
     /// Sets the L2 gauges from the current state.
     pub fn publish_metrics(&self) {
         self.shared.publish();

@@ -156,6 +156,25 @@ fn a_store_task_never_evicts_its_own_keys_and_a_failed_one_evicts_nothing() {
     h.assert_loads(&[key(0)]);
 }
 
+#[test]
+fn background_eviction_brings_occupancy_to_the_low_watermark_and_spares_locked_keys() {
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        workers: 1,
+        ..HostStoreConfig::new(10 * CHUNK, CHUNK)
+    };
+    let store = Arc::new(HostStore::open(config).unwrap());
+    let mut h =
+        Harness::new(OpenTier { tier: store.clone(), chunk_bytes: CHUNK, keep: Box::new(()) });
+    h.store(&keys(0..10)).unwrap();
+    assert!(h.lookup(&keys(0..2)).count_ones() == 2);
+    assert_eq!(store.evict_to_watermark(0.95, 0.5), 5, "ten slots down to five");
+    assert_eq!(h.tier.usage().objects, 5);
+    assert_eq!(h.present(&keys(0..2)).count_ones(), 2, "locked keys are never evicted");
+    assert_eq!(store.evict_to_watermark(0.95, 0.5), 0, "below the high watermark nothing happens");
+    h.tier.unlock(&keys(0..2));
+}
+
 /// A sink that announces its load is under way, then waits (at most ten seconds) to be let go
 /// before it copies, holding the load in flight.
 struct GatedSink {
