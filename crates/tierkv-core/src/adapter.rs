@@ -234,6 +234,9 @@ pub trait TierAdapter: Send + Sync {
     /// Deletes the keys that are not locked; returns how many were deleted.
     fn delete(&self, keys: &[ObjectKey]) -> usize;
 
+    /// Deletes every object that is not locked; returns how many were deleted.
+    fn clear(&self) -> usize;
+
     /// Current usage.
     fn usage(&self) -> TierUsage;
 

@@ -1101,6 +1101,12 @@ impl TierAdapter for DiskStore {
         deleted
     }
 
+    /// Drops every unlocked record from the index. Like `delete`, not persistent.
+    fn clear(&self) -> usize {
+        let keys: Vec<ObjectKey> = self.shared.index.lock().map.keys().copied().collect();
+        self.delete(&keys)
+    }
+
     fn usage(&self) -> TierUsage {
         self.shared.usage()
     }

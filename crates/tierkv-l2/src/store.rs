@@ -527,6 +527,11 @@ impl TierAdapter for HostStore {
         deleted
     }
 
+    fn clear(&self) -> usize {
+        let keys: Vec<ObjectKey> = self.shared.index.lock().map.keys().copied().collect();
+        self.delete(&keys)
+    }
+
     fn usage(&self) -> TierUsage {
         self.shared.usage()
     }

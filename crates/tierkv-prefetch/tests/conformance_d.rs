@@ -469,6 +469,9 @@ impl TierAdapter for PanicsOnUnlock {
     fn delete(&self, keys: &[ObjectKey]) -> usize {
         self.0.delete(keys)
     }
+    fn clear(&self) -> usize {
+        self.0.clear()
+    }
     fn usage(&self) -> tierkv_core::TierUsage {
         self.0.usage()
     }

@@ -329,6 +329,19 @@ pub fn c8_close_with_tasks_in_flight(opener: Opener<'_>) {
     assert_eq!(h.lookup(&keys(0..4)).count_ones(), 0, "a lookup after close locks nothing");
 }
 
+/// Clearing a tier deletes every object no lookup holds locked, and nothing else.
+pub fn clear_deletes_every_unlocked_object(opener: Opener<'_>) {
+    let mut h = open(opener, 8);
+    h.store(&keys(0..4)).unwrap();
+    assert_eq!(h.lookup(&[key(1)]).count_ones(), 1);
+    assert_eq!(h.tier.clear(), 3);
+    assert_eq!(h.present(&keys(0..4)), Bitmap::from_bools([false, true, false, false]));
+    h.assert_loads(&[key(1)]);
+    h.tier.unlock(&[key(1)]);
+    assert_eq!(h.tier.clear(), 1);
+    assert_eq!(h.tier.usage().objects, 0);
+}
+
 /// Expands to one `#[test]` per contract scenario, each opening tiers with `$open`, an
 /// expression of type `impl Fn(u64) -> OpenTier` (capacity in chunks).
 #[macro_export]
@@ -343,6 +356,7 @@ macro_rules! tier_contract_tests {
             c6_round_trip_of_1_and_100_keys,
             c7_full_tier_skips_locked_keys_and_fails_cleanly,
             c8_close_with_tasks_in_flight,
+            clear_deletes_every_unlocked_object,
         );
     };
     (@each $open:expr; $($name:ident,)*) => {

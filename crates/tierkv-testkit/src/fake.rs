@@ -245,6 +245,17 @@ impl TierAdapter for FakeTier {
         deleted
     }
 
+    fn clear(&self) -> usize {
+        let mut state = self.state.lock();
+        let doomed: Vec<ObjectKey> =
+            state.objects.keys().filter(|k| !state.locks.contains_key(*k)).copied().collect();
+        for key in &doomed {
+            state.objects.remove(key);
+            state.order.remove(key);
+        }
+        doomed.len()
+    }
+
     fn usage(&self) -> TierUsage {
         let state = self.state.lock();
         TierUsage {
