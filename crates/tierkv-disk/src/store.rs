@@ -1091,9 +1091,9 @@ impl TierAdapter for DiskStore {
             if index.locks.contains_key(key) {
                 continue;
             }
-            if let Some(loc) = index.map.get(key).copied()
-                && index.segments[loc.segment as usize].pins == 0
-            {
+            // A load in progress pins the segment, not the key: dropping the key from the index
+            // leaves its record readable until the load's pin is gone, and no longer.
+            if let Some(loc) = index.map.get(key).copied() {
                 index.drop_record(key, loc);
                 deleted += 1;
             }

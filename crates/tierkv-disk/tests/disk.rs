@@ -529,6 +529,33 @@ fn a_segment_being_read_is_never_evicted_under_the_load() {
 }
 
 #[test]
+fn a_load_in_progress_does_not_stop_deletes_in_its_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, _) = open(config(dir.path(), 4, 4));
+    h.store(&keys(0..3)).unwrap(); // all in segment 0
+    let (started, is_started) = crossbeam_channel::bounded(1);
+    let (let_go, proceed) = crossbeam_channel::bounded(1);
+    let gated = GatedSink { started, proceed, bytes: vec![0; CHUNK as usize] };
+    let load =
+        h.tier.submit_load(vec![tierkv_core::LoadItem { key: key(0), sink: Box::new(gated) }]);
+    is_started.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+    // Segment 0 is pinned by the load; neither key 1 nor key 2 is locked.
+    assert_eq!(h.tier.delete(&[key(1)]), 1, "an unlocked key was not deleted");
+    // The key being loaded is not locked either: it goes too, and its load still completes
+    // (the pin keeps the segment from reuse, not the key in the index).
+    assert_eq!(h.tier.clear(), 2, "clear skipped an unlocked key");
+    let_go.send(()).unwrap();
+    match h.wait(load) {
+        tierkv_core::Completion::Loaded { loaded, .. } => {
+            assert!(loaded.get(0), "the pinned record was still readable")
+        }
+        _ => panic!("not a load completion"),
+    }
+    assert_eq!(h.present(&keys(0..3)).count_ones(), 0);
+    assert_eq!(h.tier.usage().objects, 0);
+}
+
+#[test]
 fn a_record_that_is_not_the_key_asked_for_is_a_miss() {
     let dir = tempfile::tempdir().unwrap();
     let (mut h, _) = open(config(dir.path(), 4, 4));
