@@ -105,6 +105,8 @@ pub struct Prefetched {
     pub leased: Vec<Vec<bool>>,
     /// The order in which requests started (0 for the first ever started).
     pub started: u64,
+    /// Chunks in the lease, by the tier (index, fastest first) they were loaded from.
+    pub per_tier: Vec<usize>,
 }
 
 /// Why a prefetch has no result.
@@ -662,12 +664,19 @@ impl Worker {
             .map(|(g, group)| (0..group.keys.len()).map(|i| leased_now.contains(&(g, i))).collect())
             .collect();
         self.shared.metrics.finished(leased_now.len() as u64);
+        let mut per_tier = vec![0; self.router.len()];
+        for at in &leased_now {
+            if let Some(tier) = active.source.get(at).and_then(|t| per_tier.get_mut(*t)) {
+                *tier += 1;
+            }
+        }
         let outcome = Prefetched {
             hit_chunks: n,
             lease,
             readers: grant.readers,
             leased,
             started: active.started,
+            per_tier,
         };
         self.active.remove(&id);
         self.shared.deliver(id, Ok(outcome));

@@ -1,0 +1,61 @@
+//! StorageManager configuration: which tiers exist, how they are fed, and how often the
+//! background work runs.
+
+use std::time::Duration;
+
+use tierkv_disk::DiskStoreConfig;
+use tierkv_l1::{L1Config, Watermark};
+use tierkv_l2::HostStoreConfig;
+use tierkv_prefetch::PrefetchConfig;
+
+/// How finished writes reach the lower tiers. `ARCHITECTURE.md` records which is the default
+/// and the trace replay that chose it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StorePolicy {
+    /// Every finished write is copied to every lower tier at once.
+    #[default]
+    WriteThrough,
+    /// Every finished write is copied to the host tier at once; a chunk reaches disk only once it
+    /// has been read `min_reads` times (sparing the SSD the chunks nobody reuses).
+    DiskAdmission {
+        /// Reads (lookup hits) a chunk needs before it is written to disk.
+        min_reads: u32,
+    },
+    /// Nothing is copied at write time; chunks L1 evicts in the background are copied to every
+    /// lower tier first. (An eviction forced inside a reservation drops its victim uncopied.)
+    WriteBack,
+}
+
+/// How a StorageManager is built.
+#[derive(Clone, Debug)]
+pub struct StorageConfig {
+    /// The L1 tier.
+    pub l1: L1Config,
+    /// The host-memory tier, if any.
+    pub l2: Option<HostStoreConfig>,
+    /// The disk tier, if any.
+    pub disk: Option<DiskStoreConfig>,
+    /// The prefetch pipeline.
+    pub prefetch: PrefetchConfig,
+    /// How finished writes reach the lower tiers.
+    pub store_policy: StorePolicy,
+    /// Background eviction thresholds of the host tier.
+    pub l2_watermark: Watermark,
+    /// How often the background work (lease expiry, watermark eviction, gauges) runs.
+    pub maintenance_interval: Duration,
+}
+
+impl StorageConfig {
+    /// An L1 of `l1` alone, with default pipelines.
+    pub fn new(l1: L1Config) -> Self {
+        StorageConfig {
+            l1,
+            l2: None,
+            disk: None,
+            prefetch: PrefetchConfig::default(),
+            store_policy: StorePolicy::default(),
+            l2_watermark: Watermark::default(),
+            maintenance_interval: Duration::from_millis(50),
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! Errors of the StorageManager.
+
+use tierkv_core::ObjectKey;
+use tierkv_disk::DiskError;
+use tierkv_l1::L1Error;
+use tierkv_l2::L2Error;
+use tierkv_prefetch::PrefetchError;
+
+use crate::lookup::LookupId;
+
+/// Why a storage request was refused. A refused request changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    /// The configuration cannot describe a store.
+    #[error("invalid storage configuration: {0}")]
+    Config(String),
+    /// L1 refused.
+    #[error(transparent)]
+    L1(#[from] L1Error),
+    /// The host tier could not be opened.
+    #[error(transparent)]
+    L2(#[from] L2Error),
+    /// The disk tier could not be opened.
+    #[error(transparent)]
+    Disk(#[from] DiskError),
+    /// The prefetch pipeline refused or failed.
+    #[error(transparent)]
+    Prefetch(#[from] PrefetchError),
+    /// A thread could not be started.
+    #[error("cannot start a storage thread: {0}")]
+    Thread(#[from] std::io::Error),
+    /// No lookup with this id is known (never made, or released and forgotten).
+    #[error("unknown lookup {0}")]
+    UnknownLookup(LookupId),
+    /// The lookup holds no share of this key: not a hit, or not needed for the hit.
+    #[error("lookup {lookup} holds no share of {key:?}")]
+    NotCovered {
+        /// The lookup.
+        lookup: LookupId,
+        /// The key.
+        key: ObjectKey,
+    },
+    /// Owners from `1 << 63` on belong to the storage layer's own pipelines.
+    #[error("owner {0} is reserved for the storage layer's pipelines")]
+    ReservedOwner(u64),
+    /// The lookup request is malformed.
+    #[error("invalid lookup: {0}")]
+    Invalid(String),
+    /// The manager is stopping or stopped.
+    #[error("the storage manager is stopped")]
+    Stopped,
+}

@@ -1,0 +1,86 @@
+//! Lookups: what a worker asks for, and what the manager remembers of it until it is released.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use tierkv_core::{ExtraCount, Layout, ObjectKey};
+use tierkv_l1::{LeaseId, OwnerId};
+use tierkv_prefetch::{GroupKind, RequestId};
+
+/// Identifies a lookup; never reused within one manager.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LookupId(pub u64);
+
+impl fmt::Display for LookupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// One KV-cache group of a lookup.
+#[derive(Clone, Debug)]
+pub struct LookupGroup {
+    /// How the group attends (which chunks a hit needs).
+    pub kind: GroupKind,
+    /// The layout of the group's chunks.
+    pub layout: Layout,
+    /// The group's chunk keys, root first.
+    pub keys: Vec<ObjectKey>,
+}
+
+/// What a worker asks for.
+#[derive(Clone, Debug)]
+pub struct LookupRequest {
+    /// The client the leases belong to.
+    pub owner: OwnerId,
+    /// Readers beyond the first (TP ranks that read a shared object).
+    pub extra: ExtraCount,
+    /// Tokens per chunk, for sliding windows and token counts.
+    pub chunk_tokens: u64,
+    /// The groups; one full-attention group for an ordinary model.
+    pub groups: Vec<LookupGroup>,
+}
+
+impl LookupRequest {
+    /// A lookup of one full-attention group: the ordinary prefix lookup.
+    pub fn prefix(owner: OwnerId, extra: ExtraCount, layout: Layout, keys: Vec<ObjectKey>) -> Self {
+        LookupRequest {
+            owner,
+            extra,
+            chunk_tokens: 1,
+            groups: vec![LookupGroup { kind: GroupKind::FullAttention, layout, keys }],
+        }
+    }
+}
+
+/// What a lookup found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LookupResult {
+    /// The hit, in chunks: every group has what it needs before it.
+    pub hit_chunks: usize,
+    /// The hit, in tokens.
+    pub hit_tokens: u64,
+    /// Readers that must each return their share (`1 + extra_count`).
+    pub readers: u32,
+    /// Chunks of the hit served from L1, then from each lower tier (fastest first).
+    pub per_tier: Vec<usize>,
+}
+
+/// Where a lookup stands.
+pub(crate) enum Stage {
+    /// Waiting for the prefetch pipeline.
+    Prefetching(RequestId),
+    /// Complete: which lease holds each key of the hit.
+    Done { result: LookupResult, covered: HashMap<ObjectKey, LeaseId> },
+    /// The prefetch failed; the L1 shares were returned.
+    Failed(String),
+}
+
+pub(crate) struct Lookup {
+    pub(crate) owner: OwnerId,
+    pub(crate) request: LookupRequest,
+    /// The lease of every L1 hit, in every group, taken before anything was reserved.
+    pub(crate) l1_lease: Option<LeaseId>,
+    pub(crate) in_l1: Vec<Vec<bool>>,
+    pub(crate) stage: Stage,
+}

@@ -1,0 +1,660 @@
+//! The StorageManager: the one API the daemon calls.
+//!
+//! It wires L1, the lower tiers (fastest first), the prefetch pipeline, the store pipeline and a
+//! maintenance thread (lease expiry, background eviction, gauges), and keeps the record of every
+//! open lookup: which lease holds which key of its hit.
+
+use std::collections::{HashMap, HashSet};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Sender, unbounded};
+use parking_lot::Mutex;
+use tierkv_core::{Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage};
+use tierkv_disk::DiskStore;
+use tierkv_l1::{
+    Cleared, EvictionReason, L1Context, L1Manager, L1Observer, LeaseId, Lifetime, OwnerId,
+    ReadAccess, Readers, SlotHandle, Usage, WriteAccess, WriteMode,
+};
+use tierkv_l2::HostStore;
+use tierkv_prefetch::{
+    GroupKind, GroupRequest, PrefetchController, PrefetchError, PrefetchRequest, Prefetched,
+    TierRouter, hit_chunks,
+};
+
+use crate::config::{StorageConfig, StorePolicy};
+use crate::error::StorageError;
+use crate::lookup::{Lookup, LookupId, LookupRequest, LookupResult, Stage};
+use crate::metrics::StorageMetrics;
+use crate::store::{StoreJob, StorePipeline};
+
+/// Owners from here on belong to the storage layer's own pipelines.
+pub const RESERVED_OWNERS: u64 = 1 << 63;
+
+/// The owner of write-back leases.
+const WRITEBACK_OWNER: OwnerId = OwnerId(u64::MAX - 2);
+
+/// Reads counted per chunk for disk admission, at most; beyond this the counts start over.
+const READ_COUNTS: usize = 1 << 20;
+
+/// Tells the store pipeline of finished writes.
+struct Forward {
+    jobs: Sender<StoreJob>,
+    policy: StorePolicy,
+}
+
+impl L1Observer for Forward {
+    fn writes_finished(&self, keys: &[ObjectKey]) {
+        if self.policy != StorePolicy::WriteBack {
+            let _ = self.jobs.send(StoreJob::Finished(keys.to_vec()));
+        }
+    }
+
+    fn evicted(&self, _keys: &[ObjectKey], _reason: EvictionReason) {}
+}
+
+/// How full every tier is, and what is in flight.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StorageStatus {
+    /// L1.
+    pub l1: Usage,
+    /// Each lower tier, fastest first: its name and usage.
+    pub tiers: Vec<(String, TierUsage)>,
+    /// Lookups not yet released.
+    pub open_lookups: usize,
+    /// Store batches being copied.
+    pub store_in_flight: u64,
+}
+
+struct Inner {
+    l1: Arc<L1Manager>,
+    router: Arc<TierRouter>,
+    host: Option<Arc<HostStore>>,
+    disk: Option<Arc<DiskStore>>,
+    prefetch: PrefetchController,
+    store: StorePipeline,
+    lookups: Mutex<HashMap<LookupId, Lookup>>,
+    /// Lookups whose owner left while they were prefetching: their leases are returned when the
+    /// prefetch finishes.
+    abandoned: Mutex<Vec<Lookup>>,
+    next_lookup: AtomicU64,
+    reads: Mutex<HashMap<ObjectKey, u32>>,
+    config: StorageConfig,
+    metrics: Arc<StorageMetrics>,
+    accepting: AtomicBool,
+    stop_maintenance: AtomicBool,
+}
+
+/// L1, the lower tiers and the pipelines between them.
+pub struct StorageManager {
+    inner: Arc<Inner>,
+    maintenance: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl StorageManager {
+    /// Opens every configured tier and starts the pipelines and the maintenance thread.
+    pub fn start(config: StorageConfig) -> Result<Self, StorageError> {
+        Self::start_with_clock(config, Arc::new(SystemClock::new()))
+    }
+
+    /// Like [`StorageManager::start`], with the clock lease deadlines are measured on.
+    pub fn start_with_clock(
+        config: StorageConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, StorageError> {
+        let host = config.l2.clone().map(HostStore::open).transpose()?.map(Arc::new);
+        let disk = config.disk.clone().map(DiskStore::open).transpose()?.map(Arc::new);
+        let mut tiers: Vec<Arc<dyn TierAdapter>> = Vec::new();
+        if let Some(host) = &host {
+            tiers.push(host.clone());
+        }
+        if let Some(disk) = &disk {
+            tiers.push(disk.clone());
+        }
+        Self::assemble(config, clock, tiers, host, disk)
+    }
+
+    /// Runs over lower tiers the caller built (fastest first) instead of the configured ones: a
+    /// tier named "disk" is the one disk admission writes to. For tests that inject failures.
+    pub fn start_with_tiers(
+        config: StorageConfig,
+        clock: Arc<dyn Clock>,
+        tiers: Vec<Arc<dyn TierAdapter>>,
+    ) -> Result<Self, StorageError> {
+        if config.l2.is_some() || config.disk.is_some() {
+            return Err(StorageError::Config(
+                "either configured tiers or given tiers, not both".into(),
+            ));
+        }
+        Self::assemble(config, clock, tiers, None, None)
+    }
+
+    fn assemble(
+        config: StorageConfig,
+        clock: Arc<dyn Clock>,
+        tiers: Vec<Arc<dyn TierAdapter>>,
+        host: Option<Arc<HostStore>>,
+        disk: Option<Arc<DiskStore>>,
+    ) -> Result<Self, StorageError> {
+        let (jobs, inbox) = unbounded();
+        let observer = Arc::new(Forward { jobs: jobs.clone(), policy: config.store_policy });
+        let l1 = Arc::new(L1Manager::build(config.l1.clone(), L1Context { clock, observer })?);
+        let disk_index = tiers.iter().position(|t| t.name() == "disk");
+        let names: Vec<String> = tiers.iter().map(|t| t.name().to_string()).collect();
+        let metrics = Arc::new(StorageMetrics::register(&names));
+        let router = Arc::new(TierRouter::start(tiers)?);
+        let prefetch = PrefetchController::start(l1.clone(), router.clone(), config.prefetch)?;
+        let store = StorePipeline::start(
+            l1.clone(),
+            router.clone(),
+            config.store_policy,
+            disk_index,
+            (jobs, inbox),
+            metrics.clone(),
+        )?;
+        let inner = Arc::new(Inner {
+            l1,
+            router,
+            host,
+            disk,
+            prefetch,
+            store,
+            lookups: Mutex::new(HashMap::new()),
+            abandoned: Mutex::new(Vec::new()),
+            next_lookup: AtomicU64::new(1),
+            reads: Mutex::new(HashMap::new()),
+            config,
+            metrics,
+            accepting: AtomicBool::new(true),
+            stop_maintenance: AtomicBool::new(false),
+        });
+        let worker = Arc::clone(&inner);
+        let maintenance =
+            std::thread::Builder::new().name("tierkv-maintenance".into()).spawn(move || {
+                while !worker.stop_maintenance.load(Ordering::Acquire) {
+                    std::thread::sleep(worker.config.maintenance_interval);
+                    if catch_unwind(AssertUnwindSafe(|| worker.tick())).is_err() {
+                        tracing::error!(
+                            "the maintenance thread panicked; it carries on at its next tick"
+                        );
+                        worker.metrics.maintenance_panic();
+                    }
+                }
+            })?;
+        Ok(StorageManager { inner, maintenance: Mutex::new(Some(maintenance)) })
+    }
+
+    /// L1, for callers that copy into and out of its slots (the daemon's data plane).
+    pub fn l1(&self) -> &Arc<L1Manager> {
+        &self.inner.l1
+    }
+
+    fn check(&self, owner: OwnerId) -> Result<(), StorageError> {
+        if !self.inner.accepting.load(Ordering::Acquire) {
+            return Err(StorageError::Stopped);
+        }
+        if owner.0 >= RESERVED_OWNERS {
+            return Err(StorageError::ReservedOwner(owner.0));
+        }
+        Ok(())
+    }
+
+    // ----- writes -----
+
+    /// Reserves L1 slots for new chunks (invisible until finished).
+    pub fn reserve_write(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        layout: &Layout,
+    ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
+        self.check(owner)?;
+        Ok(self.inner.l1.reserve_write(owner, keys, layout, WriteMode::Create, Lifetime::Cached)?)
+    }
+
+    /// Pins a reserved slot for copying bytes in.
+    pub fn write_access(
+        &self,
+        owner: OwnerId,
+        key: &ObjectKey,
+    ) -> Result<WriteAccess, StorageError> {
+        self.check(owner)?;
+        Ok(self.inner.l1.write_access(owner, key)?)
+    }
+
+    /// Makes written chunks visible; the store pipeline copies them down by policy.
+    ///
+    /// A request's keys are a chain, root first. L1 is handed them leaf first, so its eviction
+    /// order loses a chain's tail before its parents: the part that stays is still a usable
+    /// prefix (the prefix-aware choice, with any policy).
+    pub fn finish_write(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+    ) -> Result<Vec<Result<(), KeyError>>, StorageError> {
+        self.check(owner)?;
+        let reversed: Vec<ObjectKey> = keys.iter().rev().copied().collect();
+        let mut results = self.inner.l1.finish_write(owner, &reversed);
+        results.reverse();
+        Ok(results)
+    }
+
+    /// Drops write reservations; nothing of them was ever visible.
+    pub fn abort_write(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+    ) -> Result<Vec<Result<(), KeyError>>, StorageError> {
+        self.check(owner)?;
+        Ok(self.inner.l1.abort_write(owner, keys))
+    }
+
+    // ----- lookups -----
+
+    /// Starts a prefix lookup of one full-attention group.
+    pub fn submit_prefetch(
+        &self,
+        owner: OwnerId,
+        keys: Vec<ObjectKey>,
+        extra: tierkv_core::ExtraCount,
+        layout: Layout,
+    ) -> Result<LookupId, StorageError> {
+        self.submit_lookup(LookupRequest::prefix(owner, extra, layout, keys))
+    }
+
+    /// Starts a lookup. Every L1 hit, in every group, is leased at once (rule 4: before anything
+    /// is reserved for a load, so a load's evictions can never take the request's own hits). When
+    /// L1 holds the whole hit the lookup completes here; otherwise the prefetch pipeline fills
+    /// the gaps from the lower tiers.
+    pub fn submit_lookup(&self, request: LookupRequest) -> Result<LookupId, StorageError> {
+        self.check(request.owner)?;
+        if request.groups.is_empty() || request.chunk_tokens == 0 {
+            return Err(StorageError::Invalid(
+                "a lookup needs at least one group and positive chunk_tokens".into(),
+            ));
+        }
+        // Leaf first within each group, so the lookup's touches leave roots most recent.
+        let order: Vec<(usize, usize)> = request
+            .groups
+            .iter()
+            .enumerate()
+            .flat_map(|(g, group)| (0..group.keys.len()).rev().map(move |i| (g, i)))
+            .collect();
+        let flat: Vec<ObjectKey> = order.iter().map(|(g, i)| request.groups[*g].keys[*i]).collect();
+        let grant = self.inner.l1.reserve_read(request.owner, &flat, request.extra);
+        let mut in_l1: Vec<Vec<bool>> =
+            request.groups.iter().map(|g| vec![false; g.keys.len()]).collect();
+        for ((g, i), result) in order.iter().zip(&grant.results) {
+            in_l1[*g][*i] = result.is_ok();
+        }
+        let id = LookupId(self.inner.next_lookup.fetch_add(1, Ordering::Relaxed));
+        let possible = request.groups.iter().map(|g| g.keys.len()).min().unwrap_or(0);
+        let from_l1 = hit_of(&request, |g, i| in_l1[g][i]);
+        let mut lookup = Lookup {
+            owner: request.owner,
+            request,
+            l1_lease: grant.lease,
+            in_l1,
+            stage: Stage::Failed(String::new()),
+        };
+        if from_l1 == possible || self.inner.router.is_empty() {
+            self.inner.complete(&mut lookup, None);
+        } else {
+            let prefetch = PrefetchRequest {
+                owner: lookup.owner,
+                extra: lookup.request.extra,
+                chunk_tokens: lookup.request.chunk_tokens,
+                groups: lookup
+                    .request
+                    .groups
+                    .iter()
+                    .zip(&lookup.in_l1)
+                    .map(|(group, in_l1)| GroupRequest {
+                        kind: group.kind,
+                        layout: group.layout.clone(),
+                        keys: group.keys.clone(),
+                        in_l1: in_l1.clone(),
+                    })
+                    .collect(),
+            };
+            match self.inner.prefetch.submit(prefetch) {
+                Ok(request) => lookup.stage = Stage::Prefetching(request),
+                Err(e) => {
+                    self.inner.fail(&mut lookup, e.to_string());
+                    return Err(e.into());
+                }
+            }
+        }
+        self.inner.lookups.lock().insert(id, lookup);
+        Ok(id)
+    }
+
+    /// The lookup's result if it is complete, `None` while it prefetches.
+    pub fn query(&self, id: LookupId) -> Result<Option<LookupResult>, StorageError> {
+        let mut lookups = self.inner.lookups.lock();
+        let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
+        if let Stage::Prefetching(request) = lookup.stage {
+            match self.inner.prefetch.query(request) {
+                None => return Ok(None),
+                Some(Ok(prefetched)) => self.inner.complete(lookup, Some(prefetched)),
+                Some(Err(e)) => self.inner.fail(lookup, e.to_string()),
+            }
+        }
+        match &lookup.stage {
+            Stage::Done { result, .. } => Ok(Some(result.clone())),
+            Stage::Failed(why) => Err(StorageError::Prefetch(PrefetchError::Failed(why.clone()))),
+            Stage::Prefetching(_) => Ok(None),
+        }
+    }
+
+    /// Waits up to `timeout` for the lookup to complete. A wait that times out leaves the lookup
+    /// open: its leases belong to its owner, and a later wait, query, release or the owner's
+    /// departure settles them.
+    pub fn wait(&self, id: LookupId, timeout: Duration) -> Result<LookupResult, StorageError> {
+        let request = {
+            let lookups = self.inner.lookups.lock();
+            match &lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?.stage {
+                Stage::Prefetching(request) => Some(*request),
+                _ => None,
+            }
+        };
+        if let Some(request) = request {
+            let outcome = self.inner.prefetch.wait(request, timeout);
+            let mut lookups = self.inner.lookups.lock();
+            let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
+            if matches!(lookup.stage, Stage::Prefetching(_)) {
+                match outcome {
+                    Ok(prefetched) => self.inner.complete(lookup, Some(prefetched)),
+                    Err(PrefetchError::Timeout) => return Err(PrefetchError::Timeout.into()),
+                    // Another waiter took the outcome first; it completed the lookup below.
+                    Err(PrefetchError::Invalid(_)) => {}
+                    Err(e) => self.inner.fail(lookup, e.to_string()),
+                }
+            }
+        }
+        self.query(id)?.ok_or(StorageError::Prefetch(PrefetchError::Timeout))
+    }
+
+    /// Pins `key` of a completed lookup for reading by `reader`, who must still hold its share.
+    pub fn read(
+        &self,
+        id: LookupId,
+        reader: u8,
+        key: &ObjectKey,
+    ) -> Result<ReadAccess, StorageError> {
+        let lease = self.lease_of(id, key)?;
+        Ok(self.inner.l1.read_access(lease, reader, key)?)
+    }
+
+    fn lease_of(&self, id: LookupId, key: &ObjectKey) -> Result<LeaseId, StorageError> {
+        let lookups = self.inner.lookups.lock();
+        let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
+        match &lookup.stage {
+            Stage::Done { covered, .. } => {
+                covered.get(key).copied().ok_or(StorageError::NotCovered { lookup: id, key: *key })
+            }
+            _ => Err(StorageError::NotCovered { lookup: id, key: *key }),
+        }
+    }
+
+    /// Returns the shares of `readers` on every chunk of the lookup's hit. A reader that already
+    /// returned its share is refused, and nothing changes.
+    pub fn release(&self, id: LookupId, readers: Readers) -> Result<(), StorageError> {
+        let mut lookups = self.inner.lookups.lock();
+        let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
+        let Stage::Done { covered, .. } = &lookup.stage else {
+            return Err(StorageError::Invalid(format!("lookup {id} is not complete")));
+        };
+        let mut by_lease: HashMap<LeaseId, Vec<ObjectKey>> = HashMap::new();
+        for (key, lease) in covered {
+            by_lease.entry(*lease).or_default().push(*key);
+        }
+        let mut ended = 0;
+        for (lease, keys) in &by_lease {
+            if self.inner.l1.finish_read(*lease, readers, Some(keys))?.lease_ended {
+                ended += 1;
+            }
+        }
+        if ended == by_lease.len() {
+            lookups.remove(&id);
+        }
+        Ok(())
+    }
+
+    /// Returns every share the lookup still holds (chunks the engine will not read) and forgets
+    /// it. A lookup still prefetching has its leases returned when the prefetch finishes.
+    pub fn release_all(&self, id: LookupId) -> Result<(), StorageError> {
+        let lookup =
+            self.inner.lookups.lock().remove(&id).ok_or(StorageError::UnknownLookup(id))?;
+        self.inner.settle(lookup);
+        Ok(())
+    }
+
+    /// Returns everything `owner` holds: its lookups' shares and its write reservations. Called
+    /// when a client disconnects.
+    pub fn release_owner(&self, owner: OwnerId) -> tierkv_l1::OwnerReleased {
+        let mine: Vec<Lookup> = {
+            let mut lookups = self.inner.lookups.lock();
+            let ids: Vec<LookupId> =
+                lookups.iter().filter(|(_, l)| l.owner == owner).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| lookups.remove(&id)).collect()
+        };
+        for lookup in mine {
+            if matches!(lookup.stage, Stage::Prefetching(_)) {
+                self.inner.abandoned.lock().push(lookup);
+            }
+        }
+        self.inner.l1.release_owner(owner)
+    }
+
+    // ----- removal and status -----
+
+    /// Deletes chunks that no one holds, from every tier. Returns how many each tier deleted,
+    /// L1 first.
+    pub fn delete(&self, keys: &[ObjectKey]) -> Vec<usize> {
+        let l1 = self.inner.l1.delete(keys, false).iter().filter(|r| r.is_ok()).count();
+        std::iter::once(l1).chain(self.inner.router.tiers().map(|t| t.delete(keys))).collect()
+    }
+
+    /// Empties L1 of everything no one holds (with `force`, of everything).
+    pub fn clear_l1(&self, force: bool) -> Cleared {
+        self.inner.l1.clear(force)
+    }
+
+    /// Empties lower tier `tier` (fastest first) of everything not locked; `None` if there is no
+    /// such tier.
+    pub fn clear_tier(&self, tier: usize) -> Option<usize> {
+        self.inner.router.tier(tier).map(|t| t.clear())
+    }
+
+    /// How full every tier is, and what is in flight.
+    pub fn status(&self) -> StorageStatus {
+        StorageStatus {
+            l1: self.inner.l1.usage(),
+            tiers: self.inner.router.tiers().map(|t| (t.name().to_string(), t.usage())).collect(),
+            open_lookups: self.inner.lookups.lock().len(),
+            store_in_flight: self.inner.store.in_flight(),
+        }
+    }
+
+    /// Stops every thread in order: no new work, prefetches drained, copies drained, tiers closed
+    /// (the disk tier syncs). Idempotent.
+    pub fn stop(&self) {
+        self.inner.accepting.store(false, Ordering::Release);
+        self.inner.prefetch.stop();
+        self.inner.stop_maintenance.store(true, Ordering::Release);
+        if let Some(thread) = self.maintenance.lock().take() {
+            let _ = thread.join();
+        }
+        self.inner.store.stop();
+        for tier in self.inner.router.tiers() {
+            tier.close();
+        }
+        self.inner.router.stop();
+    }
+}
+
+impl Drop for StorageManager {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The hit of `request` if `available(group, index)` said which chunks are there.
+fn hit_of(request: &LookupRequest, available: impl Fn(usize, usize) -> bool) -> usize {
+    let present: Vec<Vec<bool>> = request
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(g, group)| (0..group.keys.len()).map(|i| available(g, i)).collect())
+        .collect();
+    let groups: Vec<(GroupKind, &[bool])> =
+        request.groups.iter().zip(&present).map(|(group, p)| (group.kind, p.as_slice())).collect();
+    hit_chunks(&groups, request.chunk_tokens)
+}
+
+impl Inner {
+    /// Settles a lookup whose hit is known: records which lease holds each chunk of the hit and
+    /// returns the L1 shares the hit does not need.
+    fn complete(&self, lookup: &mut Lookup, prefetched: Option<Prefetched>) {
+        let request = &lookup.request;
+        let n = match &prefetched {
+            Some(p) => p.hit_chunks,
+            None => hit_of(request, |g, i| lookup.in_l1[g][i]),
+        };
+        let mut covered = HashMap::new();
+        let mut unneeded = Vec::new();
+        let mut from_l1 = 0;
+        for (g, group) in request.groups.iter().enumerate() {
+            let needed = group.kind.needed(n, request.chunk_tokens);
+            for (i, key) in group.keys.iter().enumerate() {
+                let in_l1 = lookup.in_l1[g][i];
+                if needed.contains(&i) {
+                    if in_l1 {
+                        from_l1 += 1;
+                        covered.extend(lookup.l1_lease.map(|lease| (*key, lease)));
+                    } else if let Some(p) = &prefetched
+                        && p.leased[g][i]
+                    {
+                        covered.extend(p.lease.map(|lease| (*key, lease)));
+                    }
+                } else if in_l1 {
+                    unneeded.push(*key);
+                }
+            }
+        }
+        if let (Some(lease), false) = (lookup.l1_lease, unneeded.is_empty()) {
+            let _ = self.l1.finish_read(lease, Readers::All, Some(&unneeded));
+        }
+        let per_tier: Vec<usize> = std::iter::once(from_l1)
+            .chain(prefetched.iter().flat_map(|p| p.per_tier.iter().copied()))
+            .collect();
+        let possible = request.groups.iter().map(|g| g.keys.len()).min().unwrap_or(0);
+        let hits: Vec<u64> = per_tier.iter().map(|n| *n as u64).collect();
+        self.metrics.lookup(possible as u64, &hits, request.chunk_tokens);
+        self.count_reads(covered.keys().copied());
+        let readers = request.extra.readers();
+        let result = LookupResult {
+            hit_chunks: n,
+            hit_tokens: n as u64 * request.chunk_tokens,
+            readers,
+            per_tier,
+        };
+        lookup.stage = Stage::Done { result, covered };
+    }
+
+    /// A lookup that cannot complete: its L1 shares go back.
+    fn fail(&self, lookup: &mut Lookup, why: String) {
+        if let Some(lease) = lookup.l1_lease.take() {
+            let _ = self.l1.release_lease(lease);
+        }
+        lookup.stage = Stage::Failed(why);
+    }
+
+    /// Returns every share a lookup holds, now or (still prefetching) when its prefetch ends.
+    fn settle(&self, mut lookup: Lookup) {
+        match &lookup.stage {
+            Stage::Done { covered, .. } => {
+                let leases: HashSet<LeaseId> = covered.values().copied().collect();
+                for lease in leases {
+                    let _ = self.l1.release_lease(lease);
+                }
+            }
+            Stage::Prefetching(_) => {
+                if let Some(lease) = lookup.l1_lease.take() {
+                    let _ = self.l1.release_lease(lease);
+                }
+                self.abandoned.lock().push(lookup);
+            }
+            Stage::Failed(_) => {}
+        }
+    }
+
+    /// Disk admission: counts reads, and sends chunks that reached the threshold to disk.
+    fn count_reads(&self, keys: impl Iterator<Item = ObjectKey>) {
+        let StorePolicy::DiskAdmission { min_reads } = self.config.store_policy else { return };
+        let mut reads = self.reads.lock();
+        if reads.len() > READ_COUNTS {
+            reads.clear();
+        }
+        let admitted: Vec<ObjectKey> = keys
+            .filter(|key| {
+                let count = reads.entry(*key).or_insert(0);
+                *count += 1;
+                *count == min_reads
+            })
+            .collect();
+        drop(reads);
+        if !admitted.is_empty() {
+            self.store.submit(StoreJob::Admit(admitted));
+        }
+    }
+
+    /// One round of background work.
+    fn tick(&self) {
+        self.l1.expire_leases();
+        let watermark = self.config.l1.watermark;
+        if self.config.store_policy == StorePolicy::WriteBack {
+            // Write back at most one batch at a time: leased victims still count as occupied.
+            let usage = self.l1.usage();
+            let occupied = usage.slots - usage.free_bytes / usage.slot_bytes.max(1);
+            if self.store.in_flight() == 0 && occupied as f64 > watermark.high * usage.slots as f64
+            {
+                let target = (watermark.low * usage.slots as f64).floor() as u64;
+                let victims = self
+                    .l1
+                    .lease_eviction_candidates(WRITEBACK_OWNER, (occupied - target) as usize);
+                if let Some(lease) = victims.lease {
+                    self.store.submit(StoreJob::WriteBack { lease, keys: victims.keys });
+                }
+            }
+        } else {
+            self.l1.evict_to_watermark();
+        }
+        if let Some(host) = &self.host {
+            host.evict_to_watermark(self.config.l2_watermark.high, self.config.l2_watermark.low);
+            host.publish_metrics();
+        }
+        if let Some(disk) = &self.disk {
+            disk.publish_metrics();
+        }
+        self.l1.publish_metrics();
+        // Abandoned lookups: return their prefetched leases once the prefetch is over.
+        let mut abandoned = self.abandoned.lock();
+        abandoned.retain(|lookup| {
+            let Stage::Prefetching(request) = lookup.stage else { return false };
+            match self.prefetch.query(request) {
+                None => true,
+                Some(outcome) => {
+                    if let Ok(Prefetched { lease: Some(lease), .. }) = outcome {
+                        let _ = self.l1.release_lease(lease);
+                    }
+                    false
+                }
+            }
+        });
+    }
+}

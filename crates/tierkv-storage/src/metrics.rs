@@ -1,0 +1,104 @@
+//! The storage layer's metrics: lookups and hits per tier, the store pipeline, background work.
+
+use metrics::{Counter, Unit, counter, describe_counter};
+
+/// The tiers a hit can come from, as metric labels: L1, then the lower tiers by name.
+pub(crate) struct StorageMetrics {
+    lookups: Counter,
+    requested_chunks: Counter,
+    requested_tokens: Counter,
+    hit_chunks: Vec<(String, Counter)>,
+    hit_tokens: Vec<(String, Counter)>,
+    store_chunks: Counter,
+    store_failures: Vec<(String, Counter)>,
+    store_panics: Counter,
+    store_expired: Counter,
+    maintenance_panics: Counter,
+}
+
+impl StorageMetrics {
+    /// Registers the metrics; `tiers` are the lower tiers' names, fastest first.
+    pub(crate) fn register(tiers: &[String]) -> Self {
+        describe_counter!("tierkv_lookups_total", Unit::Count, "Lookups completed.");
+        describe_counter!(
+            "tierkv_lookup_requested_chunks_total",
+            Unit::Count,
+            "Chunks asked for by lookups (the denominator of the hit rate)."
+        );
+        describe_counter!(
+            "tierkv_lookup_requested_tokens_total",
+            Unit::Count,
+            "Tokens asked for by lookups."
+        );
+        describe_counter!(
+            "tierkv_lookup_hit_chunks_total",
+            Unit::Count,
+            "Chunks of lookup hits, by the tier that served them."
+        );
+        describe_counter!(
+            "tierkv_lookup_hit_tokens_total",
+            Unit::Count,
+            "Tokens of lookup hits, by the tier that served them."
+        );
+        describe_counter!(
+            "tierkv_store_chunks_total",
+            Unit::Count,
+            "Chunks submitted by the store pipeline to a lower tier."
+        );
+        let all: Vec<String> =
+            std::iter::once("l1".to_string()).chain(tiers.iter().cloned()).collect();
+        let per_tier = |name: &'static str| -> Vec<(String, Counter)> {
+            all.iter().map(|t| (t.clone(), counter!(name, "tier" => t.clone()))).collect()
+        };
+        StorageMetrics {
+            lookups: counter!("tierkv_lookups_total"),
+            requested_chunks: counter!("tierkv_lookup_requested_chunks_total"),
+            requested_tokens: counter!("tierkv_lookup_requested_tokens_total"),
+            hit_chunks: per_tier("tierkv_lookup_hit_chunks_total"),
+            hit_tokens: per_tier("tierkv_lookup_hit_tokens_total"),
+            store_chunks: counter!("tierkv_store_chunks_total"),
+            store_failures: tiers
+                .iter()
+                .map(|t| (t.clone(), counter!("tierkv_errors_total", "component" => "store", "tier" => t.clone(), "reason" => "store_failed")))
+                .collect(),
+            store_panics: counter!("tierkv_errors_total", "component" => "store", "reason" => "panic"),
+            store_expired: counter!("tierkv_errors_total", "component" => "store", "reason" => "lease_expired"),
+            maintenance_panics: counter!("tierkv_errors_total", "component" => "maintenance", "reason" => "panic"),
+        }
+    }
+
+    /// A lookup completed: `hits[t]` chunks came from tier `t` (0 = L1).
+    pub(crate) fn lookup(&self, requested: u64, hits: &[u64], chunk_tokens: u64) {
+        self.lookups.increment(1);
+        self.requested_chunks.increment(requested);
+        self.requested_tokens.increment(requested * chunk_tokens);
+        for ((_, chunks), ((_, tokens), n)) in
+            self.hit_chunks.iter().zip(self.hit_tokens.iter().zip(hits))
+        {
+            chunks.increment(*n);
+            tokens.increment(n * chunk_tokens);
+        }
+    }
+
+    pub(crate) fn store_submitted(&self, chunks: u64) {
+        self.store_chunks.increment(chunks);
+    }
+
+    pub(crate) fn store_failed(&self, tier: &str) {
+        if let Some((_, c)) = self.store_failures.iter().find(|(t, _)| t == tier) {
+            c.increment(1);
+        }
+    }
+
+    pub(crate) fn store_panic(&self) {
+        self.store_panics.increment(1);
+    }
+
+    pub(crate) fn store_lease_expired(&self) {
+        self.store_expired.increment(1);
+    }
+
+    pub(crate) fn maintenance_panic(&self) {
+        self.maintenance_panics.increment(1);
+    }
+}
