@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Sender, unbounded};
 use parking_lot::Mutex;
 use tierkv_core::{Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage};
 use tierkv_disk::DiskStore;
@@ -29,7 +28,7 @@ use crate::config::{StorageConfig, StorePolicy};
 use crate::error::StorageError;
 use crate::lookup::{Lookup, LookupId, LookupRequest, LookupResult, Stage};
 use crate::metrics::StorageMetrics;
-use crate::store::{StoreJob, StorePipeline};
+use crate::store::{StoreJob, StorePipeline, StoreQueue};
 
 /// Owners from here on belong to the storage layer's own pipelines.
 pub const RESERVED_OWNERS: u64 = 1 << 63;
@@ -42,14 +41,14 @@ const READ_COUNTS: usize = 1 << 20;
 
 /// Tells the store pipeline of finished writes.
 struct Forward {
-    jobs: Sender<StoreJob>,
+    jobs: StoreQueue,
     policy: StorePolicy,
 }
 
 impl L1Observer for Forward {
     fn writes_finished(&self, keys: &[ObjectKey]) {
         if self.policy != StorePolicy::WriteBack {
-            let _ = self.jobs.send(StoreJob::Finished(keys.to_vec()));
+            self.jobs.send(StoreJob::Finished(keys.to_vec()));
         }
     }
 
@@ -65,7 +64,7 @@ pub struct StorageStatus {
     pub tiers: Vec<(String, TierUsage)>,
     /// Lookups not yet released.
     pub open_lookups: usize,
-    /// Store batches being copied.
+    /// Store jobs queued or being copied (0: the store pipeline is idle).
     pub store_in_flight: u64,
 }
 
@@ -139,7 +138,7 @@ impl StorageManager {
         host: Option<Arc<HostStore>>,
         disk: Option<Arc<DiskStore>>,
     ) -> Result<Self, StorageError> {
-        let (jobs, inbox) = unbounded();
+        let (jobs, inbox) = StoreQueue::new();
         let observer = Arc::new(Forward { jobs: jobs.clone(), policy: config.store_policy });
         let l1 = Arc::new(L1Manager::build(config.l1.clone(), L1Context { clock, observer })?);
         let disk_index = tiers.iter().position(|t| t.name() == "disk");

@@ -35,6 +35,33 @@ pub(crate) enum StoreJob {
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
 }
 
+/// The store pipeline's queue, counting every job from the moment it is sent until its copies
+/// are finished (or it is dropped), so "nothing outstanding" really means idle.
+#[derive(Clone)]
+pub(crate) struct StoreQueue {
+    sender: Sender<StoreJob>,
+    outstanding: Arc<AtomicU64>,
+}
+
+impl StoreQueue {
+    pub(crate) fn new() -> (Self, Receiver<StoreJob>) {
+        let (sender, inbox) = unbounded();
+        (StoreQueue { sender, outstanding: Arc::new(AtomicU64::new(0)) }, inbox)
+    }
+
+    pub(crate) fn send(&self, job: StoreJob) {
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
+        if self.sender.send(job).is_err() {
+            self.outstanding.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Jobs queued or being copied.
+    pub(crate) fn outstanding(&self) -> u64 {
+        self.outstanding.load(Ordering::Acquire)
+    }
+}
+
 struct Batch {
     lease: LeaseId,
     /// A write-back lease is returned whole (its objects are then freed); a copy share is returned
@@ -45,9 +72,8 @@ struct Batch {
 
 /// The store pipeline's thread and queue.
 pub(crate) struct StorePipeline {
-    jobs: Sender<StoreJob>,
+    queue: StoreQueue,
     stop: Arc<AtomicBool>,
-    in_flight: Arc<AtomicU64>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -57,11 +83,10 @@ impl StorePipeline {
         router: Arc<TierRouter>,
         policy: StorePolicy,
         disk: Option<usize>,
-        jobs: (Sender<StoreJob>, Receiver<StoreJob>),
+        (queue, inbox): (StoreQueue, Receiver<StoreJob>),
         metrics: Arc<StorageMetrics>,
     ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
-        let in_flight = Arc::new(AtomicU64::new(0));
         let (events_tx, events) = unbounded();
         let mut worker = Worker {
             l1,
@@ -72,24 +97,23 @@ impl StorePipeline {
             batches: HashMap::new(),
             tasks: HashMap::new(),
             next_batch: 0,
-            in_flight: Arc::clone(&in_flight),
+            outstanding: Arc::clone(&queue.outstanding),
             metrics,
         };
-        let (sender, inbox) = jobs;
         let halt = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
             .name("tierkv-store".into())
             .spawn(move || worker.run(&inbox, &events, &halt))?;
-        Ok(StorePipeline { jobs: sender, stop, in_flight, thread: Mutex::new(Some(thread)) })
+        Ok(StorePipeline { queue, stop, thread: Mutex::new(Some(thread)) })
     }
 
     pub(crate) fn submit(&self, job: StoreJob) {
-        let _ = self.jobs.send(job);
+        self.queue.send(job);
     }
 
-    /// Batches being copied now.
+    /// Jobs queued or being copied.
     pub(crate) fn in_flight(&self) -> u64 {
-        self.in_flight.load(Ordering::Acquire)
+        self.queue.outstanding()
     }
 
     /// Stops after the batches in flight finished (or a drain timeout passed). Idempotent.
@@ -119,7 +143,8 @@ struct Worker {
     batches: HashMap<u64, Batch>,
     tasks: HashMap<(usize, TaskId), u64>,
     next_batch: u64,
-    in_flight: Arc<AtomicU64>,
+    /// Jobs sent and not yet done, shared with the queue.
+    outstanding: Arc<AtomicU64>,
     metrics: Arc<StorageMetrics>,
 }
 
@@ -136,6 +161,7 @@ impl Worker {
                     if let StoreJob::WriteBack { lease, .. } = job {
                         let _ = self.l1.release_lease(lease);
                     }
+                    self.done_with_job();
                 }
                 if self.batches.is_empty() || since.elapsed() > DRAIN {
                     break;
@@ -143,7 +169,16 @@ impl Worker {
             }
             let step = catch_unwind(AssertUnwindSafe(|| {
                 select! {
-                    recv(inbox) -> job => if let Ok(job) = job && stopping.is_none() { self.start(job) },
+                    recv(inbox) -> job => match job {
+                        Ok(job) if stopping.is_none() => self.start(job),
+                        Ok(job) => {
+                            if let StoreJob::WriteBack { lease, .. } = job {
+                                let _ = self.l1.release_lease(lease);
+                            }
+                            self.done_with_job();
+                        }
+                        Err(_) => {}
+                    },
                     recv(events) -> event => if let Ok(event) = event { self.on_event(event) },
                     default(Duration::from_millis(20)) => {},
                 }
@@ -153,14 +188,20 @@ impl Worker {
                 tracing::error!(why = ?panic.downcast_ref::<&str>(), "the store pipeline panicked; recovering");
                 self.metrics.store_panic();
             }
-            self.in_flight.store(self.batches.len() as u64, Ordering::Release);
         }
         // Past the drain timeout: return every share still held. The tiers hand the sources back
         // (and so drop their pins) when they answer or close.
         for (_, batch) in std::mem::take(&mut self.batches) {
             let _ = self.l1.release_lease(batch.lease);
+            self.done_with_job();
         }
-        self.in_flight.store(0, Ordering::Release);
+    }
+
+    /// One job is over: copied, or dropped.
+    fn done_with_job(&self) {
+        let _ = self
+            .outstanding
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 
     /// The tiers a job's objects go to.
@@ -183,11 +224,15 @@ impl Worker {
             StoreJob::WriteBack { lease, keys } => (lease, keys, true),
             StoreJob::Finished(keys) | StoreJob::Admit(keys) => {
                 if targets.is_empty() {
+                    self.done_with_job();
                     return;
                 }
                 // One share per key while copying; keys already gone are skipped.
                 let grant = self.l1.reserve_read(STORE_OWNER, &keys, ExtraCount::ZERO);
-                let Some(lease) = grant.lease else { return };
+                let Some(lease) = grant.lease else {
+                    self.done_with_job();
+                    return;
+                };
                 let granted = keys
                     .into_iter()
                     .zip(grant.results)
@@ -249,6 +294,7 @@ impl Worker {
 
     fn finish(&mut self, id: u64) {
         let Some(batch) = self.batches.remove(&id) else { return };
+        self.done_with_job();
         let returned = if batch.write_back {
             self.l1.release_lease(batch.lease).map(|_| ())
         } else {

@@ -1,0 +1,173 @@
+//! The store policies and the maintenance thread, end to end on the real tiers.
+
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tierkv_core::{ExtraCount, Layout, ManualClock, ObjectKey};
+use tierkv_disk::{BLOCK, DiskStoreConfig, record_bytes};
+use tierkv_l1::{DeviceKind, L1Config, OwnerId, Presence, Readers, Watermark};
+use tierkv_l2::{HostMemory, HostStoreConfig};
+use tierkv_storage::{StorageConfig, StorageManager, StorePolicy};
+use tierkv_testkit::contract::{keys, payload};
+
+const CHUNK: u64 = 16 << 10;
+const OWNER: OwnerId = OwnerId(5);
+const WAIT: Duration = Duration::from_secs(20);
+
+fn config(slots: u64, policy: StorePolicy, dir: &tempfile::TempDir) -> StorageConfig {
+    let segment_bytes = BLOCK + 8 * record_bytes(CHUNK);
+    StorageConfig {
+        l1: L1Config {
+            device: DeviceKind::Emulated,
+            lease_ttl: Duration::from_secs(10),
+            watermark: Watermark { high: 0.75, low: 0.5 },
+            ..L1Config::new(slots * CHUNK, CHUNK)
+        },
+        l2: Some(HostStoreConfig {
+            memory: HostMemory::Plain,
+            ..HostStoreConfig::new(64 * CHUNK, CHUNK)
+        }),
+        disk: Some(DiskStoreConfig {
+            segment_bytes,
+            ..DiskStoreConfig::new(dir.path(), 16 * segment_bytes, CHUNK)
+        }),
+        store_policy: policy,
+        maintenance_interval: Duration::from_millis(5),
+        ..StorageConfig::new(L1Config::new(CHUNK, CHUNK))
+    }
+}
+
+fn write(s: &StorageManager, keys: &[ObjectKey]) {
+    let layout = Layout::bytes(CHUNK).unwrap();
+    assert!(s.reserve_write(OWNER, keys, &layout).unwrap().iter().all(|r| r.is_ok()));
+    for k in keys {
+        s.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+    }
+    assert!(s.finish_write(OWNER, keys).unwrap().iter().all(|r| r.is_ok()));
+}
+
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn lookup_all(s: &StorageManager, keys: Vec<ObjectKey>) -> tierkv_storage::LookupResult {
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let id = s.submit_prefetch(OWNER, keys.clone(), ExtraCount::ZERO, layout).unwrap();
+    let result = s.wait(id, WAIT).unwrap();
+    for k in &keys[..result.hit_chunks] {
+        let mut bytes = vec![0; CHUNK as usize];
+        s.read(id, 0, k).unwrap().read_at(0, &mut bytes).unwrap();
+        assert!(bytes == payload(k, CHUNK), "{k:?} read other bytes");
+    }
+    s.release(id, Readers::All).unwrap();
+    result
+}
+
+#[test]
+fn write_back_copies_victims_down_before_letting_them_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(config(8, StorePolicy::WriteBack, &dir)).unwrap();
+    write(&s, &keys(0..4));
+    assert_eq!(s.status().tiers[0].1.objects, 0, "nothing is copied at write time");
+    write(&s, &keys(4..8));
+    // Eight of eight slots: above the high watermark, the background writes victims back down
+    // to the low watermark (four slots) and then frees them.
+    eventually("write-back brings L1 to its low watermark", || {
+        let status = s.status();
+        status.l1.slots - status.l1.free_bytes / CHUNK <= 4 && status.store_in_flight == 0
+    });
+    let status = s.status();
+    assert_eq!(
+        (status.tiers[0].1.objects, status.tiers[1].1.objects),
+        (4, 4),
+        "victims went to both tiers"
+    );
+    let result = lookup_all(&s, keys(0..8));
+    assert_eq!(result.hit_chunks, 8, "nothing was lost: {result:?}");
+    assert_eq!(result.per_tier[0] + result.per_tier[1], 8);
+    s.l1().audit().unwrap();
+}
+
+#[test]
+fn disk_admission_writes_a_chunk_to_disk_only_once_it_was_read_enough() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(config(16, StorePolicy::DiskAdmission { min_reads: 2 }, &dir))
+        .unwrap();
+    write(&s, &keys(0..3));
+    eventually("the host tier has the writes", || s.status().tiers[0].1.objects == 3);
+    assert_eq!(lookup_all(&s, keys(0..2)).hit_chunks, 2);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(s.status().tiers[1].1.objects, 0, "read once: not on disk yet");
+    assert_eq!(lookup_all(&s, keys(0..2)).hit_chunks, 2);
+    eventually("chunks read twice reach the disk", || s.status().tiers[1].1.objects == 2);
+    assert_eq!(s.status().tiers[0].1.objects, 3);
+}
+
+#[test]
+fn write_through_copies_every_write_to_every_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(config(16, StorePolicy::WriteThrough, &dir)).unwrap();
+    write(&s, &keys(0..5));
+    eventually("both tiers have the writes", || {
+        let status = s.status();
+        status.tiers[0].1.objects == 5
+            && status.tiers[1].1.objects == 5
+            && status.store_in_flight == 0
+    });
+}
+
+#[test]
+fn a_lease_nobody_releases_is_revoked_by_the_maintenance_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new());
+    let s = StorageManager::start_with_clock(
+        config(16, StorePolicy::WriteThrough, &dir),
+        clock.clone(),
+    )
+    .unwrap();
+    write(&s, &keys(0..3));
+    eventually("the store pipeline settled", || {
+        s.status().store_in_flight == 0 && s.status().tiers[0].1.objects == 3
+    });
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let id = s.submit_prefetch(OWNER, keys(0..3), ExtraCount::new(1).unwrap(), layout).unwrap();
+    assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 3);
+    s.release(id, Readers::One(0)).unwrap(); // reader 1 never releases
+    assert!(matches!(s.l1().presence(&keys(0..1)[0]), Presence::Ready { shares: 1, .. }));
+    clock.advance(Duration::from_secs(11));
+    eventually("the lease expired", || s.l1().usage().leased == 0);
+    assert!(s.release(id, Readers::One(1)).is_err(), "a late release is told the lease expired");
+    s.l1().audit().unwrap();
+}
+
+#[test]
+fn stopping_with_work_in_flight_is_clean_and_the_disk_keeps_what_was_written() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = StorageManager::start(config(16, StorePolicy::WriteThrough, &dir)).unwrap();
+        write(&s, &keys(0..6));
+        eventually("the disk has the writes", || s.status().tiers[1].1.objects == 6);
+        let layout = Layout::bytes(CHUNK).unwrap();
+        s.submit_prefetch(OWNER, keys(0..6), ExtraCount::ZERO, layout).unwrap();
+        let started = Instant::now();
+        s.stop();
+        assert!(started.elapsed() < Duration::from_secs(10));
+        let layout = Layout::bytes(CHUNK).unwrap();
+        assert!(
+            s.reserve_write(OWNER, &keys(9..10), &layout).is_err(),
+            "a stopped manager refuses work"
+        );
+    }
+    let s = StorageManager::start(config(16, StorePolicy::WriteThrough, &dir)).unwrap();
+    assert_eq!(
+        lookup_all(&s, keys(0..6)).per_tier,
+        vec![0, 0, 6],
+        "a restart finds the disk's chunks"
+    );
+}

@@ -1,0 +1,216 @@
+//! Random interleavings of everything a worker and an operator do, on the real tiers: writes
+//! (some never finished), lookups with random extra_count, reads, reader releases (some doubled,
+//! some never made and left to their deadline), deletes, clears and background evictions, under
+//! every store policy. Every byte read is checked against what was written. At quiescence (the
+//! clock moved past every deadline, the pipelines idle): no share is left, no tier holds a lock,
+//! L1's used bytes are exactly the unfinished writes, and L1's own audit passes.
+
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use tierkv_core::{ExtraCount, Layout, ManualClock, ObjectKey};
+use tierkv_disk::{BLOCK, DiskStoreConfig, record_bytes};
+use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers, Watermark};
+use tierkv_l2::{HostMemory, HostStoreConfig};
+use tierkv_storage::{LookupId, StorageConfig, StorageError, StorageManager, StorePolicy};
+use tierkv_testkit::contract::{key, payload};
+
+const CHUNK: u64 = 4 << 10;
+const KEYS: u64 = 12;
+const TTL: Duration = Duration::from_secs(5);
+const WAIT: Duration = Duration::from_secs(20);
+
+#[derive(Clone, Debug)]
+enum Op {
+    Write { first: u64, len: u64, finish: bool, owner: u8 },
+    Lookup { first: u64, len: u64, extra: u8, owner: u8 },
+    Read { pick: usize, reader: u8 },
+    Release { pick: usize, readers: u8, twice: bool },
+    ReleaseAll { pick: usize },
+    Delete { first: u64, len: u64 },
+    ClearL1,
+    Settle,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..KEYS, 1u64..5, prop::bool::weighted(0.9), 0u8..2)
+            .prop_map(|(first, len, finish, owner)| Op::Write { first, len, finish, owner }),
+        4 => (0..KEYS, 1u64..6, 0u8..3, 0u8..2).prop_map(|(first, len, extra, owner)| Op::Lookup { first, len, extra, owner }),
+        3 => (0usize..16, 0u8..4).prop_map(|(pick, reader)| Op::Read { pick, reader }),
+        4 => (0usize..16, 0u8..8, prop::bool::weighted(0.2)).prop_map(|(pick, readers, twice)| Op::Release { pick, readers, twice }),
+        1 => (0usize..16).prop_map(|pick| Op::ReleaseAll { pick }),
+        1 => (0..KEYS, 1u64..4).prop_map(|(first, len)| Op::Delete { first, len }),
+        1 => Just(Op::ClearL1),
+        1 => Just(Op::Settle),
+    ]
+}
+
+fn policy() -> impl Strategy<Value = StorePolicy> {
+    prop_oneof![
+        Just(StorePolicy::WriteThrough),
+        Just(StorePolicy::DiskAdmission { min_reads: 2 }),
+        Just(StorePolicy::WriteBack),
+    ]
+}
+
+fn chain(first: u64, len: u64) -> Vec<ObjectKey> {
+    (first..(first + len).min(KEYS)).map(key).collect()
+}
+
+fn owner(o: u8) -> OwnerId {
+    OwnerId(u64::from(o) + 1)
+}
+
+fn eventually(what: &str, mut done: impl FnMut() -> bool) -> Result<(), TestCaseError> {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        if Instant::now() > deadline {
+            return Err(TestCaseError::fail(format!("never: {what}")));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
+fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let dir = tempfile::tempdir().unwrap();
+    let segment_bytes = BLOCK + 4 * record_bytes(CHUNK);
+    let config = StorageConfig {
+        l1: L1Config {
+            device: DeviceKind::Emulated,
+            lease_ttl: TTL,
+            watermark: Watermark { high: 0.9, low: 0.6 },
+            ..L1Config::new(10 * CHUNK, CHUNK)
+        },
+        l2: Some(HostStoreConfig {
+            memory: HostMemory::Plain,
+            ..HostStoreConfig::new(8 * CHUNK, CHUNK)
+        }),
+        disk: Some(DiskStoreConfig {
+            segment_bytes,
+            io_threads: 2,
+            ..DiskStoreConfig::new(dir.path(), 4 * segment_bytes, CHUNK)
+        }),
+        store_policy: policy,
+        maintenance_interval: Duration::from_millis(2),
+        ..StorageConfig::new(L1Config::new(CHUNK, CHUNK))
+    };
+    let clock = Arc::new(ManualClock::new());
+    let s = StorageManager::start_with_clock(config, clock.clone()).unwrap();
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let mut lookups: Vec<(LookupId, Vec<ObjectKey>, usize)> = Vec::new();
+    let mut unfinished: Vec<(OwnerId, ObjectKey)> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Write { first, len, finish, owner: o } => {
+                let keys = chain(first, len);
+                let reserved = s.reserve_write(owner(o), &keys, &layout).unwrap();
+                let mine: Vec<ObjectKey> = keys
+                    .iter()
+                    .zip(&reserved)
+                    .filter(|(_, r)| r.is_ok())
+                    .map(|(k, _)| *k)
+                    .collect();
+                for k in &mine {
+                    s.write_access(owner(o), k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+                }
+                if finish {
+                    prop_assert!(
+                        s.finish_write(owner(o), &mine).unwrap().iter().all(|r| r.is_ok())
+                    );
+                } else {
+                    unfinished.extend(mine.iter().map(|k| (owner(o), *k)));
+                }
+            }
+            Op::Lookup { first, len, extra, owner: o } => {
+                let keys = chain(first, len);
+                let id = s
+                    .submit_prefetch(
+                        owner(o),
+                        keys.clone(),
+                        ExtraCount::new(i64::from(extra)).unwrap(),
+                        layout.clone(),
+                    )
+                    .unwrap();
+                let result = s
+                    .wait(id, WAIT)
+                    .map_err(|e| TestCaseError::fail(format!("lookup failed: {e}")))?;
+                prop_assert!(result.hit_chunks <= keys.len());
+                lookups.push((id, keys, result.hit_chunks));
+            }
+            Op::Read { pick, reader } => {
+                let Some((id, keys, hit)) = lookups.get(pick % (lookups.len() + 1)) else {
+                    continue;
+                };
+                for k in &keys[..*hit] {
+                    if let Ok(guard) = s.read(*id, reader, k) {
+                        let mut bytes = vec![0; CHUNK as usize];
+                        guard.read_at(0, &mut bytes).unwrap();
+                        prop_assert!(bytes == payload(k, CHUNK), "{k:?} read other bytes");
+                    }
+                }
+            }
+            Op::Release { pick, readers, twice } => {
+                let Some((id, ..)) = lookups.get(pick % (lookups.len() + 1)) else { continue };
+                let readers = Readers::Set(u128::from(readers).max(1));
+                if s.release(*id, readers).is_ok() && twice {
+                    prop_assert!(
+                        s.release(*id, readers).is_err(),
+                        "a second release by the same readers was accepted"
+                    );
+                }
+            }
+            Op::ReleaseAll { pick } => {
+                let len = lookups.len();
+                if len > 0 {
+                    let (id, ..) = lookups.remove(pick % len);
+                    let _ = s.release_all(id);
+                }
+            }
+            Op::Delete { first, len } => drop(s.delete(&chain(first, len))),
+            Op::ClearL1 => drop(s.clear_l1(false)),
+            Op::Settle => {
+                eventually("the store pipeline idles", || s.status().store_in_flight == 0)?
+            }
+        }
+    }
+    // Quiescence: let the pipelines finish, then move past every deadline.
+    eventually("the store pipeline idles", || s.status().store_in_flight == 0)?;
+    clock.advance(TTL * 2);
+    eventually("every share came back", || s.l1().usage().leased == 0)?;
+    eventually("the store pipeline idles", || s.status().store_in_flight == 0)?;
+    let status = s.status();
+    for (name, usage) in &status.tiers {
+        prop_assert_eq!(usage.locks, 0, "tier {} holds locks", name);
+    }
+    let usage = s.l1().usage();
+    prop_assert_eq!(usage.writing, unfinished.len() as u64, "{:?}", usage);
+    prop_assert_eq!(
+        usage.used_bytes,
+        unfinished.len() as u64 * CHUNK,
+        "used bytes are the unfinished writes: {:?}",
+        usage
+    );
+    s.l1().audit().map_err(TestCaseError::fail)?;
+    // Unfinished writes belong to their owners, whose departure returns them.
+    for o in 0..2 {
+        s.release_owner(owner(o));
+    }
+    prop_assert_eq!(s.l1().usage().used_bytes, 0);
+    let unknown = s.release(LookupId(u64::MAX), Readers::All);
+    prop_assert!(matches!(unknown, Err(StorageError::UnknownLookup(_))));
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn interleavings_end_with_no_share_no_lock_and_exact_usage(policy in policy(), ops in prop::collection::vec(op(), 1..40)) {
+        run(policy, ops)?;
+    }
+}
