@@ -257,11 +257,26 @@ impl Worker {
                 continue;
             }
             self.metrics.store_submitted(items.len() as u64);
-            if let Some(task) = self.router.submit(tier, &self.events_tx, |t| t.submit_store(items))
-            {
-                self.tasks.insert((tier, task), id);
-                if let Some(batch) = self.batches.get_mut(&id) {
-                    batch.waiting += 1;
+            // A tier that panics is one failed target, not a stuck batch.
+            let submitted = catch_unwind(AssertUnwindSafe(|| {
+                self.router.submit(tier, &self.events_tx, |t| t.submit_store(items))
+            }));
+            match submitted {
+                Ok(Some(task)) => {
+                    self.tasks.insert((tier, task), id);
+                    if let Some(batch) = self.batches.get_mut(&id) {
+                        batch.waiting += 1;
+                    }
+                }
+                Ok(None) => {}
+                Err(_) => {
+                    tracing::error!(
+                        tier,
+                        "a tier panicked taking a store; counted as a failed copy"
+                    );
+                    self.metrics.store_panic();
+                    self.metrics
+                        .store_failed(self.router.tier(tier).map_or("unknown", |t| t.name()));
                 }
             }
         }

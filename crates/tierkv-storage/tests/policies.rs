@@ -171,3 +171,75 @@ fn stopping_with_work_in_flight_is_clean_and_the_disk_keeps_what_was_written() {
         "a restart finds the disk's chunks"
     );
 }
+
+/// A tier whose stores panic inside the store pipeline's thread.
+struct PanicsOnStore(tierkv_testkit::FakeTier);
+
+impl tierkv_core::TierAdapter for PanicsOnStore {
+    fn name(&self) -> &str {
+        "l2"
+    }
+    fn submit_store(&self, _items: Vec<tierkv_core::StoreItem>) -> tierkv_core::TaskId {
+        panic!("store exploded");
+    }
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> tierkv_core::TaskId {
+        self.0.submit_lookup_and_lock(keys)
+    }
+    fn submit_load(&self, items: Vec<tierkv_core::LoadItem>) -> tierkv_core::TaskId {
+        self.0.submit_load(items)
+    }
+    fn unlock(&self, keys: &[ObjectKey]) {
+        self.0.unlock(keys)
+    }
+    fn delete(&self, keys: &[ObjectKey]) -> usize {
+        self.0.delete(keys)
+    }
+    fn clear(&self) -> usize {
+        self.0.clear()
+    }
+    fn usage(&self) -> tierkv_core::TierUsage {
+        self.0.usage()
+    }
+    fn completions(&self) -> crossbeam_channel::Receiver<tierkv_core::Completion> {
+        self.0.completions()
+    }
+    fn close(&self) {
+        self.0.close()
+    }
+}
+
+#[test]
+fn a_panic_in_the_store_pipeline_is_counted_and_the_pipeline_carries_on() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let clock = Arc::new(ManualClock::new());
+    let tier: Arc<dyn tierkv_core::TierAdapter> =
+        Arc::new(PanicsOnStore(tierkv_testkit::FakeTier::new("l2", 64, CHUNK)));
+    let mut config = StorageConfig::new(L1Config {
+        device: DeviceKind::Emulated,
+        lease_ttl: Duration::from_secs(10),
+        ..L1Config::new(16 * CHUNK, CHUNK)
+    });
+    config.maintenance_interval = Duration::from_millis(5);
+    let s = metrics::with_local_recorder(&recorder, || {
+        StorageManager::start_with_tiers(config, clock.clone(), vec![tier])
+    })
+    .unwrap();
+    write(&s, &keys(0..2));
+    write(&s, &keys(2..4));
+    // Both jobs finish (as failed copies) and return their shares at once: nothing waits for a
+    // deadline, and the pipeline is idle and alive.
+    eventually("the store pipeline is idle", || s.status().store_in_flight == 0);
+    assert_eq!(s.l1().usage().leased, 0, "the failed copies returned their shares");
+    assert_eq!(lookup_all(&s, keys(0..4)).hit_chunks, 4);
+    let snapshot = snapshotter.snapshot().into_vec();
+    let panics: u64 = snapshot
+        .into_iter()
+        .filter(|(k, ..)| {
+            k.key().name() == "tierkv_errors_total"
+                && k.key().labels().any(|l| l.value() == "panic")
+        })
+        .map(|(.., v)| if let metrics_util::debugging::DebugValue::Counter(n) = v { n } else { 0 })
+        .sum();
+    assert_eq!(panics, 2, "each panic was counted");
+}
