@@ -20,4 +20,5 @@ pub use config::{StorageConfig, StorePolicy};
 pub use error::StorageError;
 pub use lookup::{LookupGroup, LookupId, LookupRequest, LookupResult};
 pub use manager::{RESERVED_OWNERS, StorageManager, StorageStatus};
+pub use metrics::LookupTotals;
 pub use tierkv_prefetch::GroupKind;

@@ -27,7 +27,7 @@ use tierkv_prefetch::{
 use crate::config::{StorageConfig, StorePolicy};
 use crate::error::StorageError;
 use crate::lookup::{Lookup, LookupId, LookupRequest, LookupResult, Stage};
-use crate::metrics::StorageMetrics;
+use crate::metrics::{LookupTotals, StorageMetrics};
 use crate::store::{StoreJob, StorePipeline, StoreQueue};
 
 /// Owners from here on belong to the storage layer's own pipelines.
@@ -66,6 +66,8 @@ pub struct StorageStatus {
     pub open_lookups: usize,
     /// Store jobs queued or being copied (0: the store pipeline is idle).
     pub store_in_flight: u64,
+    /// Lookups and their hits since the start.
+    pub lookups: LookupTotals,
 }
 
 struct Inner {
@@ -331,6 +333,14 @@ impl StorageManager {
         Ok(id)
     }
 
+    /// Chunks of the lookup's hit that L1 held when it was submitted (what a worker can read at
+    /// once, before the prefetch of the rest completes).
+    pub fn l1_hit(&self, id: LookupId) -> Result<usize, StorageError> {
+        let lookups = self.inner.lookups.lock();
+        let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
+        Ok(hit_of(&lookup.request, |g, i| lookup.in_l1[g][i]))
+    }
+
     /// The lookup's result if it is complete, `None` while it prefetches.
     pub fn query(&self, id: LookupId) -> Result<Option<LookupResult>, StorageError> {
         let mut lookups = self.inner.lookups.lock();
@@ -476,6 +486,7 @@ impl StorageManager {
             tiers: self.inner.router.tiers().map(|t| (t.name().to_string(), t.usage())).collect(),
             open_lookups: self.inner.lookups.lock().len(),
             store_in_flight: self.inner.store.in_flight(),
+            lookups: self.inner.metrics.totals(),
         }
     }
 

@@ -1,6 +1,23 @@
 //! The storage layer's metrics: lookups and hits per tier, the store pipeline, background work.
 
 use metrics::{Counter, Unit, counter, describe_counter};
+use parking_lot::Mutex;
+
+/// Lookup totals since the manager started, kept beside the counters so a status request can
+/// report hit ratios without reading the metrics exporter back.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LookupTotals {
+    /// Lookups completed.
+    pub lookups: u64,
+    /// Chunks asked for (the denominator of the hit ratio).
+    pub requested_chunks: u64,
+    /// Tokens asked for.
+    pub requested_tokens: u64,
+    /// Chunks of hits, by the tier that served them: L1, then the lower tiers fastest first.
+    pub hit_chunks: Vec<u64>,
+    /// Tokens of hits, by tier as `hit_chunks`.
+    pub hit_tokens: Vec<u64>,
+}
 
 /// The tiers a hit can come from, as metric labels: L1, then the lower tiers by name.
 pub(crate) struct StorageMetrics {
@@ -14,6 +31,7 @@ pub(crate) struct StorageMetrics {
     store_panics: Counter,
     store_expired: Counter,
     maintenance_panics: Counter,
+    totals: Mutex<LookupTotals>,
 }
 
 impl StorageMetrics {
@@ -64,6 +82,11 @@ impl StorageMetrics {
             store_panics: counter!("tierkv_errors_total", "component" => "store", "reason" => "panic"),
             store_expired: counter!("tierkv_errors_total", "component" => "store", "reason" => "lease_expired"),
             maintenance_panics: counter!("tierkv_errors_total", "component" => "maintenance", "reason" => "panic"),
+            totals: Mutex::new(LookupTotals {
+                hit_chunks: vec![0; all.len()],
+                hit_tokens: vec![0; all.len()],
+                ..LookupTotals::default()
+            }),
         }
     }
 
@@ -78,6 +101,19 @@ impl StorageMetrics {
             chunks.increment(*n);
             tokens.increment(n * chunk_tokens);
         }
+        let mut totals = self.totals.lock();
+        totals.lookups += 1;
+        totals.requested_chunks += requested;
+        totals.requested_tokens += requested * chunk_tokens;
+        for (t, n) in hits.iter().enumerate().take(totals.hit_chunks.len()) {
+            totals.hit_chunks[t] += n;
+            totals.hit_tokens[t] += n * chunk_tokens;
+        }
+    }
+
+    /// The lookup totals so far.
+    pub(crate) fn totals(&self) -> LookupTotals {
+        self.totals.lock().clone()
     }
 
     pub(crate) fn store_submitted(&self, chunks: u64) {
