@@ -1,0 +1,532 @@
+//! The messages. Enums are externally tagged with snake_case names (`{"lookup": {...}}`, or a
+//! bare string for a request without fields, `"status"`); every struct is a map of its fields.
+
+use std::fmt;
+
+use serde::de::{self, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The 128-bit chained hash of a chunk and its whole prefix, as the engine computes it. On the
+/// wire: 16 bytes (MessagePack `bin`), big-endian.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkId(pub u128);
+
+impl Serialize for ChunkId {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(&self.0.to_be_bytes())
+    }
+}
+
+impl<'de> Deserialize<'de> for ChunkId {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Bytes16;
+        impl<'de> Visitor<'de> for Bytes16 {
+            type Value = ChunkId;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("16 bytes")
+            }
+
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<ChunkId, E> {
+                let bytes: [u8; 16] =
+                    v.try_into().map_err(|_| E::invalid_length(v.len(), &self))?;
+                Ok(ChunkId(u128::from_be_bytes(bytes)))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ChunkId, A::Error> {
+                let mut bytes = [0u8; 16];
+                for (i, b) in bytes.iter_mut().enumerate() {
+                    *b = seq.next_element()?.ok_or_else(|| de::Error::invalid_length(i, &self))?;
+                }
+                if seq.next_element::<de::IgnoredAny>()?.is_some() {
+                    return Err(de::Error::invalid_length(17, &self));
+                }
+                Ok(ChunkId(u128::from_be_bytes(bytes)))
+            }
+        }
+        deserializer.deserialize_bytes(Bytes16)
+    }
+}
+
+/// A request and the number its reply will carry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    /// Chosen by the client; echoed in the reply.
+    pub id: u64,
+    /// What is asked.
+    pub body: RequestBody,
+}
+
+/// The part of a request every well-formed frame has, whatever its body: lets the daemon answer
+/// a request of a type it does not know with an error that carries the right id.
+#[derive(Clone, Copy, Debug, Deserialize)]
+pub struct RequestHeader {
+    /// The request's id.
+    pub id: u64,
+}
+
+/// Which requests a session may make.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// An engine worker: registers buffers, stores, looks up, retrieves.
+    #[default]
+    Worker,
+    /// An operator's tool (`tierkv status`): status and clear only.
+    Admin,
+}
+
+/// A model and tenant whose chunks a session may touch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceDecl {
+    /// The model's name (its KV bytes differ from every other model's).
+    pub model: String,
+    /// A tenant salt: sessions with different salts never share chunks.
+    #[serde(default)]
+    pub cache_salt: String,
+}
+
+/// The first request of every session.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The client's [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// Worker or admin.
+    #[serde(default)]
+    pub role: Role,
+    /// This worker's tensor-parallel rank.
+    #[serde(default)]
+    pub rank: u16,
+    /// Tensor-parallel size of the worker's group.
+    #[serde(default = "one")]
+    pub tp_size: u16,
+    /// World size of the engine (at least `tp_size`).
+    #[serde(default = "one")]
+    pub world_size: u16,
+    /// The KV is identical on every rank (MLA): one shared copy serves the whole TP group, and a
+    /// lookup counts `tp_size` readers.
+    #[serde(default)]
+    pub mla: bool,
+    /// The namespaces this session touches; requests name them by index into this list.
+    #[serde(default)]
+    pub namespaces: Vec<NamespaceDecl>,
+    /// Bytes of one chunk (one block of the worker's buffer).
+    #[serde(default)]
+    pub chunk_bytes: u64,
+    /// Tokens of one chunk.
+    #[serde(default = "one_u32")]
+    pub chunk_tokens: u32,
+    /// The shared token, required over TCP.
+    #[serde(default)]
+    pub token: Option<String>,
+}
+
+fn one() -> u16 {
+    1
+}
+
+fn one_u32() -> u32 {
+    1
+}
+
+/// A chunk and the block of a registered buffer it is copied from or into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockRef {
+    /// The chunk.
+    pub chunk: ChunkId,
+    /// Index of the block in the buffer.
+    pub block: u64,
+}
+
+/// What a client asks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestBody {
+    /// Opens the session; must come first.
+    Hello(Hello),
+    /// Registers the shared-memory buffer whose file descriptor rides on this frame.
+    RegisterBuffer {
+        /// Bytes per block; must equal the session's `chunk_bytes`.
+        block_bytes: u64,
+        /// Blocks in the buffer.
+        blocks: u64,
+    },
+    /// Copies blocks into the cache as new chunks, visible once the copy is complete.
+    Store {
+        /// Index into the hello's namespaces.
+        namespace: u32,
+        /// A registered buffer.
+        buffer: u32,
+        /// The chunks, root first, and the blocks holding their bytes.
+        chunks: Vec<BlockRef>,
+    },
+    /// Starts a prefix lookup: the hits in L1 are leased at once, the rest is prefetched.
+    Lookup {
+        /// Index into the hello's namespaces.
+        namespace: u32,
+        /// The prompt's chunk hashes, root first.
+        chunks: Vec<ChunkId>,
+    },
+    /// Asks whether a lookup is complete, without waiting.
+    Query {
+        /// The lookup.
+        lookup: u64,
+    },
+    /// Waits for a lookup to complete.
+    Wait {
+        /// The lookup.
+        lookup: u64,
+        /// How long to wait at most.
+        timeout_ms: u64,
+    },
+    /// Copies chunks of a lookup's hit into blocks, then returns this reader's share.
+    Retrieve {
+        /// The lookup (possibly made by another rank of the same TP group).
+        lookup: u64,
+        /// A registered buffer.
+        buffer: u32,
+        /// Chunks of the hit and the blocks to copy them into.
+        chunks: Vec<BlockRef>,
+    },
+    /// Returns every share a lookup still holds (chunks the engine will not read).
+    Release {
+        /// The lookup; only the session that made it may release it.
+        lookup: u64,
+    },
+    /// Ends the session: everything it holds is returned, and the connection closes.
+    EndSession,
+    /// How the daemon is doing.
+    Status,
+    /// Empties every tier of what nobody holds (admin sessions only).
+    Clear,
+}
+
+/// A reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Reply {
+    /// The request's id (0 when the request was too broken to carry one).
+    pub id: u64,
+    /// The answer.
+    pub body: ReplyBody,
+}
+
+/// Why a chunk of a store was not stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused {
+    /// Its position in the request.
+    pub index: u32,
+    /// What the daemon said of it.
+    pub reason: String,
+}
+
+/// What a lookup found.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LookupOutcome {
+    /// The hit: this many chunks from the root are available.
+    pub hit_chunks: u32,
+    /// The hit in tokens.
+    pub hit_tokens: u64,
+    /// Readers that each return a share (`1 + extra_count`).
+    pub readers: u32,
+    /// Chunks of the hit served by each tier: L1, then the lower tiers fastest first.
+    pub per_tier: Vec<u32>,
+}
+
+/// One tier in a status report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierReport {
+    /// "l1", "l2", "disk".
+    pub name: String,
+    /// Bytes in use (cached, being written, or held).
+    pub used_bytes: u64,
+    /// Bytes of cached chunks that eviction may take.
+    pub cached_bytes: u64,
+    /// Bytes the tier may use.
+    pub capacity_bytes: u64,
+    /// Chunks stored.
+    pub objects: u64,
+    /// Chunks of lookup hits this tier served.
+    pub hit_chunks: u64,
+}
+
+/// One connected session in a status report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionReport {
+    /// The session's number.
+    pub session: u64,
+    /// Worker or admin.
+    pub role: Role,
+    /// Tensor-parallel rank and size.
+    pub rank: u16,
+    /// Tensor-parallel size.
+    pub tp_size: u16,
+    /// Lookups it made that are not yet released.
+    pub open_lookups: u64,
+}
+
+/// The daemon's state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// The daemon's version.
+    pub version: String,
+    /// Seconds since it started.
+    pub uptime_s: f64,
+    /// Every tier, L1 first.
+    pub tiers: Vec<TierReport>,
+    /// L1 chunks with read shares not yet returned (0 when every reader is done).
+    pub l1_leased_chunks: u64,
+    /// Lookups completed.
+    pub lookups: u64,
+    /// Chunks asked for by lookups.
+    pub requested_chunks: u64,
+    /// Chunks of hits, all tiers.
+    pub hit_chunks: u64,
+    /// `hit_chunks / requested_chunks` (0 before the first lookup).
+    pub hit_ratio: f64,
+    /// Tokens asked for by lookups.
+    pub requested_tokens: u64,
+    /// Tokens of hits, all tiers.
+    pub hit_tokens: u64,
+    /// Lookups not yet released.
+    pub open_lookups: u64,
+    /// Store copies to the lower tiers queued or running.
+    pub store_in_flight: u64,
+    /// Worker sessions connected.
+    pub connected_workers: u32,
+    /// Every session.
+    pub sessions: Vec<SessionReport>,
+}
+
+/// Why a request failed. Stable numbers a client can branch on; the message says the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The frame could not be decoded; the connection is closed after this reply.
+    BadFrame,
+    /// A well-formed frame of an unknown type, or with fields that do not fit.
+    BadRequest,
+    /// The hello's protocol version is not this daemon's.
+    VersionMismatch,
+    /// A request before the hello, or a second hello.
+    NoSession,
+    /// A wrong or missing token, or a request the session's role may not make.
+    Forbidden,
+    /// A namespace index the hello did not declare.
+    NamespaceNotDeclared,
+    /// A buffer that was not registered, or a registration that was refused.
+    BadBuffer,
+    /// A block index outside the registered buffer.
+    BlockOutOfRange,
+    /// A lookup that does not exist (never, or no longer).
+    UnknownLookup,
+    /// The lookup is still prefetching.
+    Pending,
+    /// A chunk that is not part of the lookup's hit.
+    NotInHit,
+    /// This reader already returned its share.
+    ShareReturned,
+    /// The wait timed out; the lookup stays open.
+    Timeout,
+    /// The cache cannot take the request now (no free or evictable space).
+    Full,
+    /// The daemon is shutting down.
+    Stopped,
+    /// Something failed inside the daemon; the message says what.
+    Internal,
+}
+
+/// What the daemon answers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplyBody {
+    /// The session is open.
+    Welcome {
+        /// The daemon's protocol version.
+        version: u32,
+        /// The session's number.
+        session: u64,
+        /// The largest chunk the daemon stores.
+        max_chunk_bytes: u64,
+        /// Readers of every lookup this session makes (`tp_size` with MLA, else 1).
+        readers: u32,
+    },
+    /// The buffer is registered under this number.
+    BufferRegistered {
+        /// Its number for later requests.
+        buffer: u32,
+    },
+    /// A store's outcome.
+    Stored {
+        /// Chunks copied in and now visible.
+        stored: u32,
+        /// Chunks that were already cached (or being written by another session).
+        present: u32,
+        /// Chunks refused, with why.
+        refused: Vec<Refused>,
+    },
+    /// A lookup started.
+    LookupStarted {
+        /// Its number.
+        lookup: u64,
+        /// Chunks of the hit that L1 held: readable at once.
+        l1_hit_chunks: u32,
+        /// Its outcome, when it completed at once (everything came from L1).
+        outcome: Option<LookupOutcome>,
+    },
+    /// The lookup is still prefetching.
+    Pending,
+    /// The lookup completed.
+    Done(LookupOutcome),
+    /// A retrieve's copies are complete and this reader's share is returned.
+    Retrieved {
+        /// Chunks copied.
+        chunks: u32,
+        /// Bytes copied.
+        bytes: u64,
+    },
+    /// The lookup's shares are returned.
+    Released,
+    /// The session ended.
+    Bye,
+    /// The status.
+    Status(StatusReport),
+    /// What a clear removed.
+    Cleared {
+        /// Chunks removed from each tier, L1 first.
+        removed: Vec<u64>,
+    },
+    /// The request failed; nothing it asked for happened.
+    Error {
+        /// What kind of failure.
+        code: ErrorCode,
+        /// What happened, for a person.
+        message: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+    use crate::{decode, encode};
+
+    fn round_trip<T: Serialize + serde::de::DeserializeOwned>(value: &T) -> T {
+        let mut out = Vec::new();
+        encode(value, &mut out).unwrap();
+        decode(&out[4..]).unwrap()
+    }
+
+    #[test]
+    fn every_request_round_trips() {
+        let hello = Hello {
+            version: 1,
+            role: Role::Worker,
+            rank: 1,
+            tp_size: 2,
+            world_size: 2,
+            mla: true,
+            namespaces: vec![NamespaceDecl { model: "m".into(), cache_salt: "s".into() }],
+            chunk_bytes: 4096,
+            chunk_tokens: 16,
+            token: Some("t".into()),
+        };
+        let chunk = ChunkId(u128::MAX - 5);
+        let bodies = vec![
+            RequestBody::Hello(hello),
+            RequestBody::RegisterBuffer { block_bytes: 4096, blocks: 8 },
+            RequestBody::Store {
+                namespace: 0,
+                buffer: 1,
+                chunks: vec![BlockRef { chunk, block: 3 }],
+            },
+            RequestBody::Lookup { namespace: 0, chunks: vec![chunk, ChunkId(0)] },
+            RequestBody::Query { lookup: 9 },
+            RequestBody::Wait { lookup: 9, timeout_ms: 10 },
+            RequestBody::Retrieve {
+                lookup: 9,
+                buffer: 1,
+                chunks: vec![BlockRef { chunk, block: 0 }],
+            },
+            RequestBody::Release { lookup: 9 },
+            RequestBody::EndSession,
+            RequestBody::Status,
+            RequestBody::Clear,
+        ];
+        for (id, body) in bodies.into_iter().enumerate() {
+            let request = Request { id: id as u64, body };
+            assert_eq!(round_trip(&request), request);
+        }
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        let outcome =
+            LookupOutcome { hit_chunks: 3, hit_tokens: 48, readers: 2, per_tier: vec![1, 2] };
+        let bodies = vec![
+            ReplyBody::Welcome { version: 1, session: 4, max_chunk_bytes: 1 << 20, readers: 2 },
+            ReplyBody::Stored {
+                stored: 1,
+                present: 2,
+                refused: vec![Refused { index: 0, reason: "full".into() }],
+            },
+            ReplyBody::LookupStarted {
+                lookup: 1,
+                l1_hit_chunks: 1,
+                outcome: Some(outcome.clone()),
+            },
+            ReplyBody::Pending,
+            ReplyBody::Done(outcome),
+            ReplyBody::Error { code: ErrorCode::BlockOutOfRange, message: "no".into() },
+            ReplyBody::Bye,
+        ];
+        for body in bodies {
+            let reply = Reply { id: 1, body };
+            assert_eq!(round_trip(&reply), reply);
+        }
+    }
+
+    #[test]
+    fn the_wire_form_is_what_docs_protocol_md_shows() {
+        // A Python client builds exactly these maps; pin them.
+        let mut out = Vec::new();
+        encode(&Request { id: 1, body: RequestBody::Status }, &mut out).unwrap();
+        let expected: &[u8] = &[
+            0x82, 0xa2, b'i', b'd', 0x01, 0xa4, b'b', b'o', b'd', b'y', 0xa6, b's', b't', b'a',
+            b't', b'u', b's',
+        ];
+        assert_eq!(&out[4..], expected);
+        out.clear();
+        encode(&ChunkId(1), &mut out).unwrap();
+        assert_eq!(&out[4..6], &[0xc4, 16], "a chunk id is a 16-byte bin");
+        assert_eq!(out[21], 1, "big-endian");
+    }
+
+    #[test]
+    fn an_unknown_request_type_still_yields_its_id() {
+        // {"id": 5, "body": {"frobnicate": {}}}
+        let body: &[u8] = &[
+            0x82, 0xa2, b'i', b'd', 0x05, 0xa4, b'b', b'o', b'd', b'y', 0x81, 0xaa, b'f', b'r',
+            b'o', b'b', b'n', b'i', b'c', b'a', b't', b'e', 0x80,
+        ];
+        assert!(decode::<Request>(body).is_err());
+        assert_eq!(decode::<RequestHeader>(body).unwrap().id, 5);
+    }
+
+    #[test]
+    fn chunk_ids_of_the_wrong_length_are_refused() {
+        let mut out = Vec::new();
+        encode(&serde_bytes_like(&[1, 2, 3]), &mut out).unwrap();
+        assert!(decode::<ChunkId>(&out[4..]).is_err());
+    }
+
+    struct Raw<'a>(&'a [u8]);
+    impl Serialize for Raw<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(self.0)
+        }
+    }
+    fn serde_bytes_like(bytes: &[u8]) -> Raw<'_> {
+        Raw(bytes)
+    }
+}
