@@ -1,0 +1,206 @@
+//! A small engine worker: one session with a shared-memory KV buffer, driven by commands on
+//! stdin, one JSON line per command on stdout. The integration tests run several of these as
+//! separate processes to act as the ranks of a tensor-parallel group.
+//!
+//! ```text
+//! worker --socket PATH --model M --chunk-bytes B --blocks N [--rank R --tp T --mla --salt S]
+//!   store PROMPT N            store chunks 0..N of PROMPT from blocks 0..N
+//!   lookup PROMPT N           look up chunks 0..N of PROMPT
+//!   wait LOOKUP               wait for a lookup to complete
+//!   retrieve LOOKUP PROMPT N  copy chunks 0..N into blocks 0..N, verify every byte
+//!   release LOOKUP            return every share of a lookup
+//!   status                    the daemon's status
+//!   exit                      end the session
+//! ```
+//!
+//! Chunk `i` of prompt `p` has a fixed id and fixed bytes (derived from the id, and from the
+//! rank unless the KV is shared), so any process can check what another stored.
+
+#![allow(clippy::print_stdout, reason = "the worker answers on stdout")]
+
+use std::io::BufRead;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tierkv_client::proto::{BlockRef, ChunkId, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
+use tierkv_client::{Client, ClientError, SharedBuffer};
+
+struct Args {
+    socket: String,
+    model: String,
+    salt: String,
+    chunk_bytes: u64,
+    blocks: u64,
+    rank: u16,
+    tp: u16,
+    mla: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        socket: String::new(),
+        model: "model".into(),
+        salt: String::new(),
+        chunk_bytes: 4096,
+        blocks: 64,
+        rank: 0,
+        tp: 1,
+        mla: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--mla" {
+            args.mla = true;
+            continue;
+        }
+        let value = it.next().ok_or(format!("{flag} needs a value"))?;
+        let number = |v: &str| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
+        match flag.as_str() {
+            "--socket" => args.socket = value,
+            "--model" => args.model = value,
+            "--salt" => args.salt = value,
+            "--chunk-bytes" => args.chunk_bytes = number(&value)?,
+            "--blocks" => args.blocks = number(&value)?,
+            "--rank" => args.rank = number(&value)? as u16,
+            "--tp" => args.tp = number(&value)? as u16,
+            _ => return Err(format!("unknown flag {flag}")),
+        }
+    }
+    Ok(args)
+}
+
+/// The id of chunk `index` of prompt `prompt`.
+pub fn chunk_id(prompt: u64, index: u64) -> ChunkId {
+    let hi = splitmix(prompt ^ 0x9e37_79b9_7f4a_7c15);
+    let lo = splitmix(hi ^ index.wrapping_mul(0xbf58_476d_1ce4_e5b9));
+    ChunkId((u128::from(hi) << 64) | u128::from(lo))
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The bytes of a chunk: a stream seeded by its id and the rank whose KV it is.
+fn fill(block: &mut [u8], id: ChunkId, rank_tag: u64) {
+    let mut state =
+        (id.0 as u64) ^ ((id.0 >> 64) as u64) ^ rank_tag.wrapping_mul(0x2545_f491_4f6c_dd1d);
+    for word in block.chunks_mut(8) {
+        state = splitmix(state);
+        let bytes = state.to_le_bytes();
+        word.copy_from_slice(&bytes[..word.len()]);
+    }
+}
+
+struct Worker {
+    client: Client,
+    buffer: SharedBuffer,
+    buffer_id: u32,
+    rank_tag: u64,
+    scratch: Vec<u8>,
+}
+
+impl Worker {
+    fn blocks(&self, prompt: u64, n: u64) -> Result<Vec<BlockRef>, String> {
+        if n > self.buffer.blocks() {
+            return Err(format!("{n} chunks do not fit {} blocks", self.buffer.blocks()));
+        }
+        Ok((0..n).map(|i| BlockRef { chunk: chunk_id(prompt, i), block: i }).collect())
+    }
+
+    fn run(&mut self, words: &[&str]) -> Result<Value, String> {
+        let num = |i: usize| -> Result<u64, String> {
+            words.get(i).ok_or("missing argument")?.parse::<u64>().map_err(|e| e.to_string())
+        };
+        let daemon = |e: ClientError| e.to_string();
+        match words.first().copied().unwrap_or("") {
+            "store" => {
+                let refs = self.blocks(num(1)?, num(2)?)?;
+                for r in &refs {
+                    let block = self.buffer.block_mut(r.block).ok_or("block out of range")?;
+                    fill(block, r.chunk, self.rank_tag);
+                }
+                let stored = self.client.store(0, self.buffer_id, refs).map_err(daemon)?;
+                Ok(json!({"stored": stored.stored, "present": stored.present,
+                          "refused": stored.refused.len()}))
+            }
+            "lookup" => {
+                let ids = self.blocks(num(1)?, num(2)?)?.iter().map(|r| r.chunk).collect();
+                let lookup = self.client.lookup(0, ids).map_err(daemon)?;
+                Ok(json!({"lookup": lookup.id, "l1": lookup.l1_hit_chunks,
+                          "hit": lookup.outcome.map(|o| o.hit_chunks)}))
+            }
+            "wait" => {
+                let outcome = self.client.wait(num(1)?, Duration::from_secs(30)).map_err(daemon)?;
+                Ok(json!({"hit": outcome.hit_chunks, "readers": outcome.readers,
+                          "per_tier": outcome.per_tier}))
+            }
+            "retrieve" => {
+                let refs = self.blocks(num(2)?, num(3)?)?;
+                for r in &refs {
+                    self.buffer.block_mut(r.block).ok_or("block out of range")?.fill(0);
+                }
+                let bytes =
+                    self.client.retrieve(num(1)?, self.buffer_id, refs.clone()).map_err(daemon)?;
+                self.scratch.resize(self.buffer.block_bytes() as usize, 0);
+                for r in &refs {
+                    fill(&mut self.scratch, r.chunk, self.rank_tag);
+                    if self.buffer.block(r.block) != Some(&self.scratch[..]) {
+                        return Err(format!("block {} does not hold chunk {:?}", r.block, r.chunk));
+                    }
+                }
+                Ok(json!({"bytes": bytes, "verified": refs.len()}))
+            }
+            "release" => {
+                self.client.release(num(1)?).map_err(daemon)?;
+                Ok(json!({}))
+            }
+            "status" => serde_json::to_value(self.client.status().map_err(daemon)?)
+                .map_err(|e| e.to_string()),
+            other => Err(format!("unknown command {other:?}")),
+        }
+    }
+}
+
+fn main() -> Result<(), String> {
+    let args = parse_args()?;
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        role: Role::Worker,
+        rank: args.rank,
+        tp_size: args.tp,
+        world_size: args.tp,
+        mla: args.mla,
+        namespaces: vec![NamespaceDecl {
+            model: args.model.clone(),
+            cache_salt: args.salt.clone(),
+        }],
+        chunk_bytes: args.chunk_bytes,
+        chunk_tokens: 16,
+        token: None,
+    };
+    let mut client = Client::connect_unix(&args.socket, hello).map_err(|e| e.to_string())?;
+    let buffer = SharedBuffer::new(args.chunk_bytes, args.blocks).map_err(|e| e.to_string())?;
+    let buffer_id = client.register_buffer(&buffer).map_err(|e| e.to_string())?;
+    let rank_tag = if args.mla { u64::MAX } else { u64::from(args.rank) };
+    let mut worker = Worker { client, buffer, buffer_id, rank_tag, scratch: Vec::new() };
+    println!("{}", json!({"ok": true, "ready": true, "session": worker.client.session().id}));
+    for line in std::io::stdin().lock().lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words.first() == Some(&"exit") {
+            break;
+        }
+        let answer = match worker.run(&words) {
+            Ok(mut value) => {
+                value["ok"] = json!(true);
+                value
+            }
+            Err(error) => json!({"ok": false, "error": error}),
+        };
+        println!("{answer}");
+    }
+    worker.client.end().map_err(|e| e.to_string())
+}

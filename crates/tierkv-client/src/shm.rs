@@ -1,0 +1,97 @@
+//! A worker's KV buffer in shared memory: a sealed memfd, mapped here and, once registered, in
+//! the daemon.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use memmap2::MmapMut;
+
+/// A buffer of `blocks` blocks of `block_bytes` each, in a memfd sealed against shrinking (so
+/// the daemon's mapping of it can never fault) and growing.
+pub struct SharedBuffer {
+    file: File,
+    map: MmapMut,
+    block_bytes: u64,
+    blocks: u64,
+}
+
+impl SharedBuffer {
+    /// Creates the memfd, sizes it, seals it and maps it.
+    pub fn new(block_bytes: u64, blocks: u64) -> io::Result<Self> {
+        let len = block_bytes
+            .checked_mul(blocks)
+            .filter(|&n| n > 0 && usize::try_from(n).is_ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "buffer size overflows"))?;
+        let file = memfd(c"tierkv-kv-buffer", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)?;
+        file.set_len(len)?;
+        // SAFETY: plain fcntl on a descriptor we own.
+        let sealed = unsafe {
+            libc::fcntl(
+                file.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
+        if sealed != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the memfd is ours and sealed against shrinking, so the mapping stays backed.
+        let map = unsafe { MmapMut::map_mut(&file)? };
+        Ok(SharedBuffer { file, map, block_bytes, blocks })
+    }
+
+    /// Wraps a memfd made elsewhere (for tests that need a buffer the daemon must refuse, such
+    /// as an unsealed one). It is mapped but not checked.
+    pub fn from_file(file: File, block_bytes: u64, blocks: u64) -> io::Result<Self> {
+        // SAFETY: the caller hands us the file; a shrink under the mapping would fault only here.
+        let map = unsafe { MmapMut::map_mut(&file)? };
+        Ok(SharedBuffer { file, map, block_bytes, blocks })
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+
+    /// Blocks in the buffer.
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    /// The descriptor sent to the daemon.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    /// Block `index`, or `None` past the end.
+    pub fn block(&self, index: u64) -> Option<&[u8]> {
+        let range = self.range(index)?;
+        self.map.get(range)
+    }
+
+    /// Block `index` for writing, or `None` past the end.
+    pub fn block_mut(&mut self, index: u64) -> Option<&mut [u8]> {
+        let range = self.range(index)?;
+        self.map.get_mut(range)
+    }
+
+    fn range(&self, index: u64) -> Option<std::ops::Range<usize>> {
+        if index >= self.blocks {
+            return None;
+        }
+        let start = usize::try_from(index * self.block_bytes).ok()?;
+        Some(start..start + usize::try_from(self.block_bytes).ok()?)
+    }
+}
+
+/// Creates an anonymous memory file.
+pub fn memfd(name: &std::ffi::CStr, flags: libc::c_uint) -> io::Result<File> {
+    // SAFETY: `name` is NUL-terminated; the returned descriptor is checked and then owned.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
