@@ -1,0 +1,185 @@
+//! The `tierkv` command line.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tierkv_client::Client;
+use tierkv_proto::StatusReport;
+
+use crate::config::{DEFAULT_TOML, DaemonConfig};
+
+/// tierkv: a per-node, multi-tier KV-cache offload service for LLM inference.
+#[derive(Parser, Debug)]
+#[command(name = "tierkv", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Runs the daemon until SIGTERM or SIGINT.
+    Serve {
+        /// The TOML configuration; the embedded default (`tierkv config default`) without it.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Asks a running daemon how it is doing.
+    Status {
+        /// The daemon's socket; taken from --config, or the default's, without it.
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// The configuration the daemon runs with (to find its socket).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Configuration files.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ConfigAction {
+    /// Checks a configuration file and says what is wrong, with the key and line.
+    Check {
+        /// The file.
+        file: PathBuf,
+    },
+    /// Prints the embedded default configuration, every key commented.
+    Default,
+}
+
+/// Runs the command line; the exit code says whether it worked.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve { config } => serve(config.as_deref()),
+        Command::Status { socket, config, json } => status(socket, config.as_deref(), json),
+        Command::Config { action: ConfigAction::Check { file } } => check(&file),
+        Command::Config { action: ConfigAction::Default } => print(DEFAULT_TOML),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            let _ = writeln!(std::io::stderr(), "tierkv: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load(path: Option<&Path>) -> Result<DaemonConfig, String> {
+    match path {
+        Some(path) => DaemonConfig::from_file(path).map_err(|e| e.to_string()),
+        None => DaemonConfig::embedded_default()
+            .map_err(|e| format!("the embedded default configuration is broken: {e}")),
+    }
+}
+
+fn serve(path: Option<&Path>) -> Result<(), String> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TIERKV_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = load(path)?;
+    let source =
+        path.map_or_else(|| "the embedded default".to_string(), |p| p.display().to_string());
+    tracing::info!("configuration: {source}");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tierkv-io")
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    runtime.block_on(async {
+        let stop = async {
+            use tokio::signal::unix::{SignalKind, signal};
+            match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => tracing::info!("SIGTERM"),
+                        _ = int.recv() => tracing::info!("SIGINT"),
+                    }
+                }
+                _ => {
+                    tracing::error!("cannot install signal handlers; stop with SIGKILL");
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        crate::daemon::serve(config, stop).await.map_err(|e| e.to_string())
+    })
+}
+
+fn status(socket: Option<PathBuf>, config: Option<&Path>, json: bool) -> Result<(), String> {
+    let socket = match socket {
+        Some(socket) => socket,
+        None => load(config)?.server.socket,
+    };
+    let mut client = Client::connect_unix(&socket, Client::admin_hello())
+        .map_err(|e| format!("no daemon answers on {}: {e}", socket.display()))?;
+    let report = client.status().map_err(|e| e.to_string())?;
+    let _ = client.end();
+    if json {
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        return print(&format!("{text}\n"));
+    }
+    print(&render(&report))
+}
+
+fn check(file: &Path) -> Result<(), String> {
+    DaemonConfig::from_file(file).map_err(|e| e.to_string())?;
+    print(&format!("{}: ok\n", file.display()))
+}
+
+fn print(text: &str) -> Result<(), String> {
+    std::io::stdout().write_all(text.as_bytes()).map_err(|e| e.to_string())
+}
+
+/// The human form of a status report.
+pub fn render(report: &StatusReport) -> String {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let mut out = format!(
+        "tierkv {}, up {:.0} s, {} worker(s) connected\n\n",
+        report.version, report.uptime_s, report.connected_workers
+    );
+    out.push_str("tier   used GiB  capacity GiB  used %   chunks  hit chunks\n");
+    for t in &report.tiers {
+        let pct = if t.capacity_bytes == 0 {
+            0.0
+        } else {
+            100.0 * t.used_bytes as f64 / t.capacity_bytes as f64
+        };
+        out.push_str(&format!(
+            "{:<5} {:>9.3} {:>13.3} {:>7.1} {:>8} {:>11}\n",
+            t.name,
+            gib(t.used_bytes),
+            gib(t.capacity_bytes),
+            pct,
+            t.objects,
+            t.hit_chunks
+        ));
+    }
+    out.push_str(&format!(
+        "\nlookups {}: {} of {} chunks hit ({:.1}%), {} of {} tokens\n",
+        report.lookups,
+        report.hit_chunks,
+        report.requested_chunks,
+        100.0 * report.hit_ratio,
+        report.hit_tokens,
+        report.requested_tokens
+    ));
+    out.push_str(&format!(
+        "open lookups {}, L1 chunks leased {}, store copies in flight {}\n",
+        report.open_lookups, report.l1_leased_chunks, report.store_in_flight
+    ));
+    out
+}

@@ -1,0 +1,150 @@
+//! One connection: frames in (with any file descriptors riding on them), replies out.
+//!
+//! On the Unix socket every read is a `recvmsg`, so a descriptor sent with a frame is never
+//! dropped by a plain `read`; descriptors wait in a small queue until a `register_buffer` takes
+//! them, and a client that floods descriptors is disconnected.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use tierkv_proto::{FrameError, HEADER_BYTES, frame_len};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
+use tokio::net::{TcpStream, UnixStream};
+
+/// Descriptors a connection may have waiting at once.
+const MAX_QUEUED_FDS: usize = 4;
+/// Bytes read per call at least.
+const READ_CHUNK: usize = 64 << 10;
+
+/// The transport under a connection.
+pub enum Stream {
+    /// The Unix socket.
+    Unix(UnixStream),
+    /// TCP.
+    Tcp(TcpStream),
+}
+
+/// Frames and descriptors from one client.
+pub struct Conn {
+    stream: Stream,
+    buf: Vec<u8>,
+    start: usize,
+    fds: VecDeque<OwnedFd>,
+    limit: u32,
+}
+
+impl Conn {
+    /// Wraps a stream; frames above `limit` bytes are refused.
+    pub fn new(stream: Stream, limit: u32) -> Self {
+        Conn { stream, buf: Vec::with_capacity(READ_CHUNK), start: 0, fds: VecDeque::new(), limit }
+    }
+
+    /// The next frame's body; `Ok(None)` when the client closed between frames.
+    pub async fn next_frame(&mut self) -> Result<Option<Vec<u8>>, FrameError> {
+        loop {
+            let ready = &self.buf[self.start..];
+            if ready.len() >= HEADER_BYTES {
+                let mut header = [0u8; HEADER_BYTES];
+                header.copy_from_slice(&ready[..HEADER_BYTES]);
+                let len = frame_len(header, self.limit)?;
+                if ready.len() >= HEADER_BYTES + len {
+                    let body = ready[HEADER_BYTES..HEADER_BYTES + len].to_vec();
+                    self.start += HEADER_BYTES + len;
+                    return Ok(Some(body));
+                }
+            }
+            if self.recv().await? == 0 {
+                return if self.buf.len() == self.start {
+                    Ok(None)
+                } else {
+                    Err(FrameError::Truncated)
+                };
+            }
+        }
+    }
+
+    /// A descriptor that arrived on this connection, oldest first.
+    pub fn take_fd(&mut self) -> Option<OwnedFd> {
+        self.fds.pop_front()
+    }
+
+    /// Sends bytes (one or more encoded frames).
+    pub async fn send(&mut self, bytes: &[u8]) -> io::Result<()> {
+        match &mut self.stream {
+            Stream::Unix(s) => s.write_all(bytes).await,
+            Stream::Tcp(s) => s.write_all(bytes).await,
+        }
+    }
+
+    async fn recv(&mut self) -> io::Result<usize> {
+        if self.start > 0 {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+        let filled = self.buf.len();
+        self.buf.resize(filled + READ_CHUNK, 0);
+        let Conn { stream, buf, fds, .. } = self;
+        let result = match stream {
+            Stream::Tcp(s) => s.read(&mut buf[filled..]).await,
+            Stream::Unix(s) => {
+                let raw = s.as_raw_fd();
+                s.async_io(Interest::READABLE, || recv_with_fds(raw, &mut buf[filled..], fds)).await
+            }
+        };
+        let n = *result.as_ref().unwrap_or(&0);
+        self.buf.truncate(filled + n);
+        if self.fds.len() > MAX_QUEUED_FDS {
+            self.fds.clear();
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "more than {MAX_QUEUED_FDS} file descriptors sent without a register_buffer"
+                ),
+            ));
+        }
+        result
+    }
+}
+
+/// `recvmsg` into `buf`, keeping every descriptor that came along (close-on-exec).
+fn recv_with_fds(socket: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> io::Result<usize> {
+    const MAX_FDS: usize = 8;
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<libc::c_int>()) as u32) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: every pointer in `msg` points at a live buffer of the stated length.
+    let n = unsafe { libc::recvmsg(socket, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: walking the control messages the kernel just wrote, within `msg_controllen`.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+                let payload = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                for i in 0..payload / size_of::<libc::c_int>() {
+                    let fd = std::ptr::read_unaligned(data.add(i));
+                    fds.push_back(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "too many file descriptors in one message",
+        ));
+    }
+    Ok(n as usize)
+}

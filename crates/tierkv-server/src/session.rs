@@ -1,0 +1,729 @@
+//! Sessions: what one connection may do, and everything it holds.
+//!
+//! Request handling is plain synchronous code over the StorageManager, so it is the same
+//! whichever transport carried the frame. Every lease and write reservation a session makes is
+//! owned by its `OwnerId`; [`Session::close`] returns all of them, and the shares the session
+//! took on lookups other ranks of its TP group made. A request that fails changes nothing.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tierkv_core::{ChunkHash, ExtraCount, KeyError, KvRank, Layout, Namespace, ObjectKey};
+use tierkv_l1::{L1Error, OwnerId, ReadAccess, Readers};
+use tierkv_prefetch::PrefetchError;
+use tierkv_proto::{
+    BlockRef, ChunkId, ErrorCode, Hello, LookupOutcome, PROTOCOL_VERSION, Refused, ReplyBody,
+    RequestBody, Role, SessionReport, StatusReport, TierReport,
+};
+use tierkv_storage::{LookupId, LookupResult, StorageError, StorageManager};
+
+use crate::buffer::RegisteredBuffer;
+use crate::metrics::ServerMetrics;
+
+/// Namespaces one hello may declare.
+const MAX_NAMESPACES: usize = 64;
+/// Buffers one session may register.
+const MAX_BUFFERS: usize = 64;
+/// The longest wait a client may ask for; longer asks wait this long.
+const MAX_WAIT: Duration = Duration::from_secs(60);
+
+/// A refused request: the error reply.
+#[derive(Debug)]
+pub struct Fail {
+    /// What kind of failure.
+    pub code: ErrorCode,
+    /// What happened.
+    pub message: String,
+}
+
+fn fail<T>(code: ErrorCode, message: impl Into<String>) -> Result<T, Fail> {
+    Err(Fail { code, message: message.into() })
+}
+
+impl From<StorageError> for Fail {
+    fn from(e: StorageError) -> Self {
+        let code = match &e {
+            StorageError::UnknownLookup(_) => ErrorCode::UnknownLookup,
+            StorageError::NotCovered { .. } => ErrorCode::NotInHit,
+            StorageError::Stopped | StorageError::Prefetch(PrefetchError::Stopped) => {
+                ErrorCode::Stopped
+            }
+            StorageError::Prefetch(PrefetchError::Timeout) => ErrorCode::Timeout,
+            StorageError::Invalid(_) | StorageError::Prefetch(PrefetchError::Invalid(_)) => {
+                ErrorCode::BadRequest
+            }
+            StorageError::L1(L1Error::AlreadyReleased { .. } | L1Error::LeaseReleased(_)) => {
+                ErrorCode::ShareReturned
+            }
+            StorageError::L1(L1Error::UnknownLease(_) | L1Error::LeaseExpired(_)) => {
+                ErrorCode::UnknownLookup
+            }
+            StorageError::L1(L1Error::NoSuchReader { .. }) => ErrorCode::Forbidden,
+            StorageError::L1(L1Error::LayoutTooLarge { .. }) => ErrorCode::BadRequest,
+            _ => ErrorCode::Internal,
+        };
+        Fail { code, message: e.to_string() }
+    }
+}
+
+/// What the daemon remembers of a lookup, for the sessions that read it.
+#[derive(Clone, Copy, Debug)]
+struct LookupInfo {
+    /// The session that made it (and owns its leases).
+    owner: u64,
+    namespace: Namespace,
+    rank: KvRank,
+    readers: u32,
+}
+
+/// Daemon-wide state every session reaches.
+pub struct Daemon {
+    storage: StorageManager,
+    token: Option<String>,
+    max_chunk_bytes: u64,
+    lookups: Mutex<HashMap<u64, LookupInfo>>,
+    sessions: Mutex<HashMap<u64, SessionReport>>,
+    next_session: AtomicU64,
+    started: Instant,
+    metrics: ServerMetrics,
+}
+
+impl Daemon {
+    /// Wraps a started StorageManager. `token` is what TCP clients must present.
+    pub fn new(storage: StorageManager, token: Option<String>) -> Self {
+        let max_chunk_bytes = storage.l1().usage().slot_bytes;
+        Daemon {
+            storage,
+            token,
+            max_chunk_bytes,
+            lookups: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            next_session: AtomicU64::new(1),
+            started: Instant::now(),
+            metrics: ServerMetrics::register(),
+        }
+    }
+
+    /// The storage below.
+    pub fn storage(&self) -> &StorageManager {
+        &self.storage
+    }
+
+    /// The server's own metrics.
+    pub fn metrics(&self) -> &ServerMetrics {
+        &self.metrics
+    }
+
+    /// The daemon's status, as `tierkv status` shows it.
+    pub fn status(&self) -> StatusReport {
+        let status = self.storage.status();
+        let totals = &status.lookups;
+        let hits = |t: usize| totals.hit_chunks.get(t).copied().unwrap_or(0);
+        let l1 = &status.l1;
+        let mut tiers = vec![TierReport {
+            name: "l1".into(),
+            used_bytes: l1.used_bytes,
+            cached_bytes: l1.cached_bytes,
+            capacity_bytes: l1.capacity_bytes,
+            objects: l1.writing + l1.leased + l1.cached,
+            hit_chunks: hits(0),
+        }];
+        for (i, (name, usage)) in status.tiers.iter().enumerate() {
+            tiers.push(TierReport {
+                name: name.clone(),
+                used_bytes: usage.used_bytes,
+                cached_bytes: usage.used_bytes,
+                capacity_bytes: usage.capacity_bytes,
+                objects: usage.objects,
+                hit_chunks: hits(i + 1),
+            });
+        }
+        let hit_chunks: u64 = totals.hit_chunks.iter().sum();
+        let sessions: Vec<SessionReport> = {
+            let open = self.open_lookups_by_session();
+            let mut all: Vec<SessionReport> = self
+                .sessions
+                .lock()
+                .values()
+                .map(|s| SessionReport {
+                    open_lookups: open.get(&s.session).copied().unwrap_or(0),
+                    ..s.clone()
+                })
+                .collect();
+            all.sort_by_key(|s| s.session);
+            all
+        };
+        StatusReport {
+            version: env!("CARGO_PKG_VERSION").into(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            tiers,
+            l1_leased_chunks: l1.leased,
+            lookups: totals.lookups,
+            requested_chunks: totals.requested_chunks,
+            hit_chunks,
+            hit_ratio: if totals.requested_chunks == 0 {
+                0.0
+            } else {
+                hit_chunks as f64 / totals.requested_chunks as f64
+            },
+            requested_tokens: totals.requested_tokens,
+            hit_tokens: totals.hit_tokens.iter().sum(),
+            open_lookups: status.open_lookups as u64,
+            store_in_flight: status.store_in_flight,
+            connected_workers: sessions.iter().filter(|s| s.role == Role::Worker).count() as u32,
+            sessions,
+        }
+    }
+
+    fn open_lookups_by_session(&self) -> HashMap<u64, u64> {
+        let mut open = HashMap::new();
+        for info in self.lookups.lock().values() {
+            *open.entry(info.owner).or_default() += 1;
+        }
+        open
+    }
+}
+
+/// What the session knows once the hello is accepted.
+struct Opened {
+    hello: Hello,
+    namespaces: Vec<Namespace>,
+    rank: KvRank,
+    extra: ExtraCount,
+    layout: Layout,
+    buffers: Vec<RegisteredBuffer>,
+    /// Shares this session may hold on lookups another session made: returned at close.
+    joined: HashSet<(u64, u8)>,
+}
+
+/// How the connection reached the daemon.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// The Unix socket: descriptors can be passed, no token needed.
+    Unix,
+    /// TCP: the hello must carry the token.
+    Tcp,
+}
+
+/// The answer to one request.
+pub struct Answer {
+    /// The reply to send.
+    pub reply: ReplyBody,
+    /// Close the connection after sending it.
+    pub close: bool,
+}
+
+/// One connection's state.
+pub struct Session {
+    daemon: Arc<Daemon>,
+    id: u64,
+    transport: Transport,
+    opened: Option<Opened>,
+    closed: bool,
+}
+
+impl Session {
+    /// A new connection, not yet introduced.
+    pub fn new(daemon: Arc<Daemon>, transport: Transport) -> Self {
+        let id = daemon.next_session.fetch_add(1, Ordering::Relaxed);
+        Session { daemon, id, transport, opened: None, closed: false }
+    }
+
+    fn owner(&self) -> OwnerId {
+        OwnerId(self.id)
+    }
+
+    /// Handles one request. `descriptor` yields a file descriptor that arrived with the frame.
+    pub fn handle(
+        &mut self,
+        body: RequestBody,
+        descriptor: &mut dyn FnMut() -> Option<OwnedFd>,
+    ) -> Answer {
+        let op = op_name(&body);
+        let started = Instant::now();
+        let result = self.dispatch(body, descriptor);
+        self.daemon.metrics.request(op, started.elapsed());
+        match result {
+            Ok(reply) => {
+                let close = matches!(reply, ReplyBody::Bye);
+                Answer { reply, close }
+            }
+            Err(Fail { code, message }) => {
+                self.daemon.metrics.error(code);
+                // A client that cannot even open a session is not worth keeping.
+                let close = self.opened.is_none() && code != ErrorCode::BadRequest;
+                Answer { reply: ReplyBody::Error { code, message }, close }
+            }
+        }
+    }
+
+    fn dispatch(
+        &mut self,
+        body: RequestBody,
+        descriptor: &mut dyn FnMut() -> Option<OwnedFd>,
+    ) -> Result<ReplyBody, Fail> {
+        if let RequestBody::Hello(hello) = body {
+            return self.hello(hello);
+        }
+        let Some(opened) = &self.opened else {
+            return fail(ErrorCode::NoSession, "the first request of a session must be hello");
+        };
+        let admin = opened.hello.role == Role::Admin;
+        match body {
+            RequestBody::Hello(_) => unreachable_hello(),
+            RequestBody::Status => Ok(ReplyBody::Status(self.daemon.status())),
+            RequestBody::EndSession => {
+                self.close();
+                Ok(ReplyBody::Bye)
+            }
+            RequestBody::Clear if admin => Ok(self.clear()),
+            RequestBody::Clear => fail(ErrorCode::Forbidden, "clear is for admin sessions"),
+            _ if admin => {
+                fail(ErrorCode::Forbidden, "admin sessions may only ask status and clear")
+            }
+            RequestBody::RegisterBuffer { block_bytes, blocks } => {
+                self.register_buffer(block_bytes, blocks, descriptor())
+            }
+            RequestBody::Store { namespace, buffer, chunks } => {
+                self.store(namespace, buffer, &chunks)
+            }
+            RequestBody::Lookup { namespace, chunks } => self.lookup(namespace, &chunks),
+            RequestBody::Query { lookup } => {
+                let id = self.visible_lookup(lookup)?.0;
+                Ok(match self.daemon.storage.query(id)? {
+                    Some(result) => ReplyBody::Done(outcome(&result)),
+                    None => ReplyBody::Pending,
+                })
+            }
+            RequestBody::Wait { lookup, timeout_ms } => {
+                let id = self.visible_lookup(lookup)?.0;
+                let timeout = Duration::from_millis(timeout_ms).min(MAX_WAIT);
+                Ok(ReplyBody::Done(outcome(&self.daemon.storage.wait(id, timeout)?)))
+            }
+            RequestBody::Retrieve { lookup, buffer, chunks } => {
+                self.retrieve(lookup, buffer, &chunks)
+            }
+            RequestBody::Release { lookup } => self.release(lookup),
+        }
+    }
+
+    fn hello(&mut self, hello: Hello) -> Result<ReplyBody, Fail> {
+        if self.opened.is_some() {
+            return fail(ErrorCode::NoSession, "this session already said hello");
+        }
+        if hello.version != PROTOCOL_VERSION {
+            return fail(
+                ErrorCode::VersionMismatch,
+                format!(
+                    "protocol version {} is not this daemon's {PROTOCOL_VERSION}",
+                    hello.version
+                ),
+            );
+        }
+        if self.transport == Transport::Tcp {
+            let given = hello.token.as_deref().unwrap_or("");
+            match &self.daemon.token {
+                Some(token) if constant_time_eq(given.as_bytes(), token.as_bytes()) => {}
+                _ => return fail(ErrorCode::Forbidden, "a TCP session needs the daemon's token"),
+            }
+        }
+        let worker = hello.role == Role::Worker;
+        let bad = |why: String| fail(ErrorCode::BadRequest, why);
+        if hello.tp_size == 0 || u32::from(hello.tp_size) > u32::from(ExtraCount::MAX) + 1 {
+            return bad(format!("tp_size must be within 1..={}", u32::from(ExtraCount::MAX) + 1));
+        }
+        if hello.rank >= hello.tp_size || hello.world_size < hello.tp_size {
+            return bad(format!(
+                "rank {} of tp_size {} in world_size {} is not a valid placement",
+                hello.rank, hello.tp_size, hello.world_size
+            ));
+        }
+        if worker && (hello.namespaces.is_empty() || hello.namespaces.len() > MAX_NAMESPACES) {
+            return bad(format!("a worker declares 1..={MAX_NAMESPACES} namespaces"));
+        }
+        if worker && (hello.chunk_bytes == 0 || hello.chunk_bytes > self.daemon.max_chunk_bytes) {
+            return bad(format!(
+                "chunk_bytes must be within 1..={} (the daemon's slot size), got {}",
+                self.daemon.max_chunk_bytes, hello.chunk_bytes
+            ));
+        }
+        if hello.chunk_tokens == 0 {
+            return bad("chunk_tokens must be positive".into());
+        }
+        let extra = if hello.mla { i64::from(hello.tp_size) - 1 } else { 0 };
+        let extra = ExtraCount::new(extra)
+            .map_err(|e| Fail { code: ErrorCode::BadRequest, message: e.to_string() })?;
+        let rank = if hello.mla {
+            KvRank::Shared
+        } else {
+            KvRank::Rank { rank: hello.rank, world: hello.tp_size }
+        };
+        let layout = Layout::bytes(hello.chunk_bytes.max(1))
+            .map_err(|e| Fail { code: ErrorCode::BadRequest, message: e.to_string() })?;
+        let namespaces =
+            hello.namespaces.iter().map(|n| Namespace::new(&n.model, &n.cache_salt)).collect();
+        let report = SessionReport {
+            session: self.id,
+            role: hello.role,
+            rank: hello.rank,
+            tp_size: hello.tp_size,
+            open_lookups: 0,
+        };
+        self.daemon.sessions.lock().insert(self.id, report);
+        if worker {
+            self.daemon.metrics.worker_connected(1.0);
+        }
+        let reply = ReplyBody::Welcome {
+            version: PROTOCOL_VERSION,
+            session: self.id,
+            max_chunk_bytes: self.daemon.max_chunk_bytes,
+            readers: extra.readers(),
+        };
+        self.opened = Some(Opened {
+            hello,
+            namespaces,
+            rank,
+            extra,
+            layout,
+            buffers: Vec::new(),
+            joined: HashSet::new(),
+        });
+        Ok(reply)
+    }
+
+    fn opened(&self) -> &Opened {
+        match &self.opened {
+            Some(opened) => opened,
+            None => unreachable_hello(),
+        }
+    }
+
+    fn namespace(&self, index: u32) -> Result<Namespace, Fail> {
+        let declared = &self.opened().namespaces;
+        match declared.get(index as usize) {
+            Some(ns) => Ok(*ns),
+            None => fail(
+                ErrorCode::NamespaceNotDeclared,
+                format!(
+                    "namespace {index} was not declared (the hello declared {})",
+                    declared.len()
+                ),
+            ),
+        }
+    }
+
+    fn buffer(&self, index: u32, chunks: &[BlockRef]) -> Result<&RegisteredBuffer, Fail> {
+        let Some(buffer) = self.opened().buffers.get(index as usize) else {
+            return fail(ErrorCode::BadBuffer, format!("buffer {index} is not registered"));
+        };
+        if let Some((i, c)) = chunks.iter().enumerate().find(|(_, c)| !buffer.contains(c.block)) {
+            return fail(
+                ErrorCode::BlockOutOfRange,
+                format!("chunk {i} names block {} outside buffer {index}", c.block),
+            );
+        }
+        Ok(buffer)
+    }
+
+    fn key(&self, namespace: Namespace, rank: KvRank, chunk: ChunkId) -> ObjectKey {
+        ObjectKey::new(namespace, ChunkHash(chunk.0), rank)
+    }
+
+    fn register_buffer(
+        &mut self,
+        block_bytes: u64,
+        blocks: u64,
+        fd: Option<OwnedFd>,
+    ) -> Result<ReplyBody, Fail> {
+        let Some(fd) = fd else {
+            return fail(
+                ErrorCode::BadBuffer,
+                crate::buffer::BufferError::NoDescriptor.to_string(),
+            );
+        };
+        let opened = self.opened();
+        if block_bytes != opened.hello.chunk_bytes {
+            return fail(
+                ErrorCode::BadBuffer,
+                format!(
+                    "blocks of {block_bytes} bytes do not match the session's chunk_bytes ({})",
+                    opened.hello.chunk_bytes
+                ),
+            );
+        }
+        if opened.buffers.len() >= MAX_BUFFERS {
+            return fail(
+                ErrorCode::BadBuffer,
+                format!("at most {MAX_BUFFERS} buffers per session"),
+            );
+        }
+        let buffer = RegisteredBuffer::map(fd, block_bytes, blocks)
+            .map_err(|e| Fail { code: ErrorCode::BadBuffer, message: e.to_string() })?;
+        let Some(opened) = &mut self.opened else { unreachable_hello() };
+        opened.buffers.push(buffer);
+        Ok(ReplyBody::BufferRegistered { buffer: (opened.buffers.len() - 1) as u32 })
+    }
+
+    fn store(&self, namespace: u32, buffer: u32, chunks: &[BlockRef]) -> Result<ReplyBody, Fail> {
+        let ns = self.namespace(namespace)?;
+        let source = self.buffer(buffer, chunks)?;
+        let opened = self.opened();
+        let storage = &self.daemon.storage;
+        let keys: Vec<ObjectKey> =
+            chunks.iter().map(|c| self.key(ns, opened.rank, c.chunk)).collect();
+        let reserved = storage.reserve_write(self.owner(), &keys, &opened.layout)?;
+        let (mut present, mut refused) = (0u32, Vec::new());
+        let (mut written, mut broken) = (Vec::new(), Vec::new());
+        let mut bytes = 0u64;
+        for (i, (chunk, result)) in chunks.iter().zip(reserved).enumerate() {
+            match result {
+                Ok(_) => match self.copy_in(source, chunk.block, &keys[i]) {
+                    Ok(n) => {
+                        bytes += n;
+                        written.push(keys[i]);
+                    }
+                    Err(why) => {
+                        broken.push(keys[i]);
+                        refused.push(Refused { index: i as u32, reason: why });
+                    }
+                },
+                Err(KeyError::AlreadyPresent | KeyError::WriteInFlight) => present += 1,
+                Err(e) => refused.push(Refused { index: i as u32, reason: e.to_string() }),
+            }
+        }
+        storage.abort_write(self.owner(), &broken)?;
+        let finished = storage.finish_write(self.owner(), &written)?;
+        let mut stored = 0;
+        for (key, result) in written.iter().zip(finished) {
+            match result {
+                Ok(()) => stored += 1,
+                Err(e) => {
+                    let index = keys.iter().position(|k| k == key).unwrap_or(0) as u32;
+                    refused.push(Refused { index, reason: e.to_string() });
+                }
+            }
+        }
+        self.daemon.metrics.data_bytes("store", bytes);
+        Ok(ReplyBody::Stored { stored, present, refused })
+    }
+
+    /// Copies block `block` into the reserved slot of `key`; returns the bytes copied.
+    fn copy_in(
+        &self,
+        source: &RegisteredBuffer,
+        block: u64,
+        key: &ObjectKey,
+    ) -> Result<u64, String> {
+        let mut access =
+            self.daemon.storage.write_access(self.owner(), key).map_err(|e| e.to_string())?;
+        if let Some(slot) = access.host_bytes_mut() {
+            source.read_block(block, slot).map_err(|e| e.to_string())?;
+            return Ok(slot.len() as u64);
+        }
+        let mut staging = vec![0u8; access.handle().len as usize];
+        source.read_block(block, &mut staging).map_err(|e| e.to_string())?;
+        access.write_at(0, &staging).map_err(|e| e.to_string())?;
+        Ok(staging.len() as u64)
+    }
+
+    fn lookup(&self, namespace: u32, chunks: &[ChunkId]) -> Result<ReplyBody, Fail> {
+        let ns = self.namespace(namespace)?;
+        let opened = self.opened();
+        let keys: Vec<ObjectKey> = chunks.iter().map(|c| self.key(ns, opened.rank, *c)).collect();
+        let storage = &self.daemon.storage;
+        let mut request = tierkv_storage::LookupRequest::prefix(
+            self.owner(),
+            opened.extra,
+            opened.layout.clone(),
+            keys,
+        );
+        request.chunk_tokens = u64::from(opened.hello.chunk_tokens);
+        let id = storage.submit_lookup(request)?;
+        let info = LookupInfo {
+            owner: self.id,
+            namespace: ns,
+            rank: opened.rank,
+            readers: opened.extra.readers(),
+        };
+        self.daemon.lookups.lock().insert(id.0, info);
+        let l1_hit_chunks = storage.l1_hit(id)? as u32;
+        let outcome = storage.query(id)?.map(|r| outcome(&r));
+        Ok(ReplyBody::LookupStarted { lookup: id.0, l1_hit_chunks, outcome })
+    }
+
+    /// A lookup this session may read: made by a session of one of its namespaces, for its
+    /// rank's KV. Returns the id and this session's reader number.
+    fn visible_lookup(&mut self, lookup: u64) -> Result<(LookupId, u8, LookupInfo), Fail> {
+        let unknown = || Fail {
+            code: ErrorCode::UnknownLookup,
+            message: format!("no lookup {lookup} is open for this session"),
+        };
+        let info = self.daemon.lookups.lock().get(&lookup).copied().ok_or_else(unknown)?;
+        let Some(opened) = &mut self.opened else { unreachable_hello() };
+        if !opened.namespaces.contains(&info.namespace) {
+            return Err(unknown());
+        }
+        if info.rank != opened.rank {
+            return fail(ErrorCode::Forbidden, "the lookup was made for another rank's KV");
+        }
+        let reader = if info.rank == KvRank::Shared { opened.hello.rank } else { 0 };
+        if u32::from(reader) >= info.readers {
+            return fail(
+                ErrorCode::Forbidden,
+                format!("the lookup has {} readers; this session is reader {reader}", info.readers),
+            );
+        }
+        let reader = reader as u8;
+        if info.owner != self.id {
+            opened.joined.insert((lookup, reader));
+        }
+        Ok((LookupId(lookup), reader, info))
+    }
+
+    fn retrieve(
+        &mut self,
+        lookup: u64,
+        buffer: u32,
+        chunks: &[BlockRef],
+    ) -> Result<ReplyBody, Fail> {
+        let (id, reader, info) = self.visible_lookup(lookup)?;
+        let target = self.buffer(buffer, chunks)?;
+        let storage = &self.daemon.storage;
+        // Pin every chunk before copying any: a request that names a chunk outside the hit, or
+        // comes from a reader that already returned its share, copies nothing.
+        let mut pinned: Vec<(u64, ReadAccess)> = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let key = self.key(info.namespace, info.rank, c.chunk);
+            let access = storage.read(id, reader, &key)?;
+            if access.handle().len != target.block_bytes() {
+                return fail(
+                    ErrorCode::BadBuffer,
+                    format!(
+                        "the chunk has {} bytes, the buffer's blocks {}",
+                        access.handle().len,
+                        target.block_bytes()
+                    ),
+                );
+            }
+            pinned.push((c.block, access));
+        }
+        let mut bytes = 0u64;
+        let mut staging = Vec::new();
+        for (block, access) in &pinned {
+            let copied = match access.host_bytes() {
+                Some(slot) => target.write_block(*block, slot),
+                None => {
+                    staging.resize(access.handle().len as usize, 0);
+                    access.read_at(0, &mut staging).map_err(StorageError::from)?;
+                    target.write_block(*block, &staging)
+                }
+            };
+            copied.map_err(|e| Fail { code: ErrorCode::Internal, message: e.to_string() })?;
+            bytes += access.handle().len;
+        }
+        drop(pinned);
+        storage.release(id, Readers::One(reader))?;
+        if let Some(opened) = &mut self.opened {
+            opened.joined.remove(&(lookup, reader));
+        }
+        if matches!(storage.query(id), Err(StorageError::UnknownLookup(_))) {
+            self.daemon.lookups.lock().remove(&lookup);
+        }
+        self.daemon.metrics.data_bytes("retrieve", bytes);
+        Ok(ReplyBody::Retrieved { chunks: chunks.len() as u32, bytes })
+    }
+
+    fn release(&mut self, lookup: u64) -> Result<ReplyBody, Fail> {
+        let (id, _, info) = self.visible_lookup(lookup)?;
+        if info.owner != self.id {
+            return fail(
+                ErrorCode::Forbidden,
+                "only the session that made a lookup may release it",
+            );
+        }
+        self.daemon.lookups.lock().remove(&lookup);
+        self.daemon.storage.release_all(id)?;
+        Ok(ReplyBody::Released)
+    }
+
+    fn clear(&self) -> ReplyBody {
+        let storage = &self.daemon.storage;
+        let mut removed = vec![storage.clear_l1(false).removed as u64];
+        let mut tier = 0;
+        while let Some(n) = storage.clear_tier(tier) {
+            removed.push(n as u64);
+            tier += 1;
+        }
+        ReplyBody::Cleared { removed }
+    }
+
+    /// Returns everything the session holds. Idempotent; called when the connection ends for
+    /// any reason.
+    pub fn close(&mut self) {
+        if std::mem::replace(&mut self.closed, true) {
+            return;
+        }
+        let storage = &self.daemon.storage;
+        if let Some(opened) = self.opened.take() {
+            for (lookup, reader) in opened.joined {
+                // The owner may have released it already; nothing is left to return then.
+                let _ = storage.release(LookupId(lookup), Readers::One(reader));
+            }
+            if opened.hello.role == Role::Worker {
+                self.daemon.metrics.worker_connected(-1.0);
+            }
+        }
+        self.daemon.lookups.lock().retain(|_, info| info.owner != self.id);
+        let released = storage.release_owner(self.owner());
+        if released.leases + released.aborted_writes > 0 {
+            tracing::debug!(session = self.id, ?released, "returned what a departed session held");
+        }
+        self.daemon.sessions.lock().remove(&self.id);
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn outcome(result: &LookupResult) -> LookupOutcome {
+    LookupOutcome {
+        hit_chunks: result.hit_chunks as u32,
+        hit_tokens: result.hit_tokens,
+        readers: result.readers,
+        per_tier: result.per_tier.iter().map(|&n| n as u32).collect(),
+    }
+}
+
+/// The metric label of a request.
+pub fn op_name(body: &RequestBody) -> &'static str {
+    match body {
+        RequestBody::Hello(_) => "hello",
+        RequestBody::RegisterBuffer { .. } => "register_buffer",
+        RequestBody::Store { .. } => "store",
+        RequestBody::Lookup { .. } => "lookup",
+        RequestBody::Query { .. } => "query",
+        RequestBody::Wait { .. } => "wait",
+        RequestBody::Retrieve { .. } => "retrieve",
+        RequestBody::Release { .. } => "release",
+        RequestBody::EndSession => "end_session",
+        RequestBody::Status => "status",
+        RequestBody::Clear => "clear",
+    }
+}
+
+/// A hello was handled before `dispatch` matched; it cannot come back here.
+fn unreachable_hello() -> ! {
+    unreachable!("hello is handled before the session is open")
+}
+
+/// Compares secrets without leaking where they differ through timing.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
