@@ -1,0 +1,328 @@
+//! Processes for the black-box tests: a real `tierkv` daemon and real worker processes (the
+//! client's `worker` example), talking over the real socket.
+//!
+//! Every process started here is killed when its handle drops, so a failing test leaves
+//! nothing running.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test harness: a failure is a test failure"
+)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tempfile::TempDir;
+use tierkv_client::Client;
+use tierkv_client::proto::StatusReport;
+
+/// The target directory the test binary runs from (`target/<profile>`).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/<test binary>
+    exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf()
+}
+
+/// Path of a workspace binary or example, built on demand when a plain `cargo test -p` of this
+/// package did not build it.
+pub fn artifact(kind: &str, name: &str) -> PathBuf {
+    let path = match kind {
+        "example" => profile_dir().join("examples").join(name),
+        _ => profile_dir().join(name),
+    };
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let (package, flag) = match kind {
+            "example" => ("tierkv-client", "--example"),
+            _ => ("tierkv-server", "--bin"),
+        };
+        let mut build = Command::new(cargo);
+        build.args(["build", "-p", package, flag, name]);
+        if profile_dir().file_name().is_some_and(|p| p == "release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("run cargo build");
+        assert!(status.success(), "cargo build of {name} failed");
+    }
+    path
+}
+
+/// Makes the child die with the thread that started it, so a test that panics, or a static
+/// that is never dropped, leaves no process behind.
+fn die_with_parent(command: &mut Command) -> &mut Command {
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec here.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Kills a child when dropped.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A daemon process with its own directory, socket and config.
+pub struct Daemon {
+    child: Option<Reaped>,
+    /// The directory holding the config, the socket and the disk tier.
+    pub dir: TempDir,
+    /// The Unix socket.
+    pub socket: PathBuf,
+    /// The config file.
+    pub config: PathBuf,
+}
+
+/// A small config: `l1` and `l2` in KiB-sized chunk counts, disk on, metrics where asked.
+pub fn small_config(dir: &Path, metrics: Option<u16>, extra: &str) -> String {
+    let metrics = match metrics {
+        Some(port) => format!("enabled = true\nlisten = \"127.0.0.1:{port}\""),
+        None => "enabled = false".into(),
+    };
+    format!(
+        r#"
+[server]
+socket = "{socket}"
+
+[metrics]
+{metrics}
+
+[l1]
+device = "emulated"
+capacity = "4MiB"
+slot = "64KiB"
+lease_ttl = "30s"
+
+[l2]
+capacity = "8MiB"
+memory = "plain"
+
+[disk]
+dir = "{disk}"
+capacity = "32MiB"
+segment = "4MiB"
+fsync = "always"
+{extra}
+"#,
+        socket = dir.join("tierkv.sock").display(),
+        disk = dir.join("disk").display(),
+    )
+}
+
+impl Daemon {
+    /// Starts a daemon on `config` (the text of its TOML file, written into a fresh directory;
+    /// `{dir}` in it is replaced by that directory).
+    pub fn start_with(config: impl FnOnce(&Path) -> String) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text = config(dir.path());
+        let path = dir.path().join("tierkv.toml");
+        std::fs::write(&path, text).expect("write config");
+        let socket = dir.path().join("tierkv.sock");
+        let mut daemon = Daemon { child: None, dir, socket, config: path };
+        daemon.restart();
+        daemon
+    }
+
+    /// A daemon on [`small_config`].
+    pub fn start() -> Daemon {
+        Self::start_with(|dir| small_config(dir, None, ""))
+    }
+
+    /// (Re)starts the process on the same config and waits until it answers.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop the daemon before restarting it");
+        let child = die_with_parent(&mut Command::new(artifact("bin", "tierkv")))
+            .args(["serve", "--config"])
+            .arg(&self.config)
+            .env("TIERKV_LOG", "warn")
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn tierkv");
+        self.child = Some(Reaped(child));
+        wait_for_socket(&self.socket, self.child.as_mut().map(|c| &mut c.0));
+    }
+
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.0.id()).unwrap_or(0)
+    }
+
+    /// Sends SIGTERM and waits for the exit.
+    pub fn stop(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        terminate(&mut child.0)
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        match &mut self.child {
+            Some(c) => c.0.try_wait().ok().flatten().is_none(),
+            None => false,
+        }
+    }
+
+    /// An admin session's view of the daemon.
+    pub fn status(&self) -> StatusReport {
+        let mut admin = Client::connect_unix(&self.socket, Client::admin_hello()).expect("admin");
+        let report = admin.status().expect("status");
+        admin.end().expect("end");
+        report
+    }
+
+    /// Polls the status until `ok` holds (background work is asynchronous), or panics.
+    pub fn eventually(&self, what: &str, ok: impl Fn(&StatusReport) -> bool) -> StatusReport {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let report = self.status();
+            if ok(&report) {
+                return report;
+            }
+            assert!(Instant::now() < deadline, "{what}: never true; last status {report:#?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until the store pipeline is idle and holds no share (each chunk it copies down is
+    /// leased while it copies): the point from which usage figures are steady.
+    pub fn settled(&self) -> StatusReport {
+        self.eventually("the store pipeline settles", |s| {
+            s.store_in_flight == 0 && s.l1_leased_chunks == 0
+        })
+    }
+
+    /// Starts a worker process on this daemon.
+    pub fn worker(&self, args: &[&str]) -> Worker {
+        Worker::start(&self.socket, args)
+    }
+}
+
+/// SIGTERM, then wait up to 30 s (SIGKILL after).
+pub fn terminate(child: &mut Child) -> ExitStatus {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the daemon did not exit within 30 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until something accepts on `socket` (and the process, if given, has not died).
+pub fn wait_for_socket(socket: &Path, mut child: Option<&mut Child>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            return;
+        }
+        if let Some(child) = child.as_deref_mut()
+            && let Some(status) = child.try_wait().expect("wait")
+        {
+            panic!("the daemon exited before listening: {status}");
+        }
+        assert!(Instant::now() < deadline, "nothing listens on {} after 30 s", socket.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A worker process: commands in on stdin, one JSON answer per line out.
+pub struct Worker {
+    child: Reaped,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    /// The daemon's session number of this worker.
+    pub session: u64,
+}
+
+impl Worker {
+    /// Starts `worker --socket SOCKET ARGS...` and waits until its session is open.
+    pub fn start(socket: &Path, args: &[&str]) -> Worker {
+        let mut child = die_with_parent(&mut Command::new(artifact("example", "worker")))
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn worker");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut worker = Worker { child: Reaped(child), stdin, stdout, session: 0 };
+        let ready = worker.answer();
+        assert_eq!(ready["ready"], true, "worker did not start: {ready}");
+        worker.session = ready["session"].as_u64().expect("session");
+        worker
+    }
+
+    fn answer(&mut self) -> Value {
+        let mut line = String::new();
+        let n = self.stdout.read_line(&mut line).expect("read worker");
+        assert!(n > 0, "the worker exited");
+        serde_json::from_str(&line).expect("worker answers JSON")
+    }
+
+    /// Runs a command; its answer (`ok` tells whether it worked).
+    pub fn try_run(&mut self, command: &str) -> Value {
+        writeln!(self.stdin, "{command}").expect("write worker");
+        self.answer()
+    }
+
+    /// Runs a command that must work.
+    pub fn run(&mut self, command: &str) -> Value {
+        let answer = self.try_run(command);
+        assert_eq!(answer["ok"], true, "{command}: {answer}");
+        answer
+    }
+
+    /// Kills the process without ending its session (a crash, as the daemon sees it).
+    pub fn kill(mut self) {
+        let _ = self.child.0.kill();
+        let _ = self.child.0.wait();
+    }
+
+    /// Ends the session and waits for the exit.
+    pub fn exit(mut self) {
+        writeln!(self.stdin, "exit").expect("write worker");
+        let status = self.child.0.wait().expect("wait worker");
+        assert!(status.success(), "worker exited with {status}");
+    }
+}
+
+/// A loopback TCP port nobody listens on right now.
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
+
+/// A plain HTTP/1.0 GET on loopback: (status code, body).
+pub fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let code = response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Ok((code, body))
+}

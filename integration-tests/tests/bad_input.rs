@@ -1,0 +1,331 @@
+//! CONFORMANCE F4: whatever a client sends, it gets a clear error (or, for garbage, a closed
+//! connection), the daemon keeps serving everyone else, and nothing stored is lost.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::io::Write;
+use std::os::fd::AsFd;
+
+use proptest::prelude::*;
+use tierkv_client::proto::{
+    BlockRef, ChunkId, ErrorCode, HEADER_BYTES, Hello, PROTOCOL_VERSION, ReplyBody, Request,
+    RequestBody,
+};
+use tierkv_client::{Client, ClientError, SharedBuffer, memfd};
+use tierkv_integration_tests::{Daemon, Worker};
+
+const CHUNK: u64 = 65536;
+
+fn hello() -> Hello {
+    Client::worker_hello("model", CHUNK)
+}
+
+fn connect(daemon: &Daemon) -> Client {
+    Client::connect_unix(&daemon.socket, hello()).unwrap()
+}
+
+fn code(result: Result<impl std::fmt::Debug, ClientError>) -> ErrorCode {
+    match result {
+        Err(e) => e.code().unwrap_or_else(|| panic!("not a daemon error: {e}")),
+        Ok(v) => panic!("expected an error, got {v:?}"),
+    }
+}
+
+/// A worker with stored chunks that must survive everything the test throws at the daemon.
+struct Witness(Worker);
+
+impl Witness {
+    fn new(daemon: &Daemon) -> Self {
+        let mut w = daemon.worker(&["--chunk-bytes", "65536", "--blocks", "16"]);
+        w.run("store 42 16");
+        Witness(w)
+    }
+
+    /// The daemon still serves, and the witness's chunks are intact, byte for byte.
+    fn check(&mut self) {
+        let id = self.0.run("lookup 42 16")["lookup"].as_u64().unwrap();
+        self.0.run(&format!("wait {id}"));
+        assert_eq!(self.0.run(&format!("retrieve {id} 42 16"))["verified"], 16);
+    }
+}
+
+fn raw_frame(body: &[u8]) -> Vec<u8> {
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(body);
+    frame
+}
+
+#[test]
+fn f4_garbage_gets_a_bad_frame_reply_and_only_that_connection_closes() {
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    let mut client = connect(&daemon);
+    client.send_raw(&raw_frame(&[0xc1, 0xff, 0x00, 0x13]), None).unwrap();
+    let reply = client.read_reply().unwrap();
+    assert!(matches!(reply.body, ReplyBody::Error { code: ErrorCode::BadFrame, .. }), "{reply:?}");
+    assert!(matches!(client.read_reply(), Err(ClientError::Closed)), "the connection is closed");
+    witness.check();
+}
+
+#[test]
+fn f4_an_unknown_request_type_is_refused_and_the_session_goes_on() {
+    let daemon = Daemon::start();
+    let mut client = connect(&daemon);
+    // {"id": 77, "body": {"frobnicate": {}}}
+    let mut body = vec![0x82, 0xa2, b'i', b'd', 77, 0xa4, b'b', b'o', b'd', b'y', 0x81, 0xaa];
+    body.extend_from_slice(b"frobnicate");
+    body.push(0x80);
+    client.send_raw(&raw_frame(&body), None).unwrap();
+    let reply = client.read_reply().unwrap();
+    assert_eq!(reply.id, 77, "the reply carries the request's id");
+    match reply.body {
+        ReplyBody::Error { code, message } => {
+            assert_eq!(code, ErrorCode::BadRequest);
+            assert!(message.contains("frobnicate"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    client.status().expect("the session survives an unknown request");
+}
+
+#[test]
+fn f4_an_oversized_frame_is_refused_before_it_is_read() {
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    let mut client = connect(&daemon);
+    client.send_raw(&(1u32 << 30).to_le_bytes(), None).unwrap();
+    let reply = client.read_reply().unwrap();
+    match reply.body {
+        ReplyBody::Error { code: ErrorCode::BadFrame, message } => {
+            assert!(message.contains("exceeds the limit"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    witness.check();
+}
+
+#[test]
+fn f4_blocks_outside_the_registered_buffer_are_refused_before_any_copy() {
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    let mut client = connect(&daemon);
+    let buffer = SharedBuffer::new(CHUNK, 4).unwrap();
+    let id = client.register_buffer(&buffer).unwrap();
+    let chunk = ChunkId(1);
+    let outside = vec![BlockRef { chunk, block: 0 }, BlockRef { chunk: ChunkId(2), block: 4 }];
+    assert_eq!(code(client.store(0, id, outside)), ErrorCode::BlockOutOfRange);
+    let huge = vec![BlockRef { chunk, block: u64::MAX }];
+    assert_eq!(code(client.store(0, id, huge)), ErrorCode::BlockOutOfRange);
+    assert_eq!(
+        code(client.store(0, id + 1, vec![BlockRef { chunk, block: 0 }])),
+        ErrorCode::BadBuffer
+    );
+    assert_eq!(daemon.status().tiers[0].objects, 16, "the refused store stored nothing");
+
+    client.store(0, id, vec![BlockRef { chunk, block: 0 }]).unwrap();
+    let lookup = client.lookup(0, vec![chunk]).unwrap();
+    let bad = vec![BlockRef { chunk, block: 9 }];
+    assert_eq!(code(client.retrieve(lookup.id, id, bad)), ErrorCode::BlockOutOfRange);
+    // The refused retrieve returned nothing: the share is still there to read.
+    client.retrieve(lookup.id, id, vec![BlockRef { chunk, block: 1 }]).unwrap();
+    // (The store pipeline holds a share of each new chunk while it copies it down.)
+    daemon.eventually("no shares left", |s| s.l1_leased_chunks == 0);
+    witness.check();
+}
+
+#[test]
+fn f4_a_namespace_not_declared_is_refused_and_other_namespaces_stay_invisible() {
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    let mut client = connect(&daemon);
+    assert_eq!(code(client.lookup(1, vec![ChunkId(1)])), ErrorCode::NamespaceNotDeclared);
+    let buffer = SharedBuffer::new(CHUNK, 1).unwrap();
+    let id = client.register_buffer(&buffer).unwrap();
+    let store = client.store(7, id, vec![BlockRef { chunk: ChunkId(1), block: 0 }]);
+    assert_eq!(code(store), ErrorCode::NamespaceNotDeclared);
+
+    // The witness's lookup belongs to namespace "model"; a session of another model cannot
+    // even see it, let alone read it.
+    let id = witness.0.run("lookup 42 16")["lookup"].as_u64().unwrap();
+    let mut stranger =
+        Client::connect_unix(&daemon.socket, Client::worker_hello("other", CHUNK)).unwrap();
+    assert_eq!(code(stranger.query(id)), ErrorCode::UnknownLookup);
+    let sbuf = SharedBuffer::new(CHUNK, 1).unwrap();
+    let sid = stranger.register_buffer(&sbuf).unwrap();
+    let steal = vec![BlockRef { chunk: tierkv_chunk(42, 0), block: 0 }];
+    assert_eq!(code(stranger.retrieve(id, sid, steal)), ErrorCode::UnknownLookup);
+    assert!(sbuf.block(0).unwrap().iter().all(|&b| b == 0), "nothing was copied out");
+    witness.0.run(&format!("release {id}"));
+    witness.check();
+}
+
+/// The worker example's chunk ids (a copy of its derivation, to name its chunks here).
+fn tierkv_chunk(prompt: u64, index: u64) -> ChunkId {
+    fn splitmix(mut x: u64) -> u64 {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^ (x >> 31)
+    }
+    let hi = splitmix(prompt ^ 0x9e37_79b9_7f4a_7c15);
+    let lo = splitmix(hi ^ index.wrapping_mul(0xbf58_476d_1ce4_e5b9));
+    ChunkId((u128::from(hi) << 64) | u128::from(lo))
+}
+
+#[test]
+fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+
+    let wrong_version = Hello { version: PROTOCOL_VERSION + 1, ..hello() };
+    let err = Client::connect_unix(&daemon.socket, wrong_version).err().unwrap();
+    assert_eq!(err.code(), Some(ErrorCode::VersionMismatch));
+    let bad_rank = Hello { rank: 2, tp_size: 2, world_size: 2, ..hello() };
+    assert_eq!(
+        Client::connect_unix(&daemon.socket, bad_rank).err().unwrap().code(),
+        Some(ErrorCode::BadRequest)
+    );
+    let too_big = Hello { chunk_bytes: 1 << 40, ..hello() };
+    assert_eq!(
+        Client::connect_unix(&daemon.socket, too_big).err().unwrap().code(),
+        Some(ErrorCode::BadRequest)
+    );
+
+    // A request before the hello.
+    let mut stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    let mut frame = Vec::new();
+    tierkv_client::proto::encode(&Request { id: 1, body: RequestBody::Status }, &mut frame)
+        .unwrap();
+    stream.write_all(&frame).unwrap();
+    let reply = tierkv_client::proto::read_frame(&mut stream, 1 << 20).unwrap().unwrap();
+    let reply: tierkv_client::proto::Reply = tierkv_client::proto::decode(&reply).unwrap();
+    assert!(matches!(reply.body, ReplyBody::Error { code: ErrorCode::NoSession, .. }), "{reply:?}");
+
+    // Roles: an admin cannot store, a worker cannot clear.
+    let mut admin = Client::connect_unix(&daemon.socket, Client::admin_hello()).unwrap();
+    assert_eq!(code(admin.lookup(0, vec![ChunkId(1)])), ErrorCode::Forbidden);
+    let mut client = connect(&daemon);
+    assert_eq!(code(client.clear()), ErrorCode::Forbidden);
+    assert_eq!(code(client.call(RequestBody::Hello(hello()))), ErrorCode::NoSession);
+
+    // Buffers: none attached, wrong block size, unsealed memfd, too small for its claim.
+    let none = client.call(RequestBody::RegisterBuffer { block_bytes: CHUNK, blocks: 1 });
+    assert_eq!(code(none), ErrorCode::BadBuffer);
+    let wrong = SharedBuffer::new(CHUNK / 2, 2).unwrap();
+    assert_eq!(code(client.register_buffer(&wrong)), ErrorCode::BadBuffer);
+    let unsealed = memfd(c"unsealed", libc::MFD_CLOEXEC).unwrap();
+    unsealed.set_len(CHUNK * 2).unwrap();
+    let unsealed = SharedBuffer::from_file(unsealed, CHUNK, 2).unwrap();
+    let err = client.register_buffer(&unsealed).err().unwrap();
+    assert_eq!(err.code(), Some(ErrorCode::BadBuffer));
+    assert!(err.to_string().contains("F_SEAL_SHRINK"), "{err}");
+    let short = SharedBuffer::new(CHUNK, 2).unwrap();
+    let claim = client.call_with_descriptor(
+        RequestBody::RegisterBuffer { block_bytes: CHUNK, blocks: 3 },
+        short.fd(),
+    );
+    assert_eq!(code(claim), ErrorCode::BadBuffer);
+
+    // Lookups: unknown ids, releasing someone else's, retrieving chunks outside the hit.
+    assert_eq!(code(client.query(987_654)), ErrorCode::UnknownLookup);
+    let theirs = witness.0.run("lookup 42 16")["lookup"].as_u64().unwrap();
+    assert_eq!(code(client.release(theirs)), ErrorCode::Forbidden);
+    let buffer = SharedBuffer::new(CHUNK, 2).unwrap();
+    let id = client.register_buffer(&buffer).unwrap();
+    let mine = client.lookup(0, vec![tierkv_chunk(42, 0)]).unwrap();
+    let outside = vec![BlockRef { chunk: tierkv_chunk(42, 5), block: 0 }];
+    assert_eq!(code(client.retrieve(mine.id, id, outside)), ErrorCode::NotInHit);
+    client.release(mine.id).unwrap();
+    assert_eq!(code(client.release(mine.id)), ErrorCode::UnknownLookup, "released twice");
+    witness.0.run(&format!("release {theirs}"));
+    witness.check();
+    daemon.eventually("no shares left", |s| s.l1_leased_chunks == 0);
+}
+
+#[test]
+fn f4_descriptor_floods_close_the_connection() {
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    let mut client = connect(&daemon);
+    let file = memfd(c"flood", libc::MFD_CLOEXEC).unwrap();
+    let mut frame = Vec::new();
+    tierkv_client::proto::encode(&Request { id: 1, body: RequestBody::Status }, &mut frame)
+        .unwrap();
+    let mut closed = false;
+    for _ in 0..16 {
+        if client.send_raw(&frame, Some(file.as_fd())).is_err() {
+            closed = true;
+            break;
+        }
+        match client.read_reply() {
+            Ok(reply) if matches!(reply.body, ReplyBody::Status(_)) => {}
+            _ => {
+                closed = true;
+                break;
+            }
+        }
+    }
+    assert!(closed, "a client sending descriptors nobody asked for is cut off");
+    witness.check();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Random bytes, random frames of random MessagePack-ish bodies, valid frames cut short:
+    /// the daemon never dies, and the witness's data stays intact.
+    #[test]
+    fn f4_random_and_truncated_frames_never_hurt_the_daemon(
+        cases in proptest::collection::vec(
+            (any::<u8>(), proptest::collection::vec(any::<u8>(), 0..256), any::<usize>()), 1..6)
+    ) {
+        let daemon = shared_daemon();
+        for (kind, bytes, cut) in cases {
+            let mut client = connect(daemon);
+            let wire = match kind % 3 {
+                0 => bytes.clone(),
+                1 => raw_frame(&bytes),
+                _ => {
+                    let mut frame = Vec::new();
+                    let body = RequestBody::Lookup { namespace: 0, chunks: vec![ChunkId(bytes.len() as u128)] };
+                    tierkv_client::proto::encode(&Request { id: 3, body }, &mut frame).unwrap();
+                    frame.truncate(cut % frame.len().max(1));
+                    frame
+                }
+            };
+            let _ = client.send_raw(&wire, None);
+            drop(client);
+        }
+        let mut witness = WITNESS.lock().unwrap();
+        witness.as_mut().unwrap().check();
+        prop_assert!(daemon.status().connected_workers >= 1);
+    }
+}
+
+static DAEMON: std::sync::OnceLock<Daemon> = std::sync::OnceLock::new();
+static WITNESS: std::sync::Mutex<Option<Witness>> = std::sync::Mutex::new(None);
+
+fn shared_daemon() -> &'static Daemon {
+    let daemon = DAEMON.get_or_init(Daemon::start);
+    let mut witness = WITNESS.lock().unwrap();
+    if witness.is_none() {
+        *witness = Some(Witness::new(daemon));
+    }
+    daemon
+}
+
+#[test]
+fn f4_lookups_of_many_chunks_and_header_only_frames_are_fine() {
+    let daemon = Daemon::start();
+    let mut client = connect(&daemon);
+    let many: Vec<ChunkId> = (0..10_000).map(ChunkId).collect();
+    let lookup = client.lookup(0, many).unwrap();
+    assert_eq!(lookup.l1_hit_chunks, 0);
+    let outcome = client.wait(lookup.id, std::time::Duration::from_secs(10)).unwrap();
+    assert_eq!(outcome.hit_chunks, 0);
+    client.send_raw(&[0u8; HEADER_BYTES], None).unwrap();
+    assert!(matches!(
+        client.read_reply().unwrap().body,
+        ReplyBody::Error { code: ErrorCode::BadFrame, .. }
+    ));
+}
