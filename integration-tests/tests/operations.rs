@@ -1,0 +1,208 @@
+//! What an operator sees: `tierkv status`, TCP with its token, and the metrics as a real
+//! Prometheus scrapes them (`promtool check metrics` on the daemon's output, a query of the hit
+//! ratio through Prometheus's API).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tierkv_client::Client;
+use tierkv_client::proto::{ErrorCode, Hello};
+use tierkv_integration_tests::{Daemon, artifact, free_port, http_get, small_config};
+
+fn which(tool: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|dir| std::path::Path::new(dir).join(tool))
+        .find(|p| p.is_file())
+}
+
+#[test]
+fn tierkv_status_reports_tiers_hits_and_workers() {
+    let daemon = Daemon::start();
+    let mut worker = daemon.worker(&["--chunk-bytes", "65536"]);
+    worker.run("store 1 4");
+    let id = worker.run("lookup 1 8")["lookup"].as_u64().unwrap();
+    worker.run(&format!("wait {id}"));
+    worker.run(&format!("release {id}"));
+
+    let out = Command::new(artifact("bin", "tierkv"))
+        .args(["status", "--config"])
+        .arg(&daemon.config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("1 worker(s) connected"), "{text}");
+    assert!(text.contains("4 of 8 chunks hit (50.0%)"), "{text}");
+    for tier in ["l1", "l2", "disk"] {
+        assert!(text.lines().any(|l| l.starts_with(tier)), "{tier} missing:\n{text}");
+    }
+    let json = Command::new(artifact("bin", "tierkv"))
+        .args(["status", "--json", "--socket"])
+        .arg(&daemon.socket)
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(report["hit_ratio"], 0.5);
+    assert_eq!(report["connected_workers"], 1);
+
+    let nobody = Command::new(artifact("bin", "tierkv"))
+        .args(["status", "--socket", "/nonexistent/tierkv.sock"])
+        .output()
+        .unwrap();
+    assert!(!nobody.status.success());
+    assert!(String::from_utf8_lossy(&nobody.stderr).contains("no daemon answers"));
+    worker.exit();
+}
+
+#[test]
+fn tcp_needs_the_token_and_cannot_register_buffers() {
+    let port = free_port();
+    let token = "a-very-long-shared-secret";
+    let daemon = Daemon::start_with(|dir| {
+        small_config(dir, None, "").replace(
+            "[server]\n",
+            &format!("[server]\ntcp = \"127.0.0.1:{port}\"\ntoken = \"{token}\"\n"),
+        )
+    });
+    let hello = |token: Option<&str>| Hello {
+        token: token.map(String::from),
+        ..Client::worker_hello("model", 65536)
+    };
+    for wrong in [None, Some("guess"), Some("a-very-long-shared-secreT")] {
+        let err = Client::connect_tcp(("127.0.0.1", port), hello(wrong)).err().unwrap();
+        assert_eq!(err.code(), Some(ErrorCode::Forbidden), "{wrong:?}: {err}");
+    }
+    let mut client = Client::connect_tcp(("127.0.0.1", port), hello(Some(token))).unwrap();
+    let lookup = client.lookup(0, vec![tierkv_client::proto::ChunkId(5)]).unwrap();
+    client.release(lookup.id).unwrap();
+    let buffer = tierkv_client::SharedBuffer::new(65536, 1).unwrap();
+    assert!(client.register_buffer(&buffer).is_err(), "descriptors do not cross TCP");
+    assert_eq!(daemon.status().connected_workers, 1);
+    // Over the Unix socket no token is needed.
+    Client::connect_unix(&daemon.socket, hello(None)).unwrap().end().unwrap();
+}
+
+#[test]
+fn prometheus_scrapes_the_daemon_and_computes_the_hit_ratio() {
+    let (Some(prometheus), Some(promtool)) = (which("prometheus"), which("promtool")) else {
+        eprintln!(
+            "SKIPPED: prometheus and promtool are not installed (.ci/run installs Debian's prometheus package)"
+        );
+        return;
+    };
+    let metrics_port = free_port();
+    let daemon = Daemon::start_with(|dir| small_config(dir, Some(metrics_port), ""));
+    let mut worker = daemon.worker(&["--chunk-bytes", "65536"]);
+    worker.run("store 2 6");
+    let id = worker.run("lookup 2 8")["lookup"].as_u64().unwrap();
+    worker.run(&format!("wait {id}"));
+    worker.run(&format!("release {id}"));
+
+    // The exposition passes promtool's checks.
+    let (code, body) = http_get(metrics_port, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    let mut check = Command::new(&promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    check.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
+    let checked = check.wait_with_output().unwrap();
+    assert!(
+        checked.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    // Every metric the Grafana dashboard charts is one the daemon exports.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let dashboard =
+        std::fs::read_to_string(root.join("docker/grafana/dashboards/tierkv.json")).unwrap();
+    let charted: std::collections::BTreeSet<&str> = dashboard
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("tierkv_"))
+        .collect();
+    assert!(charted.len() > 10, "{charted:?}");
+    for name in charted {
+        assert!(
+            body.contains(&format!("\n{name}")),
+            "the dashboard charts {name}, which /metrics lacks"
+        );
+    }
+    for help in [
+        "# HELP tierkv_lookup_hit_chunks_total",
+        "# HELP tierkv_request_seconds",
+        "# TYPE tierkv_request_seconds histogram",
+    ] {
+        assert!(body.contains(help), "missing {help:?}");
+    }
+
+    // A real Prometheus scrapes it, and answers the hit ratio: 6 of 8 chunks.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: tierkv\n    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n"
+        ),
+    )
+    .unwrap();
+    let web_port = free_port();
+    let mut server = Command::new(&prometheus)
+        .arg(format!("--config.file={}", config.display()))
+        .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{web_port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let query = "/api/v1/query?query=sum(tierkv_lookup_hit_chunks_total)/sum(tierkv_lookup_requested_chunks_total)";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let ratio = loop {
+        if let Ok((200, body)) = http_get(web_port, query) {
+            let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+            if let Some(value) = answer["data"]["result"][0]["value"][1].as_str() {
+                break value.parse::<f64>().unwrap();
+            }
+        }
+        if Instant::now() > deadline {
+            let _ = server.kill();
+            panic!("Prometheus never answered the hit ratio");
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!(ratio, 0.75, "6 of 8 chunks hit, as Prometheus computes it");
+    worker.exit();
+}
+
+#[test]
+fn the_docker_prometheus_config_passes_promtool() {
+    let Some(promtool) = which("promtool") else {
+        eprintln!(
+            "SKIPPED: promtool is not installed (.ci/run installs Debian's prometheus package)"
+        );
+        return;
+    };
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let config = root.join("docker/prometheus/prometheus.yml");
+    let out = Command::new(&promtool).args(["check", "config"]).arg(&config).output().unwrap();
+    let rules = root.join("docker/prometheus/rules.yml");
+    let checked = Command::new(&promtool).args(["check", "rules"]).arg(&rules).output().unwrap();
+    assert!(checked.status.success(), "promtool check rules: {checked:?}");
+    assert!(
+        out.status.success(),
+        "promtool check config {}: {}{}",
+        config.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
