@@ -26,7 +26,11 @@ fn refusal(text: &str) -> String {
 fn the_embedded_default_is_the_all_defaults_config() {
     let embedded = DaemonConfig::embedded_default().unwrap();
     let empty = parse("").unwrap();
-    assert_eq!(format!("{embedded:?}"), format!("{empty:?}"), "every key of default.toml is its default");
+    assert_eq!(
+        format!("{embedded:?}"),
+        format!("{empty:?}"),
+        "every key of default.toml is its default"
+    );
     assert_eq!(embedded.server.socket.to_str(), Some("/tmp/tierkv.sock"));
     assert_eq!(embedded.server.tcp, None, "TCP is off by default");
     assert_eq!(embedded.metrics.listen.map(|a| a.to_string()).as_deref(), Some("127.0.0.1:9464"));
