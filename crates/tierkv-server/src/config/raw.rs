@@ -1,0 +1,248 @@
+//! The file as written: one struct per section, each key defaulted, unknown keys refused.
+//!
+//! Only the form of each value is checked here (a size, a duration, a known name); the ranges
+//! and the agreements between keys are checked in the parent module, which knows their lines.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde::de::{self, Deserializer};
+use tierkv_core::policy::PolicyKind;
+use tierkv_disk::{FsyncPolicy, ReadMode};
+use tierkv_l1::Watermark;
+use tierkv_l2::HostMemory;
+use tierkv_prefetch::PrefetchConfig;
+
+use super::ByteSize;
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct Raw {
+    pub server: Server,
+    pub metrics: Metrics,
+    pub l1: L1,
+    pub l2: L2,
+    pub disk: Disk,
+    pub storage: Storage,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct Server {
+    pub socket: PathBuf,
+    pub tcp: Option<SocketAddr>,
+    pub token: Option<String>,
+    pub max_frame: ByteSize,
+    pub max_connections: usize,
+}
+
+impl Default for Server {
+    fn default() -> Self {
+        Server {
+            socket: PathBuf::from("/tmp/tierkv.sock"),
+            tcp: None,
+            token: None,
+            max_frame: ByteSize(16 << 20),
+            max_connections: 1024,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct Metrics {
+    pub enabled: bool,
+    pub listen: SocketAddr,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics { enabled: true, listen: SocketAddr::from(([127, 0, 0, 1], 9464)) }
+    }
+}
+
+/// `l1.device`; the ordinal of `cuda` is a key of its own.
+#[derive(Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum Device {
+    #[default]
+    Auto,
+    Emulated,
+    Cuda,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct L1 {
+    pub device: Device,
+    pub cuda_device: usize,
+    pub capacity: ByteSize,
+    pub slot: ByteSize,
+    #[serde(with = "PolicyName")]
+    pub policy: PolicyKind,
+    #[serde(deserialize_with = "duration")]
+    pub lease_ttl: Duration,
+    pub watermark_high: f64,
+    pub watermark_low: f64,
+    pub shards: usize,
+}
+
+impl Default for L1 {
+    fn default() -> Self {
+        L1 {
+            device: Device::Auto,
+            cuda_device: 0,
+            capacity: ByteSize(1 << 30),
+            slot: ByteSize(2 << 20),
+            policy: PolicyKind::Lru,
+            lease_ttl: Duration::from_secs(30),
+            watermark_high: Watermark::default().high,
+            watermark_low: Watermark::default().low,
+            shards: 0,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct L2 {
+    pub enabled: bool,
+    pub capacity: ByteSize,
+    #[serde(with = "MemoryName")]
+    pub memory: HostMemory,
+    #[serde(with = "PolicyName")]
+    pub policy: PolicyKind,
+    pub workers: usize,
+    pub watermark_high: f64,
+    pub watermark_low: f64,
+}
+
+impl Default for L2 {
+    fn default() -> Self {
+        L2 {
+            enabled: true,
+            capacity: ByteSize(4 << 30),
+            memory: HostMemory::Auto,
+            policy: PolicyKind::Lru,
+            workers: 2,
+            watermark_high: Watermark::default().high,
+            watermark_low: Watermark::default().low,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct Disk {
+    pub enabled: bool,
+    pub dir: PathBuf,
+    pub capacity: ByteSize,
+    pub segment: ByteSize,
+    #[serde(deserialize_with = "fsync")]
+    pub fsync: FsyncPolicy,
+    pub io_threads: usize,
+    #[serde(with = "ReadModeName")]
+    pub read_mode: ReadMode,
+    #[serde(with = "PolicyName")]
+    pub policy: PolicyKind,
+}
+
+impl Default for Disk {
+    fn default() -> Self {
+        Disk {
+            enabled: true,
+            dir: PathBuf::from("tierkv-data"),
+            capacity: ByteSize(16 << 30),
+            segment: ByteSize(256 << 20),
+            fsync: FsyncPolicy::Always,
+            io_threads: 4,
+            read_mode: ReadMode::Direct,
+            policy: PolicyKind::Lru,
+        }
+    }
+}
+
+/// `storage.store_policy`; the reads of `disk_admission` are a key of their own.
+#[derive(Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum StoreMode {
+    #[default]
+    WriteThrough,
+    WriteBack,
+    DiskAdmission,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct Storage {
+    pub store_policy: StoreMode,
+    pub disk_admission_min_reads: u32,
+    #[serde(deserialize_with = "duration")]
+    pub maintenance_interval: Duration,
+    pub prefetch_max_in_flight: usize,
+    #[serde(deserialize_with = "duration")]
+    pub prefetch_drain_timeout: Duration,
+}
+
+impl Default for Storage {
+    fn default() -> Self {
+        let prefetch = PrefetchConfig::default();
+        Storage {
+            store_policy: StoreMode::WriteThrough,
+            disk_admission_min_reads: 2,
+            maintenance_interval: Duration::from_millis(50),
+            prefetch_max_in_flight: prefetch.max_in_flight,
+            prefetch_drain_timeout: prefetch.drain_timeout,
+        }
+    }
+}
+
+// The tier crates' enums carry no serde; these mirror them (the compiler checks that every
+// variant is listed) under the names the file uses.
+
+#[derive(Deserialize)]
+#[serde(remote = "PolicyKind", rename_all = "lowercase")]
+enum PolicyName {
+    Lru,
+    S3Fifo,
+}
+
+#[derive(Deserialize)]
+#[serde(remote = "HostMemory", rename_all = "snake_case")]
+enum MemoryName {
+    Auto,
+    Plain,
+    HugePages,
+    Pinned,
+}
+
+#[derive(Deserialize)]
+#[serde(remote = "ReadMode", rename_all = "lowercase")]
+enum ReadModeName {
+    Direct,
+    Mmap,
+}
+
+/// A duration such as "30s", "50ms" or "1m".
+fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    humantime::parse_duration(&text)
+        .map_err(|e| de::Error::custom(format!("{text:?} is not a duration such as \"30s\": {e}")))
+}
+
+/// "always", "never", or the interval of periodic syncs such as "1s".
+fn fsync<'de, D: Deserializer<'de>>(deserializer: D) -> Result<FsyncPolicy, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    match text.as_str() {
+        "always" => Ok(FsyncPolicy::Always),
+        "never" => Ok(FsyncPolicy::Never),
+        other => match humantime::parse_duration(other) {
+            Ok(every) if !every.is_zero() => Ok(FsyncPolicy::Periodic(every)),
+            _ => Err(de::Error::custom(format!(
+                "{other:?} is neither \"always\", \"never\" nor a positive interval such as \"1s\""
+            ))),
+        },
+    }
+}
