@@ -198,6 +198,11 @@ fn the_docker_prometheus_config_passes_promtool() {
     let rules = root.join("docker/prometheus/rules.yml");
     let checked = Command::new(&promtool).args(["check", "rules"]).arg(&rules).output().unwrap();
     assert!(checked.status.success(), "promtool check rules: {checked:?}");
+    // The alerting and recording rules' unit tests: each alert fires on made-up series that
+    // should fire it and stays silent on ones that should not.
+    let tests = root.join("docker/prometheus/rules.test.yml");
+    let tested = Command::new(&promtool).args(["test", "rules"]).arg(&tests).output().unwrap();
+    assert!(tested.status.success(), "promtool test rules: {tested:?}");
     assert!(
         out.status.success(),
         "promtool check config {}: {}{}",
