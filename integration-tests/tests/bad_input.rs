@@ -7,6 +7,7 @@ use std::io::Write;
 use std::os::fd::AsFd;
 
 use proptest::prelude::*;
+use tierkv_client::payload::chunk_id;
 use tierkv_client::proto::{
     BlockRef, ChunkId, ErrorCode, HEADER_BYTES, Hello, PROTOCOL_VERSION, ReplyBody, Request,
     RequestBody,
@@ -152,24 +153,11 @@ fn f4_a_namespace_not_declared_is_refused_and_other_namespaces_stay_invisible() 
     assert_eq!(code(stranger.query(id)), ErrorCode::UnknownLookup);
     let sbuf = SharedBuffer::new(CHUNK, 1).unwrap();
     let sid = stranger.register_buffer(&sbuf).unwrap();
-    let steal = vec![BlockRef { chunk: tierkv_chunk(42, 0), block: 0 }];
+    let steal = vec![BlockRef { chunk: chunk_id(42, 0), block: 0 }];
     assert_eq!(code(stranger.retrieve(id, sid, steal)), ErrorCode::UnknownLookup);
     assert!(sbuf.block(0).unwrap().iter().all(|&b| b == 0), "nothing was copied out");
     witness.0.run(&format!("release {id}"));
     witness.check();
-}
-
-/// The worker example's chunk ids (a copy of its derivation, to name its chunks here).
-fn tierkv_chunk(prompt: u64, index: u64) -> ChunkId {
-    fn splitmix(mut x: u64) -> u64 {
-        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^ (x >> 31)
-    }
-    let hi = splitmix(prompt ^ 0x9e37_79b9_7f4a_7c15);
-    let lo = splitmix(hi ^ index.wrapping_mul(0xbf58_476d_1ce4_e5b9));
-    ChunkId((u128::from(hi) << 64) | u128::from(lo))
 }
 
 #[test]
@@ -232,8 +220,8 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
     assert_eq!(code(client.release(theirs)), ErrorCode::Forbidden);
     let buffer = SharedBuffer::new(CHUNK, 2).unwrap();
     let id = client.register_buffer(&buffer).unwrap();
-    let mine = client.lookup(0, vec![tierkv_chunk(42, 0)]).unwrap();
-    let outside = vec![BlockRef { chunk: tierkv_chunk(42, 5), block: 0 }];
+    let mine = client.lookup(0, vec![chunk_id(42, 0)]).unwrap();
+    let outside = vec![BlockRef { chunk: chunk_id(42, 5), block: 0 }];
     assert_eq!(code(client.retrieve(mine.id, id, outside)), ErrorCode::NotInHit);
     client.release(mine.id).unwrap();
     assert_eq!(code(client.release(mine.id)), ErrorCode::UnknownLookup, "released twice");

@@ -22,7 +22,8 @@ use std::io::BufRead;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tierkv_client::proto::{BlockRef, ChunkId, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
+use tierkv_client::payload::{SHARED_TAG, chunk_id, fill, holds};
+use tierkv_client::proto::{BlockRef, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
 use tierkv_client::{Client, ClientError, SharedBuffer};
 
 struct Args {
@@ -69,37 +70,11 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// The id of chunk `index` of prompt `prompt`.
-pub fn chunk_id(prompt: u64, index: u64) -> ChunkId {
-    let hi = splitmix(prompt ^ 0x9e37_79b9_7f4a_7c15);
-    let lo = splitmix(hi ^ index.wrapping_mul(0xbf58_476d_1ce4_e5b9));
-    ChunkId((u128::from(hi) << 64) | u128::from(lo))
-}
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// The bytes of a chunk: a stream seeded by its id and the rank whose KV it is.
-fn fill(block: &mut [u8], id: ChunkId, rank_tag: u64) {
-    let mut state =
-        (id.0 as u64) ^ ((id.0 >> 64) as u64) ^ rank_tag.wrapping_mul(0x2545_f491_4f6c_dd1d);
-    for word in block.chunks_mut(8) {
-        state = splitmix(state);
-        let bytes = state.to_le_bytes();
-        word.copy_from_slice(&bytes[..word.len()]);
-    }
-}
-
 struct Worker {
     client: Client,
     buffer: SharedBuffer,
     buffer_id: u32,
     rank_tag: u64,
-    scratch: Vec<u8>,
 }
 
 impl Worker {
@@ -144,10 +119,9 @@ impl Worker {
                 }
                 let bytes =
                     self.client.retrieve(num(1)?, self.buffer_id, refs.clone()).map_err(daemon)?;
-                self.scratch.resize(self.buffer.block_bytes() as usize, 0);
                 for r in &refs {
-                    fill(&mut self.scratch, r.chunk, self.rank_tag);
-                    if self.buffer.block(r.block) != Some(&self.scratch[..]) {
+                    let block = self.buffer.block(r.block).ok_or("block out of range")?;
+                    if !holds(block, r.chunk, self.rank_tag) {
                         return Err(format!("block {} does not hold chunk {:?}", r.block, r.chunk));
                     }
                 }
@@ -184,8 +158,8 @@ fn main() -> Result<(), String> {
     let mut client = Client::connect_unix(&args.socket, hello).map_err(|e| e.to_string())?;
     let buffer = SharedBuffer::new(args.chunk_bytes, args.blocks).map_err(|e| e.to_string())?;
     let buffer_id = client.register_buffer(&buffer).map_err(|e| e.to_string())?;
-    let rank_tag = if args.mla { u64::MAX } else { u64::from(args.rank) };
-    let mut worker = Worker { client, buffer, buffer_id, rank_tag, scratch: Vec::new() };
+    let rank_tag = if args.mla { SHARED_TAG } else { u64::from(args.rank) };
+    let mut worker = Worker { client, buffer, buffer_id, rank_tag };
     println!("{}", json!({"ok": true, "ready": true, "session": worker.client.session().id}));
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(|e| e.to_string())?;

@@ -5,6 +5,7 @@
 //! blocks of those buffers. One request is in flight at a time; the daemon answers in order.
 //! Everything the session holds is returned by the daemon when the client ends or disconnects.
 
+pub mod payload;
 mod shm;
 
 use std::io::{self, Write};
