@@ -11,7 +11,6 @@
 )]
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -20,6 +19,7 @@ use serde_json::Value;
 use tempfile::TempDir;
 use tierkv_client::Client;
 use tierkv_client::proto::StatusReport;
+use tierkv_replay::process::die_with_parent;
 
 /// The target directory the test binary runs from (`target/<profile>`).
 fn profile_dir() -> PathBuf {
@@ -50,20 +50,6 @@ pub fn artifact(kind: &str, name: &str) -> PathBuf {
         assert!(status.success(), "cargo build of {name} failed");
     }
     path
-}
-
-/// Makes the child die with the thread that started it, so a test that panics, or a static
-/// that is never dropped, leaves no process behind.
-fn die_with_parent(command: &mut Command) -> &mut Command {
-    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec here.
-    unsafe {
-        command.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    }
 }
 
 /// Kills a child when dropped.

@@ -4,6 +4,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod replay;
+
 use clap::{Parser, Subcommand};
 use tierkv_client::Client;
 use tierkv_proto::StatusReport;
@@ -43,6 +45,12 @@ enum Command {
         #[command(subcommand)]
         action: ConfigAction,
     },
+    /// Replays request traces through a daemon (or, with --simulate, through the eviction
+    /// policies alone) and reports hit ratios, bytes moved, latency and a plot.
+    Replay(Box<replay::ReplayArgs>),
+    /// A simulated TP worker, started by `tierkv replay`.
+    #[command(hide = true)]
+    ReplayWorker(replay::WorkerArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -64,6 +72,8 @@ pub fn main() -> ExitCode {
         Command::Status { socket, config, json } => status(socket, config.as_deref(), json),
         Command::Config { action: ConfigAction::Check { file } } => check(&file),
         Command::Config { action: ConfigAction::Default } => print(DEFAULT_TOML),
+        Command::Replay(args) => replay::replay(*args).and_then(|text| print(&text)),
+        Command::ReplayWorker(args) => replay::worker(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -23,7 +23,8 @@
 //!   that is only a ghost is not tracked, so removing it changes nothing.
 //!
 //! Two defaults differ from the reference's, chosen by replaying the Mooncake traces as a prefix
-//! cache of 1,000 to 30,000 blocks against LRU (`tests/policy_traces.rs`):
+//! cache of 1,000 to 30,000 blocks against LRU (`tierkv replay --simulate`, pinned by
+//! `crates/tierkv-replay/tests/mooncake.rs`):
 //! - Promotion threshold 0, promoting a key used once on probation; the reference's
 //!   `move-to-main-threshold=2` is threshold 1 here. With threshold 1, no share of `S` from 10%
 //!   to 80% beats LRU at 30,000 blocks on either trace.

@@ -1,0 +1,184 @@
+//! The processes a daemon replay runs: the daemon itself (unless one is given) and one worker
+//! per TP rank. Each dies with the replay, even if the replay is killed.
+
+use std::fmt::Write as _;
+use std::io;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tierkv_core::policy::PolicyKind;
+
+use crate::ReplayError;
+
+/// Makes the child die with the thread that started it, so a replay (or a test) that is killed
+/// or panics leaves no process behind.
+pub fn die_with_parent(command: &mut Command) -> &mut Command {
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec here.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A child process that is asked to stop (SIGTERM), then killed, when dropped.
+pub struct Reaped(pub Child);
+
+impl Reaped {
+    /// Sends SIGTERM and waits up to `grace` for the child to exit, then kills it.
+    pub fn stop(&mut self, grace: Duration) {
+        if let Ok(pid) = i32::try_from(self.0.id()) {
+            // SAFETY: kill(2) on our own child's pid; a failure (already gone) is harmless.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        self.reap(grace);
+    }
+
+    /// Waits up to `grace` for the child to exit by itself, then kills it. Returns whether it
+    /// exited successfully by itself.
+    pub fn reap(&mut self, grace: Duration) -> bool {
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            match self.0.try_wait() {
+                Ok(Some(status)) => return status.success(),
+                Err(_) => return false,
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        false
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(10));
+    }
+}
+
+/// How many chunks each tier of a started daemon holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TierChunks {
+    /// L1 (emulated GPU memory), at least one.
+    pub l1: u64,
+    /// L2 (host memory); 0 turns it off.
+    pub l2: u64,
+    /// Disk; 0 turns it off. Segment granularity makes this approximate.
+    pub disk: u64,
+}
+
+/// A daemon the replay started, in a directory of its own that goes with it.
+pub struct SpawnedDaemon {
+    process: Reaped,
+    socket: PathBuf,
+    // Dropped after the process: the daemon removes its socket and syncs the disk tier first.
+    _dir: tempfile::TempDir,
+}
+
+impl SpawnedDaemon {
+    /// Starts `program serve` on a configuration with `tiers` of `chunk_bytes` chunks evicted by
+    /// `policy`, and waits until it accepts connections.
+    pub fn start(
+        program: &Path,
+        chunk_bytes: u64,
+        tiers: TierChunks,
+        policy: PolicyKind,
+    ) -> Result<SpawnedDaemon, ReplayError> {
+        let dir = tempfile::Builder::new()
+            .prefix("tierkv-replay-")
+            .tempdir()
+            .map_err(|e| ReplayError::io("create the daemon's directory", e))?;
+        let socket = dir.path().join("tierkv.sock");
+        let config = dir.path().join("tierkv.toml");
+        std::fs::write(&config, daemon_config(dir.path(), chunk_bytes, tiers, policy))
+            .map_err(|e| ReplayError::io("write the daemon's configuration", e))?;
+        let log_path = dir.path().join("daemon.log");
+        let log = std::fs::File::create(&log_path)
+            .map_err(|e| ReplayError::io("create the daemon's log", e))?;
+        let log_err = log.try_clone().map_err(|e| ReplayError::io("open the daemon's log", e))?;
+        let child = die_with_parent(
+            Command::new(program)
+                .arg("serve")
+                .arg("--config")
+                .arg(&config)
+                .stdin(Stdio::null())
+                .stdout(log)
+                .stderr(log_err),
+        )
+        .spawn()
+        .map_err(|e| ReplayError::io(format!("start {} serve", program.display()), e))?;
+        let mut process = Reaped(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                break;
+            }
+            let exited = process.0.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() > deadline {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let why =
+                    exited.map_or("did not open its socket in 60 s".into(), |s| s.to_string());
+                return Err(ReplayError::Daemon(format!("the daemon {why}; its log:\n{log}")));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(SpawnedDaemon { process, socket, _dir: dir })
+    }
+
+    /// Its Unix socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Stops it (SIGTERM, the daemon drains and syncs).
+    pub fn stop(mut self) {
+        self.process.stop(Duration::from_secs(15));
+    }
+}
+
+/// The configuration of a replay's daemon: the tiers as asked, and nothing that would make it
+/// count differently from the simulation. One index shard keeps L1's eviction order exact (with
+/// several, each shard evicts by its own order); watermarks of 1.0 leave eviction to demand; the
+/// lease outlives any request; the disk does not sync (a replay's chunks are disposable).
+fn daemon_config(dir: &Path, chunk_bytes: u64, tiers: TierChunks, policy: PolicyKind) -> String {
+    let policy = policy.as_str();
+    let mut text = format!(
+        "[server]\nsocket = \"{socket}\"\nmax_frame = \"64MiB\"\n\n[metrics]\nenabled = false\n\n\
+         [l1]\ndevice = \"emulated\"\ncapacity = {l1}\nslot = {chunk_bytes}\npolicy = \"{policy}\"\n\
+         lease_ttl = \"1h\"\nwatermark_high = 1.0\nwatermark_low = 1.0\nshards = 1\n\n",
+        socket = dir.join("tierkv.sock").display(),
+        l1 = tiers.l1.max(1) * chunk_bytes,
+    );
+    if tiers.l2 == 0 {
+        text.push_str("[l2]\nenabled = false\n\n");
+    } else {
+        let _ = write!(
+            text,
+            "[l2]\ncapacity = {}\nmemory = \"plain\"\npolicy = \"{policy}\"\n\
+             watermark_high = 1.0\nwatermark_low = 1.0\n\n",
+            tiers.l2 * chunk_bytes
+        );
+    }
+    if tiers.disk == 0 {
+        text.push_str("[disk]\nenabled = false\n");
+    } else {
+        // Sixteen segments or more, each holding a record of one chunk with room to spare.
+        let record = (chunk_bytes + 8192).next_multiple_of(4096);
+        let bytes = tiers.disk * record;
+        let segment = (bytes / 16).next_multiple_of(4096).max(record * 2);
+        let _ = write!(
+            text,
+            "[disk]\ndir = \"{}\"\ncapacity = {}\nsegment = {segment}\nfsync = \"never\"\n\
+             policy = \"{policy}\"\n",
+            dir.join("disk").display(),
+            bytes.max(segment * 2)
+        );
+    }
+    text
+}

@@ -1,0 +1,337 @@
+//! Running replays: simulation sweeps over threads, daemon replays over worker processes.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tierkv_client::Client;
+use tierkv_core::policy::PolicyKind;
+
+use crate::ReplayError;
+use crate::process::{SpawnedDaemon, TierChunks};
+use crate::report::{Mode, Movement, Percentiles, RunResult, TierHits};
+use crate::sim::{Policy, SimCounts, simulate};
+use crate::trace::Trace;
+use crate::worker::{Done, Step, WorkerProcess, WorkerSpec};
+
+/// Replays every trace with every policy at every capacity, spread over the machine's cores.
+/// Results come back in that order: trace, then capacity, then policy.
+pub fn sweep_simulation(
+    traces: &[Trace],
+    policies: &[Policy],
+    capacities: &[Option<u64>],
+    progress: bool,
+) -> Vec<RunResult> {
+    let runs: Vec<(usize, Option<u64>, Policy)> = traces
+        .iter()
+        .enumerate()
+        .flat_map(|(t, _)| {
+            capacities.iter().flat_map(move |c| policies.iter().map(move |p| (t, *c, *p)))
+        })
+        .collect();
+    let bar = progress_bar(runs.len() as u64, progress, "runs");
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(1, usize::from).min(runs.len());
+    let mut results: Vec<Option<RunResult>> = vec![None; runs.len()];
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&(t, capacity, policy)) = runs.get(i) else { break };
+                        let trace = &traces[t];
+                        let limit = capacity.map(|c| usize::try_from(c).unwrap_or(usize::MAX));
+                        let counts = simulate(trace, policy, limit);
+                        done.push((
+                            i,
+                            RunResult::new(
+                                &trace.name,
+                                Mode::Simulation,
+                                policy.name(),
+                                capacity,
+                                &counts,
+                            ),
+                        ));
+                        bar.inc(1);
+                    }
+                    done
+                })
+            })
+            .collect();
+        for handle in handles {
+            // A simulation thread only panics on a bug; let it surface as one.
+            let done = handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            for (i, result) in done {
+                results[i] = Some(result);
+            }
+        }
+    });
+    bar.finish_and_clear();
+    results.into_iter().flatten().collect()
+}
+
+/// Which daemon a replay talks to.
+#[derive(Clone, Debug)]
+pub enum Target {
+    /// One started for the replay (`program serve`) and stopped after it.
+    Spawn {
+        /// Chunks per tier.
+        tiers: TierChunks,
+        /// The eviction policy of every tier.
+        policy: PolicyKind,
+    },
+    /// One already running, at this Unix socket; the replay uses a fresh namespace in it.
+    Socket(PathBuf),
+}
+
+/// How fast requests are sent.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Pace {
+    /// Each request as soon as the previous one is done.
+    AsFastAsPossible,
+    /// At the trace's timestamps divided by this factor (a request never starts before the
+    /// previous one is done).
+    Speedup(f64),
+}
+
+/// A daemon replay.
+#[derive(Clone, Debug)]
+pub struct DaemonPlan {
+    /// The `tierkv` executable: it serves the daemon and runs the workers (`replay-worker`).
+    pub program: PathBuf,
+    /// The daemon.
+    pub target: Target,
+    /// Bytes per chunk.
+    pub chunk_bytes: u64,
+    /// Ranks, one worker process each.
+    pub tp: u16,
+    /// Whether the ranks share one copy of each chunk (rank 0 looks up and stores, every rank
+    /// retrieves).
+    pub mla: bool,
+    /// How fast.
+    pub pace: Pace,
+    /// Whether to draw a progress bar (on a terminal).
+    pub progress: bool,
+}
+
+/// Replays `trace` through a daemon and returns what it counted, moved and measured.
+pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, ReplayError> {
+    if plan.tp == 0 || plan.chunk_bytes == 0 {
+        return Err(ReplayError::Invalid("tp and the chunk size must be positive".into()));
+    }
+    let memcpy = tierkv_bench::memcpy_bandwidth(
+        usize::try_from(plan.chunk_bytes).unwrap_or(usize::MAX),
+        Duration::from_millis(300),
+    );
+    let (spawned, socket, policy, capacity) = match &plan.target {
+        Target::Spawn { tiers, policy } => {
+            let daemon = SpawnedDaemon::start(&plan.program, plan.chunk_bytes, *tiers, *policy)?;
+            let socket = daemon.socket().to_path_buf();
+            (Some(daemon), socket, policy.as_str().to_string(), Some(tiers.l1))
+        }
+        Target::Socket(path) => (None, path.clone(), "daemon's".into(), None),
+    };
+    let mut admin = Client::connect_unix(&socket, Client::admin_hello())
+        .map_err(|e| ReplayError::Daemon(format!("cannot reach {}: {e}", socket.display())))?;
+    let tier_names: Vec<String> = admin
+        .status()
+        .map_err(|e| ReplayError::Daemon(format!("status: {e}")))?
+        .tiers
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let _ = admin.end();
+
+    let max_chunks = trace.requests.iter().map(|r| r.chunks.len() as u64).max().unwrap_or(1);
+    let model = format!(
+        "replay/{}/{}/{}",
+        trace.name,
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    let mut workers = (0..plan.tp)
+        .map(|rank| {
+            let spec = WorkerSpec {
+                socket: socket.clone(),
+                model: model.clone(),
+                rank,
+                tp: plan.tp,
+                mla: plan.mla,
+                chunk_bytes: plan.chunk_bytes,
+                chunk_tokens: trace.chunk_tokens,
+                max_chunks,
+            };
+            WorkerProcess::start(&plan.program, &spec)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let bar = progress_bar(trace.requests.len() as u64, plan.progress, "requests");
+    let mut tally = Tally::default();
+    let started = Instant::now();
+    let first = trace.requests.first().map_or(0.0, |r| r.timestamp_ms);
+    for request in &trace.requests {
+        if let Pace::Speedup(factor) = plan.pace {
+            let due =
+                Duration::from_secs_f64(((request.timestamp_ms - first) / factor / 1e3).max(0.0));
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let chunks = &request.chunks;
+        if plan.mla {
+            let owner = &mut workers[0];
+            owner.send(&Step::Lookup { chunks: chunks.clone() })?;
+            let looked = owner.receive()?;
+            tally.lookup(&looked, chunks.len())?;
+            tally.count(&looked, request.tokens, chunks.len(), trace.chunk_tokens);
+            let hit = looked.hit as usize;
+            if hit > 0 {
+                let step = Step::Retrieve { lookup: looked.lookup, chunks: chunks[..hit].to_vec() };
+                workers.iter_mut().try_for_each(|w| w.send(&step))?;
+                for worker in &mut workers {
+                    let got = worker.receive()?;
+                    tally.retrieved(&got, hit)?;
+                }
+            }
+            let owner = &mut workers[0];
+            owner.send(&Step::Finish {
+                lookup: looked.lookup,
+                chunks: chunks.clone(),
+                hit: looked.hit,
+            })?;
+            tally.stored(&owner.receive()?);
+        } else {
+            let step = Step::Request { chunks: chunks.clone() };
+            workers.iter_mut().try_for_each(|w| w.send(&step))?;
+            for worker in &mut workers {
+                let done = worker.receive()?;
+                tally.lookup(&done, chunks.len())?;
+                tally.count(&done, request.tokens, chunks.len(), trace.chunk_tokens);
+                tally.retrieved(&done, done.hit as usize)?;
+                tally.stored(&done);
+            }
+        }
+        bar.inc(1);
+        if bar.position().is_multiple_of(64) {
+            bar.set_message(format!("hit {:.3}", tally.counts.hit_ratio()));
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    for worker in workers {
+        worker.close()?;
+    }
+    if let Some(daemon) = spawned {
+        daemon.stop();
+    }
+
+    let mut result = RunResult::new(&trace.name, Mode::Daemon, &policy, capacity, &tally.counts);
+    result.tiers = tally
+        .per_tier
+        .iter()
+        .enumerate()
+        .map(|(i, hits)| TierHits {
+            tier: tier_names.get(i).cloned().unwrap_or_else(|| format!("tier{i}")),
+            hit_chunks: *hits,
+            hit_ratio: if tally.counts.chunks == 0 {
+                0.0
+            } else {
+                *hits as f64 / tally.counts.chunks as f64
+            },
+        })
+        .collect();
+    let moved_chunks = tally.chunks_retrieved + tally.chunks_stored;
+    let bytes_moved = moved_chunks * plan.chunk_bytes;
+    let gb_per_second = bytes_moved as f64 / seconds / 1e9;
+    result.movement = Some(Movement {
+        chunk_bytes: plan.chunk_bytes,
+        tp: plan.tp,
+        mla: plan.mla,
+        seconds,
+        chunks_retrieved: tally.chunks_retrieved,
+        chunks_stored: tally.chunks_stored,
+        chunks_refused: tally.chunks_refused,
+        bytes_moved,
+        chunks_per_second: moved_chunks as f64 / seconds,
+        gb_per_second,
+        lookup: Percentiles::of(&mut tally.lookup_us),
+        retrieve: Percentiles::of(&mut tally.retrieve_us),
+        memcpy_gb_per_second: memcpy / 1e9,
+        ratio_to_memcpy: gb_per_second / (memcpy / 1e9),
+    });
+    Ok(result)
+}
+
+/// What the workers answered, added up.
+#[derive(Default)]
+struct Tally {
+    counts: SimCounts,
+    per_tier: Vec<u64>,
+    chunks_retrieved: u64,
+    chunks_stored: u64,
+    chunks_refused: u64,
+    lookup_us: Vec<u64>,
+    retrieve_us: Vec<u64>,
+}
+
+impl Tally {
+    /// A lookup's answer; its tiers must account for its whole hit.
+    fn lookup(&mut self, done: &Done, chunks: usize) -> Result<(), ReplayError> {
+        let per_tier: u32 = done.per_tier.iter().sum();
+        if per_tier != done.hit || done.hit as usize > chunks {
+            return Err(ReplayError::Inconsistent(format!(
+                "lookup {} hit {} of {chunks} chunks, its tiers served {per_tier}",
+                done.lookup, done.hit
+            )));
+        }
+        if self.per_tier.len() < done.per_tier.len() {
+            self.per_tier.resize(done.per_tier.len(), 0);
+        }
+        for (total, n) in self.per_tier.iter_mut().zip(&done.per_tier) {
+            *total += u64::from(*n);
+        }
+        self.lookup_us.push(done.lookup_us);
+        Ok(())
+    }
+
+    fn count(&mut self, done: &Done, tokens: u64, chunks: usize, chunk_tokens: u64) {
+        self.counts.add_request(chunks, tokens, done.hit as usize, chunk_tokens);
+    }
+
+    /// A retrieve's answer: every chunk of the hit, checked.
+    fn retrieved(&mut self, done: &Done, hit: usize) -> Result<(), ReplayError> {
+        if done.retrieved != hit as u64 {
+            return Err(ReplayError::Inconsistent(format!(
+                "retrieved {} chunks of a {hit}-chunk hit",
+                done.retrieved
+            )));
+        }
+        if hit > 0 {
+            self.chunks_retrieved += done.retrieved;
+            self.retrieve_us.push(done.retrieve_us);
+        }
+        Ok(())
+    }
+
+    fn stored(&mut self, done: &Done) {
+        self.chunks_stored += done.stored;
+        self.chunks_refused += done.refused;
+    }
+}
+
+fn progress_bar(len: u64, visible: bool, unit: &str) -> ProgressBar {
+    let target =
+        if visible { ProgressDrawTarget::stderr_with_hz(4) } else { ProgressDrawTarget::hidden() };
+    let bar = ProgressBar::with_draw_target(Some(len), target);
+    let template =
+        format!("{{elapsed_precise}} [{{bar:40}}] {{pos}}/{{len}} {unit} {{per_sec}} {{msg}}");
+    if let Ok(style) = ProgressStyle::with_template(&template) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}

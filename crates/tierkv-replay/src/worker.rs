@@ -1,0 +1,399 @@
+//! A simulated TP worker: one process per rank, one daemon session each, with a shared-memory
+//! KV buffer registered like an engine's. The replay drives it with one JSON line per step on
+//! its stdin and reads one JSON line per step from its stdout.
+//!
+//! A trace chunk `k` is the daemon chunk `ChunkId(k)` in the worker's namespace, and its bytes
+//! are [`payload::fill`]'s for that id and the worker's tag (its rank, or one shared tag under
+//! MLA), so every retrieved byte can be checked. Retrieves land in the first half of the buffer,
+//! stores are filled in the second half, so a retrieve that copies nothing cannot leave a stored
+//! copy of the right bytes behind; the first and last word of each retrieve block are also
+//! poisoned before the copy.
+
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::process::{ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tierkv_client::payload::{self, SHARED_TAG};
+use tierkv_client::proto::{BlockRef, ChunkId, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
+use tierkv_client::{Client, ClientError, SharedBuffer};
+
+use crate::ReplayError;
+use crate::process::{Reaped, die_with_parent};
+
+/// How long a worker waits for a lookup's prefetch from the lower tiers.
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Who a worker is: the hello it sends and the buffer it registers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// The daemon's Unix socket.
+    pub socket: PathBuf,
+    /// The namespace's model name (a replay uses a fresh one, so runs never share chunks).
+    pub model: String,
+    /// This worker's rank.
+    pub rank: u16,
+    /// The TP group's size.
+    pub tp: u16,
+    /// Whether the ranks share one copy of the KV.
+    pub mla: bool,
+    /// Bytes per chunk.
+    pub chunk_bytes: u64,
+    /// Tokens per chunk (for the hello and the hit's tokens).
+    pub chunk_tokens: u64,
+    /// The most chunks one request names: the buffer holds twice that many blocks.
+    pub max_chunks: u64,
+}
+
+impl WorkerSpec {
+    /// The command-line arguments of `tierkv replay-worker` that recreate this spec.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--socket".into(),
+            self.socket.display().to_string(),
+            "--model".into(),
+            self.model.clone(),
+            "--rank".into(),
+            self.rank.to_string(),
+            "--tp".into(),
+            self.tp.to_string(),
+            "--chunk-bytes".into(),
+            self.chunk_bytes.to_string(),
+            "--chunk-tokens".into(),
+            self.chunk_tokens.to_string(),
+            "--max-chunks".into(),
+            self.max_chunks.to_string(),
+        ];
+        if self.mla {
+            args.push("--mla".into());
+        }
+        args
+    }
+}
+
+/// One step, from the replay to a worker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Step {
+    /// A rank that owns its KV does a whole request: look up, wait, retrieve and check the hit,
+    /// release, store the chunks after the hit.
+    Request {
+        /// The request's chunks, root first.
+        chunks: Vec<u64>,
+    },
+    /// The looking-up rank of an MLA group: look up and wait; the lookup stays open.
+    Lookup {
+        /// The request's chunks, root first.
+        chunks: Vec<u64>,
+    },
+    /// Any rank of an MLA group: retrieve and check the hit of an open lookup.
+    Retrieve {
+        /// The lookup.
+        lookup: u64,
+        /// The hit's chunks.
+        chunks: Vec<u64>,
+    },
+    /// The looking-up rank of an MLA group: release the lookup if it hit nothing (otherwise the
+    /// retrieves closed it) and store the chunks after the hit.
+    Finish {
+        /// The lookup.
+        lookup: u64,
+        /// The request's chunks, root first.
+        chunks: Vec<u64>,
+        /// Chunks of the hit.
+        hit: u32,
+    },
+}
+
+/// What a worker did in one step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Done {
+    /// The error, if the step failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The lookup made.
+    pub lookup: u64,
+    /// Chunks of the lookup's hit.
+    pub hit: u32,
+    /// The hit's chunks per tier, L1 first.
+    pub per_tier: Vec<u32>,
+    /// Lookup and wait, in microseconds.
+    pub lookup_us: u64,
+    /// Retrieve, in microseconds (0 when nothing was retrieved).
+    pub retrieve_us: u64,
+    /// Chunks copied out and checked byte for byte.
+    pub retrieved: u64,
+    /// Chunks stored.
+    pub stored: u64,
+    /// Chunks the daemon already had when asked to store them.
+    pub present: u64,
+    /// Chunks the daemon refused to store (no room).
+    pub refused: u64,
+}
+
+/// The worker's side: a session and its buffer.
+struct Worker {
+    client: Client,
+    buffer: SharedBuffer,
+    buffer_id: u32,
+    tag: u64,
+    max_chunks: u64,
+}
+
+impl Worker {
+    fn open(spec: &WorkerSpec) -> Result<Worker, ClientError> {
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            role: Role::Worker,
+            rank: spec.rank,
+            tp_size: spec.tp,
+            world_size: spec.tp,
+            mla: spec.mla,
+            namespaces: vec![NamespaceDecl {
+                model: spec.model.clone(),
+                cache_salt: String::new(),
+            }],
+            chunk_bytes: spec.chunk_bytes,
+            chunk_tokens: u32::try_from(spec.chunk_tokens).unwrap_or(u32::MAX),
+            token: None,
+        };
+        let mut client = Client::connect_unix(&spec.socket, hello)?;
+        client.set_timeout(Some(WAIT + Duration::from_secs(30)))?;
+        let max_chunks = spec.max_chunks.max(1);
+        let buffer = SharedBuffer::new(spec.chunk_bytes, 2 * max_chunks)?;
+        let buffer_id = client.register_buffer(&buffer)?;
+        let tag = if spec.mla { SHARED_TAG } else { u64::from(spec.rank) };
+        Ok(Worker { client, buffer, buffer_id, tag, max_chunks })
+    }
+
+    fn step(&mut self, step: &Step) -> Result<Done, String> {
+        let mut done = Done::default();
+        match step {
+            Step::Request { chunks } => {
+                self.lookup(chunks, &mut done)?;
+                let hit = &chunks[..done.hit as usize];
+                self.retrieve(done.lookup, hit, &mut done)?;
+                self.finish(done.lookup, chunks, done.hit, &mut done)?;
+            }
+            Step::Lookup { chunks } => self.lookup(chunks, &mut done)?,
+            Step::Retrieve { lookup, chunks } => self.retrieve(*lookup, chunks, &mut done)?,
+            Step::Finish { lookup, chunks, hit } => {
+                self.finish(*lookup, chunks, *hit, &mut done)?
+            }
+        }
+        Ok(done)
+    }
+
+    fn lookup(&mut self, chunks: &[u64], done: &mut Done) -> Result<(), String> {
+        if chunks.len() as u64 > self.max_chunks {
+            return Err(format!("{} chunks exceed the buffer's {}", chunks.len(), self.max_chunks));
+        }
+        let started = Instant::now();
+        let ids = chunks.iter().map(|c| chunk_id(*c)).collect();
+        let lookup = self.client.lookup(0, ids).map_err(|e| format!("lookup: {e}"))?;
+        let outcome = match lookup.outcome {
+            Some(outcome) => outcome,
+            None => self.client.wait(lookup.id, WAIT).map_err(|e| format!("wait: {e}"))?,
+        };
+        done.lookup_us = micros(started);
+        done.lookup = lookup.id;
+        done.hit = outcome.hit_chunks;
+        done.per_tier = outcome.per_tier;
+        Ok(())
+    }
+
+    fn retrieve(&mut self, lookup: u64, chunks: &[u64], done: &mut Done) -> Result<(), String> {
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let refs: Vec<BlockRef> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| BlockRef { chunk: chunk_id(*c), block: i as u64 })
+            .collect();
+        for r in &refs {
+            let block = self.buffer.block_mut(r.block).ok_or("block out of range")?;
+            poison(block);
+        }
+        let started = Instant::now();
+        let bytes = self
+            .client
+            .retrieve(lookup, self.buffer_id, refs.clone())
+            .map_err(|e| format!("retrieve: {e}"))?;
+        done.retrieve_us = micros(started);
+        let expected = chunks.len() as u64 * self.buffer.block_bytes();
+        if bytes != expected {
+            return Err(format!("retrieve copied {bytes} bytes, {expected} expected"));
+        }
+        for r in &refs {
+            let block = self.buffer.block(r.block).ok_or("block out of range")?;
+            if !payload::holds(block, r.chunk, self.tag) {
+                return Err(format!("retrieved chunk {:?} has the wrong bytes", r.chunk));
+            }
+        }
+        done.retrieved = chunks.len() as u64;
+        Ok(())
+    }
+
+    fn finish(
+        &mut self,
+        lookup: u64,
+        chunks: &[u64],
+        hit: u32,
+        done: &mut Done,
+    ) -> Result<(), String> {
+        // A retrieve returns its reader's share; the last reader's closes the lookup. Only a
+        // lookup nobody retrieved from is still open.
+        if hit == 0 {
+            self.client.release(lookup).map_err(|e| format!("release: {e}"))?;
+        }
+        let missing = chunks.get(hit as usize..).unwrap_or_default();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        // Root first, as an engine sends a chain: a batch that runs out of room keeps a prefix,
+        // and the daemon makes the chunks visible leaf first.
+        let refs: Vec<BlockRef> = missing
+            .iter()
+            .enumerate()
+            .map(|(i, c)| BlockRef { chunk: chunk_id(*c), block: self.max_chunks + i as u64 })
+            .collect();
+        for r in &refs {
+            let block = self.buffer.block_mut(r.block).ok_or("block out of range")?;
+            payload::fill(block, r.chunk, self.tag);
+        }
+        let stored =
+            self.client.store(0, self.buffer_id, refs).map_err(|e| format!("store: {e}"))?;
+        done.stored = u64::from(stored.stored);
+        done.present = u64::from(stored.present);
+        done.refused = stored.refused.len() as u64;
+        Ok(())
+    }
+}
+
+/// The daemon chunk of trace chunk `k`.
+pub fn chunk_id(k: u64) -> ChunkId {
+    ChunkId(u128::from(k))
+}
+
+/// Marks a block as not yet copied into, at both ends.
+fn poison(block: &mut [u8]) {
+    let len = block.len();
+    let n = len.min(8);
+    block[..n].fill(0xa5);
+    block[len - n..].fill(0x5a);
+}
+
+fn micros(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Runs a worker on stdin and stdout until stdin closes: the body of `tierkv replay-worker`.
+pub fn serve_worker(spec: &WorkerSpec) -> Result<(), ReplayError> {
+    let mut worker = Worker::open(spec)
+        .map_err(|e| ReplayError::Worker { rank: spec.rank, message: format!("connect: {e}") })?;
+    let stdin = std::io::stdin().lock();
+    let mut stdout = BufWriter::new(std::io::stdout().lock());
+    let io = |e| ReplayError::io("answer the replay", e);
+    writeln!(stdout, "{{\"ready\":true}}").and_then(|()| stdout.flush()).map_err(io)?;
+    for line in stdin.lines() {
+        let line = line.map_err(|e| ReplayError::io("read a step", e))?;
+        let done = match serde_json::from_str::<Step>(&line) {
+            Ok(step) => {
+                worker.step(&step).unwrap_or_else(|e| Done { error: Some(e), ..Done::default() })
+            }
+            Err(e) => Done { error: Some(format!("not a step: {e}")), ..Done::default() },
+        };
+        let text = serde_json::to_string(&done)
+            .map_err(|e| ReplayError::Worker { rank: spec.rank, message: e.to_string() })?;
+        writeln!(stdout, "{text}").and_then(|()| stdout.flush()).map_err(io)?;
+    }
+    worker
+        .client
+        .end()
+        .map_err(|e| ReplayError::Worker { rank: spec.rank, message: format!("end: {e}") })
+}
+
+/// The replay's handle on a worker process.
+pub struct WorkerProcess {
+    rank: u16,
+    stdin: BufWriter<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    line: String,
+    process: Reaped,
+}
+
+impl WorkerProcess {
+    /// Starts `program replay-worker` for `spec` and waits until its session is open.
+    pub fn start(program: &Path, spec: &WorkerSpec) -> Result<WorkerProcess, ReplayError> {
+        let mut child = die_with_parent(
+            Command::new(program)
+                .arg("replay-worker")
+                .args(spec.to_args())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit()),
+        )
+        .spawn()
+        .map_err(|e| ReplayError::io(format!("start {} replay-worker", program.display()), e))?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(ReplayError::Worker { rank: spec.rank, message: "no pipes".into() });
+        };
+        let mut worker = WorkerProcess {
+            rank: spec.rank,
+            stdin: BufWriter::new(stdin),
+            stdout: BufReader::new(stdout),
+            line: String::new(),
+            process: Reaped(child),
+        };
+        worker.read_line()?;
+        if !worker.line.contains("\"ready\":true") {
+            return Err(worker.fail(format!("did not start: {}", worker.line.trim())));
+        }
+        Ok(worker)
+    }
+
+    /// Sends a step without waiting for its answer (so ranks work at once).
+    pub fn send(&mut self, step: &Step) -> Result<(), ReplayError> {
+        let text = serde_json::to_string(step).map_err(|e| self.fail(e.to_string()))?;
+        writeln!(self.stdin, "{text}")
+            .and_then(|()| self.stdin.flush())
+            .map_err(|e| self.fail(format!("send a step: {e}")))
+    }
+
+    /// Reads the answer to the oldest step sent; a failed step is an error.
+    pub fn receive(&mut self) -> Result<Done, ReplayError> {
+        self.read_line()?;
+        let done: Done = serde_json::from_str(&self.line)
+            .map_err(|e| self.fail(format!("unreadable answer {:?}: {e}", self.line.trim())))?;
+        match done.error {
+            Some(error) => Err(self.fail(error)),
+            None => Ok(done),
+        }
+    }
+
+    /// Ends the worker: it closes its session (the daemon returns whatever it held) and exits.
+    pub fn close(self) -> Result<(), ReplayError> {
+        let WorkerProcess { rank, stdin, mut process, .. } = self;
+        drop(stdin);
+        if process.reap(Duration::from_secs(30)) {
+            Ok(())
+        } else {
+            Err(ReplayError::Worker { rank, message: "did not end its session cleanly".into() })
+        }
+    }
+
+    fn read_line(&mut self) -> Result<(), ReplayError> {
+        self.line.clear();
+        match self.stdout.read_line(&mut self.line) {
+            Ok(0) => Err(self.fail("exited".into())),
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.fail(format!("read its answer: {e}"))),
+        }
+    }
+
+    fn fail(&self, message: String) -> ReplayError {
+        ReplayError::Worker { rank: self.rank, message }
+    }
+}

@@ -1,0 +1,243 @@
+//! `tierkv replay`: traces through the policies (`--simulate`) or through a daemon, and
+//! `tierkv replay-worker`, the worker process a daemon replay starts per rank.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use clap::Args;
+use tierkv_replay::process::TierChunks;
+use tierkv_replay::report::{daemon_table, simulation_table, write_json, write_plot};
+use tierkv_replay::worker::{WorkerSpec, serve_worker};
+use tierkv_replay::{DaemonPlan, Pace, Policy, RunResult, Target, Trace};
+
+use crate::config::ByteSize;
+
+/// The options of `tierkv replay`.
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    /// Trace files: Mooncake JSONL (`hash_ids`) or generic JSONL (`chunks`); see docs/replay.md.
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Run the eviction policies alone over the chunk stream: no daemon, no bytes.
+    #[arg(long)]
+    simulate: bool,
+    /// Cache capacity: chunks (`5859`), bytes of --chunk-bytes chunks (`3GiB`), or `unbounded`
+    /// (simulation only). A comma-separated list sweeps. With a daemon this is L1's capacity.
+    #[arg(long, value_delimiter = ',')]
+    capacity: Option<Vec<String>>,
+    /// Eviction policies: `lru`, `s3fifo`, and `belady` (the offline optimum, simulation only).
+    /// A comma-separated list compares them.
+    #[arg(long, value_delimiter = ',')]
+    policy: Option<Vec<String>>,
+    /// Bytes of each chunk's payload (daemon replays).
+    #[arg(long, default_value = "64KiB")]
+    chunk_bytes: ByteSize,
+    /// L2 (host memory) capacity in chunks or bytes; off unless given.
+    #[arg(long)]
+    l2: Option<String>,
+    /// Disk capacity in chunks or bytes; off unless given.
+    #[arg(long)]
+    disk: Option<String>,
+    /// Ranks of the TP group: one worker process and one session each.
+    #[arg(long, default_value_t = 1)]
+    tp: u16,
+    /// The ranks share one copy of each chunk (MLA): rank 0 looks up and stores, every rank
+    /// retrieves. Without it each rank stores and loads its own KV.
+    #[arg(long)]
+    mla: bool,
+    /// Send requests at the trace's timestamps divided by this factor, instead of as fast as
+    /// possible.
+    #[arg(long)]
+    speedup: Option<f64>,
+    /// Replay only the first N requests of each trace.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Tokens per chunk of generic traces (Mooncake's are 512).
+    #[arg(long, default_value_t = 512)]
+    chunk_tokens: u64,
+    /// Replay through the daemon already listening on this Unix socket (in a namespace of its
+    /// own) instead of starting one; its tiers and policy are its own.
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// The directory for replay.json and hit_ratio.svg.
+    #[arg(long, default_value = "replay-results")]
+    out: PathBuf,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// The options of `tierkv replay-worker` (started by `tierkv replay`, not by people).
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    socket: PathBuf,
+    #[arg(long)]
+    model: String,
+    #[arg(long)]
+    rank: u16,
+    #[arg(long)]
+    tp: u16,
+    #[arg(long)]
+    mla: bool,
+    #[arg(long)]
+    chunk_bytes: u64,
+    #[arg(long)]
+    chunk_tokens: u64,
+    #[arg(long)]
+    max_chunks: u64,
+}
+
+/// Runs a worker until the replay closes its stdin.
+pub fn worker(args: WorkerArgs) -> Result<(), String> {
+    let spec = WorkerSpec {
+        socket: args.socket,
+        model: args.model,
+        rank: args.rank,
+        tp: args.tp,
+        mla: args.mla,
+        chunk_bytes: args.chunk_bytes,
+        chunk_tokens: args.chunk_tokens,
+        max_chunks: args.max_chunks,
+    };
+    serve_worker(&spec).map_err(|e| e.to_string())
+}
+
+/// A capacity in chunks; `None` is unbounded.
+fn capacity(text: &str, chunk_bytes: u64) -> Result<Option<u64>, String> {
+    let text = text.trim();
+    if matches!(text, "unbounded" | "inf" | "infinite") {
+        return Ok(None);
+    }
+    if let Ok(chunks) = text.replace('_', "").parse::<u64>() {
+        return Ok(Some(chunks));
+    }
+    let bytes = ByteSize::from_str(text)
+        .map_err(|e| format!("capacity {text:?}: neither a chunk count nor a size: {e}"))?;
+    Ok(Some(bytes.0 / chunk_bytes.max(1)))
+}
+
+/// Runs `tierkv replay`; returns the text to print.
+pub fn replay(args: ReplayArgs) -> Result<String, String> {
+    let chunk_bytes = args.chunk_bytes.0;
+    if chunk_bytes == 0 {
+        return Err("--chunk-bytes must be positive".into());
+    }
+    let mut traces = Vec::new();
+    for path in &args.traces {
+        let mut trace = Trace::read(path, args.chunk_tokens).map_err(|e| e.to_string())?;
+        if let Some(limit) = args.limit {
+            trace.truncate(limit);
+        }
+        traces.push(trace);
+    }
+    let capacity_given = args.capacity.is_some();
+    let capacities = args
+        .capacity
+        .clone()
+        .unwrap_or_else(|| vec!["10000".into()])
+        .iter()
+        .map(|c| capacity(c, chunk_bytes))
+        .collect::<Result<Vec<_>, _>>()?;
+    let policy_given = args.policy.is_some();
+    let policies = args
+        .policy
+        .clone()
+        .unwrap_or_else(|| vec!["lru".into()])
+        .iter()
+        .map(|p| {
+            Policy::parse(p.trim())
+                .ok_or_else(|| format!("unknown policy {p:?}: lru, s3fifo or belady"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let results: Vec<RunResult> = if args.simulate {
+        tierkv_replay::sweep_simulation(&traces, &policies, &capacities, !args.quiet)
+    } else {
+        daemon_runs(&args, &traces, &capacities, &policies, capacity_given || policy_given)?
+    };
+
+    std::fs::create_dir_all(&args.out)
+        .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    let json = args.out.join("replay.json");
+    let command: Vec<String> = std::env::args().collect();
+    write_json(&json, &command, &results).map_err(|e| e.to_string())?;
+    let mut text = if args.simulate { simulation_table(&results) } else { daemon_table(&results) };
+    text.push_str(&format!("\nresults: {}\n", json.display()));
+    let plot = args.out.join("hit_ratio.svg");
+    if write_plot(&plot, &results).map_err(|e| e.to_string())? {
+        text.push_str(&format!("plot: {}\n", plot.display()));
+    }
+    Ok(text)
+}
+
+fn daemon_runs(
+    args: &ReplayArgs,
+    traces: &[Trace],
+    capacities: &[Option<u64>],
+    policies: &[Policy],
+    sweep_given: bool,
+) -> Result<Vec<RunResult>, String> {
+    let chunk_bytes = args.chunk_bytes.0;
+    let program =
+        std::env::current_exe().map_err(|e| format!("cannot find the tierkv executable: {e}"))?;
+    let pace = match args.speedup {
+        None => Pace::AsFastAsPossible,
+        Some(f) if f.is_finite() && f > 0.0 => Pace::Speedup(f),
+        Some(f) => return Err(format!("--speedup {f}: must be a positive factor")),
+    };
+    let plan = |target| DaemonPlan {
+        program: program.clone(),
+        target,
+        chunk_bytes,
+        tp: args.tp,
+        mla: args.mla,
+        pace,
+        progress: !args.quiet,
+    };
+    if args.tp == 0 {
+        return Err("--tp must be at least 1".into());
+    }
+    let mut results = Vec::new();
+    if let Some(socket) = &args.socket {
+        if sweep_given || args.l2.is_some() || args.disk.is_some() {
+            return Err("with --socket the daemon's own tiers and policy apply: drop --capacity, \
+                        --policy, --l2 and --disk"
+                .into());
+        }
+        for trace in traces {
+            results.push(
+                tierkv_replay::replay_daemon(trace, &plan(Target::Socket(socket.clone())))
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        return Ok(results);
+    }
+    let lower = |given: &Option<String>| -> Result<u64, String> {
+        match given {
+            None => Ok(0),
+            Some(text) => capacity(text, chunk_bytes)?
+                .ok_or_else(|| "a daemon's tier cannot be unbounded".to_string()),
+        }
+    };
+    let (l2, disk) = (lower(&args.l2)?, lower(&args.disk)?);
+    for trace in traces {
+        for &capacity in capacities {
+            let l1 = capacity.ok_or("an unbounded capacity needs --simulate")?;
+            if l1 == 0 {
+                return Err("L1 needs a capacity of at least one chunk".into());
+            }
+            for policy in policies {
+                let Policy::Online(kind) = *policy else {
+                    return Err("belady is the offline optimum: it needs --simulate".into());
+                };
+                let target = Target::Spawn { tiers: TierChunks { l1, l2, disk }, policy: kind };
+                results.push(
+                    tierkv_replay::replay_daemon(trace, &plan(target))
+                        .map_err(|e| e.to_string())?,
+                );
+            }
+        }
+    }
+    Ok(results)
+}

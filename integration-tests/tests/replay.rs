@@ -1,0 +1,230 @@
+//! `tierkv replay` end to end: the real command, a real daemon, real worker processes moving
+//! chunks whose every byte is checked, on the first few hundred requests of the Mooncake traces.
+//!
+//! The replay itself fails on any wrong byte, any lost chunk, or any lookup whose tiers do not
+//! account for its hit; these tests then hold its counts against the simulation's.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+use tierkv_integration_tests::{Daemon, artifact};
+
+const TRACES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces/mooncake/");
+
+fn trace(name: &str) -> Option<PathBuf> {
+    let path = Path::new(TRACES).join(name);
+    if path.exists() {
+        Some(path)
+    } else {
+        eprintln!("SKIPPED: {} is absent", path.display());
+        None
+    }
+}
+
+fn tierkv(args: &[&str]) -> Output {
+    Command::new(artifact("bin", "tierkv")).args(args).output().expect("run tierkv")
+}
+
+/// Runs `tierkv replay ARGS --out DIR --quiet` and returns its runs.
+fn replay(args: &[&str]) -> Vec<Value> {
+    let out = tempfile::tempdir().unwrap();
+    let mut all: Vec<&str> = args.to_vec();
+    all.extend(["--quiet", "--out", out.path().to_str().unwrap()]);
+    let output = tierkv(&all);
+    assert!(
+        output.status.success(),
+        "tierkv {all:?}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("replay.json")).unwrap())
+            .unwrap();
+    json["runs"].as_array().unwrap().clone()
+}
+
+fn field(run: &Value, name: &str) -> u64 {
+    run[name].as_u64().unwrap_or_else(|| panic!("{name} in {run}"))
+}
+
+fn moved(run: &Value, name: &str) -> u64 {
+    run["movement"][name].as_u64().unwrap_or_else(|| panic!("movement.{name} in {run}"))
+}
+
+#[test]
+fn a_daemon_replay_counts_what_the_simulation_counts_and_checks_every_byte() {
+    let Some(path) = trace("conversation_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    // 300 requests name ~8,500 chunks; 200 chunks of room force thousands of evictions.
+    let common = ["--limit", "300", "--capacity", "200,600", "--policy", "lru,s3fifo"];
+    let daemon = replay(&[&["replay", path, "--chunk-bytes", "16KiB"][..], &common].concat());
+    let simulated = replay(&[&["replay", path, "--simulate"][..], &common].concat());
+    assert_eq!(daemon.len(), 4);
+    assert_eq!(simulated.len(), 4);
+    for run in &daemon {
+        let sim = simulated
+            .iter()
+            .find(|s| {
+                s["policy"] == run["policy"] && s["capacity_chunks"] == run["capacity_chunks"]
+            })
+            .unwrap();
+        for name in ["requests", "chunks", "hit_chunks", "tokens", "hit_tokens"] {
+            assert_eq!(field(run, name), field(sim, name), "{name}: daemon {run} simulation {sim}");
+        }
+        assert_eq!(run["mode"], "daemon");
+        assert_eq!(run["tiers"][0]["tier"], "l1");
+        assert_eq!(run["tiers"][0]["hit_chunks"], run["hit_chunks"], "only L1 is on");
+        // Every hit chunk came back through shared memory and was checked byte for byte.
+        assert_eq!(moved(run, "chunks_retrieved"), field(run, "hit_chunks"));
+        assert!(field(run, "hit_chunks") > 0, "the capacities are chosen to hit: {run}");
+        assert!(moved(run, "chunks_stored") > 1_000, "{run}");
+        assert!(run["movement"]["ratio_to_memcpy"].as_f64().unwrap() > 0.0);
+        assert!(moved(run, "bytes_moved") > 0);
+    }
+    let ratio = |runs: &[Value], policy: &str, capacity: u64| {
+        runs.iter()
+            .find(|r| r["policy"] == policy && r["capacity_chunks"] == capacity)
+            .unwrap()["hit_ratio"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(ratio(&daemon, "lru", 600) > ratio(&daemon, "lru", 200), "more room, more hits");
+}
+
+#[test]
+fn an_mla_group_shares_one_copy_and_every_rank_reads_it() {
+    let Some(path) = trace("synthetic_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    let common = ["--limit", "200", "--capacity", "400"];
+    let mla = replay(
+        &[&["replay", path, "--tp", "4", "--mla", "--chunk-bytes", "8KiB"][..], &common].concat(),
+    );
+    let sim = replay(&[&["replay", path, "--simulate"][..], &common].concat());
+    let (run, sim) = (&mla[0], &sim[0]);
+    assert_eq!(
+        field(run, "hit_chunks"),
+        field(sim, "hit_chunks"),
+        "one copy: the capacity of one rank"
+    );
+    // Four readers of each hit, one store of each miss.
+    assert_eq!(moved(run, "chunks_retrieved"), 4 * field(run, "hit_chunks"));
+    assert_eq!(run["movement"]["tp"], 4);
+    assert_eq!(run["movement"]["mla"], true);
+}
+
+#[test]
+fn ranks_with_their_own_kv_each_store_and_load_it() {
+    let Some(path) = trace("synthetic_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    // Room for every chunk of both ranks: each rank then hits exactly what one cache would.
+    let common = ["--limit", "150", "--capacity", "unbounded"];
+    let sim = &replay(&[&["replay", path, "--simulate"][..], &common].concat())[0];
+    let run = &replay(&[
+        "replay",
+        path,
+        "--tp",
+        "2",
+        "--chunk-bytes",
+        "8KiB",
+        "--limit",
+        "150",
+        "--capacity",
+        "20000",
+    ])[0];
+    assert_eq!(field(run, "chunks"), 2 * field(sim, "chunks"), "each rank asks for its own");
+    assert_eq!(field(run, "hit_chunks"), 2 * field(sim, "hit_chunks"));
+    assert_eq!(moved(run, "chunks_stored"), 2 * (field(sim, "chunks") - field(sim, "hit_chunks")));
+}
+
+#[test]
+fn lower_tiers_serve_what_l1_lost() {
+    let Some(path) = trace("conversation_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    let base = ["replay", path, "--limit", "300", "--capacity", "100", "--chunk-bytes", "16KiB"];
+    let l1_only = &replay(&base)[0];
+    let tiered = &replay(&[&base[..], &["--l2", "400", "--disk", "4000"]].concat())[0];
+    let tiers: Vec<(&str, u64)> = tiered["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["tier"].as_str().unwrap(), t["hit_chunks"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(tiers.iter().map(|t| t.0).collect::<Vec<_>>(), ["l1", "l2", "disk"]);
+    assert_eq!(tiers.iter().map(|t| t.1).sum::<u64>(), field(tiered, "hit_chunks"));
+    assert!(tiers[1].1 > 0, "L2 served hits L1 had lost: {tiers:?}");
+    assert!(field(tiered, "hit_chunks") > field(l1_only, "hit_chunks"), "{tiers:?}");
+    assert_eq!(moved(tiered, "chunks_retrieved"), field(tiered, "hit_chunks"));
+}
+
+#[test]
+fn a_running_daemon_is_replayed_in_a_namespace_of_its_own() {
+    let Some(path) = trace("synthetic_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    let daemon = Daemon::start();
+    let socket = daemon.socket.to_str().unwrap();
+    let args = ["replay", path, "--socket", socket, "--limit", "60", "--chunk-bytes", "64KiB"];
+    let first = &replay(&args)[0];
+    let second = &replay(&args)[0];
+    for run in [first, second] {
+        assert_eq!(run["policy"], "daemon's");
+        let tiers: Vec<&str> =
+            run["tiers"].as_array().unwrap().iter().map(|t| t["tier"].as_str().unwrap()).collect();
+        assert_eq!(tiers[0], "l1", "{run}");
+        assert_eq!(moved(run, "chunks_retrieved"), field(run, "hit_chunks"));
+    }
+    // The daemon counted both replays' hits (and the replays only their own).
+    let both = field(first, "hit_chunks") + field(second, "hit_chunks");
+    assert!(daemon.status().hit_chunks >= both, "{both}");
+
+    let refused = tierkv(&["replay", path, "--socket", socket, "--capacity", "100"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--socket"), "{refused:?}");
+}
+
+#[test]
+fn generic_traces_replay_like_mooncake_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("chat.jsonl");
+    let lines = [
+        r#"{"timestamp_ms": 0, "chunks": ["sys", "sys/u1"], "tokens": 40}"#,
+        r#"{"timestamp_ms": 5, "chunks": ["sys", "sys/u1", "sys/u1/a1"], "tokens": 70}"#,
+        r#"{"timestamp_ms": 9, "chunks": ["sys", "sys/u2"]}"#,
+    ];
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let path = path.to_str().unwrap();
+    let args = ["replay", path, "--chunk-tokens", "32", "--capacity", "10", "--speedup", "10"];
+    let run = &replay(&args)[0];
+    assert_eq!((field(run, "requests"), field(run, "chunks")), (3, 7));
+    assert_eq!(field(run, "hit_chunks"), 2 + 1);
+    assert_eq!(field(run, "tokens"), 40 + 70 + 64);
+    assert_eq!(field(run, "hit_tokens"), 64 + 32);
+}
+
+#[test]
+fn bad_replays_are_refused_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let broken = dir.path().join("broken.jsonl");
+    std::fs::write(&broken, "{\"chunks\": [1]}\n{\"chunks\": \"x\"}\n").unwrap();
+    let good = dir.path().join("good.jsonl");
+    std::fs::write(&good, "{\"chunks\": [1, 2]}\n").unwrap();
+    let (broken, good) = (broken.to_str().unwrap(), good.to_str().unwrap());
+    for (args, needle) in [
+        (vec!["replay", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
+        (vec!["replay", broken, "--simulate"], "broken.jsonl:2"),
+        (vec!["replay", good, "--policy", "belady"], "--simulate"),
+        (vec!["replay", good, "--capacity", "unbounded"], "--simulate"),
+        (vec!["replay", good, "--simulate", "--policy", "fifo"], "unknown policy"),
+        (vec!["replay", good, "--simulate", "--capacity", "lots"], "capacity"),
+        (vec!["replay", good, "--tp", "0"], "--tp"),
+        (vec!["replay", good, "--speedup=-1"], "--speedup"),
+        (vec!["replay", good, "--chunk-bytes", "0"], "--chunk-bytes"),
+    ] {
+        let output = tierkv(&args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
