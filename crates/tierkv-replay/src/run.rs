@@ -248,6 +248,9 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     let moved_chunks = tally.chunks_retrieved + tally.chunks_stored;
     let bytes_moved = moved_chunks * plan.chunk_bytes;
     let gb_per_second = bytes_moved as f64 / seconds / 1e9;
+    let speed =
+        |chunks: u64, us: u64| (chunks * plan.chunk_bytes) as f64 / (us.max(1) as f64 * 1e3);
+    let copy_gb_per_second = speed(moved_chunks, tally.retrieve_call_us + tally.store_call_us);
     result.movement = Some(Movement {
         chunk_bytes: plan.chunk_bytes,
         tp: plan.tp,
@@ -259,10 +262,13 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         bytes_moved,
         chunks_per_second: moved_chunks as f64 / seconds,
         gb_per_second,
+        copy_gb_per_second,
+        retrieve_gb_per_second: speed(tally.chunks_retrieved, tally.retrieve_call_us),
+        store_gb_per_second: speed(tally.chunks_stored, tally.store_call_us),
         lookup: Percentiles::of(&mut tally.lookup_us),
         retrieve: Percentiles::of(&mut tally.retrieve_us),
         memcpy_gb_per_second: memcpy / 1e9,
-        ratio_to_memcpy: gb_per_second / (memcpy / 1e9),
+        ratio_to_memcpy: copy_gb_per_second / (memcpy / 1e9),
     });
     Ok(result)
 }
@@ -277,6 +283,10 @@ struct Tally {
     chunks_refused: u64,
     lookup_us: Vec<u64>,
     retrieve_us: Vec<u64>,
+    /// Time inside retrieve calls, summed over workers.
+    retrieve_call_us: u64,
+    /// Time inside store calls, summed over workers.
+    store_call_us: u64,
 }
 
 impl Tally {
@@ -314,6 +324,7 @@ impl Tally {
         if hit > 0 {
             self.chunks_retrieved += done.retrieved;
             self.retrieve_us.push(done.retrieve_us);
+            self.retrieve_call_us += done.retrieve_us;
         }
         Ok(())
     }
@@ -321,6 +332,7 @@ impl Tally {
     fn stored(&mut self, done: &Done) {
         self.chunks_stored += done.stored;
         self.chunks_refused += done.refused;
+        self.store_call_us += done.store_us;
     }
 }
 

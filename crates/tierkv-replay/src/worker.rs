@@ -122,6 +122,8 @@ pub struct Done {
     pub lookup_us: u64,
     /// Retrieve, in microseconds (0 when nothing was retrieved).
     pub retrieve_us: u64,
+    /// Store, in microseconds (0 when nothing was stored).
+    pub store_us: u64,
     /// Chunks copied out and checked byte for byte.
     pub retrieved: u64,
     /// Chunks stored.
@@ -263,8 +265,10 @@ impl Worker {
             let block = self.buffer.block_mut(r.block).ok_or("block out of range")?;
             payload::fill(block, r.chunk, self.tag);
         }
+        let started = Instant::now();
         let stored =
             self.client.store(0, self.buffer_id, refs).map_err(|e| format!("store: {e}"))?;
+        done.store_us = micros(started);
         done.stored = u64::from(stored.stored);
         done.present = u64::from(stored.present);
         done.refused = stored.refused.len() as u64;
