@@ -314,13 +314,15 @@ pub fn write_plot(path: &Path, results: &[RunResult]) -> Result<bool, ReplayErro
             .map_err(|e| plot_error(&e))?;
         chart
             .configure_mesh()
-            .x_desc("capacity (chunks)")
+            .x_desc("capacity (chunks, log scale)")
             .y_desc("hit ratio")
-            .x_label_formatter(&|v| format!("{v:.0}"))
+            .x_labels(30)
+            .x_label_formatter(&|v| round_label(*v))
+            .light_line_style(TRANSPARENT)
             .draw()
             .map_err(|e| plot_error(&e))?;
         for (i, policy) in policies.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
+            let color = LINE_COLORS[i % LINE_COLORS.len()];
             let mut points: Vec<(f64, f64)> = runs
                 .iter()
                 .filter(|r| &r.policy == policy)
@@ -362,6 +364,26 @@ pub fn write_plot(path: &Path, results: &[RunResult]) -> Result<bool, ReplayErro
     }
     root.present().map_err(|e| plot_error(&e))?;
     Ok(true)
+}
+
+/// One colour per policy line, told apart in print and by most colour-blind readers.
+const LINE_COLORS: [RGBColor; 5] = [
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0x2c, 0x2c, 0x2c),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0x94, 0x67, 0xbd),
+];
+
+/// A log axis label at 1, 2 and 5 times a power of ten (`2k`, `50k`), and none elsewhere, so
+/// the labels never crowd.
+fn round_label(v: f64) -> String {
+    let power = 10f64.powf(v.log10().floor());
+    let mantissa = (v / power).round();
+    if ![1.0, 2.0, 5.0].contains(&mantissa) || (v / power - mantissa).abs() > 0.01 {
+        return String::new();
+    }
+    if v >= 1000.0 { format!("{:.0}k", v / 1000.0) } else { format!("{v:.0}") }
 }
 
 /// The distinct values of `items`, in first-seen order.
