@@ -221,10 +221,52 @@ fn bad_replays_are_refused_with_a_reason() {
         (vec!["replay", good, "--tp", "0"], "--tp"),
         (vec!["replay", good, "--speedup=-1"], "--speedup"),
         (vec!["replay", good, "--chunk-bytes", "0"], "--chunk-bytes"),
+        (vec!["replay", good, "--simulate", "--tp", "2", "--l2", "10"], "--l2, --tp only apply"),
     ] {
         let output = tierkv(&args);
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
+}
+
+#[test]
+fn an_interrupted_replay_stops_its_daemon_and_leaves_nothing_behind() {
+    let Some(path) = trace("conversation_trace.jsonl") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    // At a thousandth of the trace's pace the second request is due after a minute or so.
+    let child = Command::new(artifact("bin", "tierkv"))
+        .args(["replay", path.to_str().unwrap(), "--speedup", "0.001", "--quiet", "--out"])
+        .arg(&out)
+        .env("TMPDIR", tmp.path())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the daemon's directory exists and holds its socket: the replay is under way.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let started = || {
+        std::fs::read_dir(tmp.path())
+            .unwrap()
+            .flatten()
+            .any(|e| e.path().join("tierkv.sock").exists())
+    };
+    while !started() {
+        assert!(std::time::Instant::now() < deadline, "the replay never started its daemon");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|name| name.to_string_lossy().starts_with("tierkv-replay-"))
+        .collect();
+    assert!(left.is_empty(), "the daemon's directory was left behind: {left:?}");
 }

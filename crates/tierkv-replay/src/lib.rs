@@ -52,6 +52,9 @@ pub enum ReplayError {
     /// The options do not make a replay.
     #[error("{0}")]
     Invalid(String),
+    /// The replay was interrupted (Ctrl-C or SIGTERM).
+    #[error("interrupted")]
+    Interrupted,
     /// The plot could not be drawn.
     #[error("cannot draw the plot: {0}")]
     Plot(String),

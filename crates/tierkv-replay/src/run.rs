@@ -12,7 +12,7 @@ use crate::ReplayError;
 use crate::process::{SpawnedDaemon, TierChunks};
 use crate::report::{Mode, Movement, Percentiles, RunResult, TierHits};
 use crate::sim::{Policy, SimCounts, simulate};
-use crate::trace::Trace;
+use crate::trace::{Trace, TraceRequest};
 use crate::worker::{Done, Step, WorkerProcess, WorkerSpec};
 
 /// Replays every trace with every policy at every capacity, spread over the machine's cores.
@@ -115,6 +115,9 @@ pub struct DaemonPlan {
     pub pace: Pace,
     /// Whether to draw a progress bar (on a terminal).
     pub progress: bool,
+    /// Set (by a signal handler) to stop the replay between requests; its processes and
+    /// directories are then cleaned up as after a normal end.
+    pub interrupt: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Replays `trace` through a daemon and returns what it counted, moved and measured.
@@ -174,47 +177,27 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     let mut tally = Tally::default();
     let started = Instant::now();
     let first = trace.requests.first().map_or(0.0, |r| r.timestamp_ms);
+    let interrupted = || plan.interrupt.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed));
     for request in &trace.requests {
         if let Pace::Speedup(factor) = plan.pace {
             let due =
                 Duration::from_secs_f64(((request.timestamp_ms - first) / factor / 1e3).max(0.0));
-            if let Some(wait) = due.checked_sub(started.elapsed()) {
-                std::thread::sleep(wait);
+            // In short naps, so an interrupt is noticed while waiting for a late request.
+            while let Some(wait) = due.checked_sub(started.elapsed()) {
+                if interrupted() {
+                    break;
+                }
+                std::thread::sleep(wait.min(Duration::from_millis(100)));
             }
         }
-        let chunks = &request.chunks;
-        if plan.mla {
-            let owner = &mut workers[0];
-            owner.send(&Step::Lookup { chunks: chunks.clone() })?;
-            let looked = owner.receive()?;
-            tally.lookup(&looked, chunks.len())?;
-            tally.count(&looked, request.tokens, chunks.len(), trace.chunk_tokens);
-            let hit = looked.hit as usize;
-            if hit > 0 {
-                let step = Step::Retrieve { lookup: looked.lookup, chunks: chunks[..hit].to_vec() };
-                workers.iter_mut().try_for_each(|w| w.send(&step))?;
-                for worker in &mut workers {
-                    let got = worker.receive()?;
-                    tally.retrieved(&got, hit)?;
-                }
-            }
-            let owner = &mut workers[0];
-            owner.send(&Step::Finish {
-                lookup: looked.lookup,
-                chunks: chunks.clone(),
-                hit: looked.hit,
-            })?;
-            tally.stored(&owner.receive()?);
-        } else {
-            let step = Step::Request { chunks: chunks.clone() };
-            workers.iter_mut().try_for_each(|w| w.send(&step))?;
-            for worker in &mut workers {
-                let done = worker.receive()?;
-                tally.lookup(&done, chunks.len())?;
-                tally.count(&done, request.tokens, chunks.len(), trace.chunk_tokens);
-                tally.retrieved(&done, done.hit as usize)?;
-                tally.stored(&done);
-            }
+        if interrupted() {
+            return Err(ReplayError::Interrupted);
+        }
+        // Ctrl-C reaches the workers too; their failure is then the interrupt, not a fault.
+        if let Err(e) =
+            replay_request(&mut workers, request, trace.chunk_tokens, plan.mla, &mut tally)
+        {
+            return Err(if interrupted() { ReplayError::Interrupted } else { e });
         }
         bar.inc(1);
         if bar.position().is_multiple_of(64) {
@@ -271,6 +254,53 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         ratio_to_memcpy: copy_gb_per_second / (memcpy / 1e9),
     });
     Ok(result)
+}
+
+/// One request through the workers: per-rank cycles, or the MLA group's lookup, retrieves and
+/// store.
+fn replay_request(
+    workers: &mut [WorkerProcess],
+    request: &TraceRequest,
+    chunk_tokens: u64,
+    mla: bool,
+    tally: &mut Tally,
+) -> Result<(), ReplayError> {
+    let chunks = &request.chunks;
+    let no_workers = || ReplayError::Invalid("a replay needs at least one worker".into());
+    if mla {
+        let owner = workers.first_mut().ok_or_else(no_workers)?;
+        owner.send(&Step::Lookup { chunks: chunks.clone() })?;
+        let looked = owner.receive()?;
+        tally.lookup(&looked, chunks.len())?;
+        tally.count(&looked, request.tokens, chunks.len(), chunk_tokens);
+        let hit = looked.hit as usize;
+        if hit > 0 {
+            let step = Step::Retrieve { lookup: looked.lookup, chunks: chunks[..hit].to_vec() };
+            workers.iter_mut().try_for_each(|w| w.send(&step))?;
+            for worker in workers.iter_mut() {
+                let got = worker.receive()?;
+                tally.retrieved(&got, hit)?;
+            }
+        }
+        let owner = workers.first_mut().ok_or_else(no_workers)?;
+        owner.send(&Step::Finish {
+            lookup: looked.lookup,
+            chunks: chunks.clone(),
+            hit: looked.hit,
+        })?;
+        tally.stored(&owner.receive()?);
+    } else {
+        let step = Step::Request { chunks: chunks.clone() };
+        workers.iter_mut().try_for_each(|w| w.send(&step))?;
+        for worker in workers.iter_mut() {
+            let done = worker.receive()?;
+            tally.lookup(&done, chunks.len())?;
+            tally.count(&done, request.tokens, chunks.len(), chunk_tokens);
+            tally.retrieved(&done, done.hit as usize)?;
+            tally.stored(&done);
+        }
+    }
+    Ok(())
 }
 
 /// What the workers answered, added up.

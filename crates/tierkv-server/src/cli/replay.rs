@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use clap::Args;
 use tierkv_replay::process::TierChunks;
@@ -151,6 +153,24 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         })
         .collect::<Result<Vec<_>, _>>()?;
 
+    if args.simulate {
+        let daemon_only = [
+            ("--l2", args.l2.is_some()),
+            ("--disk", args.disk.is_some()),
+            ("--socket", args.socket.is_some()),
+            ("--tp", args.tp != 1),
+            ("--mla", args.mla),
+            ("--speedup", args.speedup.is_some()),
+        ];
+        let given: Vec<&str> =
+            daemon_only.iter().filter(|(_, set)| *set).map(|(o, _)| *o).collect();
+        if !given.is_empty() {
+            return Err(format!(
+                "{} only apply to a daemon replay; --simulate models one cache of --capacity chunks",
+                given.join(", ")
+            ));
+        }
+    }
     let results: Vec<RunResult> = if args.simulate {
         tierkv_replay::sweep_simulation(&traces, &policies, &capacities, !args.quiet)
     } else {
@@ -186,6 +206,13 @@ fn daemon_runs(
         Some(f) if f.is_finite() && f > 0.0 => Pace::Speedup(f),
         Some(f) => return Err(format!("--speedup {f}: must be a positive factor")),
     };
+    // Ctrl-C and SIGTERM stop the replay between requests, so the daemon it started, its
+    // workers and their directories are cleaned up rather than left behind.
+    let interrupt = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&interrupt))
+            .map_err(|e| format!("cannot handle signal {signal}: {e}"))?;
+    }
     let plan = |target| DaemonPlan {
         program: program.clone(),
         target,
@@ -194,6 +221,7 @@ fn daemon_runs(
         mla: args.mla,
         pace,
         progress: !args.quiet,
+        interrupt: Some(Arc::clone(&interrupt)),
     };
     if args.tp == 0 {
         return Err("--tp must be at least 1".into());
