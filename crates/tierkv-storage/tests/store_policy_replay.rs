@@ -114,21 +114,17 @@ fn replay(requests: &[Vec<u64>], policy: Policy, l1: usize, l2: usize, disk: usi
     figures
 }
 
+/// A trace's requests as chunk chains (read by `tierkv replay`'s reader), or `None` if absent.
 fn load(name: &str) -> Option<Vec<Vec<u64>>> {
     let path: PathBuf =
         [env!("CARGO_MANIFEST_DIR"), "..", "..", "..", "shared", "traces", "mooncake", name]
             .iter()
             .collect();
-    let text = std::fs::read_to_string(&path).ok()?;
-    Some(
-        text.lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                v["hash_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
-            })
-            .collect(),
-    )
+    if !path.exists() {
+        return None;
+    }
+    let trace = tierkv_replay::Trace::read(&path, 512).unwrap();
+    Some(trace.requests.into_iter().map(|r| r.chunks).collect())
 }
 
 #[test]
