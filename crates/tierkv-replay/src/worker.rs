@@ -104,7 +104,17 @@ pub enum Step {
         /// Chunks of the hit.
         hit: u32,
     },
+    /// Store this many throwaway chunks (ids no trace uses), so a freshly started daemon's
+    /// memory is committed before the replay is timed.
+    Warm {
+        /// How many.
+        chunks: u64,
+    },
 }
+
+/// The first chunk id of warm-up chunks: above every trace chunk (trace ids are 64-bit), so
+/// the two never meet.
+const WARM_BASE: u128 = 1 << 64;
 
 /// What a worker did in one step.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -183,8 +193,27 @@ impl Worker {
             Step::Finish { lookup, chunks, hit } => {
                 self.finish(*lookup, chunks, *hit, &mut done)?
             }
+            Step::Warm { chunks } => self.warm(*chunks, &mut done)?,
         }
         Ok(done)
+    }
+
+    fn warm(&mut self, chunks: u64, done: &mut Done) -> Result<(), String> {
+        let mut next = 0u64;
+        while next < chunks {
+            let batch = (chunks - next).min(self.max_chunks);
+            let refs: Vec<BlockRef> = (0..batch)
+                .map(|i| BlockRef {
+                    chunk: ChunkId(WARM_BASE + u128::from(next + i)),
+                    block: self.max_chunks + i,
+                })
+                .collect();
+            let stored =
+                self.client.store(0, self.buffer_id, refs).map_err(|e| format!("warm-up: {e}"))?;
+            done.stored += u64::from(stored.stored);
+            next += batch;
+        }
+        Ok(())
     }
 
     fn lookup(&mut self, chunks: &[u64], done: &mut Done) -> Result<(), String> {
