@@ -154,6 +154,10 @@ fn lower_tiers_serve_what_l1_lost() {
         .collect();
     assert_eq!(tiers.iter().map(|t| t.0).collect::<Vec<_>>(), ["l1", "l2", "disk"]);
     assert_eq!(tiers.iter().map(|t| t.1).sum::<u64>(), field(tiered, "hit_chunks"));
+    let tier_tokens: u64 =
+        tiered["tiers"].as_array().unwrap().iter().map(|t| t["hit_tokens"].as_u64().unwrap()).sum();
+    assert_eq!(tier_tokens, 512 * field(tiered, "hit_chunks"), "tiers count whole chunks");
+    assert!(tier_tokens >= field(tiered, "hit_tokens"));
     assert!(tiers[1].1 > 0, "L2 served hits L1 had lost: {tiers:?}");
     assert!(field(tiered, "hit_chunks") > field(l1_only, "hit_chunks"), "{tiers:?}");
     assert_eq!(moved(tiered, "chunks_retrieved"), field(tiered, "hit_chunks"));

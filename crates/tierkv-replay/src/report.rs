@@ -52,6 +52,10 @@ pub struct TierHits {
     pub hit_chunks: u64,
     /// Those over all requested chunks.
     pub hit_ratio: f64,
+    /// Tokens of those chunks, each counted full: the daemon does not say which tier served a
+    /// request's partial last chunk, so the tiers' tokens may exceed the run's `hit_tokens` by
+    /// less than one chunk per fully hit request.
+    pub hit_tokens: u64,
 }
 
 /// The figures of a daemon replay that a simulation has no counterpart for.
@@ -218,7 +222,12 @@ pub fn daemon_table(results: &[RunResult]) -> String {
         let tiers: Vec<String> = r
             .tiers
             .iter()
-            .map(|t| format!("{} {:.4} ({})", t.tier, t.hit_ratio, t.hit_chunks))
+            .map(|t| {
+                format!(
+                    "{} {:.4} ({} chunks, {} tokens)",
+                    t.tier, t.hit_ratio, t.hit_chunks, t.hit_tokens
+                )
+            })
             .collect();
         let _ = writeln!(out, "  hit ratio per tier: {}", tiers.join(", "));
         if let Some(m) = &r.movement {

@@ -227,6 +227,7 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         .map(|(i, hits)| TierHits {
             tier: tier_names.get(i).cloned().unwrap_or_else(|| format!("tier{i}")),
             hit_chunks: *hits,
+            hit_tokens: *hits * trace.chunk_tokens,
             hit_ratio: if tally.counts.chunks == 0 {
                 0.0
             } else {
