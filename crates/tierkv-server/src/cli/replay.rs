@@ -25,10 +25,11 @@ pub struct ReplayArgs {
     simulate: bool,
     /// Cache capacity: chunks (`5859`), bytes of --chunk-bytes chunks (`3GiB`), or `unbounded`
     /// (simulation only). A comma-separated list sweeps. With a daemon this is L1's capacity.
+    /// Default: 10000.
     #[arg(long, value_delimiter = ',')]
     capacity: Option<Vec<String>>,
     /// Eviction policies: `lru`, `s3fifo`, and `belady` (the offline optimum, simulation only).
-    /// A comma-separated list compares them.
+    /// A comma-separated list compares them. Default: lru.
     #[arg(long, value_delimiter = ',')]
     policy: Option<Vec<String>>,
     /// Bytes of each chunk's payload (daemon replays).
