@@ -46,7 +46,16 @@ fn cycle(f: &Fixture, owner: OwnerId, rng: &mut Rng) {
                 return;
             }
             {
-                let mut guard = f.l1.write_access(owner, &k).unwrap();
+                let mut guard = match f.l1.write_access(owner, &k) {
+                    Ok(guard) => guard,
+                    // A forced delete on another thread removed the reservation first; the key
+                    // may since have been reserved (or written) by another owner.
+                    Err(L1Error::Key {
+                        error: KeyError::NotFound | KeyError::Locked | KeyError::WrongState,
+                        ..
+                    }) => return,
+                    Err(other) => panic!("write_access of our own reservation: {other}"),
+                };
                 guard.write_at(0, &payload(&k, 0)).unwrap();
             }
             if rng.below(10) == 0 {
