@@ -17,7 +17,7 @@ pub mod trace;
 pub mod worker;
 
 pub use report::{Mode, RunResult};
-pub use run::{DaemonPlan, Pace, Target, replay_daemon, sweep_simulation};
+pub use run::{DaemonPlan, MAX_CHUNK_BYTES, Pace, Target, replay_daemon, sweep_simulation};
 pub use sim::{Policy, SimCounts, simulate};
 pub use trace::{Trace, TraceError, TraceRequest};
 

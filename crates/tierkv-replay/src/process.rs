@@ -30,8 +30,12 @@ pub fn die_with_parent(command: &mut Command) -> &mut Command {
 pub struct Reaped(pub Child);
 
 impl Reaped {
-    /// Sends SIGTERM and waits up to `grace` for the child to exit, then kills it.
+    /// Sends SIGTERM and waits up to `grace` for the child to exit, then kills it. A child
+    /// already reaped is left alone: its pid may belong to another process by now.
     pub fn stop(&mut self, grace: Duration) {
+        if !matches!(self.0.try_wait(), Ok(None)) {
+            return;
+        }
         if let Ok(pid) = i32::try_from(self.0.id()) {
             // SAFETY: kill(2) on our own child's pid; a failure (already gone) is harmless.
             unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -96,7 +100,7 @@ impl SpawnedDaemon {
             .map_err(|e| ReplayError::io("create the daemon's directory", e))?;
         let socket = dir.path().join("tierkv.sock");
         let config = dir.path().join("tierkv.toml");
-        std::fs::write(&config, daemon_config(dir.path(), chunk_bytes, tiers, policy))
+        std::fs::write(&config, daemon_config(dir.path(), chunk_bytes, tiers, policy)?)
             .map_err(|e| ReplayError::io("write the daemon's configuration", e))?;
         let log_path = dir.path().join("daemon.log");
         let log = std::fs::File::create(&log_path)
@@ -146,14 +150,24 @@ impl SpawnedDaemon {
 /// count differently from the simulation. One index shard keeps L1's eviction order exact (with
 /// several, each shard evicts by its own order); watermarks of 1.0 leave eviction to demand; the
 /// lease outlives any request; the disk does not sync (a replay's chunks are disposable).
-fn daemon_config(dir: &Path, chunk_bytes: u64, tiers: TierChunks, policy: PolicyKind) -> String {
+fn daemon_config(
+    dir: &Path,
+    chunk_bytes: u64,
+    tiers: TierChunks,
+    policy: PolicyKind,
+) -> Result<String, ReplayError> {
     let policy = policy.as_str();
+    let bytes = |chunks: u64, per_chunk: u64| {
+        chunks.checked_mul(per_chunk).ok_or_else(|| {
+            ReplayError::Invalid(format!("{chunks} chunks of {per_chunk} bytes overflow"))
+        })
+    };
     let mut text = format!(
-        "[server]\nsocket = \"{socket}\"\nmax_frame = \"64MiB\"\n\n[metrics]\nenabled = false\n\n\
+        "[server]\nsocket = {socket}\nmax_frame = \"64MiB\"\n\n[metrics]\nenabled = false\n\n\
          [l1]\ndevice = \"emulated\"\ncapacity = {l1}\nslot = {chunk_bytes}\npolicy = \"{policy}\"\n\
          lease_ttl = \"1h\"\nwatermark_high = 1.0\nwatermark_low = 1.0\nshards = 1\n\n",
-        socket = dir.join("tierkv.sock").display(),
-        l1 = tiers.l1.max(1) * chunk_bytes,
+        socket = toml_string(&dir.join("tierkv.sock"))?,
+        l1 = bytes(tiers.l1.max(1), chunk_bytes)?,
     );
     if tiers.l2 == 0 {
         text.push_str("[l2]\nenabled = false\n\n");
@@ -162,23 +176,31 @@ fn daemon_config(dir: &Path, chunk_bytes: u64, tiers: TierChunks, policy: Policy
             text,
             "[l2]\ncapacity = {}\nmemory = \"plain\"\npolicy = \"{policy}\"\n\
              watermark_high = 1.0\nwatermark_low = 1.0\n\n",
-            tiers.l2 * chunk_bytes
+            bytes(tiers.l2, chunk_bytes)?
         );
     }
     if tiers.disk == 0 {
         text.push_str("[disk]\nenabled = false\n");
     } else {
         // Sixteen segments or more, each holding a record of one chunk with room to spare.
-        let record = (chunk_bytes + 8192).next_multiple_of(4096);
-        let bytes = tiers.disk * record;
-        let segment = (bytes / 16).next_multiple_of(4096).max(record * 2);
+        let record = bytes(1, chunk_bytes.saturating_add(8192).next_multiple_of(4096))?;
+        let capacity = bytes(tiers.disk, record)?;
+        let segment = (capacity / 16).next_multiple_of(4096).max(bytes(2, record)?);
         let _ = write!(
             text,
-            "[disk]\ndir = \"{}\"\ncapacity = {}\nsegment = {segment}\nfsync = \"never\"\n\
+            "[disk]\ndir = {}\ncapacity = {}\nsegment = {segment}\nfsync = \"never\"\n\
              policy = \"{policy}\"\n",
-            dir.join("disk").display(),
-            bytes.max(segment * 2)
+            toml_string(&dir.join("disk"))?,
+            capacity.max(bytes(2, segment)?)
         );
     }
-    text
+    Ok(text)
+}
+
+/// A path as a TOML string, quoted and escaped (a JSON string is a valid TOML basic string).
+fn toml_string(path: &Path) -> Result<String, ReplayError> {
+    let text = path.to_str().ok_or_else(|| {
+        ReplayError::Invalid(format!("{} is not UTF-8; set TMPDIR elsewhere", path.display()))
+    })?;
+    serde_json::to_string(text).map_err(|e| ReplayError::Invalid(e.to_string()))
 }

@@ -15,6 +15,10 @@ use crate::sim::{Policy, SimCounts, simulate};
 use crate::trace::{Trace, TraceRequest};
 use crate::worker::{Done, Step, WorkerProcess, WorkerSpec};
 
+/// The largest chunk a daemon replay moves: far above any KV chunk, and low enough that the
+/// memcpy limit and the workers' buffers stay allocatable.
+pub const MAX_CHUNK_BYTES: u64 = 1 << 30;
+
 /// Replays every trace with every policy at every capacity, spread over the machine's cores.
 /// Results come back in that order: trace, then capacity, then policy.
 pub fn sweep_simulation(
@@ -122,8 +126,26 @@ pub struct DaemonPlan {
 
 /// Replays `trace` through a daemon and returns what it counted, moved and measured.
 pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, ReplayError> {
-    if plan.tp == 0 || plan.chunk_bytes == 0 {
-        return Err(ReplayError::Invalid("tp and the chunk size must be positive".into()));
+    if plan.tp == 0 || plan.chunk_bytes == 0 || plan.chunk_bytes > MAX_CHUNK_BYTES {
+        return Err(ReplayError::Invalid(format!(
+            "tp must be positive and the chunk size within 1..={MAX_CHUNK_BYTES} bytes"
+        )));
+    }
+    let first = trace.requests.first().map_or(0.0, |r| r.timestamp_ms);
+    // When each request is due; checked for the last (latest) one before anything starts.
+    let due = |request: &TraceRequest| match plan.pace {
+        Pace::AsFastAsPossible => Ok(Duration::ZERO),
+        Pace::Speedup(factor) => {
+            Duration::try_from_secs_f64(((request.timestamp_ms - first) / factor / 1e3).max(0.0))
+                .map_err(|_| {
+                    ReplayError::Invalid(format!(
+                        "a speed-up of {factor} puts request times beyond any clock"
+                    ))
+                })
+        }
+    };
+    if let Some(last) = trace.requests.last() {
+        due(last)?;
     }
     let memcpy = tierkv_bench::memcpy_bandwidth(
         usize::try_from(plan.chunk_bytes).unwrap_or(usize::MAX),
@@ -182,19 +204,15 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     let bar = progress_bar(trace.requests.len() as u64, plan.progress, "requests");
     let mut tally = Tally::default();
     let started = Instant::now();
-    let first = trace.requests.first().map_or(0.0, |r| r.timestamp_ms);
     let interrupted = || plan.interrupt.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed));
     for request in &trace.requests {
-        if let Pace::Speedup(factor) = plan.pace {
-            let due =
-                Duration::from_secs_f64(((request.timestamp_ms - first) / factor / 1e3).max(0.0));
-            // In short naps, so an interrupt is noticed while waiting for a late request.
-            while let Some(wait) = due.checked_sub(started.elapsed()) {
-                if interrupted() {
-                    break;
-                }
-                std::thread::sleep(wait.min(Duration::from_millis(100)));
+        // In short naps, so an interrupt is noticed while waiting for a late request.
+        let due = due(request)?;
+        while let Some(wait) = due.checked_sub(started.elapsed()) {
+            if interrupted() {
+                break;
             }
+            std::thread::sleep(wait.min(Duration::from_millis(100)));
         }
         if interrupted() {
             return Err(ReplayError::Interrupted);
@@ -227,7 +245,7 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         .map(|(i, hits)| TierHits {
             tier: tier_names.get(i).cloned().unwrap_or_else(|| format!("tier{i}")),
             hit_chunks: *hits,
-            hit_tokens: *hits * trace.chunk_tokens,
+            hit_tokens: hits.saturating_mul(trace.chunk_tokens),
             hit_ratio: if tally.counts.chunks == 0 {
                 0.0
             } else {

@@ -90,7 +90,7 @@ impl SimCounts {
 
 /// Tokens covered by the first `hit` of `chunks` chunks of a `tokens`-token prompt.
 pub fn hit_tokens(hit: usize, chunks: usize, tokens: u64, chunk_tokens: u64) -> u64 {
-    if hit == chunks { tokens } else { hit as u64 * chunk_tokens }
+    if hit == chunks { tokens } else { (hit as u64).saturating_mul(chunk_tokens) }
 }
 
 fn ratio(part: u64, whole: u64) -> f64 {

@@ -77,13 +77,12 @@ impl Trace {
         let name = path
             .file_stem()
             .map_or_else(|| path.display().to_string(), |stem| stem.to_string_lossy().into_owned());
-        let mut trace = Trace::parse(&name, &text, chunk_tokens).map_err(|(line, message)| {
+        let trace = Trace::parse(&name, &text, chunk_tokens).map_err(|(line, message)| {
             TraceError::Line { path: path.to_path_buf(), line, message }
         })?;
         if trace.requests.is_empty() {
             return Err(TraceError::Empty(path.to_path_buf()));
         }
-        trace.name = name;
         Ok(trace)
     }
 
@@ -164,9 +163,9 @@ fn parse_line(line: &str, chunk_tokens: u64) -> Result<(TraceRequest, u64), Stri
     } else if value.get("chunks").is_some() {
         let g: Generic = serde_json::from_value(value).map_err(|e| format!("generic line: {e}"))?;
         let chunks = g.chunks.iter().map(chunk_key).collect::<Result<Vec<_>, _>>()?;
-        let full = chunks.len() as u64 * chunk_tokens;
+        let full = (chunks.len() as u64).saturating_mul(chunk_tokens);
         let tokens = g.tokens.unwrap_or(full);
-        if tokens > full || tokens + chunk_tokens <= full {
+        if tokens > full || tokens.saturating_add(chunk_tokens) <= full {
             return Err(format!(
                 "{tokens} tokens do not fill {} chunks of {chunk_tokens} tokens",
                 chunks.len()

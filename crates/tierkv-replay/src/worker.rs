@@ -173,7 +173,7 @@ impl Worker {
         let mut client = Client::connect_unix(&spec.socket, hello)?;
         client.set_timeout(Some(WAIT + Duration::from_secs(30)))?;
         let max_chunks = spec.max_chunks.max(1);
-        let buffer = SharedBuffer::new(spec.chunk_bytes, 2 * max_chunks)?;
+        let buffer = SharedBuffer::new(spec.chunk_bytes, max_chunks.saturating_mul(2))?;
         let buffer_id = client.register_buffer(&buffer)?;
         let tag = if spec.mla { SHARED_TAG } else { u64::from(spec.rank) };
         Ok(Worker { client, buffer, buffer_id, tag, max_chunks })
@@ -184,7 +184,9 @@ impl Worker {
         match step {
             Step::Request { chunks } => {
                 self.lookup(chunks, &mut done)?;
-                let hit = &chunks[..done.hit as usize];
+                let hit = chunks.get(..done.hit as usize).ok_or_else(|| {
+                    format!("lookup {} hit {} of {} chunks", done.lookup, done.hit, chunks.len())
+                })?;
                 self.retrieve(done.lookup, hit, &mut done)?;
                 self.finish(done.lookup, chunks, done.hit, &mut done)?;
             }
@@ -250,17 +252,17 @@ impl Worker {
         let started = Instant::now();
         let bytes = self
             .client
-            .retrieve(lookup, self.buffer_id, refs.clone())
+            .retrieve(lookup, self.buffer_id, refs)
             .map_err(|e| format!("retrieve: {e}"))?;
         done.retrieve_us = micros(started);
         let expected = chunks.len() as u64 * self.buffer.block_bytes();
         if bytes != expected {
             return Err(format!("retrieve copied {bytes} bytes, {expected} expected"));
         }
-        for r in &refs {
-            let block = self.buffer.block(r.block).ok_or("block out of range")?;
-            if !payload::holds(block, r.chunk, self.tag) {
-                return Err(format!("retrieved chunk {:?} has the wrong bytes", r.chunk));
+        for (i, c) in chunks.iter().enumerate() {
+            let block = self.buffer.block(i as u64).ok_or("block out of range")?;
+            if !payload::holds(block, chunk_id(*c), self.tag) {
+                return Err(format!("retrieved chunk {c} has the wrong bytes"));
             }
         }
         done.retrieved = chunks.len() as u64;

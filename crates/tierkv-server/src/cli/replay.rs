@@ -10,7 +10,7 @@ use clap::Args;
 use tierkv_replay::process::TierChunks;
 use tierkv_replay::report::{daemon_table, simulation_table, write_json, write_plot};
 use tierkv_replay::worker::{WorkerSpec, serve_worker};
-use tierkv_replay::{DaemonPlan, Pace, Policy, RunResult, Target, Trace};
+use tierkv_replay::{DaemonPlan, MAX_CHUNK_BYTES, Pace, Policy, RunResult, Target, Trace};
 
 use crate::config::ByteSize;
 
@@ -120,11 +120,15 @@ fn capacity(text: &str, chunk_bytes: u64) -> Result<Option<u64>, String> {
     Ok(Some(bytes.0 / chunk_bytes.max(1)))
 }
 
-/// Runs `tierkv replay`; returns the text to print.
+/// Runs `tierkv replay`: prints the summary table, writes the files, and returns the lines that
+/// say where they are.
 pub fn replay(args: ReplayArgs) -> Result<String, String> {
     let chunk_bytes = args.chunk_bytes.0;
-    if chunk_bytes == 0 {
-        return Err("--chunk-bytes must be positive".into());
+    if chunk_bytes == 0 || chunk_bytes > MAX_CHUNK_BYTES {
+        return Err(format!("--chunk-bytes must be within 1..={MAX_CHUNK_BYTES} bytes"));
+    }
+    if args.chunk_tokens == 0 {
+        return Err("--chunk-tokens must be positive".into());
     }
     let mut traces = Vec::new();
     for path in &args.traces {
@@ -172,19 +176,29 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             ));
         }
     }
+    let targets = if args.simulate {
+        Vec::new()
+    } else {
+        daemon_targets(&args, &capacities, &policies, capacity_given || policy_given)?
+    };
+    // Once every option is known good, and before any replay runs, so a directory that cannot
+    // be written loses no results.
+    std::fs::create_dir_all(&args.out)
+        .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let results: Vec<RunResult> = if args.simulate {
         tierkv_replay::sweep_simulation(&traces, &policies, &capacities, !args.quiet)
     } else {
-        daemon_runs(&args, &traces, &capacities, &policies, capacity_given || policy_given)?
+        daemon_runs(&args, &traces, &targets)?
     };
 
-    std::fs::create_dir_all(&args.out)
-        .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    // The table first: a failure writing the files below still shows the results.
+    let table = if args.simulate { simulation_table(&results) } else { daemon_table(&results) };
+    super::print(&table)?;
     let json = args.out.join("replay.json");
-    let command: Vec<String> = std::env::args().collect();
+    let command: Vec<String> =
+        std::env::args_os().map(|a| a.to_string_lossy().into_owned()).collect();
     write_json(&json, &command, &results).map_err(|e| e.to_string())?;
-    let mut text = if args.simulate { simulation_table(&results) } else { daemon_table(&results) };
-    text.push_str(&format!("\nresults: {}\n", json.display()));
+    let mut text = format!("\nresults: {}\n", json.display());
     let plot = args.out.join("hit_ratio.svg");
     if write_plot(&plot, &results).map_err(|e| e.to_string())? {
         text.push_str(&format!("plot: {}\n", plot.display()));
@@ -192,56 +206,31 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
     Ok(text)
 }
 
-fn daemon_runs(
+/// The daemons to replay through, one per capacity and policy (or the one at `--socket`), all
+/// checked before any runs.
+fn daemon_targets(
     args: &ReplayArgs,
-    traces: &[Trace],
     capacities: &[Option<u64>],
     policies: &[Policy],
     sweep_given: bool,
-) -> Result<Vec<RunResult>, String> {
-    let chunk_bytes = args.chunk_bytes.0;
-    let program =
-        std::env::current_exe().map_err(|e| format!("cannot find the tierkv executable: {e}"))?;
-    let pace = match args.speedup {
-        None => Pace::AsFastAsPossible,
-        Some(f) if f.is_finite() && f > 0.0 => Pace::Speedup(f),
-        Some(f) => return Err(format!("--speedup {f}: must be a positive factor")),
-    };
-    // Ctrl-C and SIGTERM stop the replay between requests, so the daemon it started, its
-    // workers and their directories are cleaned up rather than left behind.
-    let interrupt = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, Arc::clone(&interrupt))
-            .map_err(|e| format!("cannot handle signal {signal}: {e}"))?;
-    }
-    let plan = |target| DaemonPlan {
-        program: program.clone(),
-        target,
-        chunk_bytes,
-        tp: args.tp,
-        mla: args.mla,
-        pace,
-        progress: !args.quiet,
-        interrupt: Some(Arc::clone(&interrupt)),
-    };
+) -> Result<Vec<Target>, String> {
     if args.tp == 0 {
         return Err("--tp must be at least 1".into());
     }
-    let mut results = Vec::new();
+    if let Some(f) = args.speedup
+        && !(f.is_finite() && f > 0.0)
+    {
+        return Err(format!("--speedup {f}: must be a positive factor"));
+    }
     if let Some(socket) = &args.socket {
         if sweep_given || args.l2.is_some() || args.disk.is_some() {
             return Err("with --socket the daemon's own tiers and policy apply: drop --capacity, \
                         --policy, --l2 and --disk"
                 .into());
         }
-        for trace in traces {
-            results.push(
-                tierkv_replay::replay_daemon(trace, &plan(Target::Socket(socket.clone())))
-                    .map_err(|e| e.to_string())?,
-            );
-        }
-        return Ok(results);
+        return Ok(vec![Target::Socket(socket.clone())]);
     }
+    let chunk_bytes = args.chunk_bytes.0;
     let lower = |given: &Option<String>| -> Result<u64, String> {
         match given {
             None => Ok(0),
@@ -250,22 +239,52 @@ fn daemon_runs(
         }
     };
     let (l2, disk) = (lower(&args.l2)?, lower(&args.disk)?);
+    let mut targets = Vec::new();
+    for &capacity in capacities {
+        let l1 = capacity.ok_or("an unbounded capacity needs --simulate")?;
+        if l1 == 0 {
+            return Err("L1 needs a capacity of at least one chunk".into());
+        }
+        for policy in policies {
+            let Policy::Online(kind) = *policy else {
+                return Err("belady is the offline optimum: it needs --simulate".into());
+            };
+            targets.push(Target::Spawn { tiers: TierChunks { l1, l2, disk }, policy: kind });
+        }
+    }
+    Ok(targets)
+}
+
+/// Replays every trace through every target, in order.
+fn daemon_runs(
+    args: &ReplayArgs,
+    traces: &[Trace],
+    targets: &[Target],
+) -> Result<Vec<RunResult>, String> {
+    let program =
+        std::env::current_exe().map_err(|e| format!("cannot find the tierkv executable: {e}"))?;
+    let pace = args.speedup.map_or(Pace::AsFastAsPossible, Pace::Speedup);
+    // Ctrl-C and SIGTERM stop the replay between requests, so the daemon it started, its
+    // workers and their directories are cleaned up rather than left behind.
+    let interrupt = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&interrupt))
+            .map_err(|e| format!("cannot handle signal {signal}: {e}"))?;
+    }
+    let mut results = Vec::new();
     for trace in traces {
-        for &capacity in capacities {
-            let l1 = capacity.ok_or("an unbounded capacity needs --simulate")?;
-            if l1 == 0 {
-                return Err("L1 needs a capacity of at least one chunk".into());
-            }
-            for policy in policies {
-                let Policy::Online(kind) = *policy else {
-                    return Err("belady is the offline optimum: it needs --simulate".into());
-                };
-                let target = Target::Spawn { tiers: TierChunks { l1, l2, disk }, policy: kind };
-                results.push(
-                    tierkv_replay::replay_daemon(trace, &plan(target))
-                        .map_err(|e| e.to_string())?,
-                );
-            }
+        for target in targets {
+            let plan = DaemonPlan {
+                program: program.clone(),
+                target: target.clone(),
+                chunk_bytes: args.chunk_bytes.0,
+                tp: args.tp,
+                mla: args.mla,
+                pace,
+                progress: !args.quiet,
+                interrupt: Some(Arc::clone(&interrupt)),
+            };
+            results.push(tierkv_replay::replay_daemon(trace, &plan).map_err(|e| e.to_string())?);
         }
     }
     Ok(results)
