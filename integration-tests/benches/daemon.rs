@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tierkv_bench::{Table, memcpy_bandwidth};
-use tierkv_client::proto::{BlockRef, ChunkId};
+use tierkv_client::proto::{ChunkBlocks, ChunkId};
 use tierkv_client::{Client, SharedBuffer};
 use tierkv_integration_tests::Daemon;
 
@@ -23,8 +23,8 @@ fn chunk(i: u64) -> ChunkId {
     ChunkId(0xbe4c_0000_0000 + u128::from(i))
 }
 
-fn refs() -> Vec<BlockRef> {
-    (0..CHUNKS).map(|i| BlockRef { chunk: chunk(i), block: i }).collect()
+fn refs() -> Vec<ChunkBlocks> {
+    (0..CHUNKS).map(|i| ChunkBlocks::one(chunk(i), i)).collect()
 }
 
 /// A client process: `rounds` of lookup then retrieve; prints each latency in ns.

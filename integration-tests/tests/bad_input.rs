@@ -9,8 +9,8 @@ use std::os::fd::AsFd;
 use proptest::prelude::*;
 use tierkv_client::payload::chunk_id;
 use tierkv_client::proto::{
-    BlockRef, ChunkId, ErrorCode, HEADER_BYTES, Hello, PROTOCOL_VERSION, ReplyBody, Request,
-    RequestBody,
+    ChunkBlocks, ChunkId, ErrorCode, HEADER_BYTES, Hello, KvLayout, PROTOCOL_VERSION, RegionSource,
+    ReplyBody, Request, RequestBody, Segment,
 };
 use tierkv_client::{Client, ClientError, SharedBuffer, memfd};
 use tierkv_integration_tests::{Daemon, Worker};
@@ -19,6 +19,16 @@ const CHUNK: u64 = 65536;
 
 fn hello() -> Hello {
     Client::worker_hello("model", CHUNK)
+}
+
+fn one_block_layout(blocks: u64) -> KvLayout {
+    KvLayout {
+        blocks,
+        block_bytes: CHUNK,
+        block_stride: CHUNK,
+        blocks_per_chunk: 1,
+        segments: vec![Segment { region: 0, offset: 0 }],
+    }
 }
 
 fn connect(daemon: &Daemon) -> Client {
@@ -61,7 +71,7 @@ fn f4_garbage_gets_a_bad_frame_reply_and_only_that_connection_closes() {
     let daemon = Daemon::start();
     let mut witness = Witness::new(&daemon);
     let mut client = connect(&daemon);
-    client.send_raw(&raw_frame(&[0xc1, 0xff, 0x00, 0x13]), None).unwrap();
+    client.send_raw(&raw_frame(&[0xc1, 0xff, 0x00, 0x13]), &[]).unwrap();
     let reply = client.read_reply().unwrap();
     assert!(matches!(reply.body, ReplyBody::Error { code: ErrorCode::BadFrame, .. }), "{reply:?}");
     assert!(matches!(client.read_reply(), Err(ClientError::Closed)), "the connection is closed");
@@ -76,7 +86,7 @@ fn f4_an_unknown_request_type_is_refused_and_the_session_goes_on() {
     let mut body = vec![0x82, 0xa2, b'i', b'd', 77, 0xa4, b'b', b'o', b'd', b'y', 0x81, 0xaa];
     body.extend_from_slice(b"frobnicate");
     body.push(0x80);
-    client.send_raw(&raw_frame(&body), None).unwrap();
+    client.send_raw(&raw_frame(&body), &[]).unwrap();
     let reply = client.read_reply().unwrap();
     assert_eq!(reply.id, 77, "the reply carries the request's id");
     match reply.body {
@@ -94,7 +104,7 @@ fn f4_an_oversized_frame_is_refused_before_it_is_read() {
     let daemon = Daemon::start();
     let mut witness = Witness::new(&daemon);
     let mut client = connect(&daemon);
-    client.send_raw(&(1u32 << 30).to_le_bytes(), None).unwrap();
+    client.send_raw(&(1u32 << 30).to_le_bytes(), &[]).unwrap();
     let reply = client.read_reply().unwrap();
     match reply.body {
         ReplyBody::Error { code: ErrorCode::BadFrame, message } => {
@@ -113,22 +123,22 @@ fn f4_blocks_outside_the_registered_buffer_are_refused_before_any_copy() {
     let buffer = SharedBuffer::new(CHUNK, 4).unwrap();
     let id = client.register_buffer(&buffer).unwrap();
     let chunk = ChunkId(1);
-    let outside = vec![BlockRef { chunk, block: 0 }, BlockRef { chunk: ChunkId(2), block: 4 }];
+    let outside = vec![ChunkBlocks::one(chunk, 0), ChunkBlocks::one(ChunkId(2), 4)];
     assert_eq!(code(client.store(0, id, outside)), ErrorCode::BlockOutOfRange);
-    let huge = vec![BlockRef { chunk, block: u64::MAX }];
+    let huge = vec![ChunkBlocks::one(chunk, u64::MAX)];
     assert_eq!(code(client.store(0, id, huge)), ErrorCode::BlockOutOfRange);
     assert_eq!(
-        code(client.store(0, id + 1, vec![BlockRef { chunk, block: 0 }])),
+        code(client.store(0, id + 1, vec![ChunkBlocks::one(chunk, 0)])),
         ErrorCode::BadBuffer
     );
     assert_eq!(daemon.status().tiers[0].objects, 16, "the refused store stored nothing");
 
-    client.store(0, id, vec![BlockRef { chunk, block: 0 }]).unwrap();
+    client.store(0, id, vec![ChunkBlocks::one(chunk, 0)]).unwrap();
     let lookup = client.lookup(0, vec![chunk]).unwrap();
-    let bad = vec![BlockRef { chunk, block: 9 }];
+    let bad = vec![ChunkBlocks::one(chunk, 9)];
     assert_eq!(code(client.retrieve(lookup.id, id, bad)), ErrorCode::BlockOutOfRange);
     // The refused retrieve returned nothing: the share is still there to read.
-    client.retrieve(lookup.id, id, vec![BlockRef { chunk, block: 1 }]).unwrap();
+    client.retrieve(lookup.id, id, vec![ChunkBlocks::one(chunk, 1)]).unwrap();
     // (The store pipeline holds a share of each new chunk while it copies it down.)
     daemon.eventually("no shares left", |s| s.l1_leased_chunks == 0);
     witness.check();
@@ -142,7 +152,7 @@ fn f4_a_namespace_not_declared_is_refused_and_other_namespaces_stay_invisible() 
     assert_eq!(code(client.lookup(1, vec![ChunkId(1)])), ErrorCode::NamespaceNotDeclared);
     let buffer = SharedBuffer::new(CHUNK, 1).unwrap();
     let id = client.register_buffer(&buffer).unwrap();
-    let store = client.store(7, id, vec![BlockRef { chunk: ChunkId(1), block: 0 }]);
+    let store = client.store(7, id, vec![ChunkBlocks::one(ChunkId(1), 0)]);
     assert_eq!(code(store), ErrorCode::NamespaceNotDeclared);
 
     // The witness's lookup belongs to namespace "model"; a session of another model cannot
@@ -153,7 +163,7 @@ fn f4_a_namespace_not_declared_is_refused_and_other_namespaces_stay_invisible() 
     assert_eq!(code(stranger.query(id)), ErrorCode::UnknownLookup);
     let sbuf = SharedBuffer::new(CHUNK, 1).unwrap();
     let sid = stranger.register_buffer(&sbuf).unwrap();
-    let steal = vec![BlockRef { chunk: chunk_id(42, 0), block: 0 }];
+    let steal = vec![ChunkBlocks::one(chunk_id(42, 0), 0)];
     assert_eq!(code(stranger.retrieve(id, sid, steal)), ErrorCode::UnknownLookup);
     assert!(sbuf.block(0).unwrap().iter().all(|&b| b == 0), "nothing was copied out");
     witness.0.run(&format!("release {id}"));
@@ -197,7 +207,10 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
     assert_eq!(code(client.call(RequestBody::Hello(hello()))), ErrorCode::NoSession);
 
     // Buffers: none attached, wrong block size, unsealed memfd, too small for its claim.
-    let none = client.call(RequestBody::RegisterBuffer { block_bytes: CHUNK, blocks: 1 });
+    let none = client.call(RequestBody::RegisterKv {
+        regions: vec![RegionSource::Memfd { bytes: CHUNK }],
+        layout: one_block_layout(1),
+    });
     assert_eq!(code(none), ErrorCode::BadBuffer);
     let wrong = SharedBuffer::new(CHUNK / 2, 2).unwrap();
     assert_eq!(code(client.register_buffer(&wrong)), ErrorCode::BadBuffer);
@@ -208,9 +221,12 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
     assert_eq!(err.code(), Some(ErrorCode::BadBuffer));
     assert!(err.to_string().contains("F_SEAL_SHRINK"), "{err}");
     let short = SharedBuffer::new(CHUNK, 2).unwrap();
-    let claim = client.call_with_descriptor(
-        RequestBody::RegisterBuffer { block_bytes: CHUNK, blocks: 3 },
-        short.fd(),
+    let claim = client.call_with_descriptors(
+        RequestBody::RegisterKv {
+            regions: vec![RegionSource::Memfd { bytes: CHUNK * 3 }],
+            layout: one_block_layout(3),
+        },
+        &[short.fd()],
     );
     assert_eq!(code(claim), ErrorCode::BadBuffer);
 
@@ -221,7 +237,7 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
     let buffer = SharedBuffer::new(CHUNK, 2).unwrap();
     let id = client.register_buffer(&buffer).unwrap();
     let mine = client.lookup(0, vec![chunk_id(42, 0)]).unwrap();
-    let outside = vec![BlockRef { chunk: chunk_id(42, 5), block: 0 }];
+    let outside = vec![ChunkBlocks::one(chunk_id(42, 5), 0)];
     assert_eq!(code(client.retrieve(mine.id, id, outside)), ErrorCode::NotInHit);
     client.release(mine.id).unwrap();
     assert_eq!(code(client.release(mine.id)), ErrorCode::UnknownLookup, "released twice");
@@ -241,7 +257,7 @@ fn f4_descriptor_floods_close_the_connection() {
         .unwrap();
     let mut closed = false;
     for _ in 0..16 {
-        if client.send_raw(&frame, Some(file.as_fd())).is_err() {
+        if client.send_raw(&frame, &[file.as_fd()]).is_err() {
             closed = true;
             break;
         }
@@ -281,7 +297,7 @@ proptest! {
                     frame
                 }
             };
-            let _ = client.send_raw(&wire, None);
+            let _ = client.send_raw(&wire, &[]);
             drop(client);
         }
         let mut witness = WITNESS.lock().unwrap();
@@ -311,7 +327,7 @@ fn f4_lookups_of_many_chunks_and_header_only_frames_are_fine() {
     assert_eq!(lookup.l1_hit_chunks, 0);
     let outcome = client.wait(lookup.id, std::time::Duration::from_secs(10)).unwrap();
     assert_eq!(outcome.hit_chunks, 0);
-    client.send_raw(&[0u8; HEADER_BYTES], None).unwrap();
+    client.send_raw(&[0u8; HEADER_BYTES], &[]).unwrap();
     assert!(matches!(
         client.read_reply().unwrap().body,
         ReplyBody::Error { code: ErrorCode::BadFrame, .. }

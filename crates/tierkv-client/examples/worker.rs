@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tierkv_client::payload::{SHARED_TAG, chunk_id, fill, holds};
-use tierkv_client::proto::{BlockRef, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
+use tierkv_client::proto::{ChunkBlocks, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
 use tierkv_client::{Client, ClientError, SharedBuffer};
 
 struct Args {
@@ -78,11 +78,11 @@ struct Worker {
 }
 
 impl Worker {
-    fn blocks(&self, prompt: u64, n: u64) -> Result<Vec<BlockRef>, String> {
+    fn blocks(&self, prompt: u64, n: u64) -> Result<Vec<ChunkBlocks>, String> {
         if n > self.buffer.blocks() {
             return Err(format!("{n} chunks do not fit {} blocks", self.buffer.blocks()));
         }
-        Ok((0..n).map(|i| BlockRef { chunk: chunk_id(prompt, i), block: i }).collect())
+        Ok((0..n).map(|i| ChunkBlocks::one(chunk_id(prompt, i), i)).collect())
     }
 
     fn run(&mut self, words: &[&str]) -> Result<Value, String> {
@@ -94,7 +94,7 @@ impl Worker {
             "store" => {
                 let refs = self.blocks(num(1)?, num(2)?)?;
                 for r in &refs {
-                    let block = self.buffer.block_mut(r.block).ok_or("block out of range")?;
+                    let block = self.buffer.block_mut(r.blocks[0]).ok_or("block out of range")?;
                     fill(block, r.chunk, self.rank_tag);
                 }
                 let stored = self.client.store(0, self.buffer_id, refs).map_err(daemon)?;
@@ -115,14 +115,17 @@ impl Worker {
             "retrieve" => {
                 let refs = self.blocks(num(2)?, num(3)?)?;
                 for r in &refs {
-                    self.buffer.block_mut(r.block).ok_or("block out of range")?.fill(0);
+                    self.buffer.block_mut(r.blocks[0]).ok_or("block out of range")?.fill(0);
                 }
                 let bytes =
                     self.client.retrieve(num(1)?, self.buffer_id, refs.clone()).map_err(daemon)?;
                 for r in &refs {
-                    let block = self.buffer.block(r.block).ok_or("block out of range")?;
+                    let block = self.buffer.block(r.blocks[0]).ok_or("block out of range")?;
                     if !holds(block, r.chunk, self.rank_tag) {
-                        return Err(format!("block {} does not hold chunk {:?}", r.block, r.chunk));
+                        return Err(format!(
+                            "block {} does not hold chunk {:?}",
+                            r.blocks[0], r.chunk
+                        ));
                     }
                 }
                 Ok(json!({"bytes": bytes, "verified": refs.len()}))

@@ -18,8 +18,8 @@ use std::time::Duration;
 pub use shm::{SharedBuffer, memfd};
 pub use tierkv_proto as proto;
 use tierkv_proto::{
-    BlockRef, ChunkId, ErrorCode, FrameError, Hello, LookupOutcome, PROTOCOL_VERSION, Reply,
-    ReplyBody, Request, RequestBody, StatusReport,
+    ChunkBlocks, ChunkId, ErrorCode, FrameError, Hello, KvLayout, LookupOutcome, PROTOCOL_VERSION,
+    RegionSource, Reply, ReplyBody, Request, RequestBody, Segment, StatusReport,
 };
 
 /// Replies larger than this are refused (a status with thousands of sessions still fits).
@@ -175,29 +175,21 @@ impl Client {
 
     /// Sends one request and reads its reply; a daemon error becomes [`ClientError::Daemon`].
     pub fn call(&mut self, body: RequestBody) -> Result<ReplyBody, ClientError> {
-        self.call_with_fd(body, None)
+        self.call_with_descriptors(body, &[])
     }
 
-    /// Like [`Client::call`], with a file descriptor attached to the frame (Unix socket only).
-    pub fn call_with_descriptor(
+    /// Like [`Client::call`], with file descriptors attached to the frame (Unix socket only).
+    pub fn call_with_descriptors(
         &mut self,
         body: RequestBody,
-        fd: BorrowedFd<'_>,
-    ) -> Result<ReplyBody, ClientError> {
-        self.call_with_fd(body, Some(fd))
-    }
-
-    fn call_with_fd(
-        &mut self,
-        body: RequestBody,
-        fd: Option<BorrowedFd<'_>>,
+        fds: &[BorrowedFd<'_>],
     ) -> Result<ReplyBody, ClientError> {
         let id = self.next_id;
         self.next_id += 1;
         self.out.clear();
         tierkv_proto::encode(&Request { id, body }, &mut self.out)?;
         let frame = std::mem::take(&mut self.out);
-        let sent = self.send_raw(&frame, fd);
+        let sent = self.send_raw(&frame, fds);
         self.out = frame;
         sent?;
         let reply = self.read_reply()?;
@@ -213,20 +205,20 @@ impl Client {
         }
     }
 
-    /// Writes bytes as they are, with a descriptor attached if given: for tests that send
+    /// Writes bytes as they are, with descriptors attached if given: for tests that send
     /// broken frames.
-    pub fn send_raw(&mut self, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
-        match (&mut self.transport, fd) {
-            (Transport::Unix(stream), Some(fd)) => {
-                let sent = send_with_fd(stream, bytes, fd)?;
+    pub fn send_raw(&mut self, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        match (&mut self.transport, fds.is_empty()) {
+            (Transport::Unix(stream), false) => {
+                let sent = send_with_fds(stream, bytes, fds)?;
                 stream.write_all(&bytes[sent..])
             }
-            (Transport::Unix(stream), None) => stream.write_all(bytes),
-            (Transport::Tcp(_), Some(_)) => Err(io::Error::new(
+            (Transport::Unix(stream), true) => stream.write_all(bytes),
+            (Transport::Tcp(_), false) => Err(io::Error::new(
                 io::ErrorKind::Unsupported,
                 "file descriptors travel only over the Unix socket",
             )),
-            (Transport::Tcp(stream), None) => stream.write_all(bytes),
+            (Transport::Tcp(stream), true) => stream.write_all(bytes),
         }
     }
 
@@ -240,13 +232,30 @@ impl Client {
         Ok(tierkv_proto::decode(&frame)?)
     }
 
-    /// Registers `buffer` with the daemon, which maps it; returns its number.
+    /// Registers `buffer`, whose every block is one chunk, with the daemon, which maps it;
+    /// returns its number.
     pub fn register_buffer(&mut self, buffer: &SharedBuffer) -> Result<u32, ClientError> {
-        let body = RequestBody::RegisterBuffer {
-            block_bytes: buffer.block_bytes(),
+        let layout = KvLayout {
             blocks: buffer.blocks(),
+            block_bytes: buffer.block_bytes(),
+            block_stride: buffer.block_bytes(),
+            blocks_per_chunk: 1,
+            segments: vec![Segment { region: 0, offset: 0 }],
         };
-        match self.call_with_fd(body, Some(buffer.fd()))? {
+        let bytes = buffer.block_bytes() * buffer.blocks();
+        self.register_kv(&[(RegionSource::Memfd { bytes }, Some(buffer.fd()))], layout)
+    }
+
+    /// Registers KV memory: regions (each memfd region with its descriptor) and their layout;
+    /// returns the buffer's number.
+    pub fn register_kv(
+        &mut self,
+        regions: &[(RegionSource, Option<BorrowedFd<'_>>)],
+        layout: KvLayout,
+    ) -> Result<u32, ClientError> {
+        let fds: Vec<BorrowedFd<'_>> = regions.iter().filter_map(|(_, fd)| *fd).collect();
+        let regions = regions.iter().map(|(r, _)| r.clone()).collect();
+        match self.call_with_descriptors(RequestBody::RegisterKv { regions, layout }, &fds)? {
             ReplyBody::BufferRegistered { buffer } => Ok(buffer),
             other => Err(unexpected(&other)),
         }
@@ -257,7 +266,7 @@ impl Client {
         &mut self,
         namespace: u32,
         buffer: u32,
-        chunks: Vec<BlockRef>,
+        chunks: Vec<ChunkBlocks>,
     ) -> Result<Stored, ClientError> {
         match self.call(RequestBody::Store { namespace, buffer, chunks })? {
             ReplyBody::Stored { stored, present, refused } => Ok(Stored {
@@ -303,7 +312,7 @@ impl Client {
         &mut self,
         lookup: u64,
         buffer: u32,
-        chunks: Vec<BlockRef>,
+        chunks: Vec<ChunkBlocks>,
     ) -> Result<u64, ClientError> {
         match self.call(RequestBody::Retrieve { lookup, buffer, chunks })? {
             ReplyBody::Retrieved { bytes, .. } => Ok(bytes),
@@ -348,11 +357,11 @@ fn unexpected(body: &ReplyBody) -> ClientError {
     ClientError::Unexpected(format!("{body:?}"))
 }
 
-/// Sends `bytes` with `fd` attached as `SCM_RIGHTS`; returns how many bytes went.
-fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Result<usize> {
-    let raw = fd.as_raw_fd();
+/// Sends `bytes` with `fds` attached as `SCM_RIGHTS`; returns how many bytes went.
+fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
+    let ints = fds.len() * std::mem::size_of::<libc::c_int>();
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(ints as u32) } as usize;
     let mut control = vec![0u8; space];
     let mut iov =
         libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
@@ -362,13 +371,16 @@ fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Re
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = space as _;
-    // SAFETY: the control buffer holds one cmsg of one int, as CMSG_SPACE sized it.
+    // SAFETY: the control buffer holds one cmsg of `fds.len()` ints, as CMSG_SPACE sized it.
     unsafe {
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<libc::c_int>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), raw);
+        (*cmsg).cmsg_len = libc::CMSG_LEN(ints as u32) as _;
+        let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+        for (i, fd) in fds.iter().enumerate() {
+            std::ptr::write_unaligned(data.add(i), fd.as_raw_fd());
+        }
     }
     loop {
         // SAFETY: msg points at live buffers for the duration of the call.

@@ -5,18 +5,23 @@
 //! easily as this crate does). A client sends [`Request`]s and gets one [`Reply`] per request,
 //! in order, carrying the request's `id`. `docs/protocol.md` documents every message.
 //!
-//! Bulk data never travels in frames: a worker registers a shared-memory KV buffer once (the
-//! file descriptor rides on the `register_buffer` frame as `SCM_RIGHTS`) and then names blocks
-//! of it by index.
+//! Bulk data never travels in frames: a worker registers its KV memory once as regions with a
+//! layout (memfd descriptors ride on the `register_kv` frame as `SCM_RIGHTS`) and then names
+//! chunks by the engine's block ids; the daemon gathers and scatters the pieces itself.
 
 mod frame;
 mod message;
 
 pub use frame::{FrameError, HEADER_BYTES, MIN_FRAME_LIMIT, decode, encode, frame_len, read_frame};
 pub use message::{
-    BlockRef, ChunkId, ErrorCode, Hello, LookupOutcome, NamespaceDecl, Refused, Reply, ReplyBody,
-    Request, RequestBody, RequestHeader, Role, SessionReport, StatusReport, TierReport,
+    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, NamespaceDecl, Refused,
+    RegionSource, Reply, ReplyBody, Request, RequestBody, RequestHeader, Role, Segment,
+    SessionReport, StatusReport, TierReport,
 };
 
 /// The protocol version this build speaks; a hello with another version is refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+///
+/// Version 2 replaced `register_buffer` (one memfd of equal blocks) with `register_kv` (regions
+/// and a layout, so the daemon gathers a chunk from every layer of an engine's paged KV), and a
+/// chunk names its blocks as a list.
+pub const PROTOCOL_VERSION: u32 = 2;

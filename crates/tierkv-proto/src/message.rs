@@ -129,13 +129,108 @@ fn one_u32() -> u32 {
     1
 }
 
-/// A chunk and the block of a registered buffer it is copied from or into.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockRef {
+/// A chunk and the engine blocks of a registered KV buffer it is gathered from or scattered
+/// into: `blocks[j]` holds the chunk's `j`-th block of tokens in every segment of the layout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkBlocks {
     /// The chunk.
     pub chunk: ChunkId,
-    /// Index of the block in the buffer.
-    pub block: u64,
+    /// Its blocks, one per block of the layout's `blocks_per_chunk`, in token order.
+    pub blocks: Vec<u64>,
+}
+
+impl ChunkBlocks {
+    /// A chunk held by one block (a buffer whose chunks are single blocks).
+    pub fn one(chunk: ChunkId, block: u64) -> Self {
+        ChunkBlocks { chunk, blocks: vec![block] }
+    }
+}
+
+/// Where the memory of a registered region lives.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RegionSource {
+    /// A memfd sealed against shrinking whose descriptor rides on the `register_kv` frame
+    /// (`SCM_RIGHTS`; the memfd regions' descriptors in the order of the regions).
+    Memfd {
+        /// Bytes of the region; the file must be at least this long.
+        bytes: u64,
+    },
+    /// Device memory exported with `cuIpcGetMemHandle` (the GPU data path). A daemon without
+    /// it refuses the registration with `bad_buffer`.
+    CudaIpc {
+        /// The 64-byte `CUipcMemHandle`.
+        #[serde(with = "serde_bytes_vec")]
+        handle: Vec<u8>,
+        /// The device's PCI bus id (`0000:3b:00.0`), so the daemon opens it on the same GPU.
+        device: String,
+        /// Bytes of the allocation the handle names.
+        bytes: u64,
+    },
+}
+
+/// One array of equal, strided blocks inside a region: a layer's KV, or one plane of it (K or
+/// V) when the engine keeps them apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    /// Index into the registration's regions.
+    pub region: u32,
+    /// Byte offset of block 0 in the region.
+    pub offset: u64,
+}
+
+/// How an engine's KV memory is laid out: every segment holds `blocks` blocks of `block_bytes`
+/// bytes, `block_stride` apart, and a chunk is `blocks_per_chunk` engine blocks taken from every
+/// segment. The daemon gathers a chunk's pieces segment by segment, block by block, into one
+/// object of `segments * blocks_per_chunk * block_bytes` bytes, and scatters it back the same way.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    /// Blocks in each segment.
+    pub blocks: u64,
+    /// Contiguous bytes of one block in one segment.
+    pub block_bytes: u64,
+    /// Bytes from the start of a block to the start of the next in the same segment.
+    pub block_stride: u64,
+    /// Engine blocks in one chunk.
+    pub blocks_per_chunk: u32,
+    /// The segments, in the order their pieces are laid out in a chunk.
+    pub segments: Vec<Segment>,
+}
+
+/// MessagePack `bin` for a byte vector (serde writes `Vec<u8>` as an array otherwise).
+mod serde_bytes_vec {
+    use std::fmt;
+
+    use serde::de::{self, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(bytes)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        struct Bytes;
+        impl<'de> Visitor<'de> for Bytes {
+            type Value = Vec<u8>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("bytes")
+            }
+
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+                Ok(v.to_vec())
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+                let mut out = Vec::new();
+                while let Some(b) = seq.next_element()? {
+                    out.push(b);
+                }
+                Ok(out)
+            }
+        }
+        deserializer.deserialize_bytes(Bytes)
+    }
 }
 
 /// What a client asks.
@@ -144,12 +239,12 @@ pub struct BlockRef {
 pub enum RequestBody {
     /// Opens the session; must come first.
     Hello(Hello),
-    /// Registers the shared-memory buffer whose file descriptor rides on this frame.
-    RegisterBuffer {
-        /// Bytes per block; must equal the session's `chunk_bytes`.
-        block_bytes: u64,
-        /// Blocks in the buffer.
-        blocks: u64,
+    /// Registers a KV buffer: its memory regions (memfds ride on this frame) and their layout.
+    RegisterKv {
+        /// The regions, 1..=8.
+        regions: Vec<RegionSource>,
+        /// How chunks lie in them; a chunk must be the session's `chunk_bytes`.
+        layout: KvLayout,
     },
     /// Copies blocks into the cache as new chunks, visible once the copy is complete.
     Store {
@@ -158,7 +253,7 @@ pub enum RequestBody {
         /// A registered buffer.
         buffer: u32,
         /// The chunks, root first, and the blocks holding their bytes.
-        chunks: Vec<BlockRef>,
+        chunks: Vec<ChunkBlocks>,
     },
     /// Starts a prefix lookup: the hits in L1 are leased at once, the rest is prefetched.
     Lookup {
@@ -186,7 +281,7 @@ pub enum RequestBody {
         /// A registered buffer.
         buffer: u32,
         /// Chunks of the hit and the blocks to copy them into.
-        chunks: Vec<BlockRef>,
+        chunks: Vec<ChunkBlocks>,
     },
     /// Returns every share a lookup still holds (chunks the engine will not read).
     Release {
@@ -350,7 +445,7 @@ pub enum ReplyBody {
         /// Readers of every lookup this session makes (`tp_size` with MLA, else 1).
         readers: u32,
     },
-    /// The buffer is registered under this number.
+    /// The KV buffer is registered under this number.
     BufferRegistered {
         /// Its number for later requests.
         buffer: u32,
@@ -434,11 +529,30 @@ mod tests {
         let chunk = ChunkId(u128::MAX - 5);
         let bodies = vec![
             RequestBody::Hello(hello),
-            RequestBody::RegisterBuffer { block_bytes: 4096, blocks: 8 },
+            RequestBody::RegisterKv {
+                regions: vec![
+                    RegionSource::Memfd { bytes: 1 << 20 },
+                    RegionSource::CudaIpc {
+                        handle: vec![7; 64],
+                        device: "0000:3b:00.0".into(),
+                        bytes: 1 << 30,
+                    },
+                ],
+                layout: KvLayout {
+                    blocks: 8,
+                    block_bytes: 512,
+                    block_stride: 1024,
+                    blocks_per_chunk: 2,
+                    segments: vec![
+                        Segment { region: 0, offset: 0 },
+                        Segment { region: 1, offset: 512 },
+                    ],
+                },
+            },
             RequestBody::Store {
                 namespace: 0,
                 buffer: 1,
-                chunks: vec![BlockRef { chunk, block: 3 }],
+                chunks: vec![ChunkBlocks { chunk, blocks: vec![3, 5] }],
             },
             RequestBody::Lookup { namespace: 0, chunks: vec![chunk, ChunkId(0)] },
             RequestBody::Query { lookup: 9 },
@@ -446,7 +560,7 @@ mod tests {
             RequestBody::Retrieve {
                 lookup: 9,
                 buffer: 1,
-                chunks: vec![BlockRef { chunk, block: 0 }],
+                chunks: vec![ChunkBlocks::one(chunk, 0)],
             },
             RequestBody::Release { lookup: 9 },
             RequestBody::EndSession,

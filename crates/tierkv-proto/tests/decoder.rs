@@ -5,13 +5,14 @@
 
 use proptest::prelude::*;
 use tierkv_proto::{
-    BlockRef, ChunkId, FrameError, Request, RequestBody, RequestHeader, decode, encode, read_frame,
+    ChunkBlocks, ChunkId, FrameError, Request, RequestBody, RequestHeader, decode, encode,
+    read_frame,
 };
 
 fn request() -> impl Strategy<Value = Request> {
     let chunks = proptest::collection::vec(any::<u128>().prop_map(ChunkId), 0..20);
     let blocks = proptest::collection::vec(
-        (any::<u128>(), any::<u64>()).prop_map(|(c, b)| BlockRef { chunk: ChunkId(c), block: b }),
+        (any::<u128>(), any::<u64>()).prop_map(|(c, b)| ChunkBlocks::one(ChunkId(c), b)),
         0..20,
     );
     let body = prop_oneof![

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tierkv_client::payload::{self, SHARED_TAG};
-use tierkv_client::proto::{BlockRef, ChunkId, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
+use tierkv_client::proto::{ChunkBlocks, ChunkId, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
 use tierkv_client::{Client, ClientError, SharedBuffer};
 
 use crate::ReplayError;
@@ -204,10 +204,9 @@ impl Worker {
         let mut next = 0u64;
         while next < chunks {
             let batch = (chunks - next).min(self.max_chunks);
-            let refs: Vec<BlockRef> = (0..batch)
-                .map(|i| BlockRef {
-                    chunk: ChunkId(WARM_BASE + u128::from(next + i)),
-                    block: self.max_chunks + i,
+            let refs: Vec<ChunkBlocks> = (0..batch)
+                .map(|i| {
+                    ChunkBlocks::one(ChunkId(WARM_BASE + u128::from(next + i)), self.max_chunks + i)
                 })
                 .collect();
             let stored =
@@ -240,13 +239,13 @@ impl Worker {
         if chunks.is_empty() {
             return Ok(());
         }
-        let refs: Vec<BlockRef> = chunks
+        let refs: Vec<ChunkBlocks> = chunks
             .iter()
             .enumerate()
-            .map(|(i, c)| BlockRef { chunk: chunk_id(*c), block: i as u64 })
+            .map(|(i, c)| ChunkBlocks::one(chunk_id(*c), i as u64))
             .collect();
         for r in &refs {
-            let block = self.buffer.block_mut(r.block).ok_or("block out of range")?;
+            let block = self.buffer.block_mut(r.blocks[0]).ok_or("block out of range")?;
             poison(block);
         }
         let started = Instant::now();
@@ -287,13 +286,13 @@ impl Worker {
         }
         // Root first, as an engine sends a chain: a batch that runs out of room keeps a prefix,
         // and the daemon makes the chunks visible leaf first.
-        let refs: Vec<BlockRef> = missing
+        let refs: Vec<ChunkBlocks> = missing
             .iter()
             .enumerate()
-            .map(|(i, c)| BlockRef { chunk: chunk_id(*c), block: self.max_chunks + i as u64 })
+            .map(|(i, c)| ChunkBlocks::one(chunk_id(*c), self.max_chunks + i as u64))
             .collect();
         for r in &refs {
-            let block = self.buffer.block_mut(r.block).ok_or("block out of range")?;
+            let block = self.buffer.block_mut(r.blocks[0]).ok_or("block out of range")?;
             payload::fill(block, r.chunk, self.tag);
         }
         let started = Instant::now();

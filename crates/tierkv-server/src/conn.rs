@@ -1,7 +1,7 @@
 //! One connection: frames in (with any file descriptors riding on them), replies out.
 //!
 //! On the Unix socket every read is a `recvmsg`, so a descriptor sent with a frame is never
-//! dropped by a plain `read`; descriptors wait in a small queue until a `register_buffer` takes
+//! dropped by a plain `read`; descriptors wait in a small queue until a `register_kv` takes
 //! them, and a client that floods descriptors is disconnected.
 
 use std::collections::VecDeque;
@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpStream, UnixStream};
 
 /// Descriptors a connection may have waiting at once.
-const MAX_QUEUED_FDS: usize = 4;
+const MAX_QUEUED_FDS: usize = crate::kv::MAX_REGIONS;
 /// Bytes read per call at least.
 const READ_CHUNK: usize = 64 << 10;
 
@@ -98,9 +98,7 @@ impl Conn {
             self.fds.clear();
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!(
-                    "more than {MAX_QUEUED_FDS} file descriptors sent without a register_buffer"
-                ),
+                format!("more than {MAX_QUEUED_FDS} file descriptors sent without a register_kv"),
             ));
         }
         result

@@ -1,17 +1,17 @@
 //! tierkv-server: the node daemon and the `tierkv` command line.
 //!
 //! The daemon serves sessions over a Unix socket (and, when configured, TCP with a token), maps
-//! each worker's shared-memory KV buffer, and copies between its blocks and L1 on behalf of the
+//! each worker's KV memory (regions and a layout), and gathers and scatters chunks between it and L1 on behalf of the
 //! StorageManager, which does everything else. It owns configuration (TOML), the Prometheus
 //! exporter and the orderly shutdown. It holds no cache logic of its own: a session turns
 //! requests into StorageManager calls and remembers what it holds, so a disconnect returns it.
 
-mod buffer;
 pub mod cli;
 pub mod config;
 mod conn;
 pub mod daemon;
+mod kv;
 pub mod metrics;
 pub mod session;
 
-pub use buffer::{BufferError, RegisteredBuffer};
+pub use kv::{KvError, MAX_REGIONS, RegisteredKv};

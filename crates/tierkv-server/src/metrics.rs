@@ -20,7 +20,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 const OPS: &[&str] = &[
     "hello",
-    "register_buffer",
+    "register_kv",
     "store",
     "lookup",
     "query",

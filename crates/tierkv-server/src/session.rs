@@ -16,12 +16,12 @@ use tierkv_core::{ChunkHash, ExtraCount, KeyError, KvRank, Layout, Namespace, Ob
 use tierkv_l1::{L1Error, OwnerId, ReadAccess, Readers};
 use tierkv_prefetch::PrefetchError;
 use tierkv_proto::{
-    BlockRef, ChunkId, ErrorCode, Hello, LookupOutcome, PROTOCOL_VERSION, Refused, ReplyBody,
-    RequestBody, Role, SessionReport, StatusReport, TierReport,
+    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, PROTOCOL_VERSION, Refused,
+    RegionSource, ReplyBody, RequestBody, Role, SessionReport, StatusReport, TierReport,
 };
 use tierkv_storage::{LookupId, LookupResult, StorageError, StorageManager};
 
-use crate::buffer::RegisteredBuffer;
+use crate::kv::RegisteredKv;
 use crate::metrics::ServerMetrics;
 
 /// Namespaces one hello may declare.
@@ -195,7 +195,7 @@ struct Opened {
     rank: KvRank,
     extra: ExtraCount,
     layout: Layout,
-    buffers: Vec<RegisteredBuffer>,
+    buffers: Vec<RegisteredKv>,
     /// Shares this session may hold on lookups another session made: returned at close.
     joined: HashSet<(u64, u8)>,
 }
@@ -285,8 +285,8 @@ impl Session {
             _ if admin => {
                 fail(ErrorCode::Forbidden, "admin sessions may only ask status and clear")
             }
-            RequestBody::RegisterBuffer { block_bytes, blocks } => {
-                self.register_buffer(block_bytes, blocks, descriptor())
+            RequestBody::RegisterKv { regions, layout } => {
+                self.register_kv(&regions, &layout, descriptor)
             }
             RequestBody::Store { namespace, buffer, chunks } => {
                 self.store(namespace, buffer, &chunks)
@@ -319,7 +319,9 @@ impl Session {
             return fail(
                 ErrorCode::VersionMismatch,
                 format!(
-                    "protocol version {} is not this daemon's {PROTOCOL_VERSION}",
+                    "protocol version {} is not this daemon's {PROTOCOL_VERSION} (version 2 \
+                     registers KV memory with register_kv and names each chunk's blocks as a \
+                     list; update the client)",
                     hello.version
                 ),
             );
@@ -416,15 +418,17 @@ impl Session {
         }
     }
 
-    fn buffer(&self, index: u32, chunks: &[BlockRef]) -> Result<&RegisteredBuffer, Fail> {
+    fn buffer(&self, index: u32, chunks: &[ChunkBlocks]) -> Result<&RegisteredKv, Fail> {
         let Some(buffer) = self.opened().buffers.get(index as usize) else {
             return fail(ErrorCode::BadBuffer, format!("buffer {index} is not registered"));
         };
-        if let Some((i, c)) = chunks.iter().enumerate().find(|(_, c)| !buffer.contains(c.block)) {
-            return fail(
-                ErrorCode::BlockOutOfRange,
-                format!("chunk {i} names block {} outside buffer {index}", c.block),
-            );
+        for (i, c) in chunks.iter().enumerate() {
+            if let Err(e) = buffer.check(&c.blocks) {
+                return fail(
+                    ErrorCode::BlockOutOfRange,
+                    format!("chunk {i} of buffer {index}: {e}"),
+                );
+            }
         }
         Ok(buffer)
     }
@@ -433,42 +437,34 @@ impl Session {
         ObjectKey::new(namespace, ChunkHash(chunk.0), rank)
     }
 
-    fn register_buffer(
+    fn register_kv(
         &mut self,
-        block_bytes: u64,
-        blocks: u64,
-        fd: Option<OwnedFd>,
+        regions: &[RegionSource],
+        layout: &KvLayout,
+        descriptor: &mut dyn FnMut() -> Option<OwnedFd>,
     ) -> Result<ReplyBody, Fail> {
-        let Some(fd) = fd else {
-            return fail(
-                ErrorCode::BadBuffer,
-                crate::buffer::BufferError::NoDescriptor.to_string(),
-            );
-        };
+        // The descriptors are taken first, whatever happens next, so a refused registration
+        // leaves none queued for the next one to pick up by mistake.
+        let fds = RegisteredKv::take_descriptors(regions, descriptor);
         let opened = self.opened();
-        if block_bytes != opened.hello.chunk_bytes {
-            return fail(
-                ErrorCode::BadBuffer,
-                format!(
-                    "blocks of {block_bytes} bytes do not match the session's chunk_bytes ({})",
-                    opened.hello.chunk_bytes
-                ),
-            );
-        }
-        if opened.buffers.len() >= MAX_BUFFERS {
-            return fail(
-                ErrorCode::BadBuffer,
-                format!("at most {MAX_BUFFERS} buffers per session"),
-            );
-        }
-        let buffer = RegisteredBuffer::map(fd, block_bytes, blocks)
-            .map_err(|e| Fail { code: ErrorCode::BadBuffer, message: e.to_string() })?;
+        let mapped = if opened.buffers.len() >= MAX_BUFFERS {
+            Err(crate::kv::KvError::Shape(format!("at most {MAX_BUFFERS} buffers per session")))
+        } else {
+            RegisteredKv::map(regions, fds, layout, opened.hello.chunk_bytes)
+        };
+        let buffer =
+            mapped.map_err(|e| Fail { code: ErrorCode::BadBuffer, message: e.to_string() })?;
         let Some(opened) = &mut self.opened else { unreachable_hello() };
         opened.buffers.push(buffer);
         Ok(ReplyBody::BufferRegistered { buffer: (opened.buffers.len() - 1) as u32 })
     }
 
-    fn store(&self, namespace: u32, buffer: u32, chunks: &[BlockRef]) -> Result<ReplyBody, Fail> {
+    fn store(
+        &self,
+        namespace: u32,
+        buffer: u32,
+        chunks: &[ChunkBlocks],
+    ) -> Result<ReplyBody, Fail> {
         let ns = self.namespace(namespace)?;
         let source = self.buffer(buffer, chunks)?;
         let opened = self.opened();
@@ -481,7 +477,7 @@ impl Session {
         let mut bytes = 0u64;
         for (i, (chunk, result)) in chunks.iter().zip(reserved).enumerate() {
             match result {
-                Ok(_) => match self.copy_in(source, chunk.block, &keys[i]) {
+                Ok(_) => match self.copy_in(source, &chunk.blocks, &keys[i]) {
                     Ok(n) => {
                         bytes += n;
                         written.push(keys[i]);
@@ -511,21 +507,21 @@ impl Session {
         Ok(ReplyBody::Stored { stored, present, refused })
     }
 
-    /// Copies block `block` into the reserved slot of `key`; returns the bytes copied.
+    /// Gathers the chunk at `blocks` into the reserved slot of `key`; returns the bytes copied.
     fn copy_in(
         &self,
-        source: &RegisteredBuffer,
-        block: u64,
+        source: &RegisteredKv,
+        blocks: &[u64],
         key: &ObjectKey,
     ) -> Result<u64, String> {
         let mut access =
             self.daemon.storage.write_access(self.owner(), key).map_err(|e| e.to_string())?;
         if let Some(slot) = access.host_bytes_mut() {
-            source.read_block(block, slot).map_err(|e| e.to_string())?;
+            source.gather(blocks, slot).map_err(|e| e.to_string())?;
             return Ok(slot.len() as u64);
         }
         let mut staging = vec![0u8; access.handle().len as usize];
-        source.read_block(block, &mut staging).map_err(|e| e.to_string())?;
+        source.gather(blocks, &mut staging).map_err(|e| e.to_string())?;
         access.write_at(0, &staging).map_err(|e| e.to_string())?;
         Ok(staging.len() as u64)
     }
@@ -588,38 +584,38 @@ impl Session {
         &mut self,
         lookup: u64,
         buffer: u32,
-        chunks: &[BlockRef],
+        chunks: &[ChunkBlocks],
     ) -> Result<ReplyBody, Fail> {
         let (id, reader, info) = self.visible_lookup(lookup)?;
         let target = self.buffer(buffer, chunks)?;
         let storage = &self.daemon.storage;
         // Pin every chunk before copying any: a request that names a chunk outside the hit, or
         // comes from a reader that already returned its share, copies nothing.
-        let mut pinned: Vec<(u64, ReadAccess)> = Vec::with_capacity(chunks.len());
+        let mut pinned: Vec<(&[u64], ReadAccess)> = Vec::with_capacity(chunks.len());
         for c in chunks {
             let key = self.key(info.namespace, info.rank, c.chunk);
             let access = storage.read(id, reader, &key)?;
-            if access.handle().len != target.block_bytes() {
+            if access.handle().len != target.chunk_bytes() {
                 return fail(
                     ErrorCode::BadBuffer,
                     format!(
-                        "the chunk has {} bytes, the buffer's blocks {}",
+                        "the chunk has {} bytes, a chunk of the buffer's layout {}",
                         access.handle().len,
-                        target.block_bytes()
+                        target.chunk_bytes()
                     ),
                 );
             }
-            pinned.push((c.block, access));
+            pinned.push((&c.blocks, access));
         }
         let mut bytes = 0u64;
         let mut staging = Vec::new();
-        for (block, access) in &pinned {
+        for (blocks, access) in &pinned {
             let copied = match access.host_bytes() {
-                Some(slot) => target.write_block(*block, slot),
+                Some(slot) => target.scatter(blocks, slot),
                 None => {
                     staging.resize(access.handle().len as usize, 0);
                     access.read_at(0, &mut staging).map_err(StorageError::from)?;
-                    target.write_block(*block, &staging)
+                    target.scatter(blocks, &staging)
                 }
             };
             copied.map_err(|e| Fail { code: ErrorCode::Internal, message: e.to_string() })?;
@@ -705,7 +701,7 @@ fn outcome(result: &LookupResult) -> LookupOutcome {
 pub fn op_name(body: &RequestBody) -> &'static str {
     match body {
         RequestBody::Hello(_) => "hello",
-        RequestBody::RegisterBuffer { .. } => "register_buffer",
+        RequestBody::RegisterKv { .. } => "register_kv",
         RequestBody::Store { .. } => "store",
         RequestBody::Lookup { .. } => "lookup",
         RequestBody::Query { .. } => "query",

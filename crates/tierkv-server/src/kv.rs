@@ -1,0 +1,413 @@
+//! A worker's registered KV memory, mapped into the daemon, and the gather and scatter of
+//! chunks over it.
+//!
+//! A registration is a list of regions (sealed memfds today; CUDA IPC allocations with the GPU
+//! data path) and a [`KvLayout`]: segments of equal strided blocks (an engine's layers, or their
+//! K and V planes), and how many engine blocks make one chunk. A chunk's object is its pieces in
+//! segment-major, block-minor order, so one L1 slot holds a chunk of every layer and the engine
+//! needs no staging copy.
+//!
+//! The worker keeps writing its memory while the daemon copies, so the daemon never forms
+//! references into it: pieces are raw ranges, copied with `ptr::copy_nonoverlapping`. Every
+//! segment is checked against its region once, at registration, and every block id against
+//! `blocks` on each request, so no request can reach outside a mapping. A region is accepted
+//! only when its memfd is sealed against shrinking; otherwise the worker could truncate the file
+//! under the daemon's mapping and the next copy would be a `SIGBUS`.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use memmap2::{MmapOptions, MmapRaw};
+use tierkv_proto::{KvLayout, RegionSource};
+
+/// Regions one registration may carry (their descriptors ride on one `sendmsg`).
+pub const MAX_REGIONS: usize = 8;
+
+/// Why a registration or a copy was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    /// A memfd region's descriptor did not arrive with the frame.
+    #[error(
+        "register_kv needs one file descriptor per memfd region attached (SCM_RIGHTS over the Unix socket); region {0} has none"
+    )]
+    NoDescriptor(usize),
+    /// The daemon cannot open this kind of region.
+    #[error("region {0}: {1}")]
+    Unsupported(usize, &'static str),
+    /// The layout does not fit the regions, or the session.
+    #[error("{0}")]
+    Shape(String),
+    /// A region's memfd is not sealed against shrinking.
+    #[error(
+        "region {0}: the memfd must be sealed with F_SEAL_SHRINK (so it cannot be truncated under the daemon's mapping)"
+    )]
+    NotSealed(usize),
+    /// A request named blocks the layout does not have.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// fstat, fcntl or mmap failed.
+    #[error("cannot map region {0}: {1}")]
+    Io(usize, std::io::Error),
+}
+
+/// A piece's place: the region's base pointer is added at copy time.
+#[derive(Clone, Copy, Debug)]
+struct SegmentAt {
+    region: usize,
+    offset: usize,
+}
+
+/// A registered KV buffer: mapped regions and the layout over them.
+pub struct RegisteredKv {
+    regions: Vec<MmapRaw>,
+    segments: Vec<SegmentAt>,
+    blocks: u64,
+    block_bytes: usize,
+    block_stride: usize,
+    blocks_per_chunk: usize,
+}
+
+impl RegisteredKv {
+    /// Takes the descriptors a registration's memfd regions need, one per memfd region, in
+    /// order, from those that arrived on the connection. The session takes them before it checks
+    /// anything else, so a refused registration leaves none queued for the next one to pick up.
+    pub fn take_descriptors(
+        regions: &[RegionSource],
+        descriptor: &mut dyn FnMut() -> Option<OwnedFd>,
+    ) -> Vec<Option<OwnedFd>> {
+        regions
+            .iter()
+            .take(MAX_REGIONS)
+            .map(|region| match region {
+                RegionSource::Memfd { .. } => descriptor(),
+                RegionSource::CudaIpc { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Checks the layout against the regions and maps them. `fds` are the regions' descriptors
+    /// ([`RegisteredKv::take_descriptors`]); `chunk_bytes` is the session's chunk size, which a
+    /// chunk of this layout must equal.
+    pub fn map(
+        regions: &[RegionSource],
+        fds: Vec<Option<OwnedFd>>,
+        layout: &KvLayout,
+        chunk_bytes: u64,
+    ) -> Result<Self, KvError> {
+        let shape = |why: String| Err(KvError::Shape(why));
+        if regions.is_empty() || regions.len() > MAX_REGIONS {
+            return shape(format!(
+                "a registration has 1..={MAX_REGIONS} regions, not {}",
+                regions.len()
+            ));
+        }
+        if layout.segments.is_empty() || layout.blocks == 0 || layout.blocks_per_chunk == 0 {
+            return shape(
+                "a layout needs segments, blocks and blocks_per_chunk, all non-zero".into(),
+            );
+        }
+        if layout.block_bytes == 0 || layout.block_stride < layout.block_bytes {
+            return shape(format!(
+                "block_bytes ({}) must be positive and at most block_stride ({})",
+                layout.block_bytes, layout.block_stride
+            ));
+        }
+        let chunk = (layout.segments.len() as u64)
+            .checked_mul(u64::from(layout.blocks_per_chunk))
+            .and_then(|n| n.checked_mul(layout.block_bytes));
+        if chunk != Some(chunk_bytes) {
+            return shape(format!(
+                "{} segments x {} blocks per chunk x {} bytes is not the session's chunk_bytes ({chunk_bytes})",
+                layout.segments.len(),
+                layout.blocks_per_chunk,
+                layout.block_bytes
+            ));
+        }
+        let mut sizes = Vec::with_capacity(regions.len());
+        let mut maps = Vec::with_capacity(regions.len());
+        for (i, (region, fd)) in regions.iter().zip(fds).enumerate() {
+            match (region, fd) {
+                (RegionSource::Memfd { bytes }, Some(fd)) => {
+                    maps.push(map_memfd(i, fd, *bytes)?);
+                    sizes.push(*bytes);
+                }
+                (RegionSource::Memfd { .. }, None) => return Err(KvError::NoDescriptor(i)),
+                (RegionSource::CudaIpc { .. }, _) => {
+                    return Err(KvError::Unsupported(
+                        i,
+                        "CUDA IPC regions need the daemon's GPU data path, which this build does not have yet",
+                    ));
+                }
+            }
+        }
+        // The last byte any block of a segment reaches, checked once for every segment.
+        let span = (layout.blocks - 1)
+            .checked_mul(layout.block_stride)
+            .and_then(|n| n.checked_add(layout.block_bytes));
+        let mut segments = Vec::with_capacity(layout.segments.len());
+        for (s, segment) in layout.segments.iter().enumerate() {
+            let Some(&size) = sizes.get(segment.region as usize) else {
+                return shape(format!(
+                    "segment {s} names region {}, of {}",
+                    segment.region,
+                    sizes.len()
+                ));
+            };
+            let end = span.and_then(|n| n.checked_add(segment.offset));
+            if end.is_none_or(|end| end > size) {
+                return shape(format!(
+                    "segment {s} ({} blocks of {} bytes, {} apart, from offset {}) does not fit region {} of {size} bytes",
+                    layout.blocks,
+                    layout.block_bytes,
+                    layout.block_stride,
+                    segment.offset,
+                    segment.region
+                ));
+            }
+            // Inside a mapping, so it fits usize.
+            segments.push(SegmentAt {
+                region: segment.region as usize,
+                offset: segment.offset as usize,
+            });
+        }
+        Ok(RegisteredKv {
+            regions: maps,
+            segments,
+            blocks: layout.blocks,
+            block_bytes: layout.block_bytes as usize,
+            block_stride: layout.block_stride as usize,
+            blocks_per_chunk: layout.blocks_per_chunk as usize,
+        })
+    }
+
+    /// Bytes of one chunk.
+    pub fn chunk_bytes(&self) -> u64 {
+        (self.segments.len() * self.blocks_per_chunk * self.block_bytes) as u64
+    }
+
+    /// Checks that `blocks` names one chunk's blocks of this layout.
+    pub fn check(&self, blocks: &[u64]) -> Result<(), KvError> {
+        if blocks.len() != self.blocks_per_chunk {
+            return Err(KvError::OutOfRange(format!(
+                "a chunk names {} blocks, not {}",
+                self.blocks_per_chunk,
+                blocks.len()
+            )));
+        }
+        match blocks.iter().find(|&&b| b >= self.blocks) {
+            Some(b) => Err(KvError::OutOfRange(format!(
+                "block {b} is outside a layout of {} blocks",
+                self.blocks
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Copies a chunk's pieces from `blocks` into `dst` (one chunk's bytes).
+    pub fn gather(&self, blocks: &[u64], dst: &mut [u8]) -> Result<(), KvError> {
+        self.check_copy(blocks, dst.len())?;
+        for (piece, src) in self.pieces(blocks).enumerate() {
+            let at = piece * self.block_bytes;
+            // SAFETY: `pieces` yields ranges inside a mapping (segments checked at registration,
+            // block ids just now), which stays mapped while `self` lives and cannot shrink
+            // (sealed). `dst` has room for every piece (checked). The worker may write the
+            // source concurrently; the copy then holds whatever bytes were there, which is the
+            // worker's own business.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr().add(at), self.block_bytes)
+            };
+        }
+        Ok(())
+    }
+
+    /// Copies a chunk's bytes `src` out to its pieces at `blocks`.
+    pub fn scatter(&self, blocks: &[u64], src: &[u8]) -> Result<(), KvError> {
+        self.check_copy(blocks, src.len())?;
+        for (piece, dst) in self.pieces(blocks).enumerate() {
+            let at = piece * self.block_bytes;
+            // SAFETY: as in `gather`; the destination is shared memory nobody in this process
+            // holds a reference to.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(at), dst, self.block_bytes) };
+        }
+        Ok(())
+    }
+
+    fn check_copy(&self, blocks: &[u64], len: usize) -> Result<(), KvError> {
+        self.check(blocks)?;
+        if len as u64 != self.chunk_bytes() {
+            return Err(KvError::Shape(format!(
+                "a chunk of this layout has {} bytes, the copy {len}",
+                self.chunk_bytes()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Pointers to the pieces of a chunk, segment-major.
+    fn pieces<'a>(&'a self, blocks: &'a [u64]) -> impl Iterator<Item = *mut u8> + 'a {
+        self.segments.iter().flat_map(move |seg| {
+            let base = self.regions[seg.region].as_mut_ptr();
+            blocks.iter().map(move |&b| {
+                // Within the mapping: `b < blocks` and the segment's span was checked.
+                let at = seg.offset + b as usize * self.block_stride;
+                // SAFETY: `at` lies inside the region's mapping (see above).
+                unsafe { base.add(at) }
+            })
+        })
+    }
+}
+
+fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<MmapRaw, KvError> {
+    if bytes == 0 {
+        return Err(KvError::Shape(format!("region {i} has 0 bytes")));
+    }
+    // SAFETY: fcntl on a descriptor we own.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(KvError::NotSealed(i));
+    }
+    let file = File::from(fd);
+    let size = file.metadata().map_err(|e| KvError::Io(i, e))?.len();
+    if size < bytes {
+        return Err(KvError::Shape(format!(
+            "region {i} should have {bytes} bytes; its memfd has {size}"
+        )));
+    }
+    let len = usize::try_from(bytes).map_err(|_| {
+        KvError::Shape(format!("region {i}: {bytes} bytes do not fit the address space"))
+    })?;
+    MmapOptions::new().len(len).map_raw(&file).map_err(|e| KvError::Io(i, e))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+    use tierkv_client::{SharedBuffer, memfd};
+    use tierkv_proto::Segment;
+
+    fn owned(buffer: &SharedBuffer) -> OwnedFd {
+        buffer.fd().try_clone_to_owned().unwrap()
+    }
+
+    fn layout(
+        blocks: u64,
+        block_bytes: u64,
+        stride: u64,
+        per_chunk: u32,
+        offsets: &[u64],
+    ) -> KvLayout {
+        KvLayout {
+            blocks,
+            block_bytes,
+            block_stride: stride,
+            blocks_per_chunk: per_chunk,
+            segments: offsets.iter().map(|&offset| Segment { region: 0, offset }).collect(),
+        }
+    }
+
+    fn register(
+        buffer: &SharedBuffer,
+        layout: &KvLayout,
+        chunk: u64,
+    ) -> Result<RegisteredKv, KvError> {
+        let bytes = buffer.block_bytes() * buffer.blocks();
+        RegisteredKv::map(
+            &[RegionSource::Memfd { bytes }],
+            vec![Some(owned(buffer))],
+            layout,
+            chunk,
+        )
+    }
+
+    #[test]
+    fn one_block_chunks_round_trip_and_out_of_range_is_refused() {
+        let mut shared = SharedBuffer::new(64, 4).unwrap();
+        shared.block_mut(2).unwrap().fill(7);
+        let kv = register(&shared, &layout(4, 64, 64, 1, &[0]), 64).unwrap();
+        let mut got = [0u8; 64];
+        kv.gather(&[2], &mut got).unwrap();
+        assert_eq!(got, [7u8; 64]);
+        kv.scatter(&[3], &[9u8; 64]).unwrap();
+        assert_eq!(shared.block(3).unwrap(), &[9u8; 64]);
+        assert!(kv.gather(&[4], &mut got).is_err());
+        assert!(kv.gather(&[0, 1], &mut got).is_err(), "two blocks for a one-block chunk");
+        assert!(kv.scatter(&[0], &[0u8; 65]).is_err());
+    }
+
+    #[test]
+    fn a_chunk_gathers_every_segment_block_by_block_and_scatters_back() {
+        // Two "layers" of 8 blocks of 16 bytes, 32 bytes apart (a gap between blocks), chunks of
+        // 2 blocks: a chunk is layer 0 block a, layer 0 block b, layer 1 block a, layer 1 block b.
+        let mut shared = SharedBuffer::new(512, 1).unwrap();
+        let bytes = shared.block_mut(0).unwrap();
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i / 16) as u8;
+        }
+        let kv = register(&shared, &layout(8, 16, 32, 2, &[0, 256]), 64).unwrap();
+        let mut chunk = [0u8; 64];
+        kv.gather(&[5, 1], &mut chunk).unwrap();
+        let piece = |i: usize| chunk[i * 16..(i + 1) * 16].to_vec();
+        assert_eq!(piece(0), vec![10u8; 16], "layer 0, block 5 (offset 160)");
+        assert_eq!(piece(1), vec![2u8; 16], "layer 0, block 1 (offset 32)");
+        assert_eq!(piece(2), vec![26u8; 16], "layer 1, block 5 (offset 416)");
+        assert_eq!(piece(3), vec![18u8; 16], "layer 1, block 1 (offset 288)");
+        // Scatter into other blocks and read them back; the gaps between blocks stay untouched.
+        kv.scatter(&[0, 7], &chunk).unwrap();
+        let mut again = [0u8; 64];
+        kv.gather(&[0, 7], &mut again).unwrap();
+        assert_eq!(again, chunk);
+        let bytes = shared.block(0).unwrap();
+        assert_eq!(bytes[16..32], [1u8; 16], "the gap after block 0 of layer 0 is untouched");
+    }
+
+    #[test]
+    fn layouts_that_do_not_fit_are_refused() {
+        let shared = SharedBuffer::new(64, 4).unwrap();
+        let cases = [
+            (layout(5, 64, 64, 1, &[0]), 64, "does not fit region 0"),
+            (layout(4, 64, 64, 1, &[64]), 64, "does not fit region 0"),
+            (layout(4, 64, 64, 1, &[0]), 128, "not the session's chunk_bytes"),
+            (layout(4, 64, 32, 1, &[0]), 64, "at most block_stride"),
+            (layout(u64::MAX, 64, 64, 1, &[0]), 64, "does not fit"),
+            (layout(4, 16, 16, 1, &[u64::MAX]), 16, "does not fit"),
+            (layout(4, 64, 64, 0, &[0]), 0, "non-zero"),
+        ];
+        for (layout, chunk, why) in cases {
+            let err = register(&shared, &layout, chunk).err().unwrap();
+            assert!(err.to_string().contains(why), "{layout:?}: {err}");
+        }
+        let mut bad_region = layout(4, 64, 64, 1, &[0]);
+        bad_region.segments[0].region = 1;
+        let err = register(&shared, &bad_region, 64).err().unwrap();
+        assert!(err.to_string().contains("names region 1"), "{err}");
+    }
+
+    #[test]
+    fn unsealed_short_missing_and_cuda_regions_are_refused() {
+        let unsealed = memfd(c"t", libc::MFD_CLOEXEC).unwrap();
+        unsealed.set_len(4096).unwrap();
+        let l = layout(4, 64, 64, 1, &[0]);
+        let memfd_region = [RegionSource::Memfd { bytes: 256 }];
+        let err = RegisteredKv::map(&memfd_region, vec![Some(OwnedFd::from(unsealed))], &l, 64)
+            .err()
+            .unwrap();
+        assert!(matches!(err, KvError::NotSealed(0)), "{err}");
+        let shared = SharedBuffer::new(64, 4).unwrap();
+        let big = [RegionSource::Memfd { bytes: 512 }];
+        let err = RegisteredKv::map(&big, vec![Some(owned(&shared))], &l, 64).err().unwrap();
+        assert!(err.to_string().contains("its memfd has 256"), "{err}");
+        let mut none = || None;
+        let fds = RegisteredKv::take_descriptors(&memfd_region, &mut none);
+        let err = RegisteredKv::map(&memfd_region, fds, &l, 64).err().unwrap();
+        assert!(matches!(err, KvError::NoDescriptor(0)), "{err}");
+        let cuda = RegionSource::CudaIpc {
+            handle: vec![0; 64],
+            device: "0000:00:00.0".into(),
+            bytes: 256,
+        };
+        let err = RegisteredKv::map(&[cuda], vec![None], &l, 64).err().unwrap();
+        assert!(matches!(err, KvError::Unsupported(0, _)), "{err}");
+    }
+}
