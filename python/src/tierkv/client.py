@@ -1,0 +1,367 @@
+"""A blocking session with the tierkv daemon.
+
+A :class:`Client` connects over the daemon's Unix socket (or TCP, where enabled), says hello,
+and then makes one request at a time: the daemon answers in order. Every call has a deadline
+(the client's ``timeout``; a ``wait`` adds its own timeout on top): a call that misses it, or
+whose connection fails, raises :class:`~tierkv.errors.ConnectionLost` and closes the client, so
+a half-read reply can never be taken for the next call's. A refused request raises its
+:class:`~tierkv.errors.DaemonError` subclass and leaves the session usable.
+
+One lock per client keeps calls from several threads from interleaving their frames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from . import wire
+from .errors import BadFrame, ConnectionLost, DaemonError, TierKVError
+from .shm import SharedBuffer
+from .wire import (
+    BufferRegistered,
+    Bye,
+    Cleared,
+    CudaIpcRegion,
+    Done,
+    KvLayout,
+    LookupOutcome,
+    LookupStarted,
+    MemfdRegion,
+    Pending,
+    Released,
+    Retrieved,
+    Segment,
+    Stored,
+    Welcome,
+)
+
+__all__ = ["DEFAULT_TIMEOUT", "Client"]
+
+#: Seconds a call may take by default.
+DEFAULT_TIMEOUT = 5.0
+
+#: The longest wait the daemon grants, whatever a client asks.
+_MAX_DAEMON_WAIT_S = 60.0
+
+
+def _fileno(fd: Any) -> int:
+    return fd if isinstance(fd, int) else fd.fileno()
+
+
+class Client:
+    """A session with the daemon. Build one with :meth:`connect` or :meth:`connect_tcp`."""
+
+    def __init__(self, sock: socket.socket, *, timeout: float, unix: bool) -> None:
+        """Wraps a connected socket; use :meth:`connect` or :meth:`connect_tcp` instead."""
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self._sock: socket.socket | None = sock
+        self._timeout = float(timeout)
+        self._unix = unix
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._session: Welcome | None = None
+
+    # -- opening --------------------------------------------------------------------------------
+
+    @classmethod
+    def connect(
+        cls, path: str | bytes, hello_body: dict[str, Any], timeout: float = DEFAULT_TIMEOUT
+    ) -> Client:
+        """Connects to the daemon's Unix socket at ``path`` and opens a session with
+        ``hello_body`` (from :func:`tierkv.wire.hello`)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        return cls._open(sock, path, hello_body, timeout, unix=True)
+
+    @classmethod
+    def connect_tcp(
+        cls,
+        host: str,
+        port: int,
+        hello_body: dict[str, Any],
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> Client:
+        """Connects over TCP (the hello must carry the daemon's token). No file descriptor can
+        travel over TCP, so such a session cannot register memfd regions."""
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise ConnectionLost(f"cannot connect to {host}:{port}: {e}") from e
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls._open(sock, None, hello_body, timeout, unix=False)
+
+    @classmethod
+    def _open(
+        cls,
+        sock: socket.socket,
+        path: str | bytes | None,
+        hello_body: dict[str, Any],
+        timeout: float,
+        *,
+        unix: bool,
+    ) -> Client:
+        if not (isinstance(hello_body, dict) and set(hello_body) == {"hello"}):
+            sock.close()
+            raise TypeError("hello_body must be what tierkv.wire.hello() returns")
+        if path is not None:
+            try:
+                sock.settimeout(timeout)
+                sock.connect(path)
+            except OSError as e:
+                sock.close()
+                raise ConnectionLost(f"cannot connect to {path!r}: {e}") from e
+        client = cls(sock, timeout=timeout, unix=unix)
+        try:
+            reply = client._call(hello_body)
+        except DaemonError:
+            # The daemon closes the connection after a failed hello.
+            client.close()
+            raise
+        if not isinstance(reply, Welcome):
+            client.close()
+            raise ConnectionLost(f"bad reply to hello: {reply!r}")
+        client._session = reply
+        return client
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def session(self) -> Welcome:
+        """The daemon's welcome: protocol version, session number, largest chunk, readers."""
+        assert self._session is not None
+        return self._session
+
+    @property
+    def timeout(self) -> float:
+        """Seconds each call may take."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is closed (by :meth:`close`, :meth:`end` or a failure)."""
+        return self._sock is None
+
+    # -- the calls ------------------------------------------------------------------------------
+
+    def register_kv(
+        self,
+        regions: Sequence[tuple[MemfdRegion | CudaIpcRegion, Any]],
+        layout: KvLayout,
+    ) -> int:
+        """Registers KV memory: ``(region, fd)`` pairs, the descriptor (an ``int`` or anything
+        with ``fileno()``) for each memfd region and ``None`` for a CUDA IPC one, and the
+        layout over them. Returns the buffer's number."""
+        fds = []
+        for i, (region, fd) in enumerate(regions):
+            if isinstance(region, MemfdRegion) and fd is None:
+                raise ValueError(f"region {i} is a memfd region and needs its descriptor")
+            if not isinstance(region, MemfdRegion) and fd is not None:
+                raise ValueError(f"region {i} is not a memfd region; it takes no descriptor")
+            if fd is not None:
+                fds.append(_fileno(fd))
+        if fds and not self._unix:
+            raise ValueError("file descriptors travel only over the Unix socket")
+        body = wire.register_kv([r for r, _ in regions], layout)
+        return self._expect(BufferRegistered, body, fds=fds).buffer
+
+    def register_buffer(self, buf: SharedBuffer) -> int:
+        """Registers a :class:`~tierkv.shm.SharedBuffer` whose every block is one chunk (its
+        ``block_bytes`` must be the session's ``chunk_bytes``). Returns the buffer's number."""
+        layout = KvLayout(
+            blocks=buf.blocks,
+            block_bytes=buf.block_bytes,
+            block_stride=buf.block_bytes,
+            blocks_per_chunk=1,
+            segments=[Segment(region=0, offset=0)],
+        )
+        return self.register_kv([(MemfdRegion(bytes=buf.nbytes), buf.fd)], layout)
+
+    def store(
+        self, namespace: int, buffer: int, chunks: Iterable[tuple[int, Sequence[int] | int]]
+    ) -> Stored:
+        """Stores chunks, root first, from blocks of a registered buffer: ``(chunk_id,
+        [block, ...])`` with one block per ``blocks_per_chunk`` of its layout."""
+        return self._expect(Stored, wire.store(namespace, buffer, chunks))
+
+    def lookup(self, namespace: int, chunks: Iterable[int]) -> LookupStarted:
+        """Starts a prefix lookup of chunk ids, root first."""
+        return self._expect(LookupStarted, wire.lookup(namespace, chunks))
+
+    def query(self, lookup: int) -> LookupOutcome | None:
+        """The lookup's outcome if it is complete, else ``None``; never waits."""
+        reply = self._call(wire.query(lookup))
+        if isinstance(reply, Pending):
+            return None
+        if isinstance(reply, Done):
+            return reply.outcome
+        raise self._unexpected(reply)
+
+    def wait(self, lookup: int, timeout_s: float) -> LookupOutcome:
+        """Waits up to ``timeout_s`` (the daemon grants at most 60 s) for the lookup to
+        complete; :class:`~tierkv.errors.WaitTimeout` if it does not (the lookup stays open)."""
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be non-negative, got {timeout_s}")
+        timeout_ms = math.ceil(timeout_s * 1000)
+        deadline = self._timeout + min(timeout_ms / 1000, _MAX_DAEMON_WAIT_S)
+        return self._expect(Done, wire.wait(lookup, timeout_ms), timeout=deadline).outcome
+
+    def retrieve(
+        self, lookup: int, buffer: int, chunks: Iterable[tuple[int, Sequence[int] | int]]
+    ) -> Retrieved:
+        """Copies chunks of the lookup's hit into blocks of a registered buffer, then returns
+        this reader's share of the lookup."""
+        return self._expect(Retrieved, wire.retrieve(lookup, buffer, chunks))
+
+    def release(self, lookup: int) -> None:
+        """Returns every share the lookup still holds (for chunks the engine will not read)."""
+        self._expect(Released, wire.release(lookup))
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's status report, keys as on the wire (``tiers``, ``hit_tokens``, ...)."""
+        return self._expect(dict, wire.STATUS)
+
+    def clear(self) -> list[int]:
+        """Empties every tier of what nobody holds (admin sessions); chunks removed per tier,
+        L1 first."""
+        return self._expect(Cleared, wire.CLEAR).removed
+
+    def end(self) -> None:
+        """Ends the session (the daemon returns everything it holds) and closes the client.
+        Does nothing on a closed client."""
+        if self.closed:
+            return
+        try:
+            self._expect(Bye, wire.END_SESSION)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Closes the connection; the daemon then returns everything the session held.
+
+        Idempotent, and safe from another thread: a call in flight then fails with
+        :class:`~tierkv.errors.ConnectionLost`.
+        """
+        sock = self._sock
+        if sock is None:
+            return
+        # Wakes a call blocked on this socket in another thread, which then lets go of the lock.
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            self._close_locked()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            try:
+                self.end()
+            except TierKVError:
+                self.close()
+        else:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        session = self._session.session if self._session else None
+        return f"Client(session={session}, {state})"
+
+    # -- the machinery --------------------------------------------------------------------------
+
+    def _expect(self, kind: type, body: Any, **kw: Any) -> Any:
+        reply = self._call(body, **kw)
+        if not isinstance(reply, kind):
+            raise self._unexpected(reply)
+        return reply
+
+    def _unexpected(self, reply: Any) -> ConnectionLost:
+        self.close()
+        return ConnectionLost(f"bad reply: {reply!r:.200} does not answer the request")
+
+    def _close_locked(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _call(self, body: Any, *, fds: Sequence[int] = (), timeout: float | None = None) -> Any:
+        """Sends one request and reads its reply within the deadline; returns the parsed reply
+        or raises (``ConnectionLost`` closes the client)."""
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise ConnectionLost("the client is closed")
+            request_id = self._next_id
+            self._next_id += 1
+            frame = wire.encode_frame(request_id, body)
+            deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+            try:
+                self._send(sock, frame, fds, deadline)
+                reply_id, reply_body = wire.unpack_reply(self._read_frame(sock, deadline))
+                if reply_id not in (request_id, 0):
+                    raise ConnectionLost(
+                        f"bad reply: an answer to request {reply_id} while waiting for {request_id}"
+                    )
+                return wire.parse_reply_body(reply_body)
+            except BadFrame:
+                self._close_locked()  # the daemon closes the connection after it
+                raise
+            except DaemonError:
+                raise
+            except ConnectionLost:
+                self._close_locked()
+                raise
+            except OSError as e:
+                self._close_locked()
+                if isinstance(e, TimeoutError):
+                    raise ConnectionLost("the daemon did not answer within the deadline") from e
+                raise ConnectionLost(f"connection to the daemon failed: {e}") from e
+            except BaseException:
+                # Interrupted (KeyboardInterrupt, ...) with a reply maybe half-read: never reuse.
+                self._close_locked()
+                raise
+
+    @staticmethod
+    def _remaining(sock: socket.socket, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(left)
+
+    def _send(self, sock: socket.socket, frame: bytes, fds: Sequence[int], deadline: float) -> None:
+        self._remaining(sock, deadline)
+        if fds:
+            sent = socket.send_fds(sock, [frame], list(fds))
+            frame = frame[sent:]
+            if frame:
+                self._remaining(sock, deadline)
+        if frame:
+            sock.sendall(frame)
+
+    def _read_exactly(self, sock: socket.socket, n: int, deadline: float) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            self._remaining(sock, deadline)
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionLost(
+                    "the daemon closed the connection"
+                    + (" inside a reply" if got or n != wire.HEADER.size else "")
+                )
+            got += k
+        return buf
+
+    def _read_frame(self, sock: socket.socket, deadline: float) -> bytearray:
+        (length,) = wire.HEADER.unpack(self._read_exactly(sock, wire.HEADER.size, deadline))
+        if length == 0 or length > wire.MAX_REPLY_BYTES:
+            raise ConnectionLost(f"bad reply: a frame of {length} bytes")
+        return self._read_exactly(sock, length, deadline)

@@ -1,0 +1,208 @@
+"""The exceptions of the tierkv client.
+
+Two kinds of failure reach a caller:
+
+* :class:`ConnectionLost`: the session is gone or unusable. The socket failed or closed, a call
+  missed its deadline, or the daemon answered something that is not a reply to the request.
+  The client is closed when this is raised; open a new one.
+* :class:`DaemonError`: the daemon refused the request (an ``error`` reply). A refused request
+  changed nothing and the session goes on, except where ``docs/protocol.md`` says the daemon
+  closes the connection (a failed hello, ``bad_frame``). There is one subclass per error code,
+  so a caller can ``except BlockOutOfRange``; :func:`error_for` maps a code to its exception.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadBuffer",
+    "BadFrame",
+    "BadRequest",
+    "BlockOutOfRange",
+    "ConnectionLost",
+    "DaemonError",
+    "Forbidden",
+    "Full",
+    "Internal",
+    "LookupPending",
+    "NamespaceNotDeclared",
+    "NoSession",
+    "NotInHit",
+    "ShareReturned",
+    "Stopped",
+    "TierKVError",
+    "UnknownLookup",
+    "VersionMismatch",
+    "WaitTimeout",
+    "error_for",
+]
+
+
+class TierKVError(Exception):
+    """Base of every error this package raises about the daemon or the session."""
+
+
+class ConnectionLost(TierKVError):
+    """The connection failed, closed, missed a deadline, or carried a reply that makes no sense.
+
+    The client that raised it is closed and must not be used again.
+    """
+
+
+class DaemonError(TierKVError):
+    """The daemon refused a request: ``code`` is the wire's error code, ``message`` its words.
+
+    An unknown code (from a newer daemon) is a plain ``DaemonError``; every known code has its
+    own subclass.
+    """
+
+    #: The wire code of a subclass (``None`` on the base class, which carries any code).
+    CODE: str | None = None
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+class _CodedError(DaemonError):
+    """A daemon error of one fixed code: built from the message alone."""
+
+    CODE: str = ""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.CODE, message)
+        # So that pickling (e.g. across a multiprocessing boundary) rebuilds it from its message.
+        self.args = (message,)
+
+
+class BadFrame(_CodedError):
+    """The frame was not MessagePack, too long, or empty; the daemon closes the connection."""
+
+    CODE = "bad_frame"
+
+
+class BadRequest(_CodedError):
+    """A well-formed frame of an unknown type or with fields that do not fit; or a bad hello."""
+
+    CODE = "bad_request"
+
+
+class VersionMismatch(_CodedError):
+    """The hello's protocol version is not the daemon's."""
+
+    CODE = "version_mismatch"
+
+
+class NoSession(_CodedError):
+    """A request before the hello, or a second hello."""
+
+    CODE = "no_session"
+
+
+class Forbidden(_CodedError):
+    """Wrong or missing TCP token, a request the role may not make, another session's lookup."""
+
+    CODE = "forbidden"
+
+
+class NamespaceNotDeclared(_CodedError):
+    """A namespace index outside the hello's list."""
+
+    CODE = "namespace_not_declared"
+
+
+class BadBuffer(_CodedError):
+    """A refused registration (no descriptor, unsealed, too small, bad layout) or unknown buffer."""
+
+    CODE = "bad_buffer"
+
+
+class BlockOutOfRange(_CodedError):
+    """A block index outside the buffer, or a chunk naming the wrong number of blocks."""
+
+    CODE = "block_out_of_range"
+
+
+class UnknownLookup(_CodedError):
+    """The lookup was never made, was released or expired, or is of another namespace."""
+
+    CODE = "unknown_lookup"
+
+
+class LookupPending(_CodedError):
+    """The lookup is still prefetching (wire code ``pending``)."""
+
+    CODE = "pending"
+
+
+class NotInHit(_CodedError):
+    """A retrieve named a chunk outside the lookup's hit."""
+
+    CODE = "not_in_hit"
+
+
+class ShareReturned(_CodedError):
+    """This reader already returned its share of the lookup."""
+
+    CODE = "share_returned"
+
+
+class WaitTimeout(_CodedError):
+    """A wait ran out (wire code ``timeout``); the lookup is still open."""
+
+    CODE = "timeout"
+
+
+class Full(_CodedError):
+    """The cache cannot take the request now."""
+
+    CODE = "full"
+
+
+class Stopped(_CodedError):
+    """The daemon is shutting down."""
+
+    CODE = "stopped"
+
+
+class Internal(_CodedError):
+    """Something failed inside the daemon; the message says what."""
+
+    CODE = "internal"
+
+
+_BY_CODE: dict[str, type[_CodedError]] = {
+    cls.CODE: cls
+    for cls in (
+        BadFrame,
+        BadRequest,
+        VersionMismatch,
+        NoSession,
+        Forbidden,
+        NamespaceNotDeclared,
+        BadBuffer,
+        BlockOutOfRange,
+        UnknownLookup,
+        LookupPending,
+        NotInHit,
+        ShareReturned,
+        WaitTimeout,
+        Full,
+        Stopped,
+        Internal,
+    )
+}
+
+
+def error_for(code: str, message: str) -> DaemonError:
+    """The exception for an ``error`` reply: the code's subclass, or a plain ``DaemonError``."""
+    cls = _BY_CODE.get(code) if isinstance(code, str) else None
+    if cls is None:
+        return DaemonError(str(code), str(message))
+    return cls(str(message))

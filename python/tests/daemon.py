@@ -1,0 +1,248 @@
+"""A real tierkv daemon process for the Python tests and the vLLM benchmark.
+
+The binary is ``$TIERKV_BIN``, else this repository's ``target/debug/tierkv``, brought up to date
+with ``cargo build --bin tierkv`` first (so a plain ``pytest python/tests`` works and never runs
+a stale daemon). A :class:`Daemon` runs ``tierkv serve`` on a config of its own
+in its own directory; :meth:`Daemon.stop` sends SIGTERM and waits, killing it after 10 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from tierkv import Client, wire
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_DEADLINE_S = 30.0
+STOP_DEADLINE_S = 10.0
+# sun_path holds 108 bytes with its terminating NUL.
+MAX_SOCKET_PATH = 100
+#: The TCP token of ``tcp_daemon`` (the daemon wants at least 16 characters).
+TCP_TOKEN = "python-client-test-token"
+
+
+def small_config(socket_path: Path, disk: Path, extra: str = "") -> str:
+    """``small_config`` of the integration tests, metrics disabled: 64 KiB chunks."""
+    return config(socket_path, disk, extra=extra)
+
+
+def config(
+    socket_path: Path,
+    disk: Path,
+    extra: str = "",
+    l1: str = "4MiB",
+    slot: str = "64KiB",
+    l2: str = "8MiB",
+    disk_capacity: str = "32MiB",
+    segment: str = "4MiB",
+    fsync: str = "always",
+) -> str:
+    """A daemon config: emulated L1, plain-memory L2, a disk tier, no metrics endpoint."""
+    return f"""
+[server]
+socket = "{socket_path}"
+{extra}
+
+[metrics]
+enabled = false
+
+[l1]
+device = "emulated"
+capacity = "{l1}"
+slot = "{slot}"
+lease_ttl = "30s"
+
+[l2]
+capacity = "{l2}"
+memory = "plain"
+
+[disk]
+dir = "{disk}"
+capacity = "{disk_capacity}"
+segment = "{segment}"
+fsync = "{fsync}"
+"""
+
+
+def admin_hello(**kw) -> dict:
+    return wire.hello(role="admin", **kw)
+
+
+def tierkv_binary() -> Path:
+    """The daemon's binary: ``$TIERKV_BIN``, else this checkout's debug build, brought up to date
+    with ``cargo build --bin tierkv`` (a no-op when it is), so no test runs a stale daemon.
+    ``RuntimeError`` if it cannot be had."""
+    from_env = os.environ.get("TIERKV_BIN")
+    if from_env:
+        path = Path(from_env)
+        if not path.is_file():
+            raise RuntimeError(f"TIERKV_BIN={from_env} is not a file")
+        return path
+    path = REPO_ROOT / "target" / "debug" / "tierkv"
+    cargo = shutil.which("cargo")
+    if cargo is None:
+        if path.is_file():
+            return path
+        raise RuntimeError(f"{path} is missing and there is no cargo to build it")
+    build = subprocess.run([cargo, "build", "--quiet", "--bin", "tierkv"], cwd=REPO_ROOT)
+    if build.returncode != 0 or not path.is_file():
+        raise RuntimeError(f"cargo build --bin tierkv failed (exit {build.returncode})")
+    return path
+
+
+class Daemon:
+    """A running ``tierkv serve`` and the clients the test opened on it."""
+
+    def __init__(
+        self,
+        binary: Path,
+        workdir: Path,
+        extra_config: str = "",
+        tcp_port=None,
+        make_config=small_config,
+    ):
+        """Starts ``binary`` on ``make_config(socket, disk_dir, extra_config)``."""
+        self.binary = binary
+        self.dir = workdir
+        self.token = TCP_TOKEN if tcp_port is not None else None
+        sock = workdir / "tierkv.sock"
+        self._sock_dir = None
+        if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
+            # A deep temporary directory: only the socket moves to a short path.
+            self._sock_dir = tempfile.mkdtemp(prefix="tierkv-")
+            sock = Path(self._sock_dir) / "s"
+        self.socket = sock
+        self.tcp_port = tcp_port
+        self.config = workdir / "tierkv.toml"
+        self.config.write_text(make_config(sock, workdir / "disk", extra_config))
+        self.log = workdir / "daemon.log"
+        self.clients: list[Client] = []
+        self.start()
+
+    def start(self) -> None:
+        """(Re)starts the process on the same config and waits until it serves."""
+        env = dict(os.environ, TIERKV_LOG="warn")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(self.binary), "serve", "--config", str(self.config)],
+                cwd=self.dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            self._wait_until_serving()
+        except BaseException:
+            self.stop()
+            raise
+
+    def kill(self) -> None:
+        """``kill -9``: nothing is flushed or closed cleanly (the socket file stays)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _wait_until_serving(self) -> None:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the daemon exited ({self.proc.returncode}) before listening:\n"
+                    + self.log.read_text(errors="replace")
+                )
+            if self._accepts():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"nothing listens on {self.socket} after {START_DEADLINE_S} s:\n"
+                    + self.log.read_text(errors="replace")
+                )
+            time.sleep(0.02)
+
+    def _accepts(self) -> bool:
+        targets = [(socket.AF_UNIX, str(self.socket))]
+        if self.tcp_port is not None:
+            targets.append((socket.AF_INET, ("127.0.0.1", self.tcp_port)))
+        for family, address in targets:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                try:
+                    probe.connect(address)
+                except OSError:
+                    return False
+        return True
+
+    def connect(self, hello: dict, timeout: float = 5.0) -> Client:
+        """A client on the Unix socket, closed at teardown."""
+        client = Client.connect(str(self.socket), hello, timeout=timeout)
+        self.clients.append(client)
+        return client
+
+    def admin(self) -> Client:
+        return self.connect(admin_hello())
+
+    def status(self) -> dict:
+        """An admin session's status report."""
+        with Client.connect(str(self.socket), admin_hello()) as admin:
+            return admin.status()
+
+    def eventually(self, what: str, ok, timeout: float = 10.0) -> dict:
+        """Polls the status until ``ok(report)`` holds (the store pipeline is asynchronous)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            report = self.status()
+            if ok(report):
+                return report
+            assert time.monotonic() < deadline, f"{what}: never true; last status {report}"
+            time.sleep(0.02)
+
+    def settled(self) -> dict:
+        """Waits until no store copy is in flight and no L1 share is held."""
+        return self.eventually(
+            "the store pipeline settles",
+            lambda s: s["store_in_flight"] == 0 and s["l1_leased_chunks"] == 0,
+        )
+
+    def pause(self) -> None:
+        """SIGSTOP, and wait until every thread of the daemon is stopped (delivery is
+        asynchronous: a thread on another CPU could otherwise still answer one request)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + 5.0
+        while True:
+            states = []
+            for task in tasks.iterdir():
+                with contextlib.suppress(OSError):
+                    stat = (task / "stat").read_text()
+                    states.append(stat[stat.rindex(")") + 2])
+            if states and all(state in "tT" for state in states):
+                return
+            assert time.monotonic() < deadline, f"the daemon did not stop: {states}"
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.close()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._sock_dir is not None:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)

@@ -1,0 +1,585 @@
+"""The client against a real daemon (see daemon.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import signal
+import socket
+import threading
+import time
+
+import msgpack
+import pytest
+from daemon import admin_hello
+
+from tierkv import (
+    BadBuffer,
+    BadFrame,
+    BlockOutOfRange,
+    Client,
+    ConnectionLost,
+    Forbidden,
+    KvLayout,
+    LookupOutcome,
+    LookupStarted,
+    MemfdRegion,
+    NamespaceNotDeclared,
+    NotInHit,
+    Retrieved,
+    Segment,
+    SharedBuffer,
+    ShareReturned,
+    Stored,
+    UnknownLookup,
+    VersionMismatch,
+    Welcome,
+    prefix_hashes,
+    sealed_memfd,
+    wire,
+)
+
+#: The session's chunk size in these tests (the daemon's slot is 64 KiB).
+CHUNK_BYTES = 4096
+#: Tokens per chunk in these tests.
+CHUNK_TOKENS = 16
+#: The namespace every worker here declares first.
+MODEL = ("tiny-llama", "")
+
+
+def worker_hello(**kw) -> dict:
+    """A worker hello of this suite's shape; keywords override."""
+    kw.setdefault("namespaces", [MODEL])
+    kw.setdefault("chunk_bytes", CHUNK_BYTES)
+    kw.setdefault("chunk_tokens", CHUNK_TOKENS)
+    return wire.hello(**kw)
+
+
+def connect(daemon, timeout: float = 5.0, **hello) -> Client:
+    """A worker session on ``daemon`` (closed at teardown); keywords go to the hello."""
+    return daemon.connect(worker_hello(**hello), timeout=timeout)
+
+
+def prompt(seed: int, chunks: int) -> list[int]:
+    """Token ids of ``chunks`` full chunks, distinct per seed."""
+    return [(seed * 100_003 + t * 7919) % 128_000 for t in range(chunks * CHUNK_TOKENS)]
+
+
+def fill(view: memoryview, value: int) -> None:
+    view[:] = bytes([value]) * len(view)
+
+
+def outcome_of(client: Client, started: LookupStarted) -> LookupOutcome:
+    """The lookup's outcome, waiting for it if it did not complete at once."""
+    return started.outcome or client.wait(started.lookup, 5.0)
+
+
+@pytest.fixture
+def buf():
+    with SharedBuffer(CHUNK_BYTES, 8, name="tierkv-test") as b:
+        yield b
+
+
+def test_hello_opens_a_session(daemon):
+    a = connect(daemon)
+    b = connect(daemon, mla=True, rank=0, tp_size=2, world_size=2)
+    assert isinstance(a.session, Welcome)
+    assert a.session.version == 2
+    assert a.session.max_chunk_bytes == 64 * 1024
+    assert a.session.readers == 1
+    assert b.session.readers == 2, "with MLA every rank of the TP group reads"
+    assert a.session.session != b.session.session
+    report = a.status()
+    sessions = {s["session"]: s for s in report["sessions"]}
+    assert sessions[b.session.session]["tp_size"] == 2
+    assert report["connected_workers"] == 2
+
+
+def test_a_version_1_hello_is_refused_and_says_why(daemon):
+    with pytest.raises(VersionMismatch) as caught:
+        connect(daemon, version=1)
+    assert caught.value.code == "version_mismatch"
+    assert "register_kv" in caught.value.message
+    # The daemon goes on serving others.
+    assert connect(daemon).session.version == 2
+
+
+def test_store_lookup_retrieve_round_trip(daemon, buf):
+    client = connect(daemon)
+    buffer = client.register_buffer(buf)
+    assert buffer == 0
+    for i in range(buf.blocks):
+        fill(buf.block(i), 0x10 + i)
+    hashes = prefix_hashes(prompt(1, 3), CHUNK_TOKENS)
+    stored = client.store(0, buffer, [(h, i) for i, h in enumerate(hashes)])
+    assert stored == Stored(stored=3, present=0, refused=[])
+    assert client.store(0, buffer, [(hashes[0], [0])]) == Stored(stored=0, present=1, refused=[])
+
+    started = client.lookup(0, hashes + prefix_hashes(prompt(2, 1), CHUNK_TOKENS))
+    assert started.l1_hit_chunks == 3
+    outcome = outcome_of(client, started)
+    assert outcome.hit_chunks == 3
+    assert outcome.hit_tokens == 3 * CHUNK_TOKENS
+    assert outcome.readers == 1
+    assert outcome.per_tier[0] == 3
+    assert client.query(started.lookup) == outcome
+
+    # Retrieve into other blocks: their bytes become the stored ones.
+    for i in (5, 6, 7):
+        fill(buf.block(i), 0)
+    got = client.retrieve(started.lookup, buffer, [(hashes[0], [7]), (hashes[2], [5])])
+    assert got == Retrieved(chunks=2, bytes=2 * CHUNK_BYTES)
+    assert bytes(buf.block(7)) == bytes([0x10]) * CHUNK_BYTES
+    assert bytes(buf.block(5)) == bytes([0x12]) * CHUNK_BYTES
+    assert bytes(buf.block(6)) == bytes(CHUNK_BYTES), "a block no chunk named is untouched"
+    # The only reader returned its share: the lookup is gone.
+    with pytest.raises(UnknownLookup):
+        client.query(started.lookup)
+
+
+def test_a_multi_segment_layout_gathers_segment_major_then_block_order(daemon):
+    # Two segments ("layers") of 8 blocks of 1 KiB, 2 KiB apart, in one memfd; a chunk is two
+    # blocks of each: 2 x 2 x 1 KiB = the session's 4 KiB chunk.
+    block, stride, blocks, seg_bytes = 1024, 2048, 8, 16 * 1024
+    client = connect(daemon)
+    fd = sealed_memfd(2 * seg_bytes, "tierkv-test-layers")
+    try:
+        region = mmap.mmap(fd, 2 * seg_bytes)
+        layout = KvLayout(
+            blocks=blocks,
+            block_bytes=block,
+            block_stride=stride,
+            blocks_per_chunk=2,
+            segments=[Segment(0, 0), Segment(0, seg_bytes)],
+        )
+        assert layout.chunk_bytes == CHUNK_BYTES
+        kv = client.register_kv([(MemfdRegion(2 * seg_bytes), fd)], layout)
+    finally:
+        os.close(fd)  # the daemon holds its own descriptor and mapping
+
+    def piece(seg: int, b: int) -> slice:
+        at = seg * seg_bytes + b * stride
+        return slice(at, at + block)
+
+    def value(seg: int, b: int) -> int:
+        return 1 + seg * 16 + b
+
+    for seg in range(2):
+        for b in range(blocks):
+            region[piece(seg, b)] = bytes([value(seg, b)]) * block
+    gaps = bytes([0xEE]) * (stride - block)
+    for seg in range(2):
+        for b in range(blocks):
+            at = seg * seg_bytes + b * stride + block
+            region[at : at + stride - block] = gaps
+
+    # A flat buffer of one-block chunks in the same session shows a chunk's object as it is.
+    flat = SharedBuffer(CHUNK_BYTES, 2)
+    flat_id = client.register_buffer(flat)
+    (h,) = prefix_hashes(prompt(3, 1), CHUNK_TOKENS)
+    assert client.store(0, kv, [(h, [5, 1])]).stored == 1
+
+    started = client.lookup(0, [h])
+    assert outcome_of(client, started).hit_chunks == 1
+    client.retrieve(started.lookup, flat_id, [(h, 0)])
+    gathered = bytes(flat.block(0))
+    expected = b"".join(bytes([value(seg, b)]) * block for seg in (0, 1) for b in (5, 1))
+    assert gathered == expected, "segment 0 blocks 5, 1, then segment 1 blocks 5, 1"
+
+    # Scatter it back into blocks 0 and 7 of the layout: each piece lands where it belongs.
+    started = client.lookup(0, [h])
+    outcome_of(client, started)
+    client.retrieve(started.lookup, kv, [(h, [0, 7])])
+    for seg in range(2):
+        assert region[piece(seg, 0)] == bytes([value(seg, 5)]) * block
+        assert region[piece(seg, 7)] == bytes([value(seg, 1)]) * block
+        for b in range(1, 7):
+            assert region[piece(seg, b)] == bytes([value(seg, b)]) * block, "others untouched"
+        for b in range(blocks):
+            at = seg * seg_bytes + b * stride + block
+            assert region[at : at + stride - block] == gaps, "the gaps are never written"
+    flat.close()
+    region.close()
+
+
+def test_blocks_out_of_range_are_refused_and_change_nothing(daemon, buf):
+    client = connect(daemon)
+    buffer = client.register_buffer(buf)
+    h0, h1 = prefix_hashes(prompt(4, 2), CHUNK_TOKENS)
+    with pytest.raises(BlockOutOfRange) as caught:
+        client.store(0, buffer, [(h0, 0), (h1, buf.blocks)])
+    assert caught.value.code == "block_out_of_range"
+    assert f"block {buf.blocks}" in caught.value.message
+    with pytest.raises(BlockOutOfRange, match="names"):
+        client.store(0, buffer, [(h0, [0, 1])])
+    # Nothing was stored by the refused requests.
+    started = client.lookup(0, [h0])
+    assert outcome_of(client, started).hit_chunks == 0
+    client.release(started.lookup)
+
+    assert client.store(0, buffer, [(h0, 0)]).stored == 1
+    started = client.lookup(0, [h0])
+    assert outcome_of(client, started).hit_chunks == 1
+    with pytest.raises(BlockOutOfRange):
+        client.retrieve(started.lookup, buffer, [(h0, 1 << 40)])
+    # The refused retrieve returned no share: a good one still works.
+    assert client.retrieve(started.lookup, buffer, [(h0, 3)]).chunks == 1
+
+
+def test_unknown_lookups_are_refused(daemon, buf):
+    client = connect(daemon)
+    buffer = client.register_buffer(buf)
+    for call in (
+        lambda: client.query(123_456),
+        lambda: client.wait(123_456, 0.1),
+        lambda: client.release(123_456),
+        lambda: client.retrieve(123_456, buffer, [(1, 0)]),
+    ):
+        with pytest.raises(UnknownLookup) as caught:
+            call()
+        assert caught.value.code == "unknown_lookup"
+    started = client.lookup(0, [1, 2])
+    client.release(started.lookup)
+    with pytest.raises(UnknownLookup):
+        client.query(started.lookup)
+
+
+def test_a_second_retrieve_by_the_same_reader_is_share_returned(daemon):
+    # With MLA a lookup has one share per rank: rank 0 returning its share twice is refused,
+    # while rank 1 (another session) still reads with the same lookup id.
+    mla = {"mla": True, "tp_size": 2, "world_size": 2}
+    rank0 = connect(daemon, rank=0, **mla)
+    rank1 = connect(daemon, rank=1, **mla)
+    buf0, buf1 = SharedBuffer(CHUNK_BYTES, 2), SharedBuffer(CHUNK_BYTES, 2)
+    b0, b1 = rank0.register_buffer(buf0), rank1.register_buffer(buf1)
+    fill(buf0.block(0), 0x5A)
+    (h,) = prefix_hashes(prompt(5, 1), CHUNK_TOKENS)
+    rank0.store(0, b0, [(h, 0)])
+
+    started = rank0.lookup(0, [h])
+    assert outcome_of(rank0, started).readers == 2
+    assert rank0.retrieve(started.lookup, b0, [(h, 1)]).chunks == 1
+    with pytest.raises(ShareReturned) as caught:
+        rank0.retrieve(started.lookup, b0, [(h, 1)])
+    assert caught.value.code == "share_returned"
+    assert rank1.retrieve(started.lookup, b1, [(h, 0)]).bytes == CHUNK_BYTES
+    assert bytes(buf1.block(0)) == bytes([0x5A]) * CHUNK_BYTES
+    with pytest.raises(UnknownLookup):
+        rank0.query(started.lookup)
+    buf0.close()
+    buf1.close()
+
+
+def test_a_chunk_outside_the_hit_is_not_in_hit(daemon, buf):
+    client = connect(daemon)
+    buffer = client.register_buffer(buf)
+    h0, h1 = prefix_hashes(prompt(6, 2), CHUNK_TOKENS)
+    client.store(0, buffer, [(h0, 0)])
+    started = client.lookup(0, [h0, h1])
+    assert outcome_of(client, started).hit_chunks == 1
+    with pytest.raises(NotInHit):
+        client.retrieve(started.lookup, buffer, [(h1, 1)])
+    client.release(started.lookup)
+
+
+def test_an_undeclared_namespace_is_refused(daemon, buf):
+    client = connect(daemon, namespaces=[MODEL, ("other-model", "tenant")])
+    buffer = client.register_buffer(buf)
+    with pytest.raises(NamespaceNotDeclared) as caught:
+        client.lookup(2, [1])
+    assert caught.value.code == "namespace_not_declared"
+    with pytest.raises(NamespaceNotDeclared):
+        client.store(7, buffer, [(1, 0)])
+    # Namespaces do not share chunks.
+    (h,) = prefix_hashes(prompt(7, 1), CHUNK_TOKENS)
+    client.store(0, buffer, [(h, 0)])
+    assert outcome_of(client, client.lookup(1, [h])).hit_chunks == 0
+
+
+def test_an_unsealed_memfd_is_bad_buffer(daemon, buf):
+    client = connect(daemon)
+    fd = os.memfd_create("tierkv-unsealed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, CHUNK_BYTES * 4)
+        layout = KvLayout(4, CHUNK_BYTES, CHUNK_BYTES, 1, [Segment(0, 0)])
+        with pytest.raises(BadBuffer) as caught:
+            client.register_kv([(MemfdRegion(CHUNK_BYTES * 4), fd)], layout)
+    finally:
+        os.close(fd)
+    assert caught.value.code == "bad_buffer"
+    assert "F_SEAL_SHRINK" in caught.value.message
+    # A layout whose chunk is not the session's chunk_bytes is refused too.
+    with pytest.raises(BadBuffer, match="chunk_bytes"):
+        client.register_kv(
+            [(MemfdRegion(buf.nbytes), buf.fd)],
+            KvLayout(buf.blocks * 2, CHUNK_BYTES // 2, CHUNK_BYTES // 2, 1, [Segment(0, 0)]),
+        )
+    # The session goes on, and a refused registration took no buffer number.
+    assert client.register_buffer(buf) == 0
+    with pytest.raises(ValueError, match="descriptor"):
+        client.register_kv([(MemfdRegion(buf.nbytes), None)], KvLayout(1, 1, 1, 1, []))
+
+
+def test_a_killed_daemon_is_connection_lost_within_the_deadline(daemon):
+    client = connect(daemon, timeout=2.0)
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(timeout=10)
+    start = time.monotonic()
+    with pytest.raises(ConnectionLost):
+        client.status()
+    assert time.monotonic() - start < 2.5
+    assert client.closed
+    with pytest.raises(ConnectionLost, match="closed"):
+        client.lookup(0, [1])
+
+
+def test_a_missed_deadline_is_connection_lost_and_closes_the_client(daemon):
+    client = connect(daemon, timeout=0.5)
+    daemon.pause()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ConnectionLost, match="deadline"):
+            client.status()
+        elapsed = time.monotonic() - start
+    finally:
+        daemon.resume()
+    assert 0.4 < elapsed < 2.0
+    assert client.closed, "a half-read session is never reused"
+    with pytest.raises(ConnectionLost):
+        client.status()
+    assert connect(daemon).status()["version"]
+
+
+def test_a_wait_gets_a_deadline_beyond_its_own_timeout(daemon, buf):
+    client = connect(daemon, timeout=0.5)
+    buffer = client.register_buffer(buf)
+    (h,) = prefix_hashes(prompt(8, 1), CHUNK_TOKENS)
+    client.store(0, buffer, [(h, 0)])
+    started = client.lookup(0, [h])
+    # The daemon is stopped for longer than the client's timeout, but not longer than the wait
+    # plus the timeout: the wait must still succeed.
+    daemon.pause()
+    resume = threading.Timer(0.8, daemon.resume)
+    resume.start()
+    try:
+        outcome = client.wait(started.lookup, 2.0)
+    finally:
+        resume.join()
+    assert outcome.hit_chunks == 1
+    assert not client.closed
+
+
+def test_status_shows_hit_tokens(daemon, buf):
+    client = connect(daemon)
+    buffer = client.register_buffer(buf)
+    hashes = prefix_hashes(prompt(9, 4), CHUNK_TOKENS)
+    client.store(0, buffer, [(h, i) for i, h in enumerate(hashes[:2])])
+    started = client.lookup(0, hashes)
+    assert outcome_of(client, started).hit_tokens == 2 * CHUNK_TOKENS
+    report = client.status()
+    assert report["hit_tokens"] == 2 * CHUNK_TOKENS
+    assert report["requested_tokens"] == 4 * CHUNK_TOKENS
+    assert report["lookups"] == 1
+    assert report["hit_chunks"] == 2 and report["hit_ratio"] == pytest.approx(0.5)
+    assert [t["name"] for t in report["tiers"]][0] == "l1"
+    assert report["tiers"][0]["hit_chunks"] == 2
+    assert report["open_lookups"] == 1
+    mine = [s for s in report["sessions"] if s["session"] == client.session.session]
+    assert mine == [
+        {
+            "session": client.session.session,
+            "role": "worker",
+            "rank": 0,
+            "tp_size": 1,
+            "open_lookups": 1,
+        }
+    ]
+    client.release(started.lookup)
+    assert client.status()["open_lookups"] == 0
+
+
+def test_admin_clear_empties_the_tiers(daemon, buf):
+    worker = connect(daemon)
+    buffer = worker.register_buffer(buf)
+    hashes = prefix_hashes(prompt(10, 3), CHUNK_TOKENS)
+    assert worker.store(0, buffer, [(h, i) for i, h in enumerate(hashes)]).stored == 3
+    with pytest.raises(Forbidden):
+        worker.clear()
+    daemon.settled()
+
+    admin = daemon.admin()
+    with pytest.raises(Forbidden):
+        admin.lookup(0, hashes)
+    removed = admin.clear()
+    assert len(removed) == len(admin.status()["tiers"])
+    assert removed[0] == 3, f"L1 held the three chunks: {removed}"
+    started = worker.lookup(0, hashes)
+    assert outcome_of(worker, started).hit_chunks == 0
+
+
+def test_calls_from_many_threads_never_interleave(daemon, buf):
+    client = connect(daemon)
+    buffer = client.register_buffer(buf)
+    hashes = prefix_hashes(prompt(11, 2), CHUNK_TOKENS)
+    client.store(0, buffer, [(h, i) for i, h in enumerate(hashes)])
+    failures: list[BaseException] = []
+
+    def work():
+        try:
+            for i in range(40):
+                if i % 2:
+                    assert isinstance(client.status(), dict)
+                else:
+                    started = client.lookup(0, hashes)
+                    assert outcome_of(client, started).hit_chunks == 2
+                    client.release(started.lookup)
+        except BaseException as e:  # reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert client.status()["open_lookups"] == 0
+
+
+def test_end_and_the_context_manager_end_the_session(daemon):
+    with Client.connect(str(daemon.socket), worker_hello()) as client:
+        session = client.session.session
+        assert client.status()
+    assert client.closed
+    client.end()  # nothing to do on a closed client
+    with pytest.raises(ConnectionLost):
+        client.status()
+    daemon.eventually(
+        "the session is gone", lambda s: all(x["session"] != session for x in s["sessions"])
+    )
+    other = connect(daemon)
+    other.end()
+    assert other.closed
+
+
+def test_close_from_another_thread_ends_a_call_in_flight(daemon):
+    client = connect(daemon, timeout=5.0)
+    daemon.pause()
+    errors: list[BaseException] = []
+
+    def call():
+        try:
+            client.status()
+        except BaseException as e:  # checked below
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        client.close()
+        t.join(timeout=3.0)
+        assert time.monotonic() - start < 2.0
+    finally:
+        daemon.resume()
+    assert len(errors) == 1 and isinstance(errors[0], ConnectionLost)
+    assert client.closed
+
+
+def test_tcp_sessions_need_the_token_and_carry_no_descriptors(tcp_daemon, buf):
+    port = tcp_daemon.tcp_port
+    with pytest.raises(Forbidden):
+        Client.connect_tcp("127.0.0.1", port, worker_hello())
+    client = Client.connect_tcp("127.0.0.1", port, worker_hello(token=tcp_daemon.token))
+    try:
+        assert client.session.version == 2
+        started = client.lookup(0, [1, 2])
+        assert outcome_of(client, started).hit_chunks == 0
+        client.release(started.lookup)
+        with pytest.raises(ValueError, match="Unix socket"):
+            client.register_buffer(buf)
+        assert client.status()["connected_workers"] == 1
+    finally:
+        client.end()
+    admin = Client.connect_tcp("127.0.0.1", port, admin_hello(token=tcp_daemon.token))
+    assert len(admin.clear()) >= 1
+    admin.end()
+
+
+def test_connecting_to_nothing_is_connection_lost(tmp_path):
+    with pytest.raises(ConnectionLost):
+        Client.connect(str(tmp_path / "nobody.sock"), worker_hello(), timeout=1.0)
+
+
+def test_shared_buffer_blocks_are_bounds_checked():
+    with SharedBuffer(64, 4) as b:
+        assert (b.block_bytes, b.blocks, b.nbytes) == (64, 4, 256)
+        b.block(3)[:] = b"\x07" * 64
+        assert bytes(b.buffer()[192:]) == b"\x07" * 64
+        for bad in (4, -1):
+            with pytest.raises(IndexError):
+                b.block(bad)
+        view = b.block(0)
+        fd = b.fd
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        assert seals & want == want
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 128)
+    assert b.closed
+    view[:4] = b"\x01\x02\x03\x04"  # a live view keeps its mapping after close
+    assert bytes(view[:4]) == b"\x01\x02\x03\x04"
+    with pytest.raises(ValueError):
+        b.fd  # noqa: B018
+    with pytest.raises(ValueError):
+        SharedBuffer(0, 4)
+
+
+def _reply_frame(reply: object) -> bytes:
+    body = msgpack.packb(reply)
+    return wire.HEADER.pack(len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("sent", "why"),
+    [
+        (_reply_frame({"id": 99, "body": {"cleared": {"removed": []}}}), "request 99"),
+        (_reply_frame({"id": 1, "body": "bye"}), "does not answer"),
+        (_reply_frame({"id": 1, "body": {"frobnicated": {}}}), "unknown reply"),
+        (wire.HEADER.pack(100) + b"\x81", "inside a reply"),
+        (wire.HEADER.pack(0), "0 bytes"),
+        (wire.HEADER.pack(wire.MAX_REPLY_BYTES + 1), f"{wire.MAX_REPLY_BYTES + 1} bytes"),
+    ],
+)
+def test_a_reply_that_does_not_fit_is_connection_lost(sent, why):
+    # A fake daemon on the other end of a socket pair: the reply is already waiting.
+    ours, theirs = socket.socketpair()
+    with theirs:
+        client = Client(ours, timeout=1.0, unix=True)
+        theirs.sendall(sent)
+        theirs.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionLost, match=why):
+            client.clear()
+        assert client.closed
+        with pytest.raises(ConnectionLost, match="closed"):
+            client.clear()
+        # What the client sent was one well-formed request.
+        (length,) = wire.HEADER.unpack(theirs.recv(4))
+        assert msgpack.unpackb(theirs.recv(length)) == {"id": 1, "body": "clear"}
+
+
+def test_bad_frame_closes_the_client_and_other_errors_do_not():
+    ours, theirs = socket.socketpair()
+    with theirs:
+        client = Client(ours, timeout=1.0, unix=True)
+        error = {"error": {"code": "unknown_lookup", "message": "no lookup 5"}}
+        theirs.sendall(_reply_frame({"id": 1, "body": error}))
+        with pytest.raises(UnknownLookup, match="no lookup 5"):
+            client.query(5)
+        assert not client.closed
+        bad = {"error": {"code": "bad_frame", "message": "malformed"}}
+        theirs.sendall(_reply_frame({"id": 0, "body": bad}))
+        with pytest.raises(BadFrame):
+            client.query(5)
+        assert client.closed
