@@ -1,0 +1,158 @@
+"""``TierKVConnector``: vLLM's ``KVConnectorBase_V1`` over the tierkv daemon.
+
+vLLM instantiates the class twice: in the scheduler process (role SCHEDULER) and in every worker
+process (role WORKER). Each instance delegates to its half, :class:`SchedulerSide` or
+:class:`WorkerSide`; the step's plan travels between them as :class:`TierKVMetadata`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tierkv.vllm.plan import Settings, TierKVMetadata
+from tierkv.vllm.scheduler import SchedulerSide, namespace_of
+from tierkv.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """Loads prompt prefixes from the node's tierkv daemon and stores what vLLM computes."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        settings = Settings.from_extra(transfer.kv_connector_extra_config if transfer else None)
+        block_size = vllm_config.cache_config.block_size
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        mla = bool(vllm_config.model_config.use_mla)
+        namespace = namespace_of(vllm_config, settings)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if kv_cache_config is None:
+            raise ValueError("TierKVConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("TierKVConnector supports models with one KV cache group")
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                settings,
+                namespace,
+                _chunk_bytes(kv_cache_config, settings),
+                block_size,
+                tp_size,
+                mla,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(
+                settings,
+                namespace,
+                block_size * settings.chunk_blocks,
+                get_tensor_model_parallel_rank(),
+                tp_size,
+                mla,
+                kv_cache_config.num_blocks,
+            )
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        context = self._vllm_config.compilation_config.static_forward_context
+        bound: list[torch.Tensor] = []
+        for name in kv_caches:
+            view = getattr(context.get(name), "kv_cache", None)
+            if isinstance(view, torch.Tensor):
+                bound.append(view)
+            elif isinstance(view, (list, tuple)):
+                bound.extend(v for v in view if isinstance(v, torch.Tensor))
+        self._worker.register_kv_caches(kv_caches, bound)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierKVMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierKVMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.request_finished(request)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        # The daemon is shared by every engine on the node: one engine's reset does not clear it.
+        return False
+
+
+def _chunk_bytes(kv_cache_config: KVCacheConfig, settings: Settings) -> int:
+    """Bytes of one chunk of this worker's KV (every layer): what the workers will store."""
+    per_block = sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+    return per_block * settings.chunk_blocks

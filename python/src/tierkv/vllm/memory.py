@@ -1,0 +1,184 @@
+"""The engine's KV memory, moved into one sealed memfd the daemon maps.
+
+vLLM allocates its paged KV cache as ordinary host memory on CPU. To let the daemon copy between
+the engine's blocks and its own tiers with no staging copy, the worker side moves every backing
+storage of the KV tensors into one sealed memfd, once, before the engine has written anything,
+and re-points every tensor that viewed the old storage (the tensors handed to the connector, the
+attention layers' bound views, the model runner's list) at the same bytes in the memfd. From
+then on the engine's blocks *are* shared memory; the daemon gathers a chunk from every layer and
+scatters it back itself.
+
+The layout the daemon is told: one segment per layer (two where K and V are separate planes),
+each an array of ``num_blocks`` equal blocks ``block_stride`` bytes apart. Layers are ordered by
+their index in the model, so every worker and every process lays a chunk out the same way.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.shm import sealed_memfd
+from tierkv.wire import KvLayout, MemfdRegion, Segment
+
+_PAGE = 4096
+
+
+class LayoutError(ValueError):
+    """The KV tensors are not laid out as the connector can describe to the daemon."""
+
+
+@dataclass
+class KvMemory:
+    """The memfd that now backs the engine's KV tensors, and their layout in it."""
+
+    fd: int
+    nbytes: int
+    mapping: mmap.mmap
+    layout: KvLayout
+
+    @property
+    def region(self) -> MemfdRegion:
+        return MemfdRegion(bytes=self.nbytes)
+
+    def chunk_bytes(self) -> int:
+        return len(self.layout.segments) * self.layout.blocks_per_chunk * self.layout.block_bytes
+
+    def base(self) -> int:
+        return _address(self.mapping)
+
+    def contains(self, tensor: torch.Tensor) -> bool:
+        start = tensor.data_ptr()
+        return self.base() <= start < self.base() + self.nbytes
+
+
+def _address(mapping: mmap.mmap) -> int:
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    match = re.search(r"\.(\d+)\.", name) or re.search(r"(\d+)", name)
+    return (int(match.group(1)) if match else -1, name)
+
+
+def move_to_memfd(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    blocks_per_chunk: int,
+    bound_views: Iterable[torch.Tensor] = (),
+) -> KvMemory:
+    """Moves the storages behind ``kv_caches`` into one sealed memfd and re-points every tensor
+    that used them; returns the memfd and the layout of the KV blocks in it.
+
+    ``bound_views`` are tensors the engine reads through (the attention layers' caches): each
+    must end up inside the memfd, or the move is refused, since bytes the daemon writes where the
+    engine does not read would be silently wrong KV.
+    """
+    tensors = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+    if not tensors:
+        raise LayoutError("the engine registered no KV tensors")
+    if any(t.device.type != "cpu" for t in tensors):
+        raise LayoutError(
+            "KV tensors on a GPU need the CUDA IPC path (register_kv with cuda_ipc regions), "
+            "which this daemon does not offer yet"
+        )
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage)
+    offsets: dict[int, int] = {}
+    total = 0
+    for ptr, storage in storages.items():
+        offsets[ptr] = total
+        total += -(-storage.nbytes() // _PAGE) * _PAGE
+    fd = sealed_memfd(total, "tierkv-vllm-kv")
+    try:
+        mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        os.close(fd)
+        raise
+    replacements: dict[int, torch.UntypedStorage] = {}
+    for ptr, storage in storages.items():
+        view = torch.frombuffer(
+            mapping, dtype=torch.uint8, count=storage.nbytes(), offset=offsets[ptr]
+        )
+        view.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        replacements[ptr] = view.untyped_storage()
+    _repoint(replacements)
+    memory = KvMemory(
+        fd=fd,
+        nbytes=total,
+        mapping=mapping,
+        layout=_layout(tensors, num_blocks, blocks_per_chunk, _address(mapping)),
+    )
+    for view in [*tensors, *bound_views]:
+        if view.numel() and not memory.contains(view):
+            raise LayoutError(
+                "a KV view the engine reads through is not backed by the memfd after the move; "
+                "loads would land where the engine does not read"
+            )
+    return memory
+
+
+def _repoint(replacements: Mapping[int, torch.UntypedStorage]) -> None:
+    """Points every live CPU tensor that views an old storage at its replacement, keeping its
+    offset, shape and strides (every tensor object, wherever the engine keeps it)."""
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            continue
+        try:
+            ptr = obj.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        new = replacements.get(ptr)
+        if new is not None:
+            with torch.no_grad():
+                obj.set_(new, obj.storage_offset(), obj.size(), obj.stride())
+
+
+def _layout(
+    tensors: list[torch.Tensor], num_blocks: int, blocks_per_chunk: int, base: int
+) -> KvLayout:
+    segments: list[Segment] = []
+    seen: set[int] = set()
+    shape: tuple[int, int] | None = None
+    for t in tensors:
+        if t.data_ptr() in seen:
+            continue  # a layer that shares another layer's cache
+        seen.add(t.data_ptr())
+        if t.dim() >= 1 and t.shape[0] == num_blocks:
+            planes = [t]
+        elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            planes = [t[0], t[1]]
+        else:
+            raise LayoutError(
+                f"a KV tensor of shape {tuple(t.shape)} has no dimension of {num_blocks} blocks "
+                "first (or after a K/V dimension of 2)"
+            )
+        for plane in planes:
+            block = plane[0]
+            if not block.is_contiguous():
+                raise LayoutError("a block of a KV tensor is not contiguous")
+            this = (block.numel() * block.element_size(), plane.stride(0) * plane.element_size())
+            if shape is not None and this != shape:
+                raise LayoutError(
+                    f"KV tensors differ in block size or stride ({shape} and {this}); "
+                    "hybrid caches are not supported yet"
+                )
+            shape = this
+            segments.append(Segment(region=0, offset=plane.data_ptr() - base))
+    assert shape is not None
+    block_bytes, block_stride = shape
+    return KvLayout(
+        blocks=num_blocks,
+        block_bytes=block_bytes,
+        block_stride=block_stride,
+        blocks_per_chunk=blocks_per_chunk,
+        segments=segments,
+    )

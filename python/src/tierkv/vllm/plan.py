@@ -1,0 +1,83 @@
+"""What the scheduler side tells the workers each step, and the connector's settings.
+
+Both travel between processes (the metadata with every step, pickled by vLLM), so they are plain
+dataclasses with no handles in them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+#: A chunk as the daemon names it: its id and the engine blocks that hold it, in token order.
+ChunkBlocks = tuple[int, list[int]]
+
+
+@dataclass
+class LoadOp:
+    """Copy these chunks of a lookup's hit into the request's blocks (before the forward)."""
+
+    req_id: str
+    #: The lookup to read, per TP rank (one entry, read by every rank, with MLA).
+    lookups: list[int]
+    chunks: list[ChunkBlocks]
+
+
+@dataclass
+class StoreOp:
+    """Store these newly computed chunks (after the forward)."""
+
+    req_id: str
+    chunks: list[ChunkBlocks]
+
+
+@dataclass
+class TierKVMetadata(KVConnectorMetadata):
+    """One step's loads and stores."""
+
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config`` keys (all optional)."""
+
+    #: The daemon's Unix socket.
+    socket: str = "/tmp/tierkv.sock"
+    #: Deadline of every call to the daemon, in seconds.
+    timeout_s: float = 5.0
+    #: How long a daemon that failed a call is left alone before the next try, in seconds.
+    retry_s: float = 1.0
+    #: vLLM blocks in one tierkv chunk.
+    chunk_blocks: int = 1
+    #: The namespace's model name; chunks of different names never match. Defaults to the
+    #: model, its KV dtype and the block size, so incompatible KV never meets.
+    namespace: str = ""
+    #: A lookup older than this is redone before it is used (leases expire in the daemon after
+    #: ``l1.lease_ttl``, 30 s by default).
+    lookup_refresh_s: float = 10.0
+
+    @staticmethod
+    def from_extra(extra: dict[str, Any] | None) -> Settings:
+        extra = dict(extra or {})
+        known = {f for f in Settings.__dataclass_fields__}
+        unknown = sorted(k for k in extra if k not in known)
+        if unknown:
+            raise ValueError(f"unknown tierkv connector settings {unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        env_socket = os.environ.get("TIERKV_SOCKET")
+        if env_socket:
+            values["socket"] = env_socket
+        for key in known:
+            if key in extra:
+                values[key] = type(getattr(Settings, key))(extra[key])
+        settings = Settings(**values)
+        if settings.chunk_blocks < 1:
+            raise ValueError("chunk_blocks must be at least 1")
+        if settings.timeout_s <= 0 or settings.retry_s < 0:
+            raise ValueError("timeout_s must be positive and retry_s not negative")
+        return settings

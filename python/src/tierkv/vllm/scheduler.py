@@ -1,0 +1,281 @@
+"""The connector's scheduler half: how many tokens tierkv holds, and which chunks move when.
+
+Per request it keeps the prompt's chunk ids (hashed once), the open lookup (one per rank key:
+one with MLA, one per TP rank otherwise) and how far the prompt has been stored. The lookup's
+lease is what guarantees the hit stays readable: it is taken in ``get_num_new_matched_tokens``,
+consumed by the workers' retrieves in the step that loads, and returned by ``release`` when vLLM
+decides not to load, preempts the request, or finishes it. Any failure to reach the daemon is a
+miss (0 tokens): vLLM computes the prefix itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tierkv import wire
+from tierkv.errors import DaemonError
+from tierkv.hashing import ROOT, chain
+from tierkv.vllm.link import Link, Unavailable
+from tierkv.vllm.plan import ChunkBlocks, LoadOp, Settings, StoreOp, TierKVMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    """What the scheduler side knows of one request."""
+
+    chunks: list[int]
+    #: Chunks a lookup may ask for: the prompt minus its last token (vLLM computes at least one).
+    lookup_chunks: int
+    lookups: list[int] | None = None
+    outcomes: list[int | None] = field(default_factory=list)
+    generation: int = 0
+    looked_at: float = 0.0
+    hit_chunks: int = 0
+    #: First chunk of a load vLLM accepted and the next step must perform.
+    load_from: int | None = None
+    block_ids: list[int] = field(default_factory=list)
+    #: Chunks from the root known to be in tierkv (hit) or stored by an earlier step.
+    stored: int = 0
+
+
+def chunk_ids(tokens: list[int], chunk_tokens: int, salt: bytes) -> list[int]:
+    """The chained ids of every full chunk of ``tokens``; ``salt`` (tenant, LoRA) enters the
+    first chunk, so it separates every later one too."""
+    ids: list[int] = []
+    parent = ROOT
+    for i in range(len(tokens) // chunk_tokens):
+        parent = chain(
+            parent, tokens[i * chunk_tokens : (i + 1) * chunk_tokens], salt if i == 0 else b""
+        )
+        ids.append(parent)
+    return ids
+
+
+def request_salt(request: Request) -> bytes:
+    salt = getattr(request, "cache_salt", None) or ""
+    lora = getattr(request, "lora_request", None)
+    lora_name = getattr(lora, "lora_name", "") if lora is not None else ""
+    return f"salt={salt};lora={lora_name}".encode() if salt or lora_name else b""
+
+
+class SchedulerSide:
+    """Lookups, leases and the per-step load and store plan."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        namespace: str,
+        chunk_bytes: int,
+        block_size: int,
+        tp_size: int,
+        mla: bool,
+    ) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.chunk_tokens = block_size * settings.chunk_blocks
+        # One session per rank key: a lookup is of one rank's KV (MLA: the shared copy).
+        ranks = [0] if mla else list(range(tp_size))
+        self.links = [
+            Link(
+                settings.socket,
+                wire.hello(
+                    rank=r,
+                    tp_size=tp_size,
+                    world_size=tp_size,
+                    mla=mla,
+                    namespaces=[(namespace, "")],
+                    chunk_bytes=chunk_bytes,
+                    chunk_tokens=self.chunk_tokens,
+                ),
+                settings.timeout_s,
+                settings.retry_s,
+            )
+            for r in ranks
+        ]
+        self.requests: dict[str, _Request] = {}
+
+    # -- vLLM's scheduler calls --------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self._state(request)
+        if state.lookup_chunks == 0 or num_computed_tokens % self.chunk_tokens:
+            return 0, False
+        try:
+            hit = self._hit(state)
+        except Unavailable:
+            self._forget_lookups(state)
+            return 0, False
+        if hit is None:
+            return None, False
+        hit_tokens = hit * self.chunk_tokens
+        if hit_tokens <= num_computed_tokens:
+            self._release(state)
+            return 0, False
+        state.hit_chunks = hit
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return
+        if num_external_tokens == 0:
+            self._release(state)
+            state.load_from = None
+            return
+        state.load_from = state.hit_chunks - num_external_tokens // self.chunk_tokens
+
+    def build_connector_meta(self, out: SchedulerOutput) -> TierKVMetadata:
+        meta = TierKVMetadata()
+        for req_id in out.preempted_req_ids or ():
+            state = self.requests.get(req_id)
+            if state is not None:
+                self._release(state)
+                state.block_ids = []
+                state.load_from = None
+        for new in out.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan(
+                meta,
+                new.req_id,
+                state,
+                new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0),
+            )
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            self._plan(
+                meta,
+                req_id,
+                state,
+                cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0),
+            )
+        return meta
+
+    def request_finished(self, request: Request) -> None:
+        state = self.requests.pop(request.request_id, None)
+        if state is not None:
+            self._release(state)
+
+    def shutdown(self) -> None:
+        for state in self.requests.values():
+            self._release(state)
+        self.requests.clear()
+        for link in self.links:
+            link.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _state(self, request: Request) -> _Request:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            tokens = list(request.prompt_token_ids or [])
+            ids = chunk_ids(tokens, self.chunk_tokens, request_salt(request))
+            lookup = max(len(tokens) - 1, 0) // self.chunk_tokens
+            state = _Request(chunks=ids, lookup_chunks=lookup)
+            self.requests[request.request_id] = state
+        return state
+
+    def _hit(self, state: _Request) -> int | None:
+        """The hit in chunks (the least over rank keys), ``None`` while a prefetch runs."""
+        generation = sum(link.generation for link in self.links)
+        stale = time.monotonic() - state.looked_at > self.settings.lookup_refresh_s
+        if state.lookups is None or state.generation != generation or stale:
+            self._release(state)
+            wanted = state.chunks[: state.lookup_chunks]
+            started = [link.call(lambda c: c.lookup(0, wanted)) for link in self.links]
+            state.lookups = [s.lookup for s in started]
+            state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s in started]
+            state.generation = sum(link.generation for link in self.links)
+            state.looked_at = time.monotonic()
+        assert state.lookups is not None
+        for i, (link, lookup) in enumerate(zip(self.links, state.lookups, strict=True)):
+            if state.outcomes[i] is None:
+                try:
+                    outcome = link.call(lambda c, lookup=lookup: c.query(lookup))
+                except DaemonError as e:
+                    log.debug("tierkv: lookup %d failed: %s", lookup, e)
+                    state.outcomes[i] = 0
+                    continue
+                if outcome is None:
+                    if time.monotonic() - state.looked_at > self.settings.timeout_s:
+                        state.outcomes[i] = 0  # a prefetch past the deadline is a miss
+                        continue
+                    return None
+                state.outcomes[i] = outcome.hit_chunks
+        return min(o or 0 for o in state.outcomes)
+
+    def _plan(self, meta: TierKVMetadata, req_id: str, state: _Request, computed: int) -> None:
+        per = self.settings.chunk_blocks
+        blocks = state.block_ids
+
+        def blocks_of(c: int) -> list[int] | None:
+            held = blocks[c * per : (c + 1) * per]
+            return held if len(held) == per else None
+
+        if state.load_from is not None and state.lookups is not None:
+            chunks: list[ChunkBlocks] = []
+            for c in range(state.load_from, state.hit_chunks):
+                held = blocks_of(c)
+                if held is None:
+                    break
+                chunks.append((state.chunks[c], held))
+            if chunks:
+                meta.loads.append(LoadOp(req_id, list(state.lookups), chunks))
+            # The workers' retrieves return the lease; request_finished releases what is left.
+            state.stored = max(state.stored, state.hit_chunks)
+        state.load_from = None
+        complete = min(computed // self.chunk_tokens, len(state.chunks))
+        stores: list[ChunkBlocks] = []
+        for c in range(state.stored, complete):
+            held = blocks_of(c)
+            if held is None:
+                break
+            stores.append((state.chunks[c], held))
+        if stores:
+            meta.stores.append(StoreOp(req_id, stores))
+            state.stored += len(stores)
+
+    def _release(self, state: _Request) -> None:
+        lookups, state.lookups = state.lookups, None
+        state.outcomes = []
+        if lookups is None or state.generation != sum(link.generation for link in self.links):
+            return
+        for link, lookup in zip(self.links, lookups, strict=True):
+            # Already consumed by the retrieves, expired, or the daemon is gone: nothing to return.
+            with contextlib.suppress(Unavailable, DaemonError):
+                link.call(lambda c, lookup=lookup: c.release(lookup))
+
+    def _forget_lookups(self, state: _Request) -> None:
+        state.lookups = None
+        state.outcomes = []
+
+
+def namespace_of(vllm_config: Any, settings: Settings) -> str:
+    """The namespace name: chunks match only between engines whose KV bytes are the same."""
+    if settings.namespace:
+        return settings.namespace
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    return f"{model.model}|{cache.cache_dtype}|{model.dtype}|block={cache.block_size}"

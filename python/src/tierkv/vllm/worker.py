@@ -1,0 +1,124 @@
+"""The connector's worker half: the engine's KV memory registered once, loads before the
+forward pass, stores after it.
+
+Both run synchronously inside vLLM's step, so no block is read or written by the daemon while
+vLLM could reuse it: a load has finished before the forward pass reads its blocks, and a store
+has finished before the step ends and the scheduler may free the request's blocks. A load that
+fails for any reason reports its blocks through ``get_block_ids_with_load_errors``, and vLLM
+recomputes them (``kv_load_failure_policy="recompute"``); a failed store is only a future miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from tierkv import wire
+from tierkv.client import Client
+from tierkv.errors import DaemonError
+from tierkv.vllm.link import Link, Unavailable
+from tierkv.vllm.memory import KvMemory, move_to_memfd
+from tierkv.vllm.plan import Settings, TierKVMetadata
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """One TP rank's session, its registered KV memory, and the step's copies."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        namespace: str,
+        chunk_tokens: int,
+        rank: int,
+        tp_size: int,
+        mla: bool,
+        num_blocks: int,
+    ) -> None:
+        self.settings = settings
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self.rank = rank
+        self.tp_size = tp_size
+        self.mla = mla
+        self.num_blocks = num_blocks
+        self.memory: KvMemory | None = None
+        self.link: Link | None = None
+        self.buffer = 0
+        self.load_errors: set[int] = set()
+        self.loaded_chunks = 0
+        self.stored_chunks = 0
+
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], bound_views: Iterable[torch.Tensor] = ()
+    ) -> None:
+        self.memory = move_to_memfd(
+            kv_caches, self.num_blocks, self.settings.chunk_blocks, bound_views
+        )
+        hello = wire.hello(
+            rank=self.rank,
+            tp_size=self.tp_size,
+            world_size=self.tp_size,
+            mla=self.mla,
+            namespaces=[(self.namespace, "")],
+            chunk_bytes=self.memory.chunk_bytes(),
+            chunk_tokens=self.chunk_tokens,
+        )
+        self.link = Link(
+            self.settings.socket,
+            hello,
+            self.settings.timeout_s,
+            self.settings.retry_s,
+            on_connect=self._register,
+        )
+        log.info(
+            "tierkv: KV of %d layers in a %d-byte memfd, %d-byte chunks",
+            len(self.memory.layout.segments),
+            self.memory.nbytes,
+            self.memory.chunk_bytes(),
+        )
+
+    def _register(self, client: Client) -> None:
+        assert self.memory is not None
+        self.buffer = client.register_kv([(self.memory.region, self.memory.fd)], self.memory.layout)
+
+    def start_load_kv(self, meta: TierKVMetadata) -> None:
+        for op in meta.loads:
+            blocks = {b for _, held in op.chunks for b in held}
+            lookup = op.lookups[0] if self.mla or len(op.lookups) == 1 else op.lookups[self.rank]
+            try:
+                if self.link is None:
+                    raise Unavailable("the KV caches were never registered")
+                self.link.call(
+                    lambda c, lookup=lookup, op=op: c.retrieve(lookup, self.buffer, op.chunks)
+                )
+                self.loaded_chunks += len(op.chunks)
+            except (Unavailable, DaemonError) as e:
+                log.warning(
+                    "tierkv: load of %d chunks for %s failed (%s); vLLM recomputes them",
+                    len(op.chunks),
+                    op.req_id,
+                    e,
+                )
+                self.load_errors |= blocks
+
+    def wait_for_save(self, meta: TierKVMetadata) -> None:
+        if self.link is None:
+            return
+        for op in meta.stores:
+            try:
+                stored = self.link.call(lambda c, op=op: c.store(0, self.buffer, op.chunks))
+                self.stored_chunks += stored.stored
+            except (Unavailable, DaemonError) as e:
+                log.debug("tierkv: store for %s failed (%s)", op.req_id, e)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.link is not None:
+            self.link.close()

@@ -1,0 +1,162 @@
+"""Real processes for the end-to-end tests and the benchmark: a tierkv daemon and vLLM engines.
+
+Every process started here is stopped by the fixture that started it (and killed if it does not
+stop in time), so a failed test leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from daemon import Daemon, config, tierkv_binary  # noqa: E402
+
+ENGINE = Path(__file__).with_name("engine.py")
+PREFIX = "@@tierkv@@ "
+
+
+def e2e_config(socket_path: Path, disk: Path, extra: str = "") -> str:
+    """Room for the tiny model's 1 MiB chunks: 2 MiB slots, 256 MiB of L1, 512 MiB of L2."""
+    return config(
+        socket_path,
+        disk,
+        extra,
+        l1="256MiB",
+        slot="2MiB",
+        l2="512MiB",
+        disk_capacity="1GiB",
+        segment="64MiB",
+        fsync="never",
+    )
+
+
+def start_daemon(directory: Path, make_config=e2e_config) -> Daemon:
+    directory.mkdir(parents=True, exist_ok=True)
+    return Daemon(tierkv_binary(), directory, make_config=make_config)
+
+
+class Engine:
+    """A vLLM engine process (``engine.py``) and its JSON-line commands."""
+
+    def __init__(
+        self,
+        model: Path,
+        connector: str = "tierkv",
+        socket: Path | None = None,
+        blocks: int | None = 256,
+        max_model_len: int = 4096,
+        log: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        python: str | None = None,
+    ) -> None:
+        args = [
+            python or sys.executable,
+            str(ENGINE),
+            "--model",
+            str(model),
+            "--connector",
+            connector,
+            "--max-model-len",
+            str(max_model_len),
+            *extra_args,
+        ]
+        if socket is not None:
+            args += ["--socket", str(socket)]
+        if blocks:
+            args += ["--blocks", str(blocks)]
+        environment = dict(os.environ)
+        environment.update(
+            {
+                "DO_NOT_TRACK": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "LMCACHE_TRACK_USAGE": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        environment.update(env or {})
+        self.log_path = log
+        self.lines: list[str] = []
+        self.process = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=environment,
+            start_new_session=True,
+        )
+        self.answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._answer(600)  # {"ready": true}
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        sink = self.log_path.open("a") if self.log_path else None
+        for line in self.process.stdout:
+            if line.startswith(PREFIX):
+                self.answers.put(json.loads(line[len(PREFIX) :]))
+            else:
+                self.lines.append(line)
+                del self.lines[:-200]
+                if sink:
+                    sink.write(line)
+                    sink.flush()
+        self.answers.put(None)
+
+    def _answer(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            answer = self.answers.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(
+                f"the engine did not answer within {timeout_s} s:\n{''.join(self.lines[-40:])}"
+            ) from None
+        if answer is None:
+            raise AssertionError(f"the engine exited:\n{''.join(self.lines[-60:])}")
+        return answer
+
+    def call(self, timeout_s: float = 300, **command: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._answer(timeout_s)
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int = 16, timeout_s: float = 300
+    ) -> list[dict[str, Any]]:
+        return self.call(timeout_s, op="generate", prompts=prompts, max_tokens=max_tokens)[
+            "outputs"
+        ]
+
+    def reset(self) -> None:
+        assert self.call(op="reset")["reset"], "reset_prefix_cache refused (requests running?)"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.call(30, op="quit")
+                self.process.wait(60)
+            except (AssertionError, subprocess.TimeoutExpired, BrokenPipeError, OSError):
+                pass
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+
+
+def prompt(seed: int, length: int, prefix: list[int] | None = None) -> list[int]:
+    """``length`` deterministic token ids (after ``prefix``), all valid words of the tiny model."""
+    state = seed * 2654435761 % (1 << 32) or 1
+    out = list(prefix or [])
+    while len(out) < length:
+        state = (state * 1103515245 + 12345) % (1 << 31)
+        out.append(3 + state % 31000)
+    return out

