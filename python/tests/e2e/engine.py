@@ -10,6 +10,7 @@ Each command is one JSON object per line; each answer is one line on stdout pref
 - ``{"op": "reset"}`` -> ``reset_prefix_cache()``: only a connector can supply KV afterwards;
 - ``{"op": "abort", "prompts": [...], "steps": k}`` -> adds the requests, runs k engine steps,
   aborts every one that is unfinished, and steps until the engine is idle;
+- ``{"op": "preemptions"}`` -> vLLM's count of preempted requests (needs ``--stats``);
 - ``{"op": "quit"}``.
 
 Usage: python engine.py --model DIR [--connector tierkv|lmcache-mp|none] [--socket PATH]
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="torch.compile (slow start)")
+    parser.add_argument("--stats", action="store_true", help="keep vLLM's metrics (preemptions)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -74,6 +76,7 @@ def main() -> None:
         seed=0,
         gpu_memory_utilization=0.1,
         tensor_parallel_size=args.tp,
+        disable_log_stats=not args.stats,
     )
     if args.blocks:
         options["num_gpu_blocks_override"] = args.blocks
@@ -136,6 +139,13 @@ def main() -> None:
             while engine.has_unfinished_requests():
                 engine.step()
             answer({"aborted": len(ids) - len(finished)})
+        elif op == "preemptions":
+            total = sum(
+                getattr(m, "value", 0)
+                for m in llm.get_metrics()
+                if m.name == "vllm:num_preemptions"
+            )
+            answer({"preemptions": total})
         elif op == "quit":
             answer({"bye": True})
             break

@@ -7,12 +7,15 @@ for the full chunks of the prompt minus its last token, so a 1,000-token prompt 
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Daemon, Engine, prompt
+from daemon import tierkv_binary
+from harness import Daemon, Engine, prompt, start_daemon
 
 CHUNK = 128
 
@@ -32,13 +35,15 @@ def engine_a(
 def engine_b(
     model: Path, daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    # Few KV blocks (24 x 128 tokens), so that concurrent long prompts preempt each other.
+    # Few KV blocks (24 x 128 tokens, one of them vLLM's null block), so that concurrent long
+    # prompts preempt each other; --stats keeps vLLM's preemption count.
     engine = Engine(
         model,
         socket=daemon.socket,
         blocks=24,
         max_model_len=2048,
         log=tmp_path_factory.mktemp("logs") / "engine-b.log",
+        extra_args=("--stats",),
     )
     yield engine
     engine.stop()
@@ -128,17 +133,16 @@ def test_aborted_and_preempted_requests_leave_no_leases_or_reservations(
     variants = [prompt(40 + i, 1100, prefix=shared) for i in range(4)]
     assert engine_a.call(op="abort", prompts=variants, steps=1)["aborted"] == 4
 
-    # Preempted: four stored 1,000-token prompts growing to 1,300 tokens need 44 blocks; B has
-    # 24, so running requests are preempted, look up again when resumed, and load again.
+    # Preempted: B admits two stored 1,000-token prompts (8 blocks each) of its 23 usable
+    # blocks; growing to 1,600 tokens they need 26, so one is preempted, looks up again when it
+    # resumes, and loads again. Every output still equals A's.
     prompts = [prompt(50 + i, 1000) for i in range(4)]
-    reference = [o["tokens"] for o in engine_a.generate(prompts, max_tokens=300)]
-    lookups_before = daemon.status()["lookups"]
+    reference = [o["tokens"] for o in engine_a.generate(prompts, max_tokens=600)]
+    preempted_before = engine_b.call(op="preemptions")["preemptions"]
     engine_b.reset()
-    outs = engine_b.generate(prompts, max_tokens=300)
+    outs = engine_b.generate(prompts, max_tokens=600)
     assert [o["tokens"] for o in outs] == reference
-    assert daemon.status()["lookups"] - lookups_before > len(prompts), (
-        "resumed requests look up again: some request was preempted"
-    )
+    assert engine_b.call(op="preemptions")["preemptions"] > preempted_before
     idle = daemon.eventually(
         "every lease and write reservation returned",
         lambda s: (
@@ -149,3 +153,108 @@ def test_aborted_and_preempted_requests_leave_no_leases_or_reservations(
         ),
     )
     assert idle["tiers"][0]["objects"] > 0
+
+
+MOONCAKE = Path(__file__).resolve().parents[4] / "shared/traces/mooncake/conversation_trace.jsonl"
+
+
+def mooncake_prompts(requests: int, max_blocks: int) -> list[tuple[list[int], list[str]]]:
+    """The first ``requests`` of the Mooncake conversation trace as token ids, with the chunk
+    names a simulation sees.
+
+    Each 512-token Mooncake block ``h`` becomes 512 token ids derived from ``h`` (a hash id names
+    its whole prefix, so equal ids are equal prefixes here too), at most ``max_blocks`` blocks.
+    A prompt is cut to ``128 k + 1`` tokens: vLLM then looks up and stores exactly ``k`` full
+    chunks of 128 tokens, and the simulation's chain is those ``k`` chunks, named ``h:j`` for the
+    ``j``-th quarter of block ``h``."""
+    out = []
+    with MOONCAKE.open() as trace:
+        for line in list(trace)[:requests]:
+            request = json.loads(line)
+            ids = request["hash_ids"][:max_blocks]
+            tokens = [t for h in ids for t in prompt(h + 1, 512)]
+            length = min(request["input_length"], len(tokens))
+            k = (length - 1) // CHUNK
+            if k == 0:
+                continue
+            names = [f"{ids[c // 4]}:{c % 4}" for c in range(k)]
+            out.append((tokens[: k * CHUNK + 1], names))
+    return out
+
+
+def l1_only(socket_path: Path, disk: Path, extra: str = "") -> str:
+    """L1 alone, evicting in exactly the policy's order (one shard, on demand), as
+    ``tierkv replay`` configures the daemons it compares with the simulation."""
+    return f"""
+[server]
+socket = "{socket_path}"
+[metrics]
+enabled = false
+[l1]
+device = "emulated"
+capacity = "{L1_CHUNKS * 2}MiB"
+slot = "2MiB"
+lease_ttl = "1h"
+watermark_high = 1.0
+watermark_low = 1.0
+shards = 1
+[l2]
+enabled = false
+[disk]
+enabled = false
+"""
+
+
+L1_CHUNKS = 40
+
+
+def test_mooncake_slice_hits_match_the_simulation(model: Path, tmp_path: Path) -> None:
+    if not MOONCAKE.exists():
+        pytest.skip(f"{MOONCAKE} is missing (the public traces live beside the checkout)")
+    requests = mooncake_prompts(60, max_blocks=4)
+    trace = tmp_path / "slice.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"chunks": names, "tokens": len(names) * CHUNK}) + "\n"
+            for _, names in requests
+        )
+    )
+    simulated = subprocess.run(
+        [
+            str(tierkv_binary()),
+            "replay",
+            "--simulate",
+            str(trace),
+            "--capacity",
+            str(L1_CHUNKS),
+            "--policy",
+            "lru",
+            "--chunk-tokens",
+            str(CHUNK),
+            "--out",
+            str(tmp_path / "sim"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    run = json.loads((tmp_path / "sim" / "replay.json").read_text())["runs"][0]
+
+    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only)
+    engine = None
+    try:
+        engine = Engine(model, socket=daemon.socket, log=tmp_path / "engine.log")
+        loaded = []
+        for tokens, _ in requests:
+            engine.reset()  # vLLM's own cache would otherwise hit before tierkv is asked
+            loaded.append(engine.generate([tokens], max_tokens=1)[0]["cached"])
+    finally:
+        if engine is not None:
+            engine.stop()
+        daemon.stop()
+    assert sum(loaded) > 0, "the slice has shared prefixes: some must hit"
+    assert sum(loaded) == run["hit_tokens"], (
+        f"vLLM loaded {sum(loaded)} tokens; the simulation hits {run['hit_tokens']}:\n"
+        + simulated.stdout
+    )

@@ -1,10 +1,13 @@
 """A session with the daemon that fails fast and comes back by itself.
 
 Every engine-side call goes through a :class:`Link`. While the daemon is down, restarting or
-hung, a call costs at most one deadline, after which the link stays down for ``retry_s`` (calls
-then fail at once, without touching the socket) and then tries again. Each new connection bumps
-``generation``, so state that belonged to an old session (lookup ids, registered buffers) is
-known to be void.
+hung, a call costs at most one deadline, after which the link stays down (calls then fail at
+once, without touching the socket) and then tries again after ``retry_s``; after deadlines
+missed in a row the wait doubles each time, up to :data:`MAX_DOWN_S`, so a daemon hung for long
+costs the engine one deadline now and then, not one per request. A connection found closed
+(the daemon restarted since the last call) is replaced at once, so the first call after a
+restart is served. Each new connection bumps ``generation``, so state that belonged to an old
+session (lookup ids, registered buffers) is known to be void.
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ from tierkv.errors import ConnectionLost, DaemonError
 
 log = logging.getLogger(__name__)
 
+#: The longest a link stays down between two tries.
+MAX_DOWN_S = 30.0
+
 
 class Unavailable(Exception):
     """The daemon cannot be reached now; the caller treats it as a miss."""
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a call failed by missing its deadline (a hung daemon: retrying at once would only
+    wait again), rather than on a closed connection."""
+    return isinstance(error, TimeoutError) or isinstance(error.__cause__, TimeoutError)
 
 
 class Link:
@@ -47,6 +59,7 @@ class Link:
         self._lock = threading.Lock()
         self.generation = 0
         self.failures = 0
+        self._in_a_row = 0
 
     def client(self) -> Client:
         """The live client, connecting first if allowed now; :class:`Unavailable` if not."""
@@ -69,22 +82,42 @@ class Link:
             return client
 
     def call(self, fn: Callable[[Client], Any]) -> Any:
-        """Runs ``fn`` on the client. A lost connection marks the link down and raises
-        :class:`Unavailable`; a daemon's refusal (``DaemonError``) passes through."""
+        """Runs ``fn`` on the client. A connection the daemon closed (it restarted, say) is
+        replaced at once and ``fn`` tried once more on the new session; a missed deadline or a
+        failed retry marks the link down and raises :class:`Unavailable`. A daemon's refusal
+        (``DaemonError``) passes through."""
         client = self.client()
         try:
-            return fn(client)
+            result = fn(client)
         except (OSError, ConnectionLost) as e:
-            with self._lock:
-                if self._client is client:
-                    self._client = None
-                    client.close()
+            self._drop(client)
+            if _timed_out(e):
                 self._down(e)
-            raise Unavailable(str(e)) from e
+                raise Unavailable(str(e)) from e
+            client = self.client()
+            try:
+                result = fn(client)
+            except (OSError, ConnectionLost) as e:
+                self._drop(client)
+                self._down(e)
+                raise Unavailable(str(e)) from e
+        self._in_a_row = 0
+        return result
+
+    def _drop(self, client: Client) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None
+        client.close()
 
     def _down(self, why: BaseException) -> None:
         self.failures += 1
-        self._down_until = time.monotonic() + self._retry
+        wait = self._retry
+        if _timed_out(why):
+            # Only a hung daemon costs a deadline per try; a refused connect is free to repeat.
+            self._in_a_row += 1
+            wait = min(self._retry * 2 ** min(self._in_a_row - 1, 16), max(MAX_DOWN_S, wait))
+        self._down_until = time.monotonic() + wait
         log.warning("tierkv: daemon unavailable (%s); misses until it is back", why)
 
     def close(self) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -103,6 +105,11 @@ class SchedulerSide:
             for r in ranks
         ]
         self.requests: dict[str, _Request] = {}
+        self.releases: queue.SimpleQueue[tuple[Link, int, int] | None] = queue.SimpleQueue()
+        self.releaser = threading.Thread(
+            target=self._release_in_background, name="tierkv-release", daemon=True
+        )
+        self.releaser.start()
 
     # -- vLLM's scheduler calls --------------------------------------------------------------
 
@@ -182,6 +189,8 @@ class SchedulerSide:
         for state in self.requests.values():
             self._release(state)
         self.requests.clear()
+        self.releases.put(None)
+        self.releaser.join(timeout=2 * self.settings.timeout_s)
         for link in self.links:
             link.close()
 
@@ -263,6 +272,18 @@ class SchedulerSide:
         if lookups is None or state.generation != sum(link.generation for link in self.links):
             return
         for link, lookup in zip(self.links, lookups, strict=True):
+            self.releases.put((link, link.generation, lookup))
+
+    def _release_in_background(self) -> None:
+        """Returns leases off the scheduler's loop: a release is needed only where a lookup was
+        not (entirely) consumed by the workers' retrieves, and vLLM should not wait for it."""
+        while True:
+            item = self.releases.get()
+            if item is None:
+                return
+            link, generation, lookup = item
+            if link.generation != generation:
+                continue  # a lookup of a session that is gone: the daemon returned it already
             # Already consumed by the retrieves, expired, or the daemon is gone: nothing to return.
             with contextlib.suppress(Unavailable, DaemonError):
                 link.call(lambda c, lookup=lookup: c.release(lookup))

@@ -1,0 +1,117 @@
+"""The connector's parts that need no engine: settings, chunk naming, the memfd move, the
+reconnecting link."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import start_daemon
+
+from tierkv import wire
+from tierkv.hashing import prefix_hashes
+from tierkv.vllm.link import Link, Unavailable
+from tierkv.vllm.memory import LayoutError, move_to_memfd
+from tierkv.vllm.plan import Settings
+from tierkv.vllm.scheduler import chunk_ids
+
+
+def test_settings_refuse_unknown_keys_and_bad_values() -> None:
+    assert Settings.from_extra(None) == Settings()
+    assert Settings.from_extra({"chunk_blocks": "2", "timeout_s": 1}).chunk_blocks == 2
+    with pytest.raises(ValueError, match="unknown tierkv connector settings"):
+        Settings.from_extra({"sockt": "/tmp/x"})
+    with pytest.raises(ValueError, match="chunk_blocks"):
+        Settings.from_extra({"chunk_blocks": 0})
+
+
+def test_chunk_ids_are_tierkv_prefix_hashes_and_a_salt_separates_them() -> None:
+    tokens = list(range(3, 300))
+    assert chunk_ids(tokens, 128, b"") == prefix_hashes(tokens, 128)
+    salted = chunk_ids(tokens, 128, b"salt=tenant-b;lora=")
+    assert len(salted) == 2
+    assert all(a != b for a, b in zip(salted, prefix_hashes(tokens, 128), strict=True))
+
+
+def test_the_move_keeps_bytes_repoints_every_view_and_describes_the_layout() -> None:
+    blocks = 6
+    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(blocks, 2, 4, 8) for i in (1, 0)}
+    before = {name: t.clone() for name, t in layers.items()}
+    alias = layers["model.layers.0.self_attn.attn"][2:]  # another view of the same storage
+    memory = move_to_memfd(layers, num_blocks=blocks, blocks_per_chunk=2, bound_views=[alias])
+    for name, tensor in layers.items():
+        assert memory.contains(tensor)
+        assert torch.equal(tensor, before[name]), "the move keeps what the tensors held"
+    assert memory.contains(alias) and torch.equal(
+        alias, before["model.layers.0.self_attn.attn"][2:]
+    )
+    layout = memory.layout
+    block_bytes = 2 * 4 * 8 * 4
+    assert (layout.blocks, layout.block_bytes, layout.block_stride) == (
+        blocks,
+        block_bytes,
+        block_bytes,
+    )
+    assert memory.chunk_bytes() == 2 * 2 * block_bytes
+    # Segments in layer order (0 before 1), at the tensors' places in the memfd.
+    offsets = [s.offset for s in layout.segments]
+    assert offsets == [
+        layers[f"model.layers.{i}.self_attn.attn"].data_ptr() - memory.base() for i in (0, 1)
+    ]
+    # Writing through the memfd is writing the engine's tensor: they are the same bytes.
+    view = memoryview(memory.mapping)[offsets[1] + block_bytes : offsets[1] + 2 * block_bytes]
+    view[:4] = b"\0\0\0\0"
+    assert layers["model.layers.1.self_attn.attn"][1].flatten()[0].item() == 0.0
+
+
+def test_tensors_the_layout_cannot_describe_are_refused() -> None:
+    with pytest.raises(LayoutError, match="no dimension of 6 blocks"):
+        move_to_memfd({"l.0.x": torch.zeros(5, 4)}, num_blocks=6, blocks_per_chunk=1)
+    with pytest.raises(LayoutError, match="differ in block size"):
+        move_to_memfd(
+            {"l.0.x": torch.zeros(6, 4), "l.1.x": torch.zeros(6, 8)},
+            num_blocks=6,
+            blocks_per_chunk=1,
+        )
+
+
+def test_a_link_replaces_a_closed_connection_at_once_and_backs_off_from_a_hung_daemon(
+    tmp_path: Path,
+) -> None:
+    daemon = start_daemon(tmp_path / "daemon")
+    hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4096, chunk_tokens=16)
+    link = Link(str(daemon.socket), hello, timeout_s=0.5, retry_s=0.2)
+    try:
+        assert link.call(lambda c: c.status())["connected_workers"] == 1
+        first = link.generation
+        daemon.stop()
+        daemon.start()  # the link's connection is now closed
+        assert link.call(lambda c: c.status())["connected_workers"] == 1, "served at once"
+        assert link.generation == first + 1
+
+        daemon.kill()
+        with pytest.raises(Unavailable):
+            link.call(lambda c: c.status())
+        with pytest.raises(Unavailable, match="down"):
+            link.call(lambda c: c.status())  # within retry_s: no connect at all
+        daemon.start()
+        time.sleep(0.25)
+        assert link.call(lambda c: c.status())["connected_workers"] == 1
+
+        daemon.pause()
+        try:
+            for _ in range(2):  # two deadlines missed in a row: 0.2 s, then 0.4 s down
+                with pytest.raises(Unavailable):
+                    link.call(lambda c: c.status())
+                time.sleep(0.25)
+            with pytest.raises(Unavailable, match="down"):
+                link.call(lambda c: c.status())  # still inside the doubled wait
+        finally:
+            daemon.resume()
+        time.sleep(0.5)
+        assert link.call(lambda c: c.status())["connected_workers"] == 1
+    finally:
+        link.close()
+        daemon.stop()
