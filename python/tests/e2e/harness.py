@@ -25,12 +25,13 @@ PREFIX = "@@tierkv@@ "
 
 
 def e2e_config(socket_path: Path, disk: Path, extra: str = "") -> str:
-    """Room for the tiny model's 1 MiB chunks: 2 MiB slots, 256 MiB of L1, 512 MiB of L2."""
+    """Room for the tiny model's 1 MiB chunks: 2 MiB slots, an L1 of 256 of them (the tests
+    count chunks in L1, so none may be evicted), 512 MiB of L2."""
     return config(
         socket_path,
         disk,
         extra,
-        l1="256MiB",
+        l1="512MiB",
         slot="2MiB",
         l2="512MiB",
         disk_capacity="1GiB",
