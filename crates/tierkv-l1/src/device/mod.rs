@@ -2,16 +2,22 @@
 //!
 //! One trait, one file per backend. The L1 manager decides who may touch which slot; a backend
 //! only moves bytes between host memory and a byte range of its arena, and checks that the range
-//! lies inside the arena.
+//! lies inside the arena. The asynchronous copy engine (`copy.rs`, emulated on host threads in
+//! `emulated_copy.rs`) is the shape the GPU data path's moves take: ordered streams, events,
+//! completion callbacks.
 
+mod copy;
 mod cuda;
 mod emulated;
+mod emulated_copy;
 
 use std::fmt::Debug;
 use std::ptr::NonNull;
 
+pub use copy::{CopyEngine, CopyError, CopyStream, Event, Piece};
 pub use cuda::{CudaArena, cuda_available};
 pub use emulated::EmulatedArena;
+pub use emulated_copy::{EmulatedCopyEngine, EmulatedStream, FaultHook};
 
 /// Which backend an L1 should use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
