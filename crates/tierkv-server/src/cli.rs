@@ -178,6 +178,11 @@ pub fn render(report: &StatusReport) -> String {
             t.hit_chunks
         ));
     }
+    for t in &report.tiers {
+        if let Some(why) = &t.read_only {
+            out.push_str(&format!("{} is READ-ONLY (stores refused, retrying): {why}\n", t.name));
+        }
+    }
     out.push_str(&format!(
         "\nlookups {}: {} of {} chunks hit ({:.1}%), {} of {} tokens\n",
         report.lookups,

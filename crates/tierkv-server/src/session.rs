@@ -131,6 +131,7 @@ impl Daemon {
             capacity_bytes: l1.capacity_bytes,
             objects: l1.writing + l1.leased + l1.cached,
             hit_chunks: hits(0),
+            read_only: None,
         }];
         for (i, (name, usage)) in status.tiers.iter().enumerate() {
             tiers.push(TierReport {
@@ -140,6 +141,7 @@ impl Daemon {
                 capacity_bytes: usage.capacity_bytes,
                 objects: usage.objects,
                 hit_chunks: hits(i + 1),
+                read_only: if name == "disk" { status.disk_read_only.clone() } else { None },
             });
         }
         let hit_chunks: u64 = totals.hit_chunks.iter().sum();
