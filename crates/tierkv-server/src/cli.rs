@@ -99,6 +99,9 @@ fn serve(path: Option<&Path>) -> Result<(), String> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colours are escape codes: only a terminal shows them; a file or a journal keeps
+        // them as noise.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let config = load(path)?;
     let source =
