@@ -108,8 +108,12 @@ pub struct ServerConfig {
     pub token: Option<String>,
     /// The largest request frame accepted, at least [`MIN_FRAME_LIMIT`].
     pub max_frame_bytes: u32,
-    /// Connections served at once.
+    /// Connections served at once (the daemon lowers it at start to what its descriptor limit
+    /// allows).
     pub max_connections: usize,
+    /// The group that may connect to the socket: the socket is `0660` and owned by this group;
+    /// `None`: `0600`, the daemon's user only.
+    pub socket_group: Option<u32>,
 }
 
 /// Where `/metrics` is served.
@@ -257,6 +261,7 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, ConfigError>
         token: s.token.clone(),
         max_frame_bytes,
         max_connections: s.max_connections,
+        socket_group: group(file, "server.socket_group", s.socket_group.as_deref())?,
     })
 }
 
@@ -376,7 +381,31 @@ fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, ConfigErr
         io_threads: s.io_threads,
         read_mode: s.read_mode,
         policy: s.policy,
+        group: group(file, "disk.group", s.group.as_deref())?,
     }))
+}
+
+/// A group given by name or number, as its id; refused when the system knows no such group.
+fn group(file: &File<'_>, key: &str, name: Option<&str>) -> Result<Option<u32>, ConfigError> {
+    let Some(name) = name else { return Ok(None) };
+    let gid = name.parse::<u32>().ok().or_else(|| group_id(name));
+    file.ensure(gid.is_some(), &[key], || format!("no group named {name:?} on this system"))?;
+    Ok(gid)
+}
+
+/// The id of the group `name`, from the system's group database.
+fn group_id(name: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0 as libc::c_char; 16 << 10];
+    // SAFETY: `group` is plain data that getgrnam_r fills in; `buf` outlives the call and its
+    // length is passed; `found` is set to null or to `&group`.
+    unsafe {
+        let mut group: libc::group = std::mem::zeroed();
+        let mut found: *mut libc::group = std::ptr::null_mut();
+        let rc =
+            libc::getgrnam_r(name.as_ptr(), &mut group, buf.as_mut_ptr(), buf.len(), &mut found);
+        (rc == 0 && !found.is_null()).then_some(group.gr_gid)
+    }
 }
 
 fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, ConfigError> {

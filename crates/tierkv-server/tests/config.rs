@@ -428,3 +428,16 @@ fn the_config_commands_check_files_and_print_the_default() {
     let stderr = String::from_utf8_lossy(&checked.stderr);
     assert!(stderr.contains("bad.toml:3:") && stderr.contains("l1.capacity"), "{stderr}");
 }
+
+#[test]
+fn h16_6_groups_are_names_or_numbers_and_unknown_ones_are_refused() {
+    let config = parse("[server]\nsocket_group = \"0\"\n[disk]\ngroup = \"root\"\n").unwrap();
+    assert_eq!(config.server.socket_group, Some(0));
+    assert_eq!(config.storage.disk.unwrap().group, Some(0), "root is group 0 by name");
+    let defaults = parse("").unwrap();
+    assert_eq!(defaults.server.socket_group, None, "the socket is private by default");
+    assert_eq!(defaults.storage.disk.unwrap().group, None, "the cache is private by default");
+    let message = assert_refused("[disk]\ngroup = \"no-such-group-h16\"\n", "disk.group", 2);
+    assert!(message.contains("no group named"), "{message}");
+    assert_refused("\n[server]\nsocket_group = \"no-such-group-h16\"\n", "server.socket_group", 3);
+}
