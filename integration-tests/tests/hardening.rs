@@ -295,3 +295,54 @@ fn h16_3_a_restart_on_a_full_filesystem_is_reported_and_recovers_when_space_retu
     drop(daemon);
     drop(tmpfs);
 }
+
+#[test]
+fn h16_7_clear_needs_the_token_and_status_does_not() {
+    use tierkv_client::proto::{ErrorCode, Hello};
+    let token = "a-local-admin-secret-h16";
+    let mut daemon = Daemon::start_with(|dir| {
+        small_config(dir, None, "")
+            .replace("[server]\n", &format!("[server]\ntoken = \"{token}\"\n"))
+    });
+    let mut worker = daemon.worker(&["--chunk-bytes", "65536"]);
+    worker.run("store 1 4");
+    daemon.settled();
+    worker.exit();
+    let admin =
+        |token: Option<&str>| Hello { token: token.map(String::from), ..Client::admin_hello() };
+
+    // Anyone who can connect may read the status, but not clear.
+    let mut local = Client::connect_unix(&daemon.socket, admin(None)).unwrap();
+    assert_eq!(local.status().unwrap().tiers[0].objects, 4);
+    let refused = local.clear().err().unwrap();
+    assert_eq!(refused.code(), Some(ErrorCode::Forbidden), "{refused}");
+    assert!(refused.to_string().contains("token"), "{refused}");
+    assert_eq!(local.status().unwrap().tiers[0].objects, 4, "a refused clear removed nothing");
+    local.end().unwrap();
+    let wrong = Client::connect_unix(&daemon.socket, admin(Some("a-wrong-secret-of-length"))).err();
+    assert_eq!(wrong.and_then(|e| e.code()), Some(ErrorCode::Forbidden));
+    let mut trusted = Client::connect_unix(&daemon.socket, admin(Some(token))).unwrap();
+    assert_eq!(trusted.clear().unwrap()[0], 4);
+    trusted.end().unwrap();
+
+    // The CLI: status as before; clear with the token read from the config file.
+    let tierkv = |args: &[&str]| {
+        Command::new(artifact("bin", "tierkv")).args(args).arg(&daemon.config).output().unwrap()
+    };
+    assert!(tierkv(&["status", "--config"]).status.success());
+    let cleared = tierkv(&["clear", "--config"]);
+    assert!(cleared.status.success(), "{cleared:?}");
+    assert!(
+        String::from_utf8_lossy(&cleared.stdout).starts_with("cleared: l1 0, l2 "),
+        "{cleared:?}"
+    );
+
+    // A daemon without a token cannot be cleared over its socket, and says how to allow it.
+    daemon.stop();
+    std::fs::write(&daemon.config, small_config(daemon.dir.path(), None, "")).unwrap();
+    daemon.restart();
+    let mut local = Client::connect_unix(&daemon.socket, admin(None)).unwrap();
+    let refused = local.clear().err().unwrap();
+    assert!(refused.to_string().contains("set server.token"), "{refused}");
+    local.end().unwrap();
+}
