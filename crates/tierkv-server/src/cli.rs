@@ -181,8 +181,20 @@ fn clear(socket: Option<PathBuf>, config: Option<&Path>) -> Result<(), String> {
 }
 
 fn check(file: &Path) -> Result<(), String> {
-    DaemonConfig::from_file(file).map_err(|e| e.to_string())?;
-    print(&format!("{}: ok\n", file.display()))
+    match DaemonConfig::from_file(file) {
+        Ok(_) => print(&format!("{}: ok\n", file.display())),
+        Err(e) => {
+            let all = e.all();
+            if all.len() == 1 {
+                return Err(e.to_string());
+            }
+            let mut stderr = std::io::stderr().lock();
+            for error in &all {
+                let _ = writeln!(stderr, "{error}");
+            }
+            Err(format!("{}: {} errors", file.display(), all.len()))
+        }
+    }
 }
 
 fn print(text: &str) -> Result<(), String> {
