@@ -62,9 +62,14 @@ impl Drop for Reaped {
     }
 }
 
-/// A daemon process with its own directory, socket and config.
+/// Changes made to the daemon's command before each start (limits, environment).
+type Customize = Box<dyn Fn(&mut Command) + Send + Sync>;
+
+/// A daemon process with its own directory, socket and config. Its log (stderr) goes to
+/// `tierkv.log` in its directory ([`Daemon::log`]).
 pub struct Daemon {
     child: Option<Reaped>,
+    customize: Option<Customize>,
     /// The directory holding the config, the socket and the disk tier.
     pub dir: TempDir,
     /// The Unix socket.
@@ -118,9 +123,36 @@ impl Daemon {
         let path = dir.path().join("tierkv.toml");
         std::fs::write(&path, text).expect("write config");
         let socket = dir.path().join("tierkv.sock");
-        let mut daemon = Daemon { child: None, dir, socket, config: path };
+        let mut daemon = Daemon { child: None, customize: None, dir, socket, config: path };
         daemon.restart();
         daemon
+    }
+
+    /// Like [`Daemon::start_with`], with `customize` applied to the command before every start
+    /// (a resource limit in a `pre_exec`, an environment variable).
+    pub fn start_customized(
+        config: impl FnOnce(&Path) -> String,
+        customize: impl Fn(&mut Command) + Send + Sync + 'static,
+    ) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text = config(dir.path());
+        let path = dir.path().join("tierkv.toml");
+        std::fs::write(&path, text).expect("write config");
+        let socket = dir.path().join("tierkv.sock");
+        let mut daemon =
+            Daemon { child: None, customize: Some(Box::new(customize)), dir, socket, config: path };
+        daemon.restart();
+        daemon
+    }
+
+    /// The daemon's log so far (every start appends to it).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Where the daemon's log is written.
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("tierkv.log")
     }
 
     /// A daemon on [`small_config`].
@@ -131,16 +163,28 @@ impl Daemon {
     /// (Re)starts the process on the same config and waits until it answers.
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "stop the daemon before restarting it");
-        let child = die_with_parent(&mut Command::new(artifact("bin", "tierkv")))
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("open the daemon's log");
+        let mut command = Command::new(artifact("bin", "tierkv"));
+        command
             .args(["serve", "--config"])
             .arg(&self.config)
             .env("TIERKV_LOG", "warn")
             .current_dir(self.dir.path())
             .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn tierkv");
+            .stderr(log);
+        if let Some(customize) = &self.customize {
+            customize(&mut command);
+        }
+        let child = die_with_parent(&mut command).spawn().expect("spawn tierkv");
         self.child = Some(Reaped(child));
-        wait_for_socket(&self.socket, self.child.as_mut().map(|c| &mut c.0));
+        let child = self.child.as_mut().map(|c| &mut c.0);
+        if let Err(why) = try_wait_for_socket(&self.socket, child) {
+            panic!("{why}; its log:\n{}", self.log());
+        }
     }
 
     /// The daemon's process id.
@@ -215,20 +259,63 @@ pub fn terminate(child: &mut Child) -> ExitStatus {
 }
 
 /// Waits until something accepts on `socket` (and the process, if given, has not died).
-pub fn wait_for_socket(socket: &Path, mut child: Option<&mut Child>) {
+pub fn wait_for_socket(socket: &Path, child: Option<&mut Child>) {
+    if let Err(why) = try_wait_for_socket(socket, child) {
+        panic!("{why}");
+    }
+}
+
+fn try_wait_for_socket(socket: &Path, mut child: Option<&mut Child>) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if std::os::unix::net::UnixStream::connect(socket).is_ok() {
-            return;
+            return Ok(());
         }
         if let Some(child) = child.as_deref_mut()
             && let Some(status) = child.try_wait().expect("wait")
         {
-            panic!("the daemon exited before listening: {status}");
+            return Err(format!("the daemon exited before listening: {status}"));
         }
-        assert!(Instant::now() < deadline, "nothing listens on {} after 30 s", socket.display());
+        if Instant::now() > deadline {
+            return Err(format!("nothing listens on {} after 30 s", socket.display()));
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Runs `tierkv serve --config CONFIG` (in `cwd`) expecting it to refuse to start: its exit
+/// status and everything it wrote to stderr. A daemon that starts instead is killed after 30 s
+/// and the test fails.
+pub fn serve_refused(config: &Path, cwd: &Path) -> (ExitStatus, String) {
+    let mut child = die_with_parent(&mut Command::new(artifact("bin", "tierkv")))
+        .args(["serve", "--config"])
+        .arg(config)
+        .env("TIERKV_LOG", "info")
+        .current_dir(cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tierkv");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+        text
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("tierkv serve did not refuse to start within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, reader.join().unwrap_or_default())
 }
 
 /// A worker process: commands in on stdin, one JSON answer per line out.

@@ -25,7 +25,7 @@ START_DEADLINE_S = 30.0
 STOP_DEADLINE_S = 10.0
 # sun_path holds 108 bytes with its terminating NUL.
 MAX_SOCKET_PATH = 100
-#: The TCP token of ``tcp_daemon`` (the daemon wants at least 16 characters).
+#: The token of every test daemon: TCP sessions and ``clear`` need it (at least 16 characters).
 TCP_TOKEN = "python-client-test-token"
 
 
@@ -112,7 +112,10 @@ class Daemon:
         """Starts ``binary`` on ``make_config(socket, disk_dir, extra_config)``."""
         self.binary = binary
         self.dir = workdir
-        self.token = TCP_TOKEN if tcp_port is not None else None
+        # Every test daemon has a token: admin sessions need it to clear (over TCP, for all).
+        self.token = TCP_TOKEN
+        if "token =" not in extra_config:
+            extra_config = f'{extra_config}\ntoken = "{TCP_TOKEN}"'.strip()
         sock = workdir / "tierkv.sock"
         self._sock_dir = None
         if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
@@ -188,7 +191,8 @@ class Daemon:
         return client
 
     def admin(self) -> Client:
-        return self.connect(admin_hello())
+        """An admin session with the daemon's token: it may clear."""
+        return self.connect(admin_hello(token=self.token))
 
     def status(self) -> dict:
         """An admin session's status report."""

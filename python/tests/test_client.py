@@ -408,6 +408,11 @@ def test_admin_clear_empties_the_tiers(daemon, buf):
         worker.clear()
     daemon.settled()
 
+    # Anyone who can connect may ask the status; clear needs the daemon's token.
+    with Client.connect(str(daemon.socket), admin_hello()) as local:
+        assert local.status()["tiers"][0]["objects"] == 3
+        with pytest.raises(Forbidden, match="token"):
+            local.clear()
     admin = daemon.admin()
     with pytest.raises(Forbidden):
         admin.lookup(0, hashes)

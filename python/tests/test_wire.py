@@ -114,6 +114,7 @@ STATUS_REPORT = {
             "capacity_bytes": 3,
             "objects": 4,
             "hit_chunks": 5,
+            "read_only": None,
         }
     ],
     "l1_leased_chunks": 6,

@@ -10,8 +10,11 @@
 //!   retrieve LOOKUP PROMPT N  copy chunks 0..N into blocks 0..N, verify every byte
 //!   release LOOKUP            return every share of a lookup
 //!   status                    the daemon's status
+//!   help                      these commands
 //!   exit                      end the session
 //! ```
+//!
+//! `worker --help` prints the flags and the commands and exits.
 //!
 //! Chunk `i` of prompt `p` has a fixed id and fixed bytes (derived from the id, and from the
 //! rank unless the KV is shared), so any process can check what another stored.
@@ -26,6 +29,27 @@ use tierkv_client::payload::{SHARED_TAG, chunk_id, fill, holds};
 use tierkv_client::proto::{ChunkBlocks, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
 use tierkv_client::{Client, ClientError, SharedBuffer};
 
+/// The flags, printed by `--help`.
+const USAGE: &str =
+    "usage: worker --socket PATH [--model M] [--salt S] [--chunk-bytes B] [--blocks N]
+              [--rank R] [--tp T] [--mla]
+Opens one worker session on the tierkv daemon at PATH, registers a shared buffer of N blocks
+of B bytes, prints {\"ok\": true, \"ready\": true, \"session\": ID} and then reads commands
+on stdin, one per line, answering each with one JSON line (\"ok\" says whether it worked).
+";
+
+/// The commands, printed by `--help` and answered to `help`.
+const COMMANDS: [&str; 8] = [
+    "store PROMPT N            store chunks 0..N of PROMPT from blocks 0..N",
+    "lookup PROMPT N           look up chunks 0..N of PROMPT",
+    "wait LOOKUP               wait for a lookup to complete",
+    "retrieve LOOKUP PROMPT N  copy chunks 0..N into blocks 0..N, verify every byte",
+    "release LOOKUP            return every share of a lookup",
+    "status                    the daemon's status",
+    "help                      these commands",
+    "exit                      end the session",
+];
+
 struct Args {
     socket: String,
     model: String,
@@ -37,7 +61,8 @@ struct Args {
     mla: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
+/// The flags; `None` when `--help` asked for the usage instead.
+fn parse_args() -> Result<Option<Args>, String> {
     let mut args = Args {
         socket: String::new(),
         model: "model".into(),
@@ -50,6 +75,9 @@ fn parse_args() -> Result<Args, String> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--help" || flag == "-h" {
+            return Ok(None);
+        }
         if flag == "--mla" {
             args.mla = true;
             continue;
@@ -64,10 +92,13 @@ fn parse_args() -> Result<Args, String> {
             "--blocks" => args.blocks = number(&value)?,
             "--rank" => args.rank = number(&value)? as u16,
             "--tp" => args.tp = number(&value)? as u16,
-            _ => return Err(format!("unknown flag {flag}")),
+            _ => return Err(format!("unknown flag {flag} (try --help)")),
         }
     }
-    Ok(args)
+    if args.socket.is_empty() {
+        return Err("--socket PATH is required (try --help)".into());
+    }
+    Ok(Some(args))
 }
 
 struct Worker {
@@ -136,13 +167,20 @@ impl Worker {
             }
             "status" => serde_json::to_value(self.client.status().map_err(daemon)?)
                 .map_err(|e| e.to_string()),
-            other => Err(format!("unknown command {other:?}")),
+            "help" => Ok(json!({"commands": COMMANDS})),
+            other => Err(format!("unknown command {other:?}; \"help\" lists the commands")),
         }
     }
 }
 
 fn main() -> Result<(), String> {
-    let args = parse_args()?;
+    let Some(args) = parse_args()? else {
+        println!("{USAGE}\ncommands:");
+        for command in COMMANDS {
+            println!("  {command}");
+        }
+        return Ok(());
+    };
     let hello = Hello {
         version: PROTOCOL_VERSION,
         role: Role::Worker,

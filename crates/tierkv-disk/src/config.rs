@@ -53,6 +53,10 @@ pub struct DiskStoreConfig {
     pub read_mode: ReadMode,
     /// Which policy picks the segment to evict.
     pub policy: PolicyKind,
+    /// The group that may read the cache: the directory is `0750` and its files `0640`, owned
+    /// by this group. `None`: `0700` and `0600`, the daemon's user only. Cached KV is the
+    /// content of prompts, so nobody else reads it by default.
+    pub group: Option<u32>,
 }
 
 impl DiskStoreConfig {
@@ -68,7 +72,18 @@ impl DiskStoreConfig {
             io_threads: 4,
             read_mode: ReadMode::default(),
             policy: PolicyKind::Lru,
+            group: None,
         }
+    }
+
+    /// The mode of the directory: `0700`, or `0750` with a group.
+    pub fn dir_mode(&self) -> u32 {
+        if self.group.is_some() { 0o750 } else { 0o700 }
+    }
+
+    /// The mode of the files in the directory: `0600`, or `0640` with a group.
+    pub fn file_mode(&self) -> u32 {
+        if self.group.is_some() { 0o640 } else { 0o600 }
     }
 
     /// Validates the configuration; returns the number of segments.

@@ -19,6 +19,18 @@ pub enum DiskError {
         /// What the OS said.
         source: io::Error,
     },
+    /// Another store (another daemon, or this process) holds the directory's lock.
+    #[error(
+        "the disk directory {} is in use by another tierkv daemon ({holder}); a directory \
+         serves one daemon at a time: give this one another disk.dir, or stop the other",
+        dir.display()
+    )]
+    Locked {
+        /// The directory.
+        dir: PathBuf,
+        /// Who holds it, as its lock file says ("pid 1234").
+        holder: String,
+    },
     /// A worker thread could not be started.
     #[error("cannot start a disk I/O thread: {0}")]
     Thread(io::Error),

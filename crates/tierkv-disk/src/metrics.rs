@@ -50,6 +50,7 @@ pub(crate) struct DiskMetrics {
     bytes_read: Counter,
     evictions: Counter,
     checksum_failures: Counter,
+    read_only: Gauge,
     failures: Vec<(Failure, Counter)>,
 }
 
@@ -93,7 +94,13 @@ impl DiskMetrics {
             Unit::Count,
             "Refused requests and keys, by tier and reason."
         );
+        describe_gauge!(
+            "tierkv_disk_read_only",
+            Unit::Count,
+            "1 while the disk tier refuses stores because its directory cannot be written."
+        );
         DiskMetrics {
+            read_only: gauge!("tierkv_disk_read_only"),
             capacity: gauge!("tierkv_tier_capacity_bytes", "tier" => TIER),
             used: gauge!("tierkv_tier_used_bytes", "tier" => TIER),
             objects: gauge!("tierkv_tier_objects", "tier" => TIER),
@@ -116,6 +123,10 @@ impl DiskMetrics {
         self.capacity.set(capacity as f64);
         self.used.set(used as f64);
         self.objects.set(objects as f64);
+    }
+
+    pub(crate) fn read_only(&self, read_only: bool) {
+        self.read_only.set(if read_only { 1.0 } else { 0.0 });
     }
 
     pub(crate) fn stored(&self, objects: u64, bytes: u64) {

@@ -2,7 +2,8 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -38,13 +39,86 @@ pub(crate) struct SegmentFile {
     map: OnceLock<io::Result<Mmap>>,
 }
 
+/// Segment files are never opened through a symlink (`O_NOFOLLOW`), and are created `0600`
+/// (`SegmentFile::secure` then sets the configured mode and group).
 fn options(write: bool, create: bool, mode: IoMode) -> OpenOptions {
     let mut options = OpenOptions::new();
-    options.read(true).write(write).create(create);
-    if mode == IoMode::Direct {
-        options.custom_flags(libc::O_DIRECT);
-    }
+    options.read(true).write(write).create(create).mode(0o600);
+    let direct = if mode == IoMode::Direct { libc::O_DIRECT } else { 0 };
+    options.custom_flags(libc::O_NOFOLLOW | direct);
     options
+}
+
+/// Gives `file` the `mode` and, when set, the `group`.
+fn secure_fd(file: &File, mode: u32, group: Option<u32>) -> io::Result<()> {
+    if let Some(gid) = group {
+        std::os::unix::fs::fchown(file.as_fd(), None, Some(gid))?;
+    }
+    file.set_permissions(std::fs::Permissions::from_mode(mode))
+}
+
+/// Gives the directory `dir` the `mode` and, when set, the `group`.
+pub(crate) fn secure(dir: &Path, mode: u32, group: Option<u32>) -> io::Result<()> {
+    secure_fd(&File::open(dir)?, mode, group)
+}
+
+/// The name of the lock file in a store's directory.
+pub(crate) const LOCK_FILE: &str = ".tierkv.lock";
+
+/// An exclusive `flock` on a store's directory, held while the store is open: one store (one
+/// daemon) per directory. The file holds the holder's pid, so a refusal can name it.
+pub(crate) struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    /// Locks `dir`. `Ok(None)`: the directory cannot be written and holds no lock file, so
+    /// there is nothing to lock (and nothing anyone could write).
+    pub(crate) fn take(dir: &Path, mode: u32) -> Result<Option<DirLock>, crate::DiskError> {
+        let path = dir.join(LOCK_FILE);
+        let opened = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(mode)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path);
+        let (file, writable) = match opened {
+            Ok(file) => (file, true),
+            Err(e)
+                if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EROFS | libc::ENOSPC)) =>
+            {
+                match OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path) {
+                    Ok(file) => (file, false),
+                    Err(_) => return Ok(None),
+                }
+            }
+            Err(e) => return Err(crate::DiskError::io("opening the lock file", &path)(e)),
+        };
+        // SAFETY: flock on a descriptor we own.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(crate::DiskError::io("locking", &path)(e));
+            }
+            let mut holder = String::new();
+            let _ = io::Read::read_to_string(&mut &file, &mut holder);
+            let holder = match holder.trim().parse::<u32>() {
+                Ok(pid) => format!("pid {pid}"),
+                Err(_) => "a process that wrote no pid".into(),
+            };
+            return Err(crate::DiskError::Locked { dir: dir.to_path_buf(), holder });
+        }
+        if writable {
+            // Best effort: the pid only makes a refusal more helpful.
+            let pid = format!("{}\n", std::process::id());
+            if file.set_len(0).and_then(|()| file.write_all_at(pid.as_bytes(), 0)).is_err() {
+                let _ = file.set_len(0);
+            }
+        }
+        Ok(Some(DirLock { _file: file }))
+    }
 }
 
 impl SegmentFile {
@@ -75,6 +149,11 @@ impl SegmentFile {
             file.set_len(bytes)?;
         }
         Ok(SegmentFile { path, file, map: OnceLock::new() })
+    }
+
+    /// Gives the file the `mode` and, when set, the `group`.
+    pub(crate) fn secure(&self, mode: u32, group: Option<u32>) -> io::Result<()> {
+        secure_fd(&self.file, mode, group)
     }
 
     /// Writes all of `buf` at `offset` (both block-aligned for direct I/O).

@@ -11,11 +11,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
@@ -29,7 +31,12 @@ use crate::config::{DiskStoreConfig, FsyncPolicy, ReadMode};
 use crate::error::DiskError;
 use crate::format::{BLOCK, Header, Superblock, payload_checksum, record_bytes};
 use crate::metrics::{DiskMetrics, Failure};
-use crate::segment::{IoMode, SegmentFile, probe, segment_id, segment_path, sync_dir};
+use crate::segment::{
+    DirLock, IoMode, SegmentFile, probe, secure, segment_id, segment_path, sync_dir,
+};
+
+/// How often a read-only store tries to become writable again (`DiskStore::maintain`).
+pub const WRITABLE_RETRY: Duration = Duration::from_secs(2);
 
 /// Where a record lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +56,9 @@ enum Status {
     Active,
     /// Full or closed for appends; evictable when nothing locks or pins it.
     Sealed,
+    /// Its name is taken by something the store did not create (a directory, a FIFO, a
+    /// symlink, another user's file): never used.
+    Unusable,
 }
 
 struct Segment {
@@ -123,11 +133,21 @@ enum Job {
     Load(TaskId, Vec<LoadItem>),
 }
 
+/// Whether stores are accepted, and what a read-only store needs to become writable.
+struct WriteState {
+    /// Why stores are refused, when the directory cannot be written.
+    read_only: Option<String>,
+    /// When `maintain` last tried to become writable.
+    last_try: Instant,
+    /// The directory's lock; `None` only while read-only (a directory that cannot be written
+    /// may have no lock file to lock).
+    lock: Option<DirLock>,
+}
+
 struct Shared {
     config: DiskStoreConfig,
     io: IoMode,
-    /// Why stores are refused, when the directory cannot be written.
-    read_only: Option<String>,
+    state: Mutex<WriteState>,
     index: Mutex<Index>,
     writer: Mutex<Writer>,
     closed: AtomicBool,
@@ -152,6 +172,13 @@ pub struct DiskStore {
 pub struct Recovered {
     /// Records indexed.
     pub records: u64,
+    /// Payload bytes of the records indexed.
+    pub bytes: u64,
+    /// Entries named like segments that are not regular files of this user (directories,
+    /// FIFOs, symlinks, other users' files): skipped, with a warning, and their ids unused.
+    pub skipped_files: u32,
+    /// How long opening took (the scan included).
+    pub elapsed: Duration,
     /// Segments with a valid superblock.
     pub segments: u32,
     /// Blocks skipped between valid records of a segment: damaged headers and the payloads
@@ -167,30 +194,51 @@ pub struct Recovered {
 
 impl DiskStore {
     /// Opens (or creates) the store in `config.dir` and rebuilds its index from the segment
-    /// headers. A directory that cannot be written opens read-only: loads work, stores fail.
+    /// headers. The directory is locked (`flock` on `.tierkv.lock`, which holds the owner's
+    /// pid): a second store on it, in this process or another, is refused with
+    /// [`DiskError::Locked`]. A directory that cannot be written opens read-only: loads work,
+    /// stores fail, and [`DiskStore::maintain`] retries becoming writable.
     pub fn open(config: DiskStoreConfig) -> Result<Self, DiskError> {
+        let started = Instant::now();
         let segments = config.segments()?;
         let dir = config.dir.clone();
-        let exists = dir.is_dir();
-        if let Err(e) = std::fs::create_dir_all(&dir)
-            && !exists
-        {
-            return Err(DiskError::io("creating directory", &dir)(e));
+        if !dir.is_dir() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(config.dir_mode())
+                .create(&dir)
+                .map_err(DiskError::io("creating directory", &dir))?;
         }
+        let lock = DirLock::take(&dir, config.file_mode())?;
         let (io, read_only) = match probe(&dir) {
-            Ok(mode) => (mode, None),
+            Ok(mode) if lock.is_some() => (mode, None),
+            Ok(mode) => (mode, Some(format!("the lock file in {} cannot be made", dir.display()))),
             Err(e) => (
                 Self::read_mode_of_existing(&dir),
                 Some(format!("the directory {} is not writable: {e}", dir.display())),
             ),
         };
-        let (index, recovered) = scan(&config, segments, io, read_only.is_none())?;
+        if read_only.is_none()
+            && let Err(e) = secure(&dir, config.dir_mode(), config.group)
+        {
+            tracing::warn!(
+                "cannot restrict {} to mode {:o}: {e}; other local users may read the cache",
+                dir.display(),
+                config.dir_mode()
+            );
+        }
+        let (index, mut recovered) = scan(&config, segments, io, read_only.is_none())?;
+        recovered.elapsed = started.elapsed();
         let staging = AlignedBuf::new(record_bytes(config.max_chunk_bytes) as usize)
             .ok_or_else(|| DiskError::Config("cannot allocate the write buffer".into()))?;
         let (done, completions) = unbounded();
         let shared = Arc::new(Shared {
             io,
-            read_only,
+            state: Mutex::new(WriteState {
+                read_only: read_only.clone(),
+                last_try: Instant::now(),
+                lock,
+            }),
             index: Mutex::new(index),
             writer: Mutex::new(Writer { active: None, staging, dirty: HashSet::new() }),
             closed: AtomicBool::new(false),
@@ -212,6 +260,27 @@ impl DiskStore {
         store.shared.metrics.checksum_failures(
             u64::from(recovered.damaged_records) + u64::from(recovered.torn_records),
         );
+        tracing::info!(
+            records = recovered.records,
+            bytes = recovered.bytes,
+            segments = recovered.segments,
+            damaged_records = recovered.damaged_records,
+            torn_records = recovered.torn_records,
+            skipped_files = recovered.skipped_files,
+            elapsed = ?recovered.elapsed,
+            "disk tier in {}: recovered {} records ({} bytes) in {:?}",
+            dir.display(),
+            recovered.records,
+            recovered.bytes,
+            recovered.elapsed,
+        );
+        if let Some(why) = &read_only {
+            tracing::warn!(
+                "the disk tier is read-only: {why}; stores to disk are refused, loads still \
+                 work; retrying every {WRITABLE_RETRY:?}"
+            );
+        }
+        store.shared.metrics.read_only(read_only.is_some());
         store.start_threads()?;
         store.publish_metrics();
         Ok(store)
@@ -222,6 +291,7 @@ impl DiskStore {
         let first = std::fs::read_dir(dir).ok().and_then(|entries| {
             entries
                 .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
                 .find(|e| e.file_name().to_str().and_then(segment_id).is_some())
                 .map(|e| e.path())
         });
@@ -269,9 +339,28 @@ impl DiskStore {
         self.shared.io
     }
 
-    /// Why stores are refused, when the directory could not be written at open.
-    pub fn read_only(&self) -> Option<&str> {
-        self.shared.read_only.as_deref()
+    /// Why stores are refused, while the directory cannot be written.
+    pub fn read_only(&self) -> Option<String> {
+        self.shared.state.lock().read_only.clone()
+    }
+
+    /// Background upkeep, called periodically (the StorageManager's maintenance tick): a
+    /// read-only store tries to become writable again, at most every [`WRITABLE_RETRY`].
+    pub fn maintain(&self) {
+        let due = {
+            let state = self.shared.state.lock();
+            state.read_only.is_some() && state.last_try.elapsed() >= WRITABLE_RETRY
+        };
+        if due {
+            self.retry_writable();
+        }
+    }
+
+    /// Tries now to become writable (when read-only): the directory must accept a probe file,
+    /// its lock must be ours, and every segment file must open for writing. Returns whether
+    /// the store is writable.
+    pub fn retry_writable(&self) -> bool {
+        self.shared.retry_writable()
     }
 
     /// What the scan at open found.
@@ -319,11 +408,36 @@ fn scan(
     };
     let mut recovered = Recovered::default();
     let entries = std::fs::read_dir(&config.dir).map_err(DiskError::io("listing", &config.dir))?;
-    let mut ids: Vec<u32> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str().and_then(segment_id))
-        .filter(|id| *id < segments)
-        .collect();
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let user = unsafe { libc::geteuid() };
+    let mut ids: Vec<u32> = Vec::new();
+    for entry in entries.flatten() {
+        let Some(id) = entry.file_name().to_str().and_then(segment_id).filter(|id| *id < segments)
+        else {
+            continue;
+        };
+        // `symlink_metadata`: a symlink is judged as itself, never by where it points.
+        let ours = match std::fs::symlink_metadata(entry.path()) {
+            Ok(meta) if !meta.file_type().is_file() => Err("it is not a regular file".to_string()),
+            Ok(meta) if meta.uid() != user => {
+                Err(format!("it belongs to user {}, not to this daemon's {user}", meta.uid()))
+            }
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        };
+        match ours {
+            Ok(()) => ids.push(id),
+            Err(why) => {
+                tracing::warn!(
+                    "skipping {}: named like a segment, but {why}; segment {id} stays unused \
+                     until it is removed",
+                    entry.path().display()
+                );
+                recovered.skipped_files += 1;
+                index.segments[id as usize].status = Status::Unusable;
+            }
+        }
+    }
     ids.sort_unstable();
     let mut scanned = scan_files(config, &ids, io, writable)?;
     scanned.sort_unstable_by_key(|s| s.id);
@@ -352,6 +466,7 @@ fn scan(
             segment.live += 1;
             segment.live_bytes += record_bytes(loc.len);
             recovered.records += 1;
+            recovered.bytes += loc.len;
         }
         index.policy.insert(id);
     }
@@ -420,6 +535,9 @@ fn scan_file(
     let path = segment_path(&config.dir, id);
     let file = SegmentFile::open(path.clone(), writable, io)
         .map_err(DiskError::io("opening segment", &path))?;
+    if writable && let Err(e) = file.secure(config.file_mode(), config.group) {
+        tracing::warn!("cannot restrict {} to mode {:o}: {e}", path.display(), config.file_mode());
+    }
     let len = file.len().map_err(DiskError::io("reading segment", &path))?;
     let superblock = match file.read_at(&mut buf.as_mut_slice()[..BLOCK as usize], 0) {
         Ok(()) => Superblock::decode(buf.as_slice()).ok(),
@@ -597,7 +715,7 @@ impl Shared {
     // ----- stores -----
 
     fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
-        if let Some(why) = &self.read_only {
+        if let Some(why) = self.state.lock().read_only.clone() {
             self.metrics.failed(Failure::ReadOnly);
             return Err(TierError::Io(format!("{why}; stores are refused, loads still work")));
         }
@@ -806,6 +924,9 @@ impl Shared {
             _ => {
                 let created = SegmentFile::create(path.clone(), bytes, self.io)
                     .map_err(|e| io_error(&path, "creating", &e))?;
+                created
+                    .secure(self.config.file_mode(), self.config.group)
+                    .map_err(|e| io_error(&path, "setting the mode of", &e))?;
                 if self.config.fsync != FsyncPolicy::Never {
                     sync_dir(&self.config.dir)
                         .map_err(|e| io_error(&self.config.dir, "syncing", &e))?;
@@ -974,6 +1095,78 @@ impl Shared {
         }
     }
 
+    // ----- becoming writable -----
+
+    fn retry_writable(&self) -> bool {
+        let mut state = self.state.lock();
+        if state.read_only.is_none() {
+            return true;
+        }
+        state.last_try = Instant::now();
+        match self.become_writable(&mut state) {
+            Ok(()) => {
+                state.read_only = None;
+                self.metrics.read_only(false);
+                tracing::info!(
+                    "the disk tier in {} is writable again; stores to disk resume",
+                    self.config.dir.display()
+                );
+                true
+            }
+            Err(why) => {
+                tracing::debug!("the disk tier is still read-only: {why}");
+                state.read_only = Some(why);
+                false
+            }
+        }
+    }
+
+    fn become_writable(&self, state: &mut WriteState) -> Result<(), String> {
+        let dir = &self.config.dir;
+        probe(dir).map_err(|e| format!("the directory {} is not writable: {e}", dir.display()))?;
+        if state.lock.is_none() {
+            state.lock = DirLock::take(dir, self.config.file_mode()).map_err(|e| e.to_string())?;
+            if state.lock.is_none() {
+                return Err(format!("the lock file in {} cannot be made", dir.display()));
+            }
+        }
+        if let Err(e) = secure(dir, self.config.dir_mode(), self.config.group) {
+            tracing::warn!(
+                "cannot restrict {} to mode {:o}: {e}",
+                dir.display(),
+                self.config.dir_mode()
+            );
+        }
+        // The scan opened the segment files read-only: open them again for writing.
+        let files: Vec<(u32, std::path::PathBuf)> = {
+            let index = self.index.lock();
+            index
+                .segments
+                .iter()
+                .enumerate()
+                .filter_map(|(id, s)| Some((id as u32, s.file.as_ref()?.path.clone())))
+                .collect()
+        };
+        let mut reopened = Vec::with_capacity(files.len());
+        for (id, path) in files {
+            let file = SegmentFile::open(path.clone(), true, self.io)
+                .map_err(|e| format!("cannot open {} for writing: {e}", path.display()))?;
+            if let Err(e) = file.secure(self.config.file_mode(), self.config.group) {
+                tracing::warn!(
+                    "cannot restrict {} to mode {:o}: {e}",
+                    path.display(),
+                    self.config.file_mode()
+                );
+            }
+            reopened.push((id, Arc::new(file)));
+        }
+        let mut index = self.index.lock();
+        for (id, file) in reopened {
+            index.segments[id as usize].file = Some(file);
+        }
+        Ok(())
+    }
+
     fn usage(&self) -> TierUsage {
         let index = self.index.lock();
         TierUsage {
@@ -1127,7 +1320,7 @@ impl TierAdapter for DiskStore {
             let _ = flusher.join();
         }
         // Whatever the policy, a clean close leaves everything written on stable storage.
-        if self.shared.read_only.is_none() {
+        if self.shared.state.lock().read_only.is_none() {
             let all: Vec<u32> = (0..self.shared.index.lock().segments.len() as u32).collect();
             if self.shared.sync_segments(all.into_iter()).is_err() {
                 self.shared.metrics.failed(Failure::Io);

@@ -749,3 +749,133 @@ fn a_panic_inside_a_task_fails_it_and_leaves_no_pin_and_no_stuck_key_behind() {
     h.store(&[key(9)]).unwrap();
     h.assert_loads(&[key(9)]);
 }
+
+// ----- issue 16: hardening -----
+
+#[test]
+fn h16_4_a_second_store_on_a_directory_is_refused_naming_the_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, first) = open(config(dir.path(), 4, 4));
+    h.store(&keys(0..3)).unwrap();
+    let pid = std::process::id();
+    match DiskStore::open(config(dir.path(), 4, 4)) {
+        Err(e @ tierkv_disk::DiskError::Locked { .. }) => {
+            let message = e.to_string();
+            assert!(message.contains(&format!("pid {pid}")), "{message}");
+            assert!(message.contains(&dir.path().display().to_string()), "{message}");
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("two stores opened the same directory"),
+    }
+    // The first store is untouched by the refused open, and its lock goes with it.
+    h.assert_loads(&keys(0..3));
+    drop(h);
+    drop(first);
+    let (mut h, _) = open(config(dir.path(), 4, 4));
+    h.assert_loads(&keys(0..3));
+}
+
+#[test]
+fn h16_5_odd_files_named_like_segments_are_skipped_and_never_used() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 4, 2));
+        h.store(&keys(0..2)).unwrap();
+    }
+    // Segment 0 holds the records; 1, 2 and 3 are a directory, a FIFO and a symlink.
+    std::fs::create_dir(segment(dir.path(), 1)).unwrap();
+    let fifo = std::ffi::CString::new(segment(dir.path(), 2).to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    let elsewhere = tempfile::NamedTempFile::new().unwrap();
+    std::os::unix::fs::symlink(elsewhere.path(), segment(dir.path(), 3)).unwrap();
+
+    let (mut h, store) = open(config(dir.path(), 4, 2));
+    assert_eq!(store.recovered().skipped_files, 3);
+    assert_eq!(store.recovered().records, 2);
+    h.assert_loads(&keys(0..2));
+    // With the other three ids unusable, a store evicts segment 0 and reuses its file; the odd
+    // entries stay as they were.
+    h.store(&keys(2..4)).unwrap();
+    h.assert_loads(&keys(2..4));
+    assert!(segment(dir.path(), 1).is_dir());
+    assert!(std::fs::symlink_metadata(segment(dir.path(), 3)).unwrap().file_type().is_symlink());
+    assert_eq!(std::fs::metadata(elsewhere.path()).unwrap().len(), 0, "a symlink is not followed");
+}
+
+#[test]
+fn h16_6_the_directory_and_segment_files_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("tier");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    {
+        let (mut h, _) = open(config(&dir, 4, 2));
+        h.store(&keys(0..3)).unwrap();
+    }
+    assert_eq!(mode(&dir), 0o700);
+    for id in 0..2 {
+        assert_eq!(mode(&segment(&dir, id)), 0o600, "segment {id}");
+    }
+    // A directory and files left readable by an earlier version are tightened at open.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(segment(&dir, 0), std::fs::Permissions::from_mode(0o644)).unwrap();
+    {
+        let (mut h, _) = open(config(&dir, 4, 2));
+        h.assert_loads(&keys(0..3));
+    }
+    assert_eq!((mode(&dir), mode(&segment(&dir, 0))), (0o700, 0o600));
+    // With a group, the group may read.
+    // SAFETY: getegid cannot fail.
+    let gid = unsafe { libc::getegid() };
+    {
+        let (mut h, _) = open(DiskStoreConfig { group: Some(gid), ..config(&dir, 4, 2) });
+        h.assert_loads(&keys(0..3));
+    }
+    assert_eq!((mode(&dir), mode(&segment(&dir, 0))), (0o750, 0o640));
+}
+
+#[test]
+fn h16_3_a_store_opened_on_a_full_filesystem_becomes_writable_when_space_returns() {
+    let Some(mount) = Mounted::tmpfs("2m") else {
+        return;
+    };
+    let dir = mount.path().join("tier");
+    {
+        let (mut h, _) = open(config(&dir, 4, 2));
+        h.store(&keys(0..2)).unwrap();
+    }
+    // Fill the filesystem to the last byte.
+    let filler = mount.path().join("filler");
+    let chunk = vec![1u8; 64 << 10];
+    let mut file = std::fs::File::create(&filler).unwrap();
+    while std::io::Write::write_all(&mut file, &chunk).is_ok() {}
+    while std::io::Write::write_all(&mut file, &chunk[..512]).is_ok() {}
+    drop(file);
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(&dir, 4, 2)));
+    let gauge = |snapshotter: &Snapshotter| {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .find(|(k, ..)| k.key().name() == "tierkv_disk_read_only")
+            .map(|(.., v)| if let DebugValue::Gauge(g) = v { g.into_inner() } else { -1.0 })
+    };
+    let why = store.read_only().expect("a full filesystem must be reported");
+    assert!(why.contains("No space left"), "{why}");
+    assert_eq!(gauge(&snapshotter), Some(1.0));
+    h.assert_loads(&keys(0..2));
+    assert!(h.store(&[key(7)]).is_err(), "stores are refused while read-only");
+    assert!(!store.retry_writable(), "still full");
+
+    std::fs::remove_file(&filler).unwrap();
+    assert!(metrics::with_local_recorder(&recorder, || store.retry_writable()));
+    assert_eq!(store.read_only(), None);
+    assert_eq!(gauge(&snapshotter), Some(0.0));
+    // Writable again, in every segment: fill them all so old files are reused too.
+    h.store(&keys(10..18)).unwrap();
+    h.assert_loads(&keys(16..18));
+}

@@ -342,6 +342,11 @@ pub struct TierReport {
     pub objects: u64,
     /// Chunks of lookup hits this tier served.
     pub hit_chunks: u64,
+    /// Why the tier refuses stores, while it does (the disk tier, when its directory cannot be
+    /// written: full, read-only, or unwritable; it retries and clears this when it can write
+    /// again); `None` (nil) otherwise.
+    #[serde(default)]
+    pub read_only: Option<String>,
 }
 
 /// One connected session in a status report.

@@ -170,6 +170,7 @@ fn replies() -> Vec<(&'static str, ReplyBody)> {
                     capacity_bytes: 3,
                     objects: 4,
                     hit_chunks: 5,
+                    read_only: None,
                 }],
                 l1_leased_chunks: 6,
                 lookups: 7,

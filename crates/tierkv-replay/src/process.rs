@@ -81,6 +81,8 @@ pub struct TierChunks {
 pub struct SpawnedDaemon {
     process: Reaped,
     socket: PathBuf,
+    /// The daemon's `server.token`: the warm-up's `clear` needs it.
+    token: String,
     // Dropped after the process: the daemon removes its socket and syncs the disk tier first.
     _dir: tempfile::TempDir,
 }
@@ -100,7 +102,16 @@ impl SpawnedDaemon {
             .map_err(|e| ReplayError::io("create the daemon's directory", e))?;
         let socket = dir.path().join("tierkv.sock");
         let config = dir.path().join("tierkv.toml");
-        std::fs::write(&config, daemon_config(dir.path(), chunk_bytes, tiers, policy)?)
+        // Not a secret worth guarding (the socket is the daemon user's only): it lets this
+        // replay's own admin session clear the daemon it started.
+        let token = format!(
+            "replay-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        );
+        std::fs::write(&config, daemon_config(dir.path(), chunk_bytes, tiers, policy, &token)?)
             .map_err(|e| ReplayError::io("write the daemon's configuration", e))?;
         let log_path = dir.path().join("daemon.log");
         let log = std::fs::File::create(&log_path)
@@ -132,12 +143,17 @@ impl SpawnedDaemon {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(SpawnedDaemon { process, socket, _dir: dir })
+        Ok(SpawnedDaemon { process, socket, token, _dir: dir })
     }
 
     /// Its Unix socket.
     pub fn socket(&self) -> &Path {
         &self.socket
+    }
+
+    /// Its `server.token`, which admin sessions present to `clear`.
+    pub fn token(&self) -> &str {
+        &self.token
     }
 
     /// Stops it (SIGTERM, the daemon drains and syncs).
@@ -155,6 +171,7 @@ fn daemon_config(
     chunk_bytes: u64,
     tiers: TierChunks,
     policy: PolicyKind,
+    token: &str,
 ) -> Result<String, ReplayError> {
     let policy = policy.as_str();
     let bytes = |chunks: u64, per_chunk: u64| {
@@ -163,7 +180,7 @@ fn daemon_config(
         })
     };
     let mut text = format!(
-        "[server]\nsocket = {socket}\nmax_frame = \"64MiB\"\n\n[metrics]\nenabled = false\n\n\
+        "[server]\nsocket = {socket}\ntoken = \"{token}\"\nmax_frame = \"64MiB\"\n\n[metrics]\nenabled = false\n\n\
          [l1]\ndevice = \"emulated\"\ncapacity = {l1}\nslot = {chunk_bytes}\npolicy = \"{policy}\"\n\
          lease_ttl = \"1h\"\nwatermark_high = 1.0\nwatermark_low = 1.0\nshards = 1\n\n",
         socket = toml_string(&dir.join("tierkv.sock"))?,

@@ -198,7 +198,8 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     if let Target::Spawn { tiers, .. } = &plan.target
         && let Some(first) = workers.first_mut()
     {
-        warm_up(first, &socket, tiers.l1.max(tiers.l2))?;
+        let token = spawned.as_ref().map(|d| d.token().to_string());
+        warm_up(first, &socket, token, tiers.l1.max(tiers.l2))?;
     }
 
     let bar = progress_bar(trace.requests.len() as u64, plan.progress, "requests");
@@ -291,14 +292,15 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
 fn warm_up(
     worker: &mut WorkerProcess,
     socket: &std::path::Path,
+    token: Option<String>,
     chunks: u64,
 ) -> Result<(), ReplayError> {
     worker.send(&Step::Warm { chunks })?;
     worker.receive()?;
     let daemon =
         |what: &str, e: tierkv_client::ClientError| ReplayError::Daemon(format!("{what}: {e}"));
-    let mut admin =
-        Client::connect_unix(socket, Client::admin_hello()).map_err(|e| daemon("connect", e))?;
+    let hello = tierkv_client::proto::Hello { token, ..Client::admin_hello() };
+    let mut admin = Client::connect_unix(socket, hello).map_err(|e| daemon("connect", e))?;
     let deadline = Instant::now() + Duration::from_secs(120);
     while admin.status().map_err(|e| daemon("status", e))?.store_in_flight > 0 {
         if Instant::now() > deadline {

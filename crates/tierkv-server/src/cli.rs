@@ -40,6 +40,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Empties every tier of what nobody holds. Needs the daemon's token: from --config (its
+    /// server.token) or the environment variable TIERKV_TOKEN.
+    Clear {
+        /// The daemon's socket; taken from --config, or the default's, without it.
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// The configuration the daemon runs with (its socket and token).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
     /// Configuration files.
     Config {
         #[command(subcommand)]
@@ -70,6 +80,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve { config } => serve(config.as_deref()),
         Command::Status { socket, config, json } => status(socket, config.as_deref(), json),
+        Command::Clear { socket, config } => clear(socket, config.as_deref()),
         Command::Config { action: ConfigAction::Check { file } } => check(&file),
         Command::Config { action: ConfigAction::Default } => print(DEFAULT_TOML),
         Command::Replay(args) => replay::replay(*args).and_then(|text| print(&text)),
@@ -99,6 +110,9 @@ fn serve(path: Option<&Path>) -> Result<(), String> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colours are escape codes: only a terminal shows them; a file or a journal keeps
+        // them as noise.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let config = load(path)?;
     let source =
@@ -145,9 +159,42 @@ fn status(socket: Option<PathBuf>, config: Option<&Path>, json: bool) -> Result<
     print(&render(&report))
 }
 
+fn clear(socket: Option<PathBuf>, config: Option<&Path>) -> Result<(), String> {
+    let loaded = load(config)?;
+    let socket = socket.unwrap_or(loaded.server.socket);
+    let token = std::env::var("TIERKV_TOKEN").ok().or(loaded.server.token).ok_or(
+        "clear needs the daemon's token: give --config with its server.token, or set TIERKV_TOKEN",
+    )?;
+    let hello = tierkv_proto::Hello { token: Some(token), ..Client::admin_hello() };
+    let mut client = Client::connect_unix(&socket, hello).map_err(|e| {
+        format!("no daemon accepts this admin session on {}: {e}", socket.display())
+    })?;
+    let tiers = client.status().map_err(|e| e.to_string())?.tiers;
+    let removed = client.clear().map_err(|e| e.to_string())?;
+    let _ = client.end();
+    let parts: Vec<String> = removed
+        .iter()
+        .enumerate()
+        .map(|(i, n)| format!("{} {n}", tiers.get(i).map_or("tier", |t| t.name.as_str())))
+        .collect();
+    print(&format!("cleared: {}\n", parts.join(", ")))
+}
+
 fn check(file: &Path) -> Result<(), String> {
-    DaemonConfig::from_file(file).map_err(|e| e.to_string())?;
-    print(&format!("{}: ok\n", file.display()))
+    match DaemonConfig::from_file(file) {
+        Ok(_) => print(&format!("{}: ok\n", file.display())),
+        Err(e) => {
+            let all = e.all();
+            if all.len() == 1 {
+                return Err(e.to_string());
+            }
+            let mut stderr = std::io::stderr().lock();
+            for error in &all {
+                let _ = writeln!(stderr, "{error}");
+            }
+            Err(format!("{}: {} errors", file.display(), all.len()))
+        }
+    }
 }
 
 fn print(text: &str) -> Result<(), String> {
@@ -177,6 +224,11 @@ pub fn render(report: &StatusReport) -> String {
             t.objects,
             t.hit_chunks
         ));
+    }
+    for t in &report.tiers {
+        if let Some(why) = &t.read_only {
+            out.push_str(&format!("{} is READ-ONLY (stores refused, retrying): {why}\n", t.name));
+        }
     }
     out.push_str(&format!(
         "\nlookups {}: {} of {} chunks hit ({:.1}%), {} of {} tokens\n",

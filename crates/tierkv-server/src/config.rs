@@ -14,6 +14,7 @@
 mod raw;
 mod size;
 
+use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -71,7 +72,39 @@ pub enum ConfigError {
         /// What is wrong.
         message: String,
     },
+    /// Several errors, in the file's order: every unknown key, every value that cannot be
+    /// read, every value out of range (`tierkv config check` lists them all).
+    #[error("{}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n"))]
+    Many(Vec<ConfigError>),
 }
+
+impl ConfigError {
+    /// Where the error is, when the file writes it.
+    pub fn position(&self) -> Option<Position> {
+        match self {
+            ConfigError::Syntax { at, .. } | ConfigError::Invalid { at, .. } => *at,
+            ConfigError::Read { .. } | ConfigError::Many(_) => None,
+        }
+    }
+
+    /// The errors this one stands for: itself, or each of `Many`.
+    pub fn all(&self) -> Vec<&ConfigError> {
+        match self {
+            ConfigError::Many(errors) => errors.iter().collect(),
+            other => vec![other],
+        }
+    }
+
+    /// One error, or `Many` sorted by line (errors without a line last).
+    fn from_all(mut errors: Vec<ConfigError>) -> ConfigError {
+        errors.sort_by_key(|e| e.position().map_or((usize::MAX, 0), |p| (p.line, p.column)));
+        if errors.len() == 1 { errors.remove(0) } else { ConfigError::Many(errors) }
+    }
+}
+
+/// A check that later checks cannot do without (a divisor that is zero): its error is already
+/// recorded, and the section stops there.
+struct Stop;
 
 /// A place in a configuration file, 1-based, as editors count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,8 +141,12 @@ pub struct ServerConfig {
     pub token: Option<String>,
     /// The largest request frame accepted, at least [`MIN_FRAME_LIMIT`].
     pub max_frame_bytes: u32,
-    /// Connections served at once.
+    /// Connections served at once (the daemon lowers it at start to what its descriptor limit
+    /// allows).
     pub max_connections: usize,
+    /// The group that may connect to the socket: the socket is `0660` and owned by this group;
+    /// `None`: `0600`, the daemon's user only.
+    pub socket_group: Option<u32>,
 }
 
 /// Where `/metrics` is served.
@@ -140,35 +177,103 @@ impl DaemonConfig {
             message: e.message().trim_end().to_string(),
         };
         let doc = DeTable::parse(text).map_err(syntax)?;
-        let file = File { origin, text, doc: doc.get_ref() };
-        let raw = Raw::deserialize(toml::de::Deserializer::from(doc.clone()))
-            .map_err(|e| file.refused(e))?;
-        let server = server(&file, &raw.server)?;
-        let storage = storage(&file, &raw)?;
-        Ok(DaemonConfig {
-            server,
-            metrics: MetricsConfig { listen: raw.metrics.enabled.then_some(raw.metrics.listen) },
-            storage,
-        })
+        let file = File {
+            origin,
+            text,
+            doc: doc.get_ref(),
+            errors: RefCell::new(Vec::new()),
+            unreadable: RefCell::new(Vec::new()),
+        };
+        // serde stops at the first unknown key or unreadable value: note it, drop the key (it
+        // takes its default) and read again, until the rest reads.
+        let mut readable = doc.clone();
+        let raw = loop {
+            match Raw::deserialize(toml::de::Deserializer::from(readable.clone())) {
+                Ok(raw) => break raw,
+                Err(e) => {
+                    let error = file.refused(e);
+                    let key = match &error {
+                        ConfigError::Invalid { key, .. } => Some(key.clone()),
+                        _ => None,
+                    };
+                    file.errors.borrow_mut().push(error);
+                    match key {
+                        Some(key) if remove_key(readable.get_mut(), &key) => {
+                            file.unreadable.borrow_mut().push(key);
+                        }
+                        _ => return Err(ConfigError::from_all(file.errors.take())),
+                    }
+                }
+            }
+        };
+        let server = server(&file, &raw.server);
+        let storage = storage(&file, &raw);
+        let errors = file.errors.take();
+        match (server, storage) {
+            (Ok(server), Ok(storage)) if errors.is_empty() => Ok(DaemonConfig {
+                server,
+                metrics: MetricsConfig {
+                    listen: raw.metrics.enabled.then_some(raw.metrics.listen),
+                },
+                storage,
+            }),
+            _ => Err(ConfigError::from_all(errors)),
+        }
     }
 }
 
-/// The file being checked: its name, its text, and its keys with their spans.
+/// Removes the key at the dotted `path` from `table`; whether it was there.
+fn remove_key(table: &mut DeTable<'_>, path: &str) -> bool {
+    match path.split_once('.') {
+        None => {
+            let key = table.keys().find(|key| key.get_ref() == path).cloned();
+            key.is_some_and(|key| table.remove(&key).is_some())
+        }
+        Some((first, rest)) => table.iter_mut().any(|(key, value)| {
+            if key.get_ref() != first {
+                return false;
+            }
+            match value.get_mut() {
+                DeValue::Table(inner) => remove_key(inner, rest),
+                _ => false,
+            }
+        }),
+    }
+}
+
+/// The file being checked: its name, its text, its keys with their spans, and every error
+/// found so far.
 struct File<'a> {
     origin: &'a str,
     text: &'a str,
     doc: &'a DeTable<'a>,
+    errors: RefCell<Vec<ConfigError>>,
+    /// Keys whose values could not be read: they took their defaults, and checks that involve
+    /// them are skipped (their verdict would be about a value the file does not hold).
+    unreadable: RefCell<Vec<String>>,
 }
 
 impl File<'_> {
-    /// Refuses unless `ok`; see [`File::refuse`].
-    fn ensure(
-        &self,
-        ok: bool,
-        keys: &[&str],
-        why: impl FnOnce() -> String,
-    ) -> Result<(), ConfigError> {
-        if ok { Ok(()) } else { Err(self.refuse(keys, why())) }
+    /// Records an error unless `ok` (see [`File::refuse`]); checking goes on.
+    fn ensure(&self, ok: bool, keys: &[&str], why: impl FnOnce() -> String) -> Result<(), Stop> {
+        if !ok && !self.involves_unreadable(keys) {
+            self.errors.borrow_mut().push(self.refuse(keys, why()));
+        }
+        Ok(())
+    }
+
+    /// Like [`File::ensure`], but the section stops at a failure: later checks depend on it.
+    fn require(&self, ok: bool, keys: &[&str], why: impl FnOnce() -> String) -> Result<(), Stop> {
+        if ok {
+            return Ok(());
+        }
+        self.ensure(false, keys, why)?;
+        Err(Stop)
+    }
+
+    fn involves_unreadable(&self, keys: &[&str]) -> bool {
+        let unreadable = self.unreadable.borrow();
+        keys.iter().any(|key| unreadable.iter().any(|u| u == key))
     }
 
     /// An error blaming the first of `keys` the file writes, at its line; the first key, with no
@@ -230,7 +335,7 @@ fn position(text: &str, offset: usize) -> Position {
     }
 }
 
-fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, ConfigError> {
+fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, Stop> {
     let socket_len = s.socket.as_os_str().len();
     file.ensure((1..=MAX_SOCKET_PATH).contains(&socket_len), &["server.socket"], || {
         format!("a Unix socket path takes 1 to {MAX_SOCKET_PATH} bytes, got {socket_len}")
@@ -242,14 +347,14 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, ConfigError>
     file.ensure(token_len >= 16, &["server.token"], || {
         format!("must be at least 16 characters, got {token_len}")
     })?;
-    let Some(max_frame_bytes) = u32::try_from(s.max_frame.0).ok().filter(|&b| b >= MIN_FRAME_LIMIT)
-    else {
-        let why = format!(
+    let max_frame_bytes = u32::try_from(s.max_frame.0).ok().filter(|&b| b >= MIN_FRAME_LIMIT);
+    file.ensure(max_frame_bytes.is_some(), &["server.max_frame"], || {
+        format!(
             "must be at least {MIN_FRAME_LIMIT} bytes (4KiB) and below 4GiB, got {}",
             s.max_frame.0
-        );
-        return Err(file.refuse(&["server.max_frame"], why));
-    };
+        )
+    })?;
+    let max_frame_bytes = max_frame_bytes.unwrap_or(MIN_FRAME_LIMIT);
     file.ensure(s.max_connections > 0, &["server.max_connections"], || "must be positive".into())?;
     Ok(ServerConfig {
         socket: s.socket.clone(),
@@ -257,16 +362,12 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, ConfigError>
         token: s.token.clone(),
         max_frame_bytes,
         max_connections: s.max_connections,
+        socket_group: group(file, "server.socket_group", s.socket_group.as_deref())?,
     })
 }
 
 /// Background eviction thresholds: `0 < low <= high <= 1`, as the tiers require.
-fn watermark(
-    file: &File<'_>,
-    section: &str,
-    high: f64,
-    low: f64,
-) -> Result<Watermark, ConfigError> {
+fn watermark(file: &File<'_>, section: &str, high: f64, low: f64) -> Result<Watermark, Stop> {
     let (high_key, low_key) =
         (format!("{section}.watermark_high"), format!("{section}.watermark_low"));
     file.ensure(high > 0.0 && high <= 1.0, &[&high_key], || {
@@ -279,15 +380,15 @@ fn watermark(
 }
 
 /// Refuses a tier of more slots than the tiers' `u32` slot numbers count.
-fn slot_count(file: &File<'_>, keys: &[&str], slots: u64) -> Result<(), ConfigError> {
+fn slot_count(file: &File<'_>, keys: &[&str], slots: u64) -> Result<(), Stop> {
     file.ensure(slots <= u64::from(u32::MAX), keys, || {
         format!("{slots} slots (capacity / slot) exceed the limit of {}", u32::MAX)
     })
 }
 
-fn l1(file: &File<'_>, s: &raw::L1) -> Result<L1Config, ConfigError> {
+fn l1(file: &File<'_>, s: &raw::L1) -> Result<L1Config, Stop> {
     let (capacity, slot) = (s.capacity.0, s.slot.0);
-    file.ensure(slot > 0, &["l1.slot"], || "must be positive".into())?;
+    file.require(slot > 0, &["l1.slot"], || "must be positive".into())?;
     file.ensure(capacity >= slot, &["l1.capacity", "l1.slot"], || {
         format!("l1.capacity ({capacity} bytes) cannot hold one l1.slot ({slot} bytes)")
     })?;
@@ -316,9 +417,9 @@ fn l1(file: &File<'_>, s: &raw::L1) -> Result<L1Config, ConfigError> {
     })
 }
 
-fn l2(file: &File<'_>, raw: &Raw) -> Result<Option<HostStoreConfig>, ConfigError> {
+fn l2(file: &File<'_>, raw: &Raw) -> Result<Option<HostStoreConfig>, Stop> {
     let (s, slot) = (&raw.l2, raw.l1.slot.0);
-    if !s.enabled {
+    if !s.enabled || slot == 0 {
         return Ok(None);
     }
     let capacity = s.capacity.0;
@@ -338,14 +439,14 @@ fn l2(file: &File<'_>, raw: &Raw) -> Result<Option<HostStoreConfig>, ConfigError
     }))
 }
 
-fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, ConfigError> {
+fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, Stop> {
     let (s, slot) = (&raw.disk, raw.l1.slot.0);
-    if !s.enabled {
+    if !s.enabled || slot == 0 {
         return Ok(None);
     }
     let (capacity, segment) = (s.capacity.0, s.segment.0);
     file.ensure(!s.dir.as_os_str().is_empty(), &["disk.dir"], || "must not be empty".into())?;
-    file.ensure(segment > 0 && segment.is_multiple_of(BLOCK), &["disk.segment"], || {
+    file.require(segment > 0 && segment.is_multiple_of(BLOCK), &["disk.segment"], || {
         format!("must be a positive multiple of {BLOCK} bytes, got {segment}")
     })?;
     // A segment holds its header block and at least one record of a whole slot.
@@ -376,11 +477,36 @@ fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, ConfigErr
         io_threads: s.io_threads,
         read_mode: s.read_mode,
         policy: s.policy,
+        group: group(file, "disk.group", s.group.as_deref())?,
     }))
 }
 
-fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, ConfigError> {
-    let (l1, l2, disk) = (l1(file, &raw.l1)?, l2(file, raw)?, disk(file, raw)?);
+/// A group given by name or number, as its id; refused when the system knows no such group.
+fn group(file: &File<'_>, key: &str, name: Option<&str>) -> Result<Option<u32>, Stop> {
+    let Some(name) = name else { return Ok(None) };
+    let gid = name.parse::<u32>().ok().or_else(|| group_id(name));
+    file.ensure(gid.is_some(), &[key], || format!("no group named {name:?} on this system"))?;
+    Ok(gid)
+}
+
+/// The id of the group `name`, from the system's group database.
+fn group_id(name: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0 as libc::c_char; 16 << 10];
+    // SAFETY: `group` is plain data that getgrnam_r fills in; `buf` outlives the call and its
+    // length is passed; `found` is set to null or to `&group`.
+    unsafe {
+        let mut group: libc::group = std::mem::zeroed();
+        let mut found: *mut libc::group = std::ptr::null_mut();
+        let rc =
+            libc::getgrnam_r(name.as_ptr(), &mut group, buf.as_mut_ptr(), buf.len(), &mut found);
+        (rc == 0 && !found.is_null()).then_some(group.gr_gid)
+    }
+}
+
+fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
+    // Each tier is checked whatever the others' verdict.
+    let (l1, l2, disk) = (l1(file, &raw.l1), l2(file, raw), disk(file, raw));
     let l2_watermark = watermark(file, "l2", raw.l2.watermark_high, raw.l2.watermark_low)?;
     let s = &raw.storage;
     file.ensure(s.disk_admission_min_reads > 0, &["storage.disk_admission_min_reads"], || {
@@ -393,9 +519,9 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, ConfigError> {
         "must be positive".into()
     })?;
     Ok(StorageConfig {
-        l1,
-        l2,
-        disk,
+        l1: l1?,
+        l2: l2?,
+        disk: disk?,
         prefetch: PrefetchConfig {
             max_in_flight: s.prefetch_max_in_flight,
             drain_timeout: s.prefetch_drain_timeout,

@@ -3,10 +3,11 @@
 //! returned, the pipelines drained and the disk tier synced, the socket file removed.
 
 use std::net::SocketAddr;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tierkv_proto::{ErrorCode, Reply, ReplyBody, Request, RequestBody, RequestHeader};
 use tierkv_storage::StorageManager;
@@ -21,12 +22,49 @@ use crate::session::{Daemon, Session, Transport};
 /// How long shutdown waits for connections to finish their request in flight.
 const DRAIN: Duration = Duration::from_secs(10);
 
+/// The slowest retry of a failing accept: the bound of the back-off.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// The first retry of a failing accept; each further failure doubles the wait.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+/// Accept failures are logged at most once per this interval (with a count of the rest).
+const ACCEPT_LOG_INTERVAL: Duration = Duration::from_secs(10);
+/// Descriptors the daemon keeps for itself beside its connections: the runtime, listeners,
+/// the metrics endpoint, logs, descriptors riding on frames, a refused connection's own.
+/// The disk tier's segment files are counted on top.
+const RESERVED_FDS: u64 = 64;
+
 /// Why the daemon could not start or stop cleanly.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     /// Another daemon answers on the socket.
-    #[error("another daemon is already serving on {0}")]
+    #[error(
+        "another tierkv daemon is serving on {0}; stop it first, or give this one another server.socket"
+    )]
     SocketInUse(PathBuf),
+    /// The socket path holds something that is not a socket.
+    #[error(
+        "{} is {what}, not a socket; refusing to replace it (remove it, or choose another \
+         server.socket)",
+        path.display()
+    )]
+    NotASocket {
+        /// The path.
+        path: PathBuf,
+        /// What it is.
+        what: &'static str,
+    },
+    /// The descriptor limit leaves no room for connections.
+    #[error(
+        "the limit on open files (RLIMIT_NOFILE, {limit}) leaves no room for connections: the \
+         daemon keeps {reserved} for itself (the disk tier's segment files included); raise it \
+         (ulimit -n, LimitNOFILE= in systemd)"
+    )]
+    FdLimit {
+        /// The limit.
+        limit: u64,
+        /// What the daemon needs beside connections.
+        reserved: u64,
+    },
     /// A listener could not be set up.
     #[error("cannot listen on {what}: {source}")]
     Listen {
@@ -59,16 +97,20 @@ pub struct Endpoints {
 
 /// Runs the daemon until `stop` resolves (the CLI passes the signals).
 pub async fn serve(
-    config: DaemonConfig,
+    mut config: DaemonConfig,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), ServeError> {
+    // Before anything binds: a second daemon on the same socket would otherwise fail on the
+    // metrics port, with a message about the port.
+    check_socket(&config.server.socket)?;
+    config.server.max_connections = fit_connections(&config)?;
     let _exporter = crate::metrics::install_exporter(config.metrics.listen)?;
     let storage_config = config.storage.clone();
     let storage = tokio::task::spawn_blocking(move || StorageManager::start(storage_config))
         .await
         .map_err(|e| std::io::Error::other(format!("the storage start-up thread failed: {e}")))??;
     let daemon = Arc::new(Daemon::new(storage, config.server.token.clone()));
-    let unix = bind_unix(&config.server.socket)?;
+    let unix = bind_unix(&config.server.socket, config.server.socket_group)?;
     let tcp = match config.server.tcp {
         Some(addr) => Some(
             TcpListener::bind(addr)
@@ -89,19 +131,35 @@ pub async fn serve(
     let open = Arc::new(AtomicUsize::new(0));
     let limits =
         Limits { frame: config.server.max_frame_bytes, connections: config.server.max_connections };
+    let mut backoff = AcceptBackoff::default();
     tokio::pin!(stop);
     loop {
-        let (stream, transport) = tokio::select! {
+        let failed = tokio::select! {
             _ = &mut stop => break,
             accepted = unix.accept() => match accepted {
-                Ok((s, _)) => (Stream::Unix(s), Transport::Unix),
-                Err(e) => { tracing::warn!("accept on the Unix socket failed: {e}"); continue }
+                Ok((s, _)) => Ok((Stream::Unix(s), Transport::Unix)),
+                Err(e) => Err(("the Unix socket", e)),
             },
             accepted = accept_tcp(tcp.as_ref()) => match accepted {
-                Ok(s) => (Stream::Tcp(s), Transport::Tcp),
-                Err(e) => { tracing::warn!("accept on TCP failed: {e}"); continue }
+                Ok(s) => Ok((Stream::Tcp(s), Transport::Tcp)),
+                Err(e) => Err(("TCP", e)),
             },
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let (stream, transport) = match failed {
+            Ok(accepted) => {
+                backoff.succeeded();
+                accepted
+            }
+            Err((listener, e)) => {
+                // Out of descriptors, an accept fails at once, every time: retrying without a
+                // pause would spin a core and flood the log. Wait, still answering a stop.
+                let pause = backoff.failed(listener, &e);
+                tokio::select! {
+                    _ = &mut stop => break,
+                    _ = tokio::time::sleep(pause) => continue,
+                }
+            }
         };
         let conn = Conn::new(stream, limits.frame);
         let slot = Slot::take(&open, limits.connections);
@@ -140,6 +198,96 @@ struct Limits {
     connections: usize,
 }
 
+/// The pause after failed accepts: doubling from [`ACCEPT_BACKOFF_MIN`] to
+/// [`ACCEPT_BACKOFF_MAX`], and a log line at most every [`ACCEPT_LOG_INTERVAL`].
+#[derive(Default)]
+struct AcceptBackoff {
+    pause: Duration,
+    /// Failures since the last log line.
+    unlogged: u64,
+    /// Failures since the last success.
+    failures: u64,
+    logged: Option<Instant>,
+}
+
+impl AcceptBackoff {
+    /// Counts a failure; returns how long to wait before accepting again.
+    fn failed(&mut self, listener: &str, e: &std::io::Error) -> Duration {
+        self.failures += 1;
+        self.unlogged += 1;
+        self.pause = (self.pause * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
+        if self.logged.is_none_or(|at| at.elapsed() >= ACCEPT_LOG_INTERVAL) {
+            let hint = match e.raw_os_error() {
+                Some(libc::EMFILE | libc::ENFILE) => {
+                    " (out of file descriptors: lower server.max_connections or raise the limit)"
+                }
+                _ => "",
+            };
+            tracing::warn!(
+                "accept on {listener} failed {} time(s) since the last report: {e}{hint}; \
+                 retrying every {:?} at most",
+                self.unlogged,
+                ACCEPT_BACKOFF_MAX
+            );
+            self.unlogged = 0;
+            self.logged = Some(Instant::now());
+        }
+        self.pause
+    }
+
+    /// An accept worked: back to full speed.
+    fn succeeded(&mut self) {
+        if self.failures > 0 {
+            tracing::info!("accepting connections again after {} failed accept(s)", self.failures);
+            *self = AcceptBackoff::default();
+        }
+    }
+}
+
+/// What the configuration asks of the descriptor limit: `server.max_connections`, lowered
+/// (with a warning) to what `RLIMIT_NOFILE` leaves after the daemon's own descriptors. The soft
+/// limit is raised to the hard one first.
+fn fit_connections(config: &DaemonConfig) -> Result<usize, ServeError> {
+    let wanted = config.server.max_connections;
+    let segments = config
+        .storage
+        .disk
+        .as_ref()
+        .map_or(0, |d| d.capacity_bytes.checked_div(d.segment_bytes).unwrap_or(0));
+    let reserved = RESERVED_FDS + segments;
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we pass.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        tracing::warn!(
+            "cannot read the limit on open files: {}; assuming it fits",
+            std::io::Error::last_os_error()
+        );
+        return Ok(wanted);
+    }
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+        // SAFETY: setrlimit reads the struct we pass.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit = raised;
+        }
+    }
+    let available = limit.rlim_cur.saturating_sub(reserved);
+    if available == 0 {
+        return Err(ServeError::FdLimit { limit: limit.rlim_cur, reserved });
+    }
+    let fits = usize::try_from(available).unwrap_or(usize::MAX);
+    if fits < wanted {
+        tracing::warn!(
+            "server.max_connections lowered from {wanted} to {fits}: the limit on open files \
+             (RLIMIT_NOFILE) is {}, and the daemon keeps {reserved} for itself; raise the limit \
+             (ulimit -n, LimitNOFILE= in systemd) to serve {wanted}",
+            limit.rlim_cur
+        );
+        return Ok(fits);
+    }
+    Ok(wanted)
+}
+
 /// A place among the open connections; `None` when the daemon is full.
 struct Slot(Option<Arc<AtomicUsize>>);
 
@@ -173,12 +321,42 @@ async fn accept_tcp(listener: Option<&TcpListener>) -> std::io::Result<tokio::ne
     }
 }
 
-/// Binds the Unix socket, replacing a stale socket file but never a live daemon's.
-fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(ServeError::SocketInUse(path.to_path_buf()));
+/// Refuses a socket path that a live daemon answers on, or that holds anything but a socket.
+/// A socket nobody answers on is stale: [`bind_unix`] replaces it.
+fn check_socket(path: &Path) -> Result<(), ServeError> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(ServeError::Listen { what: path.display().to_string(), source });
         }
+    };
+    let kind = meta.file_type();
+    if !kind.is_socket() {
+        let what = if kind.is_file() {
+            "a regular file"
+        } else if kind.is_dir() {
+            "a directory"
+        } else if kind.is_symlink() {
+            "a symbolic link"
+        } else if kind.is_fifo() {
+            "a FIFO"
+        } else {
+            "a device or other special file"
+        };
+        return Err(ServeError::NotASocket { path: path.to_path_buf(), what });
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(ServeError::SocketInUse(path.to_path_buf()));
+    }
+    Ok(())
+}
+
+/// Binds the Unix socket, replacing a stale socket file but nothing else. The socket is `0600`,
+/// or `0660` and owned by `group`: only they may connect (and `clear` needs the token besides).
+fn bind_unix(path: &Path, group: Option<u32>) -> Result<UnixListener, ServeError> {
+    check_socket(path)?;
+    if std::fs::symlink_metadata(path).is_ok() {
         std::fs::remove_file(path).map_err(|source| ServeError::Listen {
             what: format!("{} (removing a stale socket file)", path.display()),
             source,
@@ -188,8 +366,21 @@ fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
         std::fs::create_dir_all(parent)
             .map_err(|source| ServeError::Listen { what: parent.display().to_string(), source })?;
     }
-    UnixListener::bind(path)
-        .map_err(|source| ServeError::Listen { what: path.display().to_string(), source })
+    let listen = |source| ServeError::Listen { what: path.display().to_string(), source };
+    // The socket is created with the umask's mode; make that owner-only, so nobody else can
+    // connect in the moment before its mode is set.
+    // SAFETY: umask only swaps the process's file creation mask.
+    let umask = unsafe { libc::umask(0o177) };
+    let bound = UnixListener::bind(path);
+    // SAFETY: as above, restoring the previous mask.
+    unsafe { libc::umask(umask) };
+    let listener = bound.map_err(listen)?;
+    if let Some(gid) = group {
+        std::os::unix::fs::lchown(path, None, Some(gid)).map_err(listen)?;
+    }
+    let mode = if group.is_some() { 0o660 } else { 0o600 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(listen)?;
+    Ok(listener)
 }
 
 async fn serve_connection(

@@ -93,7 +93,8 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Wraps a started StorageManager. `token` is what TCP clients must present.
+    /// Wraps a started StorageManager. `token` is what TCP clients, and admins that `clear`,
+    /// must present.
     pub fn new(storage: StorageManager, token: Option<String>) -> Self {
         let max_chunk_bytes = storage.l1().usage().slot_bytes;
         Daemon {
@@ -131,6 +132,7 @@ impl Daemon {
             capacity_bytes: l1.capacity_bytes,
             objects: l1.writing + l1.leased + l1.cached,
             hit_chunks: hits(0),
+            read_only: None,
         }];
         for (i, (name, usage)) in status.tiers.iter().enumerate() {
             tiers.push(TierReport {
@@ -140,6 +142,7 @@ impl Daemon {
                 capacity_bytes: usage.capacity_bytes,
                 objects: usage.objects,
                 hit_chunks: hits(i + 1),
+                read_only: if name == "disk" { status.disk_read_only.clone() } else { None },
             });
         }
         let hit_chunks: u64 = totals.hit_chunks.iter().sum();
@@ -198,12 +201,14 @@ struct Opened {
     buffers: Vec<RegisteredKv>,
     /// Shares this session may hold on lookups another session made: returned at close.
     joined: HashSet<(u64, u8)>,
+    /// The hello carried the daemon's token (always so over TCP): what `clear` needs.
+    authenticated: bool,
 }
 
 /// How the connection reached the daemon.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
-    /// The Unix socket: descriptors can be passed, no token needed.
+    /// The Unix socket: descriptors can be passed; a token is needed only for `clear`.
     Unix,
     /// TCP: the hello must carry the token.
     Tcp,
@@ -280,7 +285,16 @@ impl Session {
                 self.close();
                 Ok(ReplyBody::Bye)
             }
-            RequestBody::Clear if admin => Ok(self.clear()),
+            RequestBody::Clear if admin && opened.authenticated => Ok(self.clear()),
+            RequestBody::Clear if admin => fail(
+                ErrorCode::Forbidden,
+                if self.daemon.token.is_some() {
+                    "clear needs the daemon's token (server.token) in the admin hello"
+                } else {
+                    "clear needs the daemon's token in the admin hello, and this daemon has \
+                     none: set server.token"
+                },
+            ),
             RequestBody::Clear => fail(ErrorCode::Forbidden, "clear is for admin sessions"),
             _ if admin => {
                 fail(ErrorCode::Forbidden, "admin sessions may only ask status and clear")
@@ -326,12 +340,26 @@ impl Session {
                 ),
             );
         }
-        if self.transport == Transport::Tcp {
-            let given = hello.token.as_deref().unwrap_or("");
-            match &self.daemon.token {
-                Some(token) if constant_time_eq(given.as_bytes(), token.as_bytes()) => {}
-                _ => return fail(ErrorCode::Forbidden, "a TCP session needs the daemon's token"),
+        // Over TCP every session needs the token. Over the Unix socket (whose mode decides who
+        // may connect) a token is optional, but one that is given must be right: it is what
+        // authorises `clear`.
+        let authenticated = match (&hello.token, &self.daemon.token) {
+            (Some(given), Some(token)) => {
+                if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
+                    return fail(ErrorCode::Forbidden, "the hello's token is not the daemon's");
+                }
+                true
             }
+            (Some(_), None) => {
+                return fail(
+                    ErrorCode::Forbidden,
+                    "the hello carries a token, but this daemon has none (server.token)",
+                );
+            }
+            (None, _) => false,
+        };
+        if self.transport == Transport::Tcp && !authenticated {
+            return fail(ErrorCode::Forbidden, "a TCP session needs the daemon's token");
         }
         let worker = hello.role == Role::Worker;
         let bad = |why: String| fail(ErrorCode::BadRequest, why);
@@ -393,6 +421,7 @@ impl Session {
             layout,
             buffers: Vec::new(),
             joined: HashSet::new(),
+            authenticated,
         });
         Ok(reply)
     }

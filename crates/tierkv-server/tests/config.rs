@@ -428,3 +428,71 @@ fn the_config_commands_check_files_and_print_the_default() {
     let stderr = String::from_utf8_lossy(&checked.stderr);
     assert!(stderr.contains("bad.toml:3:") && stderr.contains("l1.capacity"), "{stderr}");
 }
+
+#[test]
+fn h16_6_groups_are_names_or_numbers_and_unknown_ones_are_refused() {
+    let config = parse("[server]\nsocket_group = \"0\"\n[disk]\ngroup = \"root\"\n").unwrap();
+    assert_eq!(config.server.socket_group, Some(0));
+    assert_eq!(config.storage.disk.unwrap().group, Some(0), "root is group 0 by name");
+    let defaults = parse("").unwrap();
+    assert_eq!(defaults.server.socket_group, None, "the socket is private by default");
+    assert_eq!(defaults.storage.disk.unwrap().group, None, "the cache is private by default");
+    let message = assert_refused("[disk]\ngroup = \"no-such-group-h16\"\n", "disk.group", 2);
+    assert!(message.contains("no group named"), "{message}");
+    assert_refused("\n[server]\nsocket_group = \"no-such-group-h16\"\n", "server.socket_group", 3);
+}
+
+#[test]
+fn h16_ops_config_check_reports_every_error_in_a_file() {
+    let text = "\
+[server]
+max_connections = 0
+bogus = 1
+[l1]
+slot = \"a lot\"
+capacity = \"1KiB\"
+lease_ttl = \"0s\"
+[l2]
+workers = 0
+typo = true
+[disk]
+io_threads = 999
+[storage]
+maintenance_interval = \"soon\"
+";
+    let err = parse(text).unwrap_err();
+    let all: Vec<String> = err.all().iter().map(|e| e.to_string()).collect();
+    let expected = [
+        (2, "server.max_connections"),
+        (3, "server.bogus"),
+        (5, "l1.slot"),
+        (7, "l1.lease_ttl"),
+        (9, "l2.workers"),
+        (10, "l2.typo"),
+        (12, "disk.io_threads"),
+        (14, "storage.maintenance_interval"),
+    ];
+    for (line, key) in expected {
+        assert!(
+            all.iter().any(|e| e.starts_with(&format!("test.toml:{line}:")) && e.contains(key)),
+            "{key} (line {line}) missing from:\n{err}"
+        );
+    }
+    // In the file's order, and nothing about l1.capacity: l1.slot could not be read, so
+    // comparing the capacity with the default slot would blame a value the file does not hold.
+    assert_eq!(all.len(), expected.len(), "{err}");
+    let lines: Vec<usize> = err.all().iter().filter_map(|e| e.position()).map(|p| p.line).collect();
+    assert!(lines.is_sorted(), "{lines:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, text).unwrap();
+    let tierkv = env!("CARGO_BIN_EXE_tierkv");
+    let checked = Command::new(tierkv).args(["config", "check"]).arg(&bad).output().unwrap();
+    assert!(!checked.status.success());
+    let stderr = String::from_utf8_lossy(&checked.stderr);
+    for (line, key) in expected {
+        assert!(stderr.contains(&format!("bad.toml:{line}:")) && stderr.contains(key), "{stderr}");
+    }
+    assert!(stderr.contains("8 errors"), "{stderr}");
+}

@@ -68,6 +68,8 @@ pub struct StorageStatus {
     pub store_in_flight: u64,
     /// Lookups and their hits since the start.
     pub lookups: LookupTotals,
+    /// Why the disk tier refuses stores, while its directory cannot be written (it retries).
+    pub disk_read_only: Option<String>,
 }
 
 struct Inner {
@@ -487,6 +489,7 @@ impl StorageManager {
             open_lookups: self.inner.lookups.lock().len(),
             store_in_flight: self.inner.store.in_flight(),
             lookups: self.inner.metrics.totals(),
+            disk_read_only: self.inner.disk.as_ref().and_then(|d| d.read_only()),
         }
     }
 
@@ -649,6 +652,7 @@ impl Inner {
             host.publish_metrics();
         }
         if let Some(disk) = &self.disk {
+            disk.maintain();
             disk.publish_metrics();
         }
         self.l1.publish_metrics();

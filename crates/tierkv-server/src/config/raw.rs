@@ -36,6 +36,7 @@ pub(super) struct Server {
     pub token: Option<String>,
     pub max_frame: ByteSize,
     pub max_connections: usize,
+    pub socket_group: Option<String>,
 }
 
 impl Default for Server {
@@ -46,6 +47,7 @@ impl Default for Server {
             token: None,
             max_frame: ByteSize(16 << 20),
             max_connections: 1024,
+            socket_group: None,
         }
     }
 }
@@ -147,6 +149,7 @@ pub(super) struct Disk {
     pub read_mode: ReadMode,
     #[serde(with = "PolicyName")]
     pub policy: PolicyKind,
+    pub group: Option<String>,
 }
 
 impl Default for Disk {
@@ -160,6 +163,7 @@ impl Default for Disk {
             io_threads: 4,
             read_mode: ReadMode::Direct,
             policy: PolicyKind::Lru,
+            group: None,
         }
     }
 }
