@@ -136,6 +136,23 @@ fn prometheus_scrapes_the_daemon_and_computes_the_hit_ratio() {
             "the dashboard charts {name}, which /metrics lacks"
         );
     }
+    // The README's metric table is what /metrics exports, no more and no less.
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let documented = documented_metrics(&readme);
+    let exported: std::collections::BTreeSet<String> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect();
+    assert!(documented.len() > 20, "{documented:?}");
+    let undocumented: Vec<_> = exported.difference(&documented).collect();
+    let missing: Vec<_> = documented.difference(&exported).collect();
+    assert!(
+        undocumented.is_empty() && missing.is_empty(),
+        "README's metric table and /metrics differ: exported but not documented {undocumented:?}, \
+         documented but not exported {missing:?}"
+    );
     for help in [
         "# HELP tierkv_lookup_hit_chunks_total",
         "# HELP tierkv_request_seconds",
@@ -182,6 +199,31 @@ fn prometheus_scrapes_the_daemon_and_computes_the_hit_ratio() {
     let _ = server.wait();
     assert_eq!(ratio, 0.75, "6 of 8 chunks hit, as Prometheus computes it");
     worker.exit();
+}
+
+/// The metric names in the first column of README's table under "## Metrics"; a row may name
+/// several (`a_chunks_total`, `..._tokens_total` stands for `a_tokens_total`).
+fn documented_metrics(readme: &str) -> std::collections::BTreeSet<String> {
+    let section = readme.split("## Metrics").nth(1).unwrap_or_default();
+    let section = section.split("\n## ").next().unwrap_or_default();
+    let mut names = std::collections::BTreeSet::new();
+    for row in section.lines().filter(|l| l.starts_with("| `")) {
+        let first = row.split('|').nth(1).unwrap_or_default();
+        let mut previous = String::new();
+        for name in first.split('`').skip(1).step_by(2) {
+            let name = match name.strip_prefix("..._") {
+                Some(tail) => {
+                    let parts: Vec<&str> = previous.split('_').collect();
+                    let keep = parts.len().saturating_sub(tail.split('_').count());
+                    format!("{}_{tail}", parts[..keep].join("_"))
+                }
+                None => name.to_string(),
+            };
+            previous.clone_from(&name);
+            names.insert(name);
+        }
+    }
+    names
 }
 
 #[test]

@@ -32,6 +32,8 @@ impl Failure {
 pub(crate) struct L2Metrics {
     capacity: Gauge,
     used: Gauge,
+    cached: Gauge,
+    free: Gauge,
     objects: Gauge,
     stores: Counter,
     loads: Counter,
@@ -79,6 +81,8 @@ impl L2Metrics {
         L2Metrics {
             capacity: gauge!("tierkv_tier_capacity_bytes", "tier" => TIER),
             used: gauge!("tierkv_tier_used_bytes", "tier" => TIER),
+            cached: gauge!("tierkv_tier_cached_bytes", "tier" => TIER),
+            free: gauge!("tierkv_tier_free_bytes", "tier" => TIER),
             objects: gauge!("tierkv_tier_objects", "tier" => TIER),
             stores: counter!("tierkv_tier_stores_total", "tier" => TIER),
             loads: counter!("tierkv_tier_loads_total", "tier" => TIER),
@@ -97,6 +101,10 @@ impl L2Metrics {
     pub(crate) fn publish(&self, capacity: u64, used: u64, objects: u64) {
         self.capacity.set(capacity as f64);
         self.used.set(used as f64);
+        // Every object of a lower tier is cached (evictable, but for the brief locks of a load),
+        // so the gauges add up as L1's do: cached + free = capacity.
+        self.cached.set(used as f64);
+        self.free.set(capacity.saturating_sub(used) as f64);
         self.objects.set(objects as f64);
     }
 

@@ -37,16 +37,16 @@ impl PrefetchMetrics {
         describe_counter!(
             "tierkv_errors_total",
             Unit::Count,
-            "Refused requests and keys, by component and reason."
+            "Refused requests and keys, by tier and reason."
         );
         PrefetchMetrics {
             queue_depth: gauge!("tierkv_prefetch_queue_depth"),
             in_flight: gauge!("tierkv_prefetch_in_flight"),
             requests: counter!("tierkv_prefetch_requests_total"),
             loaded_chunks: counter!("tierkv_prefetch_loaded_chunks_total"),
-            failed: counter!("tierkv_errors_total", "component" => "prefetch", "reason" => "failed"),
-            panics: counter!("tierkv_errors_total", "component" => "prefetch", "reason" => "panic"),
-            late: counter!("tierkv_errors_total", "component" => "prefetch", "reason" => "late_completion"),
+            failed: counter!("tierkv_errors_total", "tier" => "prefetch", "reason" => "prefetch_failed"),
+            panics: counter!("tierkv_errors_total", "tier" => "prefetch", "reason" => "prefetch_panic"),
+            late: counter!("tierkv_errors_total", "tier" => "prefetch", "reason" => "late_completion"),
         }
     }
 

@@ -77,11 +77,11 @@ impl StorageMetrics {
             store_chunks: counter!("tierkv_store_chunks_total"),
             store_failures: tiers
                 .iter()
-                .map(|t| (t.clone(), counter!("tierkv_errors_total", "component" => "store", "tier" => t.clone(), "reason" => "store_failed")))
+                .map(|t| (t.clone(), counter!("tierkv_errors_total", "tier" => t.clone(), "reason" => "store_failed")))
                 .collect(),
-            store_panics: counter!("tierkv_errors_total", "component" => "store", "reason" => "panic"),
-            store_expired: counter!("tierkv_errors_total", "component" => "store", "reason" => "lease_expired"),
-            maintenance_panics: counter!("tierkv_errors_total", "component" => "maintenance", "reason" => "panic"),
+            store_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "store_panic"),
+            store_expired: counter!("tierkv_errors_total", "tier" => "l1", "reason" => "store_lease_expired"),
+            maintenance_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "maintenance_panic"),
             totals: Mutex::new(LookupTotals {
                 hit_chunks: vec![0; all.len()],
                 hit_tokens: vec![0; all.len()],

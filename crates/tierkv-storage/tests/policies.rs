@@ -237,7 +237,7 @@ fn a_panic_in_the_store_pipeline_is_counted_and_the_pipeline_carries_on() {
         .into_iter()
         .filter(|(k, ..)| {
             k.key().name() == "tierkv_errors_total"
-                && k.key().labels().any(|l| l.value() == "panic")
+                && k.key().labels().any(|l| l.value().ends_with("_panic"))
         })
         .map(|(.., v)| if let metrics_util::debugging::DebugValue::Counter(n) = v { n } else { 0 })
         .sum();
