@@ -107,6 +107,8 @@ pub struct Prefetched {
     pub started: u64,
     /// Chunks in the lease, by the tier (index, fastest first) they were loaded from.
     pub per_tier: Vec<usize>,
+    /// Per group, per key: the tier (index, fastest first) a leased chunk was loaded from.
+    pub sources: Vec<Vec<Option<usize>>>,
 }
 
 /// Why a prefetch has no result.
@@ -218,6 +220,12 @@ impl PrefetchController {
             Some(Some(_)) => results.remove(&id).flatten(),
             _ => None,
         }
+    }
+
+    /// Whether `id` is still running or its outcome still waits to be claimed (a claimed outcome
+    /// is never handed out again).
+    pub fn is_known(&self, id: RequestId) -> bool {
+        self.shared.results.lock().contains_key(&id)
     }
 
     /// Waits up to `timeout` for the outcome of `id` and hands it out.
@@ -670,6 +678,20 @@ impl Worker {
                 *tier += 1;
             }
         }
+        let sources = active
+            .request
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, group)| {
+                (0..group.keys.len())
+                    .map(|i| {
+                        let at = (g, i);
+                        leased_now.contains(&at).then(|| active.source.get(&at).copied()).flatten()
+                    })
+                    .collect()
+            })
+            .collect();
         let outcome = Prefetched {
             hit_chunks: n,
             lease,
@@ -677,6 +699,7 @@ impl Worker {
             leased,
             started: active.started,
             per_tier,
+            sources,
         };
         self.active.remove(&id);
         self.shared.deliver(id, Ok(outcome));

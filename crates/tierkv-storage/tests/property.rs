@@ -103,6 +103,11 @@ fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let s = StorageManager::start_with_clock(config, clock.clone()).unwrap();
     let layout = Layout::bytes(CHUNK).unwrap();
     let mut lookups: Vec<(LookupId, Vec<ObjectKey>, usize)> = Vec::new();
+    // The reference model of every lookup's readers (H16 #10, #12): (readers, returned). A
+    // release is accepted iff it names readers the lookup has that have not returned their
+    // share, empty hits included; a refused one changes nothing; the last reader ends it.
+    let mut ledger: std::collections::HashMap<LookupId, (u32, u128)> =
+        std::collections::HashMap::new();
     let mut unfinished: Vec<(OwnerId, ObjectKey)> = Vec::new();
     for op in ops {
         match op {
@@ -140,6 +145,8 @@ fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     .wait(id, WAIT)
                     .map_err(|e| TestCaseError::fail(format!("lookup failed: {e}")))?;
                 prop_assert!(result.hit_chunks <= keys.len());
+                prop_assert_eq!(result.per_tier.iter().sum::<usize>(), result.hit_chunks);
+                ledger.insert(id, (result.readers, 0));
                 lookups.push((id, keys, result.hit_chunks));
             }
             Op::Read { pick, reader } => {
@@ -156,12 +163,25 @@ fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Release { pick, readers, twice } => {
                 let Some((id, ..)) = lookups.get(pick % (lookups.len() + 1)) else { continue };
-                let readers = Readers::Set(u128::from(readers).max(1));
-                if s.release(*id, readers).is_ok() && twice {
-                    prop_assert!(
-                        s.release(*id, readers).is_err(),
-                        "a second release by the same readers was accepted"
-                    );
+                let mask = u128::from(readers).max(1);
+                let readers = Readers::Set(mask);
+                for _ in 0..if twice { 2 } else { 1 } {
+                    let expected = match ledger.get(id) {
+                        None => Err("unknown"),
+                        Some((n, _)) if mask >> n != 0 => Err("no such reader"),
+                        Some((_, returned)) if mask & returned != 0 => Err("share returned"),
+                        Some(_) => Ok(()),
+                    };
+                    let got = s.release(*id, readers);
+                    prop_assert_eq!(got.is_ok(), expected.is_ok(), "{:?}: {:?}", expected, got);
+                    if let (Ok(ended), Some((n, returned))) = (got, ledger.get_mut(id)) {
+                        *returned |= mask;
+                        let all = if *n >= 128 { u128::MAX } else { (1u128 << *n) - 1 };
+                        prop_assert_eq!(ended, *returned == all);
+                        if ended {
+                            ledger.remove(id);
+                        }
+                    }
                 }
             }
             Op::ReleaseAll { pick } => {
@@ -169,6 +189,7 @@ fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 if len > 0 {
                     let (id, ..) = lookups.remove(pick % len);
                     let _ = s.release_all(id);
+                    ledger.remove(&id);
                 }
             }
             Op::Delete { first, len } => drop(s.delete(&chain(first, len))),
