@@ -110,6 +110,8 @@ pub struct ServerConfig {
     pub max_frame_bytes: u32,
     /// Connections served at once.
     pub max_connections: usize,
+    /// Bytes of leases one session's open lookups may hold; `None`: a quarter of `l1.capacity`.
+    pub max_leased_per_session: Option<u64>,
 }
 
 /// Where `/metrics` is served.
@@ -251,12 +253,18 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, ConfigError>
         return Err(file.refuse(&["server.max_frame"], why));
     };
     file.ensure(s.max_connections > 0, &["server.max_connections"], || "must be positive".into())?;
+    file.ensure(
+        s.max_leased_per_session.is_none_or(|b| b.0 > 0),
+        &["server.max_leased_per_session"],
+        || "must be positive".into(),
+    )?;
     Ok(ServerConfig {
         socket: s.socket.clone(),
         tcp: s.tcp,
         token: s.token.clone(),
         max_frame_bytes,
         max_connections: s.max_connections,
+        max_leased_per_session: s.max_leased_per_session.map(|b| b.0),
     })
 }
 
@@ -409,6 +417,7 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, ConfigError> {
         },
         l2_watermark,
         maintenance_interval: s.maintenance_interval,
+        store_backpressure: s.store_backpressure,
     })
 }
 

@@ -564,6 +564,18 @@ impl StorageManager {
         Ok(ended)
     }
 
+    /// Chunks whose shares the lookup holds: its hit's chunks once complete (every group's),
+    /// every chunk asked for while it prefetches; `None` when the lookup is not open.
+    pub fn held_chunks(&self, id: LookupId) -> Option<usize> {
+        let lookups = self.inner.lookups.lock();
+        let lookup = lookups.get(&id)?;
+        Some(match &lookup.stage {
+            Stage::Done { covered, .. } => covered.len(),
+            Stage::Prefetching(_) => lookup.request.groups.iter().map(|g| g.keys.len()).sum(),
+            Stage::Failed(_) => 0,
+        })
+    }
+
     /// Whether the lookup is open (not ended, released or forgotten).
     pub fn is_open(&self, id: LookupId) -> bool {
         self.inner.lookups.lock().contains_key(&id)

@@ -36,6 +36,7 @@ pub(super) struct Server {
     pub token: Option<String>,
     pub max_frame: ByteSize,
     pub max_connections: usize,
+    pub max_leased_per_session: Option<ByteSize>,
 }
 
 impl Default for Server {
@@ -46,6 +47,7 @@ impl Default for Server {
             token: None,
             max_frame: ByteSize(16 << 20),
             max_connections: 1024,
+            max_leased_per_session: None,
         }
     }
 }
@@ -181,6 +183,8 @@ pub(super) struct Storage {
     pub disk_admission_min_reads: u32,
     #[serde(deserialize_with = "duration")]
     pub maintenance_interval: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub store_backpressure: Duration,
     pub prefetch_max_in_flight: usize,
     #[serde(deserialize_with = "duration")]
     pub prefetch_drain_timeout: Duration,
@@ -193,6 +197,7 @@ impl Default for Storage {
             store_policy: StoreMode::WriteThrough,
             disk_admission_min_reads: 2,
             maintenance_interval: Duration::from_millis(50),
+            store_backpressure: Duration::from_secs(10),
             prefetch_max_in_flight: prefetch.max_in_flight,
             prefetch_drain_timeout: prefetch.drain_timeout,
         }
