@@ -327,3 +327,19 @@ fn h16_14_a_hybrid_lookup_never_counts_more_hit_tokens_than_requested() {
         totals.requested_tokens
     );
 }
+
+#[test]
+fn h16_15_a_complete_lookup_whose_leases_all_expired_is_forgotten() {
+    let (s, _l2, clock) = lookup_rig(8);
+    write(&s, &keys(0..2));
+    until("the copy shares are back", || keys(0..2).iter().all(|k| shares(&s, k) == 0));
+    let id = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
+    assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 2);
+    assert_eq!(s.held_chunks(id), Some(2));
+    // Its owner never releases it; once its lease is past the deadline it holds nothing, and the
+    // maintenance tick forgets it instead of keeping it for the session's lifetime.
+    clock.advance(Duration::from_secs(31));
+    until("the lookup is forgotten", || !s.is_open(id));
+    assert_eq!(s.status().open_lookups, 0);
+    assert_eq!(s.held_chunks(id), None);
+}
