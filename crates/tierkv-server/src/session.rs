@@ -243,8 +243,11 @@ struct Opened {
     buffers: Vec<RegisteredKv>,
     /// Shares this session may hold on lookups another session made: returned at close.
     joined: HashSet<(u64, u8)>,
-    /// What became of this session's stores since its last flush.
+    /// This session's stores since its last flush that are still going down, and what became
+    /// of those already settled (folded in at every store, so a session that never flushes
+    /// keeps no more than what is in flight).
     tickets: Vec<Arc<StoreTicket>>,
+    settled: (u32, u32),
 }
 
 /// How the connection reached the daemon.
@@ -445,6 +448,7 @@ impl Session {
             buffers: Vec::new(),
             joined: HashSet::new(),
             tickets: Vec::new(),
+            settled: (0, 0),
         });
         Ok(reply)
     }
@@ -559,6 +563,15 @@ impl Session {
         refused.sort_by_key(|r| r.index);
         if let Some(opened) = &mut self.opened {
             opened.tickets.push(ticket);
+            let settled = &mut opened.settled;
+            opened.tickets.retain(|t| match t.outcome() {
+                Some(d) => {
+                    settled.0 = settled.0.saturating_add(d.durable);
+                    settled.1 = settled.1.saturating_add(d.not_durable);
+                    false
+                }
+                None => true,
+            });
         }
         self.daemon.metrics.data_bytes("store", bytes);
         Ok(ReplyBody::Stored { stored, present, refused })
@@ -588,12 +601,12 @@ impl Session {
     fn flush(&mut self, timeout: Duration) -> Result<ReplyBody, Fail> {
         let deadline = Instant::now() + timeout.min(MAX_WAIT);
         let Some(opened) = &mut self.opened else { unreachable_hello() };
-        let (mut durable, mut not_durable) = (0u32, 0u32);
+        let (mut durable, mut not_durable) = opened.settled;
         for ticket in &opened.tickets {
             match ticket.wait_until(deadline) {
                 Some(outcome) => {
-                    durable += outcome.durable;
-                    not_durable += outcome.not_durable;
+                    durable = durable.saturating_add(outcome.durable);
+                    not_durable = not_durable.saturating_add(outcome.not_durable);
                 }
                 None => {
                     return fail(
@@ -604,6 +617,7 @@ impl Session {
             }
         }
         opened.tickets.clear();
+        opened.settled = (0, 0);
         Ok(ReplyBody::Flushed { durable, not_durable })
     }
 

@@ -71,6 +71,11 @@ impl StoreTicket {
         }
     }
 
+    /// What became of the chunks, if the pipeline is done with them; never waits.
+    pub fn outcome(&self) -> Option<Durability> {
+        *self.outcome.lock()
+    }
+
     /// What became of the chunks, waiting at most until `deadline`; `None` if they are still
     /// being copied then.
     pub fn wait_until(&self, deadline: Instant) -> Option<Durability> {
