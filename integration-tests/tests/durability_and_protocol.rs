@@ -201,8 +201,16 @@ fn h16_protocol_past_max_connections_the_refusal_has_its_own_code() {
     let _first = (0..1000)
         .find_map(|_| Client::connect_unix(&daemon.socket, Client::worker_hello("m", CHUNK)).ok())
         .expect("the one connection");
-    let second = Client::connect_unix(&daemon.socket, Client::worker_hello("m", CHUNK));
-    assert_eq!(code(second.map(|_| ())), ErrorCode::TooManyConnections);
+    // Read the refusal before sending anything: a hello the daemon never reads would make its
+    // close a reset, which may overtake the reply.
+    let mut second = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    let body = tierkv_client::proto::read_frame(&mut second, 1 << 20).unwrap().unwrap();
+    let reply: tierkv_client::proto::Reply = tierkv_client::proto::decode(&body).unwrap();
+    match reply.body {
+        ReplyBody::Error { code, .. } => assert_eq!(code, ErrorCode::TooManyConnections),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(reply.id, 0);
 }
 
 #[test]
