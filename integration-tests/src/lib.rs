@@ -198,6 +198,14 @@ impl Daemon {
         terminate(&mut child.0)
     }
 
+    /// Kills the process with SIGKILL (a crash: nothing is flushed or cleaned up) and waits
+    /// for it; the socket file stays behind, as after a real crash.
+    pub fn kill(&mut self) {
+        let mut child = self.child.take().expect("running");
+        let _ = child.0.kill();
+        let _ = child.0.wait();
+    }
+
     /// Whether the process is still running.
     pub fn alive(&mut self) -> bool {
         match &mut self.child {

@@ -186,7 +186,7 @@ fn main() -> Result<(), String> {
         role: Role::Worker,
         rank: args.rank,
         tp_size: args.tp,
-        world_size: args.tp,
+        world_size: Some(args.tp),
         mla: args.mla,
         namespaces: vec![NamespaceDecl {
             model: args.model.clone(),

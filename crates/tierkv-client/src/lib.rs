@@ -83,8 +83,8 @@ pub struct Stored {
     pub stored: u32,
     /// Chunks already there.
     pub present: u32,
-    /// Chunks refused: position in the request and why.
-    pub refused: Vec<(u32, String)>,
+    /// Chunks refused: position in the request, why (a code) and the daemon's words.
+    pub refused: Vec<(u32, tierkv_proto::RefusalReason, String)>,
 }
 
 /// The session the daemon opened.
@@ -139,7 +139,7 @@ impl Client {
             role: tierkv_proto::Role::Worker,
             rank: 0,
             tp_size: 1,
-            world_size: 1,
+            world_size: None,
             mla: false,
             namespaces: vec![tierkv_proto::NamespaceDecl {
                 model: model.to_string(),
@@ -272,7 +272,7 @@ impl Client {
             ReplyBody::Stored { stored, present, refused } => Ok(Stored {
                 stored,
                 present,
-                refused: refused.into_iter().map(|r| (r.index, r.reason)).collect(),
+                refused: refused.into_iter().map(|r| (r.index, r.reason, r.message)).collect(),
             }),
             other => Err(unexpected(&other)),
         }
@@ -324,6 +324,17 @@ impl Client {
     pub fn release(&mut self, lookup: u64) -> Result<(), ClientError> {
         match self.call(RequestBody::Release { lookup })? {
             ReplyBody::Released => Ok(()),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// Waits (at most `timeout`) until every chunk this session stored since its last flush
+    /// has been through the store pipeline; returns how many are on the disk tier and how many
+    /// are not (`durable`, `not_durable`).
+    pub fn flush(&mut self, timeout: Duration) -> Result<(u32, u32), ClientError> {
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        match self.call(RequestBody::Flush { timeout_ms })? {
+            ReplyBody::Flushed { durable, not_durable } => Ok((durable, not_durable)),
             other => Err(unexpected(&other)),
         }
     }

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use tierkv_core::{Clock, ExtraCount, KeyError, Layout, ObjectKey, SystemClock};
 
@@ -452,11 +453,13 @@ impl L1Manager {
     /// Leases every ready key for `1 + extra_count` readers. Each key is answered on its own;
     /// one lease holds all the keys granted.
     pub fn reserve_read(&self, owner: OwnerId, keys: &[ObjectKey], extra: ExtraCount) -> ReadGrant {
-        self.lease_keys(owner, keys, extra, |key, entry, policy| match entry.state {
-            EntryState::Writing { .. } => Err(KeyError::NotReadable),
-            EntryState::Ready => {
-                policy.touch(key);
-                Ok(())
+        self.lease_keys(owner, keys, extra, Some(self.config.lease_ttl), |key, entry, policy| {
+            match entry.state {
+                EntryState::Writing { .. } => Err(KeyError::NotReadable),
+                EntryState::Ready => {
+                    policy.touch(key);
+                    Ok(())
+                }
             }
         })
     }
@@ -470,7 +473,7 @@ impl L1Manager {
         keys: &[ObjectKey],
         extra: ExtraCount,
     ) -> ReadGrant {
-        self.lease_keys(owner, keys, extra, |key, entry, policy| {
+        self.lease_keys(owner, keys, extra, Some(self.config.lease_ttl), |key, entry, policy| {
             match entry.state {
                 EntryState::Writing { owner: writer } if writer == owner => {}
                 EntryState::Writing { .. } => return Err(KeyError::Locked),
@@ -487,13 +490,50 @@ impl L1Manager {
         })
     }
 
+    /// Makes `writer`'s written objects visible and leases each with one share for `holder`
+    /// in the same step, under the key's shard lock, so no eviction can take an object between
+    /// the two. The lease never expires: the store pipeline holds it while it copies the objects
+    /// down, so a chunk is not evicted from L1 before the tiers its store policy names have it
+    /// (write-through means what it says). Like `finish_write` it refuses temporary entries; it
+    /// does not tell the observer (the caller hands the lease to the store pipeline itself).
+    pub fn finish_write_leased(
+        &self,
+        writer: OwnerId,
+        holder: OwnerId,
+        keys: &[ObjectKey],
+    ) -> ReadGrant {
+        let grant = self.lease_keys(holder, keys, ExtraCount::ZERO, None, |key, entry, policy| {
+            match entry.state {
+                EntryState::Writing { owner } if owner == writer => {}
+                EntryState::Writing { .. } => return Err(KeyError::Locked),
+                EntryState::Ready => return Err(KeyError::WrongState),
+            }
+            if entry.temporary {
+                return Err(KeyError::WrongState);
+            }
+            if self.slots.has_writer(entry.slot) {
+                return Err(KeyError::Busy);
+            }
+            entry.state = EntryState::Ready;
+            policy.insert(*key);
+            Ok(())
+        });
+        let finished = grant.results.iter().filter(|r| r.is_ok()).count();
+        if finished > 0 {
+            self.metrics.writes_finished(finished);
+        }
+        grant
+    }
+
     /// Takes `1 + extra` shares of every key that `admit` accepts (it may change the entry's
-    /// state, e.g. finish it), under the key's shard lock, and records them in one new lease.
+    /// state, e.g. finish it), under the key's shard lock, and records them in one new lease
+    /// that expires after `ttl` (never for `None`).
     fn lease_keys(
         &self,
         owner: OwnerId,
         keys: &[ObjectKey],
         extra: ExtraCount,
+        ttl: Option<Duration>,
         mut admit: impl FnMut(
             &ObjectKey,
             &mut Entry,
@@ -501,8 +541,8 @@ impl L1Manager {
         ) -> Result<(), KeyError>,
     ) -> ReadGrant {
         let readers = extra.readers();
-        // Saturating: a configured TTL near `Duration::MAX` means "never", not a panic.
-        let deadline = self.clock.now().saturating_add(self.config.lease_ttl);
+        // Saturating: a TTL near `Duration::MAX` means "never", not a panic.
+        let deadline = self.clock.now().saturating_add(ttl.unwrap_or(Duration::MAX));
         let mut record = LeaseRecord::new(owner, readers, deadline, keys.len());
         let mut results = vec![Err(KeyError::NotFound); keys.len()];
         self.index.visit_grouped(
@@ -585,6 +625,33 @@ impl L1Manager {
             self.release(&mut shard, lease, Selection::Strict { mask, keys })
         })();
         result.map_err(|e| self.refuse(e))
+    }
+
+    /// Checks what `finish_read(lease, readers, keys)` would check, and changes nothing (a lease
+    /// past its deadline is revoked, as every call does). Lets a caller that releases several
+    /// leases as one request refuse it whole before returning any share.
+    pub fn check_finish_read(
+        &self,
+        lease: LeaseId,
+        readers: Readers,
+        keys: Option<&[ObjectKey]>,
+    ) -> Result<(), L1Error> {
+        let mut shard = self.leases.shard(lease);
+        let record = self.live_lease(&mut shard, lease)?;
+        let mask = readers.mask(lease, record.readers)?;
+        let checked = self.check_release(record, lease, mask, keys);
+        for key in keys.unwrap_or(&[]) {
+            if let Some(shares) = record.keys.get_mut(key) {
+                shares.marked = false;
+            }
+        }
+        checked
+    }
+
+    /// Whether `lease` is live: not released, not past its deadline (revoked now if it is).
+    pub fn lease_live(&self, lease: LeaseId) -> bool {
+        let mut shard = self.leases.shard(lease);
+        self.live_lease(&mut shard, lease).is_ok()
     }
 
     /// Returns every share still outstanding on a lease: for keys the engine decided not to read,

@@ -107,6 +107,8 @@ pub struct Prefetched {
     pub started: u64,
     /// Chunks in the lease, by the tier (index, fastest first) they were loaded from.
     pub per_tier: Vec<usize>,
+    /// Per group, per key: the tier (index, fastest first) a leased chunk was loaded from.
+    pub sources: Vec<Vec<Option<usize>>>,
 }
 
 /// Why a prefetch has no result.
@@ -187,6 +189,7 @@ impl PrefetchController {
             pending: VecDeque::new(),
             active: HashMap::new(),
             tasks: HashMap::new(),
+            lookup_keys: HashMap::new(),
             started: 0,
         };
         let thread = std::thread::Builder::new()
@@ -218,6 +221,12 @@ impl PrefetchController {
             Some(Some(_)) => results.remove(&id).flatten(),
             _ => None,
         }
+    }
+
+    /// Whether `id` is still running or its outcome still waits to be claimed (a claimed outcome
+    /// is never handed out again).
+    pub fn is_known(&self, id: RequestId) -> bool {
+        self.shared.results.lock().contains_key(&id)
     }
 
     /// Waits up to `timeout` for the outcome of `id` and hands it out.
@@ -354,8 +363,14 @@ struct Worker {
     pending: VecDeque<(RequestId, PrefetchRequest)>,
     active: HashMap<RequestId, Active>,
     tasks: HashMap<(usize, tierkv_core::TaskId), RequestId>,
+    /// The keys of every lookup-and-lock task in flight: if its request is given up (past the
+    /// drain timeout) before it answers, the locks it takes are returned when it does.
+    lookup_keys: HashMap<(usize, tierkv_core::TaskId), Vec<ObjectKey>>,
     started: u64,
 }
+
+/// How long the thread returning late tier locks waits for the next answer.
+const LATE_LOCKS: Duration = Duration::from_secs(60);
 
 impl Worker {
     fn run(mut self, inbox: &Receiver<Command>, events: &Receiver<TierEvent>) {
@@ -398,11 +413,44 @@ impl Worker {
                 tracing::error!(%why, "the prefetch controller panicked; failing every request and stopping");
                 self.shared.metrics.panicked();
                 self.fail_everything(PrefetchError::Failed(why));
+                self.return_late_locks(events);
                 return;
             }
         }
         // Past the drain timeout: give up on what is still in flight.
         self.fail_everything(PrefetchError::Stopped);
+        self.return_late_locks(events);
+    }
+
+    /// Lookup-and-lock tasks still in flight when the controller gives up would lock keys that
+    /// nobody unlocks. A thread outlives the controller to return those locks as the answers
+    /// arrive; it ends when every such task answered or the router stops (the channel closes).
+    fn return_late_locks(&mut self, events: &Receiver<TierEvent>) {
+        let mut late = std::mem::take(&mut self.lookup_keys);
+        if late.is_empty() {
+            return;
+        }
+        let (router, events) = (Arc::clone(&self.router), events.clone());
+        let spawned =
+            std::thread::Builder::new().name("tierkv-prefetch-late".into()).spawn(move || {
+                while !late.is_empty() {
+                    // A tier that never answers (or a router that stops) ends the wait.
+                    let Ok(TierEvent { tier, completion }) = events.recv_timeout(LATE_LOCKS) else {
+                        return;
+                    };
+                    let Some(keys) = late.remove(&(tier, completion.task())) else { continue };
+                    if let Completion::LookedUp { locked, .. } = completion {
+                        let held: Vec<ObjectKey> =
+                            locked.iter_ones().filter_map(|i| keys.get(i).copied()).collect();
+                        if let (Some(adapter), false) = (router.tier(tier), held.is_empty()) {
+                            adapter.unlock(&held);
+                        }
+                    }
+                }
+            });
+        if spawned.is_err() {
+            tracing::error!("cannot start a thread to return late tier locks; they stay held");
+        }
     }
 
     /// Ends every request: pending ones fail, active ones are cleaned up from what their entries
@@ -468,6 +516,7 @@ impl Worker {
                     .submit(tier, &self.events_tx, |t| t.submit_lookup_and_lock(keys.clone()));
                 if let Some(task) = submitted {
                     self.tasks.insert((tier, task), id);
+                    self.lookup_keys.insert((tier, task), keys.clone());
                     if let Some(Active { phase: Phase::LookingUp { waiting, .. }, .. }) =
                         self.active.get_mut(&id)
                     {
@@ -480,6 +529,7 @@ impl Worker {
 
     fn on_event(&mut self, event: TierEvent) {
         let TierEvent { tier, completion } = event;
+        self.lookup_keys.remove(&(tier, completion.task()));
         let Some(id) = self.tasks.remove(&(tier, completion.task())) else {
             // Nothing we submitted is unknown to us while we run; count it if it ever happens.
             self.shared.metrics.late_completion();
@@ -670,6 +720,20 @@ impl Worker {
                 *tier += 1;
             }
         }
+        let sources = active
+            .request
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, group)| {
+                (0..group.keys.len())
+                    .map(|i| {
+                        let at = (g, i);
+                        leased_now.contains(&at).then(|| active.source.get(&at).copied()).flatten()
+                    })
+                    .collect()
+            })
+            .collect();
         let outcome = Prefetched {
             hit_chunks: n,
             lease,
@@ -677,6 +741,7 @@ impl Worker {
             leased,
             started: active.started,
             per_tier,
+            sources,
         };
         self.active.remove(&id);
         self.shared.deliver(id, Ok(outcome));

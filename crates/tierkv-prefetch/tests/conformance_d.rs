@@ -512,3 +512,32 @@ fn a_panic_in_the_controller_thread_fails_requests_cleanly_instead_of_hanging() 
     assert!(rig.absent(&keys(0..4)), "its reservations were aborted");
     rig.l1.audit().unwrap();
 }
+
+/// Issue 16 #15: a lookup-and-lock still in flight when a stop gives up (past the drain timeout)
+/// answers later with locks; nobody else will unlock them, so the controller's leftovers do.
+#[test]
+fn h16_15_locks_of_a_lookup_that_answers_after_the_drain_timeout_are_returned() {
+    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
+    for k in keys(0..4) {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    fake.hold();
+    let config = PrefetchConfig { drain_timeout: Duration::ZERO, ..PrefetchConfig::default() };
+    let rig = rig_with(vec![fake.clone()], vec![], config);
+    let request =
+        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..4));
+    let id = rig.prefetch.submit(request).unwrap();
+    let deadline = Instant::now() + WAIT;
+    while fake.held_tasks() == 0 {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    rig.prefetch.stop();
+    assert_eq!(rig.prefetch.wait(id, WAIT), Err(PrefetchError::Stopped));
+    // The lookup runs now, after the controller gave its request up, and locks four keys.
+    fake.release_held();
+    while fake.usage().locks != 0 {
+        assert!(Instant::now() < deadline, "late locks stay held: {:?}", fake.usage());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

@@ -62,9 +62,20 @@ pub fn frame_len(header: [u8; HEADER_BYTES], limit: u32) -> Result<usize, FrameE
     Ok(len as usize)
 }
 
-/// Decodes one frame body.
+/// Decodes one frame body: exactly one MessagePack value, with no bytes after it.
 pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
-    rmp_serde::from_slice(body).map_err(|e| FrameError::Malformed(e.to_string()))
+    let mut rest: &[u8] = body;
+    let mut deserializer = rmp_serde::Deserializer::new(&mut rest);
+    let value =
+        T::deserialize(&mut deserializer).map_err(|e| FrameError::Malformed(e.to_string()))?;
+    drop(deserializer);
+    if !rest.is_empty() {
+        return Err(FrameError::Malformed(format!(
+            "{} bytes after the message; a frame holds exactly one value",
+            rest.len()
+        )));
+    }
+    Ok(value)
 }
 
 /// Reads one frame from a blocking reader: `Ok(None)` at a clean end of stream (between frames).

@@ -14,8 +14,8 @@ mod message;
 
 pub use frame::{FrameError, HEADER_BYTES, MIN_FRAME_LIMIT, decode, encode, frame_len, read_frame};
 pub use message::{
-    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, NamespaceDecl, Refused,
-    RegionSource, Reply, ReplyBody, Request, RequestBody, RequestHeader, Role, Segment,
+    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, NamespaceDecl, RefusalReason,
+    Refused, RegionSource, Reply, ReplyBody, Request, RequestBody, RequestHeader, Role, Segment,
     SessionReport, StatusReport, TierReport,
 };
 

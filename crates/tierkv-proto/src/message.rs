@@ -48,8 +48,10 @@ impl<'de> Deserialize<'de> for ChunkId {
     }
 }
 
-/// A request and the number its reply will carry.
+/// A request and the number its reply will carry. Requests refuse fields they do not know (a
+/// misspelt optional field would otherwise be silently ignored), so a client learns of it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Request {
     /// Chosen by the client; echoed in the reply.
     pub id: u64,
@@ -78,6 +80,7 @@ pub enum Role {
 
 /// A model and tenant whose chunks a session may touch.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct NamespaceDecl {
     /// The model's name (its KV bytes differ from every other model's).
     pub model: String,
@@ -88,6 +91,7 @@ pub struct NamespaceDecl {
 
 /// The first request of every session.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Hello {
     /// The client's [`crate::PROTOCOL_VERSION`].
     pub version: u32,
@@ -100,9 +104,9 @@ pub struct Hello {
     /// Tensor-parallel size of the worker's group.
     #[serde(default = "one")]
     pub tp_size: u16,
-    /// World size of the engine (at least `tp_size`).
-    #[serde(default = "one")]
-    pub world_size: u16,
+    /// World size of the engine (at least `tp_size`); `None` (left out): `tp_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u16>,
     /// The KV is identical on every rank (MLA): one shared copy serves the whole TP group, and a
     /// lookup counts `tp_size` readers.
     #[serde(default)]
@@ -132,6 +136,7 @@ fn one_u32() -> u32 {
 /// A chunk and the engine blocks of a registered KV buffer it is gathered from or scattered
 /// into: `blocks[j]` holds the chunk's `j`-th block of tokens in every segment of the layout.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChunkBlocks {
     /// The chunk.
     pub chunk: ChunkId,
@@ -148,7 +153,7 @@ impl ChunkBlocks {
 
 /// Where the memory of a registered region lives.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum RegionSource {
     /// A memfd sealed against shrinking whose descriptor rides on the `register_kv` frame
     /// (`SCM_RIGHTS`; the memfd regions' descriptors in the order of the regions).
@@ -172,6 +177,7 @@ pub enum RegionSource {
 /// One array of equal, strided blocks inside a region: a layer's KV, or one plane of it (K or
 /// V) when the engine keeps them apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Segment {
     /// Index into the registration's regions.
     pub region: u32,
@@ -184,6 +190,7 @@ pub struct Segment {
 /// segment. The daemon gathers a chunk's pieces segment by segment, block by block, into one
 /// object of `segments * blocks_per_chunk * block_bytes` bytes, and scatters it back the same way.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct KvLayout {
     /// Blocks in each segment.
     pub blocks: u64,
@@ -235,7 +242,7 @@ mod serde_bytes_vec {
 
 /// What a client asks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum RequestBody {
     /// Opens the session; must come first.
     Hello(Hello),
@@ -288,6 +295,12 @@ pub enum RequestBody {
         /// The lookup; only the session that made it may release it.
         lookup: u64,
     },
+    /// Waits until every chunk this session stored since its last flush has been through the
+    /// store pipeline, and says how many of them are on the disk tier.
+    Flush {
+        /// How long to wait at most; chunks still on their way then stay for the next flush.
+        timeout_ms: u64,
+    },
     /// Ends the session: everything it holds is returned, and the connection closes.
     EndSession,
     /// How the daemon is doing.
@@ -310,8 +323,24 @@ pub struct Reply {
 pub struct Refused {
     /// Its position in the request.
     pub index: u32,
-    /// What the daemon said of it.
-    pub reason: String,
+    /// Why, as a code a client can branch on.
+    pub reason: RefusalReason,
+    /// What the daemon said of it, for a person.
+    pub message: String,
+}
+
+/// Why one chunk of a store was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalReason {
+    /// L1 has no room: full of chunks being read, written or copied down (try again later).
+    NoSpace,
+    /// The chunk's slot is busy (another copy is under way); try again.
+    Busy,
+    /// Gathering the chunk from the worker's blocks failed.
+    CopyFailed,
+    /// Something else failed inside the daemon; the message says what.
+    Internal,
 }
 
 /// What a lookup found.
@@ -323,7 +352,8 @@ pub struct LookupOutcome {
     pub hit_tokens: u64,
     /// Readers that each return a share (`1 + extra_count`).
     pub readers: u32,
-    /// Chunks of the hit served by each tier: L1, then the lower tiers fastest first.
+    /// Chunks of the hit served by each tier, always three: `[l1, l2, disk]` (0 for a tier the
+    /// daemon does not have). They add up to `hit_chunks`.
     pub per_tier: Vec<u32>,
 }
 
@@ -431,6 +461,11 @@ pub enum ErrorCode {
     Full,
     /// The daemon is shutting down.
     Stopped,
+    /// The daemon serves `server.max_connections` connections already; the connection closes.
+    TooManyConnections,
+    /// The session's lookups hold `server.max_leased_bytes_per_session` bytes of leases already;
+    /// release or retrieve some first.
+    LeaseLimit,
     /// Something failed inside the daemon; the message says what.
     Internal,
 }
@@ -486,6 +521,15 @@ pub enum ReplyBody {
     },
     /// The lookup's shares are returned.
     Released,
+    /// What a flush found.
+    Flushed {
+        /// Chunks the session stored since its last flush that are on the disk tier (synced
+        /// under `disk.fsync = "always"`).
+        durable: u32,
+        /// Chunks that did not reach the disk: no disk tier, a store policy that does not write
+        /// them to disk now, or a failed copy.
+        not_durable: u32,
+    },
     /// The session ended.
     Bye,
     /// The status.
@@ -524,7 +568,7 @@ mod tests {
             role: Role::Worker,
             rank: 1,
             tp_size: 2,
-            world_size: 2,
+            world_size: Some(2),
             mla: true,
             namespaces: vec![NamespaceDecl { model: "m".into(), cache_salt: "s".into() }],
             chunk_bytes: 4096,
@@ -587,7 +631,11 @@ mod tests {
             ReplyBody::Stored {
                 stored: 1,
                 present: 2,
-                refused: vec![Refused { index: 0, reason: "full".into() }],
+                refused: vec![Refused {
+                    index: 0,
+                    reason: RefusalReason::NoSpace,
+                    message: "full".into(),
+                }],
             },
             ReplyBody::LookupStarted {
                 lookup: 1,

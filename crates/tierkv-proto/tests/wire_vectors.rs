@@ -17,8 +17,8 @@ use std::path::PathBuf;
 use serde::Serialize;
 use tierkv_core::hash::{ChunkHasher, chain, root};
 use tierkv_proto::{
-    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, NamespaceDecl, Refused,
-    RegionSource, Reply, ReplyBody, Request, RequestBody, Role, Segment, SessionReport,
+    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, NamespaceDecl, RefusalReason,
+    Refused, RegionSource, Reply, ReplyBody, Request, RequestBody, Role, Segment, SessionReport,
     StatusReport, TierReport, encode,
 };
 
@@ -34,7 +34,7 @@ fn hello() -> Hello {
         role: Role::Worker,
         rank: 1,
         tp_size: 2,
-        world_size: 2,
+        world_size: Some(2),
         mla: false,
         namespaces: vec![NamespaceDecl { model: "tiny-llama".into(), cache_salt: "t1".into() }],
         chunk_bytes: 1 << 20,
@@ -53,7 +53,7 @@ fn requests() -> Vec<(&'static str, RequestBody)> {
                 role: Role::Admin,
                 rank: 0,
                 tp_size: 1,
-                world_size: 1,
+                world_size: None,
                 namespaces: Vec::new(),
                 chunk_bytes: 0,
                 chunk_tokens: 1,
@@ -117,6 +117,7 @@ fn requests() -> Vec<(&'static str, RequestBody)> {
             },
         ),
         ("release", RequestBody::Release { lookup: 17 }),
+        ("flush", RequestBody::Flush { timeout_ms: 30000 }),
         ("end_session", RequestBody::EndSession),
         ("status", RequestBody::Status),
         ("clear", RequestBody::Clear),
@@ -137,7 +138,11 @@ fn replies() -> Vec<(&'static str, ReplyBody)> {
             ReplyBody::Stored {
                 stored: 2,
                 present: 1,
-                refused: vec![Refused { index: 3, reason: "out of memory".into() }],
+                refused: vec![Refused {
+                    index: 3,
+                    reason: RefusalReason::NoSpace,
+                    message: "out of memory".into(),
+                }],
             },
         ),
         (
@@ -156,6 +161,7 @@ fn replies() -> Vec<(&'static str, ReplyBody)> {
         ("done", ReplyBody::Done(outcome)),
         ("retrieved", ReplyBody::Retrieved { chunks: 2, bytes: 2 << 20 }),
         ("released", ReplyBody::Released),
+        ("flushed", ReplyBody::Flushed { durable: 5, not_durable: 1 }),
         ("bye", ReplyBody::Bye),
         ("cleared", ReplyBody::Cleared { removed: vec![4, 0, 2] }),
         (
@@ -219,13 +225,16 @@ fn error_codes() -> Vec<ErrorCode> {
         Timeout,
         Full,
         Stopped,
+        TooManyConnections,
+        LeaseLimit,
         Internal,
     ];
     for code in all {
         match code {
             BadFrame | BadRequest | VersionMismatch | NoSession | Forbidden
             | NamespaceNotDeclared | BadBuffer | BlockOutOfRange | UnknownLookup | Pending
-            | NotInHit | ShareReturned | Timeout | Full | Stopped | Internal => {}
+            | NotInHit | ShareReturned | Timeout | Full | Stopped | TooManyConnections
+            | LeaseLimit | Internal => {}
         }
     }
     all.to_vec()

@@ -160,7 +160,7 @@ impl Worker {
             role: Role::Worker,
             rank: spec.rank,
             tp_size: spec.tp,
-            world_size: spec.tp,
+            world_size: Some(spec.tp),
             mla: spec.mla,
             namespaces: vec![NamespaceDecl {
                 model: spec.model.clone(),

@@ -147,6 +147,8 @@ pub struct ServerConfig {
     /// The group that may connect to the socket: the socket is `0660` and owned by this group;
     /// `None`: `0600`, the daemon's user only.
     pub socket_group: Option<u32>,
+    /// Bytes of leases one session's open lookups may hold; `None`: a quarter of `l1.capacity`.
+    pub max_leased_per_session: Option<u64>,
 }
 
 /// Where `/metrics` is served.
@@ -356,6 +358,11 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, Stop> {
     })?;
     let max_frame_bytes = max_frame_bytes.unwrap_or(MIN_FRAME_LIMIT);
     file.ensure(s.max_connections > 0, &["server.max_connections"], || "must be positive".into())?;
+    file.ensure(
+        s.max_leased_per_session.is_none_or(|b| b.0 > 0),
+        &["server.max_leased_per_session"],
+        || "must be positive".into(),
+    )?;
     Ok(ServerConfig {
         socket: s.socket.clone(),
         tcp: s.tcp,
@@ -363,6 +370,7 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, Stop> {
         max_frame_bytes,
         max_connections: s.max_connections,
         socket_group: group(file, "server.socket_group", s.socket_group.as_deref())?,
+        max_leased_per_session: s.max_leased_per_session.map(|b| b.0),
     })
 }
 
@@ -535,6 +543,7 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
         },
         l2_watermark,
         maintenance_interval: s.maintenance_interval,
+        store_backpressure: s.store_backpressure,
     })
 }
 

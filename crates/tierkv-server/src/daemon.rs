@@ -109,7 +109,11 @@ pub async fn serve(
     let storage = tokio::task::spawn_blocking(move || StorageManager::start(storage_config))
         .await
         .map_err(|e| std::io::Error::other(format!("the storage start-up thread failed: {e}")))??;
-    let daemon = Arc::new(Daemon::new(storage, config.server.token.clone()));
+    let daemon = Arc::new(Daemon::new(
+        storage,
+        config.server.token.clone(),
+        config.server.max_leased_per_session,
+    ));
     let unix = bind_unix(&config.server.socket, config.server.socket_group)?;
     let tcp = match config.server.tcp {
         Some(addr) => Some(
@@ -393,8 +397,8 @@ async fn serve_connection(
     let mut out = Vec::new();
     if slot.0.is_none() {
         let refusal = ReplyBody::Error {
-            code: ErrorCode::Stopped,
-            message: "the daemon has too many connections".into(),
+            code: ErrorCode::TooManyConnections,
+            message: "the daemon serves server.max_connections connections already".into(),
         };
         let _ = send(&mut conn, &mut out, 0, refusal).await;
         return;
@@ -435,7 +439,10 @@ async fn serve_connection(
         };
         let copies = matches!(
             request,
-            RequestBody::Store { .. } | RequestBody::Retrieve { .. } | RequestBody::Wait { .. }
+            RequestBody::Store { .. }
+                | RequestBody::Retrieve { .. }
+                | RequestBody::Wait { .. }
+                | RequestBody::Flush { .. }
         );
         let answer = if copies {
             // Copies and waits block; let the runtime move its other tasks off this thread.

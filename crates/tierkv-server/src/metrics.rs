@@ -27,6 +27,7 @@ const OPS: &[&str] = &[
     "wait",
     "retrieve",
     "release",
+    "flush",
     "end_session",
     "status",
     "clear",
@@ -48,6 +49,8 @@ const CODES: &[(ErrorCode, &str)] = &[
     (ErrorCode::Timeout, "timeout"),
     (ErrorCode::Full, "full"),
     (ErrorCode::Stopped, "stopped"),
+    (ErrorCode::TooManyConnections, "too_many_connections"),
+    (ErrorCode::LeaseLimit, "lease_limit"),
     (ErrorCode::Internal, "internal"),
 ];
 

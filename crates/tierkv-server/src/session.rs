@@ -5,7 +5,7 @@
 //! owned by its `OwnerId`; [`Session::close`] returns all of them, and the shares the session
 //! took on lookups other ranks of its TP group made. A request that fails changes nothing.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,10 +16,11 @@ use tierkv_core::{ChunkHash, ExtraCount, KeyError, KvRank, Layout, Namespace, Ob
 use tierkv_l1::{L1Error, OwnerId, ReadAccess, Readers};
 use tierkv_prefetch::PrefetchError;
 use tierkv_proto::{
-    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, PROTOCOL_VERSION, Refused,
-    RegionSource, ReplyBody, RequestBody, Role, SessionReport, StatusReport, TierReport,
+    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, PROTOCOL_VERSION,
+    RefusalReason, Refused, RegionSource, ReplyBody, RequestBody, Role, SessionReport,
+    StatusReport, TierReport,
 };
-use tierkv_storage::{LookupId, LookupResult, StorageError, StorageManager};
+use tierkv_storage::{LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
 
 use crate::kv::RegisteredKv;
 use crate::metrics::ServerMetrics;
@@ -30,6 +31,11 @@ const MAX_NAMESPACES: usize = 64;
 const MAX_BUFFERS: usize = 64;
 /// The longest wait a client may ask for; longer asks wait this long.
 const MAX_WAIT: Duration = Duration::from_secs(60);
+/// Lookups remembered after their last reader returned its share, so a late `release` by their
+/// owner is answered `released` and a late retrieve `share_returned`, not `unknown_lookup`.
+const ENDED_LOOKUPS: usize = 4096;
+/// The tiers a lookup outcome's `per_tier` always names, in order.
+const TIER_NAMES: [&str; 3] = ["l1", "l2", "disk"];
 
 /// A refused request: the error reply.
 #[derive(Debug)]
@@ -56,9 +62,9 @@ impl From<StorageError> for Fail {
             StorageError::Invalid(_) | StorageError::Prefetch(PrefetchError::Invalid(_)) => {
                 ErrorCode::BadRequest
             }
-            StorageError::L1(L1Error::AlreadyReleased { .. } | L1Error::LeaseReleased(_)) => {
-                ErrorCode::ShareReturned
-            }
+            StorageError::L1(L1Error::AlreadyReleased { .. } | L1Error::LeaseReleased(_))
+            | StorageError::ShareReturned { .. } => ErrorCode::ShareReturned,
+            StorageError::NoSuchReader { .. } => ErrorCode::Forbidden,
             StorageError::L1(L1Error::UnknownLease(_) | L1Error::LeaseExpired(_)) => {
                 ErrorCode::UnknownLookup
             }
@@ -80,12 +86,36 @@ struct LookupInfo {
     readers: u32,
 }
 
+/// Lookups that ended (every reader returned its share), oldest forgotten first.
+#[derive(Default)]
+struct Ended {
+    lookups: HashMap<u64, LookupInfo>,
+    order: VecDeque<u64>,
+}
+
+impl Ended {
+    fn insert(&mut self, id: u64, info: LookupInfo) {
+        if self.order.len() == ENDED_LOOKUPS
+            && let Some(old) = self.order.pop_front()
+        {
+            self.lookups.remove(&old);
+        }
+        self.lookups.insert(id, info);
+        self.order.push_back(id);
+    }
+}
+
 /// Daemon-wide state every session reaches.
 pub struct Daemon {
     storage: StorageManager,
     token: Option<String>,
     max_chunk_bytes: u64,
+    /// Bytes of leases one session's open lookups may hold (`server.max_leased_per_session`).
+    max_leased_per_session: u64,
+    /// Where each lookup outcome's tier counts go in `[l1, l2, disk]`.
+    tier_slots: Vec<usize>,
     lookups: Mutex<HashMap<u64, LookupInfo>>,
+    ended: Mutex<Ended>,
     sessions: Mutex<HashMap<u64, SessionReport>>,
     next_session: AtomicU64,
     started: Instant,
@@ -94,14 +124,29 @@ pub struct Daemon {
 
 impl Daemon {
     /// Wraps a started StorageManager. `token` is what TCP clients, and admins that `clear`,
-    /// must present.
-    pub fn new(storage: StorageManager, token: Option<String>) -> Self {
-        let max_chunk_bytes = storage.l1().usage().slot_bytes;
+    /// must present; one session's
+    /// open lookups may hold `max_leased_per_session` bytes of leases (`None`: a quarter of L1).
+    pub fn new(
+        storage: StorageManager,
+        token: Option<String>,
+        max_leased_per_session: Option<u64>,
+    ) -> Self {
+        let usage = storage.l1().usage();
+        let max_chunk_bytes = usage.slot_bytes;
+        let max_leased_per_session = max_leased_per_session.unwrap_or(usage.capacity_bytes / 4);
+        let mut tier_slots = vec![0];
+        for (i, (name, _)) in storage.status().tiers.iter().enumerate() {
+            let slot = TIER_NAMES.iter().position(|n| n == name).unwrap_or(1 + i);
+            tier_slots.push(slot.min(TIER_NAMES.len() - 1));
+        }
         Daemon {
             storage,
             token,
             max_chunk_bytes,
+            max_leased_per_session,
+            tier_slots,
             lookups: Mutex::new(HashMap::new()),
+            ended: Mutex::new(Ended::default()),
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
             started: Instant::now(),
@@ -203,6 +248,11 @@ struct Opened {
     joined: HashSet<(u64, u8)>,
     /// The hello carried the daemon's token (always so over TCP): what `clear` needs.
     authenticated: bool,
+    /// This session's stores since its last flush that are still going down, and what became
+    /// of those already settled (folded in at every store, so a session that never flushes
+    /// keeps no more than what is in flight).
+    tickets: Vec<Arc<StoreTicket>>,
+    settled: (u32, u32),
 }
 
 /// How the connection reached the daemon.
@@ -259,8 +309,10 @@ impl Session {
             }
             Err(Fail { code, message }) => {
                 self.daemon.metrics.error(code);
-                // A client that cannot even open a session is not worth keeping.
-                let close = self.opened.is_none() && code != ErrorCode::BadRequest;
+                // A client that cannot even open a session, or opens a second one on the same
+                // connection, is not speaking the protocol: the connection closes.
+                let close = (self.opened.is_none() && code != ErrorCode::BadRequest)
+                    || (op == "hello" && code == ErrorCode::NoSession);
                 Answer { reply: ReplyBody::Error { code, message }, close }
             }
         }
@@ -309,19 +361,20 @@ impl Session {
             RequestBody::Query { lookup } => {
                 let id = self.visible_lookup(lookup)?.0;
                 Ok(match self.daemon.storage.query(id)? {
-                    Some(result) => ReplyBody::Done(outcome(&result)),
+                    Some(result) => ReplyBody::Done(self.daemon.outcome(&result)),
                     None => ReplyBody::Pending,
                 })
             }
             RequestBody::Wait { lookup, timeout_ms } => {
                 let id = self.visible_lookup(lookup)?.0;
                 let timeout = Duration::from_millis(timeout_ms).min(MAX_WAIT);
-                Ok(ReplyBody::Done(outcome(&self.daemon.storage.wait(id, timeout)?)))
+                Ok(ReplyBody::Done(self.daemon.outcome(&self.daemon.storage.wait(id, timeout)?)))
             }
             RequestBody::Retrieve { lookup, buffer, chunks } => {
                 self.retrieve(lookup, buffer, &chunks)
             }
             RequestBody::Release { lookup } => self.release(lookup),
+            RequestBody::Flush { timeout_ms } => self.flush(Duration::from_millis(timeout_ms)),
         }
     }
 
@@ -366,10 +419,11 @@ impl Session {
         if hello.tp_size == 0 || u32::from(hello.tp_size) > u32::from(ExtraCount::MAX) + 1 {
             return bad(format!("tp_size must be within 1..={}", u32::from(ExtraCount::MAX) + 1));
         }
-        if hello.rank >= hello.tp_size || hello.world_size < hello.tp_size {
+        let world_size = hello.world_size.unwrap_or(hello.tp_size);
+        if hello.rank >= hello.tp_size || world_size < hello.tp_size {
             return bad(format!(
-                "rank {} of tp_size {} in world_size {} is not a valid placement",
-                hello.rank, hello.tp_size, hello.world_size
+                "rank {} of tp_size {} in world_size {world_size} is not a valid placement",
+                hello.rank, hello.tp_size
             ));
         }
         if worker && (hello.namespaces.is_empty() || hello.namespaces.len() > MAX_NAMESPACES) {
@@ -422,6 +476,8 @@ impl Session {
             buffers: Vec::new(),
             joined: HashSet::new(),
             authenticated,
+            tickets: Vec::new(),
+            settled: (0, 0),
         });
         Ok(reply)
     }
@@ -489,7 +545,7 @@ impl Session {
     }
 
     fn store(
-        &self,
+        &mut self,
         namespace: u32,
         buffer: u32,
         chunks: &[ChunkBlocks],
@@ -513,24 +569,38 @@ impl Session {
                     }
                     Err(why) => {
                         broken.push(keys[i]);
-                        refused.push(Refused { index: i as u32, reason: why });
+                        refused.push(Refused {
+                            index: i as u32,
+                            reason: RefusalReason::CopyFailed,
+                            message: why,
+                        });
                     }
                 },
                 Err(KeyError::AlreadyPresent | KeyError::WriteInFlight) => present += 1,
-                Err(e) => refused.push(Refused { index: i as u32, reason: e.to_string() }),
+                Err(e) => refused.push(refusal(i, e)),
             }
         }
         storage.abort_write(self.owner(), &broken)?;
-        let finished = storage.finish_write(self.owner(), &written)?;
+        let (finished, ticket) = storage.finish_write_tracked(self.owner(), &written)?;
         let mut stored = 0;
         for (key, result) in written.iter().zip(finished) {
             match result {
                 Ok(()) => stored += 1,
-                Err(e) => {
-                    let index = keys.iter().position(|k| k == key).unwrap_or(0) as u32;
-                    refused.push(Refused { index, reason: e.to_string() });
-                }
+                Err(e) => refused.push(refusal(keys.iter().position(|k| k == key).unwrap_or(0), e)),
             }
+        }
+        refused.sort_by_key(|r| r.index);
+        if let Some(opened) = &mut self.opened {
+            opened.tickets.push(ticket);
+            let settled = &mut opened.settled;
+            opened.tickets.retain(|t| match t.outcome() {
+                Some(d) => {
+                    settled.0 = settled.0.saturating_add(d.durable);
+                    settled.1 = settled.1.saturating_add(d.not_durable);
+                    false
+                }
+                None => true,
+            });
         }
         self.daemon.metrics.data_bytes("store", bytes);
         Ok(ReplyBody::Stored { stored, present, refused })
@@ -555,8 +625,73 @@ impl Session {
         Ok(staging.len() as u64)
     }
 
+    /// Waits until this session's stores since its last flush are through the store pipeline.
+    /// Past the timeout nothing is forgotten: the next flush waits for the same chunks.
+    fn flush(&mut self, timeout: Duration) -> Result<ReplyBody, Fail> {
+        let deadline = Instant::now() + timeout.min(MAX_WAIT);
+        let Some(opened) = &mut self.opened else { unreachable_hello() };
+        let (mut durable, mut not_durable) = opened.settled;
+        for ticket in &opened.tickets {
+            match ticket.wait_until(deadline) {
+                Some(outcome) => {
+                    durable = durable.saturating_add(outcome.durable);
+                    not_durable = not_durable.saturating_add(outcome.not_durable);
+                }
+                None => {
+                    return fail(
+                        ErrorCode::Timeout,
+                        "chunks are still on their way to the lower tiers; flush again",
+                    );
+                }
+            }
+        }
+        opened.tickets.clear();
+        opened.settled = (0, 0);
+        Ok(ReplyBody::Flushed { durable, not_durable })
+    }
+
+    /// Bytes of leases this session's open lookups hold (a lookup still prefetching counts
+    /// every chunk it asked for). Forgets registry entries of lookups that are over.
+    fn leased_bytes(&self) -> u64 {
+        let mine: Vec<u64> = self
+            .daemon
+            .lookups
+            .lock()
+            .iter()
+            .filter(|(_, info)| info.owner == self.id)
+            .map(|(id, _)| *id)
+            .collect();
+        let storage = &self.daemon.storage;
+        let mut chunks = 0u64;
+        let mut over = Vec::new();
+        for id in mine {
+            match storage.held_chunks(LookupId(id)) {
+                Some(n) => chunks += n as u64,
+                None => over.push(id),
+            }
+        }
+        if !over.is_empty() {
+            let mut lookups = self.daemon.lookups.lock();
+            for id in over {
+                lookups.remove(&id);
+            }
+        }
+        chunks.saturating_mul(self.opened().hello.chunk_bytes)
+    }
+
     fn lookup(&self, namespace: u32, chunks: &[ChunkId]) -> Result<ReplyBody, Fail> {
         let ns = self.namespace(namespace)?;
+        let held = self.leased_bytes();
+        if held >= self.daemon.max_leased_per_session {
+            return fail(
+                ErrorCode::LeaseLimit,
+                format!(
+                    "this session's open lookups hold {held} bytes of leases, the limit is {} \
+                     (server.max_leased_per_session): retrieve or release some first",
+                    self.daemon.max_leased_per_session
+                ),
+            );
+        }
         let opened = self.opened();
         let keys: Vec<ObjectKey> = chunks.iter().map(|c| self.key(ns, opened.rank, *c)).collect();
         let storage = &self.daemon.storage;
@@ -576,7 +711,7 @@ impl Session {
         };
         self.daemon.lookups.lock().insert(id.0, info);
         let l1_hit_chunks = storage.l1_hit(id)? as u32;
-        let outcome = storage.query(id)?.map(|r| outcome(&r));
+        let outcome = storage.query(id)?.map(|r| self.daemon.outcome(&r));
         Ok(ReplyBody::LookupStarted { lookup: id.0, l1_hit_chunks, outcome })
     }
 
@@ -615,6 +750,16 @@ impl Session {
         buffer: u32,
         chunks: &[ChunkBlocks],
     ) -> Result<ReplyBody, Fail> {
+        let ended = self.daemon.ended.lock().lookups.get(&lookup).copied();
+        if let Some(info) = ended
+            && self.opened().namespaces.contains(&info.namespace)
+        {
+            // Every reader, this one included, returned its share already.
+            return fail(
+                ErrorCode::ShareReturned,
+                format!("every reader returned its share of lookup {lookup}; it is over"),
+            );
+        }
         let (id, reader, info) = self.visible_lookup(lookup)?;
         let target = self.buffer(buffer, chunks)?;
         let storage = &self.daemon.storage;
@@ -651,18 +796,25 @@ impl Session {
             bytes += access.handle().len;
         }
         drop(pinned);
-        storage.release(id, Readers::One(reader))?;
+        let ended = storage.release(id, Readers::One(reader))?;
         if let Some(opened) = &mut self.opened {
             opened.joined.remove(&(lookup, reader));
         }
-        if matches!(storage.query(id), Err(StorageError::UnknownLookup(_))) {
-            self.daemon.lookups.lock().remove(&lookup);
+        if ended {
+            self.daemon.end_lookup(lookup);
         }
         self.daemon.metrics.data_bytes("retrieve", bytes);
         Ok(ReplyBody::Retrieved { chunks: chunks.len() as u32, bytes })
     }
 
     fn release(&mut self, lookup: u64) -> Result<ReplyBody, Fail> {
+        let ended = self.daemon.ended.lock().lookups.get(&lookup).copied();
+        if let Some(info) = ended
+            && info.owner == self.id
+        {
+            // Every reader returned its share already: there is nothing left to release.
+            return Ok(ReplyBody::Released);
+        }
         let (id, _, info) = self.visible_lookup(lookup)?;
         if info.owner != self.id {
             return fail(
@@ -696,7 +848,9 @@ impl Session {
         if let Some(opened) = self.opened.take() {
             for (lookup, reader) in opened.joined {
                 // The owner may have released it already; nothing is left to return then.
-                let _ = storage.release(LookupId(lookup), Readers::One(reader));
+                if let Ok(true) = storage.release(LookupId(lookup), Readers::One(reader)) {
+                    self.daemon.end_lookup(lookup);
+                }
             }
             if opened.hello.role == Role::Worker {
                 self.daemon.metrics.worker_connected(-1.0);
@@ -717,13 +871,38 @@ impl Drop for Session {
     }
 }
 
-fn outcome(result: &LookupResult) -> LookupOutcome {
-    LookupOutcome {
-        hit_chunks: result.hit_chunks as u32,
-        hit_tokens: result.hit_tokens,
-        readers: result.readers,
-        per_tier: result.per_tier.iter().map(|&n| n as u32).collect(),
+impl Daemon {
+    /// A lookup's outcome on the wire: `per_tier` is always `[l1, l2, disk]`.
+    fn outcome(&self, result: &LookupResult) -> LookupOutcome {
+        let mut per_tier = vec![0u32; TIER_NAMES.len()];
+        for (tier, n) in result.per_tier.iter().enumerate() {
+            let slot = self.tier_slots.get(tier).copied().unwrap_or(TIER_NAMES.len() - 1);
+            per_tier[slot] += *n as u32;
+        }
+        LookupOutcome {
+            hit_chunks: result.hit_chunks as u32,
+            hit_tokens: result.hit_tokens,
+            readers: result.readers,
+            per_tier,
+        }
     }
+
+    /// A lookup's last reader returned its share: it leaves the registry for the ended list.
+    fn end_lookup(&self, lookup: u64) {
+        if let Some(info) = self.lookups.lock().remove(&lookup) {
+            self.ended.lock().insert(lookup, info);
+        }
+    }
+}
+
+/// A chunk of a store L1 refused, as its code and words.
+fn refusal(index: usize, error: KeyError) -> Refused {
+    let reason = match error {
+        KeyError::OutOfMemory => RefusalReason::NoSpace,
+        KeyError::Busy | KeyError::Locked => RefusalReason::Busy,
+        _ => RefusalReason::Internal,
+    };
+    Refused { index: index as u32, reason, message: error.to_string() }
 }
 
 /// The metric label of a request.
@@ -737,6 +916,7 @@ pub fn op_name(body: &RequestBody) -> &'static str {
         RequestBody::Wait { .. } => "wait",
         RequestBody::Retrieve { .. } => "retrieve",
         RequestBody::Release { .. } => "release",
+        RequestBody::Flush { .. } => "flush",
         RequestBody::EndSession => "end_session",
         RequestBody::Status => "status",
         RequestBody::Clear => "clear",

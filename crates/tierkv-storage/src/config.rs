@@ -43,6 +43,10 @@ pub struct StorageConfig {
     pub l2_watermark: Watermark,
     /// How often the background work (lease expiry, watermark eviction, gauges) runs.
     pub maintenance_interval: Duration,
+    /// How long a write waits for room when L1 is full of chunks the store pipeline is still
+    /// copying down (they cannot be evicted before their tiers have them); past it, the chunks
+    /// without room are refused.
+    pub store_backpressure: Duration,
 }
 
 impl StorageConfig {
@@ -56,6 +60,7 @@ impl StorageConfig {
             store_policy: StorePolicy::default(),
             l2_watermark: Watermark::default(),
             maintenance_interval: Duration::from_millis(50),
+            store_backpressure: Duration::from_secs(10),
         }
     }
 }

@@ -40,6 +40,24 @@ pub enum StorageError {
         /// The key.
         key: ObjectKey,
     },
+    /// The reader has already returned its share of the lookup.
+    #[error("reader {reader} already returned its share of lookup {lookup}")]
+    ShareReturned {
+        /// The lookup.
+        lookup: LookupId,
+        /// The reader.
+        reader: u8,
+    },
+    /// The lookup has no such reader.
+    #[error("lookup {lookup} has {readers} readers; reader {reader} is not one of them")]
+    NoSuchReader {
+        /// The lookup.
+        lookup: LookupId,
+        /// The lowest reader named that the lookup does not have.
+        reader: u8,
+        /// Readers of the lookup.
+        readers: u32,
+    },
     /// Owners from `1 << 63` on belong to the storage layer's own pipelines.
     #[error("owner {0} is reserved for the storage layer's pipelines")]
     ReservedOwner(u64),

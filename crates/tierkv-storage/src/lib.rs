@@ -21,4 +21,5 @@ pub use error::StorageError;
 pub use lookup::{LookupGroup, LookupId, LookupRequest, LookupResult};
 pub use manager::{RESERVED_OWNERS, StorageManager, StorageStatus};
 pub use metrics::LookupTotals;
+pub use store::{Durability, StoreTicket};
 pub use tierkv_prefetch::GroupKind;

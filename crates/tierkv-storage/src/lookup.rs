@@ -83,4 +83,8 @@ pub(crate) struct Lookup {
     pub(crate) l1_lease: Option<LeaseId>,
     pub(crate) in_l1: Vec<Vec<bool>>,
     pub(crate) stage: Stage,
+    /// Readers that returned their share (bit `r`: reader `r`), whatever the hit held: the
+    /// lookup's own ledger, so every reader of every lookup, an empty one included, returns
+    /// exactly one share, and the lookup ends when the last reader has.
+    pub(crate) returned: u128,
 }

@@ -9,7 +9,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tierkv_core::{Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage};
@@ -28,7 +28,7 @@ use crate::config::{StorageConfig, StorePolicy};
 use crate::error::StorageError;
 use crate::lookup::{Lookup, LookupId, LookupRequest, LookupResult, Stage};
 use crate::metrics::{LookupTotals, StorageMetrics};
-use crate::store::{StoreJob, StorePipeline, StoreQueue};
+use crate::store::{Durability, STORE_OWNER, StoreJob, StorePipeline, StoreQueue, StoreTicket};
 
 /// Owners from here on belong to the storage layer's own pipelines.
 pub const RESERVED_OWNERS: u64 = 1 << 63;
@@ -36,10 +36,14 @@ pub const RESERVED_OWNERS: u64 = 1 << 63;
 /// The owner of write-back leases.
 const WRITEBACK_OWNER: OwnerId = OwnerId(u64::MAX - 2);
 
+/// Each key's answer to a `finish_write`, in request order.
+pub type FinishResults = Vec<Result<(), KeyError>>;
+
 /// Reads counted per chunk for disk admission, at most; beyond this the counts start over.
 const READ_COUNTS: usize = 1 << 20;
 
-/// Tells the store pipeline of finished writes.
+/// Tells the store pipeline of writes finished by a plain `L1Manager::finish_write` (the
+/// manager's own `finish_write` hands the pipeline its jobs, already pinned, itself).
 struct Forward {
     jobs: StoreQueue,
     policy: StorePolicy,
@@ -48,7 +52,7 @@ struct Forward {
 impl L1Observer for Forward {
     fn writes_finished(&self, keys: &[ObjectKey]) {
         if self.policy != StorePolicy::WriteBack {
-            self.jobs.send(StoreJob::Finished(keys.to_vec()));
+            self.jobs.send(StoreJob::Finished { keys: keys.to_vec(), lease: None, ticket: None });
         }
     }
 
@@ -208,6 +212,11 @@ impl StorageManager {
     // ----- writes -----
 
     /// Reserves L1 slots for new chunks (invisible until finished).
+    ///
+    /// Backpressure: when L1 has no room because its chunks are still being copied down by the
+    /// store pipeline (they cannot be evicted before the tiers their policy names have them),
+    /// the writer waits for the pipeline, up to `StorageConfig::store_backpressure`, and the
+    /// keys that found no room are tried again each time a copy finishes.
     pub fn reserve_write(
         &self,
         owner: OwnerId,
@@ -215,7 +224,38 @@ impl StorageManager {
         layout: &Layout,
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
         self.check(owner)?;
-        Ok(self.inner.l1.reserve_write(owner, keys, layout, WriteMode::Create, Lifetime::Cached)?)
+        let l1 = &self.inner.l1;
+        let queue = self.inner.store.queue();
+        let mut seen = queue.progress();
+        let mut results =
+            l1.reserve_write(owner, keys, layout, WriteMode::Create, Lifetime::Cached)?;
+        let deadline = Instant::now() + self.inner.config.store_backpressure;
+        // Reservations go root first and stop at the first key without room: retry from it.
+        while let Some(first) = results.iter().position(|r| r == &Err(KeyError::OutOfMemory)) {
+            if queue.outstanding() == 0 || Instant::now() >= deadline {
+                break;
+            }
+            queue.wait_progress(seen, deadline);
+            seen = queue.progress();
+            let retried = l1.reserve_write(
+                owner,
+                &keys[first..],
+                layout,
+                WriteMode::Create,
+                Lifetime::Cached,
+            )?;
+            for (i, result) in retried.into_iter().enumerate() {
+                let slot = &mut results[first + i];
+                if slot == &Err(KeyError::OutOfMemory) {
+                    *slot = result;
+                } else if result.is_ok() {
+                    // Refused for another reason the first time and free now: the answer
+                    // already given stands, so the reservation is not kept.
+                    let _ = l1.abort_write(owner, std::slice::from_ref(&keys[first + i]));
+                }
+            }
+        }
+        Ok(results)
     }
 
     /// Pins a reserved slot for copying bytes in.
@@ -238,11 +278,59 @@ impl StorageManager {
         owner: OwnerId,
         keys: &[ObjectKey],
     ) -> Result<Vec<Result<(), KeyError>>, StorageError> {
+        self.finish_write_tracked(owner, keys).map(|(results, _)| results)
+    }
+
+    /// Like [`StorageManager::finish_write`], and returns a ticket that tells, once the store
+    /// pipeline is done with them, how many of the finished chunks reached the disk tier.
+    ///
+    /// Each chunk is made visible and pinned for the store pipeline in one L1 step, so it cannot
+    /// be evicted from L1 before every tier its store policy names has answered.
+    pub fn finish_write_tracked(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+    ) -> Result<(FinishResults, Arc<StoreTicket>), StorageError> {
         self.check(owner)?;
         let reversed: Vec<ObjectKey> = keys.iter().rev().copied().collect();
-        let mut results = self.inner.l1.finish_write(owner, &reversed);
+        let copies = match self.inner.config.store_policy {
+            StorePolicy::WriteBack => false,
+            StorePolicy::WriteThrough => !self.inner.router.is_empty(),
+            StorePolicy::DiskAdmission { .. } => {
+                self.inner.router.tiers().any(|t| Some(t.name()) != Some("disk"))
+            }
+        };
+        if !copies {
+            let mut results = self.inner.l1.finish_write(owner, &reversed);
+            results.reverse();
+            let finished = results.iter().filter(|r| r.is_ok()).count() as u32;
+            let ticket = StoreTicket::settled(Durability { durable: 0, not_durable: finished });
+            return Ok((results, ticket));
+        }
+        let grant = self.inner.l1.finish_write_leased(owner, STORE_OWNER, &reversed);
+        let finished: Vec<ObjectKey> = reversed
+            .iter()
+            .zip(&grant.results)
+            .filter(|(_, r)| r.is_ok())
+            .map(|(k, _)| *k)
+            .collect();
+        let mut results: Vec<Result<(), KeyError>> =
+            grant.results.into_iter().map(|r| r.map(|_| ())).collect();
         results.reverse();
-        Ok(results)
+        let ticket = match grant.lease {
+            Some(lease) => {
+                let ticket = Arc::new(StoreTicket::default());
+                let job = StoreJob::Finished {
+                    keys: finished,
+                    lease: Some(lease),
+                    ticket: Some(Arc::clone(&ticket)),
+                };
+                self.inner.store.submit(job);
+                ticket
+            }
+            None => StoreTicket::settled(Durability::default()),
+        };
+        Ok((results, ticket))
     }
 
     /// Drops write reservations; nothing of them was ever visible.
@@ -302,6 +390,7 @@ impl StorageManager {
             l1_lease: grant.lease,
             in_l1,
             stage: Stage::Failed(String::new()),
+            returned: 0,
         };
         if from_l1 == possible || self.inner.router.is_empty() {
             self.inner.complete(&mut lookup, None);
@@ -375,7 +464,14 @@ impl StorageManager {
         if let Some(request) = request {
             let outcome = self.inner.prefetch.wait(request, timeout);
             let mut lookups = self.inner.lookups.lock();
-            let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
+            let Some(lookup) = lookups.get_mut(&id) else {
+                // Abandoned while we waited (released, or its owner left). The outcome is ours
+                // now and nobody else will see it: settle it, or its lease would stay taken.
+                if let Ok(Prefetched { lease: Some(lease), .. }) = outcome {
+                    let _ = self.inner.l1.release_lease(lease);
+                }
+                return Err(StorageError::UnknownLookup(id));
+            };
             if matches!(lookup.stage, Stage::Prefetching(_)) {
                 match outcome {
                     Ok(prefetched) => self.inner.complete(lookup, Some(prefetched)),
@@ -411,28 +507,80 @@ impl StorageManager {
         }
     }
 
-    /// Returns the shares of `readers` on every chunk of the lookup's hit. A reader that already
-    /// returned its share is refused, and nothing changes.
-    pub fn release(&self, id: LookupId, readers: Readers) -> Result<(), StorageError> {
+    /// Returns the shares of `readers` on every chunk of the lookup's hit, an empty hit included.
+    /// Returns whether that ended the lookup (every reader has returned its share).
+    ///
+    /// The whole request is checked before anything changes: a reader the lookup does not have,
+    /// a reader that already returned its share, or a lease L1 refuses (past its deadline)
+    /// refuses the request, and every share stays where it was.
+    pub fn release(&self, id: LookupId, readers: Readers) -> Result<bool, StorageError> {
         let mut lookups = self.inner.lookups.lock();
-        let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
-        let Stage::Done { covered, .. } = &lookup.stage else {
+        let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
+        let Stage::Done { covered, result } = &lookup.stage else {
             return Err(StorageError::Invalid(format!("lookup {id} is not complete")));
         };
+        let all = all_readers(result.readers);
+        let mask = match readers {
+            Readers::One(r) if u32::from(r) < result.readers => 1u128 << r,
+            Readers::All => all,
+            Readers::Set(set) if set != 0 && set & !all == 0 => set,
+            Readers::One(reader) => {
+                return Err(StorageError::NoSuchReader {
+                    lookup: id,
+                    reader,
+                    readers: result.readers,
+                });
+            }
+            Readers::Set(set) => {
+                let outside = set & !all;
+                let reader = if outside == 0 { 0 } else { outside.trailing_zeros() as u8 };
+                return Err(StorageError::NoSuchReader {
+                    lookup: id,
+                    reader,
+                    readers: result.readers,
+                });
+            }
+        };
+        if mask & lookup.returned != 0 {
+            let reader = (mask & lookup.returned).trailing_zeros() as u8;
+            return Err(StorageError::ShareReturned { lookup: id, reader });
+        }
         let mut by_lease: HashMap<LeaseId, Vec<ObjectKey>> = HashMap::new();
         for (key, lease) in covered {
             by_lease.entry(*lease).or_default().push(*key);
         }
-        let mut ended = 0;
+        // Every lease first, then the shares: a refusal of any leaves all of them untouched.
         for (lease, keys) in &by_lease {
-            if self.inner.l1.finish_read(*lease, readers, Some(keys))?.lease_ended {
-                ended += 1;
-            }
+            self.inner.l1.check_finish_read(*lease, Readers::Set(mask), Some(keys))?;
         }
-        if ended == by_lease.len() {
+        for (lease, keys) in &by_lease {
+            // Checked under the lookup lock a moment ago; only a deadline passing in between can
+            // refuse now, and then the lease's shares have come back already.
+            let _ = self.inner.l1.finish_read(*lease, Readers::Set(mask), Some(keys));
+        }
+        lookup.returned |= mask;
+        let ended = lookup.returned == all;
+        if ended {
             lookups.remove(&id);
         }
-        Ok(())
+        Ok(ended)
+    }
+
+    /// Chunks whose shares the lookup holds: its hit's chunks once complete (every group's),
+    /// every chunk asked for while it prefetches; `None` when the lookup is not open.
+    pub fn held_chunks(&self, id: LookupId) -> Option<usize> {
+        let lookups = self.inner.lookups.lock();
+        let lookup = lookups.get(&id)?;
+        Some(match &lookup.stage {
+            Stage::Done { covered, .. } => covered.len(),
+            Stage::Prefetching(_) => lookup.request.groups.iter().map(|g| g.keys.len()).sum(),
+            Stage::Failed(_) => 0,
+        })
+    }
+
+    /// Whether the lookup is open (not ended, released or forgotten).
+    pub fn is_open(&self, id: LookupId) -> bool {
+        self.inner.lookups.lock().contains_key(&id)
     }
 
     /// Returns every share the lookup still holds (chunks the engine will not read) and forgets
@@ -531,40 +679,67 @@ fn hit_of(request: &LookupRequest, available: impl Fn(usize, usize) -> bool) -> 
 
 impl Inner {
     /// Settles a lookup whose hit is known: records which lease holds each chunk of the hit and
-    /// returns the L1 shares the hit does not need.
+    /// returns the shares the hit does not need.
+    ///
+    /// The final hit counts only chunks whose shares are still held now: an L1 lease that passed
+    /// its deadline while the prefetch loaded holds nothing, so its chunks are not part of it.
+    /// `per_tier` has one count per tier (L1, then each lower tier) and adds up to the hit: a
+    /// chunk position counts once, for the slowest tier any group needed it from.
     fn complete(&self, lookup: &mut Lookup, prefetched: Option<Prefetched>) {
         let request = &lookup.request;
-        let n = match &prefetched {
-            Some(p) => p.hit_chunks,
-            None => hit_of(request, |g, i| lookup.in_l1[g][i]),
+        let l1_live = lookup.l1_lease.is_some_and(|lease| self.l1.lease_live(lease));
+        let from_l1 = |g: usize, i: usize| l1_live && lookup.in_l1[g][i];
+        let from_below = |g: usize, i: usize| {
+            prefetched.as_ref().is_some_and(|p| p.leased.get(g).is_some_and(|l| l[i]))
         };
+        let n = hit_of(request, |g, i| from_l1(g, i) || from_below(g, i));
+        let n = prefetched.as_ref().map_or(n, |p| n.min(p.hit_chunks));
         let mut covered = HashMap::new();
-        let mut unneeded = Vec::new();
-        let mut from_l1 = 0;
+        let mut unneeded_l1 = Vec::new();
+        let mut unneeded_below = Vec::new();
+        let mut per_tier = vec![0usize; 1 + self.router.len()];
+        let mut slowest: Vec<Option<usize>> = vec![None; n];
         for (g, group) in request.groups.iter().enumerate() {
             let needed = group.kind.needed(n, request.chunk_tokens);
             for (i, key) in group.keys.iter().enumerate() {
-                let in_l1 = lookup.in_l1[g][i];
-                if needed.contains(&i) {
-                    if in_l1 {
-                        from_l1 += 1;
-                        covered.extend(lookup.l1_lease.map(|lease| (*key, lease)));
-                    } else if let Some(p) = &prefetched
-                        && p.leased[g][i]
-                    {
-                        covered.extend(p.lease.map(|lease| (*key, lease)));
+                let tier = if needed.contains(&i) && from_l1(g, i) {
+                    covered.extend(lookup.l1_lease.map(|lease| (*key, lease)));
+                    Some(0)
+                } else if needed.contains(&i) && from_below(g, i) {
+                    let p = prefetched.as_ref();
+                    covered.extend(p.and_then(|p| p.lease).map(|lease| (*key, lease)));
+                    Some(
+                        1 + p
+                            .and_then(|p| p.sources.get(g)?.get(i).copied().flatten())
+                            .unwrap_or(0),
+                    )
+                } else {
+                    if lookup.in_l1[g][i] && l1_live {
+                        unneeded_l1.push(*key);
                     }
-                } else if in_l1 {
-                    unneeded.push(*key);
+                    if from_below(g, i) {
+                        unneeded_below.push(*key);
+                    }
+                    None
+                };
+                if let (Some(tier), Some(slot)) = (tier, slowest.get_mut(i)) {
+                    *slot = Some(slot.map_or(tier, |t: usize| t.max(tier)));
                 }
             }
         }
-        if let (Some(lease), false) = (lookup.l1_lease, unneeded.is_empty()) {
-            let _ = self.l1.finish_read(lease, Readers::All, Some(&unneeded));
+        for tier in slowest {
+            if let Some(count) = per_tier.get_mut(tier.unwrap_or(0)) {
+                *count += 1;
+            }
         }
-        let per_tier: Vec<usize> = std::iter::once(from_l1)
-            .chain(prefetched.iter().flat_map(|p| p.per_tier.iter().copied()))
-            .collect();
+        if let (Some(lease), false) = (lookup.l1_lease, unneeded_l1.is_empty()) {
+            let _ = self.l1.finish_read(lease, Readers::All, Some(&unneeded_l1));
+        }
+        if let (Some(lease), false) =
+            (prefetched.as_ref().and_then(|p| p.lease), unneeded_below.is_empty())
+        {
+            let _ = self.l1.finish_read(lease, Readers::All, Some(&unneeded_below));
+        }
         let possible = request.groups.iter().map(|g| g.keys.len()).min().unwrap_or(0);
         let hits: Vec<u64> = per_tier.iter().map(|n| *n as u64).collect();
         self.metrics.lookup(possible as u64, &hits, request.chunk_tokens);
@@ -657,11 +832,21 @@ impl Inner {
         }
         self.l1.publish_metrics();
         // Abandoned lookups: return their prefetched leases once the prefetch is over.
+        // Complete lookups whose every lease passed its deadline hold nothing any more: forget
+        // them, so a session that never releases does not grow the record without bound.
+        self.lookups.lock().retain(|_, lookup| match &lookup.stage {
+            Stage::Done { covered, .. } if !covered.is_empty() => {
+                let leases: HashSet<LeaseId> = covered.values().copied().collect();
+                leases.into_iter().any(|lease| self.l1.lease_live(lease))
+            }
+            _ => true,
+        });
         let mut abandoned = self.abandoned.lock();
         abandoned.retain(|lookup| {
             let Stage::Prefetching(request) = lookup.stage else { return false };
             match self.prefetch.query(request) {
-                None => true,
+                // Still loading; or claimed by a waiter, who settled it.
+                None => self.prefetch.is_known(request),
                 Some(outcome) => {
                     if let Ok(Prefetched { lease: Some(lease), .. }) = outcome {
                         let _ = self.l1.release_lease(lease);
@@ -671,4 +856,9 @@ impl Inner {
             }
         });
     }
+}
+
+/// The bitmap of every reader of a lookup with `readers` readers (1..=128).
+fn all_readers(readers: u32) -> u128 {
+    if readers >= 128 { u128::MAX } else { (1u128 << readers) - 1 }
 }

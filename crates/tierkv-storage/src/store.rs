@@ -1,11 +1,15 @@
 //! The store pipeline: copies finished L1 writes (and write-back victims) to the lower tiers.
 //!
-//! L1 tells it of every `finish_write` (never of a prefetch promotion). For each batch it takes one
-//! read share per key, so the objects stay readable and unevictable while they are copied, submits
-//! a store to every target tier the policy names, and returns the share once every target has
-//! answered. Failures are counted, not retried: a chunk that did not reach a tier is a miss there
-//! later, nothing worse.
+//! The StorageManager hands it every store's finished chunks (never a prefetch promotion) together
+//! with one read share per chunk, taken by `L1Manager::finish_write_leased` in the same step that
+//! made the chunk visible: from that moment until every target tier the policy names has answered,
+//! the chunk is readable and cannot be evicted from L1 (it was once leased only when the pipeline
+//! got to the job, and eviction could take an acknowledged chunk in between). It submits a store
+//! to every target tier and returns the share once every target has answered. Failures are
+//! counted, not retried: a chunk that did not reach a tier is a miss there later, nothing worse.
+//! A [`StoreTicket`] tells the writer which of its chunks reached the disk tier.
 
+use parking_lot::Condvar;
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -27,12 +31,62 @@ pub(crate) const STORE_OWNER: OwnerId = OwnerId(u64::MAX - 1);
 
 /// Work for the store pipeline.
 pub(crate) enum StoreJob {
-    /// Objects made visible by `finish_write`.
-    Finished(Vec<ObjectKey>),
+    /// Objects made visible by `finish_write`; with the lease that pinned them when they became
+    /// visible (one share each, the pipeline's to return), and the writer's ticket.
+    Finished { keys: Vec<ObjectKey>, lease: Option<LeaseId>, ticket: Option<Arc<StoreTicket>> },
     /// Objects read often enough to be admitted to disk.
     Admit(Vec<ObjectKey>),
     /// Eviction victims leased for write-back; the lease is the pipeline's to return.
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
+}
+
+/// What became of the chunks of one `finish_write`: how many reached the disk tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Durability {
+    /// Chunks the disk tier stored (synced before its answer under `fsync = always`).
+    pub durable: u32,
+    /// Chunks that did not reach the disk tier: no disk tier, a store policy that does not write
+    /// them to disk now, a failed copy, or a pipeline stopped before copying them.
+    pub not_durable: u32,
+}
+
+/// The writer's view of one batch in the store pipeline: settled once every target answered.
+#[derive(Debug, Default)]
+pub struct StoreTicket {
+    outcome: Mutex<Option<Durability>>,
+    settled: Condvar,
+}
+
+impl StoreTicket {
+    /// A ticket already settled.
+    pub(crate) fn settled(outcome: Durability) -> Arc<Self> {
+        Arc::new(StoreTicket { outcome: Mutex::new(Some(outcome)), settled: Condvar::new() })
+    }
+
+    fn settle(&self, outcome: Durability) {
+        let mut slot = self.outcome.lock();
+        if slot.is_none() {
+            *slot = Some(outcome);
+            self.settled.notify_all();
+        }
+    }
+
+    /// What became of the chunks, if the pipeline is done with them; never waits.
+    pub fn outcome(&self) -> Option<Durability> {
+        *self.outcome.lock()
+    }
+
+    /// What became of the chunks, waiting at most until `deadline`; `None` if they are still
+    /// being copied then.
+    pub fn wait_until(&self, deadline: Instant) -> Option<Durability> {
+        let mut slot = self.outcome.lock();
+        while slot.is_none() {
+            if self.settled.wait_until(&mut slot, deadline).timed_out() {
+                break;
+            }
+        }
+        *slot
+    }
 }
 
 /// The store pipeline's queue, counting every job from the moment it is sent until its copies
@@ -41,18 +95,46 @@ pub(crate) enum StoreJob {
 pub(crate) struct StoreQueue {
     sender: Sender<StoreJob>,
     outstanding: Arc<AtomicU64>,
+    /// Bumped (and waiters woken) whenever a job ends, so writers held back by a full L1 can
+    /// try again when the pipeline has returned shares.
+    progress: Arc<(Mutex<u64>, Condvar)>,
 }
 
 impl StoreQueue {
     pub(crate) fn new() -> (Self, Receiver<StoreJob>) {
         let (sender, inbox) = unbounded();
-        (StoreQueue { sender, outstanding: Arc::new(AtomicU64::new(0)) }, inbox)
+        let queue = StoreQueue {
+            sender,
+            outstanding: Arc::new(AtomicU64::new(0)),
+            progress: Arc::new((Mutex::new(0), Condvar::new())),
+        };
+        (queue, inbox)
     }
 
     pub(crate) fn send(&self, job: StoreJob) {
         self.outstanding.fetch_add(1, Ordering::AcqRel);
-        if self.sender.send(job).is_err() {
+        if let Err(refused) = self.sender.send(job) {
             self.outstanding.fetch_sub(1, Ordering::AcqRel);
+            // The pipeline is gone: nothing will copy the job, so its shares go back now.
+            if let StoreJob::Finished { ticket: Some(ticket), keys, .. } = &refused.0 {
+                ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
+            }
+        }
+    }
+
+    /// The number of jobs that have ended so far.
+    pub(crate) fn progress(&self) -> u64 {
+        *self.progress.0.lock()
+    }
+
+    /// Waits until a job ends after `seen` jobs had ended, or `deadline` passes.
+    pub(crate) fn wait_progress(&self, seen: u64, deadline: Instant) {
+        let (count, cv) = &*self.progress;
+        let mut count = count.lock();
+        while *count == seen {
+            if cv.wait_until(&mut count, deadline).timed_out() {
+                return;
+            }
         }
     }
 
@@ -68,6 +150,10 @@ struct Batch {
     /// as reader 0's.
     write_back: bool,
     waiting: usize,
+    /// Keys of the batch, and how many of them the disk tier stored so far.
+    keys: usize,
+    durable: u32,
+    ticket: Option<Arc<StoreTicket>>,
 }
 
 /// The store pipeline's thread and queue.
@@ -98,6 +184,7 @@ impl StorePipeline {
             tasks: HashMap::new(),
             next_batch: 0,
             outstanding: Arc::clone(&queue.outstanding),
+            progress: Arc::clone(&queue.progress),
             metrics,
         };
         let halt = Arc::clone(&stop);
@@ -105,6 +192,11 @@ impl StorePipeline {
             .name("tierkv-store".into())
             .spawn(move || worker.run(&inbox, &events, &halt))?;
         Ok(StorePipeline { queue, stop, thread: Mutex::new(Some(thread)) })
+    }
+
+    /// The queue jobs go through, for writers waiting on the pipeline's progress.
+    pub(crate) fn queue(&self) -> &StoreQueue {
+        &self.queue
     }
 
     pub(crate) fn submit(&self, job: StoreJob) {
@@ -145,6 +237,7 @@ struct Worker {
     next_batch: u64,
     /// Jobs sent and not yet done, shared with the queue.
     outstanding: Arc<AtomicU64>,
+    progress: Arc<(Mutex<u64>, Condvar)>,
     metrics: Arc<StorageMetrics>,
 }
 
@@ -158,10 +251,7 @@ impl Worker {
             if let Some(since) = stopping {
                 // Jobs already queued are not started; batches in flight are waited for.
                 while let Ok(job) = inbox.try_recv() {
-                    if let StoreJob::WriteBack { lease, .. } = job {
-                        let _ = self.l1.release_lease(lease);
-                    }
-                    self.done_with_job();
+                    self.drop_job(job);
                 }
                 if self.batches.is_empty() || since.elapsed() > DRAIN {
                     break;
@@ -171,12 +261,7 @@ impl Worker {
                 select! {
                     recv(inbox) -> job => match job {
                         Ok(job) if stopping.is_none() => self.start(job),
-                        Ok(job) => {
-                            if let StoreJob::WriteBack { lease, .. } = job {
-                                let _ = self.l1.release_lease(lease);
-                            }
-                            self.done_with_job();
-                        }
+                        Ok(job) => self.drop_job(job),
                         Err(_) => {}
                     },
                     recv(events) -> event => if let Ok(event) = event { self.on_event(event) },
@@ -193,8 +278,26 @@ impl Worker {
         // (and so drop their pins) when they answer or close.
         for (_, batch) in std::mem::take(&mut self.batches) {
             let _ = self.l1.release_lease(batch.lease);
+            if let Some(ticket) = &batch.ticket {
+                ticket.settle(Durability { durable: 0, not_durable: batch.keys as u32 });
+            }
             self.done_with_job();
         }
+    }
+
+    /// A job that will not be started (the pipeline is stopping): its shares go back, its
+    /// writer learns that nothing of it reached the disk.
+    fn drop_job(&self, job: StoreJob) {
+        match job {
+            StoreJob::WriteBack { lease, .. } | StoreJob::Finished { lease: Some(lease), .. } => {
+                let _ = self.l1.release_lease(lease);
+            }
+            _ => {}
+        }
+        if let StoreJob::Finished { keys, ticket: Some(ticket), .. } = &job {
+            ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
+        }
+        self.done_with_job();
     }
 
     /// One job is over: copied, or dropped.
@@ -202,31 +305,37 @@ impl Worker {
         let _ = self
             .outstanding
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        let (count, cv) = &*self.progress;
+        *count.lock() += 1;
+        cv.notify_all();
     }
 
     /// The tiers a job's objects go to.
     fn targets(&self, job: &StoreJob) -> Vec<usize> {
         let all: Vec<usize> = (0..self.router.len()).collect();
         match (job, self.policy) {
-            (StoreJob::Finished(_), StorePolicy::WriteThrough)
+            (StoreJob::Finished { .. }, StorePolicy::WriteThrough)
             | (StoreJob::WriteBack { .. }, _) => all,
-            (StoreJob::Finished(_), StorePolicy::DiskAdmission { .. }) => {
+            (StoreJob::Finished { .. }, StorePolicy::DiskAdmission { .. }) => {
                 all.into_iter().filter(|t| Some(*t) != self.disk).collect()
             }
-            (StoreJob::Finished(_), StorePolicy::WriteBack) => Vec::new(),
+            (StoreJob::Finished { .. }, StorePolicy::WriteBack) => Vec::new(),
             (StoreJob::Admit(_), _) => self.disk.into_iter().collect(),
         }
     }
 
     fn start(&mut self, job: StoreJob) {
         let targets = self.targets(&job);
-        let (lease, keys, write_back) = match job {
-            StoreJob::WriteBack { lease, keys } => (lease, keys, true),
-            StoreJob::Finished(keys) | StoreJob::Admit(keys) => {
-                if targets.is_empty() {
-                    self.done_with_job();
-                    return;
-                }
+        let (lease, keys, write_back, ticket) = match job {
+            StoreJob::WriteBack { lease, keys } => (lease, keys, true, None),
+            StoreJob::Finished { keys, lease: Some(lease), ticket } if !targets.is_empty() => {
+                (lease, keys, false, ticket)
+            }
+            job @ (StoreJob::Finished { .. } | StoreJob::Admit(_)) if targets.is_empty() => {
+                self.drop_job(job);
+                return;
+            }
+            StoreJob::Finished { keys, lease: None, ticket: _ } | StoreJob::Admit(keys) => {
                 // One share per key while copying; keys already gone are skipped.
                 let grant = self.l1.reserve_read(STORE_OWNER, &keys, ExtraCount::ZERO);
                 let Some(lease) = grant.lease else {
@@ -239,12 +348,14 @@ impl Worker {
                     .filter(|(_, r)| r.is_ok())
                     .map(|(k, _)| k)
                     .collect();
-                (lease, granted, false)
+                (lease, granted, false, None)
             }
+            StoreJob::Finished { lease: Some(lease), .. } => (lease, Vec::new(), false, None),
         };
         let id = self.next_batch;
         self.next_batch += 1;
-        self.batches.insert(id, Batch { lease, write_back, waiting: 0 });
+        let batch = Batch { lease, write_back, waiting: 0, keys: keys.len(), durable: 0, ticket };
+        self.batches.insert(id, batch);
         for tier in targets {
             let items: Vec<StoreItem> = keys
                 .iter()
@@ -288,7 +399,11 @@ impl Worker {
     fn on_event(&mut self, event: TierEvent) {
         let TierEvent { tier, completion } = event;
         let Some(id) = self.tasks.remove(&(tier, completion.task())) else { return };
+        let mut durable = 0;
         if let Completion::Stored { result, sources, .. } = completion {
+            if result.is_ok() && Some(tier) == self.disk {
+                durable = sources.len() as u32;
+            }
             // The copies are done: drop the read guards before the share is returned.
             drop(sources);
             if result.is_err() {
@@ -297,6 +412,7 @@ impl Worker {
         }
         let done = match self.batches.get_mut(&id) {
             Some(batch) => {
+                batch.durable += durable;
                 batch.waiting -= 1;
                 batch.waiting == 0
             }
@@ -309,7 +425,6 @@ impl Worker {
 
     fn finish(&mut self, id: u64) {
         let Some(batch) = self.batches.remove(&id) else { return };
-        self.done_with_job();
         let returned = if batch.write_back {
             self.l1.release_lease(batch.lease).map(|_| ())
         } else {
@@ -319,5 +434,10 @@ impl Worker {
             // Only an expired lease can be refused here: its shares came back when it expired.
             self.metrics.store_lease_expired();
         }
+        if let Some(ticket) = &batch.ticket {
+            let durable = batch.durable.min(batch.keys as u32);
+            ticket.settle(Durability { durable, not_durable: batch.keys as u32 - durable });
+        }
+        self.done_with_job();
     }
 }

@@ -25,14 +25,38 @@ const WAIT: Duration = Duration::from_secs(20);
 
 #[derive(Clone, Debug)]
 enum Op {
-    Write { first: u64, len: u64, finish: bool, owner: u8 },
-    Lookup { first: u64, len: u64, extra: u8, owner: u8 },
-    Read { pick: usize, reader: u8 },
-    Release { pick: usize, readers: u8, twice: bool },
-    ReleaseAll { pick: usize },
-    Delete { first: u64, len: u64 },
+    Write {
+        first: u64,
+        len: u64,
+        finish: bool,
+        owner: u8,
+    },
+    Lookup {
+        first: u64,
+        len: u64,
+        extra: u8,
+        owner: u8,
+    },
+    Read {
+        pick: usize,
+        reader: u8,
+    },
+    Release {
+        pick: usize,
+        readers: u8,
+        twice: bool,
+    },
+    ReleaseAll {
+        pick: usize,
+    },
+    Delete {
+        first: u64,
+        len: u64,
+    },
     ClearL1,
     Settle,
+    /// The clock moves past every lease deadline taken so far.
+    Expire,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -46,6 +70,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..KEYS, 1u64..4).prop_map(|(first, len)| Op::Delete { first, len }),
         1 => Just(Op::ClearL1),
         1 => Just(Op::Settle),
+        1 => Just(Op::Expire),
     ]
 }
 
@@ -103,6 +128,15 @@ fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let s = StorageManager::start_with_clock(config, clock.clone()).unwrap();
     let layout = Layout::bytes(CHUNK).unwrap();
     let mut lookups: Vec<(LookupId, Vec<ObjectKey>, usize)> = Vec::new();
+    // The reference model of every lookup's readers (H16 #10, #12): (readers, returned). A
+    // release is accepted iff it names readers the lookup has that have not returned their
+    // share, empty hits included; a refused one changes nothing; the last reader ends it.
+    // With the hit's size and the clock epoch the lookup was made in: all of a lookup's leases
+    // are taken at one instant of the manual clock, so they expire together, and after that
+    // a release of a lookup that holds chunks is refused (and changes nothing).
+    let mut ledger: std::collections::HashMap<LookupId, (u32, u128, usize, u32)> =
+        std::collections::HashMap::new();
+    let mut epoch = 0u32;
     let mut unfinished: Vec<(OwnerId, ObjectKey)> = Vec::new();
     for op in ops {
         match op {
@@ -140,6 +174,8 @@ fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     .wait(id, WAIT)
                     .map_err(|e| TestCaseError::fail(format!("lookup failed: {e}")))?;
                 prop_assert!(result.hit_chunks <= keys.len());
+                prop_assert_eq!(result.per_tier.iter().sum::<usize>(), result.hit_chunks);
+                ledger.insert(id, (result.readers, 0, result.hit_chunks, epoch));
                 lookups.push((id, keys, result.hit_chunks));
             }
             Op::Read { pick, reader } => {
@@ -156,12 +192,31 @@ fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Release { pick, readers, twice } => {
                 let Some((id, ..)) = lookups.get(pick % (lookups.len() + 1)) else { continue };
-                let readers = Readers::Set(u128::from(readers).max(1));
-                if s.release(*id, readers).is_ok() && twice {
-                    prop_assert!(
-                        s.release(*id, readers).is_err(),
-                        "a second release by the same readers was accepted"
-                    );
+                let mask = u128::from(readers).max(1);
+                let readers = Readers::Set(mask);
+                for _ in 0..if twice { 2 } else { 1 } {
+                    let expected = match ledger.get(id) {
+                        None => Err("unknown"),
+                        Some((n, ..)) if mask >> n != 0 => Err("no such reader"),
+                        Some((_, returned, ..)) if mask & returned != 0 => Err("share returned"),
+                        Some((_, _, hit, made)) if *hit > 0 && *made < epoch => Err("expired"),
+                        Some(_) => Ok(()),
+                    };
+                    let got = s.release(*id, readers);
+                    if expected == Err("expired") {
+                        // Refused; the maintenance tick may also have forgotten it meanwhile.
+                        prop_assert!(got.is_err(), "a release of expired leases was accepted");
+                        continue;
+                    }
+                    prop_assert_eq!(got.is_ok(), expected.is_ok(), "{:?}: {:?}", expected, got);
+                    if let (Ok(ended), Some((n, returned, ..))) = (got, ledger.get_mut(id)) {
+                        *returned |= mask;
+                        let all = if *n >= 128 { u128::MAX } else { (1u128 << *n) - 1 };
+                        prop_assert_eq!(ended, *returned == all);
+                        if ended {
+                            ledger.remove(id);
+                        }
+                    }
                 }
             }
             Op::ReleaseAll { pick } => {
@@ -169,12 +224,17 @@ fn run(policy: StorePolicy, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 if len > 0 {
                     let (id, ..) = lookups.remove(pick % len);
                     let _ = s.release_all(id);
+                    ledger.remove(&id);
                 }
             }
             Op::Delete { first, len } => drop(s.delete(&chain(first, len))),
             Op::ClearL1 => drop(s.clear_l1(false)),
             Op::Settle => {
                 eventually("the store pipeline idles", || s.status().store_in_flight == 0)?
+            }
+            Op::Expire => {
+                clock.advance(TTL * 2);
+                epoch += 1;
             }
         }
     }

@@ -29,6 +29,7 @@ from .wire import (
     Cleared,
     CudaIpcRegion,
     Done,
+    Flushed,
     KvLayout,
     LookupOutcome,
     LookupStarted,
@@ -222,6 +223,17 @@ class Client:
     def release(self, lookup: int) -> None:
         """Returns every share the lookup still holds (for chunks the engine will not read)."""
         self._expect(Released, wire.release(lookup))
+
+    def flush(self, timeout_s: float = 30.0) -> Flushed:
+        """Waits up to ``timeout_s`` (the daemon grants at most 60 s) until every chunk this
+        session stored since its last flush is through the store pipeline: ``durable`` of them
+        are on the disk tier (they survive a daemon crash), ``not_durable`` are not.
+        :class:`~tierkv.errors.WaitTimeout` if some are still on their way (flush again)."""
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s must be non-negative, got {timeout_s}")
+        timeout_ms = math.ceil(timeout_s * 1000)
+        deadline = self._timeout + min(timeout_ms / 1000, _MAX_DAEMON_WAIT_S)
+        return self._expect(Flushed, wire.flush(timeout_ms), timeout=deadline)
 
     def status(self) -> dict[str, Any]:
         """The daemon's status report, keys as on the wire (``tiers``, ``hit_tokens``, ...)."""

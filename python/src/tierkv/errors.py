@@ -28,8 +28,10 @@ __all__ = [
     "NoSession",
     "NotInHit",
     "ShareReturned",
+    "LeaseLimit",
     "Stopped",
     "TierKVError",
+    "TooManyConnections",
     "UnknownLookup",
     "VersionMismatch",
     "WaitTimeout",
@@ -171,6 +173,19 @@ class Stopped(_CodedError):
     CODE = "stopped"
 
 
+class TooManyConnections(_CodedError):
+    """The daemon serves ``server.max_connections`` connections already; it closes this one."""
+
+    CODE = "too_many_connections"
+
+
+class LeaseLimit(_CodedError):
+    """The session's open lookups hold ``server.max_leased_per_session`` bytes of leases:
+    retrieve or release some before looking up again."""
+
+    CODE = "lease_limit"
+
+
 class Internal(_CodedError):
     """Something failed inside the daemon; the message says what."""
 
@@ -195,6 +210,8 @@ _BY_CODE: dict[str, type[_CodedError]] = {
         WaitTimeout,
         Full,
         Stopped,
+        TooManyConnections,
+        LeaseLimit,
         Internal,
     )
 }

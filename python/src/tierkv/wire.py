@@ -34,12 +34,14 @@ __all__ = [
     "HEADER",
     "MAX_REPLY_BYTES",
     "PROTOCOL_VERSION",
+    "REFUSAL_REASONS",
     "STATUS",
     "Bye",
     "BufferRegistered",
     "Cleared",
     "CudaIpcRegion",
     "Done",
+    "Flushed",
     "KvLayout",
     "LookupOutcome",
     "LookupStarted",
@@ -55,6 +57,7 @@ __all__ = [
     "decode_reply",
     "encode_chunk_id",
     "encode_frame",
+    "flush",
     "hello",
     "lookup",
     "parse_reply_body",
@@ -166,7 +169,7 @@ def hello(
     role: str = "worker",
     rank: int = 0,
     tp_size: int = 1,
-    world_size: int = 1,
+    world_size: int | None = None,
     mla: bool = False,
     namespaces: Iterable[tuple[str, str] | str] = (),
     chunk_bytes: int = 0,
@@ -178,7 +181,7 @@ def hello(
     ``namespaces`` lists ``(model, cache_salt)`` pairs (a bare string is a model with an empty
     salt); later requests name them by index. A worker declares 1..=64 and a ``chunk_bytes`` of
     1..=the daemon's L1 slot; an admin (``role="admin"``) needs neither. ``token`` is required
-    over TCP.
+    over TCP. ``world_size`` left out (``None``) is ``tp_size``.
     """
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -193,20 +196,24 @@ def hello(
         decls.append({"model": model, "cache_salt": salt})
     if token is not None and not isinstance(token, str):
         raise TypeError("token must be a str or None")
-    return {
-        "hello": {
-            "version": _uint(version, _U32, "version"),
-            "role": role,
-            "rank": _uint(rank, _U16, "rank"),
-            "tp_size": _uint(tp_size, _U16, "tp_size"),
-            "world_size": _uint(world_size, _U16, "world_size"),
+    fields: dict[str, Any] = {
+        "version": _uint(version, _U32, "version"),
+        "role": role,
+        "rank": _uint(rank, _U16, "rank"),
+        "tp_size": _uint(tp_size, _U16, "tp_size"),
+    }
+    if world_size is not None:
+        fields["world_size"] = _uint(world_size, _U16, "world_size")
+    fields.update(
+        {
             "mla": bool(mla),
             "namespaces": decls,
             "chunk_bytes": _uint(chunk_bytes, _U64, "chunk_bytes"),
             "chunk_tokens": _uint(chunk_tokens, _U32, "chunk_tokens"),
             "token": token,
         }
-    }
+    )
+    return {"hello": fields}
 
 
 @dataclass(frozen=True)
@@ -375,6 +382,12 @@ def release(lookup: int) -> dict[str, Any]:
     return {"release": {"lookup": _uint(lookup, _U64, "lookup")}}
 
 
+def flush(timeout_ms: int) -> dict[str, Any]:
+    """``flush``: wait (at most ``timeout_ms``) until this session's stores since its last flush
+    are through the store pipeline, and learn how many chunks are on the disk tier."""
+    return {"flush": {"timeout_ms": _uint(timeout_ms, _U64, "timeout_ms")}}
+
+
 # ---------------------------------------------------------------------------------------------
 # Replies
 # ---------------------------------------------------------------------------------------------
@@ -397,14 +410,18 @@ class BufferRegistered:
     buffer: int
 
 
+#: The codes of ``refused[].reason`` in a store's reply.
+REFUSAL_REASONS = ("no_space", "busy", "copy_failed", "internal")
+
+
 @dataclass(frozen=True)
 class Stored:
-    """A store's outcome: chunks copied in, chunks already there, and ``(index, reason)`` of
-    the chunks refused."""
+    """A store's outcome: chunks copied in, chunks already there, and ``(index, reason,
+    message)`` of the chunks refused (``reason`` one of :data:`REFUSAL_REASONS`)."""
 
     stored: int
     present: int
-    refused: list[tuple[int, str]]
+    refused: list[tuple[int, str, str]]
 
 
 @dataclass(frozen=True)
@@ -453,6 +470,15 @@ class Released:
 
 
 @dataclass(frozen=True)
+class Flushed:
+    """What a flush found: chunks stored since the last flush that are on the disk tier, and
+    those that are not (no disk tier, a policy that does not write them there now, a failure)."""
+
+    durable: int
+    not_durable: int
+
+
+@dataclass(frozen=True)
 class Bye:
     """The session ended."""
 
@@ -474,6 +500,7 @@ Reply: TypeAlias = (
     | Done
     | Retrieved
     | Released
+    | Flushed
     | Bye
     | dict
     | Cleared
@@ -530,8 +557,10 @@ def _stored(v: Any) -> Stored:
     m = _map(v, "stored", ("stored", "present", "refused"))
     refused = []
     for r in _list(m["refused"], "refused"):
-        r = _map(r, "refused", ("index", "reason"))
-        refused.append((_int(r["index"], "index"), _str(r["reason"], "reason")))
+        r = _map(r, "refused", ("index", "reason", "message"))
+        refused.append(
+            (_int(r["index"], "index"), _str(r["reason"], "reason"), _str(r["message"], "message"))
+        )
     return Stored(_int(m["stored"], "stored"), _int(m["present"], "present"), refused)
 
 
@@ -574,6 +603,12 @@ _REPLIES = {
     "retrieved": _retrieved,
     "status": _status,
     "cleared": _cleared,
+    "flushed": lambda v: Flushed(
+        *(
+            _int(_map(v, "flushed", ("durable", "not_durable"))[k], k)
+            for k in ("durable", "not_durable")
+        )
+    ),
 }
 
 

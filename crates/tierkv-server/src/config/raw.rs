@@ -37,6 +37,7 @@ pub(super) struct Server {
     pub max_frame: ByteSize,
     pub max_connections: usize,
     pub socket_group: Option<String>,
+    pub max_leased_per_session: Option<ByteSize>,
 }
 
 impl Default for Server {
@@ -48,6 +49,7 @@ impl Default for Server {
             max_frame: ByteSize(16 << 20),
             max_connections: 1024,
             socket_group: None,
+            max_leased_per_session: None,
         }
     }
 }
@@ -185,6 +187,8 @@ pub(super) struct Storage {
     pub disk_admission_min_reads: u32,
     #[serde(deserialize_with = "duration")]
     pub maintenance_interval: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub store_backpressure: Duration,
     pub prefetch_max_in_flight: usize,
     #[serde(deserialize_with = "duration")]
     pub prefetch_drain_timeout: Duration,
@@ -197,6 +201,7 @@ impl Default for Storage {
             store_policy: StoreMode::WriteThrough,
             disk_admission_min_reads: 2,
             maintenance_interval: Duration::from_millis(50),
+            store_backpressure: Duration::from_secs(10),
             prefetch_max_in_flight: prefetch.max_in_flight,
             prefetch_drain_timeout: prefetch.drain_timeout,
         }

@@ -213,7 +213,18 @@ class SchedulerSide:
         if state.lookups is None or state.generation != generation or stale:
             self._release(state)
             wanted = state.chunks[: state.lookup_chunks]
-            started = [link.call(lambda c: c.lookup(0, wanted)) for link in self.links]
+            started = []
+            try:
+                for link in self.links:
+                    started.append(link.call(lambda c: c.lookup(0, wanted)))
+            except DaemonError as e:
+                # Refused (e.g. lease_limit: the session holds its cap of leases): a miss for
+                # now, with nothing left held; a later call looks up again.
+                log.debug("tierkv: lookup refused: %s", e)
+                for link, s in zip(self.links, started, strict=False):
+                    with contextlib.suppress(Unavailable, DaemonError):
+                        link.call(lambda c, lookup=s.lookup: c.release(lookup))
+                return 0
             state.lookups = [s.lookup for s in started]
             state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s in started]
             state.generation = sum(link.generation for link in self.links)

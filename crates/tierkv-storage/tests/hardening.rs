@@ -1,0 +1,345 @@
+//! Issue 16 (hardening): the StorageManager's defects, one test each, named after the defect.
+
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use parking_lot::Mutex;
+use tierkv_core::{
+    Completion, ExtraCount, Layout, LoadItem, ManualClock, ObjectKey, StoreItem, TaskId,
+    TierAdapter, TierUsage,
+};
+use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers};
+use tierkv_storage::{
+    Durability, GroupKind, LookupGroup, LookupRequest, StorageConfig, StorageError, StorageManager,
+};
+use tierkv_testkit::FakeTier;
+use tierkv_testkit::contract::{key, keys, payload};
+
+const CHUNK: u64 = 16 << 10;
+const OWNER: OwnerId = OwnerId(3);
+const WAIT: Duration = Duration::from_secs(20);
+
+fn layout() -> Layout {
+    Layout::bytes(CHUNK).unwrap()
+}
+
+fn l1_config(slots: u64) -> L1Config {
+    L1Config { device: DeviceKind::Emulated, ..L1Config::new(slots * CHUNK, CHUNK) }
+}
+
+/// A tier whose `submit_store` blocks the calling thread (the store pipeline) while the gate is
+/// shut: the pipeline is then busy and cannot get to the next job.
+struct GatedTier {
+    inner: FakeTier,
+    gate: Mutex<Option<mpsc::Receiver<()>>>,
+    entered: mpsc::SyncSender<()>,
+}
+
+impl TierAdapter for GatedTier {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
+        if let Some(gate) = self.gate.lock().take() {
+            let _ = self.entered.send(());
+            let _ = gate.recv();
+        }
+        self.inner.submit_store(items)
+    }
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
+        self.inner.submit_lookup_and_lock(keys)
+    }
+    fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
+        self.inner.submit_load(items)
+    }
+    fn unlock(&self, keys: &[ObjectKey]) {
+        self.inner.unlock(keys)
+    }
+    fn delete(&self, keys: &[ObjectKey]) -> usize {
+        self.inner.delete(keys)
+    }
+    fn clear(&self) -> usize {
+        self.inner.clear()
+    }
+    fn usage(&self) -> TierUsage {
+        self.inner.usage()
+    }
+    fn completions(&self) -> Receiver<Completion> {
+        self.inner.completions()
+    }
+    fn close(&self) {
+        self.inner.close()
+    }
+}
+
+fn write(s: &StorageManager, keys: &[ObjectKey]) -> Arc<tierkv_storage::StoreTicket> {
+    let reserved = s.reserve_write(OWNER, keys, &layout()).unwrap();
+    assert!(reserved.iter().all(|r| r.is_ok()), "{reserved:?}");
+    for k in keys {
+        s.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+    }
+    let (results, ticket) = s.finish_write_tracked(OWNER, keys).unwrap();
+    assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+    ticket
+}
+
+fn shares(s: &StorageManager, k: &ObjectKey) -> u64 {
+    match s.l1().presence(k) {
+        tierkv_l1::Presence::Ready { shares, .. } => shares,
+        other => panic!("{k:?} is {other:?}"),
+    }
+}
+
+fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn h16_02_a_finished_chunk_stays_in_l1_until_its_tiers_have_it_and_the_ticket_says_durable() {
+    let (open, gate) = mpsc::channel();
+    let (entered_tx, entered) = mpsc::sync_channel(1);
+    let disk = Arc::new(GatedTier {
+        inner: FakeTier::new("disk", 64, CHUNK),
+        gate: Mutex::new(Some(gate)),
+        entered: entered_tx,
+    });
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
+    let s = StorageManager::start_with_tiers(
+        StorageConfig::new(l1_config(16)),
+        Arc::new(ManualClock::new()),
+        tiers,
+    )
+    .unwrap();
+    // The pipeline takes the first batch and blocks inside the tier.
+    let first = write(&s, &keys(0..2));
+    entered.recv_timeout(WAIT).unwrap();
+    // The second batch is acknowledged while the pipeline cannot get to it.
+    let second = write(&s, &keys(2..5));
+    assert!(
+        keys(2..5).iter().all(|k| shares(&s, k) == 1),
+        "an acknowledged chunk waits for the store pipeline unpinned, so eviction can drop it"
+    );
+    let cleared = s.clear_l1(false);
+    assert_eq!(cleared.removed, 0, "nothing on its way down is evictable");
+    open.send(()).unwrap();
+    assert_eq!(
+        first.wait_until(Instant::now() + WAIT),
+        Some(Durability { durable: 2, not_durable: 0 })
+    );
+    assert_eq!(
+        second.wait_until(Instant::now() + WAIT),
+        Some(Durability { durable: 3, not_durable: 0 })
+    );
+    assert!(keys(0..5).iter().all(|k| disk.inner.contains(k)), "every acknowledged chunk is down");
+    until("the pipeline's shares come back", || keys(0..5).iter().all(|k| shares(&s, k) == 0));
+}
+
+#[test]
+fn h16_02_writers_wait_for_the_store_pipeline_when_l1_is_full_of_chunks_going_down() {
+    let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
+    disk.hold();
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
+    let s = Arc::new(
+        StorageManager::start_with_tiers(
+            StorageConfig { store_backpressure: WAIT, ..StorageConfig::new(l1_config(4)) },
+            Arc::new(ManualClock::new()),
+            tiers,
+        )
+        .unwrap(),
+    );
+    write(&s, &keys(0..4));
+    until("the copies are in flight", || disk.held_tasks() == 1);
+    // L1 is full of chunks the disk does not have yet: a writer waits instead of evicting them.
+    let writer = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || s.reserve_write(OWNER, &keys(4..6), &layout()).unwrap())
+    };
+    disk.release_held();
+    let reserved = writer.join().unwrap();
+    assert!(reserved.iter().all(|r| r.is_ok()), "room once the copies finished: {reserved:?}");
+    assert!(keys(0..4).iter().all(|k| disk.contains(k)), "the chunks reached the disk first");
+}
+
+#[test]
+fn h16_02_past_the_backpressure_limit_a_full_l1_refuses_rather_than_dropping_a_chunk() {
+    let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
+    disk.hold();
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
+    let config =
+        StorageConfig { store_backpressure: Duration::ZERO, ..StorageConfig::new(l1_config(4)) };
+    let s = StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap();
+    write(&s, &keys(0..4));
+    let reserved = s.reserve_write(OWNER, &keys(4..5), &layout()).unwrap();
+    assert_eq!(reserved[0].as_ref().err(), Some(&tierkv_core::KeyError::OutOfMemory));
+    assert!(keys(0..4).iter().all(|k| shares(&s, k) == 1), "nothing was evicted");
+    disk.release_held();
+    until("every chunk is down", || keys(0..4).iter().all(|k| disk.contains(k)));
+}
+
+fn lookup_rig(slots: u64) -> (StorageManager, Arc<FakeTier>, Arc<ManualClock>) {
+    let l2 = Arc::new(FakeTier::new("l2", 64, CHUNK));
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![l2.clone()];
+    let clock = Arc::new(ManualClock::new());
+    let config = StorageConfig {
+        l1: L1Config { lease_ttl: Duration::from_secs(30), ..l1_config(slots) },
+        maintenance_interval: Duration::from_millis(5),
+        ..StorageConfig::new(l1_config(slots))
+    };
+    let s = StorageManager::start_with_tiers(config, clock.clone(), tiers).unwrap();
+    (s, l2, clock)
+}
+
+#[test]
+fn h16_10_every_reader_of_an_empty_hit_returns_its_share_without_an_error() {
+    let (s, ..) = lookup_rig(8);
+    let id = s.submit_prefetch(OWNER, keys(0..3), ExtraCount::new(2).unwrap(), layout()).unwrap();
+    let result = s.wait(id, WAIT).unwrap();
+    assert_eq!((result.hit_chunks, result.readers), (0, 3));
+    assert!(!s.release(id, Readers::One(0)).unwrap());
+    assert!(!s.release(id, Readers::One(2)).unwrap());
+    assert!(matches!(
+        s.release(id, Readers::One(2)),
+        Err(StorageError::ShareReturned { reader: 2, .. })
+    ));
+    assert!(matches!(s.release(id, Readers::One(3)), Err(StorageError::NoSuchReader { .. })));
+    assert!(s.release(id, Readers::One(1)).unwrap(), "the last reader ends it");
+    assert!(!s.is_open(id));
+}
+
+#[test]
+fn h16_11_a_wait_that_claims_the_outcome_of_an_abandoned_lookup_settles_its_lease() {
+    let (s, l2, _clock) = lookup_rig(8);
+    for k in keys(0..3) {
+        l2.insert(k, payload(&k, CHUNK));
+    }
+    l2.hold_loads();
+    let s = Arc::new(s);
+    let id = s.submit_prefetch(OWNER, keys(0..3), ExtraCount::ZERO, layout()).unwrap();
+    until("the load is in flight", || l2.held_tasks() == 1);
+    let waiter = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || s.wait(id, WAIT))
+    };
+    // Let the waiter block on the prefetch, then abandon the lookup under it.
+    std::thread::sleep(Duration::from_millis(50));
+    s.release_all(id).unwrap();
+    l2.release_held();
+    let waited = waiter.join().unwrap();
+    assert!(matches!(waited, Err(StorageError::UnknownLookup(_))), "{waited:?}");
+    // Whoever claimed the outcome settled it: no share is left, with no clock movement.
+    until("the promoted chunks are unleased", || s.l1().usage().leased == 0);
+}
+
+#[test]
+fn h16_12_a_refused_release_changes_nothing() {
+    let (s, l2, clock) = lookup_rig(8);
+    // k0 in L1 (leased at submit), k1 only below (leased by the prefetch, later).
+    write(&s, &keys(0..1));
+    until("k0's copy share is back", || shares(&s, &key(0)) == 0);
+    l2.insert(key(1), payload(&key(1), CHUNK));
+    // The leases sit in a hash map: try several lookups, so an order-dependent partial
+    // release cannot hide.
+    for _ in 0..8 {
+        l2.hold_loads();
+        let id =
+            s.submit_prefetch(OWNER, keys(0..2), ExtraCount::new(1).unwrap(), layout()).unwrap();
+        until("the load is in flight", || l2.held_tasks() == 1);
+        // The prefetch's lease is taken 20 s after the L1 lease: it expires 20 s later.
+        clock.advance(Duration::from_secs(20));
+        l2.release_held();
+        assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 2);
+        assert_eq!((shares(&s, &key(0)), shares(&s, &key(1))), (2, 2));
+        clock.advance(Duration::from_secs(15));
+        // The L1 lease is past its deadline, the prefetch's is not.
+        assert!(s.release(id, Readers::One(0)).is_err());
+        assert_eq!(shares(&s, &key(1)), 2, "a refused release returned a prefetched share");
+        s.release_all(id).unwrap();
+        // Promoted for this lookup alone: freed with its last share (or unleased, then deleted).
+        s.l1().delete(&keys(1..2), false);
+        assert_eq!(s.l1().presence(&key(1)), tierkv_l1::Presence::Absent);
+        assert_eq!(shares(&s, &key(0)), 0, "k0 stays in L1, unleased, for the next round");
+    }
+}
+
+#[test]
+fn h16_13_an_l1_lease_that_expires_while_the_prefetch_loads_is_not_counted_as_a_hit() {
+    let (s, l2, clock) = lookup_rig(8);
+    write(&s, &keys(0..1));
+    until("k0's copy share is back", || shares(&s, &key(0)) == 0);
+    l2.insert(key(1), payload(&key(1), CHUNK));
+    l2.hold_loads();
+    let id = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
+    assert_eq!(s.l1_hit(id).unwrap(), 1);
+    until("the load is in flight", || l2.held_tasks() == 1);
+    // The L1 lease passes its deadline while k1 loads.
+    clock.advance(Duration::from_secs(31));
+    s.l1().expire_leases();
+    l2.release_held();
+    let result = s.wait(id, WAIT).unwrap();
+    assert_eq!(result.hit_chunks, 0, "k0's share is gone, so there is no prefix hit");
+    assert_eq!(result.per_tier.iter().sum::<usize>(), 0);
+    assert_eq!(s.l1().usage().leased, 0, "the loaded k1 is not held for a hit without it");
+}
+
+#[test]
+fn h16_14_a_hybrid_lookup_never_counts_more_hit_tokens_than_requested() {
+    let (s, ..) = lookup_rig(32);
+    let group = |g: u16| -> Vec<ObjectKey> {
+        keys(100 * u64::from(g)..100 * u64::from(g) + 4)
+            .into_iter()
+            .map(|k| ObjectKey { group: tierkv_core::GroupId(g), ..k })
+            .collect()
+    };
+    let (full, window) = (group(0), group(1));
+    write(&s, &full);
+    write(&s, &window);
+    let request = LookupRequest {
+        owner: OWNER,
+        extra: ExtraCount::ZERO,
+        chunk_tokens: 256,
+        groups: vec![
+            LookupGroup { kind: GroupKind::FullAttention, layout: layout(), keys: full },
+            LookupGroup {
+                kind: GroupKind::SlidingWindow { window_tokens: 512 },
+                layout: layout(),
+                keys: window,
+            },
+        ],
+    };
+    let id = s.submit_lookup(request).unwrap();
+    let result = s.wait(id, WAIT).unwrap();
+    assert_eq!((result.hit_chunks, result.hit_tokens), (4, 1024));
+    assert_eq!(result.per_tier, vec![4, 0], "one count per chunk position, not per group");
+    let totals = s.status().lookups;
+    assert_eq!(totals.requested_tokens, 1024);
+    assert!(
+        totals.hit_tokens.iter().sum::<u64>() <= totals.requested_tokens,
+        "hit {:?} of {} tokens",
+        totals.hit_tokens,
+        totals.requested_tokens
+    );
+}
+
+#[test]
+fn h16_15_a_complete_lookup_whose_leases_all_expired_is_forgotten() {
+    let (s, _l2, clock) = lookup_rig(8);
+    write(&s, &keys(0..2));
+    until("the copy shares are back", || keys(0..2).iter().all(|k| shares(&s, k) == 0));
+    let id = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
+    assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 2);
+    assert_eq!(s.held_chunks(id), Some(2));
+    // Its owner never releases it; once its lease is past the deadline it holds nothing, and the
+    // maintenance tick forgets it instead of keeping it for the session's lifetime.
+    clock.advance(Duration::from_secs(31));
+    until("the lookup is forgotten", || !s.is_open(id));
+    assert_eq!(s.status().open_lookups, 0);
+    assert_eq!(s.held_chunks(id), None);
+}

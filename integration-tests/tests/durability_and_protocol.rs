@@ -1,0 +1,232 @@
+//! Issue 16 (hardening), through a real daemon: crash consistency of acknowledged-durable
+//! stores, the per-session lease cap, empty hits read by a TP group, and the protocol points a
+//! client written from docs/protocol.md alone tripped over.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tierkv_client::payload::{chunk_id, fill, holds};
+use tierkv_client::proto::{
+    ChunkBlocks, ChunkId, ErrorCode, Hello, ReplyBody, Request, RequestBody, encode,
+};
+use tierkv_client::{Client, ClientError, SharedBuffer};
+use tierkv_integration_tests::{Daemon, small_config};
+
+const CHUNK: u64 = 65536;
+const BATCH: u64 = 8;
+
+fn code(result: Result<impl std::fmt::Debug, ClientError>) -> ErrorCode {
+    match result {
+        Err(e) => e.code().unwrap_or_else(|| panic!("not a daemon error: {e}")),
+        Ok(v) => panic!("expected an error, got {v:?}"),
+    }
+}
+
+/// A worker session with one registered buffer of `BATCH` blocks.
+fn worker(daemon: &Daemon, hello: Hello) -> (Client, SharedBuffer) {
+    let mut client = Client::connect_unix(&daemon.socket, hello).unwrap();
+    let buffer = SharedBuffer::new(CHUNK, BATCH).unwrap();
+    assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
+    (client, buffer)
+}
+
+fn chain(prompt: u64) -> Vec<ChunkId> {
+    (0..BATCH).map(|i| chunk_id(prompt, i)).collect()
+}
+
+fn blocks(ids: &[ChunkId]) -> Vec<ChunkBlocks> {
+    ids.iter().enumerate().map(|(i, id)| ChunkBlocks::one(*id, i as u64)).collect()
+}
+
+/// Looks `ids` up, retrieves the whole hit and checks every byte of it. Returns the hit.
+fn read_back(client: &mut Client, buffer: &mut SharedBuffer, ids: &[ChunkId]) -> u32 {
+    let lookup = client.lookup(0, ids.to_vec()).unwrap();
+    let outcome = client.wait(lookup.id, Duration::from_secs(30)).unwrap();
+    let hit = outcome.hit_chunks as usize;
+    client.retrieve(lookup.id, 0, blocks(&ids[..hit])).unwrap();
+    for (i, id) in ids[..hit].iter().enumerate() {
+        let block = buffer.block_mut(i as u64).unwrap();
+        assert!(holds(block, *id, 0), "chunk {i} of a hit was served with wrong bytes");
+        block.fill(0);
+    }
+    outcome.hit_chunks
+}
+
+#[test]
+fn h16_02_every_chunk_acknowledged_durable_survives_kill_9_byte_exact() {
+    let mut daemon = Daemon::start();
+    let hello = || Client::worker_hello("crash", CHUNK);
+    // Every batch a writer stored, and the ones a flush counted durable, over every round.
+    let durable: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let attempted: Arc<Mutex<Vec<u64>>> = Arc::default();
+    let mut next_prompt = 1u64;
+    for round in 0..4 {
+        let socket_daemon = &daemon;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (mut client, mut buffer) = worker(socket_daemon, hello());
+        let writer = {
+            let (durable, attempted, stop) =
+                (Arc::clone(&durable), Arc::clone(&attempted), Arc::clone(&stop));
+            let first = next_prompt;
+            std::thread::spawn(move || {
+                let mut prompt = first;
+                while !stop.load(Ordering::Acquire) {
+                    let ids = chain(prompt);
+                    for (i, id) in ids.iter().enumerate() {
+                        fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
+                    }
+                    attempted.lock().unwrap().push(prompt);
+                    let Ok(stored) = client.store(0, 0, blocks(&ids)) else { break };
+                    let Ok((ok, _)) = client.flush(Duration::from_secs(30)) else { break };
+                    if stored.stored == BATCH as u32 && ok == BATCH as u32 {
+                        durable.lock().unwrap().push(prompt);
+                    }
+                    prompt += 1;
+                }
+            })
+        };
+        // Kill the daemon under load, once a few batches of this round are durable.
+        let target = 3 * (round + 1);
+        while durable.lock().unwrap().len() < target {
+            assert!(!writer.is_finished(), "the writer stopped before the crash");
+            std::thread::yield_now();
+        }
+        daemon.kill();
+        stop.store(true, Ordering::Release);
+        writer.join().unwrap();
+        next_prompt = attempted.lock().unwrap().iter().max().copied().unwrap_or(0) + 1;
+        daemon.restart();
+        let (mut reader, mut buffer) = worker(&daemon, hello());
+        for prompt in durable.lock().unwrap().iter() {
+            assert_eq!(
+                read_back(&mut reader, &mut buffer, &chain(*prompt)),
+                BATCH as u32,
+                "round {round}: batch {prompt} was acknowledged durable and is lost"
+            );
+        }
+        // Batches never acknowledged durable may be there in part or not at all, never wrong.
+        for prompt in attempted.lock().unwrap().iter() {
+            read_back(&mut reader, &mut buffer, &chain(*prompt));
+        }
+        reader.end().unwrap();
+    }
+    assert!(durable.lock().unwrap().len() >= 12);
+}
+
+#[test]
+fn h16_08_one_session_cannot_fill_l1_with_leases() {
+    let daemon = Daemon::start_with(|dir| {
+        small_config(dir, None, "").replace(
+            "[server]\n",
+            &format!("[server]\nmax_leased_per_session = \"{}KiB\"\n", 2 * BATCH * 64),
+        )
+    });
+    let (mut hog, mut buffer) = worker(&daemon, Client::worker_hello("m", CHUNK));
+    for prompt in 1..=3 {
+        let ids = chain(prompt);
+        for (i, id) in ids.iter().enumerate() {
+            fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
+        }
+        assert_eq!(hog.store(0, 0, blocks(&ids)).unwrap().stored, BATCH as u32);
+    }
+    // Two unreleased lookups of 8 chunks reach the cap of 16 chunks; the third is refused.
+    let first = hog.lookup(0, chain(1)).unwrap();
+    hog.lookup(0, chain(2)).unwrap();
+    assert_eq!(code(hog.lookup(0, chain(3))), ErrorCode::LeaseLimit);
+    // Another session is not held back by it.
+    let (mut other, _b) = worker(&daemon, Client::worker_hello("m", CHUNK));
+    assert_eq!(other.lookup(0, chain(3)).unwrap().outcome.unwrap().hit_chunks, BATCH as u32);
+    // Returning one lookup's shares makes room again.
+    hog.release(first.id).unwrap();
+    assert_eq!(hog.lookup(0, chain(3)).unwrap().outcome.unwrap().hit_chunks, BATCH as u32);
+}
+
+#[test]
+fn h16_10_every_reader_of_an_empty_mla_hit_returns_its_share_without_an_error() {
+    let daemon = Daemon::start();
+    let mla = |rank: u16| Hello {
+        mla: true,
+        rank,
+        tp_size: 3,
+        world_size: None,
+        ..Client::worker_hello("m", CHUNK)
+    };
+    let mut ranks: Vec<(Client, SharedBuffer)> = (0..3).map(|r| worker(&daemon, mla(r))).collect();
+    let lookup = ranks[0].0.lookup(0, chain(99)).unwrap();
+    let outcome = ranks[0].0.wait(lookup.id, Duration::from_secs(10)).unwrap();
+    assert_eq!((outcome.hit_chunks, outcome.readers), (0, 3));
+    for (client, _) in &mut ranks {
+        client.retrieve(lookup.id, 0, Vec::new()).unwrap();
+    }
+    assert_eq!(code(ranks[2].0.retrieve(lookup.id, 0, Vec::new())), ErrorCode::ShareReturned);
+    // The owner's release after the last reader is not an error: nothing is left to return.
+    ranks[0].0.release(lookup.id).unwrap();
+    assert_eq!(daemon.settled().open_lookups, 0);
+}
+
+#[test]
+fn h16_protocol_per_tier_is_always_l1_l2_disk_and_adds_up_to_the_hit() {
+    let daemon = Daemon::start();
+    let (mut client, mut buffer) = worker(&daemon, Client::worker_hello("m", CHUNK));
+    let ids = chain(5);
+    for (i, id) in ids.iter().enumerate() {
+        fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
+    }
+    client.store(0, 0, blocks(&ids)).unwrap();
+    let outcome = client.lookup(0, ids.clone()).unwrap().outcome.unwrap();
+    assert_eq!(outcome.per_tier, vec![BATCH as u32, 0, 0], "an all-L1 hit");
+    let miss = client.lookup(0, chain(6)).unwrap();
+    let miss = client.wait(miss.id, Duration::from_secs(10)).unwrap();
+    assert_eq!(miss.per_tier, vec![0, 0, 0], "a miss");
+}
+
+#[test]
+fn h16_protocol_a_second_hello_closes_the_connection_and_world_size_defaults_to_tp_size() {
+    let daemon = Daemon::start();
+    let hello = Hello { tp_size: 2, rank: 1, world_size: None, ..Client::worker_hello("m", CHUNK) };
+    let mut client = Client::connect_unix(&daemon.socket, hello.clone()).unwrap();
+    assert_eq!(code(client.call(RequestBody::Hello(hello))), ErrorCode::NoSession);
+    assert!(client.call(RequestBody::Status).is_err(), "the connection stays open");
+}
+
+#[test]
+fn h16_protocol_past_max_connections_the_refusal_has_its_own_code() {
+    let daemon = Daemon::start_with(|dir| {
+        small_config(dir, None, "").replace("[server]\n", "[server]\nmax_connections = 1\n")
+    });
+    // The start-up probe's connection may still hold the one slot for a moment.
+    let _first = (0..1000)
+        .find_map(|_| Client::connect_unix(&daemon.socket, Client::worker_hello("m", CHUNK)).ok())
+        .expect("the one connection");
+    // Read the refusal before sending anything: a hello the daemon never reads would make its
+    // close a reset, which may overtake the reply.
+    let mut second = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    let body = tierkv_client::proto::read_frame(&mut second, 1 << 20).unwrap().unwrap();
+    let reply: tierkv_client::proto::Reply = tierkv_client::proto::decode(&body).unwrap();
+    match reply.body {
+        ReplyBody::Error { code, .. } => assert_eq!(code, ErrorCode::TooManyConnections),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(reply.id, 0);
+}
+
+#[test]
+fn h16_protocol_trailing_bytes_make_a_bad_frame() {
+    let daemon = Daemon::start();
+    let mut client =
+        Client::connect_unix(&daemon.socket, Client::worker_hello("m", CHUNK)).unwrap();
+    // Trailing bytes: the frame is garbage, the connection closes.
+    let mut frame = Vec::new();
+    encode(&Request { id: 3, body: RequestBody::Status }, &mut frame).unwrap();
+    frame.push(0xc0);
+    let len = (frame.len() - 4) as u32;
+    frame[..4].copy_from_slice(&len.to_le_bytes());
+    client.send_raw(&frame, &[]).unwrap();
+    match client.read_reply().unwrap().body {
+        ReplyBody::Error { code, .. } => assert_eq!(code, ErrorCode::BadFrame),
+        other => panic!("{other:?}"),
+    }
+}

@@ -1,0 +1,181 @@
+"""docs/protocol.md, point by point, against a real daemon (issue 16).
+
+A client written from the docs alone tripped over each of these; every test quotes what the
+docs promise and checks the daemon keeps it. Frames are built by hand (msgpack and a socket),
+as the docs show, so the package's own client cannot paper over a difference.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+import pytest
+from daemon import Daemon
+
+from tierkv import SharedBuffer, prefix_hashes, wire
+
+CHUNK_BYTES = 4096
+TOKENS = 16
+
+
+class Raw:
+    """A bare session: the `call` of docs/protocol.md."""
+
+    def __init__(self, path) -> None:
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.settimeout(10)
+        self.s.connect(str(path))
+
+    def send(self, body: bytes) -> None:
+        self.s.sendall(struct.pack("<I", len(body)) + body)
+
+    def reply(self):
+        header = self.s.recv(4, socket.MSG_WAITALL)
+        if len(header) < 4:
+            return None
+        (n,) = struct.unpack("<I", header)
+        return msgpack.unpackb(self.s.recv(n, socket.MSG_WAITALL))
+
+    def call(self, i: int, body):
+        self.send(msgpack.packb({"id": i, "body": body}))
+        return self.reply()
+
+    def hello(self, **fields):
+        hello = {"version": 2, "namespaces": [{"model": "m"}], "chunk_bytes": CHUNK_BYTES}
+        hello.update(fields)
+        return self.call(1, {"hello": hello})
+
+
+def error_code(reply) -> str:
+    return reply["body"]["error"]["code"]
+
+
+@pytest.fixture
+def raw(daemon):
+    sessions = []
+
+    def open_():
+        r = Raw(daemon.socket)
+        sessions.append(r)
+        return r
+
+    yield open_
+    for r in sessions:
+        r.s.close()
+
+
+def test_world_size_has_a_default_even_with_tp_size_above_one(raw):
+    # "| `world_size` | u16 | `tp_size` | at least `tp_size` |"
+    reply = raw().hello(tp_size=4, rank=3)
+    assert "welcome" in reply["body"], reply
+
+
+def test_a_second_hello_is_no_session_and_closes_the_connection(raw):
+    # "A second `hello` on an open session gets `no_session` too, and the connection closes."
+    r = raw()
+    assert "welcome" in r.hello()["body"]
+    assert error_code(r.hello()) == "no_session"
+    assert r.reply() is None, "the connection is closed"
+
+
+def test_unknown_fields_are_refused_with_bad_request_and_the_session_goes_on(raw):
+    # "a field the request does not have ... is refused with `bad_request`"
+    r = raw()
+    r.hello()
+    reply = r.call(7, {"query": {"lookup": 1, "lokup": 2}})
+    assert reply["id"] == 7 and error_code(reply) == "bad_request"
+    assert "status" in r.call(8, "status")["body"], "the session goes on"
+
+
+def test_trailing_bytes_make_a_bad_frame(raw):
+    # "A body is exactly one value: bytes after it make the frame `bad_frame`."
+    r = raw()
+    r.hello()
+    r.send(msgpack.packb({"id": 2, "body": "status"}) + b"\xc0")
+    assert error_code(r.reply()) == "bad_frame"
+    assert r.reply() is None, "the connection closes after bad_frame"
+
+
+def test_per_tier_is_always_l1_l2_disk_and_release_after_the_last_reader_is_released(daemon):
+    # "`per_tier` ... always three counts, in that order ... adding up to `hit_chunks`"
+    # "the owner's `release` gets `released` (nothing is left to return, and it is not an error)"
+    hello = wire.hello(namespaces=["m"], chunk_bytes=CHUNK_BYTES, chunk_tokens=TOKENS)
+    client = daemon.connect(hello)
+    with SharedBuffer(CHUNK_BYTES, 4, name="tierkv-doc") as buf:
+        assert client.register_buffer(buf) == 0
+        hashes = prefix_hashes(list(range(4 * TOKENS)), TOKENS)
+        assert client.store(0, 0, [(h, i) for i, h in enumerate(hashes)]).stored == 4
+        started = client.lookup(0, hashes)
+        assert started.outcome is not None
+        assert started.outcome.per_tier == [4, 0, 0]
+        miss = client.lookup(0, prefix_hashes(list(range(1000, 1000 + TOKENS)), TOKENS))
+        outcome = miss.outcome or client.wait(miss.lookup, 5.0)
+        assert outcome.per_tier == [0, 0, 0]
+        client.retrieve(started.lookup, 0, [(h, i) for i, h in enumerate(hashes)])
+        client.release(started.lookup)
+        # The empty lookup's single reader returns its (empty) share by a retrieve of nothing.
+        client.retrieve(miss.lookup, 0, [])
+        client.release(miss.lookup)
+
+
+def test_flush_says_which_stored_chunks_are_durable(daemon):
+    # "`durable` chunks are on the disk tier"
+    hello = wire.hello(namespaces=["m"], chunk_bytes=CHUNK_BYTES, chunk_tokens=TOKENS)
+    client = daemon.connect(hello)
+    with SharedBuffer(CHUNK_BYTES, 4, name="tierkv-doc") as buf:
+        client.register_buffer(buf)
+        hashes = prefix_hashes(list(range(500, 500 + 3 * TOKENS)), TOKENS)
+        assert client.store(0, 0, [(h, i) for i, h in enumerate(hashes)]).stored == 3
+        flushed = client.flush(10.0)
+        assert (flushed.durable, flushed.not_durable) == (3, 0)
+        # Nothing stored since: the next flush has nothing to wait for.
+        assert client.flush(1.0) == wire.Flushed(durable=0, not_durable=0)
+
+
+def test_refusal_reasons_are_codes():
+    # "each with a `reason` code: `no_space`, `busy`, `copy_failed`, `internal`"
+    assert wire.REFUSAL_REASONS == ("no_space", "busy", "copy_failed", "internal")
+
+
+def test_too_many_connections_has_its_own_code(tierkv_bin, tmp_path):
+    # "A connection past `server.max_connections` gets `too_many_connections` (id 0)"
+    d = Daemon(tierkv_bin, tmp_path, extra_config="max_connections = 1")
+    try:
+        first = None
+        for _ in range(1000):
+            # The start-up probe's connection may still hold the one slot for a moment.
+            first = Raw(d.socket)
+            try:
+                if "welcome" in first.hello()["body"]:
+                    break
+            except OSError:
+                pass
+            first.s.close()
+        second = Raw(d.socket)
+        reply = second.reply()
+        assert reply["id"] == 0 and error_code(reply) == "too_many_connections"
+        first.s.close()
+        second.s.close()
+    finally:
+        d.stop()
+
+
+def test_lease_limit_is_refused_with_its_code(tierkv_bin, tmp_path):
+    # "A lookup made while the session's open lookups hold `server.max_leased_per_session`
+    # bytes of leases ... is refused with `lease_limit`."
+    d = Daemon(tierkv_bin, tmp_path, extra_config='max_leased_per_session = "8KiB"')
+    try:
+        hello = wire.hello(namespaces=["m"], chunk_bytes=CHUNK_BYTES, chunk_tokens=TOKENS)
+        client = d.connect(hello)
+        with SharedBuffer(CHUNK_BYTES, 4, name="tierkv-doc") as buf:
+            client.register_buffer(buf)
+            hashes = prefix_hashes(list(range(2 * TOKENS)), TOKENS)
+            client.store(0, 0, [(h, i) for i, h in enumerate(hashes)])
+            client.lookup(0, hashes)
+            with pytest.raises(wire.DaemonError) as caught:
+                client.lookup(0, hashes)
+            assert caught.value.code == "lease_limit"
+    finally:
+        d.stop()
