@@ -47,7 +47,12 @@ pub struct Header {
     pub len: u64,
     /// xxh3-64 of the payload.
     pub checksum: u64,
+    /// Deleted (flag bit 0): the record is skipped when the index is rebuilt.
+    pub deleted: bool,
 }
+
+/// Flag bit 0 of a record header: the record was deleted after it was written.
+const FLAG_DELETED: u32 = 1;
 
 /// Why a block is not a valid superblock or header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,7 +143,7 @@ impl Header {
         block[..BLOCK as usize].fill(0);
         put(block, 0, RECORD_MAGIC);
         put(block, 8, &VERSION.to_le_bytes());
-        // Bytes 12..16: flags, none defined in version 1.
+        put(block, 12, &(if self.deleted { FLAG_DELETED } else { 0 }).to_le_bytes());
         put(block, 16, &self.epoch.to_le_bytes());
         put(block, 24, &self.key.namespace.0.to_le_bytes());
         put(block, 32, &self.key.chunk.0.to_le_bytes());
@@ -172,6 +177,12 @@ impl Header {
         if xxh3_64(&block[..HEADER_BODY]) != u64_at(block, HEADER_BODY) {
             return Err(Invalid::Checksum);
         }
+        let flags = u32_at(block, 12);
+        if flags & !FLAG_DELETED != 0 {
+            // A checksummed header with flags this version does not know was written by a newer
+            // version: it cannot be read safely.
+            return Err(Invalid::Version(version));
+        }
         let rank = match block[48] {
             0 => KvRank::Shared,
             1 => KvRank::Rank { rank: u16_at(block, 50), world: u16_at(block, 52) },
@@ -189,6 +200,7 @@ impl Header {
             key,
             len: u64_at(block, 56),
             checksum: u64_at(block, 64),
+            deleted: flags & FLAG_DELETED != 0,
         })
     }
 }
@@ -214,12 +226,21 @@ mod tests {
     #[test]
     fn headers_and_superblocks_round_trip() {
         let mut block = vec![0xAA; BLOCK as usize];
-        let header = Header { epoch: 42, key: key(), len: 2 << 20, checksum: 7 };
+        let header = Header { epoch: 42, key: key(), len: 2 << 20, checksum: 7, deleted: false };
         header.encode(&mut block);
         assert_eq!(Header::decode(&block), Ok(header));
         let shared = Header { key: ObjectKey { rank: KvRank::Shared, ..key() }, ..header };
         shared.encode(&mut block);
         assert_eq!(Header::decode(&block), Ok(shared));
+        let deleted = Header { deleted: true, ..header };
+        deleted.encode(&mut block);
+        assert_eq!(u32_at(&block, 12), 1, "the deleted flag is bit 0 of the flags");
+        assert_eq!(Header::decode(&block), Ok(deleted));
+        // A flag this version does not know (with a valid checksum) is a newer writer's record.
+        put(&mut block, 12, &2u32.to_le_bytes());
+        let sum = xxh3_64(&block[..HEADER_BODY]);
+        put(&mut block, HEADER_BODY, &sum.to_le_bytes());
+        assert_eq!(Header::decode(&block), Err(Invalid::Version(VERSION)));
         let sb = Superblock { id: 9, epoch: 0xdead_beef, segment_bytes: 256 << 20 };
         sb.encode(&mut block);
         assert_eq!(Superblock::decode(&block), Ok(sb));
@@ -230,7 +251,7 @@ mod tests {
     fn damage_is_recognised() {
         let mut block = vec![0; BLOCK as usize];
         assert_eq!(Header::decode(&block), Err(Invalid::Magic), "an unwritten block");
-        Header { epoch: 1, key: key(), len: 10, checksum: 3 }.encode(&mut block);
+        Header { epoch: 1, key: key(), len: 10, checksum: 3, deleted: false }.encode(&mut block);
         for at in [12, 20, 40, 49, 60, 70] {
             let mut torn = block.clone();
             torn[at] ^= 0x01;
@@ -258,7 +279,7 @@ mod tests {
     #[test]
     fn golden_header_bytes() {
         let mut block = vec![0; BLOCK as usize];
-        Header { epoch: 1, key: key(), len: 5, checksum: 6 }.encode(&mut block);
+        Header { epoch: 1, key: key(), len: 5, checksum: 6, deleted: false }.encode(&mut block);
         assert_eq!(&block[..8], b"TKVREC01");
         assert_eq!(&block[8..12], &[1, 0, 0, 0]);
         assert_eq!(&block[16..24], &[1, 0, 0, 0, 0, 0, 0, 0]);

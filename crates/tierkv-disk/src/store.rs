@@ -190,6 +190,8 @@ pub struct Recovered {
     /// Records whose header is valid but whose payload the file does not hold whole (a write
     /// torn by a crash, or a truncated file): not indexed.
     pub torn_records: u32,
+    /// Records marked deleted (by a delete or a clear before the restart): not indexed.
+    pub deleted_records: u32,
 }
 
 impl DiskStore {
@@ -452,6 +454,7 @@ fn scan(
         recovered.damaged_blocks += found.damaged_blocks;
         recovered.damaged_records += found.damaged_records;
         recovered.torn_records += found.torn_records;
+        recovered.deleted_records += found.deleted_records;
         segment.epoch = epoch;
         segment.end = found.end;
         segment.status = Status::Sealed;
@@ -563,6 +566,7 @@ struct SegmentScan {
     damaged_blocks: u64,
     damaged_records: u32,
     torn_records: u32,
+    deleted_records: u32,
 }
 
 /// Reads the record headers of segment `id`'s life `epoch`, from block 1 to `limit` (a whole
@@ -597,7 +601,11 @@ fn scan_segment(
                     found.torn_records += 1;
                     break;
                 }
-                found.records.push((h.key, Loc { segment: id, offset: at, len: h.len }));
+                if h.deleted {
+                    found.deleted_records += 1;
+                } else {
+                    found.records.push((h.key, Loc { segment: id, offset: at, len: h.len }));
+                }
                 at += size;
             }
             // A record of an earlier life of this segment: this life's records end here.
@@ -793,7 +801,7 @@ impl Shared {
         }
         payload[len as usize..].fill(0);
         let checksum = payload_checksum(&payload[..len as usize]);
-        Header { epoch, key: item.key, len, checksum }.encode(head);
+        Header { epoch, key: item.key, len, checksum, deleted: false }.encode(head);
         if let Err(e) = file.write_at(record, offset) {
             // The segment now ends in a record that may be partial: stop appending to it, so no
             // record is ever written after one the scan would stop at.
@@ -955,6 +963,38 @@ impl Shared {
             n,
             std::time::SystemTime::now(),
         ))
+    }
+
+    /// Sets the deleted flag in the header of each record (a pinned segment's, of the epoch it
+    /// was indexed in). A mark that cannot be written leaves the record to be found again after
+    /// a restart, with its key's correct bytes: the delete is then only not persistent.
+    fn mark_deleted(&self, marks: &[(Arc<SegmentFile>, u64, ObjectKey, Loc)]) {
+        let Some(mut block) = AlignedBuf::new(BLOCK as usize) else {
+            return;
+        };
+        let mut written: Vec<&Arc<SegmentFile>> = Vec::new();
+        for (file, epoch, key, loc) in marks {
+            let head = block.as_mut_slice();
+            if file.read_at(head, loc.offset).is_err() {
+                continue;
+            }
+            let Ok(mut header) = Header::decode(head) else { continue };
+            if header.epoch != *epoch || header.key != *key || header.deleted {
+                continue;
+            }
+            header.deleted = true;
+            header.encode(head);
+            if file.write_at(block.as_slice(), loc.offset).is_ok()
+                && !written.iter().any(|f| Arc::ptr_eq(f, file))
+            {
+                written.push(file);
+            }
+        }
+        if self.config.fsync != FsyncPolicy::Never {
+            for file in written {
+                let _ = file.sync();
+            }
+        }
     }
 
     fn sync_segments(&self, segments: impl Iterator<Item = u32>) -> Result<(), TierError> {
@@ -1275,26 +1315,43 @@ impl TierAdapter for DiskStore {
         }
     }
 
-    /// Deletes unlocked keys from the index. Not persistent: after a restart a deleted record may
-    /// be found again (its bytes are still the bytes of its key), until its segment is reused.
+    /// Deletes unlocked keys: drops them from the index, and marks each record deleted on disk
+    /// (its header's flag), so a restart does not find it again.
     fn delete(&self, keys: &[ObjectKey]) -> usize {
-        let mut index = self.shared.index.lock();
+        let mut marks = Vec::new();
         let mut deleted = 0;
-        for key in keys {
-            if index.locks.contains_key(key) {
-                continue;
+        {
+            let mut index = self.shared.index.lock();
+            for key in keys {
+                if index.locks.contains_key(key) {
+                    continue;
+                }
+                // A load in progress pins the segment, not the key: dropping the key from the
+                // index leaves its record readable until the load's pin is gone, and no longer.
+                if let Some(loc) = index.map.get(key).copied() {
+                    index.drop_record(key, loc);
+                    deleted += 1;
+                    let segment = &mut index.segments[loc.segment as usize];
+                    if let Some(file) = segment.file.clone() {
+                        // The pin keeps the segment from reuse until its mark is written, so the
+                        // mark can never land on a record of the segment's next life.
+                        segment.pins += 1;
+                        marks.push((file, segment.epoch, *key, loc));
+                    }
+                }
             }
-            // A load in progress pins the segment, not the key: dropping the key from the index
-            // leaves its record readable until the load's pin is gone, and no longer.
-            if let Some(loc) = index.map.get(key).copied() {
-                index.drop_record(key, loc);
-                deleted += 1;
+        }
+        if !marks.is_empty() {
+            self.shared.mark_deleted(&marks);
+            let mut index = self.shared.index.lock();
+            for (_, _, _, loc) in &marks {
+                index.segments[loc.segment as usize].pins -= 1;
             }
         }
         deleted
     }
 
-    /// Drops every unlocked record from the index. Like `delete`, not persistent.
+    /// Deletes every unlocked record, persistently like `delete`.
     fn clear(&self) -> usize {
         let keys: Vec<ObjectKey> = self.shared.index.lock().map.keys().copied().collect();
         self.delete(&keys)

@@ -879,3 +879,31 @@ fn h16_3_a_store_opened_on_a_full_filesystem_becomes_writable_when_space_returns
     h.store(&keys(10..18)).unwrap();
     h.assert_loads(&keys(16..18));
 }
+
+#[test]
+fn h16_15_deletes_and_clears_are_persistent_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 8, 4));
+        h.store(&keys(0..10)).unwrap();
+        assert_eq!(h.tier.delete(&[key(2), key(7)]), 2);
+    }
+    {
+        let (mut h, store) = open(config(dir.path(), 8, 4));
+        assert_eq!(store.recovered().records, 8);
+        assert_eq!(store.recovered().deleted_records, 2);
+        let present = h.present(&keys(0..10));
+        assert!(!present.get(2) && !present.get(7), "deleted records came back");
+        assert_eq!(present.count_ones(), 8);
+        let kept: Vec<u64> = (0..10).filter(|i| *i != 2 && *i != 7).collect();
+        h.assert_loads(&kept.iter().map(|&i| key(i)).collect::<Vec<_>>());
+        // A key stored again after its delete is a new record, found after a restart.
+        h.store(&[key(2)]).unwrap();
+        assert_eq!(h.tier.clear(), 9);
+    }
+    let (mut h, store) = open(config(dir.path(), 8, 4));
+    assert_eq!(store.recovered().records, 0, "a cleared store comes back empty");
+    assert_eq!(h.present(&keys(0..10)).count_ones(), 0);
+    h.store(&keys(0..3)).unwrap();
+    h.assert_loads(&keys(0..3));
+}
