@@ -211,6 +211,15 @@ fn h16_protocol_past_max_connections_the_refusal_has_its_own_code() {
         other => panic!("{other:?}"),
     }
     assert_eq!(reply.id, 0);
+    // A client that says hello first (as every client does) gets the refusal too, never a reset:
+    // the daemon reads and drops what it sent before closing.
+    for _ in 0..20 {
+        let refused = Client::connect_unix(&daemon.socket, Client::worker_hello("m", CHUNK));
+        match refused {
+            Err(e) => assert_eq!(e.code(), Some(ErrorCode::TooManyConnections), "{e}"),
+            Ok(_) => panic!("a second connection was served"),
+        }
+    }
 }
 
 #[test]

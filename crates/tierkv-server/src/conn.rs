@@ -77,6 +77,33 @@ impl Conn {
         }
     }
 
+    /// Closes after a final reply the daemon will not follow with more: the write side is shut
+    /// (the client reads the reply, then end of stream), and what the client still sends is read
+    /// and dropped for up to `linger`. Closing a socket with unread bytes in it makes the kernel
+    /// reset the connection, and a reset can overtake the reply, so the client would see
+    /// "connection reset" instead of the error it was sent.
+    pub async fn close_after_reply(mut self, linger: std::time::Duration) {
+        let shut = match &mut self.stream {
+            Stream::Unix(s) => s.shutdown().await,
+            Stream::Tcp(s) => s.shutdown().await,
+        };
+        if shut.is_err() {
+            return;
+        }
+        let mut sink = [0u8; 4096];
+        let deadline = tokio::time::Instant::now() + linger;
+        loop {
+            let read = match &mut self.stream {
+                Stream::Unix(s) => tokio::time::timeout_at(deadline, s.read(&mut sink)).await,
+                Stream::Tcp(s) => tokio::time::timeout_at(deadline, s.read(&mut sink)).await,
+            };
+            match read {
+                Ok(Ok(n)) if n > 0 => continue,
+                _ => return,
+            }
+        }
+    }
+
     async fn recv(&mut self) -> io::Result<usize> {
         if self.start > 0 {
             self.buf.drain(..self.start);

@@ -28,6 +28,9 @@ const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 /// Accept failures are logged at most once per this interval (with a count of the rest).
 const ACCEPT_LOG_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a connection refused past `max_connections` is read and dropped before it closes (so
+/// the refusal is not overtaken by a reset); short, since it holds a descriptor meanwhile.
+const REFUSAL_LINGER: Duration = Duration::from_millis(200);
 /// Descriptors the daemon keeps for itself beside its connections: the runtime, listeners,
 /// the metrics endpoint, logs, descriptors riding on frames, a refused connection's own.
 /// The disk tier's segment files are counted on top.
@@ -401,6 +404,7 @@ async fn serve_connection(
             message: "the daemon serves server.max_connections connections already".into(),
         };
         let _ = send(&mut conn, &mut out, 0, refusal).await;
+        conn.close_after_reply(REFUSAL_LINGER).await;
         return;
     }
     let mut session = Session::new(daemon.clone(), transport);
