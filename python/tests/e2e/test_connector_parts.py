@@ -115,3 +115,22 @@ def test_a_link_replaces_a_closed_connection_at_once_and_backs_off_from_a_hung_d
     finally:
         link.close()
         daemon.stop()
+
+
+def test_a_refused_session_backs_off_like_a_hung_daemon(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "daemon")
+    # A chunk larger than the daemon's 2 MiB slot: every hello is refused.
+    hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4 << 20, chunk_tokens=16)
+    link = Link(str(daemon.socket), hello, timeout_s=0.5, retry_s=0.2)
+    try:
+        with pytest.raises(Unavailable, match="chunk_bytes"):
+            link.call(lambda c: c.status())
+        time.sleep(0.25)
+        with pytest.raises(Unavailable, match="chunk_bytes"):
+            link.call(lambda c: c.status())  # tried again after 0.2 s, refused again
+        time.sleep(0.25)
+        with pytest.raises(Unavailable, match="down"):
+            link.call(lambda c: c.status())  # the second refusal doubled the wait to 0.4 s
+        assert link.failures == 2
+    finally:
+        daemon.stop()

@@ -1,13 +1,13 @@
 """A session with the daemon that fails fast and comes back by itself.
 
-Every engine-side call goes through a :class:`Link`. While the daemon is down, restarting or
-hung, a call costs at most one deadline, after which the link stays down (calls then fail at
-once, without touching the socket) and then tries again after ``retry_s``; after deadlines
-missed in a row the wait doubles each time, up to :data:`MAX_DOWN_S`, so a daemon hung for long
-costs the engine one deadline now and then, not one per request. A connection found closed
-(the daemon restarted since the last call) is replaced at once, so the first call after a
-restart is served. Each new connection bumps ``generation``, so state that belonged to an old
-session (lookup ids, registered buffers) is known to be void.
+Every engine-side call goes through a :class:`Link`. While the daemon is down, restarting or hung,
+a call costs at most one deadline, after which the link stays down (calls then fail at once,
+without touching the socket) and then tries again after ``retry_s``; after deadlines missed (or
+sessions refused) in a row the wait doubles each time, up to :data:`MAX_DOWN_S`, so a daemon hung
+for long costs the engine one deadline now and then, not one per request. A connection found closed
+(the daemon restarted since the last call) is replaced at once, so the first call after a restart
+is served. Each new connection bumps ``generation``, so state that belonged to an old session
+(lookup ids, registered buffers) is known to be void.
 """
 
 from __future__ import annotations
@@ -113,8 +113,10 @@ class Link:
     def _down(self, why: BaseException) -> None:
         self.failures += 1
         wait = self._retry
-        if _timed_out(why):
-            # Only a hung daemon costs a deadline per try; a refused connect is free to repeat.
+        if _timed_out(why) or isinstance(why, DaemonError):
+            # A hung daemon costs a deadline per try, and a daemon that refuses the session (a
+            # chunk larger than its slot, say) will refuse it again: both back off. A refused
+            # connect (the daemon is not there) is free to repeat.
             self._in_a_row += 1
             wait = min(self._retry * 2 ** min(self._in_a_row - 1, 16), max(MAX_DOWN_S, wait))
         self._down_until = time.monotonic() + wait

@@ -217,13 +217,16 @@ class SchedulerSide:
             try:
                 for link in self.links:
                     started.append(link.call(lambda c: c.lookup(0, wanted)))
-            except DaemonError as e:
-                # Refused (e.g. lease_limit: the session holds its cap of leases): a miss for
-                # now, with nothing left held; a later call looks up again.
-                log.debug("tierkv: lookup refused: %s", e)
+            except (DaemonError, Unavailable) as e:
+                # Refused (e.g. lease_limit: the session holds its cap of leases), or a rank's
+                # session is down: a miss for now, and the lookups already made on the other
+                # ranks' sessions are returned, not left to their lease deadline.
+                log.debug("tierkv: lookup failed: %s", e)
                 for link, s in zip(self.links, started, strict=False):
                     with contextlib.suppress(Unavailable, DaemonError):
                         link.call(lambda c, lookup=s.lookup: c.release(lookup))
+                if isinstance(e, Unavailable):
+                    raise
                 return 0
             state.lookups = [s.lookup for s in started]
             state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s in started]
