@@ -95,6 +95,25 @@ fn a_daemon_replay_counts_what_the_simulation_counts_and_checks_every_byte() {
 }
 
 #[test]
+fn the_adaptive_policy_counts_in_the_daemon_what_it_counts_in_the_simulation() {
+    let Some(path) = trace("synthetic_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    // At this size the adaptive policy's shadows switch it to ARC's order part of the time, so
+    // it hits less than LRU does here: agreeing with the simulation covers both orders and the
+    // switch between them (the sampled keys are the same chunks in both).
+    let common = ["--limit", "400", "--capacity", "1000", "--policy", "lru,adaptive"];
+    let daemon = replay(&[&["replay", path, "--chunk-bytes", "16KiB"][..], &common].concat());
+    let simulated = replay(&[&["replay", path, "--simulate"][..], &common].concat());
+    let hits = |runs: &[Value], policy: &str| {
+        field(runs.iter().find(|r| r["policy"] == policy).unwrap(), "hit_chunks")
+    };
+    for policy in ["lru", "adaptive"] {
+        assert_eq!(hits(&daemon, policy), hits(&simulated, policy), "{policy}");
+    }
+    assert_ne!(hits(&daemon, "adaptive"), hits(&daemon, "lru"), "the adaptive order was used");
+}
+
+#[test]
 fn an_mla_group_shares_one_copy_and_every_rank_reads_it() {
     let Some(path) = trace("synthetic_trace.jsonl") else { return };
     let path = path.to_str().unwrap();

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use clap::Args;
+use tierkv_core::policy::PolicyKind;
 use tierkv_replay::process::TierChunks;
 use tierkv_replay::report::{daemon_table, simulation_table, write_json, write_plot};
 use tierkv_replay::worker::{WorkerSpec, serve_worker};
@@ -150,11 +151,11 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
     let policies = args
         .policy
         .clone()
-        .unwrap_or_else(|| vec!["lru".into()])
+        .unwrap_or_else(|| vec![PolicyKind::default().as_str().into()])
         .iter()
         .map(|p| {
             Policy::parse(p.trim())
-                .ok_or_else(|| format!("unknown policy {p:?}: lru, s3fifo or belady"))
+                .ok_or_else(|| format!("unknown policy {p:?}: lru, s3fifo, adaptive or belady"))
         })
         .collect::<Result<Vec<_>, _>>()?;
 

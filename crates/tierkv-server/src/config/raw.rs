@@ -100,7 +100,7 @@ impl Default for L1 {
             cuda_device: 0,
             capacity: ByteSize(1 << 30),
             slot: ByteSize(2 << 20),
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             lease_ttl: Duration::from_secs(30),
             watermark_high: Watermark::default().high,
             watermark_low: Watermark::default().low,
@@ -129,7 +129,7 @@ impl Default for L2 {
             enabled: true,
             capacity: ByteSize(4 << 30),
             memory: HostMemory::Auto,
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             workers: 2,
             watermark_high: Watermark::default().high,
             watermark_low: Watermark::default().low,
@@ -164,7 +164,7 @@ impl Default for Disk {
             fsync: FsyncPolicy::Always,
             io_threads: 4,
             read_mode: ReadMode::Direct,
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             group: None,
         }
     }
@@ -216,6 +216,7 @@ impl Default for Storage {
 enum PolicyName {
     Lru,
     S3Fifo,
+    Adaptive,
 }
 
 #[derive(Deserialize)]
