@@ -159,6 +159,31 @@ fn ranks_with_their_own_kv_each_store_and_load_it() {
 }
 
 #[test]
+fn cascading_tiers_add_up_to_one_cache_of_their_size_and_the_simulation_models_them() {
+    let Some(path) = trace("synthetic_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    let tiers = ["--capacity", "300", "--l2", "600", "--disk", "1500", "--policy", "lru"];
+    let base = ["replay", path, "--limit", "600", "--chunk-bytes", "16KiB"];
+    let hit = |run: &Value| run["hit_ratio"].as_f64().unwrap();
+    let write_through = hit(&replay(&[&base[..], &tiers].concat())[0]);
+    let cascade = &replay(&[&base[..], &tiers, &["--cascade"]].concat())[0];
+    let simulated = &replay(&[&base[..], &tiers, &["--cascade", "--simulate"]].concat())[0];
+    let one_cache = &replay(&[&base[..], &["--capacity", "2400", "--simulate"]].concat())[0];
+    // Write-through tiers hold copies of one another: little more than L1 alone.
+    assert!(hit(cascade) > 2.0 * write_through, "cascade {cascade} write-through {write_through}");
+    assert!(hit(cascade) >= hit(one_cache) - 0.02, "cascade {cascade} one cache {one_cache}");
+    // The disk evicts a segment at a time, which the simulation does not model: close, not equal.
+    assert!((hit(cascade) - hit(simulated)).abs() <= 0.01, "{cascade} against {simulated}");
+    let served: Vec<u64> = cascade["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["hit_chunks"].as_u64().unwrap())
+        .collect();
+    assert!(served.iter().all(|n| *n > 0), "every tier served hits: {served:?}");
+}
+
+#[test]
 fn lower_tiers_serve_what_l1_lost() {
     let Some(path) = trace("conversation_trace.jsonl") else { return };
     let path = path.to_str().unwrap();

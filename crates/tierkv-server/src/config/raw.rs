@@ -178,6 +178,7 @@ pub(super) enum StoreMode {
     WriteThrough,
     WriteBack,
     DiskAdmission,
+    Cascade,
 }
 
 #[derive(Deserialize)]
