@@ -442,18 +442,21 @@ impl Shared {
         Ok(())
     }
 
+    /// Locks and touches every ready key. Lookups name a chain root first; the keys are touched
+    /// leaf first, so the root ends up the most recent and eviction takes a chain's tail first.
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
         let Index { map, policy, locks, .. } = &mut *index;
-        Bitmap::from_bools(keys.iter().map(|key| match map.get_mut(key) {
-            Some(entry) if entry.ready => {
+        let mut found = vec![false; keys.len()];
+        for (i, key) in keys.iter().enumerate().rev() {
+            if let Some(entry) = map.get_mut(key).filter(|e| e.ready) {
                 entry.locks += 1;
                 *locks += 1;
                 policy.touch(key);
-                true
+                found[i] = true;
             }
-            _ => false,
-        }))
+        }
+        Bitmap::from_bools(found)
     }
 
     fn load(&self, items: &mut [LoadItem]) -> Bitmap {

@@ -54,6 +54,10 @@ const GHOST_FACTOR: usize = 2;
 /// are zero: one key in four.
 const SAMPLE_SHIFT: u32 = 2;
 
+/// Below this many tracked keys (shadows of 16 keys each) the policy evicts in recency order:
+/// the shadows are too small to tell the orders apart (a disk tier's few segments, say).
+const MIN_JUDGED: usize = 64;
+
 /// The other shadow must lead by this fraction (and one hit) before the mode changes.
 const SWITCH_MARGIN: f64 = 0.05;
 
@@ -80,6 +84,8 @@ pub struct Adaptive<K> {
     /// Decayed hits of `shadow_lru` and `shadow_arc`.
     score: [f64; 2],
     mode: Mode,
+    /// [`MIN_JUDGED`], lowered by tests that need the mode switch on a handful of keys.
+    min_judged: usize,
 }
 
 impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
@@ -91,6 +97,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             shadow_arc: ArcLists::new(),
             score: [0.0; 2],
             mode: Mode::Recency,
+            min_judged: MIN_JUDGED,
         }
     }
 
@@ -129,6 +136,11 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
 
     /// Switches mode when the other shadow leads by the margin.
     fn choose_mode(&mut self) {
+        if self.cache.len() < self.min_judged {
+            // Shadows of a few keys are noise: too few keys to choose, so recency.
+            self.mode = Mode::Recency;
+            return;
+        }
         let [recency, arc] = self.score;
         self.mode = match self.mode {
             Mode::Recency if arc > recency * (1.0 + SWITCH_MARGIN) + 1.0 => Mode::Arc,
@@ -351,6 +363,13 @@ impl<K: Hash + Eq + Clone> Adaptive<K> {
     pub(super) fn force_arc_mode(&mut self) {
         self.mode = Mode::Arc;
         self.score = [0.0, 1.0e9];
+        self.min_judged = 0;
+    }
+
+    /// Lets the shadows choose the mode from `keys` tracked keys on, instead of `MIN_JUDGED`.
+    pub(super) fn judging_from(mut self, keys: usize) -> Self {
+        self.min_judged = keys;
+        self
     }
 
     /// The number of ghosts.

@@ -15,6 +15,8 @@ struct Model {
     shadow_arc: ModelArc,
     score: [f64; 2],
     arc_mode: bool,
+    /// Below this many tracked keys, recency order.
+    min_judged: usize,
 }
 
 /// ARC's lists, each oldest first, tracked keys with their last-use tick.
@@ -153,7 +155,9 @@ impl Model {
     }
     fn evict(&mut self, n: usize, eligible: &dyn Fn(u32) -> bool) -> Vec<u32> {
         let [recency, arc] = self.score;
-        if !self.arc_mode && arc > recency * 1.05 + 1.0 {
+        if self.cache.len() < self.min_judged {
+            self.arc_mode = false;
+        } else if !self.arc_mode && arc > recency * 1.05 + 1.0 {
             self.arc_mode = true;
         } else if self.arc_mode && recency > arc * 1.05 + 1.0 {
             self.arc_mode = false;
@@ -201,9 +205,10 @@ proptest! {
     #[test]
     fn adaptive_agrees_with_a_naive_model_victim_for_victim(
         ops in prop::collection::vec(op(), 0..300),
+        min_judged in prop_oneof![Just(0usize), Just(64), 0..80usize],
     ) {
-        let mut policy = Adaptive::<u32>::new();
-        let mut model = Model::default();
+        let mut policy = Adaptive::<u32>::new().judging_from(min_judged);
+        let mut model = Model { min_judged, ..Model::default() };
         for op in &ops {
             match *op {
                 Op::Insert(key) => {
@@ -280,6 +285,30 @@ fn adaptive_stays_lru_where_recency_is_right() {
             use_key(&mut policy, 1_000, key - 300);
         }
     }
+    assert!(!policy.in_arc_mode(), "{policy:?}");
+}
+
+#[test]
+fn adaptive_judges_only_from_enough_keys() {
+    // The stream that switches a cache of 1,000 to ARC's order...
+    let mut policy = Adaptive::new();
+    let mut fresh = 100_000;
+    for _round in 0..60 {
+        for key in 0..600 {
+            use_key(&mut policy, 1_000, key);
+        }
+        for _ in 0..1_200 {
+            use_key(&mut policy, 1_000, fresh);
+            fresh += 1;
+        }
+    }
+    assert!(policy.in_arc_mode(), "{policy:?}");
+    // ...then the cache shrinks below 64 keys: shadows of 16 keys or fewer are too small to
+    // judge by, so the next eviction follows recency.
+    let victims = policy.evict(policy.len() - 63, &mut |_| true);
+    assert!(policy.in_arc_mode(), "the mode is chosen before an eviction");
+    assert_eq!(policy.len(), 63, "{} evicted", victims.len());
+    policy.evict(1, &mut |_| true);
     assert!(!policy.in_arc_mode(), "{policy:?}");
 }
 
