@@ -3,7 +3,10 @@
 //!
 //! Writes append records to one active segment, one record at a time, each write finishing
 //! before the next starts; so after a crash only the last record of a segment can be torn, and
-//! the scan at open stops there. Records become visible in the index only after their whole
+//! the scan at open stops there. The writes run on one write thread (`tierkv-disk-write`) while
+//! the storing I/O thread copies and checksums the next record into another buffer, so copy,
+//! checksum and write overlap; a segment is sealed only with no write in flight. A load of
+//! several records is split over the I/O threads, so its reads are in flight at once. Records become visible in the index only after their whole
 //! store task was written (and synced, under `FsyncPolicy::Always`). Loads read a record while
 //! its segment is pinned, verify header, epoch, key and payload checksum, and only then copy
 //! into the caller's sink. Eviction drops a whole sealed segment that holds no locked and no
@@ -122,16 +125,120 @@ impl Index {
 /// The writer's state: only one store task appends at a time.
 struct Writer {
     active: Option<u32>,
-    staging: AlignedBuf,
+    /// Record buffers not in flight: one is filled while the others are being written.
+    spare: Vec<AlignedBuf>,
+    /// The write thread, once started.
+    pipe: Option<WritePipe>,
+    /// Store tasks so far; numbers each write, so the write thread can skip the rest of a task
+    /// after one of its writes failed.
+    tasks: u64,
     /// Segments written since the last periodic sync.
     dirty: HashSet<u32>,
+}
+
+/// Record buffers per store: one being filled, one being written, one queued.
+const RECORD_BUFFERS: usize = 3;
+
+/// The write thread (`tierkv-disk-write`): writes records in the order handed to it.
+struct WritePipe {
+    requests: Sender<WriteRequest>,
+    done: Receiver<WriteDone>,
+    thread: JoinHandle<()>,
+}
+
+/// One record to write: the first `len` bytes of `buf` at `offset` of `file`.
+struct WriteRequest {
+    task: u64,
+    file: Arc<SegmentFile>,
+    buf: AlignedBuf,
+    len: usize,
+    offset: u64,
+}
+
+/// A written record's buffer, handed back with the outcome.
+struct WriteDone {
+    buf: AlignedBuf,
+    result: std::io::Result<()>,
+}
+
+/// The writes of one store task not yet confirmed, oldest first, and its first failure.
+#[derive(Default)]
+struct InFlight {
+    records: std::collections::VecDeque<(ObjectKey, Loc, Arc<SegmentFile>)>,
+    failure: Option<TierError>,
+}
+
+/// The write thread's loop. Writes run strictly one after another, in order; once a write of a
+/// task fails, that task's later writes are skipped (reported failed, nothing written), so no
+/// record lands after one that may be torn.
+fn write_records(requests: Receiver<WriteRequest>, done: Sender<WriteDone>) {
+    let mut failed_task = None;
+    while let Ok(WriteRequest { task, file, buf, len, offset }) = requests.recv() {
+        let result = if failed_task == Some(task) {
+            Err(std::io::Error::other("skipped: an earlier write of the task failed"))
+        } else {
+            match buf.as_slice().get(..len) {
+                Some(record) => file.write_at(record, offset),
+                None => Err(std::io::Error::other("a record larger than its buffer")),
+            }
+        };
+        if result.is_err() {
+            failed_task = Some(task);
+        }
+        if done.send(WriteDone { buf, result }).is_err() {
+            return;
+        }
+    }
 }
 
 enum Job {
     Store(TaskId, Vec<StoreItem>),
     Lookup(TaskId, Vec<ObjectKey>),
     Load(TaskId, Vec<LoadItem>),
+    /// One contiguous part of a load task split over the I/O threads: the items from `first` on.
+    LoadPart {
+        joint: Arc<JointLoad>,
+        first: usize,
+        items: Vec<LoadItem>,
+    },
 }
+
+/// A load task split into parts that run on several I/O threads at once, so one large load has
+/// as many reads in flight as the store has threads. Each part hands its sinks back here; the
+/// part that finishes last sends the task's one completion, sinks in the order submitted.
+struct JointLoad {
+    task: TaskId,
+    state: Mutex<JointState>,
+}
+
+struct JointState {
+    sinks: Vec<Option<LoadItem>>,
+    loaded: Bitmap,
+    parts_left: usize,
+}
+
+impl JointLoad {
+    /// Records a finished part; the task's completion once every part is in.
+    fn part_done(&self, first: usize, items: Vec<LoadItem>, loaded: &Bitmap) -> Option<Completion> {
+        let mut state = self.state.lock();
+        for (i, item) in items.into_iter().enumerate() {
+            state.loaded.set(first + i, loaded.get(i));
+            if let Some(slot) = state.sinks.get_mut(first + i) {
+                *slot = Some(item);
+            }
+        }
+        state.parts_left -= 1;
+        if state.parts_left > 0 {
+            return None;
+        }
+        let sinks: Vec<LoadItem> = std::mem::take(&mut state.sinks).into_iter().flatten().collect();
+        let loaded = std::mem::replace(&mut state.loaded, Bitmap::new(0));
+        Some(Completion::Loaded { task: self.task, loaded, sinks })
+    }
+}
+
+/// A load of fewer items than this runs on one thread: splitting it buys less than it costs.
+const SPLIT_LOADS_FROM: usize = 4;
 
 /// Whether stores are accepted, and what a read-only store needs to become writable.
 struct WriteState {
@@ -231,8 +338,10 @@ impl DiskStore {
         }
         let (index, mut recovered) = scan(&config, segments, io, read_only.is_none())?;
         recovered.elapsed = started.elapsed();
-        let staging = AlignedBuf::new(record_bytes(config.max_chunk_bytes) as usize)
-            .ok_or_else(|| DiskError::Config("cannot allocate the write buffer".into()))?;
+        let spare = (0..RECORD_BUFFERS)
+            .map(|_| AlignedBuf::new(record_bytes(config.max_chunk_bytes) as usize))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| DiskError::Config("cannot allocate the write buffers".into()))?;
         let (done, completions) = unbounded();
         let shared = Arc::new(Shared {
             io,
@@ -242,7 +351,13 @@ impl DiskStore {
                 lock,
             }),
             index: Mutex::new(index),
-            writer: Mutex::new(Writer { active: None, staging, dirty: HashSet::new() }),
+            writer: Mutex::new(Writer {
+                active: None,
+                spare,
+                pipe: None,
+                tasks: 0,
+                dirty: HashSet::new(),
+            }),
             closed: AtomicBool::new(false),
             next_task: AtomicU64::new(1),
             epochs: AtomicU64::new(0),
@@ -306,6 +421,13 @@ impl DiskStore {
     }
 
     fn start_threads(&self) -> Result<(), DiskError> {
+        let (requests, queued) = unbounded::<WriteRequest>();
+        let (written, done) = unbounded::<WriteDone>();
+        let thread = std::thread::Builder::new()
+            .name("tierkv-disk-write".into())
+            .spawn(move || write_records(queued, written))
+            .map_err(DiskError::Thread)?;
+        self.shared.writer.lock().pipe = Some(WritePipe { requests, done, thread });
         let (jobs, queue) = unbounded::<Job>();
         let mut workers = Vec::new();
         for n in 0..self.shared.config.io_threads {
@@ -660,8 +782,9 @@ impl Shared {
                 self.fail(job);
                 continue;
             };
-            let completion = self.run(job, buffer);
-            let _ = self.done.send(completion);
+            if let Some(completion) = self.run(job, buffer) {
+                let _ = self.done.send(completion);
+            }
             self.publish();
         }
     }
@@ -669,8 +792,9 @@ impl Shared {
     /// Runs a job. The job's buffers stay outside the code that may panic, so a panic (a bug in
     /// this crate, or a caller's buffer whose methods panic) completes the task as a failure,
     /// counted, with every buffer handed back; pins and other state are released by guards.
-    fn run(&self, job: Job, staging: &mut AlignedBuf) -> Completion {
-        match job {
+    /// Returns the task's completion (`None` for a part of a split load that is not the last).
+    fn run(&self, job: Job, staging: &mut AlignedBuf) -> Option<Completion> {
+        Some(match job {
             Job::Store(task, sources) => {
                 let result = self
                     .contained(|| self.store(&sources))
@@ -689,7 +813,13 @@ impl Shared {
                     .unwrap_or_else(|| Bitmap::new(sinks.len()));
                 Completion::Loaded { task, loaded, sinks }
             }
-        }
+            Job::LoadPart { joint, first, mut items } => {
+                let loaded = self
+                    .contained(|| self.load(&mut items, staging))
+                    .unwrap_or_else(|| Bitmap::new(items.len()));
+                return joint.part_done(first, items, &loaded);
+            }
+        })
     }
 
     /// Runs `f`, turning a panic into `None` (counted).
@@ -715,6 +845,12 @@ impl Shared {
             }
             Job::Load(task, sinks) => {
                 Completion::Loaded { task, loaded: Bitmap::new(sinks.len()), sinks }
+            }
+            Job::LoadPart { joint, first, items } => {
+                match joint.part_done(first, items, &Bitmap::new(0)) {
+                    Some(completion) => completion,
+                    None => return,
+                }
             }
         };
         let _ = self.done.send(completion);
@@ -748,11 +884,7 @@ impl Shared {
                 .collect()
         };
         let mut written: Vec<(ObjectKey, Loc)> = Vec::with_capacity(new.len());
-        let mut result = new.iter().try_for_each(|item| {
-            let loc = self.append(&mut writer, item)?;
-            written.push((item.key, loc));
-            Ok(())
-        });
+        let mut result = self.append_all(&mut writer, &new, &mut written);
         if result.is_ok() && self.config.fsync == FsyncPolicy::Always {
             result = self.sync_segments(written.iter().map(|(_, loc)| loc.segment));
         }
@@ -782,35 +914,145 @@ impl Shared {
         result
     }
 
-    /// Writes one record at the end of the active segment, opening a new one when it is full.
-    fn append(&self, writer: &mut Writer, item: &StoreItem) -> Result<Loc, TierError> {
+    /// Appends `items` at the end of the active segment (opening new ones as segments fill),
+    /// pipelined: while the write thread writes one record, this thread copies and checksums the
+    /// next into another buffer. Records are written in order, one at a time, so only the last
+    /// record written can be torn; after a failed write the write thread skips the rest of the
+    /// task, and every segment it touched is sealed. Returns once no write of the task is in
+    /// flight; `written` gets the records that reached the file (all of them on success).
+    fn append_all(
+        &self,
+        writer: &mut Writer,
+        items: &[&StoreItem],
+        written: &mut Vec<(ObjectKey, Loc)>,
+    ) -> Result<(), TierError> {
+        writer.tasks += 1;
+        let task = writer.tasks;
+        let mut flight = InFlight::default();
+        for item in items {
+            let size = record_bytes(item.source.len());
+            // A segment is sealed (and may be evicted and reused) only with nothing in flight.
+            if !self.active_has_room(writer, size) {
+                self.drain(writer, &mut flight, written);
+            }
+            if flight.failure.is_some() {
+                break;
+            }
+            while writer.spare.is_empty() && !flight.records.is_empty() {
+                self.await_write(writer, &mut flight, written);
+            }
+            if flight.failure.is_some() {
+                break;
+            }
+            if let Err(e) = self.submit_record(writer, task, item, &mut flight) {
+                flight.failure = Some(e);
+                break;
+            }
+        }
+        self.drain(writer, &mut flight, written);
+        flight.failure.map_or(Ok(()), Err)
+    }
+
+    /// Copies one record into a spare buffer (header, payload, checksum, zero padding) and hands
+    /// it to the write thread. The segment's end moves past it only once the copy succeeded, so
+    /// a source that fails leaves no hole.
+    fn submit_record(
+        &self,
+        writer: &mut Writer,
+        task: u64,
+        item: &StoreItem,
+        flight: &mut InFlight,
+    ) -> Result<(), TierError> {
         let len = item.source.len();
         let size = record_bytes(len);
         let (segment, offset, epoch, file) = self.reserve(writer, size)?;
-        let record = &mut writer.staging.as_mut_slice()[..size as usize];
+        let Some(mut buf) = writer.spare.pop() else {
+            return Err(TierError::Io("no record buffer is free".into()));
+        };
+        let record = &mut buf.as_mut_slice()[..size as usize];
         let (head, payload) = record.split_at_mut(BLOCK as usize);
         let payload_bytes = &mut payload[..len as usize];
         let copied =
             catch_unwind(AssertUnwindSafe(|| copy_in(item.source.as_ref(), payload_bytes)));
-        match copied {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(TierError::Buffer(e)),
-            Err(_) => {
-                return Err(TierError::Io(format!("the source of {:?} panicked", item.key)));
-            }
+        let failed = match copied {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(TierError::Buffer(e)),
+            Err(_) => Some(TierError::Io(format!("the source of {:?} panicked", item.key))),
+        };
+        if let Some(e) = failed {
+            writer.spare.push(buf);
+            return Err(e);
         }
         payload[len as usize..].fill(0);
         let checksum = payload_checksum(&payload[..len as usize]);
         Header { epoch, key: item.key, len, checksum, deleted: false }.encode(head);
-        if let Err(e) = file.write_at(record, offset) {
-            // The segment now ends in a record that may be partial: stop appending to it, so no
-            // record is ever written after one the scan would stop at.
-            self.seal(writer, segment);
-            return Err(io_error(&file.path, "writing", &e));
+        let Some(requests) = writer.pipe.as_ref().map(|p| &p.requests) else {
+            writer.spare.push(buf);
+            return Err(TierError::Closed);
+        };
+        let request =
+            WriteRequest { task, file: Arc::clone(&file), buf, len: size as usize, offset };
+        if let Err(refused) = requests.send(request) {
+            writer.spare.push(refused.0.buf);
+            return Err(TierError::Io("the disk write thread is gone".into()));
         }
-        let mut index = self.index.lock();
-        index.segments[segment as usize].end = offset + size;
-        Ok(Loc { segment, offset, len })
+        self.index.lock().segments[segment as usize].end = offset + size;
+        flight.records.push_back((item.key, Loc { segment, offset, len }, file));
+        Ok(())
+    }
+
+    /// Waits for the oldest write in flight: its record joins `written`, or its failure is kept
+    /// and its segment sealed (no record is ever appended after one the scan would stop at).
+    fn await_write(
+        &self,
+        writer: &mut Writer,
+        flight: &mut InFlight,
+        written: &mut Vec<(ObjectKey, Loc)>,
+    ) {
+        let Some((key, loc, file)) = flight.records.pop_front() else {
+            return;
+        };
+        let done = match writer.pipe.as_ref() {
+            Some(pipe) => pipe.done.recv().ok(),
+            None => None,
+        };
+        let failure = match done {
+            Some(WriteDone { buf, result }) => {
+                writer.spare.push(buf);
+                match result {
+                    Ok(()) => {
+                        written.push((key, loc));
+                        return;
+                    }
+                    Err(e) => io_error(&file.path, "writing", &e),
+                }
+            }
+            None => TierError::Io("the disk write thread is gone".into()),
+        };
+        self.seal(writer, loc.segment);
+        flight.failure.get_or_insert(failure);
+    }
+
+    /// Waits for every write in flight.
+    fn drain(
+        &self,
+        writer: &mut Writer,
+        flight: &mut InFlight,
+        written: &mut Vec<(ObjectKey, Loc)>,
+    ) {
+        while !flight.records.is_empty() {
+            self.await_write(writer, flight, written);
+        }
+    }
+
+    /// Whether the active segment has room for `size` more bytes (false without one).
+    fn active_has_room(&self, writer: &Writer, size: u64) -> bool {
+        let Some(active) = writer.active else {
+            return false;
+        };
+        let index = self.index.lock();
+        let segment = &index.segments[active as usize];
+        segment.end + size <= self.config.segment_bytes && segment.file.is_some()
     }
 
     /// Room for `size` bytes in the active segment: its id, the offset, its epoch and file.
@@ -1294,8 +1536,48 @@ impl TierAdapter for DiskStore {
         self.submit(|task| Job::Lookup(task, keys))
     }
 
+    /// A load of several records is split into contiguous parts, one per I/O thread, so its
+    /// reads are in flight at once; the task still completes once, with every sink in order.
     fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
-        self.submit(|task| Job::Load(task, items))
+        let threads = self.shared.config.io_threads;
+        if items.len() < SPLIT_LOADS_FROM || threads < 2 {
+            return self.submit(|task| Job::Load(task, items));
+        }
+        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
+        let parts = threads.min(items.len());
+        let per_part = items.len().div_ceil(parts);
+        let total = items.len();
+        let mut rest = items;
+        let mut jobs = Vec::with_capacity(parts);
+        let mut first = 0;
+        while !rest.is_empty() {
+            let tail = rest.split_off(per_part.min(rest.len()));
+            let part = std::mem::replace(&mut rest, tail);
+            let len = part.len();
+            jobs.push((first, part));
+            first += len;
+        }
+        let joint = Arc::new(JointLoad {
+            task,
+            state: Mutex::new(JointState {
+                sinks: (0..total).map(|_| None).collect(),
+                loaded: Bitmap::new(total),
+                parts_left: jobs.len(),
+            }),
+        });
+        let sender = self.jobs.lock().clone();
+        for (first, items) in jobs {
+            let job = Job::LoadPart { joint: Arc::clone(&joint), first, items };
+            match &sender {
+                Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
+                    if let Err(refused) = sender.send(job) {
+                        self.shared.fail(refused.0);
+                    }
+                }
+                _ => self.shared.fail(job),
+            }
+        }
+        task
     }
 
     fn unlock(&self, keys: &[ObjectKey]) {
@@ -1371,6 +1653,13 @@ impl TierAdapter for DiskStore {
         let workers = std::mem::take(&mut *self.workers.lock());
         for worker in workers {
             let _ = worker.join();
+        }
+        // No store runs now (the workers are gone), so no write is in flight.
+        let pipe = self.shared.writer.lock().pipe.take();
+        if let Some(WritePipe { requests, done, thread }) = pipe {
+            drop(requests);
+            drop(done);
+            let _ = thread.join();
         }
         if let Some((stop, flusher)) = self.flusher.lock().take() {
             drop(stop);
