@@ -122,71 +122,83 @@ impl Index {
     }
 }
 
-/// The writer's state: only one store task appends at a time.
+/// The writer's state: only one store task prepares records at a time.
 struct Writer {
     active: Option<u32>,
-    /// Record buffers not in flight: one is filled while the others are being written.
+    /// Record buffers in hand; the others are with the write thread, and come back on `free`.
     spare: Vec<AlignedBuf>,
     /// The write thread, once started.
     pipe: Option<WritePipe>,
-    /// Store tasks so far; numbers each write, so the write thread can skip the rest of a task
-    /// after one of its writes failed.
+    /// Store tasks so far; numbers each record, so the write thread can tell tasks apart.
     tasks: u64,
-    /// Segments written since the last periodic sync.
-    dirty: HashSet<u32>,
 }
 
-/// Record buffers per store: one being filled, one being written, one queued.
-const RECORD_BUFFERS: usize = 3;
+/// Record buffers per store: one being filled while the others are written or queued (the
+/// slack lets the write thread keep writing while a loaded machine delays the storing thread).
+const RECORD_BUFFERS: usize = 4;
 
-/// The write thread (`tierkv-disk-write`): writes records in the order handed to it.
+/// The write thread (`tierkv-disk-write`): writes records in the order handed to it, and
+/// publishes each store task once all its records are written.
 struct WritePipe {
-    requests: Sender<WriteRequest>,
-    done: Receiver<WriteDone>,
+    messages: Sender<WriteMsg>,
+    /// Buffers the write thread is done with.
+    free: Receiver<AlignedBuf>,
     thread: JoinHandle<()>,
 }
 
-/// One record to write: the first `len` bytes of `buf` at `offset` of `file`.
-struct WriteRequest {
+enum WriteMsg {
+    /// One record: the first `len` bytes of `buf`, at `loc.offset` of `file`.
+    Record { task: u64, file: Arc<SegmentFile>, buf: AlignedBuf, len: usize, loc: Loc, epoch: u64 },
+    /// Every record of store task `task` has been handed over: publish them (unless one failed)
+    /// and complete the caller's task with its sources.
+    End { task: u64, id: TaskId, records: Vec<(ObjectKey, Loc)>, sources: Vec<StoreItem> },
+}
+
+/// What a store task handed to the write thread.
+struct Queued {
     task: u64,
-    file: Arc<SegmentFile>,
-    buf: AlignedBuf,
-    len: usize,
-    offset: u64,
+    records: Vec<(ObjectKey, Loc)>,
 }
 
-/// A written record's buffer, handed back with the outcome.
-struct WriteDone {
-    buf: AlignedBuf,
-    result: std::io::Result<()>,
-}
-
-/// The writes of one store task not yet confirmed, oldest first, and its first failure.
-#[derive(Default)]
-struct InFlight {
-    records: std::collections::VecDeque<(ObjectKey, Loc, Arc<SegmentFile>)>,
-    failure: Option<TierError>,
-}
-
-/// The write thread's loop. Writes run strictly one after another, in order; once a write of a
-/// task fails, that task's later writes are skipped (reported failed, nothing written), so no
-/// record lands after one that may be torn.
-fn write_records(requests: Receiver<WriteRequest>, done: Sender<WriteDone>) {
-    let mut failed_task = None;
-    while let Ok(WriteRequest { task, file, buf, len, offset }) = requests.recv() {
-        let result = if failed_task == Some(task) {
-            Err(std::io::Error::other("skipped: an earlier write of the task failed"))
-        } else {
-            match buf.as_slice().get(..len) {
-                Some(record) => file.write_at(record, offset),
-                None => Err(std::io::Error::other("a record larger than its buffer")),
+/// The write thread's loop. Writes run strictly one after another, in order. Once a write
+/// fails, every later record of the same task and of the same segment life is skipped
+/// (nothing written) and the segment is sealed, so no record ever lands after one that may be
+/// torn; the task completes with the failure and publishes nothing.
+fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender<AlignedBuf>) {
+    let mut failed_tasks: HashMap<u64, TierError> = HashMap::new();
+    let mut failed_segments: HashSet<(u32, u64)> = HashSet::new();
+    while let Ok(message) = messages.recv() {
+        match message {
+            WriteMsg::Record { task, file, buf, len, loc, epoch } => {
+                let skip = failed_tasks.contains_key(&task)
+                    || failed_segments.contains(&(loc.segment, epoch));
+                let result = if skip {
+                    Err(TierError::Io("skipped: an earlier write to its segment failed".into()))
+                } else {
+                    match buf.as_slice().get(..len) {
+                        Some(record) => file
+                            .write_at(record, loc.offset)
+                            .map_err(|e| io_error(&file.path, "writing", &e)),
+                        None => Err(TierError::Io("a record larger than its buffer".into())),
+                    }
+                };
+                if let Err(e) = result {
+                    failed_segments.insert((loc.segment, epoch));
+                    shared.seal_failed(loc.segment, epoch);
+                    failed_tasks.entry(task).or_insert(e);
+                }
+                // The store thread may be gone (closing): the buffer is then simply freed.
+                let _ = free.send(buf);
             }
-        };
-        if result.is_err() {
-            failed_task = Some(task);
-        }
-        if done.send(WriteDone { buf, result }).is_err() {
-            return;
+            WriteMsg::End { task, id, records, sources } => {
+                let result = match failed_tasks.remove(&task) {
+                    Some(e) => Err(e),
+                    None => shared.publish_records(&records),
+                };
+                shared.count_store(&result, &records);
+                let _ = shared.done.send(Completion::Stored { task: id, result, sources });
+                shared.publish();
+            }
         }
     }
 }
@@ -257,6 +269,9 @@ struct Shared {
     state: Mutex<WriteState>,
     index: Mutex<Index>,
     writer: Mutex<Writer>,
+    /// Segments written since the last periodic sync (its own lock: the write thread adds to
+    /// it while a store may hold the writer lock waiting for a buffer).
+    dirty: Mutex<HashSet<u32>>,
     closed: AtomicBool,
     next_task: AtomicU64,
     epochs: AtomicU64,
@@ -351,13 +366,8 @@ impl DiskStore {
                 lock,
             }),
             index: Mutex::new(index),
-            writer: Mutex::new(Writer {
-                active: None,
-                spare,
-                pipe: None,
-                tasks: 0,
-                dirty: HashSet::new(),
-            }),
+            writer: Mutex::new(Writer { active: None, spare, pipe: None, tasks: 0 }),
+            dirty: Mutex::new(HashSet::new()),
             closed: AtomicBool::new(false),
             next_task: AtomicU64::new(1),
             epochs: AtomicU64::new(0),
@@ -421,13 +431,14 @@ impl DiskStore {
     }
 
     fn start_threads(&self) -> Result<(), DiskError> {
-        let (requests, queued) = unbounded::<WriteRequest>();
-        let (written, done) = unbounded::<WriteDone>();
+        let (messages, queued) = unbounded::<WriteMsg>();
+        let (freed, free) = unbounded::<AlignedBuf>();
+        let shared = Arc::clone(&self.shared);
         let thread = std::thread::Builder::new()
             .name("tierkv-disk-write".into())
-            .spawn(move || write_records(queued, written))
+            .spawn(move || write_records(shared, queued, freed))
             .map_err(DiskError::Thread)?;
-        self.shared.writer.lock().pipe = Some(WritePipe { requests, done, thread });
+        self.shared.writer.lock().pipe = Some(WritePipe { messages, free, thread });
         let (jobs, queue) = unbounded::<Job>();
         let mut workers = Vec::new();
         for n in 0..self.shared.config.io_threads {
@@ -796,10 +807,33 @@ impl Shared {
     fn run(&self, job: Job, staging: &mut AlignedBuf) -> Option<Completion> {
         Some(match job {
             Job::Store(task, sources) => {
-                let result = self
+                let queued = self
                     .contained(|| self.store(&sources))
                     .unwrap_or_else(|| Err(TierError::Io("internal panic while storing".into())));
-                Completion::Stored { task, result, sources }
+                // Records handed over are written whatever happens; only a task whose every
+                // record was handed over is published, by the write thread, which completes it.
+                // (Records of a failed task are written but never indexed.)
+                let Queued { task: number, records } = match queued {
+                    Ok(queued) => queued,
+                    Err(e) => return Some(Completion::Stored { task, result: Err(e), sources }),
+                };
+                let end = WriteMsg::End { task: number, id: task, records, sources };
+                let sent = match self.writer.lock().pipe.as_ref() {
+                    Some(pipe) => pipe.messages.send(end).map_err(|refused| refused.0),
+                    None => Err(end),
+                };
+                match sent {
+                    Ok(()) => return None,
+                    Err(unsent) => {
+                        self.metrics.failed(Failure::Io);
+                        let sources = match unsent {
+                            WriteMsg::End { sources, .. } => sources,
+                            WriteMsg::Record { .. } => Vec::new(),
+                        };
+                        let result = Err(TierError::Io("the disk write thread is gone".into()));
+                        Completion::Stored { task, result, sources }
+                    }
+                }
             }
             Job::Lookup(task, keys) => {
                 let locked = self
@@ -858,22 +892,32 @@ impl Shared {
 
     // ----- stores -----
 
-    fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
+    /// Copies and checksums the task's new records into record buffers and hands them to the
+    /// write thread, which writes them in order and then publishes the task. Returns as soon
+    /// as the last record is handed over, so the next task's copies overlap these writes.
+    fn store(&self, items: &[StoreItem]) -> Result<Queued, TierError> {
+        let refused = |failure: Failure, e: TierError| {
+            self.metrics.failed(failure);
+            Err(e)
+        };
         if let Some(why) = self.state.lock().read_only.clone() {
-            self.metrics.failed(Failure::ReadOnly);
-            return Err(TierError::Io(format!("{why}; stores are refused, loads still work")));
+            return refused(
+                Failure::ReadOnly,
+                TierError::Io(format!("{why}; stores are refused, loads still work")),
+            );
         }
         if let Some(item) =
             items.iter().find(|item| item.source.len() > self.config.max_chunk_bytes)
         {
-            self.metrics.failed(Failure::TooLarge);
-            return Err(TierError::TooLarge {
+            let e = TierError::TooLarge {
                 bytes: item.source.len(),
                 limit: self.config.max_chunk_bytes,
-            });
+            };
+            return refused(Failure::TooLarge, e);
         }
-        // One store task appends at a time (the writer lock), so the keys being written now are
-        // exactly this task's: a key present in the index, or repeated in the batch, is skipped.
+        // One store task prepares records at a time (the writer lock). A key present in the
+        // index, or repeated in the batch, is skipped; one still in flight from an earlier task
+        // is written again, and publishing keeps the first.
         let mut writer = self.writer.lock();
         let new: Vec<&StoreItem> = {
             let index = self.index.lock();
@@ -883,92 +927,40 @@ impl Shared {
                 .filter(|item| !index.map.contains_key(&item.key) && batch.insert(item.key))
                 .collect()
         };
-        let mut written: Vec<(ObjectKey, Loc)> = Vec::with_capacity(new.len());
-        let mut result = self.append_all(&mut writer, &new, &mut written);
-        if result.is_ok() && self.config.fsync == FsyncPolicy::Always {
-            result = self.sync_segments(written.iter().map(|(_, loc)| loc.segment));
-        }
-        let mut index = self.index.lock();
-        if result.is_ok() {
-            for (key, loc) in &written {
-                index.map.insert(*key, *loc);
-                let segment = &mut index.segments[loc.segment as usize];
-                segment.keys.push(*key);
-                segment.live += 1;
-                segment.live_bytes += record_bytes(loc.len);
-            }
-            if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
-                writer.dirty.extend(written.iter().map(|(_, loc)| loc.segment));
-            }
-        }
-        drop(index);
-        drop(writer);
-        match &result {
-            Ok(()) => {
-                self.metrics.stored(written.len() as u64, written.iter().map(|(_, l)| l.len).sum())
-            }
-            Err(TierError::NoSpace(_)) => self.metrics.failed(Failure::NoSpace),
-            Err(TierError::Buffer(_)) => self.metrics.failed(Failure::Copy),
-            Err(_) => self.metrics.failed(Failure::Io),
-        }
-        result
-    }
-
-    /// Appends `items` at the end of the active segment (opening new ones as segments fill),
-    /// pipelined: while the write thread writes one record, this thread copies and checksums the
-    /// next into another buffer. Records are written in order, one at a time, so only the last
-    /// record written can be torn; after a failed write the write thread skips the rest of the
-    /// task, and every segment it touched is sealed. Returns once no write of the task is in
-    /// flight; `written` gets the records that reached the file (all of them on success).
-    fn append_all(
-        &self,
-        writer: &mut Writer,
-        items: &[&StoreItem],
-        written: &mut Vec<(ObjectKey, Loc)>,
-    ) -> Result<(), TierError> {
         writer.tasks += 1;
         let task = writer.tasks;
-        let mut flight = InFlight::default();
-        for item in items {
-            let size = record_bytes(item.source.len());
-            // A segment is sealed (and may be evicted and reused) only with nothing in flight.
-            if !self.active_has_room(writer, size) {
-                self.drain(writer, &mut flight, written);
-            }
-            if flight.failure.is_some() {
-                break;
-            }
-            while writer.spare.is_empty() && !flight.records.is_empty() {
-                self.await_write(writer, &mut flight, written);
-            }
-            if flight.failure.is_some() {
-                break;
-            }
-            if let Err(e) = self.submit_record(writer, task, item, &mut flight) {
-                flight.failure = Some(e);
-                break;
+        let mut records = Vec::with_capacity(new.len());
+        for item in new {
+            if let Err(e) = self.submit_record(&mut writer, task, item, &mut records) {
+                let failure = match &e {
+                    TierError::NoSpace(_) => Failure::NoSpace,
+                    TierError::Buffer(_) => Failure::Copy,
+                    _ => Failure::Io,
+                };
+                return refused(failure, e);
             }
         }
-        self.drain(writer, &mut flight, written);
-        flight.failure.map_or(Ok(()), Err)
+        Ok(Queued { task, records })
     }
 
-    /// Copies one record into a spare buffer (header, payload, checksum, zero padding) and hands
-    /// it to the write thread. The segment's end moves past it only once the copy succeeded, so
-    /// a source that fails leaves no hole.
+    /// Copies one record into a free buffer (header, payload, checksum, zero padding) and hands
+    /// it to the write thread. The segment's end moves past the record only once its copy
+    /// succeeded, so a source that fails leaves no hole.
     fn submit_record(
         &self,
         writer: &mut Writer,
         task: u64,
         item: &StoreItem,
-        flight: &mut InFlight,
+        records: &mut Vec<(ObjectKey, Loc)>,
     ) -> Result<(), TierError> {
         let len = item.source.len();
         let size = record_bytes(len);
+        // A segment is sealed (then evictable and reusable) only with no write in flight.
+        if !self.active_has_room(writer, size) {
+            self.drain(writer)?;
+        }
         let (segment, offset, epoch, file) = self.reserve(writer, size)?;
-        let Some(mut buf) = writer.spare.pop() else {
-            return Err(TierError::Io("no record buffer is free".into()));
-        };
+        let mut buf = self.free_buffer(writer)?;
         let record = &mut buf.as_mut_slice()[..size as usize];
         let (head, payload) = record.split_at_mut(BLOCK as usize);
         let payload_bytes = &mut payload[..len as usize];
@@ -986,73 +978,112 @@ impl Shared {
         payload[len as usize..].fill(0);
         let checksum = payload_checksum(&payload[..len as usize]);
         Header { epoch, key: item.key, len, checksum, deleted: false }.encode(head);
-        let Some(requests) = writer.pipe.as_ref().map(|p| &p.requests) else {
-            writer.spare.push(buf);
-            return Err(TierError::Closed);
-        };
-        let request =
-            WriteRequest { task, file: Arc::clone(&file), buf, len: size as usize, offset };
-        if let Err(refused) = requests.send(request) {
-            writer.spare.push(refused.0.buf);
-            return Err(TierError::Io("the disk write thread is gone".into()));
-        }
+        let loc = Loc { segment, offset, len };
+        let message = WriteMsg::Record { task, file, buf, len: size as usize, loc, epoch };
+        self.send(writer, message)?;
         self.index.lock().segments[segment as usize].end = offset + size;
-        flight.records.push_back((item.key, Loc { segment, offset, len }, file));
+        records.push((item.key, loc));
         Ok(())
     }
 
-    /// Waits for the oldest write in flight: its record joins `written`, or its failure is kept
-    /// and its segment sealed (no record is ever appended after one the scan would stop at).
-    fn await_write(
-        &self,
-        writer: &mut Writer,
-        flight: &mut InFlight,
-        written: &mut Vec<(ObjectKey, Loc)>,
-    ) {
-        let Some((key, loc, file)) = flight.records.pop_front() else {
-            return;
+    /// Hands a message to the write thread.
+    fn send(&self, writer: &mut Writer, message: WriteMsg) -> Result<(), TierError> {
+        let gone = || TierError::Io("the disk write thread is gone".into());
+        let Some(pipe) = writer.pipe.as_ref() else {
+            return Err(TierError::Closed);
         };
-        let done = match writer.pipe.as_ref() {
-            Some(pipe) => pipe.done.recv().ok(),
-            None => None,
-        };
-        let failure = match done {
-            Some(WriteDone { buf, result }) => {
-                writer.spare.push(buf);
-                match result {
-                    Ok(()) => {
-                        written.push((key, loc));
-                        return;
-                    }
-                    Err(e) => io_error(&file.path, "writing", &e),
+        match pipe.messages.send(message) {
+            Ok(()) => Ok(()),
+            Err(refused) => {
+                if let WriteMsg::Record { buf, .. } = refused.0 {
+                    writer.spare.push(buf);
                 }
+                Err(gone())
             }
-            None => TierError::Io("the disk write thread is gone".into()),
-        };
-        self.seal(writer, loc.segment);
-        flight.failure.get_or_insert(failure);
-    }
-
-    /// Waits for every write in flight.
-    fn drain(
-        &self,
-        writer: &mut Writer,
-        flight: &mut InFlight,
-        written: &mut Vec<(ObjectKey, Loc)>,
-    ) {
-        while !flight.records.is_empty() {
-            self.await_write(writer, flight, written);
         }
     }
 
-    /// Whether the active segment has room for `size` more bytes (false without one).
+    /// A record buffer: one in hand, or the next the write thread is done with.
+    fn free_buffer(&self, writer: &mut Writer) -> Result<AlignedBuf, TierError> {
+        if let Some(buf) = writer.spare.pop() {
+            return Ok(buf);
+        }
+        let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
+        pipe.free.recv().map_err(|_| TierError::Io("the disk write thread is gone".into()))
+    }
+
+    /// Waits until no record is being written: every buffer is back in hand.
+    fn drain(&self, writer: &mut Writer) -> Result<(), TierError> {
+        while writer.spare.len() < RECORD_BUFFERS {
+            let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
+            let buf = pipe
+                .free
+                .recv()
+                .map_err(|_| TierError::Io("the disk write thread is gone".into()))?;
+            writer.spare.push(buf);
+        }
+        Ok(())
+    }
+
+    /// Whether the active segment can take `size` more bytes (false without one, or once a
+    /// failed write sealed it).
     fn active_has_room(&self, writer: &Writer, size: u64) -> bool {
         let Some(active) = writer.active else {
             return false;
         };
         let index = self.index.lock();
         let segment = &index.segments[active as usize];
-        segment.end + size <= self.config.segment_bytes && segment.file.is_some()
+        segment.status == Status::Active
+            && segment.end + size <= self.config.segment_bytes
+            && segment.file.is_some()
+    }
+
+    /// Makes a written task's records visible (the write thread, after its last write). Under
+    /// `FsyncPolicy::Always` they are synced first. A key another task published meanwhile
+    /// keeps that record; this one stays unindexed.
+    fn publish_records(&self, records: &[(ObjectKey, Loc)]) -> Result<(), TierError> {
+        if self.config.fsync == FsyncPolicy::Always {
+            self.sync_segments(records.iter().map(|(_, loc)| loc.segment))?;
+        }
+        let mut index = self.index.lock();
+        for (key, loc) in records {
+            if index.map.contains_key(key) {
+                continue;
+            }
+            index.map.insert(*key, *loc);
+            let segment = &mut index.segments[loc.segment as usize];
+            segment.keys.push(*key);
+            segment.live += 1;
+            segment.live_bytes += record_bytes(loc.len);
+        }
+        drop(index);
+        if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
+            self.dirty.lock().extend(records.iter().map(|(_, loc)| loc.segment));
+        }
+        Ok(())
+    }
+
+    /// Counts a store task's outcome.
+    fn count_store(&self, result: &Result<(), TierError>, records: &[(ObjectKey, Loc)]) {
+        match result {
+            Ok(()) => {
+                self.metrics.stored(records.len() as u64, records.iter().map(|(_, l)| l.len).sum())
+            }
+            Err(TierError::NoSpace(_)) => self.metrics.failed(Failure::NoSpace),
+            Err(_) => self.metrics.failed(Failure::Io),
+        }
+    }
+
+    /// Seals a segment whose write failed, if it is still in the life it was written in: no
+    /// record is ever appended after one the scan would stop at. The writer notices at its next
+    /// reservation and opens another.
+    fn seal_failed(&self, segment: u32, epoch: u64) {
+        let mut index = self.index.lock();
+        let seg = &mut index.segments[segment as usize];
+        if seg.status == Status::Active && seg.epoch == epoch {
+            seg.status = Status::Sealed;
+            index.policy.insert(segment);
+        }
     }
 
     /// Room for `size` bytes in the active segment: its id, the offset, its epoch and file.
@@ -1064,7 +1095,8 @@ impl Shared {
         if let Some(active) = writer.active {
             let index = self.index.lock();
             let segment = &index.segments[active as usize];
-            if segment.end + size <= self.config.segment_bytes
+            if segment.status == Status::Active
+                && segment.end + size <= self.config.segment_bytes
                 && let Some(file) = &segment.file
             {
                 return Ok((active, segment.end, segment.epoch, Arc::clone(file)));
@@ -1253,7 +1285,7 @@ impl Shared {
 
     /// The periodic flusher's step: syncs the segments written since the last one.
     fn sync_dirty(&self) {
-        let dirty = std::mem::take(&mut self.writer.lock().dirty);
+        let dirty = std::mem::take(&mut *self.dirty.lock());
         if self.sync_segments(dirty.into_iter()).is_err() {
             self.metrics.failed(Failure::Io);
         }
@@ -1654,11 +1686,12 @@ impl TierAdapter for DiskStore {
         for worker in workers {
             let _ = worker.join();
         }
-        // No store runs now (the workers are gone), so no write is in flight.
+        // No store task is being prepared now (the workers are gone): the write thread writes
+        // what it was handed, completes those tasks, and stops.
         let pipe = self.shared.writer.lock().pipe.take();
-        if let Some(WritePipe { requests, done, thread }) = pipe {
-            drop(requests);
-            drop(done);
+        if let Some(WritePipe { messages, free, thread }) = pipe {
+            drop(messages);
+            drop(free);
             let _ = thread.join();
         }
         if let Some((stop, flusher)) = self.flusher.lock().take() {

@@ -1023,3 +1023,28 @@ fn pipelined_stores_of_many_tasks_survive_a_restart_byte_exact() {
     assert_eq!(store.recovered().records, 48);
     h.assert_loads(&keys(0..48));
 }
+
+#[test]
+fn a_key_stored_by_two_tasks_in_flight_at_once_is_indexed_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, store) = open(config(dir.path(), 8, 8));
+    for round in 0..20u64 {
+        let base = round * 10;
+        // Both tasks may be written before either is published: the second writes the shared
+        // keys again, and publishing keeps the first record of each.
+        let a = h.submit_store(&keys(base..base + 4));
+        let b = h.submit_store(&keys(base + 2..base + 6));
+        for task in [a, b] {
+            match h.wait(task) {
+                tierkv_core::Completion::Stored { result, .. } => result.unwrap(),
+                _ => panic!("not a store completion"),
+            }
+        }
+        h.assert_loads(&keys(base..base + 6));
+        let usage = store.usage();
+        assert_eq!(usage.objects, 6, "round {round}: {usage:?}");
+        assert_eq!(usage.used_bytes, 6 * record_bytes(CHUNK), "round {round}: {usage:?}");
+        assert_eq!(h.tier.delete(&keys(base..base + 6)), 6);
+        assert_eq!((store.usage().objects, store.usage().used_bytes), (0, 0));
+    }
+}
