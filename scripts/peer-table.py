@@ -53,6 +53,11 @@ for kib, name in ((256, "256 KiB"), (2048, "2 MiB"), (16384, "16 MiB")):
     for b in (1, 16):
         add(f"store {name}, {b} key{'s' if b > 1 else ''} a call", f"store_{kib}KiB_b{b}", peer,
             f"store_{kib}KiB_b{b}", "GBps", "GB/s", (f"memcpy {name}", mem))
+mem2 = lim.get("memcpy_2048KiB_GBps")
+add("store 2 MiB, 16 keys a call, first write of fresh L1 (tierkv only)", "-", peer,
+    "store_2048KiB_b16_first_write", "GBps", "GB/s", ("memcpy 2 MiB", mem2))
+add("  the same with l1.prefault (tierkv only)", "-", peer,
+    "store_2048KiB_b16_first_write_prefault", "GBps", "GB/s", ("memcpy 2 MiB", mem2))
 add("L1 read lock + release, 1 key at a time", "l1_read_lock_unlock_single", peer,
     "l1_read_lock_unlock_single", "pairs_per_s", "/s")
 add("L1 read lock + release, 1,000 at a time", "l1_read_lock_unlock_batch1000", peer,

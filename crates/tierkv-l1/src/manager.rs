@@ -215,7 +215,11 @@ impl L1Manager {
     /// Validates the configuration, opens the device arena and builds an empty L1.
     pub fn build(config: L1Config, context: L1Context) -> Result<Self, L1Error> {
         let (slot_count, shards) = config.validate()?;
-        let arena = device::open_arena(config.device, u64::from(slot_count) * config.slot_bytes)?;
+        let arena = device::open_arena(
+            config.device,
+            u64::from(slot_count) * config.slot_bytes,
+            config.prefault,
+        )?;
         let manager = L1Manager {
             slots: Arc::new(Slots::new(arena, config.slot_bytes, slot_count)),
             index: Index::new(shards, config.policy),
