@@ -101,7 +101,8 @@ if markdown:
     print("|---|---:|---:|---:|---:|")
     for shape, p, t, ratio, lname, lval, of in rows:
         lim_cell = f"{r(of)} of {lname} {lval:.2f} GB/s" if of is not None else ""
-        print(f"| {shape} | {p} | {t} | **{r(ratio)}x** | {lim_cell} |")
+        cell = f"**{r(ratio)}x**" if ratio is not None else ""
+        print(f"| {shape} | {p} | {t} | {cell} | {lim_cell} |")
     print()
     print("| limit, same run | GB/s |")
     print("|---|---:|")
@@ -111,7 +112,8 @@ else:
     print(f"{'shape':66} {'LMCache':>12} {'tierkv':>12} {'ratio':>7}  tierkv/limit")
     for shape, p, t, ratio, lname, lval, of in rows:
         lim_cell = f"{r(of)} of {lname} ({lval:.2f} GB/s)" if of is not None else ""
-        print(f"{shape:66} {p:>12} {t:>12} {r(ratio):>6}x  {lim_cell}")
+        cell = f"{r(ratio)}x" if ratio is not None else ""
+        print(f"{shape:66} {p:>12} {t:>12} {cell:>7}  {lim_cell}")
     print()
     for name, v in limits:
         print(f"limit: {name:50} {v:.2f} GB/s" if v else f"limit: {name}: n/a")

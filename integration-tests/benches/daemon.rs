@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tierkv_bench::{Table, memcpy_bandwidth};
+use tierkv_bench::{Table, memcpy_bandwidth, memcpy_bandwidth_threads};
 use tierkv_client::proto::{ChunkBlocks, ChunkId};
 use tierkv_client::{Client, SharedBuffer};
 use tierkv_integration_tests::Daemon;
@@ -79,6 +79,11 @@ fn main() {
     let mut lines = Vec::new();
     for chunk_bytes in [256u64 << 10, 2 << 20] {
         let memcpy = memcpy_bandwidth(chunk_bytes as usize, Duration::from_millis(500));
+        // A large retrieve is split over up to 4 threads (session.rs): one client can use every
+        // core, so its figure is also set against all cores copying at once.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let memcpy_all =
+            memcpy_bandwidth_threads(chunk_bytes as usize, Duration::from_millis(500), cores);
         let daemon = Daemon::start_with(|dir| {
             format!(
                 "[server]\nsocket = \"{}\"\n[metrics]\nenabled = false\n[l1]\ndevice = \"emulated\"\ncapacity = \"{}\"\nslot = \"{}\"\n[l2]\nenabled = false\n[disk]\nenabled = false\n",
@@ -99,6 +104,7 @@ fn main() {
         assert_eq!(writer.store(0, buffer_id, refs()).unwrap().stored as u64, CHUNKS);
         let mut table = Table::new("GB/s", 1e9);
         table.limit("memcpy, one core", memcpy);
+        table.limit(&format!("memcpy, all {cores} cores at once"), memcpy_all);
         for clients in [1usize, 4, 8] {
             let spec = format!("{},{chunk_bytes},{seconds}", daemon.socket.display());
             let started = Instant::now();
@@ -150,6 +156,13 @@ fn main() {
                 moved / busy,
                 "memcpy, one core",
             );
+            if clients == 1 {
+                table.figure(
+                    &format!("retrieve {} KiB chunks, 1 client, vs all cores", chunk_bytes >> 10),
+                    moved / busy,
+                    &format!("memcpy, all {cores} cores at once"),
+                );
+            }
         }
         println!("\n{}", table.render());
         writer.end().unwrap();
