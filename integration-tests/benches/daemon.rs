@@ -3,8 +3,12 @@
 //! processes. Prints p50/p99 and GB/s beside single-core memcpy bandwidth measured in the same
 //! run.
 //!
-//! `cargo bench -p tierkv-integration-tests --bench daemon` (`-- --quick` for a short run).
-//! Each client is this binary re-executed with `TIERKV_BENCH_CLIENT` set.
+//! Then stores from one client, one request at a time against several in flight
+//! (`Client::submit_store`), at 64 KiB and 2 MiB, beside memcpy.
+//!
+//! `cargo bench -p tierkv-integration-tests --bench daemon` (`-- --quick` for a short run;
+//! `-- --stores` for the store part alone). Each client is this binary re-executed with
+//! `TIERKV_BENCH_CLIENT` set.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout, reason = "benchmark")]
 
@@ -12,7 +16,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tierkv_bench::{Table, memcpy_bandwidth};
+use tierkv_bench::{Table, memcpy_bandwidth, memcpy_bandwidth_threads};
 use tierkv_client::proto::{ChunkBlocks, ChunkId};
 use tierkv_client::{Client, SharedBuffer};
 use tierkv_integration_tests::Daemon;
@@ -58,6 +62,86 @@ fn client(socket: &str, chunk_bytes: u64, seconds: f64) {
     client.end().unwrap();
 }
 
+/// One client storing fresh chunks, `per_request` a request, into a daemon whose L1 holds 1,000
+/// chunks (so stores evict, as in the replay), for `seconds`: with `depth` requests in flight
+/// (1: each store waits for its reply). The blocks of a request in flight are not touched again
+/// until its reply is in. Returns bytes stored per second of wall time.
+fn store_rate(chunk_bytes: u64, per_request: u64, depth: usize, seconds: f64) -> f64 {
+    let daemon = Daemon::start_with(|dir| {
+        format!(
+            "[server]\nsocket = \"{}\"\n[metrics]\nenabled = false\n[l1]\ndevice = \"emulated\"\ncapacity = \"{}\"\nslot = \"{}\"\nprefault = true\n[l2]\nenabled = false\n[disk]\nenabled = false\n",
+            dir.join("tierkv.sock").display(),
+            chunk_bytes * 1000,
+            chunk_bytes
+        )
+    });
+    let mut client =
+        Client::connect_unix(&daemon.socket, Client::worker_hello("bench", chunk_bytes)).unwrap();
+    let groups = depth as u64 + 1;
+    let mut buffer = SharedBuffer::new(chunk_bytes, groups * per_request).unwrap();
+    for i in 0..groups * per_request {
+        buffer.block_mut(i).unwrap().fill(i as u8);
+    }
+    let id = client.register_buffer(&buffer).unwrap();
+    let mut next = 0u64;
+    let mut request = |r: u64| -> Vec<ChunkBlocks> {
+        let group = r % groups;
+        (0..per_request)
+            .map(|i| {
+                next += 1;
+                ChunkBlocks::one(
+                    ChunkId(0x5707_0000_0000_0000 + u128::from(next)),
+                    group * per_request + i,
+                )
+            })
+            .collect()
+    };
+    // Warm-up: fill L1 once, so the timed part evicts as a running daemon does.
+    for r in 0..(1000 / per_request + 1) {
+        client.store(0, id, request(r)).unwrap();
+    }
+    let mut in_flight = std::collections::VecDeque::new();
+    let (mut stored, mut r) = (0u64, 0u64);
+    let start = Instant::now();
+    while start.elapsed().as_secs_f64() < seconds {
+        if in_flight.len() >= depth {
+            let done = client.finish_store(in_flight.pop_front().unwrap()).unwrap();
+            stored += u64::from(done.stored);
+        }
+        in_flight.push_back(client.submit_store(0, id, request(r)).unwrap());
+        r += 1;
+    }
+    while let Some(pending) = in_flight.pop_front() {
+        stored += u64::from(client.finish_store(pending).unwrap().stored);
+    }
+    let rate = (stored * chunk_bytes) as f64 / start.elapsed().as_secs_f64();
+    assert_eq!(stored, r * per_request, "every chunk was stored");
+    client.end().unwrap();
+    rate
+}
+
+fn stores(seconds: f64) {
+    println!("\nstores from one client, fresh chunks, L1 of 1,000 chunks (evicting)\n");
+    for (chunk_bytes, per_request, depth) in [(64u64 << 10, 25u64, 8usize), (2 << 20, 8, 4)] {
+        let mut table = Table::new("GB/s", 1e9);
+        table.limit(
+            "memcpy, one core",
+            memcpy_bandwidth(chunk_bytes as usize, Duration::from_millis(500)),
+        );
+        let kib = chunk_bytes >> 10;
+        for d in [1, depth] {
+            let rate = store_rate(chunk_bytes, per_request, d, seconds);
+            let how = if d == 1 { "one at a time".to_string() } else { format!("{d} in flight") };
+            table.figure(
+                &format!("store {kib} KiB chunks, {per_request} a request, {how}"),
+                rate,
+                "memcpy, one core",
+            );
+        }
+        println!("{}", table.render());
+    }
+}
+
 fn percentile(sorted: &[u128], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i] as f64
@@ -74,11 +158,20 @@ fn main() {
     }
     let quick = std::env::args().any(|a| a == "--quick");
     let seconds = if quick { 0.5 } else { 3.0 };
+    if std::env::args().any(|a| a == "--stores") {
+        stores(seconds);
+        return;
+    }
     let me = std::env::current_exe().unwrap();
     println!("daemon round trips over the Unix socket, {CHUNKS} chunks per request, L1 hits\n");
     let mut lines = Vec::new();
     for chunk_bytes in [256u64 << 10, 2 << 20] {
         let memcpy = memcpy_bandwidth(chunk_bytes as usize, Duration::from_millis(500));
+        // A large retrieve is split over up to 4 threads (session.rs): one client can use every
+        // core, so its figure is also set against all cores copying at once.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let memcpy_all =
+            memcpy_bandwidth_threads(chunk_bytes as usize, Duration::from_millis(500), cores);
         let daemon = Daemon::start_with(|dir| {
             format!(
                 "[server]\nsocket = \"{}\"\n[metrics]\nenabled = false\n[l1]\ndevice = \"emulated\"\ncapacity = \"{}\"\nslot = \"{}\"\n[l2]\nenabled = false\n[disk]\nenabled = false\n",
@@ -99,6 +192,7 @@ fn main() {
         assert_eq!(writer.store(0, buffer_id, refs()).unwrap().stored as u64, CHUNKS);
         let mut table = Table::new("GB/s", 1e9);
         table.limit("memcpy, one core", memcpy);
+        table.limit(&format!("memcpy, all {cores} cores at once"), memcpy_all);
         for clients in [1usize, 4, 8] {
             let spec = format!("{},{chunk_bytes},{seconds}", daemon.socket.display());
             let started = Instant::now();
@@ -150,9 +244,17 @@ fn main() {
                 moved / busy,
                 "memcpy, one core",
             );
+            if clients == 1 {
+                table.figure(
+                    &format!("retrieve {} KiB chunks, 1 client, vs all cores", chunk_bytes >> 10),
+                    moved / busy,
+                    &format!("memcpy, all {cores} cores at once"),
+                );
+            }
         }
         println!("\n{}", table.render());
         writer.end().unwrap();
         drop(daemon);
     }
+    stores(seconds);
 }

@@ -239,3 +239,59 @@ fn h16_protocol_trailing_bytes_make_a_bad_frame() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Issue 13: a client keeps several requests in flight on one connection and collects each
+/// reply by its request, in any order: stores go without waiting, a refused one fails alone,
+/// and every byte stored is the byte retrieved.
+#[test]
+fn pipelined_stores_each_get_their_own_reply_and_store_exact_bytes() {
+    use tierkv_client::proto::{ChunkBlocks, ChunkId, ErrorCode};
+    use tierkv_client::{Client, SharedBuffer};
+
+    const CHUNK: u64 = 64 << 10;
+    let daemon = tierkv_integration_tests::Daemon::start();
+    let mut client =
+        Client::connect_unix(&daemon.socket, Client::worker_hello("model", CHUNK)).unwrap();
+    // Past the in-flight limit, and within the small L1 (64 chunks), so nothing is evicted.
+    let requests = Client::MAX_IN_FLIGHT as u64 + 4;
+    let mut buffer = SharedBuffer::new(CHUNK, 2 * requests).unwrap();
+    for b in 0..2 * requests {
+        let block = buffer.block_mut(b).unwrap();
+        block.iter_mut().enumerate().for_each(|(i, x)| *x = (b as usize * 31 + i) as u8);
+    }
+    let id = client.register_buffer(&buffer).unwrap();
+    let chunk = |b: u64| ChunkId(0x1313_0000 + u128::from(b));
+    // Request 7 names a buffer that does not exist: refused alone.
+    let pending: Vec<_> = (0..requests)
+        .map(|r| {
+            let target = if r == 7 { id + 100 } else { id };
+            let chunks = (2 * r..2 * r + 2).map(|b| ChunkBlocks::one(chunk(b), b)).collect();
+            client.submit_store(0, target, chunks).unwrap()
+        })
+        .collect();
+    assert!(client.pending() as u64 == requests);
+    // Collected newest first: the replies of older requests wait for their collectors.
+    for (r, p) in pending.into_iter().enumerate().rev() {
+        match client.finish_store(p) {
+            Ok(stored) if r != 7 => assert_eq!(stored.stored, 2, "request {r}: {stored:?}"),
+            Err(e) if r == 7 => assert_eq!(e.code(), Some(ErrorCode::BadBuffer), "{e}"),
+            other => panic!("request {r}: {other:?}"),
+        }
+    }
+    assert_eq!(client.pending(), 0);
+    // A blocking call after pipelined ones, then every stored chunk back, byte for byte.
+    let kept: Vec<u64> = (0..2 * requests).filter(|b| b / 2 != 7).collect();
+    let lookup = client.lookup(0, kept.iter().map(|b| chunk(*b)).collect()).unwrap();
+    assert_eq!(lookup.l1_hit_chunks as usize, kept.len(), "every stored chunk is in L1");
+    let n = kept.len() as u64;
+    let mut out = SharedBuffer::new(CHUNK, n).unwrap();
+    let out_id = client.register_buffer(&out).unwrap();
+    let refs: Vec<ChunkBlocks> =
+        kept.iter().enumerate().map(|(j, b)| ChunkBlocks::one(chunk(*b), j as u64)).collect();
+    client.retrieve(lookup.id, out_id, refs).unwrap();
+    for (j, b) in kept.iter().enumerate() {
+        assert_eq!(out.block_mut(j as u64).unwrap(), buffer.block_mut(*b).unwrap(), "chunk {b}");
+    }
+    client.release(lookup.id).ok();
+    client.end().unwrap();
+}

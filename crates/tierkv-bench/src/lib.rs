@@ -5,7 +5,8 @@
 //! machine and filesystem, and prints its figure as a ratio of that limit:
 //!
 //! - [`memcpy_bandwidth`]: single-core host copy bandwidth, over buffers larger than the last
-//!   level cache (the bound of every host-memory copy path);
+//!   level cache (the bound of every host-memory copy path); [`memcpy_bandwidth_threads`], the
+//!   same on every core at once;
 //! - [`direct_read_bandwidth`]: sequential read bandwidth of a freshly written file read with
 //!   `O_DIRECT`, so the page cache cannot flatter it (the bound of disk loads).
 //!
@@ -14,6 +15,8 @@
 mod limits;
 mod table;
 
-pub use limits::{direct_file_bandwidth, direct_read_bandwidth, memcpy_bandwidth};
+pub use limits::{
+    direct_file_bandwidth, direct_read_bandwidth, memcpy_bandwidth, memcpy_bandwidth_threads,
+};
 pub use table::Table;
 pub use tierkv_core::AlignedBuf;

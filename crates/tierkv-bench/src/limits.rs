@@ -36,6 +36,16 @@ pub fn memcpy_bandwidth(chunk: usize, time: Duration) -> f64 {
     copied as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Total `memcpy` bandwidth of `threads` threads at once (each as in [`memcpy_bandwidth`], over
+/// its own 128 MiB), in bytes per second: what every core of the machine copies together.
+pub fn memcpy_bandwidth_threads(chunk: usize, time: Duration, threads: usize) -> f64 {
+    std::thread::scope(|s| {
+        let workers: Vec<_> =
+            (0..threads.max(1)).map(|_| s.spawn(move || memcpy_bandwidth(chunk, time))).collect();
+        workers.into_iter().map(|w| w.join().unwrap_or(0.0)).sum()
+    })
+}
+
 /// Sequential read bandwidth, in bytes per second, of a fresh `file_bytes` file in `dir` read with
 /// `O_DIRECT` in blocks of `block` bytes: what the disk delivers when the page cache cannot help.
 pub fn direct_read_bandwidth(dir: &Path, file_bytes: usize, block: usize) -> io::Result<f64> {

@@ -2,12 +2,18 @@
 //!
 //! A [`Client`] opens a session (the hello), registers [`SharedBuffer`]s (the memfd travels over
 //! the Unix socket as `SCM_RIGHTS`), and then stores, looks up and retrieves chunks by naming
-//! blocks of those buffers. One request is in flight at a time; the daemon answers in order.
-//! Everything the session holds is returned by the daemon when the client ends or disconnects.
+//! blocks of those buffers. The daemon answers a connection's requests in order, so a client may
+//! keep several in flight ([`Client::submit`], [`Client::submit_store`]) and collect each reply
+//! by its request id later: stores then go without waiting for the daemon's copy, and a worker
+//! fills its next blocks while the daemon copies the last ones. At most
+//! [`Client::MAX_IN_FLIGHT`] requests are in flight; a submit past that first reads the oldest
+//! reply (and keeps it for its collector). Everything the session holds is returned by the
+//! daemon when the client ends or disconnects.
 
 pub mod payload;
 mod shm;
 
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -104,7 +110,16 @@ pub struct Client {
     next_id: u64,
     session: Session,
     out: Vec<u8>,
+    /// Requests sent whose replies have not been read, oldest first.
+    in_flight: VecDeque<u64>,
+    /// Replies read before their collector asked for them.
+    arrived: HashMap<u64, ReplyBody>,
 }
+
+/// A request sent and not yet collected: its id, and what kind of reply it expects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[must_use = "a submitted request's reply must be collected"]
+pub struct Pending(pub u64);
 
 impl Client {
     /// Connects over the Unix socket at `path` and opens a session.
@@ -122,7 +137,14 @@ impl Client {
 
     fn open(transport: Transport, hello: Hello) -> Result<Self, ClientError> {
         let placeholder = Session { id: 0, max_chunk_bytes: 0, readers: 0 };
-        let mut client = Client { transport, next_id: 1, session: placeholder, out: Vec::new() };
+        let mut client = Client {
+            transport,
+            next_id: 1,
+            session: placeholder,
+            out: Vec::new(),
+            in_flight: VecDeque::new(),
+            arrived: HashMap::new(),
+        };
         match client.call(RequestBody::Hello(hello))? {
             ReplyBody::Welcome { session, max_chunk_bytes, readers, .. } => {
                 client.session = Session { id: session, max_chunk_bytes, readers };
@@ -184,6 +206,29 @@ impl Client {
         body: RequestBody,
         fds: &[BorrowedFd<'_>],
     ) -> Result<ReplyBody, ClientError> {
+        let pending = self.submit_with_descriptors(body, fds)?;
+        self.collect(pending)
+    }
+
+    /// The most requests one client keeps in flight. Requests and replies wait in the socket's
+    /// buffers meanwhile, so this also bounds what they hold (a daemon that cannot write a reply
+    /// stops reading requests).
+    pub const MAX_IN_FLIGHT: usize = 16;
+
+    /// Sends a request without waiting for its reply; [`Client::collect`] returns the reply.
+    pub fn submit(&mut self, body: RequestBody) -> Result<Pending, ClientError> {
+        self.submit_with_descriptors(body, &[])
+    }
+
+    /// Like [`Client::submit`], with file descriptors attached to the frame.
+    pub fn submit_with_descriptors(
+        &mut self,
+        body: RequestBody,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<Pending, ClientError> {
+        while self.in_flight.len() >= Self::MAX_IN_FLIGHT {
+            self.read_one()?;
+        }
         let id = self.next_id;
         self.next_id += 1;
         self.out.clear();
@@ -192,17 +237,56 @@ impl Client {
         let sent = self.send_raw(&frame, fds);
         self.out = frame;
         sent?;
+        self.in_flight.push_back(id);
+        Ok(Pending(id))
+    }
+
+    /// Requests submitted whose replies have not been collected.
+    pub fn pending(&self) -> usize {
+        self.in_flight.len() + self.arrived.len()
+    }
+
+    /// The reply to a submitted request, reading (and keeping) the replies to earlier ones
+    /// first; a daemon error becomes [`ClientError::Daemon`]. Each request is collected once.
+    pub fn collect(&mut self, pending: Pending) -> Result<ReplyBody, ClientError> {
+        let Pending(id) = pending;
+        loop {
+            if let Some(body) = self.arrived.remove(&id) {
+                return match body {
+                    ReplyBody::Error { code, message } => {
+                        Err(ClientError::Daemon { code, message })
+                    }
+                    body => Ok(body),
+                };
+            }
+            if !self.in_flight.contains(&id) {
+                return Err(ClientError::Unexpected(format!(
+                    "request {id} is not in flight (never submitted, or collected already)"
+                )));
+            }
+            self.read_one()?;
+        }
+    }
+
+    /// Reads the next reply and files it under its request: the oldest in flight, since the
+    /// daemon answers in order. A reply with id 0 answers no request (the daemon could not read
+    /// one): it fails the connection's oldest request.
+    fn read_one(&mut self) -> Result<(), ClientError> {
         let reply = self.read_reply()?;
-        if reply.id != id && reply.id != 0 {
+        let Some(oldest) = self.in_flight.pop_front() else {
             return Err(ClientError::Unexpected(format!(
-                "reply to request {} while waiting for {id}",
+                "reply to request {} with no request in flight",
+                reply.id
+            )));
+        };
+        if reply.id != oldest && reply.id != 0 {
+            return Err(ClientError::Unexpected(format!(
+                "reply to request {} while {oldest} was the oldest in flight",
                 reply.id
             )));
         }
-        match reply.body {
-            ReplyBody::Error { code, message } => Err(ClientError::Daemon { code, message }),
-            body => Ok(body),
-        }
+        self.arrived.insert(oldest, reply.body);
+        Ok(())
     }
 
     /// Writes bytes as they are, with descriptors attached if given: for tests that send
@@ -268,7 +352,25 @@ impl Client {
         buffer: u32,
         chunks: Vec<ChunkBlocks>,
     ) -> Result<Stored, ClientError> {
-        match self.call(RequestBody::Store { namespace, buffer, chunks })? {
+        let pending = self.submit_store(namespace, buffer, chunks)?;
+        self.finish_store(pending)
+    }
+
+    /// Sends a store without waiting for the daemon's copy. The blocks it names must not be
+    /// written again until [`Client::finish_store`] returns for it: the daemon copies them when
+    /// it reaches the request.
+    pub fn submit_store(
+        &mut self,
+        namespace: u32,
+        buffer: u32,
+        chunks: Vec<ChunkBlocks>,
+    ) -> Result<Pending, ClientError> {
+        self.submit(RequestBody::Store { namespace, buffer, chunks })
+    }
+
+    /// What a store sent with [`Client::submit_store`] did (waits for it if need be).
+    pub fn finish_store(&mut self, pending: Pending) -> Result<Stored, ClientError> {
+        match self.collect(pending)? {
             ReplyBody::Stored { stored, present, refused } => Ok(Stored {
                 stored,
                 present,
@@ -403,5 +505,132 @@ fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> i
         if err.kind() != io::ErrorKind::Interrupted {
             return Err(err);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A client on one end of a socket pair, and a stand-in daemon on the other that answers
+    /// every request in order: a store with `stored` = its request id, or, for ids divisible by
+    /// 5, a daemon error naming the id. Requests are read as they come, like the daemon does.
+    fn client_and_echo() -> (Client, std::thread::JoinHandle<u64>) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let server = std::thread::spawn(move || {
+            let mut stream = theirs;
+            let mut answered = 0;
+            while let Ok(Some(frame)) = tierkv_proto::read_frame(&mut stream, REPLY_LIMIT) {
+                let request: Request = tierkv_proto::decode(&frame).unwrap();
+                let body = if request.id.is_multiple_of(5) {
+                    ReplyBody::Error {
+                        code: ErrorCode::BadRequest,
+                        message: request.id.to_string(),
+                    }
+                } else {
+                    ReplyBody::Stored { stored: request.id as u32, present: 0, refused: Vec::new() }
+                };
+                let mut out = Vec::new();
+                tierkv_proto::encode(&Reply { id: request.id, body }, &mut out).unwrap();
+                stream.write_all(&out).unwrap();
+                answered += 1;
+            }
+            answered
+        });
+        let client = Client {
+            transport: Transport::Unix(ours),
+            next_id: 1,
+            session: Session { id: 1, max_chunk_bytes: 0, readers: 1 },
+            out: Vec::new(),
+            in_flight: VecDeque::new(),
+            arrived: HashMap::new(),
+        };
+        (client, server)
+    }
+
+    fn store_body() -> RequestBody {
+        RequestBody::Store { namespace: 0, buffer: 0, chunks: Vec::new() }
+    }
+
+    /// What the stand-in daemon answers request `id`.
+    fn check(id: u64, got: Result<Stored, ClientError>) -> Result<(), TestCaseError> {
+        match got {
+            Ok(stored) => prop_assert_eq!(u64::from(stored.stored), id),
+            Err(ClientError::Daemon { message, .. }) => {
+                prop_assert!(id.is_multiple_of(5));
+                prop_assert_eq!(message, id.to_string());
+            }
+            Err(other) => prop_assert!(false, "request {id}: {other}"),
+        }
+        Ok(())
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// Submit a store.
+        Submit,
+        /// Collect one outstanding store (by position among those outstanding).
+        Collect(usize),
+        /// A blocking call in between.
+        Call,
+    }
+
+    proptest! {
+        /// Against a reference model (the set of requests submitted and not collected), every
+        /// reply reaches exactly the request it answers, whatever the order of submits, collects
+        /// and blocking calls, and however far past `MAX_IN_FLIGHT` the submits run ahead.
+        #[test]
+        fn every_reply_reaches_its_own_request(
+            ops in proptest::collection::vec(
+                prop_oneof![
+                    4 => Just(Op::Submit),
+                    3 => (0usize..64).prop_map(Op::Collect),
+                    1 => Just(Op::Call),
+                ],
+                1..120,
+            )
+        ) {
+            let (mut client, server) = client_and_echo();
+            let mut outstanding: Vec<Pending> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Submit => outstanding.push(client.submit_store(0, 0, Vec::new()).unwrap()),
+                    Op::Collect(_) if outstanding.is_empty() => {}
+                    Op::Collect(i) => {
+                        let pending = outstanding.remove(i % outstanding.len());
+                        let got = client.finish_store(pending);
+                        check(pending.0, got)?;
+                        // Collected once only.
+                        prop_assert!(client.collect(pending).is_err());
+                    }
+                    Op::Call => {
+                        let id = client.next_id;
+                        let got = client.store(0, 0, Vec::new());
+                        check(id, got)?;
+                    }
+                }
+                prop_assert_eq!(client.pending(), outstanding.len());
+                prop_assert!(client.in_flight.len() <= Client::MAX_IN_FLIGHT);
+            }
+            for pending in outstanding.drain(..).rev() {
+                let got = client.finish_store(pending);
+                check(pending.0, got)?;
+            }
+            prop_assert_eq!(client.pending(), 0);
+            let sent = client.next_id - 1;
+            drop(client);
+            prop_assert_eq!(server.join().unwrap(), sent);
+        }
+    }
+
+    #[test]
+    fn a_request_never_submitted_is_refused_without_touching_the_connection() {
+        let (mut client, _server) = client_and_echo();
+        let first = client.submit(store_body()).unwrap();
+        assert!(matches!(client.collect(Pending(99)), Err(ClientError::Unexpected(_))));
+        assert!(client.collect(first).is_ok());
     }
 }

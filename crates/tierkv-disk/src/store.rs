@@ -3,7 +3,10 @@
 //!
 //! Writes append records to one active segment, one record at a time, each write finishing
 //! before the next starts; so after a crash only the last record of a segment can be torn, and
-//! the scan at open stops there. Records become visible in the index only after their whole
+//! the scan at open stops there. The writes run on one write thread (`tierkv-disk-write`) while
+//! the storing I/O thread copies and checksums the next record into another buffer, so copy,
+//! checksum and write overlap; a segment is sealed only with no write in flight. A load of
+//! several records is split over the I/O threads, so its reads are in flight at once. Records become visible in the index only after their whole
 //! store task was written (and synced, under `FsyncPolicy::Always`). Loads read a record while
 //! its segment is pinned, verify header, epoch, key and payload checksum, and only then copy
 //! into the caller's sink. Eviction drops a whole sealed segment that holds no locked and no
@@ -119,19 +122,135 @@ impl Index {
     }
 }
 
-/// The writer's state: only one store task appends at a time.
+/// The writer's state: only one store task prepares records at a time.
 struct Writer {
     active: Option<u32>,
-    staging: AlignedBuf,
-    /// Segments written since the last periodic sync.
-    dirty: HashSet<u32>,
+    /// Record buffers in hand; the others are with the write thread, and come back on `free`.
+    spare: Vec<AlignedBuf>,
+    /// The write thread, once started.
+    pipe: Option<WritePipe>,
+    /// Store tasks so far; numbers each record, so the write thread can tell tasks apart.
+    tasks: u64,
+}
+
+/// Record buffers per store: one being filled while the others are written or queued (the
+/// slack lets the write thread keep writing while a loaded machine delays the storing thread).
+const RECORD_BUFFERS: usize = 4;
+
+/// The write thread (`tierkv-disk-write`): writes records in the order handed to it, and
+/// publishes each store task once all its records are written.
+struct WritePipe {
+    messages: Sender<WriteMsg>,
+    /// Buffers the write thread is done with.
+    free: Receiver<AlignedBuf>,
+    thread: JoinHandle<()>,
+}
+
+enum WriteMsg {
+    /// One record: the first `len` bytes of `buf`, at `loc.offset` of `file`.
+    Record { task: u64, file: Arc<SegmentFile>, buf: AlignedBuf, len: usize, loc: Loc, epoch: u64 },
+    /// Every record of store task `task` has been handed over: publish them (unless one failed)
+    /// and complete the caller's task with its sources.
+    End { task: u64, id: TaskId, records: Vec<(ObjectKey, Loc)>, sources: Vec<StoreItem> },
+}
+
+/// What a store task handed to the write thread.
+struct Queued {
+    task: u64,
+    records: Vec<(ObjectKey, Loc)>,
+}
+
+/// The write thread's loop. Writes run strictly one after another, in order. Once a write
+/// fails, every later record of the same task and of the same segment life is skipped
+/// (nothing written) and the segment is sealed, so no record ever lands after one that may be
+/// torn; the task completes with the failure and publishes nothing.
+fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender<AlignedBuf>) {
+    let mut failed_tasks: HashMap<u64, TierError> = HashMap::new();
+    let mut failed_segments: HashSet<(u32, u64)> = HashSet::new();
+    while let Ok(message) = messages.recv() {
+        match message {
+            WriteMsg::Record { task, file, buf, len, loc, epoch } => {
+                let skip = failed_tasks.contains_key(&task)
+                    || failed_segments.contains(&(loc.segment, epoch));
+                let result = if skip {
+                    Err(TierError::Io("skipped: an earlier write to its segment failed".into()))
+                } else {
+                    match buf.as_slice().get(..len) {
+                        Some(record) => file
+                            .write_at(record, loc.offset)
+                            .map_err(|e| io_error(&file.path, "writing", &e)),
+                        None => Err(TierError::Io("a record larger than its buffer".into())),
+                    }
+                };
+                if let Err(e) = result {
+                    failed_segments.insert((loc.segment, epoch));
+                    shared.seal_failed(loc.segment, epoch);
+                    failed_tasks.entry(task).or_insert(e);
+                }
+                // The store thread may be gone (closing): the buffer is then simply freed.
+                let _ = free.send(buf);
+            }
+            WriteMsg::End { task, id, records, sources } => {
+                let result = match failed_tasks.remove(&task) {
+                    Some(e) => Err(e),
+                    None => shared.publish_records(&records),
+                };
+                shared.count_store(&result, &records);
+                let _ = shared.done.send(Completion::Stored { task: id, result, sources });
+                shared.publish();
+            }
+        }
+    }
 }
 
 enum Job {
     Store(TaskId, Vec<StoreItem>),
     Lookup(TaskId, Vec<ObjectKey>),
     Load(TaskId, Vec<LoadItem>),
+    /// One contiguous part of a load task split over the I/O threads: the items from `first` on.
+    LoadPart {
+        joint: Arc<JointLoad>,
+        first: usize,
+        items: Vec<LoadItem>,
+    },
 }
+
+/// A load task split into parts that run on several I/O threads at once, so one large load has
+/// as many reads in flight as the store has threads. Each part hands its sinks back here; the
+/// part that finishes last sends the task's one completion, sinks in the order submitted.
+struct JointLoad {
+    task: TaskId,
+    state: Mutex<JointState>,
+}
+
+struct JointState {
+    sinks: Vec<Option<LoadItem>>,
+    loaded: Bitmap,
+    parts_left: usize,
+}
+
+impl JointLoad {
+    /// Records a finished part; the task's completion once every part is in.
+    fn part_done(&self, first: usize, items: Vec<LoadItem>, loaded: &Bitmap) -> Option<Completion> {
+        let mut state = self.state.lock();
+        for (i, item) in items.into_iter().enumerate() {
+            state.loaded.set(first + i, loaded.get(i));
+            if let Some(slot) = state.sinks.get_mut(first + i) {
+                *slot = Some(item);
+            }
+        }
+        state.parts_left -= 1;
+        if state.parts_left > 0 {
+            return None;
+        }
+        let sinks: Vec<LoadItem> = std::mem::take(&mut state.sinks).into_iter().flatten().collect();
+        let loaded = std::mem::replace(&mut state.loaded, Bitmap::new(0));
+        Some(Completion::Loaded { task: self.task, loaded, sinks })
+    }
+}
+
+/// A load of fewer items than this runs on one thread: splitting it buys less than it costs.
+const SPLIT_LOADS_FROM: usize = 4;
 
 /// Whether stores are accepted, and what a read-only store needs to become writable.
 struct WriteState {
@@ -150,6 +269,9 @@ struct Shared {
     state: Mutex<WriteState>,
     index: Mutex<Index>,
     writer: Mutex<Writer>,
+    /// Segments written since the last periodic sync (its own lock: the write thread adds to
+    /// it while a store may hold the writer lock waiting for a buffer).
+    dirty: Mutex<HashSet<u32>>,
     closed: AtomicBool,
     next_task: AtomicU64,
     epochs: AtomicU64,
@@ -231,8 +353,10 @@ impl DiskStore {
         }
         let (index, mut recovered) = scan(&config, segments, io, read_only.is_none())?;
         recovered.elapsed = started.elapsed();
-        let staging = AlignedBuf::new(record_bytes(config.max_chunk_bytes) as usize)
-            .ok_or_else(|| DiskError::Config("cannot allocate the write buffer".into()))?;
+        let spare = (0..RECORD_BUFFERS)
+            .map(|_| AlignedBuf::new(record_bytes(config.max_chunk_bytes) as usize))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| DiskError::Config("cannot allocate the write buffers".into()))?;
         let (done, completions) = unbounded();
         let shared = Arc::new(Shared {
             io,
@@ -242,7 +366,8 @@ impl DiskStore {
                 lock,
             }),
             index: Mutex::new(index),
-            writer: Mutex::new(Writer { active: None, staging, dirty: HashSet::new() }),
+            writer: Mutex::new(Writer { active: None, spare, pipe: None, tasks: 0 }),
+            dirty: Mutex::new(HashSet::new()),
             closed: AtomicBool::new(false),
             next_task: AtomicU64::new(1),
             epochs: AtomicU64::new(0),
@@ -306,6 +431,14 @@ impl DiskStore {
     }
 
     fn start_threads(&self) -> Result<(), DiskError> {
+        let (messages, queued) = unbounded::<WriteMsg>();
+        let (freed, free) = unbounded::<AlignedBuf>();
+        let shared = Arc::clone(&self.shared);
+        let thread = std::thread::Builder::new()
+            .name("tierkv-disk-write".into())
+            .spawn(move || write_records(shared, queued, freed))
+            .map_err(DiskError::Thread)?;
+        self.shared.writer.lock().pipe = Some(WritePipe { messages, free, thread });
         let (jobs, queue) = unbounded::<Job>();
         let mut workers = Vec::new();
         for n in 0..self.shared.config.io_threads {
@@ -660,8 +793,9 @@ impl Shared {
                 self.fail(job);
                 continue;
             };
-            let completion = self.run(job, buffer);
-            let _ = self.done.send(completion);
+            if let Some(completion) = self.run(job, buffer) {
+                let _ = self.done.send(completion);
+            }
             self.publish();
         }
     }
@@ -669,13 +803,37 @@ impl Shared {
     /// Runs a job. The job's buffers stay outside the code that may panic, so a panic (a bug in
     /// this crate, or a caller's buffer whose methods panic) completes the task as a failure,
     /// counted, with every buffer handed back; pins and other state are released by guards.
-    fn run(&self, job: Job, staging: &mut AlignedBuf) -> Completion {
-        match job {
+    /// Returns the task's completion (`None` for a part of a split load that is not the last).
+    fn run(&self, job: Job, staging: &mut AlignedBuf) -> Option<Completion> {
+        Some(match job {
             Job::Store(task, sources) => {
-                let result = self
+                let queued = self
                     .contained(|| self.store(&sources))
                     .unwrap_or_else(|| Err(TierError::Io("internal panic while storing".into())));
-                Completion::Stored { task, result, sources }
+                // Records handed over are written whatever happens; only a task whose every
+                // record was handed over is published, by the write thread, which completes it.
+                // (Records of a failed task are written but never indexed.)
+                let Queued { task: number, records } = match queued {
+                    Ok(queued) => queued,
+                    Err(e) => return Some(Completion::Stored { task, result: Err(e), sources }),
+                };
+                let end = WriteMsg::End { task: number, id: task, records, sources };
+                let sent = match self.writer.lock().pipe.as_ref() {
+                    Some(pipe) => pipe.messages.send(end).map_err(|refused| refused.0),
+                    None => Err(end),
+                };
+                match sent {
+                    Ok(()) => return None,
+                    Err(unsent) => {
+                        self.metrics.failed(Failure::Io);
+                        let sources = match unsent {
+                            WriteMsg::End { sources, .. } => sources,
+                            WriteMsg::Record { .. } => Vec::new(),
+                        };
+                        let result = Err(TierError::Io("the disk write thread is gone".into()));
+                        Completion::Stored { task, result, sources }
+                    }
+                }
             }
             Job::Lookup(task, keys) => {
                 let locked = self
@@ -689,7 +847,13 @@ impl Shared {
                     .unwrap_or_else(|| Bitmap::new(sinks.len()));
                 Completion::Loaded { task, loaded, sinks }
             }
-        }
+            Job::LoadPart { joint, first, mut items } => {
+                let loaded = self
+                    .contained(|| self.load(&mut items, staging))
+                    .unwrap_or_else(|| Bitmap::new(items.len()));
+                return joint.part_done(first, items, &loaded);
+            }
+        })
     }
 
     /// Runs `f`, turning a panic into `None` (counted).
@@ -716,28 +880,44 @@ impl Shared {
             Job::Load(task, sinks) => {
                 Completion::Loaded { task, loaded: Bitmap::new(sinks.len()), sinks }
             }
+            Job::LoadPart { joint, first, items } => {
+                match joint.part_done(first, items, &Bitmap::new(0)) {
+                    Some(completion) => completion,
+                    None => return,
+                }
+            }
         };
         let _ = self.done.send(completion);
     }
 
     // ----- stores -----
 
-    fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
+    /// Copies and checksums the task's new records into record buffers and hands them to the
+    /// write thread, which writes them in order and then publishes the task. Returns as soon
+    /// as the last record is handed over, so the next task's copies overlap these writes.
+    fn store(&self, items: &[StoreItem]) -> Result<Queued, TierError> {
+        let refused = |failure: Failure, e: TierError| {
+            self.metrics.failed(failure);
+            Err(e)
+        };
         if let Some(why) = self.state.lock().read_only.clone() {
-            self.metrics.failed(Failure::ReadOnly);
-            return Err(TierError::Io(format!("{why}; stores are refused, loads still work")));
+            return refused(
+                Failure::ReadOnly,
+                TierError::Io(format!("{why}; stores are refused, loads still work")),
+            );
         }
         if let Some(item) =
             items.iter().find(|item| item.source.len() > self.config.max_chunk_bytes)
         {
-            self.metrics.failed(Failure::TooLarge);
-            return Err(TierError::TooLarge {
+            let e = TierError::TooLarge {
                 bytes: item.source.len(),
                 limit: self.config.max_chunk_bytes,
-            });
+            };
+            return refused(Failure::TooLarge, e);
         }
-        // One store task appends at a time (the writer lock), so the keys being written now are
-        // exactly this task's: a key present in the index, or repeated in the batch, is skipped.
+        // One store task prepares records at a time (the writer lock). A key present in the
+        // index, or repeated in the batch, is skipped; one still in flight from an earlier task
+        // is written again, and publishing keeps the first.
         let mut writer = self.writer.lock();
         let new: Vec<&StoreItem> = {
             let index = self.index.lock();
@@ -747,70 +927,163 @@ impl Shared {
                 .filter(|item| !index.map.contains_key(&item.key) && batch.insert(item.key))
                 .collect()
         };
-        let mut written: Vec<(ObjectKey, Loc)> = Vec::with_capacity(new.len());
-        let mut result = new.iter().try_for_each(|item| {
-            let loc = self.append(&mut writer, item)?;
-            written.push((item.key, loc));
-            Ok(())
-        });
-        if result.is_ok() && self.config.fsync == FsyncPolicy::Always {
-            result = self.sync_segments(written.iter().map(|(_, loc)| loc.segment));
-        }
-        let mut index = self.index.lock();
-        if result.is_ok() {
-            for (key, loc) in &written {
-                index.map.insert(*key, *loc);
-                let segment = &mut index.segments[loc.segment as usize];
-                segment.keys.push(*key);
-                segment.live += 1;
-                segment.live_bytes += record_bytes(loc.len);
-            }
-            if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
-                writer.dirty.extend(written.iter().map(|(_, loc)| loc.segment));
+        writer.tasks += 1;
+        let task = writer.tasks;
+        let mut records = Vec::with_capacity(new.len());
+        for item in new {
+            if let Err(e) = self.submit_record(&mut writer, task, item, &mut records) {
+                let failure = match &e {
+                    TierError::NoSpace(_) => Failure::NoSpace,
+                    TierError::Buffer(_) => Failure::Copy,
+                    _ => Failure::Io,
+                };
+                return refused(failure, e);
             }
         }
-        drop(index);
-        drop(writer);
-        match &result {
-            Ok(()) => {
-                self.metrics.stored(written.len() as u64, written.iter().map(|(_, l)| l.len).sum())
-            }
-            Err(TierError::NoSpace(_)) => self.metrics.failed(Failure::NoSpace),
-            Err(TierError::Buffer(_)) => self.metrics.failed(Failure::Copy),
-            Err(_) => self.metrics.failed(Failure::Io),
-        }
-        result
+        Ok(Queued { task, records })
     }
 
-    /// Writes one record at the end of the active segment, opening a new one when it is full.
-    fn append(&self, writer: &mut Writer, item: &StoreItem) -> Result<Loc, TierError> {
+    /// Copies one record into a free buffer (header, payload, checksum, zero padding) and hands
+    /// it to the write thread. The segment's end moves past the record only once its copy
+    /// succeeded, so a source that fails leaves no hole.
+    fn submit_record(
+        &self,
+        writer: &mut Writer,
+        task: u64,
+        item: &StoreItem,
+        records: &mut Vec<(ObjectKey, Loc)>,
+    ) -> Result<(), TierError> {
         let len = item.source.len();
         let size = record_bytes(len);
+        // A segment is sealed (then evictable and reusable) only with no write in flight.
+        if !self.active_has_room(writer, size) {
+            self.drain(writer)?;
+        }
         let (segment, offset, epoch, file) = self.reserve(writer, size)?;
-        let record = &mut writer.staging.as_mut_slice()[..size as usize];
+        let mut buf = self.free_buffer(writer)?;
+        let record = &mut buf.as_mut_slice()[..size as usize];
         let (head, payload) = record.split_at_mut(BLOCK as usize);
         let payload_bytes = &mut payload[..len as usize];
         let copied =
             catch_unwind(AssertUnwindSafe(|| copy_in(item.source.as_ref(), payload_bytes)));
-        match copied {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(TierError::Buffer(e)),
-            Err(_) => {
-                return Err(TierError::Io(format!("the source of {:?} panicked", item.key)));
-            }
+        let failed = match copied {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(TierError::Buffer(e)),
+            Err(_) => Some(TierError::Io(format!("the source of {:?} panicked", item.key))),
+        };
+        if let Some(e) = failed {
+            writer.spare.push(buf);
+            return Err(e);
         }
         payload[len as usize..].fill(0);
         let checksum = payload_checksum(&payload[..len as usize]);
         Header { epoch, key: item.key, len, checksum, deleted: false }.encode(head);
-        if let Err(e) = file.write_at(record, offset) {
-            // The segment now ends in a record that may be partial: stop appending to it, so no
-            // record is ever written after one the scan would stop at.
-            self.seal(writer, segment);
-            return Err(io_error(&file.path, "writing", &e));
+        let loc = Loc { segment, offset, len };
+        let message = WriteMsg::Record { task, file, buf, len: size as usize, loc, epoch };
+        self.send(writer, message)?;
+        self.index.lock().segments[segment as usize].end = offset + size;
+        records.push((item.key, loc));
+        Ok(())
+    }
+
+    /// Hands a message to the write thread.
+    fn send(&self, writer: &mut Writer, message: WriteMsg) -> Result<(), TierError> {
+        let gone = || TierError::Io("the disk write thread is gone".into());
+        let Some(pipe) = writer.pipe.as_ref() else {
+            return Err(TierError::Closed);
+        };
+        match pipe.messages.send(message) {
+            Ok(()) => Ok(()),
+            Err(refused) => {
+                if let WriteMsg::Record { buf, .. } = refused.0 {
+                    writer.spare.push(buf);
+                }
+                Err(gone())
+            }
+        }
+    }
+
+    /// A record buffer: one in hand, or the next the write thread is done with.
+    fn free_buffer(&self, writer: &mut Writer) -> Result<AlignedBuf, TierError> {
+        if let Some(buf) = writer.spare.pop() {
+            return Ok(buf);
+        }
+        let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
+        pipe.free.recv().map_err(|_| TierError::Io("the disk write thread is gone".into()))
+    }
+
+    /// Waits until no record is being written: every buffer is back in hand.
+    fn drain(&self, writer: &mut Writer) -> Result<(), TierError> {
+        while writer.spare.len() < RECORD_BUFFERS {
+            let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
+            let buf = pipe
+                .free
+                .recv()
+                .map_err(|_| TierError::Io("the disk write thread is gone".into()))?;
+            writer.spare.push(buf);
+        }
+        Ok(())
+    }
+
+    /// Whether the active segment can take `size` more bytes (false without one, or once a
+    /// failed write sealed it).
+    fn active_has_room(&self, writer: &Writer, size: u64) -> bool {
+        let Some(active) = writer.active else {
+            return false;
+        };
+        let index = self.index.lock();
+        let segment = &index.segments[active as usize];
+        segment.status == Status::Active
+            && segment.end + size <= self.config.segment_bytes
+            && segment.file.is_some()
+    }
+
+    /// Makes a written task's records visible (the write thread, after its last write). Under
+    /// `FsyncPolicy::Always` they are synced first. A key another task published meanwhile
+    /// keeps that record; this one stays unindexed.
+    fn publish_records(&self, records: &[(ObjectKey, Loc)]) -> Result<(), TierError> {
+        if self.config.fsync == FsyncPolicy::Always {
+            self.sync_segments(records.iter().map(|(_, loc)| loc.segment))?;
         }
         let mut index = self.index.lock();
-        index.segments[segment as usize].end = offset + size;
-        Ok(Loc { segment, offset, len })
+        for (key, loc) in records {
+            if index.map.contains_key(key) {
+                continue;
+            }
+            index.map.insert(*key, *loc);
+            let segment = &mut index.segments[loc.segment as usize];
+            segment.keys.push(*key);
+            segment.live += 1;
+            segment.live_bytes += record_bytes(loc.len);
+        }
+        drop(index);
+        if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
+            self.dirty.lock().extend(records.iter().map(|(_, loc)| loc.segment));
+        }
+        Ok(())
+    }
+
+    /// Counts a store task's outcome.
+    fn count_store(&self, result: &Result<(), TierError>, records: &[(ObjectKey, Loc)]) {
+        match result {
+            Ok(()) => {
+                self.metrics.stored(records.len() as u64, records.iter().map(|(_, l)| l.len).sum())
+            }
+            Err(TierError::NoSpace(_)) => self.metrics.failed(Failure::NoSpace),
+            Err(_) => self.metrics.failed(Failure::Io),
+        }
+    }
+
+    /// Seals a segment whose write failed, if it is still in the life it was written in: no
+    /// record is ever appended after one the scan would stop at. The writer notices at its next
+    /// reservation and opens another.
+    fn seal_failed(&self, segment: u32, epoch: u64) {
+        let mut index = self.index.lock();
+        let seg = &mut index.segments[segment as usize];
+        if seg.status == Status::Active && seg.epoch == epoch {
+            seg.status = Status::Sealed;
+            index.policy.insert(segment);
+        }
     }
 
     /// Room for `size` bytes in the active segment: its id, the offset, its epoch and file.
@@ -822,7 +1095,8 @@ impl Shared {
         if let Some(active) = writer.active {
             let index = self.index.lock();
             let segment = &index.segments[active as usize];
-            if segment.end + size <= self.config.segment_bytes
+            if segment.status == Status::Active
+                && segment.end + size <= self.config.segment_bytes
                 && let Some(file) = &segment.file
             {
                 return Ok((active, segment.end, segment.epoch, Arc::clone(file)));
@@ -1011,7 +1285,7 @@ impl Shared {
 
     /// The periodic flusher's step: syncs the segments written since the last one.
     fn sync_dirty(&self) {
-        let dirty = std::mem::take(&mut self.writer.lock().dirty);
+        let dirty = std::mem::take(&mut *self.dirty.lock());
         if self.sync_segments(dirty.into_iter()).is_err() {
             self.metrics.failed(Failure::Io);
         }
@@ -1294,8 +1568,48 @@ impl TierAdapter for DiskStore {
         self.submit(|task| Job::Lookup(task, keys))
     }
 
+    /// A load of several records is split into contiguous parts, one per I/O thread, so its
+    /// reads are in flight at once; the task still completes once, with every sink in order.
     fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
-        self.submit(|task| Job::Load(task, items))
+        let threads = self.shared.config.io_threads;
+        if items.len() < SPLIT_LOADS_FROM || threads < 2 {
+            return self.submit(|task| Job::Load(task, items));
+        }
+        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
+        let parts = threads.min(items.len());
+        let per_part = items.len().div_ceil(parts);
+        let total = items.len();
+        let mut rest = items;
+        let mut jobs = Vec::with_capacity(parts);
+        let mut first = 0;
+        while !rest.is_empty() {
+            let tail = rest.split_off(per_part.min(rest.len()));
+            let part = std::mem::replace(&mut rest, tail);
+            let len = part.len();
+            jobs.push((first, part));
+            first += len;
+        }
+        let joint = Arc::new(JointLoad {
+            task,
+            state: Mutex::new(JointState {
+                sinks: (0..total).map(|_| None).collect(),
+                loaded: Bitmap::new(total),
+                parts_left: jobs.len(),
+            }),
+        });
+        let sender = self.jobs.lock().clone();
+        for (first, items) in jobs {
+            let job = Job::LoadPart { joint: Arc::clone(&joint), first, items };
+            match &sender {
+                Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
+                    if let Err(refused) = sender.send(job) {
+                        self.shared.fail(refused.0);
+                    }
+                }
+                _ => self.shared.fail(job),
+            }
+        }
+        task
     }
 
     fn unlock(&self, keys: &[ObjectKey]) {
@@ -1371,6 +1685,14 @@ impl TierAdapter for DiskStore {
         let workers = std::mem::take(&mut *self.workers.lock());
         for worker in workers {
             let _ = worker.join();
+        }
+        // No store task is being prepared now (the workers are gone): the write thread writes
+        // what it was handed, completes those tasks, and stops.
+        let pipe = self.shared.writer.lock().pipe.take();
+        if let Some(WritePipe { messages, free, thread }) = pipe {
+            drop(messages);
+            drop(free);
+            let _ = thread.join();
         }
         if let Some((stop, flusher)) = self.flusher.lock().take() {
             drop(stop);

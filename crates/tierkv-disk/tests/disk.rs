@@ -907,3 +907,144 @@ fn h16_15_deletes_and_clears_are_persistent_across_a_restart() {
     h.store(&keys(0..3)).unwrap();
     h.assert_loads(&keys(0..3));
 }
+
+// ----- issue 13: split loads and pipelined writes -----
+
+/// A source whose copy fails: the device refused it.
+struct RefusingSource;
+
+impl tierkv_core::ChunkSource for RefusingSource {
+    fn len(&self) -> u64 {
+        CHUNK
+    }
+
+    fn copy_to_host(&self, _: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
+        Err(tierkv_core::BufferError::Device("refused".into()))
+    }
+}
+
+#[test]
+fn a_load_split_over_the_io_threads_answers_every_key_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, _) = open(config(dir.path(), 16, 4));
+    h.store(&keys(0..40)).unwrap();
+    // Present and absent keys interleaved, over several segments: one task, split in parts.
+    let asked: Vec<_> = (0..40).flat_map(|i| [key(i), key(1000 + i)]).collect();
+    let (loaded, bytes) = h.load(&asked);
+    for (i, (k, b)) in asked.iter().zip(&bytes).enumerate() {
+        let present = i % 2 == 0;
+        assert_eq!(loaded.get(i), present, "bit {i} of the split load");
+        if present {
+            assert!(*b == tierkv_core_payload(k), "key {i} loaded other bytes");
+        }
+    }
+    assert_eq!(h.locks(), 0);
+
+    // A sink that panics fails its own part only; the task still completes once, every sink
+    // handed back, and pins nothing (segment eviction below needs every segment unpinned).
+    let mut items: Vec<tierkv_core::LoadItem> = keys(0..12)
+        .into_iter()
+        .map(|key| tierkv_core::LoadItem {
+            key,
+            sink: Box::new(tierkv_core::VecChunk(vec![0; CHUNK as usize])),
+        })
+        .collect();
+    items[0].sink = Box::new(PanickingSink);
+    let task = h.tier.submit_load(items);
+    match h.wait(task) {
+        tierkv_core::Completion::Loaded { loaded, sinks, .. } => {
+            assert_eq!((loaded.len(), sinks.len()), (12, 12));
+            assert!(!loaded.get(0));
+            assert!((6..12).all(|i| loaded.get(i)), "a part without the panic failed: {loaded:?}");
+            assert!(sinks.iter().zip(keys(0..12)).all(|(s, k)| s.key == k), "sinks out of order");
+        }
+        _ => panic!("not a load completion"),
+    }
+    h.store(&keys(100..164)).unwrap();
+    h.assert_loads(&keys(100..164));
+}
+
+fn tierkv_core_payload(k: &tierkv_core::ObjectKey) -> Vec<u8> {
+    tierkv_testkit::contract::payload(k, CHUNK)
+}
+
+#[test]
+fn a_source_that_fails_mid_task_leaves_no_hole_before_later_records() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 4, 8));
+        let mut items: Vec<tierkv_core::StoreItem> = keys(0..4)
+            .into_iter()
+            .map(|key| tierkv_core::StoreItem {
+                key,
+                source: Box::new(tierkv_core::VecChunk(tierkv_core_payload(&key))),
+            })
+            .collect();
+        items[2].source = Box::new(RefusingSource);
+        let task = h.tier.submit_store(items);
+        match h.wait(task) {
+            tierkv_core::Completion::Stored { result, sources, .. } => {
+                assert!(result.is_err(), "a store whose source failed reported success");
+                assert_eq!(sources.len(), 4);
+            }
+            _ => panic!("not a store completion"),
+        }
+        assert_eq!(h.present(&keys(0..4)).count_ones(), 0, "a failed task published records");
+        h.store(&keys(4..6)).unwrap();
+        h.assert_loads(&keys(4..6));
+    }
+    // After a restart the scan reads on past the records of the failed task (written whole, so
+    // valid) to the later ones: the failed copy left no gap in the segment.
+    let (mut h, store) = open(config(dir.path(), 4, 8));
+    let recovered = store.recovered();
+    assert_eq!((recovered.damaged_records, recovered.torn_records), (0, 0), "{recovered:?}");
+    h.assert_loads(&keys(4..6));
+    assert_eq!(h.present(&keys(2..4)).count_ones(), 0, "records after the failed copy");
+}
+
+#[test]
+fn pipelined_stores_of_many_tasks_survive_a_restart_byte_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (h, store) = open(config(dir.path(), 8, 8));
+        // Many tasks in flight at once, each of several records, filling several segments.
+        let tasks: Vec<_> = (0..8).map(|t| h.submit_store(&keys(t * 6..t * 6 + 6))).collect();
+        let mut h = h;
+        for task in tasks {
+            match h.wait(task) {
+                tierkv_core::Completion::Stored { result, .. } => result.unwrap(),
+                _ => panic!("not a store completion"),
+            }
+        }
+        h.assert_loads(&keys(0..48));
+        drop(store);
+    }
+    let (mut h, store) = open(config(dir.path(), 8, 8));
+    assert_eq!(store.recovered().records, 48);
+    h.assert_loads(&keys(0..48));
+}
+
+#[test]
+fn a_key_stored_by_two_tasks_in_flight_at_once_is_indexed_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, store) = open(config(dir.path(), 8, 8));
+    for round in 0..20u64 {
+        let base = round * 10;
+        // Both tasks may be written before either is published: the second writes the shared
+        // keys again, and publishing keeps the first record of each.
+        let a = h.submit_store(&keys(base..base + 4));
+        let b = h.submit_store(&keys(base + 2..base + 6));
+        for task in [a, b] {
+            match h.wait(task) {
+                tierkv_core::Completion::Stored { result, .. } => result.unwrap(),
+                _ => panic!("not a store completion"),
+            }
+        }
+        h.assert_loads(&keys(base..base + 6));
+        let usage = store.usage();
+        assert_eq!(usage.objects, 6, "round {round}: {usage:?}");
+        assert_eq!(usage.used_bytes, 6 * record_bytes(CHUNK), "round {round}: {usage:?}");
+        assert_eq!(h.tier.delete(&keys(base..base + 6)), 6);
+        assert_eq!((store.usage().objects, store.usage().used_bytes), (0, 0));
+    }
+}

@@ -206,6 +206,33 @@ fn baseline(c: &mut Criterion) {
             record(name, iters * 2 * PREFIX as u64, start.elapsed())
         });
     });
+    // The same on two threads, each on its own map: what this machine gives two threads that
+    // share nothing (the limit of any two-thread figure; below 2 when the cores are busy).
+    let maps: Vec<HashMap<ObjectKey, u64, foldhash::fast::RandomState>> =
+        (0..2).map(|_| map.clone()).collect();
+    let maps: Vec<Mutex<HashMap<ObjectKey, u64, foldhash::fast::RandomState>>> =
+        maps.into_iter().map(Mutex::new).collect();
+    let name = "bare HashMap lookup+increment, 2 threads, own maps";
+    group.throughput(Throughput::Elements(4 * PREFIX as u64));
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let work = |t: usize, iters: u64| {
+                let mut own = maps[t].lock();
+                for _ in 0..iters {
+                    for delta in [1u64, u64::MAX] {
+                        for k in &keys {
+                            if let Some(v) = own.get_mut(black_box(k)) {
+                                *v = v.wrapping_add(delta);
+                            }
+                        }
+                    }
+                }
+            };
+            let elapsed = timed_on_threads(2, iters, &work);
+            record(name, iters * 4 * PREFIX as u64, elapsed)
+        });
+    });
+    group.throughput(Throughput::Elements(2 * PREFIX as u64));
     // The same with an uncontended mutex per chunk: the least a thread-safe index pays.
     let locked: Vec<Mutex<HashMap<ObjectKey, u64, foldhash::fast::RandomState>>> =
         (0..16).map(|_| Mutex::new(HashMap::default())).collect();
@@ -300,6 +327,7 @@ fn summary() {
         ("reserve+finish evicting, 1 thread", 1.0, false),
         ("reserve+finish evicting, 2 threads", 2.0, false),
         ("bare HashMap lookup+increment, 1 thread", 1.0, false),
+        ("bare HashMap lookup+increment, 2 threads, own maps", 2.0, false),
         ("mutex + HashMap lookup+increment, 1 thread", 1.0, false),
         ("L1 slot -> host (read_at)", 1.0, true),
         ("memcpy host -> host", 1.0, true),

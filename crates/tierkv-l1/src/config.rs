@@ -24,6 +24,9 @@ pub struct L1Config {
     pub lease_ttl: Duration,
     /// Background eviction thresholds, as fractions of the slots in use.
     pub watermark: Watermark,
+    /// Commit an emulated arena's memory when L1 is built, so the first write of a slot does not
+    /// pay page faults (GPU memory is committed when allocated: no effect there).
+    pub prefault: bool,
 }
 
 /// Background eviction: above `high` of the slots occupied, evict cached objects until at most
@@ -58,6 +61,7 @@ impl L1Config {
             shards: 0,
             lease_ttl: Duration::from_secs(30),
             watermark: Watermark::default(),
+            prefault: false,
         }
     }
 

@@ -233,7 +233,11 @@ impl L1Manager {
     /// Validates the configuration, opens the device arena and builds an empty L1.
     pub fn build(config: L1Config, context: L1Context) -> Result<Self, L1Error> {
         let (slot_count, shards) = config.validate()?;
-        let arena = device::open_arena(config.device, u64::from(slot_count) * config.slot_bytes)?;
+        let arena = device::open_arena(
+            config.device,
+            u64::from(slot_count) * config.slot_bytes,
+            config.prefault,
+        )?;
         let manager = L1Manager {
             slots: Arc::new(Slots::new(arena, config.slot_bytes, slot_count)),
             index: Index::new(shards, config.policy),
@@ -285,6 +289,14 @@ impl L1Manager {
         }
         let temporary = lifetime == Lifetime::Temporary;
         let mut evicted = Vec::new();
+        if mode == WriteMode::Create
+            && keys.len() > 1
+            && let Some(results) = self.create_batch(owner, keys, len, temporary, &mut evicted)
+        {
+            results.iter().for_each(|result| self.count_refusal(result));
+            self.announce_evictions(&evicted, EvictionReason::OnDemand);
+            return Ok(results);
+        }
         let mut out_of_memory = false;
         let results = keys
             .iter()
@@ -304,6 +316,76 @@ impl L1Manager {
             .collect();
         self.announce_evictions(&evicted, EvictionReason::OnDemand);
         Ok(results)
+    }
+
+    /// Reserves a batch of keys none of which L1 holds, with one lock per touched shard for the
+    /// check and one for the inserts, one free-list lock for the slots, and victims taken
+    /// several per shard lock: what two writers contended on when each key took its locks one
+    /// by one. Returns `None`, having changed nothing, when a key is present or named twice: the
+    /// key-by-key path then gives the exact refusals (a present key might be one of the victims
+    /// an earlier key of the batch evicts). The results are those of the key-by-key path: the
+    /// longest prefix that gets slots, `OutOfMemory` from the first key that does not.
+    fn create_batch(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        len: u64,
+        temporary: bool,
+        evicted: &mut Vec<ObjectKey>,
+    ) -> Option<Vec<Result<SlotHandle, KeyError>>> {
+        let mut seen: foldhash::HashSet<ObjectKey> =
+            foldhash::HashSet::with_capacity_and_hasher(keys.len(), Default::default());
+        let mut clash = false;
+        self.index.visit_grouped(
+            keys,
+            |k| k,
+            |shard, i| {
+                clash |= shard.map.contains_key(&keys[i]) || !seen.insert(keys[i]);
+            },
+        );
+        if clash {
+            return None;
+        }
+        let mut slots = self.slots.alloc_many(keys.len());
+        if slots.len() < keys.len() {
+            self.evict_many(keys.len() - slots.len(), evicted, &mut slots);
+        }
+        let granted = slots.len();
+        let mut results: Vec<Result<SlotHandle, KeyError>> =
+            vec![Err(KeyError::OutOfMemory); keys.len()];
+        let mut leftover = Vec::new();
+        // One shared counter update for the batch, not one per key (two writers would bounce
+        // its cache line between cores for every key).
+        let first_generation = self.generations.fetch_add(granted as u64, Ordering::Relaxed);
+        self.index.visit_grouped(
+            &keys[..granted],
+            |k| k,
+            |shard, i| {
+                let key = &keys[i];
+                let slot = slots[i];
+                // Another writer may have reserved the key since the check: it keeps it (rule 3).
+                if let Some(entry) = shard.map.get(key) {
+                    results[i] = Err(write_conflict(entry));
+                    leftover.push(slot);
+                    return;
+                }
+                let entry = Entry {
+                    slot,
+                    generation: first_generation + i as u64,
+                    len,
+                    state: EntryState::Writing { owner },
+                    temporary,
+                    shares: 0,
+                };
+                shard.map.insert(*key, entry);
+                shard.counts.moved(Class::Gone, Class::Writing);
+                results[i] = Ok(self.handle(slot, len));
+            },
+        );
+        for slot in leftover {
+            self.slots.give_back(slot);
+        }
+        Some(results)
     }
 
     fn create(
@@ -390,11 +472,15 @@ impl L1Manager {
 
     /// Makes written objects visible and tells the store pipeline about them.
     pub fn finish_write(&self, owner: OwnerId, keys: &[ObjectKey]) -> Vec<Result<(), KeyError>> {
-        let mut finished = Vec::with_capacity(keys.len());
-        let results = keys
-            .iter()
-            .map(|key| {
-                let result = self.finish_one(owner, key, |entry, policy| {
+        // One lock per touched shard. A key named twice is finished once: its second naming
+        // finds it `Ready` and is refused, as key by key.
+        let mut results = vec![Err(KeyError::NotFound); keys.len()];
+        self.index.visit_grouped(
+            keys,
+            |k| k,
+            |shard, i| {
+                let key = &keys[i];
+                results[i] = self.finish_in(shard, owner, key, |entry, policy| {
                     if entry.temporary {
                         return Err(KeyError::WrongState);
                     }
@@ -402,13 +488,11 @@ impl L1Manager {
                     policy.insert(*key);
                     Ok(())
                 });
-                if result.is_ok() {
-                    finished.push(*key);
-                }
-                self.count_refusal(&result);
-                result
-            })
-            .collect();
+            },
+        );
+        results.iter().for_each(|result| self.count_refusal(result));
+        let finished: Vec<ObjectKey> =
+            keys.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(k, _)| *k).collect();
         if !finished.is_empty() {
             self.metrics.writes_finished(finished.len());
             self.observer.writes_finished(&finished);
@@ -418,8 +502,9 @@ impl L1Manager {
 
     /// Applies `finish` to the `Writing` entry of `key` owned by `owner`, once no write guard
     /// copies into it, and keeps the accounting in step.
-    fn finish_one(
+    fn finish_in(
         &self,
+        shard: &mut Shard,
         owner: OwnerId,
         key: &ObjectKey,
         finish: impl FnOnce(
@@ -427,8 +512,7 @@ impl L1Manager {
             &mut dyn tierkv_core::policy::EvictionPolicy<ObjectKey>,
         ) -> Result<(), KeyError>,
     ) -> Result<(), KeyError> {
-        let mut guard = self.index.shard(key);
-        let Shard { map, policy, counts } = &mut *guard;
+        let Shard { map, policy, counts } = shard;
         let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
         self.check_writer(entry, owner)?;
         if self.slots.has_writer(entry.slot) {
@@ -987,22 +1071,80 @@ impl L1Manager {
         None
     }
 
+    /// Evicts up to `n` cached objects and appends their slots to `slots`, with one lock per
+    /// shard that gives victims. Each victim's shard is drawn as `with_victim` draws it (the
+    /// fuller of two, by the shards' cached counts less what this batch already takes), so a
+    /// batch spreads over the shards as key-by-key eviction would instead of emptying one; a
+    /// shard that cannot give its share passes the rest on to the next.
+    fn evict_many(&self, n: usize, victims: &mut Vec<ObjectKey>, slots: &mut Vec<SlotId>) {
+        let shards = self.index.shard_count();
+        let mut hint: Vec<u64> = (0..shards).map(|i| self.index.cached_hint(i)).collect();
+        let mut demand = vec![0usize; shards];
+        let first_draw = self.evict_cursor.fetch_add(n, Ordering::Relaxed) as u64;
+        for k in 0..n as u64 {
+            let draw = first_draw.wrapping_add(k);
+            let mixed = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let (a, b) = ((mixed >> 32) as usize % shards, (mixed >> 8) as usize % shards);
+            let pick = if hint[a] >= hint[b] { a } else { b };
+            demand[pick] += 1;
+            hint[pick] = hint[pick].saturating_sub(1);
+        }
+        let mut carried = 0;
+        // A second round lets shards that gave their share give more, for what others lacked.
+        for round in 0..2 {
+            for (index, wanted) in demand.iter_mut().enumerate() {
+                let want = if round == 0 { *wanted + carried } else { carried };
+                if want == 0 {
+                    continue;
+                }
+                let mut guard = self.index.shard_at(index);
+                let shard = &mut *guard;
+                let chosen = {
+                    let (map, all) = (&shard.map, &*self.slots);
+                    let mut eligible =
+                        |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(all));
+                    shard.policy.evict(want, &mut eligible)
+                };
+                let mut got = 0;
+                for key in chosen {
+                    if let Some(slot) = self.take_victim(shard, &key) {
+                        victims.push(key);
+                        slots.push(slot);
+                        got += 1;
+                    }
+                }
+                carried = want - got;
+                *wanted = 0;
+            }
+            if carried == 0 {
+                return;
+            }
+        }
+    }
+
     /// Evicts one cached object and hands its slot to the caller.
     fn evict_one(&self, victims: &mut Vec<ObjectKey>) -> Option<SlotId> {
         self.with_victim(|shard, key| {
-            let entry = shard.map.remove(&key)?;
-            shard.counts.moved(entry.class(), Class::Gone);
-            if let Some(demoter) = &self.demoter {
-                // The slot is idle and cannot be pinned while this shard is locked.
-                let view = SlotView { slots: &self.slots, slot: entry.slot, len: entry.len };
-                demoter.demote(&key, &view);
-            }
-            // The filter saw the slot idle under this lock, and pins are only taken under it.
-            self.slots.recycle(entry.slot);
+            let slot = self.take_victim(shard, &key)?;
             victims.push(key);
-            Some(entry.slot)
+            Some(slot)
         })
         .flatten()
+    }
+
+    /// Removes the policy's victim `key` from its locked `shard`, hands its bytes to the demoter
+    /// (if any) and recycles its slot, which it returns. Every eviction goes through here.
+    fn take_victim(&self, shard: &mut Shard, key: &ObjectKey) -> Option<SlotId> {
+        let entry = shard.map.remove(key)?;
+        shard.counts.moved(entry.class(), Class::Gone);
+        if let Some(demoter) = &self.demoter {
+            // The slot is idle and cannot be pinned while this shard is locked.
+            let view = SlotView { slots: &self.slots, slot: entry.slot, len: entry.len };
+            demoter.demote(key, &view);
+        }
+        // The filter saw the slot idle under this lock, and pins are only taken under it.
+        self.slots.recycle(entry.slot);
+        Some(entry.slot)
     }
 
     /// Leases up to `n` eviction victims, chosen as eviction would choose them, to `owner` instead

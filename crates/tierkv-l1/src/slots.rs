@@ -74,6 +74,15 @@ impl Slots {
         self.free.lock().pop()
     }
 
+    /// Takes up to `n` free slots at once, in the order `alloc` would hand them out.
+    pub(crate) fn alloc_many(&self, n: usize) -> Vec<SlotId> {
+        let mut free = self.free.lock();
+        let keep = free.len().saturating_sub(n);
+        let mut taken = free.split_off(keep);
+        taken.reverse();
+        taken
+    }
+
     /// Returns a slot that was allocated but never became an entry.
     pub(crate) fn give_back(&self, slot: SlotId) {
         self.free.lock().push(slot);

@@ -219,3 +219,42 @@ fn sharded_eviction_stays_close_to_the_policy_order_over_a_long_run() {
     assert_eq!(lost, 0, "{lost} of the {} newest objects were evicted", recent.len());
     f.assert_consistent();
 }
+
+#[test]
+fn a_batch_reservation_over_many_shards_answers_as_key_by_key_would() {
+    // 8 slots in 4 shards, all cached; 5 of them leased, so only 3 can be evicted. A batch of
+    // 5 fresh keys gets its longest allocatable prefix: 3 slots, then `OutOfMemory`; exactly
+    // the 3 unleased objects are evicted, and announced once each.
+    let f = with_config(L1Config { shards: 4, ..config(8) });
+    f.write(&keys(0..8));
+    let leases: Vec<_> = keys(0..5).iter().map(|k| f.lease(k, 0)).collect();
+    let results = f.try_reserve(&keys(100..105));
+    let ok: Vec<bool> = results.iter().map(|r| r.is_ok()).collect();
+    assert_eq!(ok, [true, true, true, false, false], "{results:?}");
+    assert!(results[3..].iter().all(|r| *r == Err(KeyError::OutOfMemory)));
+    let mut evicted: Vec<_> = f.recorder.evicted.lock().iter().map(|(k, _)| *k).collect();
+    evicted.sort();
+    let mut expected = keys(5..8);
+    expected.sort();
+    assert_eq!(evicted, expected);
+    f.assert_consistent();
+    // Finishing the granted keys in one batch (one named twice: refused the second time).
+    let mut finish = keys(100..103);
+    finish.push(key(101));
+    for k in &keys(100..103) {
+        f.fill(k, 0);
+    }
+    let finished = f.l1.finish_write(OWNER, &finish);
+    assert!(finished[..3].iter().all(|r| r.is_ok()), "{finished:?}");
+    assert_eq!(finished[3], Err(KeyError::WrongState));
+    let finished_keys = f.recorder.finished.lock().clone();
+    assert_eq!(finished_keys[8..], keys(100..103), "announced once each, in batch order");
+    for lease in leases {
+        f.release(lease, 0);
+    }
+    // A batch with a key L1 holds takes the key-by-key path: the same answers, slot by slot.
+    let results = f.try_reserve(&[key(200), key(0), key(201)]);
+    assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
+    assert_eq!(results[1], Err(KeyError::AlreadyPresent));
+    f.assert_consistent();
+}

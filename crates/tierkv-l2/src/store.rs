@@ -117,7 +117,52 @@ enum Job {
     Store(TaskId, Vec<StoreItem>),
     Lookup(TaskId, Vec<ObjectKey>),
     Load(TaskId, Vec<LoadItem>),
+    /// One contiguous part of a load split over the workers: the items from `first` on.
+    LoadPart {
+        joint: Arc<JointLoad>,
+        first: usize,
+        items: Vec<LoadItem>,
+    },
 }
+
+/// A load task split into parts that several workers copy at once, so one large load (a
+/// lookup's whole prefix) uses every worker's core. Each part hands its sinks back here; the
+/// part that finishes last sends the task's one completion, sinks in the order submitted.
+struct JointLoad {
+    task: TaskId,
+    state: Mutex<JointState>,
+}
+
+struct JointState {
+    sinks: Vec<Option<LoadItem>>,
+    loaded: Bitmap,
+    parts_left: usize,
+}
+
+impl JointLoad {
+    /// Records a finished part; the task's completion once every part is in.
+    fn part_done(&self, first: usize, items: Vec<LoadItem>, loaded: &Bitmap) -> Option<Completion> {
+        let mut state = self.state.lock();
+        for (i, item) in items.into_iter().enumerate() {
+            state.loaded.set(first + i, loaded.get(i));
+            if let Some(slot) = state.sinks.get_mut(first + i) {
+                *slot = Some(item);
+            }
+        }
+        state.parts_left -= 1;
+        if state.parts_left > 0 {
+            return None;
+        }
+        let sinks: Vec<LoadItem> = std::mem::take(&mut state.sinks).into_iter().flatten().collect();
+        let loaded = std::mem::replace(&mut state.loaded, Bitmap::new(0));
+        Some(Completion::Loaded { task: self.task, loaded, sinks })
+    }
+}
+
+/// A load of fewer items, or fewer bytes, than these runs on one worker: splitting it buys less
+/// than it costs.
+const SPLIT_LOADS_FROM: usize = 4;
+const SPLIT_LOADS_FROM_BYTES: u64 = 4 << 20;
 
 struct Shared {
     arena: Arena,
@@ -282,11 +327,14 @@ impl Shared {
                 Job::Store(task, _) => (*task, 0),
                 Job::Lookup(task, keys) => (*task, 1 + keys.len()),
                 Job::Load(task, _) => (*task, usize::MAX),
+                // A part runs its own copies under catch_unwind (`run`), so it always reports.
+                Job::LoadPart { joint, .. } => (joint.task, usize::MAX),
             };
             match catch_unwind(AssertUnwindSafe(|| self.run(job))) {
-                Ok(completion) => {
+                Ok(Some(completion)) => {
                     let _ = self.done.send(completion);
                 }
+                Ok(None) => {}
                 // A bug in this crate, not in a caller's buffer (those are caught per copy): the
                 // buffers went down with the panic, so the task completes as a failure without
                 // them rather than never.
@@ -310,8 +358,9 @@ impl Shared {
         }
     }
 
-    fn run(&self, job: Job) -> Completion {
-        match job {
+    /// Returns the task's completion (`None` for a part of a split load that is not the last).
+    fn run(&self, job: Job) -> Option<Completion> {
+        Some(match job {
             Job::Store(task, sources) => {
                 let borrowed: Vec<Source<'_>> = sources
                     .iter()
@@ -328,7 +377,15 @@ impl Shared {
                 let loaded = self.load(&mut sinks);
                 Completion::Loaded { task, loaded, sinks }
             }
-        }
+            Job::LoadPart { joint, first, mut items } => {
+                let loaded = catch_unwind(AssertUnwindSafe(|| self.load(&mut items)))
+                    .unwrap_or_else(|_| {
+                        self.metrics.failed(Failure::Panic);
+                        Bitmap::new(items.len())
+                    });
+                return joint.part_done(first, items, &loaded);
+            }
+        })
     }
 
     /// Completes a job that will not run.
@@ -341,6 +398,12 @@ impl Shared {
             }
             Job::Load(task, sinks) => {
                 Completion::Loaded { task, loaded: Bitmap::new(sinks.len()), sinks }
+            }
+            Job::LoadPart { joint, first, items } => {
+                match joint.part_done(first, items, &Bitmap::new(0)) {
+                    Some(completion) => completion,
+                    None => return,
+                }
             }
         };
         let _ = self.done.send(completion);
@@ -555,8 +618,49 @@ impl TierAdapter for HostStore {
         self.submit(|task| Job::Lookup(task, keys))
     }
 
+    /// A load of several chunks is split into contiguous parts, one per worker, copied at once;
+    /// the task still completes once, with every sink in order.
     fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
-        self.submit(|task| Job::Load(task, items))
+        let workers = self.workers.lock().len();
+        let bytes: u64 = items.iter().map(|item| item.sink.len()).sum();
+        if items.len() < SPLIT_LOADS_FROM || bytes < SPLIT_LOADS_FROM_BYTES || workers < 2 {
+            return self.submit(|task| Job::Load(task, items));
+        }
+        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
+        let parts = workers.min(items.len());
+        let per_part = items.len().div_ceil(parts);
+        let total = items.len();
+        let mut rest = items;
+        let mut jobs = Vec::with_capacity(parts);
+        let mut first = 0;
+        while !rest.is_empty() {
+            let tail = rest.split_off(per_part.min(rest.len()));
+            let part = std::mem::replace(&mut rest, tail);
+            let len = part.len();
+            jobs.push((first, part));
+            first += len;
+        }
+        let joint = Arc::new(JointLoad {
+            task,
+            state: Mutex::new(JointState {
+                sinks: (0..total).map(|_| None).collect(),
+                loaded: Bitmap::new(total),
+                parts_left: jobs.len(),
+            }),
+        });
+        let sender = self.jobs.lock().clone();
+        for (first, items) in jobs {
+            let job = Job::LoadPart { joint: Arc::clone(&joint), first, items };
+            match &sender {
+                Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
+                    if let Err(refused) = sender.send(job) {
+                        self.shared.fail(refused.0, TierError::Closed);
+                    }
+                }
+                _ => self.shared.fail(job, TierError::Closed),
+            }
+        }
+        task
     }
 
     fn unlock(&self, keys: &[ObjectKey]) {

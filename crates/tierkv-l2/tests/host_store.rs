@@ -326,3 +326,50 @@ proptest! {
         }
     }
 }
+
+/// A sink whose copy panics.
+struct PanickingSink;
+
+impl tierkv_core::ChunkSink for PanickingSink {
+    fn len(&self) -> u64 {
+        CHUNK
+    }
+
+    fn copy_from_host(&mut self, _: &[u8]) -> Result<(), BufferError> {
+        panic!("a sink that cannot be copied into")
+    }
+}
+
+#[test]
+fn a_large_load_split_over_the_workers_answers_every_key_in_order() {
+    // 600 chunks of 16 KiB (9.4 MiB): past the split threshold, so 3 workers copy 3 parts.
+    let mut h = harness(600, 3);
+    h.store(&keys(0..300)).unwrap();
+    let asked: Vec<_> = (0..300).flat_map(|i| [key(i), key(10_000 + i)]).collect();
+    let (loaded, bytes) = h.load(&asked);
+    for (i, (k, b)) in asked.iter().zip(&bytes).enumerate() {
+        assert_eq!(loaded.get(i), i % 2 == 0, "bit {i} of the split load");
+        if i % 2 == 0 {
+            assert!(*b == payload(k, CHUNK), "key {i} loaded other bytes");
+        }
+    }
+    // A sink that panics fails its own chunk only; the task completes once, every sink back.
+    let mut items: Vec<tierkv_core::LoadItem> = keys(0..300)
+        .into_iter()
+        .map(|key| tierkv_core::LoadItem { key, sink: Box::new(VecChunk(vec![0; CHUNK as usize])) })
+        .collect();
+    items[150].sink = Box::new(PanickingSink);
+    let task = h.tier.submit_load(items);
+    match h.wait(task) {
+        tierkv_core::Completion::Loaded { loaded, sinks, .. } => {
+            assert_eq!((loaded.len(), sinks.len()), (300, 300));
+            assert_eq!(loaded.count_ones(), 299);
+            assert!(!loaded.get(150));
+            assert!(sinks.iter().zip(keys(0..300)).all(|(s, k)| s.key == k), "sinks out of order");
+        }
+        _ => panic!("not a load completion"),
+    }
+    assert_eq!(h.locks(), 0);
+    // Nothing stayed pinned: every chunk can be deleted.
+    assert_eq!(h.tier.delete(&keys(0..300)), 300);
+}

@@ -422,6 +422,7 @@ fn l1(file: &File<'_>, s: &raw::L1) -> Result<L1Config, Stop> {
         shards: s.shards,
         lease_ttl: s.lease_ttl,
         watermark: watermark(file, "l1", s.watermark_high, s.watermark_low)?,
+        prefault: s.prefault,
     })
 }
 

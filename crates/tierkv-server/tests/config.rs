@@ -156,6 +156,7 @@ lease_ttl = "2m"
 watermark_high = 0.8
 watermark_low = 0.7
 shards = 16
+prefault = true
 [l2]
 capacity = "256GiB"
 memory = "huge_pages"
@@ -195,6 +196,7 @@ prefetch_drain_timeout = "1m 30s"
         shards: 16,
         lease_ttl: Duration::from_secs(120),
         watermark: Watermark { high: 0.8, low: 0.7 },
+        prefault: true,
         ..L1Config::new(40 << 30, 512 << 10)
     };
     assert_eq!(storage.l1, l1);

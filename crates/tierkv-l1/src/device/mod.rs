@@ -112,17 +112,27 @@ pub(crate) fn check_range(offset: u64, len: u64, arena: u64) -> Result<(), Devic
 /// Opens the arena `kind` asks for. `Auto` probes for the CUDA driver library before touching
 /// cudarc (a call into cudarc without the library panics), and falls back to host memory when
 /// no device answers.
-pub fn open_arena(kind: DeviceKind, bytes: u64) -> Result<Box<dyn DeviceArena>, DeviceError> {
+///
+/// `prefault` commits an emulated arena's pages up front; device memory is committed when it is
+/// allocated, so it changes nothing there.
+pub fn open_arena(
+    kind: DeviceKind,
+    bytes: u64,
+    prefault: bool,
+) -> Result<Box<dyn DeviceArena>, DeviceError> {
+    let emulated = || -> Result<Box<dyn DeviceArena>, DeviceError> {
+        Ok(Box::new(EmulatedArena::with_prefault(bytes, prefault)?))
+    };
     match kind {
-        DeviceKind::Emulated => Ok(Box::new(EmulatedArena::new(bytes)?)),
+        DeviceKind::Emulated => emulated(),
         DeviceKind::Cuda { ordinal } => Ok(Box::new(CudaArena::new(ordinal, bytes)?)),
         DeviceKind::Auto => match cuda_available() {
             Ok(()) => match CudaArena::new(0, bytes) {
                 Ok(arena) => Ok(Box::new(arena)),
-                Err(DeviceError::CudaUnavailable(_)) => Ok(Box::new(EmulatedArena::new(bytes)?)),
+                Err(DeviceError::CudaUnavailable(_)) => emulated(),
                 Err(other) => Err(other),
             },
-            Err(_) => Ok(Box::new(EmulatedArena::new(bytes)?)),
+            Err(_) => emulated(),
         },
     }
 }
@@ -141,9 +151,9 @@ mod tests {
 
     #[test]
     fn auto_opens_some_backend_and_emulated_when_asked() {
-        let arena = open_arena(DeviceKind::Auto, 1 << 20).unwrap();
+        let arena = open_arena(DeviceKind::Auto, 1 << 20, false).unwrap();
         assert_eq!(arena.len(), 1 << 20);
-        let emulated = open_arena(DeviceKind::Emulated, 4096).unwrap();
+        let emulated = open_arena(DeviceKind::Emulated, 4096, false).unwrap();
         assert_eq!(emulated.backend(), "emulated");
         assert!(emulated.host_base().is_some() && emulated.device_base().is_none());
     }

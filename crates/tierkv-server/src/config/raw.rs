@@ -91,6 +91,7 @@ pub(super) struct L1 {
     pub watermark_high: f64,
     pub watermark_low: f64,
     pub shards: usize,
+    pub prefault: bool,
 }
 
 impl Default for L1 {
@@ -105,6 +106,7 @@ impl Default for L1 {
             watermark_high: Watermark::default().high,
             watermark_low: Watermark::default().low,
             shards: 0,
+            prefault: false,
         }
     }
 }
