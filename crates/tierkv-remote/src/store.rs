@@ -94,16 +94,17 @@ impl RemoteStore {
         self.shared.publish();
     }
 
-    /// Tries to reach Redis now (a `PING` within the op deadline); whether it answered. The
-    /// daemon calls it in the background, so a degraded tier notices its recovery without
-    /// waiting for a lookup.
-    pub fn probe(&self) -> bool {
+    /// Tries to reach Redis (a `PING` within the op deadline) in the background, without
+    /// waiting: a degraded tier then notices its recovery without waiting for a lookup. The
+    /// storage layer's maintenance calls it while the tier is degraded.
+    pub fn probe(&self) {
         let shared = Arc::clone(&self.shared);
-        let answered = self
-            .run(async move { shared.link.call::<String>(&redis::cmd("PING")).await.is_ok() })
-            .unwrap_or(false);
-        self.shared.publish();
-        answered
+        if let Some(runtime) = self.runtime.lock().as_ref() {
+            runtime.spawn(async move {
+                let _ = shared.link.call::<String>(&redis::cmd("PING")).await;
+                shared.publish();
+            });
+        }
     }
 
     /// The configuration the store was opened with.
