@@ -239,12 +239,19 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     }
 
     let mut result = RunResult::new(&trace.name, Mode::Daemon, &policy, capacity, &tally.counts);
+    // `per_tier` has one count per tier of the protocol, in its order; the report names the
+    // tiers this daemon has.
+    const PROTOCOL_TIERS: [&str; 4] = ["l1", "l2", "disk", "remote"];
     result.tiers = tally
         .per_tier
         .iter()
         .enumerate()
-        .map(|(i, hits)| TierHits {
-            tier: tier_names.get(i).cloned().unwrap_or_else(|| format!("tier{i}")),
+        .filter_map(|(i, hits)| {
+            let name = PROTOCOL_TIERS.get(i).map_or_else(|| format!("tier{i}"), |n| n.to_string());
+            (tier_names.contains(&name) || *hits > 0).then_some((name, hits))
+        })
+        .map(|(tier, hits)| TierHits {
+            tier,
             hit_chunks: *hits,
             hit_tokens: hits.saturating_mul(trace.chunk_tokens),
             hit_ratio: if tally.counts.chunks == 0 {
