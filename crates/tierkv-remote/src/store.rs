@@ -176,49 +176,80 @@ impl Shared {
         self.metrics.error(e.reason());
     }
 
-    /// Stores every value; the first failure fails the task (values already written stay: each
-    /// verifies itself, so a partial task leaves nothing that could be served wrong).
-    async fn store(self: Arc<Self>, values: Vec<(String, Vec<u8>)>) -> Result<(), TierError> {
+    /// Stores every item, each in its own task (its copy, checksum and `SET` overlap the
+    /// others'); the first failure fails the task (values already written stay: each verifies
+    /// itself, so a partial task leaves nothing that could be served wrong). Hands the items
+    /// back in their order.
+    async fn store(
+        self: Arc<Self>,
+        items: Vec<StoreItem>,
+    ) -> (Result<(), TierError>, Vec<StoreItem>) {
+        let limit = self.config.max_chunk_bytes;
+        if let Some(item) = items.iter().find(|i| i.source.len() > limit) {
+            self.metrics.error("too_large");
+            let bytes = item.source.len();
+            return (Err(TierError::TooLarge { bytes, limit }), items);
+        }
+        let n = items.len();
         let mut set = tokio::task::JoinSet::new();
-        let mut bytes = 0u64;
-        for (name, value) in values {
-            bytes += (value.len() - HEADER_BYTES) as u64;
+        for (i, item) in items.into_iter().enumerate() {
             let shared = Arc::clone(&self);
             set.spawn(async move {
                 let Ok(_permit) = shared.permits.acquire().await else {
-                    return Err(CallError::Closed);
+                    return (i, Err(CallError::Closed.into()), item);
+                };
+                let value = match value_of(&item.key, item.source.as_ref()) {
+                    Ok(value) => value,
+                    Err(e) => return (i, Err(StoreFailure::Tier(e)), item),
                 };
                 let mut cmd = redis::cmd("SET");
-                cmd.arg(&name).arg(value);
+                cmd.arg(redis_key(&shared.config.key_prefix, &item.key)).arg(value);
                 if let Some(ttl) = shared.config.ttl {
                     cmd.arg("PX").arg(ttl.as_millis().max(1) as u64);
                 }
-                shared.link.call::<()>(&cmd).await
+                let result = shared.link.call::<()>(&cmd).await.map_err(StoreFailure::from);
+                (i, result, item)
             });
         }
-        let (mut stored, mut failure) = (0u64, None);
+        let mut back: Vec<Option<StoreItem>> = (0..n).map(|_| None).collect();
+        let (mut stored, mut bytes, mut failure) = (0u64, 0u64, None);
         while let Some(joined) = set.join_next().await {
             match joined {
-                Ok(Ok(())) => stored += 1,
-                Ok(Err(e)) => {
-                    self.count_error(&e);
-                    failure.get_or_insert(e);
+                Ok((i, result, item)) => {
+                    match result {
+                        Ok(()) => {
+                            stored += 1;
+                            bytes += item.source.len();
+                        }
+                        Err(e) => {
+                            if let StoreFailure::Call(e) = &e {
+                                self.count_error(e);
+                            }
+                            failure.get_or_insert(e);
+                        }
+                    }
+                    back[i] = Some(item);
                 }
                 Err(e) => {
-                    failure.get_or_insert(CallError::Unavailable(format!("task failed: {e}")));
+                    failure.get_or_insert(StoreFailure::Call(CallError::Unavailable(format!(
+                        "task failed: {e}"
+                    ))));
                 }
             }
         }
-        match failure {
-            None => {
-                self.objects.fetch_add(stored, Ordering::Relaxed);
-                self.bytes.fetch_add(bytes, Ordering::Relaxed);
-                self.metrics.stored(stored, bytes);
-                Ok(())
+        let items = back.into_iter().flatten().collect();
+        self.objects.fetch_add(stored, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.metrics.stored(stored, bytes);
+        let result = match failure {
+            None => Ok(()),
+            Some(StoreFailure::Tier(e)) => Err(e),
+            Some(StoreFailure::Call(e)) if e.reason() == "oom" => {
+                Err(TierError::NoSpace(e.to_string()))
             }
-            Some(e) if e.reason() == "oom" => Err(TierError::NoSpace(e.to_string())),
-            Some(e) => Err(TierError::Io(format!("remote store failed: {e}"))),
-        }
+            Some(StoreFailure::Call(e)) => Err(TierError::Io(format!("remote store failed: {e}"))),
+        };
+        (result, items)
     }
 
     /// Which keys exist: one `EXISTS` per key, all in flight at once. A failure is a miss.
@@ -257,63 +288,80 @@ impl Shared {
         found
     }
 
-    /// Fetches every value (all in flight, up to the permits); returns them in key order,
-    /// `None` where absent or failed.
-    async fn fetch(self: Arc<Self>, names: Vec<String>) -> Vec<Option<Vec<u8>>> {
+    /// Loads every item, each in its own task: `GET`, verify against its key, copy its payload
+    /// into the sink, overlapping the others'. A value absent, unreachable or that does not
+    /// verify is a miss (counted), never copied. Hands the items back in their order.
+    async fn load(self: Arc<Self>, items: Vec<LoadItem>) -> (Bitmap, Vec<LoadItem>) {
+        let n = items.len();
         let mut set = tokio::task::JoinSet::new();
-        let n = names.len();
-        for (i, name) in names.into_iter().enumerate() {
+        for (i, mut item) in items.into_iter().enumerate() {
             let shared = Arc::clone(&self);
             set.spawn(async move {
                 let Ok(_permit) = shared.permits.acquire().await else {
-                    return (i, Err(CallError::Closed));
+                    return (i, Err(CallError::Closed), item);
                 };
                 let mut cmd = redis::cmd("GET");
-                cmd.arg(name);
-                (i, shared.link.call::<Option<Vec<u8>>>(&cmd).await)
+                cmd.arg(redis_key(&shared.config.key_prefix, &item.key));
+                let value = match shared.link.call::<Option<Vec<u8>>>(&cmd).await {
+                    Ok(Some(value)) => value,
+                    Ok(None) => return (i, Ok(false), item),
+                    Err(e) => return (i, Err(e), item),
+                };
+                let loaded = match verify(&item.key, &value, item.sink.len()) {
+                    Ok(payload) => {
+                        let copied = copy_out(payload, item.sink.as_mut()).is_ok();
+                        if !copied {
+                            shared.metrics.error("copy");
+                        }
+                        copied
+                    }
+                    Err(invalid) => {
+                        tracing::warn!(key = ?item.key, why = invalid.reason(), "a remote value failed verification: a miss");
+                        shared.metrics.invalid(invalid.reason());
+                        false
+                    }
+                };
+                (i, Ok(loaded), item)
             });
         }
-        let mut values = vec![None; n];
-        let mut error = None;
+        let mut back: Vec<Option<LoadItem>> = (0..n).map(|_| None).collect();
+        let mut loaded = Bitmap::new(n);
+        let (mut bytes, mut error) = (0u64, None);
         while let Some(joined) = set.join_next().await {
-            match joined {
-                Ok((i, Ok(value))) => values[i] = value,
-                Ok((_, Err(e))) => {
+            let Ok((i, result, item)) = joined else { continue };
+            match result {
+                Ok(true) => {
+                    loaded.set(i, true);
+                    bytes += item.sink.len();
+                }
+                Ok(false) => {}
+                Err(e) => {
                     error.get_or_insert(e);
                 }
-                Err(_) => {}
             }
+            back[i] = Some(item);
         }
+        // One count per failed task, not per key: a dead cluster is one event per call.
         if let Some(e) = error {
             self.count_error(&e);
         }
-        values
-    }
-
-    /// Verifies each value against its key and copies its payload into the sink. A value that
-    /// does not verify is a miss, counted, never copied.
-    fn deliver(&self, items: &mut [LoadItem], values: Vec<Option<Vec<u8>>>) -> Bitmap {
-        let mut loaded = Bitmap::new(items.len());
-        let mut bytes = 0;
-        for (i, (item, value)) in items.iter_mut().zip(values).enumerate() {
-            let Some(value) = value else { continue };
-            match verify(&item.key, &value, item.sink.len()) {
-                Ok(payload) => {
-                    if copy_out(payload, item.sink.as_mut()).is_ok() {
-                        loaded.set(i, true);
-                        bytes += payload.len() as u64;
-                    } else {
-                        self.metrics.error("copy");
-                    }
-                }
-                Err(invalid) => {
-                    tracing::warn!(key = ?item.key, why = invalid.reason(), "a remote value failed verification: a miss");
-                    self.metrics.invalid(invalid.reason());
-                }
-            }
-        }
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
-        loaded
+        // A sink lost to a panicked task cannot be handed back; the bitmap keeps its position.
+        (loaded, back.into_iter().flatten().collect())
+    }
+}
+
+/// Why one value of a store task failed.
+enum StoreFailure {
+    /// Reading the source failed.
+    Tier(TierError),
+    /// Redis did not take it.
+    Call(CallError),
+}
+
+impl From<CallError> for StoreFailure {
+    fn from(e: CallError) -> Self {
+        StoreFailure::Call(e)
     }
 }
 
@@ -348,29 +396,13 @@ impl TierAdapter for RemoteStore {
     fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
         let task = self.task();
         let shared = Arc::clone(&self.shared);
-        let limit = shared.config.max_chunk_bytes;
-        // The sources go back in the completion, so the task keeps them; their bytes are copied
-        // into the values first, on the runtime, before anything waits on the network.
+        // The sources go back in the completion; a task cut short by `close` hands back those
+        // it has not yet passed to its value tasks.
         let items = Arc::new(Mutex::new(Some(items)));
         let give_back = Arc::clone(&items);
         let work = async move {
             let sources = items.lock().take().unwrap_or_default();
-            let prepared = (|| {
-                if let Some(item) = sources.iter().find(|i| i.source.len() > limit) {
-                    shared.metrics.error("too_large");
-                    return Err(TierError::TooLarge { bytes: item.source.len(), limit });
-                }
-                let mut values = Vec::with_capacity(sources.len());
-                for item in &sources {
-                    let value = value_of(&item.key, item.source.as_ref())?;
-                    values.push((redis_key(&shared.config.key_prefix, &item.key), value));
-                }
-                Ok(values)
-            })();
-            let result = match prepared {
-                Ok(values) => Arc::clone(&shared).store(values).await,
-                Err(e) => Err(e),
-            };
+            let (result, sources) = shared.store(sources).await;
             Completion::Stored { task, result, sources }
         };
         let failed = move || Completion::Stored {
@@ -398,17 +430,8 @@ impl TierAdapter for RemoteStore {
         let items = Arc::new(Mutex::new(Some(items)));
         let give_back = Arc::clone(&items);
         let work = async move {
-            let names: Vec<String> = {
-                let guard = items.lock();
-                guard
-                    .iter()
-                    .flatten()
-                    .map(|item| redis_key(&shared.config.key_prefix, &item.key))
-                    .collect()
-            };
-            let values = Arc::clone(&shared).fetch(names).await;
-            let mut sinks = items.lock().take().unwrap_or_default();
-            let loaded = shared.deliver(&mut sinks, values);
+            let sinks = items.lock().take().unwrap_or_default();
+            let (loaded, sinks) = shared.load(sinks).await;
             Completion::Loaded { task, loaded, sinks }
         };
         let failed = move || Completion::Loaded {
