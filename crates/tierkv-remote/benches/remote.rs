@@ -39,7 +39,7 @@ const PER_TASK: usize = 2;
 const TOTAL: u64 = 256 << 20;
 /// Rounds, alternating the raw client and the RemoteStore; each figure is its best round (the
 /// machine is shared: the best round is the one least disturbed).
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 
 fn key(i: u64) -> ObjectKey {
     ObjectKey::new(Namespace::new("bench", ""), ChunkHash(u128::from(i) << 32 | 9), KvRank::Shared)

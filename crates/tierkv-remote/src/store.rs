@@ -198,15 +198,12 @@ impl Shared {
                 let Ok(_permit) = shared.permits.acquire().await else {
                     return (i, Err(CallError::Closed.into()), item);
                 };
-                let value = match value_of(&item.key, item.source.as_ref()) {
-                    Ok(value) => value,
-                    Err(e) => return (i, Err(StoreFailure::Tier(e)), item),
-                };
-                let mut cmd = redis::cmd("SET");
-                cmd.arg(redis_key(&shared.config.key_prefix, &item.key)).arg(value);
-                if let Some(ttl) = shared.config.ttl {
-                    cmd.arg("PX").arg(ttl.as_millis().max(1) as u64);
-                }
+                let name = redis_key(&shared.config.key_prefix, &item.key);
+                let cmd =
+                    match set_command(&name, &item.key, item.source.as_ref(), shared.config.ttl) {
+                        Ok(cmd) => cmd,
+                        Err(e) => return (i, Err(StoreFailure::Tier(e)), item),
+                    };
                 let result = shared.link.call::<()>(&cmd).await.map_err(StoreFailure::from);
                 (i, result, item)
             });
@@ -363,6 +360,41 @@ impl From<CallError> for StoreFailure {
     fn from(e: CallError) -> Self {
         StoreFailure::Call(e)
     }
+}
+
+/// The `SET` of a store item, its value (header and payload) written straight into the
+/// command's buffer: one copy of the chunk, as a plain `SET` of the bytes makes.
+fn set_command(
+    name: &str,
+    key: &ObjectKey,
+    source: &dyn ChunkSource,
+    ttl: Option<Duration>,
+) -> Result<redis::Cmd, TierError> {
+    use std::io::Write;
+
+    use redis::RedisWrite;
+
+    let mut cmd = redis::cmd("SET");
+    cmd.arg(name);
+    let len = source.len() as usize;
+    match source.host_bytes() {
+        Some(payload) if payload.len() == len => {
+            let mut header = [0u8; HEADER_BYTES];
+            encode_header(key, payload, &mut header);
+            cmd.reserve_space_for_args([HEADER_BYTES + len]);
+            let mut arg = cmd.writer_for_next_arg();
+            arg.write_all(&header).map_err(|e| TierError::Io(e.to_string()))?;
+            arg.write_all(payload).map_err(|e| TierError::Io(e.to_string()))?;
+        }
+        // A source that is not host memory (a device slot) is staged once.
+        _ => {
+            cmd.arg(value_of(key, source)?);
+        }
+    }
+    if let Some(ttl) = ttl {
+        cmd.arg("PX").arg(ttl.as_millis().max(1) as u64);
+    }
+    Ok(cmd)
 }
 
 /// The value of a store item: header and payload, read from the source in one copy.
