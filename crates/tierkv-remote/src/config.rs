@@ -35,8 +35,9 @@ pub struct RemoteConfig {
     pub ttl: Option<Duration>,
     /// The largest payload stored (the L1 slot size).
     pub max_chunk_bytes: u64,
-    /// How long after a failed connection attempt the next one is made; calls in between fail at
-    /// once, so a dead cluster costs no connect timeout per call.
+    /// How long after a call failed for the link's sake (a timeout, a refused or broken
+    /// connection) calls fail at once, as misses, before the next attempt: a dead or hung cluster
+    /// costs one deadline per interval, not one per call.
     pub reconnect_interval: Duration,
     /// Threads of the adapter's own tokio runtime.
     pub threads: usize,

@@ -23,6 +23,8 @@ struct State {
     last_attempt: Option<Instant>,
     /// Why the tier is degraded; `None` while calls succeed.
     degraded: Option<String>,
+    /// When a call last failed for the link's sake.
+    last_failure: Option<Instant>,
 }
 
 pub(crate) struct Link {
@@ -40,6 +42,7 @@ impl Link {
                 conn: None,
                 last_attempt: None,
                 degraded: Some("not connected yet".into()),
+                last_failure: None,
             }),
             connecting: tokio::sync::Mutex::new(()),
         }
@@ -52,7 +55,29 @@ impl Link {
 
     /// Runs `cmd` within the op deadline; a failure of the link drops the connection and marks
     /// the tier degraded, a success marks it healthy.
+    ///
+    /// While the tier is degraded, calls fail at once (as misses) until `reconnect_interval` has
+    /// passed since the last failure; then calls try again (and [`Link::probe`] tries at any
+    /// time). So a hung cluster costs the op deadline once per interval, not on every lookup:
+    /// the prefetch pipeline waits for every tier's answer, and must not wait for this one.
     pub(crate) async fn call<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, CallError> {
+        {
+            let state = self.state.lock();
+            if let (Some(why), Some(failed)) = (&state.degraded, state.last_failure)
+                && failed.elapsed() < self.config.reconnect_interval
+            {
+                return Err(CallError::Unavailable(why.clone()));
+            }
+        }
+        self.attempt(cmd).await
+    }
+
+    /// Checks the link now (`PING`), degraded or not; whether it answered.
+    pub(crate) async fn probe(&self) -> bool {
+        self.attempt::<String>(&redis::cmd("PING")).await.is_ok()
+    }
+
+    async fn attempt<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, CallError> {
         let deadline = self.config.op_timeout;
         let result = match tokio::time::timeout(deadline, self.call_inner(cmd)).await {
             Ok(result) => result,
@@ -72,6 +97,7 @@ impl Link {
                     tracing::warn!(error = %e, "the remote tier is degraded: its calls are misses");
                 }
                 state.degraded = Some(e.to_string());
+                state.last_failure = Some(Instant::now());
                 // A timeout may be one slow node; anything else says the connection is broken.
                 if !matches!(e, CallError::Timeout(_)) {
                     state.conn = None;

@@ -101,7 +101,7 @@ impl RemoteStore {
         let shared = Arc::clone(&self.shared);
         if let Some(runtime) = self.runtime.lock().as_ref() {
             runtime.spawn(async move {
-                let _ = shared.link.call::<String>(&redis::cmd("PING")).await;
+                shared.link.probe().await;
                 shared.publish();
             });
         }

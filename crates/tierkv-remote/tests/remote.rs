@@ -312,7 +312,26 @@ fn the_whole_cluster_hung_or_gone_is_a_miss_within_the_deadline_then_recovers() 
     }
     let t = Instant::now();
     assert_eq!(tier.lookup(&all).count_ones(), 0);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "a lookup of a hung cluster took {:?}",
+        t.elapsed()
+    );
+    // Degraded, the tier answers at once until the reconnect interval has passed: a hung
+    // cluster costs the deadline once per interval, not on every lookup.
+    let t = Instant::now();
+    assert_eq!(tier.lookup(&all).count_ones(), 0);
     assert_eq!(tier.load_verified(&all).count_ones(), 0);
+    assert!(
+        t.elapsed() < Duration::from_millis(150),
+        "a degraded tier still waited {:?}",
+        t.elapsed()
+    );
+    let t = Instant::now();
+    for _ in 0..5 {
+        assert_eq!(tier.load_verified(&all).count_ones(), 0);
+        std::thread::sleep(Duration::from_millis(100));
+    }
     assert!(t.elapsed() < Duration::from_secs(5), "calls to a hung cluster took {:?}", t.elapsed());
     assert!(matches!(tier.store(&keys(100..101)), Err(TierError::Io(_))));
     assert!(store.degraded().is_some());
