@@ -119,6 +119,9 @@ pub struct DaemonPlan {
     pub pace: Pace,
     /// Whether to draw a progress bar (on a terminal).
     pub progress: bool,
+    /// The model name of the replay's namespace; `None`: a fresh one per replay. Replays
+    /// through several daemons that share a remote tier name one, as the nodes of one model do.
+    pub model: Option<String>,
     /// Set (by a signal handler) to stop the replay between requests; its processes and
     /// directories are then cleaned up as after a normal end.
     pub interrupt: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
@@ -171,14 +174,16 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     let _ = admin.end();
 
     let max_chunks = trace.requests.iter().map(|r| r.chunks.len() as u64).max().unwrap_or(1);
-    let model = format!(
-        "replay/{}/{}/{}",
-        trace.name,
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    );
+    let model = plan.model.clone().unwrap_or_else(|| {
+        format!(
+            "replay/{}/{}/{}",
+            trace.name,
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        )
+    });
     let mut workers = (0..plan.tp)
         .map(|rank| {
             let spec = WorkerSpec {
