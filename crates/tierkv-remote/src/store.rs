@@ -542,6 +542,11 @@ impl TierAdapter for RemoteStore {
         self.shared.completions.clone()
     }
 
+    /// A chunk fetched over the network stays in L1: the next lookup of it is local.
+    fn keep_promoted(&self) -> bool {
+        true
+    }
+
     fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
         self.shared.close_signal.send_replace(true);
