@@ -135,7 +135,7 @@ impl Link {
         }
         let conn = match tokio::time::timeout(self.config.connect_timeout, self.open()).await {
             Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => return Err(CallError::Redis(e)),
+            Ok(Err(e)) => return Err(CallError::Connect(e.to_string())),
             Err(_) => return Err(CallError::Timeout(self.config.connect_timeout)),
         };
         self.state.lock().conn = Some(conn.clone());

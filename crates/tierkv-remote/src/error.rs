@@ -18,6 +18,10 @@ pub(crate) enum CallError {
     /// No connection, and the last attempt is too recent to try again.
     #[error("not connected: {0}")]
     Unavailable(String),
+    /// A connection could not be opened (refused, unreachable, or the server is not what the
+    /// configuration says: a cluster node that is not in cluster mode, a wrong password).
+    #[error("cannot connect: {0}")]
+    Connect(String),
     /// The deadline passed.
     #[error("no answer within {0:?}")]
     Timeout(std::time::Duration),
@@ -34,6 +38,7 @@ impl CallError {
     pub(crate) fn reason(&self) -> &'static str {
         match self {
             CallError::Unavailable(_) => "unavailable",
+            CallError::Connect(_) => "connection",
             CallError::Timeout(_) => "timeout",
             CallError::Redis(e) if e.code() == Some("OOM") => "oom",
             CallError::Redis(e) if e.is_timeout() => "timeout",
@@ -47,7 +52,7 @@ impl CallError {
     /// one command was refused (a full server refusing a SET is not a broken link).
     pub(crate) fn is_connection(&self) -> bool {
         match self {
-            CallError::Unavailable(_) | CallError::Timeout(_) => true,
+            CallError::Unavailable(_) | CallError::Connect(_) | CallError::Timeout(_) => true,
             CallError::Redis(e) => is_link(e),
             CallError::Closed => false,
         }

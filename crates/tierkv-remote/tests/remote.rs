@@ -432,3 +432,22 @@ fn a_full_server_evicts_to_misses_or_refuses_stores_never_wrong_bytes() {
     assert!(store.degraded().is_none(), "a full server is not a broken link");
     assert_eq!(tier.load_verified(&keys(0..first_refused)).count_ones() as u64, first_refused);
 }
+
+#[test]
+fn a_server_that_is_not_what_the_configuration_says_is_a_degraded_tier_saying_why() {
+    require_redis!();
+    // A standalone server configured as a cluster: every call misses, and the reason is there.
+    let store = Arc::new(
+        RemoteStore::open(config(
+            vec![standalone().url()],
+            RemoteMode::Cluster,
+            &unique_prefix("mode"),
+        ))
+        .unwrap(),
+    );
+    let tier = SharedTier::new(store.clone(), CHUNK);
+    assert!(tier.store(&keys(0..2)).is_err());
+    assert_eq!(tier.lookup(&keys(0..2)).count_ones(), 0);
+    let why = store.degraded().expect("degraded");
+    assert!(why.contains("cluster"), "{why}");
+}
