@@ -150,7 +150,7 @@ fn f5_a_restarted_daemon_finds_its_disk_chunks_again() {
     let id = worker.run("lookup 5 24")["lookup"].as_u64().unwrap();
     let done = worker.run(&format!("wait {id}"));
     assert_eq!(done["hit"], 24);
-    assert_eq!(done["per_tier"], serde_json::json!([0, 0, 24]), "every hit came from disk");
+    assert_eq!(done["per_tier"], serde_json::json!([0, 0, 24, 0]), "every hit came from disk");
     assert_eq!(worker.run(&format!("retrieve {id} 5 24"))["verified"], 24);
     worker.exit();
     assert!(daemon.stop().success());

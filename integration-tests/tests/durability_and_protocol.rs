@@ -177,10 +177,10 @@ fn h16_protocol_per_tier_is_always_l1_l2_disk_and_adds_up_to_the_hit() {
     }
     client.store(0, 0, blocks(&ids)).unwrap();
     let outcome = client.lookup(0, ids.clone()).unwrap().outcome.unwrap();
-    assert_eq!(outcome.per_tier, vec![BATCH as u32, 0, 0], "an all-L1 hit");
+    assert_eq!(outcome.per_tier, vec![BATCH as u32, 0, 0, 0], "an all-L1 hit");
     let miss = client.lookup(0, chain(6)).unwrap();
     let miss = client.wait(miss.id, Duration::from_secs(10)).unwrap();
-    assert_eq!(miss.per_tier, vec![0, 0, 0], "a miss");
+    assert_eq!(miss.per_tier, vec![0, 0, 0, 0], "a miss");
 }
 
 #[test]

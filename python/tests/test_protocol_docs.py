@@ -99,7 +99,7 @@ def test_trailing_bytes_make_a_bad_frame(raw):
 
 
 def test_per_tier_is_always_l1_l2_disk_and_release_after_the_last_reader_is_released(daemon):
-    # "`per_tier` ... always three counts, in that order ... adding up to `hit_chunks`"
+    # "`per_tier` ... always four counts, in that order ... adding up to `hit_chunks`"
     # "the owner's `release` gets `released` (nothing is left to return, and it is not an error)"
     hello = wire.hello(namespaces=["m"], chunk_bytes=CHUNK_BYTES, chunk_tokens=TOKENS)
     client = daemon.connect(hello)
@@ -109,10 +109,10 @@ def test_per_tier_is_always_l1_l2_disk_and_release_after_the_last_reader_is_rele
         assert client.store(0, 0, [(h, i) for i, h in enumerate(hashes)]).stored == 4
         started = client.lookup(0, hashes)
         assert started.outcome is not None
-        assert started.outcome.per_tier == [4, 0, 0]
+        assert started.outcome.per_tier == [4, 0, 0, 0]
         miss = client.lookup(0, prefix_hashes(list(range(1000, 1000 + TOKENS)), TOKENS))
         outcome = miss.outcome or client.wait(miss.lookup, 5.0)
-        assert outcome.per_tier == [0, 0, 0]
+        assert outcome.per_tier == [0, 0, 0, 0]
         client.retrieve(started.lookup, 0, [(h, i) for i, h in enumerate(hashes)])
         client.release(started.lookup)
         # The empty lookup's single reader returns its (empty) share by a retrieve of nothing.

@@ -245,4 +245,11 @@ pub trait TierAdapter: Send + Sync {
 
     /// Stops accepting work; tasks still queued complete as failures, none hangs.
     fn close(&self);
+
+    /// Whether a chunk promoted from this tier into L1 stays cached there (until evicted) rather
+    /// than being freed with its last reader: true for a tier whose loads are costly and shared
+    /// (the remote tier), false (the default) for the local tiers, which keep their own copy.
+    fn keep_promoted(&self) -> bool {
+        false
+    }
 }

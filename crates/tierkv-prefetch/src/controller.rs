@@ -611,30 +611,36 @@ impl Worker {
         self.unlock_all_but_sources(&mut active);
         self.active.insert(id, active.clone());
 
-        // Reserve temporary slots, group by group, and plan again over what was reserved.
+        // Reserve slots, group by group, and plan again over what was reserved. A promotion is
+        // temporary (freed with its last reader), except from a tier that asks for its chunks to
+        // stay cached in L1 (a remote tier: fetching them again costs the network).
+        let keeps = |tier: Option<&usize>| {
+            tier.and_then(|t| self.router.tier(*t)).is_some_and(|t| t.keep_promoted())
+        };
         for g in 0..active.request.groups.len() {
             let wanted: Vec<At> = active.needed(n).into_iter().filter(|at| at.0 == g).collect();
-            if wanted.is_empty() {
-                continue;
-            }
-            let keys: Vec<ObjectKey> = wanted.iter().map(|at| active.key(*at)).collect();
-            let layout = &active.request.groups[g].layout;
-            let results = self
-                .l1
-                .reserve_write(
-                    active.request.owner,
-                    &keys,
-                    layout,
-                    WriteMode::Create,
-                    Lifetime::Temporary,
-                )
-                .unwrap_or_else(|_| vec![Err(KeyError::OutOfMemory); keys.len()]);
-            for (at, result) in wanted.iter().zip(results) {
-                if result.is_ok() {
-                    active.reserved.push(*at);
+            for lifetime in [Lifetime::Temporary, Lifetime::Cached] {
+                let wanted: Vec<At> = wanted
+                    .iter()
+                    .copied()
+                    .filter(|at| keeps(active.source.get(at)) == (lifetime == Lifetime::Cached))
+                    .collect();
+                if wanted.is_empty() {
+                    continue;
                 }
+                let keys: Vec<ObjectKey> = wanted.iter().map(|at| active.key(*at)).collect();
+                let layout = &active.request.groups[g].layout;
+                let results = self
+                    .l1
+                    .reserve_write(active.request.owner, &keys, layout, WriteMode::Create, lifetime)
+                    .unwrap_or_else(|_| vec![Err(KeyError::OutOfMemory); keys.len()]);
+                for (at, result) in wanted.iter().zip(results) {
+                    if result.is_ok() {
+                        active.reserved.push(*at);
+                    }
+                }
+                self.active.insert(id, active.clone());
             }
-            self.active.insert(id, active.clone());
         }
         let n = active.hit(|g, i| active.reserved.contains(&(g, i)));
         let needed = active.needed(n);

@@ -352,7 +352,7 @@ pub struct LookupOutcome {
     pub hit_tokens: u64,
     /// Readers that each return a share (`1 + extra_count`).
     pub readers: u32,
-    /// Chunks of the hit served by each tier, always three: `[l1, l2, disk]` (0 for a tier the
+    /// Chunks of the hit served by each tier, always four: `[l1, l2, disk, remote]` (0 for a tier the
     /// daemon does not have). They add up to `hit_chunks`.
     pub per_tier: Vec<u32>,
 }
@@ -360,7 +360,7 @@ pub struct LookupOutcome {
 /// One tier in a status report.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierReport {
-    /// "l1", "l2", "disk".
+    /// "l1", "l2", "disk", "remote".
     pub name: String,
     /// Bytes in use (cached, being written, or held).
     pub used_bytes: u64,
@@ -377,6 +377,10 @@ pub struct TierReport {
     /// again); `None` (nil) otherwise.
     #[serde(default)]
     pub read_only: Option<String>,
+    /// Why the tier is degraded, while it is (the remote tier, when Redis cannot be reached:
+    /// its lookups and loads are misses while it reconnects); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<String>,
 }
 
 /// One connected session in a status report.

@@ -177,6 +177,7 @@ fn replies() -> Vec<(&'static str, ReplyBody)> {
                     objects: 4,
                     hit_chunks: 5,
                     read_only: None,
+                    degraded: None,
                 }],
                 l1_leased_chunks: 6,
                 lookups: 7,

@@ -138,6 +138,9 @@ pub struct DaemonPlan {
     pub pace: Pace,
     /// Whether to draw a progress bar (on a terminal).
     pub progress: bool,
+    /// The model name of the replay's namespace; `None`: a fresh one per replay. Replays
+    /// through several daemons that share a remote tier name one, as the nodes of one model do.
+    pub model: Option<String>,
     /// Set (by a signal handler) to stop the replay between requests; its processes and
     /// directories are then cleaned up as after a normal end.
     pub interrupt: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
@@ -190,14 +193,16 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     let _ = admin.end();
 
     let max_chunks = trace.requests.iter().map(|r| r.chunks.len() as u64).max().unwrap_or(1);
-    let model = format!(
-        "replay/{}/{}/{}",
-        trace.name,
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    );
+    let model = plan.model.clone().unwrap_or_else(|| {
+        format!(
+            "replay/{}/{}/{}",
+            trace.name,
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        )
+    });
     let mut workers = (0..plan.tp)
         .map(|rank| {
             let spec = WorkerSpec {
@@ -258,12 +263,19 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     }
 
     let mut result = RunResult::new(&trace.name, Mode::Daemon, &policy, capacity, &tally.counts);
+    // `per_tier` has one count per tier of the protocol, in its order; the report names the
+    // tiers this daemon has.
+    const PROTOCOL_TIERS: [&str; 4] = ["l1", "l2", "disk", "remote"];
     result.tiers = tally
         .per_tier
         .iter()
         .enumerate()
-        .map(|(i, hits)| TierHits {
-            tier: tier_names.get(i).cloned().unwrap_or_else(|| format!("tier{i}")),
+        .filter_map(|(i, hits)| {
+            let name = PROTOCOL_TIERS.get(i).map_or_else(|| format!("tier{i}"), |n| n.to_string());
+            (tier_names.contains(&name) || *hits > 0).then_some((name, hits))
+        })
+        .map(|(tier, hits)| TierHits {
+            tier,
             hit_chunks: *hits,
             hit_tokens: hits.saturating_mul(trace.chunk_tokens),
             hit_ratio: if tally.counts.chunks == 0 {

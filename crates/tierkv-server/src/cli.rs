@@ -229,6 +229,9 @@ pub fn render(report: &StatusReport) -> String {
         if let Some(why) = &t.read_only {
             out.push_str(&format!("{} is READ-ONLY (stores refused, retrying): {why}\n", t.name));
         }
+        if let Some(why) = &t.degraded {
+            out.push_str(&format!("{} is DEGRADED (misses, reconnecting): {why}\n", t.name));
+        }
     }
     out.push_str(&format!(
         "\nlookups {}: {} of {} chunks hit ({:.1}%), {} of {} tokens\n",

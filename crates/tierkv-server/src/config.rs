@@ -25,10 +25,11 @@ use tierkv_l1::{DeviceKind, L1Config, Watermark};
 use tierkv_l2::HostStoreConfig;
 use tierkv_prefetch::PrefetchConfig;
 use tierkv_proto::MIN_FRAME_LIMIT;
-use tierkv_storage::{StorageConfig, StorePolicy};
+use tierkv_remote::{RemoteConfig, RemoteMode};
+use tierkv_storage::{RemoteAdmission, StorageConfig, StorePolicy};
 use toml::de::{DeTable, DeValue};
 
-use raw::{Device, Raw, StoreMode};
+use raw::{Device, Raw, RemoteAdmissionName, RemoteModeName, StoreMode};
 pub use size::ByteSize;
 
 /// The embedded default configuration, every key present and commented: what the daemon runs
@@ -513,9 +514,57 @@ fn group_id(name: &str) -> Option<u32> {
     }
 }
 
+fn remote(file: &File<'_>, raw: &Raw) -> Result<Option<RemoteConfig>, Stop> {
+    let (s, slot) = (&raw.remote, raw.l1.slot.0);
+    file.ensure(s.admission_min_reads > 0, &["remote.admission_min_reads"], || {
+        "must be positive".into()
+    })?;
+    if !s.enabled || slot == 0 {
+        return Ok(None);
+    }
+    let config = RemoteConfig {
+        urls: s.urls.clone(),
+        mode: match s.mode {
+            RemoteModeName::Cluster => RemoteMode::Cluster,
+            RemoteModeName::Standalone => RemoteMode::Standalone,
+        },
+        key_prefix: s.key_prefix.clone(),
+        connect_timeout: s.connect_timeout,
+        op_timeout: s.op_timeout,
+        max_in_flight: s.max_in_flight,
+        ttl: (!s.ttl.is_zero()).then_some(s.ttl),
+        max_chunk_bytes: slot,
+        reconnect_interval: s.reconnect_interval,
+        threads: s.threads,
+    };
+    // The adapter's own checks, blamed on the key they are about.
+    if let Err(e) = config.validate() {
+        let message = e.to_string();
+        let key = [
+            "urls",
+            "key_prefix",
+            "connect_timeout",
+            "op_timeout",
+            "max_in_flight",
+            "ttl",
+            "max_chunk_bytes",
+            "threads",
+        ]
+        .into_iter()
+        .find(|k| message.contains(k))
+        .map_or("remote.urls".to_string(), |k| {
+            if k == "max_chunk_bytes" { "l1.slot".into() } else { format!("remote.{k}") }
+        });
+        file.ensure(false, &[&key], || message)?;
+        return Ok(None);
+    }
+    Ok(Some(config))
+}
+
 fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
     // Each tier is checked whatever the others' verdict.
     let (l1, l2, disk) = (l1(file, &raw.l1), l2(file, raw), disk(file, raw));
+    let remote = remote(file, raw);
     let l2_watermark = watermark(file, "l2", raw.l2.watermark_high, raw.l2.watermark_low)?;
     let s = &raw.storage;
     file.ensure(s.disk_admission_min_reads > 0, &["storage.disk_admission_min_reads"], || {
@@ -531,6 +580,13 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
         l1: l1?,
         l2: l2?,
         disk: disk?,
+        remote: remote?,
+        remote_admission: match raw.remote.admission {
+            RemoteAdmissionName::WriteThrough => RemoteAdmission::WriteThrough,
+            RemoteAdmissionName::AfterReads => {
+                RemoteAdmission::AfterReads { min_reads: raw.remote.admission_min_reads }
+            }
+        },
         prefetch: PrefetchConfig {
             max_in_flight: s.prefetch_max_in_flight,
             drain_timeout: s.prefetch_drain_timeout,

@@ -83,6 +83,14 @@ impl ServerMetrics {
             Unit::Bytes,
             "Bytes copied between worker buffers and L1, by direction."
         );
+        // Registered whatever the configuration, so the exposition (and README's table) is the
+        // same with and without a remote tier: 0 where there is none.
+        describe_gauge!(
+            "tierkv_remote_degraded",
+            Unit::Count,
+            "1 while the remote tier cannot be reached: its lookups and loads are misses."
+        );
+        drop(gauge!("tierkv_remote_degraded"));
         ServerMetrics {
             requests: OPS
                 .iter()

@@ -35,7 +35,7 @@ const MAX_WAIT: Duration = Duration::from_secs(60);
 /// owner is answered `released` and a late retrieve `share_returned`, not `unknown_lookup`.
 const ENDED_LOOKUPS: usize = 4096;
 /// The tiers a lookup outcome's `per_tier` always names, in order.
-const TIER_NAMES: [&str; 3] = ["l1", "l2", "disk"];
+const TIER_NAMES: [&str; 4] = ["l1", "l2", "disk", "remote"];
 
 /// A refused request: the error reply.
 #[derive(Debug)]
@@ -112,7 +112,7 @@ pub struct Daemon {
     max_chunk_bytes: u64,
     /// Bytes of leases one session's open lookups may hold (`server.max_leased_per_session`).
     max_leased_per_session: u64,
-    /// Where each lookup outcome's tier counts go in `[l1, l2, disk]`.
+    /// Where each lookup outcome's tier counts go in `[l1, l2, disk, remote]`.
     tier_slots: Vec<usize>,
     lookups: Mutex<HashMap<u64, LookupInfo>>,
     ended: Mutex<Ended>,
@@ -178,6 +178,7 @@ impl Daemon {
             objects: l1.writing + l1.leased + l1.cached,
             hit_chunks: hits(0),
             read_only: None,
+            degraded: None,
         }];
         for (i, (name, usage)) in status.tiers.iter().enumerate() {
             tiers.push(TierReport {
@@ -188,6 +189,7 @@ impl Daemon {
                 objects: usage.objects,
                 hit_chunks: hits(i + 1),
                 read_only: if name == "disk" { status.disk_read_only.clone() } else { None },
+                degraded: if name == "remote" { status.remote_degraded.clone() } else { None },
             });
         }
         let hit_chunks: u64 = totals.hit_chunks.iter().sum();
@@ -859,7 +861,7 @@ impl Drop for Session {
 }
 
 impl Daemon {
-    /// A lookup's outcome on the wire: `per_tier` is always `[l1, l2, disk]`.
+    /// A lookup's outcome on the wire: `per_tier` is always `[l1, l2, disk, remote]`.
     fn outcome(&self, result: &LookupResult) -> LookupOutcome {
         let mut per_tier = vec![0u32; TIER_NAMES.len()];
         for (tier, n) in result.per_tier.iter().enumerate() {

@@ -16,7 +16,7 @@ use tierkv_prefetch::PrefetchConfig;
 use tierkv_server::config::{ConfigError, DEFAULT_TOML, DaemonConfig};
 use tierkv_storage::StorePolicy;
 
-const SECTIONS: [&str; 6] = ["server", "metrics", "l1", "l2", "disk", "storage"];
+const SECTIONS: [&str; 7] = ["server", "metrics", "l1", "l2", "disk", "remote", "storage"];
 
 fn parse(text: &str) -> Result<DaemonConfig, ConfigError> {
     DaemonConfig::parse(text, "test.toml")
@@ -386,6 +386,31 @@ fn disabled_tiers_are_none_and_skip_their_checks() {
     .unwrap();
     assert!(config.storage.l2.is_none() && config.storage.disk.is_none());
     assert_eq!(config.storage.l1.slot_bytes, 1 << 30);
+}
+
+#[test]
+fn the_remote_section_maps_onto_the_remote_tier_and_its_checks_name_the_key() {
+    let defaults = parse("").unwrap();
+    assert!(defaults.storage.remote.is_none(), "the remote tier is off by default");
+    let config = parse(
+        "[l1]\nslot = \"4MiB\"\n[remote]\nenabled = true\n\
+         urls = [\"redis://10.0.0.1:7000\", \"redis://10.0.0.2:7000\"]\nmode = \"standalone\"\n\
+         op_timeout = \"250ms\"\nttl = \"0s\"\nadmission = \"after_reads\"\nadmission_min_reads = 3\n",
+    )
+    .unwrap();
+    let remote = config.storage.remote.unwrap();
+    assert_eq!(remote.urls.len(), 2);
+    assert_eq!(remote.mode, tierkv_remote::RemoteMode::Standalone);
+    assert_eq!(remote.op_timeout, std::time::Duration::from_millis(250));
+    assert_eq!(remote.ttl, None, "0s: no expiry");
+    assert_eq!(remote.max_chunk_bytes, 4 << 20, "chunks are L1 slots");
+    assert_eq!(
+        config.storage.remote_admission,
+        tierkv_storage::RemoteAdmission::AfterReads { min_reads: 3 }
+    );
+    assert_refused("[remote]\nenabled = true\nurls = [\"http://x\"]\n", "remote.urls", 3);
+    assert_refused("[remote]\nenabled = true\nmax_in_flight = 0\n", "remote.max_in_flight", 3);
+    assert_refused("[remote]\nadmission_min_reads = 0\n", "remote.admission_min_reads", 2);
 }
 
 #[test]

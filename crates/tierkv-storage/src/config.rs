@@ -7,6 +7,7 @@ use tierkv_disk::DiskStoreConfig;
 use tierkv_l1::{L1Config, Watermark};
 use tierkv_l2::HostStoreConfig;
 use tierkv_prefetch::PrefetchConfig;
+use tierkv_remote::RemoteConfig;
 
 /// How finished writes reach the lower tiers. `ARCHITECTURE.md` records which is the default
 /// and the trace replay that chose it.
@@ -31,6 +32,21 @@ pub enum StorePolicy {
     Cascade,
 }
 
+/// Which chunks the remote tier (shared by the nodes) receives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RemoteAdmission {
+    /// Whenever the store policy copies a finished write to the host tier, it copies it to the
+    /// remote tier too: another node can hit a prefix as soon as one node computed it.
+    #[default]
+    WriteThrough,
+    /// A chunk reaches the remote tier once it has been read `min_reads` times on this node (1:
+    /// "seen twice", written then read), sparing the network the chunks nobody reuses.
+    AfterReads {
+        /// Reads (lookup hits) a chunk needs before it is written to the remote tier.
+        min_reads: u32,
+    },
+}
+
 /// How a StorageManager is built.
 #[derive(Clone, Debug)]
 pub struct StorageConfig {
@@ -40,6 +56,10 @@ pub struct StorageConfig {
     pub l2: Option<HostStoreConfig>,
     /// The disk tier, if any.
     pub disk: Option<DiskStoreConfig>,
+    /// The cross-node tier, if any: after the disk tier.
+    pub remote: Option<RemoteConfig>,
+    /// Which chunks the remote tier receives.
+    pub remote_admission: RemoteAdmission,
     /// The prefetch pipeline.
     pub prefetch: PrefetchConfig,
     /// How finished writes reach the lower tiers.
@@ -61,6 +81,8 @@ impl StorageConfig {
             l1,
             l2: None,
             disk: None,
+            remote: None,
+            remote_admission: RemoteAdmission::default(),
             prefetch: PrefetchConfig::default(),
             store_policy: StorePolicy::default(),
             l2_watermark: Watermark::default(),

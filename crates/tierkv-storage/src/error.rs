@@ -5,6 +5,7 @@ use tierkv_disk::DiskError;
 use tierkv_l1::L1Error;
 use tierkv_l2::L2Error;
 use tierkv_prefetch::PrefetchError;
+use tierkv_remote::RemoteError;
 
 use crate::lookup::LookupId;
 
@@ -23,6 +24,9 @@ pub enum StorageError {
     /// The disk tier could not be opened.
     #[error(transparent)]
     Disk(#[from] DiskError),
+    /// The remote tier could not be opened.
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
     /// The prefetch pipeline refused or failed.
     #[error(transparent)]
     Prefetch(#[from] PrefetchError),

@@ -1,6 +1,6 @@
 //! tierkv-storage: the one API the daemon calls.
 //!
-//! It owns the [`StorageManager`], which wires L1, the host and disk tiers, the prefetch
+//! It owns the [`StorageManager`], which wires L1, the host, disk and remote tiers, the prefetch
 //! pipeline (lower-tier hits promoted into L1 leases), the store pipeline (finished writes, and
 //! write-back victims, copied down by a [`StorePolicy`]) and a maintenance thread (lease expiry,
 //! background eviction of L1 and L2, gauges). It keeps the record of every open lookup: which
@@ -16,7 +16,7 @@ mod manager;
 mod metrics;
 mod store;
 
-pub use config::{StorageConfig, StorePolicy};
+pub use config::{RemoteAdmission, StorageConfig, StorePolicy};
 pub use error::StorageError;
 pub use lookup::{LookupGroup, LookupId, LookupRequest, LookupResult};
 pub use manager::{RESERVED_OWNERS, StorageManager, StorageStatus};

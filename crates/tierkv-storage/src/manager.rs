@@ -25,8 +25,9 @@ use tierkv_prefetch::{
     GroupKind, GroupRequest, PrefetchController, PrefetchError, PrefetchRequest, Prefetched,
     TierRouter, hit_chunks,
 };
+use tierkv_remote::RemoteStore;
 
-use crate::config::{StorageConfig, StorePolicy};
+use crate::config::{RemoteAdmission, StorageConfig, StorePolicy};
 use crate::error::StorageError;
 use crate::lookup::{Lookup, LookupId, LookupRequest, LookupResult, Stage};
 use crate::metrics::{LookupTotals, StorageMetrics};
@@ -40,6 +41,13 @@ const WRITEBACK_OWNER: OwnerId = OwnerId(u64::MAX - 2);
 
 /// Each key's answer to a `finish_write`, in request order.
 pub type FinishResults = Vec<Result<(), KeyError>>;
+
+/// The tiers `start` opened itself: host, disk, remote.
+type ConfiguredTiers = (Option<Arc<HostStore>>, Option<Arc<DiskStore>>, Option<Arc<RemoteStore>>);
+
+/// How often the maintenance thread probes a degraded remote tier (a `PING` on the tier's own
+/// runtime; the thread does not wait for it).
+const REMOTE_PROBE: Duration = Duration::from_secs(1);
 
 /// Reads counted per chunk for disk admission, at most; beyond this the counts start over.
 const READ_COUNTS: usize = 1 << 20;
@@ -100,6 +108,9 @@ pub struct StorageStatus {
     pub lookups: LookupTotals,
     /// Why the disk tier refuses stores, while its directory cannot be written (it retries).
     pub disk_read_only: Option<String>,
+    /// Why the remote tier is degraded (its last call could not reach Redis: its lookups and
+    /// loads are misses while it reconnects), if it is.
+    pub remote_degraded: Option<String>,
 }
 
 struct Inner {
@@ -107,6 +118,9 @@ struct Inner {
     router: Arc<TierRouter>,
     host: Option<Arc<HostStore>>,
     disk: Option<Arc<DiskStore>>,
+    remote: Option<Arc<RemoteStore>>,
+    /// When the maintenance thread last probed a degraded remote tier.
+    remote_probed: Mutex<Option<Instant>>,
     prefetch: PrefetchController,
     store: StorePipeline,
     lookups: Mutex<HashMap<LookupId, Lookup>>,
@@ -140,6 +154,7 @@ impl StorageManager {
     ) -> Result<Self, StorageError> {
         let host = config.l2.clone().map(HostStore::open).transpose()?.map(Arc::new);
         let disk = config.disk.clone().map(DiskStore::open).transpose()?.map(Arc::new);
+        let remote = config.remote.clone().map(RemoteStore::open).transpose()?.map(Arc::new);
         let mut tiers: Vec<Arc<dyn TierAdapter>> = Vec::new();
         if let Some(host) = &host {
             tiers.push(host.clone());
@@ -147,30 +162,33 @@ impl StorageManager {
         if let Some(disk) = &disk {
             tiers.push(disk.clone());
         }
-        Self::assemble(config, clock, tiers, host, disk)
+        if let Some(remote) = &remote {
+            tiers.push(remote.clone());
+        }
+        Self::assemble(config, clock, tiers, (host, disk, remote))
     }
 
     /// Runs over lower tiers the caller built (fastest first) instead of the configured ones: a
-    /// tier named "disk" is the one disk admission writes to. For tests that inject failures.
+    /// tier named "disk" is the one disk admission writes to, one named "remote" the one
+    /// `remote_admission` feeds. For tests that inject failures.
     pub fn start_with_tiers(
         config: StorageConfig,
         clock: Arc<dyn Clock>,
         tiers: Vec<Arc<dyn TierAdapter>>,
     ) -> Result<Self, StorageError> {
-        if config.l2.is_some() || config.disk.is_some() {
+        if config.l2.is_some() || config.disk.is_some() || config.remote.is_some() {
             return Err(StorageError::Config(
                 "either configured tiers or given tiers, not both".into(),
             ));
         }
-        Self::assemble(config, clock, tiers, None, None)
+        Self::assemble(config, clock, tiers, (None, None, None))
     }
 
     fn assemble(
         config: StorageConfig,
         clock: Arc<dyn Clock>,
         tiers: Vec<Arc<dyn TierAdapter>>,
-        host: Option<Arc<HostStore>>,
-        disk: Option<Arc<DiskStore>>,
+        (host, disk, remote): ConfiguredTiers,
     ) -> Result<Self, StorageError> {
         let (jobs, inbox) = StoreQueue::new();
         let observer = Arc::new(Forward { jobs: jobs.clone(), policy: config.store_policy });
@@ -188,6 +206,10 @@ impl StorageManager {
         let context = L1Context { clock, observer, demoter };
         let l1 = Arc::new(L1Manager::build(config.l1.clone(), context)?);
         let disk_index = tiers.iter().position(|t| t.name() == "disk");
+        let remote_index = tiers
+            .iter()
+            .position(|t| t.name() == "remote")
+            .map(|index| (index, config.remote_admission));
         let names: Vec<String> = tiers.iter().map(|t| t.name().to_string()).collect();
         let metrics = Arc::new(StorageMetrics::register(&names));
         let router = Arc::new(TierRouter::start(tiers)?);
@@ -196,7 +218,7 @@ impl StorageManager {
             l1.clone(),
             router.clone(),
             config.store_policy,
-            disk_index,
+            (disk_index, remote_index),
             (jobs, inbox),
             metrics.clone(),
         )?;
@@ -205,6 +227,8 @@ impl StorageManager {
             router,
             host,
             disk,
+            remote,
+            remote_probed: Mutex::new(None),
             prefetch,
             store,
             lookups: Mutex::new(HashMap::new()),
@@ -676,6 +700,7 @@ impl StorageManager {
             store_in_flight: self.inner.store.in_flight(),
             lookups: self.inner.metrics.totals(),
             disk_read_only: self.inner.disk.as_ref().and_then(|d| d.read_only()),
+            remote_degraded: self.inner.remote.as_ref().and_then(|r| r.degraded()),
         }
     }
 
@@ -819,23 +844,41 @@ impl Inner {
         }
     }
 
-    /// Disk admission: counts reads, and sends chunks that reached the threshold to disk.
+    /// Disk and remote admission: counts reads, and sends chunks that reached a threshold to
+    /// that tier.
     fn count_reads(&self, keys: impl Iterator<Item = ObjectKey>) {
-        let StorePolicy::DiskAdmission { min_reads } = self.config.store_policy else { return };
+        let disk = match self.config.store_policy {
+            StorePolicy::DiskAdmission { min_reads } => Some(min_reads),
+            _ => None,
+        };
+        let remote = match (&self.remote, self.config.remote_admission) {
+            (Some(_), RemoteAdmission::AfterReads { min_reads }) => Some(min_reads),
+            _ => None,
+        };
+        if disk.is_none() && remote.is_none() {
+            return;
+        }
         let mut reads = self.reads.lock();
         if reads.len() > READ_COUNTS {
             reads.clear();
         }
-        let admitted: Vec<ObjectKey> = keys
-            .filter(|key| {
-                let count = reads.entry(*key).or_insert(0);
-                *count += 1;
-                *count == min_reads
-            })
-            .collect();
+        let (mut to_disk, mut to_remote) = (Vec::new(), Vec::new());
+        for key in keys {
+            let count = reads.entry(key).or_insert(0);
+            *count += 1;
+            if Some(*count) == disk {
+                to_disk.push(key);
+            }
+            if Some(*count) == remote {
+                to_remote.push(key);
+            }
+        }
         drop(reads);
-        if !admitted.is_empty() {
-            self.store.submit(StoreJob::Admit(admitted));
+        if !to_disk.is_empty() {
+            self.store.submit(StoreJob::Admit(to_disk));
+        }
+        if !to_remote.is_empty() {
+            self.store.submit(StoreJob::AdmitRemote(to_remote));
         }
     }
 
@@ -867,6 +910,17 @@ impl Inner {
         if let Some(disk) = &self.disk {
             disk.maintain();
             disk.publish_metrics();
+        }
+        if let Some(remote) = &self.remote {
+            // A degraded tier is probed in the background, so it recovers (and says so) without
+            // waiting for a lookup to find it healthy again.
+            let mut probed = self.remote_probed.lock();
+            if remote.degraded().is_some() && probed.is_none_or(|t| t.elapsed() >= REMOTE_PROBE) {
+                remote.probe();
+                *probed = Some(Instant::now());
+            }
+            drop(probed);
+            remote.publish_metrics();
         }
         self.l1.publish_metrics();
         // Abandoned lookups: return their prefetched leases once the prefetch is over.

@@ -23,7 +23,7 @@ use tierkv_core::{ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, Tas
 use tierkv_l1::{L1Manager, LeaseId, OwnerId, Readers};
 use tierkv_prefetch::{TierEvent, TierRouter};
 
-use crate::config::StorePolicy;
+use crate::config::{RemoteAdmission, StorePolicy};
 use crate::metrics::StorageMetrics;
 
 /// The owner of the store pipeline's shares.
@@ -36,6 +36,8 @@ pub(crate) enum StoreJob {
     Finished { keys: Vec<ObjectKey>, lease: Option<LeaseId>, ticket: Option<Arc<StoreTicket>> },
     /// Objects read often enough to be admitted to disk.
     Admit(Vec<ObjectKey>),
+    /// Objects read often enough to be admitted to the remote tier.
+    AdmitRemote(Vec<ObjectKey>),
     /// Eviction victims leased for write-back; the lease is the pipeline's to return.
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
     /// Chunks a tier above evicted under the cascade policy, with their bytes, for lower tier
@@ -172,7 +174,7 @@ impl StorePipeline {
         l1: Arc<L1Manager>,
         router: Arc<TierRouter>,
         policy: StorePolicy,
-        disk: Option<usize>,
+        (disk, remote): (Option<usize>, Option<(usize, RemoteAdmission)>),
         (queue, inbox): (StoreQueue, Receiver<StoreJob>),
         metrics: Arc<StorageMetrics>,
     ) -> std::io::Result<Self> {
@@ -183,6 +185,7 @@ impl StorePipeline {
             router,
             policy,
             disk,
+            remote,
             events_tx,
             batches: HashMap::new(),
             tasks: HashMap::new(),
@@ -235,6 +238,8 @@ struct Worker {
     router: Arc<TierRouter>,
     policy: StorePolicy,
     disk: Option<usize>,
+    /// The remote tier's index and which chunks it receives.
+    remote: Option<(usize, RemoteAdmission)>,
     events_tx: Sender<TierEvent>,
     batches: HashMap<u64, Batch>,
     tasks: HashMap<(usize, TaskId), u64>,
@@ -318,17 +323,29 @@ impl Worker {
 
     /// The tiers a job's objects go to.
     fn targets(&self, job: &StoreJob) -> Vec<usize> {
+        // A remote tier that admits chunks after reads receives them only by `AdmitRemote`.
+        let remote_later = match self.remote {
+            Some((index, RemoteAdmission::AfterReads { .. })) => Some(index),
+            _ => None,
+        };
         let all: Vec<usize> = (0..self.router.len()).collect();
+        if let StoreJob::AdmitRemote(_) = job {
+            return self.remote.map(|(index, _)| index).into_iter().collect();
+        }
+        let at_write = |tiers: Vec<usize>| -> Vec<usize> {
+            tiers.into_iter().filter(|t| Some(*t) != remote_later).collect()
+        };
         match (job, self.policy) {
-            (StoreJob::Finished { .. }, StorePolicy::WriteThrough)
-            | (StoreJob::WriteBack { .. }, _) => all,
+            (StoreJob::Finished { .. }, StorePolicy::WriteThrough) => at_write(all),
+            (StoreJob::WriteBack { .. }, _) => all,
             (StoreJob::Finished { .. }, StorePolicy::DiskAdmission { .. }) => {
-                all.into_iter().filter(|t| Some(*t) != self.disk).collect()
+                at_write(all.into_iter().filter(|t| Some(*t) != self.disk).collect())
             }
             (StoreJob::Finished { .. }, StorePolicy::WriteBack | StorePolicy::Cascade) => {
                 Vec::new()
             }
             (StoreJob::Admit(_), _) => self.disk.into_iter().collect(),
+            (StoreJob::AdmitRemote(_), _) => Vec::new(),
             (StoreJob::Demoted { tier, .. }, _) => all.into_iter().filter(|t| t == tier).collect(),
         }
     }
@@ -368,11 +385,15 @@ impl Worker {
             StoreJob::Finished { keys, lease: Some(lease), ticket } if !targets.is_empty() => {
                 (lease, keys, false, ticket)
             }
-            job @ (StoreJob::Finished { .. } | StoreJob::Admit(_)) if targets.is_empty() => {
+            job @ (StoreJob::Finished { .. } | StoreJob::Admit(_) | StoreJob::AdmitRemote(_))
+                if targets.is_empty() =>
+            {
                 self.drop_job(job);
                 return;
             }
-            StoreJob::Finished { keys, lease: None, ticket: _ } | StoreJob::Admit(keys) => {
+            StoreJob::Finished { keys, lease: None, ticket: _ }
+            | StoreJob::Admit(keys)
+            | StoreJob::AdmitRemote(keys) => {
                 // One share per key while copying; keys already gone are skipped.
                 let grant = self.l1.reserve_read(STORE_OWNER, &keys, ExtraCount::ZERO);
                 let Some(lease) = grant.lease else {

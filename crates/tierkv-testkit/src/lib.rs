@@ -6,6 +6,8 @@
 //!   real tiers.
 //! - [`contract`]: the adapter contract (CONFORMANCE C1-C8) written once, and
 //!   [`tier_contract_tests!`] to run it against an implementation.
+//! - [`redis`]: a real Redis Cluster (3 masters, 3 replicas) or standalone server on loopback
+//!   ports, for the remote tier's tests.
 //!
 //! Test code only: nothing outside `[dev-dependencies]` may depend on this crate.
 
@@ -17,6 +19,7 @@
 
 pub mod contract;
 mod fake;
+pub mod redis;
 
 pub use fake::FakeTier;
 

@@ -67,6 +67,11 @@ pub struct ReplayArgs {
     /// own) instead of starting one; its tiers and policy are its own.
     #[arg(long)]
     socket: Option<PathBuf>,
+    /// With --socket: the model name of the replay's namespace (default: a fresh one per
+    /// replay), so replays through several daemons that share a remote tier share one
+    /// namespace, as the nodes serving one model do.
+    #[arg(long, requires = "socket")]
+    model: Option<String>,
     /// The directory for replay.json and hit_ratio.svg.
     #[arg(long, default_value = "replay-results")]
     out: PathBuf,
@@ -300,6 +305,7 @@ fn daemon_runs(
                 mla: args.mla,
                 pace,
                 progress: !args.quiet,
+                model: args.model.clone(),
                 interrupt: Some(Arc::clone(&interrupt)),
             };
             results.push(tierkv_replay::replay_daemon(trace, &plan).map_err(|e| e.to_string())?);

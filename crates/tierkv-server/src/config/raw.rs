@@ -25,6 +25,7 @@ pub(super) struct Raw {
     pub l1: L1,
     pub l2: L2,
     pub disk: Disk,
+    pub remote: Remote,
     pub storage: Storage,
 }
 
@@ -168,6 +169,70 @@ impl Default for Disk {
             read_mode: ReadMode::Direct,
             policy: PolicyKind::default(),
             group: None,
+        }
+    }
+}
+
+/// `remote.mode`.
+#[derive(Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum RemoteModeName {
+    #[default]
+    Cluster,
+    Standalone,
+}
+
+/// `remote.admission`; the reads of `after_reads` are a key of their own.
+#[derive(Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum RemoteAdmissionName {
+    #[default]
+    WriteThrough,
+    AfterReads,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct Remote {
+    pub enabled: bool,
+    pub urls: Vec<String>,
+    pub mode: RemoteModeName,
+    pub key_prefix: String,
+    #[serde(deserialize_with = "duration")]
+    pub connect_timeout: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub op_timeout: Duration,
+    pub max_in_flight: usize,
+    /// "0s": no expiry.
+    #[serde(deserialize_with = "duration")]
+    pub ttl: Duration,
+    pub admission: RemoteAdmissionName,
+    pub admission_min_reads: u32,
+    #[serde(deserialize_with = "duration")]
+    pub reconnect_interval: Duration,
+    pub threads: usize,
+}
+
+impl Default for Remote {
+    fn default() -> Self {
+        let d = tierkv_remote::RemoteConfig::new(
+            vec!["redis://127.0.0.1:6379".into()],
+            tierkv_remote::RemoteMode::Cluster,
+            1,
+        );
+        Remote {
+            enabled: false,
+            urls: d.urls,
+            mode: RemoteModeName::Cluster,
+            key_prefix: d.key_prefix,
+            connect_timeout: d.connect_timeout,
+            op_timeout: d.op_timeout,
+            max_in_flight: d.max_in_flight,
+            ttl: d.ttl.unwrap_or_default(),
+            admission: RemoteAdmissionName::WriteThrough,
+            admission_min_reads: 1,
+            reconnect_interval: d.reconnect_interval,
+            threads: d.threads,
         }
     }
 }

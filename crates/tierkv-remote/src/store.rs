@@ -1,0 +1,580 @@
+//! The RemoteStore: the `TierAdapter` face over Redis, tasks run on the adapter's own tokio
+//! runtime, completions sent on a crossbeam channel like every other tier's.
+//!
+//! The remote tier cannot lock: a lookup answers presence (`EXISTS`, one per key, all in flight
+//! at once on the multiplexed connection) and a value may vanish (expiry, server eviction, a
+//! failover that lost it) before the load. The load then reports that key absent and the
+//! prefetch pipeline trims the hit to what arrived. The "locks" this adapter counts are a
+//! ledger only, kept so the pipelines' bookkeeping (every lock returned) is checked on this tier
+//! as on the others; they protect nothing.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use parking_lot::Mutex;
+use tierkv_core::{
+    Bitmap, ChunkSink, ChunkSource, Completion, LoadItem, ObjectKey, StoreItem, TaskId,
+    TierAdapter, TierError, TierUsage,
+};
+use tokio::runtime::Runtime;
+use tokio::sync::{Semaphore, watch};
+
+use crate::config::RemoteConfig;
+use crate::conn::Link;
+use crate::error::{CallError, RemoteError};
+use crate::format::{HEADER_BYTES, encode_header, redis_key, verify};
+use crate::metrics::RemoteMetrics;
+
+struct Shared {
+    config: RemoteConfig,
+    link: Link,
+    /// Values in flight, over every task.
+    permits: Semaphore,
+    done: Sender<Completion>,
+    completions: Receiver<Completion>,
+    metrics: RemoteMetrics,
+    closed: AtomicBool,
+    close_signal: watch::Sender<bool>,
+    /// Lookup "locks" not yet returned: a ledger, see the module documentation.
+    locks: Mutex<HashMap<ObjectKey, u64>>,
+    /// Objects and bytes this node stored and did not delete (the cluster holds others' too).
+    objects: AtomicU64,
+    bytes: AtomicU64,
+    /// Tasks spawned and not yet completed.
+    running: AtomicU64,
+}
+
+/// The cross-node tier: a Redis Cluster or one Redis server.
+pub struct RemoteStore {
+    shared: Arc<Shared>,
+    runtime: Mutex<Option<Runtime>>,
+    next_task: AtomicU64,
+}
+
+impl RemoteStore {
+    /// Starts the adapter's runtime. It does not wait for Redis: the first call connects, and
+    /// until it can the tier is degraded and every call a miss.
+    pub fn open(config: RemoteConfig) -> Result<Self, RemoteError> {
+        config.validate()?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.threads)
+            .thread_name("tierkv-remote")
+            .enable_all()
+            .build()?;
+        let (done, completions) = unbounded();
+        let (close_signal, _) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            link: Link::new(config.clone()),
+            permits: Semaphore::new(config.max_in_flight),
+            config,
+            done,
+            completions,
+            metrics: RemoteMetrics::register(),
+            closed: AtomicBool::new(false),
+            close_signal,
+            locks: Mutex::new(HashMap::new()),
+            objects: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+        });
+        shared.publish();
+        Ok(RemoteStore { shared, runtime: Mutex::new(Some(runtime)), next_task: AtomicU64::new(1) })
+    }
+
+    /// Why the tier is degraded (the last call could not reach Redis), if it is.
+    pub fn degraded(&self) -> Option<String> {
+        self.shared.link.degraded()
+    }
+
+    /// Sets the remote tier's gauges.
+    pub fn publish_metrics(&self) {
+        self.shared.publish();
+    }
+
+    /// Tries to reach Redis (a `PING` within the op deadline) in the background, without
+    /// waiting: a degraded tier then notices its recovery without waiting for a lookup. The
+    /// storage layer's maintenance calls it while the tier is degraded.
+    pub fn probe(&self) {
+        let shared = Arc::clone(&self.shared);
+        if let Some(runtime) = self.runtime.lock().as_ref() {
+            runtime.spawn(async move {
+                shared.link.probe().await;
+                shared.publish();
+            });
+        }
+    }
+
+    /// The configuration the store was opened with.
+    pub fn config(&self) -> &RemoteConfig {
+        &self.shared.config
+    }
+
+    /// Runs `work` on the runtime and waits for it, at most a little past the op deadline
+    /// (`work` has its own deadlines). Safe to call from any thread, an async one included.
+    fn run<T: Send + 'static>(&self, work: impl Future<Output = T> + Send + 'static) -> Option<T> {
+        let handle = self.runtime.lock().as_ref().map(|r| r.handle().clone())?;
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        handle.spawn(async move {
+            let _ = reply.send(work.await);
+        });
+        answer.recv_timeout(self.shared.config.op_timeout * 2 + Duration::from_secs(1)).ok()
+    }
+
+    fn task(&self) -> TaskId {
+        TaskId(self.next_task.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Runs `work` on the runtime; when the adapter is closed (before or while it runs) the task
+    /// completes with `failed` instead.
+    fn spawn<W, F>(&self, work: W, failed: F)
+    where
+        W: Future<Output = Completion> + Send + 'static,
+        F: FnOnce() -> Completion + Send + 'static,
+    {
+        let handle = self.runtime.lock().as_ref().map(|r| r.handle().clone());
+        let shared = Arc::clone(&self.shared);
+        match handle {
+            Some(handle) if !shared.closed.load(Ordering::Acquire) => {
+                let mut closing = shared.close_signal.subscribe();
+                shared.running.fetch_add(1, Ordering::AcqRel);
+                handle.spawn(async move {
+                    let completion = tokio::select! {
+                        biased;
+                        _ = closing.wait_for(|c| *c) => None,
+                        completion = work => Some(completion),
+                    };
+                    let completion = completion.unwrap_or_else(|| {
+                        shared.metrics.error("closed");
+                        failed()
+                    });
+                    let _ = shared.done.send(completion);
+                    shared.publish();
+                    shared.running.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+            _ => {
+                shared.metrics.error("closed");
+                let _ = shared.done.send(failed());
+            }
+        }
+    }
+}
+
+impl Shared {
+    fn publish(&self) {
+        self.metrics.publish(
+            self.objects.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed),
+            self.link.degraded().is_some(),
+        );
+    }
+
+    fn count_error(&self, e: &CallError) {
+        self.metrics.error(e.reason());
+    }
+
+    /// Stores every item, each in its own task (its copy, checksum and `SET` overlap the
+    /// others'); the first failure fails the task (values already written stay: each verifies
+    /// itself, so a partial task leaves nothing that could be served wrong). Hands the items
+    /// back in their order.
+    async fn store(
+        self: Arc<Self>,
+        items: Vec<StoreItem>,
+    ) -> (Result<(), TierError>, Vec<StoreItem>) {
+        let limit = self.config.max_chunk_bytes;
+        if let Some(item) = items.iter().find(|i| i.source.len() > limit) {
+            self.metrics.error("too_large");
+            let bytes = item.source.len();
+            return (Err(TierError::TooLarge { bytes, limit }), items);
+        }
+        let n = items.len();
+        let mut set = tokio::task::JoinSet::new();
+        for (i, item) in items.into_iter().enumerate() {
+            let shared = Arc::clone(&self);
+            set.spawn(async move {
+                let Ok(_permit) = shared.permits.acquire().await else {
+                    return (i, Err(CallError::Closed.into()), item);
+                };
+                let name = redis_key(&shared.config.key_prefix, &item.key);
+                let cmd =
+                    match set_command(&name, &item.key, item.source.as_ref(), shared.config.ttl) {
+                        Ok(cmd) => cmd,
+                        Err(e) => return (i, Err(StoreFailure::Tier(e)), item),
+                    };
+                let result = shared.link.call::<()>(&cmd).await.map_err(StoreFailure::from);
+                (i, result, item)
+            });
+        }
+        let mut back: Vec<Option<StoreItem>> = (0..n).map(|_| None).collect();
+        let (mut stored, mut bytes, mut failure) = (0u64, 0u64, None);
+        while let Some(joined) = set.join_next().await {
+            match joined {
+                Ok((i, result, item)) => {
+                    match result {
+                        Ok(()) => {
+                            stored += 1;
+                            bytes += item.source.len();
+                        }
+                        Err(e) => {
+                            if let StoreFailure::Call(e) = &e {
+                                self.count_error(e);
+                            }
+                            failure.get_or_insert(e);
+                        }
+                    }
+                    back[i] = Some(item);
+                }
+                Err(e) => {
+                    failure.get_or_insert(StoreFailure::Call(CallError::Unavailable(format!(
+                        "task failed: {e}"
+                    ))));
+                }
+            }
+        }
+        let items = back.into_iter().flatten().collect();
+        self.objects.fetch_add(stored, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.metrics.stored(stored, bytes);
+        let result = match failure {
+            None => Ok(()),
+            Some(StoreFailure::Tier(e)) => Err(e),
+            Some(StoreFailure::Call(e)) if e.reason() == "oom" => {
+                Err(TierError::NoSpace(e.to_string()))
+            }
+            Some(StoreFailure::Call(e)) => Err(TierError::Io(format!("remote store failed: {e}"))),
+        };
+        (result, items)
+    }
+
+    /// Which keys exist: one `EXISTS` per key, all in flight at once. A failure is a miss.
+    async fn lookup(self: Arc<Self>, keys: Vec<ObjectKey>) -> Bitmap {
+        let mut set = tokio::task::JoinSet::new();
+        for (i, key) in keys.iter().enumerate() {
+            let shared = Arc::clone(&self);
+            let name = redis_key(&self.config.key_prefix, key);
+            set.spawn(async move {
+                let mut cmd = redis::cmd("EXISTS");
+                cmd.arg(name);
+                (i, shared.link.call::<u64>(&cmd).await)
+            });
+        }
+        let mut found = Bitmap::new(keys.len());
+        let mut error = None;
+        while let Some(joined) = set.join_next().await {
+            match joined {
+                Ok((i, Ok(n))) => {
+                    found.set(i, n > 0);
+                }
+                Ok((_, Err(e))) => {
+                    error.get_or_insert(e);
+                }
+                Err(_) => {}
+            }
+        }
+        // One count per failed lookup task, not per key: a dead cluster is one event per call.
+        if let Some(e) = error {
+            self.count_error(&e);
+        }
+        let mut locks = self.locks.lock();
+        for i in found.iter_ones() {
+            *locks.entry(keys[i]).or_insert(0) += 1;
+        }
+        found
+    }
+
+    /// Loads every item, each in its own task: `GET`, verify against its key, copy its payload
+    /// into the sink, overlapping the others'. A value absent, unreachable or that does not
+    /// verify is a miss (counted), never copied. Hands the items back in their order.
+    async fn load(self: Arc<Self>, items: Vec<LoadItem>) -> (Bitmap, Vec<LoadItem>) {
+        let n = items.len();
+        let mut set = tokio::task::JoinSet::new();
+        for (i, mut item) in items.into_iter().enumerate() {
+            let shared = Arc::clone(&self);
+            set.spawn(async move {
+                let Ok(_permit) = shared.permits.acquire().await else {
+                    return (i, Err(CallError::Closed), item);
+                };
+                let mut cmd = redis::cmd("GET");
+                cmd.arg(redis_key(&shared.config.key_prefix, &item.key));
+                let value = match shared.link.call::<Option<Vec<u8>>>(&cmd).await {
+                    Ok(Some(value)) => value,
+                    Ok(None) => return (i, Ok(false), item),
+                    Err(e) => return (i, Err(e), item),
+                };
+                let loaded = match verify(&item.key, &value, item.sink.len()) {
+                    Ok(payload) => {
+                        let copied = copy_out(payload, item.sink.as_mut()).is_ok();
+                        if !copied {
+                            shared.metrics.error("copy");
+                        }
+                        copied
+                    }
+                    Err(invalid) => {
+                        tracing::warn!(key = ?item.key, why = invalid.reason(), "a remote value failed verification: a miss");
+                        shared.metrics.invalid(invalid.reason());
+                        false
+                    }
+                };
+                (i, Ok(loaded), item)
+            });
+        }
+        let mut back: Vec<Option<LoadItem>> = (0..n).map(|_| None).collect();
+        let mut loaded = Bitmap::new(n);
+        let (mut bytes, mut error) = (0u64, None);
+        while let Some(joined) = set.join_next().await {
+            let Ok((i, result, item)) = joined else { continue };
+            match result {
+                Ok(true) => {
+                    loaded.set(i, true);
+                    bytes += item.sink.len();
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    error.get_or_insert(e);
+                }
+            }
+            back[i] = Some(item);
+        }
+        // One count per failed task, not per key: a dead cluster is one event per call.
+        if let Some(e) = error {
+            self.count_error(&e);
+        }
+        self.metrics.loaded(loaded.count_ones() as u64, bytes);
+        // A sink lost to a panicked task cannot be handed back; the bitmap keeps its position.
+        (loaded, back.into_iter().flatten().collect())
+    }
+}
+
+/// Why one value of a store task failed.
+enum StoreFailure {
+    /// Reading the source failed.
+    Tier(TierError),
+    /// Redis did not take it.
+    Call(CallError),
+}
+
+impl From<CallError> for StoreFailure {
+    fn from(e: CallError) -> Self {
+        StoreFailure::Call(e)
+    }
+}
+
+/// The `SET` of a store item, its value (header and payload) written straight into the
+/// command's buffer: one copy of the chunk, as a plain `SET` of the bytes makes.
+fn set_command(
+    name: &str,
+    key: &ObjectKey,
+    source: &dyn ChunkSource,
+    ttl: Option<Duration>,
+) -> Result<redis::Cmd, TierError> {
+    use std::io::Write;
+
+    use redis::RedisWrite;
+
+    let mut cmd = redis::cmd("SET");
+    cmd.arg(name);
+    let len = source.len() as usize;
+    match source.host_bytes() {
+        Some(payload) if payload.len() == len => {
+            let mut header = [0u8; HEADER_BYTES];
+            encode_header(key, payload, &mut header);
+            cmd.reserve_space_for_args([HEADER_BYTES + len]);
+            let mut arg = cmd.writer_for_next_arg();
+            arg.write_all(&header).map_err(|e| TierError::Io(e.to_string()))?;
+            arg.write_all(payload).map_err(|e| TierError::Io(e.to_string()))?;
+        }
+        // A source that is not host memory (a device slot) is staged once.
+        _ => {
+            cmd.arg(value_of(key, source)?);
+        }
+    }
+    if let Some(ttl) = ttl {
+        cmd.arg("PX").arg(ttl.as_millis().max(1) as u64);
+    }
+    Ok(cmd)
+}
+
+/// The value of a store item: header and payload, read from the source in one copy.
+fn value_of(key: &ObjectKey, source: &dyn ChunkSource) -> Result<Vec<u8>, TierError> {
+    let len = source.len() as usize;
+    let mut value = vec![0u8; HEADER_BYTES + len];
+    match source.host_bytes() {
+        Some(bytes) if bytes.len() == len => value[HEADER_BYTES..].copy_from_slice(bytes),
+        _ => source.copy_to_host(&mut value[HEADER_BYTES..])?,
+    }
+    let (header, payload) = value.split_at_mut(HEADER_BYTES);
+    encode_header(key, payload, header);
+    Ok(value)
+}
+
+fn copy_out(src: &[u8], sink: &mut dyn ChunkSink) -> Result<(), tierkv_core::BufferError> {
+    match sink.host_bytes_mut() {
+        Some(bytes) if bytes.len() == src.len() => {
+            bytes.copy_from_slice(src);
+            Ok(())
+        }
+        _ => sink.copy_from_host(src),
+    }
+}
+
+impl TierAdapter for RemoteStore {
+    fn name(&self) -> &str {
+        "remote"
+    }
+
+    fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
+        let task = self.task();
+        let shared = Arc::clone(&self.shared);
+        // The sources go back in the completion; a task cut short by `close` hands back those
+        // it has not yet passed to its value tasks.
+        let items = Arc::new(Mutex::new(Some(items)));
+        let give_back = Arc::clone(&items);
+        let work = async move {
+            let sources = items.lock().take().unwrap_or_default();
+            let (result, sources) = shared.store(sources).await;
+            Completion::Stored { task, result, sources }
+        };
+        let failed = move || Completion::Stored {
+            task,
+            result: Err(TierError::Closed),
+            sources: give_back.lock().take().unwrap_or_default(),
+        };
+        self.spawn(work, failed);
+        task
+    }
+
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
+        let task = self.task();
+        let n = keys.len();
+        let shared = Arc::clone(&self.shared);
+        let work = async move { Completion::LookedUp { task, locked: shared.lookup(keys).await } };
+        self.spawn(work, move || Completion::LookedUp { task, locked: Bitmap::new(n) });
+        task
+    }
+
+    fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
+        let task = self.task();
+        let n = items.len();
+        let shared = Arc::clone(&self.shared);
+        let items = Arc::new(Mutex::new(Some(items)));
+        let give_back = Arc::clone(&items);
+        let work = async move {
+            let sinks = items.lock().take().unwrap_or_default();
+            let (loaded, sinks) = shared.load(sinks).await;
+            Completion::Loaded { task, loaded, sinks }
+        };
+        let failed = move || Completion::Loaded {
+            task,
+            loaded: Bitmap::new(n),
+            sinks: give_back.lock().take().unwrap_or_default(),
+        };
+        self.spawn(work, failed);
+        task
+    }
+
+    fn unlock(&self, keys: &[ObjectKey]) {
+        let mut locks = self.shared.locks.lock();
+        for key in keys {
+            if let Some(n) = locks.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    locks.remove(key);
+                }
+            }
+        }
+    }
+
+    /// Deletes the keys no lookup of this node holds, within the op deadline; a failure deletes
+    /// nothing it can report.
+    fn delete(&self, keys: &[ObjectKey]) -> usize {
+        let names: Vec<String> = {
+            let locks = self.shared.locks.lock();
+            keys.iter()
+                .filter(|k| !locks.contains_key(k))
+                .map(|k| redis_key(&self.shared.config.key_prefix, k))
+                .collect()
+        };
+        let shared = Arc::clone(&self.shared);
+        // One DEL per key: a cluster refuses a DEL whose keys hash to different slots.
+        let deleted = self.run(async move {
+            let mut set = tokio::task::JoinSet::new();
+            for name in names {
+                let shared = Arc::clone(&shared);
+                set.spawn(async move {
+                    let mut cmd = redis::cmd("DEL");
+                    cmd.arg(name);
+                    shared.link.call::<u64>(&cmd).await.unwrap_or(0)
+                });
+            }
+            let mut deleted = 0;
+            while let Some(n) = set.join_next().await {
+                deleted += n.unwrap_or(0);
+            }
+            deleted
+        });
+        let deleted = deleted.unwrap_or(0);
+        let _ = self.shared.objects.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            Some(n.saturating_sub(deleted))
+        });
+        deleted as usize
+    }
+
+    /// Deletes nothing: the remote tier is shared with other nodes, which may be reading what
+    /// this node would clear. Values leave by their TTL or the server's eviction (an operator
+    /// who wants the tier empty flushes Redis).
+    fn clear(&self) -> usize {
+        0
+    }
+
+    fn usage(&self) -> TierUsage {
+        TierUsage {
+            capacity_bytes: 0,
+            used_bytes: self.shared.bytes.load(Ordering::Relaxed),
+            objects: self.shared.objects.load(Ordering::Relaxed),
+            locks: self.shared.locks.lock().values().sum(),
+        }
+    }
+
+    fn completions(&self) -> Receiver<Completion> {
+        self.shared.completions.clone()
+    }
+
+    /// A chunk fetched over the network stays in L1: the next lookup of it is local.
+    fn keep_promoted(&self) -> bool {
+        true
+    }
+
+    fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.close_signal.send_replace(true);
+        if let Some(runtime) = self.runtime.lock().take() {
+            // Every task selects on the close signal and completes at once; wait for their
+            // completions (briefly), then let the runtime go without blocking, which is allowed
+            // on any thread, an async one included.
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
+            while self.shared.running.load(Ordering::Acquire) > 0
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            runtime.shutdown_background();
+        }
+        self.shared.publish();
+    }
+}
+
+impl Drop for RemoteStore {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl RemoteStore {
+    /// How long one call may take (the op deadline).
+    pub fn op_timeout(&self) -> Duration {
+        self.shared.link.op_timeout()
+    }
+}

@@ -1,0 +1,453 @@
+//! The RemoteStore against real Redis: a 3-master + 3-replica cluster and a standalone server
+//! (Debian's redis-server), on loopback. The adapter contract (C1, C2, C4-C6, C8: the remote tier
+//! cannot lock or be full, so C3 and C7 do not apply), values that prove themselves, tenants
+//! that never meet, and every failure a miss: a master killed, the whole cluster hung or gone, a
+//! server full.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tierkv_core::{Bitmap, ChunkHash, KvRank, Namespace, ObjectKey, TierError};
+use tierkv_remote::format::{HEADER_BYTES, encode, redis_key};
+use tierkv_remote::{RemoteConfig, RemoteMode, RemoteStore};
+use tierkv_testkit::contract::{self, OpenTier, SharedTier, key, keys, payload};
+use tierkv_testkit::redis::{RedisCluster, RedisStandalone};
+use tierkv_testkit::require_redis;
+
+const CHUNK: u64 = 64 << 10;
+
+/// One cluster for the tests that do not break it; each uses its own key prefix.
+fn shared_cluster() -> &'static RedisCluster {
+    static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
+    CLUSTER.get_or_init(RedisCluster::start)
+}
+
+fn unique_prefix(name: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("test-{name}-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+fn config(urls: Vec<String>, mode: RemoteMode, prefix: &str) -> RemoteConfig {
+    RemoteConfig {
+        key_prefix: prefix.to_string(),
+        connect_timeout: Duration::from_millis(500),
+        op_timeout: Duration::from_millis(500),
+        reconnect_interval: Duration::from_millis(200),
+        ttl: Some(Duration::from_secs(600)),
+        ..RemoteConfig::new(urls, mode, CHUNK)
+    }
+}
+
+fn open_tier(config: RemoteConfig) -> OpenTier {
+    OpenTier {
+        tier: Arc::new(RemoteStore::open(config).unwrap()),
+        chunk_bytes: CHUNK,
+        keep: Box::new(()),
+    }
+}
+
+/// The remote tier's counters and gauges in one snapshot (a snapshot drains the counters), by
+/// name and `reason` label ("" where there is none).
+struct Seen(std::collections::HashMap<(String, String), f64>);
+
+impl Seen {
+    fn take(snapshotter: &Snapshotter) -> Self {
+        let mut seen = std::collections::HashMap::new();
+        for (k, _, _, v) in snapshotter.snapshot().into_vec() {
+            let key = k.key();
+            let label =
+                |name: &str| key.labels().find(|l| l.key() == name).map(|l| l.value().to_string());
+            if label("tier").is_some_and(|t| t != "remote") {
+                continue;
+            }
+            let value = match v {
+                DebugValue::Counter(n) => n as f64,
+                DebugValue::Gauge(g) => g.into_inner(),
+                DebugValue::Histogram(_) => continue,
+            };
+            *seen
+                .entry((key.name().to_string(), label("reason").unwrap_or_default()))
+                .or_insert(0.0) += value;
+        }
+        Seen(seen)
+    }
+
+    fn get(&self, name: &str, reason: &str) -> f64 {
+        self.0.get(&(name.to_string(), reason.to_string())).copied().unwrap_or(0.0)
+    }
+}
+
+macro_rules! contract_on {
+    ($module:ident, $open:expr) => {
+        mod $module {
+            use super::*;
+
+            fn open(_capacity: u64) -> OpenTier {
+                $open
+            }
+
+            #[test]
+            fn c1_store_completes_once_and_only_once() {
+                require_redis!();
+                contract::c1_store_completes_once_and_only_once(&open);
+            }
+
+            #[test]
+            fn c2_lookup_answers_per_key() {
+                require_redis!();
+                contract::c2_lookup_answers_per_key(&open);
+            }
+
+            #[test]
+            fn c4_load_copies_exact_bytes_and_reports_absent_keys() {
+                require_redis!();
+                contract::c4_load_copies_exact_bytes_and_reports_absent_keys(&open);
+            }
+
+            #[test]
+            fn c5_five_keys_in_one_task_and_unique_task_ids() {
+                require_redis!();
+                contract::c5_five_keys_in_one_task_and_unique_task_ids(&open);
+            }
+
+            #[test]
+            fn c6_round_trip_of_1_and_100_keys() {
+                require_redis!();
+                contract::c6_round_trip_of_1_and_100_keys(&open);
+            }
+
+            #[test]
+            fn c8_close_with_tasks_in_flight() {
+                require_redis!();
+                contract::c8_close_with_tasks_in_flight(&open);
+            }
+        }
+    };
+}
+
+contract_on!(
+    contract_cluster,
+    open_tier(config(shared_cluster().urls(), RemoteMode::Cluster, &unique_prefix("c")))
+);
+
+fn standalone() -> &'static RedisStandalone {
+    static SERVER: OnceLock<RedisStandalone> = OnceLock::new();
+    SERVER.get_or_init(|| RedisStandalone::start(&[]))
+}
+
+contract_on!(
+    contract_standalone,
+    open_tier(config(vec![standalone().url()], RemoteMode::Standalone, &unique_prefix("s")))
+);
+
+#[test]
+fn a_value_that_does_not_verify_is_a_miss_counted_never_served() {
+    require_redis!();
+    let cluster = shared_cluster();
+    let prefix = unique_prefix("verify");
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let open = metrics::with_local_recorder(&recorder, || {
+        open_tier(config(cluster.urls(), RemoteMode::Cluster, &prefix))
+    });
+    let tier = SharedTier::new(open.tier, CHUNK);
+    tier.store(&keys(0..4)).unwrap();
+    assert_eq!(tier.load_verified(&keys(0..4)).count_ones(), 4);
+    let name = |i: u64| redis_key(&prefix, &key(i));
+
+    // A flipped payload byte, written with redis-cli: the checksum catches it.
+    let at = HEADER_BYTES as u64 + 1000;
+    let original = payload(&key(0), CHUNK)[1000];
+    let flipped = if original == b'Z' { "Y" } else { "Z" };
+    assert_eq!(
+        cluster.cli(&["SETRANGE", &name(0), &at.to_string(), flipped]),
+        (CHUNK + HEADER_BYTES as u64).to_string()
+    );
+    // A value cut short.
+    let whole = encode(&key(1), &payload(&key(1), CHUNK));
+    assert_eq!(cluster.cli_with_input(&["SET", &name(1)], Some(&whole[..whole.len() - 7])), "OK");
+    // Another key's value, whole and valid, under this key.
+    let foreign = encode(&key(3), &payload(&key(3), CHUNK));
+    assert_eq!(cluster.cli_with_input(&["SET", &name(2)], Some(&foreign)), "OK");
+
+    assert_eq!(tier.lookup(&keys(0..4)).count_ones(), 4, "the damaged values exist");
+    tier.tier.unlock(&keys(0..4));
+    let loaded = tier.load_verified(&keys(0..4));
+    assert_eq!(
+        loaded,
+        Bitmap::from_bools([false, false, false, true]),
+        "only the intact value loads"
+    );
+    let seen = Seen::take(&snapshotter);
+    assert_eq!(seen.get("tierkv_errors_total", "checksum"), 1.0);
+    assert_eq!(seen.get("tierkv_errors_total", "truncated"), 1.0);
+    assert_eq!(seen.get("tierkv_errors_total", "wrong_key"), 1.0);
+    assert_eq!(seen.get("tierkv_checksum_failures_total", ""), 3.0);
+    assert_eq!(seen.get("tierkv_tier_loads_total", ""), 4.0 + 1.0);
+
+    // Storing again heals the value.
+    tier.store(&keys(0..3)).unwrap();
+    assert_eq!(tier.load_verified(&keys(0..4)).count_ones(), 4);
+}
+
+#[test]
+fn two_namespaces_never_see_each_other() {
+    require_redis!();
+    let cluster = shared_cluster();
+    let prefix = unique_prefix("tenants");
+    let tier = SharedTier::new(
+        open_tier(config(cluster.urls(), RemoteMode::Cluster, &prefix)).tier,
+        CHUNK,
+    );
+    let tenant = |salt: &str, i: u64| {
+        ObjectKey::new(
+            Namespace::new("model", salt),
+            ChunkHash(u128::from(i) << 64 | 0xab),
+            KvRank::Shared,
+        )
+    };
+    let a: Vec<ObjectKey> = (0..3).map(|i| tenant("a", i)).collect();
+    let b: Vec<ObjectKey> = (0..3).map(|i| tenant("b", i)).collect();
+    tier.store(&a).unwrap();
+    assert_eq!(tier.lookup(&b).count_ones(), 0, "tenant b finds tenant a's chunks");
+    assert_eq!(tier.load_verified(&b).count_ones(), 0);
+    // Even tenant a's value copied under tenant b's Redis key is never served to b.
+    let stolen = encode(&a[0], &payload(&a[0], CHUNK));
+    assert_eq!(cluster.cli_with_input(&["SET", &redis_key(&prefix, &b[0])], Some(&stolen)), "OK");
+    assert!(tier.lookup(&b[..1]).get(0), "the copied value is there");
+    tier.tier.unlock(&b[..1]);
+    assert_eq!(tier.load_verified(&b).count_ones(), 0, "another namespace's value was served");
+    assert_eq!(tier.load_verified(&a).count_ones(), 3);
+    // The namespace leads every Redis key: a tenant's keys are one SCAN pattern.
+    assert!(redis_key(&prefix, &a[0]).starts_with(&format!("{prefix}:{:016x}:", a[0].namespace.0)));
+}
+
+/// Loads of `keys` until `until` says stop; every byte verified (SharedTier panics on wrong
+/// bytes). Returns how many loads had misses and how many were whole.
+fn load_until(
+    tier: &SharedTier,
+    keys: &[ObjectKey],
+    mut until: impl FnMut(usize) -> bool,
+) -> (u64, u64) {
+    let (mut partial, mut whole) = (0, 0);
+    loop {
+        let loaded = tier.load_verified(keys).count_ones();
+        if loaded == keys.len() {
+            whole += 1;
+        } else {
+            partial += 1;
+        }
+        if until(loaded) {
+            return (partial, whole);
+        }
+    }
+}
+
+#[test]
+fn a_master_killed_during_loads_misses_then_hits_after_failover() {
+    require_redis!();
+    let mut cluster = RedisCluster::start();
+    let prefix = unique_prefix("failover");
+    let tier = SharedTier::new(
+        open_tier(config(cluster.urls(), RemoteMode::Cluster, &prefix)).tier,
+        CHUNK,
+    );
+    let all = keys(0..48);
+    tier.store(&all).unwrap();
+    // Wait until the replicas have every value, so the failover loses nothing.
+    for node in &cluster.nodes {
+        node.cli(&["WAIT", "1", "2000"]);
+    }
+    assert_eq!(tier.load_verified(&all).count_ones(), all.len());
+    let victim = cluster.master_of(&redis_key(&prefix, &all[0])).unwrap();
+    let started = Instant::now();
+    cluster.nodes[victim].kill();
+    // Loads go on while the master is gone and the replica takes over.
+    let (partial, whole) = load_until(&tier, &all, |loaded| {
+        assert!(started.elapsed() < Duration::from_secs(60), "never recovered after the failover");
+        loaded == all.len() && started.elapsed() > Duration::from_millis(200)
+    });
+    assert!(partial > 0, "loads never missed while a master was down ({whole} whole)");
+    cluster.wait_ok(Duration::from_secs(30));
+    assert!(!cluster.masters().contains(&victim));
+    assert_eq!(
+        tier.load_verified(&all).count_ones(),
+        all.len(),
+        "every value survived on the replica"
+    );
+    // The old master comes back as a replica; nothing changes for the readers.
+    cluster.nodes[victim].restart();
+    cluster.wait_ok(Duration::from_secs(30));
+    assert_eq!(tier.load_verified(&all).count_ones(), all.len());
+}
+
+#[test]
+fn the_whole_cluster_hung_or_gone_is_a_miss_within_the_deadline_then_recovers() {
+    require_redis!();
+    let mut cluster = RedisCluster::start();
+    let prefix = unique_prefix("down");
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let store = metrics::with_local_recorder(&recorder, || {
+        Arc::new(RemoteStore::open(config(cluster.urls(), RemoteMode::Cluster, &prefix)).unwrap())
+    });
+    let tier = SharedTier::new(store.clone(), CHUNK);
+    let all = keys(0..16);
+    tier.store(&all).unwrap();
+    assert!(store.degraded().is_none());
+    store.publish_metrics();
+    assert_eq!(Seen::take(&snapshotter).get("tierkv_remote_degraded", ""), 0.0);
+
+    // Hung: every node stopped (SIGSTOP). Calls end at their deadline, as misses.
+    for node in &cluster.nodes {
+        node.pause();
+    }
+    let t = Instant::now();
+    assert_eq!(tier.lookup(&all).count_ones(), 0);
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "a lookup of a hung cluster took {:?}",
+        t.elapsed()
+    );
+    // Degraded, the tier answers at once until the reconnect interval has passed: a hung
+    // cluster costs the deadline once per interval, not on every lookup.
+    let t = Instant::now();
+    assert_eq!(tier.lookup(&all).count_ones(), 0);
+    assert_eq!(tier.load_verified(&all).count_ones(), 0);
+    assert!(
+        t.elapsed() < Duration::from_millis(150),
+        "a degraded tier still waited {:?}",
+        t.elapsed()
+    );
+    let t = Instant::now();
+    for _ in 0..5 {
+        assert_eq!(tier.load_verified(&all).count_ones(), 0);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "calls to a hung cluster took {:?}", t.elapsed());
+    assert!(matches!(tier.store(&keys(100..101)), Err(TierError::Io(_))));
+    assert!(store.degraded().is_some());
+    let seen = Seen::take(&snapshotter);
+    assert_eq!(seen.get("tierkv_remote_degraded", ""), 1.0);
+    assert!(seen.get("tierkv_errors_total", "timeout") > 0.0);
+    for node in &cluster.nodes {
+        node.resume();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tier.load_verified(&all).count_ones() < all.len() {
+        assert!(Instant::now() < deadline, "never recovered from the hang");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(store.degraded().is_none());
+
+    // Gone: every node killed. Misses, fast (no reconnect storm), then back when it returns.
+    for node in &mut cluster.nodes {
+        node.kill();
+    }
+    let t = Instant::now();
+    for _ in 0..5 {
+        assert_eq!(tier.load_verified(&all).count_ones(), 0);
+        assert_eq!(tier.lookup(&all).count_ones(), 0);
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "calls to a dead cluster took {:?}",
+        t.elapsed()
+    );
+    assert!(store.degraded().is_some());
+    for node in &mut cluster.nodes {
+        node.restart();
+    }
+    cluster.wait_ok(Duration::from_secs(60));
+    // The servers kept no data (`--save ''`): the tier is empty but works again.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tier.store(&all).is_err() {
+        assert!(Instant::now() < deadline, "never reconnected after the restart");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(tier.load_verified(&all).count_ones(), all.len());
+    assert!(store.degraded().is_none());
+    store.publish_metrics();
+    assert_eq!(Seen::take(&snapshotter).get("tierkv_remote_degraded", ""), 0.0);
+}
+
+#[test]
+fn a_full_server_evicts_to_misses_or_refuses_stores_never_wrong_bytes() {
+    require_redis!();
+    // Eviction: an LRU server of 4 MiB holds a fraction of 48 chunks of 64 KiB.
+    let lru = RedisStandalone::start(&["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"]);
+    let tier = SharedTier::new(
+        open_tier(config(vec![lru.url()], RemoteMode::Standalone, &unique_prefix("lru"))).tier,
+        CHUNK,
+    );
+    for i in 0..48 {
+        tier.store(&[key(i)]).unwrap();
+    }
+    let present = tier.lookup(&keys(0..48));
+    tier.tier.unlock(&present.iter_ones().map(|i| key(i as u64)).collect::<Vec<_>>());
+    assert!(
+        present.count_ones() < 48 && present.count_ones() > 0,
+        "{} present",
+        present.count_ones()
+    );
+    // What loads was present (reads may evict more: a reply's buffer counts against maxmemory),
+    // every byte verified.
+    let loaded = tier.load_verified(&keys(0..48));
+    assert!(loaded.count_ones() > 0);
+    assert!(loaded.iter_ones().all(|i| present.get(i)), "{loaded:?} not within {present:?}");
+
+    // Refusal: a full server without eviction refuses the store; not a broken link.
+    let full = RedisStandalone::start(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let store = metrics::with_local_recorder(&recorder, || {
+        Arc::new(
+            RemoteStore::open(config(
+                vec![full.url()],
+                RemoteMode::Standalone,
+                &unique_prefix("full"),
+            ))
+            .unwrap(),
+        )
+    });
+    let tier = SharedTier::new(store.clone(), CHUNK);
+    let mut refused = None;
+    for i in 0..64 {
+        if let Err(e) = tier.store(&[key(i)]) {
+            refused = Some((i, e));
+            break;
+        }
+    }
+    let (first_refused, error) = refused.expect("a 2 MiB server took 4 MiB");
+    assert!(matches!(error, TierError::NoSpace(_)), "{error:?}");
+    assert!(Seen::take(&snapshotter).get("tierkv_errors_total", "oom") > 0.0);
+    assert!(store.degraded().is_none(), "a full server is not a broken link");
+    assert_eq!(tier.load_verified(&keys(0..first_refused)).count_ones() as u64, first_refused);
+}
+
+#[test]
+fn a_server_that_is_not_what_the_configuration_says_is_a_degraded_tier_saying_why() {
+    require_redis!();
+    // A standalone server configured as a cluster: every call misses, and the reason is there.
+    let store = Arc::new(
+        RemoteStore::open(config(
+            vec![standalone().url()],
+            RemoteMode::Cluster,
+            &unique_prefix("mode"),
+        ))
+        .unwrap(),
+    );
+    let tier = SharedTier::new(store.clone(), CHUNK);
+    assert!(tier.store(&keys(0..2)).is_err());
+    assert_eq!(tier.lookup(&keys(0..2)).count_ones(), 0);
+    let why = store.degraded().expect("degraded");
+    assert!(why.contains("cluster"), "{why}");
+}

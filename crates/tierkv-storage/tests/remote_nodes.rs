@@ -1,0 +1,195 @@
+//! Two nodes (two StorageManagers, each with its own L1 and L2) sharing one real Redis Cluster
+//! (3 masters + 3 replicas) as their remote tier: what one node stores, the other's lookups hit,
+//! promoted through the prefetch pipeline; a remote tier that goes away is a miss and the node
+//! keeps serving from its local tiers.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tierkv_core::{ExtraCount, Layout, ObjectKey};
+use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers};
+use tierkv_l2::{HostMemory, HostStoreConfig};
+use tierkv_remote::{RemoteConfig, RemoteMode};
+use tierkv_storage::{LookupId, LookupResult, RemoteAdmission, StorageConfig, StorageManager};
+use tierkv_testkit::contract::{key, keys, payload};
+use tierkv_testkit::redis::RedisCluster;
+use tierkv_testkit::require_redis;
+
+const CHUNK: u64 = 64 << 10;
+const OWNER: OwnerId = OwnerId(5);
+const WAIT: Duration = Duration::from_secs(20);
+
+fn shared_cluster() -> &'static RedisCluster {
+    static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
+    CLUSTER.get_or_init(RedisCluster::start)
+}
+
+fn unique_prefix(name: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("nodes-{name}-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+fn layout() -> Layout {
+    Layout::bytes(CHUNK).unwrap()
+}
+
+/// A node: L1 of 32 chunks, L2 of 64, the remote tier on `urls` under `prefix`.
+fn node(urls: Vec<String>, prefix: &str, admission: RemoteAdmission) -> StorageManager {
+    let config = StorageConfig {
+        l2: Some(HostStoreConfig {
+            memory: HostMemory::Plain,
+            ..HostStoreConfig::new(64 * CHUNK, CHUNK)
+        }),
+        remote: Some(RemoteConfig {
+            key_prefix: prefix.to_string(),
+            op_timeout: Duration::from_millis(500),
+            connect_timeout: Duration::from_millis(500),
+            reconnect_interval: Duration::from_millis(200),
+            ..RemoteConfig::new(urls, RemoteMode::Cluster, CHUNK)
+        }),
+        remote_admission: admission,
+        maintenance_interval: Duration::from_millis(10),
+        ..StorageConfig::new(L1Config {
+            device: DeviceKind::Emulated,
+            ..L1Config::new(32 * CHUNK, CHUNK)
+        })
+    };
+    StorageManager::start(config).unwrap()
+}
+
+/// Writes `keys` and waits until the store pipeline has copied them everywhere.
+fn write(s: &StorageManager, keys: &[ObjectKey]) {
+    let reserved = s.reserve_write(OWNER, keys, &layout()).unwrap();
+    assert!(reserved.iter().all(|r| r.is_ok()), "{reserved:?}");
+    for k in keys {
+        s.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+    }
+    let (results, ticket) = s.finish_write_tracked(OWNER, keys).unwrap();
+    assert!(results.iter().all(|r| r.is_ok()));
+    assert!(ticket.wait_until(Instant::now() + WAIT).is_some(), "the store pipeline never settled");
+}
+
+/// Looks up `keys`, checks every byte of the hit, releases it.
+fn lookup(s: &StorageManager, keys: Vec<ObjectKey>) -> LookupResult {
+    let id: LookupId = s.submit_prefetch(OWNER, keys.clone(), ExtraCount::ZERO, layout()).unwrap();
+    let result = s.wait(id, WAIT).unwrap();
+    for k in &keys[..result.hit_chunks] {
+        let guard = s.read(id, 0, k).unwrap();
+        let mut bytes = vec![0; CHUNK as usize];
+        guard.read_at(0, &mut bytes).unwrap();
+        assert!(bytes == payload(k, CHUNK), "{k:?} was served with wrong bytes");
+    }
+    s.release(id, Readers::One(0)).unwrap();
+    result
+}
+
+/// Per-tier hits by name: L1, L2, remote.
+fn by_tier(s: &StorageManager, result: &LookupResult) -> Vec<(String, usize)> {
+    let names = std::iter::once("l1".to_string()).chain(s.status().tiers.into_iter().map(|t| t.0));
+    names.zip(result.per_tier.iter().copied()).collect()
+}
+
+#[test]
+fn node_b_hits_what_node_a_stored_through_the_remote_tier() {
+    require_redis!();
+    let urls = shared_cluster().urls();
+    let prefix = unique_prefix("share");
+    let a = node(urls.clone(), &prefix, RemoteAdmission::WriteThrough);
+    let b = node(urls, &prefix, RemoteAdmission::WriteThrough);
+    write(&a, &keys(0..8));
+    assert_eq!(a.status().tiers[1].0, "remote");
+    assert_eq!(a.status().tiers[1].1.objects, 8, "node A stored every chunk remotely");
+
+    let result = lookup(&b, keys(0..8));
+    assert_eq!(result.hit_chunks, 8);
+    assert_eq!(
+        by_tier(&b, &result),
+        vec![("l1".into(), 0), ("l2".into(), 0), ("remote".into(), 8)],
+        "node B's hit came from the remote tier"
+    );
+    let totals = b.status().lookups;
+    assert_eq!(totals.hit_chunks, vec![0, 0, 8]);
+    // A chunk promoted from the remote tier stays cached in L1 (it is not stored to L2 again,
+    // E11): the next lookup on node B is local.
+    let again = lookup(&b, keys(0..8));
+    assert_eq!(again.per_tier, vec![8, 0, 0]);
+    assert_eq!(b.status().tiers[0].1.objects, 0, "a promotion is not stored to L2");
+
+    // A partial prefix: A has k10..k13 and k15; B hits the leading run only.
+    write(&a, &[key(10), key(11), key(12), key(13), key(15)]);
+    let result = lookup(&b, keys(10..16));
+    assert_eq!(result.hit_chunks, 4);
+    assert_eq!(result.per_tier, vec![0, 0, 4]);
+    assert!(b.status().remote_degraded.is_none());
+    assert_eq!(b.status().tiers[1].1.locks, 0, "every lookup lock returned");
+}
+
+#[test]
+fn after_reads_admission_sends_a_chunk_remote_only_once_it_was_read() {
+    require_redis!();
+    let urls = shared_cluster().urls();
+    let prefix = unique_prefix("admission");
+    let a = node(urls.clone(), &prefix, RemoteAdmission::AfterReads { min_reads: 1 });
+    let b = node(urls, &prefix, RemoteAdmission::WriteThrough);
+    write(&a, &keys(0..4));
+    assert_eq!(lookup(&b, keys(0..4)).hit_chunks, 0, "written once, not yet read: not remote");
+    // Node A reads k0, k1: they reach the remote tier.
+    assert_eq!(lookup(&a, keys(0..2)).per_tier, vec![2, 0, 0]);
+    let deadline = Instant::now() + WAIT;
+    while a.status().tiers[1].1.objects < 2 || a.status().store_in_flight > 0 {
+        assert!(Instant::now() < deadline, "the admitted chunks never reached the remote tier");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let result = lookup(&b, keys(0..4));
+    assert_eq!((result.hit_chunks, result.per_tier), (2, vec![0, 0, 2]));
+}
+
+#[test]
+fn a_dead_remote_tier_is_a_miss_the_node_serves_locally_and_recovers() {
+    require_redis!();
+    let mut cluster = RedisCluster::start();
+    let prefix = unique_prefix("dead");
+    let a = node(cluster.urls(), &prefix, RemoteAdmission::WriteThrough);
+    let b = node(cluster.urls(), &prefix, RemoteAdmission::WriteThrough);
+    write(&a, &keys(0..4));
+    write(&b, &keys(40..44));
+    assert_eq!(lookup(&b, keys(0..4)).per_tier, vec![0, 0, 4]);
+
+    for node in &mut cluster.nodes {
+        node.kill();
+    }
+    // Node A keeps writing and serving from its own tiers; node B misses what it does not hold.
+    let t = Instant::now();
+    write(&a, &keys(20..24));
+    assert_eq!(lookup(&a, keys(20..24)).hit_chunks, 4);
+    assert_eq!(lookup(&b, keys(20..24)).hit_chunks, 0);
+    assert_eq!(lookup(&b, keys(0..4)).per_tier, vec![4, 0, 0], "B kept what it fetched");
+    assert_eq!(lookup(&b, keys(40..44)).per_tier, vec![4, 0, 0], "B's own chunks still serve");
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "a dead remote tier slowed the node: {:?}",
+        t.elapsed()
+    );
+    let degraded = |s: &StorageManager| s.status().remote_degraded;
+    assert!(degraded(&a).is_some() && degraded(&b).is_some());
+
+    for node in &mut cluster.nodes {
+        node.restart();
+    }
+    cluster.wait_ok(Duration::from_secs(60));
+    // The maintenance probe notices the recovery without any lookup.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while degraded(&a).is_some() || degraded(&b).is_some() {
+        assert!(Instant::now() < deadline, "the remote tier never recovered: {:?}", degraded(&a));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    write(&a, &keys(30..34));
+    assert_eq!(lookup(&b, keys(30..34)).per_tier, vec![0, 0, 4]);
+}
