@@ -95,6 +95,25 @@ fn a_daemon_replay_counts_what_the_simulation_counts_and_checks_every_byte() {
 }
 
 #[test]
+fn the_adaptive_policy_counts_in_the_daemon_what_it_counts_in_the_simulation() {
+    let Some(path) = trace("synthetic_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    // At this size the adaptive policy's shadows switch it to ARC's order part of the time, so
+    // it hits less than LRU does here: agreeing with the simulation covers both orders and the
+    // switch between them (the sampled keys are the same chunks in both).
+    let common = ["--limit", "400", "--capacity", "1000", "--policy", "lru,adaptive"];
+    let daemon = replay(&[&["replay", path, "--chunk-bytes", "16KiB"][..], &common].concat());
+    let simulated = replay(&[&["replay", path, "--simulate"][..], &common].concat());
+    let hits = |runs: &[Value], policy: &str| {
+        field(runs.iter().find(|r| r["policy"] == policy).unwrap(), "hit_chunks")
+    };
+    for policy in ["lru", "adaptive"] {
+        assert_eq!(hits(&daemon, policy), hits(&simulated, policy), "{policy}");
+    }
+    assert_ne!(hits(&daemon, "adaptive"), hits(&daemon, "lru"), "the adaptive order was used");
+}
+
+#[test]
 fn an_mla_group_shares_one_copy_and_every_rank_reads_it() {
     let Some(path) = trace("synthetic_trace.jsonl") else { return };
     let path = path.to_str().unwrap();
@@ -137,6 +156,31 @@ fn ranks_with_their_own_kv_each_store_and_load_it() {
     assert_eq!(field(run, "chunks"), 2 * field(sim, "chunks"), "each rank asks for its own");
     assert_eq!(field(run, "hit_chunks"), 2 * field(sim, "hit_chunks"));
     assert_eq!(moved(run, "chunks_stored"), 2 * (field(sim, "chunks") - field(sim, "hit_chunks")));
+}
+
+#[test]
+fn cascading_tiers_add_up_to_one_cache_of_their_size_and_the_simulation_models_them() {
+    let Some(path) = trace("synthetic_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    let tiers = ["--capacity", "300", "--l2", "600", "--disk", "1500", "--policy", "lru"];
+    let base = ["replay", path, "--limit", "600", "--chunk-bytes", "16KiB"];
+    let hit = |run: &Value| run["hit_ratio"].as_f64().unwrap();
+    let write_through = hit(&replay(&[&base[..], &tiers].concat())[0]);
+    let cascade = &replay(&[&base[..], &tiers, &["--cascade"]].concat())[0];
+    let simulated = &replay(&[&base[..], &tiers, &["--cascade", "--simulate"]].concat())[0];
+    let one_cache = &replay(&[&base[..], &["--capacity", "2400", "--simulate"]].concat())[0];
+    // Write-through tiers hold copies of one another: little more than L1 alone.
+    assert!(hit(cascade) > 2.0 * write_through, "cascade {cascade} write-through {write_through}");
+    assert!(hit(cascade) >= hit(one_cache) - 0.02, "cascade {cascade} one cache {one_cache}");
+    // The disk evicts a segment at a time, which the simulation does not model: close, not equal.
+    assert!((hit(cascade) - hit(simulated)).abs() <= 0.01, "{cascade} against {simulated}");
+    let served: Vec<u64> = cascade["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["hit_chunks"].as_u64().unwrap())
+        .collect();
+    assert!(served.iter().all(|n| *n > 0), "every tier served hits: {served:?}");
 }
 
 #[test]

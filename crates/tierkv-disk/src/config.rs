@@ -61,7 +61,7 @@ pub struct DiskStoreConfig {
 
 impl DiskStoreConfig {
     /// A store in `dir` of `capacity_bytes` in 256 MiB segments, for chunks up to
-    /// `max_chunk_bytes`; `Always` fsync, four I/O threads, direct reads, LRU segments.
+    /// `max_chunk_bytes`; `Always` fsync, four I/O threads, direct reads, adaptive segment eviction.
     pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64, max_chunk_bytes: u64) -> Self {
         DiskStoreConfig {
             dir: dir.into(),
@@ -71,7 +71,7 @@ impl DiskStoreConfig {
             fsync: FsyncPolicy::default(),
             io_threads: 4,
             read_mode: ReadMode::default(),
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             group: None,
         }
     }

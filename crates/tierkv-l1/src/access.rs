@@ -162,3 +162,36 @@ impl ChunkSink for WriteAccess {
         WriteAccess::host_bytes_mut(self)
     }
 }
+
+/// An eviction victim's slot, read by a [`crate::Demoter`] while the victim's shard is locked:
+/// the slot is idle (no guard pins it) and cannot be pinned until the lock is released, so
+/// nothing writes it while the view exists.
+pub(crate) struct SlotView<'a> {
+    pub(crate) slots: &'a Slots,
+    pub(crate) slot: SlotId,
+    pub(crate) len: u64,
+}
+
+impl ChunkSource for SlotView<'_> {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BufferError> {
+        whole(self.len, dst.len())?;
+        // SAFETY: the slot is idle and unpinnable while the view exists (see the type).
+        unsafe { self.slots.arena().copy_out(self.slots.offset(self.slot), dst) }
+            .map_err(|e| BufferError::Device(e.to_string()))
+    }
+
+    fn host_bytes(&self) -> Option<&[u8]> {
+        let base = self.slots.arena().host_base()?;
+        // SAFETY: the slot lies inside the arena, and nothing writes it while the view exists.
+        Some(unsafe {
+            std::slice::from_raw_parts(
+                base.as_ptr().add(self.slots.offset(self.slot) as usize),
+                self.len as usize,
+            )
+        })
+    }
+}

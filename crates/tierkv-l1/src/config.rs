@@ -51,13 +51,13 @@ const SLOTS_PER_SHARD: u64 = 256;
 const MAX_SHARDS: usize = 64;
 
 impl L1Config {
-    /// An emulated-or-CUDA (`Auto`) L1 with LRU eviction and default lease and watermark settings.
+    /// An emulated-or-CUDA (`Auto`) L1 with the default (adaptive) eviction and default lease and watermark settings.
     pub fn new(capacity_bytes: u64, slot_bytes: u64) -> Self {
         L1Config {
             capacity_bytes,
             slot_bytes,
             device: DeviceKind::Auto,
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             shards: 0,
             lease_ttl: Duration::from_secs(30),
             watermark: Watermark::default(),

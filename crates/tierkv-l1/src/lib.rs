@@ -25,8 +25,8 @@ pub use device::{DeviceArena, DeviceError, DeviceKind};
 pub use error::L1Error;
 pub use lease::{LeaseId, OwnerId, Readers};
 pub use manager::{
-    Cleared, EvictionLease, L1Context, L1Manager, L1Observer, Lifetime, NoObserver, OwnerReleased,
-    Presence, ReadGrant, Released, Usage, WriteMode,
+    Cleared, Demoter, EvictionLease, L1Context, L1Manager, L1Observer, Lifetime, NoObserver,
+    OwnerReleased, Presence, ReadGrant, Released, Usage, WriteMode,
 };
 pub use metrics::EvictionReason;
 pub use slots::SlotId;

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tierkv_core::{Clock, ExtraCount, KeyError, Layout, ObjectKey, SystemClock};
+use tierkv_core::{ChunkSource, Clock, ExtraCount, KeyError, Layout, ObjectKey, SystemClock};
 
-use crate::access::{ReadAccess, SlotHandle, WriteAccess};
+use crate::access::{ReadAccess, SlotHandle, SlotView, WriteAccess};
 use crate::config::L1Config;
 use crate::device::{self, DeviceArena};
 use crate::error::L1Error;
@@ -42,6 +42,17 @@ pub struct NoObserver;
 
 impl L1Observer for NoObserver {}
 
+/// Takes each object eviction removes from L1, with its bytes, before its slot is reused: the
+/// storage layer's cascade moves it to the next tier down this way, so L1's victims are kept
+/// rather than lost (the tiers then add up instead of holding copies of one another).
+///
+/// It is called under the lock of the victim's index shard, so it must not call back into L1;
+/// it may be slow only as long as a copy into host memory is.
+pub trait Demoter: Send + Sync {
+    /// `bytes` reads the victim's slot; it is valid during the call only.
+    fn demote(&self, key: &ObjectKey, bytes: &dyn ChunkSource);
+}
+
 /// What an L1 shares with the rest of the node: the clock leases expire by, and who listens.
 #[derive(Clone)]
 pub struct L1Context {
@@ -49,11 +60,17 @@ pub struct L1Context {
     pub clock: Arc<dyn Clock>,
     /// Told of finished writes and evictions.
     pub observer: Arc<dyn L1Observer>,
+    /// Given every eviction victim's bytes, when the storage layer cascades them down.
+    pub demoter: Option<Arc<dyn Demoter>>,
 }
 
 impl Default for L1Context {
     fn default() -> Self {
-        L1Context { clock: Arc::new(SystemClock::new()), observer: Arc::new(NoObserver) }
+        L1Context {
+            clock: Arc::new(SystemClock::new()),
+            observer: Arc::new(NoObserver),
+            demoter: None,
+        }
     }
 }
 
@@ -190,6 +207,7 @@ pub struct L1Manager {
     config: L1Config,
     clock: Arc<dyn Clock>,
     observer: Arc<dyn L1Observer>,
+    demoter: Option<Arc<dyn Demoter>>,
     metrics: L1Metrics,
 }
 
@@ -229,6 +247,7 @@ impl L1Manager {
             config,
             clock: context.clock,
             observer: context.observer,
+            demoter: context.demoter,
             metrics: L1Metrics::register(),
         };
         manager.publish_metrics();
@@ -1088,13 +1107,9 @@ impl L1Manager {
                 };
                 let mut got = 0;
                 for key in chosen {
-                    if let Some(entry) = shard.map.remove(&key) {
-                        shard.counts.moved(entry.class(), Class::Gone);
-                        // The filter saw the slot idle under this lock, and pins are only taken
-                        // under it.
-                        self.slots.recycle(entry.slot);
+                    if let Some(slot) = self.take_victim(shard, &key) {
                         victims.push(key);
-                        slots.push(entry.slot);
+                        slots.push(slot);
                         got += 1;
                     }
                 }
@@ -1110,14 +1125,26 @@ impl L1Manager {
     /// Evicts one cached object and hands its slot to the caller.
     fn evict_one(&self, victims: &mut Vec<ObjectKey>) -> Option<SlotId> {
         self.with_victim(|shard, key| {
-            let entry = shard.map.remove(&key)?;
-            shard.counts.moved(entry.class(), Class::Gone);
-            // The filter saw the slot idle under this lock, and pins are only taken under it.
-            self.slots.recycle(entry.slot);
+            let slot = self.take_victim(shard, &key)?;
             victims.push(key);
-            Some(entry.slot)
+            Some(slot)
         })
         .flatten()
+    }
+
+    /// Removes the policy's victim `key` from its locked `shard`, hands its bytes to the demoter
+    /// (if any) and recycles its slot, which it returns. Every eviction goes through here.
+    fn take_victim(&self, shard: &mut Shard, key: &ObjectKey) -> Option<SlotId> {
+        let entry = shard.map.remove(key)?;
+        shard.counts.moved(entry.class(), Class::Gone);
+        if let Some(demoter) = &self.demoter {
+            // The slot is idle and cannot be pinned while this shard is locked.
+            let view = SlotView { slots: &self.slots, slot: entry.slot, len: entry.len };
+            demoter.demote(key, &view);
+        }
+        // The filter saw the slot idle under this lock, and pins are only taken under it.
+        self.slots.recycle(entry.slot);
+        Some(entry.slot)
     }
 
     /// Leases up to `n` eviction victims, chosen as eviction would choose them, to `owner` instead

@@ -36,13 +36,13 @@ pub struct HostStoreConfig {
 }
 
 impl HostStoreConfig {
-    /// A store of `capacity_bytes` in slots of `chunk_bytes`, LRU eviction, two workers, `Auto`
+    /// A store of `capacity_bytes` in slots of `chunk_bytes`, adaptive eviction, two workers, `Auto`
     /// memory.
     pub fn new(capacity_bytes: u64, chunk_bytes: u64) -> Self {
         HostStoreConfig {
             capacity_bytes,
             chunk_bytes,
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             workers: 2,
             memory: HostMemory::Auto,
         }

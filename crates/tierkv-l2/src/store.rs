@@ -8,8 +8,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
@@ -43,6 +43,9 @@ impl Entry {
     }
 }
 
+/// An evicted entry: its key, the slot it held and its length.
+type Victim = (ObjectKey, u32, u64);
+
 struct Index {
     map: HashMap<ObjectKey, Entry, RandomState>,
     free: Vec<u32>,
@@ -55,12 +58,13 @@ struct Index {
 impl Index {
     /// `n` slots for a store task, evicting unlocked, unpinned entries that are not among the
     /// task's own keys. All or nothing: when `n` cannot be had, nothing is evicted and the
-    /// candidates go back to the policy. Returns the slots and the number evicted.
+    /// candidates go back to the policy. Returns the slots and the victims, each with the slot
+    /// it held (now among the returned ones, its bytes still in place) and its length.
     fn reserve_slots(
         &mut self,
         n: usize,
         task_keys: &HashSet<ObjectKey, RandomState>,
-    ) -> Option<(Vec<u32>, u64)> {
+    ) -> Option<(Vec<u32>, Vec<Victim>)> {
         let from_free = n.min(self.free.len());
         let short = n - from_free;
         let Index { map, policy, .. } = self;
@@ -78,13 +82,15 @@ impl Index {
             return None;
         }
         let mut slots = self.free.split_off(self.free.len() - from_free);
-        for victim in &victims {
-            if let Some(entry) = self.map.remove(victim) {
+        let mut evicted = Vec::with_capacity(victims.len());
+        for victim in victims {
+            if let Some(entry) = self.map.remove(&victim) {
                 slots.push(entry.slot);
+                evicted.push((victim, entry.slot, entry.len));
                 self.ready -= 1;
             }
         }
-        Some((slots, victims.len() as u64))
+        Some((slots, evicted))
     }
 
     /// Drops entries that a store task reserved and did not publish.
@@ -96,6 +102,16 @@ impl Index {
         }
     }
 }
+
+/// One chunk to store, borrowed: a task's `StoreItem` or a chunk demoted from L1.
+struct Source<'a> {
+    key: ObjectKey,
+    source: &'a dyn ChunkSource,
+}
+
+/// Takes each chunk the host store evicts, with a copy of its bytes (the cascade sends it to the
+/// next tier). Called under the index lock: it must not call back into the store.
+pub type Demote = Box<dyn Fn(ObjectKey, Vec<u8>) + Send + Sync>;
 
 enum Job {
     Store(TaskId, Vec<StoreItem>),
@@ -158,6 +174,8 @@ struct Shared {
     done: Sender<Completion>,
     completions: Receiver<Completion>,
     metrics: L2Metrics,
+    /// Where eviction victims go, once set; without it they are dropped.
+    demote: OnceLock<Demote>,
 }
 
 /// The host-memory tier (L2).
@@ -190,6 +208,7 @@ impl HostStore {
             done,
             completions,
             metrics: L2Metrics::register(),
+            demote: OnceLock::new(),
         });
         let (jobs, queue) = unbounded::<Job>();
         let mut workers = Vec::with_capacity(config.workers);
@@ -249,6 +268,8 @@ impl HostStore {
                 break;
             };
             if let Some(entry) = index.map.remove(&victim) {
+                // The slot is free only once its bytes were handed down.
+                self.shared.demote_all(&[(victim, entry.slot, entry.len)]);
                 index.free.push(entry.slot);
                 index.ready -= 1;
                 evicted += 1;
@@ -257,6 +278,21 @@ impl HostStore {
         drop(index);
         self.shared.metrics.evicted(evicted as u64);
         evicted
+    }
+
+    /// Stores one chunk now, on the caller's thread, evicting as a store task would: how the
+    /// storage layer's cascade moves an L1 victim here while L1 still holds its slot.
+    pub fn store_now(&self, key: ObjectKey, source: &dyn ChunkSource) -> Result<(), TierError> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(TierError::Closed);
+        }
+        self.shared.store(&[Source { key, source }])
+    }
+
+    /// Sends every chunk this store evicts from now on to `demote`, with its bytes, instead of
+    /// dropping it. Set once; a second call is refused (returns false).
+    pub fn set_demoter(&self, demote: Demote) -> bool {
+        self.shared.demote.set(demote).is_ok()
     }
 
     /// Sets the L2 gauges from the current state.
@@ -326,7 +362,12 @@ impl Shared {
     fn run(&self, job: Job) -> Option<Completion> {
         Some(match job {
             Job::Store(task, sources) => {
-                let result = self.store(&sources);
+                let borrowed: Vec<Source<'_>> = sources
+                    .iter()
+                    .map(|item| Source { key: item.key, source: item.source.as_ref() })
+                    .collect();
+                let result = self.store(&borrowed);
+                drop(borrowed);
                 Completion::Stored { task, result, sources }
             }
             Job::Lookup(task, keys) => {
@@ -368,11 +409,24 @@ impl Shared {
         let _ = self.done.send(completion);
     }
 
+    /// Hands each victim's bytes to the demoter, if one is set. Its slot must not be written
+    /// until this returns.
+    fn demote_all(&self, victims: &[Victim]) {
+        let Some(demote) = self.demote.get() else { return };
+        for (key, slot, len) in victims {
+            let (offset, len) = self.slot_range(*slot, *len);
+            // SAFETY: the victim left the index under the lock and its slot is not reused before
+            // this returns (the callers guarantee it), so nothing writes these bytes meanwhile.
+            let bytes = unsafe { self.arena.bytes(offset, len) }.to_vec();
+            demote(*key, bytes);
+        }
+    }
+
     fn slot_range(&self, slot: u32, len: u64) -> (usize, usize) {
         ((u64::from(slot) * self.chunk_bytes) as usize, len as usize)
     }
 
-    fn store(&self, items: &[StoreItem]) -> Result<(), TierError> {
+    fn store(&self, items: &[Source<'_>]) -> Result<(), TierError> {
         if let Some(item) = items.iter().find(|item| item.source.len() > self.chunk_bytes) {
             self.metrics.failed(Failure::TooLarge);
             return Err(TierError::TooLarge { bytes: item.source.len(), limit: self.chunk_bytes });
@@ -382,12 +436,12 @@ impl Shared {
         let task_keys: HashSet<ObjectKey, RandomState> =
             items.iter().map(|item| item.key).collect();
         let mut reserved: Vec<(ObjectKey, u32)> = Vec::with_capacity(items.len());
-        let mut to_copy: Vec<(&StoreItem, u32)> = Vec::with_capacity(items.len());
+        let mut to_copy: Vec<(&Source<'_>, u32)> = Vec::with_capacity(items.len());
         let evicted;
         {
             let mut index = self.index.lock();
             let mut seen: HashSet<ObjectKey, RandomState> = HashSet::default();
-            let new: Vec<&StoreItem> = items
+            let new: Vec<&Source<'_>> = items
                 .iter()
                 .filter(|item| !index.map.contains_key(&item.key) && seen.insert(item.key))
                 .collect();
@@ -400,7 +454,10 @@ impl Shared {
                     self.slots
                 )));
             };
-            evicted = victims;
+            evicted = victims.len() as u64;
+            // The victims' slots are this task's now and are written only below, after their
+            // bytes were handed down.
+            self.demote_all(&victims);
             for (item, slot) in new.into_iter().zip(slots) {
                 let entry = Entry { slot, len: item.source.len(), ready: false, locks: 0, pins: 0 };
                 index.map.insert(item.key, entry);
@@ -416,7 +473,7 @@ impl Shared {
             // SAFETY: the slot was reserved above for this task only; nothing reads an entry that
             // is not ready, and nothing else writes a reserved slot.
             let dst = unsafe { self.arena.bytes_mut(offset, len) };
-            let copied = catch_unwind(AssertUnwindSafe(|| copy_in(item.source.as_ref(), dst)));
+            let copied = catch_unwind(AssertUnwindSafe(|| copy_in(item.source, dst)));
             match copied {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => failure = Some(TierError::Buffer(e)),
@@ -448,18 +505,21 @@ impl Shared {
         Ok(())
     }
 
+    /// Locks and touches every ready key. Lookups name a chain root first; the keys are touched
+    /// leaf first, so the root ends up the most recent and eviction takes a chain's tail first.
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
         let Index { map, policy, locks, .. } = &mut *index;
-        Bitmap::from_bools(keys.iter().map(|key| match map.get_mut(key) {
-            Some(entry) if entry.ready => {
+        let mut found = vec![false; keys.len()];
+        for (i, key) in keys.iter().enumerate().rev() {
+            if let Some(entry) = map.get_mut(key).filter(|e| e.ready) {
                 entry.locks += 1;
                 *locks += 1;
                 policy.touch(key);
-                true
+                found[i] = true;
             }
-            _ => false,
-        }))
+        }
+        Bitmap::from_bools(found)
     }
 
     fn load(&self, items: &mut [LoadItem]) -> Bitmap {

@@ -75,6 +75,9 @@ pub struct TierChunks {
     pub l2: u64,
     /// Disk; 0 turns it off. Segment granularity makes this approximate.
     pub disk: u64,
+    /// Whether the lower tiers hold what the tier above evicted (`store_policy = "cascade"`)
+    /// rather than a copy of every store (write-through).
+    pub cascade: bool,
 }
 
 /// A daemon the replay started, in a directory of its own that goes with it.
@@ -186,6 +189,9 @@ fn daemon_config(
         socket = toml_string(&dir.join("tierkv.sock"))?,
         l1 = bytes(tiers.l1.max(1), chunk_bytes)?,
     );
+    if tiers.cascade {
+        text.push_str("[storage]\nstore_policy = \"cascade\"\n\n");
+    }
     if tiers.l2 == 0 {
         text.push_str("[l2]\nenabled = false\n\n");
     } else {

@@ -141,6 +141,88 @@ fn simulate_online(
     counts
 }
 
+/// Replays `trace` through a cascade of tiers with `policy` in each, as the daemon runs them
+/// under `store_policy = "cascade"`: `capacities[0]` is L1's, the rest are the lower tiers',
+/// fastest first (a tier of 0 is absent). Stores go to L1; each tier's eviction victim goes to
+/// the next tier down, the last tier's is dropped. A hit is the leading run of chunks held by
+/// any tier, and a chunk is touched where it is. A hit's chunks below L1 are read through L1
+/// slots of their own, taken for the request (L1 evicts, and so demotes, to make room for them,
+/// never the request's own L1 hits, which its lookup leased) and freed after it.
+///
+/// Disk segments are not modelled: the daemon's disk evicts a segment of chunks at a time, so
+/// a daemon replay comes close to this count rather than equal to it.
+pub fn simulate_cascade(trace: &Trace, policy: PolicyKind, capacities: &[usize]) -> SimCounts {
+    let mut tiers: Vec<(Box<dyn EvictionPolicy<u64>>, usize)> =
+        capacities.iter().filter(|c| **c > 0).map(|c| (policy.build(), *c)).collect();
+    let mut counts = SimCounts::default();
+    if tiers.is_empty() {
+        return simulate_online(trace, policy.build(), 0);
+    }
+    let mut reserved = Vec::new();
+    for request in &trace.requests {
+        let chunks = &request.chunks;
+        let holder = |tiers: &[(Box<dyn EvictionPolicy<u64>>, usize)], c: &u64| {
+            tiers.iter().position(|(t, _)| t.contains(c))
+        };
+        for chunk in chunks.iter().rev() {
+            if let Some(t) = holder(&tiers, chunk) {
+                tiers[t].0.touch(chunk);
+            }
+        }
+        let hit = chunks.iter().take_while(|c| holder(&tiers, c).is_some()).count();
+        counts.add_request(chunks.len(), request.tokens, hit, trace.chunk_tokens);
+        // The hit's chunks below L1 each take an L1 slot for the read.
+        let leased: Vec<u64> =
+            chunks[..hit].iter().filter(|c| tiers[0].0.contains(c)).copied().collect();
+        let promoted = hit - leased.len();
+        for taken in 0..promoted {
+            if tiers[0].0.len() + taken >= tiers[0].1 {
+                let victim = tiers[0].0.evict(1, &mut |k| !leased.contains(k)).pop();
+                match victim {
+                    Some(victim) => demote(&mut tiers, 1, victim),
+                    None => break,
+                }
+            }
+        }
+        reserved.clear();
+        for chunk in &chunks[hit..] {
+            if tiers[0].0.contains(chunk) {
+                continue;
+            }
+            if tiers[0].0.len() + reserved.len() >= tiers[0].1 {
+                match tiers[0].0.evict(1, &mut |_| true).pop() {
+                    Some(victim) => demote(&mut tiers, 1, victim),
+                    None => break,
+                }
+            }
+            reserved.push(*chunk);
+        }
+        counts.inserted += reserved.len() as u64;
+        for chunk in reserved.iter().rev() {
+            tiers[0].0.insert(*chunk);
+        }
+    }
+    counts
+}
+
+/// Puts `chunk`, evicted from the tier above, into tier `at`, demoting that tier's own victim
+/// further down when it is full. Past the last tier a victim is dropped.
+fn demote(tiers: &mut [(Box<dyn EvictionPolicy<u64>>, usize)], at: usize, chunk: u64) {
+    let mut chunk = chunk;
+    for (policy, capacity) in tiers.iter_mut().skip(at) {
+        if policy.contains(&chunk) {
+            return;
+        }
+        let victim =
+            if policy.len() >= *capacity { policy.evict(1, &mut |_| true).pop() } else { None };
+        policy.insert(chunk);
+        match victim {
+            Some(victim) => chunk = victim,
+            None => return,
+        }
+    }
+}
+
 /// Belady's MIN with bypass over the same lookups and stores.
 fn simulate_belady(trace: &Trace, capacity: usize) -> SimCounts {
     // Time is the position in the flattened chunk stream; `next[t]` is the next time the chunk at
@@ -261,6 +343,30 @@ mod tests {
         // Stored root first: 1 and 2 are cached, then the second request stores 3 and 4 in
         // place of its own hits, which live on only as far as the hit they were.
         assert_eq!(counts.hit_chunks, 2);
+    }
+
+    #[test]
+    fn a_cascade_keeps_what_l1_evicted_in_the_tier_below() {
+        let t = trace(&[&[1], &[2], &[3], &[4], &[1]]);
+        // L1 of 2 over a tier of 2 holds the last four chunks, like one cache of 4.
+        let cascade = simulate_cascade(&t, PolicyKind::Lru, &[2, 2]);
+        assert_eq!(cascade.hit_chunks, 1);
+        assert_eq!(cascade, simulate(&t, Policy::Online(PolicyKind::Lru), Some(4)));
+        // L1 alone, or a lower tier too small, loses chunk 1.
+        assert_eq!(simulate_cascade(&t, PolicyKind::Lru, &[2]).hit_chunks, 0);
+        assert_eq!(simulate_cascade(&t, PolicyKind::Lru, &[2, 1]).hit_chunks, 0);
+        // An absent tier (0) is skipped: [2, 0, 2] is [2, 2].
+        assert_eq!(simulate_cascade(&t, PolicyKind::Lru, &[2, 0, 2]), cascade);
+    }
+
+    #[test]
+    fn a_cascade_hit_below_l1_is_read_through_an_l1_slot() {
+        // [1 2] sits in the lower tier after [3 4]; reading it takes L1's two slots, which
+        // pushes 3 and 4 down; they are still hits.
+        let t = trace(&[&[1, 2], &[3, 4], &[1, 2], &[3, 4]]);
+        let counts = simulate_cascade(&t, PolicyKind::Lru, &[2, 2]);
+        assert_eq!(counts.hit_chunks, 4);
+        assert_eq!(counts.inserted, 4, "hits below L1 are not stored again");
     }
 
     #[test]

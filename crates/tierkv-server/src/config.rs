@@ -538,6 +538,7 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
         store_policy: match s.store_policy {
             StoreMode::WriteThrough => StorePolicy::WriteThrough,
             StoreMode::WriteBack => StorePolicy::WriteBack,
+            StoreMode::Cascade => StorePolicy::Cascade,
             StoreMode::DiskAdmission => {
                 StorePolicy::DiskAdmission { min_reads: s.disk_admission_min_reads }
             }

@@ -24,6 +24,11 @@ pub enum StorePolicy {
     /// Nothing is copied at write time; chunks L1 evicts in the background are copied to every
     /// lower tier first. (An eviction forced inside a reservation drops its victim uncopied.)
     WriteBack,
+    /// Each tier holds what the one above it evicted: a chunk is written to L1 only, L1's
+    /// victims (every eviction, on demand or in the background) go to the first lower tier,
+    /// that tier's victims to the next. Hits stay in the tier that has them (a promotion into
+    /// L1 is only for the read). The tiers hold different chunks, so their capacities add up.
+    Cascade,
 }
 
 /// How a StorageManager is built.

@@ -12,10 +12,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tierkv_core::{Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage};
+use tierkv_core::{
+    ChunkSource, Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage,
+};
 use tierkv_disk::DiskStore;
 use tierkv_l1::{
-    Cleared, EvictionReason, L1Context, L1Manager, L1Observer, LeaseId, Lifetime, OwnerId,
+    Cleared, Demoter, EvictionReason, L1Context, L1Manager, L1Observer, LeaseId, Lifetime, OwnerId,
     ReadAccess, Readers, SlotHandle, Usage, WriteAccess, WriteMode,
 };
 use tierkv_l2::HostStore;
@@ -51,12 +53,36 @@ struct Forward {
 
 impl L1Observer for Forward {
     fn writes_finished(&self, keys: &[ObjectKey]) {
-        if self.policy != StorePolicy::WriteBack {
+        if !matches!(self.policy, StorePolicy::WriteBack | StorePolicy::Cascade) {
             self.jobs.send(StoreJob::Finished { keys: keys.to_vec(), lease: None, ticket: None });
         }
     }
 
     fn evicted(&self, _keys: &[ObjectKey], _reason: EvictionReason) {}
+}
+
+/// The cascade's first step: an L1 victim goes to the first lower tier before L1 reuses its
+/// slot. Into the host store it is copied at once, on the evicting thread; into any other tier
+/// (no host store) it is copied out and handed to the store pipeline. A chunk the tier cannot
+/// take is dropped: a miss later, like any eviction.
+struct DemoteFromL1 {
+    host: Option<Arc<HostStore>>,
+    jobs: StoreQueue,
+}
+
+impl Demoter for DemoteFromL1 {
+    fn demote(&self, key: &ObjectKey, bytes: &dyn ChunkSource) {
+        if let Some(host) = &self.host {
+            if let Err(e) = host.store_now(*key, bytes) {
+                tracing::debug!(?key, error = %e, "an L1 victim did not fit into L2; dropped");
+            }
+            return;
+        }
+        let mut copy = vec![0u8; bytes.len() as usize];
+        if bytes.copy_to_host(&mut copy).is_ok() {
+            self.jobs.send(StoreJob::Demoted { tier: 0, items: vec![(*key, copy)] });
+        }
+    }
 }
 
 /// How full every tier is, and what is in flight.
@@ -148,7 +174,19 @@ impl StorageManager {
     ) -> Result<Self, StorageError> {
         let (jobs, inbox) = StoreQueue::new();
         let observer = Arc::new(Forward { jobs: jobs.clone(), policy: config.store_policy });
-        let l1 = Arc::new(L1Manager::build(config.l1.clone(), L1Context { clock, observer })?);
+        let cascade = config.store_policy == StorePolicy::Cascade && !tiers.is_empty();
+        let demoter: Option<Arc<dyn Demoter>> = cascade.then(|| {
+            Arc::new(DemoteFromL1 { host: host.clone(), jobs: jobs.clone() }) as Arc<dyn Demoter>
+        });
+        if let Some(host) = host.as_ref().filter(|_| cascade && tiers.len() > 1) {
+            // The host store is tier 0 (fastest first): its victims go to tier 1.
+            let jobs = jobs.clone();
+            host.set_demoter(Box::new(move |key, bytes| {
+                jobs.send(StoreJob::Demoted { tier: 1, items: vec![(key, bytes)] });
+            }));
+        }
+        let context = L1Context { clock, observer, demoter };
+        let l1 = Arc::new(L1Manager::build(config.l1.clone(), context)?);
         let disk_index = tiers.iter().position(|t| t.name() == "disk");
         let names: Vec<String> = tiers.iter().map(|t| t.name().to_string()).collect();
         let metrics = Arc::new(StorageMetrics::register(&names));
@@ -294,7 +332,7 @@ impl StorageManager {
         self.check(owner)?;
         let reversed: Vec<ObjectKey> = keys.iter().rev().copied().collect();
         let copies = match self.inner.config.store_policy {
-            StorePolicy::WriteBack => false,
+            StorePolicy::WriteBack | StorePolicy::Cascade => false,
             StorePolicy::WriteThrough => !self.inner.router.is_empty(),
             StorePolicy::DiskAdmission { .. } => {
                 self.inner.router.tiers().any(|t| Some(t.name()) != Some("disk"))

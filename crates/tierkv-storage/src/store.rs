@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use parking_lot::Mutex;
-use tierkv_core::{ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, TaskId};
+use tierkv_core::{ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, TaskId, VecChunk};
 use tierkv_l1::{L1Manager, LeaseId, OwnerId, Readers};
 use tierkv_prefetch::{TierEvent, TierRouter};
 
@@ -38,6 +38,9 @@ pub(crate) enum StoreJob {
     Admit(Vec<ObjectKey>),
     /// Eviction victims leased for write-back; the lease is the pipeline's to return.
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
+    /// Chunks a tier above evicted under the cascade policy, with their bytes, for lower tier
+    /// `tier` (fastest first).
+    Demoted { tier: usize, items: Vec<(ObjectKey, Vec<u8>)> },
 }
 
 /// What became of the chunks of one `finish_write`: how many reached the disk tier.
@@ -145,7 +148,8 @@ impl StoreQueue {
 }
 
 struct Batch {
-    lease: LeaseId,
+    /// The L1 lease the batch's sources are read under; demoted chunks bring their own bytes.
+    lease: Option<LeaseId>,
     /// A write-back lease is returned whole (its objects are then freed); a copy share is returned
     /// as reader 0's.
     write_back: bool,
@@ -277,7 +281,9 @@ impl Worker {
         // Past the drain timeout: return every share still held. The tiers hand the sources back
         // (and so drop their pins) when they answer or close.
         for (_, batch) in std::mem::take(&mut self.batches) {
-            let _ = self.l1.release_lease(batch.lease);
+            if let Some(lease) = batch.lease {
+                let _ = self.l1.release_lease(lease);
+            }
             if let Some(ticket) = &batch.ticket {
                 ticket.settle(Durability { durable: 0, not_durable: batch.keys as u32 });
             }
@@ -319,13 +325,44 @@ impl Worker {
             (StoreJob::Finished { .. }, StorePolicy::DiskAdmission { .. }) => {
                 all.into_iter().filter(|t| Some(*t) != self.disk).collect()
             }
-            (StoreJob::Finished { .. }, StorePolicy::WriteBack) => Vec::new(),
+            (StoreJob::Finished { .. }, StorePolicy::WriteBack | StorePolicy::Cascade) => {
+                Vec::new()
+            }
             (StoreJob::Admit(_), _) => self.disk.into_iter().collect(),
+            (StoreJob::Demoted { tier, .. }, _) => all.into_iter().filter(|t| t == tier).collect(),
+        }
+    }
+
+    /// Stores chunks another tier evicted into `tier`, from the bytes they came with.
+    fn start_demoted(&mut self, tier: usize, items: Vec<(ObjectKey, Vec<u8>)>) {
+        let keys = items.len();
+        let items: Vec<StoreItem> = items
+            .into_iter()
+            .map(|(key, bytes)| StoreItem { key, source: Box::new(VecChunk(bytes)) })
+            .collect();
+        let id = self.next_batch;
+        self.next_batch += 1;
+        let batch =
+            Batch { lease: None, write_back: false, waiting: 0, keys, durable: 0, ticket: None };
+        self.batches.insert(id, batch);
+        self.submit_to(tier, id, items);
+        if self.batches.get(&id).is_some_and(|b| b.waiting == 0) {
+            self.finish(id);
         }
     }
 
     fn start(&mut self, job: StoreJob) {
         let targets = self.targets(&job);
+        let job = match job {
+            StoreJob::Demoted { items, .. } => {
+                match targets.first() {
+                    Some(tier) => self.start_demoted(*tier, items),
+                    None => self.done_with_job(),
+                }
+                return;
+            }
+            job => job,
+        };
         let (lease, keys, write_back, ticket) = match job {
             StoreJob::WriteBack { lease, keys } => (lease, keys, true, None),
             StoreJob::Finished { keys, lease: Some(lease), ticket } if !targets.is_empty() => {
@@ -351,10 +388,21 @@ impl Worker {
                 (lease, granted, false, None)
             }
             StoreJob::Finished { lease: Some(lease), .. } => (lease, Vec::new(), false, None),
+            StoreJob::Demoted { .. } => {
+                self.done_with_job();
+                return;
+            }
         };
         let id = self.next_batch;
         self.next_batch += 1;
-        let batch = Batch { lease, write_back, waiting: 0, keys: keys.len(), durable: 0, ticket };
+        let batch = Batch {
+            lease: Some(lease),
+            write_back,
+            waiting: 0,
+            keys: keys.len(),
+            durable: 0,
+            ticket,
+        };
         self.batches.insert(id, batch);
         for tier in targets {
             let items: Vec<StoreItem> = keys
@@ -364,8 +412,18 @@ impl Worker {
                     Some(StoreItem { key: *key, source: Box::new(source) as Box<dyn ChunkSource> })
                 })
                 .collect();
+            self.submit_to(tier, id, items);
+        }
+        if self.batches.get(&id).is_some_and(|b| b.waiting == 0) {
+            self.finish(id);
+        }
+    }
+
+    /// Submits one batch's store of `items` to `tier` and records the task.
+    fn submit_to(&mut self, tier: usize, id: u64, items: Vec<StoreItem>) {
+        {
             if items.is_empty() {
-                continue;
+                return;
             }
             self.metrics.store_submitted(items.len() as u64);
             // A tier that panics is one failed target, not a stuck batch.
@@ -390,9 +448,6 @@ impl Worker {
                         .store_failed(self.router.tier(tier).map_or("unknown", |t| t.name()));
                 }
             }
-        }
-        if self.batches.get(&id).is_some_and(|b| b.waiting == 0) {
-            self.finish(id);
         }
     }
 
@@ -425,10 +480,10 @@ impl Worker {
 
     fn finish(&mut self, id: u64) {
         let Some(batch) = self.batches.remove(&id) else { return };
-        let returned = if batch.write_back {
-            self.l1.release_lease(batch.lease).map(|_| ())
-        } else {
-            self.l1.finish_read(batch.lease, Readers::One(0), None).map(|_| ())
+        let returned = match batch.lease {
+            None => Ok(()),
+            Some(lease) if batch.write_back => self.l1.release_lease(lease).map(|_| ()),
+            Some(lease) => self.l1.finish_read(lease, Readers::One(0), None).map(|_| ()),
         };
         if returned.is_err() {
             // Only an expired lease can be refused here: its shares came back when it expired.

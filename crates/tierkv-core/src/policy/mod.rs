@@ -5,6 +5,9 @@
 //! locked) and passes that decision in as an eligibility filter, so the policy never proposes a
 //! key its caller cannot evict.
 
+mod adaptive;
+#[cfg(test)]
+mod adaptive_tests;
 mod list;
 mod lru;
 mod s3fifo;
@@ -13,6 +16,7 @@ mod tests;
 
 use std::hash::Hash;
 
+pub use adaptive::Adaptive;
 pub use lru::Lru;
 pub use s3fifo::S3Fifo;
 
@@ -50,29 +54,62 @@ pub trait EvictionPolicy<K>: Send {
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K>;
 }
 
+/// What a policy may read of a key besides its identity: bits that are the same for the same
+/// chunk everywhere (in every process, run and simulation), so that a policy that samples keys
+/// samples the same ones in the daemon and in `tierkv replay --simulate`.
+pub trait SampleKey {
+    /// Bits of the key that do not depend on the process: for a chunk, its chained hash.
+    fn sample_bits(&self) -> u64;
+}
+
+impl SampleKey for u64 {
+    fn sample_bits(&self) -> u64 {
+        *self
+    }
+}
+
+impl SampleKey for u32 {
+    fn sample_bits(&self) -> u64 {
+        u64::from(*self)
+    }
+}
+
+impl SampleKey for crate::ObjectKey {
+    fn sample_bits(&self) -> u64 {
+        // A trace chunk `k` is the daemon chunk `k`: its low half is `k`, so the simulation,
+        // which knows only `k`, samples the same chunks.
+        let hash = self.chunk.0;
+        (hash as u64) ^ ((hash >> 64) as u64)
+    }
+}
+
 /// Which eviction policy to build.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PolicyKind {
     /// Least recently used first.
-    #[default]
     Lru,
     /// S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO filters out objects used once,
     /// a main FIFO with reinsertion keeps the rest; a ghost FIFO remembers recent evictions.
     S3Fifo,
+    /// ARC's lists evicted in ARC's or in recency order, whichever sampled shadow caches show
+    /// hits more on the workload at hand ([`Adaptive`]).
+    #[default]
+    Adaptive,
 }
 
 impl PolicyKind {
     /// Every kind, for tests that run against each policy.
-    pub const ALL: [PolicyKind; 2] = [PolicyKind::Lru, PolicyKind::S3Fifo];
+    pub const ALL: [PolicyKind; 3] = [PolicyKind::Lru, PolicyKind::S3Fifo, PolicyKind::Adaptive];
 
     /// A new, empty policy of this kind.
     pub fn build<K>(self) -> Box<dyn EvictionPolicy<K>>
     where
-        K: Hash + Eq + Clone + Send + 'static,
+        K: Hash + Eq + Clone + Send + SampleKey + 'static,
     {
         match self {
             PolicyKind::Lru => Box::new(Lru::new()),
             PolicyKind::S3Fifo => Box::new(S3Fifo::new()),
+            PolicyKind::Adaptive => Box::new(Adaptive::new()),
         }
     }
 
@@ -81,6 +118,7 @@ impl PolicyKind {
         match self {
             PolicyKind::Lru => "lru",
             PolicyKind::S3Fifo => "s3fifo",
+            PolicyKind::Adaptive => "adaptive",
         }
     }
 }

@@ -57,7 +57,7 @@ pub fn l1(slots: u64) -> Fixture {
 pub fn with_config(config: L1Config) -> Fixture {
     let clock = Arc::new(ManualClock::new());
     let recorder = Arc::new(Recorder::default());
-    let context = L1Context { clock: clock.clone(), observer: recorder.clone() };
+    let context = L1Context { clock: clock.clone(), observer: recorder.clone(), demoter: None };
     Fixture { l1: L1Manager::build(config, context).unwrap(), clock, recorder }
 }
 

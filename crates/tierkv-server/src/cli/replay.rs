@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use clap::Args;
+use tierkv_core::policy::PolicyKind;
 use tierkv_replay::process::TierChunks;
 use tierkv_replay::report::{daemon_table, simulation_table, write_json, write_plot};
 use tierkv_replay::worker::{WorkerSpec, serve_worker};
@@ -41,6 +42,10 @@ pub struct ReplayArgs {
     /// Disk capacity in chunks or bytes; off unless given.
     #[arg(long)]
     disk: Option<String>,
+    /// The lower tiers hold what the tier above evicted (`store_policy = "cascade"`), instead of
+    /// a copy of every store. With --simulate, --l2 and --disk (in chunks) then model the tiers.
+    #[arg(long)]
+    cascade: bool,
     /// Ranks of the TP group: one worker process and one session each.
     #[arg(long, default_value_t = 1)]
     tp: u16,
@@ -150,18 +155,18 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
     let policies = args
         .policy
         .clone()
-        .unwrap_or_else(|| vec!["lru".into()])
+        .unwrap_or_else(|| vec![PolicyKind::default().as_str().into()])
         .iter()
         .map(|p| {
             Policy::parse(p.trim())
-                .ok_or_else(|| format!("unknown policy {p:?}: lru, s3fifo or belady"))
+                .ok_or_else(|| format!("unknown policy {p:?}: lru, s3fifo, adaptive or belady"))
         })
         .collect::<Result<Vec<_>, _>>()?;
 
     if args.simulate {
         let daemon_only = [
-            ("--l2", args.l2.is_some()),
-            ("--disk", args.disk.is_some()),
+            ("--l2", args.l2.is_some() && !args.cascade),
+            ("--disk", args.disk.is_some() && !args.cascade),
             ("--socket", args.socket.is_some()),
             ("--tp", args.tp != 1),
             ("--mla", args.mla),
@@ -171,7 +176,8 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             daemon_only.iter().filter(|(_, set)| *set).map(|(o, _)| *o).collect();
         if !given.is_empty() {
             return Err(format!(
-                "{} only apply to a daemon replay; --simulate models one cache of --capacity chunks",
+                "{} only apply to a daemon replay; --simulate models one cache of --capacity chunks \
+                 (or, with --cascade, L1 of --capacity and the --l2 and --disk tiers below it)",
                 given.join(", ")
             ));
         }
@@ -186,7 +192,8 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let results: Vec<RunResult> = if args.simulate {
-        tierkv_replay::sweep_simulation(&traces, &policies, &capacities, !args.quiet)
+        let lower = lower_tiers(&args)?;
+        tierkv_replay::sweep_simulation(&traces, &policies, &capacities, &lower, !args.quiet)
     } else {
         daemon_runs(&args, &traces, &targets)?
     };
@@ -223,22 +230,14 @@ fn daemon_targets(
         return Err(format!("--speedup {f}: must be a positive factor"));
     }
     if let Some(socket) = &args.socket {
-        if sweep_given || args.l2.is_some() || args.disk.is_some() {
+        if sweep_given || args.l2.is_some() || args.disk.is_some() || args.cascade {
             return Err("with --socket the daemon's own tiers and policy apply: drop --capacity, \
-                        --policy, --l2 and --disk"
+                        --policy, --l2, --disk and --cascade"
                 .into());
         }
         return Ok(vec![Target::Socket(socket.clone())]);
     }
-    let chunk_bytes = args.chunk_bytes.0;
-    let lower = |given: &Option<String>| -> Result<u64, String> {
-        match given {
-            None => Ok(0),
-            Some(text) => capacity(text, chunk_bytes)?
-                .ok_or_else(|| "a daemon's tier cannot be unbounded".to_string()),
-        }
-    };
-    let (l2, disk) = (lower(&args.l2)?, lower(&args.disk)?);
+    let (l2, disk) = (tier_chunks(args, &args.l2)?, tier_chunks(args, &args.disk)?);
     let mut targets = Vec::new();
     for &capacity in capacities {
         let l1 = capacity.ok_or("an unbounded capacity needs --simulate")?;
@@ -249,10 +248,29 @@ fn daemon_targets(
             let Policy::Online(kind) = *policy else {
                 return Err("belady is the offline optimum: it needs --simulate".into());
             };
-            targets.push(Target::Spawn { tiers: TierChunks { l1, l2, disk }, policy: kind });
+            let tiers = TierChunks { l1, l2, disk, cascade: args.cascade };
+            targets.push(Target::Spawn { tiers, policy: kind });
         }
     }
     Ok(targets)
+}
+
+/// A lower tier's capacity in chunks; 0 when it is not given.
+fn tier_chunks(args: &ReplayArgs, given: &Option<String>) -> Result<u64, String> {
+    match given {
+        None => Ok(0),
+        Some(text) => capacity(text, args.chunk_bytes.0)?
+            .ok_or_else(|| "a lower tier cannot be unbounded".to_string()),
+    }
+}
+
+/// The lower tiers a cascade simulation models, fastest first; none without --cascade.
+fn lower_tiers(args: &ReplayArgs) -> Result<Vec<u64>, String> {
+    if !args.cascade {
+        return Ok(Vec::new());
+    }
+    let tiers = vec![tier_chunks(args, &args.l2)?, tier_chunks(args, &args.disk)?];
+    Ok(tiers)
 }
 
 /// Replays every trace through every target, in order.

@@ -101,7 +101,7 @@ impl Default for L1 {
             cuda_device: 0,
             capacity: ByteSize(1 << 30),
             slot: ByteSize(2 << 20),
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             lease_ttl: Duration::from_secs(30),
             watermark_high: Watermark::default().high,
             watermark_low: Watermark::default().low,
@@ -131,7 +131,7 @@ impl Default for L2 {
             enabled: true,
             capacity: ByteSize(4 << 30),
             memory: HostMemory::Auto,
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             workers: 2,
             watermark_high: Watermark::default().high,
             watermark_low: Watermark::default().low,
@@ -166,7 +166,7 @@ impl Default for Disk {
             fsync: FsyncPolicy::Always,
             io_threads: 4,
             read_mode: ReadMode::Direct,
-            policy: PolicyKind::Lru,
+            policy: PolicyKind::default(),
             group: None,
         }
     }
@@ -180,6 +180,7 @@ pub(super) enum StoreMode {
     WriteThrough,
     WriteBack,
     DiskAdmission,
+    Cascade,
 }
 
 #[derive(Deserialize)]
@@ -218,6 +219,7 @@ impl Default for Storage {
 enum PolicyName {
     Lru,
     S3Fifo,
+    Adaptive,
 }
 
 #[derive(Deserialize)]
