@@ -152,6 +152,9 @@ enum WriteMsg {
     /// Every record of store task `task` has been handed over: publish them (unless one failed)
     /// and complete the caller's task with its sources.
     End { task: u64, id: TaskId, records: Vec<(ObjectKey, Loc)>, sources: Vec<StoreItem> },
+    /// Store task `task` failed before handing over all its records: what it handed over is
+    /// written and never published; the write thread forgets the task.
+    Abandon { task: u64 },
 }
 
 /// What a store task handed to the write thread.
@@ -189,6 +192,9 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
                 }
                 // The store thread may be gone (closing): the buffer is then simply freed.
                 let _ = free.send(buf);
+            }
+            WriteMsg::Abandon { task } => {
+                failed_tasks.remove(&task);
             }
             WriteMsg::End { task, id, records, sources } => {
                 let result = match failed_tasks.remove(&task) {
@@ -828,7 +834,7 @@ impl Shared {
                         self.metrics.failed(Failure::Io);
                         let sources = match unsent {
                             WriteMsg::End { sources, .. } => sources,
-                            WriteMsg::Record { .. } => Vec::new(),
+                            WriteMsg::Record { .. } | WriteMsg::Abandon { .. } => Vec::new(),
                         };
                         let result = Err(TierError::Io("the disk write thread is gone".into()));
                         Completion::Stored { task, result, sources }
@@ -932,6 +938,10 @@ impl Shared {
         let mut records = Vec::with_capacity(new.len());
         for item in new {
             if let Err(e) = self.submit_record(&mut writer, task, item, &mut records) {
+                if !records.is_empty() {
+                    // Best effort: without a write thread there is nothing to forget.
+                    let _ = self.send(&mut writer, WriteMsg::Abandon { task });
+                }
                 let failure = match &e {
                     TierError::NoSpace(_) => Failure::NoSpace,
                     TierError::Buffer(_) => Failure::Copy,
