@@ -130,6 +130,10 @@ impl Link {
     /// at once, and a hung seed takes its whole connect timeout): callers wait for it within
     /// their own deadline, and at most one attempt starts per reconnect interval.
     async fn connection(&self) -> Result<Conn, CallError> {
+        if let Some(conn) = self.state.lock().conn.clone() {
+            return Ok(conn);
+        }
+        // Subscribed before the state is read again, so an attempt that ends in between is seen.
         let mut opened = self.opened.subscribe();
         {
             let mut state = self.state.lock();
