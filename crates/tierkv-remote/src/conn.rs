@@ -2,6 +2,7 @@
 //! server), opened lazily, dropped when it fails, reopened at most once per reconnect interval.
 //! Every call has a deadline. The link's health is what `status` reports as degraded.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -21,6 +22,10 @@ enum Conn {
 struct State {
     conn: Option<Conn>,
     last_attempt: Option<Instant>,
+    /// A connection is being opened (by a task of its own).
+    connecting: bool,
+    /// Why the last attempt to open a connection failed.
+    connect_error: Option<String>,
     /// Why the tier is degraded; `None` while calls succeed.
     degraded: Option<String>,
     /// When a call last failed for the link's sake.
@@ -29,22 +34,24 @@ struct State {
 
 pub(crate) struct Link {
     config: RemoteConfig,
-    state: Mutex<State>,
-    /// Serialises connection attempts, so a burst of calls opens one connection.
-    connecting: tokio::sync::Mutex<()>,
+    state: Arc<Mutex<State>>,
+    /// Bumped each time an attempt to open a connection ends, for the calls waiting on it.
+    opened: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl Link {
     pub(crate) fn new(config: RemoteConfig) -> Self {
         Link {
             config,
-            state: Mutex::new(State {
+            state: Arc::new(Mutex::new(State {
                 conn: None,
                 last_attempt: None,
+                connecting: false,
+                connect_error: None,
                 degraded: Some("not connected yet".into()),
                 last_failure: None,
-            }),
-            connecting: tokio::sync::Mutex::new(()),
+            })),
+            opened: Arc::new(tokio::sync::watch::channel(0).0),
         }
     }
 
@@ -91,6 +98,9 @@ impl Link {
                     state.degraded = None;
                 }
             }
+            // A call refused while the link reconnects says nothing new: the reason stays the
+            // failure that degraded it.
+            Err(CallError::Unavailable(_)) => {}
             Err(e) if e.is_connection() => {
                 let mut state = self.state.lock();
                 if state.degraded.is_none() {
@@ -98,10 +108,10 @@ impl Link {
                 }
                 state.degraded = Some(e.to_string());
                 state.last_failure = Some(Instant::now());
-                // A timeout may be one slow node; anything else says the connection is broken.
-                if !matches!(e, CallError::Timeout(_)) {
-                    state.conn = None;
-                }
+                // The connection goes, a timeout's too: a hung master never answers the cluster
+                // client, which then keeps routing its slots to it after its replica took over.
+                // The next connection learns the slot map afresh.
+                state.conn = None;
             }
             Err(_) => {}
         }
@@ -115,58 +125,96 @@ impl Link {
         }
     }
 
+    /// The connection, opening one if there is none. The opening runs as a task of its own, so
+    /// a caller's deadline cannot cut it short (a cluster connection connects to every seed node
+    /// at once, and a hung seed takes its whole connect timeout): callers wait for it within
+    /// their own deadline, and at most one attempt starts per reconnect interval.
     async fn connection(&self) -> Result<Conn, CallError> {
         if let Some(conn) = self.state.lock().conn.clone() {
             return Ok(conn);
         }
-        let _one = self.connecting.lock().await;
+        // Subscribed before the state is read again, so an attempt that ends in between is seen.
+        let mut opened = self.opened.subscribe();
         {
             let mut state = self.state.lock();
             if let Some(conn) = state.conn.clone() {
                 return Ok(conn);
             }
-            if let Some(last) = state.last_attempt
-                && last.elapsed() < self.config.reconnect_interval
+            if !state.connecting {
+                if let Some(last) = state.last_attempt
+                    && last.elapsed() < self.config.reconnect_interval
+                {
+                    let why = state.connect_error.clone().unwrap_or_else(|| "reconnecting".into());
+                    return Err(CallError::Unavailable(why));
+                }
+                state.connecting = true;
+                state.last_attempt = Some(Instant::now());
+                self.start_opening();
+            }
+        }
+        // Wait for the attempt under way (the caller's deadline bounds the wait).
+        let _ = opened.changed().await;
+        let state = self.state.lock();
+        match (&state.conn, &state.connect_error) {
+            (Some(conn), _) => Ok(conn.clone()),
+            (None, Some(why)) => Err(CallError::Connect(why.clone())),
+            (None, None) => Err(CallError::Unavailable("reconnecting".into())),
+        }
+    }
+
+    fn start_opening(&self) {
+        let (config, state, opened) =
+            (self.config.clone(), Arc::clone(&self.state), Arc::clone(&self.opened));
+        tokio::spawn(async move {
+            // Every seed within the connect timeout, then the slot map (a call).
+            let limit = config.connect_timeout * 2 + config.op_timeout;
+            let result = match tokio::time::timeout(limit, open(&config)).await {
+                Ok(Ok(conn)) => Ok(conn),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("no connection within {limit:?}")),
+            };
             {
-                let why = state.degraded.clone().unwrap_or_else(|| "reconnecting".into());
-                return Err(CallError::Unavailable(why));
+                let mut state = state.lock();
+                state.connecting = false;
+                match result {
+                    Ok(conn) => {
+                        state.conn = Some(conn);
+                        state.connect_error = None;
+                    }
+                    Err(why) => state.connect_error = Some(why),
+                }
             }
-            state.last_attempt = Some(Instant::now());
-        }
-        let conn = match tokio::time::timeout(self.config.connect_timeout, self.open()).await {
-            Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => return Err(CallError::Connect(e.to_string())),
-            Err(_) => return Err(CallError::Timeout(self.config.connect_timeout)),
-        };
-        self.state.lock().conn = Some(conn.clone());
-        Ok(conn)
+            opened.send_modify(|n| *n += 1);
+        });
     }
+}
 
-    async fn open(&self) -> redis::RedisResult<Conn> {
-        let c = &self.config;
-        match c.mode {
-            RemoteMode::Standalone => {
-                let url = c.urls.first().map(String::as_str).unwrap_or_default();
-                let client = redis::Client::open(url)?;
-                let config = AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(c.connect_timeout))
-                    .set_response_timeout(Some(c.op_timeout));
-                let conn = client.get_multiplexed_async_connection_with_config(&config).await?;
-                Ok(Conn::Single(conn))
-            }
-            RemoteMode::Cluster => {
-                let client = redis::cluster::ClusterClient::builder(c.urls.clone())
-                    .connection_timeout(c.connect_timeout)
-                    .response_timeout(c.op_timeout)
-                    .retries(3)
-                    .min_retry_wait(10)
-                    .max_retry_wait(c.op_timeout.as_millis().min(500) as u64)
-                    .build()?;
-                Ok(Conn::Cluster(client.get_async_connection().await?))
-            }
+/// Opens a connection as `c` says.
+async fn open(c: &RemoteConfig) -> redis::RedisResult<Conn> {
+    match c.mode {
+        RemoteMode::Standalone => {
+            let url = c.urls.first().map(String::as_str).unwrap_or_default();
+            let client = redis::Client::open(url)?;
+            let config = AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(c.connect_timeout))
+                .set_response_timeout(Some(c.op_timeout));
+            let conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+            Ok(Conn::Single(conn))
+        }
+        RemoteMode::Cluster => {
+            let client = redis::cluster::ClusterClient::builder(c.urls.clone())
+                .connection_timeout(c.connect_timeout)
+                .response_timeout(c.op_timeout)
+                .retries(3)
+                .min_retry_wait(10)
+                .max_retry_wait(c.op_timeout.as_millis().min(500) as u64)
+                .build()?;
+            Ok(Conn::Cluster(client.get_async_connection().await?))
         }
     }
+}
 
+impl Link {
     /// How long a caller waits at most for one call.
     pub(crate) fn op_timeout(&self) -> Duration {
         self.config.op_timeout
