@@ -17,7 +17,7 @@ use foldhash::fast::RandomState;
 use parking_lot::Mutex;
 use tierkv_core::policy::EvictionPolicy;
 use tierkv_core::{
-    Bitmap, ChunkSink, ChunkSource, Completion, LoadItem, ObjectKey, StoreItem, TaskId,
+    Bitmap, ChunkSink, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
     TierAdapter, TierError, TierUsage,
 };
 
@@ -123,40 +123,6 @@ enum Job {
         first: usize,
         items: Vec<LoadItem>,
     },
-}
-
-/// A load task split into parts that several workers copy at once, so one large load (a
-/// lookup's whole prefix) uses every worker's core. Each part hands its sinks back here; the
-/// part that finishes last sends the task's one completion, sinks in the order submitted.
-struct JointLoad {
-    task: TaskId,
-    state: Mutex<JointState>,
-}
-
-struct JointState {
-    sinks: Vec<Option<LoadItem>>,
-    loaded: Bitmap,
-    parts_left: usize,
-}
-
-impl JointLoad {
-    /// Records a finished part; the task's completion once every part is in.
-    fn part_done(&self, first: usize, items: Vec<LoadItem>, loaded: &Bitmap) -> Option<Completion> {
-        let mut state = self.state.lock();
-        for (i, item) in items.into_iter().enumerate() {
-            state.loaded.set(first + i, loaded.get(i));
-            if let Some(slot) = state.sinks.get_mut(first + i) {
-                *slot = Some(item);
-            }
-        }
-        state.parts_left -= 1;
-        if state.parts_left > 0 {
-            return None;
-        }
-        let sinks: Vec<LoadItem> = std::mem::take(&mut state.sinks).into_iter().flatten().collect();
-        let loaded = std::mem::replace(&mut state.loaded, Bitmap::new(0));
-        Some(Completion::Loaded { task: self.task, loaded, sinks })
-    }
 }
 
 /// A load of fewer items, or fewer bytes, than these runs on one worker: splitting it buys less
@@ -328,7 +294,7 @@ impl Shared {
                 Job::Lookup(task, keys) => (*task, 1 + keys.len()),
                 Job::Load(task, _) => (*task, usize::MAX),
                 // A part runs its own copies under catch_unwind (`run`), so it always reports.
-                Job::LoadPart { joint, .. } => (joint.task, usize::MAX),
+                Job::LoadPart { joint, .. } => (joint.task(), usize::MAX),
             };
             match catch_unwind(AssertUnwindSafe(|| self.run(job))) {
                 Ok(Some(completion)) => {
@@ -628,26 +594,7 @@ impl TierAdapter for HostStore {
         }
         let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
         let parts = workers.min(items.len());
-        let per_part = items.len().div_ceil(parts);
-        let total = items.len();
-        let mut rest = items;
-        let mut jobs = Vec::with_capacity(parts);
-        let mut first = 0;
-        while !rest.is_empty() {
-            let tail = rest.split_off(per_part.min(rest.len()));
-            let part = std::mem::replace(&mut rest, tail);
-            let len = part.len();
-            jobs.push((first, part));
-            first += len;
-        }
-        let joint = Arc::new(JointLoad {
-            task,
-            state: Mutex::new(JointState {
-                sinks: (0..total).map(|_| None).collect(),
-                loaded: Bitmap::new(total),
-                parts_left: jobs.len(),
-            }),
-        });
+        let (joint, jobs) = JointLoad::split(task, items, parts);
         let sender = self.jobs.lock().clone();
         for (first, items) in jobs {
             let job = Job::LoadPart { joint: Arc::clone(&joint), first, items };
