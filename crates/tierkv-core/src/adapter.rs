@@ -48,6 +48,18 @@ pub trait ChunkSource: Send {
     fn host_bytes(&self) -> Option<&[u8]> {
         None
     }
+
+    /// Copies the whole chunk into `dst`: straight from its host bytes when it has them, else
+    /// through [`ChunkSource::copy_to_host`].
+    fn read_into(&self, dst: &mut [u8]) -> Result<(), BufferError> {
+        match self.host_bytes() {
+            Some(bytes) if bytes.len() == dst.len() => {
+                dst.copy_from_slice(bytes);
+                Ok(())
+            }
+            _ => self.copy_to_host(dst),
+        }
+    }
 }
 
 /// A chunk an adapter writes into while loading it (an L1 slot reserved for the load).
@@ -67,6 +79,18 @@ pub trait ChunkSink: Send {
     /// from disk can then land in them without a staging copy).
     fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
         None
+    }
+
+    /// Fills the whole chunk from `src`: straight into its host bytes when it has them, else
+    /// through [`ChunkSink::copy_from_host`].
+    fn write_from(&mut self, src: &[u8]) -> Result<(), BufferError> {
+        match self.host_bytes_mut() {
+            Some(bytes) if bytes.len() == src.len() => {
+                bytes.copy_from_slice(src);
+                Ok(())
+            }
+            _ => self.copy_from_host(src),
+        }
     }
 }
 

@@ -26,8 +26,8 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
 use tierkv_core::policy::EvictionPolicy;
 use tierkv_core::{
-    AlignedBuf, Bitmap, ChunkSink, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey,
-    StoreItem, TaskId, TierAdapter, TierError, TierUsage,
+    AlignedBuf, Bitmap, ChunkSink, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
+    TierAdapter, TierError, TierUsage,
 };
 
 use crate::config::{DiskStoreConfig, FsyncPolicy, ReadMode};
@@ -940,8 +940,7 @@ impl Shared {
         let record = &mut buf.as_mut_slice()[..size as usize];
         let (head, payload) = record.split_at_mut(BLOCK as usize);
         let payload_bytes = &mut payload[..len as usize];
-        let copied =
-            catch_unwind(AssertUnwindSafe(|| copy_in(item.source.as_ref(), payload_bytes)));
+        let copied = catch_unwind(AssertUnwindSafe(|| item.source.read_into(payload_bytes)));
         let failed = match copied {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(TierError::Buffer(e)),
@@ -1379,7 +1378,7 @@ impl Shared {
         {
             return Err(ReadFailure::Damaged);
         }
-        match catch_unwind(AssertUnwindSafe(|| copy_out(payload, sink))) {
+        match catch_unwind(AssertUnwindSafe(|| sink.write_from(payload))) {
             Ok(Ok(())) => Ok(()),
             _ => Err(ReadFailure::Sink),
         }
@@ -1506,28 +1505,6 @@ fn io_error(path: &Path, action: &str, error: &std::io::Error) -> TierError {
         TierError::NoSpace(message)
     } else {
         TierError::Io(message)
-    }
-}
-
-/// Copies a source into a record's payload area: in place when the source is host memory.
-fn copy_in(source: &dyn ChunkSource, dst: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
-    match source.host_bytes() {
-        Some(bytes) if bytes.len() == dst.len() => {
-            dst.copy_from_slice(bytes);
-            Ok(())
-        }
-        _ => source.copy_to_host(dst),
-    }
-}
-
-/// Copies a verified payload into a sink: in place when the sink is host memory.
-fn copy_out(src: &[u8], sink: &mut dyn ChunkSink) -> Result<(), tierkv_core::BufferError> {
-    match sink.host_bytes_mut() {
-        Some(bytes) if bytes.len() == src.len() => {
-            bytes.copy_from_slice(src);
-            Ok(())
-        }
-        _ => sink.copy_from_host(src),
     }
 }
 

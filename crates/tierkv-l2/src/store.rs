@@ -17,7 +17,7 @@ use foldhash::fast::RandomState;
 use parking_lot::Mutex;
 use tierkv_core::policy::EvictionPolicy;
 use tierkv_core::{
-    Bitmap, ChunkSink, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
+    Bitmap, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
     TierAdapter, TierError, TierUsage,
 };
 
@@ -439,7 +439,7 @@ impl Shared {
             // SAFETY: the slot was reserved above for this task only; nothing reads an entry that
             // is not ready, and nothing else writes a reserved slot.
             let dst = unsafe { self.arena.bytes_mut(offset, len) };
-            let copied = catch_unwind(AssertUnwindSafe(|| copy_in(item.source, dst)));
+            let copied = catch_unwind(AssertUnwindSafe(|| item.source.read_into(dst)));
             match copied {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => failure = Some(TierError::Buffer(e)),
@@ -511,7 +511,7 @@ impl Shared {
             // SAFETY: the entry is ready and pinned: nobody writes or reuses its slot until it is
             // unpinned below.
             let src = unsafe { self.arena.bytes(offset, len) };
-            let copied = catch_unwind(AssertUnwindSafe(|| copy_out(src, item.sink.as_mut())));
+            let copied = catch_unwind(AssertUnwindSafe(|| item.sink.write_from(src)));
             if matches!(copied, Ok(Ok(()))) {
                 loaded.set(i, true);
                 bytes += len as u64;
@@ -546,28 +546,6 @@ impl Shared {
     fn publish(&self) {
         let usage = self.usage();
         self.metrics.publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
-    }
-}
-
-/// Copies a source into a slot: in place when the source is host memory.
-fn copy_in(source: &dyn ChunkSource, dst: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
-    match source.host_bytes() {
-        Some(bytes) if bytes.len() == dst.len() => {
-            dst.copy_from_slice(bytes);
-            Ok(())
-        }
-        _ => source.copy_to_host(dst),
-    }
-}
-
-/// Copies a slot into a sink: in place when the sink is host memory.
-fn copy_out(src: &[u8], sink: &mut dyn ChunkSink) -> Result<(), tierkv_core::BufferError> {
-    match sink.host_bytes_mut() {
-        Some(bytes) if bytes.len() == src.len() => {
-            bytes.copy_from_slice(src);
-            Ok(())
-        }
-        _ => sink.copy_from_host(src),
     }
 }
 

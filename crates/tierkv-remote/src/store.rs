@@ -16,8 +16,8 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
 use tierkv_core::{
-    Bitmap, ChunkSink, ChunkSource, Completion, LoadItem, ObjectKey, StoreItem, TaskId,
-    TierAdapter, TierError, TierUsage,
+    Bitmap, ChunkSource, Completion, LoadItem, ObjectKey, StoreItem, TaskId, TierAdapter,
+    TierError, TierUsage,
 };
 use tokio::runtime::Runtime;
 use tokio::sync::{Semaphore, watch};
@@ -306,7 +306,7 @@ impl Shared {
                 };
                 let loaded = match verify(&item.key, &value, item.sink.len()) {
                     Ok(payload) => {
-                        let copied = copy_out(payload, item.sink.as_mut()).is_ok();
+                        let copied = item.sink.write_from(payload).is_ok();
                         if !copied {
                             shared.metrics.error("copy");
                         }
@@ -401,23 +401,10 @@ fn set_command(
 fn value_of(key: &ObjectKey, source: &dyn ChunkSource) -> Result<Vec<u8>, TierError> {
     let len = source.len() as usize;
     let mut value = vec![0u8; HEADER_BYTES + len];
-    match source.host_bytes() {
-        Some(bytes) if bytes.len() == len => value[HEADER_BYTES..].copy_from_slice(bytes),
-        _ => source.copy_to_host(&mut value[HEADER_BYTES..])?,
-    }
+    source.read_into(&mut value[HEADER_BYTES..])?;
     let (header, payload) = value.split_at_mut(HEADER_BYTES);
     encode_header(key, payload, header);
     Ok(value)
-}
-
-fn copy_out(src: &[u8], sink: &mut dyn ChunkSink) -> Result<(), tierkv_core::BufferError> {
-    match sink.host_bytes_mut() {
-        Some(bytes) if bytes.len() == src.len() => {
-            bytes.copy_from_slice(src);
-            Ok(())
-        }
-        _ => sink.copy_from_host(src),
-    }
 }
 
 impl TierAdapter for RemoteStore {
