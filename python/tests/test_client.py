@@ -85,7 +85,7 @@ def test_hello_opens_a_session(daemon):
     a = connect(daemon)
     b = connect(daemon, mla=True, rank=0, tp_size=2, world_size=2)
     assert isinstance(a.session, Welcome)
-    assert a.session.version == 2
+    assert a.session.version == wire.PROTOCOL_VERSION
     assert a.session.max_chunk_bytes == 64 * 1024
     assert a.session.readers == 1
     assert b.session.readers == 2, "with MLA every rank of the TP group reads"
@@ -102,7 +102,7 @@ def test_a_version_1_hello_is_refused_and_says_why(daemon):
     assert caught.value.code == "version_mismatch"
     assert "register_kv" in caught.value.message
     # The daemon goes on serving others.
-    assert connect(daemon).session.version == 2
+    assert connect(daemon).session.version == wire.PROTOCOL_VERSION
 
 
 def test_store_lookup_retrieve_round_trip(daemon, buf):
@@ -498,7 +498,7 @@ def test_tcp_sessions_need_the_token_and_carry_no_descriptors(tcp_daemon, buf):
         Client.connect_tcp("127.0.0.1", port, worker_hello())
     client = Client.connect_tcp("127.0.0.1", port, worker_hello(token=tcp_daemon.token))
     try:
-        assert client.session.version == 2
+        assert client.session.version == wire.PROTOCOL_VERSION
         started = client.lookup(0, [1, 2])
         assert outcome_of(client, started).hit_chunks == 0
         client.release(started.lookup)

@@ -42,7 +42,7 @@ U128_MAX = (1 << 128) - 1
 
 def _hello():
     return wire.hello(
-        version=2,
+        version=wire.PROTOCOL_VERSION,
         role="worker",
         rank=1,
         tp_size=2,
@@ -59,7 +59,7 @@ def _hello():
 REQUESTS = {
     "hello": _hello,
     "hello_admin_token": lambda: wire.hello(
-        version=2,
+        version=wire.PROTOCOL_VERSION,
         role="admin",
         rank=0,
         tp_size=1,
@@ -132,7 +132,9 @@ STATUS_REPORT = {
 
 # Each non-error reply of wire_vectors.rs, as the Python side parses it.
 REPLIES = {
-    "welcome": Welcome(version=2, session=5, max_chunk_bytes=1 << 21, readers=1),
+    "welcome": Welcome(
+        version=wire.PROTOCOL_VERSION, session=5, max_chunk_bytes=1 << 21, readers=1
+    ),
     "buffer_registered": BufferRegistered(buffer=3),
     "stored": Stored(stored=2, present=1, refused=[(3, "no_space", "out of memory")]),
     "lookup_started_done": LookupStarted(lookup=9, l1_hit_chunks=3, outcome=OUTCOME),
@@ -172,7 +174,7 @@ ERRORS = {
 
 
 def test_protocol_version_is_the_rust_one():
-    assert VECTORS["protocol_version"] == wire.PROTOCOL_VERSION == 2
+    assert VECTORS["protocol_version"] == wire.PROTOCOL_VERSION == 3
     assert _hello()["hello"]["version"] == wire.PROTOCOL_VERSION
     assert wire.hello()["hello"]["version"] == wire.PROTOCOL_VERSION
 

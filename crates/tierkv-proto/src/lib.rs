@@ -24,4 +24,4 @@ pub use message::{
 /// Version 2 replaced `register_buffer` (one memfd of equal blocks) with `register_kv` (regions
 /// and a layout, so the daemon gathers a chunk from every layer of an engine's paged KV), and a
 /// chunk names its blocks as a list.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;

@@ -17,9 +17,9 @@ use std::path::PathBuf;
 use serde::Serialize;
 use tierkv_core::hash::{ChunkHasher, chain, root};
 use tierkv_proto::{
-    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, NamespaceDecl, RefusalReason,
-    Refused, RegionSource, Reply, ReplyBody, Request, RequestBody, Role, Segment, SessionReport,
-    StatusReport, TierReport, encode,
+    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, NamespaceDecl,
+    PROTOCOL_VERSION, RefusalReason, Refused, RegionSource, Reply, ReplyBody, Request, RequestBody,
+    Role, Segment, SessionReport, StatusReport, TierReport, encode,
 };
 
 fn hex<T: Serialize>(value: &T) -> String {
@@ -30,7 +30,7 @@ fn hex<T: Serialize>(value: &T) -> String {
 
 fn hello() -> Hello {
     Hello {
-        version: 2,
+        version: PROTOCOL_VERSION,
         role: Role::Worker,
         rank: 1,
         tp_size: 2,
@@ -130,7 +130,12 @@ fn replies() -> Vec<(&'static str, ReplyBody)> {
     let mut all = vec![
         (
             "welcome",
-            ReplyBody::Welcome { version: 2, session: 5, max_chunk_bytes: 1 << 21, readers: 1 },
+            ReplyBody::Welcome {
+                version: PROTOCOL_VERSION,
+                session: 5,
+                max_chunk_bytes: 1 << 21,
+                readers: 1,
+            },
         ),
         ("buffer_registered", ReplyBody::BufferRegistered { buffer: 3 }),
         (

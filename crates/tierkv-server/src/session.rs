@@ -389,8 +389,9 @@ impl Session {
                 ErrorCode::VersionMismatch,
                 format!(
                     "protocol version {} is not this daemon's {PROTOCOL_VERSION} (version 2 \
-                     registers KV memory with register_kv and names each chunk's blocks as a \
-                     list; update the client)",
+                     registered KV memory with register_kv and named each chunk's blocks as a \
+                     list; version 3 adds flush, refusal reasons, per-tier hits of four tiers \
+                     with the remote one, and a tier's degraded state; update the client)",
                     hello.version
                 ),
             );

@@ -1,4 +1,4 @@
-"""The tierkv wire protocol (version 2): frames, request bodies and replies.
+"""The tierkv wire protocol (version 3): frames, request bodies and replies.
 
 A frame is a 4-byte little-endian body length followed by one MessagePack value. A request is
 ``{"id": u64, "body": RequestBody}``; the daemon answers each with ``{"id", "body": ReplyBody}``
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 #: The protocol version this package speaks; the daemon refuses a hello with another.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: The frame header: the body's length, a little-endian u32.
 HEADER = struct.Struct("<I")
