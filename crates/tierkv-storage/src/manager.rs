@@ -49,6 +49,10 @@ type ConfiguredTiers = (Option<Arc<HostStore>>, Option<Arc<DiskStore>>, Option<A
 /// runtime; the thread does not wait for it).
 const REMOTE_PROBE: Duration = Duration::from_secs(1);
 
+/// The bit of a chunk's read count that says the remote tier served it once: such a chunk is
+/// never admitted back to the remote tier, whatever its reads.
+const CAME_FROM_REMOTE: u32 = 1 << 31;
+
 /// Reads counted per chunk for disk admission, at most; beyond this the counts start over.
 const READ_COUNTS: usize = 1 << 20;
 
@@ -762,6 +766,9 @@ impl Inner {
         let mut unneeded_below = Vec::new();
         let mut per_tier = vec![0usize; 1 + self.router.len()];
         let mut slowest: Vec<Option<usize>> = vec![None; n];
+        // Chunks the remote tier served: admission after reads does not send them back to it.
+        let remote_tier = self.router.tiers().position(|t| t.name() == "remote").map(|t| 1 + t);
+        let mut from_remote = HashSet::new();
         for (g, group) in request.groups.iter().enumerate() {
             let needed = group.kind.needed(n, request.chunk_tokens);
             for (i, key) in group.keys.iter().enumerate() {
@@ -771,11 +778,13 @@ impl Inner {
                 } else if needed.contains(&i) && from_below(g, i) {
                     let p = prefetched.as_ref();
                     covered.extend(p.and_then(|p| p.lease).map(|lease| (*key, lease)));
-                    Some(
-                        1 + p
-                            .and_then(|p| p.sources.get(g)?.get(i).copied().flatten())
-                            .unwrap_or(0),
-                    )
+                    let tier = 1 + p
+                        .and_then(|p| p.sources.get(g)?.get(i).copied().flatten())
+                        .unwrap_or(0);
+                    if Some(tier) == remote_tier {
+                        from_remote.insert(*key);
+                    }
+                    Some(tier)
                 } else {
                     if lookup.in_l1[g][i] && l1_live {
                         unneeded_l1.push(*key);
@@ -806,7 +815,7 @@ impl Inner {
         let possible = request.groups.iter().map(|g| g.keys.len()).min().unwrap_or(0);
         let hits: Vec<u64> = per_tier.iter().map(|n| *n as u64).collect();
         self.metrics.lookup(possible as u64, &hits, request.chunk_tokens);
-        self.count_reads(covered.keys().copied());
+        self.count_reads(covered.keys().copied(), &from_remote);
         let readers = request.extra.readers();
         let result = LookupResult {
             hit_chunks: n,
@@ -845,8 +854,8 @@ impl Inner {
     }
 
     /// Disk and remote admission: counts reads, and sends chunks that reached a threshold to
-    /// that tier.
-    fn count_reads(&self, keys: impl Iterator<Item = ObjectKey>) {
+    /// that tier; never a chunk back to the remote tier that served it.
+    fn count_reads(&self, keys: impl Iterator<Item = ObjectKey>, from_remote: &HashSet<ObjectKey>) {
         let disk = match self.config.store_policy {
             StorePolicy::DiskAdmission { min_reads } => Some(min_reads),
             _ => None,
@@ -864,12 +873,16 @@ impl Inner {
         }
         let (mut to_disk, mut to_remote) = (Vec::new(), Vec::new());
         for key in keys {
-            let count = reads.entry(key).or_insert(0);
-            *count += 1;
-            if Some(*count) == disk {
+            let entry = reads.entry(key).or_insert(0);
+            if from_remote.contains(&key) {
+                *entry |= CAME_FROM_REMOTE;
+            }
+            let count = (*entry & !CAME_FROM_REMOTE).saturating_add(1).min(!CAME_FROM_REMOTE);
+            *entry = (*entry & CAME_FROM_REMOTE) | count;
+            if Some(count) == disk {
                 to_disk.push(key);
             }
-            if Some(*count) == remote {
+            if Some(count) == remote && *entry & CAME_FROM_REMOTE == 0 {
                 to_remote.push(key);
             }
         }

@@ -193,3 +193,36 @@ fn a_dead_remote_tier_is_a_miss_the_node_serves_locally_and_recovers() {
     write(&a, &keys(30..34));
     assert_eq!(lookup(&b, keys(30..34)).per_tier, vec![0, 0, 4]);
 }
+
+#[test]
+fn a_chunk_the_remote_tier_served_is_never_admitted_back_to_it() {
+    require_redis!();
+    let urls = shared_cluster().urls();
+    let prefix = unique_prefix("no-echo");
+    let a = node(urls.clone(), &prefix, RemoteAdmission::WriteThrough);
+    let c = node(urls, &prefix, RemoteAdmission::AfterReads { min_reads: 2 });
+    write(&a, &keys(0..3));
+    let deadline = Instant::now() + WAIT;
+    while a.status().store_in_flight > 0 {
+        assert!(Instant::now() < deadline, "node A's stores never finished");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Node C gets the chunks from Redis, then reads them again (from its own L1): read twice,
+    // but they came from the remote tier, so C does not send them back.
+    assert_eq!(lookup(&c, keys(0..3)).per_tier, vec![0, 0, 3]);
+    assert_eq!(lookup(&c, keys(0..3)).per_tier, vec![3, 0, 0]);
+    assert_eq!(lookup(&c, keys(0..3)).hit_chunks, 3);
+    std::thread::sleep(Duration::from_millis(100));
+    let status = c.status();
+    assert_eq!(status.store_in_flight, 0);
+    assert_eq!(status.tiers[1].1.objects, 0, "node C stored nothing remote: {status:?}");
+    // Its own chunks, read twice, still go.
+    write(&c, &keys(10..12));
+    lookup(&c, keys(10..12));
+    lookup(&c, keys(10..12));
+    let deadline = Instant::now() + WAIT;
+    while c.status().tiers[1].1.objects < 2 {
+        assert!(Instant::now() < deadline, "node C's own chunks never reached the remote tier");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
