@@ -617,6 +617,13 @@ impl Session {
     ) -> Result<u64, String> {
         let mut access =
             self.daemon.storage.write_access(self.owner(), key).map_err(|e| e.to_string())?;
+        if let (true, Some(slot)) = (source.on_device(), access.device_address()) {
+            let len = access.handle().len;
+            // SAFETY: the slot belongs to this write reservation, which `access` pins: nothing
+            // else reads or writes it until the write is finished or aborted.
+            unsafe { source.gather_device(blocks, slot, len) }.map_err(|e| e.to_string())?;
+            return Ok(len);
+        }
         if let Some(slot) = access.host_bytes_mut() {
             source.gather(blocks, slot).map_err(|e| e.to_string())?;
             return Ok(slot.len() as u64);
@@ -904,7 +911,8 @@ fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result
         let mut seen = HashSet::new();
         pinned.iter().flat_map(|(blocks, _)| blocks.iter()).all(|b| seen.insert(*b))
     };
-    if bytes < PARALLEL_SCATTER_BYTES || threads < 2 || !distinct() {
+    // GPU regions copy on their own stream, already asynchronous: no threads.
+    if bytes < PARALLEL_SCATTER_BYTES || threads < 2 || target.on_device() || !distinct() {
         return scatter_part(target, pinned).map(|()| bytes);
     }
     let per = pinned.len().div_ceil(threads);
@@ -926,6 +934,12 @@ fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result
 fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result<(), Fail> {
     let mut staging = Vec::new();
     for (blocks, access) in pinned {
+        if let (true, Some(slot)) = (target.on_device(), access.device_address()) {
+            // SAFETY: the slot is leased (`access` pins it): nobody writes it meanwhile.
+            unsafe { target.scatter_device(blocks, slot, access.handle().len) }
+                .map_err(|e| Fail { code: ErrorCode::Internal, message: e.to_string() })?;
+            continue;
+        }
         let copied = match access.host_bytes() {
             Some(slot) => target.scatter(blocks, slot),
             None => {
