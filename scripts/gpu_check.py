@@ -315,6 +315,7 @@ class Daemon:
         self.config.write_text(f"""
 [server]
 socket = "{self.socket}"
+max_leased_per_session = "{l1}"
 
 [metrics]
 enabled = false
@@ -379,8 +380,24 @@ enabled = false
 
 
 def pci_bus_id(torch) -> str:
+    """Device 0's PCI bus id, as the daemon's ``cuDeviceGetByPCIBusId`` takes it."""
+    cuda = libcuda()
+    if cuda is not None:
+        dev = ctypes.c_int(0)
+        buf = ctypes.create_string_buffer(32)
+        if (
+            cuda.cuInit(0) == 0
+            and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+            and cuda.cuDeviceGetPCIBusId(buf, 32, dev) == 0
+        ):
+            return buf.value.decode()
     p = torch.cuda.get_device_properties(0)
-    return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    try:
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except AttributeError:
+        fail(
+            "cannot tell device 0's PCI bus id (no libcuda through ctypes, an old torch)"
+        )
 
 
 def ipc_region(torch, tensor):
@@ -566,12 +583,11 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
             t0 = time.perf_counter()
             s.client.flush(120.0)
             t_down += time.perf_counter() - t0
-        # Reload the chunks L1 still has (the last ones stored), then the first ones, which
-        # the L1 of half the stored bytes has evicted: those come through L2.
-        half = n // 2
+        # Reload the last quarter stored, which L1 still has, then the first, which the L1 of
+        # two quarters has evicted: it comes back through L2.
         for label, part, tier in (
-            ("L1 -> engine (retrieve, L1 hits)", chunks[half:], 0),
-            ("L2 -> L1 -> engine (lookup + retrieve)", chunks[:half], 1),
+            ("L1 -> engine (retrieve, L1 hits)", chunks[3 * quarter :], 0),
+            ("L2 -> L1 -> engine (lookup + retrieve)", chunks[:quarter], 1),
         ):
             # Every block used is overwritten first, so equal bytes prove the load.
             raw_view.index_fill_(2, torch.tensor(used, device=dev), 0)
