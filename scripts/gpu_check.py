@@ -401,9 +401,32 @@ def pci_bus_id(torch) -> str:
 
 
 def ipc_region(torch, tensor):
-    """The CUDA IPC region holding ``tensor`` and the byte offset of the tensor in it."""
+    """The CUDA IPC region holding ``tensor`` and the byte offset of the tensor in it.
+
+    Through the driver (``cuMemGetAddressRange`` for the allocation, ``cuIpcGetMemHandle`` of
+    its base) where ctypes can load it, else torch's ``_share_cuda_`` (whose handle is the bare
+    64 bytes in older torch, and ``version, 'c', 64 bytes`` since torch 2.3)."""
     from tierkv.wire import CudaIpcRegion
 
+    device = pci_bus_id(torch)
+    cuda = libcuda()
+    if cuda is not None:
+        base = ctypes.c_uint64(0)
+        size = ctypes.c_size_t(0)
+        handle = ctypes.create_string_buffer(64)
+        rc = cuda.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(tensor.data_ptr())
+        )
+        if rc == 0:
+            rc = cuda.cuIpcGetMemHandle(handle, ctypes.c_uint64(base.value))
+            if rc != 0:
+                fail(
+                    f"cuIpcGetMemHandle failed (CUresult {rc}): memory from expandable segments "
+                    "or the VMM API cannot be shared by IPC"
+                )
+            return CudaIpcRegion(
+                handle=handle.raw, device=device, bytes=size.value
+            ), tensor.data_ptr() - base.value
     storage = tensor.untyped_storage()
     try:
         shared = storage._share_cuda_()
@@ -412,13 +435,13 @@ def ipc_region(torch, tensor):
             f"cuIpcGetMemHandle failed for the KV tensor (expandable segments or a VMM "
             f"allocation cannot be shared by IPC): {e}"
         )
-    handle, size, offset = shared[1], shared[2], shared[3]
-    if len(handle) != 64:
-        fail(f"torch returned a {len(handle)}-byte IPC handle, not 64")
-    offset = int(offset) + (tensor.data_ptr() - storage.data_ptr())
-    return CudaIpcRegion(
-        handle=bytes(handle), device=pci_bus_id(torch), bytes=int(shared[3]) + int(size)
-    ), offset
+    handle, size, offset = bytes(shared[1]), int(shared[2]), int(shared[3])
+    if len(handle) == 66 and handle[1:2] == b"c":
+        handle = handle[2:]
+    elif len(handle) != 64:
+        fail(f"torch returned a {len(handle)}-byte IPC handle of an unknown format")
+    region = CudaIpcRegion(handle=handle, device=device, bytes=offset + size)
+    return region, offset + tensor.data_ptr() - storage.data_ptr()
 
 
 class Session:
