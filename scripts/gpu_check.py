@@ -672,7 +672,11 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--bin", dest="binary", type=Path, default=Path("target/release/tierkv")
+        "--bin",
+        dest="binary",
+        type=Path,
+        default=None,
+        help="the tierkv binary (default: target/release/tierkv, else target/gpu-carry/tierkv)",
     )
     ap.add_argument(
         "--raw-only", action="store_true", help="measure the raw limits only"
@@ -694,6 +698,12 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--keep", action="store_true", help="keep the daemon's directory")
     args = ap.parse_args()
+    if args.binary is None:
+        release = Path("target/release/tierkv")
+        carried = Path("target/gpu-carry/tierkv")
+        args.binary = (
+            carried if carried.is_file() and not release.is_file() else release
+        )
     if args.chunks < 4 or args.chunks % 4:
         ap.error("--chunks must be a positive multiple of 4")
 
