@@ -335,6 +335,26 @@ def test_a_cuda_ipc_region_without_a_cuda_driver_is_bad_buffer_saying_why(daemon
     assert client.register_buffer(buf) == 0
 
 
+def test_a_sessions_registrations_are_unmapped_when_it_disconnects(daemon):
+    """A registration lives exactly as long as its session: the daemon drops it (unmaps a memfd,
+    closes a CUDA IPC handle: the same `Drop`) when the connection goes."""
+    maps = f"/proc/{daemon.proc.pid}/maps"
+
+    def mapped(name: str) -> bool:
+        with open(maps) as f:
+            return f"/memfd:{name} " in f.read()
+
+    client = connect(daemon)
+    with SharedBuffer(CHUNK_BYTES, 8, name="tierkv-drop-test") as shared:
+        client.register_buffer(shared)
+        assert mapped("tierkv-drop-test")
+        client.close()
+        deadline = time.monotonic() + 10
+        while mapped("tierkv-drop-test") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not mapped("tierkv-drop-test"), "the registration outlived its session"
+
+
 def test_a_killed_daemon_is_connection_lost_within_the_deadline(daemon):
     client = connect(daemon, timeout=2.0)
     daemon.proc.send_signal(signal.SIGKILL)

@@ -456,6 +456,19 @@ mod tests {
     }
 
     #[test]
+    fn a_memfd_registration_refuses_device_copies() {
+        let shared = SharedBuffer::new(64, 4).unwrap();
+        let kv = register(&shared, &layout(4, 64, 64, 1, &[0]), 64).unwrap();
+        assert!(!kv.on_device());
+        // SAFETY: refused before any copy (the regions are not on a device).
+        let err = unsafe { kv.gather_device(&[0], 0x1000, 64) }.err().unwrap();
+        assert!(err.to_string().contains("every region in GPU memory"), "{err}");
+        // SAFETY: as above.
+        let err = unsafe { kv.scatter_device(&[0], 0x1000, 64) }.err().unwrap();
+        assert!(err.to_string().contains("every region in GPU memory"), "{err}");
+    }
+
+    #[test]
     fn layouts_that_do_not_fit_are_refused() {
         let shared = SharedBuffer::new(64, 4).unwrap();
         let cases = [
