@@ -315,7 +315,9 @@ def print_raw(r: dict[str, float]) -> None:
 
 
 class Daemon:
-    def __init__(self, binary: Path, workdir: Path, l1: str, l2: str, slot: str):
+    def __init__(
+        self, binary: Path, workdir: Path, l1: str, l2: str, slot: str, gpu: bool
+    ):
         self.socket = workdir / "s"
         self.log = workdir / "daemon.log"
         self.config = workdir / "tierkv.toml"
@@ -328,7 +330,7 @@ max_leased_per_session = "{l1}"
 enabled = false
 
 [l1]
-device = "cuda"
+device = "{"cuda" if gpu else "emulated"}"
 cuda_device = 0
 capacity = "{l1}"
 slot = "{slot}"
@@ -336,23 +338,26 @@ lease_ttl = "60s"
 
 [l2]
 capacity = "{l2}"
-memory = "pinned"
+memory = "{"pinned" if gpu else "plain"}"
 workers = 4
 
 [disk]
 enabled = false
 """)
         env = dict(os.environ, TIERKV_LOG=os.environ.get("TIERKV_LOG", "warn"))
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [str(binary), "serve", "--config", str(self.config)],
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        try:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [str(binary), "serve", "--config", str(self.config)],
+                    cwd=workdir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except OSError as e:
+            fail(f"cannot start {binary}: {e}")
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
@@ -451,6 +456,38 @@ def ipc_region(torch, tensor):
     return region, offset + tensor.data_ptr() - storage.data_ptr()
 
 
+class Memory:
+    """The worker's KV memory: device memory exported by CUDA IPC on a GPU; on CPU (the dry run,
+    which tests this script without a GPU) a sealed memfd, registered as a memfd region."""
+
+    def __init__(self, torch, gpu: bool):
+        self.torch = torch
+        self.gpu = gpu
+        self._keep: list = []
+
+    def alloc(self, nbytes: int):
+        """A uint8 tensor of ``nbytes``, its ``(region, fd)`` and its offset in the region."""
+        torch = self.torch
+        if self.gpu:
+            t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            region, offset = ipc_region(torch, t)
+            return t, (region, None), offset
+        import mmap
+
+        from tierkv.shm import sealed_memfd
+        from tierkv.wire import MemfdRegion
+
+        fd = sealed_memfd(nbytes, "gpu-check")
+        m = mmap.mmap(fd, nbytes)
+        self._keep.append((fd, m))
+        t = torch.frombuffer(m, dtype=torch.uint8)
+        return t, (MemfdRegion(bytes=nbytes), fd), 0
+
+    def sync(self) -> None:
+        if self.gpu:
+            self.torch.cuda.synchronize()
+
+
 class Session:
     """A worker session on one registered buffer."""
 
@@ -464,7 +501,7 @@ class Session:
             timeout=120.0,
         )
         try:
-            self.buffer = self.client.register_kv([(r, None) for r in regions], layout)
+            self.buffer = self.client.register_kv(regions, layout)
         except (DaemonError, ConnectionLost) as e:
             self.client.close()
             fail(f"register_kv of CUDA IPC regions ({label}) was refused: {e}")
@@ -494,10 +531,11 @@ class Session:
             self.client.end()
 
 
-def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
+def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
     from tierkv.wire import KvLayout, Segment
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda" if gpu else "cpu")
+    memory = Memory(torch, gpu)
     n = args.chunks
     # L1 holds half the fragmented chunks (every chunk takes one 16 MiB slot, a 2 MiB one too):
     # the first half stored are evicted from L1 (write-through: L2 keeps them) and come back
@@ -505,26 +543,33 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
     frag_bytes = n * FRAG_CHUNK
     l1 = n // 2 * FRAG_CHUNK if args.l1_mib == 0 else args.l1_mib << 20
     workdir = Path(tempfile.mkdtemp(prefix="tierkv-gpu-"))
-    daemon = Daemon(
-        args.binary,
-        workdir,
-        l1=str(l1),
-        l2=f"{2 * frag_bytes + (1 << 30)}",
-        slot=str(FRAG_CHUNK),
-    )
+    try:
+        daemon = Daemon(
+            args.binary,
+            workdir,
+            l1=str(l1),
+            l2=str(2 * frag_bytes),
+            slot=str(FRAG_CHUNK),
+            gpu=gpu,
+        )
+    except CheckFailed:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     sessions: list[Session] = []
     report: list[str] = []
     try:
         print(
-            f"daemon: {args.binary} (L1 {l1 >> 20} MiB on cuda:0, slot 16 MiB, "
-            f"pinned L2), log {daemon.log}"
+            f"daemon: {args.binary} (L1 {l1 >> 20} MiB "
+            f"{'on cuda:0' if gpu else 'emulated'}, slot 16 MiB, "
+            f"{'pinned' if gpu else 'plain'} L2), log {daemon.log}"
         )
 
         # --- 2 MiB contiguous chunks: one region, one segment, one block per chunk; as many as
         # L1 holds.
         n = args.chunks // 2
-        contig = torch.empty((2 * n, CONTIG_CHUNK), dtype=torch.uint8, device=dev)
-        region, off = ipc_region(torch, contig)
+        contig, region, off = memory.alloc(2 * n * CONTIG_CHUNK)
+        contig = contig.view(2 * n, CONTIG_CHUNK)
         layout = KvLayout(
             blocks=2 * n,
             block_bytes=CONTIG_CHUNK,
@@ -537,7 +582,7 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
         contig.random_(0, 256)
         reference = contig[:n].clone()
         chunks = [(0x1000 + i, [i]) for i in range(n)]
-        torch.cuda.synchronize()  # the worker's rule: its writes are done before `store`
+        memory.sync()  # the worker's rule: its writes are done before `store`
         t0 = time.perf_counter()
         s.store(chunks)
         t_store = time.perf_counter() - t0
@@ -545,24 +590,24 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
         s.client.flush(120.0)
         t_down = time.perf_counter() - t0
         contig[:n].zero_()
-        torch.cuda.synchronize()
+        memory.sync()
         t_load, tiers = s.load(chunks, None)
         if not torch.equal(contig[:n], reference):
             bad = int((contig[:n] != reference).any(dim=1).nonzero()[0])
             fail(f"2 MiB chunks: chunk {bad} differs after store and retrieve")
         nb = n * CONTIG_CHUNK
         report.append(
-            f"  {'2 MiB contiguous: engine -> L1 (store)':<52} "
+            f"  {'2 MiB contiguous: engine -> L1 (store)':<66} "
             f"{gbps(nb, t_store):8.2f}  {gbps(nb, t_store) / raw['d2d']:5.2f} x raw D2D"
             f"  (target {TARGET_D2D})"
         )
         report.append(
-            f"  {'2 MiB contiguous: L1 -> L2 (flush after store)':<52} "
+            f"  {'2 MiB contiguous: L1 -> L2 (flush after store)':<66} "
             f"{gbps(nb, t_down):8.2f}  {gbps(nb, t_down) / raw['d2h']:5.2f} x raw D2H"
             f"  (target {TARGET_HOST})"
         )
         report.append(
-            f"  {'2 MiB contiguous: lookup + retrieve, tiers ' + str(tiers):<52} "
+            f"  {'2 MiB contiguous: lookup + retrieve, tiers ' + str(tiers):<66} "
             f"{gbps(nb, t_load):8.2f}  {gbps(nb, t_load) / raw['d2d']:5.2f} x raw D2D"
         )
         print("  2 MiB contiguous chunks: every byte verified")
@@ -570,12 +615,9 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
         # --- fragmented chunks: Llama-3-8B's paged KV, one tensor, 64 segments (layer x K/V).
         n = args.chunks
         blocks = n * FRAG_BLOCKS * 2
-        kv = torch.empty(
-            (LAYERS, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM),
-            dtype=torch.bfloat16,
-            device=dev,
-        )
-        region, off = ipc_region(torch, kv)
+        shape = (LAYERS, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
+        kv, region, off = memory.alloc(LAYERS * 2 * blocks * PIECE_BYTES)
+        kv = kv.view(torch.bfloat16).view(shape)
         plane = blocks * PIECE_BYTES
         layout = KvLayout(
             blocks=blocks,
@@ -601,7 +643,7 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
         chunks = [(0x2000 + i, chunk_blocks[i]) for i in range(n)]
         used = sorted({b for bl in chunk_blocks for b in bl})
         reference = raw_view[:, :, used].clone()
-        torch.cuda.synchronize()
+        memory.sync()
         # Stored a quarter at a time, each quarter flushed down to L2 before the next: L1 has
         # room for two quarters, so each store evicts only chunks L2 already holds.
         t_store = t_down = 0.0
@@ -621,8 +663,10 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
         ):
             # Every block used is overwritten first, so equal bytes prove the load.
             raw_view.index_fill_(2, torch.tensor(used, device=dev), 0)
-            torch.cuda.synchronize()
+            memory.sync()
             t, tiers = s.load(part, tier)
+            if args.corrupt:  # the self-test of the verification: one bit flipped
+                raw_view[0, 0, part[0][1][0]].view(-1)[0] ^= 1
             nb = len(part) * FRAG_CHUNK
             part_blocks = sorted({b for _, bl in part for b in bl})
             pos = torch.tensor([used.index(b) for b in part_blocks], device=dev)
@@ -634,20 +678,20 @@ def daemon_check(torch, args, raw: dict[str, float]) -> list[str]:
             what = "raw batched D2D" if tier == 0 else "raw H2D"
             target = TARGET_FRAG if tier == 0 else TARGET_HOST
             report.append(
-                f"  {'fragmented: ' + label + ' ' + str(tiers):<52} "
+                f"  {'fragmented: ' + label + ' ' + str(tiers):<66} "
                 f"{gbps(nb, t):8.2f}  {gbps(nb, t) / limit:5.2f} x {what}"
                 f"  (target {target})"
             )
         nb = n * FRAG_CHUNK
         report.insert(
             3,
-            f"  {'fragmented: engine -> L1 (store)':<52} "
+            f"  {'fragmented: engine -> L1 (store)':<66} "
             f"{gbps(nb, t_store):8.2f}  {gbps(nb, t_store) / raw['frag_d2d']:5.2f}"
             f" x raw batched D2D  (target {TARGET_FRAG})",
         )
         report.insert(
             4,
-            f"  {'fragmented: L1 -> L2 (flush after store)':<52} "
+            f"  {'fragmented: L1 -> L2 (flush after store)':<66} "
             f"{gbps(nb, t_down):8.2f}  {gbps(nb, t_down) / raw['d2h']:5.2f}"
             f" x raw D2H  (target {TARGET_HOST})",
         )
@@ -697,6 +741,13 @@ def main() -> int:
     ap.add_argument("--raw-mib", type=int, default=256, help="bytes of each raw copy")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--keep", action="store_true", help="keep the daemon's directory")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="the daemon part on CPU torch, memfd regions and an emulated L1: tests this "
+        "script without a GPU (its figures mean nothing)",
+    )
+    ap.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.binary is None:
         release = Path("target/release/tierkv")
@@ -704,6 +755,7 @@ def main() -> int:
         args.binary = (
             carried if carried.is_file() and not release.is_file() else release
         )
+    args.binary = args.binary.resolve()  # the daemon runs in its own directory
     if args.chunks < 4 or args.chunks % 4:
         ap.error("--chunks must be a positive multiple of 4")
 
@@ -717,6 +769,8 @@ def main() -> int:
             file=sys.stderr,
         )
         return FAILED
+    if args.cpu_dry_run:
+        return dry_run(args)
     torch = load_torch()
     cuda = libcuda()
     version = driver_version(cuda)
@@ -747,10 +801,32 @@ def main() -> int:
                 f"no tierkv binary at {args.binary} (build it: cargo build --release --bin "
                 "tierkv, and carry it along)"
             )
-        report = daemon_check(torch, args, raw)
+        report = daemon_check(torch, args, raw, gpu=True)
     except CheckFailed as e:
         print(f"gpu-check: FAILED: {e}", file=sys.stderr)
         return FAILED
+    return finish(args, report)
+
+
+def dry_run(args) -> int:
+    try:
+        import torch
+    except ImportError as e:
+        print(f"gpu-check: the dry run needs torch ({e})", file=sys.stderr)
+        return FAILED
+    print("dry run on CPU: memfd regions, emulated L1; the figures mean nothing")
+    raw = dict.fromkeys(("h2d", "d2h", "d2d", "frag_d2h", "frag_d2d"), 1.0)
+    try:
+        if not args.binary.is_file():
+            fail(f"no tierkv binary at {args.binary}")
+        report = daemon_check(torch, args, raw, gpu=False)
+    except CheckFailed as e:
+        print(f"gpu-check: FAILED: {e}", file=sys.stderr)
+        return FAILED
+    return finish(args, report)
+
+
+def finish(args, report: list[str]) -> int:
     print(
         f"tierkv (GB/s, {args.chunks // 2} x 2 MiB and {args.chunks} x 16 MiB chunks, wall "
         "clock around the requests):"
