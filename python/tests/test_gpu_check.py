@@ -82,3 +82,20 @@ def test_the_dry_run_fails_loudly_when_a_byte_differs(cpu_torch, tierkv_bin):
     out = run(cpu_torch, "--cpu-dry-run", "--chunks", "4", "--bin", str(tierkv_bin), "--corrupt")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "FAILED: fragmented chunks" in out.stderr and "bytes differ" in out.stderr
+
+
+def test_the_dry_run_needs_no_xxhash(cpu_torch, tierkv_bin):
+    """A GPU machine may have torch and msgpack and nothing else."""
+    script = REPO_ROOT / "scripts" / "gpu_check.py"
+    code = (
+        "import runpy, sys; sys.modules['xxhash'] = None; "
+        "sys.argv = ['gpu_check.py', '--cpu-dry-run', '--chunks', '4', "
+        f"'--bin', {str(tierkv_bin)!r}]; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT / "python" / "src"))
+    out = subprocess.run(
+        [cpu_torch, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gpu-check: every byte verified" in out.stdout
