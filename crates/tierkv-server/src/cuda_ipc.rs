@@ -124,7 +124,8 @@ impl CudaRegion {
 
     /// Copies `pieces` of `size` bytes: from the region at each `(offset, other)` pair to
     /// `other` (`to_region` false), or from `other` into the region (`to_region` true), then
-    /// waits for the stream.
+    /// waits for the stream if `then_sync` (else the caller calls [`CudaRegion::sync`] before it
+    /// relies on the bytes or lets go of either end).
     ///
     /// # Safety
     /// Every offset + `size` lies inside the region (the caller checked the layout against
@@ -134,6 +135,7 @@ impl CudaRegion {
         pieces: &[(u64, Side)],
         size: usize,
         to_region: bool,
+        then_sync: bool,
     ) -> Result<(), CudaIpcError> {
         self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
         let stream = self.stream.cu_stream();
@@ -151,7 +153,7 @@ impl CudaRegion {
                 .unzip();
             // SAFETY: the ranges are valid (the caller's contract); the stream is ours.
             match unsafe { batch_copy(&dsts, &srcs, size, stream) } {
-                Some(Ok(())) => return self.sync(),
+                Some(Ok(())) => return if then_sync { self.sync() } else { Ok(()) },
                 Some(Err(e)) => {
                     tracing::debug!("cuMemcpyBatchAsync failed ({e}); one copy per piece");
                 }
@@ -179,10 +181,12 @@ impl CudaRegion {
                 return Err(CudaIpcError::Driver { what: "cuMemcpyAsync", error });
             }
         }
-        self.sync()
+        if then_sync { self.sync() } else { Ok(()) }
     }
 
-    fn sync(&self) -> Result<(), CudaIpcError> {
+    /// Waits until every copy enqueued on the region's stream is done; an error if one failed.
+    pub fn sync(&self) -> Result<(), CudaIpcError> {
+        self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
         self.stream.synchronize().map_err(driver("the copies failed"))
     }
 }

@@ -229,7 +229,7 @@ impl RegisteredKv {
     pub fn gather(&self, blocks: &[u64], dst: &mut [u8]) -> Result<(), KvError> {
         self.check_copy(blocks, dst.len())?;
         // SAFETY: `dst` is one chunk's bytes (checked), exclusively borrowed.
-        unsafe { self.transfer(blocks, Side::Host(dst.as_mut_ptr()), false) }
+        unsafe { self.transfer(blocks, Side::Host(dst.as_mut_ptr()), false, true) }
     }
 
     /// Copies a chunk's bytes `src` out to its pieces at `blocks`.
@@ -237,30 +237,47 @@ impl RegisteredKv {
         self.check_copy(blocks, src.len())?;
         // SAFETY: `src` is one chunk's bytes (checked); nothing writes through the pointer when
         // the copy goes out to the regions.
-        unsafe { self.transfer(blocks, Side::Host(src.as_ptr().cast_mut()), true) }
+        unsafe { self.transfer(blocks, Side::Host(src.as_ptr().cast_mut()), true, true) }
     }
 
-    /// Copies a chunk's pieces from `blocks` into device memory at `dst` (an L1 slot on the
-    /// GPU) and waits for the copies. Only for a registration [`on_device`](Self::on_device).
+    /// Enqueues the copies of a chunk's pieces from `blocks` into device memory at `dst` (an L1
+    /// slot on the GPU). Only for a registration [`on_device`](Self::on_device). The copies are
+    /// done only after [`sync_device`](Self::sync_device) returned `Ok`: a request enqueues
+    /// every chunk, then waits once.
     ///
     /// # Safety
-    /// `dst..dst + len` is device memory this call may write, used by nothing else meanwhile
-    /// (an L1 write reservation's slot).
+    /// `dst..dst + len` is device memory this call may write, used by nothing else until
+    /// `sync_device` returned (an L1 write reservation's slot, pinned that long).
     pub unsafe fn gather_device(&self, blocks: &[u64], dst: u64, len: u64) -> Result<(), KvError> {
         self.check_device(blocks, len)?;
         // SAFETY: the caller's contract, and the length checked.
-        unsafe { self.transfer(blocks, Side::Device(dst), false) }
+        unsafe { self.transfer(blocks, Side::Device(dst), false, false) }
     }
 
-    /// Copies a chunk's bytes in device memory at `src` (a leased L1 slot on the GPU) out to
-    /// its pieces at `blocks`, and waits for the copies.
+    /// Enqueues the copies of a chunk's bytes in device memory at `src` (a leased L1 slot on the
+    /// GPU) out to its pieces at `blocks`; done after [`sync_device`](Self::sync_device).
     ///
     /// # Safety
-    /// `src..src + len` is device memory nobody writes meanwhile (a leased slot).
+    /// `src..src + len` is device memory nobody writes until `sync_device` returned (a leased
+    /// slot, pinned that long).
     pub unsafe fn scatter_device(&self, blocks: &[u64], src: u64, len: u64) -> Result<(), KvError> {
         self.check_device(blocks, len)?;
         // SAFETY: the caller's contract, and the length checked.
-        unsafe { self.transfer(blocks, Side::Device(src), true) }
+        unsafe { self.transfer(blocks, Side::Device(src), true, false) }
+    }
+
+    /// Waits for every copy enqueued on this registration's regions; the first failure if any.
+    pub fn sync_device(&self) -> Result<(), KvError> {
+        let mut first = Ok(());
+        for (i, region) in self.regions.iter().enumerate() {
+            if let Region::Cuda(cuda) = region
+                && let Err(e) = cuda.sync()
+                && first.is_ok()
+            {
+                first = Err(KvError::Cuda(i, e));
+            }
+        }
+        first
     }
 
     fn check_device(&self, blocks: &[u64], len: u64) -> Result<(), KvError> {
@@ -273,11 +290,18 @@ impl RegisteredKv {
     }
 
     /// Moves every piece of the chunk at `blocks` between the regions and the chunk's bytes at
-    /// `other` (piece `i` at `i * block_bytes`): into the regions when `to_region`.
+    /// `other` (piece `i` at `i * block_bytes`): into the regions when `to_region`. CUDA
+    /// regions' copies are waited for when `then_sync`.
     ///
     /// # Safety
     /// `other` is valid for one chunk's bytes, checked by the caller, and not used concurrently.
-    unsafe fn transfer(&self, blocks: &[u64], other: Side, to_region: bool) -> Result<(), KvError> {
+    unsafe fn transfer(
+        &self,
+        blocks: &[u64],
+        other: Side,
+        to_region: bool,
+        then_sync: bool,
+    ) -> Result<(), KvError> {
         let at = |piece: usize| match other {
             Side::Host(p) => {
                 // SAFETY: inside the chunk's bytes (the caller's contract).
@@ -320,7 +344,7 @@ impl RegisteredKv {
         for (region, pieces) in device.iter().enumerate() {
             if let (Region::Cuda(cuda), false) = (&self.regions[region], pieces.is_empty()) {
                 // SAFETY: offsets inside the region (checked as above), `other` the caller's.
-                unsafe { cuda.copy(pieces, self.block_bytes, to_region) }
+                unsafe { cuda.copy(pieces, self.block_bytes, to_region, then_sync) }
                     .map_err(|e| KvError::Cuda(region, e))?;
             }
         }
