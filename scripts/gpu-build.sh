@@ -6,7 +6,8 @@
 #
 #   scripts/gpu-build.sh
 #
-# Then, on the GPU machine (carry target/gpu-carry):
+# Then, on the GPU machine (carry target/gpu-carry), all of it at once: scripts/gpu-all.sh; or
+# one by one:
 #   scripts/gpu-check.sh --bin target/gpu-carry/tierkv
 #   target/gpu-carry/tierkv_l1-tests cuda --nocapture --test-threads 1
 #   target/gpu-carry/tierkv_l2-tests memory_kind --nocapture   (pinned L2 through cudarc)
