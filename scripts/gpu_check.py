@@ -14,6 +14,9 @@ Run through ``scripts/gpu-check.sh`` (which sets ``PYTHONPATH`` to this checkout
    16 MiB fragmented chunks with every byte verified (the blocks are overwritten before each
    retrieve, so equal bytes prove the load), and times engine->L1, L1->L2 and L2->L1->engine.
 
+The daemon inherits the environment: ``TIERKV_NO_BATCH_COPY=1`` makes it copy one
+``cuMemcpyAsync`` per piece instead of ``cuMemcpyBatchAsync``, to compare the two.
+
 Exit status: 0 when every byte matched (the targets are printed, not enforced); 2 when there is
 no CUDA device; 1 on any other failure (a byte differs, a step is unsupported, the daemon fails).
 """

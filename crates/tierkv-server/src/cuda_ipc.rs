@@ -13,6 +13,7 @@
 //! resolved through `cuGetProcAddress`, never called through cudarc's lazy loader.
 
 use std::ffi::{CString, c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
@@ -155,7 +156,12 @@ impl CudaRegion {
             match unsafe { batch_copy(&dsts, &srcs, size, stream) } {
                 Some(Ok(())) => return if then_sync { self.sync() } else { Ok(()) },
                 Some(Err(e)) => {
-                    tracing::debug!("cuMemcpyBatchAsync failed ({e}); one copy per piece");
+                    // Not tried again in this process: a driver that refuses one batch would
+                    // refuse them all, and each refusal costs a call.
+                    BATCH_REFUSED.store(true, Ordering::Relaxed);
+                    tracing::warn!(
+                        "cuMemcpyBatchAsync failed ({e}); one cuMemcpyAsync per piece from now on"
+                    );
                 }
                 None => {}
             }
@@ -233,11 +239,24 @@ enum BatchFn {
     V13(Batch13),
 }
 
+/// Set when the driver refused a batch: per-piece copies from then on.
+static BATCH_REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// The environment variable that turns batched copies off (`1`), to compare the two.
+pub const NO_BATCH_ENV: &str = "TIERKV_NO_BATCH_COPY";
+
 /// `cuMemcpyBatchAsync` of the loaded driver, resolved once: `None` when the driver predates
-/// it (CUDA < 12.8) or does not export it.
+/// it (CUDA < 12.8), does not export it, refused it once, or `TIERKV_NO_BATCH_COPY=1`.
 fn batch_fn() -> Option<BatchFn> {
     static BATCH: OnceLock<Option<BatchFn>> = OnceLock::new();
+    if BATCH_REFUSED.load(Ordering::Relaxed) {
+        return None;
+    }
     *BATCH.get_or_init(|| {
+        if std::env::var(NO_BATCH_ENV).is_ok_and(|v| v == "1") {
+            tracing::info!("{NO_BATCH_ENV}=1: one cuMemcpyAsync per piece");
+            return None;
+        }
         let mut version: c_int = 0;
         // SAFETY: only called after `cuda_available` found the library; a valid out-pointer.
         unsafe { sys::cuDriverGetVersion(&mut version) }.result().ok()?;
