@@ -433,30 +433,21 @@ def pci_bus_id(torch) -> str:
 def ipc_region(torch, tensor):
     """The CUDA IPC region holding ``tensor`` and the byte offset of the tensor in it.
 
-    Through the driver (``cuMemGetAddressRange`` for the allocation, ``cuIpcGetMemHandle`` of
-    its base) where ctypes can load it, else torch's ``_share_cuda_`` (whose handle is the bare
-    64 bytes in older torch, and ``version, 'c', 64 bytes`` since torch 2.3)."""
+    Through the driver (``tierkv.cuda.ipc_region``: ``cuMemGetAddressRange`` for the
+    allocation, ``cuIpcGetMemHandle`` of its base) where ctypes can load it, else torch's
+    ``_share_cuda_`` (whose handle is the bare 64 bytes in older torch, and ``version, 'c',
+    64 bytes`` since torch 2.3)."""
+    from tierkv.cuda import CudaIpcError, CudaUnavailable
+    from tierkv.cuda import ipc_region as export
     from tierkv.wire import CudaIpcRegion
 
+    try:
+        return export(tensor.data_ptr(), 0)
+    except CudaUnavailable:
+        pass  # torch's own export, below
+    except CudaIpcError as e:
+        fail(str(e))
     device = pci_bus_id(torch)
-    cuda = libcuda()
-    if cuda is not None:
-        base = ctypes.c_uint64(0)
-        size = ctypes.c_size_t(0)
-        handle = ctypes.create_string_buffer(64)
-        rc = cuda.cuMemGetAddressRange_v2(
-            ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(tensor.data_ptr())
-        )
-        if rc == 0:
-            rc = cuda.cuIpcGetMemHandle(handle, ctypes.c_uint64(base.value))
-            if rc != 0:
-                fail(
-                    f"cuIpcGetMemHandle failed (CUresult {rc}): memory from expandable segments "
-                    "or the VMM API cannot be shared by IPC"
-                )
-            return CudaIpcRegion(
-                handle=handle.raw, device=device, bytes=size.value
-            ), tensor.data_ptr() - base.value
     storage = tensor.untyped_storage()
     try:
         shared = storage._share_cuda_()
