@@ -20,6 +20,7 @@ from tierkv import (
     BlockOutOfRange,
     Client,
     ConnectionLost,
+    CudaIpcRegion,
     Forbidden,
     KvLayout,
     LookupOutcome,
@@ -319,6 +320,39 @@ def test_an_unsealed_memfd_is_bad_buffer(daemon, buf):
     assert client.register_buffer(buf) == 0
     with pytest.raises(ValueError, match="descriptor"):
         client.register_kv([(MemfdRegion(buf.nbytes), None)], KvLayout(1, 1, 1, 1, []))
+
+
+def test_a_cuda_ipc_region_without_a_cuda_driver_is_bad_buffer_saying_why(daemon, buf):
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("this machine has an NVIDIA driver: scripts/gpu-check.sh covers CUDA IPC")
+    client = connect(daemon)
+    region = CudaIpcRegion(handle=bytes(64), device="0000:00:00.0", bytes=CHUNK_BYTES * 4)
+    layout = KvLayout(4, CHUNK_BYTES, CHUNK_BYTES, 1, [Segment(0, 0)])
+    with pytest.raises(BadBuffer) as caught:
+        client.register_kv([(region, None)], layout)
+    assert "cuda_ipc region 0: CUDA is unavailable" in caught.value.message
+    # The session goes on, and the refused registration took no buffer number.
+    assert client.register_buffer(buf) == 0
+
+
+def test_a_sessions_registrations_are_unmapped_when_it_disconnects(daemon):
+    """A registration lives exactly as long as its session: the daemon drops it (unmaps a memfd,
+    closes a CUDA IPC handle: the same `Drop`) when the connection goes."""
+    maps = f"/proc/{daemon.proc.pid}/maps"
+
+    def mapped(name: str) -> bool:
+        with open(maps) as f:
+            return f"/memfd:{name} " in f.read()
+
+    client = connect(daemon)
+    with SharedBuffer(CHUNK_BYTES, 8, name="tierkv-drop-test") as shared:
+        client.register_buffer(shared)
+        assert mapped("tierkv-drop-test")
+        client.close()
+        deadline = time.monotonic() + 10
+        while mapped("tierkv-drop-test") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not mapped("tierkv-drop-test"), "the registration outlived its session"
 
 
 def test_a_killed_daemon_is_connection_lost_within_the_deadline(daemon):

@@ -1,8 +1,8 @@
 //! A worker's registered KV memory, mapped into the daemon, and the gather and scatter of
 //! chunks over it.
 //!
-//! A registration is a list of regions (sealed memfds today; CUDA IPC allocations with the GPU
-//! data path) and a [`KvLayout`]: segments of equal strided blocks (an engine's layers, or their
+//! A registration is a list of regions (sealed memfds, or device allocations opened from CUDA IPC
+//! handles, `cuda_ipc.rs`) and a [`KvLayout`]: segments of equal strided blocks (an engine's layers, or their
 //! K and V planes), and how many engine blocks make one chunk. A chunk's object is its pieces in
 //! segment-major, block-minor order, so one L1 slot holds a chunk of every layer and the engine
 //! needs no staging copy.
@@ -13,12 +13,18 @@
 //! `blocks` on each request, so no request can reach outside a mapping. A region is accepted
 //! only when its memfd is sealed against shrinking; otherwise the worker could truncate the file
 //! under the daemon's mapping and the next copy would be a `SIGBUS`.
+//!
+//! A CUDA region is opened once, at registration, and closed when the registration is dropped
+//! (the session ends). Its pieces move with the driver: device to device into an L1 slot on the
+//! GPU, device to host into an emulated one, synchronized before the call returns.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use memmap2::{MmapOptions, MmapRaw};
 use tierkv_proto::{KvLayout, RegionSource};
+
+use crate::cuda_ipc::{CudaIpcError, CudaRegion, Side};
 
 /// Regions one registration may carry (their descriptors ride on one `sendmsg`).
 pub const MAX_REGIONS: usize = 8;
@@ -31,9 +37,6 @@ pub enum KvError {
         "register_kv needs one file descriptor per memfd region attached (SCM_RIGHTS over the Unix socket); region {0} has none"
     )]
     NoDescriptor(usize),
-    /// The daemon cannot open this kind of region.
-    #[error("region {0}: {1}")]
-    Unsupported(usize, &'static str),
     /// The layout does not fit the regions, or the session.
     #[error("{0}")]
     Shape(String),
@@ -48,6 +51,16 @@ pub enum KvError {
     /// fstat, fcntl or mmap failed.
     #[error("cannot map region {0}: {1}")]
     Io(usize, std::io::Error),
+    /// A CUDA IPC region could not be opened (no driver or device here, a handle the driver
+    /// refuses), or a copy over one failed.
+    #[error("cuda_ipc region {0}: {1}")]
+    Cuda(usize, CudaIpcError),
+}
+
+/// A region, mapped or opened.
+enum Region {
+    Host(MmapRaw),
+    Cuda(CudaRegion),
 }
 
 /// A piece's place: the region's base pointer is added at copy time.
@@ -59,7 +72,7 @@ struct SegmentAt {
 
 /// A registered KV buffer: mapped regions and the layout over them.
 pub struct RegisteredKv {
-    regions: Vec<MmapRaw>,
+    regions: Vec<Region>,
     segments: Vec<SegmentAt>,
     blocks: u64,
     block_bytes: usize,
@@ -128,15 +141,18 @@ impl RegisteredKv {
         for (i, (region, fd)) in regions.iter().zip(fds).enumerate() {
             match (region, fd) {
                 (RegionSource::Memfd { bytes }, Some(fd)) => {
-                    maps.push(map_memfd(i, fd, *bytes)?);
+                    maps.push(Region::Host(map_memfd(i, fd, *bytes)?));
                     sizes.push(*bytes);
                 }
                 (RegionSource::Memfd { .. }, None) => return Err(KvError::NoDescriptor(i)),
-                (RegionSource::CudaIpc { .. }, _) => {
-                    return Err(KvError::Unsupported(
-                        i,
-                        "CUDA IPC regions need the daemon's GPU data path, which this build does not have yet",
-                    ));
+                (RegionSource::CudaIpc { handle, device, bytes }, _) => {
+                    if *bytes == 0 {
+                        return Err(KvError::Shape(format!("region {i} has 0 bytes")));
+                    }
+                    let region = CudaRegion::open(handle, device, *bytes)
+                        .map_err(|e| KvError::Cuda(i, e))?;
+                    maps.push(Region::Cuda(region));
+                    sizes.push(*bytes);
                 }
             }
         }
@@ -164,11 +180,11 @@ impl RegisteredKv {
                     segment.region
                 ));
             }
-            // Inside a mapping, so it fits usize.
-            segments.push(SegmentAt {
-                region: segment.region as usize,
-                offset: segment.offset as usize,
-            });
+            // Inside a region, which lies in this address space (mapped or opened).
+            let offset = usize::try_from(segment.offset).map_err(|_| {
+                KvError::Shape(format!("segment {s}'s offset does not fit the address space"))
+            })?;
+            segments.push(SegmentAt { region: segment.region as usize, offset });
         }
         Ok(RegisteredKv {
             regions: maps,
@@ -203,31 +219,134 @@ impl RegisteredKv {
         }
     }
 
+    /// Whether every region is GPU memory: a chunk can then move device to device, straight
+    /// between the regions and an L1 slot on the GPU ([`RegisteredKv::gather_device`]).
+    pub fn on_device(&self) -> bool {
+        self.regions.iter().all(|r| matches!(r, Region::Cuda(_)))
+    }
+
     /// Copies a chunk's pieces from `blocks` into `dst` (one chunk's bytes).
     pub fn gather(&self, blocks: &[u64], dst: &mut [u8]) -> Result<(), KvError> {
         self.check_copy(blocks, dst.len())?;
-        for (piece, src) in self.pieces(blocks).enumerate() {
-            let at = piece * self.block_bytes;
-            // SAFETY: `pieces` yields ranges inside a mapping (segments checked at registration,
-            // block ids just now), which stays mapped while `self` lives and cannot shrink
-            // (sealed). `dst` has room for every piece (checked). The worker may write the
-            // source concurrently; the copy then holds whatever bytes were there, which is the
-            // worker's own business.
-            unsafe {
-                std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr().add(at), self.block_bytes)
-            };
-        }
-        Ok(())
+        // SAFETY: `dst` is one chunk's bytes (checked), exclusively borrowed.
+        unsafe { self.transfer(blocks, Side::Host(dst.as_mut_ptr()), false, true) }
     }
 
     /// Copies a chunk's bytes `src` out to its pieces at `blocks`.
     pub fn scatter(&self, blocks: &[u64], src: &[u8]) -> Result<(), KvError> {
         self.check_copy(blocks, src.len())?;
-        for (piece, dst) in self.pieces(blocks).enumerate() {
-            let at = piece * self.block_bytes;
-            // SAFETY: as in `gather`; the destination is shared memory nobody in this process
-            // holds a reference to.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(at), dst, self.block_bytes) };
+        // SAFETY: `src` is one chunk's bytes (checked); nothing writes through the pointer when
+        // the copy goes out to the regions.
+        unsafe { self.transfer(blocks, Side::Host(src.as_ptr().cast_mut()), true, true) }
+    }
+
+    /// Enqueues the copies of a chunk's pieces from `blocks` into device memory at `dst` (an L1
+    /// slot on the GPU). Only for a registration [`on_device`](Self::on_device). The copies are
+    /// done only after [`sync_device`](Self::sync_device) returned `Ok`: a request enqueues
+    /// every chunk, then waits once.
+    ///
+    /// # Safety
+    /// `dst..dst + len` is device memory this call may write, used by nothing else until
+    /// `sync_device` returned (an L1 write reservation's slot, pinned that long).
+    pub unsafe fn gather_device(&self, blocks: &[u64], dst: u64, len: u64) -> Result<(), KvError> {
+        self.check_device(blocks, len)?;
+        // SAFETY: the caller's contract, and the length checked.
+        unsafe { self.transfer(blocks, Side::Device(dst), false, false) }
+    }
+
+    /// Enqueues the copies of a chunk's bytes in device memory at `src` (a leased L1 slot on the
+    /// GPU) out to its pieces at `blocks`; done after [`sync_device`](Self::sync_device).
+    ///
+    /// # Safety
+    /// `src..src + len` is device memory nobody writes until `sync_device` returned (a leased
+    /// slot, pinned that long).
+    pub unsafe fn scatter_device(&self, blocks: &[u64], src: u64, len: u64) -> Result<(), KvError> {
+        self.check_device(blocks, len)?;
+        // SAFETY: the caller's contract, and the length checked.
+        unsafe { self.transfer(blocks, Side::Device(src), true, false) }
+    }
+
+    /// Waits for every copy enqueued on this registration's regions; the first failure if any.
+    pub fn sync_device(&self) -> Result<(), KvError> {
+        let mut first = Ok(());
+        for (i, region) in self.regions.iter().enumerate() {
+            if let Region::Cuda(cuda) = region
+                && let Err(e) = cuda.sync()
+                && first.is_ok()
+            {
+                first = Err(KvError::Cuda(i, e));
+            }
+        }
+        first
+    }
+
+    fn check_device(&self, blocks: &[u64], len: u64) -> Result<(), KvError> {
+        if !self.on_device() {
+            return Err(KvError::Shape(
+                "a device-to-device copy needs every region in GPU memory".into(),
+            ));
+        }
+        self.check_copy(blocks, usize::try_from(len).unwrap_or(usize::MAX))
+    }
+
+    /// Moves every piece of the chunk at `blocks` between the regions and the chunk's bytes at
+    /// `other` (piece `i` at `i * block_bytes`): into the regions when `to_region`. CUDA
+    /// regions' copies are waited for when `then_sync`.
+    ///
+    /// # Safety
+    /// `other` is valid for one chunk's bytes, checked by the caller, and not used concurrently.
+    unsafe fn transfer(
+        &self,
+        blocks: &[u64],
+        other: Side,
+        to_region: bool,
+        then_sync: bool,
+    ) -> Result<(), KvError> {
+        let at = |piece: usize| match other {
+            Side::Host(p) => {
+                // SAFETY: inside the chunk's bytes (the caller's contract).
+                Side::Host(unsafe { p.add(piece * self.block_bytes) })
+            }
+            Side::Device(p) => Side::Device(p + (piece * self.block_bytes) as u64),
+        };
+        // Pieces of each CUDA region, copied together after the host ones.
+        let mut device: Vec<Vec<(u64, Side)>> = Vec::new();
+        for (piece, (region, offset)) in self.pieces(blocks).enumerate() {
+            match (&self.regions[region], at(piece)) {
+                (Region::Host(map), Side::Host(p)) => {
+                    // SAFETY: `offset` lies inside the mapping (segments checked at
+                    // registration, block ids on each request), which stays mapped while `self`
+                    // lives and cannot shrink (sealed); `p` has room for the piece. The worker
+                    // may write its memory concurrently; the copy then holds whatever bytes
+                    // were there, which is the worker's own business.
+                    unsafe {
+                        let here = map.as_mut_ptr().add(offset);
+                        if to_region {
+                            std::ptr::copy_nonoverlapping(p, here, self.block_bytes)
+                        } else {
+                            std::ptr::copy_nonoverlapping(here, p, self.block_bytes)
+                        }
+                    }
+                }
+                (Region::Host(_), Side::Device(_)) => {
+                    return Err(KvError::Shape(
+                        "a memfd region cannot copy to or from device memory".into(),
+                    ));
+                }
+                (Region::Cuda(_), side) => {
+                    if device.len() <= region {
+                        device.resize_with(region + 1, Vec::new);
+                    }
+                    device[region].push((offset as u64, side));
+                }
+            }
+        }
+        for (region, pieces) in device.iter().enumerate() {
+            if let (Region::Cuda(cuda), false) = (&self.regions[region], pieces.is_empty()) {
+                // SAFETY: offsets inside the region (checked as above), `other` the caller's.
+                unsafe { cuda.copy(pieces, self.block_bytes, to_region, then_sync) }
+                    .map_err(|e| KvError::Cuda(region, e))?;
+            }
         }
         Ok(())
     }
@@ -243,16 +362,11 @@ impl RegisteredKv {
         Ok(())
     }
 
-    /// Pointers to the pieces of a chunk, segment-major.
-    fn pieces<'a>(&'a self, blocks: &'a [u64]) -> impl Iterator<Item = *mut u8> + 'a {
+    /// The pieces of a chunk, segment-major: each one's region and offset in it.
+    fn pieces<'a>(&'a self, blocks: &'a [u64]) -> impl Iterator<Item = (usize, usize)> + 'a {
         self.segments.iter().flat_map(move |seg| {
-            let base = self.regions[seg.region].as_mut_ptr();
-            blocks.iter().map(move |&b| {
-                // Within the mapping: `b < blocks` and the segment's span was checked.
-                let at = seg.offset + b as usize * self.block_stride;
-                // SAFETY: `at` lies inside the region's mapping (see above).
-                unsafe { base.add(at) }
-            })
+            // Within the region: `b < blocks` and the segment's span was checked.
+            blocks.iter().map(move |&b| (seg.region, seg.offset + b as usize * self.block_stride))
         })
     }
 }
@@ -366,6 +480,19 @@ mod tests {
     }
 
     #[test]
+    fn a_memfd_registration_refuses_device_copies() {
+        let shared = SharedBuffer::new(64, 4).unwrap();
+        let kv = register(&shared, &layout(4, 64, 64, 1, &[0]), 64).unwrap();
+        assert!(!kv.on_device());
+        // SAFETY: refused before any copy (the regions are not on a device).
+        let err = unsafe { kv.gather_device(&[0], 0x1000, 64) }.err().unwrap();
+        assert!(err.to_string().contains("every region in GPU memory"), "{err}");
+        // SAFETY: as above.
+        let err = unsafe { kv.scatter_device(&[0], 0x1000, 64) }.err().unwrap();
+        assert!(err.to_string().contains("every region in GPU memory"), "{err}");
+    }
+
+    #[test]
     fn layouts_that_do_not_fit_are_refused() {
         let shared = SharedBuffer::new(64, 4).unwrap();
         let cases = [
@@ -410,7 +537,12 @@ mod tests {
             device: "0000:00:00.0".into(),
             bytes: 256,
         };
+        if tierkv_l1::device::cuda_available().is_ok() {
+            eprintln!("SKIPPED: the refusal without a CUDA driver (a device is present)");
+            return;
+        }
         let err = RegisteredKv::map(&[cuda], vec![None], &l, 64).err().unwrap();
-        assert!(matches!(err, KvError::Unsupported(0, _)), "{err}");
+        assert!(matches!(err, KvError::Cuda(0, CudaIpcError::Unavailable(_))), "{err}");
+        assert!(err.to_string().contains("cuda_ipc region 0: CUDA is unavailable"), "{err}");
     }
 }

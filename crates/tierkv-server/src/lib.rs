@@ -9,9 +9,11 @@
 pub mod cli;
 pub mod config;
 mod conn;
+mod cuda_ipc;
 pub mod daemon;
 mod kv;
 pub mod metrics;
 pub mod session;
 
+pub use cuda_ipc::CudaIpcError;
 pub use kv::{KvError, MAX_REGIONS, RegisteredKv};

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tierkv_core::{ChunkHash, ExtraCount, KeyError, KvRank, Layout, Namespace, ObjectKey};
-use tierkv_l1::{L1Error, OwnerId, ReadAccess, Readers};
+use tierkv_l1::{L1Error, OwnerId, ReadAccess, Readers, WriteAccess};
 use tierkv_prefetch::PrefetchError;
 use tierkv_proto::{
     ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, PROTOCOL_VERSION,
@@ -22,7 +22,7 @@ use tierkv_proto::{
 };
 use tierkv_storage::{LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
 
-use crate::kv::RegisteredKv;
+use crate::kv::{KvError, RegisteredKv};
 use crate::metrics::ServerMetrics;
 
 /// Namespaces one hello may declare.
@@ -563,13 +563,16 @@ impl Session {
         let (mut present, mut refused) = (0u32, Vec::new());
         let (mut written, mut broken) = (Vec::new(), Vec::new());
         let mut bytes = 0u64;
+        // Device-to-device copies still in flight: their slots stay pinned until the wait.
+        let mut in_flight: Vec<(usize, WriteAccess)> = Vec::new();
         for (i, (chunk, result)) in chunks.iter().zip(reserved).enumerate() {
             match result {
                 Ok(_) => match self.copy_in(source, &chunk.blocks, &keys[i]) {
-                    Ok(n) => {
+                    Ok(CopiedIn::Done(n)) => {
                         bytes += n;
                         written.push(keys[i]);
                     }
+                    Ok(CopiedIn::InFlight(access)) => in_flight.push((i, access)),
                     Err(why) => {
                         broken.push(keys[i]);
                         refused.push(Refused {
@@ -581,6 +584,27 @@ impl Session {
                 },
                 Err(KeyError::AlreadyPresent | KeyError::WriteInFlight) => present += 1,
                 Err(e) => refused.push(refusal(i, e)),
+            }
+        }
+        if !in_flight.is_empty() {
+            // One wait for the whole request; a failure fails every chunk it may have touched
+            // (aborted below: a miss, never a visible half chunk).
+            let waited = source.sync_device();
+            for (i, access) in in_flight {
+                match &waited {
+                    Ok(()) => {
+                        bytes += access.handle().len;
+                        written.push(keys[i]);
+                    }
+                    Err(e) => {
+                        broken.push(keys[i]);
+                        refused.push(Refused {
+                            index: i as u32,
+                            reason: RefusalReason::CopyFailed,
+                            message: e.to_string(),
+                        });
+                    }
+                }
             }
         }
         storage.abort_write(self.owner(), &broken)?;
@@ -609,23 +633,38 @@ impl Session {
         Ok(ReplyBody::Stored { stored, present, refused })
     }
 
-    /// Gathers the chunk at `blocks` into the reserved slot of `key`; returns the bytes copied.
+    /// Gathers the chunk at `blocks` into the reserved slot of `key`: done (the bytes copied),
+    /// or, device to device, enqueued (the slot's guard, held until `sync_device`).
     fn copy_in(
         &self,
         source: &RegisteredKv,
         blocks: &[u64],
         key: &ObjectKey,
-    ) -> Result<u64, String> {
+    ) -> Result<CopiedIn, String> {
         let mut access =
             self.daemon.storage.write_access(self.owner(), key).map_err(|e| e.to_string())?;
+        if let (true, Some(slot)) = (source.on_device(), access.device_address()) {
+            let len = access.handle().len;
+            // SAFETY: the slot belongs to this write reservation, which `access` pins, and the
+            // caller holds `access` until `sync_device`: nothing else reads or writes the slot
+            // until the write is finished or aborted.
+            match unsafe { source.gather_device(blocks, slot, len) } {
+                Ok(()) => return Ok(CopiedIn::InFlight(access)),
+                Err(e) => {
+                    // What was enqueued must land before the slot can be let go.
+                    let _ = source.sync_device();
+                    return Err(e.to_string());
+                }
+            }
+        }
         if let Some(slot) = access.host_bytes_mut() {
             source.gather(blocks, slot).map_err(|e| e.to_string())?;
-            return Ok(slot.len() as u64);
+            return Ok(CopiedIn::Done(slot.len() as u64));
         }
         let mut staging = vec![0u8; access.handle().len as usize];
         source.gather(blocks, &mut staging).map_err(|e| e.to_string())?;
         access.write_at(0, &staging).map_err(|e| e.to_string())?;
-        Ok(staging.len() as u64)
+        Ok(CopiedIn::Done(staging.len() as u64))
     }
 
     /// Waits until this session's stores since its last flush are through the store pipeline.
@@ -905,7 +944,8 @@ fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result
         let mut seen = HashSet::new();
         pinned.iter().flat_map(|(blocks, _)| blocks.iter()).all(|b| seen.insert(*b))
     };
-    if bytes < PARALLEL_SCATTER_BYTES || threads < 2 || !distinct() {
+    // GPU regions copy on their own stream, already asynchronous: no threads.
+    if bytes < PARALLEL_SCATTER_BYTES || threads < 2 || target.on_device() || !distinct() {
         return scatter_part(target, pinned).map(|()| bytes);
     }
     let per = pinned.len().div_ceil(threads);
@@ -925,6 +965,26 @@ fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result
 }
 
 fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result<(), Fail> {
+    let failed = |e: KvError| Fail { code: ErrorCode::Internal, message: e.to_string() };
+    if let (true, Some(true)) = (
+        target.on_device(),
+        pinned.iter().map(|(_, a)| a.device_address().is_some()).reduce(|a, b| a && b),
+    ) {
+        // Device to device: every chunk enqueued, then one wait. `pinned` keeps every slot
+        // leased and pinned until this returns.
+        for (blocks, access) in pinned {
+            if let Some(slot) = access.device_address() {
+                // SAFETY: the slot is leased and pinned (`access`) past the wait below: nobody
+                // writes it meanwhile.
+                if let Err(e) = unsafe { target.scatter_device(blocks, slot, access.handle().len) }
+                {
+                    let _ = target.sync_device();
+                    return Err(failed(e));
+                }
+            }
+        }
+        return target.sync_device().map_err(failed);
+    }
     let mut staging = Vec::new();
     for (blocks, access) in pinned {
         let copied = match access.host_bytes() {
@@ -938,6 +998,15 @@ fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Resul
         copied.map_err(|e| Fail { code: ErrorCode::Internal, message: e.to_string() })?;
     }
     Ok(())
+}
+
+/// What `copy_in` did with a chunk.
+enum CopiedIn {
+    /// Copied: these many bytes.
+    Done(u64),
+    /// Enqueued on the registration's streams; the slot stays pinned by this guard until the
+    /// request waits for them (`RegisteredKv::sync_device`).
+    InFlight(WriteAccess),
 }
 
 fn refusal(index: usize, error: KeyError) -> Refused {

@@ -3,11 +3,12 @@
 //! One trait, one file per backend. The L1 manager decides who may touch which slot; a backend
 //! only moves bytes between host memory and a byte range of its arena, and checks that the range
 //! lies inside the arena. The asynchronous copy engine (`copy.rs`, emulated on host threads in
-//! `emulated_copy.rs`) is the shape the GPU data path's moves take: ordered streams, events,
-//! completion callbacks.
+//! `emulated_copy.rs`, on CUDA streams in `cuda_copy.rs`) is the shape the GPU data path's moves
+//! take: ordered streams, events, completion callbacks.
 
 mod copy;
 mod cuda;
+mod cuda_copy;
 mod emulated;
 mod emulated_copy;
 
@@ -16,6 +17,7 @@ use std::ptr::NonNull;
 
 pub use copy::{CopyEngine, CopyError, CopyStream, Event, Piece};
 pub use cuda::{CudaArena, cuda_available};
+pub use cuda_copy::{CudaCopyEngine, CudaCopyStream};
 pub use emulated::EmulatedArena;
 pub use emulated_copy::{EmulatedCopyEngine, EmulatedStream, FaultHook};
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Everything a GPU session runs, in one call (device time is scarce): the GPU check, then the
+# CUDA unit tests, from what scripts/gpu-build.sh put in target/gpu-carry. Output goes to the
+# terminal and to OUTDIR (default: $OUT, the device tool's output folder, else target/gpu-out):
+# gpu-check.txt, unit-tests.txt, and the daemon's log. Exit status: the first failure's.
+#
+#   scripts/gpu-all.sh [OUTDIR] [gpu-check.sh arguments...]
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+out="${1:-${OUT:-target/gpu-out}}"
+shift || true
+mkdir -p "$out"
+carry=target/gpu-carry
+status=0
+{
+    date -u
+    nvidia-smi || true
+} 2>&1 | tee "$out/device.txt"
+scripts/gpu-check.sh --bin "$carry/tierkv" --keep "$@" 2>&1 | tee "$out/gpu-check.txt"
+rc=${PIPESTATUS[0]}
+[[ $status -eq 0 ]] && status=$rc
+for log in /tmp/tierkv-gpu-*/daemon.log; do
+    [[ -f "$log" ]] && cp "$log" "$out/daemon-$(basename "$(dirname "$log")").log"
+done
+{
+    for t in "tierkv_l1-tests cuda" "tierkv_l2-tests memory_kind" "tierkv_server-tests cuda"; do
+        set -- $t
+        echo "== $carry/$1 $2"
+        "$carry/$1" "$2" --nocapture --test-threads 1
+        rc=$?
+        [[ $status -eq 0 ]] && status=$rc
+    done
+    exit $status
+} 2>&1 | tee "$out/unit-tests.txt"
+rc=${PIPESTATUS[0]}
+[[ $status -eq 0 ]] && status=$rc
+echo "gpu-all: exit $status; output in $out"
+exit $status

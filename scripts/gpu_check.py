@@ -1,0 +1,858 @@
+#!/usr/bin/env python3
+"""The GPU check of issue 14: raw copy limits and tierkv's GPU data path, measured in one run.
+
+Run through ``scripts/gpu-check.sh`` (which sets ``PYTHONPATH`` to this checkout's
+``python/src``). Needs python3 with torch (CUDA) and msgpack; nothing is fetched.
+
+1. Prints the device and the driver.
+2. Raw limits, timed with CUDA events: pinned H2D and D2H, D2D, and the pieces of a fragmented
+   chunk (8 blocks x 32 layers x K/V of Llama-3-8B's paged KV, 32 KiB each) copied one
+   ``copy_`` per piece and, where the driver has it, with one ``cuMemcpyBatchAsync``.
+3. Unless ``--raw-only``: starts ``tierkv serve`` with ``l1.device = "cuda"``, allocates paged
+   KV tensors shaped like Llama-3-8B's (32 layers, 8 KV heads, head dim 128, 16-token blocks,
+   bf16), registers them by CUDA IPC handles, stores and retrieves 2 MiB contiguous chunks and
+   16 MiB fragmented chunks with every byte verified (the blocks are overwritten before each
+   retrieve, so equal bytes prove the load), and times engine->L1, L1->L2 and L2->L1->engine.
+
+The daemon inherits the environment: ``TIERKV_NO_BATCH_COPY=1`` makes it copy one
+``cuMemcpyAsync`` per piece instead of ``cuMemcpyBatchAsync``, to compare the two.
+
+Exit status: 0 when every byte matched (the targets are printed, not enforced); 2 when there is
+no CUDA device; 1 on any other failure (a byte differs, a step is unsupported, the daemon fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NO_DEVICE = 2
+FAILED = 1
+
+# Llama-3-8B's paged KV in vLLM's GPU layout: per layer [2, blocks, 16, 8, 128] bf16.
+LAYERS = 32
+KV_HEADS = 8
+HEAD_DIM = 128
+BLOCK_TOKENS = 16
+DTYPE_BYTES = 2
+PIECE_BYTES = (
+    BLOCK_TOKENS * KV_HEADS * HEAD_DIM * DTYPE_BYTES
+)  # 32 KiB: one block of K or V
+FRAG_BLOCKS = 8  # blocks per fragmented chunk
+FRAG_CHUNK = FRAG_BLOCKS * LAYERS * 2 * PIECE_BYTES  # 16 MiB, 512 pieces
+CONTIG_CHUNK = 2 << 20
+
+# Issue 14's targets.
+TARGET_HOST = 0.8  # device<->host moves against the raw pinned copy
+TARGET_D2D = 0.7  # device-to-device against raw D2D
+TARGET_FRAG = 0.8  # fragmented chunks against raw batched copies of the same pieces
+
+
+#: Failures that do not stop the run (the check still exits 1 at the end).
+PROBLEMS: list[str] = []
+
+
+class CheckFailed(Exception):
+    """A step failed: the check exits 1 with this message."""
+
+
+def fail(message: str) -> None:
+    raise CheckFailed(message)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def tierkv_importable() -> None:
+    """Lets ``import tierkv`` work where ``xxhash`` is missing (a GPU machine has torch and
+    msgpack, maybe nothing else): the check names chunks by ids of its own and hashes nothing,
+    so a stand-in is enough. It answers 0 (``tierkv.hashing`` hashes its root at import), so any
+    chunk hash made with it is wrong: nothing here makes one."""
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        import types
+
+        stub = types.ModuleType("xxhash")
+        stub.xxh3_128_intdigest = lambda *_args, **_kw: 0
+        sys.modules["xxhash"] = stub
+
+
+def load_torch():
+    """torch with a usable CUDA device, or exit NO_DEVICE with the reason."""
+    try:
+        import torch
+    except ImportError as e:
+        print(
+            f"gpu-check: no CUDA device: torch is not installed ({e})", file=sys.stderr
+        )
+        sys.exit(NO_DEVICE)
+    if not torch.cuda.is_available():
+        build = torch.version.cuda or "a CPU-only build"
+        print(
+            f"gpu-check: no CUDA device: torch.cuda.is_available() is False (torch "
+            f"{torch.__version__}, CUDA {build})",
+            file=sys.stderr,
+        )
+        sys.exit(NO_DEVICE)
+    return torch
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver, through ctypes (for its version and cuMemcpyBatchAsync)
+# ---------------------------------------------------------------------------------------------
+
+
+def libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def driver_version(cuda) -> int | None:
+    if cuda is None:
+        return None
+    v = ctypes.c_int(0)
+    if cuda.cuDriverGetVersion(ctypes.byref(v)) != 0:
+        return None
+    return v.value
+
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", MemLocation),
+        ("dstLocHint", MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+
+
+class BatchCopy:
+    """``cuMemcpyBatchAsync``, resolved from the loaded driver for its version: CUDA 12.8-12.9
+    take a ``failIdx`` argument that CUDA 13 dropped."""
+
+    def __init__(self, cuda, version: int):
+        if version < 12080:
+            raise RuntimeError(
+                f"the driver ({version}) predates cuMemcpyBatchAsync (12.8)"
+            )
+        get = cuda.cuGetProcAddress_v2
+        get.argtypes = [
+            ctypes.c_char_p,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_int,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_int),
+        ]
+        pfn = ctypes.c_void_p()
+        status = ctypes.c_int(0)
+        self.v13 = version >= 13000
+        want = 13000 if self.v13 else 12080
+        rc = get(
+            b"cuMemcpyBatchAsync", ctypes.byref(pfn), want, 0, ctypes.byref(status)
+        )
+        if rc != 0 or not pfn.value:
+            raise RuntimeError(f"cuGetProcAddress(cuMemcpyBatchAsync, {want}) = {rc}")
+        p = ctypes.POINTER
+        args = [
+            p(ctypes.c_uint64),
+            p(ctypes.c_uint64),
+            p(ctypes.c_size_t),
+            ctypes.c_size_t,
+            p(MemcpyAttributes),
+            p(ctypes.c_size_t),
+            ctypes.c_size_t,
+        ]
+        if not self.v13:
+            args.append(p(ctypes.c_size_t))
+        args.append(ctypes.c_void_p)
+        self.fn = ctypes.CFUNCTYPE(ctypes.c_int, *args)(pfn.value)
+        self.attrs = MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        self.attr_idx = (ctypes.c_size_t * 1)(0)
+
+    def prepare(self, dsts: list[int], srcs: list[int], size: int):
+        n = len(dsts)
+        return (
+            (ctypes.c_uint64 * n)(*dsts),
+            (ctypes.c_uint64 * n)(*srcs),
+            (ctypes.c_size_t * n)(*([size] * n)),
+            n,
+        )
+
+    def __call__(self, prepared, stream: int) -> None:
+        d, s, sizes, n = prepared
+        fail_idx = ctypes.c_size_t(0)
+        extra = [] if self.v13 else [ctypes.byref(fail_idx)]
+        rc = self.fn(
+            d,
+            s,
+            sizes,
+            n,
+            ctypes.byref(self.attrs),
+            self.attr_idx,
+            1,
+            *extra,
+            ctypes.c_void_p(stream),
+        )
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync returned CUresult {rc}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw limits
+# ---------------------------------------------------------------------------------------------
+
+
+def timed(torch, fn, nbytes: int, repeat: int) -> float:
+    """Best-of GB/s of ``fn`` (which moves ``nbytes``), timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    best = 0.0
+    for _ in range(repeat):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = max(best, gbps(nbytes, start.elapsed_time(end) / 1e3))
+    return best
+
+
+def raw_limits(torch, cuda, args) -> dict[str, float]:
+    dev = torch.device("cuda")
+    total = args.raw_mib << 20
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    pinned.fill_(1)
+    a = torch.empty(total, dtype=torch.uint8, device=dev)
+    b = torch.empty(total, dtype=torch.uint8, device=dev)
+    r = {}
+    r["h2d"] = timed(
+        torch, lambda: a.copy_(pinned, non_blocking=True), total, args.repeat
+    )
+    r["d2h"] = timed(
+        torch, lambda: pinned.copy_(a, non_blocking=True), total, args.repeat
+    )
+    r["d2d"] = timed(torch, lambda: b.copy_(a, non_blocking=True), total, args.repeat)
+
+    # Fragmented: one chunk's 512 pieces of 32 KiB, scattered over a paged KV of 64 blocks.
+    blocks = 64
+    kv = torch.empty((LAYERS, 2, blocks, PIECE_BYTES), dtype=torch.uint8, device=dev)
+    chosen = list(range(3, blocks, blocks // FRAG_BLOCKS))[:FRAG_BLOCKS]
+    pieces = [
+        kv[layer, plane, blk]
+        for layer in range(LAYERS)
+        for plane in (0, 1)
+        for blk in chosen
+    ]
+    dst_h = torch.empty((len(pieces), PIECE_BYTES), dtype=torch.uint8, pin_memory=True)
+    dst_d = torch.empty((len(pieces), PIECE_BYTES), dtype=torch.uint8, device=dev)
+
+    def loop(dst):
+        def run():
+            for i, p in enumerate(pieces):
+                dst[i].copy_(p, non_blocking=True)
+
+        return run
+
+    r["frag_d2h_loop"] = timed(torch, loop(dst_h), FRAG_CHUNK, args.repeat)
+    r["frag_d2d_loop"] = timed(torch, loop(dst_d), FRAG_CHUNK, args.repeat)
+    version = driver_version(cuda)
+    try:
+        if cuda is None or version is None:
+            raise RuntimeError("libcuda.so.1 cannot be loaded through ctypes")
+        batch = BatchCopy(cuda, version)
+        srcs = [p.data_ptr() for p in pieces]
+        stream = torch.cuda.current_stream().cuda_stream
+        for name, dst in (("frag_d2h_batch", dst_h), ("frag_d2d_batch", dst_d)):
+            dst.zero_()
+            prepared = batch.prepare(
+                [dst[i].data_ptr() for i in range(len(pieces))], srcs, PIECE_BYTES
+            )
+            r[name] = timed(
+                torch,
+                lambda prepared=prepared: batch(prepared, stream),
+                FRAG_CHUNK,
+                args.repeat,
+            )
+            torch.cuda.synchronize()
+            if not torch.equal(dst.to(dev), torch.stack(pieces)):
+                # The figure is dropped and the check fails at the end, after the rest ran.
+                del r[name]
+                PROBLEMS.append(f"{name}: cuMemcpyBatchAsync copied wrong bytes")
+                print(f"  {PROBLEMS[-1]}: its figure is dropped")
+    except (RuntimeError, AttributeError) as e:
+        print(
+            f"  batched copies: cuMemcpyBatchAsync unavailable ({e}); one copy_ per piece only"
+        )
+    r["frag_d2h"] = max(r["frag_d2h_loop"], r.get("frag_d2h_batch", 0.0))
+    r["frag_d2d"] = max(r["frag_d2d_loop"], r.get("frag_d2d_batch", 0.0))
+    return r
+
+
+def print_raw(r: dict[str, float]) -> None:
+    print("raw limits (GB/s, best of runs, CUDA events):")
+    for name, what in [
+        ("h2d", "pinned host -> device"),
+        ("d2h", "device -> pinned host"),
+        ("d2d", "device -> device"),
+        (
+            "frag_d2h_loop",
+            "fragmented chunk -> pinned host, one copy_ per 32 KiB piece",
+        ),
+        ("frag_d2h_batch", "fragmented chunk -> pinned host, cuMemcpyBatchAsync"),
+        ("frag_d2d_loop", "fragmented chunk -> device, one copy_ per 32 KiB piece"),
+        ("frag_d2d_batch", "fragmented chunk -> device, cuMemcpyBatchAsync"),
+    ]:
+        if name in r:
+            print(f"  {what:<64} {r[name]:8.2f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The daemon
+# ---------------------------------------------------------------------------------------------
+
+
+class Daemon:
+    def __init__(
+        self, binary: Path, workdir: Path, l1: str, l2: str, slot: str, gpu: bool
+    ):
+        self.socket = workdir / "s"
+        self.log = workdir / "daemon.log"
+        self.config = workdir / "tierkv.toml"
+        self.config.write_text(f"""
+[server]
+socket = "{self.socket}"
+max_leased_per_session = "{l1}"
+
+[metrics]
+enabled = false
+
+[l1]
+device = "{"cuda" if gpu else "emulated"}"
+cuda_device = 0
+capacity = "{l1}"
+slot = "{slot}"
+lease_ttl = "60s"
+
+[l2]
+capacity = "{l2}"
+memory = "{"pinned" if gpu else "plain"}"
+workers = 4
+
+[disk]
+enabled = false
+""")
+        env = dict(os.environ, TIERKV_LOG=os.environ.get("TIERKV_LOG", "warn"))
+        try:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [str(binary), "serve", "--config", str(self.config)],
+                    cwd=workdir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except OSError as e:
+            fail(f"cannot start {binary}: {e}")
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                fail(
+                    f"the daemon exited ({self.proc.returncode}) before listening:\n"
+                    + self.log.read_text(errors="replace")
+                )
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(str(self.socket))
+                    return
+                except OSError:
+                    pass
+            if time.monotonic() > deadline:
+                self.stop()
+                fail("the daemon did not listen within 60 s:\n" + self.log.read_text())
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+        return ""
+
+
+def pci_bus_id(torch) -> str:
+    """Device 0's PCI bus id, as the daemon's ``cuDeviceGetByPCIBusId`` takes it."""
+    cuda = libcuda()
+    if cuda is not None:
+        dev = ctypes.c_int(0)
+        buf = ctypes.create_string_buffer(32)
+        if (
+            cuda.cuInit(0) == 0
+            and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+            and cuda.cuDeviceGetPCIBusId(buf, 32, dev) == 0
+        ):
+            return buf.value.decode()
+    p = torch.cuda.get_device_properties(0)
+    try:
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except AttributeError:
+        fail(
+            "cannot tell device 0's PCI bus id (no libcuda through ctypes, an old torch)"
+        )
+
+
+def ipc_region(torch, tensor):
+    """The CUDA IPC region holding ``tensor`` and the byte offset of the tensor in it.
+
+    Through the driver (``tierkv.cuda.ipc_region``: ``cuMemGetAddressRange`` for the
+    allocation, ``cuIpcGetMemHandle`` of its base) where ctypes can load it, else torch's
+    ``_share_cuda_`` (whose handle is the bare 64 bytes in older torch, and ``version, 'c',
+    64 bytes`` since torch 2.3)."""
+    from tierkv.cuda import CudaIpcError, CudaUnavailable
+    from tierkv.cuda import ipc_region as export
+    from tierkv.wire import CudaIpcRegion
+
+    try:
+        return export(tensor.data_ptr(), 0)
+    except CudaUnavailable:
+        pass  # torch's own export, below
+    except CudaIpcError as e:
+        fail(str(e))
+    device = pci_bus_id(torch)
+    storage = tensor.untyped_storage()
+    try:
+        shared = storage._share_cuda_()
+    except RuntimeError as e:
+        fail(
+            f"cuIpcGetMemHandle failed for the KV tensor (expandable segments or a VMM "
+            f"allocation cannot be shared by IPC): {e}"
+        )
+    handle, size, offset = bytes(shared[1]), int(shared[2]), int(shared[3])
+    if len(handle) == 66 and handle[1:2] == b"c":
+        handle = handle[2:]
+    elif len(handle) != 64:
+        fail(f"torch returned a {len(handle)}-byte IPC handle of an unknown format")
+    region = CudaIpcRegion(handle=handle, device=device, bytes=offset + size)
+    return region, offset + tensor.data_ptr() - storage.data_ptr()
+
+
+class Memory:
+    """The worker's KV memory: device memory exported by CUDA IPC on a GPU; on CPU (the dry run,
+    which tests this script without a GPU) a sealed memfd, registered as a memfd region."""
+
+    def __init__(self, torch, gpu: bool):
+        self.torch = torch
+        self.gpu = gpu
+        self._keep: list = []
+
+    def alloc(self, nbytes: int):
+        """A uint8 tensor of ``nbytes``, its ``(region, fd)`` and its offset in the region."""
+        torch = self.torch
+        if self.gpu:
+            t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            region, offset = ipc_region(torch, t)
+            return t, (region, None), offset
+        import mmap
+
+        from tierkv.shm import sealed_memfd
+        from tierkv.wire import MemfdRegion
+
+        fd = sealed_memfd(nbytes, "gpu-check")
+        m = mmap.mmap(fd, nbytes)
+        self._keep.append((fd, m))
+        t = torch.frombuffer(m, dtype=torch.uint8)
+        return t, (MemfdRegion(bytes=nbytes), fd), 0
+
+    def sync(self) -> None:
+        if self.gpu:
+            self.torch.cuda.synchronize()
+
+
+class Session:
+    """A worker session on one registered buffer."""
+
+    def __init__(self, daemon: Daemon, chunk_bytes: int, regions, layout, label: str):
+        from tierkv import Client, wire
+        from tierkv.errors import ConnectionLost, DaemonError
+
+        self.client = Client.connect(
+            str(daemon.socket),
+            wire.hello(namespaces=[f"gpu-check-{label}"], chunk_bytes=chunk_bytes),
+            timeout=120.0,
+        )
+        try:
+            self.buffer = self.client.register_kv(regions, layout)
+        except (DaemonError, ConnectionLost) as e:
+            self.client.close()
+            fail(f"register_kv of CUDA IPC regions ({label}) was refused: {e}")
+
+    def store(self, chunks) -> None:
+        out = self.client.store(0, self.buffer, chunks)
+        if out.refused or out.stored + out.present != len(chunks):
+            fail(f"store: {out}")
+
+    def load(self, chunks, expect_tier: int | None) -> tuple[float, list[int]]:
+        """Looks up and retrieves ``chunks``; seconds from lookup to retrieve's reply."""
+        t0 = time.perf_counter()
+        started = self.client.lookup(0, [c for c, _ in chunks])
+        outcome = started.outcome or self.client.wait(started.lookup, 60.0)
+        if outcome.hit_chunks != len(chunks):
+            fail(f"lookup hit {outcome.hit_chunks} of {len(chunks)} chunks ({outcome})")
+        self.client.retrieve(started.lookup, self.buffer, chunks)
+        dt = time.perf_counter() - t0
+        if expect_tier is not None and outcome.per_tier[expect_tier] != len(chunks):
+            print(
+                f"  note: chunks came from tiers {outcome.per_tier} (L1, L2, disk, remote)"
+            )
+        return dt, outcome.per_tier
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.end()
+
+
+def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
+    from tierkv.wire import KvLayout, Segment
+
+    dev = torch.device("cuda" if gpu else "cpu")
+    memory = Memory(torch, gpu)
+    n = args.chunks
+    # L1 holds half the fragmented chunks (every chunk takes one 16 MiB slot, a 2 MiB one too):
+    # the first half stored are evicted from L1 (write-through: L2 keeps them) and come back
+    # through L2. L2 holds everything.
+    frag_bytes = n * FRAG_CHUNK
+    l1 = n // 2 * FRAG_CHUNK if args.l1_mib == 0 else args.l1_mib << 20
+    workdir = Path(tempfile.mkdtemp(prefix="tierkv-gpu-"))
+    try:
+        daemon = Daemon(
+            args.binary,
+            workdir,
+            l1=str(l1),
+            l2=str(2 * frag_bytes),
+            slot=str(FRAG_CHUNK),
+            gpu=gpu,
+        )
+    except CheckFailed:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    sessions: list[Session] = []
+    report: list[str] = []
+    try:
+        print(
+            f"daemon: {args.binary} (L1 {l1 >> 20} MiB "
+            f"{'on cuda:0' if gpu else 'emulated'}, slot 16 MiB, "
+            f"{'pinned' if gpu else 'plain'} L2), log {daemon.log}"
+        )
+
+        # --- 2 MiB contiguous chunks: one region, one segment, one block per chunk; as many as
+        # L1 holds.
+        n = args.chunks // 2
+        contig, region, off = memory.alloc(2 * n * CONTIG_CHUNK)
+        contig = contig.view(2 * n, CONTIG_CHUNK)
+        layout = KvLayout(
+            blocks=2 * n,
+            block_bytes=CONTIG_CHUNK,
+            block_stride=CONTIG_CHUNK,
+            blocks_per_chunk=1,
+            segments=[Segment(0, off)],
+        )
+        s = Session(daemon, CONTIG_CHUNK, [region], layout, "contig")
+        sessions.append(s)
+        contig.random_(0, 256)
+        reference = contig[:n].clone()
+        chunks = [(0x1000 + i, [i]) for i in range(n)]
+        memory.sync()  # the worker's rule: its writes are done before `store`
+        t0 = time.perf_counter()
+        s.store(chunks)
+        t_store = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        s.client.flush(120.0)
+        t_down = time.perf_counter() - t0
+        contig[:n].zero_()
+        memory.sync()
+        t_load, tiers = s.load(chunks, None)
+        if not torch.equal(contig[:n], reference):
+            bad = int((contig[:n] != reference).any(dim=1).nonzero()[0])
+            fail(f"2 MiB chunks: chunk {bad} differs after store and retrieve")
+        nb = n * CONTIG_CHUNK
+        report.append(
+            f"  {'2 MiB contiguous: engine -> L1 (store)':<66} "
+            f"{gbps(nb, t_store):8.2f}  {gbps(nb, t_store) / raw['d2d']:5.2f} x raw D2D"
+            f"  (target {TARGET_D2D})"
+        )
+        report.append(
+            f"  {'2 MiB contiguous: L1 -> L2 (flush after store)':<66} "
+            f"{gbps(nb, t_down):8.2f}  {gbps(nb, t_down) / raw['d2h']:5.2f} x raw D2H"
+            f"  (target {TARGET_HOST})"
+        )
+        report.append(
+            f"  {'2 MiB contiguous: lookup + retrieve, tiers ' + str(tiers):<66} "
+            f"{gbps(nb, t_load):8.2f}  {gbps(nb, t_load) / raw['d2d']:5.2f} x raw D2D"
+        )
+        print("  2 MiB contiguous chunks: every byte verified")
+
+        # --- fragmented chunks: Llama-3-8B's paged KV, one tensor, 64 segments (layer x K/V).
+        n = args.chunks
+        blocks = n * FRAG_BLOCKS * 2
+        shape = (LAYERS, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
+        kv, region, off = memory.alloc(LAYERS * 2 * blocks * PIECE_BYTES)
+        kv = kv.view(torch.bfloat16).view(shape)
+        plane = blocks * PIECE_BYTES
+        layout = KvLayout(
+            blocks=blocks,
+            block_bytes=PIECE_BYTES,
+            block_stride=PIECE_BYTES,
+            blocks_per_chunk=FRAG_BLOCKS,
+            segments=[Segment(0, off + i * plane) for i in range(2 * LAYERS)],
+        )
+        s = Session(daemon, FRAG_CHUNK, [region], layout, "frag")
+        sessions.append(s)
+        raw_view = kv.view(torch.int16)
+        raw_view.random_(-(1 << 15), 1 << 15)
+        # Chunk i takes every other block, in a scrambled order: pieces are really scattered.
+        chunk_blocks = [
+            [(2 * (i * FRAG_BLOCKS + j) * 7) % blocks for j in range(FRAG_BLOCKS)]
+            for i in range(n)
+        ]
+        if len({b for bl in chunk_blocks for b in bl}) != n * FRAG_BLOCKS:
+            chunk_blocks = [
+                [2 * (i * FRAG_BLOCKS + j) for j in range(FRAG_BLOCKS)]
+                for i in range(n)
+            ]
+        chunks = [(0x2000 + i, chunk_blocks[i]) for i in range(n)]
+        used = sorted({b for bl in chunk_blocks for b in bl})
+        reference = raw_view[:, :, used].clone()
+        memory.sync()
+        # Stored a quarter at a time, each quarter flushed down to L2 before the next: L1 has
+        # room for two quarters, so each store evicts only chunks L2 already holds.
+        t_store = t_down = 0.0
+        quarter = n // 4
+        for q in range(4):
+            t0 = time.perf_counter()
+            s.store(chunks[q * quarter : (q + 1) * quarter])
+            t_store += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            s.client.flush(120.0)
+            t_down += time.perf_counter() - t0
+        # Reload the last quarter stored, which L1 still has, then the first, which the L1 of
+        # two quarters has evicted: it comes back through L2.
+        for label, part, tier in (
+            ("L1 -> engine (retrieve, L1 hits)", chunks[3 * quarter :], 0),
+            ("L2 -> L1 -> engine (lookup + retrieve)", chunks[:quarter], 1),
+        ):
+            # Every block used is overwritten first, so equal bytes prove the load.
+            raw_view.index_fill_(2, torch.tensor(used, device=dev), 0)
+            memory.sync()
+            t, tiers = s.load(part, tier)
+            if args.corrupt:  # the self-test of the verification: one bit flipped
+                raw_view[0, 0, part[0][1][0]].view(-1)[0] ^= 1
+            nb = len(part) * FRAG_CHUNK
+            part_blocks = sorted({b for _, bl in part for b in bl})
+            pos = torch.tensor([used.index(b) for b in part_blocks], device=dev)
+            got = raw_view[:, :, part_blocks]
+            want = reference.index_select(2, pos)
+            if not torch.equal(got, want):
+                fail(f"fragmented chunks ({label}): bytes differ after retrieve")
+            limit = raw["frag_d2d"] if tier == 0 else raw["h2d"]
+            what = "raw batched D2D" if tier == 0 else "raw H2D"
+            target = TARGET_FRAG if tier == 0 else TARGET_HOST
+            report.append(
+                f"  {'fragmented: ' + label + ' ' + str(tiers):<66} "
+                f"{gbps(nb, t):8.2f}  {gbps(nb, t) / limit:5.2f} x {what}"
+                f"  (target {target})"
+            )
+        nb = n * FRAG_CHUNK
+        report.insert(
+            3,
+            f"  {'fragmented: engine -> L1 (store)':<66} "
+            f"{gbps(nb, t_store):8.2f}  {gbps(nb, t_store) / raw['frag_d2d']:5.2f}"
+            f" x raw batched D2D  (target {TARGET_FRAG})",
+        )
+        report.insert(
+            4,
+            f"  {'fragmented: L1 -> L2 (flush after store)':<66} "
+            f"{gbps(nb, t_down):8.2f}  {gbps(nb, t_down) / raw['d2h']:5.2f}"
+            f" x raw D2H  (target {TARGET_HOST})",
+        )
+        print("  fragmented chunks: every byte verified")
+        if daemon.proc.poll() is not None:
+            fail(f"the daemon exited ({daemon.proc.returncode}) during the check")
+        return report
+    except CheckFailed as e:
+        raise CheckFailed(f"{e}\n--- daemon log (tail) ---\n{daemon.tail()}") from None
+    except Exception as e:
+        raise CheckFailed(
+            f"{type(e).__name__}: {e}\n--- daemon log (tail) ---\n{daemon.tail()}"
+        ) from e
+    finally:
+        for s in sessions:
+            s.close()
+        daemon.stop()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--bin",
+        dest="binary",
+        type=Path,
+        default=None,
+        help="the tierkv binary (default: target/release/tierkv, else target/gpu-carry/tierkv)",
+    )
+    ap.add_argument(
+        "--raw-only", action="store_true", help="measure the raw limits only"
+    )
+    ap.add_argument(
+        "--chunks",
+        type=int,
+        default=64,
+        help="fragmented (16 MiB) chunks, a multiple of 4; half as many 2 MiB ones",
+    )
+    ap.add_argument(
+        "--l1-mib",
+        type=int,
+        default=0,
+        help="L1 capacity (default: half the "
+        "fragmented chunks' bytes, so half come back through L2)",
+    )
+    ap.add_argument("--raw-mib", type=int, default=256, help="bytes of each raw copy")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--keep", action="store_true", help="keep the daemon's directory")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="the daemon part on CPU torch, memfd regions and an emulated L1: tests this "
+        "script without a GPU (its figures mean nothing)",
+    )
+    ap.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.binary is None:
+        release = Path("target/release/tierkv")
+        carried = Path("target/gpu-carry/tierkv")
+        args.binary = (
+            carried if carried.is_file() and not release.is_file() else release
+        )
+    args.binary = args.binary.resolve()  # the daemon runs in its own directory
+    if args.chunks < 4 or args.chunks % 4:
+        ap.error("--chunks must be a positive multiple of 4")
+
+    if (
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").find("expandable_segments:True")
+        >= 0
+    ):
+        print(
+            "gpu-check: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; its memory "
+            "cannot be shared by CUDA IPC. Unset it.",
+            file=sys.stderr,
+        )
+        return FAILED
+    tierkv_importable()
+    if args.cpu_dry_run:
+        return dry_run(args)
+    torch = load_torch()
+    cuda = libcuda()
+    version = driver_version(cuda)
+    props = torch.cuda.get_device_properties(0)
+    drv = f"{version // 1000}.{version % 1000 // 10}" if version else "unknown"
+    print(
+        f"device: {props.name} ({props.total_memory >> 30} GiB, PCI {pci_bus_id(torch)}), "
+        f"driver CUDA {drv}, torch {torch.__version__} (CUDA {torch.version.cuda})"
+    )
+    with contextlib.suppress(Exception):
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        if smi.returncode == 0:
+            print(f"nvidia driver: {smi.stdout.strip()}")
+    try:
+        raw = raw_limits(torch, cuda, args)
+        torch.cuda.empty_cache()  # the raw buffers are gone with raw_limits' frame
+        print_raw(raw)
+        if args.raw_only:
+            return report_problems()
+        if not args.binary.is_file():
+            fail(
+                f"no tierkv binary at {args.binary} (build it: cargo build --release --bin "
+                "tierkv, and carry it along)"
+            )
+        report = daemon_check(torch, args, raw, gpu=True)
+    except CheckFailed as e:
+        print(f"gpu-check: FAILED: {e}", file=sys.stderr)
+        return FAILED
+    return finish(args, report)
+
+
+def dry_run(args) -> int:
+    try:
+        import torch
+    except ImportError as e:
+        print(f"gpu-check: the dry run needs torch ({e})", file=sys.stderr)
+        return FAILED
+    print("dry run on CPU: memfd regions, emulated L1; the figures mean nothing")
+    raw = dict.fromkeys(("h2d", "d2h", "d2d", "frag_d2h", "frag_d2d"), 1.0)
+    try:
+        if not args.binary.is_file():
+            fail(f"no tierkv binary at {args.binary}")
+        report = daemon_check(torch, args, raw, gpu=False)
+    except CheckFailed as e:
+        print(f"gpu-check: FAILED: {e}", file=sys.stderr)
+        return FAILED
+    return finish(args, report)
+
+
+def finish(args, report: list[str]) -> int:
+    print(
+        f"tierkv (GB/s, {args.chunks // 2} x 2 MiB and {args.chunks} x 16 MiB chunks, wall "
+        "clock around the requests):"
+    )
+    for line in report:
+        print(line)
+    if not PROBLEMS:
+        print("gpu-check: every byte verified")
+    return report_problems()
+
+
+def report_problems() -> int:
+    for problem in PROBLEMS:
+        print(f"gpu-check: FAILED: {problem}", file=sys.stderr)
+    return FAILED if PROBLEMS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
