@@ -15,14 +15,12 @@
 )]
 #![allow(clippy::print_stdout, reason = "the table is the benchmark's output")]
 
-use std::collections::VecDeque;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tierkv_bench::{Table, direct_file_bandwidth, memcpy_bandwidth};
+use tierkv_bench::{Pump, Table, direct_file_bandwidth, memcpy_bandwidth};
 use tierkv_core::{
-    ChunkHash, Completion, KvRank, LoadItem, Namespace, ObjectKey, StoreItem, TaskId, TierAdapter,
-    VecChunk,
+    ChunkHash, KvRank, LoadItem, Namespace, ObjectKey, StoreItem, TierAdapter, VecChunk,
 };
 use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, ReadMode, record_bytes};
 use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
@@ -40,42 +38,6 @@ fn buffers(total: usize, chunk: u64, fill: u8) -> Vec<Option<Vec<u8>>> {
     (0..total).map(|i| Some(vec![fill ^ i as u8; chunk as usize])).collect()
 }
 
-/// Runs `total` chunks through `submit` in tasks of `PER_TASK`, `IN_FLIGHT` tasks at a time, and
-/// returns bytes per second. `submit(first_chunk)` submits one task. Completions (and the buffers
-/// they hand back) are kept until the clock stops, so freeing them is not measured.
-fn pump(
-    tier: &dyn TierAdapter,
-    total: usize,
-    chunk: u64,
-    mut submit: impl FnMut(usize) -> TaskId,
-) -> f64 {
-    let completions = tier.completions();
-    let mut finished = Vec::with_capacity(total);
-    let mut waiting = VecDeque::new();
-    let (mut next, mut moved) = (0, 0u64);
-    let start = Instant::now();
-    while next < total || !waiting.is_empty() {
-        while next < total && waiting.len() < IN_FLIGHT {
-            waiting.push_back(submit(next));
-            next += PER_TASK;
-        }
-        let done = completions.recv_timeout(Duration::from_secs(60)).expect("a task hung");
-        waiting.retain(|t| *t != done.task());
-        moved += match &done {
-            Completion::Stored { result, sources, .. } => {
-                result.as_ref().expect("a benchmark store failed");
-                sources.len() as u64 * chunk
-            }
-            Completion::Loaded { loaded, .. } => loaded.count_ones() as u64 * chunk,
-            Completion::LookedUp { .. } => 0,
-        };
-        finished.push(done);
-    }
-    let rate = moved as f64 / start.elapsed().as_secs_f64();
-    assert_eq!(moved, total as u64 * chunk, "not every chunk was moved");
-    rate
-}
-
 fn store_all(tier: &dyn TierAdapter, total: usize, chunk: u64) -> f64 {
     store_from(tier, buffers(total, chunk, 0x5a), chunk)
 }
@@ -83,28 +45,32 @@ fn store_all(tier: &dyn TierAdapter, total: usize, chunk: u64) -> f64 {
 /// Stores `sources` (allocated and filled beforehand, as L1 slots would be).
 fn store_from(tier: &dyn TierAdapter, mut sources: Vec<Option<Vec<u8>>>, chunk: u64) -> f64 {
     let total = sources.len();
-    pump(tier, total, chunk, |first| {
-        let items = (first..(first + PER_TASK).min(total))
-            .map(|i| StoreItem {
-                key: key(i as u64),
-                source: Box::new(VecChunk(sources[i].take().unwrap_or_default())),
-            })
-            .collect();
-        tier.submit_store(items)
-    })
+    Pump { per_task: PER_TASK, in_flight: IN_FLIGHT }
+        .run(tier, total, chunk, |first| {
+            let items = (first..(first + PER_TASK).min(total))
+                .map(|i| StoreItem {
+                    key: key(i as u64),
+                    source: Box::new(VecChunk(sources[i].take().unwrap_or_default())),
+                })
+                .collect();
+            tier.submit_store(items)
+        })
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn load_all(tier: &dyn TierAdapter, total: usize, chunk: u64) -> f64 {
     let mut sinks = buffers(total, chunk, 1);
-    pump(tier, total, chunk, |first| {
-        let items = (first..(first + PER_TASK).min(total))
-            .map(|i| LoadItem {
-                key: key(i as u64),
-                sink: Box::new(VecChunk(sinks[i].take().unwrap_or_default())),
-            })
-            .collect();
-        tier.submit_load(items)
-    })
+    Pump { per_task: PER_TASK, in_flight: IN_FLIGHT }
+        .run(tier, total, chunk, |first| {
+            let items = (first..(first + PER_TASK).min(total))
+                .map(|i| LoadItem {
+                    key: key(i as u64),
+                    sink: Box::new(VecChunk(sinks[i].take().unwrap_or_default())),
+                })
+                .collect();
+            tier.submit_load(items)
+        })
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn host(table: &mut Table, chunk: u64, total: usize) {

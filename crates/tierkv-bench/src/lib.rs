@@ -10,13 +10,16 @@
 //! - [`direct_read_bandwidth`]: sequential read bandwidth of a freshly written file read with
 //!   `O_DIRECT`, so the page cache cannot flatter it (the bound of disk loads).
 //!
-//! [`Table`] prints the figures and their ratios in one format across benchmarks.
+//! [`Table`] prints the figures and their ratios in one format across benchmarks, and [`Pump`]
+//! keeps a tier busy the same way in every tier bandwidth benchmark.
 
 mod limits;
+mod pump;
 mod table;
 
 pub use limits::{
     direct_file_bandwidth, direct_read_bandwidth, memcpy_bandwidth, memcpy_bandwidth_threads,
 };
+pub use pump::Pump;
 pub use table::Table;
 pub use tierkv_core::AlignedBuf;

@@ -482,7 +482,12 @@ impl DiskStore {
 
     fn submit(&self, make: impl FnOnce(TaskId) -> Job) -> TaskId {
         let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
-        let job = make(task);
+        self.send(make(task));
+        task
+    }
+
+    /// Queues a job for the workers, or completes it as failed when the store is closed.
+    fn send(&self, job: Job) {
         let sender = self.jobs.lock().clone();
         match sender {
             Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
@@ -492,7 +497,6 @@ impl DiskStore {
             }
             _ => self.shared.fail(job),
         }
-        task
     }
 }
 
@@ -1531,17 +1535,8 @@ impl TierAdapter for DiskStore {
         let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
         let parts = threads.min(items.len());
         let (joint, jobs) = JointLoad::split(task, items, parts);
-        let sender = self.jobs.lock().clone();
         for (first, items) in jobs {
-            let job = Job::LoadPart { joint: Arc::clone(&joint), first, items };
-            match &sender {
-                Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
-                    if let Err(refused) = sender.send(job) {
-                        self.shared.fail(refused.0);
-                    }
-                }
-                _ => self.shared.fail(job),
-            }
+            self.send(Job::LoadPart { joint: Arc::clone(&joint), first, items });
         }
         task
     }

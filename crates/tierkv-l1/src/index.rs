@@ -48,6 +48,17 @@ pub(crate) enum Class {
 }
 
 impl Entry {
+    /// A new reservation of `slot` for `owner` to write: invisible, no shares.
+    pub(crate) fn writing(
+        slot: SlotId,
+        generation: u64,
+        len: u64,
+        owner: OwnerId,
+        temporary: bool,
+    ) -> Self {
+        Entry { slot, generation, len, state: EntryState::Writing { owner }, temporary, shares: 0 }
+    }
+
     pub(crate) fn class(&self) -> Class {
         match (self.state, self.shares) {
             (EntryState::Writing { .. }, _) => Class::Writing,

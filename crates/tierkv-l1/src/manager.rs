@@ -369,14 +369,8 @@ impl L1Manager {
                     leftover.push(slot);
                     return;
                 }
-                let entry = Entry {
-                    slot,
-                    generation: first_generation + i as u64,
-                    len,
-                    state: EntryState::Writing { owner },
-                    temporary,
-                    shares: 0,
-                };
+                let generation = first_generation + i as u64;
+                let entry = Entry::writing(slot, generation, len, owner, temporary);
                 shard.map.insert(*key, entry);
                 shard.counts.moved(Class::Gone, Class::Writing);
                 results[i] = Ok(self.handle(slot, len));
@@ -414,15 +408,7 @@ impl L1Manager {
             return Err(refusal);
         }
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
-        let entry = Entry {
-            slot,
-            generation,
-            len,
-            state: EntryState::Writing { owner },
-            temporary,
-            shares: 0,
-        };
-        shard.map.insert(*key, entry);
+        shard.map.insert(*key, Entry::writing(slot, generation, len, owner, temporary));
         shard.counts.moved(Class::Gone, Class::Writing);
         Ok(self.handle(slot, len))
     }

@@ -17,15 +17,13 @@
 )]
 #![allow(clippy::print_stdout, reason = "the table is the benchmark's output")]
 
-use std::collections::VecDeque;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tierkv_bench::Table;
+use tierkv_bench::{Pump, Table};
 use tierkv_core::{
-    ChunkHash, Completion, KvRank, LoadItem, Namespace, ObjectKey, StoreItem, TaskId, TierAdapter,
-    VecChunk,
+    ChunkHash, KvRank, LoadItem, Namespace, ObjectKey, StoreItem, TierAdapter, VecChunk,
 };
 use tierkv_remote::{RemoteConfig, RemoteMode, RemoteStore};
 use tierkv_testkit::redis::{RedisCluster, RedisStandalone};
@@ -46,41 +44,6 @@ fn key(i: u64) -> ObjectKey {
     ObjectKey::new(Namespace::new("bench", ""), ChunkHash(u128::from(i) << 32 | 9), KvRank::Shared)
 }
 
-/// Runs `total` chunks through `submit`, `TASKS_IN_FLIGHT` tasks of `PER_TASK` at a time;
-/// returns bytes per second.
-fn pump(
-    tier: &dyn TierAdapter,
-    total: usize,
-    chunk: u64,
-    mut submit: impl FnMut(usize) -> TaskId,
-) -> f64 {
-    let completions = tier.completions();
-    let mut finished = Vec::with_capacity(total);
-    let mut waiting = VecDeque::new();
-    let (mut next, mut moved) = (0, 0u64);
-    let start = Instant::now();
-    while next < total || !waiting.is_empty() {
-        while next < total && waiting.len() < TASKS_IN_FLIGHT {
-            waiting.push_back(submit(next));
-            next += PER_TASK;
-        }
-        let done = completions.recv_timeout(Duration::from_secs(60)).expect("a task hung");
-        waiting.retain(|t| *t != done.task());
-        moved += match &done {
-            Completion::Stored { result, sources, .. } => {
-                result.as_ref().expect("a benchmark store failed");
-                sources.len() as u64 * chunk
-            }
-            Completion::Loaded { loaded, .. } => loaded.count_ones() as u64 * chunk,
-            Completion::LookedUp { .. } => 0,
-        };
-        finished.push(done);
-    }
-    let rate = moved as f64 / start.elapsed().as_secs_f64();
-    assert_eq!(moved, total as u64 * chunk, "not every chunk was moved");
-    rate
-}
-
 fn adapter(urls: Vec<String>, mode: RemoteMode, chunk: u64, prefix: &str) -> RemoteStore {
     RemoteStore::open(RemoteConfig {
         key_prefix: prefix.into(),
@@ -99,26 +62,30 @@ fn tierkv_figures(store: &RemoteStore, chunk: u64) -> (f64, f64) {
     let total = (TOTAL / chunk) as usize;
     let mut sources: Vec<Option<Vec<u8>>> =
         (0..total).map(|i| Some(vec![0x5a ^ i as u8; chunk as usize])).collect();
-    let stored = pump(store, total, chunk, |first| {
-        let items = (first..(first + PER_TASK).min(total))
-            .map(|i| StoreItem {
-                key: key(i as u64),
-                source: Box::new(VecChunk(sources[i].take().unwrap())),
-            })
-            .collect();
-        store.submit_store(items)
-    });
+    let stored = Pump { per_task: PER_TASK, in_flight: TASKS_IN_FLIGHT }
+        .run(store, total, chunk, |first| {
+            let items = (first..(first + PER_TASK).min(total))
+                .map(|i| StoreItem {
+                    key: key(i as u64),
+                    source: Box::new(VecChunk(sources[i].take().unwrap())),
+                })
+                .collect();
+            store.submit_store(items)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut sinks: Vec<Option<Vec<u8>>> =
         (0..total).map(|_| Some(vec![0u8; chunk as usize])).collect();
-    let loaded = pump(store, total, chunk, |first| {
-        let items = (first..(first + PER_TASK).min(total))
-            .map(|i| LoadItem {
-                key: key(i as u64),
-                sink: Box::new(VecChunk(sinks[i].take().unwrap())),
-            })
-            .collect();
-        store.submit_load(items)
-    });
+    let loaded = Pump { per_task: PER_TASK, in_flight: TASKS_IN_FLIGHT }
+        .run(store, total, chunk, |first| {
+            let items = (first..(first + PER_TASK).min(total))
+                .map(|i| LoadItem {
+                    key: key(i as u64),
+                    sink: Box::new(VecChunk(sinks[i].take().unwrap())),
+                })
+                .collect();
+            store.submit_load(items)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
     (stored, loaded)
 }
 

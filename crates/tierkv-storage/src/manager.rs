@@ -123,6 +123,8 @@ struct Inner {
     host: Option<Arc<HostStore>>,
     disk: Option<Arc<DiskStore>>,
     remote: Option<Arc<RemoteStore>>,
+    /// The remote tier's place among the lower tiers (fastest first), if there is one.
+    remote_tier: Option<usize>,
     /// When the maintenance thread last probed a degraded remote tier.
     remote_probed: Mutex<Option<Instant>>,
     prefetch: PrefetchController,
@@ -232,6 +234,7 @@ impl StorageManager {
             host,
             disk,
             remote,
+            remote_tier: remote_index.map(|(index, _)| index),
             remote_probed: Mutex::new(None),
             prefetch,
             store,
@@ -767,7 +770,7 @@ impl Inner {
         let mut per_tier = vec![0usize; 1 + self.router.len()];
         let mut slowest: Vec<Option<usize>> = vec![None; n];
         // Chunks the remote tier served: admission after reads does not send them back to it.
-        let remote_tier = self.router.tiers().position(|t| t.name() == "remote").map(|t| 1 + t);
+        let remote_tier = self.remote_tier.map(|t| 1 + t);
         let mut from_remote = HashSet::new();
         for (g, group) in request.groups.iter().enumerate() {
             let needed = group.kind.needed(n, request.chunk_tokens);

@@ -255,20 +255,26 @@ fn use_key(policy: &mut Adaptive<u32>, capacity: usize, key: u32) {
     policy.insert(key);
 }
 
-#[test]
-fn adaptive_switches_to_arc_when_a_scan_would_flush_a_hot_set() {
+/// A cache of 1,000 after 60 rounds of a hot set of 600 keys, each round followed by a scan of
+/// 1,200 keys never seen again: longer than the cache, so LRU loses the hot set to every scan.
+fn hot_set_between_scans() -> Adaptive<u32> {
     let mut policy = Adaptive::new();
     let mut fresh = 100_000;
     for _round in 0..60 {
         for key in 0..600 {
             use_key(&mut policy, 1_000, key);
         }
-        // A scan of keys never seen again, longer than the cache: LRU loses the hot set to it.
         for _ in 0..1_200 {
             use_key(&mut policy, 1_000, fresh);
             fresh += 1;
         }
     }
+    policy
+}
+
+#[test]
+fn adaptive_switches_to_arc_when_a_scan_would_flush_a_hot_set() {
+    let policy = hot_set_between_scans();
     assert!(policy.in_arc_mode(), "{policy:?}");
     // Protected by ARC, most of the hot set survives the last scan.
     let kept = (0..600).filter(|key| policy.contains(key)).count();
@@ -291,17 +297,7 @@ fn adaptive_stays_lru_where_recency_is_right() {
 #[test]
 fn adaptive_judges_only_from_enough_keys() {
     // The stream that switches a cache of 1,000 to ARC's order...
-    let mut policy = Adaptive::new();
-    let mut fresh = 100_000;
-    for _round in 0..60 {
-        for key in 0..600 {
-            use_key(&mut policy, 1_000, key);
-        }
-        for _ in 0..1_200 {
-            use_key(&mut policy, 1_000, fresh);
-            fresh += 1;
-        }
-    }
+    let mut policy = hot_set_between_scans();
     assert!(policy.in_arc_mode(), "{policy:?}");
     // ...then the cache shrinks below 64 keys: shadows of 16 keys or fewer are too small to
     // judge by, so the next eviction follows recency.
