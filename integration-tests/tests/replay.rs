@@ -184,6 +184,27 @@ fn cascading_tiers_add_up_to_one_cache_of_their_size_and_the_simulation_models_t
 }
 
 #[test]
+fn requests_longer_than_l1_are_stored_whole_and_their_hits_served_whole_from_below() {
+    let Some(path) = trace("conversation_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    // L1 of 32 chunks: 274 of the first 1,000 requests are longer, and 47 of them could hit
+    // more than 32 chunks. Each store goes in windows of 16, each hit past L1's room is read
+    // from L2.
+    let base = ["replay", path, "--limit", "1000", "--policy", "lru", "--capacity", "32"];
+    let tiers = ["--l2", "4000", "--cascade", "--chunk-bytes", "16KiB"];
+    let hit = |run: &Value| run["hit_ratio"].as_f64().unwrap();
+    let daemon = &replay(&[&base[..], &tiers].concat())[0];
+    let simulated = &replay(&[&base[..], &tiers, &["--simulate"]].concat())[0];
+    assert_eq!(moved(daemon, "chunks_refused"), 0, "every chunk of every store was taken");
+    assert_eq!(moved(daemon, "chunks_retrieved"), field(daemon, "hit_chunks"), "bytes checked");
+    // Chunk for chunk what the simulation counts, which neither refuses a store past L1 nor
+    // trims a hit at L1's room.
+    assert_eq!(field(daemon, "hit_chunks"), field(simulated, "hit_chunks"));
+    let one_cache = &replay(&[&base[..6], &["--capacity", "4032", "--simulate"]].concat())[0];
+    assert!(hit(daemon) >= hit(one_cache) - 0.02, "daemon {daemon} one cache {one_cache}");
+}
+
+#[test]
 fn lower_tiers_serve_what_l1_lost() {
     let Some(path) = trace("conversation_trace.jsonl") else { return };
     let path = path.to_str().unwrap();

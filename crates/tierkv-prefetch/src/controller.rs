@@ -6,12 +6,13 @@
 //! 1. lookup-and-lock of its keys (those not already leased in L1) on every tier;
 //! 2. plan: the hit over all groups given what L1 and the tiers hold; each needed key comes from
 //!    the fastest tier that has it; every other lock is returned;
-//! 3. reserve temporary L1 slots for the needed keys, then plan again over what was reserved
-//!    (a slot that could not be had trims the hit; reservations past it are aborted);
+//! 3. reserve temporary L1 slots for the needed keys; a key that finds no slot (the hit is
+//!    larger than L1's room) stays in its tier under the lock it has, to be read from there;
 //! 4. load into the reserved slots;
-//! 5. finalize: plan again over what loaded; the needed keys are made visible and leased in one
-//!    step (`finish_write_and_reserve_read` with the request's `extra_count`); everything else
-//!    reserved is aborted, never visible; every tier lock is returned.
+//! 5. finalize: plan again over what loaded and what stays below; the needed keys that loaded
+//!    are made visible and leased in one step (`finish_write_and_reserve_read` with the
+//!    request's `extra_count`), the needed keys below keep their tier locks in a [`HeldBelow`];
+//!    everything else reserved is aborted, never visible; every other tier lock is returned.
 //!
 //! The caller keeps the L1 hits it leased before submitting (rule 4: pin before you allocate);
 //! the controller never touches them.
@@ -30,6 +31,7 @@ use tierkv_core::{
 };
 use tierkv_l1::{L1Manager, LeaseId, Lifetime, OwnerId, Readers, WriteMode};
 
+use crate::below::HeldBelow;
 use crate::hit::{GroupKind, hit_chunks};
 use crate::metrics::PrefetchMetrics;
 use crate::router::{TierEvent, TierRouter};
@@ -107,8 +109,11 @@ pub struct Prefetched {
     pub started: u64,
     /// Chunks in the lease, by the tier (index, fastest first) they were loaded from.
     pub per_tier: Vec<usize>,
-    /// Per group, per key: the tier (index, fastest first) a leased chunk was loaded from.
+    /// Per group, per key: the tier (index, fastest first) a chunk of the hit comes from, loaded
+    /// into the lease or held below.
     pub sources: Vec<Vec<Option<usize>>>,
+    /// The chunks of the hit that found no L1 slot: locked in their tier and read from there.
+    pub below: Option<Arc<HeldBelow>>,
 }
 
 /// Why a prefetch has no result.
@@ -312,6 +317,8 @@ struct Active {
     reserved: Vec<At>,
     /// Keys whose load succeeded.
     loaded: Vec<At>,
+    /// Needed keys that found no room in L1: they stay locked in their tier.
+    below: Vec<At>,
 }
 
 impl Active {
@@ -498,6 +505,7 @@ impl Worker {
                 source: HashMap::new(),
                 reserved: Vec::new(),
                 loaded: Vec::new(),
+                below: Vec::new(),
             };
             self.started += 1;
             self.shared.metrics.started();
@@ -635,20 +643,26 @@ impl Worker {
                     .reserve_write(active.request.owner, &keys, layout, WriteMode::Create, lifetime)
                     .unwrap_or_else(|_| vec![Err(KeyError::OutOfMemory); keys.len()]);
                 for (at, result) in wanted.iter().zip(results) {
-                    if result.is_ok() {
-                        active.reserved.push(*at);
+                    match result {
+                        Ok(_) => active.reserved.push(*at),
+                        // No room: read from its tier instead. A key refused for any other
+                        // reason (another writer has it in flight) trims the hit.
+                        Err(KeyError::OutOfMemory) => active.below.push(*at),
+                        Err(_) => {}
                     }
                 }
                 self.active.insert(id, active.clone());
             }
         }
-        let n = active.hit(|g, i| active.reserved.contains(&(g, i)));
+        let n =
+            active.hit(|g, i| active.reserved.contains(&(g, i)) || active.below.contains(&(g, i)));
         let needed = active.needed(n);
         let (keep, drop_now): (Vec<At>, Vec<At>) =
             active.reserved.iter().copied().partition(|at| needed.contains(at));
         self.abort(&active, &drop_now);
         active.reserved = keep;
-        active.source.retain(|at, _| active.reserved.contains(at));
+        active.below.retain(|at| needed.contains(at));
+        active.source.retain(|at, _| active.reserved.contains(at) || active.below.contains(at));
         self.unlock_all_but_sources(&mut active);
 
         // Load, tier by tier, into the reserved slots.
@@ -678,9 +692,13 @@ impl Worker {
         }
     }
 
-    /// Phase 5: lease what loaded for the hit, abort the rest, return every lock.
-    fn finalize(&mut self, id: RequestId, active: Active) {
-        let n = active.hit(|g, i| active.loaded.contains(&(g, i)));
+    /// Phase 5: lease what loaded for the hit, keep the tier locks of what stays below, abort
+    /// the rest, return every other lock.
+    fn finalize(&mut self, id: RequestId, mut active: Active) {
+        let available = |active: &Active, g: usize, i: usize| {
+            active.loaded.contains(&(g, i)) || active.below.contains(&(g, i))
+        };
+        let n = active.hit(|g, i| available(&active, g, i));
         let needed = active.needed(n);
         let to_lease: Vec<At> =
             active.loaded.iter().copied().filter(|at| needed.contains(at)).collect();
@@ -698,7 +716,7 @@ impl Worker {
             .collect();
         // A key refused here vanished (its owner disconnected): plan once more without it and
         // hand back the shares of what the smaller hit does not need.
-        let n = active.hit(|g, i| granted.contains(&(g, i)));
+        let n = active.hit(|g, i| granted.contains(&(g, i)) || active.below.contains(&(g, i)));
         let needed = active.needed(n);
         let surplus: Vec<ObjectKey> =
             granted.iter().filter(|at| !needed.contains(at)).map(|at| active.key(*at)).collect();
@@ -711,7 +729,25 @@ impl Worker {
         }
         let leased_now: Vec<At> =
             granted.iter().copied().filter(|at| needed.contains(at)).collect();
+        // The tier locks of the needed keys below pass to the outcome, one lock each; the entry
+        // is updated in the same step, so a panic after this cannot return them twice.
+        let below_now: Vec<At> =
+            active.below.iter().copied().filter(|at| needed.contains(at)).collect();
+        let mut held = Vec::with_capacity(below_now.len());
+        for at in &below_now {
+            let (key, tier) = (active.key(*at), active.source.get(at).copied().unwrap_or(0));
+            if let Some(locks) = active.locked.get_mut(tier)
+                && let Some(p) = locks.iter().position(|k| *k == key)
+            {
+                locks.swap_remove(p);
+                held.push((key, tier));
+            }
+        }
+        let below =
+            (!held.is_empty()).then(|| Arc::new(HeldBelow::new(Arc::clone(&self.router), held)));
+        self.active.insert(id, active.clone());
         self.release_everything(&active, &granted);
+        let of_hit = |at: &At| leased_now.contains(at) || below_now.contains(at);
         let leased = active
             .request
             .groups
@@ -719,9 +755,9 @@ impl Worker {
             .enumerate()
             .map(|(g, group)| (0..group.keys.len()).map(|i| leased_now.contains(&(g, i))).collect())
             .collect();
-        self.shared.metrics.finished(leased_now.len() as u64);
+        self.shared.metrics.finished((leased_now.len() + below_now.len()) as u64);
         let mut per_tier = vec![0; self.router.len()];
-        for at in &leased_now {
+        for at in leased_now.iter().chain(&below_now) {
             if let Some(tier) = active.source.get(at).and_then(|t| per_tier.get_mut(*t)) {
                 *tier += 1;
             }
@@ -733,10 +769,7 @@ impl Worker {
             .enumerate()
             .map(|(g, group)| {
                 (0..group.keys.len())
-                    .map(|i| {
-                        let at = (g, i);
-                        leased_now.contains(&at).then(|| active.source.get(&at).copied()).flatten()
-                    })
+                    .map(|i| of_hit(&(g, i)).then(|| active.source.get(&(g, i)).copied()).flatten())
                     .collect()
             })
             .collect();
@@ -748,6 +781,7 @@ impl Worker {
             started: active.started,
             per_tier,
             sources,
+            below,
         };
         self.active.remove(&id);
         self.shared.deliver(id, Ok(outcome));

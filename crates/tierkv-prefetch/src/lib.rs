@@ -8,11 +8,13 @@
 //! It does not lease L1 hits (the caller does that first: rule 4), decide what to store (the
 //! store pipeline in `tierkv-storage`), or speak to clients.
 
+mod below;
 mod controller;
 mod hit;
 mod metrics;
 mod router;
 
+pub use below::{BelowError, HeldBelow};
 pub use controller::{
     GroupRequest, PrefetchConfig, PrefetchController, PrefetchError, PrefetchRequest, Prefetched,
     RequestId,

@@ -149,6 +149,9 @@ fn simulate_online(
 /// slots of their own, taken for the request (L1 evicts, and so demotes, to make room for them,
 /// never the request's own L1 hits, which its lookup leased) and freed after it.
 ///
+/// A store larger than L1 goes in windows of half of L1, so all of it reaches the tiers below;
+/// a hit larger than L1's room is read from the tiers that hold it, the rest through L1.
+///
 /// Disk segments are not modelled: the daemon's disk evicts a segment of chunks at a time, so
 /// a daemon replay comes close to this count rather than equal to it.
 pub fn simulate_cascade(trace: &Trace, policy: PolicyKind, capacities: &[usize]) -> SimCounts {
@@ -184,25 +187,39 @@ pub fn simulate_cascade(trace: &Trace, policy: PolicyKind, capacities: &[usize])
                 }
             }
         }
-        reserved.clear();
-        for chunk in &chunks[hit..] {
-            if tiers[0].0.contains(chunk) {
-                continue;
-            }
-            if tiers[0].0.len() + reserved.len() >= tiers[0].1 {
-                match tiers[0].0.evict(1, &mut |_| true).pop() {
-                    Some(victim) => demote(&mut tiers, 1, victim),
-                    None => break,
+        // Stored in windows of half of L1 (the daemon's `store_window` with tiers below), each
+        // visible before the next is reserved, so a store larger than L1 passes its earlier
+        // windows down.
+        let window = if tiers.len() > 1 { (tiers[0].1 / 2).max(1) } else { usize::MAX };
+        'store: for part in chunks[hit..].chunks(window) {
+            reserved.clear();
+            for chunk in part {
+                if tiers[0].0.contains(chunk) {
+                    continue;
                 }
+                if tiers[0].0.len() + reserved.len() >= tiers[0].1 {
+                    match tiers[0].0.evict(1, &mut |_| true).pop() {
+                        Some(victim) => demote(&mut tiers, 1, victim),
+                        None => {
+                            finish(&mut tiers[0].0, &reserved, &mut counts);
+                            break 'store;
+                        }
+                    }
+                }
+                reserved.push(*chunk);
             }
-            reserved.push(*chunk);
-        }
-        counts.inserted += reserved.len() as u64;
-        for chunk in reserved.iter().rev() {
-            tiers[0].0.insert(*chunk);
+            finish(&mut tiers[0].0, &reserved, &mut counts);
         }
     }
     counts
+}
+
+/// Makes a store window's reserved chunks visible, leaf first (the daemon's `finish_write`).
+fn finish(l1: &mut Box<dyn EvictionPolicy<u64>>, reserved: &[u64], counts: &mut SimCounts) {
+    counts.inserted += reserved.len() as u64;
+    for chunk in reserved.iter().rev() {
+        l1.insert(*chunk);
+    }
 }
 
 /// Puts `chunk`, evicted from the tier above, into tier `at`, demoting that tier's own victim
@@ -367,6 +384,18 @@ mod tests {
         let counts = simulate_cascade(&t, PolicyKind::Lru, &[2, 2]);
         assert_eq!(counts.hit_chunks, 4);
         assert_eq!(counts.inserted, 4, "hits below L1 are not stored again");
+    }
+
+    #[test]
+    fn a_cascade_takes_a_store_larger_than_l1_in_windows_and_serves_its_whole_hit() {
+        let t = trace(&[&[1, 2, 3, 4, 5, 6, 7, 8], &[1, 2, 3, 4, 5, 6, 7, 8]]);
+        // L1 of 4 over a tier of 8: windows of 2 pass 1-4 down; the second request hits all
+        // eight, four of them read from below with L1 full of its own leased hits.
+        let counts = simulate_cascade(&t, PolicyKind::Lru, &[4, 8]);
+        assert_eq!((counts.inserted, counts.hit_chunks), (8, 8));
+        // L1 alone takes one reservation: what does not fit is refused.
+        let alone = simulate_cascade(&t, PolicyKind::Lru, &[4]);
+        assert_eq!((alone.inserted, alone.hit_chunks), (4 + 4, 4));
     }
 
     #[test]

@@ -13,14 +13,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tierkv_core::{ChunkHash, ExtraCount, KeyError, KvRank, Layout, Namespace, ObjectKey};
-use tierkv_l1::{L1Error, OwnerId, ReadAccess, Readers, WriteAccess};
-use tierkv_prefetch::PrefetchError;
+use tierkv_l1::{L1Error, OwnerId, Readers, WriteAccess};
+use tierkv_prefetch::{BelowError, PrefetchError};
 use tierkv_proto::{
     ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, PROTOCOL_VERSION,
     RefusalReason, Refused, RegionSource, ReplyBody, RequestBody, Role, SessionReport,
     StatusReport, TierReport,
 };
-use tierkv_storage::{LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
+use tierkv_storage::{HitChunk, LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
 
 use crate::kv::{KvError, RegisteredKv};
 use crate::metrics::ServerMetrics;
@@ -54,7 +54,10 @@ impl From<StorageError> for Fail {
     fn from(e: StorageError) -> Self {
         let code = match &e {
             StorageError::UnknownLookup(_) => ErrorCode::UnknownLookup,
-            StorageError::NotCovered { .. } => ErrorCode::NotInHit,
+            StorageError::NotCovered { .. } | StorageError::Below(BelowError::NotHeld) => {
+                ErrorCode::NotInHit
+            }
+            StorageError::Below(BelowError::Timeout(_)) => ErrorCode::Timeout,
             StorageError::Stopped | StorageError::Prefetch(PrefetchError::Stopped) => {
                 ErrorCode::Stopped
             }
@@ -547,6 +550,11 @@ impl Session {
         Ok(ReplyBody::BufferRegistered { buffer: (opened.buffers.len() - 1) as u32 })
     }
 
+    /// Stores a chain of chunks, root first. With lower tiers, a store larger than L1 goes in
+    /// windows (`StorageManager::store_window`): each window is made visible before the next is
+    /// reserved, so L1 can pass it down (cascade) or copy it down and free it (write-through)
+    /// while the rest arrives. A window that finds no room ends the store: the rest is refused,
+    /// so what is stored is a prefix.
     fn store(
         &mut self,
         namespace: u32,
@@ -556,69 +564,29 @@ impl Session {
         let ns = self.namespace(namespace)?;
         let source = self.buffer(buffer, chunks)?;
         let opened = self.opened();
-        let storage = &self.daemon.storage;
         let keys: Vec<ObjectKey> =
             chunks.iter().map(|c| self.key(ns, opened.rank, c.chunk)).collect();
-        let reserved = storage.reserve_write(self.owner(), &keys, &opened.layout)?;
-        let (mut present, mut refused) = (0u32, Vec::new());
-        let (mut written, mut broken) = (Vec::new(), Vec::new());
-        let mut bytes = 0u64;
-        // Device-to-device copies still in flight: their slots stay pinned until the wait.
-        let mut in_flight: Vec<(usize, WriteAccess)> = Vec::new();
-        for (i, (chunk, result)) in chunks.iter().zip(reserved).enumerate() {
-            match result {
-                Ok(_) => match self.copy_in(source, &chunk.blocks, &keys[i]) {
-                    Ok(CopiedIn::Done(n)) => {
-                        bytes += n;
-                        written.push(keys[i]);
-                    }
-                    Ok(CopiedIn::InFlight(access)) => in_flight.push((i, access)),
-                    Err(why) => {
-                        broken.push(keys[i]);
-                        refused.push(Refused {
-                            index: i as u32,
-                            reason: RefusalReason::CopyFailed,
-                            message: why,
-                        });
-                    }
-                },
-                Err(KeyError::AlreadyPresent | KeyError::WriteInFlight) => present += 1,
-                Err(e) => refused.push(refusal(i, e)),
+        let window = self.daemon.storage.store_window().max(1);
+        let mut total = StoredPart::default();
+        let mut tickets = Vec::new();
+        for start in (0..chunks.len()).step_by(window) {
+            let end = (start + window).min(chunks.len());
+            let part = self.store_part(source, &chunks[start..end], &keys[start..end], start)?;
+            total.stored += part.stored;
+            total.present += part.present;
+            total.bytes += part.bytes;
+            total.refused.extend(part.refused);
+            tickets.extend(part.ticket);
+            if part.out_of_room {
+                total
+                    .refused
+                    .extend((end..chunks.len()).map(|i| refusal(i, KeyError::OutOfMemory)));
+                break;
             }
         }
-        if !in_flight.is_empty() {
-            // One wait for the whole request; a failure fails every chunk it may have touched
-            // (aborted below: a miss, never a visible half chunk).
-            let waited = source.sync_device();
-            for (i, access) in in_flight {
-                match &waited {
-                    Ok(()) => {
-                        bytes += access.handle().len;
-                        written.push(keys[i]);
-                    }
-                    Err(e) => {
-                        broken.push(keys[i]);
-                        refused.push(Refused {
-                            index: i as u32,
-                            reason: RefusalReason::CopyFailed,
-                            message: e.to_string(),
-                        });
-                    }
-                }
-            }
-        }
-        storage.abort_write(self.owner(), &broken)?;
-        let (finished, ticket) = storage.finish_write_tracked(self.owner(), &written)?;
-        let mut stored = 0;
-        for (key, result) in written.iter().zip(finished) {
-            match result {
-                Ok(()) => stored += 1,
-                Err(e) => refused.push(refusal(keys.iter().position(|k| k == key).unwrap_or(0), e)),
-            }
-        }
-        refused.sort_by_key(|r| r.index);
+        total.refused.sort_by_key(|r| r.index);
         if let Some(opened) = &mut self.opened {
-            opened.tickets.push(ticket);
+            opened.tickets.extend(tickets);
             let settled = &mut opened.settled;
             opened.tickets.retain(|t| match t.outcome() {
                 Some(d) => {
@@ -629,8 +597,88 @@ impl Session {
                 None => true,
             });
         }
-        self.daemon.metrics.data_bytes("store", bytes);
-        Ok(ReplyBody::Stored { stored, present, refused })
+        self.daemon.metrics.data_bytes("store", total.bytes);
+        Ok(ReplyBody::Stored {
+            stored: total.stored,
+            present: total.present,
+            refused: total.refused,
+        })
+    }
+
+    /// Stores one window of a request: `chunks` with their `keys`, the first at request index
+    /// `offset`. Reserves, copies in, and makes visible what was copied whole.
+    fn store_part(
+        &self,
+        source: &RegisteredKv,
+        chunks: &[ChunkBlocks],
+        keys: &[ObjectKey],
+        offset: usize,
+    ) -> Result<StoredPart, Fail> {
+        let storage = &self.daemon.storage;
+        let opened = self.opened();
+        let reserved = storage.reserve_write(self.owner(), keys, &opened.layout)?;
+        let mut part = StoredPart::default();
+        let (mut written, mut broken) = (Vec::new(), Vec::new());
+        // Device-to-device copies still in flight: their slots stay pinned until the wait.
+        let mut in_flight: Vec<(usize, WriteAccess)> = Vec::new();
+        for (i, (chunk, result)) in chunks.iter().zip(reserved).enumerate() {
+            match result {
+                Ok(_) => match self.copy_in(source, &chunk.blocks, &keys[i]) {
+                    Ok(CopiedIn::Done(n)) => {
+                        part.bytes += n;
+                        written.push(keys[i]);
+                    }
+                    Ok(CopiedIn::InFlight(access)) => in_flight.push((i, access)),
+                    Err(why) => {
+                        broken.push(keys[i]);
+                        part.refused.push(Refused {
+                            index: (offset + i) as u32,
+                            reason: RefusalReason::CopyFailed,
+                            message: why,
+                        });
+                    }
+                },
+                Err(KeyError::AlreadyPresent | KeyError::WriteInFlight) => part.present += 1,
+                Err(e) => {
+                    part.out_of_room |= e == KeyError::OutOfMemory;
+                    part.refused.push(refusal(offset + i, e));
+                }
+            }
+        }
+        if !in_flight.is_empty() {
+            // One wait for the whole window; a failure fails every chunk it may have touched
+            // (aborted below: a miss, never a visible half chunk).
+            let waited = source.sync_device();
+            for (i, access) in in_flight {
+                match &waited {
+                    Ok(()) => {
+                        part.bytes += access.handle().len;
+                        written.push(keys[i]);
+                    }
+                    Err(e) => {
+                        broken.push(keys[i]);
+                        part.refused.push(Refused {
+                            index: (offset + i) as u32,
+                            reason: RefusalReason::CopyFailed,
+                            message: e.to_string(),
+                        });
+                    }
+                }
+            }
+        }
+        storage.abort_write(self.owner(), &broken)?;
+        let (finished, ticket) = storage.finish_write_tracked(self.owner(), &written)?;
+        for (key, result) in written.iter().zip(finished) {
+            match result {
+                Ok(()) => part.stored += 1,
+                Err(e) => {
+                    let i = keys.iter().position(|k| k == key).unwrap_or(0);
+                    part.refused.push(refusal(offset + i, e));
+                }
+            }
+        }
+        part.ticket = Some(ticket);
+        Ok(part)
     }
 
     /// Gathers the chunk at `blocks` into the reserved slot of `key`: done (the bytes copied),
@@ -805,23 +853,25 @@ impl Session {
         let (id, reader, info) = self.visible_lookup(lookup)?;
         let target = self.buffer(buffer, chunks)?;
         let storage = &self.daemon.storage;
-        // Pin every chunk before copying any: a request that names a chunk outside the hit, or
-        // comes from a reader that already returned its share, copies nothing.
-        let mut pinned: Vec<(&[u64], ReadAccess)> = Vec::with_capacity(chunks.len());
-        for c in chunks {
-            let key = self.key(info.namespace, info.rank, c.chunk);
-            let access = storage.read(id, reader, &key)?;
-            if access.handle().len != target.chunk_bytes() {
+        // Pin (or, held below L1, load) every chunk before copying any: a request that names a
+        // chunk outside the hit, or comes from a reader that already returned its share, copies
+        // nothing.
+        let keys: Vec<ObjectKey> =
+            chunks.iter().map(|c| self.key(info.namespace, info.rank, c.chunk)).collect();
+        let read = storage.read_hit(id, reader, &keys, target.chunk_bytes())?;
+        let mut pinned: Vec<(&[u64], HitChunk)> = Vec::with_capacity(chunks.len());
+        for (c, chunk) in chunks.iter().zip(read) {
+            if chunk.len() != target.chunk_bytes() {
                 return fail(
                     ErrorCode::BadBuffer,
                     format!(
                         "the chunk has {} bytes, a chunk of the buffer's layout {}",
-                        access.handle().len,
+                        chunk.len(),
                         target.chunk_bytes()
                     ),
                 );
             }
-            pinned.push((&c.blocks, access));
+            pinned.push((&c.blocks, chunk));
         }
         let bytes = scatter_all(target, &pinned)?;
         drop(pinned);
@@ -934,8 +984,8 @@ const MAX_SCATTER_THREADS: usize = 4;
 /// Scatters every pinned chunk into its blocks; returns the bytes copied. A large retrieve whose
 /// blocks are all distinct runs on several threads, each over its own chunks (distinct blocks:
 /// no two threads ever write the same bytes).
-fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result<u64, Fail> {
-    let bytes: u64 = pinned.iter().map(|(_, access)| access.handle().len).sum();
+fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<u64, Fail> {
+    let bytes: u64 = pinned.iter().map(|(_, chunk)| chunk.len()).sum();
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(MAX_SCATTER_THREADS)
@@ -964,20 +1014,23 @@ fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result
     })
 }
 
-fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Result<(), Fail> {
+fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<(), Fail> {
     let failed = |e: KvError| Fail { code: ErrorCode::Internal, message: e.to_string() };
+    let device_slot = |chunk: &HitChunk| match chunk {
+        HitChunk::L1(access) => access.device_address(),
+        HitChunk::Loaded(_) => None,
+    };
     if let (true, Some(true)) = (
         target.on_device(),
-        pinned.iter().map(|(_, a)| a.device_address().is_some()).reduce(|a, b| a && b),
+        pinned.iter().map(|(_, c)| device_slot(c).is_some()).reduce(|a, b| a && b),
     ) {
         // Device to device: every chunk enqueued, then one wait. `pinned` keeps every slot
         // leased and pinned until this returns.
-        for (blocks, access) in pinned {
-            if let Some(slot) = access.device_address() {
-                // SAFETY: the slot is leased and pinned (`access`) past the wait below: nobody
+        for (blocks, chunk) in pinned {
+            if let Some(slot) = device_slot(chunk) {
+                // SAFETY: the slot is leased and pinned (`chunk`) past the wait below: nobody
                 // writes it meanwhile.
-                if let Err(e) = unsafe { target.scatter_device(blocks, slot, access.handle().len) }
-                {
+                if let Err(e) = unsafe { target.scatter_device(blocks, slot, chunk.len()) } {
                     let _ = target.sync_device();
                     return Err(failed(e));
                 }
@@ -986,18 +1039,34 @@ fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], ReadAccess)]) -> Resul
         return target.sync_device().map_err(failed);
     }
     let mut staging = Vec::new();
-    for (blocks, access) in pinned {
-        let copied = match access.host_bytes() {
-            Some(slot) => target.scatter(blocks, slot),
-            None => {
-                staging.resize(access.handle().len as usize, 0);
-                access.read_at(0, &mut staging).map_err(StorageError::from)?;
-                target.scatter(blocks, &staging)
-            }
+    for (blocks, chunk) in pinned {
+        let copied = match chunk {
+            HitChunk::Loaded(bytes) => target.scatter(blocks, bytes),
+            HitChunk::L1(access) => match access.host_bytes() {
+                Some(slot) => target.scatter(blocks, slot),
+                None => {
+                    staging.resize(access.handle().len as usize, 0);
+                    access.read_at(0, &mut staging).map_err(StorageError::from)?;
+                    target.scatter(blocks, &staging)
+                }
+            },
         };
-        copied.map_err(|e| Fail { code: ErrorCode::Internal, message: e.to_string() })?;
+        copied.map_err(failed)?;
     }
     Ok(())
+}
+
+/// What one window of a store came to.
+#[derive(Default)]
+struct StoredPart {
+    stored: u32,
+    present: u32,
+    refused: Vec<Refused>,
+    bytes: u64,
+    /// The store pipeline's ticket for the window's chunks.
+    ticket: Option<Arc<StoreTicket>>,
+    /// A chunk found no room in L1.
+    out_of_room: bool,
 }
 
 /// What `copy_in` did with a chunk.

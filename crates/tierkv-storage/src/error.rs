@@ -4,7 +4,7 @@ use tierkv_core::ObjectKey;
 use tierkv_disk::DiskError;
 use tierkv_l1::L1Error;
 use tierkv_l2::L2Error;
-use tierkv_prefetch::PrefetchError;
+use tierkv_prefetch::{BelowError, PrefetchError};
 use tierkv_remote::RemoteError;
 
 use crate::lookup::LookupId;
@@ -30,6 +30,9 @@ pub enum StorageError {
     /// The prefetch pipeline refused or failed.
     #[error(transparent)]
     Prefetch(#[from] PrefetchError),
+    /// A chunk of the hit held in its lower tier could not be read from there.
+    #[error("a chunk held below L1: {0}")]
+    Below(#[from] BelowError),
     /// A thread could not be started.
     #[error("cannot start a storage thread: {0}")]
     Thread(#[from] std::io::Error),

@@ -18,7 +18,7 @@ mod store;
 
 pub use config::{RemoteAdmission, StorageConfig, StorePolicy};
 pub use error::StorageError;
-pub use lookup::{LookupGroup, LookupId, LookupRequest, LookupResult};
+pub use lookup::{HitChunk, LookupGroup, LookupId, LookupRequest, LookupResult};
 pub use manager::{RESERVED_OWNERS, StorageManager, StorageStatus};
 pub use metrics::LookupTotals;
 pub use store::{Durability, StoreTicket};

@@ -2,10 +2,12 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
 
 use tierkv_core::{ExtraCount, Layout, ObjectKey};
-use tierkv_l1::{LeaseId, OwnerId};
-use tierkv_prefetch::{GroupKind, RequestId};
+use tierkv_l1::{LeaseId, OwnerId, ReadAccess};
+use tierkv_prefetch::{GroupKind, HeldBelow, RequestId};
 
 /// Identifies a lookup; never reused within one manager.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,12 +68,42 @@ pub struct LookupResult {
     pub per_tier: Vec<usize>,
 }
 
+/// A chunk of a lookup's hit, ready for one reader.
+pub enum HitChunk {
+    /// In L1, pinned for the read.
+    L1(ReadAccess),
+    /// Read from the lower tier that holds it (L1 had no room for it): the chunk's bytes.
+    Loaded(Vec<u8>),
+}
+
+impl HitChunk {
+    /// Bytes in the chunk.
+    pub fn len(&self) -> u64 {
+        match self {
+            HitChunk::L1(access) => access.handle().len,
+            HitChunk::Loaded(bytes) => bytes.len() as u64,
+        }
+    }
+
+    /// Whether the chunk holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Where a lookup stands.
 pub(crate) enum Stage {
     /// Waiting for the prefetch pipeline.
     Prefetching(RequestId),
-    /// Complete: which lease holds each key of the hit.
-    Done { result: LookupResult, covered: HashMap<ObjectKey, LeaseId> },
+    /// Complete: which lease holds each key of the hit in L1; the chunks of the hit that L1 had
+    /// no room for, held in their lower tier; and when those tier locks expire (clock time), as
+    /// L1 leases do.
+    Done {
+        result: LookupResult,
+        covered: HashMap<ObjectKey, LeaseId>,
+        below: Option<Arc<HeldBelow>>,
+        expires: Duration,
+    },
     /// The prefetch failed; the L1 shares were returned.
     Failed(String),
 }

@@ -29,7 +29,7 @@ use tierkv_remote::RemoteStore;
 
 use crate::config::{RemoteAdmission, StorageConfig, StorePolicy};
 use crate::error::StorageError;
-use crate::lookup::{Lookup, LookupId, LookupRequest, LookupResult, Stage};
+use crate::lookup::{HitChunk, Lookup, LookupId, LookupRequest, LookupResult, Stage};
 use crate::metrics::{LookupTotals, StorageMetrics};
 use crate::store::{Durability, STORE_OWNER, StoreJob, StorePipeline, StoreQueue, StoreTicket};
 
@@ -119,6 +119,8 @@ pub struct StorageStatus {
 
 struct Inner {
     l1: Arc<L1Manager>,
+    /// The clock L1's lease deadlines are measured on; tier locks held for a hit expire on it too.
+    clock: Arc<dyn Clock>,
     router: Arc<TierRouter>,
     host: Option<Arc<HostStore>>,
     disk: Option<Arc<DiskStore>>,
@@ -209,7 +211,7 @@ impl StorageManager {
                 jobs.send(StoreJob::Demoted { tier: 1, items: vec![(key, bytes)] });
             }));
         }
-        let context = L1Context { clock, observer, demoter };
+        let context = L1Context { clock: Arc::clone(&clock), observer, demoter };
         let l1 = Arc::new(L1Manager::build(config.l1.clone(), context)?);
         let disk_index = tiers.iter().position(|t| t.name() == "disk");
         let remote_index = tiers
@@ -230,6 +232,7 @@ impl StorageManager {
         )?;
         let inner = Arc::new(Inner {
             l1,
+            clock,
             router,
             host,
             disk,
@@ -325,6 +328,18 @@ impl StorageManager {
             }
         }
         Ok(results)
+    }
+
+    /// The most chunks one store should reserve at a time. Without lower tiers a store is one
+    /// reservation, and what does not fit is refused. With them, a store larger than L1 goes in
+    /// windows of half of L1's slots, each finished before the next is reserved: L1 hands the
+    /// earlier windows down (demoted under cascade, copied and freed otherwise) to make room for
+    /// the later ones, so every chunk of the store reaches the tiers below.
+    pub fn store_window(&self) -> usize {
+        if self.inner.router.is_empty() {
+            return usize::MAX;
+        }
+        (self.inner.config.l1.slot_count() as usize / 2).max(1)
     }
 
     /// Pins a reserved slot for copying bytes in.
@@ -565,6 +580,68 @@ impl StorageManager {
         Ok(self.inner.l1.read_access(lease, reader, key)?)
     }
 
+    /// Pins or loads every chunk of `keys` (each `chunk_bytes` long) of a completed lookup for
+    /// `reader`, who must still hold its share; in order, all or nothing. A chunk in L1 is
+    /// pinned; a chunk L1 had no room for is read from the lower tier that holds it, under the
+    /// lookup's lock there, into a buffer of its own (a failed or late read fails the request:
+    /// a miss for the engine, never partial bytes).
+    pub fn read_hit(
+        &self,
+        id: LookupId,
+        reader: u8,
+        keys: &[ObjectKey],
+        chunk_bytes: u64,
+    ) -> Result<Vec<HitChunk>, StorageError> {
+        let (leases, below) = {
+            let lookups = self.inner.lookups.lock();
+            let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
+            let not_covered = |key: &ObjectKey| StorageError::NotCovered { lookup: id, key: *key };
+            let Stage::Done { result, covered, below, .. } = &lookup.stage else {
+                return Err(keys.first().map_or(StorageError::UnknownLookup(id), not_covered));
+            };
+            if u32::from(reader) >= result.readers {
+                return Err(StorageError::NoSuchReader {
+                    lookup: id,
+                    reader,
+                    readers: result.readers,
+                });
+            }
+            if lookup.returned & (1u128 << reader) != 0 {
+                return Err(StorageError::ShareReturned { lookup: id, reader });
+            }
+            let mut leases = Vec::with_capacity(keys.len());
+            for key in keys {
+                let lease = covered.get(key).copied();
+                if lease.is_none() && below.as_ref().is_none_or(|b| b.tier_of(key).is_none()) {
+                    return Err(not_covered(key));
+                }
+                leases.push(lease);
+            }
+            (leases, below.clone())
+        };
+        let mut chunks: Vec<Option<HitChunk>> = Vec::with_capacity(keys.len());
+        let mut from_below = Vec::new();
+        for (i, (key, lease)) in keys.iter().zip(leases).enumerate() {
+            match lease {
+                Some(lease) => {
+                    chunks.push(Some(HitChunk::L1(self.inner.l1.read_access(lease, reader, key)?)))
+                }
+                None => {
+                    from_below.push(i);
+                    chunks.push(None);
+                }
+            }
+        }
+        if let Some(held) = below.filter(|_| !from_below.is_empty()) {
+            let wanted: Vec<ObjectKey> = from_below.iter().map(|i| keys[*i]).collect();
+            let loaded = held.read(&wanted, chunk_bytes, self.inner.config.l1.lease_ttl)?;
+            for (i, bytes) in from_below.into_iter().zip(loaded) {
+                chunks[i] = Some(HitChunk::Loaded(bytes));
+            }
+        }
+        Ok(chunks.into_iter().flatten().collect())
+    }
+
     fn lease_of(&self, id: LookupId, key: &ObjectKey) -> Result<LeaseId, StorageError> {
         let lookups = self.inner.lookups.lock();
         let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
@@ -585,7 +662,7 @@ impl StorageManager {
     pub fn release(&self, id: LookupId, readers: Readers) -> Result<bool, StorageError> {
         let mut lookups = self.inner.lookups.lock();
         let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
-        let Stage::Done { covered, result } = &lookup.stage else {
+        let Stage::Done { covered, result, .. } = &lookup.stage else {
             return Err(StorageError::Invalid(format!("lookup {id} is not complete")));
         };
         let all = all_readers(result.readers);
@@ -641,7 +718,9 @@ impl StorageManager {
         let lookups = self.inner.lookups.lock();
         let lookup = lookups.get(&id)?;
         Some(match &lookup.stage {
-            Stage::Done { covered, .. } => covered.len(),
+            Stage::Done { covered, below, .. } => {
+                covered.len() + below.as_ref().map_or(0, |b| b.len())
+            }
             Stage::Prefetching(_) => lookup.request.groups.iter().map(|g| g.keys.len()).sum(),
             Stage::Failed(_) => 0,
         })
@@ -762,11 +841,20 @@ impl Inner {
         let from_below = |g: usize, i: usize| {
             prefetched.as_ref().is_some_and(|p| p.leased.get(g).is_some_and(|l| l[i]))
         };
-        let n = hit_of(request, |g, i| from_l1(g, i) || from_below(g, i));
+        // Chunks of the hit that stayed in their tier (L1 had no room): no lease, a tier lock.
+        let held_below = |g: usize, i: usize| {
+            prefetched.as_ref().is_some_and(|p| {
+                p.below.is_some()
+                    && !p.leased.get(g).is_some_and(|l| l[i])
+                    && p.sources.get(g).is_some_and(|s| s[i].is_some())
+            })
+        };
+        let n = hit_of(request, |g, i| from_l1(g, i) || from_below(g, i) || held_below(g, i));
         let n = prefetched.as_ref().map_or(n, |p| n.min(p.hit_chunks));
         let mut covered = HashMap::new();
         let mut unneeded_l1 = Vec::new();
         let mut unneeded_below = Vec::new();
+        let mut unneeded_held = Vec::new();
         let mut per_tier = vec![0usize; 1 + self.router.len()];
         let mut slowest: Vec<Option<usize>> = vec![None; n];
         // Chunks the remote tier served: admission after reads does not send them back to it.
@@ -778,9 +866,11 @@ impl Inner {
                 let tier = if needed.contains(&i) && from_l1(g, i) {
                     covered.extend(lookup.l1_lease.map(|lease| (*key, lease)));
                     Some(0)
-                } else if needed.contains(&i) && from_below(g, i) {
+                } else if needed.contains(&i) && (from_below(g, i) || held_below(g, i)) {
                     let p = prefetched.as_ref();
-                    covered.extend(p.and_then(|p| p.lease).map(|lease| (*key, lease)));
+                    if from_below(g, i) {
+                        covered.extend(p.and_then(|p| p.lease).map(|lease| (*key, lease)));
+                    }
                     let tier = 1 + p
                         .and_then(|p| p.sources.get(g)?.get(i).copied().flatten())
                         .unwrap_or(0);
@@ -794,6 +884,9 @@ impl Inner {
                     }
                     if from_below(g, i) {
                         unneeded_below.push(*key);
+                    }
+                    if held_below(g, i) {
+                        unneeded_held.push(*key);
                     }
                     None
                 };
@@ -815,6 +908,11 @@ impl Inner {
         {
             let _ = self.l1.finish_read(lease, Readers::All, Some(&unneeded_below));
         }
+        let below = prefetched.and_then(|p| p.below);
+        if let Some(held) = &below {
+            held.release(&unneeded_held);
+        }
+        let below = below.filter(|held| !held.is_empty());
         let possible = request.groups.iter().map(|g| g.keys.len()).min().unwrap_or(0);
         let hits: Vec<u64> = per_tier.iter().map(|n| *n as u64).collect();
         self.metrics.lookup(possible as u64, &hits, request.chunk_tokens);
@@ -826,7 +924,8 @@ impl Inner {
             readers,
             per_tier,
         };
-        lookup.stage = Stage::Done { result, covered };
+        let expires = self.clock.now() + self.config.l1.lease_ttl;
+        lookup.stage = Stage::Done { result, covered, below, expires };
     }
 
     /// A lookup that cannot complete: its L1 shares go back.
@@ -942,11 +1041,15 @@ impl Inner {
         // Abandoned lookups: return their prefetched leases once the prefetch is over.
         // Complete lookups whose every lease passed its deadline hold nothing any more: forget
         // them, so a session that never releases does not grow the record without bound.
+        // Tier locks of a hit held below L1 expire with the same time to live as its leases
+        // (dropping the lookup returns them).
+        let now = self.clock.now();
         self.lookups.lock().retain(|_, lookup| match &lookup.stage {
             Stage::Done { covered, .. } if !covered.is_empty() => {
                 let leases: HashSet<LeaseId> = covered.values().copied().collect();
                 leases.into_iter().any(|lease| self.l1.lease_live(lease))
             }
+            Stage::Done { below: Some(_), expires, .. } => now < *expires,
             _ => true,
         });
         let mut abandoned = self.abandoned.lock();

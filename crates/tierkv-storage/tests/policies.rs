@@ -9,7 +9,8 @@ use tierkv_core::{ExtraCount, Layout, ManualClock, ObjectKey};
 use tierkv_disk::{BLOCK, DiskStoreConfig, record_bytes};
 use tierkv_l1::{DeviceKind, L1Config, OwnerId, Presence, Readers, Watermark};
 use tierkv_l2::{HostMemory, HostStoreConfig};
-use tierkv_storage::{StorageConfig, StorageManager, StorePolicy};
+use tierkv_prefetch::BelowError;
+use tierkv_storage::{HitChunk, StorageConfig, StorageError, StorageManager, StorePolicy};
 use tierkv_testkit::contract::{keys, payload};
 
 const CHUNK: u64 = 16 << 10;
@@ -56,14 +57,24 @@ fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// The bytes of `key` of lookup `id` for reader 0, from L1 or from the tier holding it.
+fn read_bytes(s: &StorageManager, id: tierkv_storage::LookupId, key: &ObjectKey) -> Vec<u8> {
+    match s.read_hit(id, 0, std::slice::from_ref(key), CHUNK).unwrap().pop().unwrap() {
+        HitChunk::L1(access) => {
+            let mut bytes = vec![0; CHUNK as usize];
+            access.read_at(0, &mut bytes).unwrap();
+            bytes
+        }
+        HitChunk::Loaded(bytes) => bytes,
+    }
+}
+
 fn lookup_all(s: &StorageManager, keys: Vec<ObjectKey>) -> tierkv_storage::LookupResult {
     let layout = Layout::bytes(CHUNK).unwrap();
     let id = s.submit_prefetch(OWNER, keys.clone(), ExtraCount::ZERO, layout).unwrap();
     let result = s.wait(id, WAIT).unwrap();
     for k in &keys[..result.hit_chunks] {
-        let mut bytes = vec![0; CHUNK as usize];
-        s.read(id, 0, k).unwrap().read_at(0, &mut bytes).unwrap();
-        assert!(bytes == payload(k, CHUNK), "{k:?} read other bytes");
+        assert!(read_bytes(s, id, k) == payload(k, CHUNK), "{k:?} read other bytes");
     }
     s.release(id, Readers::All).unwrap();
     result
@@ -371,9 +382,10 @@ fn cascade_under_concurrent_writers_and_readers_serves_only_right_bytes_and_leak
                 let id = s.submit_prefetch(owner, chain.clone(), ExtraCount::ZERO, layout.clone());
                 let id = id.unwrap();
                 let result = s.wait(id, WAIT).unwrap();
+                // With four threads leasing chains of L1's four slots, part of a hit may find
+                // no L1 room: it is read from the tier that holds it.
                 for key in &chain[..result.hit_chunks] {
-                    let mut bytes = vec![0; CHUNK as usize];
-                    s.read(id, 0, key).unwrap().read_at(0, &mut bytes).unwrap();
+                    let bytes = read_bytes(&s, id, key);
                     assert!(bytes == payload(key, CHUNK), "{key:?} served other bytes");
                 }
                 s.release(id, Readers::All).unwrap();
@@ -390,4 +402,152 @@ fn cascade_under_concurrent_writers_and_readers_serves_only_right_bytes_and_leak
     assert!(status.tiers.iter().all(|(_, usage)| usage.locks == 0), "{status:?}");
     assert!(status.tiers[1].1.objects > 0, "L2's victims reached the disk: {status:?}");
     s.l1().audit().unwrap();
+}
+
+/// Writes `keys` as one chain the way the daemon's session does: in windows of
+/// `StorageManager::store_window`, each finished before the next is reserved.
+fn write_in_windows(s: &StorageManager, keys: &[ObjectKey]) {
+    for window in keys.chunks(s.store_window()) {
+        write(s, window);
+    }
+}
+
+#[test]
+fn a_store_larger_than_l1_goes_in_windows_and_all_of_it_reaches_the_tiers_below() {
+    for policy in [StorePolicy::Cascade, StorePolicy::WriteThrough] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StorageManager::start(tiered(4, 16, Some(&dir), policy)).unwrap();
+        assert_eq!(s.store_window(), 2, "half of L1's four slots");
+        write_in_windows(&s, &keys(0..12));
+        eventually("the pipeline is idle", || s.status().store_in_flight == 0);
+        // Every chunk of the twelve is somewhere, the whole chain is a hit, and every byte read
+        // back (from L1 or from the tier holding it) is the chunk's own.
+        assert_eq!(lookup_all(&s, keys(0..12)).hit_chunks, 12, "{policy:?}");
+        s.l1().audit().unwrap();
+    }
+    // Without lower tiers a store is one reservation: what does not fit is refused.
+    let alone = StorageManager::start(StorageConfig {
+        l2: None,
+        disk: None,
+        ..tiered(4, 16, None, StorePolicy::WriteThrough)
+    })
+    .unwrap();
+    assert_eq!(alone.store_window(), usize::MAX);
+}
+
+#[test]
+fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
+    let s = StorageManager::start(tiered(4, 16, None, StorePolicy::Cascade)).unwrap();
+    write_in_windows(&s, &keys(0..12));
+    // L1 holds the last four, L2 the first eight. The lookup leases the four (all of L1), so the
+    // eight find no L1 slot: they stay in L2, locked, and the hit is still all twelve.
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let id = s.submit_prefetch(OWNER, keys(0..12), ExtraCount::new(1).unwrap(), layout).unwrap();
+    let result = s.wait(id, WAIT).unwrap();
+    assert_eq!((result.hit_chunks, result.per_tier.clone()), (12, vec![4, 8]));
+    assert_eq!(s.status().tiers[0].1.locks, 8, "one lock per chunk held below");
+    assert_eq!(s.held_chunks(id), Some(12));
+    for reader in 0..2u8 {
+        let chunks = s.read_hit(id, reader, &keys(0..12), CHUNK).unwrap();
+        let from_l2 = chunks.iter().filter(|c| matches!(c, HitChunk::Loaded(_))).count();
+        assert_eq!(from_l2, 8);
+        for (key, chunk) in keys(0..12).iter().zip(chunks) {
+            let bytes = match chunk {
+                HitChunk::L1(access) => {
+                    let mut bytes = vec![0; CHUNK as usize];
+                    access.read_at(0, &mut bytes).unwrap();
+                    bytes
+                }
+                HitChunk::Loaded(bytes) => bytes,
+            };
+            assert!(bytes == payload(key, CHUNK), "reader {reader}: {key:?} read other bytes");
+        }
+        s.release(id, Readers::One(reader)).unwrap();
+        let locks = if reader == 0 { 8 } else { 0 };
+        assert_eq!(s.status().tiers[0].1.locks, locks, "the locks go with the last reader");
+    }
+    assert!(!s.is_open(id));
+    assert_eq!(s.status().tiers[0].1.objects, 8, "reading from L2 left the chunks there");
+    s.l1().audit().unwrap();
+}
+
+#[test]
+fn tier_locks_of_a_hit_held_below_go_back_however_the_lookup_ends() {
+    let layout = Layout::bytes(CHUNK).unwrap();
+    type End = fn(&StorageManager, tierkv_storage::LookupId, &ManualClock);
+    let ends: [(&str, End); 4] = [
+        ("released", |s, id, _| s.release_all(id).unwrap()),
+        ("owner gone", |s, _, _| {
+            s.release_owner(OWNER);
+        }),
+        ("every share", |s, id, _| assert!(s.release(id, Readers::All).unwrap())),
+        ("expired", |_, _, clock| clock.advance(Duration::from_secs(11))),
+    ];
+    for (how, end) in ends {
+        let clock = Arc::new(ManualClock::new());
+        let config = tiered(4, 16, None, StorePolicy::Cascade);
+        let s = StorageManager::start_with_clock(config, clock.clone()).unwrap();
+        write_in_windows(&s, &keys(0..12));
+        let id = s.submit_prefetch(OWNER, keys(0..12), ExtraCount::ZERO, layout.clone()).unwrap();
+        assert_eq!(s.wait(id, WAIT).unwrap().per_tier, vec![4, 8], "{how}");
+        end(&s, id, &clock);
+        eventually(how, || s.status().tiers[0].1.locks == 0 && !s.is_open(id));
+        // The chunks are still in L2, unlocked: a second lookup holds them again.
+        assert_eq!(lookup_all(&s, keys(0..12)).hit_chunks, 12, "{how}");
+        assert_eq!(s.status().tiers[0].1.locks, 0, "{how}");
+        s.l1().audit().unwrap();
+    }
+}
+
+#[test]
+fn a_read_below_that_fails_or_hangs_is_an_error_never_bytes_and_the_locks_go_back() {
+    let tier = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
+    for key in keys(0..4) {
+        tier.insert(key, payload(&key, CHUNK));
+    }
+    let config = StorageConfig {
+        l2: None,
+        disk: None,
+        l1: L1Config {
+            device: DeviceKind::Emulated,
+            lease_ttl: Duration::from_secs(1),
+            watermark: Watermark { high: 1.0, low: 1.0 },
+            ..L1Config::new(2 * CHUNK, CHUNK)
+        },
+        ..tiered(2, 2, None, StorePolicy::Cascade)
+    };
+    let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![tier.clone()];
+    let s =
+        StorageManager::start_with_tiers(config, Arc::new(tierkv_core::SystemClock::new()), tiers)
+            .unwrap();
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let id = s.submit_prefetch(OWNER, keys(0..4), ExtraCount::ZERO, layout).unwrap();
+    // Two chunks load into L1's two slots; the other two stay in the tier.
+    assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 4);
+    tier.fail_loads_of(&[key_of(3)]);
+    let failed = s.read_hit(id, 0, &keys(0..4), CHUNK);
+    assert!(
+        matches!(failed, Err(StorageError::Below(BelowError::LoadFailed { tier: 0 }))),
+        "a failed load is an error for the whole read"
+    );
+    // What did not fail is still readable, and right.
+    let chunks = s.read_hit(id, 0, &keys(0..3), CHUNK).unwrap();
+    assert!(matches!(&chunks[2], HitChunk::Loaded(bytes) if *bytes == payload(&key_of(2), CHUNK)));
+    drop(chunks);
+    // A tier that does not answer: the read gives up after the lease's time to live.
+    tier.hold_loads();
+    let hung = s.read_hit(id, 0, &keys(2..3), CHUNK);
+    assert!(matches!(hung, Err(StorageError::Below(BelowError::Timeout(_)))), "{:?}", hung.err());
+    tier.release_held();
+    // Meanwhile the lookup's L1 lease may have passed its deadline too, which ends the lookup.
+    match s.release_all(id) {
+        Ok(()) | Err(StorageError::UnknownLookup(_)) => {}
+        Err(e) => panic!("{e}"),
+    }
+    eventually("the tier locks went back", || s.status().tiers[0].1.locks == 0);
+    s.l1().audit().unwrap();
+}
+
+fn key_of(n: u64) -> ObjectKey {
+    keys(n..n + 1)[0]
 }

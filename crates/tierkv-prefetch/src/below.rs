@@ -1,0 +1,209 @@
+//! The part of a hit that L1 had no room for: chunks left in their lower tier, locked there, and
+//! read straight from it when a reader asks for them.
+//!
+//! A prefetch promotes a hit's lower-tier chunks into temporary L1 slots. When L1 cannot give
+//! every one of them a slot (the hit is larger than L1, or L1 is full of leased chunks), the rest
+//! stay where they are, under the tier lock the lookup took, and [`HeldBelow`] owns those locks:
+//! each is returned exactly once, by [`HeldBelow::release`] or when the last handle is dropped.
+//! A read copies the chunk from its tier into a buffer of the reader's own; a read that fails or
+//! runs out of time is an error for that reader (a miss and a recompute for the engine), never
+//! partial bytes.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::unbounded;
+use parking_lot::Mutex;
+use tierkv_core::{BufferError, ChunkSink, Completion, LoadItem, ObjectKey};
+
+use crate::router::TierRouter;
+
+/// Why chunks held below L1 could not be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BelowError {
+    /// The key is not one this hit holds below L1 (or its lock was already returned).
+    #[error("the chunk is not held below L1 for this lookup")]
+    NotHeld,
+    /// The tier did not load the chunk whole.
+    #[error("tier {tier} could not load the chunk")]
+    LoadFailed {
+        /// The tier (index, fastest first).
+        tier: usize,
+    },
+    /// The tier did not answer in time.
+    #[error("the lower tiers did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Chunks of one hit held in their lower tiers, each under one tier lock.
+pub struct HeldBelow {
+    router: Arc<TierRouter>,
+    /// Each held key and its tier (index, fastest first); a key leaves when its lock goes back.
+    held: Mutex<Vec<(ObjectKey, usize)>>,
+}
+
+impl HeldBelow {
+    /// Takes over one tier lock per entry of `held`.
+    pub(crate) fn new(router: Arc<TierRouter>, held: Vec<(ObjectKey, usize)>) -> Self {
+        HeldBelow { router, held: Mutex::new(held) }
+    }
+
+    /// The tier holding `key` for this hit, if it still does.
+    pub fn tier_of(&self, key: &ObjectKey) -> Option<usize> {
+        self.held.lock().iter().find(|(k, _)| k == key).map(|(_, tier)| *tier)
+    }
+
+    /// How many chunks are held.
+    pub fn len(&self) -> usize {
+        self.held.lock().len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.lock().is_empty()
+    }
+
+    /// Returns the locks of `keys` (those still held); the others stay held.
+    pub fn release(&self, keys: &[ObjectKey]) {
+        let mut returned = Vec::new();
+        self.held.lock().retain(|(key, tier)| {
+            let going = keys.contains(key);
+            if going {
+                returned.push((*key, *tier));
+            }
+            !going
+        });
+        self.unlock(returned);
+    }
+
+    /// Copies every chunk of `keys` (each `chunk_bytes` long) out of its tier, in order. All or
+    /// nothing: any chunk not held, not loaded whole, or not loaded by `timeout` fails the read.
+    pub fn read(
+        &self,
+        keys: &[ObjectKey],
+        chunk_bytes: u64,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, BelowError> {
+        let deadline = Instant::now() + timeout;
+        let tiers: Vec<usize> = keys
+            .iter()
+            .map(|k| self.tier_of(k).ok_or(BelowError::NotHeld))
+            .collect::<Result<_, _>>()?;
+        let landed: Arc<Mutex<Vec<Option<Vec<u8>>>>> = Arc::new(Mutex::new(vec![None; keys.len()]));
+        let (reply, answers) = unbounded();
+        let mut waiting = Vec::new();
+        for tier in 0..self.router.len() {
+            let items: Vec<LoadItem> = (0..keys.len())
+                .filter(|i| tiers[*i] == tier)
+                .map(|i| LoadItem {
+                    key: keys[i],
+                    sink: Box::new(Landing::new(chunk_bytes, i, Arc::clone(&landed))),
+                })
+                .collect();
+            if items.is_empty() {
+                continue;
+            }
+            let task = self.router.submit(tier, &reply, |t| t.submit_load(items));
+            waiting.push((tier, task.ok_or(BelowError::LoadFailed { tier })?));
+        }
+        for _ in 0..waiting.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let event = answers.recv_timeout(left).map_err(|_| BelowError::Timeout(timeout))?;
+            let Completion::Loaded { loaded, sinks, .. } = event.completion else {
+                return Err(BelowError::LoadFailed { tier: event.tier });
+            };
+            // Every sink hands its bytes over as it is dropped; only whole loads count.
+            let whole = loaded.count_ones() == sinks.len();
+            drop(sinks);
+            if !whole {
+                return Err(BelowError::LoadFailed { tier: event.tier });
+            }
+        }
+        let mut landed = landed.lock();
+        landed
+            .iter_mut()
+            .enumerate()
+            .map(|(i, bytes)| bytes.take().ok_or(BelowError::LoadFailed { tier: tiers[i] }))
+            .collect()
+    }
+
+    fn unlock(&self, keys: Vec<(ObjectKey, usize)>) {
+        for tier in 0..self.router.len() {
+            let mine: Vec<ObjectKey> =
+                keys.iter().filter(|(_, t)| *t == tier).map(|(k, _)| *k).collect();
+            if let (Some(adapter), false) = (self.router.tier(tier), mine.is_empty()) {
+                adapter.unlock(&mine);
+            }
+        }
+    }
+}
+
+impl Drop for HeldBelow {
+    fn drop(&mut self) {
+        let rest = std::mem::take(&mut *self.held.lock());
+        self.unlock(rest);
+    }
+}
+
+impl fmt::Debug for HeldBelow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldBelow").field("held", &*self.held.lock()).finish()
+    }
+}
+
+impl PartialEq for HeldBelow {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(self, other) || *self.held.lock() == *other.held.lock()
+    }
+}
+
+impl Eq for HeldBelow {}
+
+/// A load's buffer that hands its bytes to the reader's table when the tier gives it back.
+struct Landing {
+    bytes: Vec<u8>,
+    index: usize,
+    written: bool,
+    table: Arc<Mutex<Vec<Option<Vec<u8>>>>>,
+}
+
+impl Landing {
+    fn new(len: u64, index: usize, table: Arc<Mutex<Vec<Option<Vec<u8>>>>>) -> Self {
+        Landing { bytes: vec![0; len as usize], index, written: false, table }
+    }
+}
+
+impl ChunkSink for Landing {
+    fn len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    fn copy_from_host(&mut self, src: &[u8]) -> Result<(), BufferError> {
+        if src.len() != self.bytes.len() {
+            return Err(BufferError::LengthMismatch {
+                buffer: self.bytes.len() as u64,
+                copy: src.len() as u64,
+            });
+        }
+        self.bytes.copy_from_slice(src);
+        self.written = true;
+        Ok(())
+    }
+
+    fn host_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        // A tier may write in place; whether the load was whole is the completion's to say.
+        self.written = true;
+        Some(&mut self.bytes)
+    }
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        if self.written
+            && let Some(slot) = self.table.lock().get_mut(self.index)
+        {
+            *slot = Some(std::mem::take(&mut self.bytes));
+        }
+    }
+}
