@@ -705,6 +705,7 @@ def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
             f" x raw D2H  (target {TARGET_HOST})",
         )
         print("  fragmented chunks: every byte verified")
+        sessions.append(connector_check(torch, daemon, gpu))
         if daemon.proc.poll() is not None:
             fail(f"the daemon exited ({daemon.proc.returncode}) during the check")
         return report
@@ -720,6 +721,55 @@ def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
         daemon.stop()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def connector_check(torch, daemon: Daemon, gpu: bool) -> Session:
+    """The vLLM connector's own registration of the engine's KV, where it is: per-layer tensors
+    shaped as vLLM's FlashAttention backend allocates them, ``(2, blocks, block_tokens, kv_heads,
+    head_dim)``, exported by ``tierkv.vllm.memory.export_device_kv`` on a GPU (one CUDA IPC
+    region per allocation behind them) or moved into a memfd on CPU (the dry run); then chunks
+    stored, the blocks zeroed, and every byte retrieved and compared."""
+    from tierkv.vllm.memory import export_device_kv, move_to_memfd
+
+    layers, blocks, per_chunk = 4, 64, 8
+    shape = (2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
+    dev = torch.device("cuda" if gpu else "cpu")
+    kv = {
+        f"model.layers.{i}.self_attn.attn": torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        for i in range(layers)
+    }
+    if gpu:
+        exported = export_device_kv(kv, blocks, per_chunk)
+        regions = [(region, None) for region in exported.regions]
+        layout, chunk_bytes = exported.layout, exported.chunk_bytes()
+    else:
+        moved = move_to_memfd(kv, blocks, per_chunk)
+        regions = [(moved.region, moved.fd)]
+        layout, chunk_bytes = moved.layout, moved.chunk_bytes()
+    s = Session(daemon, chunk_bytes, regions, layout, "vllm")
+    for t in kv.values():
+        t.view(torch.int16).random_(-(1 << 15), 1 << 15)
+    # Compared as int16: random bits make bfloat16 NaNs, which never equal themselves.
+    reference = {name: t.view(torch.int16).clone() for name, t in kv.items()}
+    # Every other chunk's blocks backwards, so blocks of a chunk are not neighbours.
+    chunks = [
+        (0x3000 + c, [blocks - 1 - (c * per_chunk + j) for j in range(per_chunk)])
+        for c in range(blocks // per_chunk)
+    ]
+    if gpu:
+        torch.cuda.synchronize()
+    s.store(chunks)
+    for t in kv.values():
+        t.zero_()
+    if gpu:
+        torch.cuda.synchronize()
+    s.load(chunks, None)
+    for name, t in kv.items():
+        if not torch.equal(t.view(torch.int16), reference[name]):
+            fail(f"vLLM-shaped KV ({name}): bytes differ after store and retrieve")
+    where = f"{len(regions)} CUDA IPC region(s)" if gpu else "a memfd"
+    print(f"  vLLM-shaped KV of {layers} layers in {where}: every byte verified")
+    return s
 
 
 def main() -> int:

@@ -248,7 +248,7 @@ pub enum RequestBody {
     Hello(Hello),
     /// Registers a KV buffer: its memory regions (memfds ride on this frame) and their layout.
     RegisterKv {
-        /// The regions, 1..=8.
+        /// The regions, 1..=256, of which at most 8 memfd regions.
         regions: Vec<RegionSource>,
         /// How chunks lie in them; a chunk must be the session's `chunk_bytes`.
         layout: KvLayout,

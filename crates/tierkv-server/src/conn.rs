@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpStream, UnixStream};
 
 /// Descriptors a connection may have waiting at once.
-const MAX_QUEUED_FDS: usize = crate::kv::MAX_REGIONS;
+const MAX_QUEUED_FDS: usize = crate::kv::MAX_MEMFD_REGIONS;
 /// Bytes read per call at least.
 const READ_CHUNK: usize = 64 << 10;
 

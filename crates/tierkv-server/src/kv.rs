@@ -26,8 +26,12 @@ use tierkv_proto::{KvLayout, RegionSource};
 
 use crate::cuda_ipc::{CudaIpcError, CudaRegion, Side};
 
-/// Regions one registration may carry (their descriptors ride on one `sendmsg`).
-pub const MAX_REGIONS: usize = 8;
+/// Regions one registration may carry: a CUDA IPC region per allocation behind an engine's KV
+/// tensors (vLLM allocates one per layer).
+pub const MAX_REGIONS: usize = 256;
+
+/// Memfd regions one registration may carry (their descriptors ride on one `sendmsg`).
+pub const MAX_MEMFD_REGIONS: usize = 8;
 
 /// Why a registration or a copy was refused.
 #[derive(Debug, thiserror::Error)]
@@ -88,12 +92,16 @@ impl RegisteredKv {
         regions: &[RegionSource],
         descriptor: &mut dyn FnMut() -> Option<OwnedFd>,
     ) -> Vec<Option<OwnedFd>> {
+        let mut memfds = 0;
         regions
             .iter()
             .take(MAX_REGIONS)
             .map(|region| match region {
-                RegionSource::Memfd { .. } => descriptor(),
-                RegionSource::CudaIpc { .. } => None,
+                RegionSource::Memfd { .. } if memfds < MAX_MEMFD_REGIONS => {
+                    memfds += 1;
+                    descriptor()
+                }
+                RegionSource::Memfd { .. } | RegionSource::CudaIpc { .. } => None,
             })
             .collect()
     }
@@ -112,6 +120,13 @@ impl RegisteredKv {
             return shape(format!(
                 "a registration has 1..={MAX_REGIONS} regions, not {}",
                 regions.len()
+            ));
+        }
+        let memfds = regions.iter().filter(|r| matches!(r, RegionSource::Memfd { .. })).count();
+        if memfds > MAX_MEMFD_REGIONS {
+            return shape(format!(
+                "a registration has at most {MAX_MEMFD_REGIONS} memfd regions (their descriptors \
+                 ride on one sendmsg), not {memfds}"
             ));
         }
         if layout.segments.is_empty() || layout.blocks == 0 || layout.blocks_per_chunk == 0 {
@@ -512,6 +527,39 @@ mod tests {
         bad_region.segments[0].region = 1;
         let err = register(&shared, &bad_region, 64).err().unwrap();
         assert!(err.to_string().contains("names region 1"), "{err}");
+    }
+
+    #[test]
+    fn a_registration_takes_many_device_regions_but_few_memfds() {
+        let cuda = RegionSource::CudaIpc {
+            handle: vec![0; 64],
+            device: "0000:00:00.0".into(),
+            bytes: 256,
+        };
+        let memfd_region = RegionSource::Memfd { bytes: 256 };
+        let l = layout(4, 64, 64, 1, &[0]);
+        let refusal = |regions: &[RegionSource]| {
+            let mut one = || None;
+            let fds = RegisteredKv::take_descriptors(regions, &mut one);
+            RegisteredKv::map(regions, fds, &l, 64).err().unwrap().to_string()
+        };
+        // Nine memfds do not ride on one sendmsg; 257 regions of any kind are too many.
+        let nine = vec![memfd_region; MAX_MEMFD_REGIONS + 1];
+        assert!(refusal(&nine).contains("at most 8 memfd regions"), "{}", refusal(&nine));
+        let too_many = vec![cuda.clone(); MAX_REGIONS + 1];
+        assert!(refusal(&too_many).contains("1..=256 regions"), "{}", refusal(&too_many));
+        // A layer per region, as vLLM allocates KV on a GPU: past the count check, refused only
+        // where no CUDA driver is (here) or for the handles of this test.
+        let per_layer = vec![cuda; 64];
+        assert!(refusal(&per_layer).contains("cuda_ipc region 0"), "{}", refusal(&per_layer));
+        // Descriptors are taken for the memfd regions only, at most eight.
+        let mut taken = 0;
+        let mut count = || {
+            taken += 1;
+            None
+        };
+        RegisteredKv::take_descriptors(&nine, &mut count);
+        assert_eq!(taken, MAX_MEMFD_REGIONS);
     }
 
     #[test]

@@ -16,4 +16,4 @@ pub mod metrics;
 pub mod session;
 
 pub use cuda_ipc::CudaIpcError;
-pub use kv::{KvError, MAX_REGIONS, RegisteredKv};
+pub use kv::{KvError, MAX_MEMFD_REGIONS, MAX_REGIONS, RegisteredKv};

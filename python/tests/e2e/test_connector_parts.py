@@ -1,8 +1,10 @@
 """The connector's parts that need no engine: settings, chunk naming, the memfd move, the
-reconnecting link."""
+device export's refusals and region layout, the reconnecting link."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from harness import start_daemon
 from tierkv import wire
 from tierkv.hashing import prefix_hashes
 from tierkv.vllm.link import Link, Unavailable
-from tierkv.vllm.memory import LayoutError, move_to_memfd
+from tierkv.vllm.memory import LayoutError, _layout, export_device_kv, move_to_memfd
 from tierkv.vllm.plan import Settings
 from tierkv.vllm.scheduler import chunk_ids
 
@@ -75,6 +77,43 @@ def test_tensors_the_layout_cannot_describe_are_refused() -> None:
             num_blocks=6,
             blocks_per_chunk=1,
         )
+
+
+def test_the_device_export_takes_only_gpu_tensors_and_lays_blocks_out_by_region() -> None:
+    with pytest.raises(LayoutError, match="on one GPU"):
+        export_device_kv({"l.0.x": torch.zeros(6, 4)}, num_blocks=6, blocks_per_chunk=1)
+    with pytest.raises(LayoutError, match="export_device_kv"):
+        move_to_memfd({"l.0.x": torch.zeros(6, 4, device="meta")}, 6, 1)
+    # Two layers in two allocations (two regions) and a third inside the first: each plane is
+    # described by the region that holds it and its offset there, in layer order.
+    first, second = torch.zeros(2, 2, 6, 4), torch.zeros(2, 6, 4)
+    layers = {
+        "model.layers.0.attn": first[0],
+        "model.layers.1.attn": second,
+        "model.layers.2.attn": first[1],
+    }
+    spans = [(first.data_ptr(), first.nbytes), (second.data_ptr(), second.nbytes)]
+
+    def locate(ptr: int) -> tuple[int, int]:
+        region = next(i for i, (base, size) in enumerate(spans) if base <= ptr < base + size)
+        return region, ptr - spans[region][0]
+
+    layout = _layout(list(layers.values()), 6, 2, locate)
+    plane = 6 * 4 * 4
+    assert [(s.region, s.offset) for s in layout.segments] == [
+        (0, 0),
+        (0, plane),
+        (1, 0),
+        (1, plane),
+        (0, 2 * plane),
+        (0, 3 * plane),
+    ]
+
+
+def test_the_memory_module_imports_without_vllm() -> None:
+    # The GPU check imports it on machines that have torch and no vLLM.
+    code = "import sys, tierkv.vllm.memory; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_a_link_replaces_a_closed_connection_at_once_and_backs_off_from_a_hung_daemon(

@@ -1,4 +1,5 @@
-"""The engine's KV memory, moved into one sealed memfd the daemon maps.
+"""The engine's KV memory, shared with the daemon: on CPU moved into one sealed memfd the daemon
+maps, on a GPU exported by CUDA IPC where it is.
 
 vLLM allocates its paged KV cache as ordinary host memory on CPU. To let the daemon copy between
 the engine's blocks and its own tiers with no staging copy, the worker side moves every backing
@@ -7,6 +8,12 @@ and re-points every tensor that viewed the old storage (the tensors handed to th
 attention layers' bound views, the model runner's list) at the same bytes in the memfd. From
 then on the engine's blocks *are* shared memory; the daemon gathers a chunk from every layer and
 scatters it back itself.
+
+KV tensors on a GPU stay where vLLM allocated them: :func:`export_device_kv` exports each
+``cudaMalloc`` allocation behind them as a CUDA IPC region (``tierkv.cuda``), which the daemon
+opens once per session, and describes the blocks by region and offset. The daemon then gathers
+and scatters on the device with its own streams. Memory PyTorch allocated with expandable
+segments cannot be exported; the error says so before the daemon is asked.
 
 The layout the daemon is told: one segment per layer (two where K and V are separate planes),
 each an array of ``num_blocks`` equal blocks ``block_stride`` bytes apart. Layers are ordered by
@@ -19,13 +26,13 @@ import gc
 import mmap
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from tierkv.shm import sealed_memfd
-from tierkv.wire import KvLayout, MemfdRegion, Segment
+from tierkv.wire import CudaIpcRegion, KvLayout, MemfdRegion, Segment
 
 _PAGE = 4096
 
@@ -58,6 +65,18 @@ class KvMemory:
         return self.base() <= start < self.base() + self.nbytes
 
 
+@dataclass
+class DeviceKv:
+    """KV tensors in GPU memory, exported for the daemon: one CUDA IPC region per allocation
+    behind them, and the layout of the KV blocks over those regions."""
+
+    regions: list[CudaIpcRegion]
+    layout: KvLayout
+
+    def chunk_bytes(self) -> int:
+        return len(self.layout.segments) * self.layout.blocks_per_chunk * self.layout.block_bytes
+
+
 def _address(mapping: mmap.mmap) -> int:
     return torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
 
@@ -80,14 +99,9 @@ def move_to_memfd(
     must end up inside the memfd, or the move is refused, since bytes the daemon writes where the
     engine does not read would be silently wrong KV.
     """
-    tensors = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
-    if not tensors:
-        raise LayoutError("the engine registered no KV tensors")
+    tensors = _ordered(kv_caches)
     if any(t.device.type != "cpu" for t in tensors):
-        raise LayoutError(
-            "KV tensors on a GPU need the CUDA IPC path (register_kv with cuda_ipc regions), "
-            "which this daemon does not offer yet"
-        )
+        raise LayoutError("KV tensors on a GPU are exported where they are (export_device_kv)")
     storages: dict[int, torch.UntypedStorage] = {}
     for t in tensors:
         storage = t.untyped_storage()
@@ -111,11 +125,12 @@ def move_to_memfd(
         view.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
         replacements[ptr] = view.untyped_storage()
     _repoint(replacements)
+    base = _address(mapping)
     memory = KvMemory(
         fd=fd,
         nbytes=total,
         mapping=mapping,
-        layout=_layout(tensors, num_blocks, blocks_per_chunk, _address(mapping)),
+        layout=_layout(tensors, num_blocks, blocks_per_chunk, lambda ptr: (0, ptr - base)),
     )
     for view in [*tensors, *bound_views]:
         if view.numel() and not memory.contains(view):
@@ -124,6 +139,44 @@ def move_to_memfd(
                 "loads would land where the engine does not read"
             )
     return memory
+
+
+def export_device_kv(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int
+) -> DeviceKv:
+    """Exports the GPU allocations behind ``kv_caches`` by CUDA IPC, where they are, and
+    describes the KV blocks over them. Every tensor must be on the same device; the CUDA
+    context of that device must be current (any torch work on it makes it so)."""
+    from tierkv.cuda import ipc_region
+
+    tensors = _ordered(kv_caches)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise LayoutError(
+            f"export_device_kv takes KV tensors on one GPU; they are on {sorted(map(str, devices))}"
+        )
+    ordinal = next(iter(devices)).index or 0
+    regions: list[CudaIpcRegion] = []
+    bases: list[int] = []
+
+    def locate(ptr: int) -> tuple[int, int]:
+        for i, (base, region) in enumerate(zip(bases, regions, strict=True)):
+            if base <= ptr < base + region.bytes:
+                return i, ptr - base
+        region, offset = ipc_region(ptr, ordinal)
+        regions.append(region)
+        bases.append(ptr - offset)
+        return len(regions) - 1, offset
+
+    layout = _layout(tensors, num_blocks, blocks_per_chunk, locate)
+    return DeviceKv(regions=regions, layout=layout)
+
+
+def _ordered(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    tensors = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+    if not tensors:
+        raise LayoutError("the engine registered no KV tensors")
+    return tensors
 
 
 def _repoint(replacements: Mapping[int, torch.UntypedStorage]) -> None:
@@ -143,8 +196,13 @@ def _repoint(replacements: Mapping[int, torch.UntypedStorage]) -> None:
 
 
 def _layout(
-    tensors: list[torch.Tensor], num_blocks: int, blocks_per_chunk: int, base: int
+    tensors: list[torch.Tensor],
+    num_blocks: int,
+    blocks_per_chunk: int,
+    locate: Callable[[int], tuple[int, int]],
 ) -> KvLayout:
+    """The layout of the KV blocks of ``tensors``; ``locate`` maps an address to its region and
+    the offset in it."""
     segments: list[Segment] = []
     seen: set[int] = set()
     shape: tuple[int, int] | None = None
@@ -172,7 +230,8 @@ def _layout(
                     "hybrid caches are not supported yet"
                 )
             shape = this
-            segments.append(Segment(region=0, offset=plane.data_ptr() - base))
+            region, offset = locate(plane.data_ptr())
+            segments.append(Segment(region=region, offset=offset))
     assert shape is not None
     block_bytes, block_stride = shape
     return KvLayout(

@@ -3,7 +3,10 @@ forward pass, stores after it.
 
 Both run synchronously inside vLLM's step, so no block is read or written by the daemon while
 vLLM could reuse it: a load has finished before the forward pass reads its blocks, and a store
-has finished before the step ends and the scheduler may free the request's blocks. A load that
+has finished before the step ends and the scheduler may free the request's blocks. KV on a GPU is
+exported by CUDA IPC (``export_device_kv``); the daemon's copies of a retrieve are complete when
+its reply arrives, and before a store the worker waits for the engine's stream, whose kernels
+may still be writing the blocks. A load that
 fails for any reason reports its blocks through ``get_block_ids_with_load_errors``, and vLLM
 recomputes them (``kv_load_failure_policy="recompute"``); a failed store is only a future miss.
 """
@@ -19,7 +22,7 @@ from tierkv import wire
 from tierkv.client import Client
 from tierkv.errors import DaemonError
 from tierkv.vllm.link import Link, Unavailable
-from tierkv.vllm.memory import KvMemory, move_to_memfd
+from tierkv.vllm.memory import DeviceKv, KvMemory, export_device_kv, move_to_memfd
 from tierkv.vllm.plan import Settings, TierKVMetadata
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,7 @@ class WorkerSide:
         self.tp_size = tp_size
         self.mla = mla
         self.num_blocks = num_blocks
-        self.memory: KvMemory | None = None
+        self.memory: KvMemory | DeviceKv | None = None
         self.link: Link | None = None
         self.buffer = 0
         self.load_errors: set[int] = set()
@@ -55,9 +58,12 @@ class WorkerSide:
     def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], bound_views: Iterable[torch.Tensor] = ()
     ) -> None:
-        self.memory = move_to_memfd(
-            kv_caches, self.num_blocks, self.settings.chunk_blocks, bound_views
-        )
+        if any(t.device.type == "cuda" for t in kv_caches.values()):
+            self.memory = export_device_kv(kv_caches, self.num_blocks, self.settings.chunk_blocks)
+        else:
+            self.memory = move_to_memfd(
+                kv_caches, self.num_blocks, self.settings.chunk_blocks, bound_views
+            )
         hello = wire.hello(
             rank=self.rank,
             tp_size=self.tp_size,
@@ -74,16 +80,26 @@ class WorkerSide:
             self.settings.retry_s,
             on_connect=self._register,
         )
+        where = (
+            f"{len(self.memory.regions)} CUDA IPC regions"
+            if isinstance(self.memory, DeviceKv)
+            else f"a {self.memory.nbytes}-byte memfd"
+        )
         log.info(
-            "tierkv: KV of %d layers in a %d-byte memfd, %d-byte chunks",
+            "tierkv: KV of %d segments in %s, %d-byte chunks",
             len(self.memory.layout.segments),
-            self.memory.nbytes,
+            where,
             self.memory.chunk_bytes(),
         )
 
     def _register(self, client: Client) -> None:
-        assert self.memory is not None
-        self.buffer = client.register_kv([(self.memory.region, self.memory.fd)], self.memory.layout)
+        memory = self.memory
+        assert memory is not None
+        if isinstance(memory, DeviceKv):
+            regions = [(region, None) for region in memory.regions]
+            self.buffer = client.register_kv(regions, memory.layout)
+        else:
+            self.buffer = client.register_kv([(memory.region, memory.fd)], memory.layout)
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
         for op in meta.loads:
@@ -108,6 +124,10 @@ class WorkerSide:
     def wait_for_save(self, meta: TierKVMetadata) -> None:
         if self.link is None:
             return
+        if meta.stores and isinstance(self.memory, DeviceKv):
+            # The daemon reads the blocks when the store arrives: the engine's kernels that
+            # write them must have finished.
+            torch.cuda.current_stream().synchronize()
         for op in meta.stores:
             try:
                 stored = self.link.call(lambda c, op=op: c.store(0, self.buffer, op.chunks))
