@@ -915,7 +915,8 @@ impl Inner {
         let below = below.filter(|held| !held.is_empty());
         let possible = request.groups.iter().map(|g| g.keys.len()).min().unwrap_or(0);
         let hits: Vec<u64> = per_tier.iter().map(|n| *n as u64).collect();
-        self.metrics.lookup(possible as u64, &hits, request.chunk_tokens);
+        let held = below.as_ref().map_or(0, |b| b.len() as u64);
+        self.metrics.lookup(possible as u64, &hits, held, request.chunk_tokens);
         self.count_reads(covered.keys().copied(), &from_remote);
         let readers = request.extra.readers();
         let result = LookupResult {

@@ -26,6 +26,7 @@ pub(crate) struct StorageMetrics {
     requested_tokens: Counter,
     hit_chunks: Vec<(String, Counter)>,
     hit_tokens: Vec<(String, Counter)>,
+    held_below: Counter,
     store_chunks: Counter,
     store_failures: Vec<(String, Counter)>,
     store_panics: Counter,
@@ -59,6 +60,12 @@ impl StorageMetrics {
             "Tokens of lookup hits, by the tier that served them."
         );
         describe_counter!(
+            "tierkv_lookup_held_below_l1_chunks_total",
+            Unit::Count,
+            "Chunks of lookup hits L1 had no room for, read from their lower tier by each reader \
+             (a steady rate says L1 is small for the hits)."
+        );
+        describe_counter!(
             "tierkv_store_chunks_total",
             Unit::Count,
             "Chunks submitted by the store pipeline to a lower tier."
@@ -74,6 +81,7 @@ impl StorageMetrics {
             requested_tokens: counter!("tierkv_lookup_requested_tokens_total"),
             hit_chunks: per_tier("tierkv_lookup_hit_chunks_total"),
             hit_tokens: per_tier("tierkv_lookup_hit_tokens_total"),
+            held_below: counter!("tierkv_lookup_held_below_l1_chunks_total"),
             store_chunks: counter!("tierkv_store_chunks_total"),
             store_failures: tiers
                 .iter()
@@ -90,9 +98,11 @@ impl StorageMetrics {
         }
     }
 
-    /// A lookup completed: `hits[t]` chunks came from tier `t` (0 = L1).
-    pub(crate) fn lookup(&self, requested: u64, hits: &[u64], chunk_tokens: u64) {
+    /// A lookup completed: `hits[t]` chunks came from tier `t` (0 = L1), `held_below` of them
+    /// stay in their tier for want of L1 room.
+    pub(crate) fn lookup(&self, requested: u64, hits: &[u64], held_below: u64, chunk_tokens: u64) {
         self.lookups.increment(1);
+        self.held_below.increment(held_below);
         self.requested_chunks.increment(requested);
         self.requested_tokens.increment(requested * chunk_tokens);
         for ((_, chunks), ((_, tokens), n)) in

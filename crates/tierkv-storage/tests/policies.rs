@@ -437,7 +437,12 @@ fn a_store_larger_than_l1_goes_in_windows_and_all_of_it_reaches_the_tiers_below(
 
 #[test]
 fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
-    let s = StorageManager::start(tiered(4, 16, None, StorePolicy::Cascade)).unwrap();
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let s = metrics::with_local_recorder(&recorder, || {
+        StorageManager::start(tiered(4, 16, None, StorePolicy::Cascade))
+    })
+    .unwrap();
     write_in_windows(&s, &keys(0..12));
     // L1 holds the last four, L2 the first eight. The lookup leases the four (all of L1), so the
     // eight find no L1 slot: they stay in L2, locked, and the hit is still all twelve.
@@ -468,6 +473,14 @@ fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
     }
     assert!(!s.is_open(id));
     assert_eq!(s.status().tiers[0].1.objects, 8, "reading from L2 left the chunks there");
+    let held: u64 = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(k, ..)| k.key().name() == "tierkv_lookup_held_below_l1_chunks_total")
+        .map(|(.., v)| if let metrics_util::debugging::DebugValue::Counter(n) = v { n } else { 0 })
+        .sum();
+    assert_eq!(held, 8, "the chunks held below L1 were counted");
     s.l1().audit().unwrap();
 }
 
