@@ -138,7 +138,7 @@ impl Model {
             }
             self.shadow_arc.insert(key);
         }
-        let keep = 1.0 - 1.0 / capacity as f64;
+        let keep = 1.0 - 1.0 / (8.0 * capacity as f64);
         self.score = self.score.map(|s| s * keep);
     }
     fn insert(&mut self, key: u32) {
