@@ -53,7 +53,7 @@ fn fail<T>(code: ErrorCode, message: impl Into<String>) -> Result<T, Fail> {
 impl From<StorageError> for Fail {
     fn from(e: StorageError) -> Self {
         let code = match &e {
-            StorageError::UnknownLookup(_) => ErrorCode::UnknownLookup,
+            StorageError::UnknownLookup(_) | StorageError::Expired(_) => ErrorCode::UnknownLookup,
             StorageError::NotCovered { .. } | StorageError::Below(BelowError::NotHeld) => {
                 ErrorCode::NotInHit
             }

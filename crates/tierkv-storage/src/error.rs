@@ -47,6 +47,10 @@ pub enum StorageError {
         /// The key.
         key: ObjectKey,
     },
+    /// The lookup passed its deadline (`l1.lease_ttl` after it completed) holding chunks only in
+    /// the lower tiers: its tier locks went back, and it is over.
+    #[error("lookup {0} passed its deadline; its chunks held below L1 were let go")]
+    Expired(LookupId),
     /// The reader has already returned its share of the lookup.
     #[error("reader {reader} already returned its share of lookup {lookup}")]
     ShareReturned {

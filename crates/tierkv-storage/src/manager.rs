@@ -599,6 +599,9 @@ impl StorageManager {
             let Stage::Done { result, covered, below, .. } = &lookup.stage else {
                 return Err(keys.first().map_or(StorageError::UnknownLookup(id), not_covered));
             };
+            if self.inner.expired_below(lookup) {
+                return Err(StorageError::Expired(id));
+            }
             if u32::from(reader) >= result.readers {
                 return Err(StorageError::NoSuchReader {
                     lookup: id,
@@ -662,6 +665,11 @@ impl StorageManager {
     pub fn release(&self, id: LookupId, readers: Readers) -> Result<bool, StorageError> {
         let mut lookups = self.inner.lookups.lock();
         let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
+        if self.inner.expired_below(lookup) {
+            // Forgotten now rather than at the next tick: its tier locks go back with it.
+            lookups.remove(&id);
+            return Err(StorageError::Expired(id));
+        }
         let Stage::Done { covered, result, .. } = &lookup.stage else {
             return Err(StorageError::Invalid(format!("lookup {id} is not complete")));
         };
@@ -927,6 +935,13 @@ impl Inner {
         };
         let expires = self.clock.now() + self.config.l1.lease_ttl;
         lookup.stage = Stage::Done { result, covered, below, expires };
+    }
+
+    /// Whether a complete lookup holds chunks only below L1 and has passed its deadline (one
+    /// with L1 chunks expires with its lease, which L1 itself refuses).
+    fn expired_below(&self, lookup: &Lookup) -> bool {
+        matches!(&lookup.stage, Stage::Done { covered, below: Some(_), expires, .. }
+            if covered.is_empty() && self.clock.now() >= *expires)
     }
 
     /// A lookup that cannot complete: its L1 shares go back.
