@@ -188,7 +188,7 @@ fn requests_longer_than_l1_are_stored_whole_and_their_hits_served_whole_from_bel
     let Some(path) = trace("conversation_trace.jsonl") else { return };
     let path = path.to_str().unwrap();
     // L1 of 32 chunks: 274 of the first 1,000 requests are longer, and 47 of them could hit
-    // more than 32 chunks. Each store goes in windows of 16, each hit past L1's room is read
+    // more than 32 chunks. Each store goes in windows of 4, each hit past L1's room is read
     // from L2.
     let base = ["replay", path, "--limit", "1000", "--policy", "lru", "--capacity", "32"];
     let tiers = ["--l2", "4000", "--cascade", "--chunk-bytes", "16KiB"];
@@ -223,7 +223,10 @@ fn lower_tiers_serve_what_l1_lost() {
         tiered["tiers"].as_array().unwrap().iter().map(|t| t["hit_tokens"].as_u64().unwrap()).sum();
     assert_eq!(tier_tokens, 512 * field(tiered, "hit_chunks"), "tiers count whole chunks");
     assert!(tier_tokens >= field(tiered, "hit_tokens"));
-    assert!(tiers[1].1 > 0, "L2 served hits L1 had lost: {tiers:?}");
+    // Under write-through L2 and disk each hold a copy; which one serves a chunk L1 lost depends
+    // on L2's recency, which hits in L1 do not refresh (a chunk hot in L1 ages out of L2 and comes
+    // back from disk once L1 lets it go): the two together serve it.
+    assert!(tiers[1].1 + tiers[2].1 > 0, "the tiers below served hits L1 had lost: {tiers:?}");
     assert!(field(tiered, "hit_chunks") > field(l1_only, "hit_chunks"), "{tiers:?}");
     assert_eq!(moved(tiered, "chunks_retrieved"), field(tiered, "hit_chunks"));
 }

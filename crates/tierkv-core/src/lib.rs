@@ -2,7 +2,8 @@
 //!
 //! It owns object identity ([`ObjectKey`] and its parts), the chained chunk hash, chunk layouts,
 //! the per-key result codes, the validated `extra_count`, a clock that tests can drive, the
-//! eviction policies, and the [`TierAdapter`] contract that lower tiers implement.
+//! eviction policies, the [`TierAdapter`] contract that lower tiers implement, and the size of a
+//! store's windows when it is larger than L1 ([`store_window`]).
 //!
 //! Architecture invariant: this crate does no I/O (it offers page-aligned buffers for those who
 //! do), spawns no threads and depends on neither
@@ -20,6 +21,7 @@ mod joint;
 mod key;
 mod layout;
 pub mod policy;
+mod window;
 
 pub use adapter::{
     BufferError, ChunkSink, ChunkSource, Completion, LoadItem, StoreItem, TaskId, TierAdapter,
@@ -33,3 +35,4 @@ pub use extra::{ExtraCount, ExtraCountOutOfRange};
 pub use joint::JointLoad;
 pub use key::{ChunkHash, GroupId, KvRank, Namespace, ObjectKey};
 pub use layout::{DType, Layout, LayoutError, TensorSpec};
+pub use window::store_window;

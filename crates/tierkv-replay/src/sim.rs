@@ -20,6 +20,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use tierkv_core::policy::{EvictionPolicy, PolicyKind};
+use tierkv_core::store_window;
 
 use crate::trace::Trace;
 
@@ -149,7 +150,7 @@ fn simulate_online(
 /// slots of their own, taken for the request (L1 evicts, and so demotes, to make room for them,
 /// never the request's own L1 hits, which its lookup leased) and freed after it.
 ///
-/// A store larger than L1 goes in windows of half of L1, so all of it reaches the tiers below;
+/// A store larger than L1 goes in windows of an eighth of L1, so all of it reaches the tiers below;
 /// a hit larger than L1's room is read from the tiers that hold it, the rest through L1.
 ///
 /// Disk segments are not modelled: the daemon's disk evicts a segment of chunks at a time, so
@@ -187,11 +188,12 @@ pub fn simulate_cascade(trace: &Trace, policy: PolicyKind, capacities: &[usize])
                 }
             }
         }
-        // Stored in windows of half of L1 (the daemon's `store_window` with tiers below), each
-        // visible before the next is reserved, so a store larger than L1 passes its earlier
-        // windows down.
-        let window = if tiers.len() > 1 { (tiers[0].1 / 2).max(1) } else { usize::MAX };
-        'store: for part in chunks[hit..].chunks(window) {
+        // Stored in windows (the daemon's, with tiers below), the last first, each visible before
+        // the next is reserved: a store larger than L1 passes its first windows down, and the
+        // chain enters every tier leaf first.
+        let window = if tiers.len() > 1 { store_window(tiers[0].1) } else { usize::MAX };
+        let parts: Vec<&[u64]> = chunks[hit..].chunks(window).collect();
+        'store: for part in parts.into_iter().rev() {
             reserved.clear();
             for chunk in part {
                 if tiers[0].0.contains(chunk) {
@@ -389,7 +391,7 @@ mod tests {
     #[test]
     fn a_cascade_takes_a_store_larger_than_l1_in_windows_and_serves_its_whole_hit() {
         let t = trace(&[&[1, 2, 3, 4, 5, 6, 7, 8], &[1, 2, 3, 4, 5, 6, 7, 8]]);
-        // L1 of 4 over a tier of 8: windows of 2 pass 1-4 down; the second request hits all
+        // L1 of 4 over a tier of 8: windows of 1 pass 1-4 down; the second request hits all
         // eight, four of them read from below with L1 full of its own leased hits.
         let counts = simulate_cascade(&t, PolicyKind::Lru, &[4, 8]);
         assert_eq!((counts.inserted, counts.hit_chunks), (8, 8));

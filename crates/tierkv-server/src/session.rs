@@ -550,11 +550,12 @@ impl Session {
         Ok(ReplyBody::BufferRegistered { buffer: (opened.buffers.len() - 1) as u32 })
     }
 
-    /// Stores a chain of chunks, root first. With lower tiers, a store larger than L1 goes in
-    /// windows (`StorageManager::store_window`): each window is made visible before the next is
-    /// reserved, so L1 can pass it down (cascade) or copy it down and free it (write-through)
-    /// while the rest arrives. A window that finds no room ends the store: the rest is refused,
-    /// so what is stored is a prefix.
+    /// Stores a chain of chunks, root first. With lower tiers, a store larger than a window
+    /// (`StorageManager::store_window`) goes in windows, the last first: each window is made
+    /// visible before the next is reserved, so L1 can pass it down (cascade) or copy it down and
+    /// free it (write-through) while the rest arrives, and the chain becomes visible leaf first
+    /// as a one-window store does. A window that finds no room ends the store: the windows
+    /// before it are refused (stored later, by the next request of the chain).
     fn store(
         &mut self,
         namespace: u32,
@@ -569,7 +570,11 @@ impl Session {
         let window = self.daemon.storage.store_window().max(1);
         let mut total = StoredPart::default();
         let mut tickets = Vec::new();
-        for start in (0..chunks.len()).step_by(window) {
+        // The last window first: each window's chunks become visible leaf first, so the whole
+        // chain does, as in a store of one window, and every tier's recency order then loses a
+        // chain's tail before its root.
+        let starts: Vec<usize> = (0..chunks.len()).step_by(window).collect();
+        for start in starts.into_iter().rev() {
             let end = (start + window).min(chunks.len());
             let part = self.store_part(source, &chunks[start..end], &keys[start..end], start)?;
             total.stored += part.stored;
@@ -578,9 +583,7 @@ impl Session {
             total.refused.extend(part.refused);
             tickets.extend(part.ticket);
             if part.out_of_room {
-                total
-                    .refused
-                    .extend((end..chunks.len()).map(|i| refusal(i, KeyError::OutOfMemory)));
+                total.refused.extend((0..start).map(|i| refusal(i, KeyError::OutOfMemory)));
                 break;
             }
         }

@@ -331,15 +331,16 @@ impl StorageManager {
     }
 
     /// The most chunks one store should reserve at a time. Without lower tiers a store is one
-    /// reservation, and what does not fit is refused. With them, a store larger than L1 goes in
-    /// windows of half of L1's slots, each finished before the next is reserved: L1 hands the
-    /// earlier windows down (demoted under cascade, copied and freed otherwise) to make room for
-    /// the later ones, so every chunk of the store reaches the tiers below.
+    /// reservation, and what does not fit is refused. With them, a store goes in windows of
+    /// [`tierkv_core::store_window`] chunks (an eighth of L1), each finished before the next is
+    /// reserved: L1 hands the earlier windows down (demoted under cascade, copied and freed
+    /// otherwise) to make room for the later ones, so every chunk of a store larger than L1
+    /// reaches the tiers below.
     pub fn store_window(&self) -> usize {
         if self.inner.router.is_empty() {
             return usize::MAX;
         }
-        (self.inner.config.l1.slot_count() as usize / 2).max(1)
+        tierkv_core::store_window(self.inner.config.l1.slot_count() as usize)
     }
 
     /// Pins a reserved slot for copying bytes in.

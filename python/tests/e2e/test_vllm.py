@@ -320,7 +320,7 @@ def test_a_prompt_longer_than_l1_is_stored_whole_and_loaded_whole_from_below(
         engine = Engine(model, socket=daemon.socket, log=tmp_path / "engine.log")
         p = prompt(9, 1000)
         cold = engine.generate([p])[0]
-        # The store goes in windows of two chunks: every one of the seven reaches L2.
+        # The store goes in windows of one chunk (an eighth of L1): all seven reach L2.
         daemon.eventually("all seven chunks reached L2", lambda s: s["tiers"][1]["objects"] >= 7)
         engine.reset()
         loaded = engine.generate([p])[0]
