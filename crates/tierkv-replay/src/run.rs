@@ -416,9 +416,9 @@ struct Tally {
     chunks_refused: u64,
     lookup_us: Vec<u64>,
     retrieve_us: Vec<u64>,
-    /// Time inside retrieve calls, summed over workers.
+    /// Time blocked on retrieves, summed over workers.
     retrieve_call_us: u64,
-    /// Time inside store calls, summed over workers.
+    /// Time blocked on stores, summed over workers.
     store_call_us: u64,
 }
 
