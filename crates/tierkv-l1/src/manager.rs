@@ -1075,36 +1075,43 @@ impl L1Manager {
             demand[pick] += 1;
             hint[pick] = hint[pick].saturating_sub(1);
         }
-        let mut carried = 0;
-        // A second round lets shards that gave their share give more, for what others lacked.
-        for round in 0..2 {
-            for (index, wanted) in demand.iter_mut().enumerate() {
-                let want = if round == 0 { *wanted + carried } else { carried };
-                if want == 0 {
-                    continue;
+        // Takes up to `want` victims from a locked shard; returns how many it gave.
+        let mut take = |shard: &mut Shard, want: usize| {
+            let chosen = {
+                let (map, all) = (&shard.map, &*self.slots);
+                let mut eligible =
+                    |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(all));
+                shard.policy.evict(want, &mut eligible)
+            };
+            let mut got = 0;
+            for key in chosen {
+                if let Some(slot) = self.take_victim(shard, &key) {
+                    victims.push(key);
+                    slots.push(slot);
+                    got += 1;
                 }
-                let mut guard = self.index.shard_at(index);
-                let shard = &mut *guard;
-                let chosen = {
-                    let (map, all) = (&shard.map, &*self.slots);
-                    let mut eligible =
-                        |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(all));
-                    shard.policy.evict(want, &mut eligible)
-                };
-                let mut got = 0;
-                for key in chosen {
-                    if let Some(slot) = self.take_victim(shard, &key) {
-                        victims.push(key);
-                        slots.push(slot);
-                        got += 1;
-                    }
-                }
-                carried = want - got;
-                *wanted = 0;
             }
+            got
+        };
+        // The shards in the order they come free (another writer may hold some), each asked
+        // for its share and for what the shards before it could not give.
+        let mut carried = 0;
+        let mut wanted: Vec<(usize, usize)> =
+            demand.iter().enumerate().filter(|(_, d)| **d > 0).map(|(i, d)| (i, *d)).collect();
+        self.index.for_each_free(
+            &mut wanted,
+            |(index, _)| *index,
+            |shard, (_, share)| {
+                let want = share + carried;
+                carried = want - take(shard, want);
+            },
+        );
+        // A second round lets shards that gave their share give more, for what others lacked.
+        for index in 0..shards {
             if carried == 0 {
                 return;
             }
+            carried -= take(&mut self.index.shard_at(index), carried);
         }
     }
 

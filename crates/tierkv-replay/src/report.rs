@@ -82,8 +82,10 @@ pub struct Movement {
     /// Bytes moved per second of wall-clock time, in GB/s (10^9): the whole replay, including
     /// the workers writing each stored chunk's bytes and checking each retrieved one.
     pub gb_per_second: f64,
-    /// Bytes moved per second spent inside store and retrieve calls, in GB/s: what the daemon's
-    /// data plane (request, copy, reply) delivers to one worker.
+    /// Bytes moved per second a worker spent blocked on stores and retrieves, in GB/s: what the
+    /// daemon's data plane (request, copy, reply) costs one worker. Stores go without waiting and
+    /// a retrieve overlaps the worker's fill of its store, so this counts the sends and the waits
+    /// for replies, not the time from request to reply.
     pub copy_gb_per_second: f64,
     /// The same for retrieve calls alone.
     pub retrieve_gb_per_second: f64,
@@ -91,7 +93,8 @@ pub struct Movement {
     pub store_gb_per_second: f64,
     /// Lookup (with its wait) latency as a worker saw it.
     pub lookup: Percentiles,
-    /// Retrieve latency as a worker saw it.
+    /// Time a worker was blocked on each retrieve (sending it, and waiting for its reply once
+    /// its store was sent).
     pub retrieve: Percentiles,
     /// Single-core memcpy bandwidth at this chunk size, measured before the replay, in GB/s.
     pub memcpy_gb_per_second: f64,
@@ -233,7 +236,7 @@ pub fn daemon_table(results: &[RunResult]) -> String {
         if let Some(m) = &r.movement {
             let _ = writeln!(
                 out,
-                "  moved {:.2} GB in {:.2} s: {:.0} chunks/s, {:.2} GB/s end to end; inside store and retrieve calls {:.2} GB/s = {:.2}x memcpy ({:.2} GB/s, {} B chunks)",
+                "  moved {:.2} GB in {:.2} s: {:.0} chunks/s, {:.2} GB/s end to end; blocked on store and retrieve {:.2} GB/s = {:.2}x memcpy ({:.2} GB/s, {} B chunks)",
                 m.bytes_moved as f64 / 1e9,
                 m.seconds,
                 m.chunks_per_second,

@@ -253,6 +253,11 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
             bar.set_message(format!("hit {:.3}", tally.counts.hit_ratio()));
         }
     }
+    // Stores go without waiting; the last ones are counted (and timed) when the workers drain.
+    workers.iter_mut().try_for_each(|w| w.send(&Step::Drain))?;
+    for worker in workers.iter_mut() {
+        tally.stored(&worker.receive()?);
+    }
     let seconds = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     for worker in workers {
@@ -366,6 +371,8 @@ fn replay_request(
         let owner = workers.first_mut().ok_or_else(no_workers)?;
         owner.send(&Step::Lookup { chunks: chunks.clone() })?;
         let looked = owner.receive()?;
+        // Every answer may carry the stores its step collected (the previous `Finish`'s).
+        tally.stored(&looked);
         tally.lookup(&looked, chunks.len())?;
         tally.count(&looked, request.tokens, chunks.len(), chunk_tokens);
         let hit = looked.hit as usize;
@@ -374,6 +381,7 @@ fn replay_request(
             workers.iter_mut().try_for_each(|w| w.send(&step))?;
             for worker in workers.iter_mut() {
                 let got = worker.receive()?;
+                tally.stored(&got);
                 tally.retrieved(&got, hit)?;
             }
         }
@@ -408,9 +416,9 @@ struct Tally {
     chunks_refused: u64,
     lookup_us: Vec<u64>,
     retrieve_us: Vec<u64>,
-    /// Time inside retrieve calls, summed over workers.
+    /// Time blocked on retrieves, summed over workers.
     retrieve_call_us: u64,
-    /// Time inside store calls, summed over workers.
+    /// Time blocked on stores, summed over workers.
     store_call_us: u64,
 }
 

@@ -8,6 +8,18 @@
 //! stores are filled in the second half, so a retrieve that copies nothing cannot leave a stored
 //! copy of the right bytes behind; the first and last word of each retrieve block are also
 //! poisoned before the copy.
+//!
+//! Stores do not wait for the daemon's copy: a step sends its store and answers the replay at
+//! once, and the worker collects the store's reply at the start of its next step (or on
+//! [`Step::Drain`]), before it looks anything up or writes the store half of its buffer again.
+//! The daemon answers a connection in order, so the next lookup sees every chunk stored before
+//! it, exactly as with a blocking store; what the pipelining saves is the worker's wait for the
+//! copy while it answers the replay and reads its next step. The store time a worker reports is
+//! the time it spent blocked on stores: sending them and waiting for their replies.
+//!
+//! A rank's retrieve goes the same way within its step: sent, then the store half filled and
+//! the store sent while the daemon copies the hit, then collected and checked. Its time is the
+//! time blocked on it: sending it and waiting for its reply after the store is sent.
 
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -16,8 +28,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tierkv_client::payload::{self, SHARED_TAG};
-use tierkv_client::proto::{ChunkBlocks, ChunkId, Hello, NamespaceDecl, PROTOCOL_VERSION, Role};
-use tierkv_client::{Client, ClientError, SharedBuffer};
+use tierkv_client::proto::{
+    ChunkBlocks, ChunkId, Hello, NamespaceDecl, PROTOCOL_VERSION, ReplyBody, RequestBody, Role,
+};
+use tierkv_client::{Client, ClientError, Pending, SharedBuffer};
 
 use crate::ReplayError;
 use crate::process::{Reaped, die_with_parent};
@@ -110,6 +124,8 @@ pub enum Step {
         /// How many.
         chunks: u64,
     },
+    /// Wait for every store still in flight and report what they did (the replay's last step).
+    Drain,
 }
 
 /// The first chunk id of warm-up chunks: above every trace chunk (trace ids are 64-bit), so
@@ -130,13 +146,16 @@ pub struct Done {
     pub per_tier: Vec<u32>,
     /// Lookup and wait, in microseconds.
     pub lookup_us: u64,
-    /// Retrieve, in microseconds (0 when nothing was retrieved).
+    /// Time blocked on the retrieve, in microseconds: sending it and waiting for its reply after
+    /// the store is sent (0 when nothing was retrieved).
     pub retrieve_us: u64,
-    /// Store, in microseconds (0 when nothing was stored).
+    /// Time blocked on stores, in microseconds: sending this step's store and waiting for the
+    /// replies of earlier steps' stores collected in this step.
     pub store_us: u64,
     /// Chunks copied out and checked byte for byte.
     pub retrieved: u64,
-    /// Chunks stored.
+    /// Chunks stored, by the stores whose replies this step collected (a store's reply is
+    /// collected by the worker's next step, or by [`Step::Drain`]).
     pub stored: u64,
     /// Chunks the daemon already had when asked to store them.
     pub present: u64,
@@ -151,6 +170,9 @@ struct Worker {
     buffer_id: u32,
     tag: u64,
     max_chunks: u64,
+    /// Stores sent whose replies have not been collected, oldest first. Their blocks (the
+    /// buffer's second half) must not be written until they are.
+    stores: Vec<Pending>,
 }
 
 impl Worker {
@@ -176,26 +198,36 @@ impl Worker {
         let buffer = SharedBuffer::new(spec.chunk_bytes, max_chunks.saturating_mul(2))?;
         let buffer_id = client.register_buffer(&buffer)?;
         let tag = if spec.mla { SHARED_TAG } else { u64::from(spec.rank) };
-        Ok(Worker { client, buffer, buffer_id, tag, max_chunks })
+        Ok(Worker { client, buffer, buffer_id, tag, max_chunks, stores: Vec::new() })
     }
 
     fn step(&mut self, step: &Step) -> Result<Done, String> {
         let mut done = Done::default();
+        // Every step first settles the stores of the last one: a lookup must follow them, and
+        // a store or warm-up writes the blocks they name.
+        self.collect_stores(&mut done)?;
         match step {
             Step::Request { chunks } => {
                 self.lookup(chunks, &mut done)?;
                 let hit = chunks.get(..done.hit as usize).ok_or_else(|| {
                     format!("lookup {} hit {} of {} chunks", done.lookup, done.hit, chunks.len())
                 })?;
-                self.retrieve(done.lookup, hit, &mut done)?;
+                // The retrieve copies into the buffer's first half while the worker fills the
+                // second half for its store; the hit's bytes are checked once both are sent.
+                let retrieving = self.submit_retrieve(done.lookup, hit, &mut done)?;
                 self.finish(done.lookup, chunks, done.hit, &mut done)?;
+                self.collect_retrieve(retrieving, hit, &mut done)?;
             }
             Step::Lookup { chunks } => self.lookup(chunks, &mut done)?,
-            Step::Retrieve { lookup, chunks } => self.retrieve(*lookup, chunks, &mut done)?,
+            Step::Retrieve { lookup, chunks } => {
+                let retrieving = self.submit_retrieve(*lookup, chunks, &mut done)?;
+                self.collect_retrieve(retrieving, chunks, &mut done)?;
+            }
             Step::Finish { lookup, chunks, hit } => {
                 self.finish(*lookup, chunks, *hit, &mut done)?
             }
             Step::Warm { chunks } => self.warm(*chunks, &mut done)?,
+            Step::Drain => {}
         }
         Ok(done)
     }
@@ -209,11 +241,31 @@ impl Worker {
                     ChunkBlocks::one(ChunkId(WARM_BASE + u128::from(next + i)), self.max_chunks + i)
                 })
                 .collect();
-            let stored =
-                self.client.store(0, self.buffer_id, refs).map_err(|e| format!("warm-up: {e}"))?;
-            done.stored += u64::from(stored.stored);
+            // Every batch names the same (unwritten) blocks, which stores only read, so the
+            // batches need not wait for each other.
+            let pending = self
+                .client
+                .submit_store(0, self.buffer_id, refs)
+                .map_err(|e| format!("warm-up: {e}"))?;
+            self.stores.push(pending);
             next += batch;
         }
+        self.collect_stores(done)
+    }
+
+    /// Waits for every store in flight and adds what they did (and the wait) to `done`.
+    fn collect_stores(&mut self, done: &mut Done) -> Result<(), String> {
+        if self.stores.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        for pending in std::mem::take(&mut self.stores) {
+            let stored = self.client.finish_store(pending).map_err(|e| format!("store: {e}"))?;
+            done.stored += u64::from(stored.stored);
+            done.present += u64::from(stored.present);
+            done.refused += stored.refused.len() as u64;
+        }
+        done.store_us += micros(started);
         Ok(())
     }
 
@@ -235,9 +287,16 @@ impl Worker {
         Ok(())
     }
 
-    fn retrieve(&mut self, lookup: u64, chunks: &[u64], done: &mut Done) -> Result<(), String> {
+    /// Sends a retrieve of `chunks` into the first blocks of the buffer (poisoned first) without
+    /// waiting for it; `None` when there is nothing to retrieve.
+    fn submit_retrieve(
+        &mut self,
+        lookup: u64,
+        chunks: &[u64],
+        done: &mut Done,
+    ) -> Result<Option<Pending>, String> {
         if chunks.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let refs: Vec<ChunkBlocks> = chunks
             .iter()
@@ -249,11 +308,29 @@ impl Worker {
             poison(block);
         }
         let started = Instant::now();
-        let bytes = self
+        let pending = self
             .client
-            .retrieve(lookup, self.buffer_id, refs)
+            .submit(RequestBody::Retrieve { lookup, buffer: self.buffer_id, chunks: refs })
             .map_err(|e| format!("retrieve: {e}"))?;
-        done.retrieve_us = micros(started);
+        done.retrieve_us += micros(started);
+        Ok(Some(pending))
+    }
+
+    /// Waits for a retrieve sent by [`Worker::submit_retrieve`] and checks every byte it copied.
+    /// The time blocked here is added to the retrieve's.
+    fn collect_retrieve(
+        &mut self,
+        pending: Option<Pending>,
+        chunks: &[u64],
+        done: &mut Done,
+    ) -> Result<(), String> {
+        let Some(pending) = pending else { return Ok(()) };
+        let started = Instant::now();
+        let reply = self.client.collect(pending).map_err(|e| format!("retrieve: {e}"))?;
+        done.retrieve_us += micros(started);
+        let ReplyBody::Retrieved { bytes, .. } = reply else {
+            return Err(format!("retrieve answered {reply:?}"));
+        };
         let expected = chunks.len() as u64 * self.buffer.block_bytes();
         if bytes != expected {
             return Err(format!("retrieve copied {bytes} bytes, {expected} expected"));
@@ -296,12 +373,10 @@ impl Worker {
             payload::fill(block, r.chunk, self.tag);
         }
         let started = Instant::now();
-        let stored =
-            self.client.store(0, self.buffer_id, refs).map_err(|e| format!("store: {e}"))?;
-        done.store_us = micros(started);
-        done.stored = u64::from(stored.stored);
-        done.present = u64::from(stored.present);
-        done.refused = stored.refused.len() as u64;
+        let pending =
+            self.client.submit_store(0, self.buffer_id, refs).map_err(|e| format!("store: {e}"))?;
+        self.stores.push(pending);
+        done.store_us += micros(started);
         Ok(())
     }
 }
@@ -343,6 +418,11 @@ pub fn serve_worker(spec: &WorkerSpec) -> Result<(), ReplayError> {
             .map_err(|e| ReplayError::Worker { rank: spec.rank, message: e.to_string() })?;
         writeln!(stdout, "{text}").and_then(|()| stdout.flush()).map_err(io)?;
     }
+    // The replay drains before it ends; a worker whose stdin closed early still settles its
+    // stores, so a failed one is reported rather than dropped with the session.
+    worker
+        .collect_stores(&mut Done::default())
+        .map_err(|message| ReplayError::Worker { rank: spec.rank, message })?;
     worker
         .client
         .end()
