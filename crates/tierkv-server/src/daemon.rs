@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tierkv_proto::{ErrorCode, Reply, ReplyBody, Request, RequestBody, RequestHeader};
-use tierkv_storage::StorageManager;
+use tierkv_storage::{LookupId, StorageManager};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -449,9 +449,16 @@ async fn serve_connection(
                 continue;
             }
         };
+        // A small copy runs inline, unless it may wait: a store while the store pipeline has
+        // copies outstanding (backpressure), a retrieve of a lookup with chunks held below L1
+        // (loaded from their tier).
+        let storage = daemon.storage();
         let blocks = match &request {
-            RequestBody::Store { chunks, .. } | RequestBody::Retrieve { chunks, .. } => {
-                chunks.len() as u64 > inline_chunks
+            RequestBody::Store { chunks, .. } => {
+                chunks.len() as u64 > inline_chunks || storage.store_may_wait()
+            }
+            RequestBody::Retrieve { lookup, chunks, .. } => {
+                chunks.len() as u64 > inline_chunks || storage.holds_below(LookupId(*lookup))
             }
             RequestBody::Wait { .. } | RequestBody::Flush { .. } => true,
             _ => false,

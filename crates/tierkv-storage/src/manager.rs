@@ -343,6 +343,20 @@ impl StorageManager {
         tierkv_core::store_window(self.inner.config.l1.slot_count() as usize)
     }
 
+    /// Whether a store made now might wait: the store pipeline has copies outstanding, and a
+    /// writer that finds L1 full of chunks still being copied waits for it (`reserve_write`).
+    pub fn store_may_wait(&self) -> bool {
+        self.inner.store.queue().outstanding() > 0
+    }
+
+    /// Whether the lookup holds chunks of its hit below L1, which a read loads from their tier
+    /// (a wait of up to the lease time to live).
+    pub fn holds_below(&self, id: LookupId) -> bool {
+        self.inner.lookups.lock().get(&id).is_some_and(|lookup| {
+            matches!(&lookup.stage, Stage::Done { below: Some(held), .. } if !held.is_empty())
+        })
+    }
+
     /// Pins a reserved slot for copying bytes in.
     pub fn write_access(
         &self,
