@@ -9,6 +9,7 @@
 //! runs out of time is an error for that reader (a miss and a recompute for the engine), never
 //! partial bytes.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,18 +41,19 @@ pub enum BelowError {
 pub struct HeldBelow {
     router: Arc<TierRouter>,
     /// Each held key and its tier (index, fastest first); a key leaves when its lock goes back.
-    held: Mutex<Vec<(ObjectKey, usize)>>,
+    held: Mutex<HashMap<ObjectKey, usize>>,
 }
 
 impl HeldBelow {
     /// Takes over one tier lock per entry of `held`.
-    pub(crate) fn new(router: Arc<TierRouter>, held: Vec<(ObjectKey, usize)>) -> Self {
+    /// `held` names each key once: a lookup's lock on a key is one lock, whatever the groups.
+    pub(crate) fn new(router: Arc<TierRouter>, held: HashMap<ObjectKey, usize>) -> Self {
         HeldBelow { router, held: Mutex::new(held) }
     }
 
     /// The tier holding `key` for this hit, if it still does.
     pub fn tier_of(&self, key: &ObjectKey) -> Option<usize> {
-        self.held.lock().iter().find(|(k, _)| k == key).map(|(_, tier)| *tier)
+        self.held.lock().get(key).copied()
     }
 
     /// How many chunks are held.
@@ -66,14 +68,10 @@ impl HeldBelow {
 
     /// Returns the locks of `keys` (those still held); the others stay held.
     pub fn release(&self, keys: &[ObjectKey]) {
-        let mut returned = Vec::new();
-        self.held.lock().retain(|(key, tier)| {
-            let going = keys.contains(key);
-            if going {
-                returned.push((*key, *tier));
-            }
-            !going
-        });
+        let mut held = self.held.lock();
+        let returned: Vec<(ObjectKey, usize)> =
+            keys.iter().filter_map(|key| held.remove(key).map(|tier| (*key, tier))).collect();
+        drop(held);
         self.unlock(returned);
     }
 
@@ -92,7 +90,7 @@ impl HeldBelow {
             .collect::<Result<_, _>>()?;
         let landed: Arc<Mutex<Vec<Option<Vec<u8>>>>> = Arc::new(Mutex::new(vec![None; keys.len()]));
         let (reply, answers) = unbounded();
-        let mut waiting = Vec::new();
+        let mut waiting = 0;
         for tier in 0..self.router.len() {
             let items: Vec<LoadItem> = (0..keys.len())
                 .filter(|i| tiers[*i] == tier)
@@ -104,10 +102,12 @@ impl HeldBelow {
             if items.is_empty() {
                 continue;
             }
-            let task = self.router.submit(tier, &reply, |t| t.submit_load(items));
-            waiting.push((tier, task.ok_or(BelowError::LoadFailed { tier })?));
+            if self.router.submit(tier, &reply, |t| t.submit_load(items)).is_none() {
+                return Err(BelowError::LoadFailed { tier });
+            }
+            waiting += 1;
         }
-        for _ in 0..waiting.len() {
+        for _ in 0..waiting {
             let left = deadline.saturating_duration_since(Instant::now());
             let event = answers.recv_timeout(left).map_err(|_| BelowError::Timeout(timeout))?;
             let Completion::Loaded { loaded, sinks, .. } = event.completion else {
@@ -128,7 +128,8 @@ impl HeldBelow {
             .collect()
     }
 
-    fn unlock(&self, keys: Vec<(ObjectKey, usize)>) {
+    fn unlock(&self, keys: impl IntoIterator<Item = (ObjectKey, usize)>) {
+        let keys: Vec<(ObjectKey, usize)> = keys.into_iter().collect();
         for tier in 0..self.router.len() {
             let mine: Vec<ObjectKey> =
                 keys.iter().filter(|(_, t)| *t == tier).map(|(k, _)| *k).collect();
@@ -148,7 +149,7 @@ impl Drop for HeldBelow {
 
 impl fmt::Debug for HeldBelow {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HeldBelow").field("held", &*self.held.lock()).finish()
+        f.debug_struct("HeldBelow").field("held", &self.held.lock().len()).finish()
     }
 }
 

@@ -733,14 +733,17 @@ impl Worker {
         // is updated in the same step, so a panic after this cannot return them twice.
         let below_now: Vec<At> =
             active.below.iter().copied().filter(|at| needed.contains(at)).collect();
-        let mut held = Vec::with_capacity(below_now.len());
+        let mut held = HashMap::with_capacity(below_now.len());
         for at in &below_now {
             let (key, tier) = (active.key(*at), active.source.get(at).copied().unwrap_or(0));
+            if held.contains_key(&key) {
+                continue; // named by two groups: held once, its other lock returned below
+            }
             if let Some(locks) = active.locked.get_mut(tier)
                 && let Some(p) = locks.iter().position(|k| *k == key)
             {
                 locks.swap_remove(p);
-                held.push((key, tier));
+                held.insert(key, tier);
             }
         }
         let below =

@@ -657,7 +657,11 @@ impl StorageManager {
                 chunks[i] = Some(HitChunk::Loaded(bytes));
             }
         }
-        Ok(chunks.into_iter().flatten().collect())
+        // Every key was checked above to be in L1 or held below: none is left unread.
+        keys.iter()
+            .zip(chunks)
+            .map(|(key, chunk)| chunk.ok_or(StorageError::NotCovered { lookup: id, key: *key }))
+            .collect()
     }
 
     fn lease_of(&self, id: LookupId, key: &ObjectKey) -> Result<LeaseId, StorageError> {
@@ -1072,16 +1076,14 @@ impl Inner {
         // Abandoned lookups: return their prefetched leases once the prefetch is over.
         // Complete lookups whose every lease passed its deadline hold nothing any more: forget
         // them, so a session that never releases does not grow the record without bound.
-        // Tier locks of a hit held below L1 expire with the same time to live as its leases
-        // (dropping the lookup returns them).
-        let now = self.clock.now();
+        // A lookup holding chunks only below L1 expires with the same time to live as leases
+        // (dropping it returns its tier locks).
         self.lookups.lock().retain(|_, lookup| match &lookup.stage {
             Stage::Done { covered, .. } if !covered.is_empty() => {
                 let leases: HashSet<LeaseId> = covered.values().copied().collect();
                 leases.into_iter().any(|lease| self.l1.lease_live(lease))
             }
-            Stage::Done { below: Some(_), expires, .. } => now < *expires,
-            _ => true,
+            _ => !self.expired_below(lookup),
         });
         let mut abandoned = self.abandoned.lock();
         abandoned.retain(|lookup| {
