@@ -9,8 +9,9 @@
 //! several records is split over the I/O threads, so its reads are in flight at once. Records become visible in the index only after their whole
 //! store task was written (and synced, under `FsyncPolicy::Always`). Loads read a record while
 //! its segment is pinned, verify header, epoch, key and payload checksum, and only then copy
-//! into the caller's sink. Eviction drops a whole sealed segment that holds no locked and no
-//! pinned record, and reuses its file under a new epoch.
+//! into the caller's sink. Eviction drops a whole sealed segment that holds no locked, no pinned
+//! and no unpublished record (one of a store task not yet published), and reuses its file under
+//! a new epoch.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
@@ -57,7 +58,8 @@ enum Status {
     Preparing,
     /// Receiving appends.
     Active,
-    /// Full or closed for appends; evictable when nothing locks or pins it.
+    /// Full or closed for appends; evictable when nothing locks or pins it and every record
+    /// written into it is published or abandoned.
     Sealed,
     /// Its name is taken by something the store did not create (a directory, a FIFO, a
     /// symlink, another user's file): never used.
@@ -78,6 +80,9 @@ struct Segment {
     locked: u64,
     /// Loads reading from this segment now.
     pins: u64,
+    /// Records handed to the write thread whose store task is not yet published or abandoned:
+    /// until it is, the segment's space is theirs even though the index does not name them.
+    unpublished: u64,
 }
 
 impl Segment {
@@ -92,11 +97,12 @@ impl Segment {
             live_bytes: 0,
             locked: 0,
             pins: 0,
+            unpublished: 0,
         }
     }
 
     fn evictable(&self) -> bool {
-        self.status == Status::Sealed && self.locked == 0 && self.pins == 0
+        self.status == Status::Sealed && self.locked == 0 && self.pins == 0 && self.unpublished == 0
     }
 }
 
@@ -152,9 +158,9 @@ enum WriteMsg {
     /// Every record of store task `task` has been handed over: publish them (unless one failed)
     /// and complete the caller's task with its sources.
     End { task: u64, id: TaskId, records: Vec<(ObjectKey, Loc)>, sources: Vec<StoreItem> },
-    /// Store task `task` failed before handing over all its records: what it handed over is
-    /// written and never published; the write thread forgets the task.
-    Abandon { task: u64 },
+    /// Store task `task` failed before handing over all its records: what it handed over
+    /// (`records`) is written and never published; the write thread forgets the task.
+    Abandon { task: u64, records: Vec<(ObjectKey, Loc)> },
 }
 
 /// What a store task handed to the write thread.
@@ -193,14 +199,16 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
                 // The store thread may be gone (closing): the buffer is then simply freed.
                 let _ = free.send(buf);
             }
-            WriteMsg::Abandon { task } => {
+            WriteMsg::Abandon { task, records } => {
                 failed_tasks.remove(&task);
+                shared.settle(&records);
             }
             WriteMsg::End { task, id, records, sources } => {
                 let result = match failed_tasks.remove(&task) {
                     Some(e) => Err(e),
                     None => shared.publish_records(&records),
                 };
+                shared.settle(&records);
                 shared.count_store(&result, &records);
                 let _ = shared.done.send(Completion::Stored { task: id, result, sources });
                 shared.publish();
@@ -910,7 +918,8 @@ impl Shared {
             if let Err(e) = self.submit_record(&mut writer, task, item, &mut records) {
                 if !records.is_empty() {
                     // Best effort: without a write thread there is nothing to forget.
-                    let _ = self.send(&mut writer, WriteMsg::Abandon { task });
+                    let records = std::mem::take(&mut records);
+                    let _ = self.send(&mut writer, WriteMsg::Abandon { task, records });
                 }
                 let failure = match &e {
                     TierError::NoSpace(_) => Failure::NoSpace,
@@ -960,7 +969,11 @@ impl Shared {
         let loc = Loc { segment, offset, len };
         let message = WriteMsg::Record { task, file, buf, len: size as usize, loc, epoch };
         self.send(writer, message)?;
-        self.index.lock().segments[segment as usize].end = offset + size;
+        let mut index = self.index.lock();
+        let reserved = &mut index.segments[segment as usize];
+        reserved.end = offset + size;
+        reserved.unpublished += 1;
+        drop(index);
         records.push((item.key, loc));
         Ok(())
     }
@@ -1040,6 +1053,16 @@ impl Shared {
             self.dirty.lock().extend(records.iter().map(|(_, loc)| loc.segment));
         }
         Ok(())
+    }
+
+    /// Gives a store task's segments back to eviction once its records are published or
+    /// abandoned.
+    fn settle(&self, records: &[(ObjectKey, Loc)]) {
+        let mut index = self.index.lock();
+        for (_, loc) in records {
+            let segment = &mut index.segments[loc.segment as usize];
+            segment.unpublished = segment.unpublished.saturating_sub(1);
+        }
     }
 
     /// Counts a store task's outcome.
@@ -1130,7 +1153,7 @@ impl Shared {
                         policy.evict(1, &mut |id| segments[*id as usize].evictable()).pop();
                     let Some(id) = victim else {
                         return Err(TierError::NoSpace(format!(
-                            "all {} segments of {} bytes hold locked or pinned records",
+                            "all {} segments of {} bytes hold locked, pinned or unpublished records",
                             index.segments.len(),
                             self.config.segment_bytes
                         )));

@@ -529,6 +529,28 @@ fn a_segment_being_read_is_never_evicted_under_the_load() {
 }
 
 #[test]
+fn a_segment_with_records_not_yet_published_is_never_evicted_under_its_store() {
+    // Two segments of two records; segment 0 is locked. One store of three records fills
+    // segment 1 and needs another segment for its third: the only candidate is segment 1, whose
+    // two records are written but not published until the whole store is. Evicting it would
+    // reuse their space for the third record, and publishing would then map the first key onto
+    // the third's bytes (found by the cascade stress test as a locked record that failed its
+    // check).
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, _) = open(config(dir.path(), 2, 2));
+    h.store(&keys(0..2)).unwrap(); // segment 0
+    assert!(h.lookup(&[key(0)]).get(0), "segment 0 is locked from here on");
+    let stored = h.store(&keys(2..5));
+    assert!(matches!(stored, Err(TierError::NoSpace(_))), "no segment was free: {stored:?}");
+    assert_eq!(h.present(&keys(2..5)).count_ones(), 0, "a failed store published a record");
+    // The records published before are untouched, and the room comes back with the lock.
+    h.assert_loads(&keys(0..2));
+    h.tier.unlock(&[key(0)]);
+    h.store(&keys(2..4)).unwrap();
+    h.assert_loads(&keys(2..4));
+}
+
+#[test]
 fn a_load_in_progress_does_not_stop_deletes_in_its_segment() {
     let dir = tempfile::tempdir().unwrap();
     let (mut h, _) = open(config(dir.path(), 4, 4));
