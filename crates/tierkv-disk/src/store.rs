@@ -1,11 +1,12 @@
 //! The DiskStore: segment files, the in-memory index rebuilt at open, worker threads, and the
 //! `TierAdapter` face.
 //!
-//! Writes append records to one active segment, one record at a time, each write finishing
-//! before the next starts; so after a crash only the last record of a segment can be torn, and
-//! the scan at open stops there. The writes run on one write thread (`tierkv-disk-write`) while
-//! the storing I/O thread copies and checksums the next record into another buffer, so copy,
-//! checksum and write overlap; a segment is sealed only with no write in flight. A load of
+//! Writes append records to one active segment, in order, at most two at a time; so after a
+//! crash only the last two records of a segment can be torn (or the second-last missing), and a
+//! load verifies every record before serving it. The write thread (`tierkv-disk-write`) hands
+//! records to two writer threads (`tierkv-disk-w<n>`) while the storing I/O thread copies and checksums the next
+//! record into another buffer, so copy, checksum and writes overlap; a segment is sealed only
+//! with no write in flight. A load of
 //! several records is split over the I/O threads, so its reads are in flight at once. Records become visible in the index only after their whole
 //! store task was written (and synced, under `FsyncPolicy::Always`). Loads read a record while
 //! its segment is pinned, verify header, epoch, key and payload checksum, and only then copy
@@ -143,8 +144,8 @@ struct Writer {
 /// slack lets the write thread keep writing while a loaded machine delays the storing thread).
 const RECORD_BUFFERS: usize = 4;
 
-/// The write thread (`tierkv-disk-write`): writes records in the order handed to it, and
-/// publishes each store task once all its records are written.
+/// The write thread (`tierkv-disk-write`): hands records, in order, to the writer threads
+/// (`tierkv-disk-w<n>`), and publishes each store task once all its records are written.
 struct WritePipe {
     messages: Sender<WriteMsg>,
     /// Buffers the write thread is done with.
@@ -169,50 +170,185 @@ struct Queued {
     records: Vec<(ObjectKey, Loc)>,
 }
 
-/// The write thread's loop. Writes run strictly one after another, in order. Once a write
-/// fails, every later record of the same task and of the same segment life is skipped
-/// (nothing written) and the segment is sealed, so no record ever lands after one that may be
-/// torn; the task completes with the failure and publishes nothing.
+/// Record writes in flight at once. Two let one record's hand-over and wake-up overlap the
+/// write before it, so the disk never waits for the write thread between records.
+const WRITES_IN_FLIGHT: usize = 2;
+
+/// One record to write, and what its outcome is reported with.
+struct Write {
+    task: u64,
+    file: Arc<SegmentFile>,
+    buf: AlignedBuf,
+    len: usize,
+    loc: Loc,
+    epoch: u64,
+}
+
+/// A finished [`Write`], its buffer handed back.
+struct Written {
+    task: u64,
+    buf: AlignedBuf,
+    loc: Loc,
+    epoch: u64,
+    result: Result<(), TierError>,
+}
+
+impl Write {
+    fn run(self) -> Written {
+        let Write { task, file, buf, len, loc, epoch } = self;
+        let result = match buf.as_slice().get(..len) {
+            Some(record) => {
+                file.write_at(record, loc.offset).map_err(|e| io_error(&file.path, "writing", &e))
+            }
+            None => Err(TierError::Io("a record larger than its buffer".into())),
+        };
+        Written { task, buf, loc, epoch, result }
+    }
+}
+
+/// The write thread's loop. It hands records to `WRITES_IN_FLIGHT` writer threads in order,
+/// and publishes a store task only once every write before its end has finished (so an
+/// abandoned task's segment is released, and a published record read, only after its bytes
+/// are on the file). Once a write fails, every later record of the same task and of the same
+/// segment life not yet handed over is skipped (nothing written) and the segment is sealed; the
+/// task completes with the failure and publishes nothing. Records written after a failed or
+/// torn one are harmless: nothing indexes a record of an unpublished task at run time, and
+/// after a restart the scan indexes only records whose header matches, and a load verifies
+/// epoch, key and checksum before serving one.
 fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender<AlignedBuf>) {
-    let mut failed_tasks: HashMap<u64, TierError> = HashMap::new();
-    let mut failed_segments: HashSet<(u32, u64)> = HashSet::new();
-    while let Ok(message) = messages.recv() {
-        match message {
-            WriteMsg::Record { task, file, buf, len, loc, epoch } => {
-                let skip = failed_tasks.contains_key(&task)
-                    || failed_segments.contains(&(loc.segment, epoch));
-                let result = if skip {
-                    Err(TierError::Io("skipped: an earlier write to its segment failed".into()))
-                } else {
-                    match buf.as_slice().get(..len) {
-                        Some(record) => file
-                            .write_at(record, loc.offset)
-                            .map_err(|e| io_error(&file.path, "writing", &e)),
-                        None => Err(TierError::Io("a record larger than its buffer".into())),
+    let (writes, queued) = unbounded::<Write>();
+    let (report, written) = unbounded::<Written>();
+    std::thread::scope(|scope| {
+        let mut writers = 0;
+        for n in 0..WRITES_IN_FLIGHT {
+            let (queued, report) = (queued.clone(), report.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("tierkv-disk-w{n}"))
+                .spawn_scoped(scope, move || {
+                    while let Ok(write) = queued.recv() {
+                        if report.send(write.run()).is_err() {
+                            break;
+                        }
                     }
-                };
-                if let Err(e) = result {
-                    failed_segments.insert((loc.segment, epoch));
-                    shared.seal_failed(loc.segment, epoch);
-                    failed_tasks.entry(task).or_insert(e);
+                });
+            writers += usize::from(spawned.is_ok());
+        }
+        drop((queued, report));
+        let mut state = InFlight {
+            shared: &shared,
+            free: &free,
+            written: &written,
+            in_flight: 0,
+            failed_tasks: HashMap::new(),
+            failed_segments: HashSet::new(),
+        };
+        // Finished writes are collected as they come, so their buffers go back to the storing
+        // thread while it waits for one; the queue of results is watched only while a write
+        // is in flight.
+        let nothing = crossbeam_channel::never::<Written>();
+        loop {
+            let results = if state.in_flight > 0 { &written } else { &nothing };
+            let message = crossbeam_channel::select! {
+                recv(messages) -> message => message,
+                recv(results) -> done => {
+                    state.collected(done);
+                    continue;
                 }
-                // The store thread may be gone (closing): the buffer is then simply freed.
-                let _ = free.send(buf);
+            };
+            let Ok(message) = message else {
+                break;
+            };
+            match message {
+                WriteMsg::Record { task, file, buf, len, loc, epoch } => {
+                    let write = Write { task, file, buf, len, loc, epoch };
+                    if state.failed_tasks.contains_key(&task)
+                        || state.failed_segments.contains(&(loc.segment, epoch))
+                    {
+                        let e =
+                            TierError::Io("skipped: an earlier write to its segment failed".into());
+                        state.finish(Written { task, buf: write.buf, loc, epoch, result: Err(e) });
+                        continue;
+                    }
+                    if writers == 0 {
+                        // No writer thread could be started: write here, one at a time.
+                        state.finish(write.run());
+                        continue;
+                    }
+                    while state.in_flight >= writers {
+                        state.collect_one();
+                    }
+                    match writes.send(write) {
+                        Ok(()) => state.in_flight += 1,
+                        Err(refused) => state.finish(refused.0.run()),
+                    }
+                }
+                WriteMsg::Abandon { task, records } => {
+                    state.collect_all();
+                    state.failed_tasks.remove(&task);
+                    shared.settle(&records);
+                }
+                WriteMsg::End { task, id, records, sources } => {
+                    state.collect_all();
+                    let result = match state.failed_tasks.remove(&task) {
+                        Some(e) => Err(e),
+                        None => shared.publish_records(&records),
+                    };
+                    shared.settle(&records);
+                    shared.count_store(&result, &records);
+                    let _ = shared.done.send(Completion::Stored { task: id, result, sources });
+                    shared.publish();
+                }
             }
-            WriteMsg::Abandon { task, records } => {
-                failed_tasks.remove(&task);
-                shared.settle(&records);
+        }
+        state.collect_all();
+        drop(writes);
+    });
+}
+
+/// The write thread's bookkeeping of writes in flight and of failures.
+struct InFlight<'a> {
+    shared: &'a Shared,
+    free: &'a Sender<AlignedBuf>,
+    written: &'a Receiver<Written>,
+    in_flight: usize,
+    failed_tasks: HashMap<u64, TierError>,
+    failed_segments: HashSet<(u32, u64)>,
+}
+
+impl InFlight<'_> {
+    /// Records a write's outcome and hands its buffer back.
+    fn finish(&mut self, written: Written) {
+        let Written { task, buf, loc, epoch, result } = written;
+        if let Err(e) = result {
+            self.failed_segments.insert((loc.segment, epoch));
+            self.shared.seal_failed(loc.segment, epoch);
+            self.failed_tasks.entry(task).or_insert(e);
+        }
+        // The store thread may be gone (closing): the buffer is then simply freed.
+        let _ = self.free.send(buf);
+    }
+
+    /// Waits for one write in flight to finish.
+    fn collect_one(&mut self) {
+        self.collected(self.written.recv());
+    }
+
+    /// Counts one write as finished.
+    fn collected(&mut self, done: Result<Written, crossbeam_channel::RecvError>) {
+        match done {
+            Ok(written) => {
+                self.in_flight -= 1;
+                self.finish(written);
             }
-            WriteMsg::End { task, id, records, sources } => {
-                let result = match failed_tasks.remove(&task) {
-                    Some(e) => Err(e),
-                    None => shared.publish_records(&records),
-                };
-                shared.settle(&records);
-                shared.count_store(&result, &records);
-                let _ = shared.done.send(Completion::Stored { task: id, result, sources });
-                shared.publish();
-            }
+            // Every writer is gone (none is while its queue is open): nothing is in flight.
+            Err(_) => self.in_flight = 0,
+        }
+    }
+
+    /// Waits until no write is in flight.
+    fn collect_all(&mut self) {
+        while self.in_flight > 0 {
+            self.collect_one();
         }
     }
 }
