@@ -361,6 +361,8 @@ fn cascade_under_concurrent_writers_and_readers_serves_only_right_bytes_and_leak
     for thread in 0..4u64 {
         let (s, done_tx) = (Arc::clone(&s), done_tx.clone());
         std::thread::spawn(move || {
+            // A failed check answers at once (a thread that only died would cost the deadline).
+            let _answers = Answer(done_tx);
             let owner = OwnerId(100 + thread);
             let layout = Layout::bytes(CHUNK).unwrap();
             for round in 0..60u64 {
@@ -390,11 +392,13 @@ fn cascade_under_concurrent_writers_and_readers_serves_only_right_bytes_and_leak
                 }
                 s.release(id, Readers::All).unwrap();
             }
-            let _ = done_tx.send(thread);
         });
     }
     for _ in 0..4 {
-        done_rx.recv_timeout(Duration::from_secs(120)).expect("a thread finished (no deadlock)");
+        let passed = done_rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("a thread finished (no deadlock)");
+        assert!(passed, "a thread's check failed (its message is above)");
     }
     eventually("the pipelines are idle", || s.status().store_in_flight == 0);
     let status = s.status();
@@ -402,6 +406,15 @@ fn cascade_under_concurrent_writers_and_readers_serves_only_right_bytes_and_leak
     assert!(status.tiers.iter().all(|(_, usage)| usage.locks == 0), "{status:?}");
     assert!(status.tiers[1].1.objects > 0, "L2's victims reached the disk: {status:?}");
     s.l1().audit().unwrap();
+}
+
+/// Tells a test's main thread, as a worker thread ends, whether it ended normally or panicked.
+struct Answer(std::sync::mpsc::Sender<bool>);
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        let _ = self.0.send(!std::thread::panicking());
+    }
 }
 
 /// Writes `keys` as one chain the way the daemon's session does: in windows of
