@@ -35,7 +35,9 @@ use tierkv_core::{
 use crate::config::{DiskStoreConfig, FsyncPolicy, ReadMode};
 use crate::error::DiskError;
 use crate::format::{BLOCK, Header, Superblock, payload_checksum, record_bytes};
-use crate::metrics::{DiskMetrics, Failure};
+use tierkv_tier_metrics::TierMetrics;
+
+use crate::metrics::{self, Failure, ReadOnlyGauge};
 use crate::segment::{
     DirLock, IoMode, SegmentFile, probe, secure, segment_id, segment_path, sync_dir,
 };
@@ -393,7 +395,8 @@ struct Shared {
     epochs: AtomicU64,
     done: Sender<Completion>,
     completions: Receiver<Completion>,
-    metrics: DiskMetrics,
+    metrics: TierMetrics,
+    read_only_gauge: ReadOnlyGauge,
 }
 
 /// The persistent, checksummed disk tier.
@@ -489,7 +492,8 @@ impl DiskStore {
             epochs: AtomicU64::new(0),
             done,
             completions,
-            metrics: DiskMetrics::register(),
+            metrics: metrics::register(),
+            read_only_gauge: ReadOnlyGauge::register(),
             config,
         });
         let store = DiskStore {
@@ -500,7 +504,7 @@ impl DiskStore {
             recovered,
         };
         // Records the scan could not index are misses like those a load finds damaged.
-        store.shared.metrics.checksum_failures(
+        store.shared.metrics.checksum_failed(
             u64::from(recovered.damaged_records) + u64::from(recovered.torn_records),
         );
         tracing::info!(
@@ -523,7 +527,7 @@ impl DiskStore {
                  work; retrying every {WRITABLE_RETRY:?}"
             );
         }
-        store.shared.metrics.read_only(read_only.is_some());
+        store.shared.read_only_gauge.set(read_only.is_some());
         store.start_threads()?;
         store.publish_metrics();
         Ok(store)
@@ -1483,7 +1487,7 @@ impl Shared {
                 }
                 Err(ReadFailure::Sink) => self.metrics.failed(Failure::Copy),
                 Err(ReadFailure::Damaged) => {
-                    self.metrics.checksum_failed();
+                    self.metrics.checksum_failed(1);
                     damaged.push((item.key, *loc));
                 }
                 Err(ReadFailure::Io) => {
@@ -1558,7 +1562,7 @@ impl Shared {
         match self.become_writable(&mut state) {
             Ok(()) => {
                 state.read_only = None;
-                self.metrics.read_only(false);
+                self.read_only_gauge.set(false);
                 tracing::info!(
                     "the disk tier in {} is writable again; stores to disk resume",
                     self.config.dir.display()

@@ -24,7 +24,9 @@ use tierkv_core::{
 use crate::arena::{Arena, MemoryKind};
 use crate::config::HostStoreConfig;
 use crate::error::L2Error;
-use crate::metrics::{Failure, L2Metrics};
+use tierkv_tier_metrics::TierMetrics;
+
+use crate::metrics::{self, Failure};
 
 struct Entry {
     slot: u32,
@@ -139,7 +141,7 @@ struct Shared {
     next_task: AtomicU64,
     done: Sender<Completion>,
     completions: Receiver<Completion>,
-    metrics: L2Metrics,
+    metrics: TierMetrics,
     /// Where eviction victims go, once set; without it they are dropped.
     demote: OnceLock<Demote>,
 }
@@ -173,7 +175,7 @@ impl HostStore {
             next_task: AtomicU64::new(1),
             done,
             completions,
-            metrics: L2Metrics::register(),
+            metrics: metrics::register(),
             demote: OnceLock::new(),
         });
         let (jobs, queue) = unbounded::<Job>();

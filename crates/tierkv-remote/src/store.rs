@@ -26,7 +26,9 @@ use crate::config::RemoteConfig;
 use crate::conn::Link;
 use crate::error::{CallError, RemoteError};
 use crate::format::{HEADER_BYTES, encode_header, redis_key, verify};
-use crate::metrics::RemoteMetrics;
+use tierkv_tier_metrics::TierMetrics;
+
+use crate::metrics::{self, DegradedGauge};
 
 struct Shared {
     config: RemoteConfig,
@@ -35,7 +37,8 @@ struct Shared {
     permits: Semaphore,
     done: Sender<Completion>,
     completions: Receiver<Completion>,
-    metrics: RemoteMetrics,
+    metrics: TierMetrics,
+    degraded_gauge: DegradedGauge,
     closed: AtomicBool,
     close_signal: watch::Sender<bool>,
     /// Lookup "locks" not yet returned: a ledger, see the module documentation.
@@ -72,7 +75,8 @@ impl RemoteStore {
             config,
             done,
             completions,
-            metrics: RemoteMetrics::register(),
+            metrics: metrics::register(),
+            degraded_gauge: DegradedGauge::register(),
             closed: AtomicBool::new(false),
             close_signal,
             locks: Mutex::new(HashMap::new()),
@@ -147,7 +151,7 @@ impl RemoteStore {
                         completion = work => Some(completion),
                     };
                     let completion = completion.unwrap_or_else(|| {
-                        shared.metrics.error("closed");
+                        shared.metrics.failed("closed");
                         failed()
                     });
                     let _ = shared.done.send(completion);
@@ -156,7 +160,7 @@ impl RemoteStore {
                 });
             }
             _ => {
-                shared.metrics.error("closed");
+                shared.metrics.failed("closed");
                 let _ = shared.done.send(failed());
             }
         }
@@ -165,15 +169,14 @@ impl RemoteStore {
 
 impl Shared {
     fn publish(&self) {
-        self.metrics.publish(
-            self.objects.load(Ordering::Relaxed),
-            self.bytes.load(Ordering::Relaxed),
-            self.link.degraded().is_some(),
-        );
+        let (objects, bytes) =
+            (self.objects.load(Ordering::Relaxed), self.bytes.load(Ordering::Relaxed));
+        self.metrics.publish(0, bytes, objects);
+        self.degraded_gauge.set(self.link.degraded().is_some());
     }
 
     fn count_error(&self, e: &CallError) {
-        self.metrics.error(e.reason());
+        self.metrics.failed(e.reason());
     }
 
     /// Stores every item, each in its own task (its copy, checksum and `SET` overlap the
@@ -186,7 +189,7 @@ impl Shared {
     ) -> (Result<(), TierError>, Vec<StoreItem>) {
         let limit = self.config.max_chunk_bytes;
         if let Some(item) = items.iter().find(|i| i.source.len() > limit) {
-            self.metrics.error("too_large");
+            self.metrics.failed("too_large");
             let bytes = item.source.len();
             return (Err(TierError::TooLarge { bytes, limit }), items);
         }
@@ -308,13 +311,14 @@ impl Shared {
                     Ok(payload) => {
                         let copied = item.sink.write_from(payload).is_ok();
                         if !copied {
-                            shared.metrics.error("copy");
+                            shared.metrics.failed("copy");
                         }
                         copied
                     }
                     Err(invalid) => {
                         tracing::warn!(key = ?item.key, why = invalid.reason(), "a remote value failed verification: a miss");
-                        shared.metrics.invalid(invalid.reason());
+                        shared.metrics.checksum_failed(1);
+                        shared.metrics.failed(invalid.reason());
                         false
                     }
                 };

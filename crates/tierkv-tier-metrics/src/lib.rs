@@ -1,0 +1,248 @@
+//! The metrics every tier below L1 publishes, under one set of names with a `tier` label: what
+//! it stores and loads, what it holds, what it evicts, what failed verification, and what it
+//! refused and why. One definition, so that names, units and descriptions cannot drift between
+//! the host, disk and remote tiers (`docs/metrics.md` lists them).
+
+use metrics::{Counter, Gauge, Unit, counter, describe_counter, describe_gauge, gauge};
+
+/// The metric handles of one tier, registered once through the `metrics` facade.
+pub struct TierMetrics {
+    stores: Counter,
+    loads: Counter,
+    bytes_written: Counter,
+    bytes_read: Counter,
+    used: Gauge,
+    objects: Gauge,
+    checksum_failures: Counter,
+    errors: Vec<(&'static str, Counter)>,
+    /// For a tier that bounds and evicts its own contents.
+    bounded: Option<Bounded>,
+}
+
+/// The metrics only a tier that bounds its own contents has.
+struct Bounded {
+    capacity: Gauge,
+    cached: Gauge,
+    free: Gauge,
+    evictions: Counter,
+}
+
+/// Whether a tier bounds its contents itself (and so has a capacity and evicts), or leaves that
+/// to the store behind it (Redis).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capacity {
+    /// The tier holds at most a configured number of bytes and evicts to stay within it.
+    Bounded,
+    /// The store behind the tier decides what it keeps.
+    External,
+}
+
+impl TierMetrics {
+    /// Registers the metrics of `tier` (the label value), with one error counter per reason in
+    /// `reasons` (the values of the `reason` label of `tierkv_errors_total`).
+    pub fn register(tier: &'static str, capacity: Capacity, reasons: &[&'static str]) -> Self {
+        describe();
+        let bounded = (capacity == Capacity::Bounded).then(|| Bounded {
+            capacity: gauge!("tierkv_tier_capacity_bytes", "tier" => tier),
+            cached: gauge!("tierkv_tier_cached_bytes", "tier" => tier),
+            free: gauge!("tierkv_tier_free_bytes", "tier" => tier),
+            evictions: counter!("tierkv_evictions_total", "tier" => tier, "reason" => "capacity"),
+        });
+        TierMetrics {
+            stores: counter!("tierkv_tier_stores_total", "tier" => tier),
+            loads: counter!("tierkv_tier_loads_total", "tier" => tier),
+            bytes_written: counter!("tierkv_tier_bytes_written_total", "tier" => tier),
+            bytes_read: counter!("tierkv_tier_bytes_read_total", "tier" => tier),
+            used: gauge!("tierkv_tier_used_bytes", "tier" => tier),
+            objects: gauge!("tierkv_tier_objects", "tier" => tier),
+            checksum_failures: counter!("tierkv_checksum_failures_total", "tier" => tier),
+            errors: reasons
+                .iter()
+                .map(|r| (*r, counter!("tierkv_errors_total", "tier" => tier, "reason" => *r)))
+                .collect(),
+            bounded,
+        }
+    }
+
+    /// Sets the usage gauges: `capacity` counts only for a bounded tier. Every object of a lower
+    /// tier is cached (evictable, but for the brief locks of a load), so a bounded tier's gauges
+    /// add up as L1's do: cached + free = capacity.
+    pub fn publish(&self, capacity: u64, used: u64, objects: u64) {
+        self.used.set(used as f64);
+        self.objects.set(objects as f64);
+        if let Some(bounded) = &self.bounded {
+            bounded.capacity.set(capacity as f64);
+            bounded.cached.set(used as f64);
+            bounded.free.set(capacity.saturating_sub(used) as f64);
+        }
+    }
+
+    /// `objects` objects of `bytes` bytes in all were stored.
+    pub fn stored(&self, objects: u64, bytes: u64) {
+        self.stores.increment(objects);
+        self.bytes_written.increment(bytes);
+    }
+
+    /// `objects` objects of `bytes` bytes in all were loaded.
+    pub fn loaded(&self, objects: u64, bytes: u64) {
+        self.loads.increment(objects);
+        self.bytes_read.increment(bytes);
+    }
+
+    /// `n` objects were evicted for room (nothing is counted for an external tier).
+    pub fn evicted(&self, n: u64) {
+        if let Some(bounded) = &self.bounded {
+            bounded.evictions.increment(n);
+        }
+    }
+
+    /// `n` objects failed verification and were served as misses.
+    pub fn checksum_failed(&self, n: u64) {
+        self.checksum_failures.increment(n);
+    }
+
+    /// A request or key was refused for `reason`, one of those registered (any other is a bug,
+    /// caught in debug builds).
+    pub fn failed(&self, reason: impl Into<&'static str>) {
+        let reason = reason.into();
+        match self.errors.iter().find(|(r, _)| *r == reason) {
+            Some((_, counter)) => counter.increment(1),
+            None => debug_assert!(false, "the error reason {reason:?} was never registered"),
+        }
+    }
+}
+
+/// Describes the tier metrics (describing again is harmless: the last description wins). The
+/// cached and free gauges are described by L1, which publishes them too.
+fn describe() {
+    describe_counter!("tierkv_tier_stores_total", Unit::Count, "Objects stored into a lower tier.");
+    describe_counter!("tierkv_tier_loads_total", Unit::Count, "Objects loaded from a lower tier.");
+    describe_counter!(
+        "tierkv_tier_bytes_written_total",
+        Unit::Bytes,
+        "Bytes stored into a lower tier."
+    );
+    describe_counter!(
+        "tierkv_tier_bytes_read_total",
+        Unit::Bytes,
+        "Bytes loaded from a lower tier."
+    );
+    describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
+    describe_gauge!("tierkv_tier_used_bytes", Unit::Bytes, "Bytes held by objects.");
+    describe_gauge!("tierkv_tier_objects", Unit::Count, "Objects held by a tier.");
+    describe_counter!(
+        "tierkv_evictions_total",
+        Unit::Count,
+        "Objects evicted, by tier and reason."
+    );
+    describe_counter!(
+        "tierkv_checksum_failures_total",
+        Unit::Count,
+        "Objects whose header or payload failed verification: served as misses and dropped."
+    );
+    describe_counter!(
+        "tierkv_errors_total",
+        Unit::Count,
+        "Refused requests and keys, by tier and reason."
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    use super::*;
+
+    /// One series: its name, its labels and its value.
+    type Series = (String, Vec<(String, String)>, f64);
+
+    /// Every series the calls in `record` leave.
+    fn series(record: impl FnOnce()) -> Vec<Series> {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, record);
+        let mut all: Vec<_> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, value)| {
+                let labels = key
+                    .key()
+                    .labels()
+                    .map(|l| (l.key().to_string(), l.value().to_string()))
+                    .collect();
+                let value = match value {
+                    DebugValue::Counter(n) => n as f64,
+                    DebugValue::Gauge(g) => g.into_inner(),
+                    DebugValue::Histogram(_) => f64::NAN,
+                };
+                (key.key().name().to_string(), labels, value)
+            })
+            .collect();
+        all.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        all
+    }
+
+    fn value(all: &[Series], name: &str, reason: &str) -> f64 {
+        all.iter()
+            .filter(|(n, labels, _)| {
+                n == name && (reason.is_empty() || labels.iter().any(|(_, v)| v == reason))
+            })
+            .map(|(.., v)| *v)
+            .sum()
+    }
+
+    #[test]
+    fn a_bounded_tier_publishes_its_usage_traffic_and_refusals_under_the_shared_names() {
+        let all = series(|| {
+            let m = TierMetrics::register("disk", Capacity::Bounded, &["io", "no_space"]);
+            m.publish(100, 30, 3);
+            m.stored(2, 20);
+            m.loaded(1, 10);
+            m.evicted(4);
+            m.checksum_failed(1);
+            m.failed("io");
+            m.failed("io");
+        });
+        let expected = [
+            ("tierkv_tier_capacity_bytes", "", 100.0),
+            ("tierkv_tier_used_bytes", "", 30.0),
+            ("tierkv_tier_cached_bytes", "", 30.0),
+            ("tierkv_tier_free_bytes", "", 70.0),
+            ("tierkv_tier_objects", "", 3.0),
+            ("tierkv_tier_stores_total", "", 2.0),
+            ("tierkv_tier_bytes_written_total", "", 20.0),
+            ("tierkv_tier_loads_total", "", 1.0),
+            ("tierkv_tier_bytes_read_total", "", 10.0),
+            ("tierkv_evictions_total", "capacity", 4.0),
+            ("tierkv_checksum_failures_total", "", 1.0),
+            ("tierkv_errors_total", "io", 2.0),
+            ("tierkv_errors_total", "no_space", 0.0),
+        ];
+        for (name, reason, want) in expected {
+            assert_eq!(value(&all, name, reason), want, "{name} {reason}");
+        }
+        assert!(all.iter().all(|(_, labels, _)| labels.contains(&("tier".into(), "disk".into()))));
+    }
+
+    #[test]
+    fn an_external_tier_has_no_capacity_and_no_evictions_of_its_own() {
+        let all = series(|| {
+            let m = TierMetrics::register("remote", Capacity::External, &["timeout"]);
+            m.publish(0, 30, 3);
+            m.evicted(4);
+        });
+        let names: Vec<&str> = all.iter().map(|(n, ..)| n.as_str()).collect();
+        for absent in [
+            "tierkv_tier_capacity_bytes",
+            "tierkv_tier_cached_bytes",
+            "tierkv_tier_free_bytes",
+            "tierkv_evictions_total",
+        ] {
+            assert!(!names.contains(&absent), "{absent} is published: {names:?}");
+        }
+        assert_eq!(value(&all, "tierkv_tier_used_bytes", ""), 30.0);
+    }
+}
