@@ -244,7 +244,11 @@ fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
                     seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     let k = key((seed >> 33) % 48);
                     match (seed >> 20) % 4 {
-                        0 => drop(shared.store(&[k])),
+                        // Runs of one to three records: a task may span two segments.
+                        0 => {
+                            let first = (seed >> 33) % 48;
+                            drop(shared.store(&keys(first..first + 1 + (seed >> 40) % 3)))
+                        }
                         1 => drop(shared.load_verified(&[k])),
                         2 => {
                             if shared.lookup(&[k]).get(0) {
