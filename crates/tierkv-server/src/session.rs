@@ -574,9 +574,19 @@ impl Session {
         // chain does, as in a store of one window, and every tier's recency order then loses a
         // chain's tail before its root.
         let starts: Vec<usize> = (0..chunks.len()).step_by(window).collect();
+        // A window that fails ends the request with its error, but the windows before it are
+        // stored: their tickets are still kept, so the session's durability report counts them.
+        let mut failed = None;
         for start in starts.into_iter().rev() {
             let end = (start + window).min(chunks.len());
-            let part = self.store_part(source, &chunks[start..end], &keys[start..end], start)?;
+            let part = match self.store_part(source, &chunks[start..end], &keys[start..end], start)
+            {
+                Ok(part) => part,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            };
             total.stored += part.stored;
             total.present += part.present;
             total.bytes += part.bytes;
@@ -601,6 +611,9 @@ impl Session {
             });
         }
         self.daemon.metrics.data_bytes("store", total.bytes);
+        if let Some(e) = failed {
+            return Err(e);
+        }
         Ok(ReplyBody::Stored {
             stored: total.stored,
             present: total.present,
