@@ -61,7 +61,7 @@ pub fn sweep_simulation(
                                     .collect();
                                 simulate_cascade(trace, kind, &tiers)
                             }
-                            (Policy::Belady, Some(l1)) => {
+                            (Policy::Belady | Policy::LruOracleAdmission, Some(l1)) => {
                                 let total =
                                     lower.iter().fold(l1, |t, c| t.saturating_add(chunks(*c)));
                                 simulate(trace, policy, Some(total))

@@ -31,6 +31,10 @@ pub enum Policy {
     Online(PolicyKind),
     /// The offline optimum: evict the chunk used furthest in the future.
     Belady,
+    /// LRU that caches only chunks the trace names again: an offline bound on what any rule
+    /// deciding *whether* to cache a chunk can add to LRU (it does not know *when* the chunk
+    /// is named again, which only [`Policy::Belady`] uses).
+    LruOracleAdmission,
 }
 
 impl Policy {
@@ -39,6 +43,7 @@ impl Policy {
         match self {
             Policy::Online(kind) => kind.as_str(),
             Policy::Belady => "belady",
+            Policy::LruOracleAdmission => "lru-oracle-admission",
         }
     }
 
@@ -46,6 +51,7 @@ impl Policy {
     pub fn parse(name: &str) -> Option<Policy> {
         match name {
             "belady" | "optimal" | "opt" => Some(Policy::Belady),
+            "lru-oracle-admission" => Some(Policy::LruOracleAdmission),
             other => PolicyKind::ALL.into_iter().find(|k| k.as_str() == other).map(Policy::Online),
         }
     }
@@ -102,28 +108,59 @@ fn ratio(part: u64, whole: u64) -> f64 {
 pub fn simulate(trace: &Trace, policy: Policy, capacity: Option<usize>) -> SimCounts {
     let capacity = capacity.unwrap_or(usize::MAX);
     match policy {
-        Policy::Online(kind) => simulate_online(trace, kind.build(), capacity),
+        Policy::Online(kind) => simulate_online(trace, kind.build(), capacity, |_| true),
         Policy::Belady => simulate_belady(trace, capacity),
+        Policy::LruOracleAdmission => {
+            let next = next_uses(trace);
+            simulate_online(trace, PolicyKind::Lru.build(), capacity, |t| next[t] != NEVER)
+        }
     }
 }
 
+/// `next_uses(trace)[t]` is the next position in the trace's flattened chunk stream that names
+/// the chunk at position `t` again, or [`NEVER`].
+fn next_uses(trace: &Trace) -> Vec<u64> {
+    let total: usize = trace.requests.iter().map(|r| r.chunks.len()).sum();
+    let mut next = vec![NEVER; total];
+    let mut seen: HashMap<u64, u64> = HashMap::with_capacity(total / 2);
+    let mut t = total;
+    for request in trace.requests.iter().rev() {
+        for chunk in request.chunks.iter().rev() {
+            t -= 1;
+            if let Some(later) = seen.insert(*chunk, t as u64) {
+                next[t] = later;
+            }
+        }
+    }
+    next
+}
+
+/// A chunk the trace never names again.
+const NEVER: u64 = u64::MAX;
+
+/// Replays `trace` through `policy`; a missed chunk at stream position `t` is cached only if
+/// `admit(t)`.
 fn simulate_online(
     trace: &Trace,
     mut policy: Box<dyn EvictionPolicy<u64>>,
     capacity: usize,
+    admit: impl Fn(usize) -> bool,
 ) -> SimCounts {
     let mut counts = SimCounts::default();
     let mut reserved = Vec::new();
+    let mut t = 0usize;
     for request in &trace.requests {
         let chunks = &request.chunks;
+        let start = t;
+        t += chunks.len();
         for chunk in chunks.iter().rev() {
             policy.touch(chunk);
         }
         let hit = chunks.iter().take_while(|c| policy.contains(c)).count();
         counts.add_request(chunks.len(), request.tokens, hit, trace.chunk_tokens);
         reserved.clear();
-        for chunk in &chunks[hit..] {
-            if policy.contains(chunk) || capacity == 0 {
+        for (i, chunk) in chunks.iter().enumerate().skip(hit) {
+            if policy.contains(chunk) || capacity == 0 || !admit(start + i) {
                 continue;
             }
             if policy.len() + reserved.len() >= capacity
@@ -160,7 +197,7 @@ pub fn simulate_cascade(trace: &Trace, policy: PolicyKind, capacities: &[usize])
         capacities.iter().filter(|c| **c > 0).map(|c| (policy.build(), *c)).collect();
     let mut counts = SimCounts::default();
     if tiers.is_empty() {
-        return simulate_online(trace, policy.build(), 0);
+        return simulate_online(trace, policy.build(), 0, |_| true);
     }
     let mut reserved = Vec::new();
     for request in &trace.requests {
@@ -244,20 +281,8 @@ fn demote(tiers: &mut [(Box<dyn EvictionPolicy<u64>>, usize)], at: usize, chunk:
 
 /// Belady's MIN with bypass over the same lookups and stores.
 fn simulate_belady(trace: &Trace, capacity: usize) -> SimCounts {
-    // Time is the position in the flattened chunk stream; `next[t]` is the next time the chunk at
-    // `t` is named again (`u64::MAX`: never).
-    let total: usize = trace.requests.iter().map(|r| r.chunks.len()).sum();
-    let mut next = vec![u64::MAX; total];
-    let mut seen: HashMap<u64, u64> = HashMap::with_capacity(total / 2);
-    let mut t = total;
-    for request in trace.requests.iter().rev() {
-        for chunk in request.chunks.iter().rev() {
-            t -= 1;
-            if let Some(later) = seen.insert(*chunk, t as u64) {
-                next[t] = later;
-            }
-        }
-    }
+    // Time is the position in the flattened chunk stream.
+    let next = next_uses(trace);
     // The cache: each chunk with its next use, and the same pairs ordered by next use.
     let mut cached: HashMap<u64, u64> = HashMap::new();
     let mut by_next: BTreeSet<(u64, u64)> = BTreeSet::new();
@@ -275,7 +300,7 @@ fn simulate_belady(trace: &Trace, capacity: usize) -> SimCounts {
                 by_next.insert((next_use, *chunk));
                 continue;
             }
-            if i < hit || next_use == u64::MAX || capacity == 0 {
+            if i < hit || next_use == NEVER || capacity == 0 {
                 continue;
             }
             if cached.len() >= capacity {
@@ -342,6 +367,18 @@ mod tests {
     }
 
     #[test]
+    fn oracle_admission_caches_only_what_is_named_again() {
+        // Capacity 1. LRU lets every chunk push out the last and hits nothing. The oracle never
+        // caches 2 (named once), so 1 hits; 3 (named again) then pushes 1 out in LRU order, and
+        // 1's last use is not cached, so 3 hits too.
+        let t = trace(&[&[1], &[2], &[1], &[3], &[1], &[3]]);
+        let oracle = simulate(&t, Policy::LruOracleAdmission, Some(1));
+        assert_eq!((oracle.hit_chunks, oracle.inserted), (2, 2));
+        assert_eq!(simulate(&t, Policy::Online(PolicyKind::Lru), Some(1)).hit_chunks, 0);
+        assert!(oracle.hit_chunks <= simulate(&t, Policy::Belady, Some(1)).hit_chunks);
+    }
+
+    #[test]
     fn unbounded_caches_agree() {
         let t = trace(&[&[1, 2, 3], &[1, 2, 4], &[5], &[1, 2, 3, 6], &[5, 7]]);
         let expected = simulate(&t, Policy::Belady, None);
@@ -402,9 +439,12 @@ mod tests {
 
     #[test]
     fn policy_names_round_trip() {
-        for policy in
-            [Policy::Belady, Policy::Online(PolicyKind::Lru), Policy::Online(PolicyKind::S3Fifo)]
-        {
+        for policy in [
+            Policy::Belady,
+            Policy::LruOracleAdmission,
+            Policy::Online(PolicyKind::Lru),
+            Policy::Online(PolicyKind::S3Fifo),
+        ] {
             assert_eq!(Policy::parse(policy.name()), Some(policy));
         }
         assert_eq!(Policy::parse("fifo"), None);

@@ -29,8 +29,9 @@ pub struct ReplayArgs {
     /// Default: 10000.
     #[arg(long, value_delimiter = ',')]
     capacity: Option<Vec<String>>,
-    /// Eviction policies: `lru`, `s3fifo`, and `belady` (the offline optimum, simulation only).
-    /// A comma-separated list compares them. Default: lru.
+    /// Eviction policies: `lru`, `s3fifo`, `adaptive`, and, simulation only, `belady` (the
+    /// offline optimum) and `lru-oracle-admission` (LRU caching only chunks named again: the
+    /// bound on admission rules). A comma-separated list compares them. Default: adaptive.
     #[arg(long, value_delimiter = ',')]
     policy: Option<Vec<String>>,
     /// Bytes of each chunk's payload (daemon replays).
@@ -157,16 +158,18 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         .map(|c| capacity(c, chunk_bytes))
         .collect::<Result<Vec<_>, _>>()?;
     let policy_given = args.policy.is_some();
-    let policies = args
-        .policy
-        .clone()
-        .unwrap_or_else(|| vec![PolicyKind::default().as_str().into()])
-        .iter()
-        .map(|p| {
-            Policy::parse(p.trim())
-                .ok_or_else(|| format!("unknown policy {p:?}: lru, s3fifo, adaptive or belady"))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let policies =
+        args.policy
+            .clone()
+            .unwrap_or_else(|| vec![PolicyKind::default().as_str().into()])
+            .iter()
+            .map(|p| {
+                Policy::parse(p.trim())
+                .ok_or_else(|| format!(
+                    "unknown policy {p:?}: lru, s3fifo, adaptive, belady or lru-oracle-admission"
+                ))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
 
     if args.simulate {
         let daemon_only = [
@@ -251,7 +254,7 @@ fn daemon_targets(
         }
         for policy in policies {
             let Policy::Online(kind) = *policy else {
-                return Err("belady is the offline optimum: it needs --simulate".into());
+                return Err(format!("{} knows the future: it needs --simulate", policy.name()));
             };
             let tiers = TierChunks { l1, l2, disk, cascade: args.cascade };
             targets.push(Target::Spawn { tiers, policy: kind });
