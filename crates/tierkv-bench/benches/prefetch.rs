@@ -5,6 +5,10 @@
 //! temporary and freed on release). Figures are chunks per second and GB/s, next to the limits
 //! measured in the same run: single-core memcpy, and the disk's sequential `O_DIRECT` read.
 //!
+//! A second part looks up one long prefix, 8,192 chunks of 16 KiB (a 128k-token prompt at
+//! 16-token chunks), held in L2: the cost of planning a hit of thousands of chunks shows there,
+//! against memcpy of 16 KiB.
+//!
 //! `cargo bench -p tierkv-bench --bench prefetch` (`TIERKV_BENCH_DIR` picks the filesystem).
 
 #![allow(
@@ -25,6 +29,8 @@ use tierkv_storage::{StorageConfig, StorageManager};
 
 const CHUNK: u64 = 2 << 20;
 const PREFIX: u64 = 64;
+const LONG_CHUNK: u64 = 16 << 10;
+const LONG_PREFIX: u64 = 8192;
 const OWNER: OwnerId = OwnerId(1);
 
 fn key(i: u64) -> ObjectKey {
@@ -48,7 +54,7 @@ fn run(
     tier: usize,
     out: &mut [Vec<u8>],
 ) -> f64 {
-    let layout = Layout::bytes(CHUNK).unwrap();
+    let layout = Layout::bytes(out[0].len() as u64).unwrap();
     let start = Instant::now();
     for _ in 0..lookups {
         let id = s.submit_prefetch(OWNER, keys.to_vec(), ExtraCount::ZERO, layout.clone()).unwrap();
@@ -65,6 +71,44 @@ fn run(
         s.release(id, Readers::All).unwrap();
     }
     (lookups * keys.len()) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Stores `keys` (`chunk` bytes each) through L1 and waits until the first `tiers` tiers below
+/// L1 hold them all.
+fn fill(s: &StorageManager, keys: &[ObjectKey], chunk: u64, tiers: usize) {
+    let layout = Layout::bytes(chunk).unwrap();
+    let source = vec![0x5au8; chunk as usize];
+    assert!(s.reserve_write(OWNER, keys, &layout).unwrap().iter().all(|r| r.is_ok()));
+    for k in keys {
+        s.write_access(OWNER, k).unwrap().write_at(0, &source).unwrap();
+    }
+    assert!(s.finish_write(OWNER, keys).unwrap().iter().all(|r| r.is_ok()));
+    for tier in 0..tiers {
+        settle(s, tier, keys.len() as u64);
+    }
+}
+
+/// One prefix of [`LONG_PREFIX`] chunks, looked up from L2; returns chunks per second.
+fn long_prefix_from_l2() -> f64 {
+    let config = StorageConfig {
+        l2: Some(HostStoreConfig {
+            memory: HostMemory::Plain,
+            workers: 2,
+            ..HostStoreConfig::new(2 * LONG_PREFIX * LONG_CHUNK, LONG_CHUNK)
+        }),
+        ..StorageConfig::new(L1Config {
+            device: DeviceKind::Emulated,
+            ..L1Config::new(2 * LONG_PREFIX * LONG_CHUNK, LONG_CHUNK)
+        })
+    };
+    let s = StorageManager::start(config).unwrap();
+    let keys: Vec<ObjectKey> = (0..LONG_PREFIX).map(key).collect();
+    fill(&s, &keys, LONG_CHUNK, 1);
+    s.clear_l1(false);
+    let mut out: Vec<Vec<u8>> = (0..LONG_PREFIX).map(|_| vec![1u8; LONG_CHUNK as usize]).collect();
+    let rate = run(&s, &keys, 4, 1, &mut out);
+    s.stop();
+    rate
 }
 
 fn main() {
@@ -97,15 +141,7 @@ fn main() {
     };
     let s = StorageManager::start(config).unwrap();
     let keys: Vec<ObjectKey> = (0..PREFIX).map(key).collect();
-    let layout = Layout::bytes(CHUNK).unwrap();
-    let source = vec![0x5au8; CHUNK as usize];
-    assert!(s.reserve_write(OWNER, &keys, &layout).unwrap().iter().all(|r| r.is_ok()));
-    for k in &keys {
-        s.write_access(OWNER, k).unwrap().write_at(0, &source).unwrap();
-    }
-    assert!(s.finish_write(OWNER, &keys).unwrap().iter().all(|r| r.is_ok()));
-    settle(&s, 0, PREFIX);
-    settle(&s, 1, PREFIX);
+    fill(&s, &keys, CHUNK, 2);
     let mut out: Vec<Vec<u8>> = (0..PREFIX).map(|_| vec![1u8; CHUNK as usize]).collect();
 
     let per_chunk = |rate: f64| rate * CHUNK as f64;
@@ -131,9 +167,18 @@ fn main() {
         per_chunk(rate),
         "disk sequential read, 2 MiB requests x 4",
     );
+    s.stop();
+
+    table.limit("memcpy 16 KiB", memcpy_bandwidth(LONG_CHUNK as usize, Duration::from_secs(1)));
+    let long = long_prefix_from_l2();
+    table.figure(
+        "8,192-chunk prefix of 16 KiB, hits in L2 (promote, read out, release)",
+        long * LONG_CHUNK as f64,
+        "memcpy 16 KiB",
+    );
     println!("{}", table.render());
     println!(
-        "chunks per second: L1 {l1:.0}, L2 {l2:.0}, disk {rate:.0} (2 MiB chunks, emulated L1, 2 cores)"
+        "chunks per second: L1 {l1:.0}, L2 {l2:.0}, disk {rate:.0} (2 MiB chunks, emulated L1, 2 cores); \
+         long prefix from L2 {long:.0} (16 KiB chunks)"
     );
-    s.stop();
 }

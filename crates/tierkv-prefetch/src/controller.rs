@@ -17,7 +17,7 @@
 //! The caller keeps the L1 hits it leased before submitting (rule 4: pin before you allocate);
 //! the controller never touches them.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -313,12 +313,13 @@ struct Active {
     locked: Vec<Vec<ObjectKey>>,
     /// Where each needed key is loaded from.
     source: HashMap<At, usize>,
-    /// Keys reserved in L1 (temporary slots), by position.
-    reserved: Vec<At>,
+    /// Keys reserved in L1 (temporary slots), by position. Positions are kept in sets, so the
+    /// planning stays O(n log n) in the hit's length.
+    reserved: BTreeSet<At>,
     /// Keys whose load succeeded.
-    loaded: Vec<At>,
+    loaded: BTreeSet<At>,
     /// Needed keys that found no room in L1: they stay locked in their tier.
-    below: Vec<At>,
+    below: BTreeSet<At>,
 }
 
 impl Active {
@@ -348,12 +349,12 @@ impl Active {
     }
 
     /// The keys not in L1 that a hit of `n` needs.
-    fn needed(&self, n: usize) -> Vec<At> {
-        let mut needed = Vec::new();
+    fn needed(&self, n: usize) -> BTreeSet<At> {
+        let mut needed = BTreeSet::new();
         for (g, group) in self.request.groups.iter().enumerate() {
             for i in group.kind.needed(n, self.request.chunk_tokens) {
                 if !group.in_l1[i] {
-                    needed.push((g, i));
+                    needed.insert((g, i));
                 }
             }
         }
@@ -469,7 +470,9 @@ impl Worker {
             self.shared.deliver(id, Err(error.clone()));
         }
         for (id, active) in std::mem::take(&mut self.active) {
-            let _ = catch_unwind(AssertUnwindSafe(|| self.release_everything(&active, &[])));
+            let _ = catch_unwind(AssertUnwindSafe(|| {
+                self.release_everything(&active, &BTreeSet::new())
+            }));
             self.shared.metrics.failed();
             self.shared.deliver(id, Err(error.clone()));
         }
@@ -503,9 +506,9 @@ impl Worker {
                 phase: Phase::LookingUp { found: vec![None; tiers], waiting: 0 },
                 locked: vec![Vec::new(); tiers],
                 source: HashMap::new(),
-                reserved: Vec::new(),
-                loaded: Vec::new(),
-                below: Vec::new(),
+                reserved: BTreeSet::new(),
+                loaded: BTreeSet::new(),
+                below: BTreeSet::new(),
             };
             self.started += 1;
             self.shared.metrics.started();
@@ -569,13 +572,15 @@ impl Worker {
                 // Drop the sinks (the write guards) before finishing or aborting their writes.
                 let keys: Vec<ObjectKey> = sinks.iter().map(|item| item.key).collect();
                 drop(sinks);
+                let mut reserved_at: HashMap<ObjectKey, At> = HashMap::new();
+                for at in &active.reserved {
+                    reserved_at.entry(active.key(*at)).or_insert(*at);
+                }
                 let arrived: Vec<At> = keys
                     .iter()
                     .enumerate()
                     .filter(|(i, _)| loaded.get(*i))
-                    .filter_map(|(_, key)| {
-                        active.reserved.iter().find(|at| active.key(**at) == *key).copied()
-                    })
+                    .filter_map(|(_, key)| reserved_at.get(key).copied())
                     .collect();
                 active.loaded.extend(arrived);
                 match &mut active.phase {
@@ -644,10 +649,14 @@ impl Worker {
                     .unwrap_or_else(|_| vec![Err(KeyError::OutOfMemory); keys.len()]);
                 for (at, result) in wanted.iter().zip(results) {
                     match result {
-                        Ok(_) => active.reserved.push(*at),
+                        Ok(_) => {
+                            active.reserved.insert(*at);
+                        }
                         // No room: read from its tier instead. A key refused for any other
                         // reason (another writer has it in flight) trims the hit.
-                        Err(KeyError::OutOfMemory) => active.below.push(*at),
+                        Err(KeyError::OutOfMemory) => {
+                            active.below.insert(*at);
+                        }
                         Err(_) => {}
                     }
                 }
@@ -657,10 +666,9 @@ impl Worker {
         let n =
             active.hit(|g, i| active.reserved.contains(&(g, i)) || active.below.contains(&(g, i)));
         let needed = active.needed(n);
-        let (keep, drop_now): (Vec<At>, Vec<At>) =
-            active.reserved.iter().copied().partition(|at| needed.contains(at));
+        let drop_now: Vec<At> = active.reserved.difference(&needed).copied().collect();
         self.abort(&active, &drop_now);
-        active.reserved = keep;
+        active.reserved.retain(|at| needed.contains(at));
         active.below.retain(|at| needed.contains(at));
         active.source.retain(|at, _| active.reserved.contains(at) || active.below.contains(at));
         self.unlock_all_but_sources(&mut active);
@@ -700,15 +708,14 @@ impl Worker {
         };
         let n = active.hit(|g, i| available(&active, g, i));
         let needed = active.needed(n);
-        let to_lease: Vec<At> =
-            active.loaded.iter().copied().filter(|at| needed.contains(at)).collect();
+        let to_lease: Vec<At> = active.loaded.intersection(&needed).copied().collect();
         let keys: Vec<ObjectKey> = to_lease.iter().map(|at| active.key(*at)).collect();
         let grant = self.l1.finish_write_and_reserve_read(
             active.request.owner,
             &keys,
             active.request.extra,
         );
-        let granted: Vec<At> = to_lease
+        let granted: BTreeSet<At> = to_lease
             .iter()
             .zip(&grant.results)
             .filter(|(_, r)| r.is_ok())
@@ -727,24 +734,24 @@ impl Worker {
         {
             lease = None;
         }
-        let leased_now: Vec<At> =
-            granted.iter().copied().filter(|at| needed.contains(at)).collect();
+        let leased_now: BTreeSet<At> = granted.intersection(&needed).copied().collect();
         // The tier locks of the needed keys below pass to the outcome, one lock each; the entry
         // is updated in the same step, so a panic after this cannot return them twice.
-        let below_now: Vec<At> =
-            active.below.iter().copied().filter(|at| needed.contains(at)).collect();
-        let mut held = HashMap::with_capacity(below_now.len());
+        let below_now: BTreeSet<At> = active.below.intersection(&needed).copied().collect();
+        // Each key's tier; a key named by two groups is held once, its other lock returned below.
+        let mut wanted: HashMap<ObjectKey, usize> = HashMap::with_capacity(below_now.len());
         for at in &below_now {
-            let (key, tier) = (active.key(*at), active.source.get(at).copied().unwrap_or(0));
-            if held.contains_key(&key) {
-                continue; // named by two groups: held once, its other lock returned below
-            }
-            if let Some(locks) = active.locked.get_mut(tier)
-                && let Some(p) = locks.iter().position(|k| *k == key)
-            {
-                locks.swap_remove(p);
-                held.insert(key, tier);
-            }
+            wanted.entry(active.key(*at)).or_insert(active.source.get(at).copied().unwrap_or(0));
+        }
+        let mut held = HashMap::with_capacity(wanted.len());
+        for (tier, locks) in active.locked.iter_mut().enumerate() {
+            locks.retain(|key| {
+                let take = wanted.get(key) == Some(&tier) && !held.contains_key(key);
+                if take {
+                    held.insert(*key, tier);
+                }
+                !take
+            });
         }
         let below =
             (!held.is_empty()).then(|| Arc::new(HeldBelow::new(Arc::clone(&self.router), held)));
@@ -794,7 +801,7 @@ impl Worker {
     /// Returns the tier locks of keys that are not the chosen source of a needed key.
     fn unlock_all_but_sources(&self, active: &mut Active) {
         for tier in 0..active.locked.len() {
-            let keep: Vec<ObjectKey> = active
+            let keep: HashSet<ObjectKey> = active
                 .source
                 .iter()
                 .filter(|(_, t)| **t == tier)
@@ -818,9 +825,8 @@ impl Worker {
     }
 
     /// Aborts every reservation except `kept`, and returns every tier lock.
-    fn release_everything(&self, active: &Active, kept: &[At]) {
-        let doomed: Vec<At> =
-            active.reserved.iter().copied().filter(|at| !kept.contains(at)).collect();
+    fn release_everything(&self, active: &Active, kept: &BTreeSet<At>) {
+        let doomed: Vec<At> = active.reserved.difference(kept).copied().collect();
         self.abort(active, &doomed);
         for (tier, keys) in active.locked.iter().enumerate() {
             if let Some(adapter) = self.router.tier(tier) {
