@@ -42,6 +42,7 @@ const REQUEST_ERRORS: [&str; 9] = [
 pub(crate) struct L1Metrics {
     capacity: Gauge,
     used: Gauge,
+    pinned: Gauge,
     cached: Gauge,
     free: Gauge,
     objects: Gauge,
@@ -57,32 +58,16 @@ pub(crate) struct L1Metrics {
 
 impl L1Metrics {
     pub(crate) fn register() -> Self {
-        describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
+        tierkv_tier_metrics::describe_shared();
         describe_gauge!(
-            "tierkv_tier_used_bytes",
+            "tierkv_l1_pinned_bytes",
             Unit::Bytes,
-            "Bytes held by objects being written or read (not evictable)."
-        );
-        describe_gauge!(
-            "tierkv_tier_cached_bytes",
-            Unit::Bytes,
-            "Bytes held by finished, unleased objects (evictable)."
-        );
-        describe_gauge!("tierkv_tier_free_bytes", Unit::Bytes, "Bytes of free slots.");
-        describe_gauge!(
-            "tierkv_tier_objects",
-            Unit::Count,
-            "Objects held by a tier, in every state."
+            "Bytes of L1 held by objects being written or read, which eviction cannot free."
         );
         describe_gauge!(
             "tierkv_l1_leases_active",
             Unit::Count,
             "Read leases not yet fully released."
-        );
-        describe_counter!(
-            "tierkv_evictions_total",
-            Unit::Count,
-            "Objects evicted, by tier and reason."
         );
         describe_counter!(
             "tierkv_lease_expiries_total",
@@ -99,11 +84,6 @@ impl L1Metrics {
             Unit::Count,
             "Read shares granted (one per reader per object)."
         );
-        describe_counter!(
-            "tierkv_errors_total",
-            Unit::Count,
-            "Refused requests and keys, by tier and reason."
-        );
         let key_errors = KeyError::ALL
             .into_iter()
             .map(|e| (e, counter!("tierkv_errors_total", "tier" => TIER, "reason" => e.as_str())))
@@ -115,6 +95,7 @@ impl L1Metrics {
         L1Metrics {
             capacity: gauge!("tierkv_tier_capacity_bytes", "tier" => TIER),
             used: gauge!("tierkv_tier_used_bytes", "tier" => TIER),
+            pinned: gauge!("tierkv_l1_pinned_bytes"),
             cached: gauge!("tierkv_tier_cached_bytes", "tier" => TIER),
             free: gauge!("tierkv_tier_free_bytes", "tier" => TIER),
             objects: gauge!("tierkv_tier_objects", "tier" => TIER),
@@ -131,7 +112,9 @@ impl L1Metrics {
 
     pub(crate) fn publish(&self, usage: &crate::Usage, leases: u64) {
         self.capacity.set(usage.capacity_bytes as f64);
-        self.used.set(usage.used_bytes as f64);
+        // `Usage::used_bytes` is what cannot be evicted; the shared gauge counts every state.
+        self.used.set(usage.used_bytes.saturating_add(usage.cached_bytes) as f64);
+        self.pinned.set(usage.used_bytes as f64);
         self.cached.set(usage.cached_bytes as f64);
         self.free.set(usage.free_bytes as f64);
         self.objects.set((usage.writing + usage.leased + usage.cached) as f64);

@@ -798,6 +798,7 @@ fn metrics_report_usage_evictions_and_refusals() {
         (2 * SLOT) as f64,
         "one leased, one being written"
     );
+    assert_eq!(value("tierkv_l1_pinned_bytes", None), (2 * SLOT) as f64);
     assert_eq!(value("tierkv_tier_cached_bytes", None), 0.0);
     assert_eq!(value("tierkv_tier_free_bytes", None), 0.0);
     assert_eq!(value("tierkv_tier_objects", None), 2.0);
@@ -805,6 +806,33 @@ fn metrics_report_usage_evictions_and_refusals() {
     assert_eq!(value("tierkv_evictions_total", Some(("reason", "on_demand"))), 1.0);
     assert_eq!(value("tierkv_errors_total", Some(("reason", "not_found"))), 1.0);
     assert_eq!(value("tierkv_l1_writes_finished_total", None), 2.0);
+}
+
+#[test]
+fn used_bytes_count_every_state_and_pinned_bytes_what_eviction_cannot_free() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let f = metrics::with_local_recorder(&recorder, || l1(3));
+    f.write(&keys(0..2));
+    f.lease(&key(0), 0); // key 0 leased, key 1 cached, one slot free
+    f.l1.publish_metrics();
+    let snapshot = snapshotter.snapshot().into_vec();
+    let gauge = |name: &str| -> f64 {
+        snapshot
+            .iter()
+            .filter(|(k, ..)| k.key().name() == name)
+            .map(|(.., v)| match v {
+                DebugValue::Gauge(g) => g.into_inner(),
+                _ => f64::NAN,
+            })
+            .sum()
+    };
+    // The same meaning as the tiers below: used + free = capacity.
+    assert_eq!(gauge("tierkv_tier_used_bytes"), (2 * SLOT) as f64);
+    assert_eq!(gauge("tierkv_tier_free_bytes"), SLOT as f64);
+    assert_eq!(gauge("tierkv_tier_capacity_bytes"), (3 * SLOT) as f64);
+    assert_eq!(gauge("tierkv_tier_cached_bytes"), SLOT as f64);
+    assert_eq!(gauge("tierkv_l1_pinned_bytes"), SLOT as f64);
 }
 
 #[test]

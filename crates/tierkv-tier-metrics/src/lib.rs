@@ -1,7 +1,8 @@
 //! The metrics every tier below L1 publishes, under one set of names with a `tier` label: what
 //! it stores and loads, what it holds, what it evicts, what failed verification, and what it
 //! refused and why. One definition, so that names, units and descriptions cannot drift between
-//! the host, disk and remote tiers (`docs/metrics.md` lists them).
+//! the host, disk and remote tiers; L1 publishes the gauges of what it holds under the same
+//! names and takes their descriptions from [`describe_shared`] (README.md lists them).
 
 use metrics::{Counter, Gauge, Unit, counter, describe_counter, describe_gauge, gauge};
 
@@ -112,9 +113,37 @@ impl TierMetrics {
     }
 }
 
-/// Describes the tier metrics (describing again is harmless: the last description wins). The
-/// cached and free gauges are described by L1, which publishes them too.
+/// Describes the gauges and counters every tier publishes, L1 included, so that each name has
+/// one description whichever tier registers it last (describing again is harmless).
+pub fn describe_shared() {
+    describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
+    describe_gauge!(
+        "tierkv_tier_used_bytes",
+        Unit::Bytes,
+        "Bytes held by objects, in every state: used + free = capacity."
+    );
+    describe_gauge!(
+        "tierkv_tier_cached_bytes",
+        Unit::Bytes,
+        "Bytes held by objects the tier may evict now (below L1: every object)."
+    );
+    describe_gauge!("tierkv_tier_free_bytes", Unit::Bytes, "Bytes not held by any object.");
+    describe_gauge!("tierkv_tier_objects", Unit::Count, "Objects held by a tier, in every state.");
+    describe_counter!(
+        "tierkv_evictions_total",
+        Unit::Count,
+        "Objects evicted, by tier and reason."
+    );
+    describe_counter!(
+        "tierkv_errors_total",
+        Unit::Count,
+        "Refused requests and keys, by tier and reason."
+    );
+}
+
+/// Describes the metrics only the tiers below L1 publish, and the shared ones.
 fn describe() {
+    describe_shared();
     describe_counter!("tierkv_tier_stores_total", Unit::Count, "Objects stored into a lower tier.");
     describe_counter!("tierkv_tier_loads_total", Unit::Count, "Objects loaded from a lower tier.");
     describe_counter!(
@@ -127,23 +156,10 @@ fn describe() {
         Unit::Bytes,
         "Bytes loaded from a lower tier."
     );
-    describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
-    describe_gauge!("tierkv_tier_used_bytes", Unit::Bytes, "Bytes held by objects.");
-    describe_gauge!("tierkv_tier_objects", Unit::Count, "Objects held by a tier.");
-    describe_counter!(
-        "tierkv_evictions_total",
-        Unit::Count,
-        "Objects evicted, by tier and reason."
-    );
     describe_counter!(
         "tierkv_checksum_failures_total",
         Unit::Count,
         "Objects whose header or payload failed verification: served as misses and dropped."
-    );
-    describe_counter!(
-        "tierkv_errors_total",
-        Unit::Count,
-        "Refused requests and keys, by tier and reason."
     );
 }
 
