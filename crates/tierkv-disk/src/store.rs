@@ -951,7 +951,11 @@ impl Shared {
                     Err(unsent) => {
                         self.metrics.failed(Failure::Io);
                         let sources = match unsent {
-                            WriteMsg::End { sources, .. } => sources,
+                            WriteMsg::End { sources, records, .. } => {
+                                // Never published: their segments may go.
+                                self.settle(&records);
+                                sources
+                            }
                             WriteMsg::Record { .. } | WriteMsg::Abandon { .. } => Vec::new(),
                         };
                         let result = Err(TierError::Io("the disk write thread is gone".into()));
@@ -1057,7 +1061,7 @@ impl Shared {
         for item in new {
             if let Err(e) = self.submit_record(&mut writer, task, item, &mut records) {
                 if !records.is_empty() {
-                    // Best effort: without a write thread there is nothing to forget.
+                    // Without a write thread `send` settles the records itself.
                     let records = std::mem::take(&mut records);
                     let _ = self.send(&mut writer, WriteMsg::Abandon { task, records });
                 }
@@ -1127,8 +1131,12 @@ impl Shared {
         match pipe.messages.send(message) {
             Ok(()) => Ok(()),
             Err(refused) => {
-                if let WriteMsg::Record { buf, .. } = refused.0 {
-                    writer.spare.push(buf);
+                match refused.0 {
+                    WriteMsg::Record { buf, .. } => writer.spare.push(buf),
+                    // Nobody will publish these records now: their segments may go.
+                    WriteMsg::Abandon { records, .. } | WriteMsg::End { records, .. } => {
+                        self.settle(&records);
+                    }
                 }
                 Err(gone())
             }

@@ -766,6 +766,30 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
 
 use tierkv_l1::LeaseId;
 
+/// One debugging recorder snapshot's entry.
+type Snapshot = Vec<(
+    metrics_util::CompositeKey,
+    Option<metrics::Unit>,
+    Option<metrics::SharedString>,
+    DebugValue,
+)>;
+
+/// The sum of the series named `name` (with `label`, if given) in a snapshot.
+fn metric(snapshot: &Snapshot, name: &str, label: Option<(&str, &str)>) -> f64 {
+    snapshot
+        .iter()
+        .filter(|(k, ..)| k.key().name() == name)
+        .filter(|(k, ..)| {
+            label.is_none_or(|(l, v)| k.key().labels().any(|x| x.key() == l && x.value() == v))
+        })
+        .map(|(.., v)| match v {
+            DebugValue::Counter(n) => *n as f64,
+            DebugValue::Gauge(g) => g.into_inner(),
+            DebugValue::Histogram(_) => f64::NAN,
+        })
+        .sum()
+}
+
 #[test]
 fn metrics_report_usage_evictions_and_refusals() {
     let recorder = DebuggingRecorder::new();
@@ -778,20 +802,7 @@ fn metrics_report_usage_evictions_and_refusals() {
     f.l1.publish_metrics();
     // One snapshot: taking one drains the debugging recorder.
     let snapshot = snapshotter.snapshot().into_vec();
-    let value = |name: &str, label: Option<(&str, &str)>| -> f64 {
-        snapshot
-            .iter()
-            .filter(|(k, ..)| k.key().name() == name)
-            .filter(|(k, ..)| {
-                label.is_none_or(|(l, v)| k.key().labels().any(|x| x.key() == l && x.value() == v))
-            })
-            .map(|(.., v)| match v {
-                DebugValue::Counter(n) => *n as f64,
-                DebugValue::Gauge(g) => g.into_inner(),
-                DebugValue::Histogram(_) => f64::NAN,
-            })
-            .sum()
-    };
+    let value = |name: &str, label: Option<(&str, &str)>| metric(&snapshot, name, label);
     assert_eq!(value("tierkv_tier_capacity_bytes", Some(("tier", "l1"))), (2 * SLOT) as f64);
     assert_eq!(
         value("tierkv_tier_used_bytes", None),
@@ -817,16 +828,7 @@ fn used_bytes_count_every_state_and_pinned_bytes_what_eviction_cannot_free() {
     f.lease(&key(0), 0); // key 0 leased, key 1 cached, one slot free
     f.l1.publish_metrics();
     let snapshot = snapshotter.snapshot().into_vec();
-    let gauge = |name: &str| -> f64 {
-        snapshot
-            .iter()
-            .filter(|(k, ..)| k.key().name() == name)
-            .map(|(.., v)| match v {
-                DebugValue::Gauge(g) => g.into_inner(),
-                _ => f64::NAN,
-            })
-            .sum()
-    };
+    let gauge = |name: &str| metric(&snapshot, name, None);
     // The same meaning as the tiers below: used + free = capacity.
     assert_eq!(gauge("tierkv_tier_used_bytes"), (2 * SLOT) as f64);
     assert_eq!(gauge("tierkv_tier_free_bytes"), SLOT as f64);

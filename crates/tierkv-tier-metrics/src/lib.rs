@@ -66,8 +66,8 @@ impl TierMetrics {
     }
 
     /// Sets the usage gauges: `capacity` counts only for a bounded tier. Every object of a lower
-    /// tier is cached (evictable, but for the brief locks of a load), so a bounded tier's gauges
-    /// add up as L1's do: cached + free = capacity.
+    /// tier is cached (evictable, but for the brief locks of a load), so cached = used, and a
+    /// bounded tier's gauges add up as L1's do: used + free = capacity.
     pub fn publish(&self, capacity: u64, used: u64, objects: u64) {
         self.used.set(used as f64);
         self.objects.set(objects as f64);
