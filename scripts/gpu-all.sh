@@ -3,6 +3,8 @@
 # CUDA unit tests, from what scripts/gpu-build.sh put in target/gpu-carry. Output goes to the
 # terminal and to OUTDIR (default: $OUT, the device tool's output folder, else target/gpu-out):
 # gpu-check.txt, unit-tests.txt, and the daemon's log. Exit status: the first failure's.
+# Each step has its own time limit (GPU_CHECK_LIMIT, default 300 s; 120 s for each test
+# executable), so a step that hangs costs its limit, not the whole call.
 #
 #   scripts/gpu-all.sh [OUTDIR] [gpu-check.sh arguments...]
 set -uo pipefail
@@ -17,7 +19,7 @@ status=0
     date -u
     nvidia-smi || true
 } 2>&1 | tee "$out/device.txt"
-scripts/gpu-check.sh --bin "$carry/tierkv" --keep "$@" 2>&1 | tee "$out/gpu-check.txt"
+timeout -k 5 "${GPU_CHECK_LIMIT:-300}" scripts/gpu-check.sh --bin "$carry/tierkv" --keep "$@" 2>&1 | tee "$out/gpu-check.txt"
 rc=${PIPESTATUS[0]}
 [[ $status -eq 0 ]] && status=$rc
 for log in /tmp/tierkv-gpu-*/daemon.log; do
@@ -27,7 +29,7 @@ done
     for t in "tierkv_l1-tests cuda" "tierkv_l2-tests memory_kind" "tierkv_server-tests cuda"; do
         set -- $t
         echo "== $carry/$1 $2"
-        "$carry/$1" "$2" --nocapture --test-threads 1
+        timeout -k 5 120 "$carry/$1" "$2" --nocapture --test-threads 1
         rc=$?
         [[ $status -eq 0 ]] && status=$rc
     done

@@ -238,9 +238,45 @@ def timed(torch, fn, nbytes: int, repeat: int) -> float:
     return best
 
 
+class Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D``."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
+CU_MEMORYTYPE_HOST = 1
+CU_MEMORYTYPE_DEVICE = 2
+
+
 def raw_limits(torch, cuda, args) -> dict[str, float]:
+    """Raw copies timed on a stream of their own (``cuMemcpyBatchAsync`` refuses the legacy
+    default stream): whole buffers, 2 MiB pieces, and one fragmented chunk's 32 KiB pieces
+    copied piece by piece, batched, and as 2D copies (one per block, a row per layer x K/V)."""
     dev = torch.device("cuda")
-    total = args.raw_mib << 20
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        return _raw_limits(torch, cuda, args, dev, stream)
+
+
+def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
+    total = max(args.raw_mib << 20, args.contig_chunks * CONTIG_CHUNK)
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     pinned.fill_(1)
     a = torch.empty(total, dtype=torch.uint8, device=dev)
@@ -253,10 +289,43 @@ def raw_limits(torch, cuda, args) -> dict[str, float]:
         torch, lambda: pinned.copy_(a, non_blocking=True), total, args.repeat
     )
     r["d2d"] = timed(torch, lambda: b.copy_(a, non_blocking=True), total, args.repeat)
+    version = driver_version(cuda)
+    batch = None
+    try:
+        if cuda is None or version is None:
+            raise RuntimeError("libcuda.so.1 cannot be loaded through ctypes")
+        batch = BatchCopy(cuda, version)
+    except (RuntimeError, AttributeError) as e:
+        print(f"  batched copies: cuMemcpyBatchAsync unavailable ({e})")
+
+    # 2 MiB pieces, as many as the contiguous part stores in one request.
+    n = args.contig_chunks
+    src2 = a[: n * CONTIG_CHUNK].view(n, CONTIG_CHUNK)
+    dst2 = b[: n * CONTIG_CHUNK].view(n, CONTIG_CHUNK)
+
+    def pieces_loop():
+        for i in range(n):
+            dst2[i].copy_(src2[i], non_blocking=True)
+
+    r["contig_d2d_loop"] = timed(torch, pieces_loop, n * CONTIG_CHUNK, args.repeat)
+    if batch is not None:
+        prepared = batch.prepare(
+            [dst2[i].data_ptr() for i in range(n)],
+            [src2[i].data_ptr() for i in range(n)],
+            CONTIG_CHUNK,
+        )
+        r["contig_d2d_batch"] = timed(
+            torch,
+            lambda: batch(prepared, stream.cuda_stream),
+            n * CONTIG_CHUNK,
+            args.repeat,
+        )
+    r["contig_d2d"] = max(r["contig_d2d_loop"], r.get("contig_d2d_batch", 0.0))
 
     # Fragmented: one chunk's 512 pieces of 32 KiB, scattered over a paged KV of 64 blocks.
     blocks = 64
     kv = torch.empty((LAYERS, 2, blocks, PIECE_BYTES), dtype=torch.uint8, device=dev)
+    kv.random_(0, 256)
     chosen = list(range(3, blocks, blocks // FRAG_BLOCKS))[:FRAG_BLOCKS]
     pieces = [
         kv[layer, plane, blk]
@@ -264,6 +333,7 @@ def raw_limits(torch, cuda, args) -> dict[str, float]:
         for plane in (0, 1)
         for blk in chosen
     ]
+    want = torch.stack(pieces)
     dst_h = torch.empty((len(pieces), PIECE_BYTES), dtype=torch.uint8, pin_memory=True)
     dst_d = torch.empty((len(pieces), PIECE_BYTES), dtype=torch.uint8, device=dev)
 
@@ -274,39 +344,75 @@ def raw_limits(torch, cuda, args) -> dict[str, float]:
 
         return run
 
-    r["frag_d2h_loop"] = timed(torch, loop(dst_h), FRAG_CHUNK, args.repeat)
-    r["frag_d2d_loop"] = timed(torch, loop(dst_d), FRAG_CHUNK, args.repeat)
-    version = driver_version(cuda)
-    try:
-        if cuda is None or version is None:
-            raise RuntimeError("libcuda.so.1 cannot be loaded through ctypes")
-        batch = BatchCopy(cuda, version)
-        srcs = [p.data_ptr() for p in pieces]
-        stream = torch.cuda.current_stream().cuda_stream
-        for name, dst in (("frag_d2h_batch", dst_h), ("frag_d2d_batch", dst_d)):
-            dst.zero_()
+    def verified(name: str, dst) -> None:
+        torch.cuda.synchronize()
+        if not torch.equal(dst.to(dev), want):
+            # The figure is dropped and the check fails at the end, after the rest ran.
+            del r[name]
+            PROBLEMS.append(f"{name}: the raw copy moved wrong bytes")
+            print(f"  {PROBLEMS[-1]}: its figure is dropped")
+        dst.zero_()
+
+    for name, dst in (("frag_d2h", dst_h), ("frag_d2d", dst_d)):
+        r[f"{name}_loop"] = timed(torch, loop(dst), FRAG_CHUNK, args.repeat)
+        verified(f"{name}_loop", dst)
+        if batch is not None:
             prepared = batch.prepare(
-                [dst[i].data_ptr() for i in range(len(pieces))], srcs, PIECE_BYTES
+                [dst[i].data_ptr() for i in range(len(pieces))],
+                [p.data_ptr() for p in pieces],
+                PIECE_BYTES,
             )
-            r[name] = timed(
+            r[f"{name}_batch"] = timed(
                 torch,
-                lambda prepared=prepared: batch(prepared, stream),
+                lambda prepared=prepared: batch(prepared, stream.cuda_stream),
                 FRAG_CHUNK,
                 args.repeat,
             )
-            torch.cuda.synchronize()
-            if not torch.equal(dst.to(dev), torch.stack(pieces)):
-                # The figure is dropped and the check fails at the end, after the rest ran.
-                del r[name]
-                PROBLEMS.append(f"{name}: cuMemcpyBatchAsync copied wrong bytes")
-                print(f"  {PROBLEMS[-1]}: its figure is dropped")
-    except (RuntimeError, AttributeError) as e:
-        print(
-            f"  batched copies: cuMemcpyBatchAsync unavailable ({e}); one copy_ per piece only"
-        )
-    r["frag_d2h"] = max(r["frag_d2h_loop"], r.get("frag_d2h_batch", 0.0))
-    r["frag_d2d"] = max(r["frag_d2d_loop"], r.get("frag_d2d_batch", 0.0))
+            verified(f"{name}_batch", dst)
+        if cuda is not None:
+            copy_2d = cuda.cuMemcpy2DAsync_v2
+            copy_2d.argtypes = [ctypes.POINTER(Memcpy2D), ctypes.c_void_p]
+            descs = []
+            for j, blk in enumerate(chosen):
+                d = Memcpy2D()
+                d.srcMemoryType = CU_MEMORYTYPE_DEVICE
+                d.srcDevice = kv[0, 0, blk].data_ptr()
+                d.srcPitch = (
+                    blocks * PIECE_BYTES
+                )  # from one layer x K/V plane to the next
+                if dst.is_cuda:
+                    d.dstMemoryType, d.dstDevice = (
+                        CU_MEMORYTYPE_DEVICE,
+                        dst[j].data_ptr(),
+                    )
+                else:
+                    d.dstMemoryType, d.dstHost = CU_MEMORYTYPE_HOST, dst[j].data_ptr()
+                d.dstPitch = FRAG_BLOCKS * PIECE_BYTES
+                d.WidthInBytes, d.Height = PIECE_BYTES, LAYERS * 2
+                descs.append(d)
+
+            def run_2d(descs=descs, copy_2d=copy_2d):
+                for d in descs:
+                    rc = copy_2d(ctypes.byref(d), stream.cuda_stream)
+                    if rc != 0:
+                        raise RuntimeError(f"cuMemcpy2DAsync returned CUresult {rc}")
+
+            try:
+                r[f"{name}_2d"] = timed(torch, run_2d, FRAG_CHUNK, args.repeat)
+                verified(f"{name}_2d", dst)
+            except RuntimeError as e:
+                print(f"  2D copies: {e}")
+        r[name] = max(r.get(f"{name}_{way}", 0.0) for way in ("loop", "batch", "2d"))
     return r
+
+
+def best_way(r: dict[str, float], name: str) -> str:
+    """Which raw way of moving the pieces gave ``r[name]``."""
+    ways = {"loop": "copy_ per piece", "batch": "batched", "2d": "2D"}
+    for way, what in ways.items():
+        if r.get(f"{name}_{way}") == r[name]:
+            return what
+    return "raw"
 
 
 def print_raw(r: dict[str, float]) -> None:
@@ -315,13 +421,17 @@ def print_raw(r: dict[str, float]) -> None:
         ("h2d", "pinned host -> device"),
         ("d2h", "device -> pinned host"),
         ("d2d", "device -> device"),
+        ("contig_d2d_loop", "2 MiB pieces -> device, one copy_ each"),
+        ("contig_d2d_batch", "2 MiB pieces -> device, cuMemcpyBatchAsync"),
         (
             "frag_d2h_loop",
             "fragmented chunk -> pinned host, one copy_ per 32 KiB piece",
         ),
         ("frag_d2h_batch", "fragmented chunk -> pinned host, cuMemcpyBatchAsync"),
+        ("frag_d2h_2d", "fragmented chunk -> pinned host, cuMemcpy2DAsync per block"),
         ("frag_d2d_loop", "fragmented chunk -> device, one copy_ per 32 KiB piece"),
         ("frag_d2d_batch", "fragmented chunk -> device, cuMemcpyBatchAsync"),
+        ("frag_d2d_2d", "fragmented chunk -> device, cuMemcpy2DAsync per block"),
     ]:
         if name in r:
             print(f"  {what:<64} {r[name]:8.2f}")
@@ -520,195 +630,49 @@ class Session:
         if out.refused or out.stored + out.present != len(chunks):
             fail(f"store: {out}")
 
-    def load(self, chunks, expect_tier: int | None) -> tuple[float, list[int]]:
-        """Looks up and retrieves ``chunks``; seconds from lookup to retrieve's reply."""
+    def load(self, chunks, expect_tier: int | None) -> tuple[float, float, list[int]]:
+        """Looks up and retrieves ``chunks``: seconds from lookup to its outcome, seconds of the
+        retrieve (its request to its reply), and the outcome's chunks per tier."""
         t0 = time.perf_counter()
         started = self.client.lookup(0, [c for c, _ in chunks])
         outcome = started.outcome or self.client.wait(started.lookup, 60.0)
+        t1 = time.perf_counter()
         if outcome.hit_chunks != len(chunks):
             fail(f"lookup hit {outcome.hit_chunks} of {len(chunks)} chunks ({outcome})")
         self.client.retrieve(started.lookup, self.buffer, chunks)
-        dt = time.perf_counter() - t0
+        t2 = time.perf_counter()
         if expect_tier is not None and outcome.per_tier[expect_tier] != len(chunks):
             print(
                 f"  note: chunks came from tiers {outcome.per_tier} (L1, L2, disk, remote)"
             )
-        return dt, outcome.per_tier
+        return t1 - t0, t2 - t1, outcome.per_tier
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.client.end()
 
 
-def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
-    from tierkv.wire import KvLayout, Segment
-
-    dev = torch.device("cuda" if gpu else "cpu")
-    memory = Memory(torch, gpu)
-    n = args.chunks
-    # L1 holds half the fragmented chunks (every chunk takes one 16 MiB slot, a 2 MiB one too):
-    # the first half stored are evicted from L1 (write-through: L2 keeps them) and come back
-    # through L2. L2 holds everything.
-    frag_bytes = n * FRAG_CHUNK
-    l1 = n // 2 * FRAG_CHUNK if args.l1_mib == 0 else args.l1_mib << 20
+@contextlib.contextmanager
+def running_daemon(args, l1: int, l2: int, slot: int, gpu: bool):
+    """A daemon of its own for one part of the check, stopped (and its directory removed unless
+    ``--keep``) when the part is over; a failure inside carries the log's tail."""
     workdir = Path(tempfile.mkdtemp(prefix="tierkv-gpu-"))
     try:
         daemon = Daemon(
-            args.binary,
-            workdir,
-            l1=str(l1),
-            l2=str(2 * frag_bytes),
-            slot=str(FRAG_CHUNK),
-            gpu=gpu,
+            args.binary, workdir, l1=str(l1), l2=str(l2), slot=str(slot), gpu=gpu
         )
     except CheckFailed:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
         raise
-    sessions: list[Session] = []
-    report: list[str] = []
+    print(
+        f"daemon: {args.binary} (L1 {l1 >> 20} MiB {'on cuda:0' if gpu else 'emulated'}, "
+        f"slot {slot >> 20} MiB, {'pinned' if gpu else 'plain'} L2), log {daemon.log}"
+    )
     try:
-        print(
-            f"daemon: {args.binary} (L1 {l1 >> 20} MiB "
-            f"{'on cuda:0' if gpu else 'emulated'}, slot 16 MiB, "
-            f"{'pinned' if gpu else 'plain'} L2), log {daemon.log}"
-        )
-
-        # --- 2 MiB contiguous chunks: one region, one segment, one block per chunk; as many as
-        # L1 holds.
-        n = args.chunks // 2
-        contig, region, off = memory.alloc(2 * n * CONTIG_CHUNK)
-        contig = contig.view(2 * n, CONTIG_CHUNK)
-        layout = KvLayout(
-            blocks=2 * n,
-            block_bytes=CONTIG_CHUNK,
-            block_stride=CONTIG_CHUNK,
-            blocks_per_chunk=1,
-            segments=[Segment(0, off)],
-        )
-        s = Session(daemon, CONTIG_CHUNK, [region], layout, "contig")
-        sessions.append(s)
-        contig.random_(0, 256)
-        reference = contig[:n].clone()
-        chunks = [(0x1000 + i, [i]) for i in range(n)]
-        memory.sync()  # the worker's rule: its writes are done before `store`
-        t0 = time.perf_counter()
-        s.store(chunks)
-        t_store = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        s.client.flush(120.0)
-        t_down = time.perf_counter() - t0
-        contig[:n].zero_()
-        memory.sync()
-        t_load, tiers = s.load(chunks, None)
-        if not torch.equal(contig[:n], reference):
-            bad = int((contig[:n] != reference).any(dim=1).nonzero()[0])
-            fail(f"2 MiB chunks: chunk {bad} differs after store and retrieve")
-        nb = n * CONTIG_CHUNK
-        report.append(
-            f"  {'2 MiB contiguous: engine -> L1 (store)':<66} "
-            f"{gbps(nb, t_store):8.2f}  {gbps(nb, t_store) / raw['d2d']:5.2f} x raw D2D"
-            f"  (target {TARGET_D2D})"
-        )
-        report.append(
-            f"  {'2 MiB contiguous: L1 -> L2 (flush after store)':<66} "
-            f"{gbps(nb, t_down):8.2f}  {gbps(nb, t_down) / raw['d2h']:5.2f} x raw D2H"
-            f"  (target {TARGET_HOST})"
-        )
-        report.append(
-            f"  {'2 MiB contiguous: lookup + retrieve, tiers ' + str(tiers):<66} "
-            f"{gbps(nb, t_load):8.2f}  {gbps(nb, t_load) / raw['d2d']:5.2f} x raw D2D"
-        )
-        print("  2 MiB contiguous chunks: every byte verified")
-
-        # --- fragmented chunks: Llama-3-8B's paged KV, one tensor, 64 segments (layer x K/V).
-        n = args.chunks
-        blocks = n * FRAG_BLOCKS * 2
-        shape = (LAYERS, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
-        kv, region, off = memory.alloc(LAYERS * 2 * blocks * PIECE_BYTES)
-        kv = kv.view(torch.bfloat16).view(shape)
-        plane = blocks * PIECE_BYTES
-        layout = KvLayout(
-            blocks=blocks,
-            block_bytes=PIECE_BYTES,
-            block_stride=PIECE_BYTES,
-            blocks_per_chunk=FRAG_BLOCKS,
-            segments=[Segment(0, off + i * plane) for i in range(2 * LAYERS)],
-        )
-        s = Session(daemon, FRAG_CHUNK, [region], layout, "frag")
-        sessions.append(s)
-        raw_view = kv.view(torch.int16)
-        raw_view.random_(-(1 << 15), 1 << 15)
-        # Chunk i takes every other block, in a scrambled order: pieces are really scattered.
-        chunk_blocks = [
-            [(2 * (i * FRAG_BLOCKS + j) * 7) % blocks for j in range(FRAG_BLOCKS)]
-            for i in range(n)
-        ]
-        if len({b for bl in chunk_blocks for b in bl}) != n * FRAG_BLOCKS:
-            chunk_blocks = [
-                [2 * (i * FRAG_BLOCKS + j) for j in range(FRAG_BLOCKS)]
-                for i in range(n)
-            ]
-        chunks = [(0x2000 + i, chunk_blocks[i]) for i in range(n)]
-        used = sorted({b for bl in chunk_blocks for b in bl})
-        reference = raw_view[:, :, used].clone()
-        memory.sync()
-        # Stored a quarter at a time, each quarter flushed down to L2 before the next: L1 has
-        # room for two quarters, so each store evicts only chunks L2 already holds.
-        t_store = t_down = 0.0
-        quarter = n // 4
-        for q in range(4):
-            t0 = time.perf_counter()
-            s.store(chunks[q * quarter : (q + 1) * quarter])
-            t_store += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            s.client.flush(120.0)
-            t_down += time.perf_counter() - t0
-        # Reload the last quarter stored, which L1 still has, then the first, which the L1 of
-        # two quarters has evicted: it comes back through L2.
-        for label, part, tier in (
-            ("L1 -> engine (retrieve, L1 hits)", chunks[3 * quarter :], 0),
-            ("L2 -> L1 -> engine (lookup + retrieve)", chunks[:quarter], 1),
-        ):
-            # Every block used is overwritten first, so equal bytes prove the load.
-            raw_view.index_fill_(2, torch.tensor(used, device=dev), 0)
-            memory.sync()
-            t, tiers = s.load(part, tier)
-            if args.corrupt:  # the self-test of the verification: one bit flipped
-                raw_view[0, 0, part[0][1][0]].view(-1)[0] ^= 1
-            nb = len(part) * FRAG_CHUNK
-            part_blocks = sorted({b for _, bl in part for b in bl})
-            pos = torch.tensor([used.index(b) for b in part_blocks], device=dev)
-            got = raw_view[:, :, part_blocks]
-            want = reference.index_select(2, pos)
-            if not torch.equal(got, want):
-                fail(f"fragmented chunks ({label}): bytes differ after retrieve")
-            limit = raw["frag_d2d"] if tier == 0 else raw["h2d"]
-            what = "raw batched D2D" if tier == 0 else "raw H2D"
-            target = TARGET_FRAG if tier == 0 else TARGET_HOST
-            report.append(
-                f"  {'fragmented: ' + label + ' ' + str(tiers):<66} "
-                f"{gbps(nb, t):8.2f}  {gbps(nb, t) / limit:5.2f} x {what}"
-                f"  (target {target})"
-            )
-        nb = n * FRAG_CHUNK
-        report.insert(
-            3,
-            f"  {'fragmented: engine -> L1 (store)':<66} "
-            f"{gbps(nb, t_store):8.2f}  {gbps(nb, t_store) / raw['frag_d2d']:5.2f}"
-            f" x raw batched D2D  (target {TARGET_FRAG})",
-        )
-        report.insert(
-            4,
-            f"  {'fragmented: L1 -> L2 (flush after store)':<66} "
-            f"{gbps(nb, t_down):8.2f}  {gbps(nb, t_down) / raw['d2h']:5.2f}"
-            f" x raw D2H  (target {TARGET_HOST})",
-        )
-        print("  fragmented chunks: every byte verified")
-        sessions.append(connector_check(torch, daemon, gpu))
+        yield daemon
         if daemon.proc.poll() is not None:
             fail(f"the daemon exited ({daemon.proc.returncode}) during the check")
-        return report
     except CheckFailed as e:
         raise CheckFailed(f"{e}\n--- daemon log (tail) ---\n{daemon.tail()}") from None
     except Exception as e:
@@ -716,11 +680,232 @@ def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
             f"{type(e).__name__}: {e}\n--- daemon log (tail) ---\n{daemon.tail()}"
         ) from e
     finally:
-        for s in sessions:
-            s.close()
         daemon.stop()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def row(label: str, gb_s: float, limit: float, what: str, target: float | None) -> str:
+    aim = f"  (target {target})" if target is not None else ""
+    return f"  {label:<70} {gb_s:8.2f}  {gb_s / limit:5.2f} x {what}{aim}"
+
+
+def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
+    memory = Memory(torch, gpu)
+    report = contiguous_check(torch, args, raw, gpu, memory)
+    report += fragmented_check(torch, args, raw, gpu, memory)
+    return report
+
+
+def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[str]:
+    """2 MiB contiguous chunks, ``--contig-chunks`` to a request, in three rounds of fresh keys
+    (the best round counts): store (engine -> L1), flush (-> L2), lookup, retrieve (L1 ->
+    engine). A daemon with 2 MiB slots, L1 holding every round."""
+    from tierkv.wire import KvLayout, Segment
+
+    n, rounds = args.contig_chunks, 3
+    l1 = rounds * n * CONTIG_CHUNK
+    best = {"store": 0.0, "down": 0.0, "retrieve": 0.0, "lookup": 0.0}
+    tiers: list[int] = []
+    with running_daemon(args, l1, 2 * l1, CONTIG_CHUNK, gpu) as daemon:
+        contig, region, off = memory.alloc(n * CONTIG_CHUNK)
+        contig = contig.view(n, CONTIG_CHUNK)
+        layout = KvLayout(
+            blocks=n,
+            block_bytes=CONTIG_CHUNK,
+            block_stride=CONTIG_CHUNK,
+            blocks_per_chunk=1,
+            segments=[Segment(0, off)],
+        )
+        s = Session(daemon, CONTIG_CHUNK, [region], layout, "contig")
+        try:
+            nb = n * CONTIG_CHUNK
+            for r in range(rounds):
+                contig.random_(0, 256)
+                reference = contig.clone()
+                chunks = [(0x1000 + r * n + i, [i]) for i in range(n)]
+                memory.sync()  # the worker's rule: its writes are done before `store`
+                t0 = time.perf_counter()
+                s.store(chunks)
+                t_store = time.perf_counter() - t0
+                s.client.flush(120.0)
+                t_down = time.perf_counter() - t0
+                contig.zero_()
+                memory.sync()
+                t_lookup, t_retrieve, tiers = s.load(chunks, 0)
+                if not torch.equal(contig, reference):
+                    bad = int((contig != reference).any(dim=1).nonzero()[0])
+                    fail(f"2 MiB chunks: chunk {bad} differs after store and retrieve")
+                for key, t in (
+                    ("store", t_store),
+                    ("down", t_down),
+                    ("retrieve", t_retrieve),
+                    ("lookup", t_lookup + t_retrieve),
+                ):
+                    best[key] = max(best[key], gbps(nb, t))
+        finally:
+            s.close()
+    print("  2 MiB contiguous chunks: every byte verified")
+    pieces = f"raw 2 MiB D2D ({best_way(raw, 'contig_d2d')})"
+    what = f"2 MiB contiguous, {n} a request:"
+    return [
+        row(
+            f"{what} engine -> L1 (store)",
+            best["store"],
+            raw["contig_d2d"],
+            pieces,
+            TARGET_D2D,
+        ),
+        row(f"{what} engine -> L1 (store)", best["store"], raw["d2d"], "raw D2D", None),
+        row(
+            f"{what} engine -> L1 -> L2 (store + flush)",
+            best["down"],
+            raw["d2h"],
+            "raw D2H",
+            TARGET_HOST,
+        ),
+        row(
+            f"{what} L1 -> engine (retrieve) {tiers}",
+            best["retrieve"],
+            raw["contig_d2d"],
+            pieces,
+            TARGET_D2D,
+        ),
+        row(
+            f"{what} lookup + retrieve", best["lookup"], raw["contig_d2d"], pieces, None
+        ),
+    ]
+
+
+def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[str]:
+    """Fragmented chunks of Llama-3-8B's paged KV (one tensor, 64 segments: layer x K/V; 8
+    scattered blocks a chunk, 16 MiB): stored a quarter at a time and flushed to L2, the last
+    quarter retrieved from L1, the first (evicted) through L2. Then the vLLM connector's own
+    registration, on the same daemon."""
+    from tierkv.wire import KvLayout, Segment
+
+    n = args.chunks
+    frag_bytes = n * FRAG_CHUNK
+    # L1 holds half the chunks: the first half stored are evicted from L1 (write-through: L2
+    # keeps them) and come back through L2. L2 holds everything.
+    l1 = n // 2 * FRAG_CHUNK if args.l1_mib == 0 else args.l1_mib << 20
+    report: list[str] = []
+    dev = torch.device("cuda" if gpu else "cpu")
+    sessions: list[Session] = []
+    with running_daemon(args, l1, 2 * frag_bytes, FRAG_CHUNK, gpu) as daemon:
+        try:
+            blocks = n * FRAG_BLOCKS * 2
+            shape = (LAYERS, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
+            kv, region, off = memory.alloc(LAYERS * 2 * blocks * PIECE_BYTES)
+            kv = kv.view(torch.bfloat16).view(shape)
+            plane = blocks * PIECE_BYTES
+            layout = KvLayout(
+                blocks=blocks,
+                block_bytes=PIECE_BYTES,
+                block_stride=PIECE_BYTES,
+                blocks_per_chunk=FRAG_BLOCKS,
+                segments=[Segment(0, off + i * plane) for i in range(2 * LAYERS)],
+            )
+            s = Session(daemon, FRAG_CHUNK, [region], layout, "frag")
+            sessions.append(s)
+            raw_view = kv.view(torch.int16)
+            raw_view.random_(-(1 << 15), 1 << 15)
+            # Chunk i takes every other block, in a scrambled order: pieces are scattered.
+            chunk_blocks = [
+                [(2 * (i * FRAG_BLOCKS + j) * 7) % blocks for j in range(FRAG_BLOCKS)]
+                for i in range(n)
+            ]
+            if len({b for bl in chunk_blocks for b in bl}) != n * FRAG_BLOCKS:
+                chunk_blocks = [
+                    [2 * (i * FRAG_BLOCKS + j) for j in range(FRAG_BLOCKS)]
+                    for i in range(n)
+                ]
+            chunks = [(0x2000 + i, chunk_blocks[i]) for i in range(n)]
+            used = sorted({b for bl in chunk_blocks for b in bl})
+            reference = raw_view[:, :, used].clone()
+            memory.sync()
+            # Stored a quarter at a time, each quarter flushed down to L2 before the next: L1
+            # has room for two quarters, so each store evicts only chunks L2 already holds.
+            t_store = t_down = 0.0
+            quarter = n // 4
+            per_quarter = []
+            for q in range(4):
+                t0 = time.perf_counter()
+                s.store(chunks[q * quarter : (q + 1) * quarter])
+                t1 = time.perf_counter()
+                s.client.flush(120.0)
+                t2 = time.perf_counter()
+                t_store += t1 - t0
+                t_down += t2 - t0
+                per_quarter.append(f"{(t1 - t0) * 1e3:.1f} + {(t2 - t1) * 1e3:.1f}")
+            print(
+                f"  fragmented: store + flush ms, by quarter: {', '.join(per_quarter)}"
+            )
+            nb = n * FRAG_CHUNK
+            pieces = f"raw D2D of the pieces ({best_way(raw, 'frag_d2d')})"
+            report.append(
+                row(
+                    "fragmented: engine -> L1 (store)",
+                    gbps(nb, t_store),
+                    raw["frag_d2d"],
+                    pieces,
+                    TARGET_FRAG,
+                )
+            )
+            report.append(
+                row(
+                    "fragmented: engine -> L1 -> L2 (store + flush)",
+                    gbps(nb, t_down),
+                    raw["d2h"],
+                    "raw D2H",
+                    TARGET_HOST,
+                )
+            )
+            # Reload the last quarter stored, which L1 still has, then the first, which the L1
+            # of two quarters has evicted: it comes back through L2.
+            for label, part, tier in (
+                ("L1 -> engine (retrieve)", chunks[3 * quarter :], 0),
+                ("L2 -> L1 -> engine (lookup + retrieve)", chunks[:quarter], 1),
+            ):
+                # Every block used is overwritten first, so equal bytes prove the load.
+                raw_view.index_fill_(2, torch.tensor(used, device=dev), 0)
+                memory.sync()
+                t_lookup, t_retrieve, tiers = s.load(part, tier)
+                if args.corrupt:  # the self-test of the verification: one bit flipped
+                    raw_view[0, 0, part[0][1][0]].view(-1)[0] ^= 1
+                part_blocks = sorted({b for _, bl in part for b in bl})
+                pos = torch.tensor([used.index(b) for b in part_blocks], device=dev)
+                got = raw_view[:, :, part_blocks]
+                want = reference.index_select(2, pos)
+                if not torch.equal(got, want):
+                    fail(f"fragmented chunks ({label}): bytes differ after retrieve")
+                nb = len(part) * FRAG_CHUNK
+                if tier == 0:
+                    report.append(
+                        row(
+                            f"fragmented: {label} {tiers}",
+                            gbps(nb, t_retrieve),
+                            raw["frag_d2d"],
+                            pieces,
+                            TARGET_FRAG,
+                        )
+                    )
+                else:
+                    report.append(
+                        row(
+                            f"fragmented: {label} {tiers}",
+                            gbps(nb, t_lookup + t_retrieve),
+                            raw["h2d"],
+                            "raw H2D",
+                            TARGET_HOST,
+                        )
+                    )
+            print("  fragmented chunks: every byte verified")
+            sessions.append(connector_check(torch, daemon, gpu))
+        finally:
+            for session in sessions:
+                session.close()
+    return report
 
 
 def connector_check(torch, daemon: Daemon, gpu: bool) -> Session:
@@ -735,7 +920,9 @@ def connector_check(torch, daemon: Daemon, gpu: bool) -> Session:
     shape = (2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
     dev = torch.device("cuda" if gpu else "cpu")
     kv = {
-        f"model.layers.{i}.self_attn.attn": torch.empty(shape, dtype=torch.bfloat16, device=dev)
+        f"model.layers.{i}.self_attn.attn": torch.empty(
+            shape, dtype=torch.bfloat16, device=dev
+        )
         for i in range(layers)
     }
     if gpu:
@@ -797,6 +984,13 @@ def main() -> int:
         help="L1 capacity (default: half the "
         "fragmented chunks' bytes, so half come back through L2)",
     )
+    ap.add_argument(
+        "--contig-chunks",
+        type=int,
+        default=None,
+        help="2 MiB chunks in one store or retrieve request (default: 128; in the dry run, "
+        "--chunks)",
+    )
     ap.add_argument("--raw-mib", type=int, default=256, help="bytes of each raw copy")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--keep", action="store_true", help="keep the daemon's directory")
@@ -817,6 +1011,10 @@ def main() -> int:
     args.binary = args.binary.resolve()  # the daemon runs in its own directory
     if args.chunks < 4 or args.chunks % 4:
         ap.error("--chunks must be a positive multiple of 4")
+    if args.contig_chunks is None:
+        args.contig_chunks = args.chunks if args.cpu_dry_run else 128
+    if args.contig_chunks < 1:
+        ap.error("--contig-chunks must be positive")
 
     if (
         os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").find("expandable_segments:True")
@@ -875,7 +1073,9 @@ def dry_run(args) -> int:
         print(f"gpu-check: the dry run needs torch ({e})", file=sys.stderr)
         return FAILED
     print("dry run on CPU: memfd regions, emulated L1; the figures mean nothing")
-    raw = dict.fromkeys(("h2d", "d2h", "d2d", "frag_d2h", "frag_d2d"), 1.0)
+    raw = dict.fromkeys(
+        ("h2d", "d2h", "d2d", "contig_d2d", "frag_d2h", "frag_d2d"), 1.0
+    )
     try:
         if not args.binary.is_file():
             fail(f"no tierkv binary at {args.binary}")
@@ -888,8 +1088,8 @@ def dry_run(args) -> int:
 
 def finish(args, report: list[str]) -> int:
     print(
-        f"tierkv (GB/s, {args.chunks // 2} x 2 MiB and {args.chunks} x 16 MiB chunks, wall "
-        "clock around the requests):"
+        f"tierkv (GB/s, wall clock around the requests; {args.contig_chunks} x 2 MiB chunks a "
+        f"request, {args.chunks} x 16 MiB fragmented chunks a quarter at a time):"
     )
     for line in report:
         print(line)

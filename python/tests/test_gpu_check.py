@@ -74,7 +74,9 @@ def test_the_dry_run_stores_and_retrieves_every_byte_through_l1_and_l2(cpu_torch
     assert out.returncode == 0, out.stdout + out.stderr
     assert "gpu-check: every byte verified" in out.stdout
     # The reloads came from where the check says: the last quarter from L1, the first from L2.
-    assert "L1 hits) [2, 0, 0, 0]" in out.stdout, out.stdout
+    assert "L1 -> engine (retrieve) [2, 0, 0, 0]" in out.stdout, out.stdout
+    # The contiguous chunks (as many as --chunks in the dry run) all came back from L1.
+    assert "8 a request: L1 -> engine (retrieve) [8, 0, 0, 0]" in out.stdout, out.stdout
     assert "(lookup + retrieve) [0, 2, 0, 0]" in out.stdout, out.stdout
 
 

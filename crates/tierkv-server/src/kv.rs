@@ -16,7 +16,10 @@
 //!
 //! A CUDA region is opened once, at registration, and closed when the registration is dropped
 //! (the session ends). Its pieces move with the driver: device to device into an L1 slot on the
-//! GPU, device to host into an emulated one, synchronized before the call returns.
+//! GPU, device to host into an emulated one. Segments at evenly spaced offsets of one region (an
+//! engine's K and V planes, layers allocated back to back) form a run, found once at
+//! registration: a block's pieces across a run are one strided copy. Device-to-device copies of a
+//! whole request are collected in a [`DeviceCopies`] and enqueued together, then waited for once.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -24,7 +27,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use memmap2::{MmapOptions, MmapRaw};
 use tierkv_proto::{KvLayout, RegionSource};
 
-use crate::cuda_ipc::{CudaIpcError, CudaRegion, Side};
+use crate::cuda_ipc::{CudaIpcError, CudaRegion, MAX_PITCH, Rows, Side};
 
 /// Regions one registration may carry: a CUDA IPC region per allocation behind an engine's KV
 /// tensors (vLLM allocates one per layer).
@@ -74,10 +77,85 @@ struct SegmentAt {
     offset: usize,
 }
 
+/// Consecutive segments in one region, `pitch` bytes apart: a block's pieces in them are `count`
+/// rows of one strided copy. A segment on its own is a run of one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SegmentRun {
+    region: usize,
+    /// The run's first segment.
+    first: usize,
+    count: usize,
+    /// The first segment's offset in the region.
+    offset: usize,
+    pitch: usize,
+}
+
+/// Splits `segments` into runs: each segment joins the run before it when it lies in the same
+/// region exactly one pitch past the run's last, the pitch (the gap of the run's first two) at
+/// least `block_bytes` (rows never overlap) and at most [`MAX_PITCH`].
+fn segment_runs(segments: &[SegmentAt], block_bytes: usize) -> Vec<SegmentRun> {
+    let mut runs: Vec<SegmentRun> = Vec::new();
+    for (s, seg) in segments.iter().enumerate() {
+        if let Some(run) = runs.last_mut()
+            && run.region == seg.region
+        {
+            let gap = seg.offset.checked_sub(run.offset);
+            if run.count == 1
+                && let Some(gap) = gap
+                && gap >= block_bytes
+                && gap as u64 <= MAX_PITCH
+            {
+                run.pitch = gap;
+                run.count = 2;
+                continue;
+            }
+            if run.count > 1 && gap.is_some_and(|g| Some(g) == run.count.checked_mul(run.pitch)) {
+                run.count += 1;
+                continue;
+            }
+        }
+        runs.push(SegmentRun {
+            region: seg.region,
+            first: s,
+            count: 1,
+            offset: seg.offset,
+            pitch: 0,
+        });
+    }
+    runs
+}
+
+/// The device-to-device copies of one request, all gathers or all scatters, per region:
+/// collected by [`RegisteredKv::gather_device`] or [`RegisteredKv::scatter_device`], enqueued and
+/// waited for by [`RegisteredKv::run_device`]. Dropped without a run, none of them happens.
+#[derive(Debug)]
+pub struct DeviceCopies {
+    to_region: bool,
+    rows: Vec<Vec<Rows>>,
+}
+
+impl DeviceCopies {
+    /// Copies out of the registration (a store).
+    pub fn gathers() -> Self {
+        DeviceCopies { to_region: false, rows: Vec::new() }
+    }
+
+    /// Copies into the registration (a retrieve).
+    pub fn scatters() -> Self {
+        DeviceCopies { to_region: true, rows: Vec::new() }
+    }
+
+    /// Whether nothing was collected.
+    pub fn is_empty(&self) -> bool {
+        self.rows.iter().all(Vec::is_empty)
+    }
+}
+
 /// A registered KV buffer: mapped regions and the layout over them.
 pub struct RegisteredKv {
     regions: Vec<Region>,
     segments: Vec<SegmentAt>,
+    runs: Vec<SegmentRun>,
     blocks: u64,
     block_bytes: usize,
     block_stride: usize,
@@ -201,9 +279,11 @@ impl RegisteredKv {
             })?;
             segments.push(SegmentAt { region: segment.region as usize, offset });
         }
+        let runs = segment_runs(&segments, layout.block_bytes as usize);
         Ok(RegisteredKv {
             regions: maps,
             segments,
+            runs,
             blocks: layout.blocks,
             block_bytes: layout.block_bytes as usize,
             block_stride: layout.block_stride as usize,
@@ -255,35 +335,63 @@ impl RegisteredKv {
         unsafe { self.transfer(blocks, Side::Host(src.as_ptr().cast_mut()), true, true) }
     }
 
-    /// Enqueues the copies of a chunk's pieces from `blocks` into device memory at `dst` (an L1
-    /// slot on the GPU). Only for a registration [`on_device`](Self::on_device). The copies are
-    /// done only after [`sync_device`](Self::sync_device) returned `Ok`: a request enqueues
-    /// every chunk, then waits once.
+    /// Adds to `copies` (gathers) those of a chunk's pieces from `blocks` into device memory at
+    /// `dst` (an L1 slot on the GPU). Only for a registration [`on_device`](Self::on_device). The
+    /// bytes are there only after [`run_device`](Self::run_device) returned `Ok`: a request
+    /// collects every chunk, then runs them all and waits once.
     ///
     /// # Safety
-    /// `dst..dst + len` is device memory this call may write, used by nothing else until
-    /// `sync_device` returned (an L1 write reservation's slot, pinned that long).
-    pub unsafe fn gather_device(&self, blocks: &[u64], dst: u64, len: u64) -> Result<(), KvError> {
-        self.check_device(blocks, len)?;
-        // SAFETY: the caller's contract, and the length checked.
-        unsafe { self.transfer(blocks, Side::Device(dst), false, false) }
+    /// `dst..dst + len` is device memory this request may write, used by nothing else until
+    /// `run_device` returned or `copies` is dropped (an L1 write reservation's slot, pinned that
+    /// long).
+    pub unsafe fn gather_device(
+        &self,
+        copies: &mut DeviceCopies,
+        blocks: &[u64],
+        dst: u64,
+        len: u64,
+    ) -> Result<(), KvError> {
+        self.check_device(copies, false, blocks, len)?;
+        self.collect_rows(blocks, Side::Device(dst), &mut copies.rows);
+        Ok(())
     }
 
-    /// Enqueues the copies of a chunk's bytes in device memory at `src` (a leased L1 slot on the
-    /// GPU) out to its pieces at `blocks`; done after [`sync_device`](Self::sync_device).
+    /// Adds to `copies` (scatters) those of a chunk's bytes in device memory at `src` (a leased
+    /// L1 slot on the GPU) out to its pieces at `blocks`; done after
+    /// [`run_device`](Self::run_device).
     ///
     /// # Safety
-    /// `src..src + len` is device memory nobody writes until `sync_device` returned (a leased
-    /// slot, pinned that long).
-    pub unsafe fn scatter_device(&self, blocks: &[u64], src: u64, len: u64) -> Result<(), KvError> {
-        self.check_device(blocks, len)?;
-        // SAFETY: the caller's contract, and the length checked.
-        unsafe { self.transfer(blocks, Side::Device(src), true, false) }
+    /// `src..src + len` is device memory nobody writes until `run_device` returned or `copies`
+    /// is dropped (a leased slot, pinned that long).
+    pub unsafe fn scatter_device(
+        &self,
+        copies: &mut DeviceCopies,
+        blocks: &[u64],
+        src: u64,
+        len: u64,
+    ) -> Result<(), KvError> {
+        self.check_device(copies, true, blocks, len)?;
+        self.collect_rows(blocks, Side::Device(src), &mut copies.rows);
+        Ok(())
     }
 
-    /// Waits for every copy enqueued on this registration's regions; the first failure if any.
-    pub fn sync_device(&self) -> Result<(), KvError> {
+    /// Enqueues `copies` on their regions' streams and waits for all of them; the first
+    /// failure if any (then some bytes may have landed and others not).
+    pub fn run_device(&self, copies: DeviceCopies) -> Result<(), KvError> {
         let mut first = Ok(());
+        for (i, rows) in copies.rows.iter().enumerate() {
+            if let (Some(Region::Cuda(cuda)), false) = (self.regions.get(i), rows.is_empty()) {
+                // SAFETY: the rows were planned from checked segments and block ids; the other
+                // ends are the callers' (their contracts on `gather_device`/`scatter_device`).
+                let enqueued =
+                    unsafe { cuda.copy(rows, self.block_bytes, copies.to_region, false) };
+                if let Err(e) = enqueued
+                    && first.is_ok()
+                {
+                    first = Err(KvError::Cuda(i, e));
+                }
+            }
+        }
         for (i, region) in self.regions.iter().enumerate() {
             if let Region::Cuda(cuda) = region
                 && let Err(e) = cuda.sync()
@@ -295,7 +403,18 @@ impl RegisteredKv {
         first
     }
 
-    fn check_device(&self, blocks: &[u64], len: u64) -> Result<(), KvError> {
+    fn check_device(
+        &self,
+        copies: &DeviceCopies,
+        to_region: bool,
+        blocks: &[u64],
+        len: u64,
+    ) -> Result<(), KvError> {
+        if copies.to_region != to_region {
+            return Err(KvError::Shape(
+                "a request's device copies are all gathers or all scatters".into(),
+            ));
+        }
         if !self.on_device() {
             return Err(KvError::Shape(
                 "a device-to-device copy needs every region in GPU memory".into(),
@@ -317,53 +436,78 @@ impl RegisteredKv {
         to_region: bool,
         then_sync: bool,
     ) -> Result<(), KvError> {
-        let at = |piece: usize| match other {
-            Side::Host(p) => {
-                // SAFETY: inside the chunk's bytes (the caller's contract).
-                Side::Host(unsafe { p.add(piece * self.block_bytes) })
-            }
-            Side::Device(p) => Side::Device(p + (piece * self.block_bytes) as u64),
-        };
-        // Pieces of each CUDA region, copied together after the host ones.
-        let mut device: Vec<Vec<(u64, Side)>> = Vec::new();
         for (piece, (region, offset)) in self.pieces(blocks).enumerate() {
-            match (&self.regions[region], at(piece)) {
-                (Region::Host(map), Side::Host(p)) => {
-                    // SAFETY: `offset` lies inside the mapping (segments checked at
-                    // registration, block ids on each request), which stays mapped while `self`
-                    // lives and cannot shrink (sealed); `p` has room for the piece. The worker
-                    // may write its memory concurrently; the copy then holds whatever bytes
-                    // were there, which is the worker's own business.
-                    unsafe {
-                        let here = map.as_mut_ptr().add(offset);
-                        if to_region {
-                            std::ptr::copy_nonoverlapping(p, here, self.block_bytes)
-                        } else {
-                            std::ptr::copy_nonoverlapping(here, p, self.block_bytes)
-                        }
-                    }
-                }
-                (Region::Host(_), Side::Device(_)) => {
-                    return Err(KvError::Shape(
-                        "a memfd region cannot copy to or from device memory".into(),
-                    ));
-                }
-                (Region::Cuda(_), side) => {
-                    if device.len() <= region {
-                        device.resize_with(region + 1, Vec::new);
-                    }
-                    device[region].push((offset as u64, side));
+            let Region::Host(map) = &self.regions[region] else { continue };
+            let Side::Host(p) = other else {
+                return Err(KvError::Shape(
+                    "a memfd region cannot copy to or from device memory".into(),
+                ));
+            };
+            // SAFETY: `offset` lies inside the mapping (segments checked at registration, block
+            // ids on each request), which stays mapped while `self` lives and cannot shrink
+            // (sealed); `p` has room for the chunk, so for the piece. The worker may write its
+            // memory concurrently; the copy then holds whatever bytes were there, which is the
+            // worker's own business.
+            unsafe {
+                let p = p.add(piece * self.block_bytes);
+                let here = map.as_mut_ptr().add(offset);
+                if to_region {
+                    std::ptr::copy_nonoverlapping(p, here, self.block_bytes)
+                } else {
+                    std::ptr::copy_nonoverlapping(here, p, self.block_bytes)
                 }
             }
         }
-        for (region, pieces) in device.iter().enumerate() {
-            if let (Region::Cuda(cuda), false) = (&self.regions[region], pieces.is_empty()) {
-                // SAFETY: offsets inside the region (checked as above), `other` the caller's.
-                unsafe { cuda.copy(pieces, self.block_bytes, to_region, then_sync) }
+        let mut device = Vec::new();
+        self.collect_rows(blocks, other, &mut device);
+        for (region, rows) in device.iter().enumerate() {
+            if let (Region::Cuda(cuda), false) = (&self.regions[region], rows.is_empty()) {
+                // SAFETY: rows inside the region (checked as above), `other` the caller's.
+                unsafe { cuda.copy(rows, self.block_bytes, to_region, then_sync) }
                     .map_err(|e| KvError::Cuda(region, e))?;
             }
         }
         Ok(())
+    }
+
+    /// Adds to `out` (one list per region) the copies of the chunk at `blocks` in the CUDA
+    /// regions, between them and the chunk's bytes at `other`.
+    fn collect_rows(&self, blocks: &[u64], other: Side, out: &mut Vec<Vec<Rows>>) {
+        for (region, rows) in self.rows(blocks, other) {
+            if !matches!(self.regions[region], Region::Cuda(_)) {
+                continue;
+            }
+            if out.len() <= region {
+                out.resize_with(region + 1, Vec::new);
+            }
+            out[region].push(rows);
+        }
+    }
+
+    /// The chunk at `blocks` as strided copies between its regions and its bytes at `other`: for
+    /// each run of segments and each block, one row per segment of the run. Row for row, the
+    /// same places as [`pieces`](Self::pieces).
+    fn rows<'a>(
+        &'a self,
+        blocks: &'a [u64],
+        other: Side,
+    ) -> impl Iterator<Item = (usize, Rows)> + 'a {
+        let per_chunk = self.blocks_per_chunk;
+        self.runs.iter().flat_map(move |run| {
+            blocks.iter().enumerate().map(move |(j, &b)| {
+                // Within the region (segments and block ids checked); the chunk's piece
+                // `segment * per_chunk + j` sits at that many `block_bytes`.
+                let piece = (run.first * per_chunk + j) * self.block_bytes;
+                let rows = Rows {
+                    offset: (run.offset + b as usize * self.block_stride) as u64,
+                    pitch: run.pitch as u64,
+                    other: other.offset(piece as u64),
+                    other_pitch: (per_chunk * self.block_bytes) as u64,
+                    rows: run.count,
+                };
+                (run.region, rows)
+            })
+        })
     }
 
     fn check_copy(&self, blocks: &[u64], len: usize) -> Result<(), KvError> {
@@ -499,12 +643,91 @@ mod tests {
         let shared = SharedBuffer::new(64, 4).unwrap();
         let kv = register(&shared, &layout(4, 64, 64, 1, &[0]), 64).unwrap();
         assert!(!kv.on_device());
+        let mut copies = DeviceCopies::gathers();
         // SAFETY: refused before any copy (the regions are not on a device).
-        let err = unsafe { kv.gather_device(&[0], 0x1000, 64) }.err().unwrap();
+        let err = unsafe { kv.gather_device(&mut copies, &[0], 0x1000, 64) }.err().unwrap();
         assert!(err.to_string().contains("every region in GPU memory"), "{err}");
+        let mut copies = DeviceCopies::scatters();
         // SAFETY: as above.
-        let err = unsafe { kv.scatter_device(&[0], 0x1000, 64) }.err().unwrap();
+        let err = unsafe { kv.scatter_device(&mut copies, &[0], 0x1000, 64) }.err().unwrap();
         assert!(err.to_string().contains("every region in GPU memory"), "{err}");
+        // SAFETY: refused first of all: a scatter among gathers.
+        let err = unsafe { kv.scatter_device(&mut DeviceCopies::gathers(), &[0], 0x1000, 64) }
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("all gathers or all scatters"), "{err}");
+        assert!(copies.is_empty());
+    }
+
+    fn at(offsets: &[(usize, usize)]) -> Vec<SegmentAt> {
+        offsets.iter().map(|&(region, offset)| SegmentAt { region, offset }).collect()
+    }
+
+    fn run(region: usize, first: usize, count: usize, offset: usize, pitch: usize) -> SegmentRun {
+        SegmentRun { region, first, count, offset, pitch }
+    }
+
+    #[test]
+    fn evenly_spaced_segments_of_one_region_form_runs() {
+        // K and V planes of three layers, 1,000 apart, in one region: one run of six.
+        let planes = at(&[(0, 0), (0, 1000), (0, 2000), (0, 3000), (0, 4000), (0, 5000)]);
+        assert_eq!(segment_runs(&planes, 100), vec![run(0, 0, 6, 0, 1000)]);
+        // One layer per region (K and V 500 apart in each): a run of two per region.
+        let per_region = at(&[(0, 0), (0, 500), (1, 0), (1, 500)]);
+        assert_eq!(
+            segment_runs(&per_region, 100),
+            vec![run(0, 0, 2, 0, 500), run(1, 2, 2, 0, 500)]
+        );
+        // A gap that breaks the pitch starts a new run; so does an offset going back.
+        let broken = at(&[(0, 0), (0, 100), (0, 250), (0, 350), (0, 0)]);
+        assert_eq!(
+            segment_runs(&broken, 100),
+            vec![run(0, 0, 2, 0, 100), run(0, 2, 2, 250, 100), run(0, 4, 1, 0, 0)]
+        );
+        // Segments closer than a block (rows would overlap), or further apart than a 2D copy's
+        // pitch can say, stay on their own.
+        assert_eq!(segment_runs(&at(&[(0, 0), (0, 50)]), 100).len(), 2);
+        let far = MAX_PITCH as usize + 1;
+        assert_eq!(segment_runs(&at(&[(0, 0), (0, far)]), 100).len(), 2);
+        assert_eq!(segment_runs(&at(&[(0, 0)]), 100), vec![run(0, 0, 1, 0, 0)]);
+    }
+
+    proptest::proptest! {
+        /// Whatever the layout, a chunk's rows name exactly its pieces: the same place in the
+        /// same region for the same byte of the chunk, each once.
+        #[test]
+        fn a_chunks_rows_are_its_pieces(
+            offsets in proptest::collection::vec(0u64..6, 1..8),
+            spacing in proptest::sample::select(vec![64u64, 96, 128, 512]),
+            block_ids in proptest::collection::vec(0u64..4, 1..4),
+        ) {
+            let shared = SharedBuffer::new(4096, 1).unwrap();
+            // Offsets on a grid, so some runs are evenly spaced and some are not.
+            let offsets: Vec<u64> = offsets.iter().map(|o| o * spacing).collect();
+            let per_chunk = block_ids.len() as u32;
+            let chunk = offsets.len() as u64 * u64::from(per_chunk) * 32;
+            let kv = register(&shared, &layout(4, 32, 64, per_chunk, &offsets), chunk).unwrap();
+            let base = 1u64 << 40;
+            let mut from_rows: Vec<(usize, u64, u64)> = kv
+                .rows(&block_ids, Side::Device(base))
+                .flat_map(|(region, r)| {
+                    (0..r.rows as u64).map(move |i| {
+                        let Side::Device(other) = r.other.offset(i * r.other_pitch) else {
+                            unreachable!()
+                        };
+                        (region, r.offset + i * r.pitch, other - base)
+                    })
+                })
+                .collect();
+            let mut from_pieces: Vec<(usize, u64, u64)> = kv
+                .pieces(&block_ids)
+                .enumerate()
+                .map(|(i, (region, offset))| (region, offset as u64, i as u64 * 32))
+                .collect();
+            from_rows.sort_unstable();
+            from_pieces.sort_unstable();
+            proptest::prop_assert_eq!(from_rows, from_pieces);
+        }
     }
 
     #[test]

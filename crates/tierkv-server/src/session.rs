@@ -22,7 +22,7 @@ use tierkv_proto::{
 };
 use tierkv_storage::{HitChunk, LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
 
-use crate::kv::{KvError, RegisteredKv};
+use crate::kv::{DeviceCopies, KvError, RegisteredKv};
 use crate::metrics::ServerMetrics;
 
 /// Namespaces one hello may declare.
@@ -637,9 +637,10 @@ impl Session {
         let (mut written, mut broken) = (Vec::new(), Vec::new());
         // Device-to-device copies still in flight: their slots stay pinned until the wait.
         let mut in_flight: Vec<(usize, WriteAccess)> = Vec::new();
+        let mut copies = DeviceCopies::gathers();
         for (i, (chunk, result)) in chunks.iter().zip(reserved).enumerate() {
             match result {
-                Ok(_) => match self.copy_in(source, &chunk.blocks, &keys[i]) {
+                Ok(_) => match self.copy_in(source, &mut copies, &chunk.blocks, &keys[i]) {
                     Ok(CopiedIn::Done(n)) => {
                         part.bytes += n;
                         written.push(keys[i]);
@@ -664,7 +665,7 @@ impl Session {
         if !in_flight.is_empty() {
             // One wait for the whole window; a failure fails every chunk it may have touched
             // (aborted below: a miss, never a visible half chunk).
-            let waited = source.sync_device();
+            let waited = source.run_device(copies);
             for (i, access) in in_flight {
                 match &waited {
                     Ok(()) => {
@@ -698,10 +699,11 @@ impl Session {
     }
 
     /// Gathers the chunk at `blocks` into the reserved slot of `key`: done (the bytes copied),
-    /// or, device to device, enqueued (the slot's guard, held until `sync_device`).
+    /// or, device to device, added to `copies` (the slot's guard, held until they ran).
     fn copy_in(
         &self,
         source: &RegisteredKv,
+        copies: &mut DeviceCopies,
         blocks: &[u64],
         key: &ObjectKey,
     ) -> Result<CopiedIn, String> {
@@ -710,16 +712,13 @@ impl Session {
         if let (true, Some(slot)) = (source.on_device(), access.device_address()) {
             let len = access.handle().len;
             // SAFETY: the slot belongs to this write reservation, which `access` pins, and the
-            // caller holds `access` until `sync_device`: nothing else reads or writes the slot
-            // until the write is finished or aborted.
-            match unsafe { source.gather_device(blocks, slot, len) } {
-                Ok(()) => return Ok(CopiedIn::InFlight(access)),
-                Err(e) => {
-                    // What was enqueued must land before the slot can be let go.
-                    let _ = source.sync_device();
-                    return Err(e.to_string());
-                }
-            }
+            // caller holds `access` until `copies` ran or is dropped: nothing else reads or
+            // writes the slot until the write is finished or aborted.
+            return match unsafe { source.gather_device(copies, blocks, slot, len) } {
+                Ok(()) => Ok(CopiedIn::InFlight(access)),
+                // Nothing of this chunk was collected.
+                Err(e) => Err(e.to_string()),
+            };
         }
         if let Some(slot) = access.host_bytes_mut() {
             source.gather(blocks, slot).map_err(|e| e.to_string())?;
@@ -1040,19 +1039,18 @@ fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<
         target.on_device(),
         pinned.iter().map(|(_, c)| device_slot(c).is_some()).reduce(|a, b| a && b),
     ) {
-        // Device to device: every chunk enqueued, then one wait. `pinned` keeps every slot
-        // leased and pinned until this returns.
+        // Device to device: every chunk collected, then enqueued together and waited for once.
+        // `pinned` keeps every slot leased and pinned until this returns.
+        let mut copies = DeviceCopies::scatters();
         for (blocks, chunk) in pinned {
             if let Some(slot) = device_slot(chunk) {
-                // SAFETY: the slot is leased and pinned (`chunk`) past the wait below: nobody
-                // writes it meanwhile.
-                if let Err(e) = unsafe { target.scatter_device(blocks, slot, chunk.len()) } {
-                    let _ = target.sync_device();
-                    return Err(failed(e));
-                }
+                // SAFETY: the slot is leased and pinned (`chunk`) past the run below: nobody
+                // writes it meanwhile. On an error `copies` is dropped unrun.
+                unsafe { target.scatter_device(&mut copies, blocks, slot, chunk.len()) }
+                    .map_err(failed)?;
             }
         }
-        return target.sync_device().map_err(failed);
+        return target.run_device(copies).map_err(failed);
     }
     let mut staging = Vec::new();
     for (blocks, chunk) in pinned {
@@ -1089,8 +1087,8 @@ struct StoredPart {
 enum CopiedIn {
     /// Copied: these many bytes.
     Done(u64),
-    /// Enqueued on the registration's streams; the slot stays pinned by this guard until the
-    /// request waits for them (`RegisteredKv::sync_device`).
+    /// Collected for the registration's streams; the slot stays pinned by this guard until the
+    /// request ran them (`RegisteredKv::run_device`).
     InFlight(WriteAccess),
 }
 

@@ -1,13 +1,21 @@
 //! The L1 arena in GPU memory, through cudarc's dynamically loaded driver API.
 //!
+//! Copies between the arena and host memory (L1 to and from L2) run on streams of the arena's
+//! own, never on the legacy default stream: a synchronous copy there holds up the copy engine
+//! that a worker's device-to-device gathers use. Measured on an H100, a store's gather of four
+//! 16 MiB chunks waited 4.7 ms behind a 256 MiB copy to the host on the default stream, and
+//! 0.3 ms (as long as alone) when that copy ran on a stream of its own.
+//!
 //! The crate builds and its tests run on machines without CUDA: nothing here calls into cudarc
 //! before [`cuda_available`] has found the driver library, because cudarc panics when asked to
 //! load a library that is not there.
 
+use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, result, sys};
+use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
+use parking_lot::Mutex;
 
 use super::{DeviceArena, DeviceError, check_range};
 
@@ -36,6 +44,9 @@ pub struct CudaArena {
     base: sys::CUdeviceptr,
     len: u64,
     name: String,
+    /// Idle copy streams: a copy takes one (or makes one), and gives it back when it is done,
+    /// so threads copying at once never wait for each other's copies.
+    streams: Mutex<Vec<Arc<CudaStream>>>,
 }
 
 impl CudaArena {
@@ -55,11 +66,29 @@ impl CudaArena {
         // SAFETY: the context is bound to this thread; the returned pointer is owned by the arena
         // and freed once, in `Drop`.
         let base = unsafe { result::malloc_sync(len) }.map_err(|e| alloc_error(e.to_string()))?;
-        Ok(CudaArena { context, base, len: bytes, name })
+        Ok(CudaArena { context, base, len: bytes, name, streams: Mutex::new(Vec::new()) })
     }
 
     fn bind(&self) -> Result<(), DeviceError> {
         self.context.bind_to_thread().map_err(|e| DeviceError::Copy(e.to_string()))
+    }
+
+    /// Runs `enqueue` on an idle copy stream of the arena, then waits for the stream.
+    fn copy_on_stream(
+        &self,
+        enqueue: impl FnOnce(sys::CUstream) -> Result<(), DriverError>,
+    ) -> Result<(), DeviceError> {
+        self.bind()?;
+        let idle = self.streams.lock().pop();
+        let stream = match idle {
+            Some(stream) => stream,
+            None => self.context.new_stream().map_err(|e| DeviceError::Copy(e.to_string()))?,
+        };
+        let done = enqueue(stream.cu_stream()).and_then(|()| stream.synchronize());
+        // Back to the pool either way: a refused enqueue leaves the stream as it was, and a copy
+        // that failed on the device fails the context, which every later call reports.
+        self.streams.lock().push(stream);
+        done.map_err(|e| DeviceError::Copy(e.to_string()))
     }
 }
 
@@ -78,19 +107,37 @@ impl DeviceArena for CudaArena {
 
     unsafe fn copy_in(&self, offset: u64, src: &[u8]) -> Result<(), DeviceError> {
         check_range(offset, src.len() as u64, self.len)?;
-        self.bind()?;
-        // SAFETY: the destination range lies inside our allocation (checked above) and the caller
-        // guarantees no concurrent access to it.
-        unsafe { result::memcpy_htod_sync(self.base + offset, src) }
-            .map_err(|e| DeviceError::Copy(e.to_string()))
+        self.copy_on_stream(|stream| {
+            // SAFETY: the destination range lies inside our allocation (checked above) and the
+            // caller guarantees no concurrent access to it; `src` outlives the copy, which is
+            // waited for before this returns.
+            unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    self.base + offset,
+                    src.as_ptr().cast::<c_void>(),
+                    src.len(),
+                    stream,
+                )
+            }
+            .result()
+        })
     }
 
     unsafe fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<(), DeviceError> {
         check_range(offset, dst.len() as u64, self.len)?;
-        self.bind()?;
-        // SAFETY: as in `copy_in`, with no concurrent writer.
-        unsafe { result::memcpy_dtoh_sync(dst, self.base + offset) }
-            .map_err(|e| DeviceError::Copy(e.to_string()))
+        self.copy_on_stream(|stream| {
+            // SAFETY: as in `copy_in`, with no concurrent writer; `dst` is exclusively borrowed
+            // past the wait.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.as_mut_ptr().cast::<c_void>(),
+                    self.base + offset,
+                    dst.len(),
+                    stream,
+                )
+            }
+            .result()
+        })
     }
 
     fn host_base(&self) -> Option<NonNull<u8>> {
