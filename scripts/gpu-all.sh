@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one call (device time is scarce): the GPU check, then the
-# CUDA unit tests, from what scripts/gpu-build.sh put in target/gpu-carry. Output goes to the
+# unit tests of the GPU crates (tierkv-l1, tierkv-l2, tierkv-server: all of them, the CUDA tests
+# enabled by the device), from what scripts/gpu-build.sh put in target/gpu-carry. Output goes to the
 # terminal and to OUTDIR (default: $OUT, the device tool's output folder, else target/gpu-out):
 # gpu-check.txt, unit-tests.txt, and the daemon's log. Exit status: the first failure's.
 # Each step has its own time limit (GPU_CHECK_LIMIT, default 300 s; 120 s for each test
@@ -26,10 +27,9 @@ for log in /tmp/tierkv-gpu-*/daemon.log; do
     [[ -f "$log" ]] && cp "$log" "$out/daemon-$(basename "$(dirname "$log")").log"
 done
 {
-    for t in "tierkv_l1-tests cuda" "tierkv_l2-tests memory_kind" "tierkv_server-tests cuda"; do
-        set -- $t
-        echo "== $carry/$1 $2"
-        timeout -k 5 120 "$carry/$1" "$2" --nocapture --test-threads 1
+    for t in tierkv_l1-tests tierkv_l2-tests tierkv_server-tests; do
+        echo "== $carry/$t"
+        timeout -k 5 120 "$carry/$t" --test-threads 1
         rc=$?
         [[ $status -eq 0 ]] && status=$rc
     done

@@ -9,7 +9,7 @@
 # Then, on the GPU machine (carry target/gpu-carry), all of it at once: scripts/gpu-all.sh; or
 # one by one:
 #   scripts/gpu-check.sh --bin target/gpu-carry/tierkv
-#   target/gpu-carry/tierkv_l1-tests cuda --nocapture --test-threads 1
+#   target/gpu-carry/tierkv_l1-tests --test-threads 1   (the CUDA tests: filter "cuda")
 #   target/gpu-carry/tierkv_l2-tests memory_kind --nocapture   (pinned L2 through cudarc)
 #   target/gpu-carry/tierkv_server-tests cuda --nocapture --test-threads 1
 set -euo pipefail

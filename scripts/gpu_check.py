@@ -30,11 +30,13 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 NO_DEVICE = 2
 FAILED = 1
@@ -685,19 +687,51 @@ def running_daemon(args, l1: int, l2: int, slot: int, gpu: bool):
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def row(label: str, gb_s: float, limit: float, what: str, target: float | None) -> str:
-    aim = f"  (target {target})" if target is not None else ""
-    return f"  {label:<70} {gb_s:8.2f}  {gb_s / limit:5.2f} x {what}{aim}"
+class Row(NamedTuple):
+    """One figure of the report: GB/s against a raw limit of the same run."""
+
+    label: str
+    gb_s: float
+    limit: float
+    what: str
+    target: float | None
+
+
+def row(label: str, gb_s: float, limit: float, what: str, target: float | None) -> Row:
+    return Row(label, gb_s, limit, what, target)
+
+
+def summary(rounds: list[list[Row]]) -> list[str]:
+    """Each row's median over the rounds, its ratio to the limit, and the rounds' range."""
+    lines = []
+    for same in zip(*rounds, strict=True):
+        first = same[0]
+        values = sorted(r.gb_s for r in same)
+        median = statistics.median(values)
+        aim = f"  (target {first.target})" if first.target is not None else ""
+        spread = f"  [{values[0]:.0f}-{values[-1]:.0f}]" if len(values) > 1 else ""
+        lines.append(
+            f"  {first.label:<70} {median:8.2f}  {median / first.limit:5.2f} x "
+            f"{first.what}{aim}{spread}"
+        )
+    return lines
 
 
 def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
-    memory = Memory(torch, gpu)
-    report = contiguous_check(torch, args, raw, gpu, memory)
-    report += fragmented_check(torch, args, raw, gpu, memory)
-    return report
+    """``--rounds`` rounds of both parts, each on fresh daemons; the report has each row's
+    median and range over the rounds."""
+    rounds = []
+    for _ in range(args.rounds):
+        memory = Memory(torch, gpu)
+        report = contiguous_check(torch, args, raw, gpu, memory)
+        report += fragmented_check(torch, args, raw, gpu, memory)
+        rounds.append(report)
+        if gpu:
+            torch.cuda.empty_cache()
+    return summary(rounds)
 
 
-def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[str]:
+def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
     """2 MiB contiguous chunks, ``--contig-chunks`` to a request, in three rounds of fresh keys
     (the best round counts): store (engine -> L1), flush (-> L2), lookup, retrieve (L1 ->
     engine). A daemon with 2 MiB slots, L1 holding every round."""
@@ -777,7 +811,7 @@ def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[str]:
     ]
 
 
-def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[str]:
+def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
     """Fragmented chunks of Llama-3-8B's paged KV (one tensor, 64 segments: layer x K/V; 8
     scattered blocks a chunk, 16 MiB): stored a quarter at a time and flushed to L2, the last
     quarter retrieved from L1, the first (evicted) through L2. Then the vLLM connector's own
@@ -789,7 +823,7 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[str]:
     # L1 holds half the chunks: the first half stored are evicted from L1 (write-through: L2
     # keeps them) and come back through L2. L2 holds everything.
     l1 = n // 2 * FRAG_CHUNK if args.l1_mib == 0 else args.l1_mib << 20
-    report: list[str] = []
+    report: list[Row] = []
     dev = torch.device("cuda" if gpu else "cpu")
     sessions: list[Session] = []
     with running_daemon(args, l1, 2 * frag_bytes, FRAG_CHUNK, gpu) as daemon:
@@ -890,16 +924,38 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[str]:
                             TARGET_FRAG,
                         )
                     )
-                else:
-                    report.append(
-                        row(
-                            f"fragmented: {label} {tiers}",
-                            gbps(nb, t_lookup + t_retrieve),
-                            raw["h2d"],
-                            "raw H2D",
-                            TARGET_HOST,
-                        )
+                    continue
+                # Through L2: the lookup loads the chunks into L1 (a host-to-device move), the
+                # retrieve scatters them (device to device). Each move against its raw limit,
+                # and the whole against the two raw copies one after the other.
+                serial = 1 / (1 / raw["h2d"] + 1 / raw["frag_d2d"])
+                report.append(
+                    row(
+                        f"fragmented: L2 -> L1 (the lookup's loads) {tiers}",
+                        gbps(nb, t_lookup),
+                        raw["h2d"],
+                        "raw H2D",
+                        TARGET_HOST,
                     )
+                )
+                report.append(
+                    row(
+                        f"fragmented: {label}",
+                        gbps(nb, t_lookup + t_retrieve),
+                        raw["h2d"],
+                        "raw H2D",
+                        None,
+                    )
+                )
+                report.append(
+                    row(
+                        f"fragmented: {label}",
+                        gbps(nb, t_lookup + t_retrieve),
+                        serial,
+                        "raw H2D then raw D2D",
+                        TARGET_HOST,
+                    )
+                )
             print("  fragmented chunks: every byte verified")
             sessions.append(connector_check(torch, daemon, gpu))
         finally:
@@ -991,6 +1047,13 @@ def main() -> int:
         help="2 MiB chunks in one store or retrieve request (default: 128; in the dry run, "
         "--chunks)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of the daemon part, each on fresh daemons; the report has each row's "
+        "median (default: 5; in the dry run, 1)",
+    )
     ap.add_argument("--raw-mib", type=int, default=256, help="bytes of each raw copy")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--keep", action="store_true", help="keep the daemon's directory")
@@ -1015,6 +1078,10 @@ def main() -> int:
         args.contig_chunks = args.chunks if args.cpu_dry_run else 128
     if args.contig_chunks < 1:
         ap.error("--contig-chunks must be positive")
+    if args.rounds is None:
+        args.rounds = 1 if args.cpu_dry_run else 5
+    if args.rounds < 1:
+        ap.error("--rounds must be positive")
 
     if (
         os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").find("expandable_segments:True")
