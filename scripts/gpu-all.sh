@@ -3,7 +3,7 @@
 # unit tests of the GPU crates (tierkv-l1, tierkv-l2, tierkv-server: all of them, the CUDA tests
 # enabled by the device), from what scripts/gpu-build.sh put in target/gpu-carry. Output goes to the
 # terminal and to OUTDIR (default: $OUT, the device tool's output folder, else target/gpu-out):
-# gpu-check.txt, unit-tests.txt, and the daemon's log. Exit status: the first failure's.
+# gpu-check.txt, unit-tests.txt, and the daemons' logs. Exit status: the first failure's.
 # Each step has its own time limit (GPU_CHECK_LIMIT, default 300 s; 120 s for each test
 # executable), so a step that hangs costs its limit, not the whole call.
 #
@@ -23,9 +23,10 @@ status=0
 timeout -k 5 "${GPU_CHECK_LIMIT:-300}" scripts/gpu-check.sh --bin "$carry/tierkv" --keep "$@" 2>&1 | tee "$out/gpu-check.txt"
 rc=${PIPESTATUS[0]}
 [[ $status -eq 0 ]] && status=$rc
+# One file for every daemon's log (the device tool brings back at most 8 files).
 for log in /tmp/tierkv-gpu-*/daemon.log; do
-    [[ -f "$log" ]] && cp "$log" "$out/daemon-$(basename "$(dirname "$log")").log"
-done
+    [[ -f "$log" ]] && { echo "== $log"; cat "$log"; }
+done > "$out/daemons.log"
 {
     for t in tierkv_l1-tests tierkv_l2-tests tierkv_server-tests; do
         echo "== $carry/$t"

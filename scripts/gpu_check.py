@@ -627,8 +627,8 @@ class Session:
             self.client.close()
             fail(f"register_kv of CUDA IPC regions ({label}) was refused: {e}")
 
-    def store(self, chunks) -> None:
-        out = self.client.store(0, self.buffer, chunks)
+    def store(self, chunks, ready_event: bytes | None = None) -> None:
+        out = self.client.store(0, self.buffer, chunks, ready_event=ready_event)
         if out.refused or out.stored + out.present != len(chunks):
             fail(f"store: {out}")
 
@@ -731,27 +731,35 @@ def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
     return summary(rounds)
 
 
+def contiguous_session(daemon: Daemon, memory: Memory, n: int, label: str):
+    """``n`` blocks of one 2 MiB chunk each, as an ``(n, 2 MiB)`` tensor, and a session that
+    registered them."""
+    from tierkv.wire import KvLayout, Segment
+
+    blocks, region, off = memory.alloc(n * CONTIG_CHUNK)
+    layout = KvLayout(
+        blocks=n,
+        block_bytes=CONTIG_CHUNK,
+        block_stride=CONTIG_CHUNK,
+        blocks_per_chunk=1,
+        segments=[Segment(0, off)],
+    )
+    return blocks.view(n, CONTIG_CHUNK), Session(
+        daemon, CONTIG_CHUNK, [region], layout, label
+    )
+
+
 def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
     """2 MiB contiguous chunks, ``--contig-chunks`` to a request, in three rounds of fresh keys
     (the best round counts): store (engine -> L1), flush (-> L2), lookup, retrieve (L1 ->
     engine). A daemon with 2 MiB slots, L1 holding every round."""
-    from tierkv.wire import KvLayout, Segment
 
     n, rounds = args.contig_chunks, 3
     l1 = rounds * n * CONTIG_CHUNK
     best = {"store": 0.0, "down": 0.0, "retrieve": 0.0, "lookup": 0.0}
     tiers: list[int] = []
     with running_daemon(args, l1, 2 * l1, CONTIG_CHUNK, gpu) as daemon:
-        contig, region, off = memory.alloc(n * CONTIG_CHUNK)
-        contig = contig.view(n, CONTIG_CHUNK)
-        layout = KvLayout(
-            blocks=n,
-            block_bytes=CONTIG_CHUNK,
-            block_stride=CONTIG_CHUNK,
-            blocks_per_chunk=1,
-            segments=[Segment(0, off)],
-        )
-        s = Session(daemon, CONTIG_CHUNK, [region], layout, "contig")
+        contig, s = contiguous_session(daemon, memory, n, "contig")
         try:
             nb = n * CONTIG_CHUNK
             for r in range(rounds):
@@ -958,10 +966,52 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
                 )
             print("  fragmented chunks: every byte verified")
             sessions.append(connector_check(torch, daemon, gpu))
+            if gpu:
+                sessions.append(ready_event_check(torch, daemon, memory))
         finally:
             for session in sessions:
                 session.close()
     return report
+
+
+#: GPU clock cycles the producer kernel spins before it writes the blocks (about 0.1 s).
+SPIN_CYCLES = 200_000_000
+
+
+def ready_event_check(torch, daemon: Daemon, memory: Memory) -> Session:
+    """A store sent while the kernels that write its blocks still run, naming the worker's
+    interprocess event recorded after them: the daemon's copies wait for it on the GPU, so the
+    stored chunks hold what the kernels wrote. Then the control, the same store of fresh chunks
+    without the event: the daemon copies at once, before the kernels wrote, and gets the stale
+    bytes (the check says how many chunks did; their bytes prove the ordering was exercised)."""
+
+    n = 8
+    blocks, s = contiguous_session(daemon, memory, n, "event")
+    event = torch.cuda.Event(interprocess=True)
+    stale = {}
+    for label, key, with_event in (("event", 0x4000, True), ("control", 0x5000, False)):
+        blocks.zero_()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)  # the engine's kernels, still running...
+        blocks.fill_(0x5A)  # ...until they write the blocks
+        event.record()
+        chunks = [(key + i, [i]) for i in range(n)]
+        s.store(chunks, ready_event=bytes(event.ipc_handle()) if with_event else None)
+        torch.cuda.synchronize()
+        blocks.zero_()
+        torch.cuda.synchronize()
+        s.load(chunks, 0)
+        stale[label] = int((blocks != 0x5A).any(dim=1).sum())
+    if stale["event"]:
+        fail(
+            f"ready_event: {stale['event']} of {n} chunks stored before the kernels that "
+            "wrote them had finished"
+        )
+    print(
+        f"  ready_event: {n} chunks stored while their kernels ran, every byte the kernels "
+        f"wrote; without the event {stale['control']} of {n} held stale bytes"
+    )
+    return s
 
 
 def connector_check(torch, daemon: Daemon, gpu: bool) -> Session:

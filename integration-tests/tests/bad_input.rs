@@ -145,6 +145,34 @@ fn f4_blocks_outside_the_registered_buffer_are_refused_before_any_copy() {
 }
 
 #[test]
+fn f4_a_ready_event_for_a_buffer_in_host_memory_is_refused_before_any_copy() {
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    let mut client = connect(&daemon);
+    let buffer = SharedBuffer::new(CHUNK, 4).unwrap();
+    let id = client.register_buffer(&buffer).unwrap();
+    // A CUDA event orders copies out of GPU memory; a memfd buffer has none, whatever the handle.
+    for handle in [vec![7u8; 64], vec![7u8; 3]] {
+        let store = client.call(RequestBody::Store {
+            namespace: 0,
+            buffer: id,
+            chunks: vec![ChunkBlocks::one(ChunkId(1), 0)],
+            ready_event: Some(handle),
+        });
+        let err = store.unwrap_err();
+        assert_eq!(err.code(), Some(ErrorCode::BadBuffer), "{err}");
+        assert!(
+            err.to_string().contains("ready_event needs a registration in GPU memory"),
+            "{err}"
+        );
+    }
+    assert_eq!(daemon.status().tiers[0].objects, 16, "the refused stores stored nothing");
+    // The session goes on: the same store without the event is fine.
+    client.store(0, id, vec![ChunkBlocks::one(ChunkId(1), 0)]).unwrap();
+    witness.check();
+}
+
+#[test]
 fn f4_a_namespace_not_declared_is_refused_and_other_namespaces_stay_invisible() {
     let daemon = Daemon::start();
     let mut witness = Witness::new(&daemon);

@@ -43,7 +43,7 @@ class Raw:
         return self.reply()
 
     def hello(self, **fields):
-        hello = {"version": 3, "namespaces": [{"model": "m"}], "chunk_bytes": CHUNK_BYTES}
+        hello = {"version": 4, "namespaces": [{"model": "m"}], "chunk_bytes": CHUNK_BYTES}
         hello.update(fields)
         return self.call(1, {"hello": hello})
 

@@ -90,6 +90,7 @@ REQUESTS = {
         ),
     ),
     "store": lambda: wire.store(0, 0, [(CHUNK, [3, 4]), (7, [9, 300])]),
+    "store_ready_event": lambda: wire.store(0, 0, [(CHUNK, [3])], ready_event=bytes(range(64))),
     "lookup": lambda: wire.lookup(1, [CHUNK, U128_MAX]),
     "query": lambda: wire.query(17),
     "wait": lambda: wire.wait(17, 2500),
@@ -174,7 +175,7 @@ ERRORS = {
 
 
 def test_protocol_version_is_the_rust_one():
-    assert VECTORS["protocol_version"] == wire.PROTOCOL_VERSION == 3
+    assert VECTORS["protocol_version"] == wire.PROTOCOL_VERSION == 4
     assert _hello()["hello"]["version"] == wire.PROTOCOL_VERSION
     assert wire.hello()["hello"]["version"] == wire.PROTOCOL_VERSION
 

@@ -365,7 +365,7 @@ impl Client {
         buffer: u32,
         chunks: Vec<ChunkBlocks>,
     ) -> Result<Pending, ClientError> {
-        self.submit(RequestBody::Store { namespace, buffer, chunks })
+        self.submit(RequestBody::Store { namespace, buffer, chunks, ready_event: None })
     }
 
     /// What a store sent with [`Client::submit_store`] did (waits for it if need be).
@@ -552,7 +552,7 @@ mod tests {
     }
 
     fn store_body() -> RequestBody {
-        RequestBody::Store { namespace: 0, buffer: 0, chunks: Vec::new() }
+        RequestBody::Store { namespace: 0, buffer: 0, chunks: Vec::new(), ready_event: None }
     }
 
     /// What the stand-in daemon answers request `id`.

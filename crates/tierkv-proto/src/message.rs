@@ -165,7 +165,7 @@ pub enum RegionSource {
     /// it refuses the registration with `bad_buffer`.
     CudaIpc {
         /// The 64-byte `CUipcMemHandle`.
-        #[serde(with = "serde_bytes_vec")]
+        #[serde(with = "serde_bytes")]
         handle: Vec<u8>,
         /// The device's PCI bus id (`0000:3b:00.0`), so the daemon opens it on the same GPU.
         device: String,
@@ -204,42 +204,6 @@ pub struct KvLayout {
     pub segments: Vec<Segment>,
 }
 
-/// MessagePack `bin` for a byte vector (serde writes `Vec<u8>` as an array otherwise).
-mod serde_bytes_vec {
-    use std::fmt;
-
-    use serde::de::{self, SeqAccess, Visitor};
-    use serde::{Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_bytes(bytes)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
-        struct Bytes;
-        impl<'de> Visitor<'de> for Bytes {
-            type Value = Vec<u8>;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("bytes")
-            }
-
-            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
-                Ok(v.to_vec())
-            }
-
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
-                let mut out = Vec::new();
-                while let Some(b) = seq.next_element()? {
-                    out.push(b);
-                }
-                Ok(out)
-            }
-        }
-        deserializer.deserialize_bytes(Bytes)
-    }
-}
-
 /// What a client asks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -261,6 +225,11 @@ pub enum RequestBody {
         buffer: u32,
         /// The chunks, root first, and the blocks holding their bytes.
         chunks: Vec<ChunkBlocks>,
+        /// For a buffer in GPU memory: the 64-byte handle of a CUDA IPC event
+        /// (`cuIpcGetEventHandle`) the worker recorded on the stream that wrote the blocks. The
+        /// daemon's copies wait for it on the device, so the worker need not synchronize first.
+        #[serde(default, skip_serializing_if = "Option::is_none", with = "serde_bytes")]
+        ready_event: Option<Vec<u8>>,
     },
     /// Starts a prefix lookup: the hits in L1 are leased at once, the rest is prefetched.
     Lookup {
@@ -606,6 +575,13 @@ mod tests {
                 namespace: 0,
                 buffer: 1,
                 chunks: vec![ChunkBlocks { chunk, blocks: vec![3, 5] }],
+                ready_event: None,
+            },
+            RequestBody::Store {
+                namespace: 0,
+                buffer: 1,
+                chunks: vec![ChunkBlocks::one(chunk, 0)],
+                ready_event: Some(vec![9; 64]),
             },
             RequestBody::Lookup { namespace: 0, chunks: vec![chunk, ChunkId(0)] },
             RequestBody::Query { lookup: 9 },

@@ -19,7 +19,7 @@ fn request() -> impl Strategy<Value = Request> {
         (any::<u32>(), chunks)
             .prop_map(|(namespace, chunks)| RequestBody::Lookup { namespace, chunks }),
         (any::<u32>(), any::<u32>(), blocks.clone()).prop_map(|(namespace, buffer, chunks)| {
-            RequestBody::Store { namespace, buffer, chunks }
+            RequestBody::Store { namespace, buffer, chunks, ready_event: None }
         }),
         (any::<u64>(), any::<u32>(), blocks)
             .prop_map(|(lookup, buffer, chunks)| RequestBody::Retrieve { lookup, buffer, chunks }),

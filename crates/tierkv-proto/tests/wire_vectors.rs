@@ -103,6 +103,16 @@ fn requests() -> Vec<(&'static str, RequestBody)> {
                     ChunkBlocks { chunk, blocks: vec![3, 4] },
                     ChunkBlocks { chunk: ChunkId(7), blocks: vec![9, 300] },
                 ],
+                ready_event: None,
+            },
+        ),
+        (
+            "store_ready_event",
+            RequestBody::Store {
+                namespace: 0,
+                buffer: 0,
+                chunks: vec![ChunkBlocks { chunk, blocks: vec![3] }],
+                ready_event: Some((0..64).collect()),
             },
         ),
         ("lookup", RequestBody::Lookup { namespace: 1, chunks: vec![chunk, ChunkId(u128::MAX)] }),

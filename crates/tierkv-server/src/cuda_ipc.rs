@@ -97,6 +97,33 @@ pub struct Rows {
     pub rows: usize,
 }
 
+/// A worker's CUDA event, opened from its IPC handle ([`CudaRegion::open_event`]); destroyed when
+/// dropped (the worker's own event lives on).
+pub struct CudaEvent {
+    context: Arc<CudaContext>,
+    event: sys::CUevent,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread that binds its context.
+unsafe impl Send for CudaEvent {}
+// SAFETY: as above; the driver serializes calls on one event.
+unsafe impl Sync for CudaEvent {}
+
+impl std::fmt::Debug for CudaEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaEvent({:p})", self.event)
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        if self.context.bind_to_thread().is_ok() {
+            // SAFETY: `event` came from `cuIpcOpenEventHandle` and is destroyed only here.
+            let _ = unsafe { sys::cuEventDestroy_v2(self.event) }.result();
+        }
+    }
+}
+
 /// A worker's device allocation, opened in this process.
 pub struct CudaRegion {
     context: Arc<CudaContext>,
@@ -273,6 +300,39 @@ impl CudaRegion {
         // SAFETY: the rows are valid (the caller's contract); `d` outlives the call, which
         // reads it before returning.
         unsafe { sys::cuMemcpy2DAsync_v2(&d, stream) }.result()
+    }
+
+    /// Opens a worker's CUDA event from its IPC handle (`cuIpcGetEventHandle` of an event made
+    /// with `CU_EVENT_INTERPROCESS`), in this region's context.
+    pub fn open_event(&self, handle: &[u8]) -> Result<CudaEvent, CudaIpcError> {
+        let raw: [u8; IPC_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+            CudaIpcError::Malformed(format!(
+                "a CUDA IPC event handle has {IPC_HANDLE_BYTES} bytes, not {}",
+                handle.len()
+            ))
+        })?;
+        self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
+        let mut ipc = sys::CUipcEventHandle { reserved: [0; IPC_HANDLE_BYTES] };
+        for (to, from) in ipc.reserved.iter_mut().zip(raw) {
+            *to = from as std::ffi::c_char;
+        }
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: the context is bound to this thread; `event` is a valid out-pointer, destroyed
+        // once, in `CudaEvent`'s `Drop`.
+        unsafe { sys::cuIpcOpenEventHandle(&mut event, ipc) }.result().map_err(driver(
+            "cuIpcOpenEventHandle failed (the event must be made with CU_EVENT_INTERPROCESS and CU_EVENT_DISABLE_TIMING, e.g. torch.cuda.Event(interprocess=True))",
+        ))?;
+        Ok(CudaEvent { context: Arc::clone(&self.context), event })
+    }
+
+    /// Makes every copy enqueued on the region's stream from now on wait, on the device, until
+    /// `event`'s latest record (as of this call) has completed. The host does not wait.
+    pub fn wait_for(&self, event: &CudaEvent) -> Result<(), CudaIpcError> {
+        self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
+        // SAFETY: both handles are live for the call; the stream is ours.
+        unsafe { sys::cuStreamWaitEvent(self.stream.cu_stream(), event.event, 0) }
+            .result()
+            .map_err(driver("cuStreamWaitEvent failed"))
     }
 
     /// Waits until every copy enqueued on the region's stream is done; an error if one failed.

@@ -27,11 +27,17 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use memmap2::{MmapOptions, MmapRaw};
 use tierkv_proto::{KvLayout, RegionSource};
 
-use crate::cuda_ipc::{CudaIpcError, CudaRegion, MAX_PITCH, Rows, Side};
+use parking_lot::Mutex;
+
+use crate::cuda_ipc::{CudaEvent, CudaIpcError, CudaRegion, MAX_PITCH, Rows, Side};
 
 /// Regions one registration may carry: a CUDA IPC region per allocation behind an engine's KV
 /// tensors (vLLM allocates one per layer).
 pub const MAX_REGIONS: usize = 256;
+
+/// Worker events a registration keeps open (a worker records the same one or two events again
+/// and again; the oldest is closed past this).
+pub const MAX_OPEN_EVENTS: usize = 8;
 
 /// Memfd regions one registration may carry (their descriptors ride on one `sendmsg`).
 pub const MAX_MEMFD_REGIONS: usize = 8;
@@ -156,6 +162,8 @@ pub struct RegisteredKv {
     regions: Vec<Region>,
     segments: Vec<SegmentAt>,
     runs: Vec<SegmentRun>,
+    /// The worker's CUDA events opened so far, by IPC handle, newest last.
+    events: Mutex<Vec<(Vec<u8>, CudaEvent)>>,
     blocks: u64,
     block_bytes: usize,
     block_stride: usize,
@@ -284,6 +292,7 @@ impl RegisteredKv {
             regions: maps,
             segments,
             runs,
+            events: Mutex::new(Vec::new()),
             blocks: layout.blocks,
             block_bytes: layout.block_bytes as usize,
             block_stride: layout.block_stride as usize,
@@ -333,6 +342,44 @@ impl RegisteredKv {
         // SAFETY: `src` is one chunk's bytes (checked); nothing writes through the pointer when
         // the copy goes out to the regions.
         unsafe { self.transfer(blocks, Side::Host(src.as_ptr().cast_mut()), true, true) }
+    }
+
+    /// Orders this registration's next copies after the worker's CUDA event `handle` (an IPC
+    /// event handle it recorded on the stream that wrote the blocks): every region's stream
+    /// waits for it on the device. The event is opened once and kept while the registration
+    /// lives. Only for a registration [`on_device`](Self::on_device).
+    pub fn wait_for_event(&self, handle: &[u8]) -> Result<(), KvError> {
+        let cuda: Vec<(usize, &CudaRegion)> = self
+            .regions
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| match r {
+                Region::Cuda(cuda) => Some((i, cuda)),
+                Region::Host(_) => None,
+            })
+            .collect();
+        let (Some(&(first, opener)), true) = (cuda.first(), self.on_device()) else {
+            return Err(KvError::Shape(
+                "ready_event needs a registration in GPU memory (cuda_ipc regions)".into(),
+            ));
+        };
+        let mut events = self.events.lock();
+        let at = match events.iter().position(|(h, _)| h == handle) {
+            Some(at) => at,
+            None => {
+                let event = opener.open_event(handle).map_err(|e| KvError::Cuda(first, e))?;
+                if events.len() >= MAX_OPEN_EVENTS {
+                    events.remove(0);
+                }
+                events.push((handle.to_vec(), event));
+                events.len() - 1
+            }
+        };
+        let event = &events[at].1;
+        for (i, region) in cuda {
+            region.wait_for(event).map_err(|e| KvError::Cuda(i, e))?;
+        }
+        Ok(())
     }
 
     /// Adds to `copies` (gathers) those of a chunk's pieces from `blocks` into device memory at

@@ -359,8 +359,8 @@ impl Session {
             RequestBody::RegisterKv { regions, layout } => {
                 self.register_kv(&regions, &layout, descriptor)
             }
-            RequestBody::Store { namespace, buffer, chunks } => {
-                self.store(namespace, buffer, &chunks)
+            RequestBody::Store { namespace, buffer, chunks, ready_event } => {
+                self.store(namespace, buffer, &chunks, ready_event.as_deref())
             }
             RequestBody::Lookup { namespace, chunks } => self.lookup(namespace, &chunks),
             RequestBody::Query { lookup } => {
@@ -393,8 +393,9 @@ impl Session {
                 format!(
                     "protocol version {} is not this daemon's {PROTOCOL_VERSION} (version 2 \
                      registered KV memory with register_kv and named each chunk's blocks as a \
-                     list; version 3 adds flush, refusal reasons, per-tier hits of four tiers \
-                     with the remote one, and a tier's degraded state; update the client)",
+                     list; version 3 added flush, refusal reasons, per-tier hits of four tiers \
+                     with the remote one, and a tier's degraded state; version 4 adds a store's \
+                     ready_event; update the client)",
                     hello.version
                 ),
             );
@@ -550,7 +551,8 @@ impl Session {
         Ok(ReplyBody::BufferRegistered { buffer: (opened.buffers.len() - 1) as u32 })
     }
 
-    /// Stores a chain of chunks, root first. With lower tiers, a store larger than a window
+    /// Stores a chain of chunks, root first, after the worker's `ready_event` if it sent one.
+    /// With lower tiers, a store larger than a window
     /// (`StorageManager::store_window`) goes in windows, the last first: each window is made
     /// visible before the next is reserved, so L1 can pass it down (cascade) or copy it down and
     /// free it (write-through) while the rest arrives, and the chain becomes visible leaf first
@@ -561,9 +563,17 @@ impl Session {
         namespace: u32,
         buffer: u32,
         chunks: &[ChunkBlocks],
+        ready_event: Option<&[u8]>,
     ) -> Result<ReplyBody, Fail> {
         let ns = self.namespace(namespace)?;
         let source = self.buffer(buffer, chunks)?;
+        if let Some(handle) = ready_event {
+            // Before any copy is enqueued: every one of them waits for the worker's event.
+            source.wait_for_event(handle).map_err(|e| Fail {
+                code: ErrorCode::BadBuffer,
+                message: format!("ready_event: {e}"),
+            })?;
+        }
         let opened = self.opened();
         let keys: Vec<ObjectKey> =
             chunks.iter().map(|c| self.key(ns, opened.rank, c.chunk)).collect();

@@ -185,11 +185,17 @@ class Client:
         return self.register_kv([(MemfdRegion(bytes=buf.nbytes), buf.fd)], layout)
 
     def store(
-        self, namespace: int, buffer: int, chunks: Iterable[tuple[int, Sequence[int] | int]]
+        self,
+        namespace: int,
+        buffer: int,
+        chunks: Iterable[tuple[int, Sequence[int] | int]],
+        ready_event: bytes | None = None,
     ) -> Stored:
         """Stores chunks, root first, from blocks of a registered buffer: ``(chunk_id,
-        [block, ...])`` with one block per ``blocks_per_chunk`` of its layout."""
-        return self._expect(Stored, wire.store(namespace, buffer, chunks))
+        [block, ...])`` with one block per ``blocks_per_chunk`` of its layout. For a buffer in
+        GPU memory, ``ready_event`` is the IPC handle of a CUDA event recorded after the blocks
+        were written: the daemon's copies wait for it, so the caller need not synchronize."""
+        return self._expect(Stored, wire.store(namespace, buffer, chunks, ready_event))
 
     def lookup(self, namespace: int, chunks: Iterable[int]) -> LookupStarted:
         """Starts a prefix lookup of chunk ids, root first."""

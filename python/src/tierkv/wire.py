@@ -1,4 +1,4 @@
-"""The tierkv wire protocol (version 3): frames, request bodies and replies.
+"""The tierkv wire protocol (version 4): frames, request bodies and replies.
 
 A frame is a 4-byte little-endian body length followed by one MessagePack value. A request is
 ``{"id": u64, "body": RequestBody}``; the daemon answers each with ``{"id", "body": ReplyBody}``
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 #: The protocol version this package speaks; the daemon refuses a hello with another.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 #: The frame header: the body's length, a little-endian u32.
 HEADER = struct.Struct("<I")
@@ -328,16 +328,28 @@ def _chunk_blocks(chunks: Iterable[ChunkBlocks]) -> list[dict[str, Any]]:
     return out
 
 
-def store(namespace: int, buffer: int, chunks: Iterable[ChunkBlocks]) -> dict[str, Any]:
+def store(
+    namespace: int,
+    buffer: int,
+    chunks: Iterable[ChunkBlocks],
+    ready_event: bytes | None = None,
+) -> dict[str, Any]:
     """``store``: ``chunks`` are ``(chunk_id, [block, ...])``, root first, one block per
-    ``blocks_per_chunk`` of the buffer's layout (a bare ``int`` is a one-block list)."""
-    return {
-        "store": {
-            "namespace": _uint(namespace, _U32, "namespace"),
-            "buffer": _uint(buffer, _U32, "buffer"),
-            "chunks": _chunk_blocks(chunks),
-        }
+    ``blocks_per_chunk`` of the buffer's layout (a bare ``int`` is a one-block list).
+
+    ``ready_event``, for a buffer in GPU memory: the 64-byte IPC handle of a CUDA event the
+    worker recorded on the stream that wrote the blocks (``torch.cuda.Event(interprocess=True)
+    .ipc_handle()``); the daemon's copies wait for it on the device."""
+    body: dict[str, Any] = {
+        "namespace": _uint(namespace, _U32, "namespace"),
+        "buffer": _uint(buffer, _U32, "buffer"),
+        "chunks": _chunk_blocks(chunks),
     }
+    if ready_event is not None:
+        if not isinstance(ready_event, (bytes, bytearray, memoryview)) or len(ready_event) != 64:
+            raise ValueError("a CUDA IPC event handle is 64 bytes")
+        body["ready_event"] = bytes(ready_event)
+    return {"store": body}
 
 
 def lookup(namespace: int, chunks: Iterable[int]) -> dict[str, Any]:

@@ -54,6 +54,8 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         self.loaded_chunks = 0
         self.stored_chunks = 0
+        # The interprocess CUDA event a GPU store waits for (made on the first store).
+        self._ready: torch.cuda.Event | None = None
 
     def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], bound_views: Iterable[torch.Tensor] = ()
@@ -124,16 +126,26 @@ class WorkerSide:
     def wait_for_save(self, meta: TierKVMetadata) -> None:
         if self.link is None:
             return
+        ready = None
         if meta.stores and isinstance(self.memory, DeviceKv):
-            # The daemon reads the blocks when the store arrives: the engine's kernels that
-            # write them must have finished.
-            torch.cuda.current_stream().synchronize()
+            # The daemon's copies wait, on the GPU, for the engine's kernels that wrote the
+            # blocks: an event recorded on the engine's stream, shared by CUDA IPC.
+            ready = self._ready_event()
         for op in meta.stores:
             try:
-                stored = self.link.call(lambda c, op=op: c.store(0, self.buffer, op.chunks))
+                stored = self.link.call(
+                    lambda c, op=op: c.store(0, self.buffer, op.chunks, ready_event=ready)
+                )
                 self.stored_chunks += stored.stored
             except (Unavailable, DaemonError) as e:
                 log.debug("tierkv: store for %s failed (%s)", op.req_id, e)
+
+    def _ready_event(self) -> bytes:
+        """Records the worker's interprocess event on the current stream; its IPC handle."""
+        if self._ready is None:
+            self._ready = torch.cuda.Event(interprocess=True)
+        self._ready.record(torch.cuda.current_stream())
+        return bytes(self._ready.ipc_handle())
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
