@@ -829,12 +829,15 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
     n = args.chunks
     frag_bytes = n * FRAG_CHUNK
     # L1 holds half the chunks: the first half stored are evicted from L1 (write-through: L2
-    # keeps them) and come back through L2. L2 holds everything.
+    # keeps them) and come back through L2. L2 holds everything: it keeps each chunk in a slot
+    # of L1's size, so the connector's and the event check's 16 small chunks take 16 slots too
+    # (with fewer, L2 evicted the connector's first chunk before its lookup).
     l1 = n // 2 * FRAG_CHUNK if args.l1_mib == 0 else args.l1_mib << 20
+    l2 = 2 * frag_bytes + 16 * FRAG_CHUNK
     report: list[Row] = []
     dev = torch.device("cuda" if gpu else "cpu")
     sessions: list[Session] = []
-    with running_daemon(args, l1, 2 * frag_bytes, FRAG_CHUNK, gpu) as daemon:
+    with running_daemon(args, l1, l2, FRAG_CHUNK, gpu) as daemon:
         try:
             blocks = n * FRAG_BLOCKS * 2
             shape = (LAYERS, 2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
