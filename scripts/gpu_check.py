@@ -988,7 +988,7 @@ def ready_event_check(torch, daemon: Daemon, memory: Memory) -> Session:
     without the event: the daemon copies at once, before the kernels wrote, and gets the stale
     bytes (the check says how many chunks did; their bytes prove the ordering was exercised)."""
 
-    n = 8
+    n = 64  # 128 MiB: copies long enough (~0.3 ms) to outlast the reply of a retrieve
     blocks, s = contiguous_session(daemon, memory, n, "event")
     event = torch.cuda.Event(interprocess=True)
     stale = {}
@@ -1010,9 +1010,33 @@ def ready_event_check(torch, daemon: Daemon, memory: Memory) -> Session:
             f"ready_event: {stale['event']} of {n} chunks stored before the kernels that "
             "wrote them had finished"
         )
+    # The retrieve's event: the daemon records it after the copies and replies without
+    # waiting for them; a kernel that reads the blocks after waiting for it sees every byte.
+    done = torch.cuda.Event(interprocess=True)
+    done.record()  # the event exists before its handle is taken
+    chunks = [(0x4000 + i, [i]) for i in range(n)]
+    blocks.zero_()
+    torch.cuda.synchronize()
+    started = s.client.lookup(0, [c for c, _ in chunks])
+    if (started.outcome or s.client.wait(started.lookup, 60.0)).hit_chunks != n:
+        fail("done_event: the chunks stored with the ready_event are gone")
+    s.client.retrieve(
+        started.lookup, s.buffer, chunks, done_event=bytes(done.ipc_handle())
+    )
+    running = not done.query()
+    torch.cuda.current_stream().wait_event(done)
+    got = blocks.clone()  # the engine's kernel, after the wait on the GPU
+    torch.cuda.synchronize()
+    late = int((got != 0x5A).any(dim=1).sum())
+    if late:
+        fail(f"done_event: {late} of {n} chunks were not in place when the event fired")
     print(
         f"  ready_event: {n} chunks stored while their kernels ran, every byte the kernels "
         f"wrote; without the event {stale['control']} of {n} held stale bytes"
+    )
+    print(
+        f"  done_event: {n} chunks retrieved, every byte in place once the event fired "
+        f"(at the reply the copies were {'still running' if running else 'done'})"
     )
     return s
 

@@ -145,11 +145,12 @@ fn f4_blocks_outside_the_registered_buffer_are_refused_before_any_copy() {
 }
 
 #[test]
-fn f4_a_ready_event_for_a_buffer_in_host_memory_is_refused_before_any_copy() {
+fn f4_cuda_events_for_a_buffer_in_host_memory_are_refused_before_any_copy() {
     let daemon = Daemon::start();
     let mut witness = Witness::new(&daemon);
     let mut client = connect(&daemon);
-    let buffer = SharedBuffer::new(CHUNK, 4).unwrap();
+    let mut buffer = SharedBuffer::new(CHUNK, 4).unwrap();
+    buffer.block_mut(0).unwrap().fill(0xAB);
     let id = client.register_buffer(&buffer).unwrap();
     // A CUDA event orders copies out of GPU memory; a memfd buffer has none, whatever the handle.
     for handle in [vec![7u8; 64], vec![7u8; 3]] {
@@ -162,13 +163,30 @@ fn f4_a_ready_event_for_a_buffer_in_host_memory_is_refused_before_any_copy() {
         let err = store.unwrap_err();
         assert_eq!(err.code(), Some(ErrorCode::BadBuffer), "{err}");
         assert!(
-            err.to_string().contains("ready_event needs a registration in GPU memory"),
+            err.to_string().contains("ready_event: a CUDA event needs a registration in GPU"),
             "{err}"
         );
     }
     assert_eq!(daemon.status().tiers[0].objects, 16, "the refused stores stored nothing");
     // The session goes on: the same store without the event is fine.
     client.store(0, id, vec![ChunkBlocks::one(ChunkId(1), 0)]).unwrap();
+    // A retrieve's done_event is refused before the hit is read: the share stays to be used.
+    let lookup = client.lookup(0, vec![ChunkId(1)]).unwrap();
+    let retrieve = client.call(RequestBody::Retrieve {
+        lookup: lookup.id,
+        buffer: id,
+        chunks: vec![ChunkBlocks::one(ChunkId(1), 1)],
+        done_event: Some(vec![7u8; 64]),
+    });
+    let err = retrieve.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::BadBuffer), "{err}");
+    assert!(
+        err.to_string().contains("done_event: a CUDA event needs a registration in GPU"),
+        "{err}"
+    );
+    client.retrieve(lookup.id, id, vec![ChunkBlocks::one(ChunkId(1), 1)]).unwrap();
+    assert!(buffer.block(1).unwrap().iter().all(|&b| b == 0xAB), "the chunk came back whole");
+    daemon.eventually("no shares left", |s| s.l1_leased_chunks == 0);
     witness.check();
 }
 

@@ -95,6 +95,9 @@ REQUESTS = {
     "query": lambda: wire.query(17),
     "wait": lambda: wire.wait(17, 2500),
     "retrieve": lambda: wire.retrieve(17, 0, [(CHUNK, [70000, 1])]),
+    "retrieve_done_event": lambda: wire.retrieve(
+        17, 0, [(CHUNK, [1])], done_event=bytes(range(63, -1, -1))
+    ),
     "release": lambda: wire.release(17),
     "flush": lambda: wire.flush(30000),
     "end_session": lambda: wire.END_SESSION,

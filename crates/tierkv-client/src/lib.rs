@@ -416,7 +416,7 @@ impl Client {
         buffer: u32,
         chunks: Vec<ChunkBlocks>,
     ) -> Result<u64, ClientError> {
-        match self.call(RequestBody::Retrieve { lookup, buffer, chunks })? {
+        match self.call(RequestBody::Retrieve { lookup, buffer, chunks, done_event: None })? {
             ReplyBody::Retrieved { bytes, .. } => Ok(bytes),
             other => Err(unexpected(&other)),
         }

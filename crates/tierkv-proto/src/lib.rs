@@ -24,5 +24,5 @@ pub use message::{
 /// Version 2 replaced `register_buffer` (one memfd of equal blocks) with `register_kv` (regions
 /// and a layout, so the daemon gathers a chunk from every layer of an engine's paged KV), and a
 /// chunk names its blocks as a list. Version 4 added a store's `ready_event` (a CUDA IPC event
-/// the daemon's copies wait for).
+/// the daemon's copies wait for) and a retrieve's `done_event` (one it records after them).
 pub const PROTOCOL_VERSION: u32 = 4;

@@ -258,6 +258,11 @@ pub enum RequestBody {
         buffer: u32,
         /// Chunks of the hit and the blocks to copy them into.
         chunks: Vec<ChunkBlocks>,
+        /// For a buffer in GPU memory: the 64-byte handle of a CUDA IPC event of the worker's.
+        /// The daemon records it after the retrieve's copies and replies without waiting for
+        /// them; the engine makes its stream wait for the event before its kernels read.
+        #[serde(default, skip_serializing_if = "Option::is_none", with = "serde_bytes")]
+        done_event: Option<Vec<u8>>,
     },
     /// Returns every share a lookup still holds (chunks the engine will not read).
     Release {
@@ -590,6 +595,13 @@ mod tests {
                 lookup: 9,
                 buffer: 1,
                 chunks: vec![ChunkBlocks::one(chunk, 0)],
+                done_event: None,
+            },
+            RequestBody::Retrieve {
+                lookup: 9,
+                buffer: 1,
+                chunks: vec![ChunkBlocks::one(chunk, 0)],
+                done_event: Some(vec![3; 64]),
             },
             RequestBody::Release { lookup: 9 },
             RequestBody::EndSession,

@@ -21,8 +21,9 @@ fn request() -> impl Strategy<Value = Request> {
         (any::<u32>(), any::<u32>(), blocks.clone()).prop_map(|(namespace, buffer, chunks)| {
             RequestBody::Store { namespace, buffer, chunks, ready_event: None }
         }),
-        (any::<u64>(), any::<u32>(), blocks)
-            .prop_map(|(lookup, buffer, chunks)| RequestBody::Retrieve { lookup, buffer, chunks }),
+        (any::<u64>(), any::<u32>(), blocks).prop_map(|(lookup, buffer, chunks)| {
+            RequestBody::Retrieve { lookup, buffer, chunks, done_event: None }
+        }),
         (any::<u64>(), any::<u64>())
             .prop_map(|(lookup, timeout_ms)| RequestBody::Wait { lookup, timeout_ms }),
         Just(RequestBody::Status),

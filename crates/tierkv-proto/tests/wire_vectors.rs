@@ -124,6 +124,16 @@ fn requests() -> Vec<(&'static str, RequestBody)> {
                 lookup: 17,
                 buffer: 0,
                 chunks: vec![ChunkBlocks { chunk, blocks: vec![70000, 1] }],
+                done_event: None,
+            },
+        ),
+        (
+            "retrieve_done_event",
+            RequestBody::Retrieve {
+                lookup: 17,
+                buffer: 0,
+                chunks: vec![ChunkBlocks { chunk, blocks: vec![1] }],
+                done_event: Some((0..64).rev().collect()),
             },
         ),
         ("release", RequestBody::Release { lookup: 17 }),

@@ -310,7 +310,12 @@ impl Worker {
         let started = Instant::now();
         let pending = self
             .client
-            .submit(RequestBody::Retrieve { lookup, buffer: self.buffer_id, chunks: refs })
+            .submit(RequestBody::Retrieve {
+                lookup,
+                buffer: self.buffer_id,
+                chunks: refs,
+                done_event: None,
+            })
             .map_err(|e| format!("retrieve: {e}"))?;
         done.retrieve_us += micros(started);
         Ok(Some(pending))

@@ -17,7 +17,7 @@
 
 use std::ffi::{CString, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, mpsc};
 
 use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
 use tierkv_l1::device::cuda_available;
@@ -113,6 +113,60 @@ impl std::fmt::Debug for CudaEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaEvent({:p})", self.event)
     }
+}
+
+impl CudaEvent {
+    /// Waits on the host until the event's latest record has completed.
+    fn synchronize(&self) -> Result<(), CudaIpcError> {
+        self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
+        // SAFETY: a live event.
+        unsafe { sys::cuEventSynchronize(self.event) }
+            .result()
+            .map_err(driver("the copies before the event failed"))
+    }
+}
+
+/// An event of the daemon's own (blocking-sync, no timing) in `context`.
+fn own_event(context: &Arc<CudaContext>) -> Result<CudaEvent, CudaIpcError> {
+    context.bind_to_thread().map_err(driver("cannot bind the device"))?;
+    let mut event: sys::CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
+        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: the context is bound; `event` is a valid out-pointer, destroyed once in `Drop`.
+    unsafe { sys::cuEventCreate(&mut event, flags) }.result().map_err(driver("cuEventCreate"))?;
+    Ok(CudaEvent { context: Arc::clone(context), event })
+}
+
+/// Something to drop once `event` has completed.
+struct Waiting {
+    event: CudaEvent,
+    keep: Box<dyn Send>,
+}
+
+/// The completion thread's queue, started on first use; `None` if the thread cannot start.
+fn completions() -> Option<&'static mpsc::Sender<Waiting>> {
+    static THREAD: OnceLock<Option<mpsc::Sender<Waiting>>> = OnceLock::new();
+    THREAD
+        .get_or_init(|| {
+            let (send, receive) = mpsc::channel::<Waiting>();
+            let started =
+                std::thread::Builder::new().name("tierkv-cuda-done".into()).spawn(move || {
+                    for Waiting { event, keep } in receive {
+                        if let Err(e) = event.synchronize() {
+                            tracing::error!("copies of a retrieve failed after its reply: {e}");
+                        }
+                        drop(keep);
+                    }
+                });
+            match started {
+                Ok(_) => Some(send),
+                Err(e) => {
+                    tracing::warn!("no CUDA completion thread ({e}); retrieves wait inline");
+                    None
+                }
+            }
+        })
+        .as_ref()
 }
 
 impl Drop for CudaEvent {
@@ -333,6 +387,51 @@ impl CudaRegion {
         unsafe { sys::cuStreamWaitEvent(self.stream.cu_stream(), event.event, 0) }
             .result()
             .map_err(driver("cuStreamWaitEvent failed"))
+    }
+
+    /// Records `event` on the region's stream: it completes once everything enqueued before it
+    /// has (for a worker's event opened by IPC, the worker sees the record).
+    pub fn record(&self, event: &CudaEvent) -> Result<(), CudaIpcError> {
+        self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
+        // SAFETY: both handles are live for the call; the stream is ours.
+        unsafe { sys::cuEventRecord(event.event, self.stream.cu_stream()) }
+            .result()
+            .map_err(driver("cuEventRecord failed"))
+    }
+
+    /// Makes this region's stream wait, on the device, for everything enqueued so far on
+    /// `other`'s: the one stream a worker's event is recorded on then follows both.
+    pub fn join(&self, other: &CudaRegion) -> Result<(), CudaIpcError> {
+        let mark = own_event(&other.context)?;
+        other.record(&mark)?;
+        self.wait_for(&mark)
+        // `mark` is destroyed here; the driver keeps it until the wait no longer needs it.
+    }
+
+    /// Hands `keep` to the completion thread, which drops it once everything enqueued on the
+    /// region's stream so far has completed: the guards of the slots a retrieve copies from.
+    /// Without the thread, or if the daemon's event cannot be made, waits here and drops it:
+    /// `keep` never goes before the copies.
+    pub fn drop_when_done(&self, keep: Box<dyn Send>) {
+        let recorded = own_event(&self.context).and_then(|done| self.record(&done).map(|()| done));
+        match (recorded, completions()) {
+            (Ok(event), Some(thread)) => {
+                if let Err(mpsc::SendError(Waiting { event, keep })) =
+                    thread.send(Waiting { event, keep })
+                {
+                    let _ = event.synchronize();
+                    drop(keep);
+                }
+            }
+            (Ok(event), None) => {
+                let _ = event.synchronize();
+                drop(keep);
+            }
+            (Err(_), _) => {
+                let _ = self.sync();
+                drop(keep);
+            }
+        }
     }
 
     /// Waits until every copy enqueued on the region's stream is done; an error if one failed.

@@ -344,11 +344,14 @@ impl RegisteredKv {
         unsafe { self.transfer(blocks, Side::Host(src.as_ptr().cast_mut()), true, true) }
     }
 
-    /// Orders this registration's next copies after the worker's CUDA event `handle` (an IPC
-    /// event handle it recorded on the stream that wrote the blocks): every region's stream
-    /// waits for it on the device. The event is opened once and kept while the registration
-    /// lives. Only for a registration [`on_device`](Self::on_device).
-    pub fn wait_for_event(&self, handle: &[u8]) -> Result<(), KvError> {
+    /// The worker's CUDA event `handle` (an IPC event handle), opened once and kept while the
+    /// registration lives (the [`MAX_OPEN_EVENTS`] latest), given to `f` with the CUDA regions.
+    /// Only for a registration [`on_device`](Self::on_device).
+    fn with_event<R>(
+        &self,
+        handle: &[u8],
+        f: impl FnOnce(&CudaEvent, &[(usize, &CudaRegion)]) -> Result<R, KvError>,
+    ) -> Result<R, KvError> {
         let cuda: Vec<(usize, &CudaRegion)> = self
             .regions
             .iter()
@@ -360,7 +363,7 @@ impl RegisteredKv {
             .collect();
         let (Some(&(first, opener)), true) = (cuda.first(), self.on_device()) else {
             return Err(KvError::Shape(
-                "ready_event needs a registration in GPU memory (cuda_ipc regions)".into(),
+                "a CUDA event needs a registration in GPU memory (cuda_ipc regions)".into(),
             ));
         };
         let mut events = self.events.lock();
@@ -375,11 +378,72 @@ impl RegisteredKv {
                 events.len() - 1
             }
         };
-        let event = &events[at].1;
-        for (i, region) in cuda {
-            region.wait_for(event).map_err(|e| KvError::Cuda(i, e))?;
+        f(&events[at].1, &cuda)
+    }
+
+    /// Checks that `handle` names a CUDA event this registration can wait for or record
+    /// (opening it now, once).
+    pub fn check_event(&self, handle: &[u8]) -> Result<(), KvError> {
+        self.with_event(handle, |_, _| Ok(()))
+    }
+
+    /// Orders this registration's next copies after the worker's CUDA event `handle` (recorded
+    /// on the stream that wrote the blocks): every region's stream waits for it on the device.
+    pub fn wait_for_event(&self, handle: &[u8]) -> Result<(), KvError> {
+        self.with_event(handle, |event, cuda| {
+            for &(i, region) in cuda {
+                region.wait_for(event).map_err(|e| KvError::Cuda(i, e))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Records the worker's CUDA event `handle` after everything enqueued on every region's
+    /// stream so far (they are joined into the first region's stream, where it is recorded).
+    pub fn signal_event(&self, handle: &[u8]) -> Result<(), KvError> {
+        self.with_event(handle, |event, cuda| Self::record_after_all(event, cuda).map(|_| ()))
+    }
+
+    /// Enqueues `copies` (a retrieve's scatters), records the worker's CUDA event `handle`
+    /// after them, and returns without waiting: a completion thread drops `keep` (the guards
+    /// of the slots the copies read) once they are done. If a copy cannot be enqueued, waits
+    /// for what was, drops `keep`, and returns the error.
+    pub fn run_device_signalled(
+        &self,
+        copies: DeviceCopies,
+        handle: &[u8],
+        keep: Box<dyn Send>,
+    ) -> Result<(), KvError> {
+        self.with_event(handle, move |event, cuda| {
+            let head = self.enqueue(&copies).and_then(|()| Self::record_after_all(event, cuda));
+            match head {
+                Ok(head) => {
+                    head.drop_when_done(keep);
+                    Ok(())
+                }
+                Err(e) => {
+                    let _ = self.sync_all();
+                    drop(keep);
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    /// Joins every CUDA region's stream into the first's and records `event` there; the
+    /// first region.
+    fn record_after_all<'a>(
+        event: &CudaEvent,
+        cuda: &[(usize, &'a CudaRegion)],
+    ) -> Result<&'a CudaRegion, KvError> {
+        let Some(&(first, head)) = cuda.first() else {
+            return Err(KvError::Shape("no CUDA region to record an event on".into()));
+        };
+        for &(i, region) in &cuda[1..] {
+            head.join(region).map_err(|e| KvError::Cuda(i, e))?;
         }
-        Ok(())
+        head.record(event).map_err(|e| KvError::Cuda(first, e))?;
+        Ok(head)
     }
 
     /// Adds to `copies` (gathers) those of a chunk's pieces from `blocks` into device memory at
@@ -425,6 +489,14 @@ impl RegisteredKv {
     /// Enqueues `copies` on their regions' streams and waits for all of them; the first
     /// failure if any (then some bytes may have landed and others not).
     pub fn run_device(&self, copies: DeviceCopies) -> Result<(), KvError> {
+        let enqueued = self.enqueue(&copies);
+        let synced = self.sync_all();
+        enqueued.and(synced)
+    }
+
+    /// Enqueues `copies` on their regions' streams; the first failure, after trying every
+    /// region.
+    fn enqueue(&self, copies: &DeviceCopies) -> Result<(), KvError> {
         let mut first = Ok(());
         for (i, rows) in copies.rows.iter().enumerate() {
             if let (Some(Region::Cuda(cuda)), false) = (self.regions.get(i), rows.is_empty()) {
@@ -439,6 +511,12 @@ impl RegisteredKv {
                 }
             }
         }
+        first
+    }
+
+    /// Waits for every copy enqueued on every region's stream; the first failure if any.
+    fn sync_all(&self) -> Result<(), KvError> {
+        let mut first = Ok(());
         for (i, region) in self.regions.iter().enumerate() {
             if let Region::Cuda(cuda) = region
                 && let Err(e) = cuda.sync()

@@ -375,8 +375,8 @@ impl Session {
                 let timeout = Duration::from_millis(timeout_ms).min(MAX_WAIT);
                 Ok(ReplyBody::Done(self.daemon.outcome(&self.daemon.storage.wait(id, timeout)?)))
             }
-            RequestBody::Retrieve { lookup, buffer, chunks } => {
-                self.retrieve(lookup, buffer, &chunks)
+            RequestBody::Retrieve { lookup, buffer, chunks, done_event } => {
+                self.retrieve(lookup, buffer, &chunks, done_event.as_deref())
             }
             RequestBody::Release { lookup } => self.release(lookup),
             RequestBody::Flush { timeout_ms } => self.flush(Duration::from_millis(timeout_ms)),
@@ -864,6 +864,7 @@ impl Session {
         lookup: u64,
         buffer: u32,
         chunks: &[ChunkBlocks],
+        done_event: Option<&[u8]>,
     ) -> Result<ReplyBody, Fail> {
         let ended = self.daemon.ended.lock().lookups.get(&lookup).copied();
         if let Some(info) = ended
@@ -877,6 +878,13 @@ impl Session {
         }
         let (id, reader, info) = self.visible_lookup(lookup)?;
         let target = self.buffer(buffer, chunks)?;
+        if let Some(handle) = done_event {
+            // Refused before the hit is read: the reader's share stays for another try.
+            target.check_event(handle).map_err(|e| Fail {
+                code: ErrorCode::BadBuffer,
+                message: format!("done_event: {e}"),
+            })?;
+        }
         let storage = &self.daemon.storage;
         // Pin (or, held below L1, load) every chunk before copying any: a request that names a
         // chunk outside the hit, or comes from a reader that already returned its share, copies
@@ -898,8 +906,14 @@ impl Session {
             }
             pinned.push((&c.blocks, chunk));
         }
-        let bytes = scatter_all(target, &pinned)?;
-        drop(pinned);
+        let bytes = match done_event {
+            Some(handle) => scatter_signalled(target, pinned, handle)?,
+            None => {
+                let bytes = scatter_all(target, &pinned)?;
+                drop(pinned);
+                bytes
+            }
+        };
         let ended = storage.release(id, Readers::One(reader))?;
         if let Some(opened) = &mut self.opened {
             opened.joined.remove(&(lookup, reader));
@@ -1037,6 +1051,43 @@ fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<u
         }
         Ok(bytes)
     })
+}
+
+/// Scatters every pinned chunk into its blocks and records the worker's `done_event` after the
+/// copies; returns the bytes. Device to device the copies are only enqueued: the reply goes out
+/// while they run, and the slots' guards are dropped by the completion thread once they are
+/// done (the engine waits for the event, never for the reply). Otherwise the scatter is done
+/// when this returns, and so is the event.
+fn scatter_signalled(
+    target: &RegisteredKv,
+    pinned: Vec<(&[u64], HitChunk)>,
+    done_event: &[u8],
+) -> Result<u64, Fail> {
+    let failed = |e: KvError| Fail { code: ErrorCode::Internal, message: e.to_string() };
+    let all_device = pinned
+        .iter()
+        .all(|(_, c)| matches!(c, HitChunk::L1(access) if access.device_address().is_some()));
+    if !all_device || !target.on_device() {
+        let bytes = scatter_all(target, &pinned)?;
+        target.signal_event(done_event).map_err(failed)?;
+        return Ok(bytes);
+    }
+    let bytes = pinned.iter().map(|(_, chunk)| chunk.len()).sum();
+    let mut copies = DeviceCopies::scatters();
+    for (blocks, chunk) in &pinned {
+        if let HitChunk::L1(access) = chunk
+            && let Some(slot) = access.device_address()
+        {
+            // SAFETY: the slot is leased and pinned (`chunk`) until the completion thread drops
+            // the guards, after the copies: nobody writes it meanwhile. On an error `copies`
+            // is dropped unrun, or the run waits for what it enqueued.
+            unsafe { target.scatter_device(&mut copies, blocks, slot, chunk.len()) }
+                .map_err(failed)?;
+        }
+    }
+    let guards: Vec<HitChunk> = pinned.into_iter().map(|(_, chunk)| chunk).collect();
+    target.run_device_signalled(copies, done_event, Box::new(guards)).map_err(failed)?;
+    Ok(bytes)
 }
 
 fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<(), Fail> {

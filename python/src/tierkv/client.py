@@ -220,11 +220,17 @@ class Client:
         return self._expect(Done, wire.wait(lookup, timeout_ms), timeout=deadline).outcome
 
     def retrieve(
-        self, lookup: int, buffer: int, chunks: Iterable[tuple[int, Sequence[int] | int]]
+        self,
+        lookup: int,
+        buffer: int,
+        chunks: Iterable[tuple[int, Sequence[int] | int]],
+        done_event: bytes | None = None,
     ) -> Retrieved:
         """Copies chunks of the lookup's hit into blocks of a registered buffer, then returns
-        this reader's share of the lookup."""
-        return self._expect(Retrieved, wire.retrieve(lookup, buffer, chunks))
+        this reader's share of the lookup. For a buffer in GPU memory, ``done_event`` is the IPC
+        handle of a CUDA event the daemon records after the copies: the reply then comes
+        before they are done, and the caller's stream must wait for the event before reading."""
+        return self._expect(Retrieved, wire.retrieve(lookup, buffer, chunks, done_event))
 
     def release(self, lookup: int) -> None:
         """Returns every share the lookup still holds (for chunks the engine will not read)."""

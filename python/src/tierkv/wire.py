@@ -346,10 +346,14 @@ def store(
         "chunks": _chunk_blocks(chunks),
     }
     if ready_event is not None:
-        if not isinstance(ready_event, (bytes, bytearray, memoryview)) or len(ready_event) != 64:
-            raise ValueError("a CUDA IPC event handle is 64 bytes")
-        body["ready_event"] = bytes(ready_event)
+        body["ready_event"] = _event_handle(ready_event)
     return {"store": body}
+
+
+def _event_handle(handle: Any) -> bytes:
+    if not isinstance(handle, (bytes, bytearray, memoryview)) or len(handle) != 64:
+        raise ValueError("a CUDA IPC event handle is 64 bytes")
+    return bytes(handle)
 
 
 def lookup(namespace: int, chunks: Iterable[int]) -> dict[str, Any]:
@@ -377,16 +381,27 @@ def wait(lookup: int, timeout_ms: int) -> dict[str, Any]:
     }
 
 
-def retrieve(lookup: int, buffer: int, chunks: Iterable[ChunkBlocks]) -> dict[str, Any]:
+def retrieve(
+    lookup: int,
+    buffer: int,
+    chunks: Iterable[ChunkBlocks],
+    done_event: bytes | None = None,
+) -> dict[str, Any]:
     """``retrieve``: copy chunks of the lookup's hit into blocks, then return this reader's
-    share. ``chunks`` as in :func:`store`."""
-    return {
-        "retrieve": {
-            "lookup": _uint(lookup, _U64, "lookup"),
-            "buffer": _uint(buffer, _U32, "buffer"),
-            "chunks": _chunk_blocks(chunks),
-        }
+    share. ``chunks`` as in :func:`store`.
+
+    ``done_event``, for a buffer in GPU memory: the 64-byte IPC handle of a CUDA event of the
+    worker's (``torch.cuda.Event(interprocess=True)``). The daemon records it after the copies
+    and replies without waiting for them; the worker's stream waits for the event before its
+    kernels read the blocks."""
+    body: dict[str, Any] = {
+        "lookup": _uint(lookup, _U64, "lookup"),
+        "buffer": _uint(buffer, _U32, "buffer"),
+        "chunks": _chunk_blocks(chunks),
     }
+    if done_event is not None:
+        body["done_event"] = _event_handle(done_event)
+    return {"retrieve": body}
 
 
 def release(lookup: int) -> dict[str, Any]:

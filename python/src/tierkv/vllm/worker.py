@@ -54,8 +54,10 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         self.loaded_chunks = 0
         self.stored_chunks = 0
-        # The interprocess CUDA event a GPU store waits for (made on the first store).
+        # The interprocess CUDA events of the GPU path (made on first use): the one a store's
+        # copies wait for, and the one the daemon records after a retrieve's.
         self._ready: torch.cuda.Event | None = None
+        self._done: torch.cuda.Event | None = None
 
     def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], bound_views: Iterable[torch.Tensor] = ()
@@ -110,9 +112,16 @@ class WorkerSide:
             try:
                 if self.link is None:
                     raise Unavailable("the KV caches were never registered")
+                done = self._done_event() if isinstance(self.memory, DeviceKv) else None
                 self.link.call(
-                    lambda c, lookup=lookup, op=op: c.retrieve(lookup, self.buffer, op.chunks)
+                    lambda c, lookup=lookup, op=op, done=done: c.retrieve(
+                        lookup, self.buffer, op.chunks, done_event=done
+                    )
                 )
+                if done is not None and self._done is not None:
+                    # The reply comes before the copies are done: the engine's stream waits
+                    # for the daemon's record of the event, on the GPU.
+                    torch.cuda.current_stream().wait_event(self._done)
                 self.loaded_chunks += len(op.chunks)
             except (Unavailable, DaemonError) as e:
                 log.warning(
@@ -146,6 +155,15 @@ class WorkerSide:
             self._ready = torch.cuda.Event(interprocess=True)
         self._ready.record(torch.cuda.current_stream())
         return bytes(self._ready.ipc_handle())
+
+    def _done_event(self) -> bytes:
+        """The IPC handle of the worker's interprocess event the daemon records after a
+        retrieve's copies."""
+        if self._done is None:
+            self._done = torch.cuda.Event(interprocess=True)
+            # Recorded once here so that the event exists before its handle is taken.
+            self._done.record(torch.cuda.current_stream())
+        return bytes(self._done.ipc_handle())
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
