@@ -324,17 +324,24 @@ def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
         )
     r["contig_d2d"] = max(r["contig_d2d_loop"], r.get("contig_d2d_batch", 0.0))
 
-    # Fragmented: one chunk's 512 pieces of 32 KiB, scattered over a paged KV of 64 blocks.
-    blocks = 64
+    # Fragmented: the 512 pieces of 32 KiB of each of as many chunks as tierkv moves in one
+    # request (a quarter of --chunks), each chunk taking every other block of a paged KV. One
+    # chunk alone is ~60 us of copying, too short to time steadily.
+    per = max(1, args.chunks // 4)
+    blocks = max(64, 2 * per * FRAG_BLOCKS)
     kv = torch.empty((LAYERS, 2, blocks, PIECE_BYTES), dtype=torch.uint8, device=dev)
     kv.random_(0, 256)
-    chosen = list(range(3, blocks, blocks // FRAG_BLOCKS))[:FRAG_BLOCKS]
+    chosen = [
+        [2 * (c * FRAG_BLOCKS + j) + 1 for j in range(FRAG_BLOCKS)] for c in range(per)
+    ]
     pieces = [
         kv[layer, plane, blk]
+        for mine in chosen
         for layer in range(LAYERS)
         for plane in (0, 1)
-        for blk in chosen
+        for blk in mine
     ]
+    frag_bytes = per * FRAG_CHUNK
     want = torch.stack(pieces)
     dst_h = torch.empty((len(pieces), PIECE_BYTES), dtype=torch.uint8, pin_memory=True)
     dst_d = torch.empty((len(pieces), PIECE_BYTES), dtype=torch.uint8, device=dev)
@@ -356,7 +363,7 @@ def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
         dst.zero_()
 
     for name, dst in (("frag_d2h", dst_h), ("frag_d2d", dst_d)):
-        r[f"{name}_loop"] = timed(torch, loop(dst), FRAG_CHUNK, args.repeat)
+        r[f"{name}_loop"] = timed(torch, loop(dst), frag_bytes, args.repeat)
         verified(f"{name}_loop", dst)
         if batch is not None:
             prepared = batch.prepare(
@@ -367,7 +374,7 @@ def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
             r[f"{name}_batch"] = timed(
                 torch,
                 lambda prepared=prepared: batch(prepared, stream.cuda_stream),
-                FRAG_CHUNK,
+                frag_bytes,
                 args.repeat,
             )
             verified(f"{name}_batch", dst)
@@ -375,7 +382,11 @@ def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
             copy_2d = cuda.cuMemcpy2DAsync_v2
             copy_2d.argtypes = [ctypes.POINTER(Memcpy2D), ctypes.c_void_p]
             descs = []
-            for j, blk in enumerate(chosen):
+            for j, blk in (
+                (c * LAYERS * 2 * FRAG_BLOCKS + j, blk)
+                for c, mine in enumerate(chosen)
+                for j, blk in enumerate(mine)
+            ):
                 d = Memcpy2D()
                 d.srcMemoryType = CU_MEMORYTYPE_DEVICE
                 d.srcDevice = kv[0, 0, blk].data_ptr()
@@ -400,7 +411,7 @@ def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
                         raise RuntimeError(f"cuMemcpy2DAsync returned CUresult {rc}")
 
             try:
-                r[f"{name}_2d"] = timed(torch, run_2d, FRAG_CHUNK, args.repeat)
+                r[f"{name}_2d"] = timed(torch, run_2d, frag_bytes, args.repeat)
                 verified(f"{name}_2d", dst)
             except RuntimeError as e:
                 print(f"  2D copies: {e}")
@@ -427,13 +438,28 @@ def print_raw(r: dict[str, float]) -> None:
         ("contig_d2d_batch", "2 MiB pieces -> device, cuMemcpyBatchAsync"),
         (
             "frag_d2h_loop",
-            "fragmented chunk -> pinned host, one copy_ per 32 KiB piece",
+            "a request of fragmented chunks -> pinned host, one copy_ per 32 KiB piece",
         ),
-        ("frag_d2h_batch", "fragmented chunk -> pinned host, cuMemcpyBatchAsync"),
-        ("frag_d2h_2d", "fragmented chunk -> pinned host, cuMemcpy2DAsync per block"),
-        ("frag_d2d_loop", "fragmented chunk -> device, one copy_ per 32 KiB piece"),
-        ("frag_d2d_batch", "fragmented chunk -> device, cuMemcpyBatchAsync"),
-        ("frag_d2d_2d", "fragmented chunk -> device, cuMemcpy2DAsync per block"),
+        (
+            "frag_d2h_batch",
+            "a request of fragmented chunks -> pinned host, cuMemcpyBatchAsync",
+        ),
+        (
+            "frag_d2h_2d",
+            "a request of fragmented chunks -> pinned host, cuMemcpy2DAsync per block",
+        ),
+        (
+            "frag_d2d_loop",
+            "a request of fragmented chunks -> device, one copy_ per 32 KiB piece",
+        ),
+        (
+            "frag_d2d_batch",
+            "a request of fragmented chunks -> device, cuMemcpyBatchAsync",
+        ),
+        (
+            "frag_d2d_2d",
+            "a request of fragmented chunks -> device, cuMemcpy2DAsync per block",
+        ),
     ]:
         if name in r:
             print(f"  {what:<64} {r[name]:8.2f}")
@@ -505,6 +531,16 @@ enabled = false
                 self.stop()
                 fail("the daemon did not listen within 60 s:\n" + self.log.read_text())
             time.sleep(0.05)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the daemon has used so far (user + system), from /proc."""
+        try:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat.rsplit(")", 1)[1].split()
+        # Fields 14 and 15 of stat(5), utime and stime, are the 12th and 13th after the name.
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -671,10 +707,19 @@ def running_daemon(args, l1: int, l2: int, slot: int, gpu: bool):
         f"daemon: {args.binary} (L1 {l1 >> 20} MiB {'on cuda:0' if gpu else 'emulated'}, "
         f"slot {slot >> 20} MiB, {'pinned' if gpu else 'plain'} L2), log {daemon.log}"
     )
+    # CPU time from here on, past the daemon's start (CUDA's initialization is most of that):
+    # a daemon that spins while it waits for copies uses a core for as long as they take.
+    started, cpu_before = time.monotonic(), daemon.cpu_seconds()
     try:
         yield daemon
         if daemon.proc.poll() is not None:
             fail(f"the daemon exited ({daemon.proc.returncode}) during the check")
+        cpu = daemon.cpu_seconds()
+        if cpu is not None and cpu_before is not None:
+            wall = time.monotonic() - started
+            print(
+                f"  daemon CPU time: {cpu - cpu_before:.2f} s in {wall:.2f} s of requests"
+            )
     except CheckFailed as e:
         raise CheckFailed(f"{e}\n--- daemon log (tail) ---\n{daemon.tail()}") from None
     except Exception as e:

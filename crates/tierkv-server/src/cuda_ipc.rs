@@ -435,9 +435,14 @@ impl CudaRegion {
     }
 
     /// Waits until every copy enqueued on the region's stream is done; an error if one failed.
+    ///
+    /// The thread sleeps in the driver on a blocking-sync event: `cuStreamSynchronize` would
+    /// spin a core for as long as the copies take (the driver's default scheduling), which the
+    /// engine's own threads need.
     pub fn sync(&self) -> Result<(), CudaIpcError> {
-        self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
-        self.stream.synchronize().map_err(driver("the copies failed"))
+        let done = own_event(&self.context)?;
+        self.record(&done)?;
+        done.synchronize()
     }
 }
 

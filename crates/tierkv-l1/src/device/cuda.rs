@@ -4,7 +4,9 @@
 //! own, never on the legacy default stream: a synchronous copy there holds up the copy engine
 //! that a worker's device-to-device gathers use. Measured on an H100, a store's gather of four
 //! 16 MiB chunks waited 4.7 ms behind a 256 MiB copy to the host on the default stream, and
-//! 0.3 ms (as long as alone) when that copy ran on a stream of its own.
+//! 0.3 ms (as long as alone) when that copy ran on a stream of its own. A copy is waited for on a
+//! blocking-sync event, so the thread sleeps in the driver; `cuStreamSynchronize` would spin a
+//! core for as long as the copy takes.
 //!
 //! The crate builds and its tests run on machines without CUDA: nothing here calls into cudarc
 //! before [`cuda_available`] has found the driver library, because cudarc panics when asked to
@@ -14,7 +16,7 @@ use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
 use parking_lot::Mutex;
 
 use super::{DeviceArena, DeviceError, check_range};
@@ -44,9 +46,10 @@ pub struct CudaArena {
     base: sys::CUdeviceptr,
     len: u64,
     name: String,
-    /// Idle copy streams: a copy takes one (or makes one), and gives it back when it is done,
-    /// so threads copying at once never wait for each other's copies.
-    streams: Mutex<Vec<Arc<CudaStream>>>,
+    /// Idle copy streams, each with the event a copy on it is waited for by: a copy takes one
+    /// (or makes one), and gives it back when it is done, so threads copying at once never wait
+    /// for each other's copies.
+    streams: Mutex<Vec<(Arc<CudaStream>, CudaEvent)>>,
 }
 
 impl CudaArena {
@@ -80,15 +83,24 @@ impl CudaArena {
     ) -> Result<(), DeviceError> {
         self.bind()?;
         let idle = self.streams.lock().pop();
-        let stream = match idle {
-            Some(stream) => stream,
-            None => self.context.new_stream().map_err(|e| DeviceError::Copy(e.to_string()))?,
+        let (stream, done) = match idle {
+            Some(lane) => lane,
+            None => {
+                let made = self.context.new_stream().and_then(|stream| {
+                    let done =
+                        self.context.new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))?;
+                    Ok((stream, done))
+                });
+                made.map_err(|e| DeviceError::Copy(e.to_string()))?
+            }
         };
-        let done = enqueue(stream.cu_stream()).and_then(|()| stream.synchronize());
+        let copied = enqueue(stream.cu_stream())
+            .and_then(|()| done.record(&stream))
+            .and_then(|()| done.synchronize());
         // Back to the pool either way: a refused enqueue leaves the stream as it was, and a copy
         // that failed on the device fails the context, which every later call reports.
-        self.streams.lock().push(stream);
-        done.map_err(|e| DeviceError::Copy(e.to_string()))
+        self.streams.lock().push((stream, done));
+        copied.map_err(|e| DeviceError::Copy(e.to_string()))
     }
 }
 
