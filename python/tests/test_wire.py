@@ -310,6 +310,11 @@ def test_constructors_refuse_values_the_wire_cannot_carry():
         wire.query(1.5)
     with pytest.raises(ValueError, match="64 bytes"):
         CudaIpcRegion(handle=b"short", device="0000:3b:00.0", bytes=1)
+    # A CUDA IPC event handle is 64 bytes of a bytes-like object, on a store or a retrieve.
+    with pytest.raises(ValueError, match="event handle is 64 bytes"):
+        wire.store(0, 0, [(1, [0])], ready_event=bytes(63))
+    with pytest.raises(ValueError, match="event handle is 64 bytes"):
+        wire.retrieve(1, 0, [(1, [0])], done_event="x" * 64)
 
 
 def test_constructors_take_integer_like_values_and_bare_blocks():

@@ -172,7 +172,8 @@ fn completions() -> Option<&'static mpsc::Sender<Waiting>> {
 impl Drop for CudaEvent {
     fn drop(&mut self) {
         if self.context.bind_to_thread().is_ok() {
-            // SAFETY: `event` came from `cuIpcOpenEventHandle` and is destroyed only here.
+            // SAFETY: `event` came from `cuIpcOpenEventHandle` or `cuEventCreate` and is
+            // destroyed only here.
             let _ = unsafe { sys::cuEventDestroy_v2(self.event) }.result();
         }
     }
@@ -182,6 +183,10 @@ impl Drop for CudaEvent {
 pub struct CudaRegion {
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The daemon's blocking-sync event, recorded on `stream` for a wait. Threads that wait at
+    /// once may record it over each other: a wait then lasts until a later record, which also
+    /// covers everything enqueued before the earlier one.
+    done: CudaEvent,
     base: sys::CUdeviceptr,
     len: u64,
 }
@@ -226,6 +231,7 @@ impl CudaRegion {
         let context = CudaContext::new(ordinal).map_err(driver("cannot open the device"))?;
         context.bind_to_thread().map_err(driver("cannot bind the device"))?;
         let stream = context.new_stream().map_err(driver("cannot create a stream"))?;
+        let done = own_event(&context)?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
         for (to, from) in handle.reserved.iter_mut().zip(raw) {
             *to = from as std::ffi::c_char;
@@ -244,7 +250,7 @@ impl CudaRegion {
         .map_err(driver(
             "cuIpcOpenMemHandle failed (memory from VMM or PyTorch's expandable segments cannot be shared by IPC; the worker must allocate its KV with cudaMalloc)",
         ))?;
-        Ok(CudaRegion { context, stream, base, len: bytes })
+        Ok(CudaRegion { context, stream, done, base, len: bytes })
     }
 
     /// Copies `copies`, rows of `width` bytes each: from the region to each copy's `other` end
@@ -402,10 +408,8 @@ impl CudaRegion {
     /// Makes this region's stream wait, on the device, for everything enqueued so far on
     /// `other`'s: the one stream a worker's event is recorded on then follows both.
     pub fn join(&self, other: &CudaRegion) -> Result<(), CudaIpcError> {
-        let mark = own_event(&other.context)?;
-        other.record(&mark)?;
-        self.wait_for(&mark)
-        // `mark` is destroyed here; the driver keeps it until the wait no longer needs it.
+        other.record(&other.done)?;
+        self.wait_for(&other.done)
     }
 
     /// Hands `keep` to the completion thread, which drops it once everything enqueued on the
@@ -439,10 +443,14 @@ impl CudaRegion {
     /// The thread sleeps in the driver on a blocking-sync event: `cuStreamSynchronize` would
     /// spin a core for as long as the copies take (the driver's default scheduling), which the
     /// engine's own threads need.
+    ///
+    /// It never returns before the copies are over: if the event cannot be recorded or waited
+    /// on, it waits on the stream itself.
     pub fn sync(&self) -> Result<(), CudaIpcError> {
-        let done = own_event(&self.context)?;
-        self.record(&done)?;
-        done.synchronize()
+        self.record(&self.done).and_then(|()| self.done.synchronize()).or_else(|_| {
+            self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
+            self.stream.synchronize().map_err(driver("the copies failed"))
+        })
     }
 }
 

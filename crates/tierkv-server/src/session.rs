@@ -395,7 +395,7 @@ impl Session {
                      registered KV memory with register_kv and named each chunk's blocks as a \
                      list; version 3 added flush, refusal reasons, per-tier hits of four tiers \
                      with the remote one, and a tier's degraded state; version 4 adds a store's \
-                     ready_event; update the client)",
+                     ready_event and a retrieve's done_event; update the client)",
                     hello.version
                 ),
             );

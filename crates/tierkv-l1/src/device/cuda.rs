@@ -94,9 +94,11 @@ impl CudaArena {
                 made.map_err(|e| DeviceError::Copy(e.to_string()))?
             }
         };
-        let copied = enqueue(stream.cu_stream())
-            .and_then(|()| done.record(&stream))
-            .and_then(|()| done.synchronize());
+        let copied = enqueue(stream.cu_stream()).and_then(|()| {
+            // Once enqueued, the copy is over before this returns, whatever the event does:
+            // `src` or `dst` is the caller's to free the moment it does.
+            done.record(&stream).and_then(|()| done.synchronize()).or_else(|_| stream.synchronize())
+        });
         // Back to the pool either way: a refused enqueue leaves the stream as it was, and a copy
         // that failed on the device fails the context, which every later call reports.
         self.streams.lock().push((stream, done));
