@@ -7,8 +7,8 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::os::fd::OwnedFd;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -1020,21 +1020,31 @@ const PARALLEL_SCATTER_BYTES: u64 = 8 << 20;
 /// Threads one retrieve may use at most.
 const MAX_SCATTER_THREADS: usize = 4;
 
+/// Threads a large retrieve is split over: the cores this process may use, read once. Reading
+/// them means reading cgroup files, 24-28 µs a call on the CI machine: half a 64 KiB
+/// retrieve, and it was read on every retrieve.
+fn scatter_threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| {
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_SCATTER_THREADS)
+    })
+}
+
 /// Scatters every pinned chunk into its blocks; returns the bytes copied. A large retrieve whose
 /// blocks are all distinct runs on several threads, each over its own chunks (distinct blocks:
 /// no two threads ever write the same bytes).
 fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<u64, Fail> {
     let bytes: u64 = pinned.iter().map(|(_, chunk)| chunk.len()).sum();
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(MAX_SCATTER_THREADS)
-        .min(pinned.len());
+    if bytes < PARALLEL_SCATTER_BYTES || target.on_device() {
+        // Small, or (GPU regions) already asynchronous on the region's own stream: no threads.
+        return scatter_part(target, pinned).map(|()| bytes);
+    }
+    let threads = scatter_threads().min(pinned.len());
     let distinct = || {
         let mut seen = HashSet::new();
         pinned.iter().flat_map(|(blocks, _)| blocks.iter()).all(|b| seen.insert(*b))
     };
-    // GPU regions copy on their own stream, already asynchronous: no threads.
-    if bytes < PARALLEL_SCATTER_BYTES || threads < 2 || target.on_device() || !distinct() {
+    if threads < 2 || !distinct() {
         return scatter_part(target, pinned).map(|()| bytes);
     }
     let per = pinned.len().div_ceil(threads);
