@@ -7,12 +7,13 @@ as the docs show, so the package's own client cannot paper over a difference.
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 
 import msgpack
 import pytest
-from daemon import Daemon
+from daemon import REPO_ROOT, Daemon
 
 from tierkv import SharedBuffer, prefix_hashes, wire
 
@@ -43,7 +44,11 @@ class Raw:
         return self.reply()
 
     def hello(self, **fields):
-        hello = {"version": 4, "namespaces": [{"model": "m"}], "chunk_bytes": CHUNK_BYTES}
+        hello = {
+            "version": wire.PROTOCOL_VERSION,
+            "namespaces": [{"model": "m"}],
+            "chunk_bytes": CHUNK_BYTES,
+        }
         hello.update(fields)
         return self.call(1, {"hello": hello})
 
@@ -64,6 +69,17 @@ def raw(daemon):
     yield open_
     for r in sessions:
         r.s.close()
+
+
+def test_every_version_the_docs_name_as_the_daemons_is_the_current_one():
+    # Each bump of the version must update every place that states it (two once stayed at 3).
+    text = (REPO_ROOT / "docs" / "protocol.md").read_text()
+    stated = re.findall(
+        r"protocol \(version (\d+)\)|daemon's protocol version \((\d+)\)|daemon's \((\d+)\)", text
+    )
+    versions = {int(next(v for v in groups if v)) for groups in stated}
+    assert len(stated) >= 3
+    assert versions == {wire.PROTOCOL_VERSION}
 
 
 def test_world_size_has_a_default_even_with_tp_size_above_one(raw):
