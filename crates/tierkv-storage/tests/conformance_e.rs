@@ -3,13 +3,15 @@
 
 #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
+mod common;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use tierkv_core::{ExtraCount, Layout, ManualClock, ObjectKey, TierAdapter};
+use tierkv_core::{ExtraCount, ManualClock, ObjectKey, TierAdapter};
 use tierkv_disk::{BLOCK, DiskStoreConfig, record_bytes};
-use tierkv_l1::{DeviceKind, L1Config, OwnerId, Presence, Readers};
+use tierkv_l1::{Presence, Readers};
 use tierkv_l2::{HostMemory, HostStoreConfig};
 use tierkv_storage::{
     GroupKind, LookupGroup, LookupId, LookupRequest, LookupResult, StorageConfig, StorageError,
@@ -18,17 +20,7 @@ use tierkv_storage::{
 use tierkv_testkit::FakeTier;
 use tierkv_testkit::contract::{key, keys, payload};
 
-const CHUNK: u64 = 16 << 10;
-const OWNER: OwnerId = OwnerId(3);
-const WAIT: Duration = Duration::from_secs(20);
-
-fn layout() -> Layout {
-    Layout::bytes(CHUNK).unwrap()
-}
-
-fn l1_config(slots: u64) -> L1Config {
-    L1Config { device: DeviceKind::Emulated, ..L1Config::new(slots * CHUNK, CHUNK) }
-}
+use common::{CHUNK, OWNER, WAIT, l1_config, layout};
 
 struct Rig {
     s: StorageManager,

@@ -2,6 +2,8 @@
 
 #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -9,27 +11,17 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 use tierkv_core::{
-    Completion, ExtraCount, Layout, LoadItem, ManualClock, ObjectKey, StoreItem, TaskId,
-    TierAdapter, TierUsage,
+    Completion, ExtraCount, LoadItem, ManualClock, ObjectKey, StoreItem, TaskId, TierAdapter,
+    TierUsage,
 };
-use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers};
+use tierkv_l1::{L1Config, Readers};
 use tierkv_storage::{
     Durability, GroupKind, LookupGroup, LookupRequest, StorageConfig, StorageError, StorageManager,
 };
 use tierkv_testkit::FakeTier;
 use tierkv_testkit::contract::{key, keys, payload};
 
-const CHUNK: u64 = 16 << 10;
-const OWNER: OwnerId = OwnerId(3);
-const WAIT: Duration = Duration::from_secs(20);
-
-fn layout() -> Layout {
-    Layout::bytes(CHUNK).unwrap()
-}
-
-fn l1_config(slots: u64) -> L1Config {
-    L1Config { device: DeviceKind::Emulated, ..L1Config::new(slots * CHUNK, CHUNK) }
-}
+use common::{CHUNK, OWNER, WAIT, l1_config, layout};
 
 /// A tier whose `submit_store` blocks the calling thread (the store pipeline) while the gate is
 /// shut: the pipeline is then busy and cannot get to the next job.
