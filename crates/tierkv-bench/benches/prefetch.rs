@@ -88,20 +88,24 @@ fn fill(s: &StorageManager, keys: &[ObjectKey], chunk: u64, tiers: usize) {
     }
 }
 
-/// One prefix of [`LONG_PREFIX`] chunks, looked up from L2; returns chunks per second.
-fn long_prefix_from_l2() -> f64 {
-    let config = StorageConfig {
+/// An emulated L1 and a plain L2 (two workers) of `chunks` chunks of `chunk` bytes each.
+fn l1_and_l2(chunks: u64, chunk: u64) -> StorageConfig {
+    StorageConfig {
         l2: Some(HostStoreConfig {
             memory: HostMemory::Plain,
             workers: 2,
-            ..HostStoreConfig::new(2 * LONG_PREFIX * LONG_CHUNK, LONG_CHUNK)
+            ..HostStoreConfig::new(chunks * chunk, chunk)
         }),
         ..StorageConfig::new(L1Config {
             device: DeviceKind::Emulated,
-            ..L1Config::new(2 * LONG_PREFIX * LONG_CHUNK, LONG_CHUNK)
+            ..L1Config::new(chunks * chunk, chunk)
         })
-    };
-    let s = StorageManager::start(config).unwrap();
+    }
+}
+
+/// One prefix of [`LONG_PREFIX`] chunks, looked up from L2; returns chunks per second.
+fn long_prefix_from_l2() -> f64 {
+    let s = StorageManager::start(l1_and_l2(2 * LONG_PREFIX, LONG_CHUNK)).unwrap();
     let keys: Vec<ObjectKey> = (0..LONG_PREFIX).map(key).collect();
     fill(&s, &keys, LONG_CHUNK, 1);
     s.clear_l1(false);
@@ -124,20 +128,12 @@ fn main() {
 
     let segment_bytes = BLOCK + 64 * record_bytes(CHUNK);
     let config = StorageConfig {
-        l2: Some(HostStoreConfig {
-            memory: HostMemory::Plain,
-            workers: 2,
-            ..HostStoreConfig::new(2 * PREFIX * CHUNK, CHUNK)
-        }),
         disk: Some(DiskStoreConfig {
             segment_bytes,
             fsync: FsyncPolicy::Never,
             ..DiskStoreConfig::new(dir.path().join("tier"), 4 * segment_bytes, CHUNK)
         }),
-        ..StorageConfig::new(L1Config {
-            device: DeviceKind::Emulated,
-            ..L1Config::new(2 * PREFIX * CHUNK, CHUNK)
-        })
+        ..l1_and_l2(2 * PREFIX, CHUNK)
     };
     let s = StorageManager::start(config).unwrap();
     let keys: Vec<ObjectKey> = (0..PREFIX).map(key).collect();
