@@ -120,6 +120,8 @@ pub struct Daemon {
     lookups: Mutex<HashMap<u64, LookupInfo>>,
     ended: Mutex<Ended>,
     sessions: Mutex<HashMap<u64, SessionReport>>,
+    /// Chunk sizes already warned of as wasting most of a slot (once each).
+    warned_chunk_sizes: Mutex<HashSet<u64>>,
     next_session: AtomicU64,
     started: Instant,
     metrics: ServerMetrics,
@@ -151,6 +153,7 @@ impl Daemon {
             lookups: Mutex::new(HashMap::new()),
             ended: Mutex::new(Ended::default()),
             sessions: Mutex::new(HashMap::new()),
+            warned_chunk_sizes: Mutex::new(HashSet::new()),
             next_session: AtomicU64::new(1),
             started: Instant::now(),
             metrics: ServerMetrics::register(),
@@ -444,6 +447,12 @@ impl Session {
         }
         if hello.chunk_tokens == 0 {
             return bad("chunk_tokens must be positive".into());
+        }
+        if worker
+            && let Some(warning) = slot_waste(hello.chunk_bytes, self.daemon.max_chunk_bytes)
+            && self.daemon.warned_chunk_sizes.lock().insert(hello.chunk_bytes)
+        {
+            tracing::warn!("{warning}");
         }
         let extra = if hello.mla { i64::from(hello.tp_size) - 1 } else { 0 };
         let extra = ExtraCount::new(extra)
@@ -1190,6 +1199,20 @@ pub fn op_name(body: &RequestBody) -> &'static str {
     }
 }
 
+/// What to tell the operator when workers' chunks fill at most half of a slot: L1 and L2 keep
+/// one chunk per `slot_bytes` slot, so most of both tiers would go unused.
+fn slot_waste(chunk_bytes: u64, slot_bytes: u64) -> Option<String> {
+    if chunk_bytes == 0 || chunk_bytes.saturating_mul(2) > slot_bytes {
+        return None;
+    }
+    Some(format!(
+        "workers store chunks of {chunk_bytes} bytes, and L1 and L2 keep one chunk per slot of \
+         {slot_bytes} bytes (l1.slot): {:.0}% of both tiers cannot be used; set l1.slot to the \
+         chunk size",
+        100.0 * (1.0 - chunk_bytes as f64 / slot_bytes as f64)
+    ))
+}
+
 /// A hello was handled before `dispatch` matched; it cannot come back here.
 fn unreachable_hello() -> ! {
     unreachable!("hello is handled before the session is open")
@@ -1198,4 +1221,18 @@ fn unreachable_hello() -> ! {
 /// Compares secrets without leaking where they differ through timing.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slot_waste;
+
+    #[test]
+    fn chunks_of_half_a_slot_or_less_are_warned_of_and_larger_ones_are_not() {
+        assert!(slot_waste(1 << 20, 1 << 20).is_none());
+        assert!(slot_waste((1 << 20) / 2 + 1, 1 << 20).is_none());
+        let warning = slot_waste(2 << 20, 16 << 20).unwrap();
+        assert!(warning.contains("88%") && warning.contains("l1.slot"), "{warning}");
+        assert!(slot_waste(0, 1 << 20).is_none());
+    }
 }
