@@ -233,8 +233,7 @@ fn two_namespaces_never_see_each_other() {
 /// Loads of `keys` until `until` says stop; every byte verified (SharedTier panics on wrong
 /// bytes). Returns how many loads had misses and how many were whole. A degraded tier misses at
 /// once, so the loads pause a little between rounds: without pauses the loop holds a core of the
-/// 2-core CI machine that the Redis servers need for their failover election (once, in CI, the
-/// failover test saw no recovery within its minute; this is the suspected cause).
+/// 2-core CI machine that the Redis servers need for their failover election.
 fn load_until(
     tier: &SharedTier,
     keys: &[ObjectKey],
@@ -266,9 +265,7 @@ fn a_master_killed_during_loads_misses_then_hits_after_failover() {
     let all = keys(0..48);
     tier.store(&all).unwrap();
     // Wait until the replicas have every value, so the failover loses nothing.
-    for node in &cluster.nodes {
-        node.cli(&["WAIT", "1", "2000"]);
-    }
+    cluster.wait_replicated(Duration::from_secs(20));
     assert_eq!(tier.load_verified(&all).count_ones(), all.len());
     let victim = cluster.master_of(&redis_key(&prefix, &all[0])).unwrap();
     let started = Instant::now();
@@ -316,9 +313,7 @@ fn a_hung_master_costs_at_most_the_deadline_and_never_wrong_bytes() {
     let tier = SharedTier::new(store.clone(), CHUNK);
     let all = keys(0..32);
     tier.store(&all).unwrap();
-    for node in &cluster.nodes {
-        node.cli(&["WAIT", "1", "2000"]);
-    }
+    cluster.wait_replicated(Duration::from_secs(20));
     let victim = cluster.master_of(&redis_key(&prefix, &all[0])).unwrap();
     // A master that accepts connections and never answers (SIGSTOP): a slow node at its worst.
     cluster.nodes[victim].pause();

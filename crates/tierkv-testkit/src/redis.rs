@@ -234,6 +234,24 @@ pub fn cli_with_input(port: u16, args: &[&str], input: Option<&[u8]>) -> String 
         .unwrap_or_default()
 }
 
+/// Whether a master's `INFO replication` shows at least one replica, each `online` at the
+/// master's own replication offset.
+fn replica_caught_up(info: &str) -> bool {
+    let field = |line: &str, name: &str| {
+        line.split(',').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')).map(str::to_string)
+    };
+    let Some(offset) = info.lines().find_map(|l| l.strip_prefix("master_repl_offset:")) else {
+        return false;
+    };
+    let replicas: Vec<&str> =
+        info.lines().filter(|l| l.starts_with("slave") && l.contains("state=")).collect();
+    !replicas.is_empty()
+        && replicas.iter().all(|line| {
+            field(line, "state").as_deref() == Some("online")
+                && field(line, "offset").as_deref() == Some(offset.trim())
+        })
+}
+
 /// One standalone Redis server in its own temporary directory.
 pub struct RedisStandalone {
     /// The server.
@@ -287,6 +305,10 @@ impl RedisCluster {
                     "1000",
                     "--cluster-replica-validity-factor",
                     "0",
+                    // A replica's first sync otherwise waits 5 s for other replicas to join it,
+                    // and holds nothing until then.
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ],
             ));
         }
@@ -329,6 +351,33 @@ impl RedisCluster {
             }
             assert!(Instant::now() < deadline, "the cluster never reached cluster_state:ok");
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits until every master's replica has every write the master has taken: the replica's
+    /// link is `online` and its acknowledged offset equals the master's `master_repl_offset`.
+    /// `cluster_state:ok` alone does not say this: a replica may still be in its first full
+    /// sync, and a master killed then takes its writes with it (CI saw a failover lose a third
+    /// of a test's keys this way). `WAIT` cannot say it either, from a connection that wrote
+    /// nothing.
+    pub fn wait_replicated(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let lagging: Vec<u16> = self
+                .masters()
+                .into_iter()
+                .map(|i| &self.nodes[i])
+                .filter(|n| !replica_caught_up(&n.cli(&["INFO", "replication"])))
+                .map(|n| n.port)
+                .collect();
+            if lagging.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the replicas of the masters on ports {lagging:?} never caught up"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -383,5 +432,27 @@ impl RedisCluster {
         let mut all = vec!["-c"];
         all.extend_from_slice(args);
         cli_with_input(node.port, &all, input)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replica_caught_up;
+
+    /// `INFO replication` of a master whose replica is in its first sync, as Redis 7 prints it.
+    const SYNCING: &str = "# Replication\r\nrole:master\r\nconnected_slaves:1\r\n\
+        slave0:ip=127.0.0.1,port=6398,state=wait_bgsave,offset=0,lag=0\r\n\
+        master_failover_state:no-failover\r\nmaster_repl_offset:50\r\nsecond_repl_offset:-1";
+
+    #[test]
+    fn a_replica_counts_as_caught_up_only_online_at_the_masters_offset() {
+        assert!(!replica_caught_up(SYNCING), "a replica in its first sync");
+        let online_behind = SYNCING.replace("wait_bgsave,offset=0", "online,offset=36");
+        assert!(!replica_caught_up(&online_behind), "an online replica behind the master");
+        let caught_up = SYNCING.replace("wait_bgsave,offset=0", "online,offset=50");
+        assert!(replica_caught_up(&caught_up));
+        let alone = "role:master\r\nconnected_slaves:0\r\nmaster_repl_offset:50";
+        assert!(!replica_caught_up(alone), "a master without a replica");
+        assert!(!replica_caught_up(""), "no answer");
     }
 }
