@@ -385,6 +385,63 @@ def test_a_missed_deadline_is_connection_lost_and_closes_the_client(daemon):
     assert connect(daemon).status()["version"]
 
 
+def test_a_retrieve_past_its_deadline_is_carried_out_late_and_settles_only_after(daemon, buf):
+    """The hazard a hung daemon makes: a retrieve given up on at its deadline still lands when
+    the daemon resumes. Its :class:`Unanswered` says so only once the daemon is done with it."""
+    client = connect(daemon, timeout=0.5)
+    buffer = client.register_buffer(buf)
+    fill(buf.block(0), 0x5A)
+    hashes = prefix_hashes(prompt(7, 1), CHUNK_TOKENS)
+    client.store(0, buffer, [(hashes[0], [0])])
+    started = client.lookup(0, hashes)
+    assert outcome_of(client, started).hit_chunks == 1
+    fill(buf.block(3), 0)
+    assert client.take_unanswered() is None, "nothing is unanswered yet"
+    daemon.pause()
+    try:
+        with pytest.raises(ConnectionLost, match="deadline"):
+            client.retrieve(started.lookup, buffer, [(hashes[0], [3])])
+        unanswered = client.take_unanswered()
+        assert unanswered is not None
+        assert client.take_unanswered() is None, "handed over once"
+        assert not unanswered.settled()
+        assert not unanswered.wait(0.2), "a stopped daemon is not done"
+        assert bytes(buf.block(3)) == bytes(CHUNK_BYTES)
+    finally:
+        daemon.resume()
+    assert unanswered.wait(5.0)
+    # The daemon carried the retrieve out after the caller gave up on it, before it closed.
+    assert bytes(buf.block(3)) == bytes([0x5A]) * CHUNK_BYTES
+    assert unanswered.settled(), "settled stays settled"
+    assert daemon.settled()["l1_leased_chunks"] == 0
+
+
+def test_an_unanswered_call_to_a_killed_daemon_is_settled(daemon):
+    client = connect(daemon, timeout=0.5)
+    daemon.pause()
+    with pytest.raises(ConnectionLost, match="deadline"):
+        client.status()
+    unanswered = client.take_unanswered()
+    assert unanswered is not None and not unanswered.settled()
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(timeout=10)
+    assert unanswered.wait(2.0), "a dead daemon carries nothing out"
+
+
+def test_a_client_closed_with_an_unanswered_call_closes_its_connection(daemon):
+    client = connect(daemon, timeout=0.5)
+    daemon.pause()
+    try:
+        with pytest.raises(ConnectionLost):
+            client.status()
+        client.close()
+        assert client.take_unanswered() is None
+    finally:
+        daemon.resume()
+    # The daemon's end of the closed connection ends the session; nobody is left connected.
+    daemon.eventually("the session ends", lambda s: s["connected_workers"] == 0)
+
+
 def test_a_wait_gets_a_deadline_beyond_its_own_timeout(daemon, buf):
     client = connect(daemon, timeout=0.5)
     buffer = client.register_buffer(buf)

@@ -7,6 +7,11 @@ whose connection fails, raises :class:`~tierkv.errors.ConnectionLost` and closes
 a half-read reply can never be taken for the next call's. A refused request raises its
 :class:`~tierkv.errors.DaemonError` subclass and leaves the session usable.
 
+A call that misses its deadline leaves a request the daemon may still carry out: a hung daemon
+that resumes copies a retrieve into the caller's memory, or reads a store out of it, late. The
+client keeps that connection as an :class:`Unanswered` (:meth:`Client.take_unanswered`), which
+says when the daemon is done with it, so that the caller reuses that memory only then.
+
 One lock per client keeps calls from several threads from interleaving their frames.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import select
 import socket
 import threading
 import time
@@ -42,7 +48,7 @@ from .wire import (
     Welcome,
 )
 
-__all__ = ["DEFAULT_TIMEOUT", "Client"]
+__all__ = ["DEFAULT_TIMEOUT", "Client", "Unanswered"]
 
 #: Seconds a call may take by default.
 DEFAULT_TIMEOUT = 5.0
@@ -53,6 +59,55 @@ _MAX_DAEMON_WAIT_S = 60.0
 
 def _fileno(fd: Any) -> int:
     return fd if isinstance(fd, int) else fd.fileno()
+
+
+class Unanswered:
+    """A connection given up on while a request sent on it had no answer: the daemon may still
+    be carrying that request out, copying into or out of memory the caller registered.
+
+    The connection's writing side is shut, so the daemon reads to its end, finishes that request
+    (its reply is read here and dropped), ends the session and closes the connection. The daemon
+    closes a session's connection only after the session's last request has returned, and a
+    dead daemon's connections close too: once the daemon's end is closed (:meth:`settled`), it
+    will not touch the caller's memory for this session again.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+        sock.setblocking(False)
+        self._sock: socket.socket | None = sock
+
+    def settled(self) -> bool:
+        """Whether the daemon has closed its end; never blocks."""
+        sock = self._sock
+        if sock is None:
+            return True
+        try:
+            while sock.recv(1 << 16):
+                pass  # a late reply: nobody waits for it any more
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass  # reset: the daemon is gone
+        self.close()
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """Blocks until :meth:`settled` or ``timeout`` seconds have passed; whether settled."""
+        deadline = time.monotonic() + timeout
+        while not self.settled():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._sock is None:
+                return self._sock is None
+            select.select([self._sock], [], [], left)
+        return True
+
+    def close(self) -> None:
+        """Stops watching (closing the descriptor); the answer is then never known."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
 
 class Client:
@@ -68,6 +123,7 @@ class Client:
         self._lock = threading.Lock()
         self._next_id = 1
         self._session: Welcome | None = None
+        self._unanswered: Unanswered | None = None
 
     # -- opening --------------------------------------------------------------------------------
 
@@ -273,13 +329,24 @@ class Client:
         :class:`~tierkv.errors.ConnectionLost`.
         """
         sock = self._sock
-        if sock is None:
-            return
-        # Wakes a call blocked on this socket in another thread, which then lets go of the lock.
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+        if sock is not None:
+            # Wakes a call blocked on this socket in another thread, which then lets go of the
+            # lock.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
             self._close_locked()
+            unanswered, self._unanswered = self._unanswered, None
+        if unanswered is not None:
+            unanswered.close()
+
+    def take_unanswered(self) -> Unanswered | None:
+        """The connection of a call that missed its deadline (the daemon may still carry its
+        request out), handed to the caller to watch; ``None`` if the client closed otherwise.
+        Taken once: a closed client that still holds it closes it."""
+        with self._lock:
+            unanswered, self._unanswered = self._unanswered, None
+        return unanswered
 
     def __enter__(self) -> Client:
         return self
@@ -343,9 +410,12 @@ class Client:
                 self._close_locked()
                 raise
             except OSError as e:
-                self._close_locked()
                 if isinstance(e, TimeoutError):
+                    # The request may still be carried out: keep the connection to learn when.
+                    self._sock = None
+                    self._unanswered = Unanswered(sock)
                     raise ConnectionLost("the daemon did not answer within the deadline") from e
+                self._close_locked()
                 raise ConnectionLost(f"connection to the daemon failed: {e}") from e
             except BaseException:
                 # Interrupted (KeyboardInterrupt, ...) with a reply maybe half-read: never reuse.
