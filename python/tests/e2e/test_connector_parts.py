@@ -1,10 +1,12 @@
 """The connector's parts that need no engine: settings, chunk naming, the memfd move, the
-device export's refusals and region layout, the reconnecting link."""
+device export's refusals and region layout, the reconnecting link, and the worker's hold on the
+blocks of a call it gave up on."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,8 +18,9 @@ from tierkv import wire
 from tierkv.hashing import prefix_hashes
 from tierkv.vllm.link import Link, Unavailable
 from tierkv.vllm.memory import LayoutError, _layout, export_device_kv, move_to_memfd
-from tierkv.vllm.plan import Settings
+from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
 from tierkv.vllm.scheduler import chunk_ids
+from tierkv.vllm.worker import WorkerSide
 
 
 def test_settings_refuse_unknown_keys_and_bad_values() -> None:
@@ -173,3 +176,94 @@ def test_a_refused_session_backs_off_like_a_hung_daemon(tmp_path: Path) -> None:
         assert link.failures == 2
     finally:
         daemon.stop()
+
+
+class _GivenUp:
+    """A worker whose retrieve into blocks 4-5 missed its deadline on a stopped daemon: the
+    daemon holds a stored chunk (from blocks 0-1) and is paused when the load is tried."""
+
+    CHUNK_TOKENS = 32
+
+    def __init__(self, directory: Path, timeout_s: float = 0.5) -> None:
+        self.daemon = start_daemon(directory)
+        settings = Settings.from_extra(
+            {"socket": str(self.daemon.socket), "timeout_s": timeout_s, "chunk_blocks": 2}
+        )
+        self.layers = {f"model.layers.{i}.self_attn.attn": torch.randn(6, 2, 4, 8) for i in (0, 1)}
+        self.worker = WorkerSide(settings, "m", self.CHUNK_TOKENS, 0, 1, False, num_blocks=6)
+        self.worker.register_kv_caches(self.layers)
+        self.chunk = prefix_hashes(list(range(self.CHUNK_TOKENS)), self.CHUNK_TOKENS)[0]
+        self.worker.wait_for_save(TierKVMetadata(stores=[StoreOp("a", [(self.chunk, [0, 1])])]))
+        assert self.worker.stored_chunks == 1
+        self.stored = [t[0:2].clone() for t in self.layers.values()]
+        # The scheduler half's lookup, on its own session.
+        assert self.worker.memory is not None
+        scheduler = self.daemon.connect(
+            wire.hello(
+                namespaces=[("m", "")],
+                chunk_bytes=self.worker.memory.chunk_bytes(),
+                chunk_tokens=self.CHUNK_TOKENS,
+            )
+        )
+        started = scheduler.lookup(0, [self.chunk])
+        assert (started.outcome or scheduler.wait(started.lookup, 5.0)).hit_chunks == 1
+        for t in self.layers.values():
+            t[4:6] = 0
+        self.daemon.pause()
+        self.worker.start_load_kv(
+            TierKVMetadata(loads=[LoadOp("b", [started.lookup], [(self.chunk, [4, 5])])])
+        )
+        assert self.worker.take_load_errors() == {4, 5}, "vLLM recomputes the blocks"
+
+    def landed(self) -> bool:
+        """Whether blocks 4-5 hold the stored chunk (the daemon carried the retrieve out)."""
+        return all(
+            torch.equal(t[4:6], s) for t, s in zip(self.layers.values(), self.stored, strict=True)
+        )
+
+    def untouched(self) -> bool:
+        return all(bool((t[4:6] == 0).all()) for t in self.layers.values())
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.daemon.stop()
+
+
+def test_a_load_given_up_on_holds_the_requests_blocks_until_the_daemon_is_done(
+    tmp_path: Path,
+) -> None:
+    given_up = _GivenUp(tmp_path / "daemon")
+    worker = given_up.worker
+    try:
+        assert worker.get_finished({"a"}) == {"a"}, "a store that was answered frees at once"
+        assert worker.get_finished({"b"}) == set(), "the daemon may still copy into b's blocks"
+        time.sleep(0.3)
+        assert worker.get_finished(set()) == set()
+        assert given_up.untouched()
+        given_up.daemon.resume()
+        deadline = time.monotonic() + 10
+        while not (finished := worker.get_finished(set())):
+            assert time.monotonic() < deadline, "the daemon's session never ended"
+            time.sleep(0.02)
+        assert finished == {"b"}
+        # The retrieve landed after the worker gave up on it, and before b's blocks were freed.
+        assert given_up.landed()
+        assert worker.get_finished({"c"}) == set(), "each request is reported once; c had no call"
+    finally:
+        given_up.close()
+
+
+def test_a_preempted_request_waits_for_its_unanswered_calls_before_the_step_reuses_blocks(
+    tmp_path: Path,
+) -> None:
+    # handle_preemptions waits up to one deadline (1 s); the daemon resumes after 0.2 s.
+    given_up = _GivenUp(tmp_path / "daemon", timeout_s=1.0)
+    try:
+        resume = threading.Timer(0.2, given_up.daemon.resume)
+        resume.start()
+        given_up.worker.handle_preemptions(TierKVMetadata(preempted=["b"]))
+        resume.join()
+        assert given_up.landed(), "handle_preemptions returned before the late retrieve landed"
+        assert given_up.worker.get_finished({"b"}) == {"b"}, "nothing left to wait for"
+    finally:
+        given_up.close()

@@ -110,8 +110,14 @@ class TierKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, TierKVMetadata)
         self._worker.wait_for_save(meta)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        assert isinstance(kv_connector_metadata, TierKVMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -144,8 +150,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._scheduler.request_finished(request)
-        return False, None
+        return self._scheduler.request_finished(request), None
 
     def reset_cache(self) -> bool | None:
         # The daemon is shared by every engine on the node: one engine's reset does not clear it.

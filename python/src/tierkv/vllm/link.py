@@ -8,6 +8,11 @@ for long costs the engine one deadline now and then, not one per request. A conn
 (the daemon restarted since the last call) is replaced at once, so the first call after a restart
 is served. Each new connection bumps ``generation``, so state that belonged to an old session
 (lookup ids, registered buffers) is known to be void.
+
+A call that missed its deadline may still be carried out by a daemon that resumes. A link made
+with ``watch_unanswered`` hands that call's connection to the caller on the
+:class:`Unavailable` it raises (``unanswered``), so that the engine's memory the call named is
+reused only once the daemon is done with it (see :class:`tierkv.client.Unanswered`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tierkv.client import Client
+from tierkv.client import Client, Unanswered
 from tierkv.errors import ConnectionLost, DaemonError
 
 log = logging.getLogger(__name__)
@@ -29,7 +34,15 @@ MAX_DOWN_S = 30.0
 
 
 class Unavailable(Exception):
-    """The daemon cannot be reached now; the caller treats it as a miss."""
+    """The daemon cannot be reached now; the caller treats it as a miss.
+
+    ``unanswered`` is the connection of a call that missed its deadline, where the link watches
+    for them: the daemon may still carry that call out.
+    """
+
+    def __init__(self, message: str, unanswered: Unanswered | None = None) -> None:
+        super().__init__(message)
+        self.unanswered = unanswered
 
 
 def _timed_out(error: BaseException) -> bool:
@@ -48,12 +61,14 @@ class Link:
         timeout_s: float,
         retry_s: float,
         on_connect: Callable[[Client], None] | None = None,
+        watch_unanswered: bool = False,
     ) -> None:
         self._path = socket_path
         self._hello = hello
         self._timeout = timeout_s
         self._retry = retry_s
         self._on_connect = on_connect
+        self._watch_unanswered = watch_unanswered
         self._client: Client | None = None
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -90,25 +105,28 @@ class Link:
         try:
             result = fn(client)
         except (OSError, ConnectionLost) as e:
-            self._drop(client)
+            unanswered = self._drop(client)
             if _timed_out(e):
                 self._down(e)
-                raise Unavailable(str(e)) from e
+                raise Unavailable(str(e), unanswered) from e
             client = self.client()
             try:
                 result = fn(client)
             except (OSError, ConnectionLost) as e:
-                self._drop(client)
+                unanswered = self._drop(client)
                 self._down(e)
-                raise Unavailable(str(e)) from e
+                raise Unavailable(str(e), unanswered) from e
         self._in_a_row = 0
         return result
 
-    def _drop(self, client: Client) -> None:
+    def _drop(self, client: Client) -> Unanswered | None:
+        """Forgets a failed client; its unanswered call's connection, if the link watches them."""
         with self._lock:
             if self._client is client:
                 self._client = None
+        unanswered = client.take_unanswered() if self._watch_unanswered else None
         client.close()
+        return unanswered
 
     def _down(self, why: BaseException) -> None:
         self.failures += 1

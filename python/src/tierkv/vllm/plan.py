@@ -36,10 +36,11 @@ class StoreOp:
 
 @dataclass
 class TierKVMetadata(KVConnectorMetadata):
-    """One step's loads and stores."""
+    """One step's loads and stores, and the requests preempted since the last step."""
 
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

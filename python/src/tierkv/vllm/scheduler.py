@@ -48,6 +48,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     #: Chunks from the root known to be in tierkv (hit) or stored by an earlier step.
     stored: int = 0
+    #: Whether a load or store was planned: the workers then free the blocks (``get_finished``).
+    planned: bool = False
 
 
 def chunk_ids(tokens: list[int], chunk_tokens: int, salt: bytes) -> list[int]:
@@ -144,7 +146,7 @@ class SchedulerSide:
         state.load_from = state.hit_chunks - num_external_tokens // self.chunk_tokens
 
     def build_connector_meta(self, out: SchedulerOutput) -> TierKVMetadata:
-        meta = TierKVMetadata()
+        meta = TierKVMetadata(preempted=sorted(out.preempted_req_ids or ()))
         for req_id in out.preempted_req_ids or ():
             state = self.requests.get(req_id)
             if state is not None:
@@ -180,10 +182,14 @@ class SchedulerSide:
             )
         return meta
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> bool:
+        """Returns the request's leases; whether its blocks wait for the workers to report it
+        (every request that had a load or store: a call given up on may still be carried out)."""
         state = self.requests.pop(request.request_id, None)
-        if state is not None:
-            self._release(state)
+        if state is None:
+            return False
+        self._release(state)
+        return state.planned
 
     def shutdown(self) -> None:
         for state in self.requests.values():
@@ -266,6 +272,7 @@ class SchedulerSide:
                 chunks.append((state.chunks[c], held))
             if chunks:
                 meta.loads.append(LoadOp(req_id, list(state.lookups), chunks))
+                state.planned = True
             # The workers' retrieves return the lease; request_finished releases what is left.
             state.stored = max(state.stored, state.hit_chunks)
         state.load_from = None
@@ -279,6 +286,7 @@ class SchedulerSide:
         if stores:
             meta.stores.append(StoreOp(req_id, stores))
             state.stored += len(stores)
+            state.planned = True
 
     def _release(self, state: _Request) -> None:
         lookups, state.lookups = state.lookups, None

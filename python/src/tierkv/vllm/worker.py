@@ -9,17 +9,29 @@ its reply arrives, and before a store the worker waits for the engine's stream, 
 may still be writing the blocks. A load that
 fails for any reason reports its blocks through ``get_block_ids_with_load_errors``, and vLLM
 recomputes them (``kv_load_failure_policy="recompute"``); a failed store is only a future miss.
+
+A call that misses its deadline is the exception: a hung daemon that resumes may still carry it
+out, writing a retrieve's chunks into the request's blocks or reading a store's out of them. Into
+blocks vLLM has handed to another request, that would be wrong KV served, or stored under the
+wrong prefix. So the scheduler half delays the free of every request that had a load or a store
+(``request_finished`` returns ``True``), and this half reports such a request in
+``finished_sending`` only once every call it gave up on for it is settled: the daemon closed
+that connection, which it does only after the call returned, or died
+(:class:`tierkv.client.Unanswered`). Usually that is in the step that says the request finished.
+A preempted request's blocks are freed without asking the connector, so ``handle_preemptions``
+waits for its unanswered calls, up to one more deadline, before the step reuses them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
 
 from tierkv import wire
-from tierkv.client import Client
+from tierkv.client import Client, Unanswered
 from tierkv.errors import DaemonError
 from tierkv.vllm.link import Link, Unavailable
 from tierkv.vllm.memory import DeviceKv, KvMemory, export_device_kv, move_to_memfd
@@ -58,6 +70,13 @@ class WorkerSide:
         # copies wait for, and the one the daemon records after a retrieve's.
         self._ready: torch.cuda.Event | None = None
         self._done: torch.cuda.Event | None = None
+        # Requests that had a load or store here: the scheduler half delays freeing their blocks
+        # until this half reports them finished.
+        self._planned: set[str] = set()
+        # Calls given up on at their deadline that the daemon may still carry out, per request.
+        self._unanswered: dict[str, list[Unanswered]] = {}
+        # Finished requests whose blocks wait for their unanswered calls.
+        self._finishing: set[str] = set()
 
     def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], bound_views: Iterable[torch.Tensor] = ()
@@ -83,6 +102,7 @@ class WorkerSide:
             self.settings.timeout_s,
             self.settings.retry_s,
             on_connect=self._register,
+            watch_unanswered=True,
         )
         where = (
             f"{len(self.memory.regions)} CUDA IPC regions"
@@ -107,6 +127,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
         for op in meta.loads:
+            self._planned.add(op.req_id)
             blocks = {b for _, held in op.chunks for b in held}
             lookup = op.lookups[0] if self.mla or len(op.lookups) == 1 else op.lookups[self.rank]
             try:
@@ -124,6 +145,7 @@ class WorkerSide:
                     torch.cuda.current_stream().wait_event(self._done)
                 self.loaded_chunks += len(op.chunks)
             except (Unavailable, DaemonError) as e:
+                self._watch(op.req_id, e)
                 log.warning(
                     "tierkv: load of %d chunks for %s failed (%s); vLLM recomputes them",
                     len(op.chunks),
@@ -141,13 +163,58 @@ class WorkerSide:
             # blocks: an event recorded on the engine's stream, shared by CUDA IPC.
             ready = self._ready_event()
         for op in meta.stores:
+            self._planned.add(op.req_id)
             try:
                 stored = self.link.call(
                     lambda c, op=op: c.store(0, self.buffer, op.chunks, ready_event=ready)
                 )
                 self.stored_chunks += stored.stored
             except (Unavailable, DaemonError) as e:
+                self._watch(op.req_id, e)
                 log.debug("tierkv: store for %s failed (%s)", op.req_id, e)
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the requests that had a load or store here, those vLLM has said finished (now or
+        before) whose unanswered calls are all settled: their blocks may be freed now."""
+        self._finishing |= finished_req_ids & self._planned
+        self._planned -= finished_req_ids
+        done = {req_id for req_id in self._finishing if self._settled(req_id)}
+        self._finishing -= done
+        return done
+
+    def handle_preemptions(self, meta: TierKVMetadata) -> None:
+        """Before a step reuses preempted requests' blocks: waits for the calls given up on for
+        them, up to one deadline, since vLLM freed those blocks without asking."""
+        for req_id in meta.preempted:
+            if self._settled(req_id, wait_s=self.settings.timeout_s):
+                continue
+            log.error(
+                "tierkv: the daemon has not finished a call given up on for preempted request %s; "
+                "if it resumes, it may still copy into blocks vLLM reuses now",
+                req_id,
+            )
+
+    def _watch(self, req_id: str, error: Exception) -> None:
+        unanswered = error.unanswered if isinstance(error, Unavailable) else None
+        if unanswered is not None:
+            self._unanswered.setdefault(req_id, []).append(unanswered)
+
+    def _settled(self, req_id: str, wait_s: float = 0.0) -> bool:
+        """Whether every call given up on for ``req_id`` is over (waiting up to ``wait_s``)."""
+        pending = self._unanswered.get(req_id)
+        if not pending:
+            return True
+        deadline = time.monotonic() + wait_s
+        pending[:] = [u for u in pending if not u.wait(max(deadline - time.monotonic(), 0.0))]
+        if pending:
+            return False
+        del self._unanswered[req_id]
+        if self._done is not None:
+            # On the GPU the daemon's copies of a retrieve end with its record of this event;
+            # its connection closes once they are enqueued, so wait for them to land too.
+            self._done.synchronize()
+        log.info("tierkv: the calls given up on for %s are over; its blocks may be reused", req_id)
+        return True
 
     def _ready_event(self) -> bytes:
         """Records the worker's interprocess event on the current stream; its IPC handle."""
@@ -170,5 +237,9 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        for pending in self._unanswered.values():
+            for unanswered in pending:
+                unanswered.close()
+        self._unanswered.clear()
         if self.link is not None:
             self.link.close()
