@@ -5,9 +5,14 @@
 //! every one of them a slot (the hit is larger than L1, or L1 is full of leased chunks), the rest
 //! stay where they are, under the tier lock the lookup took, and [`HeldBelow`] owns those locks:
 //! each is returned exactly once, by [`HeldBelow::release`] or when the last handle is dropped.
-//! A read copies the chunk from its tier into a buffer of the reader's own; a read that fails or
-//! runs out of time is an error for that reader (a miss and a recompute for the engine), never
-//! partial bytes.
+//! A read copies the chunk from its tier into a buffer; a read that fails or runs out of time is
+//! an error for that reader (a miss and a recompute for the engine), never partial bytes.
+//!
+//! Where a hit has several readers (MLA: every TP rank reads the same bytes), the first reader to
+//! ask for a chunk loads it and the others take the same buffer: the tier is read once per chunk,
+//! not once per reader, and the bytes are held once, until every reader has had them. A reader
+//! waits for a load another reader started; if that load fails, a waiting reader loads the chunk
+//! itself, so a failure costs only the reader it struck.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -15,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::unbounded;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use tierkv_core::{BufferError, ChunkSink, Completion, LoadItem, ObjectKey};
 
 use crate::router::TierRouter;
@@ -42,13 +47,30 @@ pub struct HeldBelow {
     router: Arc<TierRouter>,
     /// Each held key and its tier (index, fastest first); a key leaves when its lock goes back.
     held: Mutex<HashMap<ObjectKey, usize>>,
+    /// Chunks one reader is loading, or loaded, for the hit's other readers.
+    shared: Mutex<HashMap<ObjectKey, Shared>>,
+    /// Signalled when a load for the other readers ends, whole or not.
+    landed: Condvar,
+}
+
+/// A chunk loaded once for every reader of the hit.
+enum Shared {
+    /// A reader is loading it; the others wait.
+    Loading,
+    /// Loaded whole; `taken` readers have had it. It goes when every reader has.
+    Loaded { bytes: Arc<Vec<u8>>, taken: u32 },
 }
 
 impl HeldBelow {
     /// Takes over one tier lock per entry of `held`.
     /// `held` names each key once: a lookup's lock on a key is one lock, whatever the groups.
     pub(crate) fn new(router: Arc<TierRouter>, held: HashMap<ObjectKey, usize>) -> Self {
-        HeldBelow { router, held: Mutex::new(held) }
+        HeldBelow {
+            router,
+            held: Mutex::new(held),
+            shared: Mutex::new(HashMap::new()),
+            landed: Condvar::new(),
+        }
     }
 
     /// The tier holding `key` for this hit, if it still does.
@@ -72,22 +94,110 @@ impl HeldBelow {
         let returned: Vec<(ObjectKey, usize)> =
             keys.iter().filter_map(|key| held.remove(key).map(|tier| (*key, tier))).collect();
         drop(held);
+        let mut shared = self.shared.lock();
+        for (key, _) in &returned {
+            if matches!(shared.get(key), Some(Shared::Loaded { .. })) {
+                shared.remove(key);
+            }
+        }
+        drop(shared);
         self.unlock(returned);
     }
 
-    /// Copies every chunk of `keys` (each `chunk_bytes` long) out of its tier, in order. All or
-    /// nothing: any chunk not held, not loaded whole, or not loaded by `timeout` fails the read.
+    /// Every chunk of `keys` (each `chunk_bytes` long), out of its tier, in order, for one of the
+    /// hit's `readers`. All or nothing: any chunk not held, not loaded whole, or not loaded by
+    /// `timeout` fails the read. With more than one reader, each chunk is loaded once for all.
     pub fn read(
         &self,
         keys: &[ObjectKey],
         chunk_bytes: u64,
         timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>, BelowError> {
+        readers: u32,
+    ) -> Result<Vec<Arc<Vec<u8>>>, BelowError> {
         let deadline = Instant::now() + timeout;
         let tiers: Vec<usize> = keys
             .iter()
             .map(|k| self.tier_of(k).ok_or(BelowError::NotHeld))
             .collect::<Result<_, _>>()?;
+        if readers <= 1 {
+            let loaded = self.load(keys, &tiers, chunk_bytes, deadline, timeout)?;
+            return Ok(loaded.into_iter().map(Arc::new).collect());
+        }
+        let mut got: Vec<Option<Arc<Vec<u8>>>> = vec![None; keys.len()];
+        loop {
+            // Take what another reader loaded, claim what nobody loads, wait for the rest.
+            let mut claimed = Vec::new();
+            let mut shared = self.shared.lock();
+            let mut waiting = false;
+            for (i, key) in keys.iter().enumerate() {
+                if got[i].is_some() {
+                    continue;
+                }
+                match shared.get_mut(key) {
+                    None => {
+                        shared.insert(*key, Shared::Loading);
+                        claimed.push(i);
+                    }
+                    Some(Shared::Loading) => waiting = true,
+                    Some(Shared::Loaded { bytes, taken }) => {
+                        got[i] = Some(Arc::clone(bytes));
+                        *taken += 1;
+                        if *taken >= readers {
+                            shared.remove(key);
+                        }
+                    }
+                }
+            }
+            if claimed.is_empty() {
+                if !waiting {
+                    break;
+                }
+                if self.landed.wait_until(&mut shared, deadline).timed_out() {
+                    return Err(BelowError::Timeout(timeout));
+                }
+                continue;
+            }
+            drop(shared);
+            // This reader loads what it claimed, while nothing is locked; others wait for it.
+            let mine: Vec<ObjectKey> = claimed.iter().map(|i| keys[*i]).collect();
+            let their_tiers: Vec<usize> = claimed.iter().map(|i| tiers[*i]).collect();
+            let result = self.load(&mine, &their_tiers, chunk_bytes, deadline, timeout);
+            let mut shared = self.shared.lock();
+            let loaded = match result {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    // Unclaimed again: a waiting reader loads them itself.
+                    for key in &mine {
+                        shared.remove(key);
+                    }
+                    drop(shared);
+                    self.landed.notify_all();
+                    return Err(e);
+                }
+            };
+            for (i, bytes) in claimed.into_iter().zip(loaded) {
+                let bytes = Arc::new(bytes);
+                got[i] = Some(Arc::clone(&bytes));
+                shared.insert(keys[i], Shared::Loaded { bytes, taken: 1 });
+            }
+            drop(shared);
+            self.landed.notify_all();
+        }
+        got.into_iter()
+            .enumerate()
+            .map(|(i, bytes)| bytes.ok_or(BelowError::LoadFailed { tier: tiers[i] }))
+            .collect()
+    }
+
+    /// Copies `keys` (held in `tiers`) out of their tiers into buffers of their own, by `deadline`.
+    fn load(
+        &self,
+        keys: &[ObjectKey],
+        tiers: &[usize],
+        chunk_bytes: u64,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, BelowError> {
         let landed: Arc<Mutex<Vec<Option<Vec<u8>>>>> = Arc::new(Mutex::new(vec![None; keys.len()]));
         let (reply, answers) = unbounded();
         let mut waiting = 0;

@@ -72,8 +72,9 @@ pub struct LookupResult {
 pub enum HitChunk {
     /// In L1, pinned for the read.
     L1(ReadAccess),
-    /// Read from the lower tier that holds it (L1 had no room for it): the chunk's bytes.
-    Loaded(Vec<u8>),
+    /// Read from the lower tier that holds it (L1 had no room for it): the chunk's bytes, shared
+    /// with the hit's other readers.
+    Loaded(Arc<Vec<u8>>),
 }
 
 impl HitChunk {

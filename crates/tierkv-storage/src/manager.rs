@@ -607,7 +607,7 @@ impl StorageManager {
         keys: &[ObjectKey],
         chunk_bytes: u64,
     ) -> Result<Vec<HitChunk>, StorageError> {
-        let (leases, below) = {
+        let (leases, below, result_readers) = {
             let lookups = self.inner.lookups.lock();
             let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
             let not_covered = |key: &ObjectKey| StorageError::NotCovered { lookup: id, key: *key };
@@ -635,7 +635,7 @@ impl StorageManager {
                 }
                 leases.push(lease);
             }
-            (leases, below.clone())
+            (leases, below.clone(), result.readers)
         };
         let mut chunks: Vec<Option<HitChunk>> = Vec::with_capacity(keys.len());
         let mut from_below = Vec::new();
@@ -652,7 +652,8 @@ impl StorageManager {
         }
         if let Some(held) = below.filter(|_| !from_below.is_empty()) {
             let wanted: Vec<ObjectKey> = from_below.iter().map(|i| keys[*i]).collect();
-            let loaded = held.read(&wanted, chunk_bytes, self.inner.config.l1.lease_ttl)?;
+            let loaded =
+                held.read(&wanted, chunk_bytes, self.inner.config.l1.lease_ttl, result_readers)?;
             for (i, bytes) in from_below.into_iter().zip(loaded) {
                 chunks[i] = Some(HitChunk::Loaded(bytes));
             }

@@ -65,7 +65,7 @@ fn read_bytes(s: &StorageManager, id: tierkv_storage::LookupId, key: &ObjectKey)
             access.read_at(0, &mut bytes).unwrap();
             bytes
         }
-        HitChunk::Loaded(bytes) => bytes,
+        HitChunk::Loaded(bytes) => bytes.to_vec(),
     }
 }
 
@@ -476,7 +476,7 @@ fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
                     access.read_at(0, &mut bytes).unwrap();
                     bytes
                 }
-                HitChunk::Loaded(bytes) => bytes,
+                HitChunk::Loaded(bytes) => bytes.to_vec(),
             };
             assert!(bytes == payload(key, CHUNK), "reader {reader}: {key:?} read other bytes");
         }
@@ -486,14 +486,134 @@ fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
     }
     assert!(!s.is_open(id));
     assert_eq!(s.status().tiers[0].1.objects, 8, "reading from L2 left the chunks there");
-    let held: u64 = snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .filter(|(k, ..)| k.key().name() == "tierkv_lookup_held_below_l1_chunks_total")
-        .map(|(.., v)| if let metrics_util::debugging::DebugValue::Counter(n) = v { n } else { 0 })
-        .sum();
-    assert_eq!(held, 8, "the chunks held below L1 were counted");
+    let seen = snapshotter.snapshot().into_vec();
+    assert_eq!(
+        counter(&seen, "tierkv_lookup_held_below_l1_chunks_total", None),
+        8,
+        "the chunks held below L1 were counted"
+    );
+    assert_eq!(
+        counter(&seen, "tierkv_tier_loads_total", Some("l2")),
+        8,
+        "the second reader took the chunks the first loaded: L2 was read once per chunk"
+    );
+    s.l1().audit().unwrap();
+}
+
+/// What a debugging recorder's snapshot holds (taking one drains the counters).
+type Seen = Vec<(
+    metrics_util::CompositeKey,
+    Option<metrics::Unit>,
+    Option<metrics::SharedString>,
+    metrics_util::debugging::DebugValue,
+)>;
+
+/// The sum of counter `name` (of `tier`, if given) in `seen`.
+fn counter(seen: &Seen, name: &str, tier: Option<&str>) -> u64 {
+    seen.iter()
+        .filter(|(k, ..)| k.key().name() == name)
+        .filter(|(k, ..)| {
+            tier.is_none_or(|t| k.key().labels().any(|l| l.key() == "tier" && l.value() == t))
+        })
+        .map(|(.., v)| if let metrics_util::debugging::DebugValue::Counter(n) = v { *n } else { 0 })
+        .sum()
+}
+
+#[test]
+fn a_hit_held_below_is_loaded_once_for_all_its_readers_reading_at_once() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let s = metrics::with_local_recorder(&recorder, || {
+        StorageManager::start(tiered(4, 16, None, StorePolicy::Cascade))
+    })
+    .unwrap();
+    write_in_windows(&s, &keys(0..12));
+    // Four readers (MLA over four TP ranks); eight chunks stay in L2, as above.
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let id = s.submit_prefetch(OWNER, keys(0..12), ExtraCount::new(3).unwrap(), layout).unwrap();
+    assert_eq!(s.wait(id, WAIT).unwrap().per_tier, vec![4, 8]);
+    let barrier = std::sync::Barrier::new(4);
+    std::thread::scope(|scope| {
+        for reader in 0..4u8 {
+            let (s, barrier) = (&s, &barrier);
+            scope.spawn(move || {
+                barrier.wait();
+                // Each reader asks in its own order, so loads and waits interleave.
+                let mut wanted = keys(0..12);
+                wanted.rotate_left(3 * usize::from(reader));
+                let chunks = s.read_hit(id, reader, &wanted, CHUNK).unwrap();
+                for (key, chunk) in wanted.iter().zip(chunks) {
+                    let bytes = match chunk {
+                        HitChunk::L1(access) => {
+                            let mut bytes = vec![0; CHUNK as usize];
+                            access.read_at(0, &mut bytes).unwrap();
+                            bytes
+                        }
+                        HitChunk::Loaded(bytes) => bytes.to_vec(),
+                    };
+                    assert!(
+                        bytes == payload(key, CHUNK),
+                        "reader {reader}: {key:?} read other bytes"
+                    );
+                }
+                s.release(id, Readers::One(reader)).unwrap();
+            });
+        }
+    });
+    assert!(!s.is_open(id));
+    assert_eq!(
+        counter(&snapshotter.snapshot().into_vec(), "tierkv_tier_loads_total", Some("l2")),
+        8,
+        "four readers read L2 once per chunk"
+    );
+    assert_eq!(s.status().tiers[0].1.locks, 0, "every lock went back");
+    s.l1().audit().unwrap();
+}
+
+#[test]
+fn a_load_below_that_fails_fails_every_reader_at_once_and_serves_no_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    // L2 holds one chunk: what L1 has no room for is held on disk.
+    let s = StorageManager::start(tiered(4, 1, Some(&dir), StorePolicy::WriteThrough)).unwrap();
+    write_in_windows(&s, &keys(0..12));
+    eventually("the pipeline is idle", || s.status().store_in_flight == 0);
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let id = s.submit_prefetch(OWNER, keys(0..12), ExtraCount::new(3).unwrap(), layout).unwrap();
+    let result = s.wait(id, WAIT).unwrap();
+    assert_eq!(result.hit_chunks, 12);
+    assert!(result.per_tier[2] > 0, "chunks held on disk: {:?}", result.per_tier);
+    // Every record on disk is damaged (zeroed after each segment's superblock): every load of a
+    // chunk held there fails, for the reader that loads it and for those waiting on that load.
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "tkv") {
+            let len = std::fs::metadata(&path).unwrap().len();
+            let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            std::os::unix::fs::FileExt::write_all_at(
+                &file,
+                &vec![0; (len - BLOCK) as usize],
+                BLOCK,
+            )
+            .unwrap();
+            file.sync_all().unwrap();
+        }
+    }
+    let started = Instant::now();
+    let barrier = std::sync::Barrier::new(4);
+    std::thread::scope(|scope| {
+        for reader in 0..4u8 {
+            let (s, barrier) = (&s, &barrier);
+            scope.spawn(move || {
+                barrier.wait();
+                let read = s.read_hit(id, reader, &keys(0..12), CHUNK);
+                assert!(read.is_err(), "reader {reader} was served damaged chunks");
+            });
+        }
+    });
+    assert!(started.elapsed() < Duration::from_secs(5), "a reader waited for a failed load");
+    s.release(id, Readers::All).unwrap();
+    assert!(!s.is_open(id));
+    assert!(s.status().tiers.iter().all(|(_, t)| t.locks == 0), "every lock went back");
     s.l1().audit().unwrap();
 }
 
@@ -558,7 +678,7 @@ fn a_read_below_that_fails_or_hangs_is_an_error_never_bytes_and_the_locks_go_bac
     );
     // What did not fail is still readable, and right.
     let chunks = s.read_hit(id, 0, &keys(0..3), CHUNK).unwrap();
-    assert!(matches!(&chunks[2], HitChunk::Loaded(bytes) if *bytes == payload(&key_of(2), CHUNK)));
+    assert!(matches!(&chunks[2], HitChunk::Loaded(bytes) if **bytes == payload(&key_of(2), CHUNK)));
     drop(chunks);
     // A tier that does not answer: the read gives up after the lease's time to live.
     tier.hold_loads();

@@ -199,12 +199,7 @@ fn run(policy: StorePolicy, l1_chunks: u64, ops: Vec<Op>) -> Result<(), TestCase
                             guard.read_at(0, &mut bytes).unwrap();
                             bytes
                         }
-                        Some(HitChunk::Loaded(bytes)) => {
-                            if std::env::var_os("XDBG").is_some() {
-                                eprintln!("LOADED-BELOW");
-                            }
-                            bytes
-                        }
+                        Some(HitChunk::Loaded(bytes)) => bytes.to_vec(),
                         None => continue,
                     };
                     prop_assert!(bytes == payload(k, CHUNK), "{k:?} read other bytes");
