@@ -59,7 +59,12 @@ fn eventually(what: &str, mut done: impl FnMut() -> bool) {
 
 /// The bytes of `key` of lookup `id` for reader 0, from L1 or from the tier holding it.
 fn read_bytes(s: &StorageManager, id: tierkv_storage::LookupId, key: &ObjectKey) -> Vec<u8> {
-    match s.read_hit(id, 0, std::slice::from_ref(key), CHUNK).unwrap().pop().unwrap() {
+    bytes_of(s.read_hit(id, 0, std::slice::from_ref(key), CHUNK).unwrap().pop().unwrap())
+}
+
+/// A read chunk's bytes, copied out of L1 or taken from the tier's load.
+fn bytes_of(chunk: HitChunk) -> Vec<u8> {
+    match chunk {
         HitChunk::L1(access) => {
             let mut bytes = vec![0; CHUNK as usize];
             access.read_at(0, &mut bytes).unwrap();
@@ -470,14 +475,7 @@ fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
         let from_l2 = chunks.iter().filter(|c| matches!(c, HitChunk::Loaded(_))).count();
         assert_eq!(from_l2, 8);
         for (key, chunk) in keys(0..12).iter().zip(chunks) {
-            let bytes = match chunk {
-                HitChunk::L1(access) => {
-                    let mut bytes = vec![0; CHUNK as usize];
-                    access.read_at(0, &mut bytes).unwrap();
-                    bytes
-                }
-                HitChunk::Loaded(bytes) => bytes.to_vec(),
-            };
+            let bytes = bytes_of(chunk);
             assert!(bytes == payload(key, CHUNK), "reader {reader}: {key:?} read other bytes");
         }
         s.release(id, Readers::One(reader)).unwrap();
@@ -543,14 +541,7 @@ fn a_hit_held_below_is_loaded_once_for_all_its_readers_reading_at_once() {
                 wanted.rotate_left(3 * usize::from(reader));
                 let chunks = s.read_hit(id, reader, &wanted, CHUNK).unwrap();
                 for (key, chunk) in wanted.iter().zip(chunks) {
-                    let bytes = match chunk {
-                        HitChunk::L1(access) => {
-                            let mut bytes = vec![0; CHUNK as usize];
-                            access.read_at(0, &mut bytes).unwrap();
-                            bytes
-                        }
-                        HitChunk::Loaded(bytes) => bytes.to_vec(),
-                    };
+                    let bytes = bytes_of(chunk);
                     assert!(
                         bytes == payload(key, CHUNK),
                         "reader {reader}: {key:?} read other bytes"
