@@ -18,7 +18,8 @@ mod pump;
 mod table;
 
 pub use limits::{
-    direct_file_bandwidth, direct_read_bandwidth, memcpy_bandwidth, memcpy_bandwidth_threads,
+    direct_file_bandwidth, direct_read_bandwidth, direct_write_bandwidth, memcpy_bandwidth,
+    memcpy_bandwidth_threads,
 };
 pub use pump::Pump;
 pub use table::Table;

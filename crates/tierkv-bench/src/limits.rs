@@ -84,6 +84,56 @@ pub fn direct_file_bandwidth(
     result
 }
 
+/// Sequential write bandwidth, in bytes per second, of a fresh `file_bytes` file in `dir`,
+/// allocated first (as the disk tier allocates its segments) and written with `O_DIRECT` in blocks
+/// of `block` bytes by `writers` threads at once (thread `t` writes blocks `t`, `t + writers`,
+/// ...: front to back, with `writers` requests in flight), then synced. The file is removed.
+pub fn direct_write_bandwidth(
+    dir: &Path,
+    file_bytes: usize,
+    block: usize,
+    writers: usize,
+) -> io::Result<f64> {
+    let writers = writers.max(1);
+    let probe = AlignedBuf::new(block)
+        .ok_or_else(|| io::Error::other("cannot allocate an aligned buffer"))?;
+    let block = probe.as_slice().len();
+    let blocks = file_bytes.div_ceil(block).max(1);
+    let path = dir.join(format!(".tierkv-bench-write-{}", std::process::id()));
+    let result = (|| {
+        let file = direct(&path, true)?;
+        let len = (blocks * block) as libc::off_t;
+        // SAFETY: fallocate on a descriptor we own, with a valid length.
+        if unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&file), 0, 0, len) } != 0 {
+            file.set_len(len as u64)?; // filesystems without fallocate
+        }
+        let start = Instant::now();
+        std::thread::scope(|s| -> io::Result<()> {
+            let workers: Vec<_> = (0..writers)
+                .map(|t| {
+                    let file = &file;
+                    s.spawn(move || -> io::Result<()> {
+                        let mut buf = AlignedBuf::new(block)
+                            .ok_or_else(|| io::Error::other("cannot allocate"))?;
+                        buf.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+                        for b in (t..blocks).step_by(writers) {
+                            file.write_all_at(buf.as_slice(), (b * block) as u64)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            workers.into_iter().try_for_each(|w| {
+                w.join().unwrap_or_else(|_| Err(io::Error::other("a writer panicked")))
+            })
+        })?;
+        file.sync_all()?;
+        Ok((blocks * block) as f64 / start.elapsed().as_secs_f64())
+    })();
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
 fn parallel_read(path: &Path, blocks: usize, block: usize, readers: usize) -> io::Result<f64> {
     let readers = readers.max(1);
     let start = Instant::now();
@@ -131,7 +181,12 @@ mod tests {
         assert!(copy > 1e8, "memcpy below 100 MB/s: {copy}");
         let dir = tempfile::tempdir().unwrap();
         match direct_read_bandwidth(dir.path(), 8 << 20, 1 << 20) {
-            Ok(read) => assert!(read > 1e6, "direct reads below 1 MB/s: {read}"),
+            Ok(read) => {
+                assert!(read > 1e6, "direct reads below 1 MB/s: {read}");
+                let write = direct_write_bandwidth(dir.path(), 8 << 20, 1 << 20, 2).unwrap();
+                assert!(write > 1e6, "direct writes, two in flight, below 1 MB/s: {write}");
+                assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "left a file");
+            }
             // Some filesystems (tmpfs) refuse O_DIRECT; the benchmark then says so.
             Err(e) => eprintln!("skipped: O_DIRECT unsupported here: {e}"),
         }

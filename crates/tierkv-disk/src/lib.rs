@@ -21,4 +21,4 @@ pub use config::{DiskStoreConfig, FsyncPolicy, ReadMode};
 pub use error::DiskError;
 pub use format::{BLOCK, record_bytes};
 pub use segment::IoMode;
-pub use store::{DiskStore, Recovered, WRITABLE_RETRY};
+pub use store::{DiskStore, Recovered, WRITABLE_RETRY, WRITES_IN_FLIGHT};

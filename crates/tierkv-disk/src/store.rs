@@ -173,8 +173,9 @@ struct Queued {
 }
 
 /// Record writes in flight at once. Two let one record's hand-over and wake-up overlap the
-/// write before it, so the disk never waits for the write thread between records.
-const WRITES_IN_FLIGHT: usize = 2;
+/// write before it, so the disk never waits for the write thread between records. (The tiers
+/// benchmark measures the disk's write limit with as many in flight.)
+pub const WRITES_IN_FLIGHT: usize = 2;
 
 /// One record to write, and what its outcome is reported with.
 struct Write {
