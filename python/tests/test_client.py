@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import mmap
 import os
+import resource
 import signal
 import socket
 import threading
 import time
+import warnings
 
 import msgpack
 import pytest
@@ -428,18 +431,56 @@ def test_an_unanswered_call_to_a_killed_daemon_is_settled(daemon):
     assert unanswered.wait(2.0), "a dead daemon carries nothing out"
 
 
+def open_descriptors() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
 def test_a_client_closed_with_an_unanswered_call_closes_its_connection(daemon):
     client = connect(daemon, timeout=0.5)
     daemon.pause()
     try:
         with pytest.raises(ConnectionLost):
             client.status()
-        client.close()
+        held = open_descriptors()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            client.close()
+            gc.collect()
         assert client.take_unanswered() is None
+        assert len(held - open_descriptors()) == 1, "the unanswered connection stayed open"
+        # Closed by the client, not left for the garbage collector to find unclosed.
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
     finally:
         daemon.resume()
     # The daemon's end of the closed connection ends the session; nobody is left connected.
     daemon.eventually("the session ends", lambda s: s["connected_workers"] == 0)
+
+
+def test_an_unanswered_connection_past_descriptor_1024_is_still_watched(daemon):
+    # An engine's process may hold more than 1,024 descriptors, past what select() can watch.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fillers: list[int] = []
+    try:
+        while not fillers or fillers[-1] < 1100:
+            fillers.append(os.open("/dev/null", os.O_RDONLY))
+        client = connect(daemon, timeout=0.5)
+        daemon.pause()
+        try:
+            with pytest.raises(ConnectionLost, match="deadline"):
+                client.status()
+            unanswered = client.take_unanswered()
+            assert unanswered is not None
+            assert not unanswered.wait(0.1)
+        finally:
+            daemon.resume()
+        assert unanswered.wait(5.0)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_wait_gets_a_deadline_beyond_its_own_timeout(daemon, buf):

@@ -448,11 +448,14 @@ impl Session {
         if hello.chunk_tokens == 0 {
             return bad("chunk_tokens must be positive".into());
         }
-        if worker
-            && let Some(warning) = slot_waste(hello.chunk_bytes, self.daemon.max_chunk_bytes)
-            && self.daemon.warned_chunk_sizes.lock().insert(hello.chunk_bytes)
+        if worker && let Some(warning) = slot_waste(hello.chunk_bytes, self.daemon.max_chunk_bytes)
         {
-            tracing::warn!("{warning}");
+            // Once per chunk size, and for a few sizes only: clients choose the sizes, and a
+            // set that grew with every one of them would be theirs to fill.
+            let mut warned = self.daemon.warned_chunk_sizes.lock();
+            if warned.len() < MAX_WARNED_CHUNK_SIZES && warned.insert(hello.chunk_bytes) {
+                tracing::warn!("{warning}");
+            }
         }
         let extra = if hello.mla { i64::from(hello.tp_size) - 1 } else { 0 };
         let extra = ExtraCount::new(extra)
@@ -1198,6 +1201,9 @@ pub fn op_name(body: &RequestBody) -> &'static str {
         RequestBody::Clear => "clear",
     }
 }
+
+/// Chunk sizes the daemon warns of as wasting most of a slot, at most (each once).
+const MAX_WARNED_CHUNK_SIZES: usize = 16;
 
 /// What to tell the operator when workers' chunks fill at most half of a slot: L1 and L2 keep
 /// one chunk per `slot_bytes` slot, so most of both tiers would go unused.

@@ -453,8 +453,13 @@ fn a_store_larger_than_l1_goes_in_windows_and_all_of_it_reaches_the_tiers_below(
     assert_eq!(alone.store_window(), usize::MAX);
 }
 
-#[test]
-fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
+/// Twelve chunks stored under cascade into an L1 of four and an L2 of sixteen (L1 holds the last
+/// four, L2 the first eight), then looked up whole with `readers` readers. The lookup leases the
+/// four (all of L1), so the eight find no L1 slot: they stay in L2, locked, and the hit is still
+/// all twelve. Metrics go to the returned snapshotter.
+fn hit_held_in_l2(
+    readers: i64,
+) -> (StorageManager, metrics_util::debugging::Snapshotter, tierkv_storage::LookupId) {
     let recorder = metrics_util::debugging::DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let s = metrics::with_local_recorder(&recorder, || {
@@ -462,12 +467,17 @@ fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
     })
     .unwrap();
     write_in_windows(&s, &keys(0..12));
-    // L1 holds the last four, L2 the first eight. The lookup leases the four (all of L1), so the
-    // eight find no L1 slot: they stay in L2, locked, and the hit is still all twelve.
     let layout = Layout::bytes(CHUNK).unwrap();
-    let id = s.submit_prefetch(OWNER, keys(0..12), ExtraCount::new(1).unwrap(), layout).unwrap();
+    let extra = ExtraCount::new(readers - 1).unwrap();
+    let id = s.submit_prefetch(OWNER, keys(0..12), extra, layout).unwrap();
     let result = s.wait(id, WAIT).unwrap();
     assert_eq!((result.hit_chunks, result.per_tier.clone()), (12, vec![4, 8]));
+    (s, snapshotter, id)
+}
+
+#[test]
+fn a_hit_larger_than_l1_is_read_by_every_reader_from_the_tier_that_holds_it() {
+    let (s, snapshotter, id) = hit_held_in_l2(2);
     assert_eq!(s.status().tiers[0].1.locks, 8, "one lock per chunk held below");
     assert_eq!(s.held_chunks(id), Some(12));
     for reader in 0..2u8 {
@@ -519,17 +529,8 @@ fn counter(seen: &Seen, name: &str, tier: Option<&str>) -> u64 {
 
 #[test]
 fn a_hit_held_below_is_loaded_once_for_all_its_readers_reading_at_once() {
-    let recorder = metrics_util::debugging::DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let s = metrics::with_local_recorder(&recorder, || {
-        StorageManager::start(tiered(4, 16, None, StorePolicy::Cascade))
-    })
-    .unwrap();
-    write_in_windows(&s, &keys(0..12));
-    // Four readers (MLA over four TP ranks); eight chunks stay in L2, as above.
-    let layout = Layout::bytes(CHUNK).unwrap();
-    let id = s.submit_prefetch(OWNER, keys(0..12), ExtraCount::new(3).unwrap(), layout).unwrap();
-    assert_eq!(s.wait(id, WAIT).unwrap().per_tier, vec![4, 8]);
+    // Four readers (MLA over four TP ranks); eight chunks stay in L2.
+    let (s, snapshotter, id) = hit_held_in_l2(4);
     let barrier = std::sync::Barrier::new(4);
     std::thread::scope(|scope| {
         for reader in 0..4u8 {

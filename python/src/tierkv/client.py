@@ -97,10 +97,14 @@ class Unanswered:
         """Blocks until :meth:`settled` or ``timeout`` seconds have passed; whether settled."""
         deadline = time.monotonic() + timeout
         while not self.settled():
+            sock = self._sock
             left = deadline - time.monotonic()
-            if left <= 0 or self._sock is None:
-                return self._sock is None
-            select.select([self._sock], [], [], left)
+            if left <= 0 or sock is None:
+                return sock is None
+            # poll, not select: an engine's process may hold descriptors past select's 1024.
+            waiting = select.poll()
+            waiting.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            waiting.poll(math.ceil(left * 1000))
         return True
 
     def close(self) -> None:

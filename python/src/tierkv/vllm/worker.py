@@ -184,9 +184,10 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: TierKVMetadata) -> None:
         """Before a step reuses preempted requests' blocks: waits for the calls given up on for
-        them, up to one deadline, since vLLM freed those blocks without asking."""
+        them, up to one deadline for them all, since vLLM freed those blocks without asking."""
+        deadline = time.monotonic() + self.settings.timeout_s
         for req_id in meta.preempted:
-            if self._settled(req_id, wait_s=self.settings.timeout_s):
+            if self._settled(req_id, wait_s=max(deadline - time.monotonic(), 0.0)):
                 continue
             log.error(
                 "tierkv: the daemon has not finished a call given up on for preempted request %s; "
