@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything a GPU session runs, in one call (device time is scarce): the GPU check, then the
 # unit tests of the GPU crates (tierkv-l1, tierkv-l2, tierkv-server: all of them, the CUDA tests
-# enabled by the device), from what scripts/gpu-build.sh put in target/gpu-carry. Output goes to the
-# terminal and to OUTDIR (default: $OUT, the device tool's output folder, else target/gpu-out):
-# gpu-check.txt, unit-tests.txt, and the daemons' logs. Exit status: the first failure's.
-# Each step has its own time limit (GPU_CHECK_LIMIT, default 300 s; 120 s for each test
-# executable), so a step that hangs costs its limit, not the whole call.
+# enabled by the device), from what scripts/gpu-build.sh put in target/gpu-carry, then the Python
+# tests (all but the vLLM end-to-end ones and the no-GPU check of gpu-check.sh; the CUDA ones
+# run there) against the carried daemon. Output goes to the terminal and to OUTDIR (default:
+# $OUT, the device tool's output folder, else target/gpu-out): gpu-check.txt, unit-tests.txt,
+# python-tests.txt, and the daemons' logs. Exit status: the first failure's. Each step has its
+# own time limit (GPU_CHECK_LIMIT, default 300 s; 120 s for each test executable, 240 s for the
+# Python tests), so a step that hangs costs its limit, not the whole call.
 #
 #   scripts/gpu-all.sh [OUTDIR] [gpu-check.sh arguments...]
 set -uo pipefail
@@ -36,6 +38,11 @@ done > "$out/daemons.log"
     done
     exit $status
 } 2>&1 | tee "$out/unit-tests.txt"
+rc=${PIPESTATUS[0]}
+[[ $status -eq 0 ]] && status=$rc
+PYTHONPATH="$root/python/src" TIERKV_BIN="$root/$carry/tierkv" timeout -k 5 240 \
+    python3 -m pytest python/tests -rA -p no:cacheprovider --ignore=python/tests/e2e \
+    --ignore=python/tests/test_gpu_check.py 2>&1 | tee "$out/python-tests.txt"
 rc=${PIPESTATUS[0]}
 [[ $status -eq 0 ]] && status=$rc
 echo "gpu-all: exit $status; output in $out"

@@ -44,8 +44,11 @@ def config(
     disk_capacity: str = "32MiB",
     segment: str = "4MiB",
     fsync: str = "always",
+    device: str = "emulated",
+    l2_memory: str = "plain",
 ) -> str:
-    """A daemon config: emulated L1, plain-memory L2, a disk tier, no metrics endpoint."""
+    """A daemon config: an L1 (emulated by default), L2 (in plain memory by default), a disk
+    tier, no metrics endpoint."""
     return f"""
 [server]
 socket = "{socket_path}"
@@ -55,14 +58,14 @@ socket = "{socket_path}"
 enabled = false
 
 [l1]
-device = "emulated"
+device = "{device}"
 capacity = "{l1}"
 slot = "{slot}"
 lease_ttl = "30s"
 
 [l2]
 capacity = "{l2}"
-memory = "plain"
+memory = "{l2_memory}"
 
 [disk]
 dir = "{disk}"
@@ -70,6 +73,23 @@ capacity = "{disk_capacity}"
 segment = "{segment}"
 fsync = "{fsync}"
 """
+
+
+def cuda_config(socket_path: Path, disk: Path, extra: str = "") -> str:
+    """L1 on GPU 0 (2 MiB slots, 512 MiB) and L2 in pinned host memory: the GPU tests."""
+    return config(
+        socket_path,
+        disk,
+        extra,
+        l1="512MiB",
+        slot="2MiB",
+        l2="512MiB",
+        disk_capacity="1GiB",
+        segment="64MiB",
+        fsync="never",
+        device="cuda",
+        l2_memory="pinned",
+    )
 
 
 def admin_hello(**kw) -> dict:
