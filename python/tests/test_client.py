@@ -388,9 +388,11 @@ def test_a_missed_deadline_is_connection_lost_and_closes_the_client(daemon):
     assert connect(daemon).status()["version"]
 
 
-def test_a_retrieve_past_its_deadline_is_carried_out_late_and_settles_only_after(daemon, buf):
-    """The hazard a hung daemon makes: a retrieve given up on at its deadline still lands when
-    the daemon resumes. Its :class:`Unanswered` says so only once the daemon is done with it."""
+def test_a_retrieve_past_its_deadline_is_not_carried_out_late(daemon, buf):
+    """The hazard a hung daemon makes: a retrieve given up on at its deadline, carried out when
+    the daemon resumes, would land in blocks the engine may have handed to another request. The
+    client shuts its writing side as it gives up, and the daemon, seeing that before it copies,
+    copies nothing. Its :class:`Unanswered` settles once the daemon has ended the session."""
     client = connect(daemon, timeout=0.5)
     buffer = client.register_buffer(buf)
     fill(buf.block(0), 0x5A)
@@ -409,14 +411,39 @@ def test_a_retrieve_past_its_deadline_is_carried_out_late_and_settles_only_after
         assert client.take_unanswered() is None, "handed over once"
         assert not unanswered.settled()
         assert not unanswered.wait(0.2), "a stopped daemon is not done"
-        assert bytes(buf.block(3)) == bytes(CHUNK_BYTES)
     finally:
         daemon.resume()
     assert unanswered.wait(5.0)
-    # The daemon carried the retrieve out after the caller gave up on it, before it closed.
-    assert bytes(buf.block(3)) == bytes([0x5A]) * CHUNK_BYTES
+    assert bytes(buf.block(3)) == bytes(CHUNK_BYTES), "the retrieve given up on wrote nothing"
     assert unanswered.settled(), "settled stays settled"
     assert daemon.settled()["l1_leased_chunks"] == 0
+
+
+def test_a_store_past_its_deadline_keeps_nothing_read_from_reused_blocks(daemon, buf):
+    """A store given up on at its deadline, carried out when the daemon resumes, would read
+    blocks the engine may have reused, and file another prompt's KV under this prefix. The
+    daemon asks whether the client gave up after its copies and before the chunk becomes
+    visible: it never does."""
+    client = connect(daemon, timeout=0.5)
+    buffer = client.register_buffer(buf)
+    hashes = prefix_hashes(prompt(8, 1), CHUNK_TOKENS)
+    fill(buf.block(0), 0x5A)
+    daemon.pause()
+    try:
+        with pytest.raises(ConnectionLost, match="deadline"):
+            client.store(0, buffer, [(hashes[0], [0])])
+        unanswered = client.take_unanswered()
+        assert unanswered is not None
+        fill(buf.block(0), 0x77)  # the engine reuses the block for another prompt
+    finally:
+        daemon.resume()
+    assert unanswered.wait(5.0)
+    other = connect(daemon)
+    started = other.lookup(0, hashes)
+    assert outcome_of(other, started).hit_chunks == 0, "nothing of the store was kept"
+    other.release(started.lookup)
+    tiers = daemon.settled()["tiers"]
+    assert [t["objects"] for t in tiers] == [0] * len(tiers), "no tier holds a chunk"
 
 
 def test_an_unanswered_call_to_a_killed_daemon_is_settled(daemon):

@@ -64,6 +64,16 @@ impl Conn {
         }
     }
 
+    /// The client's end, to ask while a request is served whether the client gave up on it.
+    /// Valid while this connection is: ask it only inside a request this connection carried.
+    pub fn peer(&self) -> Peer {
+        let fd = match &self.stream {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        };
+        Peer { fd: Some(fd) }
+    }
+
     /// A descriptor that arrived on this connection, oldest first.
     pub fn take_fd(&mut self) -> Option<OwnedFd> {
         self.fds.pop_front()
@@ -132,6 +142,35 @@ impl Conn {
     }
 }
 
+/// The client's end of a connection, as a request being served sees it.
+///
+/// A client gives up on a call at its deadline by shutting its writing side (or closing), and
+/// only then lets the memory the call names go (for an engine: the KV blocks, which it may hand
+/// to another request). So a copy that finished while [`Peer::gave_up`] was still `false` read or
+/// wrote memory the client still held for this call, and one asked about afterwards may not have.
+#[derive(Clone, Copy, Debug)]
+pub struct Peer {
+    fd: Option<RawFd>,
+}
+
+impl Peer {
+    /// No client to give up: a session served without a connection (tests, tools).
+    pub fn detached() -> Self {
+        Peer { fd: None }
+    }
+
+    /// Whether the client has shut its writing side or closed the connection (an error on the
+    /// socket counts too). One `poll` with no wait: about a microsecond.
+    pub fn gave_up(&self) -> bool {
+        let Some(fd) = self.fd else { return false };
+        let mut probe = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one valid pollfd, no wait. The descriptor is the connection's, which outlives
+        // every request it carries (`Conn::peer`).
+        let ready = unsafe { libc::poll(&mut probe, 1, 0) };
+        ready > 0 && probe.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
+}
+
 /// `recvmsg` into `buf`, keeping every descriptor that came along (close-on-exec).
 fn recv_with_fds(socket: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> io::Result<usize> {
     const MAX_FDS: usize = 8;
@@ -172,4 +211,44 @@ fn recv_with_fds(socket: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> 
         ));
     }
     Ok(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// What the daemon sees of a client that gives up: its writing side shut, or the connection
+    /// closed. Unread bytes (a request still queued) do not hide it.
+    #[tokio::test]
+    async fn a_peer_has_given_up_once_it_shut_its_writing_side_or_closed() {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let conn = Conn::new(Stream::Unix(UnixStream::from_std(ours).unwrap()), 1 << 20);
+        let peer = conn.peer();
+        assert!(!peer.gave_up(), "a client still waiting");
+        std::io::Write::write_all(&mut &theirs, b"a request frame the daemon has not read")
+            .unwrap();
+        assert!(!peer.gave_up(), "a client that sent more has not given up");
+        theirs.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(peer.gave_up(), "writing side shut, unread bytes or not");
+        drop(theirs);
+        assert!(peer.gave_up(), "closed");
+        assert!(!Peer::detached().gave_up());
+
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        accepted.set_nonblocking(true).unwrap();
+        let conn = Conn::new(Stream::Tcp(TcpStream::from_std(accepted).unwrap()), 1 << 20);
+        let peer = conn.peer();
+        assert!(!peer.gave_up());
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        // The FIN crosses loopback asynchronously.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !peer.gave_up() {
+            assert!(Instant::now() < deadline, "a TCP client's FIN was never seen");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 }

@@ -414,6 +414,7 @@ async fn serve_connection(
         return;
     }
     let mut session = Session::new(daemon.clone(), transport);
+    let peer = conn.peer();
     // No chunk is larger than a slot, so this many chunks copy at most INLINE_COPY_BYTES.
     let inline_chunks = INLINE_COPY_BYTES / daemon.storage().l1().usage().slot_bytes.max(1);
     loop {
@@ -465,9 +466,9 @@ async fn serve_connection(
         };
         let answer = if blocks {
             // Long copies and waits block; let the runtime move its other tasks off this thread.
-            tokio::task::block_in_place(|| session.handle(request, &mut || conn.take_fd()))
+            tokio::task::block_in_place(|| session.handle(request, &mut || conn.take_fd(), peer))
         } else {
-            session.handle(request, &mut || conn.take_fd())
+            session.handle(request, &mut || conn.take_fd(), peer)
         };
         if send(&mut conn, &mut out, id, answer.reply).await.is_err() || answer.close {
             break;

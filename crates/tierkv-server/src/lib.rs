@@ -15,5 +15,6 @@ mod kv;
 pub mod metrics;
 pub mod session;
 
+pub use conn::Peer;
 pub use cuda_ipc::CudaIpcError;
 pub use kv::{KvError, MAX_MEMFD_REGIONS, MAX_REGIONS, RegisteredKv};

@@ -22,6 +22,7 @@ use tierkv_proto::{
 };
 use tierkv_storage::{HitChunk, LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
 
+use crate::conn::Peer;
 use crate::kv::{DeviceCopies, KvError, RegisteredKv};
 use crate::metrics::ServerMetrics;
 
@@ -34,6 +35,10 @@ const MAX_WAIT: Duration = Duration::from_secs(60);
 /// Lookups remembered after their last reader returned its share, so a late `release` by their
 /// owner is answered `released` and a late retrieve `share_returned`, not `unknown_lookup`.
 const ENDED_LOOKUPS: usize = 4096;
+/// The error message of a store or retrieve the client gave up on before the daemon carried it
+/// out (the client has shut its writing side or closed the connection).
+const GAVE_UP: &str = "the client gave up on this request before the daemon carried it out; \
+                       nothing of it was done";
 /// The tiers a lookup outcome's `per_tier` always names, in order.
 const TIER_NAMES: [&str; 4] = ["l1", "l2", "disk", "remote"];
 
@@ -300,15 +305,17 @@ impl Session {
         OwnerId(self.id)
     }
 
-    /// Handles one request. `descriptor` yields a file descriptor that arrived with the frame.
+    /// Handles one request. `descriptor` yields a file descriptor that arrived with the frame;
+    /// `peer` says whether the client gave up on the request meanwhile.
     pub fn handle(
         &mut self,
         body: RequestBody,
         descriptor: &mut dyn FnMut() -> Option<OwnedFd>,
+        peer: Peer,
     ) -> Answer {
         let op = op_name(&body);
         let started = Instant::now();
-        let result = self.dispatch(body, descriptor);
+        let result = self.dispatch(body, descriptor, peer);
         self.daemon.metrics.request(op, started.elapsed());
         match result {
             Ok(reply) => {
@@ -330,6 +337,7 @@ impl Session {
         &mut self,
         body: RequestBody,
         descriptor: &mut dyn FnMut() -> Option<OwnedFd>,
+        peer: Peer,
     ) -> Result<ReplyBody, Fail> {
         if let RequestBody::Hello(hello) = body {
             return self.hello(hello);
@@ -363,7 +371,7 @@ impl Session {
                 self.register_kv(&regions, &layout, descriptor)
             }
             RequestBody::Store { namespace, buffer, chunks, ready_event } => {
-                self.store(namespace, buffer, &chunks, ready_event.as_deref())
+                self.store(namespace, buffer, &chunks, ready_event.as_deref(), peer)
             }
             RequestBody::Lookup { namespace, chunks } => self.lookup(namespace, &chunks),
             RequestBody::Query { lookup } => {
@@ -379,7 +387,7 @@ impl Session {
                 Ok(ReplyBody::Done(self.daemon.outcome(&self.daemon.storage.wait(id, timeout)?)))
             }
             RequestBody::Retrieve { lookup, buffer, chunks, done_event } => {
-                self.retrieve(lookup, buffer, &chunks, done_event.as_deref())
+                self.retrieve(lookup, buffer, &chunks, done_event.as_deref(), peer)
             }
             RequestBody::Release { lookup } => self.release(lookup),
             RequestBody::Flush { timeout_ms } => self.flush(Duration::from_millis(timeout_ms)),
@@ -576,6 +584,7 @@ impl Session {
         buffer: u32,
         chunks: &[ChunkBlocks],
         ready_event: Option<&[u8]>,
+        peer: Peer,
     ) -> Result<ReplyBody, Fail> {
         let ns = self.namespace(namespace)?;
         let source = self.buffer(buffer, chunks)?;
@@ -601,8 +610,13 @@ impl Session {
         let mut failed = None;
         for start in starts.into_iter().rev() {
             let end = (start + window).min(chunks.len());
-            let part = match self.store_part(source, &chunks[start..end], &keys[start..end], start)
-            {
+            let part = match self.store_part(
+                source,
+                &chunks[start..end],
+                &keys[start..end],
+                start,
+                peer,
+            ) {
                 Ok(part) => part,
                 Err(e) => {
                     failed = Some(e);
@@ -644,13 +658,15 @@ impl Session {
     }
 
     /// Stores one window of a request: `chunks` with their `keys`, the first at request index
-    /// `offset`. Reserves, copies in, and makes visible what was copied whole.
+    /// `offset`. Reserves, copies in, and makes visible what was copied whole, unless the client
+    /// gave up on the request before the copies were over: then nothing of the window is.
     fn store_part(
         &self,
         source: &RegisteredKv,
         chunks: &[ChunkBlocks],
         keys: &[ObjectKey],
         offset: usize,
+        peer: Peer,
     ) -> Result<StoredPart, Fail> {
         let storage = &self.daemon.storage;
         let opened = self.opened();
@@ -704,6 +720,19 @@ impl Session {
                     }
                 }
             }
+        }
+        if !written.is_empty() && peer.gave_up() {
+            // The client gave up at its deadline and may have handed the blocks to another
+            // request since: what was copied may be another prompt's KV. Asked after the copies,
+            // so a window that passes read blocks the client still held for this store.
+            broken.append(&mut written);
+            storage.abort_write(self.owner(), &broken)?;
+            tracing::warn!(
+                session = self.id,
+                chunks = broken.len(),
+                "the client gave up on a store before its copies were over; none of them is kept"
+            );
+            return fail(ErrorCode::Timeout, GAVE_UP);
         }
         storage.abort_write(self.owner(), &broken)?;
         let (finished, ticket) = storage.finish_write_tracked(self.owner(), &written)?;
@@ -877,6 +906,7 @@ impl Session {
         buffer: u32,
         chunks: &[ChunkBlocks],
         done_event: Option<&[u8]>,
+        peer: Peer,
     ) -> Result<ReplyBody, Fail> {
         let ended = self.daemon.ended.lock().lookups.get(&lookup).copied();
         if let Some(info) = ended
@@ -917,6 +947,17 @@ impl Session {
                 );
             }
             pinned.push((&c.blocks, chunk));
+        }
+        if peer.gave_up() {
+            // The client gave up at its deadline (it recomputes these blocks) and may have
+            // handed them to another request since: nothing is written into them. The reader's
+            // share goes back when the session ends, which it is about to.
+            tracing::warn!(
+                session = self.id,
+                chunks = chunks.len(),
+                "the client gave up on a retrieve before its copies began; none is made"
+            );
+            return fail(ErrorCode::Timeout, GAVE_UP);
         }
         let bytes = match done_event {
             Some(handle) => scatter_signalled(target, pinned, handle)?,

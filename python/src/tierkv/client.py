@@ -7,10 +7,13 @@ whose connection fails, raises :class:`~tierkv.errors.ConnectionLost` and closes
 a half-read reply can never be taken for the next call's. A refused request raises its
 :class:`~tierkv.errors.DaemonError` subclass and leaves the session usable.
 
-A call that misses its deadline leaves a request the daemon may still carry out: a hung daemon
-that resumes copies a retrieve into the caller's memory, or reads a store out of it, late. The
-client keeps that connection as an :class:`Unanswered` (:meth:`Client.take_unanswered`), which
-says when the daemon is done with it, so that the caller reuses that memory only then.
+A call that misses its deadline leaves a request a hung daemon may resume. The client shuts the
+connection's writing side at once, and the daemon checks for that before a retrieve's copies
+begin and after a store's copies end: a request given up on then copies nothing into the
+caller's memory and keeps nothing read from it. Only a daemon that stops *during* a retrieve's
+copies can still finish them late. So the client keeps the connection as an
+:class:`Unanswered` (:meth:`Client.take_unanswered`), which says when the daemon is done with
+it, and the caller reuses that memory only then.
 
 One lock per client keeps calls from several threads from interleaving their frames.
 """
@@ -65,8 +68,10 @@ class Unanswered:
     """A connection given up on while a request sent on it had no answer: the daemon may still
     be carrying that request out, copying into or out of memory the caller registered.
 
-    The connection's writing side is shut, so the daemon reads to its end, finishes that request
-    (its reply is read here and dropped), ends the session and closes the connection. The daemon
+    The connection's writing side is shut, which the daemon sees: a store given up on keeps
+    nothing, a retrieve whose copies had not begun makes none. The daemon then reads to the
+    stream's end (a reply is read here and dropped), ends the session and closes the
+    connection. The daemon
     closes a session's connection only after the session's last request has returned, and a
     dead daemon's connections close too: once the daemon's end is closed (:meth:`settled`), it
     will not touch the caller's memory for this session again.

@@ -10,10 +10,11 @@ may still be writing the blocks. A load that
 fails for any reason reports its blocks through ``get_block_ids_with_load_errors``, and vLLM
 recomputes them (``kv_load_failure_policy="recompute"``); a failed store is only a future miss.
 
-A call that misses its deadline is the exception: a hung daemon that resumes may still carry it
-out, writing a retrieve's chunks into the request's blocks or reading a store's out of them. Into
-blocks vLLM has handed to another request, that would be wrong KV served, or stored under the
-wrong prefix. So the scheduler half delays the free of every request that had a load or a store
+A call that misses its deadline is the exception: a hung daemon may resume it. It copies nothing
+into blocks and keeps nothing read from them once the client has given up (the client shuts the
+connection's writing side, and the daemon checks before a retrieve's copies and after a store's),
+but a daemon stopped in the middle of a retrieve's copies can finish them late, into blocks vLLM
+may have handed to another request: wrong KV served. So the scheduler half delays the free of every request that had a load or a store
 (``request_finished`` returns ``True``), and this half reports such a request in
 ``finished_sending`` only once every call it gave up on for it is settled: the daemon closed
 that connection, which it does only after the call returned, or died
