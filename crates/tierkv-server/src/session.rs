@@ -373,7 +373,7 @@ impl Session {
             RequestBody::Store { namespace, buffer, chunks, ready_event } => {
                 self.store(namespace, buffer, &chunks, ready_event.as_deref(), peer)
             }
-            RequestBody::Lookup { namespace, chunks } => self.lookup(namespace, &chunks),
+            RequestBody::Lookup { namespace, chunks } => self.lookup(namespace, &chunks, peer),
             RequestBody::Query { lookup } => {
                 let id = self.visible_lookup(lookup)?.0;
                 Ok(match self.daemon.storage.query(id)? {
@@ -835,8 +835,12 @@ impl Session {
         chunks.saturating_mul(self.opened().hello.chunk_bytes)
     }
 
-    fn lookup(&self, namespace: u32, chunks: &[ChunkId]) -> Result<ReplyBody, Fail> {
+    fn lookup(&self, namespace: u32, chunks: &[ChunkId], peer: Peer) -> Result<ReplyBody, Fail> {
         let ns = self.namespace(namespace)?;
+        if peer.gave_up() {
+            // Nobody reads the reply: no prefetch takes room in L1, no lease is held for it.
+            return fail(ErrorCode::Timeout, GAVE_UP);
+        }
         let held = self.leased_bytes();
         if held >= self.daemon.max_leased_per_session {
             return fail(

@@ -109,6 +109,7 @@ def test_daemon_killed_restarted_and_hung_the_engine_keeps_answering(
     assert daemon.status()["tiers"][2]["hit_chunks"] >= 896 // CHUNK
 
     # A hung daemon (stopped, socket open): every call has a deadline, the engine recomputes.
+    l1_before = daemon.settled()["tiers"][0]["objects"]
     daemon.pause()
     try:
         engine_b.reset()
@@ -120,6 +121,14 @@ def test_daemon_killed_restarted_and_hung_the_engine_keeps_answering(
     assert hung["tokens"] == REFERENCE[3]
     assert hung["cached"] == 0
     assert waited < 60, f"a request waited {waited:.0f} s on a hung daemon"
+    # Resumed, it carries out none of the calls the engine gave up on: the lookup prefetches
+    # nothing into L1, and the store, which read blocks vLLM could have reused since, keeps
+    # nothing. (The daemon reads their frames within microseconds of resuming; a second is
+    # ample for it to have done anything it would do.)
+    time.sleep(1.0)
+    status = daemon.settled()
+    assert status["tiers"][0]["objects"] == l1_before, "a call given up on was carried out"
+    assert status["open_lookups"] == 0
 
 
 def test_aborted_and_preempted_requests_leave_no_leases_or_reservations(

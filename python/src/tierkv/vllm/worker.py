@@ -14,10 +14,10 @@ A call that misses its deadline is the exception: a hung daemon may resume it. I
 into blocks and keeps nothing read from them once the client has given up (the client shuts the
 connection's writing side, and the daemon checks before a retrieve's copies and after a store's),
 but a daemon stopped in the middle of a retrieve's copies can finish them late, into blocks vLLM
-may have handed to another request: wrong KV served. So the scheduler half delays the free of every request that had a load or a store
-(``request_finished`` returns ``True``), and this half reports such a request in
-``finished_sending`` only once every call it gave up on for it is settled: the daemon closed
-that connection, which it does only after the call returned, or died
+may have handed to another request: wrong KV served. So the scheduler half delays the free of
+every request that had a load or a store (``request_finished`` returns ``True``), and this half
+reports such a request in ``finished_sending`` only once every call it gave up on for it is
+settled: the daemon closed that connection, which it does only after the call returned, or died
 (:class:`tierkv.client.Unanswered`). Usually that is in the step that says the request finished.
 A preempted request's blocks are freed without asking the connector, so ``handle_preemptions``
 waits for its unanswered calls, up to one more deadline, before the step reuses them.
