@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
-from daemon import TCP_TOKEN, Daemon, tierkv_binary
+from daemon import TCP_TOKEN, Daemon, free_port, tierkv_binary
 
 
 @pytest.fixture(scope="session")
@@ -27,16 +25,10 @@ def daemon(tierkv_bin, tmp_path):
         d.stop()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def tcp_daemon(tierkv_bin, tmp_path):
     """A daemon that also listens on TCP (with a token)."""
-    port = _free_port()
+    port = free_port()
     extra = f'tcp = "127.0.0.1:{port}"\ntoken = "{TCP_TOKEN}"'
     d = Daemon(tierkv_bin, tmp_path, extra, tcp_port=port)
     try:

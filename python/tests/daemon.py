@@ -46,16 +46,20 @@ def config(
     fsync: str = "always",
     device: str = "emulated",
     l2_memory: str = "plain",
+    metrics_listen: str | None = None,
 ) -> str:
     """A daemon config: an L1 (emulated by default), L2 (in plain memory by default), a disk
-    tier, no metrics endpoint."""
+    tier, and a metrics endpoint only where ``metrics_listen`` names one."""
+    metrics = (
+        f'enabled = true\nlisten = "{metrics_listen}"' if metrics_listen else "enabled = false"
+    )
     return f"""
 [server]
 socket = "{socket_path}"
 {extra}
 
 [metrics]
-enabled = false
+{metrics}
 
 [l1]
 device = "{device}"
@@ -90,6 +94,13 @@ def cuda_config(socket_path: Path, disk: Path, extra: str = "") -> str:
         device="cuda",
         l2_memory="pinned",
     )
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def admin_hello(**kw) -> dict:

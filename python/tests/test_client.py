@@ -6,16 +6,18 @@ import fcntl
 import gc
 import mmap
 import os
+import re
 import resource
 import signal
 import socket
 import threading
 import time
+import urllib.request
 import warnings
 
 import msgpack
 import pytest
-from daemon import admin_hello
+from daemon import Daemon, admin_hello, config, free_port
 
 from tierkv import (
     BadBuffer,
@@ -444,6 +446,62 @@ def test_a_store_past_its_deadline_keeps_nothing_read_from_reused_blocks(daemon,
     other.release(started.lookup)
     tiers = daemon.settled()["tiers"]
     assert [t["objects"] for t in tiers] == [0] * len(tiers), "no tier holds a chunk"
+
+
+def test_calls_given_up_on_are_not_carried_out_and_are_counted(tierkv_bin, tmp_path, buf):
+    """A lookup, a store and a retrieve given up on while the daemon was stopped: once it
+    resumes, none is carried out, and its metrics count each by op."""
+    port = free_port()
+    daemon = Daemon(
+        tierkv_bin,
+        tmp_path,
+        make_config=lambda s, d, e: config(s, d, e, metrics_listen=f"127.0.0.1:{port}"),
+    )
+    try:
+        held, stored, fresh = (prefix_hashes(prompt(seed, 1), CHUNK_TOKENS) for seed in (9, 10, 11))
+        setup = connect(daemon)
+        setup_buffer = setup.register_buffer(buf)
+        fill(buf.block(0), 0x5A)
+        setup.store(0, setup_buffer, [(held[0], [0])])
+        retriever, storer, looker = (connect(daemon, timeout=0.5) for _ in range(3))
+        started = retriever.lookup(0, held)
+        assert outcome_of(retriever, started).hit_chunks == 1
+        retrieve_buffer = retriever.register_buffer(buf)
+        store_buffer = storer.register_buffer(buf)
+        fill(buf.block(3), 0)
+        daemon.pause()
+        try:
+            calls = (
+                lambda: retriever.retrieve(started.lookup, retrieve_buffer, [(held[0], [3])]),
+                lambda: storer.store(0, store_buffer, [(stored[0], [0])]),
+                lambda: looker.lookup(0, fresh),
+            )
+            unanswered = []
+            for call, client in zip(calls, (retriever, storer, looker), strict=True):
+                with pytest.raises(ConnectionLost, match="deadline"):
+                    call()
+                unanswered.append(client.take_unanswered())
+        finally:
+            daemon.resume()
+        assert all(u is not None and u.wait(5.0) for u in unanswered)
+        assert bytes(buf.block(3)) == bytes(CHUNK_BYTES), "the retrieve wrote nothing"
+        check = connect(daemon)
+        for hashes in (stored, fresh):
+            looked = check.lookup(0, hashes)
+            assert outcome_of(check, looked).hit_chunks == 0, "nothing was stored"
+            check.release(looked.lookup)
+        assert daemon.settled()["l1_leased_chunks"] == 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+            text = page.read().decode()
+        counted = {
+            op: float(value)
+            for op, value in re.findall(
+                r'^tierkv_given_up_requests_total\{op="(\w+)"\} (\S+)$', text, re.MULTILINE
+            )
+        }
+        assert counted == {"lookup": 1.0, "store": 1.0, "retrieve": 1.0}
+    finally:
+        daemon.stop()
 
 
 def test_an_unanswered_call_to_a_killed_daemon_is_settled(daemon):

@@ -54,10 +54,14 @@ const CODES: &[(ErrorCode, &str)] = &[
     (ErrorCode::Internal, "internal"),
 ];
 
+/// The requests a client can give up on before the daemon carries them out.
+const GIVEN_UP_OPS: &[&str] = &["lookup", "store", "retrieve"];
+
 /// Handles to the server's metrics, registered once.
 pub struct ServerMetrics {
     requests: HashMap<&'static str, (Counter, Histogram)>,
     errors: Vec<(ErrorCode, Counter)>,
+    given_up: HashMap<&'static str, Counter>,
     workers: Gauge,
     store_bytes: Counter,
     retrieve_bytes: Counter,
@@ -76,6 +80,12 @@ impl ServerMetrics {
             "tierkv_protocol_errors_total",
             Unit::Count,
             "Requests refused with an error reply, by reason."
+        );
+        describe_counter!(
+            "tierkv_given_up_requests_total",
+            Unit::Count,
+            "Requests the client gave up on (its deadline passed) before the daemon carried them \
+             out, which it then did not, by op."
         );
         describe_gauge!("tierkv_connected_workers", Unit::Count, "Worker sessions connected.");
         describe_counter!(
@@ -110,6 +120,10 @@ impl ServerMetrics {
                     (*code, counter!("tierkv_protocol_errors_total", "reason" => *name))
                 })
                 .collect(),
+            given_up: GIVEN_UP_OPS
+                .iter()
+                .map(|op| (*op, counter!("tierkv_given_up_requests_total", "op" => *op)))
+                .collect(),
             workers: gauge!("tierkv_connected_workers"),
             store_bytes: counter!("tierkv_data_bytes_total", "direction" => "store"),
             retrieve_bytes: counter!("tierkv_data_bytes_total", "direction" => "retrieve"),
@@ -127,6 +141,13 @@ impl ServerMetrics {
     /// A request was refused with `code`.
     pub fn error(&self, code: ErrorCode) {
         if let Some((_, c)) = self.errors.iter().find(|(c, _)| *c == code) {
+            c.increment(1);
+        }
+    }
+
+    /// The client gave up on a request of `op` before the daemon carried it out.
+    pub fn given_up(&self, op: &str) {
+        if let Some(c) = self.given_up.get(op) {
             c.increment(1);
         }
     }

@@ -732,6 +732,7 @@ impl Session {
                 chunks = broken.len(),
                 "the client gave up on a store before its copies were over; none of them is kept"
             );
+            self.daemon.metrics.given_up("store");
             return fail(ErrorCode::Timeout, GAVE_UP);
         }
         storage.abort_write(self.owner(), &broken)?;
@@ -839,6 +840,7 @@ impl Session {
         let ns = self.namespace(namespace)?;
         if peer.gave_up() {
             // Nobody reads the reply: no prefetch takes room in L1, no lease is held for it.
+            self.daemon.metrics.given_up("lookup");
             return fail(ErrorCode::Timeout, GAVE_UP);
         }
         let held = self.leased_bytes();
@@ -961,6 +963,7 @@ impl Session {
                 chunks = chunks.len(),
                 "the client gave up on a retrieve before its copies began; none is made"
             );
+            self.daemon.metrics.given_up("retrieve");
             return fail(ErrorCode::Timeout, GAVE_UP);
         }
         let bytes = match done_event {
