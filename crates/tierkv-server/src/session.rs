@@ -727,13 +727,7 @@ impl Session {
             // so a window that passes read blocks the client still held for this store.
             broken.append(&mut written);
             storage.abort_write(self.owner(), &broken)?;
-            tracing::warn!(
-                session = self.id,
-                chunks = broken.len(),
-                "the client gave up on a store before its copies were over; none of them is kept"
-            );
-            self.daemon.metrics.given_up("store");
-            return fail(ErrorCode::Timeout, GAVE_UP);
+            return Err(self.gave_up("store", broken.len()));
         }
         storage.abort_write(self.owner(), &broken)?;
         let (finished, ticket) = storage.finish_write_tracked(self.owner(), &written)?;
@@ -840,8 +834,7 @@ impl Session {
         let ns = self.namespace(namespace)?;
         if peer.gave_up() {
             // Nobody reads the reply: no prefetch takes room in L1, no lease is held for it.
-            self.daemon.metrics.given_up("lookup");
-            return fail(ErrorCode::Timeout, GAVE_UP);
+            return Err(self.gave_up("lookup", chunks.len()));
         }
         let held = self.leased_bytes();
         if held >= self.daemon.max_leased_per_session {
@@ -958,21 +951,23 @@ impl Session {
             // The client gave up at its deadline (it recomputes these blocks) and may have
             // handed them to another request since: nothing is written into them. The reader's
             // share goes back when the session ends, which it is about to.
-            tracing::warn!(
-                session = self.id,
-                chunks = chunks.len(),
-                "the client gave up on a retrieve before its copies began; none is made"
-            );
-            self.daemon.metrics.given_up("retrieve");
-            return fail(ErrorCode::Timeout, GAVE_UP);
+            return Err(self.gave_up("retrieve", chunks.len()));
         }
-        let bytes = match done_event {
-            Some(handle) => scatter_signalled(target, pinned, handle)?,
+        let scattered = match done_event {
+            Some(handle) => scatter_signalled(target, pinned, handle, peer),
             None => {
-                let bytes = scatter_all(target, &pinned)?;
+                let scattered = scatter_all(target, &pinned, peer);
                 drop(pinned);
-                bytes
+                scattered
             }
+        };
+        let bytes = match scattered {
+            Ok(bytes) => bytes,
+            // The scatter's only timeout: the client gave up while it copied.
+            Err(e) if e.code == ErrorCode::Timeout => {
+                return Err(self.gave_up("retrieve", chunks.len()));
+            }
+            Err(e) => return Err(e),
         };
         let ended = storage.release(id, Readers::One(reader))?;
         if let Some(opened) = &mut self.opened {
@@ -983,6 +978,20 @@ impl Session {
         }
         self.daemon.metrics.data_bytes("retrieve", bytes);
         Ok(ReplyBody::Retrieved { chunks: chunks.len() as u32, bytes })
+    }
+
+    /// The error of a request of `op` (over `chunks` chunks) the client gave up on before the
+    /// daemon carried it out: logged and counted.
+    fn gave_up(&self, op: &'static str, chunks: usize) -> Fail {
+        tracing::warn!(
+            session = self.id,
+            op,
+            chunks,
+            "the client gave up on a request (its deadline passed) before the daemon carried it \
+             out; none of it is done"
+        );
+        self.daemon.metrics.given_up(op);
+        Fail { code: ErrorCode::Timeout, message: GAVE_UP.into() }
     }
 
     fn release(&mut self, lookup: u64) -> Result<ReplyBody, Fail> {
@@ -1077,6 +1086,9 @@ impl Daemon {
 /// A retrieve at least this large is split over threads (one core's memcpy is the limit of one
 /// client otherwise: 62 MiB for an 8,000-token prompt of the tests' model is ~5 ms on one core).
 const PARALLEL_SCATTER_BYTES: u64 = 8 << 20;
+/// Bytes a retrieve's host copies write between two checks that the client has not given up
+/// (one `poll`, about 0.2 µs: under 0.1% of copying this much).
+const GIVE_UP_CHECK_BYTES: u64 = 1 << 20;
 /// Threads one retrieve may use at most.
 const MAX_SCATTER_THREADS: usize = 4;
 
@@ -1093,11 +1105,15 @@ fn scatter_threads() -> usize {
 /// Scatters every pinned chunk into its blocks; returns the bytes copied. A large retrieve whose
 /// blocks are all distinct runs on several threads, each over its own chunks (distinct blocks:
 /// no two threads ever write the same bytes).
-fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<u64, Fail> {
+fn scatter_all(
+    target: &RegisteredKv,
+    pinned: &[(&[u64], HitChunk)],
+    peer: Peer,
+) -> Result<u64, Fail> {
     let bytes: u64 = pinned.iter().map(|(_, chunk)| chunk.len()).sum();
     if bytes < PARALLEL_SCATTER_BYTES || target.on_device() {
         // Small, or (GPU regions) already asynchronous on the region's own stream: no threads.
-        return scatter_part(target, pinned).map(|()| bytes);
+        return scatter_part(target, pinned, peer).map(|()| bytes);
     }
     let threads = scatter_threads().min(pinned.len());
     let distinct = || {
@@ -1105,13 +1121,13 @@ fn scatter_all(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<u
         pinned.iter().flat_map(|(blocks, _)| blocks.iter()).all(|b| seen.insert(*b))
     };
     if threads < 2 || !distinct() {
-        return scatter_part(target, pinned).map(|()| bytes);
+        return scatter_part(target, pinned, peer).map(|()| bytes);
     }
     let per = pinned.len().div_ceil(threads);
     std::thread::scope(|scope| {
         let parts: Vec<_> = pinned
             .chunks(per)
-            .map(|part| scope.spawn(move || scatter_part(target, part)))
+            .map(|part| scope.spawn(move || scatter_part(target, part, peer)))
             .collect();
         for part in parts {
             part.join().map_err(|_| Fail {
@@ -1132,13 +1148,14 @@ fn scatter_signalled(
     target: &RegisteredKv,
     pinned: Vec<(&[u64], HitChunk)>,
     done_event: &[u8],
+    peer: Peer,
 ) -> Result<u64, Fail> {
     let failed = |e: KvError| Fail { code: ErrorCode::Internal, message: e.to_string() };
     let all_device = pinned
         .iter()
         .all(|(_, c)| matches!(c, HitChunk::L1(access) if access.device_address().is_some()));
     if !all_device || !target.on_device() {
-        let bytes = scatter_all(target, &pinned)?;
+        let bytes = scatter_all(target, &pinned, peer)?;
         target.signal_event(done_event).map_err(failed)?;
         return Ok(bytes);
     }
@@ -1160,7 +1177,15 @@ fn scatter_signalled(
     Ok(bytes)
 }
 
-fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<(), Fail> {
+/// Scatters `pinned` into its blocks. Host copies ask `peer` again every
+/// [`GIVE_UP_CHECK_BYTES`] and stop once the client gave up: of a large retrieve, a daemon that
+/// stops and resumes after the client's deadline writes at most that much more into its memory.
+/// Device copies are enqueued together, before anything runs.
+fn scatter_part(
+    target: &RegisteredKv,
+    pinned: &[(&[u64], HitChunk)],
+    peer: Peer,
+) -> Result<(), Fail> {
     let failed = |e: KvError| Fail { code: ErrorCode::Internal, message: e.to_string() };
     let device_slot = |chunk: &HitChunk| match chunk {
         HitChunk::L1(access) => access.device_address(),
@@ -1184,7 +1209,15 @@ fn scatter_part(target: &RegisteredKv, pinned: &[(&[u64], HitChunk)]) -> Result<
         return target.run_device(copies).map_err(failed);
     }
     let mut staging = Vec::new();
+    let mut unchecked = 0u64;
     for (blocks, chunk) in pinned {
+        if unchecked >= GIVE_UP_CHECK_BYTES {
+            if peer.gave_up() {
+                return fail(ErrorCode::Timeout, GAVE_UP);
+            }
+            unchecked = 0;
+        }
+        unchecked += chunk.len();
         let copied = match chunk {
             HitChunk::Loaded(bytes) => target.scatter(blocks, bytes),
             HitChunk::L1(access) => match access.host_bytes() {
@@ -1279,7 +1312,58 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::slot_waste;
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+    use crate::conn::{Conn, Stream};
+    use tierkv_client::SharedBuffer;
+    use tierkv_proto::{KvLayout, Segment};
+
+    /// A retrieve's host copies after the client gave up: at most `GIVE_UP_CHECK_BYTES` more are
+    /// written, then the scatter stops with `timeout`. While it has not, all are.
+    #[tokio::test]
+    async fn a_scatter_stops_within_a_check_of_the_client_giving_up() {
+        const CHUNK: u64 = 256 << 10;
+        const CHUNKS: u64 = 16;
+        let shared = SharedBuffer::new(CHUNK, CHUNKS).unwrap();
+        let layout = KvLayout {
+            blocks: CHUNKS,
+            block_bytes: CHUNK,
+            block_stride: CHUNK,
+            blocks_per_chunk: 1,
+            segments: vec![Segment { region: 0, offset: 0 }],
+        };
+        let kv = RegisteredKv::map(
+            &[RegionSource::Memfd { bytes: CHUNK * CHUNKS }],
+            vec![Some(shared.fd().try_clone_to_owned().unwrap())],
+            &layout,
+            CHUNK,
+        )
+        .unwrap();
+        let blocks: Vec<[u64; 1]> = (0..CHUNKS).map(|b| [b]).collect();
+        let hit = |value: u8| -> Vec<(&[u64], HitChunk)> {
+            blocks
+                .iter()
+                .map(|b| (&b[..], HitChunk::Loaded(Arc::new(vec![value; CHUNK as usize]))))
+                .collect()
+        };
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
+        let peer = conn.peer();
+
+        scatter_part(&kv, &hit(1), peer).unwrap();
+        assert!((0..CHUNKS).all(|b| shared.block(b).unwrap().iter().all(|&x| x == 1)));
+
+        theirs.shutdown(std::net::Shutdown::Write).unwrap();
+        let stopped = scatter_part(&kv, &hit(2), peer).unwrap_err();
+        assert_eq!(stopped.code, ErrorCode::Timeout);
+        let written = (0..CHUNKS)
+            .filter(|&b| shared.block(b).unwrap().iter().all(|&x| x == 2))
+            .count() as u64;
+        assert_eq!(written, GIVE_UP_CHECK_BYTES / CHUNK, "copies past the first check");
+        assert!((written..CHUNKS).all(|b| shared.block(b).unwrap()[0] == 1));
+    }
 
     #[test]
     fn chunks_of_half_a_slot_or_less_are_warned_of_and_larger_ones_are_not() {

@@ -13,8 +13,8 @@ recomputes them (``kv_load_failure_policy="recompute"``); a failed store is only
 A call that misses its deadline is the exception: a hung daemon may resume it. It copies nothing
 into blocks and keeps nothing read from them once the client has given up (the client shuts the
 connection's writing side, and the daemon checks before a retrieve's copies and after a store's),
-but a daemon stopped in the middle of a retrieve's copies can finish them late, into blocks vLLM
-may have handed to another request: wrong KV served. So the scheduler half delays the free of
+but a daemon stopped in the middle of a retrieve's copies can finish the one under way, into blocks
+vLLM may have handed to another request: wrong KV served. So the scheduler half delays the free of
 every request that had a load or a store (``request_finished`` returns ``True``), and this half
 reports such a request in ``finished_sending`` only once every call it gave up on for it is
 settled: the daemon closed that connection, which it does only after the call returned, or died
