@@ -35,8 +35,8 @@ const MAX_WAIT: Duration = Duration::from_secs(60);
 /// Lookups remembered after their last reader returned its share, so a late `release` by their
 /// owner is answered `released` and a late retrieve `share_returned`, not `unknown_lookup`.
 const ENDED_LOOKUPS: usize = 4096;
-/// The error message of a store or retrieve the client gave up on before the daemon carried it
-/// out (the client has shut its writing side or closed the connection).
+/// The error message of a lookup, store or retrieve the client gave up on before the daemon
+/// carried it out (the client has shut its writing side or closed the connection).
 const GAVE_UP: &str = "the client gave up on this request before the daemon carried it out; \
                        nothing of it was done";
 /// The tiers a lookup outcome's `per_tier` always names, in order.
