@@ -79,21 +79,28 @@ fsync = "{fsync}"
 """
 
 
-def cuda_config(socket_path: Path, disk: Path, extra: str = "") -> str:
-    """L1 on GPU 0 (2 MiB slots, 512 MiB) and L2 in pinned host memory: the GPU tests."""
+def engine_config(socket_path: Path, disk: Path, extra: str = "", **kw: str) -> str:
+    """Room for an engine's 1-2 MiB chunks: 2 MiB slots, an L1 of 256 of them (the tests count
+    chunks in L1, so none may be evicted), 512 MiB of L2; keywords go to :func:`config`."""
     return config(
         socket_path,
         disk,
         extra,
-        l1="512MiB",
-        slot="2MiB",
-        l2="512MiB",
-        disk_capacity="1GiB",
-        segment="64MiB",
-        fsync="never",
-        device="cuda",
-        l2_memory="pinned",
+        **{
+            "l1": "512MiB",
+            "slot": "2MiB",
+            "l2": "512MiB",
+            "disk_capacity": "1GiB",
+            "segment": "64MiB",
+            "fsync": "never",
+            **kw,
+        },
     )
+
+
+def cuda_config(socket_path: Path, disk: Path, extra: str = "") -> str:
+    """:func:`engine_config` with L1 on GPU 0 and L2 in pinned host memory: the GPU tests."""
+    return engine_config(socket_path, disk, extra, device="cuda", l2_memory="pinned")
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ none."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -120,12 +121,11 @@ def test_cuda_a_load_given_up_on_holds_the_blocks_and_copies_nothing_late(
         assert gpu.worker.get_finished({"b"}) == set(), "the daemon may still copy into them"
         assert gpu.untouched()
         gpu.daemon.resume()
-        finished: set[str] = set()
-        for _ in range(500):
-            if finished := gpu.worker.get_finished(set()):
-                break
-            threading.Event().wait(0.02)
-        assert finished == {"b"}, "the daemon's session never ended"
+        deadline = time.monotonic() + 10
+        while not (finished := gpu.worker.get_finished(set())):
+            assert time.monotonic() < deadline, "the daemon's session never ended"
+            time.sleep(0.02)
+        assert finished == {"b"}
         # The daemon saw that the worker had given up before it enqueued a copy.
         assert gpu.untouched()
     finally:

@@ -8,12 +8,12 @@ a half-read reply can never be taken for the next call's. A refused request rais
 :class:`~tierkv.errors.DaemonError` subclass and leaves the session usable.
 
 A call that misses its deadline leaves a request a hung daemon may resume. The client shuts the
-connection's writing side at once, and the daemon checks for that before a retrieve's copies
-begin and after a store's copies end: a request given up on then copies nothing into the
-caller's memory and keeps nothing read from it. Only a daemon that stops *during* a retrieve's
-copies can still finish them late. So the client keeps the connection as an
-:class:`Unanswered` (:meth:`Client.take_unanswered`), which says when the daemon is done with
-it, and the caller reuses that memory only then.
+connection's writing side at once, and the daemon checks for that before a lookup starts, before
+a retrieve's copies begin (and after every MiB of them) and after a store's copies end: a
+request given up on then copies nothing into the caller's memory and keeps nothing read from it.
+Only a daemon that stops *during* a retrieve's copies can still finish the MiB under way. So the
+client keeps the connection as an :class:`Unanswered` (:meth:`Client.take_unanswered`), which
+says when the daemon is done with it, and the caller reuses that memory only then.
 
 One lock per client keeps calls from several threads from interleaving their frames.
 """
@@ -70,9 +70,8 @@ class Unanswered:
 
     The connection's writing side is shut, which the daemon sees: a store given up on keeps
     nothing, a retrieve whose copies had not begun makes none. The daemon then reads to the
-    stream's end (a reply is read here and dropped), ends the session and closes the
-    connection. The daemon
-    closes a session's connection only after the session's last request has returned, and a
+    stream's end (a reply is read here and dropped), ends the session and closes the connection.
+    It closes a session's connection only after the session's last request has returned, and a
     dead daemon's connections close too: once the daemon's end is closed (:meth:`settled`), it
     will not touch the caller's memory for this session again.
     """

@@ -31,7 +31,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # harness, tiny_llama; daemon
 
-from daemon import config  # noqa: E402
+from daemon import engine_config  # noqa: E402
 from harness import Engine, prompt, start_daemon  # noqa: E402
 from tiny_llama import make  # noqa: E402
 
@@ -39,16 +39,8 @@ LMCACHE_PORT = 5555
 
 
 def bench_config(socket_path: Path, disk: Path, extra: str = "") -> str:
-    return config(
-        socket_path,
-        disk,
-        extra,
-        l1="1GiB",
-        slot="2MiB",
-        l2="2GiB",
-        disk_capacity="4GiB",
-        segment="256MiB",
-        fsync="never",
+    return engine_config(
+        socket_path, disk, extra, l1="1GiB", l2="2GiB", disk_capacity="4GiB", segment="256MiB"
     )
 
 

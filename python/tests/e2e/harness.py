@@ -18,29 +18,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon import Daemon, config, tierkv_binary  # noqa: E402
+from daemon import Daemon, engine_config, tierkv_binary  # noqa: E402
 
 ENGINE = Path(__file__).with_name("engine.py")
 PREFIX = "@@tierkv@@ "
 
 
-def e2e_config(socket_path: Path, disk: Path, extra: str = "") -> str:
-    """Room for the tiny model's 1 MiB chunks: 2 MiB slots, an L1 of 256 of them (the tests
-    count chunks in L1, so none may be evicted), 512 MiB of L2."""
-    return config(
-        socket_path,
-        disk,
-        extra,
-        l1="512MiB",
-        slot="2MiB",
-        l2="512MiB",
-        disk_capacity="1GiB",
-        segment="64MiB",
-        fsync="never",
-    )
-
-
-def start_daemon(directory: Path, make_config=e2e_config) -> Daemon:
+def start_daemon(directory: Path, make_config=engine_config) -> Daemon:
     directory.mkdir(parents=True, exist_ok=True)
     return Daemon(tierkv_binary(), directory, make_config=make_config)
 
