@@ -60,17 +60,30 @@ const READ_COUNTS: usize = 1 << 20;
 /// manager's own `finish_write` hands the pipeline its jobs, already pinned, itself).
 struct Forward {
     jobs: StoreQueue,
-    policy: StorePolicy,
+    /// Whether a lower tier takes finished writes at once ([`copies_at_write`]); when none
+    /// does, the pipeline is not woken for a job it would drop.
+    copies_at_write: bool,
 }
 
 impl L1Observer for Forward {
     fn writes_finished(&self, keys: &[ObjectKey]) {
-        if !matches!(self.policy, StorePolicy::WriteBack | StorePolicy::Cascade) {
+        if self.copies_at_write {
             self.jobs.send(StoreJob::Finished { keys: keys.to_vec(), lease: None, ticket: None });
         }
     }
 
     fn evicted(&self, _keys: &[ObjectKey], _reason: EvictionReason) {}
+}
+
+/// Whether `policy` copies a finished write down at once to one of `tiers`: write-through to
+/// any lower tier, disk admission to any but the disk; write-back and the cascade copy only
+/// what L1 evicts.
+fn copies_at_write(policy: StorePolicy, tiers: &[Arc<dyn TierAdapter>]) -> bool {
+    match policy {
+        StorePolicy::WriteBack | StorePolicy::Cascade => false,
+        StorePolicy::WriteThrough => !tiers.is_empty(),
+        StorePolicy::DiskAdmission { .. } => tiers.iter().any(|t| t.name() != "disk"),
+    }
 }
 
 /// The cascade's first step: an L1 victim goes to the first lower tier before L1 reuses its
@@ -141,6 +154,8 @@ struct Inner {
     metrics: Arc<StorageMetrics>,
     accepting: AtomicBool,
     stop_maintenance: AtomicBool,
+    /// Whether finished writes are copied down at once ([`copies_at_write`]).
+    copies_at_write: bool,
 }
 
 /// L1, the lower tiers and the pipelines between them.
@@ -199,7 +214,8 @@ impl StorageManager {
         (host, disk, remote): ConfiguredTiers,
     ) -> Result<Self, StorageError> {
         let (jobs, inbox) = StoreQueue::new();
-        let observer = Arc::new(Forward { jobs: jobs.clone(), policy: config.store_policy });
+        let copies_at_write = copies_at_write(config.store_policy, &tiers);
+        let observer = Arc::new(Forward { jobs: jobs.clone(), copies_at_write });
         let cascade = config.store_policy == StorePolicy::Cascade && !tiers.is_empty();
         let demoter: Option<Arc<dyn Demoter>> = cascade.then(|| {
             Arc::new(DemoteFromL1 { host: host.clone(), jobs: jobs.clone() }) as Arc<dyn Demoter>
@@ -249,6 +265,7 @@ impl StorageManager {
             metrics,
             accepting: AtomicBool::new(true),
             stop_maintenance: AtomicBool::new(false),
+            copies_at_write,
         });
         let worker = Arc::clone(&inner);
         let maintenance =
@@ -392,14 +409,7 @@ impl StorageManager {
     ) -> Result<(FinishResults, Arc<StoreTicket>), StorageError> {
         self.check(owner)?;
         let reversed: Vec<ObjectKey> = keys.iter().rev().copied().collect();
-        let copies = match self.inner.config.store_policy {
-            StorePolicy::WriteBack | StorePolicy::Cascade => false,
-            StorePolicy::WriteThrough => !self.inner.router.is_empty(),
-            StorePolicy::DiskAdmission { .. } => {
-                self.inner.router.tiers().any(|t| Some(t.name()) != Some("disk"))
-            }
-        };
-        if !copies {
+        if !self.inner.copies_at_write {
             let mut results = self.inner.l1.finish_write(owner, &reversed);
             results.reverse();
             let finished = results.iter().filter(|r| r.is_ok()).count() as u32;
@@ -1106,4 +1116,44 @@ impl Inner {
 /// The bitmap of every reader of a lookup with `readers` readers (1..=128).
 fn all_readers(readers: u32) -> u128 {
     if readers >= 128 { u128::MAX } else { (1u128 << readers) - 1 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tierkv_core::Layout;
+    use tierkv_l1::{DeviceKind, L1Config};
+    use tierkv_testkit::contract::{keys, payload};
+
+    const CHUNK: u64 = 16 << 10;
+    const OWNER: OwnerId = OwnerId(3);
+
+    /// With no tier below L1 to copy to, a finished write is no work for the store pipeline:
+    /// it is not woken (a thread wake-up per store, and a store that then counts as one that
+    /// may wait). Both ways of finishing are checked: the manager's and L1's own.
+    #[test]
+    fn finished_writes_with_no_tier_below_leave_the_store_pipeline_idle() {
+        for policy in [StorePolicy::WriteThrough, StorePolicy::DiskAdmission { min_reads: 2 }] {
+            let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
+            let storage = StorageManager::start(StorageConfig {
+                store_policy: policy,
+                ..StorageConfig::new(l1)
+            })
+            .unwrap();
+            let layout = Layout::bytes(CHUNK).unwrap();
+            let chunks = keys(0..4);
+            let (by_manager, by_l1) = chunks.split_at(2);
+            assert!(
+                storage.reserve_write(OWNER, &chunks, &layout).unwrap().iter().all(|r| r.is_ok())
+            );
+            for k in &chunks {
+                storage.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+            }
+            assert!(storage.finish_write(OWNER, by_manager).unwrap().iter().all(|r| r.is_ok()));
+            assert!(storage.l1().finish_write(OWNER, by_l1).iter().all(|r| r.is_ok()));
+            assert!(!storage.store_may_wait(), "{policy:?}: a job is outstanding");
+            storage.stop();
+            assert_eq!(storage.inner.store.queue().progress(), 0, "{policy:?}: jobs were sent");
+        }
+    }
 }
