@@ -9,11 +9,6 @@
 //! [`Client::MAX_IN_FLIGHT`] requests are in flight; a submit past that first reads the oldest
 //! reply (and keeps it for its collector). Everything the session holds is returned by the
 //! daemon when the client ends or disconnects.
-//!
-//! A wait for a reply polls the socket for a short while ([`Client::set_busy_poll`]) before it
-//! sleeps: most replies come within tens of microseconds, and a thread that slept must be woken
-//! for one, which on a virtual machine whose idle cores halt costs about as much again. Between
-//! polls the thread yields its core, so a poll takes no time from a thread that has work.
 
 pub mod payload;
 mod shm;
@@ -24,7 +19,7 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use shm::{SharedBuffer, memfd};
 pub use tierkv_proto as proto;
@@ -119,8 +114,6 @@ pub struct Client {
     in_flight: VecDeque<u64>,
     /// Replies read before their collector asked for them.
     arrived: HashMap<u64, ReplyBody>,
-    /// How long a wait for a reply polls before it sleeps.
-    busy_poll: Duration,
 }
 
 /// A request sent and not yet collected: its id, and what kind of reply it expects.
@@ -129,12 +122,6 @@ pub struct Client {
 pub struct Pending(pub u64);
 
 impl Client {
-    /// How long a wait for a reply polls the socket before it sleeps, unless
-    /// [`Client::set_busy_poll`] says otherwise: about what a lookup's round trip takes on the CI
-    /// machine, so a reply that comes at once is met awake, and a long copy costs at most this
-    /// much of a core.
-    pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(200);
-
     /// Connects over the Unix socket at `path` and opens a session.
     pub fn connect_unix(path: impl AsRef<Path>, hello: Hello) -> Result<Self, ClientError> {
         let stream = UnixStream::connect(path)?;
@@ -157,7 +144,6 @@ impl Client {
             out: Vec::new(),
             in_flight: VecDeque::new(),
             arrived: HashMap::new(),
-            busy_poll: Self::DEFAULT_BUSY_POLL,
         };
         match client.call(RequestBody::Hello(hello))? {
             ReplyBody::Welcome { session, max_chunk_bytes, readers, .. } => {
@@ -207,13 +193,6 @@ impl Client {
             Transport::Unix(s) => s.set_read_timeout(timeout),
             Transport::Tcp(s) => s.set_read_timeout(timeout),
         }
-    }
-
-    /// Sets how long a wait for a reply polls the socket before it sleeps until the reply comes;
-    /// zero sleeps at once. A polling thread keeps its core awake but yields it between polls to
-    /// any thread that wants it.
-    pub fn set_busy_poll(&mut self, poll: Duration) {
-        self.busy_poll = poll;
     }
 
     /// Sends one request and reads its reply; a daemon error becomes [`ClientError::Daemon`].
@@ -329,37 +308,12 @@ impl Client {
 
     /// Reads the next reply frame.
     pub fn read_reply(&mut self) -> Result<Reply, ClientError> {
-        self.poll_for_reply();
         let frame = match &mut self.transport {
             Transport::Unix(s) => tierkv_proto::read_frame(s, REPLY_LIMIT)?,
             Transport::Tcp(s) => tierkv_proto::read_frame(s, REPLY_LIMIT)?,
         };
         let frame = frame.ok_or(ClientError::Closed)?;
         Ok(tierkv_proto::decode(&frame)?)
-    }
-
-    /// Polls the socket until a reply (or the end of the stream, or an error) can be read, for
-    /// at most the busy-poll time, yielding the core between polls; the read that follows then
-    /// sleeps only if none came.
-    fn poll_for_reply(&self) {
-        if self.busy_poll.is_zero() {
-            return;
-        }
-        let fd = match &self.transport {
-            Transport::Unix(s) => s.as_raw_fd(),
-            Transport::Tcp(s) => s.as_raw_fd(),
-        };
-        let started = Instant::now();
-        loop {
-            let mut probe = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd, no wait; the descriptor is the transport's, open while
-            // `self` is.
-            let ready = unsafe { libc::poll(&mut probe, 1, 0) };
-            if ready != 0 || started.elapsed() >= self.busy_poll {
-                return;
-            }
-            std::thread::yield_now();
-        }
     }
 
     /// Registers `buffer`, whose every block is one chunk, with the daemon, which maps it;
@@ -586,62 +540,15 @@ mod tests {
             }
             answered
         });
-        (client_on(ours), server)
-    }
-
-    /// A client with an open session on `stream`.
-    fn client_on(stream: UnixStream) -> Client {
-        Client {
-            transport: Transport::Unix(stream),
+        let client = Client {
+            transport: Transport::Unix(ours),
             next_id: 1,
             session: Session { id: 1, max_chunk_bytes: 0, readers: 1 },
             out: Vec::new(),
             in_flight: VecDeque::new(),
             arrived: HashMap::new(),
-            busy_poll: Client::DEFAULT_BUSY_POLL,
-        }
-    }
-
-    /// CPU time this thread has used.
-    fn thread_cpu() -> Duration {
-        let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        // SAFETY: a valid timespec to write into.
-        assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) }, 0);
-        Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
-    }
-
-    /// A wait for a reply polls for at most its busy-poll time and then sleeps: a reply that
-    /// takes 300 ms costs the waiting thread about the poll time of a core, not the whole wait,
-    /// and with no poll time next to nothing. The reply is read either way.
-    #[test]
-    fn a_wait_for_a_reply_polls_for_its_busy_poll_time_then_sleeps() {
-        let ms = Duration::from_millis;
-        for (poll, least, most) in
-            [(Duration::ZERO, Duration::ZERO, ms(20)), (ms(50), ms(5), ms(150))]
-        {
-            let (ours, theirs) = UnixStream::pair().unwrap();
-            let server = std::thread::spawn(move || {
-                let mut stream = theirs;
-                let frame = tierkv_proto::read_frame(&mut stream, REPLY_LIMIT).unwrap().unwrap();
-                let request: Request = tierkv_proto::decode(&frame).unwrap();
-                std::thread::sleep(ms(300));
-                let body = ReplyBody::Stored { stored: 1, present: 0, refused: Vec::new() };
-                let mut out = Vec::new();
-                tierkv_proto::encode(&Reply { id: request.id, body }, &mut out).unwrap();
-                stream.write_all(&out).unwrap();
-            });
-            let mut client = client_on(ours);
-            client.set_busy_poll(poll);
-            let before = thread_cpu();
-            let reply = client.call(store_body()).unwrap();
-            let used = thread_cpu() - before;
-            assert!(matches!(reply, ReplyBody::Stored { stored: 1, .. }), "{reply:?}");
-            assert!(
-                (least..=most).contains(&used),
-                "polling for {poll:?} used {used:?} of the core while the reply took 300 ms"
-            );
-            server.join().unwrap();
-        }
+        };
+        (client, server)
     }
 
     fn store_body() -> RequestBody {
