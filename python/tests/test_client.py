@@ -520,6 +520,26 @@ def open_descriptors() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
+def test_a_connect_that_fails_leaves_no_connection_open(daemon):
+    # A hello past its deadline, or a timeout refused: nobody gets a client to close.
+    daemon.pause()
+    try:
+        before = open_descriptors()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ConnectionLost, match="deadline"):
+                Client.connect(str(daemon.socket), worker_hello(), timeout=0.3)
+            gc.collect()
+        assert open_descriptors() <= before, "the connection of the failed hello stayed open"
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    finally:
+        daemon.resume()
+    for timeout in (0.0, -1.0):
+        with pytest.raises(ValueError, match="timeout must be positive"):
+            Client.connect(str(daemon.socket), worker_hello(), timeout=timeout)
+    assert open_descriptors() <= before, "the socket of a refused timeout stayed open"
+
+
 def test_a_client_closed_with_an_unanswered_call_closes_its_connection(daemon):
     client = connect(daemon, timeout=0.5)
     daemon.pause()

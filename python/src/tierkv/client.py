@@ -175,6 +175,9 @@ class Client:
         if not (isinstance(hello_body, dict) and set(hello_body) == {"hello"}):
             sock.close()
             raise TypeError("hello_body must be what tierkv.wire.hello() returns")
+        if not timeout > 0:
+            sock.close()
+            raise ValueError(f"timeout must be positive, got {timeout}")
         if path is not None:
             try:
                 sock.settimeout(timeout)
@@ -185,8 +188,10 @@ class Client:
         client = cls(sock, timeout=timeout, unix=unix)
         try:
             reply = client._call(hello_body)
-        except DaemonError:
-            # The daemon closes the connection after a failed hello.
+        except (DaemonError, ConnectionLost):
+            # The daemon closes the connection after a failed hello. A hello that missed its
+            # deadline touched none of the caller's memory: its connection is closed, not kept
+            # to watch, since nobody gets this client to take it from.
             client.close()
             raise
         if not isinstance(reply, Welcome):

@@ -15,6 +15,8 @@ import torch
 from harness import start_daemon
 
 from tierkv import wire
+from tierkv.client import Client
+from tierkv.errors import ConnectionLost
 from tierkv.hashing import prefix_hashes
 from tierkv.vllm.link import Link, Unavailable
 from tierkv.vllm.memory import LayoutError, _layout, export_device_kv, move_to_memfd
@@ -174,6 +176,23 @@ def test_a_refused_session_backs_off_like_a_hung_daemon(tmp_path: Path) -> None:
         with pytest.raises(Unavailable, match="down"):
             link.call(lambda c: c.status())  # the second refusal doubled the wait to 0.4 s
         assert link.failures == 2
+    finally:
+        daemon.stop()
+
+
+def test_a_link_whose_session_setup_fails_closes_that_session(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "daemon")
+    hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4096, chunk_tokens=16)
+
+    def refuse(client: Client) -> None:
+        raise ConnectionLost("registration failed")
+
+    link = Link(str(daemon.socket), hello, timeout_s=0.5, retry_s=0.2, on_connect=refuse)
+    try:
+        with pytest.raises(Unavailable, match="registration failed"):
+            link.call(lambda c: c.status())
+        # The half set-up session is ended, not left open until the collector finds it.
+        daemon.eventually("the session is ended", lambda s: s["connected_workers"] == 0)
     finally:
         daemon.stop()
 

@@ -86,9 +86,15 @@ class Link:
                 raise Unavailable(f"the tierkv daemon at {self._path} is down; retrying later")
             try:
                 client = Client.connect(self._path, self._hello, timeout=self._timeout)
+            except (OSError, ConnectionLost, DaemonError) as e:
+                self._down(e)
+                raise Unavailable(str(e)) from e
+            try:
                 if self._on_connect is not None:
                     self._on_connect(client)
             except (OSError, ConnectionLost, DaemonError) as e:
+                # A session set up halfway is not kept: closing it ends it at the daemon.
+                client.close()
                 self._down(e)
                 raise Unavailable(str(e)) from e
             self._client = client
