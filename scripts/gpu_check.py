@@ -499,6 +499,10 @@ workers = 4
 
 [disk]
 enabled = false
+
+[storage]
+# Write-through: a store's flush is its L1 -> L2 move, which the check times.
+store_policy = "write_through"
 """)
         env = dict(os.environ, TIERKV_LOG=os.environ.get("TIERKV_LOG", "warn"))
         try:

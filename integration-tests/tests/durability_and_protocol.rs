@@ -57,7 +57,10 @@ fn read_back(client: &mut Client, buffer: &mut SharedBuffer, ids: &[ChunkId]) ->
 
 #[test]
 fn h16_02_every_chunk_acknowledged_durable_survives_kill_9_byte_exact() {
-    let mut daemon = Daemon::start();
+    // Write-through: the store policy under which a flush acknowledges chunks durable (under
+    // the cascade, the default, a chunk reaches disk only when L2 lets it go or at a clean stop).
+    let write_through = "\n[storage]\nstore_policy = \"write_through\"\n";
+    let mut daemon = Daemon::start_with(|dir| small_config(dir, None, write_through));
     let hello = || Client::worker_hello("crash", CHUNK);
     // Every batch a writer stored, and the ones a flush counted durable, over every round.
     let durable: Arc<Mutex<Vec<u64>>> = Arc::default();

@@ -265,7 +265,8 @@ fn h16_3_a_restart_on_a_full_filesystem_is_reported_and_recovers_when_space_retu
     let mut mounted = Err(String::new());
     let mut daemon = Daemon::start_with(|dir| {
         mounted = Tmpfs::mount(&dir.join("disk"), "16m");
-        small_config(dir, None, "")
+        // Write-through, so that stores reach the disk while the daemon runs.
+        small_config(dir, None, "\n[storage]\nstore_policy = \"write_through\"\n")
     });
     let tmpfs = match mounted {
         Ok(tmpfs) => tmpfs,

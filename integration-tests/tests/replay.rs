@@ -165,9 +165,11 @@ fn cascading_tiers_add_up_to_one_cache_of_their_size_and_the_simulation_models_t
     let tiers = ["--capacity", "300", "--l2", "600", "--disk", "1500", "--policy", "lru"];
     let base = ["replay", path, "--limit", "600", "--chunk-bytes", "16KiB"];
     let hit = |run: &Value| run["hit_ratio"].as_f64().unwrap();
-    let write_through = hit(&replay(&[&base[..], &tiers].concat())[0]);
-    let cascade = &replay(&[&base[..], &tiers, &["--cascade"]].concat())[0];
-    let simulated = &replay(&[&base[..], &tiers, &["--cascade", "--simulate"]].concat())[0];
+    let write_through = ["--store-policy", "write-through"];
+    let write_through = hit(&replay(&[&base[..], &tiers, &write_through].concat())[0]);
+    // The cascade is the default store policy, of the daemon and of the simulation.
+    let cascade = &replay(&[&base[..], &tiers].concat())[0];
+    let simulated = &replay(&[&base[..], &tiers, &["--simulate"]].concat())[0];
     let one_cache = &replay(&[&base[..], &["--capacity", "2400", "--simulate"]].concat())[0];
     // Write-through tiers hold copies of one another: little more than L1 alone.
     assert!(hit(cascade) > 2.0 * write_through, "cascade {cascade} write-through {write_through}");
@@ -191,7 +193,7 @@ fn requests_longer_than_l1_are_stored_whole_and_their_hits_served_whole_from_bel
     // more than 32 chunks. Each store goes in windows of 4, each hit past L1's room is read
     // from L2.
     let base = ["replay", path, "--limit", "1000", "--policy", "lru", "--capacity", "32"];
-    let tiers = ["--l2", "4000", "--cascade", "--chunk-bytes", "16KiB"];
+    let tiers = ["--l2", "4000", "--chunk-bytes", "16KiB"];
     let hit = |run: &Value| run["hit_ratio"].as_f64().unwrap();
     let daemon = &replay(&[&base[..], &tiers].concat())[0];
     let simulated = &replay(&[&base[..], &tiers, &["--simulate"]].concat())[0];
@@ -223,9 +225,8 @@ fn lower_tiers_serve_what_l1_lost() {
         tiered["tiers"].as_array().unwrap().iter().map(|t| t["hit_tokens"].as_u64().unwrap()).sum();
     assert_eq!(tier_tokens, 512 * field(tiered, "hit_chunks"), "tiers count whole chunks");
     assert!(tier_tokens >= field(tiered, "hit_tokens"));
-    // Under write-through L2 and disk each hold a copy; which one serves a chunk L1 lost depends
-    // on L2's recency, which hits in L1 do not refresh (a chunk hot in L1 ages out of L2 and comes
-    // back from disk once L1 lets it go): the two together serve it.
+    // Under the cascade L2 holds what L1 evicted and the disk what L2 evicted: the two together
+    // serve what L1 lost.
     assert!(tiers[1].1 + tiers[2].1 > 0, "the tiers below served hits L1 had lost: {tiers:?}");
     assert!(field(tiered, "hit_chunks") > field(l1_only, "hit_chunks"), "{tiers:?}");
     assert_eq!(moved(tiered, "chunks_retrieved"), field(tiered, "hit_chunks"));
@@ -305,7 +306,11 @@ fn bad_replays_are_refused_with_a_reason() {
         (vec!["replay", good, "--tp", "0"], "--tp"),
         (vec!["replay", good, "--speedup=-1"], "--speedup"),
         (vec!["replay", good, "--chunk-bytes", "0"], "--chunk-bytes"),
-        (vec!["replay", good, "--simulate", "--tp", "2", "--l2", "10"], "--l2, --tp only apply"),
+        (
+            vec!["replay", good, "--simulate", "--store-policy", "write-through", "--l2", "10"],
+            "--l2 only apply",
+        ),
+        (vec!["replay", good, "--simulate", "--tp", "2", "--l2", "10"], "--tp only apply"),
         (vec!["replay", timed, "--speedup", "1e-300"], "speed-up"),
         (vec!["replay", good, "--chunk-bytes", "2GiB"], "--chunk-bytes"),
         (vec!["replay", good, "--chunk-tokens", "0"], "--chunk-tokens"),

@@ -186,6 +186,13 @@ class Daemon:
             self.stop()
             raise
 
+    def terminate(self) -> None:
+        """SIGTERM and wait: the clean stop a restart follows (what :meth:`stop` does, keeping
+        the socket's directory)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=STOP_DEADLINE_S)
+
     def kill(self) -> None:
         """``kill -9``: nothing is flushed or closed cleanly (the socket file stays)."""
         if self.proc.poll() is None:

@@ -13,7 +13,7 @@ import struct
 
 import msgpack
 import pytest
-from daemon import REPO_ROOT, Daemon
+from daemon import REPO_ROOT, TCP_TOKEN, Daemon
 
 from tierkv import SharedBuffer, prefix_hashes, wire
 
@@ -136,18 +136,25 @@ def test_per_tier_is_always_l1_l2_disk_and_release_after_the_last_reader_is_rele
         client.release(miss.lookup)
 
 
-def test_flush_says_which_stored_chunks_are_durable(daemon):
-    # "`durable` chunks are on the disk tier"
-    hello = wire.hello(namespaces=["m"], chunk_bytes=CHUNK_BYTES, chunk_tokens=TOKENS)
-    client = daemon.connect(hello)
-    with SharedBuffer(CHUNK_BYTES, 4, name="tierkv-doc") as buf:
-        client.register_buffer(buf)
-        hashes = prefix_hashes(list(range(500, 500 + 3 * TOKENS)), TOKENS)
-        assert client.store(0, 0, [(h, i) for i, h in enumerate(hashes)]).stored == 3
-        flushed = client.flush(10.0)
-        assert (flushed.durable, flushed.not_durable) == (3, 0)
-        # Nothing stored since: the next flush has nothing to wait for.
-        assert client.flush(1.0) == wire.Flushed(durable=0, not_durable=0)
+@pytest.mark.parametrize(("policy", "durable"), [("write_through", 3), ("cascade", 0)])
+def test_flush_says_which_stored_chunks_are_durable(tierkv_bin, tmp_path, policy, durable):
+    # "`durable` chunks are on the disk tier" ... "Under the cascade [...] a chunk reaches the
+    # disk only when L2 lets it go, or at a clean stop: `flush` counts it `not_durable`"
+    extra = f'token = "{TCP_TOKEN}"\n[storage]\nstore_policy = "{policy}"'
+    daemon = Daemon(tierkv_bin, tmp_path, extra)
+    try:
+        hello = wire.hello(namespaces=["m"], chunk_bytes=CHUNK_BYTES, chunk_tokens=TOKENS)
+        client = daemon.connect(hello)
+        with SharedBuffer(CHUNK_BYTES, 4, name="tierkv-doc") as buf:
+            client.register_buffer(buf)
+            hashes = prefix_hashes(list(range(500, 500 + 3 * TOKENS)), TOKENS)
+            assert client.store(0, 0, [(h, i) for i, h in enumerate(hashes)]).stored == 3
+            flushed = client.flush(10.0)
+            assert (flushed.durable, flushed.not_durable) == (durable, 3 - durable)
+            # Nothing stored since: the next flush has nothing to wait for.
+            assert client.flush(1.0) == wire.Flushed(durable=0, not_durable=0)
+    finally:
+        daemon.stop()
 
 
 def test_refusal_reasons_are_codes():

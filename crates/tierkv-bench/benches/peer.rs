@@ -34,7 +34,7 @@ use tierkv_l1::{
     DeviceKind, L1Config, L1Context, L1Manager, Lifetime, OwnerId, Readers, WriteMode,
 };
 use tierkv_l2::{HostMemory, HostStoreConfig};
-use tierkv_storage::{StorageConfig, StorageManager};
+use tierkv_storage::{StorageConfig, StorageManager, StorePolicy};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -276,6 +276,7 @@ fn bench_prefetch(args: &Args, keys: &mut Keys, out: &mut Out, lower: Lower, chu
                 workers: 2,
                 ..HostStoreConfig::new(2 * n as u64 * chunk, chunk)
             }),
+            store_policy: StorePolicy::WriteThrough,
             ..StorageConfig::new(l1)
         },
         Lower::Disk => {
@@ -288,6 +289,7 @@ fn bench_prefetch(args: &Args, keys: &mut Keys, out: &mut Out, lower: Lower, chu
                     read_mode: ReadMode::Direct,
                     ..DiskStoreConfig::new(dir.path().join("tier"), segments * segment_bytes, chunk)
                 }),
+                store_policy: StorePolicy::WriteThrough,
                 ..StorageConfig::new(l1)
             }
         }

@@ -29,7 +29,7 @@ use tierkv_core::{ChunkHash, ExtraCount, KvRank, Layout, Namespace, ObjectKey};
 use tierkv_disk::{BLOCK, DiskStoreConfig, FsyncPolicy, record_bytes};
 use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers};
 use tierkv_l2::{HostMemory, HostStoreConfig};
-use tierkv_storage::{HitChunk, StorageConfig, StorageManager};
+use tierkv_storage::{HitChunk, StorageConfig, StorageManager, StorePolicy};
 
 const CHUNK: u64 = 2 << 20;
 const PREFIX: u64 = 64;
@@ -100,6 +100,7 @@ fn l1_and_l2(chunks: u64, chunk: u64) -> StorageConfig {
             workers: 2,
             ..HostStoreConfig::new(chunks * chunk, chunk)
         }),
+        store_policy: StorePolicy::WriteThrough,
         ..StorageConfig::new(L1Config {
             device: DeviceKind::Emulated,
             ..L1Config::new(chunks * chunk, chunk)

@@ -1195,6 +1195,20 @@ impl L1Manager {
         victims
     }
 
+    /// Evicts up to `n` cached objects, chosen and handed to the demoter as any eviction is;
+    /// returns the victims. How the storage layer empties L1 into the tiers below when it stops.
+    pub fn evict(&self, n: usize, reason: EvictionReason) -> Vec<ObjectKey> {
+        let mut victims = Vec::new();
+        while victims.len() < n {
+            match self.evict_one(&mut victims) {
+                Some(slot) => self.slots.give_back(slot),
+                None => break,
+            }
+        }
+        self.announce_evictions(&victims, reason);
+        victims
+    }
+
     fn announce_evictions(&self, victims: &[ObjectKey], reason: EvictionReason) {
         if !victims.is_empty() {
             self.metrics.evicted(reason, victims.len());

@@ -14,6 +14,8 @@ pub enum EvictionReason {
     OnDemand,
     /// Occupancy crossed the high watermark.
     Watermark,
+    /// The storage layer is stopping and hands what L1 holds down to the tiers that outlive it.
+    Stop,
 }
 
 impl EvictionReason {
@@ -22,6 +24,7 @@ impl EvictionReason {
         match self {
             EvictionReason::OnDemand => "on_demand",
             EvictionReason::Watermark => "watermark",
+            EvictionReason::Stop => "stop",
         }
     }
 }
@@ -49,6 +52,7 @@ pub(crate) struct L1Metrics {
     leases: Gauge,
     evicted_on_demand: Counter,
     evicted_watermark: Counter,
+    evicted_stop: Counter,
     lease_expiries: Counter,
     writes_finished: Counter,
     read_shares: Counter,
@@ -102,6 +106,7 @@ impl L1Metrics {
             leases: gauge!("tierkv_l1_leases_active"),
             evicted_on_demand: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "on_demand"),
             evicted_watermark: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "watermark"),
+            evicted_stop: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "stop"),
             lease_expiries: counter!("tierkv_lease_expiries_total", "tier" => TIER),
             writes_finished: counter!("tierkv_l1_writes_finished_total"),
             read_shares: counter!("tierkv_l1_read_shares_total"),
@@ -125,6 +130,7 @@ impl L1Metrics {
         match reason {
             EvictionReason::OnDemand => self.evicted_on_demand.increment(n as u64),
             EvictionReason::Watermark => self.evicted_watermark.increment(n as u64),
+            EvictionReason::Stop => self.evicted_stop.increment(n as u64),
         }
     }
 

@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use foldhash::fast::RandomState;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use tierkv_core::policy::EvictionPolicy;
 use tierkv_core::{
     Bitmap, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
@@ -221,14 +221,25 @@ impl HostStore {
     /// rarely have to evict on their own path.
     pub fn evict_to_watermark(&self, high: f64, low: f64) -> usize {
         let slots = f64::from(self.shared.slots);
-        let mut index = self.shared.index.lock();
-        let occupied = |index: &Index| u64::from(self.shared.slots) - index.free.len() as u64;
-        if (occupied(&index) as f64) <= high * slots {
+        let index = self.shared.index.lock();
+        let occupied = u64::from(self.shared.slots) - index.free.len() as u64;
+        if (occupied as f64) <= high * slots {
             return 0;
         }
         let target = (low * slots).floor() as u64;
+        self.evict_locked(index, occupied.saturating_sub(target) as usize)
+    }
+
+    /// Evicts up to `n` unlocked, idle objects by policy, handing each to the demoter as any
+    /// eviction does; returns how many. How the storage layer empties L2 into the disk tier
+    /// when it stops.
+    pub fn evict(&self, n: usize) -> usize {
+        self.evict_locked(self.shared.index.lock(), n)
+    }
+
+    fn evict_locked(&self, mut index: MutexGuard<'_, Index>, n: usize) -> usize {
         let mut evicted = 0;
-        while occupied(&index) > target {
+        while evicted < n {
             let Index { map, policy, .. } = &mut *index;
             let Some(victim) =
                 policy.evict(1, &mut |k| map.get(k).is_some_and(Entry::evictable)).pop()

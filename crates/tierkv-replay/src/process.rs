@@ -189,9 +189,12 @@ fn daemon_config(
         socket = toml_string(&dir.join("tierkv.sock"))?,
         l1 = bytes(tiers.l1.max(1), chunk_bytes)?,
     );
-    if tiers.cascade {
-        text.push_str("[storage]\nstore_policy = \"cascade\"\n\n");
-    }
+    // Stated, whatever the daemon's default; a stop hands nothing down (the directory goes).
+    let store_policy = if tiers.cascade { "cascade" } else { "write_through" };
+    let _ = write!(
+        text,
+        "[storage]\nstore_policy = \"{store_policy}\"\nstop_drain_timeout = \"0s\"\n\n"
+    );
     if tiers.l2 == 0 {
         text.push_str("[l2]\nenabled = false\n\n");
     } else {

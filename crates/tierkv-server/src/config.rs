@@ -602,6 +602,7 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
         l2_watermark,
         maintenance_interval: s.maintenance_interval,
         store_backpressure: s.store_backpressure,
+        stop_drain_timeout: s.stop_drain_timeout,
     })
 }
 

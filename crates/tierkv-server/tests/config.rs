@@ -64,8 +64,9 @@ fn the_embedded_default_is_the_all_defaults_config() {
     assert_eq!(storage.disk, Some(disk), "a relative dir: the daemon's working directory");
     assert_eq!(storage.prefetch, PrefetchConfig::default());
     assert_eq!(storage.l2_watermark, Watermark::default());
-    assert_eq!(storage.store_policy, StorePolicy::WriteThrough);
+    assert_eq!(storage.store_policy, StorePolicy::Cascade);
     assert_eq!(storage.maintenance_interval, Duration::from_millis(50));
+    assert_eq!(storage.stop_drain_timeout, Duration::from_secs(20));
 }
 
 /// The key a line of `default.toml` sets, commented out or not.

@@ -14,7 +14,6 @@ use tierkv_remote::RemoteConfig;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StorePolicy {
     /// Every finished write is copied to every lower tier at once.
-    #[default]
     WriteThrough,
     /// Every finished write is copied to the host tier at once; a chunk reaches disk only once it
     /// has been read `min_reads` times (sparing the SSD the chunks nobody reuses).
@@ -29,6 +28,8 @@ pub enum StorePolicy {
     /// victims (every eviction, on demand or in the background) go to the first lower tier,
     /// that tier's victims to the next. Hits stay in the tier that has them (a promotion into
     /// L1 is only for the read). The tiers hold different chunks, so their capacities add up.
+    /// A clean stop hands L1's and L2's chunks down to disk, so a restart keeps them.
+    #[default]
     Cascade,
 }
 
@@ -72,6 +73,9 @@ pub struct StorageConfig {
     /// copying down (they cannot be evicted before their tiers have them); past it, the chunks
     /// without room are refused.
     pub store_backpressure: Duration,
+    /// Under the cascade, how long a stop may spend handing what L1 and L2 hold down to the disk
+    /// tier, the one a restart keeps; what is not down by then is lost with the process.
+    pub stop_drain_timeout: Duration,
 }
 
 impl StorageConfig {
@@ -88,6 +92,7 @@ impl StorageConfig {
             l2_watermark: Watermark::default(),
             maintenance_interval: Duration::from_millis(50),
             store_backpressure: Duration::from_secs(10),
+            stop_drain_timeout: Duration::from_secs(20),
         }
     }
 }

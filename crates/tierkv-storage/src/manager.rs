@@ -56,6 +56,9 @@ const CAME_FROM_REMOTE: u32 = 1 << 31;
 /// Reads counted per chunk for disk admission, at most; beyond this the counts start over.
 const READ_COUNTS: usize = 1 << 20;
 
+/// Chunks a stop hands down at a time under the cascade (`Inner::hand_down_to_disk`).
+const STOP_BATCH: usize = 32;
+
 /// Tells the store pipeline of writes finished by a plain `L1Manager::finish_write` (the
 /// manager's own `finish_write` hands the pipeline its jobs, already pinned, itself).
 struct Forward {
@@ -76,11 +79,19 @@ impl L1Observer for Forward {
 }
 
 /// Whether `policy` copies a finished write down at once to one of `tiers`: write-through to
-/// any lower tier, disk admission to any but the disk; write-back and the cascade copy only
-/// what L1 evicts.
-fn copies_at_write(policy: StorePolicy, tiers: &[Arc<dyn TierAdapter>]) -> bool {
+/// any lower tier, disk admission to any but the disk; write-back copies only what L1 evicts,
+/// and so does the cascade, but for the remote tier under write-through admission (shared by
+/// the nodes, it is no part of the node's tiers that add up).
+fn copies_at_write(
+    policy: StorePolicy,
+    tiers: &[Arc<dyn TierAdapter>],
+    remote: RemoteAdmission,
+) -> bool {
     match policy {
-        StorePolicy::WriteBack | StorePolicy::Cascade => false,
+        StorePolicy::WriteBack => false,
+        StorePolicy::Cascade => {
+            remote == RemoteAdmission::WriteThrough && tiers.iter().any(|t| t.name() == "remote")
+        }
         StorePolicy::WriteThrough => !tiers.is_empty(),
         StorePolicy::DiskAdmission { .. } => tiers.iter().any(|t| t.name() != "disk"),
     }
@@ -156,6 +167,9 @@ struct Inner {
     stop_maintenance: AtomicBool,
     /// Whether finished writes are copied down at once ([`copies_at_write`]).
     copies_at_write: bool,
+    /// Whether a stop hands L1's and L2's chunks down to the disk tier: under the cascade, the
+    /// only tier a restart keeps holds nothing the tiers above hold.
+    hand_down_at_stop: bool,
 }
 
 /// L1, the lower tiers and the pipelines between them.
@@ -214,13 +228,20 @@ impl StorageManager {
         (host, disk, remote): ConfiguredTiers,
     ) -> Result<Self, StorageError> {
         let (jobs, inbox) = StoreQueue::new();
-        let copies_at_write = copies_at_write(config.store_policy, &tiers);
+        let copies_at_write = copies_at_write(config.store_policy, &tiers, config.remote_admission);
         let observer = Arc::new(Forward { jobs: jobs.clone(), copies_at_write });
-        let cascade = config.store_policy == StorePolicy::Cascade && !tiers.is_empty();
+        // Which tiers the cascade hands victims to: each but a remote tier that takes every
+        // finished write already (write-through admission).
+        let takes_victims = |index: usize| {
+            tiers.get(index).is_some_and(|t| {
+                t.name() != "remote" || config.remote_admission != RemoteAdmission::WriteThrough
+            })
+        };
+        let cascade = config.store_policy == StorePolicy::Cascade && takes_victims(0);
         let demoter: Option<Arc<dyn Demoter>> = cascade.then(|| {
             Arc::new(DemoteFromL1 { host: host.clone(), jobs: jobs.clone() }) as Arc<dyn Demoter>
         });
-        if let Some(host) = host.as_ref().filter(|_| cascade && tiers.len() > 1) {
+        if let Some(host) = host.as_ref().filter(|_| cascade && takes_victims(1)) {
             // The host store is tier 0 (fastest first): its victims go to tier 1.
             let jobs = jobs.clone();
             host.set_demoter(Box::new(move |key, bytes| {
@@ -266,6 +287,7 @@ impl StorageManager {
             accepting: AtomicBool::new(true),
             stop_maintenance: AtomicBool::new(false),
             copies_at_write,
+            hand_down_at_stop: cascade && disk_index.is_some(),
         });
         let worker = Arc::clone(&inner);
         let maintenance =
@@ -828,14 +850,18 @@ impl StorageManager {
         }
     }
 
-    /// Stops every thread in order: no new work, prefetches drained, copies drained, tiers closed
-    /// (the disk tier syncs). Idempotent.
+    /// Stops every thread in order: no new work, prefetches drained, under the cascade L1's and
+    /// L2's chunks handed down to disk, copies drained, tiers closed (the disk tier syncs).
+    /// Idempotent.
     pub fn stop(&self) {
         self.inner.accepting.store(false, Ordering::Release);
         self.inner.prefetch.stop();
         self.inner.stop_maintenance.store(true, Ordering::Release);
         if let Some(thread) = self.maintenance.lock().take() {
             let _ = thread.join();
+        }
+        if self.inner.hand_down_at_stop {
+            self.inner.hand_down_to_disk();
         }
         self.inner.store.stop();
         for tier in self.inner.router.tiers() {
@@ -865,6 +891,57 @@ fn hit_of(request: &LookupRequest, available: impl Fn(usize, usize) -> bool) -> 
 }
 
 impl Inner {
+    /// A clean stop under the cascade: L1's chunks go down (into L2, whose victims go to disk),
+    /// then L2's, each tier's coldest first, so that a restart finds on disk what the tiers
+    /// above held, as it would under write-through. It goes a batch at a time, the next batch
+    /// only once the store pipeline is down to a batch's jobs (their bytes are copies in
+    /// memory), and gives up at `stop_drain_timeout`.
+    fn hand_down_to_disk(&self) {
+        let deadline = Instant::now() + self.config.stop_drain_timeout;
+        let started = Instant::now();
+        let mut handed = 0;
+        while Instant::now() < deadline && self.wait_for_store_jobs(STOP_BATCH as u64, deadline) {
+            let batch = self.l1.evict(STOP_BATCH, EvictionReason::Stop).len();
+            if batch == 0 {
+                break;
+            }
+            handed += batch;
+        }
+        if let Some(host) = &self.host {
+            while Instant::now() < deadline && self.wait_for_store_jobs(STOP_BATCH as u64, deadline)
+            {
+                let batch = host.evict(STOP_BATCH);
+                if batch == 0 {
+                    break;
+                }
+                handed += batch;
+            }
+        }
+        let done = self.wait_for_store_jobs(0, deadline);
+        tracing::info!(
+            chunks = handed,
+            seconds = started.elapsed().as_secs_f64(),
+            complete = done,
+            "handed L1's and L2's chunks down to disk for the restart"
+        );
+    }
+
+    /// Waits until at most `jobs` store jobs are queued or copying; false if `deadline` passed
+    /// first.
+    fn wait_for_store_jobs(&self, jobs: u64, deadline: Instant) -> bool {
+        let queue = self.store.queue();
+        loop {
+            let seen = queue.progress();
+            if queue.outstanding() <= jobs {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            queue.wait_progress(seen, deadline);
+        }
+    }
+
     /// Settles a lookup whose hit is known: records which lease holds each chunk of the hit and
     /// returns the shares the hit does not need.
     ///

@@ -341,9 +341,13 @@ impl Worker {
             (StoreJob::Finished { .. }, StorePolicy::DiskAdmission { .. }) => {
                 at_write(all.into_iter().filter(|t| Some(*t) != self.disk).collect())
             }
-            (StoreJob::Finished { .. }, StorePolicy::WriteBack | StorePolicy::Cascade) => {
-                Vec::new()
-            }
+            (StoreJob::Finished { .. }, StorePolicy::WriteBack) => Vec::new(),
+            // The cascade's tiers take only what the tier above evicted; the remote tier, shared
+            // by the nodes, takes finished writes at once under write-through admission.
+            (StoreJob::Finished { .. }, StorePolicy::Cascade) => match self.remote {
+                Some((index, RemoteAdmission::WriteThrough)) => vec![index],
+                _ => Vec::new(),
+            },
             (StoreJob::Admit(_), _) => self.disk.into_iter().collect(),
             (StoreJob::AdmitRemote(_), _) => Vec::new(),
             (StoreJob::Demoted { tier, .. }, _) => all.into_iter().filter(|t| t == tier).collect(),

@@ -15,7 +15,7 @@ use tierkv_l1::{Presence, Readers};
 use tierkv_l2::{HostMemory, HostStoreConfig};
 use tierkv_storage::{
     GroupKind, LookupGroup, LookupId, LookupRequest, LookupResult, StorageConfig, StorageError,
-    StorageManager,
+    StorageManager, StorePolicy,
 };
 use tierkv_testkit::FakeTier;
 use tierkv_testkit::contract::{key, keys, payload};
@@ -40,6 +40,7 @@ fn rig(slots: u64, disk: bool) -> Rig {
             segment_bytes,
             ..DiskStoreConfig::new(dir.path(), 16 * segment_bytes, CHUNK)
         }),
+        store_policy: StorePolicy::WriteThrough,
         ..StorageConfig::new(l1_config(slots))
     };
     Rig { s: StorageManager::start(config).unwrap(), _dir: dir }
@@ -250,7 +251,10 @@ fn e10_the_store_pipeline_holds_one_share_per_key_until_every_target_finished() 
     disk.hold();
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![l2.clone(), disk.clone()];
     let s = StorageManager::start_with_tiers(
-        StorageConfig::new(l1_config(16)),
+        StorageConfig {
+            store_policy: StorePolicy::WriteThrough,
+            ..StorageConfig::new(l1_config(16))
+        },
         Arc::new(ManualClock::new()),
         tiers,
     )

@@ -17,6 +17,7 @@ use tierkv_core::{
 use tierkv_l1::{L1Config, Readers};
 use tierkv_storage::{
     Durability, GroupKind, LookupGroup, LookupRequest, StorageConfig, StorageError, StorageManager,
+    StorePolicy,
 };
 use tierkv_testkit::FakeTier;
 use tierkv_testkit::contract::{key, keys, payload};
@@ -105,7 +106,10 @@ fn h16_02_a_finished_chunk_stays_in_l1_until_its_tiers_have_it_and_the_ticket_sa
     });
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
     let s = StorageManager::start_with_tiers(
-        StorageConfig::new(l1_config(16)),
+        StorageConfig {
+            store_policy: StorePolicy::WriteThrough,
+            ..StorageConfig::new(l1_config(16))
+        },
         Arc::new(ManualClock::new()),
         tiers,
     )
@@ -141,7 +145,11 @@ fn h16_02_writers_wait_for_the_store_pipeline_when_l1_is_full_of_chunks_going_do
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
     let s = Arc::new(
         StorageManager::start_with_tiers(
-            StorageConfig { store_backpressure: WAIT, ..StorageConfig::new(l1_config(4)) },
+            StorageConfig {
+                store_policy: StorePolicy::WriteThrough,
+                store_backpressure: WAIT,
+                ..StorageConfig::new(l1_config(4))
+            },
             Arc::new(ManualClock::new()),
             tiers,
         )
@@ -165,8 +173,11 @@ fn h16_02_past_the_backpressure_limit_a_full_l1_refuses_rather_than_dropping_a_c
     let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
     disk.hold();
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
-    let config =
-        StorageConfig { store_backpressure: Duration::ZERO, ..StorageConfig::new(l1_config(4)) };
+    let config = StorageConfig {
+        store_policy: StorePolicy::WriteThrough,
+        store_backpressure: Duration::ZERO,
+        ..StorageConfig::new(l1_config(4))
+    };
     let s = StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap();
     write(&s, &keys(0..4));
     let reserved = s.reserve_write(OWNER, &keys(4..5), &layout()).unwrap();
@@ -183,6 +194,7 @@ fn lookup_rig(slots: u64) -> (StorageManager, Arc<FakeTier>, Arc<ManualClock>) {
     let config = StorageConfig {
         l1: L1Config { lease_ttl: Duration::from_secs(30), ..l1_config(slots) },
         maintenance_interval: Duration::from_millis(5),
+        store_policy: StorePolicy::WriteThrough,
         ..StorageConfig::new(l1_config(slots))
     };
     let s = StorageManager::start_with_tiers(config, clock.clone(), tiers).unwrap();

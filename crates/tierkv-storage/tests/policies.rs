@@ -237,6 +237,7 @@ fn a_panic_in_the_store_pipeline_is_counted_and_the_pipeline_carries_on() {
         ..L1Config::new(16 * CHUNK, CHUNK)
     });
     config.maintenance_interval = Duration::from_millis(5);
+    config.store_policy = StorePolicy::WriteThrough;
     let s = metrics::with_local_recorder(&recorder, || {
         StorageManager::start_with_tiers(config, clock.clone(), vec![tier])
     })
@@ -322,15 +323,21 @@ fn cascade_tiers_add_up_where_write_through_tiers_hold_copies() {
     assert_eq!(kept, 4);
 }
 
-#[test]
-fn cascade_sends_the_host_tiers_victims_to_disk_and_serves_every_tier() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = StorageManager::start(tiered(2, 2, Some(&dir), StorePolicy::Cascade)).unwrap();
-    write_each(&s, &keys(0..6));
+/// Six chunks through an L1 and an L2 of two each, under the cascade: the newest two in L1, the
+/// two before in L2, the oldest two on disk. Returns once the disk has them.
+fn fill_two_by_two(s: &StorageManager) {
+    write_each(s, &keys(0..6));
     eventually("L2's victims reached the disk", || {
         let status = s.status();
         status.store_in_flight == 0 && status.tiers[1].1.objects == 2
     });
+}
+
+#[test]
+fn cascade_sends_the_host_tiers_victims_to_disk_and_serves_every_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(tiered(2, 2, Some(&dir), StorePolicy::Cascade)).unwrap();
+    fill_two_by_two(&s);
     // Newest in L1, the two before in L2, the oldest two on disk: each lookup says so, and
     // every byte read back is the chunk's own (checked in `lookup_all`).
     let served = |range: std::ops::Range<u64>| {
@@ -341,6 +348,69 @@ fn cascade_sends_the_host_tiers_victims_to_disk_and_serves_every_tier() {
     assert_eq!(served(2..4), (2, vec![0, 2, 0]));
     assert_eq!(served(0..2), (2, vec![0, 0, 2]));
     s.l1().audit().unwrap();
+}
+
+#[test]
+fn a_stopped_cascade_hands_l1_and_l2_down_to_disk_so_a_restart_keeps_them() {
+    // Two chunks in L1, two in L2, two on disk (disk room: eight segments of two records).
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(tiered(2, 2, Some(&dir), StorePolicy::Cascade)).unwrap();
+    fill_two_by_two(&s);
+    s.stop();
+    let status = s.status();
+    assert_eq!((status.l1.cached, status.tiers[0].1.objects), (0, 0), "{status:?}");
+    drop(s);
+
+    // The same directory after a restart: every chunk is a disk hit, with its own bytes.
+    let s = StorageManager::start(tiered(2, 2, Some(&dir), StorePolicy::Cascade)).unwrap();
+    for key in keys(0..6) {
+        assert_eq!(lookup_all(&s, vec![key]).per_tier, vec![0, 0, 1], "{key:?}");
+    }
+
+    // Without the hand-down (no time for it), only what the disk already held survives.
+    let dir = tempfile::tempdir().unwrap();
+    let no_time = || StorageConfig {
+        stop_drain_timeout: Duration::ZERO,
+        ..tiered(2, 2, Some(&dir), StorePolicy::Cascade)
+    };
+    let s = StorageManager::start(no_time()).unwrap();
+    fill_two_by_two(&s);
+    drop(s);
+    let s = StorageManager::start(no_time()).unwrap();
+    let kept = keys(0..6).into_iter().filter(|k| lookup_all(&s, vec![*k]).hit_chunks == 1);
+    assert_eq!(kept.collect::<Vec<_>>(), keys(0..2));
+}
+
+#[test]
+fn under_the_cascade_the_remote_tier_still_takes_every_finished_write_at_once() {
+    use tierkv_storage::RemoteAdmission;
+    use tierkv_testkit::FakeTier;
+    // The node's own tiers take only L1's victims; the tier the nodes share takes each store
+    // as it finishes (write-through admission), and never again as a victim.
+    for (admission, at_once) in [
+        (RemoteAdmission::WriteThrough, true),
+        (RemoteAdmission::AfterReads { min_reads: 1 }, false),
+    ] {
+        let (l2, remote) =
+            (Arc::new(FakeTier::new("l2", 2, CHUNK)), Arc::new(FakeTier::new("remote", 64, CHUNK)));
+        let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![l2.clone(), remote.clone()];
+        let config = StorageConfig {
+            store_policy: StorePolicy::Cascade,
+            remote_admission: admission,
+            ..tiered(2, 2, None, StorePolicy::Cascade)
+        };
+        let config = StorageConfig { l2: None, ..config };
+        let s =
+            StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap();
+        write_each(&s, &keys(0..6));
+        eventually("the pipeline is idle", || s.status().store_in_flight == 0);
+        let in_remote = keys(0..6).iter().filter(|k| remote.contains(k)).count();
+        // Nothing was read, so after-reads admission took nothing.
+        assert_eq!(in_remote, if at_once { 6 } else { 0 }, "{admission:?}");
+        // L1's victims went to L2 (two slots), under either admission.
+        assert_eq!(keys(0..6).iter().filter(|k| l2.contains(k)).count(), 2, "{admission:?}");
+        drop(s);
+    }
 }
 
 #[test]

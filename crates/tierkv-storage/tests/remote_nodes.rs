@@ -17,7 +17,9 @@ use tierkv_core::{ExtraCount, Layout, ObjectKey};
 use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers};
 use tierkv_l2::{HostMemory, HostStoreConfig};
 use tierkv_remote::{RemoteConfig, RemoteMode};
-use tierkv_storage::{LookupId, LookupResult, RemoteAdmission, StorageConfig, StorageManager};
+use tierkv_storage::{
+    LookupId, LookupResult, RemoteAdmission, StorageConfig, StorageManager, StorePolicy,
+};
 use tierkv_testkit::contract::{key, keys, payload};
 use tierkv_testkit::redis::RedisCluster;
 use tierkv_testkit::require_redis;
@@ -56,6 +58,7 @@ fn node(urls: Vec<String>, prefix: &str, admission: RemoteAdmission) -> StorageM
         }),
         remote_admission: admission,
         maintenance_interval: Duration::from_millis(10),
+        store_policy: StorePolicy::WriteThrough,
         ..StorageConfig::new(L1Config {
             device: DeviceKind::Emulated,
             ..L1Config::new(32 * CHUNK, CHUNK)

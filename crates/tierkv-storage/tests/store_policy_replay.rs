@@ -138,7 +138,7 @@ fn load(name: &str) -> Option<Vec<Vec<u64>>> {
 }
 
 #[test]
-fn write_through_is_the_default_store_policy_by_trace_replay() {
+fn the_cascade_is_the_default_store_policy_by_trace_replay() {
     let traces: Vec<(&str, Vec<Vec<u64>>)> = ["conversation_trace.jsonl", "synthetic_trace.jsonl"]
         .into_iter()
         .filter_map(|name| load(name).map(|t| (name, t)))
@@ -175,17 +175,16 @@ fn write_through_is_the_default_store_policy_by_trace_replay() {
             let ratio = |f: &Figures| f.hits as f64 / f.requested as f64;
             let (through, admission, back, cascade) =
                 (&figures[0], &figures[1], &figures[2], &figures[3]);
-            // Cascade tiers hold different blocks, so they hit at least as often, and write to
-            // disk only what L2 lets go. It is not the default: a crash loses what L1 and L2 held.
-            assert!(ratio(cascade) >= ratio(through), "{name}: {figures:?}");
-            assert!(cascade.disk_writes <= through.disk_writes, "{name}: {figures:?}");
-            let figures = &figures[..3];
-            // Write-through hits within half a point of the best policy. (Write-back can edge it
-            // out: what L1 holds does not also take L2 and disk space. But under write-back a
-            // restart loses everything only L1 held, and an eviction forced inside a reservation
-            // drops its victim uncopied; write-through costs nothing of that for <0.005 of hits.)
+            // The default: cascade tiers hold different blocks, so they hit at least as often as
+            // any other policy, and write to disk only what L2 lets go. (A crash loses what L1
+            // and L2 held; a clean stop hands it down to disk.)
             let best = figures.iter().map(ratio).fold(0.0, f64::max);
-            assert!(best - ratio(through) <= 0.005, "{name}: {figures:?}");
+            assert!(best - ratio(cascade) <= 0.0005, "{name}: {figures:?}");
+            assert!(cascade.disk_writes <= through.disk_writes, "{name}: {figures:?}");
+            // Write-through, the choice where a crash must keep every chunk, hits within half a
+            // point of write-back (which can edge it out: what L1 holds does not also take L2 and
+            // disk space, but a restart loses everything only L1 held).
+            assert!(ratio(back) - ratio(through) <= 0.005, "{name}: {figures:?}");
             assert!(
                 through.disk_writes.abs_diff(back.disk_writes) * 20 < through.disk_writes,
                 "{name}: {figures:?}"

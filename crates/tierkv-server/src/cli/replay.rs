@@ -43,10 +43,11 @@ pub struct ReplayArgs {
     /// Disk capacity in chunks or bytes; off unless given.
     #[arg(long)]
     disk: Option<String>,
-    /// The lower tiers hold what the tier above evicted (`store_policy = "cascade"`), instead of
-    /// a copy of every store. With --simulate, --l2 and --disk (in chunks) then model the tiers.
-    #[arg(long)]
-    cascade: bool,
+    /// How stores reach the lower tiers: `cascade` (the daemon's default: each tier holds what
+    /// the one above evicted; with --simulate, --l2 and --disk, in chunks, model the tiers) or
+    /// `write-through` (every tier a copy of every store; a simulation models one cache).
+    #[arg(long, value_enum, default_value = "cascade")]
+    store_policy: StorePolicyArg,
     /// Ranks of the TP group: one worker process and one session each.
     #[arg(long, default_value_t = 1)]
     tp: u16,
@@ -79,6 +80,13 @@ pub struct ReplayArgs {
     /// No progress bar.
     #[arg(long)]
     quiet: bool,
+}
+
+/// `tierkv replay --store-policy`: the store policies a replay's daemon can run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum StorePolicyArg {
+    Cascade,
+    WriteThrough,
 }
 
 /// The options of `tierkv replay-worker` (started by `tierkv replay`, not by people).
@@ -171,10 +179,11 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             })
             .collect::<Result<Vec<_>, _>>()?;
 
+    let cascade = args.store_policy == StorePolicyArg::Cascade;
     if args.simulate {
         let daemon_only = [
-            ("--l2", args.l2.is_some() && !args.cascade),
-            ("--disk", args.disk.is_some() && !args.cascade),
+            ("--l2", args.l2.is_some() && !cascade),
+            ("--disk", args.disk.is_some() && !cascade),
             ("--socket", args.socket.is_some()),
             ("--tp", args.tp != 1),
             ("--mla", args.mla),
@@ -185,7 +194,7 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         if !given.is_empty() {
             return Err(format!(
                 "{} only apply to a daemon replay; --simulate models one cache of --capacity chunks \
-                 (or, with --cascade, L1 of --capacity and the --l2 and --disk tiers below it)",
+                 (or, under the cascade, L1 of --capacity and the --l2 and --disk tiers below it)",
                 given.join(", ")
             ));
         }
@@ -238,9 +247,10 @@ fn daemon_targets(
         return Err(format!("--speedup {f}: must be a positive factor"));
     }
     if let Some(socket) = &args.socket {
-        if sweep_given || args.l2.is_some() || args.disk.is_some() || args.cascade {
-            return Err("with --socket the daemon's own tiers and policy apply: drop --capacity, \
-                        --policy, --l2, --disk and --cascade"
+        let policy_given = args.store_policy != StorePolicyArg::Cascade;
+        if sweep_given || args.l2.is_some() || args.disk.is_some() || policy_given {
+            return Err("with --socket the daemon's own tiers and policies apply: drop \
+                        --capacity, --policy, --l2, --disk and --store-policy"
                 .into());
         }
         return Ok(vec![Target::Socket(socket.clone())]);
@@ -256,7 +266,8 @@ fn daemon_targets(
             let Policy::Online(kind) = *policy else {
                 return Err(format!("{} knows the future: it needs --simulate", policy.name()));
             };
-            let tiers = TierChunks { l1, l2, disk, cascade: args.cascade };
+            let cascade = args.store_policy == StorePolicyArg::Cascade;
+            let tiers = TierChunks { l1, l2, disk, cascade };
             targets.push(Target::Spawn { tiers, policy: kind });
         }
     }
@@ -272,9 +283,9 @@ fn tier_chunks(args: &ReplayArgs, given: &Option<String>) -> Result<u64, String>
     }
 }
 
-/// The lower tiers a cascade simulation models, fastest first; none without --cascade.
+/// The lower tiers a cascade simulation models, fastest first; none under write-through.
 fn lower_tiers(args: &ReplayArgs) -> Result<Vec<u64>, String> {
-    if !args.cascade {
+    if args.store_policy != StorePolicyArg::Cascade {
         return Ok(Vec::new());
     }
     let tiers = vec![tier_chunks(args, &args.l2)?, tier_chunks(args, &args.disk)?];

@@ -241,10 +241,10 @@ impl Default for Remote {
 #[derive(Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub(super) enum StoreMode {
-    #[default]
     WriteThrough,
     WriteBack,
     DiskAdmission,
+    #[default]
     Cascade,
 }
 
@@ -260,18 +260,21 @@ pub(super) struct Storage {
     pub prefetch_max_in_flight: usize,
     #[serde(deserialize_with = "duration")]
     pub prefetch_drain_timeout: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub stop_drain_timeout: Duration,
 }
 
 impl Default for Storage {
     fn default() -> Self {
         let prefetch = PrefetchConfig::default();
         Storage {
-            store_policy: StoreMode::WriteThrough,
+            store_policy: StoreMode::Cascade,
             disk_admission_min_reads: 2,
             maintenance_interval: Duration::from_millis(50),
             store_backpressure: Duration::from_secs(10),
             prefetch_max_in_flight: prefetch.max_in_flight,
             prefetch_drain_timeout: prefetch.drain_timeout,
+            stop_drain_timeout: Duration::from_secs(20),
         }
     }
 }
