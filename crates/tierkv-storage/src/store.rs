@@ -160,6 +160,8 @@ struct Batch {
     keys: usize,
     durable: u32,
     ticket: Option<Arc<StoreTicket>>,
+    /// Queue jobs the batch stands for (demoted chunks of several jobs go as one batch).
+    jobs: usize,
 }
 
 /// The store pipeline's thread and queue.
@@ -233,6 +235,9 @@ impl Drop for StorePipeline {
 /// How long stopping waits for copies in flight.
 const DRAIN: Duration = Duration::from_secs(10);
 
+/// Demoted chunks the pipeline gathers into one batch at most (`start_with_followers`).
+const DEMOTED_BATCH: usize = 32;
+
 struct Worker {
     l1: Arc<L1Manager>,
     router: Arc<TierRouter>,
@@ -269,7 +274,7 @@ impl Worker {
             let step = catch_unwind(AssertUnwindSafe(|| {
                 select! {
                     recv(inbox) -> job => match job {
-                        Ok(job) if stopping.is_none() => self.start(job),
+                        Ok(job) if stopping.is_none() => self.start_with_followers(job, inbox),
                         Ok(job) => self.drop_job(job),
                         Err(_) => {}
                     },
@@ -292,7 +297,9 @@ impl Worker {
             if let Some(ticket) = &batch.ticket {
                 ticket.settle(Durability { durable: 0, not_durable: batch.keys as u32 });
             }
-            self.done_with_job();
+            for _ in 0..batch.jobs {
+                self.done_with_job();
+            }
         }
     }
 
@@ -355,7 +362,7 @@ impl Worker {
     }
 
     /// Stores chunks another tier evicted into `tier`, from the bytes they came with.
-    fn start_demoted(&mut self, tier: usize, items: Vec<(ObjectKey, Vec<u8>)>) {
+    fn start_demoted(&mut self, tier: usize, items: Vec<(ObjectKey, Vec<u8>)>, jobs: usize) {
         let keys = items.len();
         let items: Vec<StoreItem> = items
             .into_iter()
@@ -363,8 +370,15 @@ impl Worker {
             .collect();
         let id = self.next_batch;
         self.next_batch += 1;
-        let batch =
-            Batch { lease: None, write_back: false, waiting: 0, keys, durable: 0, ticket: None };
+        let batch = Batch {
+            lease: None,
+            write_back: false,
+            waiting: 0,
+            keys,
+            durable: 0,
+            ticket: None,
+            jobs,
+        };
         self.batches.insert(id, batch);
         self.submit_to(tier, id, items);
         if self.batches.get(&id).is_some_and(|b| b.waiting == 0) {
@@ -372,14 +386,41 @@ impl Worker {
         }
     }
 
+    /// Starts `job`; demoted chunks for one tier queued right behind it go in the same batch
+    /// (up to [`DEMOTED_BATCH`] chunks), since the cascade sends each victim as a job of its
+    /// own and a tier task per chunk costs the disk tier more than the write. A job of another
+    /// kind found behind it is started next.
+    fn start_with_followers(&mut self, job: StoreJob, inbox: &Receiver<StoreJob>) {
+        let StoreJob::Demoted { tier, mut items } = job else {
+            self.start(job);
+            return;
+        };
+        let mut jobs = 1;
+        let mut next = None;
+        while items.len() < DEMOTED_BATCH {
+            match inbox.try_recv() {
+                Ok(StoreJob::Demoted { tier: t, items: more }) if t == tier => {
+                    items.extend(more);
+                    jobs += 1;
+                }
+                Ok(other) => {
+                    next = Some(other);
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        self.start_demoted(tier, items, jobs);
+        if let Some(job) = next {
+            self.start(job);
+        }
+    }
+
     fn start(&mut self, job: StoreJob) {
         let targets = self.targets(&job);
         let job = match job {
-            StoreJob::Demoted { items, .. } => {
-                match targets.first() {
-                    Some(tier) => self.start_demoted(*tier, items),
-                    None => self.done_with_job(),
-                }
+            StoreJob::Demoted { tier, items } => {
+                self.start_demoted(tier, items, 1);
                 return;
             }
             job => job,
@@ -427,6 +468,7 @@ impl Worker {
             keys: keys.len(),
             durable: 0,
             ticket,
+            jobs: 1,
         };
         self.batches.insert(id, batch);
         for tier in targets {
@@ -518,6 +560,8 @@ impl Worker {
             let durable = batch.durable.min(batch.keys as u32);
             ticket.settle(Durability { durable, not_durable: batch.keys as u32 - durable });
         }
-        self.done_with_job();
+        for _ in 0..batch.jobs {
+            self.done_with_job();
+        }
     }
 }

@@ -30,6 +30,19 @@ struct GatedTier {
     inner: FakeTier,
     gate: Mutex<Option<mpsc::Receiver<()>>>,
     entered: mpsc::SyncSender<()>,
+    /// The number of chunks of each store task, in order.
+    tasks: Mutex<Vec<usize>>,
+}
+
+impl GatedTier {
+    fn new(name: &str, gate: mpsc::Receiver<()>, entered: mpsc::SyncSender<()>) -> Self {
+        GatedTier {
+            inner: FakeTier::new(name, 64, CHUNK),
+            gate: Mutex::new(Some(gate)),
+            entered,
+            tasks: Mutex::new(Vec::new()),
+        }
+    }
 }
 
 impl TierAdapter for GatedTier {
@@ -37,6 +50,7 @@ impl TierAdapter for GatedTier {
         self.inner.name()
     }
     fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
+        self.tasks.lock().push(items.len());
         if let Some(gate) = self.gate.lock().take() {
             let _ = self.entered.send(());
             let _ = gate.recv();
@@ -99,11 +113,7 @@ fn until(what: &str, mut done: impl FnMut() -> bool) {
 fn h16_02_a_finished_chunk_stays_in_l1_until_its_tiers_have_it_and_the_ticket_says_durable() {
     let (open, gate) = mpsc::channel();
     let (entered_tx, entered) = mpsc::sync_channel(1);
-    let disk = Arc::new(GatedTier {
-        inner: FakeTier::new("disk", 64, CHUNK),
-        gate: Mutex::new(Some(gate)),
-        entered: entered_tx,
-    });
+    let disk = Arc::new(GatedTier::new("disk", gate, entered_tx));
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
     let s = StorageManager::start_with_tiers(
         StorageConfig {
@@ -136,6 +146,30 @@ fn h16_02_a_finished_chunk_stays_in_l1_until_its_tiers_have_it_and_the_ticket_sa
     );
     assert!(keys(0..5).iter().all(|k| disk.inner.contains(k)), "every acknowledged chunk is down");
     until("the pipeline's shares come back", || keys(0..5).iter().all(|k| shares(&s, k) == 0));
+}
+
+#[test]
+fn cascade_victims_queued_behind_a_busy_pipeline_go_down_as_one_task() {
+    // L1 of two slots over one tier: every store past the second evicts, and the cascade sends
+    // each victim to the pipeline as a job of its own. A task per chunk costs a disk tier more
+    // than the write, so the jobs that queued while the pipeline was busy go as one.
+    let (open, gate) = mpsc::channel();
+    let (entered_tx, entered) = mpsc::sync_channel(1);
+    let below = Arc::new(GatedTier::new("l2", gate, entered_tx));
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
+    let config =
+        StorageConfig { store_policy: StorePolicy::Cascade, ..StorageConfig::new(l1_config(2)) };
+    let s = StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap();
+    write(&s, &keys(0..2));
+    write(&s, &keys(2..3));
+    entered.recv_timeout(WAIT).unwrap(); // the first victim's task holds the pipeline
+    for i in 3..9 {
+        write(&s, &keys(i..i + 1));
+    }
+    open.send(()).unwrap();
+    until("every victim is down", || keys(0..7).iter().all(|k| below.inner.contains(k)));
+    assert_eq!(*below.tasks.lock(), vec![1, 6], "the six queued victims went as one task");
+    until("the pipeline is idle", || s.status().store_in_flight == 0);
 }
 
 #[test]
