@@ -256,9 +256,11 @@ fn a_running_daemon_is_replayed_in_a_namespace_of_its_own() {
     let status = daemon.status();
     assert_eq!(status.requested_chunks, field(first, "chunks") + field(second, "chunks"));
 
-    let refused = tierkv(&["replay", path, "--socket", socket, "--capacity", "100"]);
-    assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("--socket"), "{refused:?}");
+    for option in [["--capacity", "100"], ["--store-policy", "cascade"]] {
+        let refused = tierkv(&[&["replay", path, "--socket", socket][..], &option].concat());
+        assert!(!refused.status.success());
+        assert!(String::from_utf8_lossy(&refused.stderr).contains("--socket"), "{refused:?}");
+    }
 }
 
 #[test]

@@ -187,11 +187,18 @@ class Daemon:
             raise
 
     def terminate(self) -> None:
-        """SIGTERM and wait: the clean stop a restart follows (what :meth:`stop` does, keeping
-        the socket's directory)."""
+        """SIGTERM and wait, killing it after ``STOP_DEADLINE_S``: the clean stop a restart
+        follows (what :meth:`stop` does, keeping the socket's directory for the restart)."""
+        for client in self.clients:
+            client.close()
+        self.clients.clear()
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(timeout=STOP_DEADLINE_S)
+            try:
+                self.proc.wait(timeout=STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     def kill(self) -> None:
         """``kill -9``: nothing is flushed or closed cleanly (the socket file stays)."""

@@ -36,8 +36,8 @@ pub enum StorePolicy {
 /// Which chunks the remote tier (shared by the nodes) receives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum RemoteAdmission {
-    /// Whenever the store policy copies a finished write to the host tier, it copies it to the
-    /// remote tier too: another node can hit a prefix as soon as one node computed it.
+    /// Every finished write goes to the remote tier at once (under write-back, when L1 writes it
+    /// back): another node can hit a prefix as soon as one node computed it.
     #[default]
     WriteThrough,
     /// A chunk reaches the remote tier once it has been read `min_reads` times on this node (1:

@@ -59,6 +59,11 @@ const READ_COUNTS: usize = 1 << 20;
 /// Chunks a stop hands down at a time under the cascade (`Inner::hand_down_to_disk`).
 const STOP_BATCH: usize = 32;
 
+/// `start + wait`, or a year from `start` when a configured wait is past what `Instant` holds.
+fn deadline_after(start: Instant, wait: Duration) -> Instant {
+    start.checked_add(wait).unwrap_or(start + Duration::from_secs(365 * 24 * 3600))
+}
+
 /// Tells the store pipeline of writes finished by a plain `L1Manager::finish_write` (the
 /// manager's own `finish_write` hands the pipeline its jobs, already pinned, itself).
 struct Forward {
@@ -103,7 +108,7 @@ fn copies_at_write(
 /// take is dropped: a miss later, like any eviction.
 struct DemoteFromL1 {
     host: Option<Arc<HostStore>>,
-    jobs: StoreQueue,
+    down: DemoteDown,
 }
 
 impl Demoter for DemoteFromL1 {
@@ -116,9 +121,33 @@ impl Demoter for DemoteFromL1 {
         }
         let mut copy = vec![0u8; bytes.len() as usize];
         if bytes.copy_to_host(&mut copy).is_ok() {
-            self.jobs.send(StoreJob::Demoted { tier: 0, items: vec![(*key, copy)] });
+            self.down.send(0, *key, copy);
         }
     }
+}
+
+/// The cascade's steps through the store pipeline: a victim's bytes go to a lower tier as a
+/// job, unless [`demoted_cap`] bytes of victims are already on their way (then it is dropped
+/// and counted).
+#[derive(Clone)]
+struct DemoteDown {
+    jobs: StoreQueue,
+    cap: u64,
+    metrics: Arc<StorageMetrics>,
+}
+
+impl DemoteDown {
+    fn send(&self, tier: usize, key: ObjectKey, bytes: Vec<u8>) {
+        if !self.jobs.send_demoted(tier, key, bytes, self.cap) {
+            self.metrics.demotion_dropped();
+        }
+    }
+}
+
+/// Bytes of cascade victims that may be on their way to a lower tier at once (copies in
+/// memory): 256 MiB, or room for a stop's batches of the largest chunks.
+fn demoted_cap(slot_bytes: u64) -> u64 {
+    (256u64 << 20).max(4 * STOP_BATCH as u64 * slot_bytes)
 }
 
 /// How full every tier is, and what is in flight.
@@ -170,6 +199,8 @@ struct Inner {
     /// Whether a stop hands L1's and L2's chunks down to the disk tier: under the cascade, the
     /// only tier a restart keeps holds nothing the tiers above hold.
     hand_down_at_stop: bool,
+    /// Set by the first hand-down.
+    handed_down: AtomicBool,
 }
 
 /// L1, the lower tiers and the pipelines between them.
@@ -237,16 +268,20 @@ impl StorageManager {
                 t.name() != "remote" || config.remote_admission != RemoteAdmission::WriteThrough
             })
         };
+        let names: Vec<String> = tiers.iter().map(|t| t.name().to_string()).collect();
+        let metrics = Arc::new(StorageMetrics::register(&names));
         let cascade = config.store_policy == StorePolicy::Cascade && takes_victims(0);
+        let down = DemoteDown {
+            jobs: jobs.clone(),
+            cap: demoted_cap(config.l1.slot_bytes),
+            metrics: metrics.clone(),
+        };
         let demoter: Option<Arc<dyn Demoter>> = cascade.then(|| {
-            Arc::new(DemoteFromL1 { host: host.clone(), jobs: jobs.clone() }) as Arc<dyn Demoter>
+            Arc::new(DemoteFromL1 { host: host.clone(), down: down.clone() }) as Arc<dyn Demoter>
         });
         if let Some(host) = host.as_ref().filter(|_| cascade && takes_victims(1)) {
             // The host store is tier 0 (fastest first): its victims go to tier 1.
-            let jobs = jobs.clone();
-            host.set_demoter(Box::new(move |key, bytes| {
-                jobs.send(StoreJob::Demoted { tier: 1, items: vec![(key, bytes)] });
-            }));
+            host.set_demoter(Box::new(move |key, bytes| down.send(1, key, bytes)));
         }
         let context = L1Context { clock: Arc::clone(&clock), observer, demoter };
         let l1 = Arc::new(L1Manager::build(config.l1.clone(), context)?);
@@ -255,8 +290,6 @@ impl StorageManager {
             .iter()
             .position(|t| t.name() == "remote")
             .map(|index| (index, config.remote_admission));
-        let names: Vec<String> = tiers.iter().map(|t| t.name().to_string()).collect();
-        let metrics = Arc::new(StorageMetrics::register(&names));
         let router = Arc::new(TierRouter::start(tiers)?);
         let prefetch = PrefetchController::start(l1.clone(), router.clone(), config.prefetch)?;
         let store = StorePipeline::start(
@@ -288,6 +321,7 @@ impl StorageManager {
             stop_maintenance: AtomicBool::new(false),
             copies_at_write,
             hand_down_at_stop: cascade && disk_index.is_some(),
+            handed_down: AtomicBool::new(false),
         });
         let worker = Arc::clone(&inner);
         let maintenance =
@@ -891,22 +925,29 @@ fn hit_of(request: &LookupRequest, available: impl Fn(usize, usize) -> bool) -> 
 }
 
 impl Inner {
-    /// A clean stop under the cascade: L1's chunks go down (into L2, whose victims go to disk),
-    /// then L2's, each tier's coldest first, so that a restart finds on disk what the tiers
-    /// above held, as it would under write-through. It goes a batch at a time, the next batch
-    /// only once the store pipeline is down to a batch's jobs (their bytes are copies in
-    /// memory), and gives up at `stop_drain_timeout`.
+    /// A clean stop under the cascade: what L1 and L2 hold goes down to the disk tier, the one
+    /// a restart keeps, as it would have under write-through. Once: a second stop finds the
+    /// tiers closed. L1 first, the hottest tier, straight to disk: its chunks are leased in
+    /// eviction order and written by the store pipeline as a write-back (which under the
+    /// cascade goes to the disk alone), each freed once written. Then L2's, coldest first,
+    /// through its demoter. A batch at a time, the next once the pipeline has caught up (L2's
+    /// victims are copies in memory); what is not down at `stop_drain_timeout` is lost.
     fn hand_down_to_disk(&self) {
-        let deadline = Instant::now() + self.config.stop_drain_timeout;
-        let started = Instant::now();
-        let mut handed = 0;
-        while Instant::now() < deadline && self.wait_for_store_jobs(STOP_BATCH as u64, deadline) {
-            let batch = self.l1.evict(STOP_BATCH, EvictionReason::Stop).len();
-            if batch == 0 {
-                break;
-            }
-            handed += batch;
+        if self.handed_down.swap(true, Ordering::AcqRel) {
+            return;
         }
+        let started = Instant::now();
+        let deadline = deadline_after(started, self.config.stop_drain_timeout);
+        // Copies still on their way (to a remote tier) pin their chunks: let them finish first.
+        self.wait_for_store_jobs(0, deadline);
+        let mut from_l1 = 0;
+        while Instant::now() < deadline && self.wait_for_store_jobs(1, deadline) {
+            let leased = self.l1.lease_eviction_candidates(WRITEBACK_OWNER, STOP_BATCH);
+            let Some(lease) = leased.lease else { break };
+            from_l1 += leased.keys.len();
+            self.store.submit(StoreJob::WriteBack { lease, keys: leased.keys });
+        }
+        let mut from_l2 = 0;
         if let Some(host) = &self.host {
             while Instant::now() < deadline && self.wait_for_store_jobs(STOP_BATCH as u64, deadline)
             {
@@ -914,14 +955,15 @@ impl Inner {
                 if batch == 0 {
                     break;
                 }
-                handed += batch;
+                from_l2 += batch;
             }
         }
-        let done = self.wait_for_store_jobs(0, deadline);
+        let complete = self.wait_for_store_jobs(0, deadline);
         tracing::info!(
-            chunks = handed,
+            from_l1,
+            from_l2,
             seconds = started.elapsed().as_secs_f64(),
-            complete = done,
+            complete,
             "handed L1's and L2's chunks down to disk for the restart"
         );
     }
@@ -1232,5 +1274,45 @@ mod tests {
             storage.stop();
             assert_eq!(storage.inner.store.queue().progress(), 0, "{policy:?}: jobs were sent");
         }
+    }
+
+    /// Cascade victims on their way down are copies in memory: past the cap a victim is dropped
+    /// (a miss later) rather than queued, and the room comes back as the tier below takes them.
+    #[test]
+    fn demoted_bytes_on_their_way_are_capped_and_come_back_when_written() {
+        let below = Arc::new(tierkv_testkit::FakeTier::new("disk", 64, CHUNK));
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
+        let config = StorageConfig { store_policy: StorePolicy::Cascade, ..StorageConfig::new(l1) };
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
+        let storage = StorageManager::start_with_tiers(
+            config,
+            Arc::new(tierkv_core::ManualClock::new()),
+            tiers,
+        )
+        .unwrap();
+        let queue = storage.inner.store.queue();
+        let down = DemoteDown {
+            jobs: queue.clone(),
+            cap: 2 * CHUNK,
+            metrics: storage.inner.metrics.clone(),
+        };
+        let chunks = keys(0..4);
+        let bytes = |k: &ObjectKey| payload(k, CHUNK);
+        below.hold();
+        down.send(0, chunks[0], bytes(&chunks[0]));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while below.held_tasks() == 0 {
+            assert!(Instant::now() < deadline, "the pipeline never took the victim");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The first is still on its way (held by the tier): one more fits, the next does not.
+        down.send(0, chunks[1], bytes(&chunks[1]));
+        down.send(0, chunks[2], bytes(&chunks[2]));
+        below.release_held();
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        down.send(0, chunks[3], bytes(&chunks[3])); // room again
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        let kept: Vec<bool> = chunks.iter().map(|k| below.contains(k)).collect();
+        assert_eq!(kept, [true, true, false, true]);
     }
 }

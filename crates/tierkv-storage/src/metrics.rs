@@ -30,6 +30,7 @@ pub(crate) struct StorageMetrics {
     store_chunks: Counter,
     store_failures: Vec<(String, Counter)>,
     store_panics: Counter,
+    demotions_dropped: Counter,
     store_expired: Counter,
     maintenance_panics: Counter,
     totals: Mutex<LookupTotals>,
@@ -88,6 +89,7 @@ impl StorageMetrics {
                 .map(|t| (t.clone(), counter!("tierkv_errors_total", "tier" => t.clone(), "reason" => "store_failed")))
                 .collect(),
             store_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "store_panic"),
+            demotions_dropped: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "demotion_dropped"),
             store_expired: counter!("tierkv_errors_total", "tier" => "l1", "reason" => "store_lease_expired"),
             maintenance_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "maintenance_panic"),
             totals: Mutex::new(LookupTotals {
@@ -138,6 +140,11 @@ impl StorageMetrics {
 
     pub(crate) fn store_panic(&self) {
         self.store_panics.increment(1);
+    }
+
+    /// A cascade victim dropped instead of demoted: too many demoted bytes were on their way.
+    pub(crate) fn demotion_dropped(&self) {
+        self.demotions_dropped.increment(1);
     }
 
     pub(crate) fn store_lease_expired(&self) {

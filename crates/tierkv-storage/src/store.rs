@@ -103,6 +103,8 @@ pub(crate) struct StoreQueue {
     /// Bumped (and waiters woken) whenever a job ends, so writers held back by a full L1 can
     /// try again when the pipeline has returned shares.
     progress: Arc<(Mutex<u64>, Condvar)>,
+    /// Bytes of demoted chunks queued or being written: their copies live in memory until then.
+    demoted_bytes: Arc<AtomicU64>,
 }
 
 impl StoreQueue {
@@ -112,8 +114,30 @@ impl StoreQueue {
             sender,
             outstanding: Arc::new(AtomicU64::new(0)),
             progress: Arc::new((Mutex::new(0), Condvar::new())),
+            demoted_bytes: Arc::new(AtomicU64::new(0)),
         };
         (queue, inbox)
+    }
+
+    /// Sends a chunk a tier evicted down to `tier`, unless the demoted bytes queued or being
+    /// written would then pass `cap` (one chunk always goes): a tier below slower than the
+    /// writers above it must not grow the daemon's memory without bound. A refused chunk is
+    /// dropped by the caller, a miss later like any eviction. Returns whether it was sent.
+    pub(crate) fn send_demoted(
+        &self,
+        tier: usize,
+        key: ObjectKey,
+        bytes: Vec<u8>,
+        cap: u64,
+    ) -> bool {
+        let len = bytes.len() as u64;
+        let before = self.demoted_bytes.fetch_add(len, Ordering::AcqRel);
+        if before > 0 && before.saturating_add(len) > cap {
+            self.demoted_bytes.fetch_sub(len, Ordering::AcqRel);
+            return false;
+        }
+        self.send(StoreJob::Demoted { tier, items: vec![(key, bytes)] });
+        true
     }
 
     pub(crate) fn send(&self, job: StoreJob) {
@@ -121,8 +145,14 @@ impl StoreQueue {
         if let Err(refused) = self.sender.send(job) {
             self.outstanding.fetch_sub(1, Ordering::AcqRel);
             // The pipeline is gone: nothing will copy the job, so its shares go back now.
-            if let StoreJob::Finished { ticket: Some(ticket), keys, .. } = &refused.0 {
-                ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
+            match &refused.0 {
+                StoreJob::Finished { ticket: Some(ticket), keys, .. } => {
+                    ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
+                }
+                StoreJob::Demoted { items, .. } => {
+                    self.demoted_bytes.fetch_sub(demoted_len(items), Ordering::AcqRel);
+                }
+                _ => {}
             }
         }
     }
@@ -162,6 +192,8 @@ struct Batch {
     ticket: Option<Arc<StoreTicket>>,
     /// Queue jobs the batch stands for (demoted chunks of several jobs go as one batch).
     jobs: usize,
+    /// Bytes of the demoted chunks the batch carries.
+    demoted_bytes: u64,
 }
 
 /// The store pipeline's thread and queue.
@@ -194,6 +226,7 @@ impl StorePipeline {
             next_batch: 0,
             outstanding: Arc::clone(&queue.outstanding),
             progress: Arc::clone(&queue.progress),
+            demoted_bytes: Arc::clone(&queue.demoted_bytes),
             metrics,
         };
         let halt = Arc::clone(&stop);
@@ -232,6 +265,11 @@ impl Drop for StorePipeline {
     }
 }
 
+/// The bytes of demoted chunks.
+fn demoted_len(items: &[(ObjectKey, Vec<u8>)]) -> u64 {
+    items.iter().map(|(_, bytes)| bytes.len() as u64).sum()
+}
+
 /// How long stopping waits for copies in flight.
 const DRAIN: Duration = Duration::from_secs(10);
 
@@ -252,6 +290,8 @@ struct Worker {
     /// Jobs sent and not yet done, shared with the queue.
     outstanding: Arc<AtomicU64>,
     progress: Arc<(Mutex<u64>, Condvar)>,
+    /// Bytes of demoted chunks queued or being written, shared with the queue.
+    demoted_bytes: Arc<AtomicU64>,
     metrics: Arc<StorageMetrics>,
 }
 
@@ -297,6 +337,7 @@ impl Worker {
             if let Some(ticket) = &batch.ticket {
                 ticket.settle(Durability { durable: 0, not_durable: batch.keys as u32 });
             }
+            self.demoted_bytes.fetch_sub(batch.demoted_bytes, Ordering::AcqRel);
             for _ in 0..batch.jobs {
                 self.done_with_job();
             }
@@ -312,8 +353,14 @@ impl Worker {
             }
             _ => {}
         }
-        if let StoreJob::Finished { keys, ticket: Some(ticket), .. } = &job {
-            ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
+        match &job {
+            StoreJob::Finished { keys, ticket: Some(ticket), .. } => {
+                ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
+            }
+            StoreJob::Demoted { items, .. } => {
+                self.demoted_bytes.fetch_sub(demoted_len(items), Ordering::AcqRel);
+            }
+            _ => {}
         }
         self.done_with_job();
     }
@@ -344,6 +391,8 @@ impl Worker {
         };
         match (job, self.policy) {
             (StoreJob::Finished { .. }, StorePolicy::WriteThrough) => at_write(all),
+            // Under the cascade a write-back is the stop's hand-down of L1: to the disk only.
+            (StoreJob::WriteBack { .. }, StorePolicy::Cascade) => self.disk.into_iter().collect(),
             (StoreJob::WriteBack { .. }, _) => all,
             (StoreJob::Finished { .. }, StorePolicy::DiskAdmission { .. }) => {
                 at_write(all.into_iter().filter(|t| Some(*t) != self.disk).collect())
@@ -364,6 +413,7 @@ impl Worker {
     /// Stores chunks another tier evicted into `tier`, from the bytes they came with.
     fn start_demoted(&mut self, tier: usize, items: Vec<(ObjectKey, Vec<u8>)>, jobs: usize) {
         let keys = items.len();
+        let demoted_bytes = demoted_len(&items);
         let items: Vec<StoreItem> = items
             .into_iter()
             .map(|(key, bytes)| StoreItem { key, source: Box::new(VecChunk(bytes)) })
@@ -378,6 +428,7 @@ impl Worker {
             durable: 0,
             ticket: None,
             jobs,
+            demoted_bytes,
         };
         self.batches.insert(id, batch);
         self.submit_to(tier, id, items);
@@ -388,7 +439,8 @@ impl Worker {
 
     /// Starts `job`; demoted chunks for one tier queued right behind it go in the same batch
     /// (up to [`DEMOTED_BATCH`] chunks), since the cascade sends each victim as a job of its
-    /// own and a tier task per chunk costs the disk tier more than the write. A job of another
+    /// own and a tier task per chunk costs the disk tier more than the write (a task fails as a
+    /// whole: a failed write then drops the batch's chunks, each a miss later). A job of another
     /// kind found behind it is started next.
     fn start_with_followers(&mut self, job: StoreJob, inbox: &Receiver<StoreJob>) {
         let StoreJob::Demoted { tier, mut items } = job else {
@@ -469,6 +521,7 @@ impl Worker {
             durable: 0,
             ticket,
             jobs: 1,
+            demoted_bytes: 0,
         };
         self.batches.insert(id, batch);
         for tier in targets {
@@ -560,6 +613,7 @@ impl Worker {
             let durable = batch.durable.min(batch.keys as u32);
             ticket.settle(Durability { durable, not_durable: batch.keys as u32 - durable });
         }
+        self.demoted_bytes.fetch_sub(batch.demoted_bytes, Ordering::AcqRel);
         for _ in 0..batch.jobs {
             self.done_with_job();
         }

@@ -14,7 +14,7 @@ use tierkv_core::{
     Completion, ExtraCount, LoadItem, ManualClock, ObjectKey, StoreItem, TaskId, TierAdapter,
     TierUsage,
 };
-use tierkv_l1::{L1Config, Readers};
+use tierkv_l1::{L1Config, Readers, Watermark};
 use tierkv_storage::{
     Durability, GroupKind, LookupGroup, LookupRequest, StorageConfig, StorageError, StorageManager,
     StorePolicy,
@@ -157,8 +157,9 @@ fn cascade_victims_queued_behind_a_busy_pipeline_go_down_as_one_task() {
     let (entered_tx, entered) = mpsc::sync_channel(1);
     let below = Arc::new(GatedTier::new("l2", gate, entered_tx));
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
-    let config =
-        StorageConfig { store_policy: StorePolicy::Cascade, ..StorageConfig::new(l1_config(2)) };
+    // Watermarks of 1.0: no background eviction adds a victim while the test counts tasks.
+    let l1 = L1Config { watermark: Watermark { high: 1.0, low: 1.0 }, ..l1_config(2) };
+    let config = StorageConfig { store_policy: StorePolicy::Cascade, ..StorageConfig::new(l1) };
     let s = StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap();
     write(&s, &keys(0..2));
     write(&s, &keys(2..3));

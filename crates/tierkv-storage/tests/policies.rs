@@ -386,7 +386,7 @@ fn under_the_cascade_the_remote_tier_still_takes_every_finished_write_at_once() 
     use tierkv_storage::RemoteAdmission;
     use tierkv_testkit::FakeTier;
     // The node's own tiers take only L1's victims; the tier the nodes share takes each store
-    // as it finishes (write-through admission), and never again as a victim.
+    // as it finishes (write-through admission).
     for (admission, at_once) in [
         (RemoteAdmission::WriteThrough, true),
         (RemoteAdmission::AfterReads { min_reads: 1 }, false),

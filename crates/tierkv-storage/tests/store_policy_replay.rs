@@ -9,7 +9,7 @@
 //! - write-through: into L1, L2 and disk;
 //! - disk admission (N): into L1 and L2; into disk once the block has been a hit N times;
 //! - write-back: into L1 only; L1's victims are copied into L2 and disk on eviction;
-//! - cascade: into L1 only; L1's victims go to L2, L2's to disk (`tierkv replay --cascade`
+//! - cascade: into L1 only; L1's victims go to L2, L2's to disk (`tierkv replay`
 //!   simulates the same with each tier's own policy, and runs it in a daemon).
 //!
 //! Each tier evicts least recently used first. The figures: the prefix hit ratio (hit blocks over

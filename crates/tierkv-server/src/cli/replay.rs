@@ -46,8 +46,9 @@ pub struct ReplayArgs {
     /// How stores reach the lower tiers: `cascade` (the daemon's default: each tier holds what
     /// the one above evicted; with --simulate, --l2 and --disk, in chunks, model the tiers) or
     /// `write-through` (every tier a copy of every store; a simulation models one cache).
-    #[arg(long, value_enum, default_value = "cascade")]
-    store_policy: StorePolicyArg,
+    /// Default: cascade.
+    #[arg(long, value_enum)]
+    store_policy: Option<StorePolicyArg>,
     /// Ranks of the TP group: one worker process and one session each.
     #[arg(long, default_value_t = 1)]
     tp: u16,
@@ -179,7 +180,7 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             })
             .collect::<Result<Vec<_>, _>>()?;
 
-    let cascade = args.store_policy == StorePolicyArg::Cascade;
+    let cascade = args.store_policy != Some(StorePolicyArg::WriteThrough);
     if args.simulate {
         let daemon_only = [
             ("--l2", args.l2.is_some() && !cascade),
@@ -247,7 +248,7 @@ fn daemon_targets(
         return Err(format!("--speedup {f}: must be a positive factor"));
     }
     if let Some(socket) = &args.socket {
-        let policy_given = args.store_policy != StorePolicyArg::Cascade;
+        let policy_given = args.store_policy.is_some();
         if sweep_given || args.l2.is_some() || args.disk.is_some() || policy_given {
             return Err("with --socket the daemon's own tiers and policies apply: drop \
                         --capacity, --policy, --l2, --disk and --store-policy"
@@ -266,7 +267,7 @@ fn daemon_targets(
             let Policy::Online(kind) = *policy else {
                 return Err(format!("{} knows the future: it needs --simulate", policy.name()));
             };
-            let cascade = args.store_policy == StorePolicyArg::Cascade;
+            let cascade = args.store_policy != Some(StorePolicyArg::WriteThrough);
             let tiers = TierChunks { l1, l2, disk, cascade };
             targets.push(Target::Spawn { tiers, policy: kind });
         }
@@ -285,7 +286,7 @@ fn tier_chunks(args: &ReplayArgs, given: &Option<String>) -> Result<u64, String>
 
 /// The lower tiers a cascade simulation models, fastest first; none under write-through.
 fn lower_tiers(args: &ReplayArgs) -> Result<Vec<u64>, String> {
-    if args.store_policy != StorePolicyArg::Cascade {
+    if args.store_policy == Some(StorePolicyArg::WriteThrough) {
         return Ok(Vec::new());
     }
     let tiers = vec![tier_chunks(args, &args.l2)?, tier_chunks(args, &args.disk)?];
