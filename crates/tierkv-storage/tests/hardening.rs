@@ -149,6 +149,36 @@ fn h16_02_a_finished_chunk_stays_in_l1_until_its_tiers_have_it_and_the_ticket_sa
 }
 
 #[test]
+fn a_cascade_stop_waits_for_copies_that_pin_l1_chunks_then_hands_them_down_once() {
+    // Under the cascade a remote tier with write-through admission takes every finished write
+    // at once, and the copy pins its chunks in L1 until the remote tier has them. A stop that
+    // began while the copies were held still hands those chunks down to disk.
+    let (disk, remote) =
+        (Arc::new(FakeTier::new("disk", 64, CHUNK)), Arc::new(FakeTier::new("remote", 64, CHUNK)));
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone(), remote.clone()];
+    let l1 = L1Config { watermark: Watermark { high: 1.0, low: 1.0 }, ..l1_config(8) };
+    let config = StorageConfig { store_policy: StorePolicy::Cascade, ..StorageConfig::new(l1) };
+    let s = Arc::new(
+        StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap(),
+    );
+    remote.hold();
+    write(&s, &keys(0..3));
+    until("the remote copies are held", || remote.held_tasks() > 0);
+    assert!(keys(0..3).iter().all(|k| shares(&s, k) == 1), "the copies pin the chunks");
+    let stopping = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || s.stop())
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!stopping.is_finished(), "the stop waits for the pinned chunks' copies");
+    remote.release_held();
+    stopping.join().unwrap();
+    assert!(keys(0..3).iter().all(|k| remote.contains(k) && disk.contains(k)));
+    assert_eq!(s.status().l1.cached, 0, "L1 was handed down whole");
+    s.stop(); // a second stop (as Drop does) finds nothing to do and returns
+}
+
+#[test]
 fn cascade_victims_queued_behind_a_busy_pipeline_go_down_as_one_task() {
     // L1 of two slots over one tier: every store past the second evicts, and the cascade sends
     // each victim to the pipeline as a job of its own. A task per chunk costs a disk tier more
