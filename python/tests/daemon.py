@@ -188,12 +188,14 @@ class Daemon:
 
     def terminate(self) -> None:
         """SIGTERM and wait, killing it after ``STOP_DEADLINE_S``: the clean stop a restart
-        follows (what :meth:`stop` does, keeping the socket's directory for the restart)."""
+        follows (:meth:`stop` without removing the socket's directory)."""
         for client in self.clients:
             client.close()
         self.clients.clear()
         if self.proc.poll() is None:
-            self.proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
+                self.proc.terminate()
             try:
                 self.proc.wait(timeout=STOP_DEADLINE_S)
             except subprocess.TimeoutExpired:
@@ -289,16 +291,6 @@ class Daemon:
         self.proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        for client in self.clients:
-            client.close()
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGCONT)  # in case a test left it stopped
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout=STOP_DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.terminate()
         if self._sock_dir is not None:
             shutil.rmtree(self._sock_dir, ignore_errors=True)

@@ -469,7 +469,6 @@ impl Worker {
     }
 
     fn start(&mut self, job: StoreJob) {
-        let targets = self.targets(&job);
         let job = match job {
             StoreJob::Demoted { tier, items } => {
                 self.start_demoted(tier, items, 1);
@@ -477,6 +476,7 @@ impl Worker {
             }
             job => job,
         };
+        let targets = self.targets(&job);
         let (lease, keys, write_back, ticket) = match job {
             StoreJob::WriteBack { lease, keys } => (lease, keys, true, None),
             StoreJob::Finished { keys, lease: Some(lease), ticket } if !targets.is_empty() => {

@@ -35,13 +35,18 @@ struct GatedTier {
 }
 
 impl GatedTier {
-    fn new(name: &str, gate: mpsc::Receiver<()>, entered: mpsc::SyncSender<()>) -> Self {
-        GatedTier {
+    /// A shut gate: returns the tier, the sender that opens it, and the receiver told when the
+    /// pipeline has entered the tier and waits.
+    fn shut(name: &str) -> (Arc<Self>, mpsc::Sender<()>, mpsc::Receiver<()>) {
+        let (open, gate) = mpsc::channel();
+        let (entered_tx, entered) = mpsc::sync_channel(1);
+        let tier = GatedTier {
             inner: FakeTier::new(name, 64, CHUNK),
             gate: Mutex::new(Some(gate)),
-            entered,
+            entered: entered_tx,
             tasks: Mutex::new(Vec::new()),
-        }
+        };
+        (Arc::new(tier), open, entered)
     }
 }
 
@@ -111,9 +116,7 @@ fn until(what: &str, mut done: impl FnMut() -> bool) {
 
 #[test]
 fn h16_02_a_finished_chunk_stays_in_l1_until_its_tiers_have_it_and_the_ticket_says_durable() {
-    let (open, gate) = mpsc::channel();
-    let (entered_tx, entered) = mpsc::sync_channel(1);
-    let disk = Arc::new(GatedTier::new("disk", gate, entered_tx));
+    let (disk, open, entered) = GatedTier::shut("disk");
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
     let s = StorageManager::start_with_tiers(
         StorageConfig {
@@ -183,9 +186,7 @@ fn cascade_victims_queued_behind_a_busy_pipeline_go_down_as_one_task() {
     // L1 of two slots over one tier: every store past the second evicts, and the cascade sends
     // each victim to the pipeline as a job of its own. A task per chunk costs a disk tier more
     // than the write, so the jobs that queued while the pipeline was busy go as one.
-    let (open, gate) = mpsc::channel();
-    let (entered_tx, entered) = mpsc::sync_channel(1);
-    let below = Arc::new(GatedTier::new("l2", gate, entered_tx));
+    let (below, open, entered) = GatedTier::shut("l2");
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
     // Watermarks of 1.0: no background eviction adds a victim while the test counts tasks.
     let l1 = L1Config { watermark: Watermark { high: 1.0, low: 1.0 }, ..l1_config(2) };

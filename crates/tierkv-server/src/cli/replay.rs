@@ -83,6 +83,13 @@ pub struct ReplayArgs {
     quiet: bool,
 }
 
+impl ReplayArgs {
+    /// Whether the lower tiers run the cascade (the default) rather than write-through.
+    fn cascade(&self) -> bool {
+        self.store_policy != Some(StorePolicyArg::WriteThrough)
+    }
+}
+
 /// `tierkv replay --store-policy`: the store policies a replay's daemon can run.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum StorePolicyArg {
@@ -180,11 +187,10 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             })
             .collect::<Result<Vec<_>, _>>()?;
 
-    let cascade = args.store_policy != Some(StorePolicyArg::WriteThrough);
     if args.simulate {
         let daemon_only = [
-            ("--l2", args.l2.is_some() && !cascade),
-            ("--disk", args.disk.is_some() && !cascade),
+            ("--l2", args.l2.is_some() && !args.cascade()),
+            ("--disk", args.disk.is_some() && !args.cascade()),
             ("--socket", args.socket.is_some()),
             ("--tp", args.tp != 1),
             ("--mla", args.mla),
@@ -194,8 +200,9 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             daemon_only.iter().filter(|(_, set)| *set).map(|(o, _)| *o).collect();
         if !given.is_empty() {
             return Err(format!(
-                "{} only apply to a daemon replay; --simulate models one cache of --capacity chunks \
-                 (or, under the cascade, L1 of --capacity and the --l2 and --disk tiers below it)",
+                "{} only apply to a daemon replay; --simulate models L1 of --capacity and the \
+                 --l2 and --disk tiers below it (under --store-policy write-through, one cache of \
+                 --capacity chunks)",
                 given.join(", ")
             ));
         }
@@ -267,8 +274,7 @@ fn daemon_targets(
             let Policy::Online(kind) = *policy else {
                 return Err(format!("{} knows the future: it needs --simulate", policy.name()));
             };
-            let cascade = args.store_policy != Some(StorePolicyArg::WriteThrough);
-            let tiers = TierChunks { l1, l2, disk, cascade };
+            let tiers = TierChunks { l1, l2, disk, cascade: args.cascade() };
             targets.push(Target::Spawn { tiers, policy: kind });
         }
     }
@@ -284,9 +290,10 @@ fn tier_chunks(args: &ReplayArgs, given: &Option<String>) -> Result<u64, String>
     }
 }
 
-/// The lower tiers a cascade simulation models, fastest first; none under write-through.
+/// The lower tiers a cascade simulation models, fastest first; none under write-through, or
+/// when neither --l2 nor --disk is given (then one cache of --capacity, as the daemon is).
 fn lower_tiers(args: &ReplayArgs) -> Result<Vec<u64>, String> {
-    if args.store_policy == Some(StorePolicyArg::WriteThrough) {
+    if !args.cascade() || (args.l2.is_none() && args.disk.is_none()) {
         return Ok(Vec::new());
     }
     let tiers = vec![tier_chunks(args, &args.l2)?, tier_chunks(args, &args.disk)?];
