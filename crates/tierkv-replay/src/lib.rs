@@ -18,7 +18,7 @@ pub mod worker;
 
 pub use report::{Mode, RunResult};
 pub use run::{DaemonPlan, MAX_CHUNK_BYTES, Pace, Target, replay_daemon, sweep_simulation};
-pub use sim::{Policy, SimCounts, simulate, simulate_cascade};
+pub use sim::{DISK_SEGMENT_CHUNKS, LowerTiers, Policy, SimCounts, simulate, simulate_cascade};
 pub use trace::{Trace, TraceError, TraceRequest};
 
 /// Why a replay failed.

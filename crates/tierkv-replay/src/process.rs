@@ -9,8 +9,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tierkv_core::policy::PolicyKind;
+use tierkv_disk::{BLOCK, record_bytes};
 
 use crate::ReplayError;
+use crate::sim::LowerTiers;
 
 /// Makes the child die with the thread that started it, so a replay (or a test) that is killed
 /// or panics leaves no process behind.
@@ -73,8 +75,10 @@ pub struct TierChunks {
     pub l1: u64,
     /// L2 (host memory); 0 turns it off.
     pub l2: u64,
-    /// Disk; 0 turns it off. Segment granularity makes this approximate.
+    /// Disk, in whole segments of `disk_segment` chunks, at least two; 0 turns it off.
     pub disk: u64,
+    /// Chunks per disk segment: the disk frees a segment at a time.
+    pub disk_segment: u64,
     /// Whether the lower tiers hold what the tier above evicted (`store_policy = "cascade"`)
     /// rather than a copy of every store (write-through).
     pub cascade: bool,
@@ -208,16 +212,23 @@ fn daemon_config(
     if tiers.disk == 0 {
         text.push_str("[disk]\nenabled = false\n");
     } else {
-        // Sixteen segments or more, each holding a record of one chunk with room to spare.
-        let record = bytes(1, chunk_bytes.saturating_add(8192).next_multiple_of(4096))?;
-        let capacity = bytes(tiers.disk, record)?;
-        let segment = (capacity / 16).next_multiple_of(4096).max(bytes(2, record)?);
+        // The simulation's disk: whole segments of `disk_segment` records and a block of header
+        // each, so the daemon's disk holds exactly the chunks the simulated one does.
+        let chunks = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+        let lower = LowerTiers {
+            l2: chunks(tiers.l2),
+            disk: chunks(tiers.disk),
+            disk_segment: chunks(tiers.disk_segment),
+        };
+        let segment = bytes(tiers.disk_segment.max(1), record_bytes(chunk_bytes))?
+            .checked_add(BLOCK)
+            .ok_or_else(|| ReplayError::Invalid("a disk segment's size overflows".into()))?;
         let _ = write!(
             text,
             "[disk]\ndir = {}\ncapacity = {}\nsegment = {segment}\nfsync = \"never\"\n\
              policy = \"{policy}\"\n",
             toml_string(&dir.join("disk"))?,
-            capacity.max(bytes(2, segment)?)
+            bytes(lower.disk_segments() as u64, segment)?
         );
     }
     Ok(text)

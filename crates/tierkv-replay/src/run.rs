@@ -11,7 +11,7 @@ use tierkv_core::policy::PolicyKind;
 use crate::ReplayError;
 use crate::process::{SpawnedDaemon, TierChunks};
 use crate::report::{Mode, Movement, Percentiles, RunResult, TierHits};
-use crate::sim::{Policy, SimCounts, simulate, simulate_cascade};
+use crate::sim::{LowerTiers, Policy, SimCounts, simulate, simulate_cascade};
 use crate::trace::{Trace, TraceRequest};
 use crate::worker::{Done, Step, WorkerProcess, WorkerSpec};
 
@@ -22,14 +22,13 @@ pub const MAX_CHUNK_BYTES: u64 = 1 << 30;
 /// Replays every trace with every policy at every capacity, spread over the machine's cores.
 /// Results come back in that order: trace, then capacity, then policy.
 ///
-/// With `lower` tier capacities (fastest first, in chunks), each online policy runs the cascade
-/// of L1 (the capacity) and those tiers ([`simulate_cascade`]), and the optimum one cache of
-/// their combined size.
+/// With `lower` tiers, each online policy runs the cascade of L1 (the capacity) and those tiers
+/// ([`simulate_cascade`]), and the optimum one cache of their combined size.
 pub fn sweep_simulation(
     traces: &[Trace],
     policies: &[Policy],
     capacities: &[Option<u64>],
-    lower: &[u64],
+    lower: Option<LowerTiers>,
     progress: bool,
 ) -> Vec<RunResult> {
     let runs: Vec<(usize, Option<u64>, Policy)> = traces
@@ -54,17 +53,13 @@ pub fn sweep_simulation(
                         let trace = &traces[t];
                         let chunks = |c: u64| usize::try_from(c).unwrap_or(usize::MAX);
                         let limit = capacity.map(chunks);
-                        let counts = match (policy, limit) {
-                            (Policy::Online(kind), Some(l1)) if !lower.is_empty() => {
-                                let tiers: Vec<usize> = std::iter::once(l1)
-                                    .chain(lower.iter().map(|c| chunks(*c)))
-                                    .collect();
-                                simulate_cascade(trace, kind, &tiers)
+                        let counts = match (policy, limit, lower) {
+                            (Policy::Online(kind), Some(l1), Some(lower)) => {
+                                simulate_cascade(trace, kind, l1, lower)
                             }
-                            (Policy::Belady | Policy::LruOracleAdmission, Some(l1)) => {
-                                let total =
-                                    lower.iter().fold(l1, |t, c| t.saturating_add(chunks(*c)));
-                                simulate(trace, policy, Some(total))
+                            (Policy::Belady | Policy::LruOracleAdmission, Some(l1), _) => {
+                                let below = lower.map_or(0, |lower| lower.chunks());
+                                simulate(trace, policy, Some(l1.saturating_add(below)))
                             }
                             _ => simulate(trace, policy, limit),
                         };

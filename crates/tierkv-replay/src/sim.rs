@@ -179,78 +179,247 @@ fn simulate_online(
     counts
 }
 
+/// The tiers below L1 of a simulated cascade, in chunks; a tier of 0 is absent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LowerTiers {
+    /// The host tier's capacity.
+    pub l2: usize,
+    /// The disk tier's capacity: whole segments of `disk_segment` chunks, at least two.
+    pub disk: usize,
+    /// Chunks per disk segment: the disk frees a segment at a time.
+    pub disk_segment: usize,
+}
+
+/// Chunks per disk segment in a replay, unless asked otherwise: a segment of the disk tier's
+/// default size (256 MiB) holds four 64 MiB chunks (Mooncake's 512-token blocks of Llama-3-8B's
+/// KV in bf16).
+pub const DISK_SEGMENT_CHUNKS: usize = 4;
+
+impl LowerTiers {
+    /// The disk tier's segments: as many as `disk` chunks fill, at least two (none without a
+    /// disk tier).
+    pub fn disk_segments(&self) -> usize {
+        if self.disk == 0 { 0 } else { self.disk.div_ceil(self.disk_segment.max(1)).max(2) }
+    }
+
+    /// The chunks the tiers hold together: the disk's whole segments, and the host tier.
+    pub fn chunks(&self) -> usize {
+        self.disk_segments().saturating_mul(self.disk_segment.max(1)).saturating_add(self.l2)
+    }
+}
+
 /// Replays `trace` through a cascade of tiers with `policy` in each, as the daemon runs them
-/// under `store_policy = "cascade"`: `capacities[0]` is L1's, the rest are the lower tiers',
-/// fastest first (a tier of 0 is absent). Stores go to L1; each tier's eviction victim goes to
-/// the next tier down, the last tier's is dropped. A hit is the leading run of chunks held by
-/// any tier, and a chunk is touched where it is. A hit's chunks below L1 are read through L1
-/// slots of their own, taken for the request (L1 evicts, and so demotes, to make room for them,
-/// never the request's own L1 hits, which its lookup leased) and freed after it.
+/// under `store_policy = "cascade"`. Stores go to L1; each tier's eviction victim goes to the
+/// next tier down, the last tier's is dropped. A hit is the leading run of chunks held by any
+/// tier, and a chunk is touched where it is. A hit's chunks below L1 are read through L1 slots of
+/// their own, taken for the request (L1 evicts, and so demotes, to make room for them, never the
+/// request's own L1 hits, which its lookup leased) and freed after it.
 ///
 /// A store larger than L1 goes in windows of an eighth of L1, so all of it reaches the tiers below;
 /// a hit larger than L1's room is read from the tiers that hold it, the rest through L1.
 ///
-/// Disk segments are not modelled: the daemon's disk evicts a segment of chunks at a time, so
-/// a daemon replay comes close to this count rather than equal to it.
-pub fn simulate_cascade(trace: &Trace, policy: PolicyKind, capacities: &[usize]) -> SimCounts {
-    let mut tiers: Vec<(Box<dyn EvictionPolicy<u64>>, usize)> =
-        capacities.iter().filter(|c| **c > 0).map(|c| (policy.build(), *c)).collect();
-    let mut counts = SimCounts::default();
-    if tiers.is_empty() {
+/// The disk tier is a log of segments, as the daemon's: chunks are appended to the active segment,
+/// `policy` orders the sealed segments (a hit touches its segment), and room is made by dropping
+/// a whole segment, which then takes the next chunks.
+pub fn simulate_cascade(
+    trace: &Trace,
+    policy: PolicyKind,
+    l1: usize,
+    lower: LowerTiers,
+) -> SimCounts {
+    if l1 == 0 {
         return simulate_online(trace, policy.build(), 0, |_| true);
     }
+    let mut cascade = Cascade {
+        chunks: [l1, lower.l2]
+            .into_iter()
+            .filter(|c| *c > 0)
+            .map(|c| (policy.build(), c))
+            .collect(),
+        disk: (lower.disk > 0)
+            .then(|| SegmentLog::new(policy, lower.disk_segments(), lower.disk_segment.max(1))),
+    };
+    let window = if cascade.chunks.len() > 1 || cascade.disk.is_some() {
+        store_window(l1)
+    } else {
+        usize::MAX
+    };
+    let mut counts = SimCounts::default();
     let mut reserved = Vec::new();
     for request in &trace.requests {
         let chunks = &request.chunks;
-        let holder = |tiers: &[(Box<dyn EvictionPolicy<u64>>, usize)], c: &u64| {
-            tiers.iter().position(|(t, _)| t.contains(c))
-        };
         for chunk in chunks.iter().rev() {
-            if let Some(t) = holder(&tiers, chunk) {
-                tiers[t].0.touch(chunk);
-            }
+            cascade.touch(chunk);
         }
-        let hit = chunks.iter().take_while(|c| holder(&tiers, c).is_some()).count();
+        let hit = chunks.iter().take_while(|c| cascade.holds(c)).count();
         counts.add_request(chunks.len(), request.tokens, hit, trace.chunk_tokens);
         // The hit's chunks below L1 each take an L1 slot for the read.
         let leased: Vec<u64> =
-            chunks[..hit].iter().filter(|c| tiers[0].0.contains(c)).copied().collect();
+            chunks[..hit].iter().filter(|c| cascade.l1().contains(c)).copied().collect();
         let promoted = hit - leased.len();
         for taken in 0..promoted {
-            if tiers[0].0.len() + taken >= tiers[0].1 {
-                let victim = tiers[0].0.evict(1, &mut |k| !leased.contains(k)).pop();
-                match victim {
-                    Some(victim) => demote(&mut tiers, 1, victim),
-                    None => break,
-                }
+            if cascade.l1().len() + taken >= l1
+                && !cascade.evict_from_l1(&mut |k| !leased.contains(k))
+            {
+                break;
             }
         }
         // Stored in windows (the daemon's, with tiers below), the last first, each visible before
         // the next is reserved: a store larger than L1 passes its first windows down, and the
         // chain enters every tier leaf first.
-        let window = if tiers.len() > 1 { store_window(tiers[0].1) } else { usize::MAX };
         let parts: Vec<&[u64]> = chunks[hit..].chunks(window).collect();
         'store: for part in parts.into_iter().rev() {
             reserved.clear();
             for chunk in part {
-                if tiers[0].0.contains(chunk) {
+                if cascade.l1().contains(chunk) {
                     continue;
                 }
-                if tiers[0].0.len() + reserved.len() >= tiers[0].1 {
-                    match tiers[0].0.evict(1, &mut |_| true).pop() {
-                        Some(victim) => demote(&mut tiers, 1, victim),
-                        None => {
-                            finish(&mut tiers[0].0, &reserved, &mut counts);
-                            break 'store;
-                        }
-                    }
+                if cascade.l1().len() + reserved.len() >= l1
+                    && !cascade.evict_from_l1(&mut |_| true)
+                {
+                    finish(cascade.l1_mut(), &reserved, &mut counts);
+                    break 'store;
                 }
                 reserved.push(*chunk);
             }
-            finish(&mut tiers[0].0, &reserved, &mut counts);
+            finish(cascade.l1_mut(), &reserved, &mut counts);
         }
     }
     counts
+}
+
+/// A simulated cascade: L1 and the host tier, each a policy over chunks, and the disk tier.
+struct Cascade {
+    /// L1, then the host tier if there is one: each a policy and its capacity.
+    chunks: Vec<(Box<dyn EvictionPolicy<u64>>, usize)>,
+    disk: Option<SegmentLog>,
+}
+
+impl Cascade {
+    fn l1(&self) -> &dyn EvictionPolicy<u64> {
+        self.chunks[0].0.as_ref()
+    }
+
+    fn l1_mut(&mut self) -> &mut Box<dyn EvictionPolicy<u64>> {
+        &mut self.chunks[0].0
+    }
+
+    fn holds(&self, chunk: &u64) -> bool {
+        self.chunks.iter().any(|(t, _)| t.contains(chunk))
+            || self.disk.as_ref().is_some_and(|d| d.contains(chunk))
+    }
+
+    /// A use of `chunk` in the tier that holds it.
+    fn touch(&mut self, chunk: &u64) {
+        if let Some((tier, _)) = self.chunks.iter_mut().find(|(t, _)| t.contains(chunk)) {
+            tier.touch(chunk);
+        } else if let Some(disk) = &mut self.disk {
+            disk.touch(chunk);
+        }
+    }
+
+    /// Evicts one eligible L1 chunk and hands it down; false when none is eligible.
+    fn evict_from_l1(&mut self, eligible: &mut dyn FnMut(&u64) -> bool) -> bool {
+        match self.chunks[0].0.evict(1, eligible).pop() {
+            Some(victim) => {
+                self.demote(victim);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Puts `chunk`, evicted from L1, into the tiers below, each full tier's own victim going
+    /// further down; past the last tier a victim is dropped.
+    fn demote(&mut self, chunk: u64) {
+        let mut chunk = chunk;
+        for (policy, capacity) in self.chunks.iter_mut().skip(1) {
+            if policy.contains(&chunk) {
+                return;
+            }
+            let victim =
+                if policy.len() >= *capacity { policy.evict(1, &mut |_| true).pop() } else { None };
+            policy.insert(chunk);
+            match victim {
+                Some(victim) => chunk = victim,
+                None => return,
+            }
+        }
+        if let Some(disk) = &mut self.disk {
+            disk.append(chunk);
+        }
+    }
+}
+
+/// The disk tier as the daemon's log of segments: a chunk is appended to the active segment; a
+/// full one is sealed and enters the policy; the next is the first segment never written, or
+/// else the policy's victim, whose chunks are dropped.
+struct SegmentLog {
+    policy: Box<dyn EvictionPolicy<u32>>,
+    /// The chunks written into each segment in its current life.
+    segments: Vec<Vec<u64>>,
+    /// The segment being appended to.
+    active: Option<u32>,
+    /// Segments opened so far; the rest have never been written.
+    opened: usize,
+    per_segment: usize,
+    /// The segment holding each chunk.
+    at: HashMap<u64, u32>,
+}
+
+impl SegmentLog {
+    fn new(policy: PolicyKind, segments: usize, per_segment: usize) -> Self {
+        SegmentLog {
+            policy: policy.build(),
+            segments: vec![Vec::new(); segments],
+            active: None,
+            opened: 0,
+            per_segment,
+            at: HashMap::new(),
+        }
+    }
+
+    fn contains(&self, chunk: &u64) -> bool {
+        self.at.contains_key(chunk)
+    }
+
+    fn touch(&mut self, chunk: &u64) {
+        if let Some(segment) = self.at.get(chunk) {
+            self.policy.touch(segment);
+        }
+    }
+
+    fn append(&mut self, chunk: u64) {
+        if self.contains(&chunk) {
+            return;
+        }
+        let active = match self.active {
+            Some(id) if self.segments[id as usize].len() < self.per_segment => id,
+            full => {
+                if let Some(id) = full {
+                    self.policy.insert(id);
+                }
+                let Some(id) = self.open() else { return };
+                id
+            }
+        };
+        self.segments[active as usize].push(chunk);
+        self.at.insert(chunk, active);
+        self.active = Some(active);
+    }
+
+    /// The first segment never written, or else the policy's victim, emptied.
+    fn open(&mut self) -> Option<u32> {
+        if self.opened < self.segments.len() {
+            self.opened += 1;
+            return u32::try_from(self.opened - 1).ok();
+        }
+        let victim = self.policy.evict(1, &mut |_| true).pop()?;
+        for chunk in std::mem::take(&mut self.segments[victim as usize]) {
+            self.at.remove(&chunk);
+        }
+        Some(victim)
+    }
 }
 
 /// Makes a store window's reserved chunks visible, leaf first (the daemon's `finish_write`).
@@ -258,24 +427,6 @@ fn finish(l1: &mut Box<dyn EvictionPolicy<u64>>, reserved: &[u64], counts: &mut 
     counts.inserted += reserved.len() as u64;
     for chunk in reserved.iter().rev() {
         l1.insert(*chunk);
-    }
-}
-
-/// Puts `chunk`, evicted from the tier above, into tier `at`, demoting that tier's own victim
-/// further down when it is full. Past the last tier a victim is dropped.
-fn demote(tiers: &mut [(Box<dyn EvictionPolicy<u64>>, usize)], at: usize, chunk: u64) {
-    let mut chunk = chunk;
-    for (policy, capacity) in tiers.iter_mut().skip(at) {
-        if policy.contains(&chunk) {
-            return;
-        }
-        let victim =
-            if policy.len() >= *capacity { policy.evict(1, &mut |_| true).pop() } else { None };
-        policy.insert(chunk);
-        match victim {
-            Some(victim) => chunk = victim,
-            None => return,
-        }
     }
 }
 
@@ -401,18 +552,59 @@ mod tests {
         assert_eq!(counts.hit_chunks, 2);
     }
 
+    fn cascade(t: &Trace, l1: usize, l2: usize, disk: (usize, usize)) -> SimCounts {
+        let (disk, disk_segment) = disk;
+        simulate_cascade(t, PolicyKind::Lru, l1, LowerTiers { l2, disk, disk_segment })
+    }
+
     #[test]
     fn a_cascade_keeps_what_l1_evicted_in_the_tier_below() {
         let t = trace(&[&[1], &[2], &[3], &[4], &[1]]);
         // L1 of 2 over a tier of 2 holds the last four chunks, like one cache of 4.
-        let cascade = simulate_cascade(&t, PolicyKind::Lru, &[2, 2]);
-        assert_eq!(cascade.hit_chunks, 1);
-        assert_eq!(cascade, simulate(&t, Policy::Online(PolicyKind::Lru), Some(4)));
+        let tiered = cascade(&t, 2, 2, (0, 1));
+        assert_eq!(tiered.hit_chunks, 1);
+        assert_eq!(tiered, simulate(&t, Policy::Online(PolicyKind::Lru), Some(4)));
         // L1 alone, or a lower tier too small, loses chunk 1.
-        assert_eq!(simulate_cascade(&t, PolicyKind::Lru, &[2]).hit_chunks, 0);
-        assert_eq!(simulate_cascade(&t, PolicyKind::Lru, &[2, 1]).hit_chunks, 0);
-        // An absent tier (0) is skipped: [2, 0, 2] is [2, 2].
-        assert_eq!(simulate_cascade(&t, PolicyKind::Lru, &[2, 0, 2]), cascade);
+        assert_eq!(cascade(&t, 2, 0, (0, 1)).hit_chunks, 0);
+        assert_eq!(cascade(&t, 2, 1, (0, 1)).hit_chunks, 0);
+    }
+
+    #[test]
+    fn a_disk_of_one_chunk_segments_is_a_tier_of_chunks() {
+        // Segments of one chunk: LRU over segments is LRU over chunks.
+        let mut x = 7u64;
+        let requests: Vec<Vec<u64>> = (0..200)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                let root = (x >> 33) % 14;
+                vec![root, root + 100]
+            })
+            .collect();
+        let requests: Vec<&[u64]> = requests.iter().map(Vec::as_slice).collect();
+        let t = trace(&requests);
+        let on_disk = cascade(&t, 2, 0, (16, 1));
+        assert!(on_disk.hit_chunks > 0);
+        assert_eq!(on_disk, cascade(&t, 2, 16, (0, 1)));
+    }
+
+    #[test]
+    fn the_disk_drops_a_whole_segment_and_the_policy_picks_which() {
+        // L1 of one chunk passes every earlier chunk down to a disk of 16 segments of 2 chunks,
+        // full once 1-32 are down; 33 going down then drops the least recent segment whole.
+        let stored: Vec<Vec<u64>> = (1..=34u64).map(|c| vec![c]).collect();
+        let mut requests: Vec<&[u64]> = stored.iter().map(Vec::as_slice).collect();
+        let probes: [&[u64]; 2] = [&[3], &[1]];
+        requests.extend(probes);
+        // Untouched, [1 2] went: the probe of 3 hits, the probe of 1 misses.
+        let counts = cascade(&trace(&requests), 1, 0, (32, 2));
+        assert_eq!(counts.hit_chunks, 1);
+        // A hit on 2 while the disk fills makes [3 4] the least recent segment instead: that
+        // early probe hits, then 3 misses and 1 hits.
+        requests.insert(20, &[2]);
+        let counts = cascade(&trace(&requests), 1, 0, (32, 2));
+        assert_eq!(counts.hit_chunks, 2);
     }
 
     #[test]
@@ -420,7 +612,7 @@ mod tests {
         // [1 2] sits in the lower tier after [3 4]; reading it takes L1's two slots, which
         // pushes 3 and 4 down; they are still hits.
         let t = trace(&[&[1, 2], &[3, 4], &[1, 2], &[3, 4]]);
-        let counts = simulate_cascade(&t, PolicyKind::Lru, &[2, 2]);
+        let counts = cascade(&t, 2, 2, (0, 1));
         assert_eq!(counts.hit_chunks, 4);
         assert_eq!(counts.inserted, 4, "hits below L1 are not stored again");
     }
@@ -430,10 +622,10 @@ mod tests {
         let t = trace(&[&[1, 2, 3, 4, 5, 6, 7, 8], &[1, 2, 3, 4, 5, 6, 7, 8]]);
         // L1 of 4 over a tier of 8: windows of 1 pass 1-4 down; the second request hits all
         // eight, four of them read from below with L1 full of its own leased hits.
-        let counts = simulate_cascade(&t, PolicyKind::Lru, &[4, 8]);
+        let counts = cascade(&t, 4, 8, (0, 1));
         assert_eq!((counts.inserted, counts.hit_chunks), (8, 8));
         // L1 alone takes one reservation: what does not fit is refused.
-        let alone = simulate_cascade(&t, PolicyKind::Lru, &[4]);
+        let alone = cascade(&t, 4, 0, (0, 1));
         assert_eq!((alone.inserted, alone.hit_chunks), (4 + 4, 4));
     }
 

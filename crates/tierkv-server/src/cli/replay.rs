@@ -11,7 +11,10 @@ use tierkv_core::policy::PolicyKind;
 use tierkv_replay::process::TierChunks;
 use tierkv_replay::report::{daemon_table, simulation_table, write_json, write_plot};
 use tierkv_replay::worker::{WorkerSpec, serve_worker};
-use tierkv_replay::{DaemonPlan, MAX_CHUNK_BYTES, Pace, Policy, RunResult, Target, Trace};
+use tierkv_replay::{
+    DISK_SEGMENT_CHUNKS, DaemonPlan, LowerTiers, MAX_CHUNK_BYTES, Pace, Policy, RunResult, Target,
+    Trace,
+};
 
 use crate::config::ByteSize;
 
@@ -40,9 +43,14 @@ pub struct ReplayArgs {
     /// L2 (host memory) capacity in chunks or bytes; off unless given.
     #[arg(long)]
     l2: Option<String>,
-    /// Disk capacity in chunks or bytes; off unless given.
+    /// Disk capacity in chunks or bytes, in whole segments; off unless given.
     #[arg(long)]
     disk: Option<String>,
+    /// Chunks per disk segment (the disk frees a segment at a time). The default, 4, is a
+    /// segment of the disk tier's default size (256 MiB) holding 64 MiB chunks: Mooncake's
+    /// 512-token blocks of Llama-3-8B's KV in bf16.
+    #[arg(long, default_value_t = DISK_SEGMENT_CHUNKS as u64)]
+    disk_segment: u64,
     /// How stores reach the lower tiers: `cascade` (the daemon's default: each tier holds what
     /// the one above evicted; with --simulate, --l2 and --disk, in chunks, model the tiers) or
     /// `write-through` (every tier a copy of every store; a simulation models one cache).
@@ -186,6 +194,9 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
                 ))
             })
             .collect::<Result<Vec<_>, _>>()?;
+    if args.disk_segment == 0 {
+        return Err("--disk-segment must be at least one chunk".into());
+    }
 
     if args.simulate {
         let daemon_only = [
@@ -218,7 +229,7 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let results: Vec<RunResult> = if args.simulate {
         let lower = lower_tiers(&args)?;
-        tierkv_replay::sweep_simulation(&traces, &policies, &capacities, &lower, !args.quiet)
+        tierkv_replay::sweep_simulation(&traces, &policies, &capacities, lower, !args.quiet)
     } else {
         daemon_runs(&args, &traces, &targets)?
     };
@@ -274,7 +285,13 @@ fn daemon_targets(
             let Policy::Online(kind) = *policy else {
                 return Err(format!("{} knows the future: it needs --simulate", policy.name()));
             };
-            let tiers = TierChunks { l1, l2, disk, cascade: args.cascade() };
+            let tiers = TierChunks {
+                l1,
+                l2,
+                disk,
+                disk_segment: args.disk_segment,
+                cascade: args.cascade(),
+            };
             targets.push(Target::Spawn { tiers, policy: kind });
         }
     }
@@ -290,14 +307,18 @@ fn tier_chunks(args: &ReplayArgs, given: &Option<String>) -> Result<u64, String>
     }
 }
 
-/// The lower tiers a cascade simulation models, fastest first; none under write-through, or
-/// when neither --l2 nor --disk is given (then one cache of --capacity, as the daemon is).
-fn lower_tiers(args: &ReplayArgs) -> Result<Vec<u64>, String> {
+/// The host and disk tiers a cascade simulation models; none under write-through, or when
+/// neither --l2 nor --disk is given (then one cache of --capacity, as the daemon is).
+fn lower_tiers(args: &ReplayArgs) -> Result<Option<LowerTiers>, String> {
     if !args.cascade() || (args.l2.is_none() && args.disk.is_none()) {
-        return Ok(Vec::new());
+        return Ok(None);
     }
-    let tiers = vec![tier_chunks(args, &args.l2)?, tier_chunks(args, &args.disk)?];
-    Ok(tiers)
+    let chunks = |n: u64| usize::try_from(n).map_err(|_| format!("{n} chunks do not fit here"));
+    Ok(Some(LowerTiers {
+        l2: chunks(tier_chunks(args, &args.l2)?)?,
+        disk: chunks(tier_chunks(args, &args.disk)?)?,
+        disk_segment: chunks(args.disk_segment)?,
+    }))
 }
 
 /// Replays every trace through every target, in order.
