@@ -13,6 +13,9 @@ Run through ``scripts/gpu-check.sh`` (which sets ``PYTHONPATH`` to this checkout
    bf16), registers them by CUDA IPC handles, stores and retrieves 2 MiB contiguous chunks and
    16 MiB fragmented chunks with every byte verified (the blocks are overwritten before each
    retrieve, so equal bytes prove the load), and times engine->L1, L1->L2 and L2->L1->engine.
+   These parts run write-through (a store's flush is its L1->L2 move); one more runs the
+   default store policy, the cascade, where a store into a full L1 moves L1's victims to
+   pinned L2 on the writer's path, and loads the first round back from L2.
 
 The daemon inherits the environment: ``TIERKV_NO_BATCH_COPY=1`` makes it copy one
 ``cuMemcpyAsync`` per piece instead of ``cuMemcpyBatchAsync``, to compare the two.
@@ -472,7 +475,14 @@ def print_raw(r: dict[str, float]) -> None:
 
 class Daemon:
     def __init__(
-        self, binary: Path, workdir: Path, l1: str, l2: str, slot: str, gpu: bool
+        self,
+        binary: Path,
+        workdir: Path,
+        l1: str,
+        l2: str,
+        slot: str,
+        gpu: bool,
+        store_policy: str = "write_through",
     ):
         self.socket = workdir / "s"
         self.log = workdir / "daemon.log"
@@ -501,8 +511,9 @@ workers = 4
 enabled = false
 
 [storage]
-# Write-through: a store's flush is its L1 -> L2 move, which the check times.
-store_policy = "write_through"
+# Write-through unless a part asks for the cascade: a store's flush is then its L1 -> L2 move,
+# which the check times.
+store_policy = "{store_policy}"
 """)
         env = dict(os.environ, TIERKV_LOG=os.environ.get("TIERKV_LOG", "warn"))
         try:
@@ -695,13 +706,21 @@ class Session:
 
 
 @contextlib.contextmanager
-def running_daemon(args, l1: int, l2: int, slot: int, gpu: bool):
+def running_daemon(
+    args, l1: int, l2: int, slot: int, gpu: bool, store_policy: str = "write_through"
+):
     """A daemon of its own for one part of the check, stopped (and its directory removed unless
     ``--keep``) when the part is over; a failure inside carries the log's tail."""
     workdir = Path(tempfile.mkdtemp(prefix="tierkv-gpu-"))
     try:
         daemon = Daemon(
-            args.binary, workdir, l1=str(l1), l2=str(l2), slot=str(slot), gpu=gpu
+            args.binary,
+            workdir,
+            l1=str(l1),
+            l2=str(l2),
+            slot=str(slot),
+            gpu=gpu,
+            store_policy=store_policy,
         )
     except CheckFailed:
         if not args.keep:
@@ -709,7 +728,8 @@ def running_daemon(args, l1: int, l2: int, slot: int, gpu: bool):
         raise
     print(
         f"daemon: {args.binary} (L1 {l1 >> 20} MiB {'on cuda:0' if gpu else 'emulated'}, "
-        f"slot {slot >> 20} MiB, {'pinned' if gpu else 'plain'} L2), log {daemon.log}"
+        f"slot {slot >> 20} MiB, {'pinned' if gpu else 'plain'} L2, {store_policy}), "
+        f"log {daemon.log}"
     )
     # CPU time from here on, past the daemon's start (CUDA's initialization is most of that):
     # a daemon that spins while it waits for copies uses a core for as long as they take.
@@ -773,6 +793,7 @@ def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
     for _ in range(args.rounds):
         memory = Memory(torch, gpu)
         report = contiguous_check(torch, args, raw, gpu, memory)
+        report += cascade_check(torch, args, raw, gpu, memory)
         report += fragmented_check(torch, args, raw, gpu, memory)
         rounds.append(report)
         if gpu:
@@ -864,6 +885,68 @@ def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
         ),
         row(
             f"{what} lookup + retrieve", best["lookup"], raw["contig_d2d"], pieces, None
+        ),
+    ]
+
+
+def cascade_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
+    """The daemon's default store policy, the cascade: L1 holds one round of ``--contig-chunks``
+    2 MiB chunks, so each later round's store moves the round before it out of L1 into L2 on the
+    writer's path (device to pinned host, under the victims' shard lock); then the first round,
+    in L2, is loaded back through L1 and every byte checked."""
+
+    n, rounds = args.contig_chunks, 3
+    l1 = n * CONTIG_CHUNK
+    nb = n * CONTIG_CHUNK
+    t_store = 0.0
+    with running_daemon(args, l1, 4 * l1, CONTIG_CHUNK, gpu, "cascade") as daemon:
+        contig, s = contiguous_session(daemon, memory, n, "cascade")
+        try:
+            rounds_chunks = [
+                [(0x3000 + r * n + i, [i]) for i in range(n)] for r in range(rounds)
+            ]
+            first = None
+            for r, chunks in enumerate(rounds_chunks):
+                contig.random_(0, 256)
+                if r == 0:
+                    first = contig.clone()
+                memory.sync()
+                t0 = time.perf_counter()
+                s.store(chunks)
+                if r > 0:  # L1 is full from the second round on: each store evicts down
+                    t_store += time.perf_counter() - t0
+            contig.zero_()
+            memory.sync()
+            t_lookup, t_retrieve, tiers = s.load(rounds_chunks[0], 1)
+            if not torch.equal(contig, first):
+                bad = int((contig != first).any(dim=1).nonzero()[0])
+                fail(f"cascade: chunk {bad} differs after it went down to L2 and back")
+        finally:
+            s.close()
+    print("  cascade: every byte verified after L2")
+    what = f"cascade, {n} x 2 MiB:"
+    serial = 1 / (1 / raw["h2d"] + 1 / raw["contig_d2d"])
+    return [
+        row(
+            f"{what} engine -> L1, victims -> L2 (store)",
+            gbps(nb * (rounds - 1), t_store),
+            raw["d2h"],
+            "raw D2H",
+            None,
+        ),
+        row(
+            f"{what} L2 -> L1 (the lookup's loads) {tiers}",
+            gbps(nb, t_lookup),
+            raw["h2d"],
+            "raw H2D",
+            TARGET_HOST,
+        ),
+        row(
+            f"{what} L2 -> L1 -> engine (lookup + retrieve)",
+            gbps(nb, t_lookup + t_retrieve),
+            serial,
+            "raw H2D then raw D2D",
+            None,
         ),
     ]
 

@@ -78,6 +78,10 @@ def test_the_dry_run_stores_and_retrieves_every_byte_through_l1_and_l2(cpu_torch
     # The contiguous chunks (as many as --chunks in the dry run) all came back from L1.
     assert "8 a request: L1 -> engine (retrieve) [8, 0, 0, 0]" in out.stdout, out.stdout
     assert "(the lookup's loads) [0, 2, 0, 0]" in out.stdout, out.stdout
+    # Under the cascade (the default store policy) the first round went down to L2 as later
+    # rounds were stored, and came back from there, every byte checked.
+    assert "cascade: every byte verified after L2" in out.stdout, out.stdout
+    assert "cascade, 8 x 2 MiB: L2 -> L1 (the lookup's loads) [0, 8, 0, 0]" in out.stdout
 
 
 def test_the_dry_run_fails_loudly_when_a_byte_differs(cpu_torch, tierkv_bin):
