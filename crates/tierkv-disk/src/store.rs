@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
-use tierkv_core::policy::EvictionPolicy;
+use tierkv_core::policy::{EvictionPolicy, SampleKey};
 use tierkv_core::{
     AlignedBuf, Bitmap, ChunkSink, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
     TierAdapter, TierError, TierUsage,
@@ -109,17 +109,51 @@ impl Segment {
     }
 }
 
+/// One life of a segment, as the eviction policy tracks it: a reused segment is a new life (a new
+/// epoch), never the return of the one evicted before, so a policy that remembers its victims
+/// (the adaptive policy's and S3-FIFO's ghosts) does not take every reused segment for a victim
+/// that came back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct SegmentLife {
+    id: u32,
+    epoch: u64,
+}
+
+impl SegmentLife {
+    fn of(id: u32, segment: &Segment) -> Self {
+        SegmentLife { id, epoch: segment.epoch }
+    }
+}
+
+impl SampleKey for SegmentLife {
+    fn sample_bits(&self) -> u64 {
+        self.epoch ^ u64::from(self.id).rotate_left(32)
+    }
+}
+
 struct Index {
     map: HashMap<ObjectKey, Loc>,
     /// Lock count and segment of every locked key.
     locks: HashMap<ObjectKey, (u64, u32)>,
     lock_total: u64,
     segments: Vec<Segment>,
-    /// Tracks exactly the sealed segments.
-    policy: Box<dyn EvictionPolicy<u32>>,
+    /// Tracks exactly the sealed segments, each in its current life.
+    policy: Box<dyn EvictionPolicy<SegmentLife>>,
 }
 
 impl Index {
+    /// A use of the segment `id` holds in its current life.
+    fn touch_segment(&mut self, id: u32) {
+        let life = SegmentLife::of(id, &self.segments[id as usize]);
+        self.policy.touch(&life);
+    }
+
+    /// `id` is sealed: its current life enters the policy.
+    fn track_sealed(&mut self, id: u32) {
+        let life = SegmentLife::of(id, &self.segments[id as usize]);
+        self.policy.insert(life);
+    }
+
     /// Drops the index entry of `key` if it still points at `loc`.
     fn drop_record(&mut self, key: &ObjectKey, loc: Loc) {
         if self.map.get(key) == Some(&loc) {
@@ -729,7 +763,7 @@ fn scan(
             recovered.records += 1;
             recovered.bytes += loc.len;
         }
-        index.policy.insert(id);
+        index.track_sealed(id);
     }
     Ok((index, recovered))
 }
@@ -1233,7 +1267,7 @@ impl Shared {
         let seg = &mut index.segments[segment as usize];
         if seg.status == Status::Active && seg.epoch == epoch {
             seg.status = Status::Sealed;
-            index.policy.insert(segment);
+            index.track_sealed(segment);
         }
     }
 
@@ -1266,7 +1300,7 @@ impl Shared {
         let seg = &mut index.segments[segment as usize];
         if seg.status == Status::Active {
             seg.status = Status::Sealed;
-            index.policy.insert(segment);
+            index.track_sealed(segment);
         }
         if writer.active == Some(segment) {
             writer.active = None;
@@ -1299,8 +1333,8 @@ impl Shared {
                 None => {
                     let Index { segments, policy, .. } = &mut *index;
                     let victim =
-                        policy.evict(1, &mut |id| segments[*id as usize].evictable()).pop();
-                    let Some(id) = victim else {
+                        policy.evict(1, &mut |life| segments[life.id as usize].evictable()).pop();
+                    let Some(SegmentLife { id, .. }) = victim else {
                         return Err(TierError::NoSpace(format!(
                             "all {} segments of {} bytes hold locked, pinned or unpublished records",
                             index.segments.len(),
@@ -1457,7 +1491,7 @@ impl Shared {
                 index.segments[loc.segment as usize].locked += 1;
             }
             index.lock_total += 1;
-            index.policy.touch(&loc.segment);
+            index.touch_segment(loc.segment);
             true
         }))
     }
@@ -1477,7 +1511,7 @@ impl Shared {
                     segment.pins += 1;
                     pins.segments.push(loc.segment);
                     let epoch = segment.epoch;
-                    index.policy.touch(&loc.segment);
+                    index.touch_segment(loc.segment);
                     Some((loc, epoch, file))
                 })
                 .collect()

@@ -477,6 +477,31 @@ fn a_reused_segment_forgets_its_earlier_records_across_a_restart() {
     h.assert_loads(&survivors);
 }
 
+#[test]
+fn a_reused_segment_is_a_new_life_to_the_policy_not_its_own_ghost_returning() {
+    // Four segments of one record, evicted by S3-FIFO with nothing read until the end: each
+    // segment goes in the order it was sealed. S3-FIFO remembers what it evicted (its ghosts)
+    // and puts a returning key straight into its main queue; were a reused segment that key
+    // again, it would jump the queue and be evicted before older ones (after seven stores,
+    // keys 2, 3, 5 and 6 instead of 3 to 6).
+    for last in 3..12u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DiskStoreConfig {
+            policy: tierkv_core::policy::PolicyKind::S3Fifo,
+            ..config(dir.path(), 4, 1)
+        };
+        let (mut h, _) = open(config);
+        for n in 0..=last {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        // A lookup is a use, so only now, once: the active segment holds the last key, the
+        // sealed ones the three before it.
+        let present: Vec<u64> =
+            h.present(&keys(0..last + 1)).iter_ones().map(|i| i as u64).collect();
+        assert_eq!(present, (last - 3..=last).collect::<Vec<_>>(), "{} stores", last + 1);
+    }
+}
+
 /// A sink that signals when its copy starts and waits (at most ten seconds) to be let go.
 struct GatedSink {
     started: crossbeam_channel::Sender<()>,

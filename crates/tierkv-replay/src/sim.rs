@@ -353,11 +353,17 @@ impl Cascade {
 
 /// The disk tier as the daemon's log of segments: a chunk is appended to the active segment; a
 /// full one is sealed and enters the policy; the next is the first segment never written, or
-/// else the policy's victim, whose chunks are dropped.
+/// else the policy's victim, whose chunks are dropped. The policy tracks each segment's current
+/// life, as the daemon's does (a segment and its epoch): a reused segment is new to it.
 struct SegmentLog {
-    policy: Box<dyn EvictionPolicy<u32>>,
+    policy: Box<dyn EvictionPolicy<u64>>,
     /// The chunks written into each segment in its current life.
     segments: Vec<Vec<u64>>,
+    /// Each segment's current life; lives are numbered from 1 and never reused.
+    life: Vec<u64>,
+    lives: u64,
+    /// The segment of each life the policy tracks.
+    segment_of: HashMap<u64, u32>,
     /// The segment being appended to.
     active: Option<u32>,
     /// Segments opened so far; the rest have never been written.
@@ -372,6 +378,9 @@ impl SegmentLog {
         SegmentLog {
             policy: policy.build(),
             segments: vec![Vec::new(); segments],
+            life: vec![0; segments],
+            lives: 0,
+            segment_of: HashMap::new(),
             active: None,
             opened: 0,
             per_segment,
@@ -385,7 +394,7 @@ impl SegmentLog {
 
     fn touch(&mut self, chunk: &u64) {
         if let Some(segment) = self.at.get(chunk) {
-            self.policy.touch(segment);
+            self.policy.touch(&self.life[*segment as usize]);
         }
     }
 
@@ -397,9 +406,13 @@ impl SegmentLog {
             Some(id) if self.segments[id as usize].len() < self.per_segment => id,
             full => {
                 if let Some(id) = full {
-                    self.policy.insert(id);
+                    let life = self.life[id as usize];
+                    self.segment_of.insert(life, id);
+                    self.policy.insert(life);
                 }
                 let Some(id) = self.open() else { return };
+                self.lives += 1;
+                self.life[id as usize] = self.lives;
                 id
             }
         };
@@ -415,6 +428,7 @@ impl SegmentLog {
             return u32::try_from(self.opened - 1).ok();
         }
         let victim = self.policy.evict(1, &mut |_| true).pop()?;
+        let victim = self.segment_of.remove(&victim)?;
         for chunk in std::mem::take(&mut self.segments[victim as usize]) {
             self.at.remove(&chunk);
         }
