@@ -243,10 +243,12 @@ pub trait TierAdapter: Send + Sync {
     /// Queues a store of every item; one completion answers for the whole task.
     fn submit_store(&self, items: Vec<StoreItem>) -> TaskId;
 
-    /// Queues a lookup that also locks every present key against this tier's eviction.
+    /// Queues a lookup that also locks every present key against this tier's eviction. It is
+    /// the use a tier's eviction policy counts for each key found.
     fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId;
 
-    /// Queues a load of every item; absent keys are reported, the others still load.
+    /// Queues a load of every item; absent keys are reported, the others still load. A load
+    /// reads what a lookup locked and is part of that use: the policy does not count it again.
     fn submit_load(&self, items: Vec<LoadItem>) -> TaskId;
 
     /// Returns one lock per key taken by a lookup; keys never locked are ignored.

@@ -1510,9 +1510,8 @@ impl Shared {
                     let file = segment.file.clone()?;
                     segment.pins += 1;
                     pins.segments.push(loc.segment);
-                    let epoch = segment.epoch;
-                    index.touch_segment(loc.segment);
-                    Some((loc, epoch, file))
+                    // No touch: the lookup that locked the key was the use.
+                    Some((loc, segment.epoch, file))
                 })
                 .collect()
         };

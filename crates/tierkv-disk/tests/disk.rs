@@ -14,6 +14,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tierkv_core::policy::{EvictionPolicy, PolicyKind};
 use tierkv_core::{TierAdapter, TierError};
 use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, IoMode, ReadMode, record_bytes};
 use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload};
@@ -486,10 +487,7 @@ fn a_reused_segment_is_a_new_life_to_the_policy_not_its_own_ghost_returning() {
     // keys 2, 3, 5 and 6 instead of 3 to 6).
     for last in 3..12u64 {
         let dir = tempfile::tempdir().unwrap();
-        let config = DiskStoreConfig {
-            policy: tierkv_core::policy::PolicyKind::S3Fifo,
-            ..config(dir.path(), 4, 1)
-        };
+        let config = DiskStoreConfig { policy: PolicyKind::S3Fifo, ..config(dir.path(), 4, 1) };
         let (mut h, _) = open(config);
         for n in 0..=last {
             h.store(&keys(n..n + 1)).unwrap();
@@ -499,6 +497,48 @@ fn a_reused_segment_is_a_new_life_to_the_policy_not_its_own_ghost_returning() {
         let present: Vec<u64> =
             h.present(&keys(0..last + 1)).iter_ones().map(|i| i as u64).collect();
         assert_eq!(present, (last - 3..=last).collect::<Vec<_>>(), "{} stores", last + 1);
+    }
+}
+
+#[test]
+fn segment_eviction_follows_the_policy_fed_one_use_per_hit() {
+    // The disk against its policy run by hand as the reference: one record per segment, so a
+    // segment's life is its key. A seal inserts the sealed key, a store that finds no free
+    // segment evicts the policy's victim, and a hit, its lookup and its load together, is one
+    // use. (S3-FIFO counts uses: a hit counted twice keeps a segment a round longer.)
+    for kind in [PolicyKind::Lru, PolicyKind::S3Fifo] {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut h, _) = open(DiskStoreConfig { policy: kind, ..config(dir.path(), 4, 1) });
+        let mut model: Box<dyn EvictionPolicy<u64>> = kind.build();
+        let (mut active, mut free, mut stored) = (None::<u64>, 4, 0u64);
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..400 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if stored == 0 || x.is_multiple_of(3) {
+                h.store(&keys(stored..stored + 1)).unwrap();
+                if let Some(sealed) = active {
+                    model.insert(sealed);
+                }
+                if free > 0 {
+                    free -= 1;
+                } else {
+                    assert_eq!(model.evict(1, &mut |_| true).len(), 1);
+                }
+                active = Some(stored);
+                stored += 1;
+            } else {
+                let n = (x >> 8) % stored;
+                let hit = h.lookup(&keys(n..n + 1)).count_ones() == 1;
+                assert_eq!(hit, active == Some(n) || model.contains(&n), "key {n}, {kind:?}");
+                if hit {
+                    h.assert_loads(&keys(n..n + 1));
+                    h.tier.unlock(&keys(n..n + 1));
+                    model.touch(&n);
+                }
+            }
+        }
     }
 }
 
