@@ -200,6 +200,9 @@ fn the_simulation_models_the_disks_segments() {
     // The whole trace, simulated: 0.167 against 0.141.
     let (small, large) = (run("4", &["--simulate"]), run("750", &["--simulate"]));
     assert!(small > large + 0.015, "segments of 4: {small}, of 750: {large}");
+    // The disk's own policy is modelled too: S3-FIFO over its segments counts otherwise.
+    let s3fifo = run("4", &["--simulate", "--disk-policy", "s3fifo"]);
+    assert!((s3fifo - small).abs() > 0.001, "S3-FIFO {s3fifo} against LRU {small} on disk");
     // The daemon counts what the simulation does under either layout, within what its
     // asynchronous copies down move (its first 600 requests: about 0.03 either way).
     for segment in ["4", "750"] {
@@ -280,7 +283,7 @@ fn a_running_daemon_is_replayed_in_a_namespace_of_its_own() {
     let status = daemon.status();
     assert_eq!(status.requested_chunks, field(first, "chunks") + field(second, "chunks"));
 
-    for option in [["--capacity", "100"], ["--store-policy", "cascade"]] {
+    for option in [["--capacity", "100"], ["--store-policy", "cascade"], ["--disk-policy", "lru"]] {
         let refused = tierkv(&[&["replay", path, "--socket", socket][..], &option].concat());
         assert!(!refused.status.success());
         assert!(String::from_utf8_lossy(&refused.stderr).contains("--socket"), "{refused:?}");

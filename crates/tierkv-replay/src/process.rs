@@ -79,9 +79,20 @@ pub struct TierChunks {
     pub disk: u64,
     /// Chunks per disk segment: the disk frees a segment at a time.
     pub disk_segment: u64,
+    /// The policy over the disk's segments; `None`: the run's own.
+    #[serde(serialize_with = "policy_name")]
+    pub disk_policy: Option<PolicyKind>,
     /// Whether the lower tiers hold what the tier above evicted (`store_policy = "cascade"`)
     /// rather than a copy of every store (write-through).
     pub cascade: bool,
+}
+
+/// A policy by its configuration name, in replay.json.
+fn policy_name<S: serde::Serializer>(
+    policy: &Option<PolicyKind>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serde::Serialize::serialize(&policy.map(PolicyKind::as_str), serializer)
 }
 
 /// A daemon the replay started, in a directory of its own that goes with it.
@@ -219,14 +230,16 @@ fn daemon_config(
             l2: chunks(tiers.l2),
             disk: chunks(tiers.disk),
             disk_segment: chunks(tiers.disk_segment),
+            disk_policy: tiers.disk_policy,
         };
+        let disk_policy = tiers.disk_policy.map_or(policy, PolicyKind::as_str);
         let segment = bytes(tiers.disk_segment.max(1), record_bytes(chunk_bytes))?
             .checked_add(BLOCK)
             .ok_or_else(|| ReplayError::Invalid("a disk segment's size overflows".into()))?;
         let _ = write!(
             text,
             "[disk]\ndir = {}\ncapacity = {}\nsegment = {segment}\nfsync = \"never\"\n\
-             policy = \"{policy}\"\n",
+             policy = \"{disk_policy}\"\n",
             toml_string(&dir.join("disk"))?,
             bytes(lower.disk_segments() as u64, segment)?
         );

@@ -188,6 +188,8 @@ pub struct LowerTiers {
     pub disk: usize,
     /// Chunks per disk segment: the disk frees a segment at a time.
     pub disk_segment: usize,
+    /// The policy over the disk's segments; `None`: the cascade's own.
+    pub disk_policy: Option<PolicyKind>,
 }
 
 /// Chunks per disk segment in a replay, unless asked otherwise: a segment of the disk tier's
@@ -236,8 +238,10 @@ pub fn simulate_cascade(
             .filter(|c| *c > 0)
             .map(|c| (policy.build(), c))
             .collect(),
-        disk: (lower.disk > 0)
-            .then(|| SegmentLog::new(policy, lower.disk_segments(), lower.disk_segment.max(1))),
+        disk: (lower.disk > 0).then(|| {
+            let disk_policy = lower.disk_policy.unwrap_or(policy);
+            SegmentLog::new(disk_policy, lower.disk_segments(), lower.disk_segment.max(1))
+        }),
     };
     let window = if cascade.chunks.len() > 1 || cascade.disk.is_some() {
         store_window(l1)
@@ -568,7 +572,8 @@ mod tests {
 
     fn cascade(t: &Trace, l1: usize, l2: usize, disk: (usize, usize)) -> SimCounts {
         let (disk, disk_segment) = disk;
-        simulate_cascade(t, PolicyKind::Lru, l1, LowerTiers { l2, disk, disk_segment })
+        let lower = LowerTiers { l2, disk, disk_segment, disk_policy: None };
+        simulate_cascade(t, PolicyKind::Lru, l1, lower)
     }
 
     #[test]

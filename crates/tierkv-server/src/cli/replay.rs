@@ -51,6 +51,10 @@ pub struct ReplayArgs {
     /// 512-token blocks of Llama-3-8B's KV in bf16.
     #[arg(long, default_value_t = DISK_SEGMENT_CHUNKS as u64)]
     disk_segment: u64,
+    /// The policy over the disk's segments (`lru`, `s3fifo`, `adaptive`); default: each run's
+    /// --policy.
+    #[arg(long)]
+    disk_policy: Option<String>,
     /// How stores reach the lower tiers: `cascade` (the daemon's default: each tier holds what
     /// the one above evicted; with --simulate, --l2 and --disk, in chunks, model the tiers) or
     /// `write-through` (every tier a copy of every store; a simulation models one cache).
@@ -202,6 +206,7 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         let daemon_only = [
             ("--l2", args.l2.is_some() && !args.cascade()),
             ("--disk", args.disk.is_some() && !args.cascade()),
+            ("--disk-policy", args.disk_policy.is_some() && !args.cascade()),
             ("--socket", args.socket.is_some()),
             ("--tp", args.tp != 1),
             ("--mla", args.mla),
@@ -266,10 +271,10 @@ fn daemon_targets(
         return Err(format!("--speedup {f}: must be a positive factor"));
     }
     if let Some(socket) = &args.socket {
-        let policy_given = args.store_policy.is_some();
+        let policy_given = args.store_policy.is_some() || args.disk_policy.is_some();
         if sweep_given || args.l2.is_some() || args.disk.is_some() || policy_given {
             return Err("with --socket the daemon's own tiers and policies apply: drop \
-                        --capacity, --policy, --l2, --disk and --store-policy"
+                        --capacity, --policy, --l2, --disk, --disk-policy and --store-policy"
                 .into());
         }
         return Ok(vec![Target::Socket(socket.clone())]);
@@ -290,6 +295,7 @@ fn daemon_targets(
                 l2,
                 disk,
                 disk_segment: args.disk_segment,
+                disk_policy: disk_policy(args)?,
                 cascade: args.cascade(),
             };
             targets.push(Target::Spawn { tiers, policy: kind });
@@ -318,7 +324,21 @@ fn lower_tiers(args: &ReplayArgs) -> Result<Option<LowerTiers>, String> {
         l2: chunks(tier_chunks(args, &args.l2)?)?,
         disk: chunks(tier_chunks(args, &args.disk)?)?,
         disk_segment: chunks(args.disk_segment)?,
+        disk_policy: disk_policy(args)?,
     }))
+}
+
+/// `--disk-policy`, if given.
+fn disk_policy(args: &ReplayArgs) -> Result<Option<PolicyKind>, String> {
+    args.disk_policy
+        .as_deref()
+        .map(|name| {
+            PolicyKind::ALL
+                .into_iter()
+                .find(|k| k.as_str() == name.trim())
+                .ok_or_else(|| format!("unknown --disk-policy {name:?}: lru, s3fifo or adaptive"))
+        })
+        .transpose()
 }
 
 /// Replays every trace through every target, in order.
