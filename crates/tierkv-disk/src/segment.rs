@@ -130,6 +130,8 @@ impl SegmentFile {
 
     /// Opens (creating if needed) a segment and makes sure `bytes` of disk are allocated to it,
     /// so a full disk is found here, before any record is written, and not in the middle of one.
+    /// A longer file (of a larger `segment` configured before) is cut to `bytes`, so the store
+    /// never holds more disk than its capacity.
     pub(crate) fn create(path: PathBuf, bytes: u64, mode: IoMode) -> io::Result<Self> {
         let file = options(true, true, mode).open(&path)?;
         let len = libc::off_t::try_from(bytes)
@@ -146,6 +148,9 @@ impl SegmentFile {
                 let _ = std::fs::remove_file(&path);
                 return Err(error);
             }
+            file.set_len(bytes)?;
+        }
+        if file.metadata()?.len() > bytes {
             file.set_len(bytes)?;
         }
         Ok(SegmentFile { path, file, map: OnceLock::new() })

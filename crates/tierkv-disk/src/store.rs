@@ -1387,7 +1387,8 @@ impl Shared {
         let path = segment_path(&self.config.dir, id);
         let bytes = self.config.segment_bytes;
         let file = match existing {
-            Some(file) if file.len().is_ok_and(|len| len >= bytes) => file,
+            // Exactly its size: a longer file, of a larger segment configured before, is cut.
+            Some(file) if file.len().is_ok_and(|len| len == bytes) => file,
             _ => {
                 let created = SegmentFile::create(path.clone(), bytes, self.io)
                     .map_err(|e| io_error(&path, "creating", &e))?;

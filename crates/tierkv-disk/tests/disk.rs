@@ -542,6 +542,36 @@ fn segment_eviction_follows_the_policy_fed_one_use_per_hit() {
     }
 }
 
+#[test]
+fn smaller_segments_configured_later_cut_the_old_files_to_size() {
+    // Two segments of eight records, then the same capacity as eight of two (a new default
+    // segment size, say): each old file is cut to the new size when its segment is reused, so
+    // the directory never holds more than the capacity; what the old layout left in a new
+    // segment's first bytes still loads.
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 2, 8));
+        h.store(&keys(0..16)).unwrap();
+    }
+    let small = config(dir.path(), 8, 2);
+    let capacity = small.capacity_bytes;
+    let (mut h, store) = open(small);
+    assert_eq!(store.recovered().records, 4, "two records of each old file's first segment");
+    h.assert_loads(&keys(0..2));
+    h.assert_loads(&keys(8..10));
+    for first in (100..140).step_by(2) {
+        h.store(&keys(first..first + 2)).unwrap();
+    }
+    let sizes: u64 = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("seg-"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(sizes <= capacity, "segment files hold {sizes} bytes, the capacity is {capacity}");
+    h.assert_loads(&keys(134..140));
+}
+
 /// A sink that signals when its copy starts and waits (at most ten seconds) to be let go.
 struct GatedSink {
     started: crossbeam_channel::Sender<()>,
