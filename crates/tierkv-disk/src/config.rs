@@ -59,14 +59,35 @@ pub struct DiskStoreConfig {
     pub group: Option<u32>,
 }
 
+/// The segments [`auto_segment_bytes`] aims at. A segment is evicted whole, hot chunks with cold,
+/// so the more, the closer the disk comes to evicting chunk by chunk (`docs/performance.md`,
+/// "The disk's segments, modelled"); each is an open file, and 512 leave room for connections
+/// under a limit of 1,024 open files.
+pub const AUTO_SEGMENTS: u64 = 512;
+
+/// The largest segment [`auto_segment_bytes`] makes: a bigger disk gets more segments instead.
+pub const AUTO_SEGMENT_MAX: u64 = 256 << 20;
+
+/// A segment size for `capacity_bytes` of chunks up to `max_chunk_bytes`: a header block and
+/// whole records of the largest chunk, as many as make about [`AUTO_SEGMENTS`] segments, at most
+/// [`AUTO_SEGMENT_MAX`] bytes, at least one record.
+pub fn auto_segment_bytes(capacity_bytes: u64, max_chunk_bytes: u64) -> u64 {
+    let record = record_bytes(max_chunk_bytes);
+    let most = AUTO_SEGMENT_MAX.saturating_sub(BLOCK) / record.max(1);
+    let records =
+        capacity_bytes.div_ceil(AUTO_SEGMENTS.saturating_mul(record).max(1)).min(most).max(1);
+    BLOCK.saturating_add(records.saturating_mul(record))
+}
+
 impl DiskStoreConfig {
-    /// A store in `dir` of `capacity_bytes` in 256 MiB segments, for chunks up to
-    /// `max_chunk_bytes`; `Always` fsync, four I/O threads, direct reads, adaptive segment eviction.
+    /// A store in `dir` of `capacity_bytes` in segments of [`auto_segment_bytes`], for chunks up
+    /// to `max_chunk_bytes`; `Always` fsync, four I/O threads, direct reads, adaptive segment
+    /// eviction.
     pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64, max_chunk_bytes: u64) -> Self {
         DiskStoreConfig {
             dir: dir.into(),
             capacity_bytes,
-            segment_bytes: 256 << 20,
+            segment_bytes: auto_segment_bytes(capacity_bytes, max_chunk_bytes),
             max_chunk_bytes,
             fsync: FsyncPolicy::default(),
             io_threads: 4,

@@ -17,7 +17,9 @@ mod metrics;
 mod segment;
 mod store;
 
-pub use config::{DiskStoreConfig, FsyncPolicy, ReadMode};
+pub use config::{
+    AUTO_SEGMENT_MAX, AUTO_SEGMENTS, DiskStoreConfig, FsyncPolicy, ReadMode, auto_segment_bytes,
+};
 pub use error::DiskError;
 pub use format::{BLOCK, record_bytes};
 pub use segment::IoMode;

@@ -192,9 +192,9 @@ pub struct LowerTiers {
     pub disk_policy: Option<PolicyKind>,
 }
 
-/// Chunks per disk segment in a replay, unless asked otherwise: a segment of the disk tier's
-/// default size (256 MiB) holds four 64 MiB chunks (Mooncake's 512-token blocks of Llama-3-8B's
-/// KV in bf16).
+/// Chunks per disk segment in a replay, unless asked otherwise: about what a 256 MiB segment (the
+/// largest the disk tier's `segment = "auto"` makes) holds of Mooncake's 512-token blocks of
+/// Llama-3-8B's KV in bf16, 64 MiB each (three whole records with their header blocks).
 pub const DISK_SEGMENT_CHUNKS: usize = 4;
 
 impl LowerTiers {

@@ -20,7 +20,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use tierkv_disk::{BLOCK, DiskStoreConfig, record_bytes};
+use tierkv_disk::{BLOCK, DiskStoreConfig, auto_segment_bytes, record_bytes};
 use tierkv_l1::{DeviceKind, L1Config, Watermark};
 use tierkv_l2::HostStoreConfig;
 use tierkv_prefetch::PrefetchConfig;
@@ -29,7 +29,7 @@ use tierkv_remote::{RemoteConfig, RemoteMode};
 use tierkv_storage::{RemoteAdmission, StorageConfig, StorePolicy};
 use toml::de::{DeTable, DeValue};
 
-use raw::{Device, Raw, RemoteAdmissionName, RemoteModeName, StoreMode};
+use raw::{Device, Raw, RemoteAdmissionName, RemoteModeName, SegmentSize, StoreMode};
 pub use size::ByteSize;
 
 /// The embedded default configuration, every key present and commented: what the daemon runs
@@ -454,7 +454,11 @@ fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, Stop> {
     if !s.enabled || slot == 0 {
         return Ok(None);
     }
-    let (capacity, segment) = (s.capacity.0, s.segment.0);
+    let capacity = s.capacity.0;
+    let segment = match s.segment {
+        SegmentSize::Auto => auto_segment_bytes(capacity, slot),
+        SegmentSize::Bytes(size) => size.0,
+    };
     file.ensure(!s.dir.as_os_str().is_empty(), &["disk.dir"], || "must not be empty".into())?;
     file.require(segment > 0 && segment.is_multiple_of(BLOCK), &["disk.segment"], || {
         format!("must be a positive multiple of {BLOCK} bytes, got {segment}")

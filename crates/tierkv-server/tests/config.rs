@@ -354,7 +354,8 @@ fn contradictions_and_ranges_are_refused_naming_the_key_and_its_line() {
         ("[disk]\ndir = \"\"\n", "disk.dir", 2),
         ("[disk]\nsegment = \"1MiB\"\n", "disk.segment", 2),
         ("[disk]\nsegment = \"1000MB\"\n", "disk.segment", 2),
-        ("[disk]\ncapacity = \"300MiB\"\n", "disk.capacity", 2),
+        ("[disk]\ncapacity = \"3MiB\"\n", "disk.capacity", 2),
+        ("[disk]\ncapacity = \"300MiB\"\nsegment = \"256MiB\"\n", "disk.capacity", 2),
         ("[disk]\nio_threads = 0\n", "disk.io_threads", 2),
         ("[storage]\ndisk_admission_min_reads = 0\n", "storage.disk_admission_min_reads", 2),
         ("[storage]\nmaintenance_interval = \"0s\"\n", "storage.maintenance_interval", 2),
@@ -371,11 +372,29 @@ fn a_contradiction_with_a_default_blames_the_key_written() {
     let message = assert_refused("[l1]\n\nslot = \"2GiB\"\n", "l1.slot", 3);
     assert!(message.contains("l1.capacity") && message.contains("2147483648"), "{message}");
     assert_refused("[l1]\nwatermark_high = 0.5\n", "l1.watermark_high", 2);
-    // The default disk.segment (256MiB) and l2.capacity (4GiB) cannot hold the slot written.
-    let message = assert_refused("[l1]\nslot = \"512MiB\"\n", "l1.slot", 2);
-    assert!(message.contains("disk.segment"), "{message}");
+    // The default l2.capacity (4GiB) cannot hold the slot written.
     let message = assert_refused("[l1]\ncapacity = \"8GiB\"\nslot = \"8GiB\"\n", "l1.slot", 3);
     assert!(message.contains("l2.capacity"), "{message}");
+}
+
+#[test]
+fn an_auto_disk_segment_is_whole_records_about_512_of_the_capacity() {
+    let record = (2 << 20) + 4096;
+    // The defaults: 16GiB of 2MiB slots make 510 segments of 16 records and a header block.
+    let disk = parse("").unwrap().storage.disk.unwrap();
+    assert_eq!(disk.segment_bytes, 4096 + 16 * record);
+    assert_eq!(disk.capacity_bytes / disk.segment_bytes, 510);
+    // A bigger disk gets more segments rather than segments over 256MiB (127 records).
+    let big = parse("[disk]\ncapacity = \"1TiB\"\n").unwrap().storage.disk.unwrap();
+    assert_eq!(big.segment_bytes, 4096 + 127 * record);
+    assert!(big.segment_bytes <= 256 << 20);
+    // A slot too large for that still gets a segment of one record.
+    let large = parse("[l1]\nslot = \"512MiB\"\n").unwrap().storage.disk.unwrap();
+    assert_eq!(large.segment_bytes, 4096 + (512 << 20) + 4096);
+    // A size written is kept as written.
+    let given = parse("[disk]\nsegment = \"64MiB\"\n").unwrap().storage.disk.unwrap();
+    assert_eq!(given.segment_bytes, 64 << 20);
+    assert_refused("[disk]\nsegment = \"automatic\"\n", "disk.segment", 2);
 }
 
 #[test]

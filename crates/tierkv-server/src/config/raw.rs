@@ -146,7 +146,8 @@ pub(super) struct Disk {
     pub enabled: bool,
     pub dir: PathBuf,
     pub capacity: ByteSize,
-    pub segment: ByteSize,
+    #[serde(deserialize_with = "segment_size")]
+    pub segment: SegmentSize,
     #[serde(deserialize_with = "fsync")]
     pub fsync: FsyncPolicy,
     pub io_threads: usize,
@@ -163,7 +164,7 @@ impl Default for Disk {
             enabled: true,
             dir: PathBuf::from("tierkv-data"),
             capacity: ByteSize(16 << 30),
-            segment: ByteSize(256 << 20),
+            segment: SegmentSize::Auto,
             fsync: FsyncPolicy::Always,
             io_threads: 4,
             read_mode: ReadMode::Direct,
@@ -314,6 +315,30 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
 }
 
 /// "always", "never", or the interval of periodic syncs such as "1s".
+/// `disk.segment`: a size, or `"auto"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SegmentSize {
+    /// Sized from the disk's capacity and the slot ([`tierkv_disk::auto_segment_bytes`]).
+    Auto,
+    Bytes(ByteSize),
+}
+
+fn segment_size<'de, D: Deserializer<'de>>(deserializer: D) -> Result<SegmentSize, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Given {
+        Name(String),
+        Size(ByteSize),
+    }
+    match Given::deserialize(deserializer)? {
+        Given::Name(text) if text == "auto" => Ok(SegmentSize::Auto),
+        Given::Name(text) => text.parse().map(SegmentSize::Bytes).map_err(|e| {
+            de::Error::custom(format!("{text:?} is neither \"auto\" nor a size: {e}"))
+        }),
+        Given::Size(size) => Ok(SegmentSize::Bytes(size)),
+    }
+}
+
 fn fsync<'de, D: Deserializer<'de>>(deserializer: D) -> Result<FsyncPolicy, D::Error> {
     let text = String::deserialize(deserializer)?;
     match text.as_str() {
