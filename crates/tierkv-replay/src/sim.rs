@@ -233,17 +233,13 @@ pub fn simulate_cascade(
         return simulate_online(trace, policy.build(), 0, |_| true);
     }
     let mut cascade = Cascade {
-        chunks: [l1, lower.l2]
-            .into_iter()
-            .filter(|c| *c > 0)
-            .map(|c| (policy.build(), c))
-            .collect(),
+        tiers: [l1, lower.l2].into_iter().filter(|c| *c > 0).map(|c| (policy.build(), c)).collect(),
         disk: (lower.disk > 0).then(|| {
             let disk_policy = lower.disk_policy.unwrap_or(policy);
             SegmentLog::new(disk_policy, lower.disk_segments(), lower.disk_segment.max(1))
         }),
     };
-    let window = if cascade.chunks.len() > 1 || cascade.disk.is_some() {
+    let window = if cascade.tiers.len() > 1 || cascade.disk.is_some() {
         store_window(l1)
     } else {
         usize::MAX
@@ -294,28 +290,28 @@ pub fn simulate_cascade(
 
 /// A simulated cascade: L1 and the host tier, each a policy over chunks, and the disk tier.
 struct Cascade {
-    /// L1, then the host tier if there is one: each a policy and its capacity.
-    chunks: Vec<(Box<dyn EvictionPolicy<u64>>, usize)>,
+    /// L1, then the host tier if there is one: each a policy over chunks and its capacity.
+    tiers: Vec<(Box<dyn EvictionPolicy<u64>>, usize)>,
     disk: Option<SegmentLog>,
 }
 
 impl Cascade {
     fn l1(&self) -> &dyn EvictionPolicy<u64> {
-        self.chunks[0].0.as_ref()
+        self.tiers[0].0.as_ref()
     }
 
     fn l1_mut(&mut self) -> &mut Box<dyn EvictionPolicy<u64>> {
-        &mut self.chunks[0].0
+        &mut self.tiers[0].0
     }
 
     fn holds(&self, chunk: &u64) -> bool {
-        self.chunks.iter().any(|(t, _)| t.contains(chunk))
+        self.tiers.iter().any(|(t, _)| t.contains(chunk))
             || self.disk.as_ref().is_some_and(|d| d.contains(chunk))
     }
 
     /// A use of `chunk` in the tier that holds it.
     fn touch(&mut self, chunk: &u64) {
-        if let Some((tier, _)) = self.chunks.iter_mut().find(|(t, _)| t.contains(chunk)) {
+        if let Some((tier, _)) = self.tiers.iter_mut().find(|(t, _)| t.contains(chunk)) {
             tier.touch(chunk);
         } else if let Some(disk) = &mut self.disk {
             disk.touch(chunk);
@@ -324,7 +320,7 @@ impl Cascade {
 
     /// Evicts one eligible L1 chunk and hands it down; false when none is eligible.
     fn evict_from_l1(&mut self, eligible: &mut dyn FnMut(&u64) -> bool) -> bool {
-        match self.chunks[0].0.evict(1, eligible).pop() {
+        match self.tiers[0].0.evict(1, eligible).pop() {
             Some(victim) => {
                 self.demote(victim);
                 true
@@ -337,7 +333,7 @@ impl Cascade {
     /// further down; past the last tier a victim is dropped.
     fn demote(&mut self, chunk: u64) {
         let mut chunk = chunk;
-        for (policy, capacity) in self.chunks.iter_mut().skip(1) {
+        for (policy, capacity) in self.tiers.iter_mut().skip(1) {
             if policy.contains(&chunk) {
                 return;
             }
