@@ -332,11 +332,9 @@ fn lower_tiers(args: &ReplayArgs) -> Result<Option<LowerTiers>, String> {
 fn disk_policy(args: &ReplayArgs) -> Result<Option<PolicyKind>, String> {
     args.disk_policy
         .as_deref()
-        .map(|name| {
-            PolicyKind::ALL
-                .into_iter()
-                .find(|k| k.as_str() == name.trim())
-                .ok_or_else(|| format!("unknown --disk-policy {name:?}: lru, s3fifo or adaptive"))
+        .map(|name| match Policy::parse(name.trim()) {
+            Some(Policy::Online(kind)) => Ok(kind),
+            _ => Err(format!("unknown --disk-policy {name:?}: lru, s3fifo or adaptive")),
         })
         .transpose()
 }
