@@ -453,6 +453,10 @@ pub struct Recovered {
     /// Entries named like segments that are not regular files of this user (directories,
     /// FIFOs, symlinks, other users' files): skipped, with a warning, and their ids unused.
     pub skipped_files: u32,
+    /// Segment files of this user numbered at or past the configured segments (the capacity
+    /// shrank, or the segment grew): removed, so the directory holds no more than the capacity.
+    /// Kept when the directory is read-only.
+    pub removed_files: u32,
     /// How long opening took (the scan included).
     pub elapsed: Duration,
     /// Segments with a valid superblock.
@@ -706,8 +710,7 @@ fn scan(
     let user = unsafe { libc::geteuid() };
     let mut ids: Vec<u32> = Vec::new();
     for entry in entries.flatten() {
-        let Some(id) = entry.file_name().to_str().and_then(segment_id).filter(|id| *id < segments)
-        else {
+        let Some(id) = entry.file_name().to_str().and_then(segment_id) else {
             continue;
         };
         // `symlink_metadata`: a symlink is judged as itself, never by where it points.
@@ -719,6 +722,17 @@ fn scan(
             Ok(_) => Ok(()),
             Err(e) => Err(e.to_string()),
         };
+        if id >= segments {
+            // Past the configured segments: a file of ours is an earlier layout's, and what it
+            // holds no longer fits the capacity. Anything else is left alone, as below.
+            if ours.is_ok() && writable {
+                match std::fs::remove_file(entry.path()) {
+                    Ok(()) => recovered.removed_files += 1,
+                    Err(e) => tracing::warn!("cannot remove {}: {e}", entry.path().display()),
+                }
+            }
+            continue;
+        }
         match ours {
             Ok(()) => ids.push(id),
             Err(why) => {
@@ -731,6 +745,13 @@ fn scan(
                 index.segments[id as usize].status = Status::Unusable;
             }
         }
+    }
+    if recovered.removed_files > 0 {
+        tracing::info!(
+            "removed {} segment files numbered past the {segments} segments configured in {}",
+            recovered.removed_files,
+            config.dir.display()
+        );
     }
     ids.sort_unstable();
     let mut scanned = scan_files(config, &ids, io, writable)?;

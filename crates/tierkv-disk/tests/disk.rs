@@ -572,6 +572,28 @@ fn smaller_segments_configured_later_cut_the_old_files_to_size() {
     h.assert_loads(&keys(134..140));
 }
 
+#[test]
+fn segment_files_past_a_smaller_capacity_are_removed_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 6, 2));
+        for first in (0..12).step_by(2) {
+            h.store(&keys(first..first + 2)).unwrap();
+        }
+    }
+    assert!(segment(dir.path(), 5).exists());
+    // Half the capacity: segments 3, 4 and 5 are past it. A directory and another file named
+    // like a segment are not the store's own and stay.
+    std::fs::create_dir(segment(dir.path(), 7)).unwrap();
+    let (mut h, store) = open(config(dir.path(), 3, 2));
+    assert_eq!(store.recovered().removed_files, 3);
+    assert!((3..6).all(|id| !segment(dir.path(), id).exists()));
+    assert!(segment(dir.path(), 7).is_dir(), "not the store's own: left alone");
+    // The first three segments' records still load.
+    h.assert_loads(&keys(0..6));
+    assert_eq!(h.present(&keys(6..12)).count_ones(), 0);
+}
+
 /// A sink that signals when its copy starts and waits (at most ten seconds) to be let go.
 struct GatedSink {
     started: crossbeam_channel::Sender<()>,
