@@ -553,6 +553,7 @@ impl DiskStore {
             damaged_records = recovered.damaged_records,
             torn_records = recovered.torn_records,
             skipped_files = recovered.skipped_files,
+            removed_files = recovered.removed_files,
             elapsed = ?recovered.elapsed,
             "disk tier in {}: recovered {} records ({} bytes) in {:?}",
             dir.display(),
