@@ -24,8 +24,8 @@
 
 use std::time::{Duration, Instant};
 
-use tierkv_bench::{Table, direct_file_bandwidth, memcpy_bandwidth};
-use tierkv_core::{ChunkHash, ExtraCount, KvRank, Layout, Namespace, ObjectKey};
+use tierkv_bench::{Table, direct_file_bandwidth, key, memcpy_bandwidth};
+use tierkv_core::{ExtraCount, Layout, ObjectKey};
 use tierkv_disk::{BLOCK, DiskStoreConfig, FsyncPolicy, record_bytes};
 use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers};
 use tierkv_l2::{HostMemory, HostStoreConfig};
@@ -36,10 +36,6 @@ const PREFIX: u64 = 64;
 const LONG_CHUNK: u64 = 16 << 10;
 const LONG_PREFIX: u64 = 8192;
 const OWNER: OwnerId = OwnerId(1);
-
-fn key(i: u64) -> ObjectKey {
-    ObjectKey::new(Namespace::new("bench", ""), ChunkHash(u128::from(i) << 40 | 3), KvRank::Shared)
-}
 
 fn settle(s: &StorageManager, tier: usize, objects: u64) {
     let deadline = Instant::now() + Duration::from_secs(120);

@@ -15,8 +15,8 @@
 
 use std::time::{Duration, Instant};
 
-use tierkv_bench::{Table, direct_write_bandwidth};
-use tierkv_core::{ChunkHash, KvRank, Layout, Namespace, ObjectKey};
+use tierkv_bench::{Table, direct_write_bandwidth, key};
+use tierkv_core::{Layout, ObjectKey};
 use tierkv_disk::{BLOCK, DiskStoreConfig, FsyncPolicy, WRITES_IN_FLIGHT, record_bytes};
 use tierkv_l1::{DeviceKind, L1Config, OwnerId, Watermark};
 use tierkv_l2::{HostMemory, HostStoreConfig};
@@ -26,10 +26,6 @@ const CHUNK: u64 = 2 << 20;
 const L1_CHUNKS: u64 = 128;
 const L2_CHUNKS: u64 = 256;
 const OWNER: OwnerId = OwnerId(1);
-
-fn key(i: u64) -> ObjectKey {
-    ObjectKey::new(Namespace::new("bench", ""), ChunkHash(u128::from(i) << 32 | 7), KvRank::Shared)
-}
 
 fn main() {
     let dir = std::env::var_os("TIERKV_BENCH_DIR")

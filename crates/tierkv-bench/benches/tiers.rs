@@ -18,10 +18,10 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tierkv_bench::{Pump, Table, direct_file_bandwidth, direct_write_bandwidth, memcpy_bandwidth};
-use tierkv_core::{
-    ChunkHash, KvRank, LoadItem, Namespace, ObjectKey, StoreItem, TierAdapter, VecChunk,
+use tierkv_bench::{
+    Pump, Table, direct_file_bandwidth, direct_write_bandwidth, key, memcpy_bandwidth,
 };
+use tierkv_core::{LoadItem, StoreItem, TierAdapter, VecChunk};
 use tierkv_disk::{
     BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, ReadMode, WRITES_IN_FLIGHT, record_bytes,
 };
@@ -30,10 +30,6 @@ use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
 /// Tasks kept in flight, and chunks per task.
 const IN_FLIGHT: usize = 4;
 const PER_TASK: usize = 2;
-
-fn key(i: u64) -> ObjectKey {
-    ObjectKey::new(Namespace::new("bench", ""), ChunkHash(u128::from(i) << 32 | 7), KvRank::Shared)
-}
 
 /// Buffers of `chunk` bytes, allocated and touched before any timing, as L1 slots would be.
 fn buffers(total: usize, chunk: u64, fill: u8) -> Vec<Option<Vec<u8>>> {

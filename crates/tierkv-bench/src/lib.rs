@@ -24,3 +24,10 @@ pub use limits::{
 pub use pump::Pump;
 pub use table::Table;
 pub use tierkv_core::AlignedBuf;
+
+use tierkv_core::{ChunkHash, KvRank, Namespace, ObjectKey};
+
+/// The key of a benchmark's chunk `i`: one namespace, a distinct hash per `i`.
+pub fn key(i: u64) -> ObjectKey {
+    ObjectKey::new(Namespace::new("bench", ""), ChunkHash(u128::from(i) << 32 | 7), KvRank::Shared)
+}

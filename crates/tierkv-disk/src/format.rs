@@ -70,7 +70,8 @@ pub enum Invalid {
 /// The bytes a record with a `len`-byte payload occupies: one header block and whole payload
 /// blocks.
 pub fn record_bytes(len: u64) -> u64 {
-    BLOCK + len.div_ceil(BLOCK) * BLOCK
+    // Saturating: a length from a configuration file is not bounded yet when it is asked about.
+    BLOCK.saturating_add(len.div_ceil(BLOCK).saturating_mul(BLOCK))
 }
 
 fn put(buf: &mut [u8], at: usize, bytes: &[u8]) {

@@ -41,6 +41,13 @@ fn record_offset(n: u64) -> u64 {
     BLOCK + n * record_bytes(CHUNK)
 }
 
+/// Stores `range` two keys to a task, so no task outgrows a segment of two records.
+fn store_in_pairs(h: &mut Harness, range: std::ops::Range<u64>) {
+    for first in range.step_by(2) {
+        h.store(&keys(first..first + 2)).unwrap();
+    }
+}
+
 fn segment(dir: &Path, id: u32) -> PathBuf {
     dir.join(format!("seg-{id:08}.tkv"))
 }
@@ -464,9 +471,7 @@ fn a_reused_segment_forgets_its_earlier_records_across_a_restart() {
         // Three segments of four: storing 22 keys reuses segments several times, and the last
         // life of the last segment is half written over records of an earlier life.
         let (mut h, _) = open(config(dir.path(), 3, 4));
-        for first in (0..22).step_by(2) {
-            h.store(&keys(first..first + 2)).unwrap();
-        }
+        store_in_pairs(&mut h, 0..22);
     }
     let (mut h, store) = open(config(dir.path(), 3, 4));
     let found = h.present(&keys(0..22));
@@ -559,9 +564,7 @@ fn smaller_segments_configured_later_cut_the_old_files_to_size() {
     assert_eq!(store.recovered().records, 4, "two records of each old file's first segment");
     h.assert_loads(&keys(0..2));
     h.assert_loads(&keys(8..10));
-    for first in (100..140).step_by(2) {
-        h.store(&keys(first..first + 2)).unwrap();
-    }
+    store_in_pairs(&mut h, 100..140);
     let sizes: u64 = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap())
@@ -577,9 +580,7 @@ fn segment_files_past_a_smaller_capacity_are_removed_at_open() {
     let dir = tempfile::tempdir().unwrap();
     {
         let (mut h, _) = open(config(dir.path(), 6, 2));
-        for first in (0..12).step_by(2) {
-            h.store(&keys(first..first + 2)).unwrap();
-        }
+        store_in_pairs(&mut h, 0..12);
     }
     assert!(segment(dir.path(), 5).exists());
     // Half the capacity: segments 3, 4 and 5 are past it. A directory and another file named

@@ -395,6 +395,8 @@ fn an_auto_disk_segment_is_whole_records_about_512_of_the_capacity() {
     let given = parse("[disk]\nsegment = \"64MiB\"\n").unwrap().storage.disk.unwrap();
     assert_eq!(given.segment_bytes, 64 << 20);
     assert_refused("[disk]\nsegment = \"automatic\"\n", "disk.segment", 2);
+    // A slot within a block of the largest size is refused, not an overflow in sizing segments.
+    assert_refused("[l1]\nslot = \"18446744073709551615\"\n", "l1.slot", 2);
 }
 
 #[test]
