@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
-use tierkv_core::policy::{EvictionPolicy, SampleKey};
+use tierkv_core::policy::{SampleKey, SegmentPolicy};
 use tierkv_core::{
     AlignedBuf, Bitmap, ChunkSink, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
     TierAdapter, TierError, TierUsage,
@@ -137,21 +137,36 @@ struct Index {
     locks: HashMap<ObjectKey, (u64, u32)>,
     lock_total: u64,
     segments: Vec<Segment>,
-    /// Tracks exactly the sealed segments, each in its current life.
-    policy: Box<dyn EvictionPolicy<SegmentLife>>,
+    /// Tracks exactly the sealed segments, each in its current life, told the keys published
+    /// into each and looked up.
+    policy: Box<dyn SegmentPolicy<SegmentLife, ObjectKey>>,
 }
 
 impl Index {
-    /// A use of the segment `id` holds in its current life.
-    fn touch_segment(&mut self, id: u32) {
-        let life = SegmentLife::of(id, &self.segments[id as usize]);
-        self.policy.touch(&life);
+    /// The current life of segment `id`.
+    fn life(&self, id: u32) -> SegmentLife {
+        SegmentLife::of(id, &self.segments[id as usize])
     }
 
     /// `id` is sealed: its current life enters the policy.
     fn track_sealed(&mut self, id: u32) {
-        let life = SegmentLife::of(id, &self.segments[id as usize]);
-        self.policy.insert(life);
+        let life = self.life(id);
+        self.policy.seal(life);
+    }
+
+    /// Indexes `key`'s record at `loc`, unless the key already has one; returns whether it did.
+    fn index_record(&mut self, key: ObjectKey, loc: Loc) -> bool {
+        if self.map.contains_key(&key) {
+            return false;
+        }
+        self.map.insert(key, loc);
+        let segment = &mut self.segments[loc.segment as usize];
+        segment.keys.push(key);
+        segment.live += 1;
+        segment.live_bytes += record_bytes(loc.len);
+        let life = self.life(loc.segment);
+        self.policy.written(&life, &key);
+        true
     }
 
     /// Drops the index entry of `key` if it still points at `loc`.
@@ -703,7 +718,7 @@ fn scan(
         locks: HashMap::new(),
         lock_total: 0,
         segments: (0..segments).map(|_| Segment::free()).collect(),
-        policy: config.policy.build(),
+        policy: config.policy.build_for_segments(),
     };
     let mut recovered = Recovered::default();
     let entries = std::fs::read_dir(&config.dir).map_err(DiskError::io("listing", &config.dir))?;
@@ -774,16 +789,10 @@ fn scan(
         segment.status = Status::Sealed;
         for (key, loc) in found.records {
             // One object per key: a second copy (written again after a delete) is redundant.
-            if index.map.contains_key(&key) {
-                continue;
+            if index.index_record(key, loc) {
+                recovered.records += 1;
+                recovered.bytes += loc.len;
             }
-            index.map.insert(key, loc);
-            let segment = &mut index.segments[id as usize];
-            segment.keys.push(key);
-            segment.live += 1;
-            segment.live_bytes += record_bytes(loc.len);
-            recovered.records += 1;
-            recovered.bytes += loc.len;
         }
         index.track_sealed(id);
     }
@@ -1244,14 +1253,7 @@ impl Shared {
         }
         let mut index = self.index.lock();
         for (key, loc) in records {
-            if index.map.contains_key(key) {
-                continue;
-            }
-            index.map.insert(*key, *loc);
-            let segment = &mut index.segments[loc.segment as usize];
-            segment.keys.push(*key);
-            segment.live += 1;
-            segment.live_bytes += record_bytes(loc.len);
+            index.index_record(*key, *loc);
         }
         drop(index);
         if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
@@ -1354,8 +1356,10 @@ impl Shared {
                 Some(id) => (id, 0),
                 None => {
                     let Index { segments, policy, .. } = &mut *index;
-                    let victim =
-                        policy.evict(1, &mut |life| segments[life.id as usize].evictable()).pop();
+                    let victim = policy
+                        .evict(&mut |life| segments[life.id as usize].evictable(), &|life| {
+                            segments[life.id as usize].keys.as_slice()
+                        });
                     let Some(SegmentLife { id, .. }) = victim else {
                         return Err(TierError::NoSpace(format!(
                             "all {} segments of {} bytes hold locked, pinned or unpublished records",
@@ -1506,6 +1510,7 @@ impl Shared {
         let index = &mut *index;
         Bitmap::from_bools(keys.iter().map(|key| {
             let Some(loc) = index.map.get(key).copied() else {
+                index.policy.missed(key);
                 return false;
             };
             let (count, _) = index.locks.entry(*key).or_insert((0, loc.segment));
@@ -1514,7 +1519,8 @@ impl Shared {
                 index.segments[loc.segment as usize].locked += 1;
             }
             index.lock_total += 1;
-            index.touch_segment(loc.segment);
+            let life = index.life(loc.segment);
+            index.policy.hit(&life, key);
             true
         }))
     }

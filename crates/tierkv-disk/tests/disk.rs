@@ -14,7 +14,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use tierkv_core::policy::{EvictionPolicy, PolicyKind};
+use tierkv_core::policy::{PolicyKind, SegmentPolicy};
 use tierkv_core::{TierAdapter, TierError};
 use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, IoMode, ReadMode, record_bytes};
 use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload};
@@ -508,13 +508,14 @@ fn a_reused_segment_is_a_new_life_to_the_policy_not_its_own_ghost_returning() {
 #[test]
 fn segment_eviction_follows_the_policy_fed_one_use_per_hit() {
     // The disk against its policy run by hand as the reference: one record per segment, so a
-    // segment's life is its key. A seal inserts the sealed key, a store that finds no free
+    // segment's life is its key. A seal seals the sealed key, a store that finds no free
     // segment evicts the policy's victim, and a hit, its lookup and its load together, is one
     // use. (S3-FIFO counts uses: a hit counted twice keeps a segment a round longer.)
-    for kind in [PolicyKind::Lru, PolicyKind::S3Fifo] {
+    let chunks: Vec<u64> = (0..400).collect();
+    for kind in PolicyKind::ALL {
         let dir = tempfile::tempdir().unwrap();
         let (mut h, _) = open(DiskStoreConfig { policy: kind, ..config(dir.path(), 4, 1) });
-        let mut model: Box<dyn EvictionPolicy<u64>> = kind.build();
+        let mut model: Box<dyn SegmentPolicy<u64, u64>> = kind.build_for_segments();
         let (mut active, mut free, mut stored) = (None::<u64>, 4, 0u64);
         let mut x = 0x2545_f491_4f6c_dd1du64;
         for _ in 0..400 {
@@ -524,13 +525,15 @@ fn segment_eviction_follows_the_policy_fed_one_use_per_hit() {
             if stored == 0 || x.is_multiple_of(3) {
                 h.store(&keys(stored..stored + 1)).unwrap();
                 if let Some(sealed) = active {
-                    model.insert(sealed);
+                    model.seal(sealed);
                 }
                 if free > 0 {
                     free -= 1;
                 } else {
-                    assert_eq!(model.evict(1, &mut |_| true).len(), 1);
+                    let chunks_of = |s: &u64| &chunks[*s as usize..*s as usize + 1];
+                    assert!(model.evict(&mut |_| true, &chunks_of).is_some());
                 }
+                model.written(&stored, &stored);
                 active = Some(stored);
                 stored += 1;
             } else {
@@ -540,7 +543,9 @@ fn segment_eviction_follows_the_policy_fed_one_use_per_hit() {
                 if hit {
                     h.assert_loads(&keys(n..n + 1));
                     h.tier.unlock(&keys(n..n + 1));
-                    model.touch(&n);
+                    model.hit(&n, &n);
+                } else {
+                    model.missed(&n);
                 }
             }
         }

@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use tierkv_core::policy::{EvictionPolicy, PolicyKind};
+use tierkv_core::policy::{EvictionPolicy, PolicyKind, SegmentPolicy};
 use tierkv_core::store_window;
 
 use crate::trace::Trace;
@@ -309,11 +309,18 @@ impl Cascade {
             || self.disk.as_ref().is_some_and(|d| d.contains(chunk))
     }
 
-    /// A use of `chunk` in the tier that holds it.
+    /// A lookup of `chunk`: a use in L1 if L1 holds it; otherwise, as in the daemon, which looks
+    /// a chunk missing from L1 up in every lower tier at once, a use in each tier holding it (the
+    /// disk also hears of a miss).
     fn touch(&mut self, chunk: &u64) {
-        if let Some((tier, _)) = self.tiers.iter_mut().find(|(t, _)| t.contains(chunk)) {
+        if self.tiers[0].0.contains(chunk) {
+            self.tiers[0].0.touch(chunk);
+            return;
+        }
+        for (tier, _) in self.tiers.iter_mut().skip(1) {
             tier.touch(chunk);
-        } else if let Some(disk) = &mut self.disk {
+        }
+        if let Some(disk) = &mut self.disk {
             disk.touch(chunk);
         }
     }
@@ -356,7 +363,8 @@ impl Cascade {
 /// else the policy's victim, whose chunks are dropped. The policy tracks each segment's current
 /// life, as the daemon's does (a segment and its epoch): a reused segment is new to it.
 struct SegmentLog {
-    policy: Box<dyn EvictionPolicy<u64>>,
+    /// Orders the sealed segments' lives, told the chunks written into each and hit.
+    policy: Box<dyn SegmentPolicy<u64, u64>>,
     /// The chunks written into each segment in its current life.
     segments: Vec<Vec<u64>>,
     /// Each segment's current life; lives are numbered from 1 and never reused.
@@ -376,7 +384,7 @@ struct SegmentLog {
 impl SegmentLog {
     fn new(policy: PolicyKind, segments: usize, per_segment: usize) -> Self {
         SegmentLog {
-            policy: policy.build(),
+            policy: policy.build_for_segments(),
             segments: vec![Vec::new(); segments],
             life: vec![0; segments],
             lives: 0,
@@ -392,9 +400,11 @@ impl SegmentLog {
         self.at.contains_key(chunk)
     }
 
+    /// A lookup of `chunk`: a use of the segment holding it, or a miss.
     fn touch(&mut self, chunk: &u64) {
-        if let Some(segment) = self.at.get(chunk) {
-            self.policy.touch(&self.life[*segment as usize]);
+        match self.at.get(chunk) {
+            Some(segment) => self.policy.hit(&self.life[*segment as usize], chunk),
+            None => self.policy.missed(chunk),
         }
     }
 
@@ -408,7 +418,7 @@ impl SegmentLog {
                 if let Some(id) = full {
                     let life = self.life[id as usize];
                     self.segment_of.insert(life, id);
-                    self.policy.insert(life);
+                    self.policy.seal(life);
                 }
                 let Some(id) = self.open() else { return };
                 self.lives += 1;
@@ -419,6 +429,7 @@ impl SegmentLog {
         self.segments[active as usize].push(chunk);
         self.at.insert(chunk, active);
         self.active = Some(active);
+        self.policy.written(&self.life[active as usize], &chunk);
     }
 
     /// The first segment never written, or else the policy's victim, emptied.
@@ -427,7 +438,13 @@ impl SegmentLog {
             self.opened += 1;
             return u32::try_from(self.opened - 1).ok();
         }
-        let victim = self.policy.evict(1, &mut |_| true).pop()?;
+        let SegmentLog { policy, segments, segment_of, .. } = self;
+        let no_chunks: &[u64] = &[];
+        let chunks_of = |life: &u64| match segment_of.get(life) {
+            Some(id) => segments[*id as usize].as_slice(),
+            None => no_chunks,
+        };
+        let victim = policy.evict(&mut |_| true, &chunks_of)?;
         let victim = self.segment_of.remove(&victim)?;
         for chunk in std::mem::take(&mut self.segments[victim as usize]) {
             self.at.remove(&chunk);

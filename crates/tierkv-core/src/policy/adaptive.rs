@@ -56,25 +56,42 @@ const GHOST_FACTOR: usize = 2;
 
 /// A key is sampled into the shadows when the top `SAMPLE_SHIFT` bits of its mixed sample bits
 /// are zero: one key in four.
-const SAMPLE_SHIFT: u32 = 2;
+pub(super) const SAMPLE_SHIFT: u32 = 2;
 
 /// Below this many tracked keys (shadows of 16 keys each) the policy evicts in recency order:
 /// the shadows are too small to tell the orders apart (a disk tier's few segments, say).
-const MIN_JUDGED: usize = 64;
+pub(super) const MIN_JUDGED: usize = 64;
 
 /// The shadows' hit counts decay over this many shadow capacities of sampled accesses.
-const SCORE_MEMORY: f64 = 8.0;
+pub(super) const SCORE_MEMORY: f64 = 8.0;
 
 /// The other shadow must lead by this fraction (and one hit) before the mode changes.
 const SWITCH_MARGIN: f64 = 0.05;
 
+/// Whether `key` goes through the shadows: one key in four, by a mix of its sample bits.
+pub(super) fn sampled(key: &impl SampleKey) -> bool {
+    key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SAMPLE_SHIFT) == 0
+}
+
 /// Which order evictions follow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
+pub(super) enum Mode {
     /// Least recently used first, over `T1` and `T2` together.
     Recency,
     /// ARC's choice between the back of `T1` and the back of `T2`.
     Arc,
+}
+
+impl Mode {
+    /// The mode after this one given the decayed hits of a recency shadow and an ARC shadow:
+    /// it changes when the other shadow leads by the margin (and one hit).
+    pub(super) fn judged(self, [recency, arc]: [f64; 2]) -> Mode {
+        match self {
+            Mode::Recency if arc > recency * (1.0 + SWITCH_MARGIN) + 1.0 => Mode::Arc,
+            Mode::Arc if recency > arc * (1.0 + SWITCH_MARGIN) + 1.0 => Mode::Recency,
+            mode => mode,
+        }
+    }
 }
 
 /// The adaptive policy; see the module documentation.
@@ -108,15 +125,10 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
         }
     }
 
-    /// Whether `key` goes through the shadows.
-    fn sampled(key: &K) -> bool {
-        key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SAMPLE_SHIFT) == 0
-    }
-
     /// Replays one access of a sampled `key` in both shadows: a hit counts for the shadow, a
     /// miss caches the key there, evicting to the shadow's capacity first.
     fn shadow_access(&mut self, key: &K) {
-        if !Self::sampled(key) {
+        if !sampled(key) {
             return;
         }
         let capacity = (self.cache.len() >> SAMPLE_SHIFT).max(1);
@@ -148,12 +160,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             self.mode = Mode::Recency;
             return;
         }
-        let [recency, arc] = self.score;
-        self.mode = match self.mode {
-            Mode::Recency if arc > recency * (1.0 + SWITCH_MARGIN) + 1.0 => Mode::Arc,
-            Mode::Arc if recency > arc * (1.0 + SWITCH_MARGIN) + 1.0 => Mode::Recency,
-            mode => mode,
-        };
+        self.mode = self.mode.judged(self.score);
     }
 }
 

@@ -11,6 +11,9 @@ mod adaptive_tests;
 mod list;
 mod lru;
 mod s3fifo;
+mod segments;
+#[cfg(test)]
+mod segments_tests;
 #[cfg(test)]
 mod tests;
 
@@ -19,6 +22,7 @@ use std::hash::Hash;
 pub use adaptive::Adaptive;
 pub use lru::Lru;
 pub use s3fifo::S3Fifo;
+pub use segments::{SegmentArc, SegmentPolicy};
 
 /// Orders tracked keys for eviction.
 ///
