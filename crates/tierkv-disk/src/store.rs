@@ -73,6 +73,9 @@ struct Segment {
     file: Option<Arc<SegmentFile>>,
     status: Status,
     epoch: u64,
+    /// Which life this is in the order the store opened (or recovered) lives, from 1: what the
+    /// policy samples by, as the simulation numbers its segments' lives.
+    serial: u64,
     /// End of the last record written (appends go here).
     end: u64,
     /// Keys whose records were published into this segment (some may since be deleted).
@@ -94,6 +97,7 @@ impl Segment {
             file: None,
             status: Status::Free,
             epoch: 0,
+            serial: 0,
             end: BLOCK,
             keys: Vec::new(),
             live: 0,
@@ -117,17 +121,21 @@ impl Segment {
 struct SegmentLife {
     id: u32,
     epoch: u64,
+    serial: u64,
 }
 
 impl SegmentLife {
     fn of(id: u32, segment: &Segment) -> Self {
-        SegmentLife { id, epoch: segment.epoch }
+        SegmentLife { id, epoch: segment.epoch, serial: segment.serial }
     }
 }
 
 impl SampleKey for SegmentLife {
+    /// The life's serial: the adaptive policy's shadows then sample the same lives in the
+    /// daemon as in `tierkv replay --simulate`, which numbers lives in the same order. (The
+    /// epoch is random per process; sampling by it made every run's shadows differ.)
     fn sample_bits(&self) -> u64 {
-        self.epoch ^ u64::from(self.id).rotate_left(32)
+        self.serial
     }
 }
 
@@ -140,9 +148,17 @@ struct Index {
     /// Tracks exactly the sealed segments, each in its current life, told the keys published
     /// into each and looked up.
     policy: Box<dyn SegmentPolicy<SegmentLife, ObjectKey>>,
+    /// Lives opened or recovered so far: the last one's serial.
+    lives: u64,
 }
 
 impl Index {
+    /// The next life's serial.
+    fn next_serial(&mut self) -> u64 {
+        self.lives += 1;
+        self.lives
+    }
+
     /// The current life of segment `id`.
     fn life(&self, id: u32) -> SegmentLife {
         SegmentLife::of(id, &self.segments[id as usize])
@@ -719,6 +735,7 @@ fn scan(
         lock_total: 0,
         segments: (0..segments).map(|_| Segment::free()).collect(),
         policy: config.policy.build_for_segments(),
+        lives: 0,
     };
     let mut recovered = Recovered::default();
     let entries = std::fs::read_dir(&config.dir).map_err(DiskError::io("listing", &config.dir))?;
@@ -786,6 +803,8 @@ fn scan(
         recovered.deleted_records += found.deleted_records;
         segment.epoch = epoch;
         segment.end = found.end;
+        segment.serial = index.lives + 1;
+        index.lives += 1;
         segment.status = Status::Sealed;
         for (key, loc) in found.records {
             // One object per key: a second copy (written again after a delete) is redundant.
@@ -1388,11 +1407,13 @@ impl Shared {
         self.metrics.evicted(evicted);
         let initialised = self.initialise(id, existing);
         let mut index = self.index.lock();
+        let serial = if initialised.is_ok() { index.next_serial() } else { 0 };
         let segment = &mut index.segments[id as usize];
         match initialised {
             Ok((file, epoch)) => {
                 segment.file = Some(Arc::clone(&file));
                 segment.epoch = epoch;
+                segment.serial = serial;
                 segment.status = Status::Active;
                 Ok((id, file))
             }
