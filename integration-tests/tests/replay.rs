@@ -358,6 +358,10 @@ fn bad_replays_are_refused_with_a_reason() {
         (vec!["replay", good, "--chunk-bytes", "2GiB"], "--chunk-bytes"),
         (vec!["replay", good, "--chunk-tokens", "0"], "--chunk-tokens"),
         (vec!["replay", good, "--simulate", "--out", "/proc/tierkv-replay"], "cannot create"),
+        (
+            vec!["replay", good, "--simulate", "--disk", "10", "--disk-policy", "fifo"],
+            "unknown --disk-policy",
+        ),
     ] {
         // Into a scratch directory unless the case names its own, so nothing lands in the tree.
         let mut args = args;
@@ -368,6 +372,8 @@ fn bad_replays_are_refused_with_a_reason() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        // Refused before anything is written: not even the output directory.
+        assert!(!out.exists(), "{args:?} created {}", out.display());
     }
 }
 

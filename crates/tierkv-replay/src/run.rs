@@ -115,6 +115,32 @@ pub enum Pace {
     Speedup(f64),
 }
 
+impl Pace {
+    /// When `request` is due, counted from the trace's first request at `first` ms.
+    pub fn due(self, first: f64, request: &TraceRequest) -> Result<Duration, ReplayError> {
+        match self {
+            Pace::AsFastAsPossible => Ok(Duration::ZERO),
+            Pace::Speedup(factor) => Duration::try_from_secs_f64(
+                ((request.timestamp_ms - first) / factor / 1e3).max(0.0),
+            )
+            .map_err(|_| {
+                ReplayError::Invalid(format!(
+                    "a speed-up of {factor} puts request times beyond any clock"
+                ))
+            }),
+        }
+    }
+
+    /// Whether every request of `trace` has a time at this pace: its last (latest) one does.
+    pub fn check(self, trace: &Trace) -> Result<(), ReplayError> {
+        let first = trace.requests.first().map_or(0.0, |r| r.timestamp_ms);
+        match trace.requests.last() {
+            Some(last) => self.due(first, last).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+}
+
 /// A daemon replay.
 #[derive(Clone, Debug)]
 pub struct DaemonPlan {
@@ -150,20 +176,8 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
     }
     let first = trace.requests.first().map_or(0.0, |r| r.timestamp_ms);
     // When each request is due; checked for the last (latest) one before anything starts.
-    let due = |request: &TraceRequest| match plan.pace {
-        Pace::AsFastAsPossible => Ok(Duration::ZERO),
-        Pace::Speedup(factor) => {
-            Duration::try_from_secs_f64(((request.timestamp_ms - first) / factor / 1e3).max(0.0))
-                .map_err(|_| {
-                    ReplayError::Invalid(format!(
-                        "a speed-up of {factor} puts request times beyond any clock"
-                    ))
-                })
-        }
-    };
-    if let Some(last) = trace.requests.last() {
-        due(last)?;
-    }
+    let due = |request: &TraceRequest| plan.pace.due(first, request);
+    plan.pace.check(trace)?;
     let memcpy = tierkv_bench::memcpy_bandwidth(
         usize::try_from(plan.chunk_bytes).unwrap_or(usize::MAX),
         Duration::from_millis(300),

@@ -223,17 +223,19 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             ));
         }
     }
-    let targets = if args.simulate {
-        Vec::new()
+    let (targets, lower) = if args.simulate {
+        (Vec::new(), lower_tiers(&args)?)
     } else {
-        daemon_targets(&args, &capacities, &policies, capacity_given || policy_given)?
+        for trace in &traces {
+            pace(&args).check(trace).map_err(|e| e.to_string())?;
+        }
+        (daemon_targets(&args, &capacities, &policies, capacity_given || policy_given)?, None)
     };
     // Once every option is known good, and before any replay runs, so a directory that cannot
     // be written loses no results.
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let results: Vec<RunResult> = if args.simulate {
-        let lower = lower_tiers(&args)?;
         tierkv_replay::sweep_simulation(&traces, &policies, &capacities, lower, !args.quiet)
     } else {
         daemon_runs(&args, &traces, &targets)?
@@ -328,6 +330,11 @@ fn lower_tiers(args: &ReplayArgs) -> Result<Option<LowerTiers>, String> {
     }))
 }
 
+/// How fast the daemon replay sends requests: `--speedup`, or as fast as possible.
+fn pace(args: &ReplayArgs) -> Pace {
+    args.speedup.map_or(Pace::AsFastAsPossible, Pace::Speedup)
+}
+
 /// `--disk-policy`, if given.
 fn disk_policy(args: &ReplayArgs) -> Result<Option<PolicyKind>, String> {
     args.disk_policy
@@ -347,7 +354,7 @@ fn daemon_runs(
 ) -> Result<Vec<RunResult>, String> {
     let program =
         std::env::current_exe().map_err(|e| format!("cannot find the tierkv executable: {e}"))?;
-    let pace = args.speedup.map_or(Pace::AsFastAsPossible, Pace::Speedup);
+    let pace = pace(args);
     // Ctrl-C and SIGTERM stop the replay between requests, so the daemon it started, its
     // workers and their directories are cleaned up rather than left behind.
     let interrupt = Arc::new(AtomicBool::new(false));
