@@ -1,6 +1,6 @@
 //! Chained chunk hashing over token ids.
 //!
-//! `h_i = xxh3_128(h_{i-1} || n_i || tokens_i || extra_i)` where `h_{-1}` is [`ROOT`], `h` is
+//! `h_i = xxh3_128(h_{i-1} || n_i || tokens_i || extra_i)` where `h_{-1}` is [`root()`], `h` is
 //! written as 16 little-endian bytes, `n_i` (the chunk's token count) as a little-endian `u32`,
 //! every token id as a little-endian `u32`, and `extra_i` (per-chunk extra keys such as a LoRA id
 //! or a multimodal item hash) as raw bytes. The token count stands before the tokens so that the

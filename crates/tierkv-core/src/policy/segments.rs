@@ -5,8 +5,9 @@
 //! told which chunks go into each and which chunk a lookup found, because an order over segments
 //! alone cannot adapt: a segment's life never comes back once evicted, its chunks do.
 //!
-//! [`SegmentPolicy::build`] gives LRU and S3-FIFO over segments as they are ([`EvictionPolicy`]
-//! over segment keys: a hit is a use of the segment). The adaptive kind is [`SegmentArc`]:
+//! [`PolicyKind::build_for_segments`] gives LRU and S3-FIFO over segments as they are (an
+//! [`EvictionPolicy`] over segment keys: a seal is an insert, a hit a use of the segment). The
+//! adaptive kind is [`SegmentArc`]:
 //!
 //! **ARC over segments, steered by chunk ghosts.** Sealed segments sit on ARC's `T1` (not used
 //! since sealed) or `T2` (used while stored); each carries the tick of its last use and its chunk
@@ -16,11 +17,19 @@
 //! chunks, and the segment it is written into goes to `T2` (at its seal, or at once if sealed).
 //! In ARC's order the policy evicts from `T1` while `T1` holds more chunks than the target, else
 //! from `T2`; in recency order it evicts the least recently used segment of either list, which
-//! is LRU over segments. The order is chosen, as in the adaptive policy, by two sampled shadow
-//! caches fed the log's chunk writes and hits (a plain LRU and an ARC over chunks).
+//! is LRU over segments.
 //!
-//! Ghosts are kept up to twice the chunks of the tracked segments, as in the adaptive policy.
-//! Every call is O(1) per chunk it names (an eviction makes each of its victim's chunks a ghost).
+//! **Choosing the order.** Two shadow logs, one in recency order and one in ARC's, each given the
+//! chunks of one segment in four (sampled by [`SampleKey::sample_bits`] of the segment) and room
+//! for a quarter of the segments, count the lookups they would have served; the order changes
+//! when the other shadow leads by the adaptive policy's margin, and below the adaptive policy's
+//! minimum of 64 tracked segments it stays recency. The shadows sample segments, not chunks:
+//! which chunks share a segment decides what an order is worth as much as the chunks do, and
+//! shadows over sampled chunks chose ARC's order where it loses with large segments.
+//!
+//! Ghosts are kept up to three times the chunks of the tracked segments (chosen on Mooncake's
+//! conversation trace, checked on the synthetic one; docs/performance.md). Every call is O(1)
+//! per chunk it names (an eviction makes each of its victim's chunks a ghost).
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
