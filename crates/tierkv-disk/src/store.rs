@@ -801,10 +801,11 @@ fn scan(
         recovered.damaged_records += found.damaged_records;
         recovered.torn_records += found.torn_records;
         recovered.deleted_records += found.deleted_records;
+        let serial = index.next_serial();
+        let segment = &mut index.segments[id as usize];
         segment.epoch = epoch;
         segment.end = found.end;
-        segment.serial = index.lives + 1;
-        index.lives += 1;
+        segment.serial = serial;
         segment.status = Status::Sealed;
         for (key, loc) in found.records {
             // One object per key: a second copy (written again after a delete) is redundant.
