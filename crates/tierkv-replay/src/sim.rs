@@ -221,8 +221,9 @@ impl LowerTiers {
 /// a hit larger than L1's room is read from the tiers that hold it, the rest through L1.
 ///
 /// The disk tier is a log of segments, as the daemon's: chunks are appended to the active segment,
-/// `policy` orders the sealed segments (a hit touches its segment), and room is made by dropping
-/// a whole segment, which then takes the next chunks.
+/// the disk's policy ([`tierkv_core::policy::SegmentPolicy`]) orders the sealed segments, told
+/// each chunk written, hit or missed, and room is made by dropping a whole segment, which then
+/// takes the next chunks.
 pub fn simulate_cascade(
     trace: &Trace,
     policy: PolicyKind,
@@ -361,7 +362,8 @@ impl Cascade {
 /// The disk tier as the daemon's log of segments: a chunk is appended to the active segment; a
 /// full one is sealed and enters the policy; the next is the first segment never written, or
 /// else the policy's victim, whose chunks are dropped. The policy tracks each segment's current
-/// life, as the daemon's does (a segment and its epoch): a reused segment is new to it.
+/// life, as the daemon's does: a reused segment is new to it, and lives are numbered in the
+/// order they are opened, the serial the daemon's policy samples by.
 struct SegmentLog {
     /// Orders the sealed segments' lives, told the chunks written into each and hit.
     policy: Box<dyn SegmentPolicy<u64, u64>>,
