@@ -49,6 +49,16 @@ fn f1_serve_without_config_answers_status_serves_metrics_and_stops_on_sigterm() 
     {
         assert!(body.contains(name), "/metrics lacks {name}:\n{body}");
     }
+    // Each tier says which order its adaptive policy evicts in: a share of 0 (recency, as a
+    // fresh policy starts) to 1 (ARC's order).
+    for tier in ["l1", "l2", "disk"] {
+        let series = format!("tierkv_policy_arc_order{{tier=\"{tier}\"}} ");
+        let share = body
+            .lines()
+            .find_map(|line| line.strip_prefix(series.as_str()))
+            .and_then(|value| value.trim().parse::<f64>().ok());
+        assert_eq!(share, Some(0.0), "{series}in:\n{body}");
+    }
     assert!(cwd.path().join("tierkv-data").is_dir(), "the disk tier lives in ./tierkv-data");
 
     let exit = terminate(&mut child);

@@ -1256,11 +1256,15 @@ impl L1Manager {
         self.leases.shards().map(|shard| shard.lock().live.len() as u64).sum()
     }
 
-    /// Sets the L1 gauges (bytes used / cached / free / capacity, objects, active leases) from
-    /// the current state. Counters move with the events they count; gauges are refreshed here,
-    /// on the caller's metrics tick, so the hot paths never pay for them.
+    /// Sets the L1 gauges (bytes used / cached / free / capacity, objects, active leases, the
+    /// share of index shards evicting in ARC's order) from the current state. Counters move
+    /// with the events they count; gauges are refreshed here, on the caller's metrics tick, so
+    /// the hot paths never pay for them.
     pub fn publish_metrics(&self) {
-        self.metrics.publish(&self.usage(), self.active_leases());
+        let shards = self.index.shard_count();
+        let arc = (0..shards).filter(|i| self.index.shard_at(*i).policy.in_arc_order()).count();
+        let arc_order = arc as f64 / shards.max(1) as f64;
+        self.metrics.publish(&self.usage(), self.active_leases(), arc_order);
     }
 
     /// Recounts everything under every lock and checks the invariants: every slot is owned by

@@ -50,6 +50,7 @@ pub(crate) struct L1Metrics {
     free: Gauge,
     objects: Gauge,
     leases: Gauge,
+    arc_order: Gauge,
     evicted_on_demand: Counter,
     evicted_watermark: Counter,
     evicted_stop: Counter,
@@ -104,6 +105,7 @@ impl L1Metrics {
             free: gauge!("tierkv_tier_free_bytes", "tier" => TIER),
             objects: gauge!("tierkv_tier_objects", "tier" => TIER),
             leases: gauge!("tierkv_l1_leases_active"),
+            arc_order: gauge!(tierkv_tier_metrics::ARC_ORDER, "tier" => TIER),
             evicted_on_demand: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "on_demand"),
             evicted_watermark: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "watermark"),
             evicted_stop: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "stop"),
@@ -115,7 +117,9 @@ impl L1Metrics {
         }
     }
 
-    pub(crate) fn publish(&self, usage: &crate::Usage, leases: u64) {
+    /// Sets the gauges: `arc_order` is the share of index shards whose policy evicts in ARC's
+    /// order.
+    pub(crate) fn publish(&self, usage: &crate::Usage, leases: u64, arc_order: f64) {
         self.capacity.set(usage.capacity_bytes as f64);
         // `Usage::used_bytes` is what cannot be evicted; the shared gauge counts every state.
         self.used.set(usage.used_bytes.saturating_add(usage.cached_bytes) as f64);
@@ -124,6 +128,7 @@ impl L1Metrics {
         self.free.set(usage.free_bytes as f64);
         self.objects.set((usage.writing + usage.leased + usage.cached) as f64);
         self.leases.set(leases as f64);
+        self.arc_order.set(arc_order);
     }
 
     pub(crate) fn evicted(&self, reason: EvictionReason, n: usize) {

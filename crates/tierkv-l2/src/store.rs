@@ -563,6 +563,8 @@ impl Shared {
     fn publish(&self) {
         let usage = self.usage();
         self.metrics.publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
+        let arc_order = self.index.lock().policy.in_arc_order();
+        self.metrics.publish_arc_order(if arc_order { 1.0 } else { 0.0 });
     }
 }
 

@@ -26,6 +26,7 @@ struct Bounded {
     cached: Gauge,
     free: Gauge,
     evictions: Counter,
+    arc_order: Gauge,
 }
 
 /// Whether a tier bounds its contents itself (and so has a capacity and evicts), or leaves that
@@ -48,6 +49,7 @@ impl TierMetrics {
             cached: gauge!("tierkv_tier_cached_bytes", "tier" => tier),
             free: gauge!("tierkv_tier_free_bytes", "tier" => tier),
             evictions: counter!("tierkv_evictions_total", "tier" => tier, "reason" => "capacity"),
+            arc_order: gauge!(ARC_ORDER, "tier" => tier),
         });
         TierMetrics {
             stores: counter!("tierkv_tier_stores_total", "tier" => tier),
@@ -90,6 +92,14 @@ impl TierMetrics {
         self.bytes_read.increment(bytes);
     }
 
+    /// Sets the share of the tier's eviction policies that evict in ARC's order now (1 or 0 for
+    /// a tier with one policy; nothing is published for an external tier).
+    pub fn publish_arc_order(&self, share: f64) {
+        if let Some(bounded) = &self.bounded {
+            bounded.arc_order.set(share);
+        }
+    }
+
     /// `n` objects were evicted for room (nothing is counted for an external tier).
     pub fn evicted(&self, n: u64) {
         if let Some(bounded) = &self.bounded {
@@ -113,9 +123,18 @@ impl TierMetrics {
     }
 }
 
+/// The gauge of the share of a tier's eviction policies that evict in ARC's order.
+pub const ARC_ORDER: &str = "tierkv_policy_arc_order";
+
 /// Describes the gauges and counters every tier publishes, L1 included, so that each name has
 /// one description whichever tier registers it last (describing again is harmless).
 pub fn describe_shared() {
+    describe_gauge!(
+        ARC_ORDER,
+        Unit::Count,
+        "Share of a tier's eviction policies evicting in ARC's order rather than recency (the \
+         adaptive policy's choice; L1 has one per index shard): 0 to 1."
+    );
     describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
     describe_gauge!(
         "tierkv_tier_used_bytes",
@@ -221,6 +240,7 @@ mod tests {
             m.checksum_failed(1);
             m.failed("io");
             m.failed("io");
+            m.publish_arc_order(1.0);
         });
         let expected = [
             ("tierkv_tier_capacity_bytes", "", 100.0),
@@ -236,6 +256,7 @@ mod tests {
             ("tierkv_checksum_failures_total", "", 1.0),
             ("tierkv_errors_total", "io", 2.0),
             ("tierkv_errors_total", "no_space", 0.0),
+            ("tierkv_policy_arc_order", "", 1.0),
         ];
         for (name, reason, want) in expected {
             assert_eq!(value(&all, name, reason), want, "{name} {reason}");
@@ -249,6 +270,7 @@ mod tests {
             let m = TierMetrics::register("remote", Capacity::External, &["timeout"]);
             m.publish(0, 30, 3);
             m.evicted(4);
+            m.publish_arc_order(1.0);
         });
         let names: Vec<&str> = all.iter().map(|(n, ..)| n.as_str()).collect();
         for absent in [
@@ -256,6 +278,7 @@ mod tests {
             "tierkv_tier_cached_bytes",
             "tierkv_tier_free_bytes",
             "tierkv_evictions_total",
+            "tierkv_policy_arc_order",
         ] {
             assert!(!names.contains(&absent), "{absent} is published: {names:?}");
         }

@@ -208,6 +208,10 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
         self.cache.contains(key)
     }
 
+    fn in_arc_order(&self) -> bool {
+        self.mode == Mode::Arc
+    }
+
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {
         self.choose_mode();
         let mut victims = Vec::with_capacity(n.min(self.len()));
@@ -368,11 +372,6 @@ impl<K: Hash + Eq + Clone> fmt::Debug for ArcLists<K> {
 
 #[cfg(test)]
 impl<K: Hash + Eq + Clone> Adaptive<K> {
-    /// Whether evictions follow ARC's order rather than recency.
-    pub(super) fn in_arc_mode(&self) -> bool {
-        self.mode == Mode::Arc
-    }
-
     /// Evicts in ARC's order from now on, until the shadows say otherwise.
     pub(super) fn force_arc_mode(&mut self) {
         self.mode = Mode::Arc;

@@ -237,7 +237,7 @@ proptest! {
                 }
             }
             prop_assert_eq!(policy.len(), model.cache.len(), "after {:?}", op);
-            prop_assert_eq!(policy.in_arc_mode(), model.arc_mode, "after {:?}", op);
+            prop_assert_eq!(policy.in_arc_order(), model.arc_mode, "after {:?}", op);
             prop_assert!(policy.ghosts() <= 2 * policy.len(), "after {:?}", op);
         }
     }
@@ -275,7 +275,7 @@ fn hot_set_between_scans() -> Adaptive<u32> {
 #[test]
 fn adaptive_switches_to_arc_when_a_scan_would_flush_a_hot_set() {
     let policy = hot_set_between_scans();
-    assert!(policy.in_arc_mode(), "{policy:?}");
+    assert!(policy.in_arc_order(), "{policy:?}");
     // Protected by ARC, most of the hot set survives the last scan.
     let kept = (0..600).filter(|key| policy.contains(key)).count();
     assert!(kept > 300, "only {kept} of the hot set kept: {policy:?}");
@@ -291,21 +291,21 @@ fn adaptive_stays_lru_where_recency_is_right() {
             use_key(&mut policy, 1_000, key - 300);
         }
     }
-    assert!(!policy.in_arc_mode(), "{policy:?}");
+    assert!(!policy.in_arc_order(), "{policy:?}");
 }
 
 #[test]
 fn adaptive_judges_only_from_enough_keys() {
     // The stream that switches a cache of 1,000 to ARC's order...
     let mut policy = hot_set_between_scans();
-    assert!(policy.in_arc_mode(), "{policy:?}");
+    assert!(policy.in_arc_order(), "{policy:?}");
     // ...then the cache shrinks below 64 keys: shadows of 16 keys or fewer are too small to
     // judge by, so the next eviction follows recency.
     let victims = policy.evict(policy.len() - 63, &mut |_| true);
-    assert!(policy.in_arc_mode(), "the mode is chosen before an eviction");
+    assert!(policy.in_arc_order(), "the mode is chosen before an eviction");
     assert_eq!(policy.len(), 63, "{} evicted", victims.len());
     policy.evict(1, &mut |_| true);
-    assert!(!policy.in_arc_mode(), "{policy:?}");
+    assert!(!policy.in_arc_order(), "{policy:?}");
 }
 
 #[test]

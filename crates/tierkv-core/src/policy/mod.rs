@@ -50,6 +50,12 @@ pub trait EvictionPolicy<K>: Send {
     /// Whether `key` is tracked.
     fn contains(&self, key: &K) -> bool;
 
+    /// Whether evictions follow ARC's order now rather than recency: the adaptive policy's
+    /// choice at its last eviction; never for LRU and S3-FIFO.
+    fn in_arc_order(&self) -> bool {
+        false
+    }
+
     /// Chooses up to `n` victims among the keys for which `eligible` returns true, stops
     /// tracking them and returns them, first victim first.
     ///

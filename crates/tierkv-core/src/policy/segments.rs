@@ -80,6 +80,12 @@ pub trait SegmentPolicy<S, K>: Send {
     /// Whether the sealed `segment` is tracked.
     fn contains(&self, segment: &S) -> bool;
 
+    /// Whether evictions follow ARC's order now rather than recency: the adaptive policy's
+    /// choice at its last eviction; never for LRU and S3-FIFO.
+    fn in_arc_order(&self) -> bool {
+        false
+    }
+
     /// Chooses the next segment to empty among the tracked ones `eligible` accepts, stops
     /// tracking it and returns it; `None` when none is eligible. `chunks` names the chunks a
     /// segment holds: they leave the store with it. Ineligible segments stay tracked.
@@ -132,6 +138,10 @@ impl<S: Send, K> SegmentPolicy<S, K> for WholeSegments<S> {
 
     fn contains(&self, segment: &S) -> bool {
         self.policy.contains(segment)
+    }
+
+    fn in_arc_order(&self) -> bool {
+        self.policy.in_arc_order()
     }
 
     fn evict<'c>(
@@ -370,6 +380,10 @@ where
 
     fn contains(&self, segment: &S) -> bool {
         self.segments.find(segment).is_some()
+    }
+
+    fn in_arc_order(&self) -> bool {
+        self.judge.as_ref().is_none_or(|judge| judge.mode == Mode::Arc)
     }
 
     fn evict<'c>(
@@ -616,11 +630,6 @@ impl<S: Hash + Eq + Clone, K: Hash + Eq + Clone> SegmentArc<S, K> {
     /// The number of ghosts.
     pub(super) fn ghosts(&self) -> usize {
         self.ghosts.len(B1) + self.ghosts.len(B2)
-    }
-
-    /// Whether evictions follow ARC's order rather than recency.
-    pub(super) fn in_arc_mode(&self) -> bool {
-        self.judge.as_ref().is_none_or(|judge| judge.mode == Mode::Arc)
     }
 
     /// Lets the shadows choose the order from `segments` tracked segments on.

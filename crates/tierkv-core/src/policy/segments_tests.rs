@@ -499,7 +499,7 @@ proptest! {
         for op in &ops {
             if let Some((got, want)) = log.apply(op, &mut policy, &mut model) {
                 prop_assert_eq!(got, want, "after {:?}", op);
-                prop_assert_eq!(policy.in_arc_mode(), model.arc_order, "after {:?}: {:?} against {:?}", op, policy, model.score);
+                prop_assert_eq!(policy.in_arc_order(), model.arc_order, "after {:?}: {:?} against {:?}", op, policy, model.score);
             }
         }
     }
