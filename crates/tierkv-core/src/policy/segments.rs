@@ -451,7 +451,7 @@ where
         SegmentJudge {
             shadows: [
                 ShadowLog::new(Box::new(WholeSegments { policy: PolicyKind::Lru.build() })),
-                ShadowLog::new(Box::new(SegmentArc::<u64, K>::arc_only())),
+                ShadowLog::new(Box::new(SegmentArc::<S, K>::arc_only())),
             ],
             score: [0.0; 2],
             mode: Mode::Recency,
@@ -515,22 +515,17 @@ where
     }
 }
 
-/// A model of the log under one order, given the chunks of sampled segments only: each sampled
-/// segment is a shadow segment (numbered by the shadow, so an evicted one never comes back).
+/// A model of the log under one order, given the chunks of sampled segments only.
 struct ShadowLog<S, K> {
-    policy: Box<dyn SegmentPolicy<u64, K>>,
-    /// The shadow segment of each sampled segment it holds.
-    lives: HashMap<S, u64>,
-    /// Each shadow segment's sampled segment and chunks.
-    held: HashMap<u64, (S, Vec<K>)>,
-    /// The shadow segment holding each chunk.
-    at: HashMap<K, u64>,
+    policy: Box<dyn SegmentPolicy<S, K>>,
+    /// The chunks of each sampled segment the shadow holds, open or sealed.
+    held: HashMap<S, Vec<K>>,
+    /// The segment holding each chunk in the shadow.
+    at: HashMap<K, S>,
     /// Sampled segments sealed before any of their chunks reached the shadow (the disk
     /// publishes records after their write, which may end after the seal): each enters the
     /// shadow sealed with its first chunk, or is forgotten when the log evicts it.
     sealed_empty: HashSet<S>,
-    /// Shadow segments numbered so far.
-    numbered: u64,
 }
 
 impl<S, K> ShadowLog<S, K>
@@ -538,15 +533,8 @@ where
     S: Hash + Eq + Clone,
     K: Hash + Eq + Clone,
 {
-    fn new(policy: Box<dyn SegmentPolicy<u64, K>>) -> Self {
-        ShadowLog {
-            policy,
-            lives: HashMap::new(),
-            held: HashMap::new(),
-            at: HashMap::new(),
-            sealed_empty: HashSet::new(),
-            numbered: 0,
-        }
+    fn new(policy: Box<dyn SegmentPolicy<S, K>>) -> Self {
+        ShadowLog { policy, held: HashMap::new(), at: HashMap::new(), sealed_empty: HashSet::new() }
     }
 
     /// `key` was written into `segment`, which is `sealed` already or not: into its shadow,
@@ -555,38 +543,35 @@ where
         if self.at.contains_key(key) {
             return;
         }
-        let (life, seal) = match self.lives.get(segment) {
-            Some(life) => (*life, false),
-            None if !sealed => (self.number(segment), false),
-            None if self.sealed_empty.remove(segment) => (self.number(segment), true),
+        let seal = match self.held.get_mut(segment) {
+            Some(chunks) => {
+                chunks.push(key.clone());
+                false
+            }
+            None if !sealed => {
+                self.held.insert(segment.clone(), vec![key.clone()]);
+                false
+            }
+            None if self.sealed_empty.remove(segment) => {
+                self.held.insert(segment.clone(), vec![key.clone()]);
+                true
+            }
             None => return,
         };
-        if let Some((_, chunks)) = self.held.get_mut(&life) {
-            chunks.push(key.clone());
-        }
-        self.at.insert(key.clone(), life);
-        self.policy.written(&life, key);
+        self.at.insert(key.clone(), segment.clone());
+        self.policy.written(segment, key);
         if seal {
-            self.seal_life(life, capacity);
+            self.seal_held(segment.clone(), capacity);
         }
-    }
-
-    /// A new shadow segment for `segment`.
-    fn number(&mut self, segment: &S) -> u64 {
-        self.numbered += 1;
-        self.lives.insert(segment.clone(), self.numbered);
-        self.held.insert(self.numbered, (segment.clone(), Vec::new()));
-        self.numbered
     }
 
     /// Seals the shadow of `segment`, or, if none of its chunks reached the shadow yet, waits
     /// for the first.
     fn seal(&mut self, segment: &S, capacity: usize) {
-        match self.lives.get(segment) {
-            Some(life) => self.seal_life(*life, capacity),
-            None => {
-                self.sealed_empty.insert(segment.clone());
-            }
+        if self.held.contains_key(segment) {
+            self.seal_held(segment.clone(), capacity);
+        } else {
+            self.sealed_empty.insert(segment.clone());
         }
     }
 
@@ -595,20 +580,17 @@ where
         self.sealed_empty.remove(segment);
     }
 
-    /// Seals the shadow segment `life`, then evicts down to `capacity` segments.
-    fn seal_life(&mut self, life: u64, capacity: usize) {
-        self.policy.seal(life);
+    /// Seals `segment`, which the shadow holds, then evicts down to `capacity` segments.
+    fn seal_held(&mut self, segment: S, capacity: usize) {
+        self.policy.seal(segment);
         while self.policy.len() > capacity {
             let held = &self.held;
-            let chunks_of = |life: &u64| held.get(life).map_or(&[][..], |(_, c)| c.as_slice());
+            let chunks_of = |s: &S| held.get(s).map_or(&[][..], Vec::as_slice);
             let Some(victim) = self.policy.evict(&mut |_| true, &chunks_of) else {
                 break;
             };
-            if let Some((segment, chunks)) = self.held.remove(&victim) {
-                self.lives.remove(&segment);
-                for chunk in chunks {
-                    self.at.remove(&chunk);
-                }
+            for chunk in self.held.remove(&victim).unwrap_or_default() {
+                self.at.remove(&chunk);
             }
         }
     }
@@ -616,8 +598,8 @@ where
     /// Whether the shadow holds `key`; if so, the lookup is a use of its segment.
     fn looked_up(&mut self, key: &K) -> bool {
         match self.at.get(key) {
-            Some(life) => {
-                self.policy.hit(life, key);
+            Some(segment) => {
+                self.policy.hit(segment, key);
                 true
             }
             None => false,

@@ -159,23 +159,22 @@ enum ShadowOrder {
     Arc(ModelArc),
 }
 
-/// A shadow log: its own numbering of the sampled segments it holds, and their chunks.
+/// A shadow log: the sampled segments it holds, and their chunks.
 struct ModelShadow {
     order: ShadowOrder,
-    /// (sampled segment, shadow segment, chunks).
-    held: Vec<(u64, u64, Vec<u32>)>,
+    /// (sampled segment, its chunks) of each segment the shadow holds.
+    held: Vec<(u64, Vec<u32>)>,
     /// Sampled segments sealed before any chunk reached the shadow.
     sealed_empty: Vec<u64>,
-    numbered: u64,
 }
 
 impl ModelShadow {
     fn new(order: ShadowOrder) -> Self {
-        ModelShadow { order, held: Vec::new(), sealed_empty: Vec::new(), numbered: 0 }
+        ModelShadow { order, held: Vec::new(), sealed_empty: Vec::new() }
     }
 
     fn holder(&self, key: u32) -> Option<u64> {
-        self.held.iter().find(|h| h.2.contains(&key)).map(|h| h.1)
+        self.held.iter().find(|h| h.1.contains(&key)).map(|h| h.0)
     }
 
     fn written(&mut self, segment: u64, key: u32, sealed: bool, capacity: usize) {
@@ -183,43 +182,39 @@ impl ModelShadow {
             return;
         }
         let mut seal = false;
-        let life = match self.held.iter_mut().find(|h| h.0 == segment) {
-            Some(held) => {
-                held.2.push(key);
-                held.1
-            }
+        match self.held.iter_mut().find(|h| h.0 == segment) {
+            Some(held) => held.1.push(key),
             None if sealed && !self.sealed_empty.contains(&segment) => return,
             None => {
                 seal = sealed;
                 self.sealed_empty.retain(|s| *s != segment);
-                self.numbered += 1;
-                self.held.push((segment, self.numbered, vec![key]));
-                self.numbered
+                self.held.push((segment, vec![key]));
             }
-        };
+        }
         if let ShadowOrder::Arc(arc) = &mut self.order {
-            arc.written(life, key);
+            arc.written(segment, key);
         }
         if seal {
-            self.seal_life(life, capacity);
+            self.seal_held(segment, capacity);
         }
     }
 
     fn seal(&mut self, segment: u64, capacity: usize) {
-        match self.held.iter().find(|h| h.0 == segment) {
-            Some(held) => self.seal_life(held.1, capacity),
-            None => self.sealed_empty.push(segment),
+        if self.held.iter().any(|h| h.0 == segment) {
+            self.seal_held(segment, capacity);
+        } else {
+            self.sealed_empty.push(segment);
         }
     }
 
-    fn seal_life(&mut self, life: u64, capacity: usize) {
+    fn seal_held(&mut self, segment: u64, capacity: usize) {
         match &mut self.order {
             ShadowOrder::Recency(lru) => {
-                if !lru.0.contains(&life) {
-                    lru.0.push(life);
+                if !lru.0.contains(&segment) {
+                    lru.0.push(segment);
                 }
             }
-            ShadowOrder::Arc(arc) => arc.seal(life),
+            ShadowOrder::Arc(arc) => arc.seal(segment),
         }
         loop {
             let len = match &self.order {
@@ -230,29 +225,29 @@ impl ModelShadow {
                 return;
             }
             let held = self.held.clone();
-            let chunks_of = |life: u64| {
-                held.iter().find(|h| h.1 == life).map(|h| h.2.clone()).unwrap_or_default()
+            let chunks_of = |segment: u64| {
+                held.iter().find(|h| h.0 == segment).map(|h| h.1.clone()).unwrap_or_default()
             };
             let victim = match &mut self.order {
                 ShadowOrder::Recency(lru) => Some(lru.0.remove(0)),
                 ShadowOrder::Arc(arc) => arc.evict(true, &|_| true, &chunks_of),
             };
-            self.held.retain(|h| Some(h.1) != victim);
+            self.held.retain(|h| Some(h.0) != victim);
         }
     }
 
     fn looked_up(&mut self, key: u32) -> bool {
-        let Some(life) = self.holder(key) else {
+        let Some(segment) = self.holder(key) else {
             return false;
         };
         match &mut self.order {
             ShadowOrder::Recency(lru) => {
-                if let Some(at) = lru.0.iter().position(|l| *l == life) {
+                if let Some(at) = lru.0.iter().position(|s| *s == segment) {
                     lru.0.remove(at);
-                    lru.0.push(life);
+                    lru.0.push(segment);
                 }
             }
-            ShadowOrder::Arc(arc) => arc.hit(life),
+            ShadowOrder::Arc(arc) => arc.hit(segment),
         }
         true
     }
