@@ -114,6 +114,28 @@ fn the_adaptive_policy_counts_in_the_daemon_what_it_counts_in_the_simulation() {
 }
 
 #[test]
+fn a_daemon_with_many_l1_shards_evicts_as_the_simulations_one_policy() {
+    let Some(path) = trace("synthetic_trace.jsonl") else { return };
+    let path = path.to_str().unwrap();
+    // 5,000 slots: the daemon's own choice is 32 index shards, each with its policy. Joined,
+    // they evict about as one policy over L1 would (0.2791 and 0.2771 against the simulation's
+    // 0.2793 and 0.2947). Choosing the fullest shard and judging each shard's order alone, as
+    // L1 once did, read 0.2573 (LRU) and 0.2134 (adaptive).
+    let common = ["--capacity", "5000", "--policy", "lru,adaptive"];
+    let daemon = replay(
+        &[&["replay", path, "--chunk-bytes", "4KiB", "--l1-shards", "0"][..], &common].concat(),
+    );
+    let simulated = replay(&[&["replay", path, "--simulate"][..], &common].concat());
+    let ratio = |runs: &[Value], policy: &str| {
+        runs.iter().find(|r| r["policy"] == policy).unwrap()["hit_ratio"].as_f64().unwrap()
+    };
+    for (policy, within) in [("lru", 0.002), ("adaptive", 0.025)] {
+        let (d, s) = (ratio(&daemon, policy), ratio(&simulated, policy));
+        assert!((d - s).abs() <= within, "{policy}: daemon {d}, simulation {s}");
+    }
+}
+
+#[test]
 fn an_mla_group_shares_one_copy_and_every_rank_reads_it() {
     let Some(path) = trace("synthetic_trace.jsonl") else { return };
     let path = path.to_str().unwrap();
@@ -354,6 +376,8 @@ fn bad_replays_are_refused_with_a_reason() {
             "--l2 only apply",
         ),
         (vec!["replay", good, "--simulate", "--tp", "2", "--l2", "10"], "--tp only apply"),
+        (vec!["replay", good, "--l1-shards", "3"], "--l1-shards must be"),
+        (vec!["replay", good, "--simulate", "--l1-shards", "0"], "--l1-shards only apply"),
         (vec!["replay", timed, "--speedup", "1e-300"], "speed-up"),
         (vec!["replay", good, "--chunk-bytes", "2GiB"], "--chunk-bytes"),
         (vec!["replay", good, "--chunk-tokens", "0"], "--chunk-tokens"),

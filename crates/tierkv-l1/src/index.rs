@@ -7,12 +7,13 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
 use tierkv_core::ObjectKey;
-use tierkv_core::policy::{EvictionPolicy, PolicyKind};
+use tierkv_core::policy::{EvictionPolicy, PolicyGroup, PolicyKind};
 
 use crate::lease::OwnerId;
 use crate::slots::{SlotId, Slots};
@@ -175,21 +176,34 @@ impl Padded {
 pub(crate) struct Index {
     shards: Box<[Padded]>,
     hasher: RandomState,
+    /// With more than one shard, their policies joined so that they evict as one.
+    group: Option<Arc<PolicyGroup>>,
 }
 
 impl Index {
     pub(crate) fn new(shards: usize, policy: PolicyKind) -> Self {
+        let group = (shards > 1).then(|| PolicyGroup::new(policy, shards));
         let shards = (0..shards)
-            .map(|_| Padded {
+            .map(|index| Padded {
                 lock: Mutex::new(Shard {
                     map: HashMap::default(),
-                    policy: policy.build(),
+                    policy: match &group {
+                        Some(group) => group.member(index),
+                        None => policy.build(),
+                    },
                     counts: Counts::default(),
                 }),
                 cached: AtomicU64::new(0),
             })
             .collect();
-        Index { shards, hasher: RandomState::default() }
+        Index { shards, hasher: RandomState::default(), group }
+    }
+
+    /// The shard whose next victim one policy over all of L1's keys would take, as the shards'
+    /// policies last published; `None` with one shard, with S3-FIFO, or when L1 holds no key.
+    /// Takes no lock.
+    pub(crate) fn victim_shard(&self) -> Option<usize> {
+        self.group.as_ref()?.victim_shard()
     }
 
     pub(crate) fn shard_count(&self) -> usize {

@@ -1032,17 +1032,21 @@ impl L1Manager {
 
     /// Finds the next eviction victim and hands it, with its locked shard, to `take`.
     ///
-    /// Two random shards are considered, the one holding more cached objects first ("power of two
-    /// choices"): new keys land in shards at random, so taking victims evenly across shards would
-    /// let some shards drain and lose their newest objects. Then every other shard in turn, so
-    /// `None` means no shard has anything evictable. With one shard the order is exactly the
+    /// The shard comes first whose next victim one policy over all of L1 would take
+    /// ([`tierkv_core::policy::PolicyGroup`]: the shards' policies are joined). Where the group
+    /// names none (S3-FIFO), two random shards are considered, the one holding more cached
+    /// objects first ("power of two choices"): new keys land in shards at random, so taking
+    /// victims evenly across shards would let some shards drain. Then every other shard in turn,
+    /// so `None` means no shard has anything evictable. With one shard the order is exactly the
     /// policy's. The victim has already left the policy's tracking when `take` sees it.
     fn with_victim<R>(&self, take: impl FnOnce(&mut Shard, ObjectKey) -> R) -> Option<R> {
         let shards = self.index.shard_count();
-        let draw = self.evict_cursor.fetch_add(1, Ordering::Relaxed) as u64;
-        let mixed = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let (a, b) = ((mixed >> 32) as usize % shards, (mixed >> 8) as usize % shards);
-        let first = if self.index.cached_hint(a) >= self.index.cached_hint(b) { a } else { b };
+        let first = self.index.victim_shard().unwrap_or_else(|| {
+            let draw = self.evict_cursor.fetch_add(1, Ordering::Relaxed) as u64;
+            let mixed = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let (a, b) = ((mixed >> 32) as usize % shards, (mixed >> 8) as usize % shards);
+            if self.index.cached_hint(a) >= self.index.cached_hint(b) { a } else { b }
+        });
         for step in 0..shards {
             let mut guard = self.index.shard_at(first + step);
             let shard = &mut *guard;
@@ -1057,12 +1061,26 @@ impl L1Manager {
         None
     }
 
-    /// Evicts up to `n` cached objects and appends their slots to `slots`, with one lock per
-    /// shard that gives victims. Each victim's shard is drawn as `with_victim` draws it (the
-    /// fuller of two, by the shards' cached counts less what this batch already takes), so a
-    /// batch spreads over the shards as key-by-key eviction would instead of emptying one; a
-    /// shard that cannot give its share passes the rest on to the next.
+    /// Evicts up to `n` cached objects and appends their slots to `slots`. Where the shards'
+    /// policies are joined, one victim at a time, each from the shard `with_victim` names.
+    /// Otherwise with one lock per shard that gives victims: each victim's shard is drawn as
+    /// `with_victim` draws it (the fuller of two, by the shards' cached counts less what this
+    /// batch already takes), so a batch spreads over the shards as key-by-key eviction would
+    /// instead of emptying one; a shard that cannot give its share passes the rest on to the
+    /// next.
     fn evict_many(&self, n: usize, victims: &mut Vec<ObjectKey>, slots: &mut Vec<SlotId>) {
+        if self.index.victim_shard().is_some() {
+            // The shards' policies are joined: victims in their order, one shard lock each.
+            for _ in 0..n {
+                let taken = self.with_victim(|shard, key| {
+                    self.take_victim(shard, &key).map(|slot| (key, slot))
+                });
+                let Some(Some((key, slot))) = taken else { return };
+                victims.push(key);
+                slots.push(slot);
+            }
+            return;
+        }
         let shards = self.index.shard_count();
         let mut hint: Vec<u64> = (0..shards).map(|i| self.index.cached_hint(i)).collect();
         let mut demand = vec![0usize; shards];

@@ -85,6 +85,8 @@ pub struct TierChunks {
     /// Whether the lower tiers hold what the tier above evicted (`store_policy = "cascade"`)
     /// rather than a copy of every store (write-through).
     pub cascade: bool,
+    /// L1's index shards; 0 leaves the choice to the daemon (from L1's size).
+    pub l1_shards: u32,
 }
 
 /// A policy by its configuration name, in replay.json.
@@ -200,9 +202,10 @@ fn daemon_config(
     let mut text = format!(
         "[server]\nsocket = {socket}\ntoken = \"{token}\"\nmax_frame = \"64MiB\"\n\n[metrics]\nenabled = false\n\n\
          [l1]\ndevice = \"emulated\"\ncapacity = {l1}\nslot = {chunk_bytes}\npolicy = \"{policy}\"\n\
-         lease_ttl = \"1h\"\nwatermark_high = 1.0\nwatermark_low = 1.0\nshards = 1\n\n",
+         lease_ttl = \"1h\"\nwatermark_high = 1.0\nwatermark_low = 1.0\nshards = {shards}\n\n",
         socket = toml_string(&dir.join("tierkv.sock"))?,
         l1 = bytes(tiers.l1.max(1), chunk_bytes)?,
+        shards = tiers.l1_shards,
     );
     // Stated, whatever the daemon's default; a stop hands nothing down (the directory goes).
     let store_policy = if tiers.cascade { "cascade" } else { "write_through" };

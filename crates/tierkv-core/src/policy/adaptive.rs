@@ -38,7 +38,9 @@
 
 use std::fmt;
 use std::hash::Hash;
+use std::sync::Arc;
 
+use super::group::{Member, PolicyGroup, Published};
 use super::list::{KeyedLists, NodeId};
 use super::{EvictionPolicy, Lru, SampleKey};
 
@@ -110,6 +112,8 @@ pub struct Adaptive<K> {
     mode: Mode,
     /// [`MIN_JUDGED`], lowered by tests that need the mode switch on a handful of keys.
     min_judged: usize,
+    /// The group this policy is one shard of, if any: the group then judges the order.
+    member: Option<Member>,
 }
 
 impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
@@ -122,6 +126,28 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             score: [0.0; 2],
             mode: Mode::Recency,
             min_judged: MIN_JUDGED,
+            member: None,
+        }
+    }
+
+    /// The policy of one shard of a [`PolicyGroup`]: its keys are stamped by the group's clock,
+    /// and the group judges the order and ARC's choice between `T1` and `T2` for all shards.
+    pub(super) fn in_group(member: Member) -> Self {
+        let cache = ArcLists { group: Some(Arc::clone(&member.group)), ..ArcLists::new() };
+        Adaptive { cache, member: Some(member), ..Self::new() }
+    }
+
+    /// Tells the group, if any, where this shard's next victims stand.
+    fn publish(&self) {
+        if let Some(member) = &self.member {
+            let keys = &self.cache.keys;
+            let oldest = |list| keys.back(list).map(|id| *keys.value(id));
+            member.publish(Published {
+                len: [keys.len(T1), keys.len(T2)],
+                oldest: [oldest(T1), oldest(T2)],
+                target: self.cache.target,
+                score: self.score,
+            });
         }
     }
 
@@ -155,6 +181,10 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
 
     /// Switches mode when the other shadow leads by the margin.
     fn choose_mode(&mut self) {
+        if let Some(member) = &self.member {
+            self.mode = member.group.judge();
+            return;
+        }
         if self.cache.len() < self.min_judged {
             // Shadows of a few keys are noise: too few keys to choose, so recency.
             self.mode = Mode::Recency;
@@ -187,17 +217,21 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
         }
         self.shadow_access(&key);
         self.cache.insert(key);
+        self.publish();
     }
 
     fn touch(&mut self, key: &K) {
         if self.cache.contains(key) {
             self.shadow_access(key);
             self.cache.touch(key);
+            self.publish();
         }
     }
 
     fn remove(&mut self, key: &K) -> bool {
-        self.cache.remove(key)
+        let removed = self.cache.remove(key);
+        self.publish();
+        removed
     }
 
     fn len(&self) -> usize {
@@ -209,7 +243,10 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
     }
 
     fn in_arc_order(&self) -> bool {
-        self.mode == Mode::Arc
+        match &self.member {
+            Some(member) => member.group.in_arc_order(),
+            None => self.mode == Mode::Arc,
+        }
     }
 
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {
@@ -222,6 +259,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
                 None => break,
             }
         }
+        self.publish();
         victims
     }
 }
@@ -233,6 +271,8 @@ struct ArcLists<K> {
     target: f64,
     /// Ticks once per insert or use.
     clock: u64,
+    /// The group whose clock stamps the keys and which decides ARC's choice, if any.
+    group: Option<Arc<PolicyGroup>>,
 }
 
 /// Where one eviction call has got to on `T1` and `T2`: every key older than a cursor was seen
@@ -244,7 +284,16 @@ struct Scan {
 
 impl<K: Hash + Eq + Clone> ArcLists<K> {
     fn new() -> Self {
-        ArcLists { keys: KeyedLists::new(), target: 0.0, clock: 0 }
+        ArcLists { keys: KeyedLists::new(), target: 0.0, clock: 0, group: None }
+    }
+
+    /// ARC's choice: evict from `T1` (rather than `T2`) while it is above the target; in a
+    /// group, `T1` and the targets summed over its shards.
+    fn t1_due(&self) -> bool {
+        match &self.group {
+            Some(group) => group.t1_due(),
+            None => self.keys.len(T1) as f64 > self.target,
+        }
     }
 
     fn len(&self) -> usize {
@@ -256,6 +305,9 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
     }
 
     fn tick(&mut self) -> u64 {
+        if let Some(group) = &self.group {
+            return group.tick();
+        }
         self.clock += 1;
         self.clock
     }
@@ -344,7 +396,7 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             (None, Some(_)) => false,
             (Some(a), Some(b)) => match mode {
                 Mode::Recency => self.keys.value(a) < self.keys.value(b),
-                Mode::Arc => self.keys.len(T1) as f64 > self.target,
+                Mode::Arc => self.t1_due(),
             },
         };
         let (id, cursor, ghost) =

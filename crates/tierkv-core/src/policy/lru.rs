@@ -4,6 +4,7 @@ use std::fmt;
 use std::hash::Hash;
 
 use super::EvictionPolicy;
+use super::group::{Member, Published};
 use super::list::KeyedLists;
 
 /// The only list: most recently used at the front, least recently used at the back.
@@ -16,13 +17,37 @@ const RECENCY: usize = 0;
 /// nothing once the policy has held its peak number of keys; an eviction costs O(1) per key it
 /// returns or skips.
 pub struct Lru<K> {
-    keys: KeyedLists<K, (), 1>,
+    /// Each key with the stamp of its last use (0 outside a group, where nothing reads it).
+    keys: KeyedLists<K, u64, 1>,
+    /// The group this policy is one shard of, if any.
+    member: Option<Member>,
 }
 
 impl<K: Hash + Eq + Clone> Lru<K> {
     /// An empty policy.
     pub fn new() -> Self {
-        Lru { keys: KeyedLists::new() }
+        Lru { keys: KeyedLists::new(), member: None }
+    }
+
+    /// The policy of one shard of a [`super::PolicyGroup`].
+    pub(super) fn in_group(member: Member) -> Self {
+        Lru { keys: KeyedLists::new(), member: Some(member) }
+    }
+
+    fn stamp(&self) -> u64 {
+        self.member.as_ref().map_or(0, Member::tick)
+    }
+
+    /// Tells the group, if any, where this shard's next victim stands.
+    fn publish(&self) {
+        if let Some(member) = &self.member {
+            let oldest = self.keys.back(RECENCY).map(|id| *self.keys.value(id));
+            member.publish(Published {
+                len: [self.keys.len(RECENCY), 0],
+                oldest: [oldest, None],
+                ..Published::default()
+            });
+        }
     }
 }
 
@@ -44,17 +69,26 @@ where
 impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for Lru<K> {
     fn insert(&mut self, key: K) {
         // A key already tracked keeps its place: being cached again is not a use.
-        self.keys.push_front_if_absent(RECENCY, key, ());
+        let stamp = self.stamp();
+        let (_, added) = self.keys.push_front_if_absent(RECENCY, key, stamp);
+        if added {
+            self.publish();
+        }
     }
 
     fn touch(&mut self, key: &K) {
         if let Some(id) = self.keys.find(key) {
+            let stamp = self.stamp();
+            *self.keys.value_mut(id) = stamp;
             self.keys.move_to_front(id, RECENCY);
+            self.publish();
         }
     }
 
     fn remove(&mut self, key: &K) -> bool {
-        self.keys.remove(key).is_some()
+        let removed = self.keys.remove(key).is_some();
+        self.publish();
+        removed
     }
 
     fn len(&self) -> usize {
@@ -78,6 +112,7 @@ impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for Lru<K> {
                 victims.push(self.keys.remove_node(id).0);
             }
         }
+        self.publish();
         victims
     }
 }

@@ -8,6 +8,7 @@
 mod adaptive;
 #[cfg(test)]
 mod adaptive_tests;
+mod group;
 mod list;
 mod lru;
 mod s3fifo;
@@ -20,6 +21,7 @@ mod tests;
 use std::hash::Hash;
 
 pub use adaptive::Adaptive;
+pub use group::PolicyGroup;
 pub use lru::Lru;
 pub use s3fifo::S3Fifo;
 pub use segments::{SegmentArc, SegmentPolicy};

@@ -48,6 +48,7 @@ use std::fmt;
 use std::hash::Hash;
 
 use super::EvictionPolicy;
+use super::group::{Member, Published};
 use super::list::{KeyedLists, NodeId};
 
 /// The small probationary FIFO, where new keys start.
@@ -64,7 +65,15 @@ const MAX_FREQ: u8 = 3;
 const DEFAULT_PROMOTION_THRESHOLD: u8 = 0;
 
 /// The small FIFO supplies victims while it holds at least 60% of the tracked keys.
-const DEFAULT_SMALL_PERCENT: u8 = 60;
+pub(super) const DEFAULT_SMALL_PERCENT: u8 = 60;
+
+/// A tracked key's state: its frequency, and the stamp of its entry into its FIFO (read only in
+/// a [`super::PolicyGroup`], where the stamps of the shards' FIFOs are compared).
+#[derive(Clone, Copy, Debug, Default)]
+struct Place {
+    freq: u8,
+    stamp: u64,
+}
 
 /// S3-FIFO: a small probationary FIFO filters out keys used only once, a main FIFO with
 /// reinsertion keeps the rest, and a ghost FIFO sends keys evicted too early straight back to the
@@ -74,12 +83,16 @@ const DEFAULT_SMALL_PERCENT: u8 = 60;
 /// its peak number of keys; an eviction costs O(1) per key it returns, skips or reinserts.
 pub struct S3Fifo<K> {
     /// Every tracked key (on `SMALL` or `MAIN`) and every ghost (on `GHOST`), with the key's
-    /// access frequency, 0 to `MAX_FREQ`. Ghosts keep a frequency of 0 that nothing reads.
-    keys: KeyedLists<K, u8, 3>,
+    /// access frequency, 0 to `MAX_FREQ`, and its stamp. Ghosts keep a frequency of 0 that
+    /// nothing reads.
+    keys: KeyedLists<K, Place, 3>,
     /// A key leaves the small FIFO for the main one when its frequency exceeds this.
     promote_above: u8,
     /// The small FIFO's share of the tracked keys, in percent, from which it supplies victims.
     small_percent: u8,
+    /// The group this policy is one shard of, if any: the small FIFO's share is then the
+    /// group's.
+    member: Option<Member>,
 }
 
 impl<K: Hash + Eq + Clone> S3Fifo<K> {
@@ -105,12 +118,45 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
             keys: KeyedLists::new(),
             promote_above: promotion_threshold.min(MAX_FREQ - 1),
             small_percent: small_percent.clamp(1, 99),
+            member: None,
+        }
+    }
+
+    /// The policy of one shard of a [`super::PolicyGroup`], with the default tuning.
+    pub(super) fn in_group(member: Member) -> Self {
+        S3Fifo { member: Some(member), ..Self::new() }
+    }
+
+    /// A stamp for a key entering a FIFO: the group's clock, or 0 alone (nothing reads it).
+    fn stamp(&self) -> u64 {
+        self.member.as_ref().map_or(0, Member::tick)
+    }
+
+    /// Moves `id` to the front of `list` as a new entry there.
+    fn enter(&mut self, id: NodeId, list: usize) {
+        let stamp = self.stamp();
+        self.keys.value_mut(id).stamp = stamp;
+        self.keys.move_to_front(id, list);
+    }
+
+    /// Tells the group, if any, where this shard's next victims stand.
+    fn publish(&self) {
+        if let Some(member) = &self.member {
+            let oldest = |list| self.keys.back(list).map(|id| self.keys.value(id).stamp);
+            member.publish(Published {
+                len: [self.keys.len(SMALL), self.keys.len(MAIN)],
+                oldest: [oldest(SMALL), oldest(MAIN)],
+                ..Published::default()
+            });
         }
     }
 
     /// Whether the next victim should come from the small FIFO: it holds at least its share of
     /// the tracked keys.
     fn small_is_due(&self) -> bool {
+        if let Some(member) = &self.member {
+            return member.group.small_is_due(self.small_percent);
+        }
         let small = self.keys.len(SMALL) as u64;
         let tracked = small + self.keys.len(MAIN) as u64;
         small * 100 >= tracked * u64::from(self.small_percent)
@@ -133,16 +179,16 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
             if !eligible(self.keys.key(id)) {
                 continue;
             }
-            if *self.keys.value(id) > self.promote_above {
-                *self.keys.value_mut(id) = 0;
-                self.keys.move_to_front(id, MAIN);
+            if self.keys.value(id).freq > self.promote_above {
+                self.keys.value_mut(id).freq = 0;
+                self.enter(id, MAIN);
                 // With the main scan finished, everything older on the main FIFO was seen and is
                 // ineligible, so the promoted key is the scan's next candidate.
                 scan.main.get_or_insert(id);
                 continue;
             }
             // The victim stays behind as a ghost; `evict` trims the ghost FIFO once it is done.
-            *self.keys.value_mut(id) = 0;
+            self.keys.value_mut(id).freq = 0;
             self.keys.move_to_front(id, GHOST);
             return Some(self.keys.key(id).clone());
         }
@@ -160,10 +206,10 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
                 scan.main = newer;
                 continue;
             }
-            let freq = self.keys.value_mut(id);
+            let freq = &mut self.keys.value_mut(id).freq;
             if *freq > 0 {
                 *freq -= 1;
-                self.keys.move_to_front(id, MAIN);
+                self.enter(id, MAIN);
                 // A key that was already the newest is its own successor.
                 scan.main = Some(newer.unwrap_or(id));
                 continue;
@@ -198,18 +244,20 @@ where
 
 impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for S3Fifo<K> {
     fn insert(&mut self, key: K) {
-        let (id, added) = self.keys.push_front_if_absent(SMALL, key, 0);
+        let place = Place { freq: 0, stamp: self.stamp() };
+        let (id, added) = self.keys.push_front_if_absent(SMALL, key, place);
         if !added && self.keys.list_of(id) == GHOST {
             // Evicted from the small FIFO too early: it goes straight to the main FIFO.
-            self.keys.move_to_front(id, MAIN);
+            self.enter(id, MAIN);
         }
+        self.publish();
     }
 
     fn touch(&mut self, key: &K) {
         if let Some(id) = self.keys.find(key)
             && self.keys.list_of(id) != GHOST
         {
-            let freq = self.keys.value_mut(id);
+            let freq = &mut self.keys.value_mut(id).freq;
             *freq = (*freq + 1).min(MAX_FREQ);
         }
     }
@@ -219,6 +267,7 @@ impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for S3Fifo<K> {
             Some(id) if self.keys.list_of(id) != GHOST => {
                 self.keys.remove_node(id);
                 self.trim_ghosts();
+                self.publish();
                 true
             }
             _ => false,
@@ -265,6 +314,7 @@ impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for S3Fifo<K> {
             "eviction scan ran past its bound"
         );
         self.trim_ghosts();
+        self.publish();
         victims
     }
 }
@@ -289,7 +339,7 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
 
     /// The frequency of `key`, ghosts included.
     pub(super) fn freq_of(&self, key: &K) -> Option<u8> {
-        self.keys.find(key).map(|id| *self.keys.value(id))
+        self.keys.find(key).map(|id| self.keys.value(id).freq)
     }
 
     /// The number of keys on one FIFO.

@@ -61,6 +61,11 @@ pub struct ReplayArgs {
     /// Default: cascade.
     #[arg(long, value_enum)]
     store_policy: Option<StorePolicyArg>,
+    /// L1's index shards in a daemon replay: 1 (one policy over all of L1, which the simulation
+    /// matches chunk for chunk), a power of two up to 1,024, or 0 for the daemon's own choice
+    /// from L1's size, as a daemon started from a configuration without `shards` makes it.
+    #[arg(long, default_value_t = 1)]
+    l1_shards: u32,
     /// Ranks of the TP group: one worker process and one session each.
     #[arg(long, default_value_t = 1)]
     tp: u16,
@@ -201,6 +206,12 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
     if args.disk_segment == 0 {
         return Err("--disk-segment must be at least one chunk".into());
     }
+    if args.l1_shards != 0 && !(args.l1_shards.is_power_of_two() && args.l1_shards <= 1024) {
+        return Err(format!(
+            "--l1-shards must be 0 (the daemon's choice) or a power of two up to 1024, got {}",
+            args.l1_shards
+        ));
+    }
 
     if args.simulate {
         let daemon_only = [
@@ -211,6 +222,7 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             ("--tp", args.tp != 1),
             ("--mla", args.mla),
             ("--speedup", args.speedup.is_some()),
+            ("--l1-shards", args.l1_shards != 1),
         ];
         let given: Vec<&str> =
             daemon_only.iter().filter(|(_, set)| *set).map(|(o, _)| *o).collect();
@@ -299,6 +311,7 @@ fn daemon_targets(
                 disk_segment: args.disk_segment,
                 disk_policy: disk_policy(args)?,
                 cascade: args.cascade(),
+                l1_shards: args.l1_shards,
             };
             targets.push(Target::Spawn { tiers, policy: kind });
         }

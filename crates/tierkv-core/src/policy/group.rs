@@ -1,0 +1,339 @@
+//! The policies of one sharded cache, evicting as one policy over all its keys would.
+//!
+//! L1's index is split into shards, each behind its own lock and with its own policy, so that
+//! requests for different keys do not wait for each other. Choosing the shard to evict from by
+//! how many keys it holds, as L1 did, cost up to 0.04 of hit ratio with LRU and up to 0.08 with
+//! the adaptive policy at L1's automatic shard counts (docs/performance.md): a shard's oldest key
+//! is not the cache's oldest, so a chain's root in one shard went before its tail in another; and
+//! each shard's adaptive policy judged its order from a sliver of the traffic and chose it alone.
+//!
+//! A [`PolicyGroup`] joins the shards' policies. They stamp their keys' uses with one clock, and
+//! each publishes where its next victims stand (how many keys each of its queues holds, the
+//! stamp of each queue's oldest key, ARC's target, the shadows' scores) in a few atomics of its
+//! own, written under its shard's lock and read by nobody's lock. From those the group names the
+//! shard whose next victim one policy over all the keys would take: the oldest key for LRU and
+//! for the adaptive policy in recency order; in ARC's order, the oldest key of `T1` or of `T2`,
+//! as ARC decides from the sums of the shards' `T1` and targets. The adaptive policy's order is
+//! judged once for the group, from the sum of every shard's shadow scores. For S3-FIFO, the
+//! oldest entry of the small FIFOs while they hold their share of the keys summed over the
+//! shards, else of the main FIFOs.
+//!
+//! Costs: one shared counter per use (the clock), a few relaxed stores per policy call, and, per
+//! eviction, a read of every shard's atomics (L1 has at most 64 shards by default).
+
+use std::hash::Hash;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use super::adaptive::Mode;
+use super::s3fifo::DEFAULT_SMALL_PERCENT;
+use super::{Adaptive, EvictionPolicy, Lru, PolicyKind, S3Fifo, SampleKey};
+
+/// The shards' policies of one cache; see the module documentation.
+#[derive(Debug)]
+pub struct PolicyGroup {
+    kind: PolicyKind,
+    /// Stamps every use in every shard, so stamps compare across shards.
+    clock: AtomicU64,
+    standings: Box<[Standing]>,
+    /// The adaptive policy's order for the whole group: ARC's when true.
+    arc_order: AtomicBool,
+}
+
+/// Where one shard's next victims stand, as its policy last published it.
+#[repr(align(128))]
+#[derive(Debug)]
+struct Standing {
+    /// Keys on each of the policy's two queues (`T1` and `T2`, S3-FIFO's small and main FIFOs;
+    /// LRU uses the first).
+    len: [AtomicU64; 2],
+    /// The stamp of each queue's oldest key (for S3-FIFO, of its entry into the FIFO);
+    /// `u64::MAX` when the queue is empty.
+    oldest: [AtomicU64; 2],
+    /// ARC's target for `T1`, as `f64` bits.
+    target: AtomicU64,
+    /// The adaptive policy's decayed shadow hits, recency then ARC, as `f64` bits.
+    score: [AtomicU64; 2],
+}
+
+impl Default for Standing {
+    /// A shard that has published nothing: no keys.
+    fn default() -> Self {
+        Standing {
+            len: Default::default(),
+            oldest: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
+            target: AtomicU64::default(),
+            score: Default::default(),
+        }
+    }
+}
+
+/// What a member policy publishes after each call.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Published {
+    pub(super) len: [usize; 2],
+    pub(super) oldest: [Option<u64>; 2],
+    pub(super) target: f64,
+    pub(super) score: [f64; 2],
+}
+
+impl PolicyGroup {
+    /// A group of `shards` policies of `kind`; build each with [`PolicyGroup::member`].
+    pub fn new(kind: PolicyKind, shards: usize) -> Arc<Self> {
+        Arc::new(PolicyGroup {
+            kind,
+            clock: AtomicU64::new(0),
+            standings: (0..shards.max(1)).map(|_| Standing::default()).collect(),
+            arc_order: AtomicBool::new(false),
+        })
+    }
+
+    /// The policy of shard `shard` (below the shard count given to [`PolicyGroup::new`]).
+    pub fn member<K>(self: &Arc<Self>, shard: usize) -> Box<dyn EvictionPolicy<K>>
+    where
+        K: Hash + Eq + Clone + Send + SampleKey + 'static,
+    {
+        let member = Member { group: Arc::clone(self), shard: shard % self.standings.len() };
+        match self.kind {
+            PolicyKind::Lru => Box::new(Lru::in_group(member)),
+            PolicyKind::Adaptive => Box::new(Adaptive::in_group(member)),
+            PolicyKind::S3Fifo => Box::new(S3Fifo::in_group(member)),
+        }
+    }
+
+    /// The shard whose next victim one policy over all the group's keys would take, by what the
+    /// shards last published; `None` when no shard holds a key. Reads every shard's atomics,
+    /// takes no lock.
+    pub fn victim_shard(&self) -> Option<usize> {
+        let oldest = |queue: usize| self.oldest_of(|s| s.oldest[queue].load(Ordering::Relaxed));
+        match self.kind {
+            PolicyKind::Lru => oldest(0),
+            PolicyKind::S3Fifo if self.small_is_due(DEFAULT_SMALL_PERCENT) => {
+                oldest(0).or_else(|| oldest(1))
+            }
+            PolicyKind::S3Fifo => oldest(1).or_else(|| oldest(0)),
+            PolicyKind::Adaptive => {
+                let either = || {
+                    self.oldest_of(|s| {
+                        s.oldest[0].load(Ordering::Relaxed).min(s.oldest[1].load(Ordering::Relaxed))
+                    })
+                };
+                match self.judge() {
+                    Mode::Recency => either(),
+                    Mode::Arc if self.t1_due() => oldest(0).or_else(either),
+                    Mode::Arc => oldest(1).or_else(either),
+                }
+            }
+        }
+    }
+
+    /// The shard with the smallest stamp `of` its standing, if any stamp is set.
+    fn oldest_of(&self, of: impl Fn(&Standing) -> u64) -> Option<usize> {
+        let (shard, stamp) =
+            self.standings.iter().map(of).enumerate().min_by_key(|(_, stamp)| *stamp)?;
+        (stamp != u64::MAX).then_some(shard)
+    }
+
+    /// The next stamp of the group's clock.
+    pub(super) fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Whether the group's order now is ARC's.
+    pub(super) fn in_arc_order(&self) -> bool {
+        self.arc_order.load(Ordering::Relaxed)
+    }
+
+    /// Judges the adaptive policy's order for the whole group, from the sum of the shards'
+    /// shadow scores, with the rule and minimum each policy alone uses; returns it.
+    pub(super) fn judge(&self) -> Mode {
+        let tracked: u64 = self
+            .standings
+            .iter()
+            .map(|s| s.len[0].load(Ordering::Relaxed) + s.len[1].load(Ordering::Relaxed))
+            .sum();
+        let mode = if tracked < super::adaptive::MIN_JUDGED as u64 {
+            Mode::Recency
+        } else {
+            let score = [0, 1].map(|i| self.sum(|s| &s.score[i]));
+            let now = if self.in_arc_order() { Mode::Arc } else { Mode::Recency };
+            now.judged(score)
+        };
+        self.arc_order.store(mode == Mode::Arc, Ordering::Relaxed);
+        mode
+    }
+
+    /// ARC's choice for the whole group: whether `T1`, summed over the shards, is above the sum
+    /// of their targets.
+    pub(super) fn t1_due(&self) -> bool {
+        let t1: u64 = self.standings.iter().map(|s| s.len[0].load(Ordering::Relaxed)).sum();
+        t1 as f64 > self.sum(|s| &s.target)
+    }
+
+    /// S3-FIFO's choice for the whole group: whether the small FIFOs, summed over the shards,
+    /// hold at least `percent` of the tracked keys.
+    pub(super) fn small_is_due(&self, percent: u8) -> bool {
+        let (small, main) = self.standings.iter().fold((0, 0), |(small, main), s| {
+            (small + s.len[0].load(Ordering::Relaxed), main + s.len[1].load(Ordering::Relaxed))
+        });
+        small * 100 >= (small + main) * u64::from(percent)
+    }
+
+    fn sum(&self, field: impl Fn(&Standing) -> &AtomicU64) -> f64 {
+        self.standings.iter().map(|s| f64::from_bits(field(s).load(Ordering::Relaxed))).sum()
+    }
+}
+
+/// One shard's place in its group, held by the shard's policy.
+#[derive(Debug)]
+pub(super) struct Member {
+    pub(super) group: Arc<PolicyGroup>,
+    shard: usize,
+}
+
+impl Member {
+    /// The next stamp of the group's clock.
+    pub(super) fn tick(&self) -> u64 {
+        self.group.tick()
+    }
+
+    /// Publishes where this shard's next victims stand.
+    pub(super) fn publish(&self, now: Published) {
+        let standing = &self.group.standings[self.shard];
+        for queue in 0..2 {
+            standing.len[queue].store(now.len[queue] as u64, Ordering::Relaxed);
+            standing.oldest[queue].store(now.oldest[queue].unwrap_or(u64::MAX), Ordering::Relaxed);
+            standing.score[queue].store(now.score[queue].to_bits(), Ordering::Relaxed);
+        }
+        standing.target.store(now.target.to_bits(), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// A cache of `shards` joined policies holding at most `capacity` keys, each key in shard
+    /// `key % shards`, evicting from the shard the group names; a stream of `(key, use)` steps,
+    /// where a use touches a cached key and a miss inserts it. Returns the victims in order.
+    fn sharded_victims(
+        kind: PolicyKind,
+        shards: usize,
+        capacity: usize,
+        steps: &[u32],
+    ) -> Vec<u32> {
+        let group = PolicyGroup::new(kind, shards);
+        let mut members: Vec<_> = (0..shards).map(|i| group.member::<u32>(i)).collect();
+        let shard = |key: u32| key as usize % shards;
+        let mut victims = Vec::new();
+        for &key in steps {
+            if members[shard(key)].contains(&key) {
+                members[shard(key)].touch(&key);
+                continue;
+            }
+            if members.iter().map(|m| m.len()).sum::<usize>() >= capacity {
+                let from = group.victim_shard().unwrap();
+                victims.extend(members[from].evict(1, &mut |_| true));
+            }
+            members[shard(key)].insert(key);
+        }
+        victims
+    }
+
+    /// The same stream through one policy of `kind`.
+    fn single_victims(
+        policy: &mut dyn EvictionPolicy<u32>,
+        capacity: usize,
+        steps: &[u32],
+    ) -> Vec<u32> {
+        let mut victims = Vec::new();
+        for &key in steps {
+            if policy.contains(&key) {
+                policy.touch(&key);
+                continue;
+            }
+            if policy.len() >= capacity {
+                victims.extend(policy.evict(1, &mut |_| true));
+            }
+            policy.insert(key);
+        }
+        victims
+    }
+
+    proptest! {
+        /// LRU over joined shards evicts exactly what one LRU over all keys evicts.
+        #[test]
+        fn joined_lru_shards_evict_as_one_lru(
+            shards in 2usize..9,
+            capacity in 1usize..40,
+            steps in prop::collection::vec(0u32..80, 0..400),
+        ) {
+            let mut one = Lru::new();
+            prop_assert_eq!(
+                sharded_victims(PolicyKind::Lru, shards, capacity, &steps),
+                single_victims(&mut one, capacity, &steps)
+            );
+        }
+
+        /// A group of one policy evicts exactly what the policy alone evicts: the group's clock,
+        /// its judge, ARC's choice between `T1` and `T2` and S3-FIFO's share of the small FIFO
+        /// are the policy's own rules over the sums of its shards.
+        #[test]
+        fn one_joined_policy_evicts_as_the_policy_alone(
+            kind in prop::sample::select(PolicyKind::ALL.to_vec()),
+            capacity in 1usize..200,
+            steps in prop::collection::vec(0u32..400, 0..3000),
+        ) {
+            let mut alone = kind.build::<u32>();
+            prop_assert_eq!(
+                sharded_victims(kind, 1, capacity, &steps),
+                single_victims(alone.as_mut(), capacity, &steps)
+            );
+        }
+    }
+
+    /// A chain whose keys lie in different shards loses its tail before its root: the group
+    /// names the shard holding the oldest key, wherever it is, not the fullest shard.
+    #[test]
+    fn a_chain_across_shards_loses_its_tail_first() {
+        for kind in [PolicyKind::Lru, PolicyKind::Adaptive] {
+            let group = PolicyGroup::new(kind, 4);
+            let mut members: Vec<_> = (0..4).map(|i| group.member::<u32>(i)).collect();
+            // Chain 0..8, stored leaf first (as the daemon inserts a store's new chunks), then
+            // used leaf first (as a lookup touches a hit): its root, 0, is the most recent.
+            for key in (0..8u32).rev() {
+                members[key as usize % 4].insert(key);
+            }
+            // Shard 1 is made the fullest with older, unrelated keys... that are then used.
+            for key in [101u32, 105, 109] {
+                members[1].insert(key);
+            }
+            for key in [101u32, 105, 109].iter().chain(&[7, 6, 5, 4, 3, 2, 1, 0]) {
+                members[*key as usize % 4].touch(key);
+            }
+            let mut gone = Vec::new();
+            for _ in 0..4 {
+                let from = group.victim_shard().unwrap();
+                gone.extend(members[from].evict(1, &mut |_| true));
+            }
+            assert_eq!(gone, vec![101, 105, 109, 7], "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn an_empty_group_names_no_shard() {
+        for kind in PolicyKind::ALL {
+            let group = PolicyGroup::new(kind, 4);
+            let mut member = group.member::<u32>(2);
+            assert_eq!(group.victim_shard(), None, "{kind:?}");
+            member.insert(1);
+            assert_eq!(group.victim_shard(), Some(2), "{kind:?}");
+            member.remove(&1);
+            assert_eq!(group.victim_shard(), None, "{kind:?}");
+        }
+    }
+}
