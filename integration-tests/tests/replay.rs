@@ -378,6 +378,7 @@ fn bad_replays_are_refused_with_a_reason() {
         (vec!["replay", good, "--simulate", "--tp", "2", "--l2", "10"], "--tp only apply"),
         (vec!["replay", good, "--l1-shards", "3"], "--l1-shards must be"),
         (vec!["replay", good, "--simulate", "--l1-shards", "0"], "--l1-shards only apply"),
+        (vec!["replay", good, "--socket", "/nonexistent.sock", "--l1-shards", "0"], "--l1-shards"),
         (vec!["replay", timed, "--speedup", "1e-300"], "speed-up"),
         (vec!["replay", good, "--chunk-bytes", "2GiB"], "--chunk-bytes"),
         (vec!["replay", good, "--chunk-tokens", "0"], "--chunk-tokens"),

@@ -286,9 +286,11 @@ fn daemon_targets(
     }
     if let Some(socket) = &args.socket {
         let policy_given = args.store_policy.is_some() || args.disk_policy.is_some();
-        if sweep_given || args.l2.is_some() || args.disk.is_some() || policy_given {
+        let tiers_given = args.l2.is_some() || args.disk.is_some() || args.l1_shards != 1;
+        if sweep_given || tiers_given || policy_given {
             return Err("with --socket the daemon's own tiers and policies apply: drop \
-                        --capacity, --policy, --l2, --disk, --disk-policy and --store-policy"
+                        --capacity, --policy, --l2, --disk, --disk-policy, --store-policy and \
+                        --l1-shards"
                 .into());
         }
         return Ok(vec![Target::Socket(socket.clone())]);
