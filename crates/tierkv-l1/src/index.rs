@@ -6,9 +6,7 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
-use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
@@ -128,50 +126,14 @@ pub(crate) struct Shard {
     pub(crate) counts: Counts,
 }
 
-/// A shard on its own cache line pair, so neighbouring locks do not share a line, with a copy of
-/// its cached count that eviction reads without taking the lock.
+/// A shard on its own cache line pair, so neighbouring locks do not share a line.
 #[repr(align(128))]
 struct Padded {
     lock: Mutex<Shard>,
-    cached: AtomicU64,
 }
 
-/// A locked shard. Releasing it refreshes the shard's cached-count mirror, so every change made
-/// under the lock is reflected there without each call site remembering to do it.
-pub(crate) struct ShardGuard<'a> {
-    shard: MutexGuard<'a, Shard>,
-    cached: &'a AtomicU64,
-}
-
-impl Deref for ShardGuard<'_> {
-    type Target = Shard;
-
-    fn deref(&self) -> &Shard {
-        &self.shard
-    }
-}
-
-impl DerefMut for ShardGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Shard {
-        &mut self.shard
-    }
-}
-
-impl Drop for ShardGuard<'_> {
-    fn drop(&mut self) {
-        self.cached.store(self.shard.counts.cached, Ordering::Relaxed);
-    }
-}
-
-impl Padded {
-    fn lock(&self) -> ShardGuard<'_> {
-        ShardGuard { shard: self.lock.lock(), cached: &self.cached }
-    }
-
-    fn try_lock(&self) -> Option<ShardGuard<'_>> {
-        Some(ShardGuard { shard: self.lock.try_lock()?, cached: &self.cached })
-    }
-}
+/// A locked shard.
+pub(crate) type ShardGuard<'a> = MutexGuard<'a, Shard>;
 
 pub(crate) struct Index {
     shards: Box<[Padded]>,
@@ -193,7 +155,6 @@ impl Index {
                     },
                     counts: Counts::default(),
                 }),
-                cached: AtomicU64::new(0),
             })
             .collect();
         Index { shards, hasher: RandomState::default(), group }
@@ -219,7 +180,7 @@ impl Index {
 
     /// The shard a key lives in, locked.
     pub(crate) fn shard(&self, key: &ObjectKey) -> ShardGuard<'_> {
-        self.shards[self.shard_index(key)].lock()
+        self.shards[self.shard_index(key)].lock.lock()
     }
 
     /// Calls `visit(shard, i)` for every item, grouped by the shard of `key(item)` so each shard
@@ -232,7 +193,7 @@ impl Index {
         mut visit: impl FnMut(&mut Shard, usize),
     ) {
         if self.shards.len() == 1 {
-            let mut shard = self.shards[0].lock();
+            let mut shard = self.shards[0].lock.lock();
             (0..items.len()).for_each(|i| visit(&mut shard, i));
             return;
         }
@@ -294,11 +255,11 @@ impl Index {
         while !groups.is_empty() {
             let free = groups.iter().enumerate().find_map(|(position, group)| {
                 let shard = &self.shards[shard_of(group) % self.shards.len()];
-                shard.try_lock().map(|guard| (position, guard))
+                shard.lock.try_lock().map(|guard| (position, guard))
             });
             let (position, mut guard) = match free {
                 Some(free) => free,
-                None => (0, self.shards[shard_of(&groups[0]) % self.shards.len()].lock()),
+                None => (0, self.shards[shard_of(&groups[0]) % self.shards.len()].lock.lock()),
             };
             let group = groups.remove(position);
             visit(&mut guard, group);
@@ -309,20 +270,20 @@ impl Index {
     pub(crate) fn totals(&self) -> Counts {
         let mut totals = Counts::default();
         for shard in self.shards.iter() {
-            totals.add(shard.lock().counts);
+            totals.add(shard.lock.lock().counts);
         }
         totals
     }
 
-    /// The number of cached (evictable) objects shard `index` held when its lock was last
-    /// released. Read without the lock: a hint for choosing where to evict, never for accounting.
-    pub(crate) fn cached_hint(&self, index: usize) -> u64 {
-        self.shards[index % self.shards.len()].cached.load(Ordering::Relaxed)
-    }
-
     /// Shard `index` (modulo the shard count), locked.
     pub(crate) fn shard_at(&self, index: usize) -> ShardGuard<'_> {
-        self.shards[index % self.shards.len()].lock()
+        self.shards[index % self.shards.len()].lock.lock()
+    }
+
+    /// Whether the shards' policies are joined (more than one shard): eviction then follows
+    /// [`Index::victim_shard`] one victim at a time.
+    pub(crate) fn joined(&self) -> bool {
+        self.group.is_some()
     }
 }
 

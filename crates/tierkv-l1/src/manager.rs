@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tierkv_core::{ChunkSource, Clock, ExtraCount, KeyError, Layout, ObjectKey, SystemClock};
@@ -203,7 +203,6 @@ pub struct L1Manager {
     index: Index,
     leases: LeaseTable,
     generations: AtomicU64,
-    evict_cursor: AtomicUsize,
     config: L1Config,
     clock: Arc<dyn Clock>,
     observer: Arc<dyn L1Observer>,
@@ -243,7 +242,6 @@ impl L1Manager {
             index: Index::new(shards, config.policy),
             leases: LeaseTable::new(),
             generations: AtomicU64::new(1),
-            evict_cursor: AtomicUsize::new(0),
             config,
             clock: context.clock,
             observer: context.observer,
@@ -1033,20 +1031,13 @@ impl L1Manager {
     /// Finds the next eviction victim and hands it, with its locked shard, to `take`.
     ///
     /// The shard comes first whose next victim one policy over all of L1 would take
-    /// ([`tierkv_core::policy::PolicyGroup`]: the shards' policies are joined). Where the group
-    /// names none (S3-FIFO), two random shards are considered, the one holding more cached
-    /// objects first ("power of two choices"): new keys land in shards at random, so taking
-    /// victims evenly across shards would let some shards drain. Then every other shard in turn,
-    /// so `None` means no shard has anything evictable. With one shard the order is exactly the
-    /// policy's. The victim has already left the policy's tracking when `take` sees it.
+    /// ([`tierkv_core::policy::PolicyGroup`]: the shards' policies are joined); then every other
+    /// shard in turn, so `None` means no shard has anything evictable. With one shard the order
+    /// is exactly the policy's. The victim has already left the policy's tracking when `take`
+    /// sees it.
     fn with_victim<R>(&self, take: impl FnOnce(&mut Shard, ObjectKey) -> R) -> Option<R> {
         let shards = self.index.shard_count();
-        let first = self.index.victim_shard().unwrap_or_else(|| {
-            let draw = self.evict_cursor.fetch_add(1, Ordering::Relaxed) as u64;
-            let mixed = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            let (a, b) = ((mixed >> 32) as usize % shards, (mixed >> 8) as usize % shards);
-            if self.index.cached_hint(a) >= self.index.cached_hint(b) { a } else { b }
-        });
+        let first = self.index.victim_shard().unwrap_or(0);
         for step in 0..shards {
             let mut guard = self.index.shard_at(first + step);
             let shard = &mut *guard;
@@ -1061,75 +1052,33 @@ impl L1Manager {
         None
     }
 
-    /// Evicts up to `n` cached objects and appends their slots to `slots`. Where the shards'
-    /// policies are joined, one victim at a time, each from the shard `with_victim` names.
-    /// Otherwise with one lock per shard that gives victims: each victim's shard is drawn as
-    /// `with_victim` draws it (the fuller of two, by the shards' cached counts less what this
-    /// batch already takes), so a batch spreads over the shards as key-by-key eviction would
-    /// instead of emptying one; a shard that cannot give its share passes the rest on to the
-    /// next.
+    /// Evicts up to `n` cached objects and appends their slots to `slots`: with one shard, under
+    /// one lock in its policy's order; with joined shards, one victim at a time, each from the
+    /// shard `with_victim` names.
     fn evict_many(&self, n: usize, victims: &mut Vec<ObjectKey>, slots: &mut Vec<SlotId>) {
-        if self.index.victim_shard().is_some() {
-            // The shards' policies are joined: victims in their order, one shard lock each.
-            for _ in 0..n {
-                let taken = self.with_victim(|shard, key| {
-                    self.take_victim(shard, &key).map(|slot| (key, slot))
-                });
-                let Some(Some((key, slot))) = taken else { return };
-                victims.push(key);
-                slots.push(slot);
-            }
-            return;
-        }
-        let shards = self.index.shard_count();
-        let mut hint: Vec<u64> = (0..shards).map(|i| self.index.cached_hint(i)).collect();
-        let mut demand = vec![0usize; shards];
-        let first_draw = self.evict_cursor.fetch_add(n, Ordering::Relaxed) as u64;
-        for k in 0..n as u64 {
-            let draw = first_draw.wrapping_add(k);
-            let mixed = draw.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            let (a, b) = ((mixed >> 32) as usize % shards, (mixed >> 8) as usize % shards);
-            let pick = if hint[a] >= hint[b] { a } else { b };
-            demand[pick] += 1;
-            hint[pick] = hint[pick].saturating_sub(1);
-        }
-        // Takes up to `want` victims from a locked shard; returns how many it gave.
-        let mut take = |shard: &mut Shard, want: usize| {
+        if !self.index.joined() {
+            let mut guard = self.index.shard_at(0);
+            let shard = &mut *guard;
             let chosen = {
                 let (map, all) = (&shard.map, &*self.slots);
                 let mut eligible =
                     |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(all));
-                shard.policy.evict(want, &mut eligible)
+                shard.policy.evict(n, &mut eligible)
             };
-            let mut got = 0;
             for key in chosen {
                 if let Some(slot) = self.take_victim(shard, &key) {
                     victims.push(key);
                     slots.push(slot);
-                    got += 1;
                 }
             }
-            got
-        };
-        // The shards in the order they come free (another writer may hold some), each asked
-        // for its share and for what the shards before it could not give.
-        let mut carried = 0;
-        let mut wanted: Vec<(usize, usize)> =
-            demand.iter().enumerate().filter(|(_, d)| **d > 0).map(|(i, d)| (i, *d)).collect();
-        self.index.for_each_free(
-            &mut wanted,
-            |(index, _)| *index,
-            |shard, (_, share)| {
-                let want = share + carried;
-                carried = want - take(shard, want);
-            },
-        );
-        // A second round lets shards that gave their share give more, for what others lacked.
-        for index in 0..shards {
-            if carried == 0 {
-                return;
-            }
-            carried -= take(&mut self.index.shard_at(index), carried);
+            return;
+        }
+        for _ in 0..n {
+            let taken = self
+                .with_victim(|shard, key| self.take_victim(shard, &key).map(|slot| (key, slot)));
+            let Some(Some((key, slot))) = taken else { return };
+            victims.push(key);
+            slots.push(slot);
         }
     }
 
