@@ -304,23 +304,24 @@ mod tests {
             let group = PolicyGroup::new(kind, 4);
             let mut members: Vec<_> = (0..4).map(|i| group.member::<u32>(i)).collect();
             // Chain 0..8, stored leaf first (as the daemon inserts a store's new chunks), then
-            // used leaf first (as a lookup touches a hit): its root, 0, is the most recent.
+            // used leaf first (as a lookup touches a hit): its root, 0, is its most recent key.
             for key in (0..8u32).rev() {
                 members[key as usize % 4].insert(key);
             }
-            // Shard 1 is made the fullest with older, unrelated keys... that are then used.
-            for key in [101u32, 105, 109] {
-                members[1].insert(key);
+            for key in (0..8u32).rev() {
+                members[key as usize % 4].touch(&key);
             }
-            for key in [101u32, 105, 109].iter().chain(&[7, 6, 5, 4, 3, 2, 1, 0]) {
-                members[*key as usize % 4].touch(key);
+            // Newer keys make shard 0, which holds the root and key 4, the fullest shard.
+            for key in [100u32, 104, 108, 112] {
+                members[0].insert(key);
             }
             let mut gone = Vec::new();
             for _ in 0..4 {
                 let from = group.victim_shard().unwrap();
                 gone.extend(members[from].evict(1, &mut |_| true));
             }
-            assert_eq!(gone, vec![101, 105, 109, 7], "{kind:?}");
+            // From the fullest shard the victims would be 4 and then the root, 0.
+            assert_eq!(gone, vec![7, 6, 5, 4], "{kind:?}");
         }
     }
 
