@@ -377,7 +377,11 @@ impl StorageManager {
         let deadline = Instant::now() + self.inner.config.store_backpressure;
         // Reservations go root first and stop at the first key without room: retry from it.
         while let Some(first) = results.iter().position(|r| r == &Err(KeyError::OutOfMemory)) {
-            if queue.outstanding() == 0 || Instant::now() >= deadline {
+            // `outstanding` is read before `progress`: a job returns its shares, then counts as
+            // progress, then stops being outstanding. So a pipeline that went idle after this
+            // writer's last try shows progress here, and the writer tries once more.
+            let idle = queue.outstanding() == 0;
+            if Instant::now() >= deadline || (idle && queue.progress() == seen) {
                 break;
             }
             queue.wait_progress(seen, deadline);

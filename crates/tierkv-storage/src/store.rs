@@ -365,13 +365,15 @@ impl Worker {
         self.done_with_job();
     }
 
-    /// One job is over: copied, or dropped.
+    /// One job is over: copied, or dropped. Its shares are back already; it counts as progress
+    /// before it stops being outstanding, so a writer that finds the pipeline idle also finds
+    /// the progress of its last job (`StorageManager::reserve_write`).
     fn done_with_job(&self) {
+        let (count, cv) = &*self.progress;
+        *count.lock() += 1;
         let _ = self
             .outstanding
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-        let (count, cv) = &*self.progress;
-        *count.lock() += 1;
         cv.notify_all();
     }
 
