@@ -68,7 +68,17 @@ pub(crate) const LOCK_FILE: &str = ".tierkv.lock";
 /// An exclusive `flock` on a store's directory, held while the store is open: one store (one
 /// daemon) per directory. The file holds the holder's pid, so a refusal can name it.
 pub(crate) struct DirLock {
-    _file: File,
+    file: File,
+}
+
+impl Drop for DirLock {
+    /// Unlocks before the descriptor closes: a child another thread is starting holds a copy of
+    /// the descriptor until it execs, and the lock would stay while that copy is open, refusing
+    /// a store reopened at once in this process.
+    fn drop(&mut self) {
+        // SAFETY: flock on a descriptor we own, open until after this call.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
 }
 
 impl DirLock {
@@ -117,7 +127,7 @@ impl DirLock {
                 let _ = file.set_len(0);
             }
         }
-        Ok(Some(DirLock { _file: file }))
+        Ok(Some(DirLock { file }))
     }
 }
 

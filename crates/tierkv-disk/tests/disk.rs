@@ -1205,3 +1205,30 @@ fn a_key_stored_by_two_tasks_in_flight_at_once_is_indexed_once() {
         assert_eq!((store.usage().objects, store.usage().used_bytes), (0, 0));
     }
 }
+
+#[test]
+fn a_closed_store_frees_its_directory_at_once_while_the_process_starts_children() {
+    // A child started by another thread holds a copy of every descriptor until it execs; a
+    // lock taken with `flock` stays while any copy is open. Closing the store must unlock the
+    // directory itself, or a reopen right after a close is refused as "in use".
+    let dir = tempfile::tempdir().unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spawner = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = Command::new("true").status();
+            }
+        })
+    };
+    let mut refused = Vec::new();
+    for _ in 0..300 {
+        match DiskStore::open(config(dir.path(), 8, 4)) {
+            Ok(store) => drop(store),
+            Err(e) => refused.push(e.to_string()),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    spawner.join().unwrap();
+    assert!(refused.is_empty(), "{} reopens refused, first: {:?}", refused.len(), refused.first());
+}
