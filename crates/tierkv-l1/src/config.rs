@@ -45,11 +45,6 @@ impl Default for Watermark {
     }
 }
 
-/// Above this many slots per shard, the automatic shard count grows.
-const SLOTS_PER_SHARD: u64 = 256;
-/// More shards than this buys nothing on the machines tierkv runs on.
-const MAX_SHARDS: usize = 64;
-
 impl L1Config {
     /// An emulated-or-CUDA (`Auto`) L1 with the default (adaptive) eviction and default lease and watermark settings.
     pub fn new(capacity_bytes: u64, slot_bytes: u64) -> Self {
@@ -95,9 +90,7 @@ impl L1Config {
             ));
         }
         let shards = match self.shards {
-            0 => (u64::from(slots) / SLOTS_PER_SHARD)
-                .clamp(1, MAX_SHARDS as u64)
-                .next_power_of_two() as usize,
+            0 => tierkv_core::policy::auto_shards(u64::from(slots)),
             n if n.is_power_of_two() && n <= 1024 => n,
             n => return bad(format!("shards must be a power of two up to 1024, got {n}")),
         };

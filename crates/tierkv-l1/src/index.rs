@@ -5,13 +5,12 @@
 //! same lock, so a victim is never leased or written by the time it is removed.
 
 use std::collections::HashMap;
-use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
 use tierkv_core::ObjectKey;
-use tierkv_core::policy::{EvictionPolicy, PolicyGroup, PolicyKind};
+use tierkv_core::policy::{EvictionPolicy, PolicyGroup, PolicyKind, shard_of};
 
 use crate::lease::OwnerId;
 use crate::slots::{SlotId, Slots};
@@ -137,7 +136,6 @@ pub(crate) type ShardGuard<'a> = MutexGuard<'a, Shard>;
 
 pub(crate) struct Index {
     shards: Box<[Padded]>,
-    hasher: RandomState,
     /// With more than one shard, their policies joined so that they evict as one.
     group: Option<Arc<PolicyGroup>>,
 }
@@ -157,7 +155,7 @@ impl Index {
                 }),
             })
             .collect();
-        Index { shards, hasher: RandomState::default(), group }
+        Index { shards, group }
     }
 
     /// The shard whose next victim one policy over all of L1's keys would take, as the shards'
@@ -172,10 +170,10 @@ impl Index {
     }
 
     fn shard_index(&self, key: &ObjectKey) -> usize {
-        // The shard count is a power of two, so masking the hash picks a shard uniformly. The
-        // top bits are used because hash maps consume the low ones.
-        let hash = self.hasher.hash_one(key);
-        (hash >> 32) as usize & (self.shards.len() - 1)
+        // By the chunk's hash, the same in every run, so the simulation puts every chunk in the
+        // same shard. A client that chose its hashes to crowd one shard would only make that
+        // shard's lock busier: the shards evict as one policy whatever they hold.
+        shard_of(key, self.shards.len())
     }
 
     /// The shard a key lives in, locked.
@@ -186,17 +184,27 @@ impl Index {
     /// Calls `visit(shard, i)` for every item, grouped by the shard of `key(item)` so each shard
     /// is locked once per batch rather than once per key. Within a shard, items are visited in
     /// their order in `items`; the shards are taken as [`Index::for_each_free`] takes them.
+    ///
+    /// A use of an item's key made by `visit` is stamped by the item's place in `items`, not by
+    /// when its shard was visited ([`PolicyGroup::reserve_stamps`]): the joined policies then
+    /// order the batch's keys as one policy over all the shards would.
     pub(crate) fn visit_grouped<T>(
         &self,
         items: &[T],
         key: impl Fn(&T) -> &ObjectKey,
         mut visit: impl FnMut(&mut Shard, usize),
     ) {
-        if self.shards.len() == 1 {
+        let Some(group) = &self.group else {
             let mut shard = self.shards[0].lock.lock();
             (0..items.len()).for_each(|i| visit(&mut shard, i));
             return;
-        }
+        };
+        let first = group.reserve_stamps(items.len());
+        let mut visit = |shard: &mut Shard, i: usize| {
+            shard.policy.stamp_next(Some(first + i as u64));
+            visit(shard, i);
+            shard.policy.stamp_next(None);
+        };
         if self.shards.len() <= 64 {
             // A counting sort by shard (stable, so each group keeps the items' order): no
             // comparison sort on the hot path of every batch.

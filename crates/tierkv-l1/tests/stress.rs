@@ -251,6 +251,39 @@ fn a_sharded_l1_evicts_in_the_order_of_one_policy_over_all_its_keys() {
 }
 
 #[test]
+fn a_batch_over_many_shards_keeps_its_order_across_them() {
+    // 8 shards of 8 slots, filled by one batch of 64 keys. The batch is handled shard by shard,
+    // but each key's use is stamped by its place in the batch, so 8 fresh writes evict the
+    // batch's first eight keys in order, as one policy over L1 would. Stamped as the shards
+    // are visited, the victims would be whole shards' keys instead.
+    let evicted = |f: &Fixture| -> Vec<_> {
+        for k in keys(100..108) {
+            f.write(&[k]);
+        }
+        f.recorder.evicted.lock().iter().map(|(k, _)| *k).collect()
+    };
+    for policy in PolicyKind::ALL {
+        let f = with_config(L1Config { shards: 8, policy, ..config(64) });
+        f.write(&keys(0..64));
+        assert_eq!(evicted(&f), keys(0..8), "{policy:?}");
+        f.assert_consistent();
+    }
+    // The same for a read of the batch, newest first: the first keys read go first. (S3-FIFO
+    // only counts a read; its order is the writes'.)
+    for policy in [PolicyKind::Lru, PolicyKind::Adaptive] {
+        let f = with_config(L1Config { shards: 8, policy, ..config(64) });
+        f.write(&keys(0..64));
+        let newest_first: Vec<_> = keys(0..64).into_iter().rev().collect();
+        let grant = f.l1.reserve_read(OWNER, &newest_first, extra(0));
+        assert!(grant.results.iter().all(|r| r.is_ok()));
+        f.l1.finish_read(grant.lease.unwrap(), Readers::One(0), None).unwrap();
+        let expected: Vec<_> = keys(56..64).into_iter().rev().collect();
+        assert_eq!(evicted(&f), expected, "{policy:?}");
+        f.assert_consistent();
+    }
+}
+
+#[test]
 fn a_batch_reservation_over_many_shards_answers_as_key_by_key_would() {
     // 8 slots in 4 shards, all cached; 5 of them leased, so only 3 can be evicted. A batch of
     // 5 fresh keys gets its longest allocatable prefix: 3 slots, then `OutOfMemory`; exactly

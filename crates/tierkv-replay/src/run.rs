@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tierkv_client::Client;
-use tierkv_core::policy::PolicyKind;
+use tierkv_core::policy::{PolicyKind, auto_shards};
 
 use crate::ReplayError;
 use crate::process::{SpawnedDaemon, TierChunks};
@@ -23,12 +23,14 @@ pub const MAX_CHUNK_BYTES: u64 = 1 << 30;
 /// Results come back in that order: trace, then capacity, then policy.
 ///
 /// With `lower` tiers, each online policy runs the cascade of L1 (the capacity) and those tiers
-/// ([`simulate_cascade`]), and the optimum one cache of their combined size.
+/// ([`simulate_cascade`]), and the optimum one cache of their combined size. L1's policy runs
+/// over `l1_shards` joined index shards, as a daemon's L1 with that `shards` setting (0: the
+/// daemon's automatic count for the capacity).
 pub fn sweep_simulation(
     traces: &[Trace],
     policies: &[Policy],
     capacities: &[Option<u64>],
-    lower: Option<LowerTiers>,
+    (lower, l1_shards): (Option<LowerTiers>, u32),
     progress: bool,
 ) -> Vec<RunResult> {
     let runs: Vec<(usize, Option<u64>, Policy)> = traces
@@ -53,15 +55,20 @@ pub fn sweep_simulation(
                         let trace = &traces[t];
                         let chunks = |c: u64| usize::try_from(c).unwrap_or(usize::MAX);
                         let limit = capacity.map(chunks);
+                        let shards = match (l1_shards, capacity) {
+                            (0, Some(slots)) => auto_shards(slots),
+                            (0, None) => 1,
+                            (n, _) => n as usize,
+                        };
                         let counts = match (policy, limit, lower) {
                             (Policy::Online(kind), Some(l1), Some(lower)) => {
-                                simulate_cascade(trace, kind, l1, lower)
+                                simulate_cascade(trace, kind, (l1, shards), lower)
                             }
                             (Policy::Belady | Policy::LruOracleAdmission, Some(l1), _) => {
                                 let below = lower.map_or(0, |lower| lower.chunks());
-                                simulate(trace, policy, Some(l1.saturating_add(below)))
+                                simulate(trace, policy, Some(l1.saturating_add(below)), 1)
                             }
-                            _ => simulate(trace, policy, limit),
+                            _ => simulate(trace, policy, limit, shards),
                         };
                         done.push((
                             i,

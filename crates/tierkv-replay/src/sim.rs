@@ -104,11 +104,20 @@ fn ratio(part: u64, whole: u64) -> f64 {
     if whole == 0 { 0.0 } else { part as f64 / whole as f64 }
 }
 
-/// Replays `trace` through `policy` with room for `capacity` chunks (`None`: unbounded).
-pub fn simulate(trace: &Trace, policy: Policy, capacity: Option<usize>) -> SimCounts {
+/// Replays `trace` through `policy` with room for `capacity` chunks (`None`: unbounded). An
+/// online policy runs over `shards` joined shards, as a daemon's L1 index of that many shards
+/// holds its keys (1: one policy); the optimum ignores shards.
+pub fn simulate(
+    trace: &Trace,
+    policy: Policy,
+    capacity: Option<usize>,
+    shards: usize,
+) -> SimCounts {
     let capacity = capacity.unwrap_or(usize::MAX);
     match policy {
-        Policy::Online(kind) => simulate_online(trace, kind.build(), capacity, |_| true),
+        Policy::Online(kind) => {
+            simulate_online(trace, kind.build_sharded(shards), capacity, |_| true)
+        }
         Policy::Belady => simulate_belady(trace, capacity),
         Policy::LruOracleAdmission => {
             let next = next_uses(trace);
@@ -211,7 +220,7 @@ impl LowerTiers {
 }
 
 /// Replays `trace` through a cascade of tiers with `policy` in each, as the daemon runs them
-/// under `store_policy = "cascade"`. Stores go to L1; each tier's eviction victim goes to the
+/// under `store_policy = "cascade"`; L1 of `l1` chunks in `shards` joined index shards. Stores go to L1; each tier's eviction victim goes to the
 /// next tier down, the last tier's is dropped. A hit is the leading run of chunks held by any
 /// tier, and a chunk is touched where it is. A hit's chunks below L1 are read through L1 slots of
 /// their own, taken for the request (L1 evicts, and so demotes, to make room for them, never the
@@ -227,14 +236,16 @@ impl LowerTiers {
 pub fn simulate_cascade(
     trace: &Trace,
     policy: PolicyKind,
-    l1: usize,
+    (l1, shards): (usize, usize),
     lower: LowerTiers,
 ) -> SimCounts {
     if l1 == 0 {
         return simulate_online(trace, policy.build(), 0, |_| true);
     }
+    let l1_policy = (policy.build_sharded(shards), l1);
+    let l2 = (lower.l2 > 0).then(|| (policy.build(), lower.l2));
     let mut cascade = Cascade {
-        tiers: [l1, lower.l2].into_iter().filter(|c| *c > 0).map(|c| (policy.build(), c)).collect(),
+        tiers: std::iter::once(l1_policy).chain(l2).collect(),
         disk: (lower.disk > 0).then(|| {
             let disk_policy = lower.disk_policy.unwrap_or(policy);
             SegmentLog::new(disk_policy, lower.disk_segments(), lower.disk_segment.max(1))
@@ -529,7 +540,7 @@ mod tests {
     fn hits_are_prefixes() {
         // After [1 2 3], a cache of 3 holds all three; [1 9 3] hits only 1.
         let t = trace(&[&[1, 2, 3], &[1, 9, 3]]);
-        let counts = simulate(&t, Policy::Online(PolicyKind::Lru), Some(3));
+        let counts = simulate(&t, Policy::Online(PolicyKind::Lru), Some(3), 1);
         assert_eq!((counts.hit_chunks, counts.chunks), (1, 6));
         assert_eq!(counts.hit_tokens, 10);
     }
@@ -538,7 +549,7 @@ mod tests {
     fn lru_keeps_the_roots_of_what_it_saw_last() {
         // Capacity 2: [1 2] then [3 4] evicts 1 and 2; [3] hits.
         let t = trace(&[&[1, 2], &[3, 4], &[3]]);
-        let counts = simulate(&t, Policy::Online(PolicyKind::Lru), Some(2));
+        let counts = simulate(&t, Policy::Online(PolicyKind::Lru), Some(2), 1);
         assert_eq!(counts.hit_chunks, 1);
     }
 
@@ -546,8 +557,8 @@ mod tests {
     fn belady_bypasses_what_is_never_used_again() {
         // Capacity 1: [1] is used again, [2] never; the optimum keeps 1 through [2].
         let t = trace(&[&[1], &[2], &[1]]);
-        assert_eq!(simulate(&t, Policy::Belady, Some(1)).hit_chunks, 1);
-        assert_eq!(simulate(&t, Policy::Online(PolicyKind::Lru), Some(1)).hit_chunks, 0);
+        assert_eq!(simulate(&t, Policy::Belady, Some(1), 1).hit_chunks, 1);
+        assert_eq!(simulate(&t, Policy::Online(PolicyKind::Lru), Some(1), 1).hit_chunks, 0);
     }
 
     #[test]
@@ -556,19 +567,19 @@ mod tests {
         // caches 2 (named once), so 1 hits; 3 (named again) then pushes 1 out in LRU order, and
         // 1's last use is not cached, so 3 hits too.
         let t = trace(&[&[1], &[2], &[1], &[3], &[1], &[3]]);
-        let oracle = simulate(&t, Policy::LruOracleAdmission, Some(1));
+        let oracle = simulate(&t, Policy::LruOracleAdmission, Some(1), 1);
         assert_eq!((oracle.hit_chunks, oracle.inserted), (2, 2));
-        assert_eq!(simulate(&t, Policy::Online(PolicyKind::Lru), Some(1)).hit_chunks, 0);
-        assert!(oracle.hit_chunks <= simulate(&t, Policy::Belady, Some(1)).hit_chunks);
+        assert_eq!(simulate(&t, Policy::Online(PolicyKind::Lru), Some(1), 1).hit_chunks, 0);
+        assert!(oracle.hit_chunks <= simulate(&t, Policy::Belady, Some(1), 1).hit_chunks);
     }
 
     #[test]
     fn unbounded_caches_agree() {
         let t = trace(&[&[1, 2, 3], &[1, 2, 4], &[5], &[1, 2, 3, 6], &[5, 7]]);
-        let expected = simulate(&t, Policy::Belady, None);
+        let expected = simulate(&t, Policy::Belady, None, 1);
         for kind in PolicyKind::ALL {
             assert_eq!(
-                simulate(&t, Policy::Online(kind), None),
+                simulate(&t, Policy::Online(kind), None, 1),
                 SimCounts { inserted: 7, ..expected }
             );
         }
@@ -578,7 +589,7 @@ mod tests {
     #[test]
     fn a_request_larger_than_the_cache_stores_what_fits() {
         let t = trace(&[&[1, 2, 3, 4], &[1, 2, 3, 4]]);
-        let counts = simulate(&t, Policy::Online(PolicyKind::Lru), Some(2));
+        let counts = simulate(&t, Policy::Online(PolicyKind::Lru), Some(2), 1);
         assert_eq!(counts.inserted, 2 + 2);
         // Stored root first: 1 and 2 are cached, then the second request stores 3 and 4 in
         // place of its own hits, which live on only as far as the hit they were.
@@ -588,7 +599,7 @@ mod tests {
     fn cascade(t: &Trace, l1: usize, l2: usize, disk: (usize, usize)) -> SimCounts {
         let (disk, disk_segment) = disk;
         let lower = LowerTiers { l2, disk, disk_segment, disk_policy: None };
-        simulate_cascade(t, PolicyKind::Lru, l1, lower)
+        simulate_cascade(t, PolicyKind::Lru, (l1, 1), lower)
     }
 
     #[test]
@@ -597,7 +608,7 @@ mod tests {
         // L1 of 2 over a tier of 2 holds the last four chunks, like one cache of 4.
         let tiered = cascade(&t, 2, 2, (0, 1));
         assert_eq!(tiered.hit_chunks, 1);
-        assert_eq!(tiered, simulate(&t, Policy::Online(PolicyKind::Lru), Some(4)));
+        assert_eq!(tiered, simulate(&t, Policy::Online(PolicyKind::Lru), Some(4), 1));
         // L1 alone, or a lower tier too small, loses chunk 1.
         assert_eq!(cascade(&t, 2, 0, (0, 1)).hit_chunks, 0);
         assert_eq!(cascade(&t, 2, 1, (0, 1)).hit_chunks, 0);

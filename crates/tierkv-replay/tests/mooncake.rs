@@ -69,7 +69,7 @@ fn lru_reproduces_the_reference_table_and_s3fifo_beats_it_below_the_optimum() {
     let capacities: Vec<Option<u64>> = LRU_REFERENCE[0].1.iter().map(|(c, _)| *c).collect();
     let policies =
         [Policy::Online(PolicyKind::Lru), Policy::Online(PolicyKind::S3Fifo), Policy::Belady];
-    let results = sweep_simulation(&traces, &policies, &capacities, None, false);
+    let results = sweep_simulation(&traces, &policies, &capacities, (None, 1), false);
     print!("{}", tierkv_replay::report::simulation_table(&results));
 
     let ratio = |trace: &str, policy: &str, capacity: Option<u64>| -> f64 {

@@ -94,10 +94,10 @@ proptest! {
     #[test]
     fn belady_is_the_optimum_and_bounds_every_policy(requests in traces(), capacity in 1usize..4) {
         let t = trace(&requests);
-        let optimum = simulate(&t, Policy::Belady, Some(capacity)).hit_chunks;
+        let optimum = simulate(&t, Policy::Belady, Some(capacity), 1).hit_chunks;
         prop_assert_eq!(optimum, exhaustive_optimum(&requests, capacity), "{:?}", requests);
         for kind in PolicyKind::ALL {
-            let online = simulate(&t, Policy::Online(kind), Some(capacity)).hit_chunks;
+            let online = simulate(&t, Policy::Online(kind), Some(capacity), 1).hit_chunks;
             prop_assert!(online <= optimum, "{:?} {} > {}", kind, online, optimum);
         }
     }

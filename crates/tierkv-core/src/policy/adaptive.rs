@@ -242,6 +242,12 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
         self.cache.contains(key)
     }
 
+    fn stamp_next(&mut self, stamp: Option<u64>) {
+        if self.member.is_some() {
+            self.cache.next = stamp;
+        }
+    }
+
     fn in_arc_order(&self) -> bool {
         match &self.member {
             Some(member) => member.group.in_arc_order(),
@@ -273,6 +279,8 @@ struct ArcLists<K> {
     clock: u64,
     /// The group whose clock stamps the keys and which decides ARC's choice, if any.
     group: Option<Arc<PolicyGroup>>,
+    /// In a group, the stamp of the next use when the caller set one.
+    next: Option<u64>,
 }
 
 /// Where one eviction call has got to on `T1` and `T2`: every key older than a cursor was seen
@@ -284,7 +292,7 @@ struct Scan {
 
 impl<K: Hash + Eq + Clone> ArcLists<K> {
     fn new() -> Self {
-        ArcLists { keys: KeyedLists::new(), target: 0.0, clock: 0, group: None }
+        ArcLists { keys: KeyedLists::new(), target: 0.0, clock: 0, group: None, next: None }
     }
 
     /// ARC's choice: evict from `T1` (rather than `T2`) while it is above the target; in a
@@ -306,7 +314,7 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
 
     fn tick(&mut self) -> u64 {
         if let Some(group) = &self.group {
-            return group.tick();
+            return self.next.take().unwrap_or_else(|| group.tick());
         }
         self.clock += 1;
         self.clock

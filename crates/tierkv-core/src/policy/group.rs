@@ -20,6 +20,9 @@
 //!
 //! Costs: one shared counter per use (the clock), a few relaxed stores per policy call, and, per
 //! eviction, a read of every shard's atomics (L1 has at most 64 shards by default).
+//!
+//! A key's shard is [`shard_of`] its sample bits, the same in every process, so `tierkv replay
+//! --simulate` models a sharded L1 ([`Joined`]) key for key and victim for victim.
 
 use std::hash::Hash;
 use std::sync::Arc;
@@ -28,6 +31,30 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use super::adaptive::Mode;
 use super::s3fifo::DEFAULT_SMALL_PERCENT;
 use super::{Adaptive, EvictionPolicy, Lru, PolicyKind, S3Fifo, SampleKey};
+
+/// Above this many slots per shard, L1's automatic shard count grows.
+const SLOTS_PER_SHARD: u64 = 256;
+/// More shards than this buys nothing on the machines tierkv runs on.
+const MAX_AUTO_SHARDS: u64 = 64;
+
+/// The index shards of an L1 of `slots` slots whose configuration leaves the count to the
+/// daemon (`l1.shards = 0`): one per 256 slots, a power of two from 1 to 64. The simulation of
+/// such a daemon takes its shard count from here too.
+pub fn auto_shards(slots: u64) -> usize {
+    (slots / SLOTS_PER_SHARD).clamp(1, MAX_AUTO_SHARDS).next_power_of_two() as usize
+}
+
+/// The shard, of `shards`, that `key` lives in. L1's index spreads its keys by it and the
+/// simulation's [`Joined`] does too, so both put a chunk in the same shard in every run. It mixes
+/// the key's sample bits (splitmix64's finalizer) otherwise than the adaptive policy's sampling
+/// does, so each shard's keys are sampled as all keys are.
+pub fn shard_of(key: &impl SampleKey, shards: usize) -> usize {
+    let mut z = key.sample_bits();
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    ((z >> 32) % shards.max(1) as u64) as usize
+}
 
 /// The shards' policies of one cache; see the module documentation.
 #[derive(Debug)]
@@ -93,7 +120,8 @@ impl PolicyGroup {
     where
         K: Hash + Eq + Clone + Send + SampleKey + 'static,
     {
-        let member = Member { group: Arc::clone(self), shard: shard % self.standings.len() };
+        let member =
+            Member { group: Arc::clone(self), shard: shard % self.standings.len(), next: None };
         match self.kind {
             PolicyKind::Lru => Box::new(Lru::in_group(member)),
             PolicyKind::Adaptive => Box::new(Adaptive::in_group(member)),
@@ -137,6 +165,14 @@ impl PolicyGroup {
     /// The next stamp of the group's clock.
     pub(super) fn tick(&self) -> u64 {
         self.clock.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Reserves `n` consecutive stamps and returns the first, for a batch of keys visited shard
+    /// by shard: its `i`th key's use is stamped `first + i` ([`EvictionPolicy::stamp_next`]),
+    /// so a chain handed over leaf first is ordered leaf first across the shards too, as one
+    /// policy over all the keys would order it.
+    pub fn reserve_stamps(&self, n: usize) -> u64 {
+        self.clock.fetch_add(n as u64, Ordering::Relaxed) + 1
     }
 
     /// Whether the group's order now is ARC's.
@@ -189,12 +225,14 @@ impl PolicyGroup {
 pub(super) struct Member {
     pub(super) group: Arc<PolicyGroup>,
     shard: usize,
+    /// The stamp of the next use, when the caller set one ([`EvictionPolicy::stamp_next`]).
+    pub(super) next: Option<u64>,
 }
 
 impl Member {
-    /// The next stamp of the group's clock.
-    pub(super) fn tick(&self) -> u64 {
-        self.group.tick()
+    /// The stamp the caller set for this use, else the next stamp of the group's clock.
+    pub(super) fn tick(&mut self) -> u64 {
+        self.next.take().unwrap_or_else(|| self.group.tick())
     }
 
     /// Publishes where this shard's next victims stand.
@@ -206,6 +244,83 @@ impl Member {
             standing.score[queue].store(now.score[queue].to_bits(), Ordering::Relaxed);
         }
         standing.target.store(now.target.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// A group's members behind one [`EvictionPolicy`], in one thread: each key in its shard by
+/// [`shard_of`], and victims taken as L1's index takes them, each from the shard the group names
+/// first, else from the next shard that has an eligible key. The simulation's sharded L1.
+pub struct Joined<K> {
+    group: Arc<PolicyGroup>,
+    members: Vec<Box<dyn EvictionPolicy<K>>>,
+    len: usize,
+}
+
+impl<K> Joined<K>
+where
+    K: Hash + Eq + Clone + Send + SampleKey + 'static,
+{
+    /// `shards` (at least one) policies of `kind`, joined.
+    pub fn new(kind: PolicyKind, shards: usize) -> Self {
+        let group = PolicyGroup::new(kind, shards);
+        let members = (0..shards.max(1)).map(|shard| group.member(shard)).collect();
+        Joined { group, members, len: 0 }
+    }
+
+    fn member(&mut self, key: &K) -> &mut Box<dyn EvictionPolicy<K>> {
+        let shard = shard_of(key, self.members.len());
+        &mut self.members[shard]
+    }
+}
+
+impl<K> EvictionPolicy<K> for Joined<K>
+where
+    K: Hash + Eq + Clone + Send + SampleKey + 'static,
+{
+    fn insert(&mut self, key: K) {
+        let member = self.member(&key);
+        let new = !member.contains(&key);
+        member.insert(key);
+        self.len += usize::from(new);
+    }
+
+    fn touch(&mut self, key: &K) {
+        self.member(key).touch(key);
+    }
+
+    fn remove(&mut self, key: &K) -> bool {
+        let removed = self.member(key).remove(key);
+        self.len -= usize::from(removed);
+        removed
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn contains(&self, key: &K) -> bool {
+        self.members[shard_of(key, self.members.len())].contains(key)
+    }
+
+    fn in_arc_order(&self) -> bool {
+        self.group.in_arc_order()
+    }
+
+    fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {
+        let shards = self.members.len();
+        let mut victims = Vec::with_capacity(n.min(self.len));
+        'victims: while victims.len() < n {
+            let first = self.group.victim_shard().unwrap_or(0);
+            for step in 0..shards {
+                if let Some(key) = self.members[(first + step) % shards].evict(1, eligible).pop() {
+                    victims.push(key);
+                    continue 'victims;
+                }
+            }
+            break;
+        }
+        self.len -= victims.len();
+        victims
     }
 }
 
@@ -226,25 +341,9 @@ mod tests {
         capacity: usize,
         steps: &[u32],
     ) -> Vec<u32> {
-        let group = PolicyGroup::new(kind, shards);
-        let mut members: Vec<_> = (0..shards).map(|i| group.member::<u32>(i)).collect();
-        let shard = |key: u32| key as usize % shards;
-        let mut victims = Vec::new();
-        for &key in steps {
-            if members[shard(key)].contains(&key) {
-                members[shard(key)].touch(&key);
-                continue;
-            }
-            if members.iter().map(|m| m.len()).sum::<usize>() >= capacity {
-                let from = group.victim_shard().unwrap();
-                victims.extend(members[from].evict(1, &mut |_| true));
-            }
-            members[shard(key)].insert(key);
-        }
-        victims
+        single_victims(&mut Joined::new(kind, shards), capacity, steps)
     }
 
-    /// The same stream through one policy of `kind`.
     fn single_victims(
         policy: &mut dyn EvictionPolicy<u32>,
         capacity: usize,
@@ -322,6 +421,29 @@ mod tests {
             }
             // From the fullest shard the victims would be 4 and then the root, 0.
             assert_eq!(gone, vec![7, 6, 5, 4], "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn a_batch_visited_shard_by_shard_keeps_its_order_by_its_stamps() {
+        for kind in PolicyKind::ALL {
+            let group = PolicyGroup::new(kind, 2);
+            let mut members: Vec<_> = (0..2).map(|i| group.member::<u32>(i)).collect();
+            // The batch 0, 1, 2, 3: shard 1 (keys 1 and 3) is visited before shard 0.
+            let first = group.reserve_stamps(4);
+            for key in [1u32, 3, 0, 2] {
+                let member = &mut members[key as usize % 2];
+                member.stamp_next(Some(first + u64::from(key)));
+                member.insert(key);
+                member.stamp_next(None);
+            }
+            let mut gone = Vec::new();
+            for _ in 0..4 {
+                let from = group.victim_shard().unwrap();
+                gone.extend(members[from].evict(1, &mut |_| true));
+            }
+            // Stamped as visited, the order would be 1, 3, 0, 2.
+            assert_eq!(gone, vec![0, 1, 2, 3], "{kind:?}");
         }
     }
 

@@ -34,8 +34,8 @@ impl<K: Hash + Eq + Clone> Lru<K> {
         Lru { keys: KeyedLists::new(), member: Some(member) }
     }
 
-    fn stamp(&self) -> u64 {
-        self.member.as_ref().map_or(0, Member::tick)
+    fn stamp(&mut self) -> u64 {
+        self.member.as_mut().map_or(0, Member::tick)
     }
 
     /// Tells the group, if any, where this shard's next victim stands.
@@ -97,6 +97,12 @@ impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for Lru<K> {
 
     fn contains(&self, key: &K) -> bool {
         self.keys.find(key).is_some()
+    }
+
+    fn stamp_next(&mut self, stamp: Option<u64>) {
+        if let Some(member) = &mut self.member {
+            member.next = stamp;
+        }
     }
 
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {

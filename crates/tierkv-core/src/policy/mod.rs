@@ -21,7 +21,7 @@ mod tests;
 use std::hash::Hash;
 
 pub use adaptive::Adaptive;
-pub use group::PolicyGroup;
+pub use group::{Joined, PolicyGroup, auto_shards, shard_of};
 pub use lru::Lru;
 pub use s3fifo::S3Fifo;
 pub use segments::{SegmentArc, SegmentPolicy};
@@ -57,6 +57,12 @@ pub trait EvictionPolicy<K>: Send {
     fn in_arc_order(&self) -> bool {
         false
     }
+
+    /// For one shard of a [`PolicyGroup`]: stamps the next use of a key (an insert or a touch)
+    /// with `stamp` instead of the group clock's next tick, until cleared with `None`. A batch's
+    /// keys, visited shard by shard, then keep the batch's order across the shards
+    /// ([`PolicyGroup::reserve_stamps`]). A policy outside a group has no stamps to set.
+    fn stamp_next(&mut self, _stamp: Option<u64>) {}
 
     /// Chooses up to `n` victims among the keys for which `eligible` returns true, stops
     /// tracking them and returns them, first victim first.
@@ -123,6 +129,15 @@ impl PolicyKind {
             PolicyKind::S3Fifo => Box::new(S3Fifo::new()),
             PolicyKind::Adaptive => Box::new(Adaptive::new()),
         }
+    }
+
+    /// A new, empty policy of this kind over `shards` joined shards, as a sharded L1 holds its
+    /// keys ([`Joined`]); one shard is the policy alone.
+    pub fn build_sharded<K>(self, shards: usize) -> Box<dyn EvictionPolicy<K>>
+    where
+        K: Hash + Eq + Clone + Send + SampleKey + 'static,
+    {
+        if shards <= 1 { self.build() } else { Box::new(Joined::new(self, shards)) }
     }
 
     /// The name used in configuration files and metric labels.

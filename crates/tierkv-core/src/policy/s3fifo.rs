@@ -128,8 +128,8 @@ impl<K: Hash + Eq + Clone> S3Fifo<K> {
     }
 
     /// A stamp for a key entering a FIFO: the group's clock, or 0 alone (nothing reads it).
-    fn stamp(&self) -> u64 {
-        self.member.as_ref().map_or(0, Member::tick)
+    fn stamp(&mut self) -> u64 {
+        self.member.as_mut().map_or(0, Member::tick)
     }
 
     /// Moves `id` to the front of `list` as a new entry there.
@@ -244,11 +244,12 @@ where
 
 impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for S3Fifo<K> {
     fn insert(&mut self, key: K) {
-        let place = Place { freq: 0, stamp: self.stamp() };
-        let (id, added) = self.keys.push_front_if_absent(SMALL, key, place);
+        let stamp = self.stamp();
+        let (id, added) = self.keys.push_front_if_absent(SMALL, key, Place { freq: 0, stamp });
         if !added && self.keys.list_of(id) == GHOST {
             // Evicted from the small FIFO too early: it goes straight to the main FIFO.
-            self.enter(id, MAIN);
+            self.keys.value_mut(id).stamp = stamp;
+            self.keys.move_to_front(id, MAIN);
         }
         self.publish();
     }
@@ -280,6 +281,12 @@ impl<K: Hash + Eq + Clone + Send> EvictionPolicy<K> for S3Fifo<K> {
 
     fn contains(&self, key: &K) -> bool {
         self.keys.find(key).is_some_and(|id| self.keys.list_of(id) != GHOST)
+    }
+
+    fn stamp_next(&mut self, stamp: Option<u64>) {
+        if let Some(member) = &mut self.member {
+            member.next = stamp;
+        }
     }
 
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {

@@ -61,9 +61,9 @@ pub struct ReplayArgs {
     /// Default: cascade.
     #[arg(long, value_enum)]
     store_policy: Option<StorePolicyArg>,
-    /// L1's index shards in a daemon replay: 1 (one policy over all of L1, which the simulation
-    /// matches chunk for chunk), a power of two up to 1,024, or 0 for the daemon's own choice
-    /// from L1's size, as a daemon started from a configuration without `shards` makes it.
+    /// L1's index shards: 1 (one policy over all of L1), a power of two up to 1,024, or 0 for
+    /// the daemon's own choice from L1's size, as a daemon started from a configuration without
+    /// `shards` makes it. The simulation models the same shards, chunk for chunk.
     #[arg(long, default_value_t = 1)]
     l1_shards: u32,
     /// Ranks of the TP group: one worker process and one session each.
@@ -222,7 +222,6 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
             ("--tp", args.tp != 1),
             ("--mla", args.mla),
             ("--speedup", args.speedup.is_some()),
-            ("--l1-shards", args.l1_shards != 1),
         ];
         let given: Vec<&str> =
             daemon_only.iter().filter(|(_, set)| *set).map(|(o, _)| *o).collect();
@@ -248,7 +247,13 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
     std::fs::create_dir_all(&args.out)
         .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
     let results: Vec<RunResult> = if args.simulate {
-        tierkv_replay::sweep_simulation(&traces, &policies, &capacities, lower, !args.quiet)
+        tierkv_replay::sweep_simulation(
+            &traces,
+            &policies,
+            &capacities,
+            (lower, args.l1_shards),
+            !args.quiet,
+        )
     } else {
         daemon_runs(&args, &traces, &targets)?
     };
