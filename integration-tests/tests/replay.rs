@@ -119,24 +119,35 @@ fn a_daemon_with_many_l1_shards_counts_what_the_simulation_of_its_shards_counts(
     let path = path.to_str().unwrap();
     // 5,000 slots: the daemon's own choice is 32 index shards, each with its policy, joined.
     // The simulation puts every chunk in the daemon's shard and evicts as the daemon's L1 does,
-    // so the two agree chunk for chunk, for every policy.
+    // so the two agree chunk for chunk with LRU and S3-FIFO. The adaptive policy's shards share
+    // ARC's target and ghost ages, which a batch of keys moves shard by shard in the daemon and
+    // key by key in the simulation: the two agree within a thousandth.
     let common = ["--capacity", "5000", "--policy", "lru,s3fifo,adaptive", "--l1-shards", "0"];
     let daemon = replay(&[&["replay", path, "--chunk-bytes", "4KiB"][..], &common].concat());
     let simulated = replay(&[&["replay", path, "--simulate"][..], &common].concat());
     let one_shard =
-        replay(&["replay", path, "--simulate", "--capacity", "5000", "--policy", "lru"]);
+        replay(&["replay", path, "--simulate", "--capacity", "5000", "--policy", "lru,adaptive"]);
     let run = |runs: &[Value], policy: &str| runs.iter().find(|r| r["policy"] == policy).cloned();
     for policy in ["lru", "s3fifo", "adaptive"] {
         let (d, s) = (run(&daemon, policy).unwrap(), run(&simulated, policy).unwrap());
-        for name in ["requests", "chunks", "hit_chunks"] {
+        for name in ["requests", "chunks"] {
             assert_eq!(field(&d, name), field(&s, name), "{policy} {name}: daemon {d} sim {s}");
+        }
+        let (dh, sh) = (field(&d, "hit_chunks"), field(&s, "hit_chunks"));
+        if policy == "adaptive" {
+            assert!(dh.abs_diff(sh) * 1000 <= field(&s, "chunks"), "daemon {dh}, simulation {sh}");
+        } else {
+            assert_eq!(dh, sh, "{policy}: daemon {d} simulation {s}");
         }
     }
     // Joined, LRU's shards evict as one LRU over L1 (choosing the fullest shard, as L1 once
-    // did, read 0.2573 against one LRU's 0.2793).
+    // did, read 0.2573 against one LRU's 0.2793), and the adaptive policy's come close to one
+    // adaptive policy (each shard keeping its own ghosts read 0.2820 against 0.2947).
     let ratio = |r: Option<Value>| r.unwrap()["hit_ratio"].as_f64().unwrap();
-    let (sharded, one) = (ratio(run(&daemon, "lru")), ratio(run(&one_shard, "lru")));
-    assert!((sharded - one).abs() <= 0.002, "32 shards {sharded}, one shard {one}");
+    for (policy, within) in [("lru", 0.002), ("adaptive", 0.005)] {
+        let (sharded, one) = (ratio(run(&daemon, policy)), ratio(run(&one_shard, policy)));
+        assert!((sharded - one).abs() <= within, "{policy}: 32 shards {sharded}, one {one}");
+    }
 }
 
 #[test]

@@ -4,9 +4,13 @@
 //! **The lists** (Megiddo and Modha, "ARC", FAST'03). `T1` holds keys cached and not used since,
 //! `T2` keys used at least once while cached; `B1` and `B2` remember, without data, keys recently
 //! evicted from each. A key inserted while it is a ghost of `B1` was evicted too early from the
-//! recency side, so ARC's target for `T1` grows; a ghost of `B2` shrinks it. Both ghost lists
+//! recency side, so ARC's target for `T1` grows; a ghost of `B2` shrinks it. A ghost is kept
+//! while fewer evictions than twice the tracked keys have followed its own, so both ghost lists
 //! together hold at most twice as many keys as are tracked (ARC's own bound is once: twice lets
-//! it see the reuse of a conversation's next turn, which comes late, at small capacities).
+//! it see the reuse of a conversation's next turn, which comes late, at small capacities). ARC
+//! bounds its lists by count instead, `B1` first; bounding them by age is what lets the shards
+//! of a [`PolicyGroup`] keep the ghosts one policy would, each bounding only its own lists
+//! (docs/performance.md has both rules' figures).
 //!
 //! **Two orders over the same lists.** Every tracked key carries the tick of its last use, and
 //! `T1` and `T2` are each ordered by it, so the least recently used key overall is the older of
@@ -133,7 +137,11 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
     /// The policy of one shard of a [`PolicyGroup`]: its keys are stamped by the group's clock,
     /// and the group judges the order and ARC's choice between `T1` and `T2` for all shards.
     pub(super) fn in_group(member: Member) -> Self {
-        let cache = ArcLists { group: Some(Arc::clone(&member.group)), ..ArcLists::new() };
+        let cache = ArcLists {
+            group: Some(Arc::clone(&member.group)),
+            shard: member.shard,
+            ..ArcLists::new()
+        };
         Adaptive { cache, member: Some(member), ..Self::new() }
     }
 
@@ -145,7 +153,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             member.publish(Published {
                 len: [keys.len(T1), keys.len(T2)],
                 oldest: [oldest(T1), oldest(T2)],
-                target: self.cache.target,
+                ghosts: [keys.len(B1), keys.len(B2)],
                 score: self.score,
             });
         }
@@ -270,15 +278,31 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
     }
 }
 
-/// ARC's four lists; each tracked key's value is the tick of its last use.
+/// ARC's target for `T1` after a hit of a ghost of `B1` (`from_b1`) or of `B2`, given the
+/// ghost lists' lengths and the tracked keys: ARC's rule, between 0 and the tracked count.
+pub(super) fn adapted_target(target: f64, from_b1: bool, [b1, b2]: [f64; 2], tracked: f64) -> f64 {
+    if from_b1 {
+        (target + (b2 / b1).max(1.0)).min(tracked.max(1.0))
+    } else {
+        (target - (b1 / b2).max(1.0)).max(0.0)
+    }
+}
+
+/// ARC's four lists; each tracked key's value is the tick of its last use, each ghost's the
+/// number of the eviction that left it.
 struct ArcLists<K> {
     keys: KeyedLists<K, u64, 4>,
-    /// ARC's target size of `T1`, between 0 and the tracked count.
+    /// ARC's target size of `T1`, between 0 and the tracked count (unused in a group, which
+    /// keeps one for all its shards).
     target: f64,
     /// Ticks once per insert or use.
     clock: u64,
+    /// Evictions so far (in a group, the group counts them).
+    evictions: u64,
     /// The group whose clock stamps the keys and which decides ARC's choice, if any.
     group: Option<Arc<PolicyGroup>>,
+    /// This policy's shard in the group.
+    shard: usize,
     /// In a group, the stamp of the next use when the caller set one.
     next: Option<u64>,
 }
@@ -292,11 +316,19 @@ struct Scan {
 
 impl<K: Hash + Eq + Clone> ArcLists<K> {
     fn new() -> Self {
-        ArcLists { keys: KeyedLists::new(), target: 0.0, clock: 0, group: None, next: None }
+        ArcLists {
+            keys: KeyedLists::new(),
+            target: 0.0,
+            clock: 0,
+            evictions: 0,
+            group: None,
+            shard: 0,
+            next: None,
+        }
     }
 
     /// ARC's choice: evict from `T1` (rather than `T2`) while it is above the target; in a
-    /// group, `T1` and the targets summed over its shards.
+    /// group, `T1` summed over its shards and the group's target.
     fn t1_due(&self) -> bool {
         match &self.group {
             Some(group) => group.t1_due(),
@@ -333,26 +365,48 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
     /// Caches `key`: on `T1`, or on `T2` when it is a ghost, adapting the target as ARC does.
     /// A tracked key is left as it is.
     fn insert(&mut self, key: K) {
-        let tracked = self.len() as f64;
+        // A ghost past its age goes before it could count as one: in a group, evictions in
+        // other shards age this shard's ghosts too.
+        self.trim_ghosts();
         let stamp = self.tick();
         let (id, added) = self.keys.push_front_if_absent(T1, key, stamp);
         if !added {
-            let (b1, b2) = (self.keys.len(B1) as f64, self.keys.len(B2) as f64);
-            match self.keys.list_of(id) {
-                B1 => self.target = (self.target + (b2 / b1).max(1.0)).min(tracked.max(1.0)),
-                B2 => self.target = (self.target - (b1 / b2).max(1.0)).max(0.0),
+            let from_b1 = match self.keys.list_of(id) {
+                B1 => true,
+                B2 => false,
                 _ => return,
-            }
+            };
+            self.adapt_target(from_b1);
             *self.keys.value_mut(id) = stamp;
             self.keys.move_to_front(id, T2);
         }
-        self.trim_ghosts();
+        self.count_keys(1);
+    }
+
+    /// Tells the group, if any, that this shard tracks `delta` keys more.
+    fn count_keys(&self, delta: i64) {
+        if let Some(group) = &self.group {
+            group.count_keys(delta);
+        }
+    }
+
+    /// Moves ARC's target on a hit of a ghost of `B1` (`from_b1`) or `B2`, still on its list.
+    fn adapt_target(&mut self, from_b1: bool) {
+        let ghosts = [self.keys.len(B1), self.keys.len(B2)];
+        match &self.group {
+            Some(group) => group.adapt_target(from_b1, self.shard, ghosts),
+            None => {
+                let ghosts = ghosts.map(|n| n as f64);
+                self.target = adapted_target(self.target, from_b1, ghosts, self.len() as f64);
+            }
+        }
     }
 
     fn remove(&mut self, key: &K) -> bool {
         match self.keys.find(key) {
             Some(id) if self.keys.list_of(id) <= T2 => {
                 self.keys.remove_node(id);
+                self.count_keys(-1);
                 self.trim_ghosts();
                 true
             }
@@ -360,11 +414,29 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
         }
     }
 
-    /// Drops the oldest ghosts until `T1 + B1` and `B1 + B2` are within the bound.
+    /// Drops the ghosts that more evictions than `GHOST_FACTOR` times the tracked keys have
+    /// followed (in a group, evictions and keys of all its shards). Each ghost list is in the
+    /// order of its evictions, the oldest at the back.
     fn trim_ghosts(&mut self) {
-        let bound = GHOST_FACTOR * self.len();
-        while self.keys.len(T1) + self.keys.len(B1) > bound && self.keys.pop_back(B1).is_some() {}
-        while self.keys.len(B1) + self.keys.len(B2) > bound && self.keys.pop_back(B2).is_some() {}
+        let (evictions, tracked) = match &self.group {
+            Some(group) => (group.evictions(), group.tracked()),
+            None => (self.evictions, self.len()),
+        };
+        let horizon = evictions.saturating_sub((GHOST_FACTOR * tracked) as u64);
+        for list in [B1, B2] {
+            while self.keys.back(list).is_some_and(|id| *self.keys.value(id) <= horizon) {
+                self.keys.pop_back(list);
+            }
+        }
+    }
+
+    /// Numbers an eviction, for the ghost it leaves.
+    fn count_eviction(&mut self) -> u64 {
+        if let Some(group) = &self.group {
+            return group.count_eviction();
+        }
+        self.evictions += 1;
+        self.evictions
     }
 
     /// Evicts one key in `mode`, every key eligible.
@@ -410,8 +482,9 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
         let (id, cursor, ghost) =
             if from_t1 { (t1?, &mut scan.t1, B1) } else { (t2?, &mut scan.t2, B2) };
         *cursor = self.keys.newer(id);
-        *self.keys.value_mut(id) = 0;
+        *self.keys.value_mut(id) = self.count_eviction();
         self.keys.move_to_front(id, ghost);
+        self.count_keys(-1);
         let key = self.keys.key(id).clone();
         self.trim_ghosts();
         Some(key)

@@ -19,15 +19,17 @@ struct Model {
     min_judged: usize,
 }
 
-/// ARC's lists, each oldest first, tracked keys with their last-use tick.
+/// ARC's lists, each oldest first, tracked keys with their last-use tick, ghosts with the
+/// number of their eviction.
 #[derive(Default)]
 struct ModelArc {
     t1: Vec<(u32, u64)>,
     t2: Vec<(u32, u64)>,
-    b1: Vec<u32>,
-    b2: Vec<u32>,
+    b1: Vec<(u32, u64)>,
+    b2: Vec<(u32, u64)>,
     target: f64,
     clock: u64,
+    evictions: u64,
 }
 
 impl ModelArc {
@@ -53,21 +55,21 @@ impl ModelArc {
         if self.contains(key) {
             return;
         }
+        self.trim();
         let tracked = self.len() as f64;
         self.clock += 1;
         let (b1, b2) = (self.b1.len() as f64, self.b2.len() as f64);
-        if let Some(at) = self.b1.iter().position(|k| *k == key) {
+        if let Some(at) = self.b1.iter().position(|(k, _)| *k == key) {
             self.b1.remove(at);
             self.target = (self.target + (b2 / b1).max(1.0)).min(tracked.max(1.0));
             self.t2.push((key, self.clock));
-        } else if let Some(at) = self.b2.iter().position(|k| *k == key) {
+        } else if let Some(at) = self.b2.iter().position(|(k, _)| *k == key) {
             self.b2.remove(at);
             self.target = (self.target - (b1 / b2).max(1.0)).max(0.0);
             self.t2.push((key, self.clock));
         } else {
             self.t1.push((key, self.clock));
         }
-        self.trim();
     }
     fn remove(&mut self, key: u32) -> bool {
         let before = self.len();
@@ -79,14 +81,11 @@ impl ModelArc {
         }
         removed
     }
+    /// Keeps the ghosts of the last `2 x tracked` evictions.
     fn trim(&mut self) {
-        let bound = 2 * self.len();
-        while self.t1.len() + self.b1.len() > bound && !self.b1.is_empty() {
-            self.b1.remove(0);
-        }
-        while self.b1.len() + self.b2.len() > bound && !self.b2.is_empty() {
-            self.b2.remove(0);
-        }
+        let horizon = self.evictions.saturating_sub(2 * self.len() as u64);
+        self.b1.retain(|(_, n)| *n > horizon);
+        self.b2.retain(|(_, n)| *n > horizon);
     }
     /// One victim: the oldest eligible of each list, then the mode's choice between them.
     fn evict_one(&mut self, arc_mode: bool, eligible: &dyn Fn(u32) -> bool) -> Option<u32> {
@@ -99,13 +98,14 @@ impl ModelArc {
             (Some(_), Some(_)) if arc_mode => self.t1.len() as f64 > self.target,
             (Some(a), Some(b)) => self.t1[a].1 < self.t2[b].1,
         };
+        self.evictions += 1;
         let key = if from_t1 {
             let key = self.t1.remove(a?).0;
-            self.b1.push(key);
+            self.b1.push((key, self.evictions));
             key
         } else {
             let key = self.t2.remove(b?).0;
-            self.b2.push(key);
+            self.b2.push((key, self.evictions));
             key
         };
         self.trim();

@@ -9,17 +9,26 @@
 //!
 //! A [`PolicyGroup`] joins the shards' policies. They stamp their keys' uses with one clock, and
 //! each publishes where its next victims stand (how many keys each of its queues holds, the
-//! stamp of each queue's oldest key, ARC's target, the shadows' scores) in a few atomics of its
-//! own, written under its shard's lock and read by nobody's lock. From those the group names the
-//! shard whose next victim one policy over all the keys would take: the oldest key for LRU and
-//! for the adaptive policy in recency order; in ARC's order, the oldest key of `T1` or of `T2`,
-//! as ARC decides from the sums of the shards' `T1` and targets. The adaptive policy's order is
-//! judged once for the group, from the sum of every shard's shadow scores. For S3-FIFO, the
-//! oldest entry of the small FIFOs while they hold their share of the keys summed over the
-//! shards, else of the main FIFOs.
+//! stamp of each queue's oldest key, the lengths of ARC's ghost lists, the shadows' scores) in a
+//! few atomics of its own, written under its shard's lock and read by nobody's lock. From those
+//! the group names the shard whose next victim one policy over all the keys would take: the
+//! oldest key for LRU and for the adaptive policy in recency order; in ARC's order, the oldest
+//! key of `T1` or of `T2`, as ARC decides from the summed `T1` and the group's one target. The
+//! adaptive policy's order is judged once for the group, from the sum of every shard's shadow
+//! scores. For S3-FIFO, the oldest entry of the small FIFOs while they hold their share of the
+//! keys summed over the shards, else of the main FIFOs.
 //!
-//! Costs: one shared counter per use (the clock), a few relaxed stores per policy call, and, per
-//! eviction, a read of every shard's atomics (L1 has at most 64 shards by default).
+//! What ARC remembers is the group's too. Its target for `T1` is one atomic, moved on a ghost
+//! hit in any shard by ARC's rule over the summed ghost lists. And a ghost lives as long as the
+//! group's last evictions reach back (twice the tracked keys, counted by one eviction counter),
+//! whichever shard holds it: each shard bounding its ghosts by its own keys, as one policy does,
+//! kept fewer and different ghosts than one policy over all the keys (a shard's key count
+//! wanders, and a ghost dropped while it is low stays dropped), and cost the sharded adaptive
+//! policy up to 0.008 of hit ratio below LRU (docs/performance.md).
+//!
+//! Costs: one shared counter per use (the clock) and per eviction, a few relaxed stores per
+//! policy call, and, per eviction, a read of every shard's atomics (L1 has at most 64 shards by
+//! default).
 //!
 //! A key's shard is [`shard_of`] its sample bits, the same in every process, so `tierkv replay
 //! --simulate` models a sharded L1 ([`Joined`]) key for key and victim for victim.
@@ -65,6 +74,13 @@ pub struct PolicyGroup {
     standings: Box<[Standing]>,
     /// The adaptive policy's order for the whole group: ARC's when true.
     arc_order: AtomicBool,
+    /// ARC's target for the summed `T1`, as `f64` bits.
+    target: AtomicU64,
+    /// Evictions by ARC's lists in every shard so far: a ghost is numbered by its eviction.
+    evictions: AtomicU64,
+    /// The keys ARC's lists track in every shard, counted as they change (the standings' sums
+    /// are as of each shard's last call, and cost a read of every shard).
+    keys: AtomicU64,
 }
 
 /// Where one shard's next victims stand, as its policy last published it.
@@ -77,8 +93,8 @@ struct Standing {
     /// The stamp of each queue's oldest key (for S3-FIFO, of its entry into the FIFO);
     /// `u64::MAX` when the queue is empty.
     oldest: [AtomicU64; 2],
-    /// ARC's target for `T1`, as `f64` bits.
-    target: AtomicU64,
+    /// The lengths of ARC's ghost lists, `B1` and `B2`.
+    ghosts: [AtomicU64; 2],
     /// The adaptive policy's decayed shadow hits, recency then ARC, as `f64` bits.
     score: [AtomicU64; 2],
 }
@@ -89,7 +105,7 @@ impl Default for Standing {
         Standing {
             len: Default::default(),
             oldest: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
-            target: AtomicU64::default(),
+            ghosts: Default::default(),
             score: Default::default(),
         }
     }
@@ -100,7 +116,7 @@ impl Default for Standing {
 pub(super) struct Published {
     pub(super) len: [usize; 2],
     pub(super) oldest: [Option<u64>; 2],
-    pub(super) target: f64,
+    pub(super) ghosts: [usize; 2],
     pub(super) score: [f64; 2],
 }
 
@@ -112,6 +128,9 @@ impl PolicyGroup {
             clock: AtomicU64::new(0),
             standings: (0..shards.max(1)).map(|_| Standing::default()).collect(),
             arc_order: AtomicBool::new(false),
+            target: AtomicU64::new(0f64.to_bits()),
+            evictions: AtomicU64::new(0),
+            keys: AtomicU64::new(0),
         })
     }
 
@@ -183,12 +202,7 @@ impl PolicyGroup {
     /// Judges the adaptive policy's order for the whole group, from the sum of the shards'
     /// shadow scores, with the rule and minimum each policy alone uses; returns it.
     pub(super) fn judge(&self) -> Mode {
-        let tracked: u64 = self
-            .standings
-            .iter()
-            .map(|s| s.len[0].load(Ordering::Relaxed) + s.len[1].load(Ordering::Relaxed))
-            .sum();
-        let mode = if tracked < super::adaptive::MIN_JUDGED as u64 {
+        let mode = if self.tracked() < super::adaptive::MIN_JUDGED {
             Mode::Recency
         } else {
             let score = [0, 1].map(|i| self.sum(|s| &s.score[i]));
@@ -199,11 +213,56 @@ impl PolicyGroup {
         mode
     }
 
-    /// ARC's choice for the whole group: whether `T1`, summed over the shards, is above the sum
-    /// of their targets.
+    /// The keys the adaptive policy's shards track, `T1` and `T2` of every shard.
+    pub(super) fn tracked(&self) -> usize {
+        self.keys.load(Ordering::Relaxed) as usize
+    }
+
+    /// Counts `delta` keys more tracked by one of the adaptive policy's shards.
+    pub(super) fn count_keys(&self, delta: i64) {
+        if delta >= 0 {
+            self.keys.fetch_add(delta.unsigned_abs(), Ordering::Relaxed);
+        } else {
+            self.keys.fetch_sub(delta.unsigned_abs(), Ordering::Relaxed);
+        }
+    }
+
+    /// ARC's choice for the whole group: whether `T1`, summed over the shards, is above the
+    /// group's target.
     pub(super) fn t1_due(&self) -> bool {
         let t1: u64 = self.standings.iter().map(|s| s.len[0].load(Ordering::Relaxed)).sum();
-        t1 as f64 > self.sum(|s| &s.target)
+        t1 as f64 > f64::from_bits(self.target.load(Ordering::Relaxed))
+    }
+
+    /// Moves the group's target as ARC does on a hit of a ghost of `B1` (`from_b1`) or of
+    /// `B2` in `shard`, from the ghost lists summed over the shards, that shard's as they are
+    /// now (`ghosts`) rather than as it last published them.
+    pub(super) fn adapt_target(&self, from_b1: bool, shard: usize, ghosts: [usize; 2]) {
+        let [b1, b2] = [0, 1].map(|i| {
+            let others: u64 = (self.standings.iter().enumerate())
+                .filter(|(s, _)| *s != shard)
+                .map(|(_, s)| s.ghosts[i].load(Ordering::Relaxed))
+                .sum();
+            (others + ghosts[i] as u64) as f64
+        });
+        let tracked = self.tracked() as f64;
+        let moved = |bits: u64| {
+            let target = f64::from_bits(bits);
+            let target = super::adaptive::adapted_target(target, from_b1, [b1, b2], tracked);
+            Some(target.to_bits())
+        };
+        // The closure always answers, so the update cannot fail.
+        let _ = self.target.fetch_update(Ordering::Relaxed, Ordering::Relaxed, moved);
+    }
+
+    /// Numbers an eviction by ARC's lists in any shard: the ghost it leaves carries the number.
+    pub(super) fn count_eviction(&self) -> u64 {
+        self.evictions.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The evictions numbered so far.
+    pub(super) fn evictions(&self) -> u64 {
+        self.evictions.load(Ordering::Relaxed)
     }
 
     /// S3-FIFO's choice for the whole group: whether the small FIFOs, summed over the shards,
@@ -224,7 +283,7 @@ impl PolicyGroup {
 #[derive(Debug)]
 pub(super) struct Member {
     pub(super) group: Arc<PolicyGroup>,
-    shard: usize,
+    pub(super) shard: usize,
     /// The stamp of the next use, when the caller set one ([`EvictionPolicy::stamp_next`]).
     pub(super) next: Option<u64>,
 }
@@ -242,8 +301,8 @@ impl Member {
             standing.len[queue].store(now.len[queue] as u64, Ordering::Relaxed);
             standing.oldest[queue].store(now.oldest[queue].unwrap_or(u64::MAX), Ordering::Relaxed);
             standing.score[queue].store(now.score[queue].to_bits(), Ordering::Relaxed);
+            standing.ghosts[queue].store(now.ghosts[queue] as u64, Ordering::Relaxed);
         }
-        standing.target.store(now.target.to_bits(), Ordering::Relaxed);
     }
 }
 
@@ -445,6 +504,36 @@ mod tests {
             // Stamped as visited, the order would be 1, 3, 0, 2.
             assert_eq!(gone, vec![0, 1, 2, 3], "{kind:?}");
         }
+    }
+
+    #[test]
+    fn a_ghost_ages_with_the_evictions_of_every_shard() {
+        // Two adaptive shards of two keys each. Key 0 is evicted from shard 0 and comes back:
+        // a ghost then, it returns to `T2`. After as many evictions in shard 1 alone as twice
+        // the group's keys, it is forgotten and returns to `T1`, as one policy over all four
+        // keys would have forgotten it; a shard counting only its own evictions would not.
+        let t2_after = |evictions_elsewhere: u32| {
+            let group = PolicyGroup::new(PolicyKind::Adaptive, 2);
+            let mut members: Vec<_> = (0..2).map(|i| group.member::<u32>(i)).collect();
+            for key in [0, 2] {
+                members[0].insert(key);
+            }
+            for key in [1, 3] {
+                members[1].insert(key);
+            }
+            assert_eq!(members[0].evict(1, &mut |k| *k == 0), vec![0]);
+            members[0].insert(4);
+            for i in 0..evictions_elsewhere {
+                let key = 101 + 2 * i;
+                members[1].insert(key);
+                assert_eq!(members[1].evict(1, &mut |k| *k != key).len(), 1);
+            }
+            members[0].insert(0);
+            group.standings[0].len[1].load(Ordering::Relaxed)
+        };
+        assert_eq!(t2_after(0), 1, "a ghost comes back to T2");
+        assert_eq!(t2_after(7), 1, "seven evictions later it is still a ghost");
+        assert_eq!(t2_after(8), 0, "eight (twice the group's keys) later it is forgotten");
     }
 
     #[test]
