@@ -159,7 +159,7 @@ impl Index {
     }
 
     /// The shard whose next victim one policy over all of L1's keys would take, as the shards'
-    /// policies last published; `None` with one shard, with S3-FIFO, or when L1 holds no key.
+    /// policies last published; `None` with one shard, or when L1 holds no key.
     /// Takes no lock.
     pub(crate) fn victim_shard(&self) -> Option<usize> {
         self.group.as_ref()?.victim_shard()

@@ -220,8 +220,9 @@ impl LowerTiers {
 }
 
 /// Replays `trace` through a cascade of tiers with `policy` in each, as the daemon runs them
-/// under `store_policy = "cascade"`; L1 of `l1` chunks in `shards` joined index shards. Stores go to L1; each tier's eviction victim goes to the
-/// next tier down, the last tier's is dropped. A hit is the leading run of chunks held by any
+/// under `store_policy = "cascade"`; L1 holds `l1` chunks in `shards` joined index shards.
+/// Stores go to L1; each tier's eviction victim goes to the next tier down, the last tier's is
+/// dropped. A hit is the leading run of chunks held by any
 /// tier, and a chunk is touched where it is. A hit's chunks below L1 are read through L1 slots of
 /// their own, taken for the request (L1 evicts, and so demotes, to make room for them, never the
 /// request's own L1 hits, which its lookup leased) and freed after it.

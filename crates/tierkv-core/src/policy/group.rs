@@ -391,9 +391,8 @@ mod tests {
 
     use super::*;
 
-    /// A cache of `shards` joined policies holding at most `capacity` keys, each key in shard
-    /// `key % shards`, evicting from the shard the group names; a stream of `(key, use)` steps,
-    /// where a use touches a cached key and a miss inserts it. Returns the victims in order.
+    /// A cache of `shards` joined policies ([`Joined`]) holding at most `capacity` keys; see
+    /// [`single_victims`].
     fn sharded_victims(
         kind: PolicyKind,
         shards: usize,
@@ -403,6 +402,8 @@ mod tests {
         single_victims(&mut Joined::new(kind, shards), capacity, steps)
     }
 
+    /// Replays `steps` through `policy` as a cache of at most `capacity` keys: a key it holds is
+    /// touched, a missing one inserted after one eviction when full. Returns the victims in order.
     fn single_victims(
         policy: &mut dyn EvictionPolicy<u32>,
         capacity: usize,
@@ -420,6 +421,20 @@ mod tests {
             policy.insert(key);
         }
         victims
+    }
+
+    /// Evicts `n` keys one at a time, each from the shard the group names.
+    fn evict_as_named(
+        group: &PolicyGroup,
+        members: &mut [Box<dyn EvictionPolicy<u32>>],
+        n: usize,
+    ) -> Vec<u32> {
+        let mut gone = Vec::new();
+        for _ in 0..n {
+            let from = group.victim_shard().unwrap();
+            gone.extend(members[from].evict(1, &mut |_| true));
+        }
+        gone
     }
 
     proptest! {
@@ -473,11 +488,7 @@ mod tests {
             for key in [100u32, 104, 108, 112] {
                 members[0].insert(key);
             }
-            let mut gone = Vec::new();
-            for _ in 0..4 {
-                let from = group.victim_shard().unwrap();
-                gone.extend(members[from].evict(1, &mut |_| true));
-            }
+            let gone = evict_as_named(&group, &mut members, 4);
             // From the fullest shard the victims would be 4 and then the root, 0.
             assert_eq!(gone, vec![7, 6, 5, 4], "{kind:?}");
         }
@@ -496,11 +507,7 @@ mod tests {
                 member.insert(key);
                 member.stamp_next(None);
             }
-            let mut gone = Vec::new();
-            for _ in 0..4 {
-                let from = group.victim_shard().unwrap();
-                gone.extend(members[from].evict(1, &mut |_| true));
-            }
+            let gone = evict_as_named(&group, &mut members, 4);
             // Stamped as visited, the order would be 1, 3, 0, 2.
             assert_eq!(gone, vec![0, 1, 2, 3], "{kind:?}");
         }
