@@ -11,14 +11,18 @@ use parking_lot::Mutex;
 use proptest::prelude::*;
 use tierkv_core::{ChunkHash, ExtraCount};
 use tierkv_core::{KeyError, KvRank, Layout, Namespace, ObjectKey};
-use tierkv_l1::device::{CopyEngine, CopyError, EmulatedCopyEngine, Event, Piece};
+use tierkv_l1::device::{At, CopyEngine, CopyError, EmulatedCopyEngine, Event, Piece};
 use tierkv_l1::{L1Config, L1Context, L1Manager, Lifetime, OwnerId, WriteMode};
 
 const SECOND: Duration = Duration::from_secs(5);
 
 fn piece(src: &[u8], dst: &mut [u8]) -> Piece {
     assert_eq!(src.len(), dst.len());
-    Piece { src: src.as_ptr() as u64, dst: dst.as_mut_ptr() as u64, len: src.len() as u64 }
+    Piece::contiguous(
+        At::Host(src.as_ptr() as u64),
+        At::Host(dst.as_mut_ptr() as u64),
+        src.len() as u64,
+    )
 }
 
 /// Memory a test shares with a stream thread: the Vec never moves while the test holds it.
@@ -73,7 +77,8 @@ fn a_store_never_reads_before_the_producers_event() {
     let ((src, len), (dst, _)) = (raw(&block), raw(&slot));
     // SAFETY: the buffers live until the end of the test, after the event below fired; the
     // producer writes the block only before firing `produced`, which the copy waits for.
-    unsafe { stream.copy(vec![Piece { src, dst, len: len as u64 }]) }.unwrap();
+    unsafe { stream.copy(vec![Piece::contiguous(At::Device(src), At::Device(dst), len as u64)]) }
+        .unwrap();
     let stored = stream.record().unwrap();
     std::thread::sleep(Duration::from_millis(30));
     assert_eq!(stored.result(), None);
@@ -121,7 +126,8 @@ fn a_failed_copy_is_a_miss_never_a_visible_half_chunk() {
         Arc::new(L1Manager::build(L1Config::new(16 * CHUNK, CHUNK), L1Context::default()).unwrap());
     let sources: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i + 1; (CHUNK / 4) as usize]).collect();
     let third = sources[2].as_ptr() as u64;
-    let engine = EmulatedCopyEngine::with_faults(Arc::new(move |p: &Piece| p.src == third));
+    let engine =
+        EmulatedCopyEngine::with_faults(Arc::new(move |p: &Piece| p.src == At::Host(third)));
     let stream = engine.stream().unwrap();
     let owner = OwnerId(1);
     let key = ObjectKey::new(Namespace::new("m", ""), ChunkHash(7), KvRank::Shared);
@@ -135,10 +141,9 @@ fn a_failed_copy_is_a_miss_never_a_visible_half_chunk() {
     let pieces = sources
         .iter()
         .enumerate()
-        .map(|(i, s)| Piece {
-            src: s.as_ptr() as u64,
-            dst: slot + i as u64 * CHUNK / 4,
-            len: CHUNK / 4,
+        .map(|(i, s)| {
+            let dst = At::Device(slot + i as u64 * CHUNK / 4);
+            Piece::contiguous(At::Host(s.as_ptr() as u64), dst, CHUNK / 4)
         })
         .collect();
     // SAFETY: the sources outlive the event; the slot is reserved (Writing) by `owner`, so no
@@ -164,6 +169,64 @@ fn a_failed_copy_is_a_miss_never_a_visible_half_chunk() {
     let after = l1.reserve_read(owner, &[key], ExtraCount::ZERO).results[0];
     assert_eq!(after.err(), Some(KeyError::NotFound), "the half-copied chunk never became visible");
     l1.audit().unwrap();
+}
+
+#[test]
+fn a_strided_piece_moves_each_row_from_its_pitch_to_its_pitch() {
+    // A chunk's block across 4 evenly spaced layers (rows of 64 bytes, 256 apart in the engine's
+    // KV) gathered into a slot where they lie packed, then scattered into a second KV: one piece
+    // each way, as the daemon sends a block of a registration's run of segments.
+    let (rows, width, pitch) = (4u64, 64u64, 256u64);
+    let kv: Vec<u8> = (0..rows * pitch).map(|i| (i % 251) as u8).collect();
+    let mut slot = vec![0u8; (rows * width) as usize];
+    let mut again = vec![0u8; (rows * pitch) as usize];
+    let stream = EmulatedCopyEngine::new().stream().unwrap();
+    let gather = Piece {
+        src: At::Host(kv.as_ptr() as u64),
+        src_pitch: pitch,
+        dst: At::Device(slot.as_mut_ptr() as u64),
+        dst_pitch: width,
+        width,
+        rows,
+    };
+    let scatter = Piece {
+        src: gather.dst,
+        src_pitch: width,
+        dst: At::Host(again.as_mut_ptr() as u64),
+        dst_pitch: pitch,
+        width,
+        rows,
+    };
+    // SAFETY: the buffers outlive the sync; the stream runs the two in order.
+    unsafe { stream.copy(vec![gather]) }.unwrap();
+    // SAFETY: as above.
+    unsafe { stream.copy(vec![scatter]) }.unwrap();
+    stream.sync().unwrap();
+    for r in 0..rows as usize {
+        let row = &kv[r * pitch as usize..][..width as usize];
+        assert_eq!(&slot[r * width as usize..][..width as usize], row, "row {r} of the slot");
+        assert_eq!(&again[r * pitch as usize..][..width as usize], row, "row {r} scattered");
+        let gap = &again[r * pitch as usize + width as usize..(r + 1) * pitch as usize];
+        assert!(gap.iter().all(|&b| b == 0), "row {r}: bytes between rows were written");
+    }
+}
+
+#[test]
+fn a_sync_reports_a_failure_once_and_leaves_the_stream_clean() {
+    let src = vec![1u8; 64];
+    let bad = src.as_ptr() as u64;
+    let engine = EmulatedCopyEngine::with_faults(Arc::new(move |p: &Piece| p.src == At::Host(bad)));
+    let stream = engine.stream().unwrap();
+    let mut dst = vec![0u8; 64];
+    // SAFETY: the buffers outlive the syncs.
+    unsafe { stream.copy(vec![piece(&src, &mut dst)]) }.unwrap();
+    assert!(matches!(stream.sync(), Err(CopyError::Failed(_))));
+    assert_eq!(dst, vec![0u8; 64], "the failed piece was not copied");
+    let good = vec![2u8; 64];
+    // SAFETY: as above.
+    unsafe { stream.copy(vec![piece(&good, &mut dst)]) }.unwrap();
+    assert_eq!(stream.sync(), Ok(()), "the earlier failure was reported once, not again");
+    assert_eq!(dst, good);
 }
 
 #[test]
@@ -214,7 +277,11 @@ proptest! {
             // SAFETY: `memory` and `patterns` outlive the final waits below.
             unsafe {
                 streams[stream]
-                    .copy(vec![Piece { src, dst: base + (to * CELL) as u64, len: CELL as u64 }])
+                    .copy(vec![Piece::contiguous(
+                        At::Host(src),
+                        At::Host(base + (to * CELL) as u64),
+                        CELL as u64,
+                    )])
                     .unwrap();
             }
             model[to * CELL..(to + 1) * CELL].copy_from_slice(&patterns[from]);

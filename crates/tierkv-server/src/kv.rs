@@ -25,11 +25,11 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use memmap2::{MmapOptions, MmapRaw};
+use parking_lot::Mutex;
+use tierkv_l1::device::{At, MAX_PITCH};
 use tierkv_proto::{KvLayout, RegionSource};
 
-use parking_lot::Mutex;
-
-use crate::cuda_ipc::{CudaEvent, CudaIpcError, CudaRegion, MAX_PITCH, Rows, Side};
+use crate::cuda_ipc::{CudaEvent, CudaIpcError, CudaRegion, Rows};
 
 /// Regions one registration may carry: a CUDA IPC region per allocation behind an engine's KV
 /// tensors (vLLM allocates one per layer).
@@ -333,7 +333,7 @@ impl RegisteredKv {
     pub fn gather(&self, blocks: &[u64], dst: &mut [u8]) -> Result<(), KvError> {
         self.check_copy(blocks, dst.len())?;
         // SAFETY: `dst` is one chunk's bytes (checked), exclusively borrowed.
-        unsafe { self.transfer(blocks, Side::Host(dst.as_mut_ptr()), false, true) }
+        unsafe { self.transfer(blocks, At::Host(dst.as_mut_ptr() as u64), false, true) }
     }
 
     /// Copies a chunk's bytes `src` out to its pieces at `blocks`.
@@ -341,7 +341,7 @@ impl RegisteredKv {
         self.check_copy(blocks, src.len())?;
         // SAFETY: `src` is one chunk's bytes (checked); nothing writes through the pointer when
         // the copy goes out to the regions.
-        unsafe { self.transfer(blocks, Side::Host(src.as_ptr().cast_mut()), true, true) }
+        unsafe { self.transfer(blocks, At::Host(src.as_ptr() as u64), true, true) }
     }
 
     /// The worker's CUDA event `handle` (an IPC event handle), opened once and kept while the
@@ -463,7 +463,7 @@ impl RegisteredKv {
         len: u64,
     ) -> Result<(), KvError> {
         self.check_device(copies, false, blocks, len)?;
-        self.collect_rows(blocks, Side::Device(dst), &mut copies.rows);
+        self.collect_rows(blocks, At::Device(dst), &mut copies.rows);
         Ok(())
     }
 
@@ -482,7 +482,7 @@ impl RegisteredKv {
         len: u64,
     ) -> Result<(), KvError> {
         self.check_device(copies, true, blocks, len)?;
-        self.collect_rows(blocks, Side::Device(src), &mut copies.rows);
+        self.collect_rows(blocks, At::Device(src), &mut copies.rows);
         Ok(())
     }
 
@@ -557,13 +557,13 @@ impl RegisteredKv {
     unsafe fn transfer(
         &self,
         blocks: &[u64],
-        other: Side,
+        other: At,
         to_region: bool,
         then_sync: bool,
     ) -> Result<(), KvError> {
         for (piece, (region, offset)) in self.pieces(blocks).enumerate() {
             let Region::Host(map) = &self.regions[region] else { continue };
-            let Side::Host(p) = other else {
+            let At::Host(p) = other else {
                 return Err(KvError::Shape(
                     "a memfd region cannot copy to or from device memory".into(),
                 ));
@@ -574,7 +574,7 @@ impl RegisteredKv {
             // memory concurrently; the copy then holds whatever bytes were there, which is the
             // worker's own business.
             unsafe {
-                let p = p.add(piece * self.block_bytes);
+                let p = (p as usize as *mut u8).add(piece * self.block_bytes);
                 let here = map.as_mut_ptr().add(offset);
                 if to_region {
                     std::ptr::copy_nonoverlapping(p, here, self.block_bytes)
@@ -597,7 +597,7 @@ impl RegisteredKv {
 
     /// Adds to `out` (one list per region) the copies of the chunk at `blocks` in the CUDA
     /// regions, between them and the chunk's bytes at `other`.
-    fn collect_rows(&self, blocks: &[u64], other: Side, out: &mut Vec<Vec<Rows>>) {
+    fn collect_rows(&self, blocks: &[u64], other: At, out: &mut Vec<Vec<Rows>>) {
         for (region, rows) in self.rows(blocks, other) {
             if !matches!(self.regions[region], Region::Cuda(_)) {
                 continue;
@@ -615,7 +615,7 @@ impl RegisteredKv {
     fn rows<'a>(
         &'a self,
         blocks: &'a [u64],
-        other: Side,
+        other: At,
     ) -> impl Iterator<Item = (usize, Rows)> + 'a {
         let per_chunk = self.blocks_per_chunk;
         self.runs.iter().flat_map(move |run| {
@@ -834,10 +834,10 @@ mod tests {
             let kv = register(&shared, &layout(4, 32, 64, per_chunk, &offsets), chunk).unwrap();
             let base = 1u64 << 40;
             let mut from_rows: Vec<(usize, u64, u64)> = kv
-                .rows(&block_ids, Side::Device(base))
+                .rows(&block_ids, At::Device(base))
                 .flat_map(|(region, r)| {
                     (0..r.rows as u64).map(move |i| {
-                        let Side::Device(other) = r.other.offset(i * r.other_pitch) else {
+                        let At::Device(other) = r.other.offset(i * r.other_pitch) else {
                             unreachable!()
                         };
                         (region, r.offset + i * r.pitch, other - base)

@@ -10,11 +10,13 @@
 //! event, a callback ([`Event::on_complete`]), or a blocking [`Event::wait`] on a condition
 //! variable, never a poll.
 //!
-//! Addresses are plain integers in the process's address space: host pointers for the emulated
-//! engine, and under CUDA's unified addressing device pointers too, so one copy call serves
-//! every direction (the CUDA backend resolves them with `cuMemcpyAsync`, or batches them with
-//! `cuMemcpyBatchAsync`). The engine checks nothing about them: the L1 slot protocol and the
-//! registered regions' bounds checks decide what may be copied, as for the synchronous copies.
+//! Addresses are plain integers in the process's address space, each tagged with where it lies
+//! ([`At`]): host pointers, and device pointers (`CUdeviceptr`s). A piece is one copy of one or
+//! more evenly spaced rows, so a chunk's block across evenly spaced layers is one piece. The CUDA
+//! backend turns a piece of several rows into one `cuMemcpy2DAsync`, a call's single-row pieces
+//! between device memory into one `cuMemcpyBatchAsync` where the driver has it, and anything else
+//! into one `cuMemcpyAsync` per row. The engine checks nothing about the addresses: the L1 slot
+//! protocol and the registered regions' bounds checks decide what may be copied.
 //!
 //! How callers keep the rules (tested in this module on the emulated engine):
 //! - a store reads an engine's block only after the engine's event: `wait(producer)` first;
@@ -28,15 +30,79 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-/// One contiguous copy of `len` bytes from `src` to `dst`.
+/// Where an end of a piece lies: an address in host memory, or a device address
+/// (`CUdeviceptr`). The emulated engine's device memory is host memory, so it copies both alike;
+/// the CUDA engine picks the driver call (and a 2D copy's memory types) by them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum At {
+    /// Host memory (pinned, or pageable).
+    Host(u64),
+    /// Device memory.
+    Device(u64),
+}
+
+impl At {
+    /// The address.
+    pub fn address(self) -> u64 {
+        match self {
+            At::Host(a) | At::Device(a) => a,
+        }
+    }
+
+    /// The end `by` bytes further on.
+    pub fn offset(self, by: u64) -> At {
+        match self {
+            At::Host(a) => At::Host(a.wrapping_add(by)),
+            At::Device(a) => At::Device(a.wrapping_add(by)),
+        }
+    }
+
+    /// Whether the end is device memory.
+    pub fn on_device(self) -> bool {
+        matches!(self, At::Device(_))
+    }
+}
+
+/// One copy: `rows` rows of `width` bytes, row `r` from `src + r * src_pitch` to
+/// `dst + r * dst_pitch`. A contiguous copy is one row. Rows of one piece never overlap each
+/// other or another piece of the same [`CopyStream::copy`] call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
-    /// Source address.
-    pub src: u64,
-    /// Destination address.
-    pub dst: u64,
-    /// Bytes.
-    pub len: u64,
+    /// The first row's source.
+    pub src: At,
+    /// Bytes from one source row to the next.
+    pub src_pitch: u64,
+    /// The first row's destination.
+    pub dst: At,
+    /// Bytes from one destination row to the next.
+    pub dst_pitch: u64,
+    /// Bytes of each row.
+    pub width: u64,
+    /// How many rows.
+    pub rows: u64,
+}
+
+impl Piece {
+    /// One contiguous copy of `len` bytes.
+    pub fn contiguous(src: At, dst: At, len: u64) -> Piece {
+        Piece { src, src_pitch: len, dst, dst_pitch: len, width: len, rows: 1 }
+    }
+
+    /// Bytes the piece moves.
+    pub fn bytes(&self) -> u64 {
+        self.width.saturating_mul(self.rows)
+    }
+
+    /// Its rows as contiguous pieces, in order.
+    pub fn row_pieces(&self) -> impl Iterator<Item = Piece> + '_ {
+        (0..self.rows).map(move |r| {
+            Piece::contiguous(
+                self.src.offset(r.wrapping_mul(self.src_pitch)),
+                self.dst.offset(r.wrapping_mul(self.dst_pitch)),
+                self.width,
+            )
+        })
+    }
 }
 
 /// Why a copy, or the stream it ran on, failed.
@@ -139,8 +205,11 @@ impl Event {
 
 /// A queue of copies that run in the order they were enqueued.
 pub trait CopyStream: Send + Sync + Debug {
-    /// Enqueues `pieces`; they run after everything enqueued before on this stream. Returns at
-    /// once.
+    /// Enqueues `pieces`; they run after everything enqueued before on this stream, in any order
+    /// among themselves. Returns at once. An error says the backend refused a piece at once
+    /// (some of the others may have been enqueued): the next recorded event, or
+    /// [`CopyStream::sync`], carries it too, so a caller that only looks at events misses
+    /// nothing; after an error the caller syncs before it lets go of any piece's memory.
     ///
     /// # Safety
     /// Every piece must name memory that stays valid, and that nobody else writes (nor, for the
@@ -154,6 +223,19 @@ pub trait CopyStream: Send + Sync + Debug {
     /// An event that fires once everything enqueued before it has completed: `Ok`, or the first
     /// error since the previous record.
     fn record(&self) -> Result<Event, CopyError>;
+
+    /// Blocks (sleeping, never spinning) until everything enqueued so far has completed: what
+    /// the event of a [`record`](CopyStream::record) now would say. A backend may wait on the
+    /// calling thread instead of handing the wait to another.
+    fn sync(&self) -> Result<(), CopyError> {
+        let event = self.record()?;
+        loop {
+            match event.wait(Duration::from_secs(3600)) {
+                Err(CopyError::Timeout) => {}
+                done => return done,
+            }
+        }
+    }
 }
 
 /// A source of copy streams: one backend's engine.

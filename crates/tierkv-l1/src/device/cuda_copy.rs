@@ -1,33 +1,53 @@
-//! The copy engine on a CUDA device: [`CopyStream`]s over the daemon's own CUDA streams.
+//! The copy engine on a CUDA device: [`CopyStream`]s over the daemon's own CUDA streams. Every
+//! move of the GPU data path runs here: L1's arena to and from host memory (`CudaArena`), and a
+//! worker's KV, opened by CUDA IPC, to and from L1 (the server's `CudaRegion`).
 //!
-//! - `copy` enqueues one `cuMemcpyAsync` per piece (addresses are unified: device pointers and
-//!   pinned host pointers alike); a piece the driver refuses at enqueue is the stream's failure,
-//!   carried by the next recorded event.
+//! - `copy` enqueues, per call: each piece of several rows as one `cuMemcpy2DAsync` (the copy
+//!   engine walks the pitches; a 2D copy the driver refuses, such as a pitch past its limit,
+//!   goes row by row); the single rows between device memory as one `cuMemcpyBatchAsync` where
+//!   the loaded driver has it (CUDA 12.8 and later; its signature differs between 12.x and 13.x
+//!   and is resolved from the driver); every other row as one `cuMemcpyAsync` of its direction.
+//!   A piece the driver refuses at enqueue is returned, and is the stream's failure, carried by
+//!   the next recorded event or sync.
 //! - `record` records a CUDA event (blocking-sync, no timing) and hands it to the stream's event
 //!   thread, which waits for it in `cuEventSynchronize` (the thread sleeps in the driver; nothing
 //!   spins) and then fires the [`Event`] with the first failure since the previous record.
+//! - `sync` records the stream's own blocking-sync event and waits for it on the calling thread:
+//!   no hand-over to the event thread for a caller that waits anyway.
 //! - `wait` on an event that has not fired enqueues a host function (`cuLaunchHostFunc`) that
 //!   blocks the stream until it fires. If it fires with an error, the work after it still runs on
 //!   the device (a stream cannot skip what is enqueued), but the next recorded event carries
 //!   [`CopyError::Upstream`], so its result is discarded: a miss, never a visible chunk.
+//! - A worker's own CUDA events (opened by IPC) are waited for and recorded on the device
+//!   ([`CudaCopyStream::wait_cuda_event`], [`CudaCopyStream::record_cuda_event`]), and one
+//!   stream can follow another's work ([`CudaCopyStream::follow`]): no host thread waits.
 //!
 //! The file is always compiled (cudarc loads the driver at run time); nothing here touches
-//! cudarc before [`cuda_available`](super::cuda_available) found the driver library.
+//! cudarc before [`cuda_available`](super::cuda_available) found the driver library, and
+//! symbols a driver may lack (`cuMemcpyBatchAsync`) are resolved through `cuGetProcAddress`,
+//! never called through cudarc's lazy loader.
 
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, OnceLock, mpsc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
 use parking_lot::Mutex;
 
-use super::copy::{CopyEngine, CopyError, CopyStream, Event, Piece};
+use super::copy::{At, CopyEngine, CopyError, CopyStream, Event, Piece};
 use super::{DeviceError, cuda_available};
 
 /// How long a host function blocked on an event waits before it looks whether its stream stops.
 const STOP_CHECK: Duration = Duration::from_millis(20);
+
+/// The largest pitch a 2D copy is given: the driver's limit (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`)
+/// on every current device. Rows further apart go one by one.
+pub const MAX_PITCH: u64 = i32::MAX as u64;
+
+/// The environment variable that turns batched copies off (`1`), to compare the two.
+pub const NO_BATCH_ENV: &str = "TIERKV_NO_BATCH_COPY";
 
 /// Streams on one CUDA device.
 #[derive(Debug)]
@@ -44,6 +64,17 @@ impl CudaCopyEngine {
             .map_err(|e| DeviceError::CudaUnavailable(format!("device {ordinal}: {e}")))?;
         Ok(CudaCopyEngine { context })
     }
+
+    /// The device's primary context, which every stream of the engine runs in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.context
+    }
+
+    /// A new stream, as its concrete type: for callers that also wait for and record CUDA
+    /// events of their own on it.
+    pub fn cuda_stream(&self) -> Result<CudaCopyStream, CopyError> {
+        CudaCopyStream::start(Arc::clone(&self.context))
+    }
 }
 
 impl CopyEngine for CudaCopyEngine {
@@ -52,7 +83,7 @@ impl CopyEngine for CudaCopyEngine {
     }
 
     fn stream(&self) -> Result<Box<dyn CopyStream>, CopyError> {
-        Ok(Box::new(CudaCopyStream::start(Arc::clone(&self.context))?))
+        Ok(Box::new(self.cuda_stream()?))
     }
 }
 
@@ -82,10 +113,21 @@ impl Shared {
 pub struct CudaCopyStream {
     context: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The stream's own blocking-sync event, recorded for a `sync` or a `follow`. Threads that do
+    /// so at once may record it over each other: a wait then lasts until a later record, which
+    /// also covers everything enqueued before the earlier one.
+    marker: sys::CUevent,
     shared: Arc<Shared>,
     sender: Mutex<Option<mpsc::Sender<Recorded>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
+
+// SAFETY: the stream owns its handles; a CUevent and a CUstream are driver handles usable from
+// any thread that binds their context, which every method does first, and the driver serializes
+// calls on one handle.
+unsafe impl Send for CudaCopyStream {}
+// SAFETY: as above.
+unsafe impl Sync for CudaCopyStream {}
 
 impl std::fmt::Debug for CudaCopyStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -101,17 +143,26 @@ impl CudaCopyStream {
     fn start(context: Arc<CudaContext>) -> Result<Self, CopyError> {
         context.bind_to_thread().map_err(failed("cannot bind the device"))?;
         let stream = context.new_stream().map_err(failed("cannot create a stream"))?;
+        let marker = blocking_event()?;
         let shared =
             Arc::new(Shared { failed: Mutex::new(None), stopping: AtomicBool::new(false) });
         let (sender, receiver) = mpsc::channel::<Recorded>();
         let (ctx, state) = (Arc::clone(&context), Arc::clone(&shared));
         let thread = std::thread::Builder::new()
             .name("tierkv-cuda-events".into())
-            .spawn(move || events(&ctx, &receiver, &state))
-            .map_err(|e| CopyError::Failed(format!("cannot start the event thread: {e}")))?;
+            .spawn(move || events(&ctx, &receiver, &state));
+        let thread = match thread {
+            Ok(thread) => thread,
+            Err(e) => {
+                // SAFETY: created above, never recorded, destroyed once.
+                let _ = unsafe { result::event::destroy(marker) };
+                return Err(CopyError::Failed(format!("cannot start the event thread: {e}")));
+            }
+        };
         Ok(CudaCopyStream {
             context,
             stream,
+            marker,
             shared,
             sender: Mutex::new(Some(sender)),
             thread: Mutex::new(Some(thread)),
@@ -121,26 +172,133 @@ impl CudaCopyStream {
     fn bind(&self) -> Result<(), CopyError> {
         self.context.bind_to_thread().map_err(failed("cannot bind the device"))
     }
+
+    /// Makes every copy enqueued on this stream from now on wait, on the device, until `event`'s
+    /// latest record (as of this call) has completed. The host does not wait.
+    ///
+    /// # Safety
+    /// `event` is a live event of this stream's context (a worker's, opened by IPC).
+    pub unsafe fn wait_cuda_event(&self, event: sys::CUevent) -> Result<(), CopyError> {
+        self.bind()?;
+        // SAFETY: both handles are live for the call (the caller's word for `event`).
+        unsafe { sys::cuStreamWaitEvent(self.stream.cu_stream(), event, 0) }
+            .result()
+            .map_err(failed("cuStreamWaitEvent"))
+    }
+
+    /// Records `event` on this stream: it completes once everything enqueued before it has (for
+    /// a worker's event opened by IPC, the worker sees the record).
+    ///
+    /// # Safety
+    /// `event` is a live event of this stream's context.
+    pub unsafe fn record_cuda_event(&self, event: sys::CUevent) -> Result<(), CopyError> {
+        self.bind()?;
+        // SAFETY: both handles are live for the call (the caller's word for `event`).
+        unsafe { result::event::record(event, self.stream.cu_stream()) }
+            .map_err(failed("cuEventRecord"))
+    }
+
+    /// Makes this stream wait, on the device, for everything enqueued so far on `other`: one
+    /// stream then follows both (a worker's event recorded on it covers both streams' copies).
+    pub fn follow(&self, other: &CudaCopyStream) -> Result<(), CopyError> {
+        // SAFETY: `other.marker` lives as long as `other`, which outlives the call; both streams
+        // run in the one primary context of their device.
+        unsafe {
+            other.record_cuda_event(other.marker)?;
+            self.wait_cuda_event(other.marker)
+        }
+    }
+
+    /// Enqueues one row: `cuMemcpyAsync` of its direction.
+    ///
+    /// # Safety
+    /// As [`CopyStream::copy`].
+    unsafe fn copy_row(&self, row: &Piece, stream: sys::CUstream) -> Result<(), CopyError> {
+        let len = usize::try_from(row.width)
+            .map_err(|_| CopyError::Failed(format!("{row:?} is too long")))?;
+        // SAFETY: the caller's contract on the ranges; the stream is ours.
+        let rc = unsafe {
+            match (row.src, row.dst) {
+                (At::Host(src), At::Device(dst)) => {
+                    sys::cuMemcpyHtoDAsync_v2(dst, src as usize as *const c_void, len, stream)
+                }
+                (At::Device(src), At::Host(dst)) => {
+                    sys::cuMemcpyDtoHAsync_v2(dst as usize as *mut c_void, src, len, stream)
+                }
+                // Device to device, or host to host under unified addressing.
+                (src, dst) => sys::cuMemcpyAsync(dst.address(), src.address(), len, stream),
+            }
+        };
+        rc.result().map_err(|e| CopyError::Failed(format!("cuMemcpyAsync {row:?}: {e}")))
+    }
+
+    /// Enqueues `pieces`, the first refusal returned.
+    ///
+    /// # Safety
+    /// As [`CopyStream::copy`].
+    unsafe fn enqueue(&self, pieces: Vec<Piece>) -> Result<(), CopyError> {
+        self.bind()?;
+        let stream = self.stream.cu_stream();
+        let mut rows: Vec<Piece> = Vec::new();
+        for piece in pieces {
+            if piece.rows > 1 {
+                // SAFETY: the caller's contract; the stream is ours.
+                match unsafe { copy_2d(&piece, stream) } {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        if !TWO_D_WARNED.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(
+                                "cuMemcpy2DAsync failed ({e}); such copies go row by row"
+                            );
+                        }
+                    }
+                }
+            }
+            rows.extend(piece.row_pieces());
+        }
+        let between_devices = rows.iter().all(|r| r.src.on_device() && r.dst.on_device());
+        if between_devices && rows.len() > 1 {
+            // SAFETY: the caller's contract; the stream is ours, not the legacy default stream,
+            // which the batch call refuses.
+            match unsafe { batch_copy(&rows, stream) } {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => {
+                    // Not tried again in this process: a driver that refuses one batch would
+                    // refuse them all, and each refusal costs a call.
+                    BATCH_REFUSED.store(true, Ordering::Relaxed);
+                    tracing::warn!(
+                        "cuMemcpyBatchAsync failed ({e}); one cuMemcpyAsync per piece from now on"
+                    );
+                }
+                None => {}
+            }
+        }
+        for row in &rows {
+            // SAFETY: the caller's contract; the stream is ours.
+            unsafe { self.copy_row(row, stream) }?;
+        }
+        Ok(())
+    }
+}
+
+/// A blocking-sync event without timing, in the bound context.
+fn blocking_event() -> Result<sys::CUevent, CopyError> {
+    let mut cuda: sys::CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
+        | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: a valid out-pointer; the caller bound the context.
+    unsafe { sys::cuEventCreate(&mut cuda, flags) }.result().map_err(failed("cuEventCreate"))?;
+    Ok(cuda)
 }
 
 impl CopyStream for CudaCopyStream {
     unsafe fn copy(&self, pieces: Vec<Piece>) -> Result<(), CopyError> {
-        self.bind()?;
-        let stream = self.stream.cu_stream();
-        for piece in pieces {
-            let Ok(len) = usize::try_from(piece.len) else {
-                self.shared.fail(CopyError::Failed(format!("{piece:?} is too long")));
-                break;
-            };
-            // SAFETY: the caller promised both ranges stay valid and untouched until an event
-            // recorded after this copy fires; the stream is ours.
-            let rc = unsafe { sys::cuMemcpyAsync(piece.dst, piece.src, len, stream) };
-            if let Err(e) = rc.result() {
-                self.shared.fail(CopyError::Failed(format!("cuMemcpyAsync {piece:?}: {e}")));
-                break;
-            }
+        // SAFETY: the caller's contract, passed on.
+        let enqueued = unsafe { self.enqueue(pieces) };
+        if let Err(e) = &enqueued {
+            self.shared.fail(e.clone());
         }
-        Ok(())
+        enqueued
     }
 
     fn wait(&self, event: &Event) -> Result<(), CopyError> {
@@ -173,13 +331,7 @@ impl CopyStream for CudaCopyStream {
 
     fn record(&self) -> Result<Event, CopyError> {
         self.bind()?;
-        let mut cuda: sys::CUevent = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32
-            | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: a valid out-pointer; the context is bound.
-        unsafe { sys::cuEventCreate(&mut cuda, flags) }
-            .result()
-            .map_err(failed("cuEventCreate"))?;
+        let cuda = blocking_event()?;
         // SAFETY: the event was just created; the stream is ours.
         if let Err(e) = unsafe { result::event::record(cuda, self.stream.cu_stream()) } {
             // SAFETY: created above, never recorded, destroyed once.
@@ -196,6 +348,25 @@ impl CopyStream for CudaCopyStream {
         }
         Ok(event)
     }
+
+    /// Waits on this thread, on the stream's own blocking-sync event. It never returns before
+    /// the copies are over: if the event cannot be recorded or waited on, it waits on the stream
+    /// itself (`cuStreamSynchronize`, which may spin).
+    fn sync(&self) -> Result<(), CopyError> {
+        self.bind()?;
+        // SAFETY: the marker lives as long as the stream; the stream is ours.
+        let synced = unsafe { self.record_cuda_event(self.marker) }
+            .and_then(|()| {
+                // SAFETY: as above.
+                unsafe { result::event::synchronize(self.marker) }.map_err(failed("the copies"))
+            })
+            .or_else(|_| self.stream.synchronize().map_err(failed("the copies")));
+        let earlier = self.shared.failed.lock().take();
+        match (synced, earlier) {
+            (Err(e), _) | (Ok(()), Some(e)) => Err(e),
+            (Ok(()), None) => Ok(()),
+        }
+    }
 }
 
 impl Drop for CudaCopyStream {
@@ -210,6 +381,8 @@ impl Drop for CudaCopyStream {
         }
         if self.bind().is_ok() {
             let _ = self.stream.synchronize();
+            // SAFETY: created in `start`, destroyed only here, after the last wait on it.
+            let _ = unsafe { result::event::destroy(self.marker) };
         }
     }
 }
@@ -261,6 +434,192 @@ unsafe extern "C" fn block_on_event(arg: *mut c_void) {
     }
 }
 
+/// Set once the log has said that the driver refused a 2D copy.
+static TWO_D_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Set when the driver refused a batch: per-piece copies from then on.
+static BATCH_REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// Enqueues `piece`, of several rows, as one `cuMemcpy2DAsync`.
+///
+/// # Safety
+/// As [`CopyStream::copy`].
+unsafe fn copy_2d(piece: &Piece, stream: sys::CUstream) -> Result<(), CopyError> {
+    let d = descriptor_2d(piece)
+        .ok_or_else(|| CopyError::Failed(format!("{piece:?} does not fit a 2D copy")))?;
+    // SAFETY: the rows are valid (the caller's contract); `d` outlives the call, which reads it
+    // before returning.
+    unsafe { sys::cuMemcpy2DAsync_v2(&d, stream) }.result().map_err(failed("cuMemcpy2DAsync"))
+}
+
+/// The `cuMemcpy2DAsync` descriptor of `piece`: each end by its memory type, a host end by its
+/// pointer and a device end by its address. `None` when a pitch is past [`MAX_PITCH`] or a
+/// size does not fit the address space.
+fn descriptor_2d(piece: &Piece) -> Option<sys::CUDA_MEMCPY2D> {
+    use sys::CUmemorytype::{CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_HOST};
+    if piece.src_pitch > MAX_PITCH || piece.dst_pitch > MAX_PITCH {
+        return None;
+    }
+    let end = |at: At| match at {
+        At::Device(a) => (CU_MEMORYTYPE_DEVICE, std::ptr::null_mut::<c_void>(), a),
+        At::Host(a) => (CU_MEMORYTYPE_HOST, a as usize as *mut c_void, 0),
+    };
+    let ((src_type, src_host, src_device), (dst_type, dst_host, dst_device)) =
+        (end(piece.src), end(piece.dst));
+    Some(sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: src_type,
+        srcHost: src_host.cast_const(),
+        srcDevice: src_device,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: usize::try_from(piece.src_pitch).ok()?,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: dst_type,
+        dstHost: dst_host,
+        dstDevice: dst_device,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: usize::try_from(piece.dst_pitch).ok()?,
+        WidthInBytes: usize::try_from(piece.width).ok()?,
+        Height: usize::try_from(piece.rows).ok()?,
+    })
+}
+
+type Batch12 = unsafe extern "C" fn(
+    *mut sys::CUdeviceptr,
+    *mut sys::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    sys::CUstream,
+) -> sys::CUresult;
+type Batch13 = unsafe extern "C" fn(
+    *mut sys::CUdeviceptr,
+    *mut sys::CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    sys::CUstream,
+) -> sys::CUresult;
+
+#[derive(Clone, Copy)]
+enum BatchFn {
+    /// CUDA 12.8 and 12.9: with a `failIdx` out-parameter.
+    V12(Batch12),
+    /// CUDA 13: without it.
+    V13(Batch13),
+}
+
+/// `cuMemcpyBatchAsync` of the loaded driver, resolved once: `None` when the driver predates
+/// it (CUDA < 12.8), does not export it, refused it once, or `TIERKV_NO_BATCH_COPY=1`.
+fn batch_fn() -> Option<BatchFn> {
+    static BATCH: OnceLock<Option<BatchFn>> = OnceLock::new();
+    if BATCH_REFUSED.load(Ordering::Relaxed) {
+        return None;
+    }
+    *BATCH.get_or_init(|| {
+        if std::env::var(NO_BATCH_ENV).is_ok_and(|v| v == "1") {
+            tracing::info!("{NO_BATCH_ENV}=1: one cuMemcpyAsync per piece");
+            return None;
+        }
+        let mut version: c_int = 0;
+        // SAFETY: only called after `cuda_available` found the library; a valid out-pointer.
+        unsafe { sys::cuDriverGetVersion(&mut version) }.result().ok()?;
+        let want = if version >= 13000 {
+            13000
+        } else if version >= 12080 {
+            12080
+        } else {
+            return None;
+        };
+        let mut pfn: *mut c_void = std::ptr::null_mut();
+        let mut status = sys::CUdriverProcAddressQueryResult::CU_GET_PROC_ADDRESS_SUCCESS;
+        // SAFETY: valid C string and out-pointers.
+        unsafe {
+            sys::cuGetProcAddress_v2(c"cuMemcpyBatchAsync".as_ptr(), &mut pfn, want, 0, &mut status)
+        }
+        .result()
+        .ok()?;
+        if pfn.is_null() {
+            return None;
+        }
+        tracing::info!("cuMemcpyBatchAsync resolved for driver {version} (ABI {want})");
+        // SAFETY: the driver returned this symbol for ABI `want`, whose signature is the one
+        // each variant declares (CUDA 13 dropped `failIdx`).
+        Some(unsafe {
+            if want >= 13000 {
+                BatchFn::V13(std::mem::transmute::<*mut c_void, Batch13>(pfn))
+            } else {
+                BatchFn::V12(std::mem::transmute::<*mut c_void, Batch12>(pfn))
+            }
+        })
+    })
+}
+
+/// One `cuMemcpyBatchAsync` of `rows` (single rows between device memory); `None` when the
+/// driver has none.
+///
+/// # Safety
+/// Every row's ends are valid device memory for its width.
+unsafe fn batch_copy(rows: &[Piece], stream: sys::CUstream) -> Option<Result<(), CopyError>> {
+    let f = batch_fn()?;
+    let mut dsts: Vec<u64> = rows.iter().map(|r| r.dst.address()).collect();
+    let mut srcs: Vec<u64> = rows.iter().map(|r| r.src.address()).collect();
+    let mut sizes = Vec::with_capacity(rows.len());
+    for row in rows {
+        match usize::try_from(row.width) {
+            Ok(size) => sizes.push(size),
+            Err(_) => return Some(Err(CopyError::Failed(format!("{row:?} is too long")))),
+        }
+    }
+    // Stream order; no location hints (they matter for managed memory only).
+    let no_hint =
+        sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID, id: 0 };
+    let mut attrs = sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: no_hint,
+        dstLocHint: no_hint,
+        flags: 0,
+    };
+    let mut attr_idx = [0usize];
+    let mut fail_idx = 0usize;
+    let n = dsts.len();
+    // SAFETY: arrays of `n` entries, one attribute applying from index 0; the caller vouches
+    // for the ranges.
+    let rc = unsafe {
+        match f {
+            BatchFn::V12(f) => f(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                n,
+                &mut attrs,
+                attr_idx.as_mut_ptr(),
+                1,
+                &mut fail_idx,
+                stream,
+            ),
+            BatchFn::V13(f) => f(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                n,
+                &mut attrs,
+                attr_idx.as_mut_ptr(),
+                1,
+                stream,
+            ),
+        }
+    };
+    Some(rc.result().map_err(failed("cuMemcpyBatchAsync")))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
@@ -300,10 +659,9 @@ mod tests {
         let producer = Event::new();
         stream.wait(&producer).unwrap();
         let pieces = (0..64u64)
-            .map(|i| Piece {
-                src: a + i * (n as u64 / 64),
-                dst: b + i * (n as u64 / 64),
-                len: n as u64 / 64,
+            .map(|i| {
+                let at = i * (n as u64 / 64);
+                Piece::contiguous(At::Device(a + at), At::Device(b + at), n as u64 / 64)
             })
             .collect();
         // SAFETY: both ranges live until the end of the test; nobody else touches them.
@@ -330,6 +688,140 @@ mod tests {
         unsafe {
             result::free_sync(a).unwrap();
             result::free_sync(b).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_2d_descriptor_names_each_end_with_its_memory_and_pitch() {
+        use sys::CUmemorytype::{CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_HOST};
+        // A block of 4 layers, 4 KiB rows 1 MiB apart in a worker's KV, gathered into an L1 slot
+        // on the device where the rows are 16 KiB apart.
+        let gather = Piece {
+            src: At::Device(0x1000_0000),
+            src_pitch: 1 << 20,
+            dst: At::Device(0x9000_0000),
+            dst_pitch: 16 << 10,
+            width: 4096,
+            rows: 4,
+        };
+        let d = descriptor_2d(&gather).unwrap();
+        assert_eq!(
+            (d.srcMemoryType, d.srcDevice, d.srcPitch),
+            (CU_MEMORYTYPE_DEVICE, 0x1000_0000, 1 << 20)
+        );
+        assert_eq!(
+            (d.dstMemoryType, d.dstDevice, d.dstPitch),
+            (CU_MEMORYTYPE_DEVICE, 0x9000_0000, 16 << 10)
+        );
+        assert_eq!((d.WidthInBytes, d.Height), (4096, 4));
+        assert!(d.srcHost.is_null() && d.dstHost.is_null());
+        // Scattered back from a host buffer: the host end is the source, by its pointer.
+        let host = vec![0u8; 64 << 10];
+        let scatter = Piece {
+            src: At::Host(host.as_ptr() as u64),
+            src_pitch: 16 << 10,
+            dst: At::Device(0x1000_0000),
+            dst_pitch: 1 << 20,
+            ..gather
+        };
+        let d = descriptor_2d(&scatter).unwrap();
+        assert_eq!((d.srcMemoryType, d.srcPitch), (CU_MEMORYTYPE_HOST, 16 << 10));
+        assert_eq!(d.srcHost, host.as_ptr().cast::<c_void>());
+        assert_eq!(
+            (d.dstMemoryType, d.dstDevice, d.dstPitch),
+            (CU_MEMORYTYPE_DEVICE, 0x1000_0000, 1 << 20)
+        );
+        // A pitch the driver cannot take: no descriptor, so the rows go one by one.
+        assert!(descriptor_2d(&Piece { src_pitch: MAX_PITCH + 1, ..gather }).is_none());
+    }
+
+    /// Every kind of piece the data path sends, on one stream, checked byte for byte: strided
+    /// rows device to device (2D), to and from host memory (2D), single rows between device
+    /// memory (a batch), a row from the host and one to it, and a stream that follows another.
+    #[test]
+    fn every_kind_of_piece_lands_where_it_should() {
+        let Some(engine) = engine() else { return };
+        let (rows, width, pitch) = (8u64, 4096u64, 16384u64);
+        let n = (rows * pitch) as usize;
+        engine.context.bind_to_thread().unwrap();
+        // SAFETY: the context is bound; freed at the end of the test.
+        let (a, b, c) = unsafe {
+            (
+                result::malloc_sync(n).unwrap(),
+                result::malloc_sync(n).unwrap(),
+                result::malloc_sync(n).unwrap(),
+            )
+        };
+        let data: Vec<u8> = (0..n).map(|i| (i % 253) as u8).collect();
+        // SAFETY: `a` has `n` bytes.
+        unsafe { result::memcpy_htod_sync(a, &data) }.unwrap();
+        let stream = engine.cuda_stream().unwrap();
+        let packed = (rows * width) as usize;
+        // Strided rows of `a` packed into `b` (a gather), then unpacked into `c` (a scatter).
+        let gather = Piece {
+            src: At::Device(a),
+            src_pitch: pitch,
+            dst: At::Device(b),
+            dst_pitch: width,
+            width,
+            rows,
+        };
+        let scatter = Piece {
+            src: At::Device(b),
+            src_pitch: width,
+            dst: At::Device(c),
+            dst_pitch: pitch,
+            ..gather
+        };
+        // SAFETY: every range lies inside its allocation and outlives the syncs below.
+        unsafe { stream.copy(vec![gather]) }.unwrap();
+        // SAFETY: as above.
+        unsafe { stream.copy(vec![scatter]) }.unwrap();
+        stream.sync().unwrap();
+        let expected: Vec<u8> = (0..rows as usize)
+            .flat_map(|r| data[r * pitch as usize..][..width as usize].to_vec())
+            .collect();
+        let mut host = vec![0u8; packed];
+        // To pinned-or-not host memory, strided: back out of `c`.
+        let out = Piece { src: At::Device(c), dst: At::Host(host.as_mut_ptr() as u64), ..gather };
+        // SAFETY: `host` has `packed` bytes and lives past the sync.
+        unsafe { stream.copy(vec![out]) }.unwrap();
+        stream.sync().unwrap();
+        assert!(host == expected, "2D device to device, then 2D to the host, moved other bytes");
+        // Single rows between device memory, several in one call: one batch where the driver
+        // has it. `b` row by row into `c`'s first rows.
+        let singles = (0..rows)
+            .map(|r| Piece::contiguous(At::Device(b + r * width), At::Device(c + r * width), width))
+            .collect();
+        // SAFETY: inside the allocations; synced below.
+        unsafe { stream.copy(singles) }.unwrap();
+        let mut back = vec![0u8; packed];
+        let out =
+            Piece::contiguous(At::Device(c), At::Host(back.as_mut_ptr() as u64), packed as u64);
+        // SAFETY: as above.
+        unsafe { stream.copy(vec![out]) }.unwrap();
+        stream.sync().unwrap();
+        assert!(back == expected, "a batch of single rows moved other bytes");
+        // From the host, on a second stream that the first follows before reading back.
+        let other = engine.cuda_stream().unwrap();
+        let fill = vec![0x5au8; packed];
+        let put = Piece::contiguous(At::Host(fill.as_ptr() as u64), At::Device(b), packed as u64);
+        // SAFETY: `fill` lives past the sync of the stream that follows.
+        unsafe { other.copy(vec![put]) }.unwrap();
+        stream.follow(&other).unwrap();
+        let out =
+            Piece::contiguous(At::Device(b), At::Host(back.as_mut_ptr() as u64), packed as u64);
+        // SAFETY: as above.
+        unsafe { stream.copy(vec![out]) }.unwrap();
+        stream.sync().unwrap();
+        assert!(back.iter().all(|&x| x == 0x5a), "a stream that follows another read too early");
+        drop((stream, other));
+        engine.context.bind_to_thread().unwrap();
+        // SAFETY: allocated above, freed once.
+        unsafe {
+            result::free_sync(a).unwrap();
+            result::free_sync(b).unwrap();
+            result::free_sync(c).unwrap();
         }
     }
 }

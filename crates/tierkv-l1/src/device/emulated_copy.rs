@@ -2,7 +2,8 @@
 //!
 //! Each stream is a thread fed by a channel, so a copy completes later and out of the caller's
 //! thread, exactly as a DMA on a CUDA stream does, and every ordering rule of the GPU data path
-//! runs in CI without a GPU. Copies are `memcpy`s between host addresses. A fault hook fails the
+//! runs in CI without a GPU. Copies are `memcpy`s between host addresses, a row at a time; the
+//! emulated device's memory is host memory, so both kinds of [`At`](super::At) are addresses. A fault hook fails the
 //! pieces it picks, for the tests of what a failed copy must never leave behind.
 
 use std::sync::Arc;
@@ -135,20 +136,26 @@ fn run(receiver: &mpsc::Receiver<Op>, stopping: &AtomicBool, fault: Option<&Faul
         match op {
             Op::Copy(_) if stop || failed.is_some() => {}
             Op::Copy(pieces) => {
-                for piece in pieces {
+                'pieces: for piece in pieces {
                     if fault.is_some_and(|f| f(&piece)) {
                         failed = Some(CopyError::Failed(format!("injected fault on {piece:?}")));
                         break;
                     }
-                    // SAFETY: the caller of `copy` promised both ranges stay valid and untouched
-                    // by anyone else until an event recorded after them fires, which happens only
-                    // below, after this copy.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            piece.src as usize as *const u8,
-                            piece.dst as usize as *mut u8,
-                            piece.len as usize,
-                        );
+                    for row in piece.row_pieces() {
+                        let Ok(len) = usize::try_from(row.width) else {
+                            failed = Some(CopyError::Failed(format!("{piece:?} is too long")));
+                            break 'pieces;
+                        };
+                        // SAFETY: the caller of `copy` promised both ranges stay valid and
+                        // untouched by anyone else until an event recorded after them fires,
+                        // which happens only below, after this copy.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                row.src.address() as usize as *const u8,
+                                row.dst.address() as usize as *mut u8,
+                                len,
+                            );
+                        }
                     }
                 }
             }

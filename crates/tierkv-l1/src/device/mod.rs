@@ -4,7 +4,9 @@
 //! only moves bytes between host memory and a byte range of its arena, and checks that the range
 //! lies inside the arena. The asynchronous copy engine (`copy.rs`, emulated on host threads in
 //! `emulated_copy.rs`, on CUDA streams in `cuda_copy.rs`) is the shape the GPU data path's moves
-//! take: ordered streams, events, completion callbacks.
+//! take: ordered streams, events, completion callbacks. On a GPU every move runs on it: the
+//! arena's own copies to and from host memory, and the server's copies between a worker's KV and
+//! L1 slots. The emulated arena copies on the caller's thread (its memory is host memory).
 
 mod copy;
 mod cuda;
@@ -15,9 +17,9 @@ mod emulated_copy;
 use std::fmt::Debug;
 use std::ptr::NonNull;
 
-pub use copy::{CopyEngine, CopyError, CopyStream, Event, Piece};
+pub use copy::{At, CopyEngine, CopyError, CopyStream, Event, Piece};
 pub use cuda::{CudaArena, cuda_available};
-pub use cuda_copy::{CudaCopyEngine, CudaCopyStream};
+pub use cuda_copy::{CudaCopyEngine, CudaCopyStream, MAX_PITCH, NO_BATCH_ENV};
 pub use emulated::EmulatedArena;
 pub use emulated_copy::{EmulatedCopyEngine, EmulatedStream, FaultHook};
 
