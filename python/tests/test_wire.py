@@ -302,6 +302,17 @@ def test_constructors_refuse_values_the_wire_cannot_carry():
         wire.store(0, 1 << 32, [(1, [0])])
     with pytest.raises(ValueError, match="block id"):
         wire.retrieve(1, 0, [(1, [-3])])
+    # The plain-int fast paths keep every check: bare or listed, past the top, or a bool.
+    with pytest.raises(ValueError, match="block id"):
+        wire.retrieve(1, 0, [(1, 1 << 64)])
+    with pytest.raises(ValueError, match="block id"):
+        wire.store(0, 0, [(1, [0, -1])])
+    with pytest.raises(TypeError, match="block id"):
+        wire.store(0, 0, [(1, True)])
+    with pytest.raises(TypeError, match="block id"):
+        wire.store(0, 0, [(1, [0, False])])
+    with pytest.raises(TypeError, match="chunk id"):
+        wire.lookup(0, [True])
     with pytest.raises(ValueError, match="rank"):
         wire.hello(rank=1 << 16)
     with pytest.raises(ValueError, match="role"):

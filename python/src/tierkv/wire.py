@@ -95,6 +95,10 @@ ROLES = ("worker", "admin")
 
 def _uint(value: Any, limit: int, what: str) -> int:
     """``value`` as a plain ``int`` within ``0..=limit`` (numpy integers are converted)."""
+    # The common case first, on every block id of every request: a plain int (`type` is `bool`
+    # for a bool, so a bool still takes the checks below).
+    if type(value) is int and 0 <= value <= limit:
+        return value
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an integer, not a bool")
     try:
@@ -108,6 +112,8 @@ def _uint(value: Any, limit: int, what: str) -> int:
 
 def encode_chunk_id(chunk: int) -> bytes:
     """A chunk id as it travels: 16 bytes, big-endian."""
+    if type(chunk) is int and 0 <= chunk <= _U128:
+        return chunk.to_bytes(16, "big")
     return _uint(chunk, _U128, "a chunk id").to_bytes(16, "big")
 
 
@@ -318,13 +324,20 @@ ChunkBlocks: TypeAlias = tuple[int, "Sequence[int] | int"]
 
 
 def _chunk_blocks(chunks: Iterable[ChunkBlocks]) -> list[dict[str, Any]]:
+    # Every chunk of every store and retrieve passes here: plain ints skip `_uint`'s checks.
     out = []
+    append = out.append
     for chunk, blocks in chunks:
-        if hasattr(blocks, "__iter__"):
-            ids = [_uint(b, _U64, "a block id") for b in blocks]
+        if type(blocks) is int and 0 <= blocks <= _U64:
+            ids = [blocks]
+        elif hasattr(blocks, "__iter__"):
+            ids = [
+                b if type(b) is int and 0 <= b <= _U64 else _uint(b, _U64, "a block id")
+                for b in blocks
+            ]
         else:
             ids = [_uint(blocks, _U64, "a block id")]
-        out.append({"chunk": encode_chunk_id(chunk), "blocks": ids})
+        append({"chunk": encode_chunk_id(chunk), "blocks": ids})
     return out
 
 
