@@ -1,10 +1,10 @@
 //! Lookups: what a worker asks for, and what the manager remembers of it until it is released.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use foldhash::HashMap;
 use tierkv_core::{ExtraCount, Layout, ObjectKey};
 use tierkv_l1::{LeaseId, OwnerId, ReadAccess};
 use tierkv_prefetch::{GroupKind, HeldBelow, RequestId};

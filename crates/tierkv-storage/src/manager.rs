@@ -4,13 +4,13 @@
 //! maintenance thread (lease expiry, background eviction, gauges), and keeps the record of every
 //! open lookup: which lease holds which key of its hit.
 
-use std::collections::{HashMap, HashSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use parking_lot::Mutex;
 use tierkv_core::{
     ChunkSource, Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage,
@@ -1012,7 +1012,7 @@ impl Inner {
         };
         let n = hit_of(request, |g, i| from_l1(g, i) || from_below(g, i) || held_below(g, i));
         let n = prefetched.as_ref().map_or(n, |p| n.min(p.hit_chunks));
-        let mut covered = HashMap::new();
+        let mut covered = HashMap::with_capacity(n);
         let mut unneeded_l1 = Vec::new();
         let mut unneeded_below = Vec::new();
         let mut unneeded_held = Vec::new();
