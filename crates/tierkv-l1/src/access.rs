@@ -163,9 +163,9 @@ impl ChunkSink for WriteAccess {
     }
 }
 
-/// An eviction victim's slot, read by a [`crate::Demoter`] after the victim left its shard's map:
-/// the slot was idle (no guard pinned it), no entry names it any more, so nobody can pin or be
-/// given it, and nothing writes it while the view exists.
+/// An eviction victim's slot, read by a [`crate::Demoter`] while the victim's shard is locked:
+/// the slot is idle (no guard pins it) and cannot be pinned until the lock is released, so
+/// nothing writes it while the view exists.
 pub(crate) struct SlotView<'a> {
     pub(crate) slots: &'a Slots,
     pub(crate) slot: SlotId,

@@ -53,14 +53,6 @@ pub trait Demoter: Send + Sync {
     fn demote(&self, key: &ObjectKey, bytes: &dyn ChunkSource);
 }
 
-/// An eviction victim taken out of its shard ([`L1Manager::take_victim`]), its bytes still in
-/// its slot.
-struct Taken {
-    key: ObjectKey,
-    slot: SlotId,
-    len: u64,
-}
-
 /// What an L1 shares with the rest of the node: the clock leases expire by, and who listens.
 #[derive(Clone)]
 pub struct L1Context {
@@ -1060,63 +1052,59 @@ impl L1Manager {
         None
     }
 
-    /// Evicts up to `n` cached objects and appends their slots to `slots`: with one shard, chosen
-    /// under one lock in its policy's order; with joined shards, one victim at a time, each from
-    /// the shard `with_victim` names. The victims' bytes go to the demoter after the lock.
+    /// Evicts up to `n` cached objects and appends their slots to `slots`: with one shard, under
+    /// one lock in its policy's order; with joined shards, one victim at a time, each from the
+    /// shard `with_victim` names.
     fn evict_many(&self, n: usize, victims: &mut Vec<ObjectKey>, slots: &mut Vec<SlotId>) {
         if !self.index.joined() {
-            let taken: Vec<Taken> = {
-                let mut guard = self.index.shard_at(0);
-                let shard = &mut *guard;
-                let chosen = {
-                    let (map, all) = (&shard.map, &*self.slots);
-                    let mut eligible =
-                        |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(all));
-                    shard.policy.evict(n, &mut eligible)
-                };
-                chosen.into_iter().filter_map(|key| Self::take_victim(shard, key)).collect()
+            let mut guard = self.index.shard_at(0);
+            let shard = &mut *guard;
+            let chosen = {
+                let (map, all) = (&shard.map, &*self.slots);
+                let mut eligible =
+                    |key: &ObjectKey| map.get(key).is_some_and(|e| e.is_evictable(all));
+                shard.policy.evict(n, &mut eligible)
             };
-            for victim in taken {
-                slots.push(self.finish_victim(&victim));
-                victims.push(victim.key);
+            for key in chosen {
+                if let Some(slot) = self.take_victim(shard, &key) {
+                    victims.push(key);
+                    slots.push(slot);
+                }
             }
             return;
         }
         for _ in 0..n {
-            let Some(Some(victim)) = self.with_victim(Self::take_victim) else { return };
-            slots.push(self.finish_victim(&victim));
-            victims.push(victim.key);
+            let taken = self
+                .with_victim(|shard, key| self.take_victim(shard, &key).map(|slot| (key, slot)));
+            let Some(Some((key, slot))) = taken else { return };
+            victims.push(key);
+            slots.push(slot);
         }
     }
 
     /// Evicts one cached object and hands its slot to the caller.
     fn evict_one(&self, victims: &mut Vec<ObjectKey>) -> Option<SlotId> {
-        let victim = self.with_victim(Self::take_victim).flatten()?;
-        let slot = self.finish_victim(&victim);
-        victims.push(victim.key);
-        Some(slot)
+        self.with_victim(|shard, key| {
+            let slot = self.take_victim(shard, &key)?;
+            victims.push(key);
+            Some(slot)
+        })
+        .flatten()
     }
 
-    /// Takes the policy's victim `key` out of its locked `shard`. From then on nobody else can
-    /// reach its slot: no entry names it, so no reader can pin it and no writer is given it,
-    /// until [`finish_victim`](Self::finish_victim) recycles it. Every eviction goes through
-    /// here, then there.
-    fn take_victim(shard: &mut Shard, key: ObjectKey) -> Option<Taken> {
-        let entry = shard.map.remove(&key)?;
+    /// Removes the policy's victim `key` from its locked `shard`, hands its bytes to the demoter
+    /// (if any) and recycles its slot, which it returns. Every eviction goes through here.
+    fn take_victim(&self, shard: &mut Shard, key: &ObjectKey) -> Option<SlotId> {
+        let entry = shard.map.remove(key)?;
         shard.counts.moved(entry.class(), Class::Gone);
-        Some(Taken { key, slot: entry.slot, len: entry.len })
-    }
-
-    /// Hands a taken victim's bytes to the demoter (if any) and recycles its slot, which it
-    /// returns. Runs with no shard locked: a cascade's copy of the victim into L2 no longer holds
-    /// up the lookups and writes of the victim's shard.
-    fn finish_victim(&self, victim: &Taken) -> SlotId {
         if let Some(demoter) = &self.demoter {
-            let view = SlotView { slots: &self.slots, slot: victim.slot, len: victim.len };
-            demoter.demote(&victim.key, &view);
+            // The slot is idle and cannot be pinned while this shard is locked.
+            let view = SlotView { slots: &self.slots, slot: entry.slot, len: entry.len };
+            demoter.demote(key, &view);
         }
-        self.slots.recycle(victim.slot);
-        victim.slot
+        // The filter saw the slot idle under this lock, and pins are only taken under it.
+        self.slots.recycle(entry.slot);
+        Some(entry.slot)
     }
 
     /// Leases up to `n` eviction victims, chosen as eviction would choose them, to `owner` instead

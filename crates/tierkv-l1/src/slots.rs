@@ -144,8 +144,7 @@ impl Slots {
     }
 
     /// Like `retire`, for an idle slot the caller reuses at once instead of freeing (eviction on
-    /// behalf of a reservation). Call once the slot's entry, idle when it was removed, is gone
-    /// from its shard's map (so nothing could pin the slot since).
+    /// behalf of a reservation). Call with the shard locked and `is_idle(slot)` just checked.
     pub(crate) fn recycle(&self, slot: SlotId) {
         debug_assert!(self.is_idle(slot));
         self.state(slot).store(0, Ordering::Release);

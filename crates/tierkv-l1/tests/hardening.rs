@@ -4,16 +4,11 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock, Weak, mpsc};
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use common::*;
-use tierkv_core::{ChunkSource, KeyError, ObjectKey};
-use tierkv_l1::{
-    Demoter, L1Config, L1Context, L1Error, L1Manager, Lifetime, OwnerId, Presence, Readers,
-    WriteMode,
-};
+use tierkv_core::KeyError;
+use tierkv_l1::{L1Error, OwnerId, Presence, Readers};
 
 const PIPELINE: OwnerId = OwnerId(99);
 
@@ -78,73 +73,4 @@ fn h16_12_check_finish_read_answers_like_finish_read_and_changes_nothing() {
     ));
     assert!(!f.l1.lease_live(lease));
     f.l1.audit().unwrap();
-}
-
-/// What the demoter saw while it held a victim's bytes.
-#[derive(Default)]
-struct Seen {
-    /// The victim and whether its bytes were its payload.
-    demoted: Vec<(ObjectKey, bool)>,
-    /// Whether another thread's look at the victim's shard finished during the copy.
-    shard_free: Vec<bool>,
-}
-
-/// A cascade's demoter standing in for L2: it reads the victim's bytes and, while it holds
-/// them, has another thread look up a key of the victim's (only) shard.
-struct Probe {
-    l1: OnceLock<Weak<L1Manager>>,
-    other: ObjectKey,
-    seen: Mutex<Seen>,
-}
-
-impl Demoter for Probe {
-    fn demote(&self, key: &ObjectKey, bytes: &dyn ChunkSource) {
-        let mut copy = vec![0u8; bytes.len() as usize];
-        let intact = bytes.copy_to_host(&mut copy).is_ok() && copy == payload(key, 0);
-        let l1 = self.l1.get().and_then(Weak::upgrade);
-        let (tx, rx) = mpsc::channel();
-        let other = self.other;
-        std::thread::spawn(move || {
-            if let Some(l1) = l1 {
-                let _ = tx.send(l1.presence(&other));
-            }
-        });
-        let free = rx.recv_timeout(Duration::from_secs(5)).is_ok();
-        let mut seen = self.seen.lock();
-        seen.demoted.push((*key, intact));
-        seen.shard_free.push(free);
-    }
-}
-
-/// The cascade copies an eviction victim into the tier below with no shard locked: the victim
-/// has left its shard's map (nobody can pin or be given its slot) and its bytes stay put until
-/// the copy is over, so the shard's other lookups need not wait behind it.
-#[test]
-fn an_eviction_victim_is_demoted_without_holding_up_its_shard() {
-    let probe =
-        Arc::new(Probe { l1: OnceLock::new(), other: key(1), seen: Mutex::new(Seen::default()) });
-    let context = L1Context { demoter: Some(probe.clone()), ..L1Context::default() };
-    let l1 = Arc::new(L1Manager::build(L1Config { shards: 1, ..config(4) }, context).unwrap());
-    let _ = probe.l1.set(Arc::downgrade(&l1));
-    let write = |keys: &[ObjectKey]| {
-        let reserved =
-            l1.reserve_write(OWNER, keys, &layout(), WriteMode::Create, Lifetime::Cached).unwrap();
-        assert!(reserved.iter().all(|r| r.is_ok()), "{reserved:?}");
-        for k in keys {
-            l1.write_access(OWNER, k).unwrap().write_at(0, &payload(k, 0)).unwrap();
-        }
-        assert!(l1.finish_write(OWNER, keys).iter().all(|r| r.is_ok()));
-    };
-    write(&keys(0..4));
-    // Full: the fifth write evicts the oldest, key 0, and demotes it.
-    write(&keys(4..5));
-    let seen = probe.seen.lock();
-    assert_eq!(seen.demoted, vec![(key(0), true)], "the victim's own bytes, demoted once");
-    assert_eq!(
-        seen.shard_free,
-        vec![true],
-        "a lookup of the victim's shard waited for the copy to the tier below"
-    );
-    assert!(matches!(l1.presence(&key(0)), Presence::Absent));
-    l1.audit().unwrap();
 }
