@@ -93,9 +93,7 @@ def main() -> int:
             deadline = time.monotonic() + 30
             while not socket_path.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
-            hello = wire.hello(
-                namespaces=[("m", "")], chunk_bytes=CHUNK, chunk_tokens=16
-            )
+            hello = wire.hello(namespaces=[("m", "")], chunk_bytes=CHUNK, chunk_tokens=16)
             with Client.connect(str(socket_path), hello) as client:
                 shared = SharedBuffer(CHUNK, max(counts))
                 buffer = client.register_buffer(shared)

@@ -6,6 +6,7 @@ disk moves both alike. Prints GB/s per round and the ratio.
 
 Usage: python3 scripts/disk-write-under-copy.py [DIR] [ROUNDS]   (DIR defaults to /tmp)
 """
+
 import hashlib
 import mmap
 import multiprocessing as mp

@@ -50,9 +50,7 @@ KV_HEADS = 8
 HEAD_DIM = 128
 BLOCK_TOKENS = 16
 DTYPE_BYTES = 2
-PIECE_BYTES = (
-    BLOCK_TOKENS * KV_HEADS * HEAD_DIM * DTYPE_BYTES
-)  # 32 KiB: one block of K or V
+PIECE_BYTES = BLOCK_TOKENS * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # 32 KiB: one block of K or V
 FRAG_BLOCKS = 8  # blocks per fragmented chunk
 FRAG_CHUNK = FRAG_BLOCKS * LAYERS * 2 * PIECE_BYTES  # 16 MiB, 512 pieces
 CONTIG_CHUNK = 2 << 20
@@ -99,9 +97,7 @@ def load_torch():
     try:
         import torch
     except ImportError as e:
-        print(
-            f"gpu-check: no CUDA device: torch is not installed ({e})", file=sys.stderr
-        )
+        print(f"gpu-check: no CUDA device: torch is not installed ({e})", file=sys.stderr)
         sys.exit(NO_DEVICE)
     if not torch.cuda.is_available():
         build = torch.version.cuda or "a CPU-only build"
@@ -157,9 +153,7 @@ class BatchCopy:
 
     def __init__(self, cuda, version: int):
         if version < 12080:
-            raise RuntimeError(
-                f"the driver ({version}) predates cuMemcpyBatchAsync (12.8)"
-            )
+            raise RuntimeError(f"the driver ({version}) predates cuMemcpyBatchAsync (12.8)")
         get = cuda.cuGetProcAddress_v2
         get.argtypes = [
             ctypes.c_char_p,
@@ -172,9 +166,7 @@ class BatchCopy:
         status = ctypes.c_int(0)
         self.v13 = version >= 13000
         want = 13000 if self.v13 else 12080
-        rc = get(
-            b"cuMemcpyBatchAsync", ctypes.byref(pfn), want, 0, ctypes.byref(status)
-        )
+        rc = get(b"cuMemcpyBatchAsync", ctypes.byref(pfn), want, 0, ctypes.byref(status))
         if rc != 0 or not pfn.value:
             raise RuntimeError(f"cuGetProcAddress(cuMemcpyBatchAsync, {want}) = {rc}")
         p = ctypes.POINTER
@@ -287,12 +279,8 @@ def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
     a = torch.empty(total, dtype=torch.uint8, device=dev)
     b = torch.empty(total, dtype=torch.uint8, device=dev)
     r = {}
-    r["h2d"] = timed(
-        torch, lambda: a.copy_(pinned, non_blocking=True), total, args.repeat
-    )
-    r["d2h"] = timed(
-        torch, lambda: pinned.copy_(a, non_blocking=True), total, args.repeat
-    )
+    r["h2d"] = timed(torch, lambda: a.copy_(pinned, non_blocking=True), total, args.repeat)
+    r["d2h"] = timed(torch, lambda: pinned.copy_(a, non_blocking=True), total, args.repeat)
     r["d2d"] = timed(torch, lambda: b.copy_(a, non_blocking=True), total, args.repeat)
     version = driver_version(cuda)
     batch = None
@@ -334,9 +322,7 @@ def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
     blocks = max(64, 2 * per * FRAG_BLOCKS)
     kv = torch.empty((LAYERS, 2, blocks, PIECE_BYTES), dtype=torch.uint8, device=dev)
     kv.random_(0, 256)
-    chosen = [
-        [2 * (c * FRAG_BLOCKS + j) + 1 for j in range(FRAG_BLOCKS)] for c in range(per)
-    ]
+    chosen = [[2 * (c * FRAG_BLOCKS + j) + 1 for j in range(FRAG_BLOCKS)] for c in range(per)]
     pieces = [
         kv[layer, plane, blk]
         for mine in chosen
@@ -393,9 +379,7 @@ def _raw_limits(torch, cuda, args, dev, stream) -> dict[str, float]:
                 d = Memcpy2D()
                 d.srcMemoryType = CU_MEMORYTYPE_DEVICE
                 d.srcDevice = kv[0, 0, blk].data_ptr()
-                d.srcPitch = (
-                    blocks * PIECE_BYTES
-                )  # from one layer x K/V plane to the next
+                d.srcPitch = blocks * PIECE_BYTES  # from one layer x K/V plane to the next
                 if dst.is_cuda:
                     d.dstMemoryType, d.dstDevice = (
                         CU_MEMORYTYPE_DEVICE,
@@ -588,9 +572,7 @@ def pci_bus_id(torch) -> str:
     try:
         return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
     except AttributeError:
-        fail(
-            "cannot tell device 0's PCI bus id (no libcuda through ctypes, an old torch)"
-        )
+        fail("cannot tell device 0's PCI bus id (no libcuda through ctypes, an old torch)")
 
 
 def ipc_region(torch, tensor):
@@ -695,9 +677,7 @@ class Session:
         self.client.retrieve(started.lookup, self.buffer, chunks)
         t2 = time.perf_counter()
         if expect_tier is not None and outcome.per_tier[expect_tier] != len(chunks):
-            print(
-                f"  note: chunks came from tiers {outcome.per_tier} (L1, L2, disk, remote)"
-            )
+            print(f"  note: chunks came from tiers {outcome.per_tier} (L1, L2, disk, remote)")
         return t1 - t0, t2 - t1, outcome.per_tier
 
     def close(self) -> None:
@@ -741,9 +721,7 @@ def running_daemon(
         cpu = daemon.cpu_seconds()
         if cpu is not None and cpu_before is not None:
             wall = time.monotonic() - started
-            print(
-                f"  daemon CPU time: {cpu - cpu_before:.2f} s in {wall:.2f} s of requests"
-            )
+            print(f"  daemon CPU time: {cpu - cpu_before:.2f} s in {wall:.2f} s of requests")
     except CheckFailed as e:
         raise CheckFailed(f"{e}\n--- daemon log (tail) ---\n{daemon.tail()}") from None
     except Exception as e:
@@ -814,9 +792,7 @@ def contiguous_session(daemon: Daemon, memory: Memory, n: int, label: str):
         blocks_per_chunk=1,
         segments=[Segment(0, off)],
     )
-    return blocks.view(n, CONTIG_CHUNK), Session(
-        daemon, CONTIG_CHUNK, [region], layout, label
-    )
+    return blocks.view(n, CONTIG_CHUNK), Session(daemon, CONTIG_CHUNK, [region], layout, label)
 
 
 def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
@@ -883,9 +859,7 @@ def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
             pieces,
             TARGET_D2D,
         ),
-        row(
-            f"{what} lookup + retrieve", best["lookup"], raw["contig_d2d"], pieces, None
-        ),
+        row(f"{what} lookup + retrieve", best["lookup"], raw["contig_d2d"], pieces, None),
     ]
 
 
@@ -902,9 +876,7 @@ def cascade_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
     with running_daemon(args, l1, 4 * l1, CONTIG_CHUNK, gpu, "cascade") as daemon:
         contig, s = contiguous_session(daemon, memory, n, "cascade")
         try:
-            rounds_chunks = [
-                [(0x3000 + r * n + i, [i]) for i in range(n)] for r in range(rounds)
-            ]
+            rounds_chunks = [[(0x3000 + r * n + i, [i]) for i in range(n)] for r in range(rounds)]
             first = None
             for r, chunks in enumerate(rounds_chunks):
                 contig.random_(0, 256)
@@ -994,8 +966,7 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
             ]
             if len({b for bl in chunk_blocks for b in bl}) != n * FRAG_BLOCKS:
                 chunk_blocks = [
-                    [2 * (i * FRAG_BLOCKS + j) for j in range(FRAG_BLOCKS)]
-                    for i in range(n)
+                    [2 * (i * FRAG_BLOCKS + j) for j in range(FRAG_BLOCKS)] for i in range(n)
                 ]
             chunks = [(0x2000 + i, chunk_blocks[i]) for i in range(n)]
             used = sorted({b for bl in chunk_blocks for b in bl})
@@ -1015,9 +986,7 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
                 t_store += t1 - t0
                 t_down += t2 - t0
                 per_quarter.append(f"{(t1 - t0) * 1e3:.1f} + {(t2 - t1) * 1e3:.1f}")
-            print(
-                f"  fragmented: store + flush ms, by quarter: {', '.join(per_quarter)}"
-            )
+            print(f"  fragmented: store + flush ms, by quarter: {', '.join(per_quarter)}")
             nb = n * FRAG_CHUNK
             pieces = f"raw D2D of the pieces ({best_way(raw, 'frag_d2d')})"
             report.append(
@@ -1152,9 +1121,7 @@ def ready_event_check(torch, daemon: Daemon, memory: Memory) -> Session:
     started = s.client.lookup(0, [c for c, _ in chunks])
     if (started.outcome or s.client.wait(started.lookup, 60.0)).hit_chunks != n:
         fail("done_event: the chunks stored with the ready_event are gone")
-    s.client.retrieve(
-        started.lookup, s.buffer, chunks, done_event=bytes(done.ipc_handle())
-    )
+    s.client.retrieve(started.lookup, s.buffer, chunks, done_event=bytes(done.ipc_handle()))
     running = not done.query()
     torch.cuda.current_stream().wait_event(done)
     got = blocks.clone()  # the engine's kernel, after the wait on the GPU
@@ -1185,9 +1152,7 @@ def connector_check(torch, daemon: Daemon, gpu: bool) -> Session:
     shape = (2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
     dev = torch.device("cuda" if gpu else "cpu")
     kv = {
-        f"model.layers.{i}.self_attn.attn": torch.empty(
-            shape, dtype=torch.bfloat16, device=dev
-        )
+        f"model.layers.{i}.self_attn.attn": torch.empty(shape, dtype=torch.bfloat16, device=dev)
         for i in range(layers)
     }
     if gpu:
@@ -1233,9 +1198,7 @@ def main() -> int:
         default=None,
         help="the tierkv binary (default: target/release/tierkv, else target/gpu-carry/tierkv)",
     )
-    ap.add_argument(
-        "--raw-only", action="store_true", help="measure the raw limits only"
-    )
+    ap.add_argument("--raw-only", action="store_true", help="measure the raw limits only")
     ap.add_argument(
         "--chunks",
         type=int,
@@ -1277,9 +1240,7 @@ def main() -> int:
     if args.binary is None:
         release = Path("target/release/tierkv")
         carried = Path("target/gpu-carry/tierkv")
-        args.binary = (
-            carried if carried.is_file() and not release.is_file() else release
-        )
+        args.binary = carried if carried.is_file() and not release.is_file() else release
     args.binary = args.binary.resolve()  # the daemon runs in its own directory
     if args.chunks < 4 or args.chunks % 4:
         ap.error("--chunks must be a positive multiple of 4")
@@ -1292,10 +1253,7 @@ def main() -> int:
     if args.rounds < 1:
         ap.error("--rounds must be positive")
 
-    if (
-        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").find("expandable_segments:True")
-        >= 0
-    ):
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").find("expandable_segments:True") >= 0:
         print(
             "gpu-check: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True; its memory "
             "cannot be shared by CUDA IPC. Unset it.",
@@ -1349,9 +1307,7 @@ def dry_run(args) -> int:
         print(f"gpu-check: the dry run needs torch ({e})", file=sys.stderr)
         return FAILED
     print("dry run on CPU: memfd regions, emulated L1; the figures mean nothing")
-    raw = dict.fromkeys(
-        ("h2d", "d2h", "d2d", "contig_d2d", "frag_d2h", "frag_d2d"), 1.0
-    )
+    raw = dict.fromkeys(("h2d", "d2h", "d2d", "contig_d2d", "frag_d2h", "frag_d2d"), 1.0)
     try:
         if not args.binary.is_file():
             fail(f"no tierkv binary at {args.binary}")

@@ -6,6 +6,7 @@ adapters read from the disk, not from memory, as tierkv's O_DIRECT disk tier doe
 
 Usage: PEER/venv/bin/python scripts/peer-cold.py PEER_DIR [bench.py arguments]
 """
+
 import os
 import sys
 

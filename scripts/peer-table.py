@@ -6,12 +6,20 @@ tierkv's `cargo bench -p tierkv-bench --bench peer`.
 
 Usage: python3 scripts/peer-table.py PEER.json PEER_COLD.json TIERKV.json [--markdown]
 """
+
 import json
 import sys
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 markdown = "--markdown" in sys.argv
-peer, cold, tk = (json.load(open(p)) for p in args)
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+peer, cold, tk = (load(p) for p in args)
 lim = tk["_limits"]
 
 
@@ -51,36 +59,105 @@ def add(shape, prow, pd, trow, measure, unit, limit=None, higher_better=True):
 for kib, name in ((256, "256 KiB"), (2048, "2 MiB"), (16384, "16 MiB")):
     mem = lim.get(f"memcpy_{kib}KiB_GBps")
     for b in (1, 16):
-        add(f"store {name}, {b} key{'s' if b > 1 else ''} a call", f"store_{kib}KiB_b{b}", peer,
-            f"store_{kib}KiB_b{b}", "GBps", "GB/s", (f"memcpy {name}", mem))
+        add(
+            f"store {name}, {b} key{'s' if b > 1 else ''} a call",
+            f"store_{kib}KiB_b{b}",
+            peer,
+            f"store_{kib}KiB_b{b}",
+            "GBps",
+            "GB/s",
+            (f"memcpy {name}", mem),
+        )
 mem2 = lim.get("memcpy_2048KiB_GBps")
-add("store 2 MiB, 16 keys a call, first write of fresh L1 (tierkv only)", "-", peer,
-    "store_2048KiB_b16_first_write", "GBps", "GB/s", ("memcpy 2 MiB", mem2))
-add("  the same with l1.prefault (tierkv only)", "-", peer,
-    "store_2048KiB_b16_first_write_prefault", "GBps", "GB/s", ("memcpy 2 MiB", mem2))
-add("L1 read lock + release, 1 key at a time", "l1_read_lock_unlock_single", peer,
-    "l1_read_lock_unlock_single", "pairs_per_s", "/s")
-add("L1 read lock + release, 1,000 at a time", "l1_read_lock_unlock_batch1000", peer,
-    "l1_read_lock_unlock_batch1000", "keys_per_s", "/s")
-add("L1 lock for 4 readers + 4 releases, 1 key", "l1_read_lock4_finish4_single", peer,
-    "l1_read_lock4_finish4_single", "keys_per_s", "/s")
-add("lookup path (L1 hits), 1 key at a time", "sm_lookup_lock_finish_single", peer,
-    "sm_lookup_lock_finish_single", "keys_per_s", "/s")
-add("lookup path (L1 hits), 1,000 at a time", "sm_lookup_lock_finish_batch1000", peer,
-    "sm_lookup_lock_finish_batch1000", "keys_per_s", "/s")
+add(
+    "store 2 MiB, 16 keys a call, first write of fresh L1 (tierkv only)",
+    "-",
+    peer,
+    "store_2048KiB_b16_first_write",
+    "GBps",
+    "GB/s",
+    ("memcpy 2 MiB", mem2),
+)
+add(
+    "  the same with l1.prefault (tierkv only)",
+    "-",
+    peer,
+    "store_2048KiB_b16_first_write_prefault",
+    "GBps",
+    "GB/s",
+    ("memcpy 2 MiB", mem2),
+)
+add(
+    "L1 read lock + release, 1 key at a time",
+    "l1_read_lock_unlock_single",
+    peer,
+    "l1_read_lock_unlock_single",
+    "pairs_per_s",
+    "/s",
+)
+add(
+    "L1 read lock + release, 1,000 at a time",
+    "l1_read_lock_unlock_batch1000",
+    peer,
+    "l1_read_lock_unlock_batch1000",
+    "keys_per_s",
+    "/s",
+)
+add(
+    "L1 lock for 4 readers + 4 releases, 1 key",
+    "l1_read_lock4_finish4_single",
+    peer,
+    "l1_read_lock4_finish4_single",
+    "keys_per_s",
+    "/s",
+)
+add(
+    "lookup path (L1 hits), 1 key at a time",
+    "sm_lookup_lock_finish_single",
+    peer,
+    "sm_lookup_lock_finish_single",
+    "keys_per_s",
+    "/s",
+)
+add(
+    "lookup path (L1 hits), 1,000 at a time",
+    "sm_lookup_lock_finish_batch1000",
+    peer,
+    "sm_lookup_lock_finish_batch1000",
+    "keys_per_s",
+    "/s",
+)
 n = next((k.rsplit("_x", 1)[1] for k in tk if k.startswith("prefetch_l2_256KiB_x")), "1000")
 for kib, size in ((4, "4 KiB"), (256, "256 KiB")):
     mem = lim.get("memcpy_256KiB_GBps")
-    add(f"prefetch {n} x {size} from L2 (peer: mock), 4 readers, round trip",
-        f"prefetch_mock_{kib}KiB_x{n}", peer, f"prefetch_l2_{kib}KiB_x{n}", "ms_round_trip", "ms",
-        ("memcpy 256 KiB", mem) if kib == 256 else None, higher_better=False)
+    add(
+        f"prefetch {n} x {size} from L2 (peer: mock), 4 readers, round trip",
+        f"prefetch_mock_{kib}KiB_x{n}",
+        peer,
+        f"prefetch_l2_{kib}KiB_x{n}",
+        "ms_round_trip",
+        "ms",
+        ("memcpy 256 KiB", mem) if kib == 256 else None,
+        higher_better=False,
+    )
 for kib, size in ((4, "4 KiB"), (256, "256 KiB")):
     disk = lim.get(f"disk_read_{kib}KiB_x4_GBps")
-    for kind, src, note in (("fs_odirect", peer, "O_DIRECT"), ("fs_native", cold, "cold"),
-                            ("fs", cold, "cold"), ("fs_native", peer, "page cache warm")):
-        add(f"prefetch {n} x {size} from disk, cold (peer: {kind}, {note})",
-            f"prefetch_{kind}_{kib}KiB_x{n}", src, f"prefetch_disk_{kib}KiB_x{n}",
-            "ms_round_trip", "ms", (f"disk read {size} x4", disk), higher_better=False)
+    for kind, src, note in (
+        ("fs_odirect", peer, "O_DIRECT"),
+        ("fs_native", cold, "cold"),
+        ("fs", cold, "cold"),
+        ("fs_native", peer, "page cache warm"),
+    ):
+        add(
+            f"prefetch {n} x {size} from disk, cold (peer: {kind}, {note})",
+            f"prefetch_{kind}_{kib}KiB_x{n}",
+            src,
+            f"prefetch_disk_{kib}KiB_x{n}",
+            "ms_round_trip",
+            "ms",
+            (f"disk read {size} x4", disk),
+            higher_better=False,
+        )
 
 limits = [
     ("memcpy 256 KiB (one core)", lim.get("memcpy_256KiB_GBps")),
@@ -117,4 +194,6 @@ else:
     print()
     for name, v in limits:
         print(f"limit: {name:50} {v:.2f} GB/s" if v else f"limit: {name}: n/a")
-    print("ratio: tierkv over LMCache (throughput), LMCache over tierkv (times); >= 2 is the target")
+    print(
+        "ratio: tierkv over LMCache (throughput), LMCache over tierkv (times); >= 2 is the target"
+    )

@@ -97,9 +97,9 @@ impl Drop for CudaEvent {
 
 /// A worker's device allocation, opened in this process.
 pub struct CudaRegion {
-    /// Where the region's copies run; dropped (its copies waited for) before the mapping closes.
+    /// Where the region's copies run, in the region's context; dropped (its copies waited for)
+    /// after the mapping closes, which `Drop` precedes with a sync.
     stream: CudaCopyStream,
-    context: Arc<CudaContext>,
     base: sys::CUdeviceptr,
     len: u64,
 }
@@ -143,9 +143,8 @@ impl CudaRegion {
         })?;
         let engine = CudaCopyEngine::new(ordinal)
             .map_err(|e| CudaIpcError::Unavailable(format!("cannot open the device: {e}")))?;
-        let context = Arc::clone(engine.context());
         let stream = engine.cuda_stream()?;
-        context.bind_to_thread().map_err(driver("cannot bind the device"))?;
+        stream.context().bind_to_thread().map_err(driver("cannot bind the device"))?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
         for (to, from) in handle.reserved.iter_mut().zip(raw) {
             *to = from as std::ffi::c_char;
@@ -164,7 +163,7 @@ impl CudaRegion {
         .map_err(driver(
             "cuIpcOpenMemHandle failed (memory from VMM or PyTorch's expandable segments cannot be shared by IPC; the worker must allocate its KV with cudaMalloc)",
         ))?;
-        Ok(CudaRegion { stream, context, base, len: bytes })
+        Ok(CudaRegion { stream, base, len: bytes })
     }
 
     /// Copies `copies`, rows of `width` bytes each: from the region to each copy's `other` end
@@ -212,7 +211,7 @@ impl CudaRegion {
                 handle.len()
             ))
         })?;
-        self.context.bind_to_thread().map_err(driver("cannot bind the device"))?;
+        self.stream.context().bind_to_thread().map_err(driver("cannot bind the device"))?;
         let mut ipc = sys::CUipcEventHandle { reserved: [0; IPC_HANDLE_BYTES] };
         for (to, from) in ipc.reserved.iter_mut().zip(raw) {
             *to = from as std::ffi::c_char;
@@ -223,7 +222,7 @@ impl CudaRegion {
         unsafe { sys::cuIpcOpenEventHandle(&mut event, ipc) }.result().map_err(driver(
             "cuIpcOpenEventHandle failed (the event must be made with CU_EVENT_INTERPROCESS and CU_EVENT_DISABLE_TIMING, e.g. torch.cuda.Event(interprocess=True))",
         ))?;
-        Ok(CudaEvent { context: Arc::clone(&self.context), event })
+        Ok(CudaEvent { context: Arc::clone(self.stream.context()), event })
     }
 
     /// Makes every copy enqueued on the region's stream from now on wait, on the device, until
@@ -280,7 +279,7 @@ impl Drop for CudaRegion {
         // Nobody to report a failure to in a destructor; the driver releases the mapping with
         // the process at the latest.
         let _ = self.stream.sync();
-        if self.context.bind_to_thread().is_ok() {
+        if self.stream.context().bind_to_thread().is_ok() {
             // SAFETY: `base` came from `cuIpcOpenMemHandle` and is closed only here, after the
             // copies into and out of it.
             let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) }.result();

@@ -173,6 +173,11 @@ impl CudaCopyStream {
         self.context.bind_to_thread().map_err(failed("cannot bind the device"))
     }
 
+    /// The context the stream runs in (its device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.context
+    }
+
     /// Makes every copy enqueued on this stream from now on wait, on the device, until `event`'s
     /// latest record (as of this call) has completed. The host does not wait.
     ///
@@ -802,8 +807,11 @@ mod tests {
         unsafe { stream.copy(vec![out]) }.unwrap();
         stream.sync().unwrap();
         assert!(back == expected, "a batch of single rows moved other bytes");
-        // From the host, on a second stream that the first follows before reading back.
+        // From the host, on a second stream held back by a gate; the first stream follows it
+        // before reading back, so its read-out must wait for the gate too.
         let other = engine.cuda_stream().unwrap();
+        let gate = Event::new();
+        other.wait(&gate).unwrap();
         let fill = vec![0x5au8; packed];
         let put = Piece::contiguous(At::Host(fill.as_ptr() as u64), At::Device(b), packed as u64);
         // SAFETY: `fill` lives past the sync of the stream that follows.
@@ -813,7 +821,11 @@ mod tests {
             Piece::contiguous(At::Device(b), At::Host(back.as_mut_ptr() as u64), packed as u64);
         // SAFETY: as above.
         unsafe { stream.copy(vec![out]) }.unwrap();
-        stream.sync().unwrap();
+        let read = stream.record().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(read.result().is_none(), "the following stream ran before the one it follows");
+        gate.fire(Ok(()));
+        read.wait(Duration::from_secs(10)).unwrap();
         assert!(back.iter().all(|&x| x == 0x5a), "a stream that follows another read too early");
         drop((stream, other));
         engine.context.bind_to_thread().unwrap();
