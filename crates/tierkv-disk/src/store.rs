@@ -1527,13 +1527,17 @@ impl Shared {
 
     // ----- lookups and loads -----
 
+    /// Locks every indexed key and tells the policy of each hit and miss. Lookups name a chain
+    /// root first; the keys are visited leaf first (as L2 touches them), so the root's segment
+    /// ends up the most recent and eviction takes a chain's tail before its root.
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
         let index = &mut *index;
-        Bitmap::from_bools(keys.iter().map(|key| {
+        let mut found = vec![false; keys.len()];
+        for (i, key) in keys.iter().enumerate().rev() {
             let Some(loc) = index.map.get(key).copied() else {
                 index.policy.missed(key);
-                return false;
+                continue;
             };
             let (count, _) = index.locks.entry(*key).or_insert((0, loc.segment));
             *count += 1;
@@ -1543,8 +1547,9 @@ impl Shared {
             index.lock_total += 1;
             let life = index.life(loc.segment);
             index.policy.hit(&life, key);
-            true
-        }))
+            found[i] = true;
+        }
+        Bitmap::from_bools(found)
     }
 
     fn load(&self, items: &mut [LoadItem], staging: &mut AlignedBuf) -> Bitmap {

@@ -561,6 +561,25 @@ fn segment_eviction_follows_the_policy_fed_one_use_per_hit() {
 }
 
 #[test]
+fn a_chain_looked_up_root_first_loses_its_tail_segment_before_its_root() {
+    // One record per segment, LRU over segments: keys 0, 1 and 2 (a chain, root first) fill
+    // three sealed segments, 3 the open one. A lookup names the chain root first and touches it
+    // leaf first, so the root's segment is the most recent of the three and the next store,
+    // which finds no free segment, takes the tail's.
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 4, 1);
+    let (mut h, _) = open(DiskStoreConfig { policy: PolicyKind::Lru, ..config });
+    for n in 0..4 {
+        h.store(&keys(n..n + 1)).unwrap();
+    }
+    assert_eq!(h.lookup(&keys(0..3)).count_ones(), 3);
+    h.tier.unlock(&keys(0..3));
+    h.store(&keys(4..5)).unwrap();
+    let held: Vec<u64> = (0..5).filter(|n| h.lookup(&keys(*n..n + 1)).count_ones() == 1).collect();
+    assert_eq!(held, [0, 1, 3, 4], "the tail (2) goes first, never the root");
+}
+
+#[test]
 fn smaller_segments_configured_later_cut_the_old_files_to_size() {
     // Two segments of eight records, then the same capacity as eight of two (a new default
     // segment size, say): each old file is cut to the new size when its segment is reused, so
