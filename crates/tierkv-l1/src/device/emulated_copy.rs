@@ -3,8 +3,9 @@
 //! Each stream is a thread fed by a channel, so a copy completes later and out of the caller's
 //! thread, exactly as a DMA on a CUDA stream does, and every ordering rule of the GPU data path
 //! runs in CI without a GPU. Copies are `memcpy`s between host addresses, a row at a time; the
-//! emulated device's memory is host memory, so both kinds of [`At`](super::At) are addresses. A fault hook fails the
-//! pieces it picks, for the tests of what a failed copy must never leave behind.
+//! emulated device's memory is host memory, so both kinds of [`At`](super::At) are addresses.
+//! A fault hook fails the pieces it picks, for the tests of what a failed copy must never leave
+//! behind.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
