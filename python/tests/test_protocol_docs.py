@@ -105,6 +105,30 @@ def test_unknown_fields_are_refused_with_bad_request_and_the_session_goes_on(raw
     assert "status" in r.call(8, "status")["body"], "the session goes on"
 
 
+def test_chunks_travel_flat_and_what_does_not_divide_is_bad_request(raw):
+    # "ChunkIds = bin # 16 bytes per chunk" ... "Ids that are not whole 16-byte runs, block ids
+    # that are not whole 8-byte runs or do not divide evenly among the chunks make the request
+    # `bad_request`."
+    r = raw()
+    r.hello()
+    ids = prefix_hashes(list(range(2 * TOKENS)), TOKENS)
+    flat = b"".join(c.to_bytes(16, "big") for c in ids)
+    started = r.call(2, {"lookup": {"namespace": 0, "chunks": flat}})["body"]["lookup_started"]
+    assert started["l1_hit_chunks"] == 0
+    for i, chunks in enumerate(
+        [
+            {"ids": flat[:20], "blocks": b""},
+            {"ids": flat, "blocks": bytes(12)},
+            {"ids": flat, "blocks": bytes(24)},
+            {"ids": b"", "blocks": bytes(8)},
+        ]
+    ):
+        body = {"retrieve": {"lookup": started["lookup"], "buffer": 0, "chunks": chunks}}
+        reply = r.call(3 + i, body)
+        assert reply["id"] == 3 + i and error_code(reply) == "bad_request", reply
+    assert "status" in r.call(9, "status")["body"], "the session goes on"
+
+
 def test_trailing_bytes_make_a_bad_frame(raw):
     # "A body is exactly one value: bytes after it make the frame `bad_frame`."
     r = raw()

@@ -178,7 +178,7 @@ ERRORS = {
 
 
 def test_protocol_version_is_the_rust_one():
-    assert VECTORS["protocol_version"] == wire.PROTOCOL_VERSION == 4
+    assert VECTORS["protocol_version"] == wire.PROTOCOL_VERSION == 5
     assert _hello()["hello"]["version"] == wire.PROTOCOL_VERSION
     assert wire.hello()["hello"]["version"] == wire.PROTOCOL_VERSION
 
@@ -326,6 +326,37 @@ def test_constructors_refuse_values_the_wire_cannot_carry():
         wire.store(0, 0, [(1, [0])], ready_event=bytes(63))
     with pytest.raises(ValueError, match="event handle is 64 bytes"):
         wire.retrieve(1, 0, [(1, [0])], done_event="x" * 64)
+
+
+def test_chunks_travel_flat_and_name_the_same_number_of_blocks_each():
+    class Index:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __index__(self) -> int:
+            return self.n
+
+    body = wire.retrieve(1, 0, [(CHUNK, [3, 1 << 63]), (Index(7), (Index(2), 0))])["retrieve"]
+    ids, blocks = body["chunks"]["ids"], body["chunks"]["blocks"]
+    assert ids == wire.encode_chunk_id(CHUNK) + wire.encode_chunk_id(7)
+    assert [int.from_bytes(blocks[i : i + 8], "little") for i in range(0, 32, 8)] == [
+        3,
+        1 << 63,
+        2,
+        0,
+    ]
+    assert wire.store(0, 0, []) == {
+        "store": {"namespace": 0, "buffer": 0, "chunks": {"ids": b"", "blocks": b""}}
+    }
+    assert wire.lookup(0, iter([1, Index(2)]))["lookup"]["chunks"] == b"".join(
+        wire.encode_chunk_id(c) for c in (1, 2)
+    )
+    with pytest.raises(ValueError, match="chunk 0 names 2, chunk 2 1"):
+        wire.store(0, 0, [(1, [0, 1]), (2, [2, 3]), (3, 4)])
+    with pytest.raises(ValueError, match="chunk id"):
+        wire.retrieve(1, 0, [(1 << 128, [0])])
+    with pytest.raises(TypeError, match="chunk id"):
+        wire.retrieve(1, 0, [(1.0, [0])])
 
 
 def test_constructors_take_integer_like_values_and_bare_blocks():

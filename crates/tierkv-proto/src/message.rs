@@ -135,8 +135,8 @@ fn one_u32() -> u32 {
 
 /// A chunk and the engine blocks of a registered KV buffer it is gathered from or scattered
 /// into: `blocks[j]` holds the chunk's `j`-th block of tokens in every segment of the layout.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// A request's chunks travel together, flat ([`chunk_list`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkBlocks {
     /// The chunk.
     pub chunk: ChunkId,
@@ -148,6 +148,153 @@ impl ChunkBlocks {
     /// A chunk held by one block (a buffer whose chunks are single blocks).
     pub fn one(chunk: ChunkId, block: u64) -> Self {
         ChunkBlocks { chunk, blocks: vec![block] }
+    }
+}
+
+/// A request's chunk ids on the wire: one `bin` of 16 bytes per chunk, each big-endian, in the
+/// request's order. One string instead of an array of strings: a client packs a prompt's ids
+/// without a call per id, and the daemon reads them without one.
+pub mod chunk_ids {
+    use serde::{Deserialize, Deserializer, Serializer, de};
+
+    use super::ChunkId;
+
+    /// Bytes of one chunk id.
+    pub const ID_BYTES: usize = 16;
+
+    /// Packs `ids` into one `bin`.
+    pub fn serialize<S: Serializer>(ids: &[ChunkId], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(&pack(ids))
+    }
+
+    /// Unpacks a `bin` of whole 16-byte ids.
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Vec<ChunkId>, D::Error> {
+        let raw = serde_bytes::ByteBuf::deserialize(deserializer)?;
+        unpack(&raw).map_err(de::Error::custom)
+    }
+
+    fn pack(ids: &[ChunkId]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(ids.len() * ID_BYTES);
+        for id in ids {
+            out.extend_from_slice(&id.0.to_be_bytes());
+        }
+        out
+    }
+
+    pub(super) fn unpack(raw: &[u8]) -> Result<Vec<ChunkId>, String> {
+        if !raw.len().is_multiple_of(ID_BYTES) {
+            return Err(format!(
+                "chunk ids are {ID_BYTES} bytes each; got {} bytes of them",
+                raw.len()
+            ));
+        }
+        Ok(raw
+            .chunks_exact(ID_BYTES)
+            .map(|id| {
+                let mut bytes = [0u8; ID_BYTES];
+                bytes.copy_from_slice(id);
+                ChunkId(u128::from_be_bytes(bytes))
+            })
+            .collect())
+    }
+}
+
+/// A request's chunks and their blocks on the wire, flat: `{"ids": bin, "blocks": bin}`. `ids`
+/// as in [`chunk_ids`]; `blocks` the chunks' block ids in order, each a little-endian `u64`, the
+/// same number for every chunk (the buffer's `blocks_per_chunk`, which the daemon checks).
+pub mod chunk_list {
+    use serde::ser::Error as _;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer, de};
+
+    use super::{ChunkBlocks, chunk_ids};
+
+    /// Bytes of one block id.
+    const BLOCK_BYTES: usize = 8;
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Flat {
+        ids: serde_bytes::ByteBuf,
+        blocks: serde_bytes::ByteBuf,
+    }
+
+    /// Packs `chunks`; chunks naming different numbers of blocks are an error.
+    pub fn serialize<S: Serializer>(
+        chunks: &[ChunkBlocks],
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        let per_chunk = chunks.first().map_or(0, |c| c.blocks.len());
+        let mut ids = Vec::with_capacity(chunks.len() * chunk_ids::ID_BYTES);
+        let mut blocks = Vec::with_capacity(chunks.len() * per_chunk * BLOCK_BYTES);
+        for chunk in chunks {
+            if chunk.blocks.len() != per_chunk {
+                return Err(S::Error::custom(format!(
+                    "every chunk of a request names the same number of blocks; the first \
+                     names {per_chunk}, another {}",
+                    chunk.blocks.len()
+                )));
+            }
+            ids.extend_from_slice(&chunk.chunk.0.to_be_bytes());
+            for block in &chunk.blocks {
+                blocks.extend_from_slice(&block.to_le_bytes());
+            }
+        }
+        Flat { ids: ids.into(), blocks: blocks.into() }.serialize(serializer)
+    }
+
+    /// Unpacks the chunks, refusing ids and blocks that do not divide evenly.
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Vec<ChunkBlocks>, D::Error> {
+        let flat = Flat::deserialize(deserializer)?;
+        let ids = chunk_ids::unpack(&flat.ids).map_err(de::Error::custom)?;
+        let blocks = &flat.blocks;
+        if !blocks.len().is_multiple_of(BLOCK_BYTES) {
+            return Err(de::Error::custom(format!(
+                "block ids are {BLOCK_BYTES} bytes each; got {} bytes of them",
+                blocks.len()
+            )));
+        }
+        let count = blocks.len() / BLOCK_BYTES;
+        if ids.is_empty() {
+            return if count == 0 {
+                Ok(Vec::new())
+            } else {
+                Err(de::Error::custom(format!("{count} block ids for no chunk")))
+            };
+        }
+        if !count.is_multiple_of(ids.len()) {
+            return Err(de::Error::custom(format!(
+                "{count} block ids do not divide among {} chunks: every chunk names the same \
+                 number of blocks",
+                ids.len()
+            )));
+        }
+        let per_chunk = count / ids.len();
+        if per_chunk == 0 {
+            // Chunks without blocks: the daemon refuses them against the buffer's layout.
+            return Ok(ids
+                .into_iter()
+                .map(|chunk| ChunkBlocks { chunk, blocks: Vec::new() })
+                .collect());
+        }
+        Ok(ids
+            .into_iter()
+            .zip(blocks.chunks_exact(BLOCK_BYTES * per_chunk))
+            .map(|(chunk, raw)| ChunkBlocks {
+                chunk,
+                blocks: raw
+                    .chunks_exact(BLOCK_BYTES)
+                    .map(|b| {
+                        let mut bytes = [0u8; BLOCK_BYTES];
+                        bytes.copy_from_slice(b);
+                        u64::from_le_bytes(bytes)
+                    })
+                    .collect(),
+            })
+            .collect())
     }
 }
 
@@ -224,6 +371,7 @@ pub enum RequestBody {
         /// A registered buffer.
         buffer: u32,
         /// The chunks, root first, and the blocks holding their bytes.
+        #[serde(with = "chunk_list")]
         chunks: Vec<ChunkBlocks>,
         /// For a buffer in GPU memory: the 64-byte handle of a CUDA IPC event
         /// (`cuIpcGetEventHandle`) the worker recorded on the stream that wrote the blocks. The
@@ -236,6 +384,7 @@ pub enum RequestBody {
         /// Index into the hello's namespaces.
         namespace: u32,
         /// The prompt's chunk hashes, root first.
+        #[serde(with = "chunk_ids")]
         chunks: Vec<ChunkId>,
     },
     /// Asks whether a lookup is complete, without waiting.
@@ -257,6 +406,7 @@ pub enum RequestBody {
         /// A registered buffer.
         buffer: u32,
         /// Chunks of the hit and the blocks to copy them into.
+        #[serde(with = "chunk_list")]
         chunks: Vec<ChunkBlocks>,
         /// For a buffer in GPU memory: the 64-byte handle of a CUDA IPC event of the worker's.
         /// The daemon records it after the retrieve's copies and replies without waiting for
@@ -677,6 +827,90 @@ mod tests {
         let mut out = Vec::new();
         encode(&serde_bytes_like(&[1, 2, 3]), &mut out).unwrap();
         assert!(decode::<ChunkId>(&out[4..]).is_err());
+    }
+
+    /// A retrieve whose `chunks` are `{"ids": ids, "blocks": blocks}` as given.
+    fn retrieve_frame(ids: &[u8], blocks: &[u8]) -> Vec<u8> {
+        #[derive(Serialize)]
+        struct Flat<'a> {
+            ids: Raw<'a>,
+            blocks: Raw<'a>,
+        }
+        #[derive(Serialize)]
+        struct Body<'a> {
+            lookup: u64,
+            buffer: u32,
+            chunks: Flat<'a>,
+        }
+        #[derive(Serialize)]
+        #[serde(rename_all = "snake_case")]
+        enum Wire<'a> {
+            Retrieve(Body<'a>),
+        }
+        #[derive(Serialize)]
+        struct Frame<'a> {
+            id: u64,
+            body: Wire<'a>,
+        }
+        let body =
+            Body { lookup: 1, buffer: 0, chunks: Flat { ids: Raw(ids), blocks: Raw(blocks) } };
+        let mut out = Vec::new();
+        encode(&Frame { id: 3, body: Wire::Retrieve(body) }, &mut out).unwrap();
+        out.split_off(4)
+    }
+
+    fn retrieved_chunks(frame: &[u8]) -> Result<Vec<ChunkBlocks>, crate::FrameError> {
+        match decode::<Request>(frame)?.body {
+            RequestBody::Retrieve { chunks, .. } => Ok(chunks),
+            other => panic!("not a retrieve: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_flat_chunk_list_splits_its_blocks_evenly_among_its_chunks() {
+        let ids: Vec<u8> = (0..32).collect();
+        let blocks: Vec<u8> = [1u64, 2, 3, 4].iter().flat_map(|b| b.to_le_bytes()).collect();
+        let chunks = retrieved_chunks(&retrieve_frame(&ids, &blocks)).unwrap();
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(chunks[0].blocks, [1, 2]);
+        assert_eq!(chunks[1].blocks, [3, 4]);
+        assert_eq!(chunks[1].chunk, ChunkId(u128::from_be_bytes(ids[16..].try_into().unwrap())));
+        // Chunks without blocks decode, for the daemon to refuse against the buffer's layout.
+        let bare = retrieved_chunks(&retrieve_frame(&ids, &[])).unwrap();
+        assert_eq!(bare.len(), 2);
+        assert!(bare.iter().all(|c| c.blocks.is_empty()));
+        assert!(retrieved_chunks(&retrieve_frame(&[], &[])).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_flat_chunk_list_that_does_not_divide_is_refused() {
+        let ids: Vec<u8> = (0..32).collect();
+        let three: Vec<u8> = [1u64, 2, 3].iter().flat_map(|b| b.to_le_bytes()).collect();
+        let cases: [(&[u8], &[u8], &str); 4] = [
+            (&ids[..20], &three[..16], "16 bytes each"),
+            (&ids, &three[..12], "8 bytes each"),
+            (&ids, &three, "do not divide among 2 chunks"),
+            (&[], &three[..8], "for no chunk"),
+        ];
+        for (ids, blocks, says) in cases {
+            let error = retrieved_chunks(&retrieve_frame(ids, blocks)).unwrap_err();
+            assert!(error.to_string().contains(says), "{error} should say {says:?}");
+        }
+    }
+
+    #[test]
+    fn chunks_naming_different_numbers_of_blocks_cannot_be_encoded() {
+        let body = RequestBody::Store {
+            namespace: 0,
+            buffer: 0,
+            chunks: vec![
+                ChunkBlocks::one(ChunkId(1), 0),
+                ChunkBlocks { chunk: ChunkId(2), blocks: vec![1, 2] },
+            ],
+            ready_event: None,
+        };
+        let error = encode(&Request { id: 1, body }, &mut Vec::new()).unwrap_err();
+        assert!(error.to_string().contains("same number of blocks"), "{error}");
     }
 
     struct Raw<'a>(&'a [u8]);

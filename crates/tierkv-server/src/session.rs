@@ -405,8 +405,9 @@ impl Session {
                     "protocol version {} is not this daemon's {PROTOCOL_VERSION} (version 2 \
                      registered KV memory with register_kv and named each chunk's blocks as a \
                      list; version 3 added flush, refusal reasons, per-tier hits of four tiers \
-                     with the remote one, and a tier's degraded state; version 4 adds a store's \
-                     ready_event and a retrieve's done_event; update the client)",
+                     with the remote one, and a tier's degraded state; version 4 added a store's \
+                     ready_event and a retrieve's done_event; version 5 sends a request's chunks \
+                     flat, ids in one bin and blocks in another; update the client)",
                     hello.version
                 ),
             );

@@ -1,12 +1,14 @@
-"""The tierkv wire protocol (version 4): frames, request bodies and replies.
+"""The tierkv wire protocol (version 5): frames, request bodies and replies.
 
 A frame is a 4-byte little-endian body length followed by one MessagePack value. A request is
 ``{"id": u64, "body": RequestBody}``; the daemon answers each with ``{"id", "body": ReplyBody}``
 in order. Structs are maps keyed by field name in the order the Rust types declare them
 (``crates/tierkv-proto/src/message.rs`` is the source of truth), enums are externally tagged in
 snake_case (``{"lookup": {...}}``, or a bare string such as ``"status"`` for a variant without
-fields), and ``None`` is nil. A chunk id is a Python ``int`` below ``2**128`` that travels as a
-16-byte big-endian ``bin``.
+fields), and ``None`` is nil. A chunk id is a Python ``int`` below ``2**128`` that travels as
+16 big-endian bytes. A request's chunks travel flat: a lookup's ids as one ``bin`` of 16 bytes
+per chunk, a store's and a retrieve's as ``{"ids": bin, "blocks": bin}``, the blocks
+little-endian ``u64``, the same number for every chunk.
 
 The request constructors (:func:`hello`, :func:`register_kv`, :func:`store`, ...) return the
 msgpack-ready body, with its integers checked against their wire widths, so that a mistake is a
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import operator
 import struct
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -71,7 +75,7 @@ __all__ = [
 ]
 
 #: The protocol version this package speaks; the daemon refuses a hello with another.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 #: The frame header: the body's length, a little-endian u32.
 HEADER = struct.Struct("<I")
@@ -115,6 +119,42 @@ def encode_chunk_id(chunk: int) -> bytes:
     if type(chunk) is int and 0 <= chunk <= _U128:
         return chunk.to_bytes(16, "big")
     return _uint(chunk, _U128, "a chunk id").to_bytes(16, "big")
+
+
+def _pack_chunk_ids(chunks: Iterable[int]) -> bytes:
+    """Chunk ids as a request carries them: 16 big-endian bytes each, in one string."""
+    ids = chunks if isinstance(chunks, list) else list(chunks)
+    # The common case in C-level loops: plain ints in range (a bool is refused below, a negative
+    # or too large id raises OverflowError, anything else AttributeError or TypeError).
+    try:
+        if bool not in map(type, ids):
+            return b"".join([c.to_bytes(16, "big") for c in ids])
+    except (AttributeError, OverflowError, TypeError):
+        pass
+    # Numpy integers, or the precise error of the id that is wrong.
+    return b"".join([encode_chunk_id(c) for c in ids])
+
+
+#: Block ids as they travel: little-endian u64.
+if array("Q").itemsize != 8:  # pragma: no cover - every platform CPython supports
+    raise ImportError("tierkv needs an 8-byte array('Q')")
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def _pack_block_ids(blocks: list[Any]) -> bytes:
+    """Block ids as a request carries them: little-endian u64 each, in one string."""
+    packed: array[int] | None = None
+    try:
+        if bool not in map(type, blocks):
+            packed = array("Q", blocks)
+    except (OverflowError, TypeError):
+        pass
+    if packed is None:
+        # Numpy integers, or the precise error of the block id that is wrong.
+        packed = array("Q", [_uint(b, _U64, "a block id") for b in blocks])
+    if _BIG_ENDIAN:  # pragma: no cover - no big-endian CI machine
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def decode_chunk_id(raw: bytes) -> int:
@@ -323,22 +363,31 @@ def register_kv(regions: Sequence[Region], layout: KvLayout) -> dict[str, Any]:
 ChunkBlocks: TypeAlias = tuple[int, "Sequence[int] | int"]
 
 
-def _chunk_blocks(chunks: Iterable[ChunkBlocks]) -> list[dict[str, Any]]:
-    # Every chunk of every store and retrieve passes here: plain ints skip `_uint`'s checks.
-    out = []
-    append = out.append
-    for chunk, blocks in chunks:
-        if type(blocks) is int and 0 <= blocks <= _U64:
-            ids = [blocks]
-        elif hasattr(blocks, "__iter__"):
-            ids = [
-                b if type(b) is int and 0 <= b <= _U64 else _uint(b, _U64, "a block id")
-                for b in blocks
-            ]
+def _chunk_blocks(chunks: Iterable[ChunkBlocks]) -> dict[str, bytes]:
+    """A store's or retrieve's chunks, flat: ``{"ids": bin, "blocks": bin}``."""
+    ids: list[Any] = []
+    blocks: list[Any] = []
+    add_id = ids.append
+    add_block = blocks.append
+    add_blocks = blocks.extend
+    per_chunk = -1
+    for chunk, chunk_blocks in chunks:
+        add_id(chunk)
+        if type(chunk_blocks) is int or not hasattr(chunk_blocks, "__iter__"):
+            add_block(chunk_blocks)
+            count = 1
         else:
-            ids = [_uint(blocks, _U64, "a block id")]
-        append({"chunk": encode_chunk_id(chunk), "blocks": ids})
-    return out
+            before = len(blocks)
+            add_blocks(chunk_blocks)
+            count = len(blocks) - before
+        if count != per_chunk:
+            if per_chunk >= 0:
+                raise ValueError(
+                    "every chunk of a request names the same number of blocks (the buffer's "
+                    f"blocks_per_chunk): chunk 0 names {per_chunk}, chunk {len(ids) - 1} {count}"
+                )
+            per_chunk = count
+    return {"ids": _pack_chunk_ids(ids), "blocks": _pack_block_ids(blocks)}
 
 
 def store(
@@ -374,7 +423,7 @@ def lookup(namespace: int, chunks: Iterable[int]) -> dict[str, Any]:
     return {
         "lookup": {
             "namespace": _uint(namespace, _U32, "namespace"),
-            "chunks": [encode_chunk_id(c) for c in chunks],
+            "chunks": _pack_chunk_ids(chunks),
         }
     }
 
