@@ -50,8 +50,16 @@ fn key(i: u64) -> ObjectKey {
 }
 
 fn l1(slots: u64, slot_bytes: u64) -> L1Manager {
-    let config =
-        L1Config { device: DeviceKind::Emulated, ..L1Config::new(slots * slot_bytes, slot_bytes) };
+    l1_sharded(slots, slot_bytes, 0)
+}
+
+/// An emulated L1 of `slots` slots in `shards` index shards (0: the automatic number).
+fn l1_sharded(slots: u64, slot_bytes: u64, shards: usize) -> L1Manager {
+    let config = L1Config {
+        device: DeviceKind::Emulated,
+        shards,
+        ..L1Config::new(slots * slot_bytes, slot_bytes)
+    };
     L1Manager::build(config, L1Context::default()).unwrap()
 }
 
@@ -152,14 +160,28 @@ fn reserve_finish(c: &mut Criterion) {
     // busy node. The limit of the two-thread figure is the same work on two threads that share
     // nothing: each on an L1 of its own (issue 13: the bare-HashMap pair, whose maps stay in
     // cache, scales where this memory-bound work may not).
-    for (threads, own) in [(1usize, false), (2, false), (2, true)] {
+    // The last two rows' L1 is 16 times larger, with the automatic shards' maximum, 64 (each
+    // eviction there asks the group which shard to take from, over every shard's standing),
+    // and with one shard, the same work without the group.
+    let rows = [
+        (1usize, false, 1024, 0),
+        (2, false, 1024, 0),
+        (2, true, 1024, 0),
+        (1, false, 16384, 0),
+        (1, false, 16384, 1),
+    ];
+    for (threads, own, slots, shards) in rows {
         let fulls: Vec<L1Manager> =
-            (0..if own { threads } else { 1 }).map(|_| l1(1024, 4096)).collect();
-        let filler: Vec<ObjectKey> = (0..1024).map(|i| key(1 << 40 | i)).collect();
+            (0..if own { threads } else { 1 }).map(|_| l1_sharded(slots, 4096, shards)).collect();
+        let filler: Vec<ObjectKey> = (0..slots).map(|i| key(1 << 40 | i)).collect();
         for full in &fulls {
             write(full, &filler, &layout);
         }
         let name = match (threads, own) {
+            (1, _) if slots > 1024 && shards == 1 => {
+                "reserve+finish evicting, 1 thread, 16x L1, 1 shard"
+            }
+            (1, _) if slots > 1024 => "reserve+finish evicting, 1 thread, 16x L1, 64 shards",
             (1, _) => "reserve+finish evicting, 1 thread",
             (_, false) => "reserve+finish evicting, 2 threads",
             (_, true) => "reserve+finish evicting, 2 threads, own L1s",
@@ -334,6 +356,8 @@ fn summary() {
         ("reserve+finish evicting, 1 thread", 1.0, false),
         ("reserve+finish evicting, 2 threads", 2.0, false),
         ("reserve+finish evicting, 2 threads, own L1s", 2.0, false),
+        ("reserve+finish evicting, 1 thread, 16x L1, 64 shards", 1.0, false),
+        ("reserve+finish evicting, 1 thread, 16x L1, 1 shard", 1.0, false),
         ("bare HashMap lookup+increment, 1 thread", 1.0, false),
         ("bare HashMap lookup+increment, 2 threads, own maps", 2.0, false),
         ("mutex + HashMap lookup+increment, 1 thread", 1.0, false),
