@@ -318,8 +318,7 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
 /// `disk.segment`: a size, or `"auto"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SegmentSize {
-    /// One record of a slot ([`tierkv_disk::auto_segment_bytes`]): the disk frees one chunk at a
-    /// time.
+    /// Sized from the disk's capacity and the slot ([`tierkv_disk::auto_segment_bytes`]).
     Auto,
     Bytes(ByteSize),
 }
