@@ -11,9 +11,24 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChunkId(pub u128);
 
+impl ChunkId {
+    /// Bytes of a chunk id on the wire.
+    pub const BYTES: usize = 16;
+
+    /// The id's wire form: big-endian.
+    pub fn to_bytes(self) -> [u8; Self::BYTES] {
+        self.0.to_be_bytes()
+    }
+
+    /// The id of its wire form.
+    pub fn from_bytes(bytes: [u8; Self::BYTES]) -> Self {
+        ChunkId(u128::from_be_bytes(bytes))
+    }
+}
+
 impl Serialize for ChunkId {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_bytes(&self.0.to_be_bytes())
+        serializer.serialize_bytes(&self.to_bytes())
     }
 }
 
@@ -28,20 +43,19 @@ impl<'de> Deserialize<'de> for ChunkId {
             }
 
             fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<ChunkId, E> {
-                let bytes: [u8; 16] =
-                    v.try_into().map_err(|_| E::invalid_length(v.len(), &self))?;
-                Ok(ChunkId(u128::from_be_bytes(bytes)))
+                let bytes = v.try_into().map_err(|_| E::invalid_length(v.len(), &self))?;
+                Ok(ChunkId::from_bytes(bytes))
             }
 
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<ChunkId, A::Error> {
-                let mut bytes = [0u8; 16];
+                let mut bytes = [0u8; ChunkId::BYTES];
                 for (i, b) in bytes.iter_mut().enumerate() {
                     *b = seq.next_element()?.ok_or_else(|| de::Error::invalid_length(i, &self))?;
                 }
                 if seq.next_element::<de::IgnoredAny>()?.is_some() {
                     return Err(de::Error::invalid_length(17, &self));
                 }
-                Ok(ChunkId(u128::from_be_bytes(bytes)))
+                Ok(ChunkId::from_bytes(bytes))
             }
         }
         deserializer.deserialize_bytes(Bytes16)
@@ -159,12 +173,11 @@ pub mod chunk_ids {
 
     use super::ChunkId;
 
-    /// Bytes of one chunk id.
-    pub const ID_BYTES: usize = 16;
+    const ID_BYTES: usize = ChunkId::BYTES;
 
     /// Packs `ids` into one `bin`.
     pub fn serialize<S: Serializer>(ids: &[ChunkId], serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_bytes(&pack(ids))
+        serializer.serialize_bytes(&pack(ids.iter().copied(), ids.len()))
     }
 
     /// Unpacks a `bin` of whole 16-byte ids.
@@ -175,10 +188,11 @@ pub mod chunk_ids {
         unpack(&raw).map_err(de::Error::custom)
     }
 
-    fn pack(ids: &[ChunkId]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(ids.len() * ID_BYTES);
+    /// `count` ids, packed one after another.
+    pub(super) fn pack(ids: impl Iterator<Item = ChunkId>, count: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(count * ID_BYTES);
         for id in ids {
-            out.extend_from_slice(&id.0.to_be_bytes());
+            out.extend_from_slice(&id.to_bytes());
         }
         out
     }
@@ -195,7 +209,7 @@ pub mod chunk_ids {
             .map(|id| {
                 let mut bytes = [0u8; ID_BYTES];
                 bytes.copy_from_slice(id);
-                ChunkId(u128::from_be_bytes(bytes))
+                ChunkId::from_bytes(bytes)
             })
             .collect())
     }
@@ -226,7 +240,6 @@ pub mod chunk_list {
         serializer: S,
     ) -> Result<S::Ok, S::Error> {
         let per_chunk = chunks.first().map_or(0, |c| c.blocks.len());
-        let mut ids = Vec::with_capacity(chunks.len() * chunk_ids::ID_BYTES);
         let mut blocks = Vec::with_capacity(chunks.len() * per_chunk * BLOCK_BYTES);
         for chunk in chunks {
             if chunk.blocks.len() != per_chunk {
@@ -236,11 +249,11 @@ pub mod chunk_list {
                     chunk.blocks.len()
                 )));
             }
-            ids.extend_from_slice(&chunk.chunk.0.to_be_bytes());
             for block in &chunk.blocks {
                 blocks.extend_from_slice(&block.to_le_bytes());
             }
         }
+        let ids = chunk_ids::pack(chunks.iter().map(|c| c.chunk), chunks.len());
         Flat { ids: ids.into(), blocks: blocks.into() }.serialize(serializer)
     }
 
