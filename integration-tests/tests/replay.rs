@@ -242,7 +242,7 @@ fn the_simulation_models_the_disks_segments() {
     assert!((s3fifo - small).abs() > 0.001, "S3-FIFO {s3fifo} against LRU {small} on disk");
     // The daemon counts what the simulation does under either layout, within what its
     // asynchronous copies down move (its first 600 requests: about 0.03 either way).
-    for segment in ["4", "750"] {
+    for segment in ["1", "4", "750"] {
         let daemon = run(segment, &["--limit", "600"]);
         let simulated = run(segment, &["--limit", "600", "--simulate"]);
         assert!((daemon - simulated).abs() <= 0.01, "{segment}: {daemon} against {simulated}");

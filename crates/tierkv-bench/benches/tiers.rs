@@ -23,7 +23,8 @@ use tierkv_bench::{
 };
 use tierkv_core::{LoadItem, StoreItem, TierAdapter, VecChunk};
 use tierkv_disk::{
-    BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, ReadMode, WRITES_IN_FLIGHT, record_bytes,
+    BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, ReadMode, WRITES_IN_FLIGHT, auto_segment_bytes,
+    record_bytes,
 };
 use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
 
@@ -95,9 +96,24 @@ fn host(table: &mut Table, chunk: u64, total: usize) {
     );
 }
 
-fn disk(table: &mut Table, parent: &Path, chunk: u64, total: usize) {
+/// How the disk tier's segments are sized in a run.
+#[derive(Clone, Copy)]
+enum Segments {
+    /// One record each: the default (`disk.segment = "auto"`), a superblock written per record.
+    OneRecord,
+    /// 256 MiB (at least 16 records): the default until the disk freed one chunk at a time.
+    Large,
+}
+
+fn disk(table: &mut Table, parent: &Path, chunk: u64, total: usize, segments: Segments) {
     let run = tempfile::tempdir_in(parent).unwrap();
-    let segment_bytes = (BLOCK + 16 * record_bytes(chunk)).max(256 << 20).next_multiple_of(BLOCK);
+    let (segment_bytes, layout) = match segments {
+        Segments::OneRecord => (auto_segment_bytes(chunk), "one-record segments"),
+        Segments::Large => (
+            (BLOCK + 16 * record_bytes(chunk)).max(256 << 20).next_multiple_of(BLOCK),
+            "256 MiB segments",
+        ),
+    };
     let capacity = (total as u64 * record_bytes(chunk)).div_ceil(segment_bytes) * segment_bytes
         + 2 * segment_bytes;
     let config = DiskStoreConfig {
@@ -137,11 +153,11 @@ fn disk(table: &mut Table, parent: &Path, chunk: u64, total: usize) {
         );
         let limit = format!("disk sequential write, {mib} MiB requests, the better");
         table.limit(&limit, single.max(several));
-        table.figure(&format!("DiskStore store + sync, {mib} MiB chunks"), rate, &limit);
+        table.figure(&format!("DiskStore store + sync, {mib} MiB chunks, {layout}"), rate, &limit);
     }
     for mode in [ReadMode::Direct, ReadMode::Mmap] {
         let store = DiskStore::open(DiskStoreConfig { read_mode: mode, ..config.clone() }).unwrap();
-        let name = format!("DiskStore cold load ({mode:?}), {mib} MiB chunks");
+        let name = format!("DiskStore cold load ({mode:?}), {mib} MiB chunks, {layout}");
         table.figure(
             &name,
             load_all(&store, total, chunk),
@@ -174,8 +190,10 @@ fn main() {
         host(&mut table, 2 << 20, 256);
         host(&mut table, 16 << 20, 32);
     }
-    disk(&mut table, work.path(), 2 << 20, 512);
-    disk(&mut table, work.path(), 16 << 20, 64);
+    for segments in [Segments::OneRecord, Segments::Large] {
+        disk(&mut table, work.path(), 2 << 20, 512, segments);
+        disk(&mut table, work.path(), 16 << 20, 64, segments);
+    }
     println!("{}", table.render());
     println!(
         "filesystem: {}; host tier: plain memory, 2 workers; disk tier: {IN_FLIGHT} I/O threads",

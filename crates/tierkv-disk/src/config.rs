@@ -7,6 +7,7 @@ use tierkv_core::policy::PolicyKind;
 
 use crate::error::DiskError;
 use crate::format::{BLOCK, record_bytes};
+use crate::segment::Layout;
 
 /// When written records are forced to stable storage. `docs/disk-format.md` states what each
 /// promises after a crash.
@@ -40,8 +41,12 @@ pub struct DiskStoreConfig {
     pub dir: PathBuf,
     /// Bytes of disk the store may use, rounded down to whole segments.
     pub capacity_bytes: u64,
-    /// Bytes per segment file (a multiple of 4 KiB); eviction frees a whole segment.
+    /// Bytes per segment (a multiple of 4 KiB); eviction frees a whole segment.
     pub segment_bytes: u64,
+    /// The most bytes of one segment file: it holds as many whole segments as fit, at least
+    /// one. Only this and `segment_bytes` decide where a segment lies, so a capacity changed
+    /// later keeps the records of the segments it keeps.
+    pub file_bytes: u64,
     /// The largest payload stored; larger chunks are refused.
     pub max_chunk_bytes: u64,
     /// When records are synced.
@@ -59,35 +64,28 @@ pub struct DiskStoreConfig {
     pub group: Option<u32>,
 }
 
-/// The segments [`auto_segment_bytes`] aims at. A segment is evicted whole, hot chunks with cold,
-/// so the more, the closer the disk comes to evicting chunk by chunk (`docs/performance.md`,
-/// "The disk's segments, modelled"); each is an open file, and 512 leave room for connections
-/// under a limit of 1,024 open files.
-pub const AUTO_SEGMENTS: u64 = 512;
-
-/// The largest segment [`auto_segment_bytes`] makes: a bigger disk gets more segments instead.
-pub const AUTO_SEGMENT_MAX: u64 = 256 << 20;
-
-/// A segment size for `capacity_bytes` of chunks up to `max_chunk_bytes`: a header block and
-/// whole records of the largest chunk, as many as make about [`AUTO_SEGMENTS`] segments, at most
-/// [`AUTO_SEGMENT_MAX`] bytes, at least one record.
-pub fn auto_segment_bytes(capacity_bytes: u64, max_chunk_bytes: u64) -> u64 {
-    let record = record_bytes(max_chunk_bytes);
-    let most = AUTO_SEGMENT_MAX.saturating_sub(BLOCK) / record.max(1);
-    let records =
-        capacity_bytes.div_ceil(AUTO_SEGMENTS.saturating_mul(record).max(1)).min(most).max(1);
-    BLOCK.saturating_add(records.saturating_mul(record))
+/// The segment [`DiskStoreConfig::new`] makes: a header block and one record of the largest
+/// chunk, so the disk frees one chunk at a time and its policy orders chunks, not groups of them
+/// (`docs/performance.md`, "The disk frees one chunk at a time").
+pub fn auto_segment_bytes(max_chunk_bytes: u64) -> u64 {
+    BLOCK.saturating_add(record_bytes(max_chunk_bytes))
 }
 
+/// The most bytes [`DiskStoreConfig::new`] puts in one segment file: whole segments, as many as
+/// fit (at least one). Segments share files so that a disk of small segments is not as many open
+/// files: a terabyte is 250 of them.
+pub const FILE_BYTES: u64 = 4 << 30;
+
 impl DiskStoreConfig {
-    /// A store in `dir` of `capacity_bytes` in segments of [`auto_segment_bytes`], for chunks up
-    /// to `max_chunk_bytes`; `Always` fsync, four I/O threads, direct reads, adaptive segment
-    /// eviction.
+    /// A store in `dir` of `capacity_bytes` in segments of [`auto_segment_bytes`] (one record
+    /// each) in files of up to [`FILE_BYTES`], for chunks up to `max_chunk_bytes`; `Always`
+    /// fsync, four I/O threads, direct reads, adaptive segment eviction.
     pub fn new(dir: impl Into<PathBuf>, capacity_bytes: u64, max_chunk_bytes: u64) -> Self {
         DiskStoreConfig {
             dir: dir.into(),
             capacity_bytes,
-            segment_bytes: auto_segment_bytes(capacity_bytes, max_chunk_bytes),
+            segment_bytes: auto_segment_bytes(max_chunk_bytes),
+            file_bytes: FILE_BYTES,
             max_chunk_bytes,
             fsync: FsyncPolicy::default(),
             io_threads: 4,
@@ -107,8 +105,13 @@ impl DiskStoreConfig {
         if self.group.is_some() { 0o640 } else { 0o600 }
     }
 
-    /// Validates the configuration; returns the number of segments.
-    pub(crate) fn segments(&self) -> Result<u32, DiskError> {
+    /// The segment files the store keeps open (0 for a configuration it refuses).
+    pub fn files(&self) -> u64 {
+        self.layout().map_or(0, |layout| u64::from(layout.files()))
+    }
+
+    /// Validates the configuration; returns where the segments lie.
+    pub(crate) fn layout(&self) -> Result<Layout, DiskError> {
         let bad = |why: String| Err(DiskError::Config(why));
         if self.segment_bytes == 0 || !self.segment_bytes.is_multiple_of(BLOCK) {
             return bad(format!(
@@ -142,8 +145,11 @@ impl DiskStoreConfig {
         {
             return bad("a periodic fsync interval must be positive".into());
         }
-        u32::try_from(segments)
-            .or_else(|_| bad(format!("{segments} segments exceed the limit of {}", u32::MAX)))
+        let Ok(segments) = u32::try_from(segments) else {
+            return bad(format!("{segments} segments exceed the limit of {}", u32::MAX));
+        };
+        let per_file = (self.file_bytes / self.segment_bytes).clamp(1, u64::from(u32::MAX)) as u32;
+        Ok(Layout { segment_bytes: self.segment_bytes, segments, per_file })
     }
 }
 
@@ -157,8 +163,14 @@ mod tests {
             segment_bytes: 1 << 20,
             ..DiskStoreConfig::new("/tmp/x", 8 << 20, 64 << 10)
         };
-        assert_eq!(ok.segments().unwrap(), 8);
-        let err = |c: DiskStoreConfig| c.segments().unwrap_err().to_string();
+        let layout = ok.layout().unwrap();
+        assert_eq!((layout.segments, layout.per_file, layout.files()), (8, 4096, 1));
+        let small_files = DiskStoreConfig { file_bytes: 3 << 20, ..ok.clone() };
+        assert_eq!(small_files.layout().unwrap().files(), 3);
+        assert_eq!(small_files.files(), 3);
+        let tiny_files = DiskStoreConfig { file_bytes: 1, ..ok.clone() };
+        assert_eq!(tiny_files.layout().unwrap().per_file, 1);
+        let err = |c: DiskStoreConfig| c.layout().unwrap_err().to_string();
         assert!(
             err(DiskStoreConfig { segment_bytes: 1000, ..ok.clone() }).contains("multiple of 4096")
         );

@@ -1,8 +1,9 @@
 //! tierkv-disk: the persistent tier, the one that makes tierkv useful across daemon restarts.
 //!
-//! It owns the [`DiskStore`]: chunks as checksummed records appended to preallocated segment
-//! files, an in-memory index rebuilt from the segment headers when the store opens, eviction of
-//! whole segments by a core policy (never a segment holding a locked record), and the
+//! It owns the [`DiskStore`]: chunks as checksummed records appended to segments (by default of
+//! one record each) in preallocated files, an in-memory index rebuilt from the segment headers
+//! when the store opens, eviction of whole segments by a core policy (never a segment holding a
+//! locked record), and the
 //! asynchronous, batched [`tierkv_core::TierAdapter`] face on dedicated I/O threads. A record
 //! that fails verification is never served: it is a miss, counted, and dropped from the index.
 //!
@@ -17,9 +18,7 @@ mod metrics;
 mod segment;
 mod store;
 
-pub use config::{
-    AUTO_SEGMENT_MAX, AUTO_SEGMENTS, DiskStoreConfig, FsyncPolicy, ReadMode, auto_segment_bytes,
-};
+pub use config::{DiskStoreConfig, FILE_BYTES, FsyncPolicy, ReadMode, auto_segment_bytes};
 pub use error::DiskError;
 pub use format::{BLOCK, record_bytes};
 pub use segment::IoMode;

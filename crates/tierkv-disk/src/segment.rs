@@ -1,4 +1,5 @@
-//! Segment files: creation, positional aligned I/O, and optional read-only mappings.
+//! Segment files: their layout, creation, positional aligned I/O, and optional read-only
+//! mappings.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -13,14 +14,52 @@ use tierkv_core::AlignedBuf;
 
 use crate::format::BLOCK;
 
-/// The file name of segment `id`.
-pub(crate) fn segment_path(dir: &Path, id: u32) -> PathBuf {
-    dir.join(format!("seg-{id:08}.tkv"))
+/// The name of segment file `n`.
+pub(crate) fn file_path(dir: &Path, n: u32) -> PathBuf {
+    dir.join(format!("seg-{n:08}.tkv"))
 }
 
-/// The segment id a file name stands for, if it is a segment file.
-pub(crate) fn segment_id(name: &str) -> Option<u32> {
+/// The file number a name stands for, if it is a segment file.
+pub(crate) fn file_number(name: &str) -> Option<u32> {
     name.strip_prefix("seg-")?.strip_suffix(".tkv")?.parse().ok()
+}
+
+/// Where each segment lies: segments of `segment_bytes` back to back, `per_file` to a file (the
+/// last file holds the rest). Only the segment's size and the file's size decide it, not the
+/// capacity, so a disk made larger or smaller keeps every segment where it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub(crate) segment_bytes: u64,
+    pub(crate) segments: u32,
+    pub(crate) per_file: u32,
+}
+
+impl Layout {
+    /// How many files the segments take.
+    pub(crate) fn files(&self) -> u32 {
+        self.segments.div_ceil(self.per_file)
+    }
+
+    /// The file that holds segment `id`.
+    pub(crate) fn file_of(&self, id: u32) -> u32 {
+        id / self.per_file
+    }
+
+    /// The byte offset of segment `id` in its file.
+    pub(crate) fn base(&self, id: u32) -> u64 {
+        u64::from(id % self.per_file) * self.segment_bytes
+    }
+
+    /// The segments file `n` holds.
+    pub(crate) fn segments_of(&self, n: u32) -> std::ops::Range<u32> {
+        let first = n.saturating_mul(self.per_file).min(self.segments);
+        first..first.saturating_add(self.per_file).min(self.segments)
+    }
+
+    /// The length of file `n`: its segments, whole.
+    pub(crate) fn file_bytes(&self, n: u32) -> u64 {
+        self.segments_of(n).len() as u64 * self.segment_bytes
+    }
 }
 
 /// How the store does file I/O, decided once at open.
@@ -138,32 +177,53 @@ impl SegmentFile {
         Ok(SegmentFile { path, file, map: OnceLock::new() })
     }
 
-    /// Opens (creating if needed) a segment and makes sure `bytes` of disk are allocated to it,
-    /// so a full disk is found here, before any record is written, and not in the middle of one.
-    /// A longer file (of a larger `segment` configured before) is cut to `bytes`, so the store
-    /// never holds more disk than its capacity.
+    /// Opens (creating if needed) a segment file and makes sure its first `bytes` are allocated
+    /// on disk, so a full disk is found here, before any record is written, and not in the
+    /// middle of one. A file that was not there is removed again when its space cannot be had.
     pub(crate) fn create(path: PathBuf, bytes: u64, mode: IoMode) -> io::Result<Self> {
+        let existed = path.exists();
         let file = options(true, true, mode).open(&path)?;
+        let created = SegmentFile { path, file, map: OnceLock::new() };
+        if let Err(e) = created.allocate(bytes) {
+            if !existed {
+                // Give back whatever part was allocated: a full disk should not stay fuller.
+                let _ = std::fs::remove_file(&created.path);
+            }
+            return Err(e);
+        }
+        Ok(created)
+    }
+
+    /// Allocates the file's first `bytes` on disk (fallocate, which never changes bytes already
+    /// there), making it at least that long. A file grows a segment at a time, as its segments
+    /// are first used, so a disk smaller than the capacity still holds the segments it has room
+    /// for.
+    pub(crate) fn allocate(&self, bytes: u64) -> io::Result<()> {
         let len = libc::off_t::try_from(bytes)
             .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: fallocate on a file descriptor we own, with a valid length.
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+        let rc = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, 0, len) };
         if rc != 0 {
             let error = io::Error::last_os_error();
             // Filesystems without fallocate: extend the file instead (space is then found at
             // write time; such a filesystem gives weaker full-disk behaviour, documented).
             if error.raw_os_error() != Some(libc::EOPNOTSUPP) {
-                // Give back whatever part was allocated: a full disk should not stay fuller.
-                drop(file);
-                let _ = std::fs::remove_file(&path);
                 return Err(error);
             }
-            file.set_len(bytes)?;
+            if self.len()? < bytes {
+                self.file.set_len(bytes)?;
+            }
         }
-        if file.metadata()?.len() > bytes {
-            file.set_len(bytes)?;
+        Ok(())
+    }
+
+    /// Cuts the file to `bytes` if it is longer (a file of a larger capacity before), so the
+    /// store never holds more disk than its capacity. Segments within `bytes` keep their records.
+    pub(crate) fn cut(&self, bytes: u64) -> io::Result<()> {
+        if self.len()? > bytes {
+            self.file.set_len(bytes)?;
         }
-        Ok(SegmentFile { path, file, map: OnceLock::new() })
+        Ok(())
     }
 
     /// Gives the file the `mode` and, when set, the `group`.
@@ -191,7 +251,8 @@ impl SegmentFile {
         self.file.sync_data()
     }
 
-    /// A read-only mapping of the whole file, made on first use.
+    /// A read-only mapping of the whole file, made on first use (of the file as long as it was
+    /// then: a file made longer later is read past the mapping with `read_at`).
     pub(crate) fn mapping(&self) -> io::Result<&Mmap> {
         let map = self.map.get_or_init(|| {
             // SAFETY: the mapping is only read; records are read only while their segment is
@@ -242,10 +303,23 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        let path = segment_path(Path::new("/d"), 42);
+        let path = file_path(Path::new("/d"), 42);
         assert_eq!(path, Path::new("/d/seg-00000042.tkv"));
-        assert_eq!(segment_id("seg-00000042.tkv"), Some(42));
-        assert_eq!(segment_id("seg-x.tkv"), None);
-        assert_eq!(segment_id(".tierkv-probe-1"), None);
+        assert_eq!(file_number("seg-00000042.tkv"), Some(42));
+        assert_eq!(file_number("seg-x.tkv"), None);
+        assert_eq!(file_number(".tierkv-probe-1"), None);
+    }
+
+    #[test]
+    fn segments_lie_back_to_back_in_files_of_whole_segments() {
+        let layout = Layout { segment_bytes: 3 * BLOCK, segments: 7, per_file: 3 };
+        assert_eq!(layout.files(), 3);
+        assert_eq!(layout.segments_of(0), 0..3);
+        assert_eq!(layout.segments_of(2), 6..7);
+        assert_eq!(layout.segments_of(3), 7..7);
+        assert_eq!((layout.file_of(4), layout.base(4)), (1, 3 * BLOCK));
+        assert_eq!((layout.file_of(6), layout.base(6)), (2, 0));
+        assert_eq!(layout.file_bytes(1), 9 * BLOCK);
+        assert_eq!(layout.file_bytes(2), 3 * BLOCK);
     }
 }

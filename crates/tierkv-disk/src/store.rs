@@ -39,13 +39,13 @@ use tierkv_tier_metrics::TierMetrics;
 
 use crate::metrics::{self, Failure, ReadOnlyGauge};
 use crate::segment::{
-    DirLock, IoMode, SegmentFile, probe, secure, segment_id, segment_path, sync_dir,
+    DirLock, IoMode, Layout, SegmentFile, file_number, file_path, probe, secure, sync_dir,
 };
 
 /// How often a read-only store tries to become writable again (`DiskStore::maintain`).
 pub const WRITABLE_RETRY: Duration = Duration::from_secs(2);
 
-/// Where a record lives.
+/// Where a record lives: its segment, and its offset in the segment's file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Loc {
     segment: u32,
@@ -70,18 +70,17 @@ enum Status {
 }
 
 struct Segment {
+    /// The file that holds it (shared with the other segments of that file).
     file: Option<Arc<SegmentFile>>,
     status: Status,
     epoch: u64,
     /// Which life this is in the order the store opened (or recovered) lives, from 1: what the
     /// policy samples by, as the simulation numbers its segments' lives.
     serial: u64,
-    /// End of the last record written (appends go here).
+    /// End of the last record written, from the segment's start (appends go here).
     end: u64,
     /// Keys whose records were published into this segment (some may since be deleted).
     keys: Vec<ObjectKey>,
-    live: u64,
-    live_bytes: u64,
     /// Distinct keys of this segment that lookups hold locked.
     locked: u64,
     /// Loads reading from this segment now.
@@ -100,8 +99,6 @@ impl Segment {
             serial: 0,
             end: BLOCK,
             keys: Vec::new(),
-            live: 0,
-            live_bytes: 0,
             locked: 0,
             pins: 0,
             unpublished: 0,
@@ -150,6 +147,10 @@ struct Index {
     policy: Box<dyn SegmentPolicy<SegmentLife, ObjectKey>>,
     /// Lives opened or recovered so far: the last one's serial.
     lives: u64,
+    /// Bytes of the records indexed, all segments together.
+    live_bytes: u64,
+    /// No segment before this one is free: where the search for a free segment starts.
+    free_from: usize,
 }
 
 impl Index {
@@ -178,8 +179,7 @@ impl Index {
         self.map.insert(key, loc);
         let segment = &mut self.segments[loc.segment as usize];
         segment.keys.push(key);
-        segment.live += 1;
-        segment.live_bytes += record_bytes(loc.len);
+        self.live_bytes += record_bytes(loc.len);
         let life = self.life(loc.segment);
         self.policy.written(&life, &key);
         true
@@ -189,10 +189,38 @@ impl Index {
     fn drop_record(&mut self, key: &ObjectKey, loc: Loc) {
         if self.map.get(key) == Some(&loc) {
             self.map.remove(key);
-            let segment = &mut self.segments[loc.segment as usize];
-            segment.live -= 1;
-            segment.live_bytes -= record_bytes(loc.len);
+            self.live_bytes -= record_bytes(loc.len);
         }
+    }
+
+    /// Segment `id` is free again (its initialisation failed): the search starts at it.
+    fn free(&mut self, id: u32) {
+        self.segments[id as usize].status = Status::Free;
+        self.free_from = self.free_from.min(id as usize);
+    }
+
+    /// The first free segment; unless `create` allows any, one whose space its file already
+    /// holds (`layout` says where it lies). Without `create` (a full disk) each file's length is
+    /// asked of the OS once per call, not once per free segment.
+    fn free_segment(&mut self, create: bool, layout: &Layout) -> Option<u32> {
+        let from = self.free_from;
+        let mut lengths: HashMap<u32, u64> = HashMap::new();
+        let mut allocated = |id: usize, s: &Segment| {
+            let Some(file) = &s.file else { return false };
+            let n = layout.file_of(id as u32);
+            let len = *lengths.entry(n).or_insert_with(|| file.len().unwrap_or(0));
+            len >= layout.base(id as u32) + layout.segment_bytes
+        };
+        let found = self.segments[from..]
+            .iter()
+            .enumerate()
+            .position(|(i, s)| s.status == Status::Free && (create || allocated(from + i, s)))
+            .map(|i| from + i);
+        if create {
+            // Every segment before the one found (or all of them) is in use.
+            self.free_from = found.unwrap_or(self.segments.len());
+        }
+        found.map(|i| i as u32)
     }
 }
 
@@ -221,8 +249,8 @@ struct WritePipe {
 }
 
 enum WriteMsg {
-    /// One record: the first `len` bytes of `buf`, at `loc.offset` of `file`.
-    Record { task: u64, file: Arc<SegmentFile>, buf: AlignedBuf, len: usize, loc: Loc, epoch: u64 },
+    /// One record: `bytes` of `buf`, at `at` of `file`.
+    Record { task: u64, file: Arc<SegmentFile>, buf: AlignedBuf, bytes: Span, loc: Loc, epoch: u64 },
     /// Every record of store task `task` has been handed over: publish them (unless one failed)
     /// and complete the caller's task with its sources.
     End { task: u64, id: TaskId, records: Vec<(ObjectKey, Loc)>, sources: Vec<StoreItem> },
@@ -242,12 +270,22 @@ struct Queued {
 /// benchmark measures the disk's write limit with as many in flight.)
 pub const WRITES_IN_FLIGHT: usize = 2;
 
+/// What of a record buffer is written, and where in the file. A buffer keeps a block in front of
+/// the record for the superblock of a segment's life: the first record of a life is written with
+/// it, in one write, so a segment of one record costs one write, not two.
+#[derive(Clone, Copy)]
+struct Span {
+    start: usize,
+    len: usize,
+    at: u64,
+}
+
 /// One record to write, and what its outcome is reported with.
 struct Write {
     task: u64,
     file: Arc<SegmentFile>,
     buf: AlignedBuf,
-    len: usize,
+    bytes: Span,
     loc: Loc,
     epoch: u64,
 }
@@ -263,10 +301,10 @@ struct Written {
 
 impl Write {
     fn run(self) -> Written {
-        let Write { task, file, buf, len, loc, epoch } = self;
-        let result = match buf.as_slice().get(..len) {
+        let Write { task, file, buf, bytes, loc, epoch } = self;
+        let result = match buf.as_slice().get(bytes.start..bytes.start + bytes.len) {
             Some(record) => {
-                file.write_at(record, loc.offset).map_err(|e| io_error(&file.path, "writing", &e))
+                file.write_at(record, bytes.at).map_err(|e| io_error(&file.path, "writing", &e))
             }
             None => Err(TierError::Io("a record larger than its buffer".into())),
         };
@@ -327,8 +365,8 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
                 break;
             };
             match message {
-                WriteMsg::Record { task, file, buf, len, loc, epoch } => {
-                    let write = Write { task, file, buf, len, loc, epoch };
+                WriteMsg::Record { task, file, buf, bytes, loc, epoch } => {
+                    let write = Write { task, file, buf, bytes, loc, epoch };
                     if state.failed_tasks.contains_key(&task)
                         || state.failed_segments.contains(&(loc.segment, epoch))
                     {
@@ -449,6 +487,7 @@ struct WriteState {
 
 struct Shared {
     config: DiskStoreConfig,
+    layout: Layout,
     io: IoMode,
     state: Mutex<WriteState>,
     index: Mutex<Index>,
@@ -513,7 +552,7 @@ impl DiskStore {
     /// stores fail, and [`DiskStore::maintain`] retries becoming writable.
     pub fn open(config: DiskStoreConfig) -> Result<Self, DiskError> {
         let started = Instant::now();
-        let segments = config.segments()?;
+        let layout = config.layout()?;
         let dir = config.dir.clone();
         if !dir.is_dir() {
             std::fs::DirBuilder::new()
@@ -540,14 +579,15 @@ impl DiskStore {
                 config.dir_mode()
             );
         }
-        let (index, mut recovered) = scan(&config, segments, io, read_only.is_none())?;
+        let (index, mut recovered) = scan(&config, layout, io, read_only.is_none())?;
         recovered.elapsed = started.elapsed();
         let spare = (0..RECORD_BUFFERS)
-            .map(|_| AlignedBuf::new(record_bytes(config.max_chunk_bytes) as usize))
+            .map(|_| AlignedBuf::new((BLOCK + record_bytes(config.max_chunk_bytes)) as usize))
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| DiskError::Config("cannot allocate the write buffers".into()))?;
         let (done, completions) = unbounded();
         let shared = Arc::new(Shared {
+            layout,
             io,
             state: Mutex::new(WriteState {
                 read_only: read_only.clone(),
@@ -610,7 +650,7 @@ impl DiskStore {
             entries
                 .flatten()
                 .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
-                .find(|e| e.file_name().to_str().and_then(segment_id).is_some())
+                .find(|e| e.file_name().to_str().and_then(file_number).is_some())
                 .map(|e| e.path())
         });
         match first {
@@ -721,11 +761,13 @@ impl DiskStore {
 
 /// Rebuilds the index from the segment files in the directory.
 ///
-/// Segments are scanned in parallel, `io_threads` at a time (each header is one small read, so
-/// a restart is bound by read latency, which parallel requests hide), then indexed in id order.
+/// The files are opened one after another; their segments are then scanned in parallel,
+/// `io_threads` at a time (each header is one small read, so a restart is bound by read latency,
+/// which parallel requests hide), and indexed in id order. A file longer than its layout's length
+/// is cut after the scan, when writable.
 fn scan(
     config: &DiskStoreConfig,
-    segments: u32,
+    layout: Layout,
     io: IoMode,
     writable: bool,
 ) -> Result<(Index, Recovered), DiskError> {
@@ -733,17 +775,19 @@ fn scan(
         map: HashMap::new(),
         locks: HashMap::new(),
         lock_total: 0,
-        segments: (0..segments).map(|_| Segment::free()).collect(),
+        segments: (0..layout.segments).map(|_| Segment::free()).collect(),
         policy: config.policy.build_for_segments(),
         lives: 0,
+        live_bytes: 0,
+        free_from: 0,
     };
     let mut recovered = Recovered::default();
     let entries = std::fs::read_dir(&config.dir).map_err(DiskError::io("listing", &config.dir))?;
     // SAFETY: geteuid cannot fail and touches no memory.
     let user = unsafe { libc::geteuid() };
-    let mut ids: Vec<u32> = Vec::new();
+    let mut numbers: Vec<u32> = Vec::new();
     for entry in entries.flatten() {
-        let Some(id) = entry.file_name().to_str().and_then(segment_id) else {
+        let Some(n) = entry.file_name().to_str().and_then(file_number) else {
             continue;
         };
         // `symlink_metadata`: a symlink is judged as itself, never by where it points.
@@ -755,8 +799,8 @@ fn scan(
             Ok(_) => Ok(()),
             Err(e) => Err(e.to_string()),
         };
-        if id >= segments {
-            // Past the configured segments: a file of ours is an earlier layout's, and what it
+        if n >= layout.files() {
+            // Past the configured files: a file of ours is an earlier layout's, and what it
             // holds no longer fits the capacity. Anything else is left alone, as below.
             if ours.is_ok() && writable {
                 match std::fs::remove_file(entry.path()) {
@@ -767,32 +811,50 @@ fn scan(
             continue;
         }
         match ours {
-            Ok(()) => ids.push(id),
+            Ok(()) => numbers.push(n),
             Err(why) => {
+                let held = layout.segments_of(n);
                 tracing::warn!(
-                    "skipping {}: named like a segment, but {why}; segment {id} stays unused \
-                     until it is removed",
-                    entry.path().display()
+                    "skipping {}: named like a segment file, but {why}; segments {}..{} stay \
+                     unused until it is removed",
+                    entry.path().display(),
+                    held.start,
+                    held.end
                 );
                 recovered.skipped_files += 1;
-                index.segments[id as usize].status = Status::Unusable;
+                for id in held {
+                    index.segments[id as usize].status = Status::Unusable;
+                }
             }
         }
     }
     if recovered.removed_files > 0 {
         tracing::info!(
-            "removed {} segment files numbered past the {segments} segments configured in {}",
+            "removed {} segment files numbered past the {} files configured in {}",
             recovered.removed_files,
+            layout.files(),
             config.dir.display()
         );
     }
-    ids.sort_unstable();
-    let mut scanned = scan_files(config, &ids, io, writable)?;
+    numbers.sort_unstable();
+    let mut files = Vec::with_capacity(numbers.len());
+    for n in numbers {
+        let file = open_file(config, n, io, writable)?;
+        for id in layout.segments_of(n) {
+            index.segments[id as usize].file = Some(Arc::clone(&file));
+        }
+        files.push((n, file));
+    }
+    let mut scanned = scan_files(config, layout, &files)?;
     scanned.sort_unstable_by_key(|s| s.id);
-    for Scanned { id, file, found } in scanned {
-        let segment = &mut index.segments[id as usize];
-        segment.file = Some(Arc::new(file));
-        // A segment without a valid superblock holds nothing; its file is reused as is.
+    if writable {
+        // After the scan, which must see a torn file as it was left.
+        for (n, file) in &files {
+            cut_file(file, layout.file_bytes(*n));
+        }
+    }
+    for Scanned { id, found } in scanned {
+        // A segment without a valid superblock holds nothing; its space is reused as is.
         let Some((epoch, found)) = found else {
             continue;
         };
@@ -819,32 +881,61 @@ fn scan(
     Ok((index, recovered))
 }
 
-/// One segment file as the scan found it.
+/// Opens segment file `n`; when writable, gives it the configured mode.
+fn open_file(
+    config: &DiskStoreConfig,
+    n: u32,
+    io: IoMode,
+    writable: bool,
+) -> Result<Arc<SegmentFile>, DiskError> {
+    let path = file_path(&config.dir, n);
+    let file =
+        SegmentFile::open(path.clone(), writable, io).map_err(DiskError::io("opening", &path))?;
+    if writable && let Err(e) = file.secure(config.file_mode(), config.group) {
+        tracing::warn!("cannot restrict {} to mode {:o}: {e}", path.display(), config.file_mode());
+    }
+    Ok(Arc::new(file))
+}
+
+/// Cuts a segment file longer than its layout's `bytes` (of a larger capacity before); the
+/// segments within keep their records. A short file stays short: it grows a segment at a time.
+fn cut_file(file: &SegmentFile, bytes: u64) {
+    if let Err(e) = file.cut(bytes) {
+        tracing::warn!("cannot cut {} to {bytes} bytes: {e}", file.path.display());
+    }
+}
+
+/// One segment as the scan found it.
 struct Scanned {
     id: u32,
-    file: SegmentFile,
     /// The epoch of its valid superblock and what it holds; `None` without a valid superblock.
     found: Option<(u64, SegmentScan)>,
 }
 
-/// Scans the segment files `ids` on up to `io_threads` threads; in no particular order.
+/// Scans every segment of the opened `files` on up to `io_threads` threads; in no particular
+/// order.
 fn scan_files(
     config: &DiskStoreConfig,
-    ids: &[u32],
-    io: IoMode,
-    writable: bool,
+    layout: Layout,
+    files: &[(u32, Arc<SegmentFile>)],
 ) -> Result<Vec<Scanned>, DiskError> {
+    let mut segments = Vec::new();
+    for (n, file) in files {
+        let len = file.len().map_err(DiskError::io("reading", &file.path))?;
+        segments.extend(layout.segments_of(*n).map(|id| (id, file.as_ref(), len)));
+    }
     let next = std::sync::atomic::AtomicUsize::new(0);
     let worker = || -> Result<Vec<Scanned>, DiskError> {
         let mut buf = AlignedBuf::new(SCAN_WINDOW as usize)
             .ok_or_else(|| DiskError::Config("cannot allocate the scan buffer".into()))?;
         let mut out = Vec::new();
-        while let Some(id) = ids.get(next.fetch_add(1, Ordering::Relaxed)) {
-            out.push(scan_file(config, *id, io, writable, &mut buf)?);
+        while let Some((id, file, len)) = segments.get(next.fetch_add(1, Ordering::Relaxed)) {
+            let found = scan_superblock(config, layout, *id, file, *len, &mut buf);
+            out.push(Scanned { id: *id, found });
         }
         Ok(out)
     };
-    let threads = config.io_threads.min(ids.len());
+    let threads = config.io_threads.min(segments.len());
     if threads <= 1 {
         return worker();
     }
@@ -857,7 +948,7 @@ fn scan_files(
                 .map_err(DiskError::Thread)?;
             handles.push(handle);
         }
-        let mut all = Vec::with_capacity(ids.len());
+        let mut all = Vec::with_capacity(segments.len());
         for handle in handles {
             let part = handle.join().unwrap_or_else(|_| {
                 Err(DiskError::io("scanning", &config.dir)(std::io::Error::other(
@@ -870,31 +961,21 @@ fn scan_files(
     })
 }
 
-/// Opens segment `id` and scans its current life.
-fn scan_file(
+/// Reads segment `id`'s superblock from `file` (`len` bytes long) and scans its current life.
+fn scan_superblock(
     config: &DiskStoreConfig,
+    layout: Layout,
     id: u32,
-    io: IoMode,
-    writable: bool,
+    file: &SegmentFile,
+    len: u64,
     buf: &mut AlignedBuf,
-) -> Result<Scanned, DiskError> {
-    let path = segment_path(&config.dir, id);
-    let file = SegmentFile::open(path.clone(), writable, io)
-        .map_err(DiskError::io("opening segment", &path))?;
-    if writable && let Err(e) = file.secure(config.file_mode(), config.group) {
-        tracing::warn!("cannot restrict {} to mode {:o}: {e}", path.display(), config.file_mode());
-    }
-    let len = file.len().map_err(DiskError::io("reading segment", &path))?;
-    let superblock = match file.read_at(&mut buf.as_mut_slice()[..BLOCK as usize], 0) {
-        Ok(()) => Superblock::decode(buf.as_slice()).ok(),
-        Err(_) => None,
-    };
-    let found = superblock.filter(|sb| sb.id == id).map(|sb| {
-        // Whole blocks only: a file cut short mid-block ends at its last whole block.
-        let limit = len.min(config.segment_bytes) / BLOCK * BLOCK;
-        (sb.epoch, scan_segment(&file, id, sb.epoch, limit, config, buf))
-    });
-    Ok(Scanned { id, file, found })
+) -> Option<(u64, SegmentScan)> {
+    let base = layout.base(id);
+    file.read_at(&mut buf.as_mut_slice()[..BLOCK as usize], base).ok()?;
+    let superblock = Superblock::decode(buf.as_slice()).ok().filter(|sb| sb.id == id)?;
+    // Whole blocks only: a file cut short mid-block ends at its last whole block.
+    let limit = len.min(base + layout.segment_bytes) / BLOCK * BLOCK;
+    Some((superblock.epoch, scan_segment(file, id, base, superblock.epoch, limit, config, buf)))
 }
 
 /// The most bytes the scan reads at once while it searches past a damaged header.
@@ -904,7 +985,7 @@ const SCAN_WINDOW: u64 = 1 << 20;
 #[derive(Default)]
 struct SegmentScan {
     records: Vec<(ObjectKey, Loc)>,
-    /// Where the life's last record ends: appends would go here.
+    /// Where the life's last record ends, from the segment's start: appends would go here.
     end: u64,
     damaged_blocks: u64,
     damaged_records: u32,
@@ -912,8 +993,8 @@ struct SegmentScan {
     deleted_records: u32,
 }
 
-/// Reads the record headers of segment `id`'s life `epoch`, from block 1 to `limit` (a whole
-/// number of blocks).
+/// Reads the record headers of segment `id`'s life `epoch`, from its block 1 (the segment
+/// starts at `base` of the file) to `limit` (a file offset of whole blocks).
 ///
 /// A block that is neither a header of this life nor zeros is either a damaged header of this
 /// life or bytes of an earlier life past this life's end; the two cannot be told apart by the
@@ -924,6 +1005,7 @@ struct SegmentScan {
 fn scan_segment(
     file: &SegmentFile,
     id: u32,
+    base: u64,
     epoch: u64,
     limit: u64,
     config: &DiskStoreConfig,
@@ -931,7 +1013,7 @@ fn scan_segment(
 ) -> SegmentScan {
     let max_record = record_bytes(config.max_chunk_bytes);
     let mut found = SegmentScan::default();
-    let mut at = BLOCK;
+    let mut at = base + BLOCK;
     'records: while at + BLOCK <= limit {
         let head = &mut buf.as_mut_slice()[..BLOCK as usize];
         if file.read_at(head, at).is_err() {
@@ -986,7 +1068,7 @@ fn scan_segment(
             }
         }
     }
-    found.end = at;
+    found.end = at - base;
     found
 }
 
@@ -1162,9 +1244,11 @@ impl Shared {
         Ok(Queued { task, records })
     }
 
-    /// Copies one record into a free buffer (header, payload, checksum, zero padding) and hands
-    /// it to the write thread. The segment's end moves past the record only once its copy
-    /// succeeded, so a source that fails leaves no hole.
+    /// Copies one record into a free buffer (header, payload, checksum, zero padding; the first
+    /// record of a segment's life with its superblock in front) and hands it to the write
+    /// thread. The segment's end moves past the record only once its copy succeeded, so a source
+    /// that fails leaves no hole (and the next record, the life's first again, brings the
+    /// superblock).
     fn submit_record(
         &self,
         writer: &mut Writer,
@@ -1174,14 +1258,17 @@ impl Shared {
     ) -> Result<(), TierError> {
         let len = item.source.len();
         let size = record_bytes(len);
-        // A segment is sealed (then evictable and reusable) only with no write in flight.
-        if !self.active_has_room(writer, size) {
-            self.drain(writer)?;
-        }
+        // A full segment is sealed with its writes still in flight: their records are
+        // unpublished until the task ends, which keeps it from eviction until then.
         let (segment, offset, epoch, file) = self.reserve(writer, size)?;
         let mut buf = self.free_buffer(writer)?;
-        let record = &mut buf.as_mut_slice()[..size as usize];
-        let (head, payload) = record.split_at_mut(BLOCK as usize);
+        let (superblock, record) = buf.as_mut_slice().split_at_mut(BLOCK as usize);
+        let first = offset == BLOCK;
+        if first {
+            Superblock { id: segment, epoch, segment_bytes: self.layout.segment_bytes }
+                .encode(superblock);
+        }
+        let (head, payload) = record[..size as usize].split_at_mut(BLOCK as usize);
         let payload_bytes = &mut payload[..len as usize];
         let copied = catch_unwind(AssertUnwindSafe(|| item.source.read_into(payload_bytes)));
         let failed = match copied {
@@ -1196,8 +1283,13 @@ impl Shared {
         payload[len as usize..].fill(0);
         let checksum = payload_checksum(&payload[..len as usize]);
         Header { epoch, key: item.key, len, checksum, deleted: false }.encode(head);
-        let loc = Loc { segment, offset, len };
-        let message = WriteMsg::Record { task, file, buf, len: size as usize, loc, epoch };
+        let loc = Loc { segment, offset: self.layout.base(segment) + offset, len };
+        let bytes = if first {
+            Span { start: 0, len: (BLOCK + size) as usize, at: loc.offset - BLOCK }
+        } else {
+            Span { start: BLOCK as usize, len: size as usize, at: loc.offset }
+        };
+        let message = WriteMsg::Record { task, file, buf, bytes, loc, epoch };
         self.send(writer, message)?;
         let mut index = self.index.lock();
         let reserved = &mut index.segments[segment as usize];
@@ -1236,32 +1328,6 @@ impl Shared {
         }
         let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
         pipe.free.recv().map_err(|_| TierError::Io("the disk write thread is gone".into()))
-    }
-
-    /// Waits until no record is being written: every buffer is back in hand.
-    fn drain(&self, writer: &mut Writer) -> Result<(), TierError> {
-        while writer.spare.len() < RECORD_BUFFERS {
-            let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
-            let buf = pipe
-                .free
-                .recv()
-                .map_err(|_| TierError::Io("the disk write thread is gone".into()))?;
-            writer.spare.push(buf);
-        }
-        Ok(())
-    }
-
-    /// Whether the active segment can take `size` more bytes (false without one, or once a
-    /// failed write sealed it).
-    fn active_has_room(&self, writer: &Writer, size: u64) -> bool {
-        let Some(active) = writer.active else {
-            return false;
-        };
-        let index = self.index.lock();
-        let segment = &index.segments[active as usize];
-        segment.status == Status::Active
-            && segment.end + size <= self.config.segment_bytes
-            && segment.file.is_some()
     }
 
     /// Makes a written task's records visible (the write thread, after its last write). Under
@@ -1315,7 +1381,8 @@ impl Shared {
         }
     }
 
-    /// Room for `size` bytes in the active segment: its id, the offset, its epoch and file.
+    /// Room for `size` bytes in the active segment: its id, the offset from its start, its epoch
+    /// and file.
     fn reserve(
         &self,
         writer: &mut Writer,
@@ -1363,16 +1430,12 @@ impl Shared {
         }
     }
 
-    /// Like `open_segment`; free segments without a file are used only if `create` allows.
+    /// Like `open_segment`; free segments whose space is not yet allocated are used only if
+    /// `create` allows.
     fn open_segment_from(&self, create: bool) -> Result<(u32, Arc<SegmentFile>), TierError> {
         let (id, evicted, existing) = {
             let mut index = self.index.lock();
-            let free = index
-                .segments
-                .iter()
-                .position(|s| s.status == Status::Free && (create || s.file.is_some()))
-                .map(|i| i as u32);
-            let (id, evicted) = match free {
+            let (id, evicted) = match index.free_segment(create, &self.layout) {
                 Some(id) => (id, 0),
                 None => {
                     let Index { segments, policy, .. } = &mut *index;
@@ -1390,8 +1453,10 @@ impl Shared {
                     let keys = std::mem::take(&mut index.segments[id as usize].keys);
                     let mut evicted = 0;
                     for key in keys {
-                        if index.map.get(&key).is_some_and(|loc| loc.segment == id) {
-                            index.map.remove(&key);
+                        if let Some(loc) = index.map.get(&key).copied()
+                            && loc.segment == id
+                        {
+                            index.drop_record(&key, loc);
                             evicted += 1;
                         }
                     }
@@ -1400,8 +1465,6 @@ impl Shared {
             };
             let segment = &mut index.segments[id as usize];
             segment.status = Status::Preparing;
-            segment.live = 0;
-            segment.live_bytes = 0;
             segment.end = BLOCK;
             (id, evicted, segment.file.clone())
         };
@@ -1409,35 +1472,50 @@ impl Shared {
         let initialised = self.initialise(id, existing);
         let mut index = self.index.lock();
         let serial = if initialised.is_ok() { index.next_serial() } else { 0 };
-        let segment = &mut index.segments[id as usize];
         match initialised {
             Ok((file, epoch)) => {
-                segment.file = Some(Arc::clone(&file));
+                // A file just created holds the other segments of its file too.
+                for other in self.layout.segments_of(self.layout.file_of(id)) {
+                    let segment = &mut index.segments[other as usize];
+                    if segment.file.is_none() {
+                        segment.file = Some(Arc::clone(&file));
+                    }
+                }
+                let segment = &mut index.segments[id as usize];
                 segment.epoch = epoch;
                 segment.serial = serial;
                 segment.status = Status::Active;
                 Ok((id, file))
             }
             Err(e) => {
-                segment.status = Status::Free;
+                index.free(id);
                 Err(e)
             }
         }
     }
 
-    /// Creates (or reuses) segment `id`'s file at full size and writes a superblock with a new
-    /// epoch, so every record of the previous epoch stops matching.
+    /// Gives segment `id` a new epoch, first creating its file, or allocating it as far as the
+    /// segment's end, where it is missing or short. The superblock carrying the epoch is
+    /// written with the life's first record (`submit_record`), in the same write: until it lands,
+    /// a crash leaves the segment's previous life, whose records are still their keys' bytes. It
+    /// is not synced on its own: under `FsyncPolicy::Always` the sync that publishes the record
+    /// covers it.
     fn initialise(
         &self,
         id: u32,
         existing: Option<Arc<SegmentFile>>,
     ) -> Result<(Arc<SegmentFile>, u64), TierError> {
-        let path = segment_path(&self.config.dir, id);
-        let bytes = self.config.segment_bytes;
+        let n = self.layout.file_of(id);
+        // The file as far as this segment's end: files grow a segment at a time.
+        let bytes = self.layout.base(id) + self.layout.segment_bytes;
         let file = match existing {
-            // Exactly its size: a longer file, of a larger segment configured before, is cut.
-            Some(file) if file.len().is_ok_and(|len| len == bytes) => file,
-            _ => {
+            Some(file) if file.len().is_ok_and(|len| len >= bytes) => file,
+            Some(file) => {
+                file.allocate(bytes).map_err(|e| io_error(&file.path, "allocating", &e))?;
+                file
+            }
+            None => {
+                let path = file_path(&self.config.dir, n);
                 let created = SegmentFile::create(path.clone(), bytes, self.io)
                     .map_err(|e| io_error(&path, "creating", &e))?;
                 created
@@ -1450,16 +1528,7 @@ impl Shared {
                 Arc::new(created)
             }
         };
-        let epoch = self.new_epoch(id);
-        let mut block = AlignedBuf::new(BLOCK as usize)
-            .ok_or_else(|| TierError::Io("cannot allocate".into()))?;
-        Superblock { id, epoch, segment_bytes: bytes }.encode(block.as_mut_slice());
-        file.write_at(block.as_slice(), 0)
-            .map_err(|e| io_error(&path, "writing the superblock of", &e))?;
-        if self.config.fsync != FsyncPolicy::Never {
-            file.sync().map_err(|e| io_error(&path, "syncing", &e))?;
-        }
-        Ok((file, epoch))
+        Ok((file, self.new_epoch(id)))
     }
 
     /// An epoch no earlier life of any segment had: random per process, so a payload can never be
@@ -1505,11 +1574,15 @@ impl Shared {
         }
     }
 
+    /// Syncs the files of `segments`, each file once.
     fn sync_segments(&self, segments: impl Iterator<Item = u32>) -> Result<(), TierError> {
-        let unique: HashSet<u32> = segments.collect();
+        let mut unique: HashMap<u32, u32> = HashMap::new();
+        for id in segments {
+            unique.entry(self.layout.file_of(id)).or_insert(id);
+        }
         let files: Vec<Arc<SegmentFile>> = {
             let index = self.index.lock();
-            unique.iter().filter_map(|id| index.segments[*id as usize].file.clone()).collect()
+            unique.values().filter_map(|id| index.segments[*id as usize].file.clone()).collect()
         };
         for file in files {
             file.sync().map_err(|e| io_error(&file.path, "syncing", &e))?;
@@ -1630,7 +1703,15 @@ impl Shared {
             ReadMode::Mmap => {
                 let map = file.mapping().map_err(|_| ReadFailure::Io)?;
                 let start = loc.offset as usize;
-                map.get(start..start + size).ok_or(ReadFailure::Io)?
+                match map.get(start..start + size) {
+                    Some(record) => record,
+                    // Past the mapping: the file was made longer after it was mapped.
+                    None => {
+                        let buf = &mut staging.as_mut_slice()[..size];
+                        file.read_at(buf, loc.offset).map_err(|_| ReadFailure::Io)?;
+                        buf
+                    }
+                }
             }
         };
         let (head, payload) = record.split_at(BLOCK as usize);
@@ -1692,31 +1773,28 @@ impl Shared {
             );
         }
         // The scan opened the segment files read-only: open them again for writing.
-        let files: Vec<(u32, std::path::PathBuf)> = {
+        let files: Vec<u32> = {
             let index = self.index.lock();
-            index
-                .segments
-                .iter()
-                .enumerate()
-                .filter_map(|(id, s)| Some((id as u32, s.file.as_ref()?.path.clone())))
+            (0..self.layout.files())
+                .filter(|n| {
+                    let first = self.layout.segments_of(*n).start;
+                    index.segments[first as usize].file.is_some()
+                })
                 .collect()
         };
         let mut reopened = Vec::with_capacity(files.len());
-        for (id, path) in files {
-            let file = SegmentFile::open(path.clone(), true, self.io)
-                .map_err(|e| format!("cannot open {} for writing: {e}", path.display()))?;
-            if let Err(e) = file.secure(self.config.file_mode(), self.config.group) {
-                tracing::warn!(
-                    "cannot restrict {} to mode {:o}: {e}",
-                    path.display(),
-                    self.config.file_mode()
-                );
-            }
-            reopened.push((id, Arc::new(file)));
+        for n in files {
+            let file = open_file(&self.config, n, self.io, true).map_err(|e| {
+                format!("cannot open {} for writing: {e}", file_path(&self.config.dir, n).display())
+            })?;
+            cut_file(&file, self.layout.file_bytes(n));
+            reopened.push((n, file));
         }
         let mut index = self.index.lock();
-        for (id, file) in reopened {
-            index.segments[id as usize].file = Some(file);
+        for (n, file) in reopened {
+            for id in self.layout.segments_of(n) {
+                index.segments[id as usize].file = Some(Arc::clone(&file));
+            }
         }
         Ok(())
     }
@@ -1724,8 +1802,8 @@ impl Shared {
     fn usage(&self) -> TierUsage {
         let index = self.index.lock();
         TierUsage {
-            capacity_bytes: index.segments.len() as u64 * self.config.segment_bytes,
-            used_bytes: index.segments.iter().map(|s| s.live_bytes).sum(),
+            capacity_bytes: index.segments.len() as u64 * self.layout.segment_bytes,
+            used_bytes: index.live_bytes,
             objects: index.map.len() as u64,
             locks: index.lock_total,
         }

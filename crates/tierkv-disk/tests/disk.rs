@@ -21,10 +21,13 @@ use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload
 
 const CHUNK: u64 = 64 << 10;
 
+/// A store of `segments` segments of `per_segment` records, each segment in a file of its own
+/// (so a test can find a segment by its file); `shared_files` puts several in one file.
 fn config(dir: &Path, segments: u64, per_segment: u64) -> DiskStoreConfig {
     let segment_bytes = BLOCK + per_segment * record_bytes(CHUNK);
     DiskStoreConfig {
         segment_bytes,
+        file_bytes: segment_bytes,
         io_threads: 2,
         ..DiskStoreConfig::new(dir, segments * segment_bytes, CHUNK)
     }
@@ -398,21 +401,33 @@ fn c12_a_full_disk_fails_stores_cleanly_and_keeps_loading() {
     let Some(mount) = Mounted::tmpfs("1m") else {
         return;
     };
-    // Twenty segments configured, room for four on the filesystem.
-    let (mut h, _) = open(config(mount.path(), 20, 3));
-    for first in (0..12).step_by(3) {
-        h.store(&keys(first..first + 3)).unwrap();
+    // Twenty segments configured, room for four on the filesystem: in a file each, and all
+    // in one file (which grows a segment at a time).
+    for per_file in [1, 20] {
+        let dir = mount.path().join(format!("per-file-{per_file}"));
+        let (mut h, store) = open(shared_files(&dir, 20, 3, per_file));
+        for first in (0..12).step_by(3) {
+            h.store(&keys(first..first + 3)).unwrap();
+        }
+        assert_eq!(h.lookup(&keys(0..12)).count_ones(), 12);
+        match h.store(&[key(12)]) {
+            Err(TierError::NoSpace(message)) => {
+                assert!(message.contains("No space left"), "{message}")
+            }
+            other => {
+                panic!("a store into a full disk with every segment locked answered {other:?}")
+            }
+        }
+        h.assert_loads(&keys(0..12));
+        h.tier.unlock(&keys(0..12));
+        // With segments to reuse, the full disk behaves as a smaller cache.
+        h.store(&keys(12..15)).unwrap();
+        h.assert_loads(&keys(12..15));
+        drop(h);
+        store.close();
+        drop(store);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
-    assert_eq!(h.lookup(&keys(0..12)).count_ones(), 12);
-    match h.store(&[key(12)]) {
-        Err(TierError::NoSpace(message)) => assert!(message.contains("No space left"), "{message}"),
-        other => panic!("a store into a full disk with every segment locked answered {other:?}"),
-    }
-    h.assert_loads(&keys(0..12));
-    h.tier.unlock(&keys(0..12));
-    // With segments to reuse, the full disk behaves as a smaller cache.
-    h.store(&keys(12..15)).unwrap();
-    h.assert_loads(&keys(12..15));
 }
 
 /// The physical byte offset of a file's first extent, from `filefrag`.
@@ -582,8 +597,8 @@ fn a_chain_looked_up_root_first_loses_its_tail_segment_before_its_root() {
 #[test]
 fn smaller_segments_configured_later_cut_the_old_files_to_size() {
     // Two segments of eight records, then the same capacity as eight of two (a new default
-    // segment size, say): each old file is cut to the new size when its segment is reused, so
-    // the directory never holds more than the capacity; what the old layout left in a new
+    // segment size, say): each old file is cut to the new size when the store opens, so the
+    // directory never holds more than the capacity; what the old layout left in a new
     // segment's first bytes still loads.
     let dir = tempfile::tempdir().unwrap();
     {
@@ -625,6 +640,167 @@ fn segment_files_past_a_smaller_capacity_are_removed_at_open() {
     // The first three segments' records still load.
     h.assert_loads(&keys(0..6));
     assert_eq!(h.present(&keys(6..12)).count_ones(), 0);
+}
+
+/// `config`, with `per_file` segments to a file.
+fn shared_files(dir: &Path, segments: u64, per_segment: u64, per_file: u64) -> DiskStoreConfig {
+    let config = config(dir, segments, per_segment);
+    DiskStoreConfig { file_bytes: per_file * config.segment_bytes, ..config }
+}
+
+/// The lengths of the segment files in `dir`, by file number.
+fn file_lengths(dir: &Path) -> Vec<(String, u64)> {
+    let mut files: Vec<(String, u64)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("seg-"))
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), e.metadata().unwrap().len()))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn segments_share_files_and_a_restart_finds_each_in_its_place() {
+    // Seven segments of two records, three to a file: files of 3, 3 and 1 segments. The store
+    // goes round the disk more than once (evicting), a record in the middle segment of the
+    // second file is damaged, and a restart finds every other record where it was written.
+    let dir = tempfile::tempdir().unwrap();
+    let config = shared_files(dir.path(), 7, 2, 3);
+    let segment = config.segment_bytes;
+    {
+        let (mut h, _) = open(DiskStoreConfig { policy: PolicyKind::Lru, ..config.clone() });
+        store_in_pairs(&mut h, 0..26);
+        // 26 records in segments of two: the last 12 fill six sealed segments and the open one.
+        h.assert_loads(&keys(12..26));
+        assert_eq!(h.present(&keys(0..12)).count_ones(), 0, "evicted, two at a time");
+    }
+    let names: Vec<(String, u64)> = file_lengths(dir.path());
+    let expected = [
+        ("seg-00000000.tkv".to_string(), 3 * segment),
+        ("seg-00000001.tkv".to_string(), 3 * segment),
+        ("seg-00000002.tkv".to_string(), segment),
+    ];
+    assert_eq!(names, expected);
+    // Damage the first record of file 1's first segment (segment 3), at its place in the file.
+    flip(&dir.path().join("seg-00000001.tkv"), record_offset(0) + BLOCK + 7);
+    let (mut h, store) = open(config);
+    assert_eq!(store.recovered().records, 14);
+    assert_eq!(store.recovered().segments, 7);
+    let (loaded, _) = h.load(&keys(12..26));
+    assert_eq!(loaded.count_ones(), 13, "the damaged record alone is a miss");
+    let missed: Vec<u64> = (12..26).filter(|n| !loaded.get((n - 12) as usize)).collect();
+    assert_eq!(h.present(&keys(missed[0]..missed[0] + 1)).count_ones(), 0, "and forgotten");
+    let survivors: Vec<_> = (12..26).filter(|n| *n != missed[0]).map(key).collect();
+    h.assert_loads(&survivors);
+}
+
+#[test]
+fn a_disk_of_one_record_segments_evicts_one_chunk_and_keeps_the_used_one() {
+    // The default layout: a segment is one record, so eviction frees one chunk; with LRU the
+    // chunk a lookup just used stays and the least recent one goes, alone.
+    let dir = tempfile::tempdir().unwrap();
+    let config = DiskStoreConfig {
+        policy: PolicyKind::Lru,
+        io_threads: 2,
+        ..DiskStoreConfig::new(dir.path(), 4 * tierkv_disk::auto_segment_bytes(CHUNK), CHUNK)
+    };
+    assert_eq!(config.segment_bytes, BLOCK + record_bytes(CHUNK));
+    let (mut h, _) = open(config);
+    for n in 0..4 {
+        h.store(&keys(n..n + 1)).unwrap();
+    }
+    assert!(h.lookup(&keys(0..1)).get(0));
+    h.tier.unlock(&keys(0..1));
+    h.store(&keys(4..5)).unwrap();
+    let held: Vec<u64> = (0..5).filter(|n| h.present(&keys(*n..n + 1)).get(0)).collect();
+    assert_eq!(held, [0, 2, 3, 4], "only key 1, the least recent, went");
+    h.assert_loads(&[key(0), key(2), key(3), key(4)]);
+    assert_eq!(file_lengths(dir.path()).len(), 1, "four segments, one file");
+}
+
+#[test]
+fn a_reused_segment_whose_first_write_did_not_land_whole_serves_no_wrong_bytes() {
+    // One-record segments share a file. A reused segment's superblock goes down in one write
+    // with its first record: a crash may leave all of that write, none of it, or a part. Each
+    // case, made by putting back the bytes the segment held before, reopens to records that are
+    // their keys' bytes: the old life whole, or nothing of the segment.
+    let segment = tierkv_disk::auto_segment_bytes(CHUNK);
+    let file = |dir: &Path| dir.join("seg-00000000.tkv");
+    // (what is put back of the old bytes, keys the reopened store holds of 0 and 4)
+    let cases: [(std::ops::Range<u64>, &[u64]); 4] = [
+        (0..0, &[4]),          // the write landed
+        (0..segment, &[0]),    // it did not: the previous life, key 0, whole
+        (0..BLOCK, &[]),       // the record landed, not the superblock
+        (BLOCK..segment, &[]), // the superblock landed, not the record
+    ];
+    for (restored, held) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DiskStoreConfig {
+            policy: PolicyKind::Lru,
+            io_threads: 2,
+            ..DiskStoreConfig::new(dir.path(), 4 * segment, CHUNK)
+        };
+        let old = {
+            let (mut h, _) = open(config.clone());
+            for n in 0..4 {
+                h.store(&keys(n..n + 1)).unwrap();
+            }
+            h.tier.close();
+            std::fs::read(file(dir.path())).unwrap()
+        };
+        {
+            let (mut h, _) = open(config.clone());
+            // Key 3's segment, open when the store closed, was sealed at the reopen: the next
+            // store evicts the least recent sealed one, key 0's (segment 0).
+            h.store(&keys(4..5)).unwrap();
+            assert_eq!(h.present(&keys(0..1)).count_ones(), 0);
+        }
+        let f = OpenOptions::new().write(true).open(file(dir.path())).unwrap();
+        let range = restored.start as usize..restored.end as usize;
+        f.write_all_at(&old[range], restored.start).unwrap();
+        let (mut h, store) = open(config);
+        assert_eq!(store.recovered().damaged_records + store.recovered().torn_records, 0);
+        let found: Vec<u64> =
+            [0, 4].into_iter().filter(|n| h.present(&keys(*n..n + 1)).get(0)).collect();
+        assert_eq!(found, held, "putting back bytes {restored:?}");
+        h.assert_loads(&keys(1..4));
+        for n in held {
+            h.assert_loads(&keys(*n..n + 1));
+        }
+    }
+}
+
+#[test]
+fn a_smaller_capacity_cuts_the_last_shared_file_and_removes_the_ones_past_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = shared_files(dir.path(), 7, 2, 3);
+    let segment = big.segment_bytes;
+    {
+        let (mut h, _) = open(big);
+        store_in_pairs(&mut h, 0..14);
+    }
+    // Four segments: file 0 keeps its three, file 1 is cut to one, file 2 is removed.
+    let small = shared_files(dir.path(), 4, 2, 3);
+    let (mut h, store) = open(small);
+    assert_eq!(store.recovered().removed_files, 1);
+    let expected =
+        [("seg-00000000.tkv".to_string(), 3 * segment), ("seg-00000001.tkv".to_string(), segment)];
+    assert_eq!(file_lengths(dir.path()), expected);
+    h.assert_loads(&keys(0..8));
+    assert_eq!(h.present(&keys(8..14)).count_ones(), 0);
+    // Larger again: file 1 grows back a segment at a time as its segments are used; the
+    // records kept stay.
+    drop(h);
+    drop(store);
+    let (mut h, _) = open(shared_files(dir.path(), 7, 2, 3));
+    assert_eq!(file_lengths(dir.path())[1].1, segment, "not grown before it is needed");
+    h.assert_loads(&keys(0..8));
+    store_in_pairs(&mut h, 100..106);
+    let lengths: Vec<u64> = file_lengths(dir.path()).into_iter().map(|(_, len)| len).collect();
+    assert_eq!(lengths, [3 * segment, 3 * segment, segment]);
+    h.assert_loads(&keys(0..8));
+    h.assert_loads(&keys(100..106));
 }
 
 /// A sink that signals when its copy starts and waits (at most ten seconds) to be let go.

@@ -201,10 +201,9 @@ pub struct LowerTiers {
     pub disk_policy: Option<PolicyKind>,
 }
 
-/// Chunks per disk segment in a replay, unless asked otherwise: about what a 256 MiB segment (the
-/// largest the disk tier's `segment = "auto"` makes) holds of Mooncake's 512-token blocks of
-/// Llama-3-8B's KV in bf16, 64 MiB each (three whole records with their header blocks).
-pub const DISK_SEGMENT_CHUNKS: usize = 4;
+/// Chunks per disk segment in a replay, unless asked otherwise: one, as the disk tier's
+/// `segment = "auto"` makes them, so the disk frees one chunk at a time.
+pub const DISK_SEGMENT_CHUNKS: usize = 1;
 
 impl LowerTiers {
     /// The disk tier's segments: as many as `disk` chunks fill, at least two (none without a

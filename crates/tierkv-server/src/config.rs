@@ -20,7 +20,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
-use tierkv_disk::{BLOCK, DiskStoreConfig, auto_segment_bytes, record_bytes};
+use tierkv_disk::{BLOCK, DiskStoreConfig, FILE_BYTES, auto_segment_bytes, record_bytes};
 use tierkv_l1::{DeviceKind, L1Config, Watermark};
 use tierkv_l2::HostStoreConfig;
 use tierkv_prefetch::PrefetchConfig;
@@ -456,7 +456,7 @@ fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, Stop> {
     }
     let capacity = s.capacity.0;
     let segment = match s.segment {
-        SegmentSize::Auto => auto_segment_bytes(capacity, slot),
+        SegmentSize::Auto => auto_segment_bytes(slot),
         SegmentSize::Bytes(size) => size.0,
     };
     file.ensure(!s.dir.as_os_str().is_empty(), &["disk.dir"], || "must not be empty".into())?;
@@ -486,6 +486,7 @@ fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, Stop> {
         dir: s.dir.clone(),
         capacity_bytes: capacity,
         segment_bytes: segment,
+        file_bytes: FILE_BYTES,
         max_chunk_bytes: slot,
         fsync: s.fsync,
         io_threads: s.io_threads,

@@ -262,12 +262,8 @@ impl AcceptBackoff {
 /// limit is raised to the hard one first.
 fn fit_connections(config: &DaemonConfig) -> Result<usize, ServeError> {
     let wanted = config.server.max_connections;
-    let segments = config
-        .storage
-        .disk
-        .as_ref()
-        .map_or(0, |d| d.capacity_bytes.checked_div(d.segment_bytes).unwrap_or(0));
-    let reserved = RESERVED_FDS + segments;
+    let disk_files = config.storage.disk.as_ref().map_or(0, tierkv_disk::DiskStoreConfig::files);
+    let reserved = RESERVED_FDS + disk_files;
     let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes into the struct we pass.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {

@@ -378,17 +378,16 @@ fn a_contradiction_with_a_default_blames_the_key_written() {
 }
 
 #[test]
-fn an_auto_disk_segment_is_whole_records_about_512_of_the_capacity() {
+fn an_auto_disk_segment_is_one_record_of_a_slot_and_segments_share_files() {
     let record = (2 << 20) + 4096;
-    // The defaults: 16GiB of 2MiB slots make 510 segments of 16 records and a header block.
+    // The defaults: 16GiB of 2MiB slots make 8,160 segments of one record and a header block,
+    // in four files.
     let disk = parse("").unwrap().storage.disk.unwrap();
-    assert_eq!(disk.segment_bytes, 4096 + 16 * record);
-    assert_eq!(disk.capacity_bytes / disk.segment_bytes, 510);
-    // A bigger disk gets more segments rather than segments over 256MiB (127 records).
-    let big = parse("[disk]\ncapacity = \"1TiB\"\n").unwrap().storage.disk.unwrap();
-    assert_eq!(big.segment_bytes, 4096 + 127 * record);
-    assert!(big.segment_bytes <= 256 << 20);
-    // A slot too large for that still gets a segment of one record.
+    assert_eq!(disk.segment_bytes, 4096 + record);
+    assert_eq!(disk.capacity_bytes / disk.segment_bytes, 8_160);
+    assert_eq!(disk.files(), 4);
+    assert_eq!(disk.file_bytes, tierkv_disk::FILE_BYTES);
+    // A bigger slot, a bigger segment: still one record.
     let large = parse("[l1]\nslot = \"512MiB\"\n").unwrap().storage.disk.unwrap();
     assert_eq!(large.segment_bytes, 4096 + (512 << 20) + 4096);
     // A size written is kept as written.

@@ -46,9 +46,8 @@ pub struct ReplayArgs {
     /// Disk capacity in chunks or bytes, in whole segments; off unless given.
     #[arg(long)]
     disk: Option<String>,
-    /// Chunks per disk segment (the disk frees a segment at a time). The default, 4, is about
-    /// what a 256 MiB segment holds of 64 MiB chunks: Mooncake's 512-token blocks of
-    /// Llama-3-8B's KV in bf16.
+    /// Chunks per disk segment (the disk frees a segment at a time). The default, 1, is the
+    /// disk tier's `segment = "auto"`: it frees one chunk at a time.
     #[arg(long, default_value_t = DISK_SEGMENT_CHUNKS as u64)]
     disk_segment: u64,
     /// The policy over the disk's segments (`lru`, `s3fifo`, `adaptive`); default: each run's

@@ -318,7 +318,8 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
 /// `disk.segment`: a size, or `"auto"`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum SegmentSize {
-    /// Sized from the disk's capacity and the slot ([`tierkv_disk::auto_segment_bytes`]).
+    /// One record of a slot ([`tierkv_disk::auto_segment_bytes`]): the disk frees one chunk at a
+    /// time.
     Auto,
     Bytes(ByteSize),
 }
