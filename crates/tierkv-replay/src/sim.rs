@@ -31,10 +31,10 @@ pub enum Policy {
     Online(PolicyKind),
     /// The offline optimum: evict the chunk used furthest in the future.
     Belady,
-    /// LRU that caches only chunks the trace names again: an offline bound on what any rule
-    /// deciding *whether* to cache a chunk can add to LRU (it does not know *when* the chunk
-    /// is named again, which only [`Policy::Belady`] uses).
-    LruOracleAdmission,
+    /// An online policy that caches only chunks the trace names again: an offline bound on
+    /// what any rule deciding *whether* to cache a chunk can add to that policy's order (it
+    /// does not know *when* the chunk is named again, which only [`Policy::Belady`] uses).
+    OracleAdmission(PolicyKind),
 }
 
 impl Policy {
@@ -43,7 +43,9 @@ impl Policy {
         match self {
             Policy::Online(kind) => kind.as_str(),
             Policy::Belady => "belady",
-            Policy::LruOracleAdmission => "lru-oracle-admission",
+            Policy::OracleAdmission(PolicyKind::Lru) => "lru-oracle-admission",
+            Policy::OracleAdmission(PolicyKind::S3Fifo) => "s3fifo-oracle-admission",
+            Policy::OracleAdmission(PolicyKind::Adaptive) => "adaptive-oracle-admission",
         }
     }
 
@@ -51,8 +53,11 @@ impl Policy {
     pub fn parse(name: &str) -> Option<Policy> {
         match name {
             "belady" | "optimal" | "opt" => Some(Policy::Belady),
-            "lru-oracle-admission" => Some(Policy::LruOracleAdmission),
-            other => PolicyKind::ALL.into_iter().find(|k| k.as_str() == other).map(Policy::Online),
+            other => PolicyKind::ALL.into_iter().find_map(|kind| {
+                [Policy::Online(kind), Policy::OracleAdmission(kind)]
+                    .into_iter()
+                    .find(|policy| policy.name() == other)
+            }),
         }
     }
 }
@@ -119,9 +124,9 @@ pub fn simulate(
             simulate_online(trace, kind.build_sharded(shards), capacity, |_| true)
         }
         Policy::Belady => simulate_belady(trace, capacity),
-        Policy::LruOracleAdmission => {
+        Policy::OracleAdmission(kind) => {
             let next = next_uses(trace);
-            simulate_online(trace, PolicyKind::Lru.build(), capacity, |t| next[t] != NEVER)
+            simulate_online(trace, kind.build(), capacity, |t| next[t] != NEVER)
         }
     }
 }
@@ -567,10 +572,23 @@ mod tests {
         // caches 2 (named once), so 1 hits; 3 (named again) then pushes 1 out in LRU order, and
         // 1's last use is not cached, so 3 hits too.
         let t = trace(&[&[1], &[2], &[1], &[3], &[1], &[3]]);
-        let oracle = simulate(&t, Policy::LruOracleAdmission, Some(1), 1);
+        let oracle = simulate(&t, Policy::OracleAdmission(PolicyKind::Lru), Some(1), 1);
         assert_eq!((oracle.hit_chunks, oracle.inserted), (2, 2));
         assert_eq!(simulate(&t, Policy::Online(PolicyKind::Lru), Some(1), 1).hit_chunks, 0);
         assert!(oracle.hit_chunks <= simulate(&t, Policy::Belady, Some(1), 1).hit_chunks);
+    }
+
+    #[test]
+    fn oracle_admission_runs_under_every_online_order() {
+        // Capacity 2: [9] is named once, so with the oracle no policy caches it, and [1] and
+        // [2] stay through it. Without the oracle, [9] pushes one of them out under every order.
+        let t = trace(&[&[1], &[2], &[1], &[2], &[9], &[1], &[2]]);
+        for kind in PolicyKind::ALL {
+            let oracle = simulate(&t, Policy::OracleAdmission(kind), Some(2), 1);
+            assert_eq!((oracle.hit_chunks, oracle.inserted), (4, 2), "{kind:?}");
+            let plain = simulate(&t, Policy::Online(kind), Some(2), 1);
+            assert!(plain.hit_chunks < 4 && plain.inserted > 2, "{kind:?}: {plain:?}");
+        }
     }
 
     #[test]
@@ -678,9 +696,12 @@ mod tests {
     fn policy_names_round_trip() {
         for policy in [
             Policy::Belady,
-            Policy::LruOracleAdmission,
+            Policy::OracleAdmission(PolicyKind::Lru),
+            Policy::OracleAdmission(PolicyKind::S3Fifo),
+            Policy::OracleAdmission(PolicyKind::Adaptive),
             Policy::Online(PolicyKind::Lru),
             Policy::Online(PolicyKind::S3Fifo),
+            Policy::Online(PolicyKind::Adaptive),
         ] {
             assert_eq!(Policy::parse(policy.name()), Some(policy));
         }

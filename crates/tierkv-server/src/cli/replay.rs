@@ -33,8 +33,9 @@ pub struct ReplayArgs {
     #[arg(long, value_delimiter = ',')]
     capacity: Option<Vec<String>>,
     /// Eviction policies: `lru`, `s3fifo`, `adaptive`, and, simulation only, `belady` (the
-    /// offline optimum) and `lru-oracle-admission` (LRU caching only chunks named again: the
-    /// bound on admission rules). A comma-separated list compares them. Default: adaptive.
+    /// offline optimum) and `lru-oracle-admission`, `s3fifo-oracle-admission`,
+    /// `adaptive-oracle-admission` (the policy caching only chunks named again: the bound on
+    /// admission rules over its order). A comma-separated list compares them. Default: adaptive.
     #[arg(long, value_delimiter = ',')]
     policy: Option<Vec<String>>,
     /// Bytes of each chunk's payload (daemon replays).
@@ -191,18 +192,20 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         .map(|c| capacity(c, chunk_bytes))
         .collect::<Result<Vec<_>, _>>()?;
     let policy_given = args.policy.is_some();
-    let policies =
-        args.policy
-            .clone()
-            .unwrap_or_else(|| vec![PolicyKind::default().as_str().into()])
-            .iter()
-            .map(|p| {
-                Policy::parse(p.trim())
-                .ok_or_else(|| format!(
-                    "unknown policy {p:?}: lru, s3fifo, adaptive, belady or lru-oracle-admission"
-                ))
+    let policies = args
+        .policy
+        .clone()
+        .unwrap_or_else(|| vec![PolicyKind::default().as_str().into()])
+        .iter()
+        .map(|p| {
+            Policy::parse(p.trim()).ok_or_else(|| {
+                format!(
+                    "unknown policy {p:?}: lru, s3fifo, adaptive, belady, or one of the first \
+                     three with -oracle-admission"
+                )
             })
-            .collect::<Result<Vec<_>, _>>()?;
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     if args.disk_segment == 0 {
         return Err("--disk-segment must be at least one chunk".into());
     }
