@@ -13,7 +13,8 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
 use tempfile::TempDir;
@@ -28,14 +29,16 @@ fn profile_dir() -> PathBuf {
     exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf()
 }
 
-/// Path of a workspace binary or example, built on demand when a plain `cargo test -p` of this
-/// package did not build it.
+/// Path of a workspace binary or example, built first when it is missing or older than the
+/// workspace's sources: a plain `cargo test -p` of this package builds neither, and would
+/// otherwise test whatever daemon an earlier build left behind.
 pub fn artifact(kind: &str, name: &str) -> PathBuf {
     let path = match kind {
         "example" => profile_dir().join("examples").join(name),
         _ => profile_dir().join(name),
     };
-    if !path.exists() {
+    let built = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+    if built.is_none_or(|built| built < *newest_source()) {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let (package, flag) = match kind {
             "example" => ("tierkv-client", "--example"),
@@ -50,6 +53,40 @@ pub fn artifact(kind: &str, name: &str) -> PathBuf {
         assert!(status.success(), "cargo build of {name} failed");
     }
     path
+}
+
+/// When the newest Rust source or manifest of the workspace was last changed (read once per
+/// test process).
+fn newest_source() -> &'static SystemTime {
+    static NEWEST: OnceLock<SystemTime> = OnceLock::new();
+    NEWEST.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root");
+        let mut newest = SystemTime::UNIX_EPOCH;
+        newest_in(&root.join("crates"), &mut newest);
+        for file in ["Cargo.toml", "Cargo.lock"] {
+            if let Ok(changed) = std::fs::metadata(root.join(file)).and_then(|m| m.modified()) {
+                newest = newest.max(changed);
+            }
+        }
+        newest
+    })
+}
+
+/// Raises `newest` to the change time of every `.rs` file and manifest under `dir`.
+fn newest_in(dir: &Path, newest: &mut SystemTime) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Ok(meta) = entry.metadata() else { continue };
+        if meta.is_dir() {
+            newest_in(&path, newest);
+        } else if (path.extension().is_some_and(|e| e == "rs")
+            || path.file_name().is_some_and(|n| n == "Cargo.toml"))
+            && let Ok(changed) = meta.modified()
+        {
+            *newest = (*newest).max(changed);
+        }
+    }
 }
 
 /// Kills a child when dropped.
