@@ -1,5 +1,6 @@
-//! Restart cost: how fast `DiskStore::open` rebuilds its index from the record headers (one
-//! 4 KiB direct read per record), scanning segments on one thread and on four.
+//! Restart cost: how fast `DiskStore::open` rebuilds its index from the segments' superblocks
+//! and record headers, scanning segments on one thread and on four, in segments of 256 records
+//! and of one.
 //!
 //! `cargo bench -p tierkv-disk --bench open` (set `TIERKV_BENCH_DIR` to measure another
 //! filesystem; the default is the system temporary directory). Bandwidth of stores and loads is
@@ -17,7 +18,6 @@ use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, record_bytes};
 
 const CHUNK: u64 = 16 << 10;
 const RECORDS: u64 = 16 << 10;
-const PER_SEGMENT: u64 = 256;
 const PER_TASK: u64 = 64;
 
 fn key(i: u64) -> ObjectKey {
@@ -28,13 +28,22 @@ fn main() {
     let parent = std::env::var_os("TIERKV_BENCH_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
-    let dir = tempfile::tempdir_in(&parent).unwrap();
-    let segment_bytes = BLOCK + PER_SEGMENT * record_bytes(CHUNK);
+    // Segments of 256 records, and of one (the default, `disk.segment = "auto"`).
+    for per_segment in [256, 1] {
+        layout(&parent, per_segment);
+    }
+}
+
+/// Writes `RECORDS` records into segments of `per_segment` records, then times reopening.
+fn layout(parent: &std::path::Path, per_segment: u64) {
+    let dir = tempfile::tempdir_in(parent).unwrap();
+    let segment_bytes = BLOCK + per_segment * record_bytes(CHUNK);
+    let segments = RECORDS.div_ceil(per_segment);
     let config = |io_threads| DiskStoreConfig {
         segment_bytes,
         fsync: FsyncPolicy::Never,
         io_threads,
-        ..DiskStoreConfig::new(dir.path(), (RECORDS / PER_SEGMENT + 2) * segment_bytes, CHUNK)
+        ..DiskStoreConfig::new(dir.path(), (segments + 2) * segment_bytes, CHUNK)
     };
     {
         let store = DiskStore::open(config(2)).unwrap();
@@ -56,9 +65,8 @@ fn main() {
         }
     } // closing syncs
     println!(
-        "{RECORDS} records of {} KiB in {} segments, {}",
+        "{RECORDS} records of {} KiB in {segments} segments of {per_segment}, {}",
         CHUNK >> 10,
-        RECORDS / PER_SEGMENT,
         parent.display()
     );
     for threads in [1, 4, 1, 4] {

@@ -962,6 +962,9 @@ fn scan_files(
 }
 
 /// Reads segment `id`'s superblock from `file` (`len` bytes long) and scans its current life.
+///
+/// The superblock and the block after it, the first record's header, come in one read, so a
+/// segment of one record (the default) costs one read to restart.
 fn scan_superblock(
     config: &DiskStoreConfig,
     layout: Layout,
@@ -971,10 +974,17 @@ fn scan_superblock(
     buf: &mut AlignedBuf,
 ) -> Option<(u64, SegmentScan)> {
     let base = layout.base(id);
-    file.read_at(&mut buf.as_mut_slice()[..BLOCK as usize], base).ok()?;
-    let superblock = Superblock::decode(buf.as_slice()).ok().filter(|sb| sb.id == id)?;
     // Whole blocks only: a file cut short mid-block ends at its last whole block.
     let limit = len.min(base + layout.segment_bytes) / BLOCK * BLOCK;
+    let first = limit.saturating_sub(base).min(2 * BLOCK);
+    if first < BLOCK {
+        return None;
+    }
+    let bytes = buf.as_mut_slice();
+    file.read_at(&mut bytes[..first as usize], base).ok()?;
+    let superblock = Superblock::decode(bytes).ok().filter(|sb| sb.id == id)?;
+    // `scan_segment` finds the first header where it reads its blocks.
+    bytes.copy_within(BLOCK as usize..first as usize, 0);
     Some((superblock.epoch, scan_segment(file, id, base, superblock.epoch, limit, config, buf)))
 }
 
@@ -994,7 +1004,8 @@ struct SegmentScan {
 }
 
 /// Reads the record headers of segment `id`'s life `epoch`, from its block 1 (the segment
-/// starts at `base` of the file) to `limit` (a file offset of whole blocks).
+/// starts at `base` of the file) to `limit` (a file offset of whole blocks). `buf` starts with
+/// block 1 already read, where the segment has one.
 ///
 /// A block that is neither a header of this life nor zeros is either a damaged header of this
 /// life or bytes of an earlier life past this life's end; the two cannot be told apart by the
@@ -1014,9 +1025,11 @@ fn scan_segment(
     let max_record = record_bytes(config.max_chunk_bytes);
     let mut found = SegmentScan::default();
     let mut at = base + BLOCK;
+    // Whether `buf` holds the block at `at` already: block 1 only.
+    let mut held = true;
     'records: while at + BLOCK <= limit {
         let head = &mut buf.as_mut_slice()[..BLOCK as usize];
-        if file.read_at(head, at).is_err() {
+        if !std::mem::take(&mut held) && file.read_at(head, at).is_err() {
             break;
         }
         match Header::decode(head) {

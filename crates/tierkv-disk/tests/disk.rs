@@ -1024,6 +1024,37 @@ fn records_damaged_or_torn_before_a_restart_are_counted_when_it_opens() {
     h.assert_loads(&[key(0), key(2), key(3)]);
 }
 
+#[test]
+fn a_damaged_first_header_read_with_the_superblock_loses_only_its_record() {
+    // The restart reads a segment's superblock and first header in one read. Segments of four
+    // records: key 0's header damaged, the scan finds key 1's after it. Segments of one record,
+    // three to a file: the middle one's header damaged, that record alone is lost.
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (mut h, _) = open(config(dir.path(), 4, 8));
+        h.store(&keys(0..4)).unwrap();
+    }
+    flip(&segment(dir.path(), 0), record_offset(0) + 40);
+    let (mut h, store) = open(config(dir.path(), 4, 8));
+    assert_eq!((store.recovered().records, store.recovered().damaged_records), (3, 1));
+    assert_eq!(h.present(&keys(0..4)).iter_ones().collect::<Vec<_>>(), [1, 2, 3]);
+    h.assert_loads(&keys(1..4));
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = shared_files(dir.path(), 3, 1, 3);
+    {
+        let (mut h, _) = open(config.clone());
+        for k in 0..3 {
+            h.store(&keys(k..k + 1)).unwrap();
+        }
+    }
+    flip(&segment(dir.path(), 0), config.segment_bytes + record_offset(0) + 40);
+    let (mut h, store) = open(config);
+    assert_eq!(store.recovered().records, 2);
+    assert_eq!(h.present(&keys(0..3)).iter_ones().collect::<Vec<_>>(), [0, 2]);
+    h.assert_loads(&[key(0), key(2)]);
+}
+
 /// A sink whose `len` panics: a bug in the caller's buffer type.
 struct PanickingSink;
 
