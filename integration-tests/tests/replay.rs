@@ -361,6 +361,28 @@ fn generic_traces_replay_like_mooncake_ones() {
 }
 
 #[test]
+fn azure_traces_replay_as_a_stream_without_reuse() {
+    // The Azure traces have lengths and no hashes: every chunk is its own, nothing hits, in the
+    // daemon as in the simulation, and every chunk is stored.
+    let path = Path::new(TRACES).join("../azure-llm-2023/AzureLLMInferenceTrace_conv.csv");
+    if !path.exists() {
+        eprintln!("SKIPPED: {} is absent", path.display());
+        return;
+    }
+    let path = path.to_str().unwrap();
+    let common = ["--limit", "200", "--capacity", "300", "--chunk-tokens", "256"];
+    let daemon = &replay(&[&["replay", path, "--chunk-bytes", "16KiB"][..], &common].concat())[0];
+    let simulated = &replay(&[&["replay", path, "--simulate"][..], &common].concat())[0];
+    for name in ["requests", "chunks", "hit_chunks", "tokens", "hit_tokens"] {
+        assert_eq!(field(daemon, name), field(simulated, name), "{name}: {daemon} {simulated}");
+    }
+    assert_eq!(field(daemon, "requests"), 200);
+    assert_eq!(field(daemon, "hit_chunks"), 0);
+    assert!(field(daemon, "chunks") > 300, "the stream outgrows the cache: {daemon}");
+    assert_eq!(moved(daemon, "chunks_stored"), field(daemon, "chunks"));
+}
+
+#[test]
 fn bad_replays_are_refused_with_a_reason() {
     let dir = tempfile::tempdir().unwrap();
     let broken = dir.path().join("broken.jsonl");

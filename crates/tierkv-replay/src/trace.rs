@@ -1,8 +1,9 @@
-//! Request traces: the Mooncake JSONL and a generic JSONL, read into one shape.
+//! Request traces: the Mooncake JSONL, a generic JSONL and the Azure LLM inference CSV, read
+//! into one shape.
 //!
-//! Both formats are one JSON object per line, one line per request, and name each request's
-//! chunks by *prefix* hashes: a chunk's id covers it and every chunk before it, so equal ids mean
-//! reusable KV for the whole prefix.
+//! The two JSONL formats are one JSON object per line, one line per request, and name each
+//! request's chunks by *prefix* hashes: a chunk's id covers it and every chunk before it, so
+//! equal ids mean reusable KV for the whole prefix.
 //!
 //! - Mooncake (FAST'25): `{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 //!   "hash_ids": [int, ...]}` with 512-token blocks.
@@ -11,6 +12,12 @@
 //!   back to back) and `tokens` defaults to every chunk full.
 //!
 //! A line is recognised by its fields, so one reader takes either format.
+//!
+//! - Azure LLM inference 2023 (Splitwise): a CSV with the header
+//!   `TIMESTAMP,ContextTokens,GeneratedTokens` and rows `2023-11-16 18:17:03.9799600,4808,10`.
+//!   It has arrival times and lengths only, no hashes, so nothing in it is known to be shared:
+//!   every chunk gets an id of its own, and the trace is a stream without reuse (a baseline of
+//!   misses with a real arrival pattern).
 
 use std::path::{Path, PathBuf};
 
@@ -91,13 +98,23 @@ impl Trace {
         if chunk_tokens == 0 {
             return Err((0, "chunk_tokens must be positive".into()));
         }
+        let azure =
+            text.lines().find(|line| !line.trim().is_empty()).map(str::trim) == Some(AZURE_HEADER);
         let mut requests = Vec::new();
         let mut trace_chunk_tokens = chunk_tokens;
+        let mut azure_start = None;
+        let mut next_id = 0;
         for (n, line) in text.lines().enumerate() {
-            if line.trim().is_empty() {
+            if line.trim().is_empty() || (azure && line.trim() == AZURE_HEADER) {
                 continue;
             }
-            let (request, tokens) = parse_line(line, chunk_tokens).map_err(|e| (n + 1, e))?;
+            let parsed = if azure {
+                parse_azure_row(line, chunk_tokens, &mut azure_start, &mut next_id)
+                    .map(|request| (request, chunk_tokens))
+            } else {
+                parse_line(line, chunk_tokens)
+            };
+            let (request, tokens) = parsed.map_err(|e| (n + 1, e))?;
             if let Some(previous) = requests.last().map(|r: &TraceRequest| r.timestamp_ms)
                 && request.timestamp_ms < previous
             {
@@ -186,6 +203,61 @@ fn parse_line(line: &str, chunk_tokens: u64) -> Result<(TraceRequest, u64), Stri
     Ok((request, tokens))
 }
 
+/// The first line of an Azure LLM inference trace.
+const AZURE_HEADER: &str = "TIMESTAMP,ContextTokens,GeneratedTokens";
+
+/// One row of an Azure trace: its prompt in chunks of `chunk_tokens`, each with an id of its
+/// own from `next_id` on, timed from the trace's first row (`start`, in milliseconds since the
+/// epoch, set by that row).
+fn parse_azure_row(
+    row: &str,
+    chunk_tokens: u64,
+    start: &mut Option<f64>,
+    next_id: &mut u64,
+) -> Result<TraceRequest, String> {
+    let fields: Vec<&str> = row.trim().split(',').collect();
+    let [timestamp, context, _generated] = fields[..] else {
+        return Err(format!("an Azure row has 3 fields, this one {}", fields.len()));
+    };
+    let at = azure_time_ms(timestamp)
+        .ok_or_else(|| format!("timestamp {timestamp:?} is not YYYY-MM-DD HH:MM:SS.fraction"))?;
+    let tokens: u64 =
+        context.parse().map_err(|_| format!("ContextTokens {context:?} is not a token count"))?;
+    let start = *start.get_or_insert(at);
+    let chunks = tokens.div_ceil(chunk_tokens);
+    let first = *next_id;
+    *next_id = first.checked_add(chunks).ok_or("more chunks than ids")?;
+    Ok(TraceRequest { timestamp_ms: at - start, chunks: (first..*next_id).collect(), tokens })
+}
+
+/// `YYYY-MM-DD HH:MM:SS[.fraction]` (UTC) in milliseconds since 1970-01-01.
+fn azure_time_ms(text: &str) -> Option<f64> {
+    let (date, time) = text.trim().split_once(' ')?;
+    let mut date = date.splitn(3, '-').map(|part| part.parse::<i64>().ok());
+    let (year, month, day) = (date.next()??, date.next()??, date.next()??);
+    let mut time = time.splitn(3, ':');
+    let hour: i64 = time.next()?.parse().ok()?;
+    let minute: i64 = time.next()?.parse().ok()?;
+    let second: f64 = time.next()?.parse().ok()?;
+    let valid = (1..=12).contains(&month)
+        && (1..=31).contains(&day)
+        && (0..24).contains(&hour)
+        && (0..60).contains(&minute)
+        && (0.0..61.0).contains(&second);
+    if !valid {
+        return None;
+    }
+    // Days from the civil date (Howard Hinnant's algorithm), March-based years.
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let year_of_era = y - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = era * 146_097 + day_of_era - 719_468;
+    let seconds = (days * 86_400 + hour * 3_600 + minute * 60) as f64 + second;
+    Some(seconds * 1e3)
+}
+
 /// A generic chunk id: an unsigned integer as it is, a string by its hash.
 fn chunk_key(id: &Value) -> Result<u64, String> {
     match id {
@@ -225,6 +297,35 @@ mod tests {
     }
 
     #[test]
+    fn azure_rows_are_timed_from_the_first_and_share_no_chunk() {
+        let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+                    2023-11-16 18:17:03.9799600,1000,10\n\
+                    2023-11-16 18:17:04.0319600,512,8\n\
+                    2023-11-17 00:00:00,0,1\n";
+        let trace = Trace::parse("azure", text, 512).unwrap();
+        assert_eq!(trace.chunk_tokens, 512);
+        let r = &trace.requests;
+        assert_eq!(
+            (r[0].timestamp_ms, r[0].chunks.as_slice(), r[0].tokens),
+            (0.0, &[0, 1][..], 1000)
+        );
+        assert!((r[1].timestamp_ms - 52.0).abs() < 1e-6, "{}", r[1].timestamp_ms);
+        assert_eq!((r[1].chunks.as_slice(), r[1].tokens), (&[2][..], 512));
+        // Across midnight: 5 h 42 min 56.02 s after the first row.
+        assert!((r[2].timestamp_ms - 20_576_020.04).abs() < 1e-3, "{}", r[2].timestamp_ms);
+        assert!(r[2].chunks.is_empty());
+    }
+
+    #[test]
+    fn civil_dates_count_leap_days() {
+        assert_eq!(azure_time_ms("1970-01-01 00:00:00"), Some(0.0));
+        assert_eq!(azure_time_ms("2000-03-01 00:00:00"), Some(951_868_800_000.0));
+        assert_eq!(azure_time_ms("2023-11-16 18:17:03.5"), Some(1_700_158_623_500.0));
+        assert_eq!(azure_time_ms("2023-13-16 18:17:03"), None);
+        assert_eq!(azure_time_ms("2023-11-16T18:17:03"), None);
+    }
+
+    #[test]
     fn bad_lines_are_named() {
         for (text, line, needle) in [
             ("{\"hash_ids\": [1]}", 1, "Mooncake line"),
@@ -244,6 +345,19 @@ mod tests {
             ),
             ("not json", 1, "not JSON"),
             ("{\"chunks\": [1, 2, 1]}", 1, "repeats"),
+            (
+                "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,12,1\n\
+                 2023-11-16 18:17:02,12,1",
+                3,
+                "before",
+            ),
+            (
+                "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,-1,1",
+                2,
+                "ContextTokens",
+            ),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n18:17:03,12,1", 2, "not YYYY"),
+            ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,12", 2, "3 fields"),
         ] {
             let (at, message) = Trace::parse("bad", text, 16).unwrap_err();
             assert_eq!(at, line, "{text}: {message}");

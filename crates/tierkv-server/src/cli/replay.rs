@@ -81,7 +81,7 @@ pub struct ReplayArgs {
     /// Replay only the first N requests of each trace.
     #[arg(long)]
     limit: Option<usize>,
-    /// Tokens per chunk of generic traces (Mooncake's are 512).
+    /// Tokens per chunk of generic and Azure traces (Mooncake's are 512).
     #[arg(long, default_value_t = 512)]
     chunk_tokens: u64,
     /// Replay through the daemon already listening on this Unix socket (in a namespace of its
