@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, DriverError, sys};
 use tierkv_l1::device::{
-    At, CopyError, CopyStream, CudaCopyEngine, CudaCopyStream, cuda_available,
+    At, CopyError, CopyStream, CudaCopyEngine, CudaCopyStream, bind_context, cuda_available,
 };
 
 /// Bytes of a CUDA IPC memory handle.
@@ -88,7 +88,7 @@ impl std::fmt::Debug for CudaEvent {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        if self.context.bind_to_thread().is_ok() {
+        if bind_context(&self.context).is_ok() {
             // SAFETY: `event` came from `cuIpcOpenEventHandle` and is destroyed only here.
             let _ = unsafe { sys::cuEventDestroy_v2(self.event) }.result();
         }
@@ -144,7 +144,7 @@ impl CudaRegion {
         let engine = CudaCopyEngine::new(ordinal)
             .map_err(|e| CudaIpcError::Unavailable(format!("cannot open the device: {e}")))?;
         let stream = engine.cuda_stream()?;
-        stream.context().bind_to_thread().map_err(driver("cannot bind the device"))?;
+        bind_context(stream.context()).map_err(driver("cannot bind the device"))?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
         for (to, from) in handle.reserved.iter_mut().zip(raw) {
             *to = from as std::ffi::c_char;
@@ -211,7 +211,7 @@ impl CudaRegion {
                 handle.len()
             ))
         })?;
-        self.stream.context().bind_to_thread().map_err(driver("cannot bind the device"))?;
+        bind_context(self.stream.context()).map_err(driver("cannot bind the device"))?;
         let mut ipc = sys::CUipcEventHandle { reserved: [0; IPC_HANDLE_BYTES] };
         for (to, from) in ipc.reserved.iter_mut().zip(raw) {
             *to = from as std::ffi::c_char;
@@ -279,7 +279,7 @@ impl Drop for CudaRegion {
         // Nobody to report a failure to in a destructor; the driver releases the mapping with
         // the process at the latest.
         let _ = self.stream.sync();
-        if self.stream.context().bind_to_thread().is_ok() {
+        if bind_context(self.stream.context()).is_ok() {
             // SAFETY: `base` came from `cuIpcOpenMemHandle` and is closed only here, after the
             // copies into and out of it.
             let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) }.result();

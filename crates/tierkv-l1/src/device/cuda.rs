@@ -18,7 +18,7 @@ use cudarc::driver::{CudaContext, result, sys};
 use parking_lot::Mutex;
 
 use super::copy::{At, CopyStream, Piece};
-use super::cuda_copy::{CudaCopyEngine, CudaCopyStream};
+use super::cuda_copy::{CudaCopyEngine, CudaCopyStream, bind_context};
 use super::{DeviceArena, DeviceError, check_range};
 
 /// Whether the CUDA driver library is present and reports at least one device.
@@ -63,7 +63,7 @@ impl CudaArena {
         let engine = CudaCopyEngine::new(ordinal)?;
         let context = engine.context();
         let name = context.name().unwrap_or_else(|_| format!("CUDA device {ordinal}"));
-        context.bind_to_thread().map_err(|e| alloc_error(e.to_string()))?;
+        bind_context(context).map_err(|e| alloc_error(e.to_string()))?;
         // SAFETY: the context is bound to this thread; the returned pointer is owned by the arena
         // and freed once, in `Drop`.
         let base = unsafe { result::malloc_sync(len) }.map_err(|e| alloc_error(e.to_string()))?;
@@ -149,7 +149,7 @@ impl Drop for CudaArena {
         self.streams.lock().clear();
         // A failure here leaves device memory to the driver's context teardown; there is nobody
         // to report it to in a destructor.
-        if self.context().bind_to_thread().is_ok() {
+        if bind_context(self.context()).is_ok() {
             // SAFETY: `base` came from `malloc_sync` in `new` and is freed only here.
             let _ = unsafe { result::free_sync(self.base) };
         }

@@ -11,13 +11,19 @@
 //!   the next recorded event or sync.
 //! - `record` records a CUDA event (blocking-sync, no timing) and hands it to the stream's event
 //!   thread, which waits for it in `cuEventSynchronize` (the thread sleeps in the driver; nothing
-//!   spins) and then fires the [`Event`] with the first failure since the previous record.
+//!   spins) and then fires the [`Event`] with the first failure of the work enqueued between the
+//!   previous record (or sync) and this one. Each failure is tagged with that interval when its
+//!   work is enqueued, so which thread wakes first does not move it to another event.
 //! - `sync` records the stream's own blocking-sync event and waits for it on the calling thread:
 //!   no hand-over to the event thread for a caller that waits anyway.
 //! - `wait` on an event that has not fired enqueues a host function (`cuLaunchHostFunc`) that
 //!   blocks the stream until it fires. If it fires with an error, the work after it still runs on
 //!   the device (a stream cannot skip what is enqueued), but the next recorded event carries
-//!   [`CopyError::Upstream`], so its result is discarded: a miss, never a visible chunk.
+//!   [`CopyError::Upstream`], so its result is discarded: a miss, never a visible chunk. The
+//!   host function must not wait for an event that only work queued behind host functions of
+//!   other streams can fire: the driver may run host functions one at a time. The daemon waits
+//!   for events of other streams on the device ([`CudaCopyStream::follow`]); `wait` serves
+//!   events fired by host threads.
 //! - A worker's own CUDA events (opened by IPC) are waited for and recorded on the device
 //!   ([`CudaCopyStream::wait_cuda_event`], [`CudaCopyStream::record_cuda_event`]), and one
 //!   stream can follow another's work ([`CudaCopyStream::follow`]): no host thread waits.
@@ -62,6 +68,11 @@ impl CudaCopyEngine {
         cuda_available()?;
         let context = CudaContext::new(ordinal)
             .map_err(|e| DeviceError::CudaUnavailable(format!("device {ordinal}: {e}")))?;
+        // SAFETY: the tracking orders cudarc's own `CudaSlice`s between streams; nothing here
+        // makes one (memory is raw device addresses, ordered by this engine's events). With it
+        // on, the first stream of each new context object synchronizes the whole device, so every
+        // worker's registration would wait for every copy in flight.
+        unsafe { context.disable_event_tracking() };
         Ok(CudaCopyEngine { context })
     }
 
@@ -91,6 +102,8 @@ impl CopyEngine for CudaCopyEngine {
 struct Recorded {
     cuda: sys::CUevent,
     event: Event,
+    /// The interval of the stream it closes.
+    interval: u64,
 }
 
 // SAFETY: a CUevent is a driver handle usable from any thread that binds its context.
@@ -98,14 +111,48 @@ unsafe impl Send for Recorded {}
 
 /// What the stream and its host functions share.
 struct Shared {
-    /// The first failure since the last record.
-    failed: Mutex<Option<CopyError>>,
+    failures: Mutex<Failures>,
     stopping: AtomicBool,
 }
 
 impl Shared {
+    /// A failure of work enqueued now.
     fn fail(&self, error: CopyError) {
-        self.failed.lock().get_or_insert(error);
+        let mut failures = self.failures.lock();
+        let interval = failures.open;
+        failures.fail(interval, error);
+    }
+}
+
+/// A stream's failures by the interval of the stream they belong to: the work enqueued between
+/// two marks (a `record` or a `sync`). The mark that closes an interval reports its first
+/// failure, once.
+#[derive(Debug, Default)]
+struct Failures {
+    /// The interval open now: the number of marks made so far.
+    open: u64,
+    /// The first failure of each interval not yet reported.
+    unreported: Vec<(u64, CopyError)>,
+}
+
+impl Failures {
+    /// Notes `error` in `interval`, unless it has a failure already.
+    fn fail(&mut self, interval: u64, error: CopyError) {
+        if self.unreported.iter().all(|(i, _)| *i != interval) {
+            self.unreported.push((interval, error));
+        }
+    }
+
+    /// Closes the open interval; returns it.
+    fn mark(&mut self) -> u64 {
+        self.open += 1;
+        self.open - 1
+    }
+
+    /// The first failure of `interval`, which is over.
+    fn take(&mut self, interval: u64) -> Option<CopyError> {
+        let at = self.unreported.iter().position(|(i, _)| *i == interval)?;
+        Some(self.unreported.swap_remove(at).1)
     }
 }
 
@@ -139,13 +186,23 @@ fn failed(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> CopyError +
     move |e| CopyError::Failed(format!("{what}: {e}"))
 }
 
+/// Makes `context` current on the calling thread. Not `CudaContext::bind_to_thread`, which first
+/// returns (and clears) any error cudarc stored from an earlier drop: a caller that must wait for
+/// copies, or free what they used, would then skip it.
+pub fn bind_context(context: &CudaContext) -> Result<(), cudarc::driver::DriverError> {
+    // SAFETY: the context is live while borrowed.
+    unsafe { result::ctx::set_current(context.cu_ctx()) }
+}
+
 impl CudaCopyStream {
     fn start(context: Arc<CudaContext>) -> Result<Self, CopyError> {
         context.bind_to_thread().map_err(failed("cannot bind the device"))?;
         let stream = context.new_stream().map_err(failed("cannot create a stream"))?;
         let marker = blocking_event()?;
-        let shared =
-            Arc::new(Shared { failed: Mutex::new(None), stopping: AtomicBool::new(false) });
+        let shared = Arc::new(Shared {
+            failures: Mutex::new(Failures::default()),
+            stopping: AtomicBool::new(false),
+        });
         let (sender, receiver) = mpsc::channel::<Recorded>();
         let (ctx, state) = (Arc::clone(&context), Arc::clone(&shared));
         let thread = std::thread::Builder::new()
@@ -170,7 +227,7 @@ impl CudaCopyStream {
     }
 
     fn bind(&self) -> Result<(), CopyError> {
-        self.context.bind_to_thread().map_err(failed("cannot bind the device"))
+        bind_context(&self.context).map_err(failed("cannot bind the device"))
     }
 
     /// The context the stream runs in (its device's primary context).
@@ -316,7 +373,8 @@ impl CopyStream for CudaCopyStream {
             None => {}
         }
         self.bind()?;
-        let arg = Box::into_raw(Box::new((event.clone(), Arc::clone(&self.shared))));
+        let interval = self.shared.failures.lock().open;
+        let arg = Box::into_raw(Box::new((event.clone(), Arc::clone(&self.shared), interval)));
         // SAFETY: `arg` is a leaked box that `block_on_event` takes back exactly once; if the
         // launch fails, it is taken back here instead.
         let launched = unsafe {
@@ -337,18 +395,28 @@ impl CopyStream for CudaCopyStream {
     fn record(&self) -> Result<Event, CopyError> {
         self.bind()?;
         let cuda = blocking_event()?;
-        // SAFETY: the event was just created; the stream is ours.
-        if let Err(e) = unsafe { result::event::record(cuda, self.stream.cu_stream()) } {
-            // SAFETY: created above, never recorded, destroyed once.
-            let _ = unsafe { result::event::destroy(cuda) };
-            return Err(CopyError::Failed(format!("cuEventRecord: {e}")));
-        }
-        let event = Event::new();
-        let sent = match &*self.sender.lock() {
-            Some(sender) => sender.send(Recorded { cuda, event: event.clone() }).is_ok(),
-            None => false,
+        // The record and the mark at once, so that work enqueued by another thread falls on
+        // the same side of both.
+        let interval = {
+            let mut failures = self.shared.failures.lock();
+            // SAFETY: the event was just created; the stream is ours.
+            if let Err(e) = unsafe { result::event::record(cuda, self.stream.cu_stream()) } {
+                // SAFETY: created above, never recorded, destroyed once.
+                let _ = unsafe { result::event::destroy(cuda) };
+                return Err(CopyError::Failed(format!("cuEventRecord: {e}")));
+            }
+            failures.mark()
         };
-        if !sent {
+        let event = Event::new();
+        let refused = match &*self.sender.lock() {
+            Some(sender) => sender.send(Recorded { cuda, event: event.clone(), interval }).err(),
+            None => Some(mpsc::SendError(Recorded { cuda, event: event.clone(), interval })),
+        };
+        if let Some(mpsc::SendError(refused)) = refused {
+            // SAFETY: recorded above and handed to nobody; the driver releases a recorded event
+            // once it completes.
+            let _ = unsafe { result::event::destroy(refused.cuda) };
+            self.shared.failures.lock().take(interval);
             return Err(CopyError::Stopped);
         }
         Ok(event)
@@ -358,15 +426,22 @@ impl CopyStream for CudaCopyStream {
     /// the copies are over: if the event cannot be recorded or waited on, it waits on the stream
     /// itself (`cuStreamSynchronize`, which may spin).
     fn sync(&self) -> Result<(), CopyError> {
-        self.bind()?;
-        // SAFETY: the marker lives as long as the stream; the stream is ours.
-        let synced = unsafe { self.record_cuda_event(self.marker) }
+        let (recorded, interval) = {
+            let mut failures = self.shared.failures.lock();
+            // SAFETY: the marker lives as long as the stream; the stream is ours.
+            (unsafe { self.record_cuda_event(self.marker) }, failures.mark())
+        };
+        let synced = recorded
             .and_then(|()| {
                 // SAFETY: as above.
                 unsafe { result::event::synchronize(self.marker) }.map_err(failed("the copies"))
             })
-            .or_else(|_| self.stream.synchronize().map_err(failed("the copies")));
-        let earlier = self.shared.failed.lock().take();
+            .or_else(|_| {
+                // SAFETY: the stream is ours and live; waiting needs no bound context.
+                unsafe { result::stream::synchronize(self.stream.cu_stream()) }
+                    .map_err(failed("the copies"))
+            });
+        let earlier = self.shared.failures.lock().take(interval);
         match (synced, earlier) {
             (Err(e), _) | (Ok(()), Some(e)) => Err(e),
             (Ok(()), None) => Ok(()),
@@ -382,10 +457,15 @@ impl Drop for CudaCopyStream {
         self.shared.stopping.store(true, Ordering::Release);
         self.sender.lock().take();
         if let Some(thread) = self.thread.lock().take() {
-            let _ = thread.join();
+            // Dropped by a callback on its own event thread (an event's last owner): that thread
+            // ends by itself once its queue is empty, and cannot join itself.
+            if thread.thread().id() != std::thread::current().id() {
+                let _ = thread.join();
+            }
         }
         if self.bind().is_ok() {
-            let _ = self.stream.synchronize();
+            // SAFETY: the stream is ours and live.
+            let _ = unsafe { result::stream::synchronize(self.stream.cu_stream()) };
             // SAFETY: created in `start`, destroyed only here, after the last wait on it.
             let _ = unsafe { result::event::destroy(self.marker) };
         }
@@ -395,8 +475,8 @@ impl Drop for CudaCopyStream {
 /// The event thread: waits for each recorded event in order, sleeping in the driver, and fires
 /// it with the first failure since the previous one.
 fn events(context: &CudaContext, receiver: &mpsc::Receiver<Recorded>, shared: &Shared) {
-    let bound = context.bind_to_thread();
-    while let Ok(Recorded { cuda, event }) = receiver.recv() {
+    let bound = bind_context(context);
+    while let Ok(Recorded { cuda, event, interval }) = receiver.recv() {
         let synced = match &bound {
             // SAFETY: a recorded event of this context, destroyed once, below.
             Ok(()) => unsafe { result::event::synchronize(cuda) }
@@ -407,7 +487,7 @@ fn events(context: &CudaContext, receiver: &mpsc::Receiver<Recorded>, shared: &S
             // SAFETY: as above.
             let _ = unsafe { result::event::destroy(cuda) };
         }
-        let earlier = shared.failed.lock().take();
+        let earlier = shared.failures.lock().take(interval);
         let outcome = match (synced, earlier) {
             (Err(e), _) | (Ok(()), Some(e)) => Err(e),
             (Ok(()), None) if shared.stopping.load(Ordering::Acquire) => Err(CopyError::Stopped),
@@ -421,21 +501,17 @@ fn events(context: &CudaContext, receiver: &mpsc::Receiver<Recorded>, shared: &S
 /// steps, so a stopping stream is not held forever).
 unsafe extern "C" fn block_on_event(arg: *mut c_void) {
     // SAFETY: `arg` is the box `wait` leaked for this one call.
-    let boxed = unsafe { Box::from_raw(arg.cast::<(Event, Arc<Shared>)>()) };
-    let (event, shared) = &*boxed;
+    let boxed = unsafe { Box::from_raw(arg.cast::<(Event, Arc<Shared>, u64)>()) };
+    let (event, shared, interval) = &*boxed;
     loop {
-        match event.wait(STOP_CHECK) {
+        let error = match event.wait(STOP_CHECK) {
             Ok(()) => return,
-            Err(CopyError::Timeout) if !shared.stopping.load(Ordering::Acquire) => {}
-            Err(CopyError::Timeout) => {
-                shared.fail(CopyError::Stopped);
-                return;
-            }
-            Err(e) => {
-                shared.fail(CopyError::Upstream(e.to_string()));
-                return;
-            }
-        }
+            Err(CopyError::Timeout) if !shared.stopping.load(Ordering::Acquire) => continue,
+            Err(CopyError::Timeout) => CopyError::Stopped,
+            Err(e) => CopyError::Upstream(e.to_string()),
+        };
+        shared.failures.lock().fail(*interval, error);
+        return;
     }
 }
 
@@ -642,6 +718,31 @@ mod tests {
     }
 
     #[test]
+    fn a_failure_is_reported_by_the_mark_after_its_work_and_by_no_other() {
+        // The bookkeeping of every CUDA stream's failures, which runs without a device.
+        let failed = |why: &str| CopyError::Failed(why.into());
+        let mut failures = Failures::default();
+        // A record, its event still in flight; then work that is refused, twice.
+        let first = failures.mark();
+        failures.fail(failures.open, failed("refused"));
+        failures.fail(failures.open, failed("refused again"));
+        let second = failures.mark();
+        // The first record's event thread wakes only now: the refusal is not its.
+        assert_eq!(failures.take(first), None);
+        assert_eq!(failures.take(second), Some(failed("refused")), "the first failure");
+        assert_eq!(failures.take(second), None, "reported once");
+        // A host function of the third interval fails after the third mark was made (its
+        // event is not complete until the host function returns): still the third's.
+        let interval = failures.open;
+        let third = failures.mark();
+        failures.fail(interval, CopyError::Upstream("the producer failed".into()));
+        let fourth = failures.mark();
+        assert_eq!(failures.take(fourth), None);
+        assert_eq!(failures.take(third), Some(CopyError::Upstream("the producer failed".into())));
+        assert!(failures.unreported.is_empty());
+    }
+
+    #[test]
     fn without_a_device_the_engine_says_why() {
         if cuda_available().is_ok() {
             eprintln!("SKIPPED: a CUDA device is present");
@@ -660,6 +761,9 @@ mod tests {
         let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
         // SAFETY: `a` has `n` bytes.
         unsafe { result::memcpy_htod_sync(a, &data) }.unwrap();
+        // A pageable upload may return before its bytes land, and the engine's non-blocking
+        // streams do not wait for the legacy stream it ran on.
+        result::ctx::synchronize().unwrap();
         let stream = engine.stream().unwrap();
         let producer = Event::new();
         stream.wait(&producer).unwrap();
@@ -688,6 +792,17 @@ mod tests {
         bad.fire(Err(CopyError::Failed("the engine failed".into())));
         let after = stream.record().unwrap();
         assert!(matches!(after.wait(Duration::from_secs(10)), Err(CopyError::Upstream(_))));
+
+        // A failure noted while an earlier record is still in flight is the next record's
+        // only: the earlier one fires clean, whichever thread wakes first.
+        let gate = Event::new();
+        stream.wait(&gate).unwrap();
+        let before = stream.record().unwrap();
+        stream.wait(&bad).unwrap();
+        let later = stream.record().unwrap();
+        gate.fire(Ok(()));
+        before.wait(Duration::from_secs(10)).unwrap();
+        assert!(matches!(later.wait(Duration::from_secs(10)), Err(CopyError::Upstream(_))));
         drop(stream);
         // SAFETY: allocated above, freed once.
         unsafe {
@@ -760,6 +875,8 @@ mod tests {
         let data: Vec<u8> = (0..n).map(|i| (i % 253) as u8).collect();
         // SAFETY: `a` has `n` bytes.
         unsafe { result::memcpy_htod_sync(a, &data) }.unwrap();
+        // As in the test above: the upload is complete before the streams read `a`.
+        result::ctx::synchronize().unwrap();
         let stream = engine.cuda_stream().unwrap();
         let packed = (rows * width) as usize;
         // Strided rows of `a` packed into `b` (a gather), then unpacked into `c` (a scatter).
@@ -808,17 +925,27 @@ mod tests {
         stream.sync().unwrap();
         assert!(back == expected, "a batch of single rows moved other bytes");
         // From the host, on a second stream held back by a gate; the first stream follows it
-        // before reading back, so its read-out must wait for the gate too.
+        // before reading back, so its read-out must wait for the gate too. Both host buffers
+        // are pinned: a copy between the device and pageable memory may hold the calling thread
+        // until it is done, which here would be until the gate opens, after the copy call.
+        // SAFETY: the context is bound; both buffers are freed at the end of the test, after
+        // the streams that use them are dropped.
+        let (fill, pinned_back) = unsafe {
+            (
+                result::malloc_host(packed, 0).unwrap().cast::<u8>(),
+                result::malloc_host(packed, 0).unwrap().cast::<u8>(),
+            )
+        };
+        // SAFETY: `fill` has `packed` bytes, written here only.
+        unsafe { std::ptr::write_bytes(fill, 0x5a, packed) };
         let other = engine.cuda_stream().unwrap();
         let gate = Event::new();
         other.wait(&gate).unwrap();
-        let fill = vec![0x5au8; packed];
-        let put = Piece::contiguous(At::Host(fill.as_ptr() as u64), At::Device(b), packed as u64);
+        let put = Piece::contiguous(At::Host(fill as u64), At::Device(b), packed as u64);
         // SAFETY: `fill` lives past the sync of the stream that follows.
         unsafe { other.copy(vec![put]) }.unwrap();
         stream.follow(&other).unwrap();
-        let out =
-            Piece::contiguous(At::Device(b), At::Host(back.as_mut_ptr() as u64), packed as u64);
+        let out = Piece::contiguous(At::Device(b), At::Host(pinned_back as u64), packed as u64);
         // SAFETY: as above.
         unsafe { stream.copy(vec![out]) }.unwrap();
         let read = stream.record().unwrap();
@@ -826,11 +953,15 @@ mod tests {
         assert!(read.result().is_none(), "the following stream ran before the one it follows");
         gate.fire(Ok(()));
         read.wait(Duration::from_secs(10)).unwrap();
-        assert!(back.iter().all(|&x| x == 0x5a), "a stream that follows another read too early");
+        // SAFETY: the copy into it is complete (its event fired); nothing writes it any more.
+        let got = unsafe { std::slice::from_raw_parts(pinned_back, packed) };
+        assert!(got.iter().all(|&x| x == 0x5a), "a stream that follows another read too early");
         drop((stream, other));
         engine.context.bind_to_thread().unwrap();
-        // SAFETY: allocated above, freed once.
+        // SAFETY: allocated above, freed once, after every copy that used them.
         unsafe {
+            result::free_host(fill.cast()).unwrap();
+            result::free_host(pinned_back.cast()).unwrap();
             result::free_sync(a).unwrap();
             result::free_sync(b).unwrap();
             result::free_sync(c).unwrap();

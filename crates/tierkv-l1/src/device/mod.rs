@@ -19,7 +19,7 @@ use std::ptr::NonNull;
 
 pub use copy::{At, CopyEngine, CopyError, CopyStream, Event, Piece};
 pub use cuda::{CudaArena, cuda_available};
-pub use cuda_copy::{CudaCopyEngine, CudaCopyStream, MAX_PITCH, NO_BATCH_ENV};
+pub use cuda_copy::{CudaCopyEngine, CudaCopyStream, MAX_PITCH, NO_BATCH_ENV, bind_context};
 pub use emulated::EmulatedArena;
 pub use emulated_copy::{EmulatedCopyEngine, EmulatedStream, FaultHook};
 
