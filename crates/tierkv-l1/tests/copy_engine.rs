@@ -212,6 +212,27 @@ fn a_strided_piece_moves_each_row_from_its_pitch_to_its_pitch() {
 }
 
 #[test]
+fn a_failure_belongs_to_the_record_after_its_work_not_to_one_still_in_flight() {
+    // The contract both engines keep (the CUDA one tags each failure with its interval between
+    // marks): a record still waiting when later work fails fires clean, and the record after
+    // that work carries the failure.
+    let engine = EmulatedCopyEngine::new();
+    let stream = engine.stream().unwrap();
+    let gate = Event::new();
+    stream.wait(&gate).unwrap();
+    let before = stream.record().unwrap();
+    let failed = Event::new();
+    failed.fire(Err(CopyError::Failed("the producer failed".into())));
+    stream.wait(&failed).unwrap();
+    let after = stream.record().unwrap();
+    assert!(before.result().is_none(), "held by the gate");
+    gate.fire(Ok(()));
+    assert_eq!(before.wait(SECOND), Ok(()));
+    assert!(matches!(after.wait(SECOND), Err(CopyError::Upstream(_))));
+    assert_eq!(stream.record().unwrap().wait(SECOND), Ok(()), "reported once");
+}
+
+#[test]
 fn a_sync_reports_a_failure_once_and_leaves_the_stream_clean() {
     let src = vec![1u8; 64];
     let bad = src.as_ptr() as u64;
