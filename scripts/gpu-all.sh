@@ -6,8 +6,11 @@
 # run there) against the carried daemon. Output goes to the terminal and to OUTDIR (default:
 # $OUT, the device tool's output folder, else target/gpu-out): gpu-check.txt, unit-tests.txt,
 # python-tests.txt, and the daemons' logs. Exit status: the first failure's. Each step has its
-# own time limit (GPU_CHECK_LIMIT, default 300 s; 120 s for each test executable, 240 s for the
-# Python tests), so a step that hangs costs its limit, not the whole call.
+# own time limit (GPU_CHECK_LIMIT, default 230 s; 45 s for each test executable, 160 s for the
+# Python tests), so a step that hangs costs its limit, not the whole call, and no step runs past
+# GPU_ALL_LIMIT (default 560 s) from the start: the device tool stops a command at 600 s, and
+# what a stopped command wrote still comes back. PYTORCH_CUDA_ALLOC_CONF defaults to
+# expandable_segments:False: memory from expandable segments cannot be shared by CUDA IPC.
 #
 #   scripts/gpu-all.sh [OUTDIR] [gpu-check.sh arguments...]
 set -uo pipefail
@@ -18,11 +21,19 @@ shift || true
 mkdir -p "$out"
 carry=target/gpu-carry
 status=0
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:False}"
+deadline=$((SECONDS + ${GPU_ALL_LIMIT:-560}))
+# The limit of a step that would like $1 seconds: less if the call's deadline is nearer.
+limit() {
+    local left=$((deadline - SECONDS - 5))
+    ((left < 1)) && left=1
+    echo $(($1 < left ? $1 : left))
+}
 {
     date -u
     nvidia-smi || true
 } 2>&1 | tee "$out/device.txt"
-timeout -k 5 "${GPU_CHECK_LIMIT:-300}" scripts/gpu-check.sh --bin "$carry/tierkv" --keep "$@" 2>&1 | tee "$out/gpu-check.txt"
+timeout -k 5 "$(limit "${GPU_CHECK_LIMIT:-230}")" scripts/gpu-check.sh --bin "$carry/tierkv" --keep "$@" 2>&1 | tee "$out/gpu-check.txt"
 rc=${PIPESTATUS[0]}
 [[ $status -eq 0 ]] && status=$rc
 # One file for every daemon's log (the device tool brings back at most 8 files).
@@ -32,7 +43,7 @@ done > "$out/daemons.log"
 {
     for t in tierkv_l1-tests tierkv_l2-tests tierkv_server-tests; do
         echo "== $carry/$t"
-        timeout -k 5 120 "$carry/$t" --test-threads 1
+        timeout -k 5 "$(limit 45)" "$carry/$t" --test-threads 1
         rc=$?
         [[ $status -eq 0 ]] && status=$rc
     done
@@ -40,7 +51,7 @@ done > "$out/daemons.log"
 } 2>&1 | tee "$out/unit-tests.txt"
 rc=${PIPESTATUS[0]}
 [[ $status -eq 0 ]] && status=$rc
-PYTHONPATH="$root/python/src" TIERKV_BIN="$root/$carry/tierkv" timeout -k 5 240 \
+PYTHONPATH="$root/python/src" TIERKV_BIN="$root/$carry/tierkv" timeout -k 5 "$(limit 160)" \
     python3 -m pytest python/tests -rA -p no:cacheprovider --ignore=python/tests/e2e \
     --ignore=python/tests/test_gpu_check.py 2>&1 | tee "$out/python-tests.txt"
 rc=${PIPESTATUS[0]}

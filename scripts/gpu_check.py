@@ -757,10 +757,9 @@ def summary(rounds: list[list[Row]]) -> list[str]:
         median = statistics.median(values)
         aim = f"  (target {first.target})" if first.target is not None else ""
         spread = f"  [{values[0]:.0f}-{values[-1]:.0f}]" if len(values) > 1 else ""
-        lines.append(
-            f"  {first.label:<70} {median:8.2f}  {median / first.limit:5.2f} x "
-            f"{first.what}{aim}{spread}"
-        )
+        # A limit of 0 (every way of its raw copy failed, already reported) has no ratio.
+        ratio = f"{median / first.limit:5.2f}" if first.limit > 0 else "    -"
+        lines.append(f"  {first.label:<70} {median:8.2f}  {ratio} x {first.what}{aim}{spread}")
     return lines
 
 
@@ -768,12 +767,16 @@ def daemon_check(torch, args, raw: dict[str, float], gpu: bool) -> list[str]:
     """``--rounds`` rounds of both parts, each on fresh daemons; the report has each row's
     median and range over the rounds."""
     rounds = []
-    for _ in range(args.rounds):
+    for n in range(args.rounds):
         memory = Memory(torch, gpu)
         report = contiguous_check(torch, args, raw, gpu, memory)
         report += cascade_check(torch, args, raw, gpu, memory)
         report += fragmented_check(torch, args, raw, gpu, memory)
         rounds.append(report)
+        # Each round's figures as it ends: a run stopped by its time limit still has them.
+        print(f"round {n + 1} of {args.rounds}:", flush=True)
+        for line in summary([report]):
+            print(line, flush=True)
         if gpu:
             torch.cuda.empty_cache()
     return summary(rounds)
@@ -806,6 +809,7 @@ def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
     tiers: list[int] = []
     with running_daemon(args, l1, 2 * l1, CONTIG_CHUNK, gpu) as daemon:
         contig, s = contiguous_session(daemon, memory, n, "contig")
+        event_session = None
         try:
             nb = n * CONTIG_CHUNK
             for r in range(rounds):
@@ -831,7 +835,14 @@ def contiguous_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
                     ("lookup", t_lookup + t_retrieve),
                 ):
                     best[key] = max(best[key], gbps(nb, t))
+            if gpu:
+                # On this daemon, whose L1 slots are the chunks' size: its 2 x 64 chunks stay
+                # in L1, so the retrieve with a done event takes the device path (a daemon of
+                # 16 MiB slots held only 32 of them in L1 and answered through the host).
+                event_session = ready_event_check(torch, daemon, memory)
         finally:
+            if event_session is not None:
+                event_session.close()
             s.close()
     print("  2 MiB contiguous chunks: every byte verified")
     pieces = f"raw 2 MiB D2D ({best_way(raw, 'contig_d2d')})"
@@ -934,8 +945,8 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
     frag_bytes = n * FRAG_CHUNK
     # L1 holds half the chunks: the first half stored are evicted from L1 (write-through: L2
     # keeps them) and come back through L2. L2 holds everything: it keeps each chunk in a slot
-    # of L1's size, so the connector's and the event check's 16 small chunks take 16 slots too
-    # (with fewer, L2 evicted the connector's first chunk before its lookup).
+    # of L1's size, so the connector's small chunks take 16 MiB slots too; 16 spare slots keep
+    # its first chunk there until its lookup.
     l1 = n // 2 * FRAG_CHUNK if args.l1_mib == 0 else args.l1_mib << 20
     l2 = 2 * frag_bytes + 16 * FRAG_CHUNK
     report: list[Row] = []
@@ -1070,8 +1081,6 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
                 )
             print("  fragmented chunks: every byte verified")
             sessions.append(connector_check(torch, daemon, gpu))
-            if gpu:
-                sessions.append(ready_event_check(torch, daemon, memory))
         finally:
             for session in sessions:
                 session.close()
@@ -1189,6 +1198,10 @@ def connector_check(torch, daemon: Daemon, gpu: bool) -> Session:
     return s
 
 
+def stopped_by_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(f"gpu-check: stopped by signal {signum}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -1237,6 +1250,9 @@ def main() -> int:
     )
     ap.add_argument("--corrupt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    # `timeout` stops the check with SIGTERM: leave by an exception, so that every `finally`
+    # stops its daemon (they run in sessions of their own, out of `timeout`'s reach).
+    signal.signal(signal.SIGTERM, stopped_by_signal)
     if args.binary is None:
         release = Path("target/release/tierkv")
         carried = Path("target/gpu-carry/tierkv")
