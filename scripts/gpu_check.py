@@ -1036,6 +1036,11 @@ def fragmented_check(torch, args, raw, gpu: bool, memory: Memory) -> list[Row]:
                 want = reference.index_select(2, pos)
                 if not torch.equal(got, want):
                     fail(f"fragmented chunks ({label}): bytes differ after retrieve")
+                # ...and nothing else was written: the other blocks zeroed above stay zero.
+                loaded = set(part_blocks)
+                others = [b for b in used if b not in loaded]
+                if others and bool(raw_view[:, :, others].any()):
+                    fail(f"fragmented chunks ({label}): a retrieve wrote blocks of other chunks")
                 nb = len(part) * FRAG_CHUNK
                 if tier == 0:
                     report.append(
