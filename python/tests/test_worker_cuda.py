@@ -109,6 +109,25 @@ def test_cuda_worker_stores_after_the_engines_kernels_and_loads_before_its_next(
         gpu.close()
 
 
+def test_cuda_a_load_lands_after_the_engines_earlier_kernels_on_its_blocks(
+    tmp_path: Path,
+) -> None:
+    gpu = GpuWorker(tmp_path / "daemon")
+    try:
+        lookup = gpu.lookup()
+        # The last step's kernels, still queued (as under vLLM's async scheduling): a long
+        # one, then one that writes blocks 4-5 for the request that held them before. The
+        # load must land after them, not under them.
+        torch.cuda._sleep(50_000_000)
+        for t in gpu.layers.values():
+            t[:, 4:6].zero_()
+        gpu.load_into_4_5(lookup)
+        assert gpu.worker.take_load_errors() == set()
+        assert gpu.landed(), "a kernel queued before the load overwrote the loaded blocks"
+    finally:
+        gpu.close()
+
+
 def test_cuda_a_load_given_up_on_holds_the_blocks_and_copies_nothing_late(
     tmp_path: Path,
 ) -> None:

@@ -127,6 +127,14 @@ class WorkerSide:
             self.buffer = client.register_kv([(memory.region, memory.fd)], memory.layout)
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
+        if meta.loads and isinstance(self.memory, DeviceKv):
+            # The daemon writes the loaded blocks on its own streams, ordered after nothing of
+            # the engine's: kernels still queued from an earlier step (vLLM's async scheduling
+            # runs the next step's plan while the last one computes) may still read these
+            # blocks for the request that held them before. Without async scheduling the
+            # stream is idle here and this costs nothing. (A retrieve carries no ready event
+            # in protocol 5; one would let the daemon wait on the GPU instead.)
+            torch.cuda.current_stream().synchronize()
         for op in meta.loads:
             self._planned.add(op.req_id)
             blocks = {b for _, held in op.chunks for b in held}
