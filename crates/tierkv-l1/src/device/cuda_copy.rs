@@ -324,12 +324,19 @@ impl CudaCopyStream {
             // which the batch call refuses.
             match unsafe { batch_copy(&rows, stream) } {
                 Some(Ok(())) => return Ok(()),
-                Some(Err(e)) => {
-                    // Not tried again in this process: a driver that refuses one batch would
-                    // refuse them all, and each refusal costs a call.
+                Some(Err(e)) if batch_refused(&e) => {
+                    // Not tried again in this process: a driver that refuses one batch's
+                    // arguments would refuse them all, and each refusal costs a call.
                     BATCH_REFUSED.store(true, Ordering::Relaxed);
                     tracing::warn!(
-                        "cuMemcpyBatchAsync failed ({e}); one cuMemcpyAsync per piece from now on"
+                        "cuMemcpyBatchAsync refused ({e}); one cuMemcpyAsync per piece from now on"
+                    );
+                }
+                Some(Err(e)) => {
+                    // Another failure (a context that failed before, say) is this call's: the
+                    // rows go one by one, and report it if it stays.
+                    tracing::warn!(
+                        "cuMemcpyBatchAsync failed ({e}); this call goes piece by piece"
                     );
                 }
                 None => {}
@@ -643,22 +650,28 @@ fn batch_fn() -> Option<BatchFn> {
     })
 }
 
+/// Whether a failed batch was refused for what it asked (the driver would refuse every batch),
+/// rather than failing for the state it found.
+fn batch_refused(error: &cudarc::driver::DriverError) -> bool {
+    use sys::CUresult::{CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED};
+    matches!(error.0, CUDA_ERROR_INVALID_VALUE | CUDA_ERROR_NOT_SUPPORTED)
+}
+
 /// One `cuMemcpyBatchAsync` of `rows` (single rows between device memory); `None` when the
 /// driver has none.
 ///
 /// # Safety
 /// Every row's ends are valid device memory for its width.
-unsafe fn batch_copy(rows: &[Piece], stream: sys::CUstream) -> Option<Result<(), CopyError>> {
+unsafe fn batch_copy(
+    rows: &[Piece],
+    stream: sys::CUstream,
+) -> Option<Result<(), cudarc::driver::DriverError>> {
     let f = batch_fn()?;
     let mut dsts: Vec<u64> = rows.iter().map(|r| r.dst.address()).collect();
     let mut srcs: Vec<u64> = rows.iter().map(|r| r.src.address()).collect();
-    let mut sizes = Vec::with_capacity(rows.len());
-    for row in rows {
-        match usize::try_from(row.width) {
-            Ok(size) => sizes.push(size),
-            Err(_) => return Some(Err(CopyError::Failed(format!("{row:?} is too long")))),
-        }
-    }
+    // A row longer than the address space: not a batch (the rows one by one say why).
+    let mut sizes: Vec<usize> =
+        rows.iter().map(|r| usize::try_from(r.width).ok()).collect::<Option<_>>()?;
     // Stream order; no location hints (they matter for managed memory only).
     let no_hint =
         sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID, id: 0 };
@@ -698,7 +711,7 @@ unsafe fn batch_copy(rows: &[Piece], stream: sys::CUstream) -> Option<Result<(),
             ),
         }
     };
-    Some(rc.result().map_err(failed("cuMemcpyBatchAsync")))
+    Some(rc.result())
 }
 
 #[cfg(test)]
@@ -740,6 +753,18 @@ mod tests {
         assert_eq!(failures.take(fourth), None);
         assert_eq!(failures.take(third), Some(CopyError::Upstream("the producer failed".into())));
         assert!(failures.unreported.is_empty());
+    }
+
+    #[test]
+    fn only_a_refused_batch_turns_batches_off() {
+        use cudarc::driver::DriverError;
+        use sys::CUresult::{
+            CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED,
+        };
+        assert!(batch_refused(&DriverError(CUDA_ERROR_INVALID_VALUE)));
+        assert!(batch_refused(&DriverError(CUDA_ERROR_NOT_SUPPORTED)));
+        // A context that failed before fails every call, batched or not: not the batch's fault.
+        assert!(!batch_refused(&DriverError(CUDA_ERROR_ILLEGAL_ADDRESS)));
     }
 
     #[test]
