@@ -5,8 +5,8 @@
 //! crash only the last two records of a segment can be torn (or the second-last missing), and a
 //! load verifies every record before serving it. The write thread (`tierkv-disk-write`) hands
 //! records to two writer threads (`tierkv-disk-w<n>`) while the storing I/O thread copies and checksums the next
-//! record into another buffer, so copy, checksum and writes overlap; a segment is sealed only
-//! with no write in flight. A load of
+//! record into another buffer, so copy, checksum and writes overlap; a full segment is sealed
+//! with its writes in flight (their records are unpublished until their task ends). A load of
 //! several records is split over the I/O threads, so its reads are in flight at once. Records become visible in the index only after their whole
 //! store task was written (and synced, under `FsyncPolicy::Always`). Loads read a record while
 //! its segment is pinned, verify header, epoch, key and payload checksum, and only then copy
@@ -317,10 +317,13 @@ impl Write {
 /// abandoned task's segment is released, and a published record read, only after its bytes
 /// are on the file). Once a write fails, every later record of the same task and of the same
 /// segment life not yet handed over is skipped (nothing written) and the segment is sealed; the
-/// task completes with the failure and publishes nothing. Records written after a failed or
-/// torn one are harmless: nothing indexes a record of an unpublished task at run time, and
-/// after a restart the scan indexes only records whose header matches, and a load verifies
-/// epoch, key and checksum before serving one.
+/// task completes with the failure and publishes nothing. So does a task with a record after
+/// the failed one in that life, written by another task before the failure was known: a restart
+/// scans a life from its start and stops at the failed record, so it would not find the record,
+/// and a store acknowledged durable would be lost. Records written after a failed or torn one are
+/// harmless: nothing indexes a record of an unpublished task at run time, and after a restart the
+/// scan indexes only records whose header matches, and a load verifies epoch, key and checksum
+/// before serving one.
 fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender<AlignedBuf>) {
     let (writes, queued) = unbounded::<Write>();
     let (report, written) = unbounded::<Written>();
@@ -346,7 +349,7 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
             written: &written,
             in_flight: 0,
             failed_tasks: HashMap::new(),
-            failed_segments: HashSet::new(),
+            lives: LifeFailures::default(),
         };
         // Finished writes are collected as they come, so their buffers go back to the storing
         // thread while it waits for one; the queue of results is watched only while a write
@@ -367,9 +370,8 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
             match message {
                 WriteMsg::Record { task, file, buf, bytes, loc, epoch } => {
                     let write = Write { task, file, buf, bytes, loc, epoch };
-                    if state.failed_tasks.contains_key(&task)
-                        || state.failed_segments.contains(&(loc.segment, epoch))
-                    {
+                    state.lives.handed_over(task, loc, epoch);
+                    if state.failed_tasks.contains_key(&task) || state.lives.failed(loc, epoch) {
                         let e =
                             TierError::Io("skipped: an earlier write to its segment failed".into());
                         state.finish(Written { task, buf: write.buf, loc, epoch, result: Err(e) });
@@ -391,14 +393,21 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
                 WriteMsg::Abandon { task, records } => {
                     state.collect_all();
                     state.failed_tasks.remove(&task);
+                    state.lives.forget(task);
                     shared.settle(&records);
                 }
                 WriteMsg::End { task, id, records, sources } => {
                     state.collect_all();
                     let result = match state.failed_tasks.remove(&task) {
                         Some(e) => Err(e),
+                        None if state.lives.behind_a_failed_write(task) => Err(TierError::Io(
+                            "an earlier write to its segment failed, so a restart would not \
+                             find it"
+                                .into(),
+                        )),
                         None => shared.publish_records(&records),
                     };
+                    state.lives.forget(task);
                     shared.settle(&records);
                     shared.count_store(&result, &records);
                     let _ = shared.done.send(Completion::Stored { task: id, result, sources });
@@ -418,7 +427,49 @@ struct InFlight<'a> {
     written: &'a Receiver<Written>,
     in_flight: usize,
     failed_tasks: HashMap<u64, TierError>,
-    failed_segments: HashSet<(u32, u64)>,
+    lives: LifeFailures,
+}
+
+/// Which segment lives had a write fail, and which records the tasks in flight handed over.
+#[derive(Default)]
+struct LifeFailures {
+    /// Lives (segment, epoch) with a failed write, and the lowest offset that failed.
+    failed: HashMap<(u32, u64), u64>,
+    /// The records each task in flight has handed over, with their lives' epochs.
+    handed_over: HashMap<u64, Vec<(Loc, u64)>>,
+}
+
+impl LifeFailures {
+    fn handed_over(&mut self, task: u64, loc: Loc, epoch: u64) {
+        self.handed_over.entry(task).or_default().push((loc, epoch));
+    }
+
+    /// Notes a failed write of the record at `loc` in life `epoch`.
+    fn write_failed(&mut self, loc: Loc, epoch: u64) {
+        let lowest = self.failed.entry((loc.segment, epoch)).or_insert(loc.offset);
+        *lowest = (*lowest).min(loc.offset);
+    }
+
+    /// Whether a write to `loc`'s segment in life `epoch` has failed.
+    fn failed(&self, loc: Loc, epoch: u64) -> bool {
+        self.failed.contains_key(&(loc.segment, epoch))
+    }
+
+    /// Whether a record `task` handed over lies after a failed write in its segment's life: a
+    /// restart, which scans a life from its start and stops at the failed record, would not
+    /// find it.
+    fn behind_a_failed_write(&self, task: u64) -> bool {
+        self.handed_over.get(&task).is_some_and(|records| {
+            records.iter().any(|(loc, epoch)| {
+                self.failed.get(&(loc.segment, *epoch)).is_some_and(|&at| loc.offset > at)
+            })
+        })
+    }
+
+    /// Forgets a task that ended.
+    fn forget(&mut self, task: u64) {
+        self.handed_over.remove(&task);
+    }
 }
 
 impl InFlight<'_> {
@@ -426,7 +477,7 @@ impl InFlight<'_> {
     fn finish(&mut self, written: Written) {
         let Written { task, buf, loc, epoch, result } = written;
         if let Err(e) = result {
-            self.failed_segments.insert((loc.segment, epoch));
+            self.lives.write_failed(loc, epoch);
             self.shared.seal_failed(loc.segment, epoch);
             self.failed_tasks.entry(task).or_insert(e);
         }
@@ -1215,32 +1266,37 @@ impl Shared {
                 TierError::Io(format!("{why}; stores are refused, loads still work")),
             );
         }
-        if let Some(item) =
-            items.iter().find(|item| item.source.len() > self.config.max_chunk_bytes)
-        {
-            let e = TierError::TooLarge {
-                bytes: item.source.len(),
-                limit: self.config.max_chunk_bytes,
-            };
+        // Each source's length, asked once: a source that answered differently later (or
+        // panicked when asked again) would find its record's room wrong after it was reserved.
+        let lens: Vec<u64> = items.iter().map(|item| item.source.len()).collect();
+        if let Some(&bytes) = lens.iter().find(|&&len| len > self.config.max_chunk_bytes) {
+            let e = TierError::TooLarge { bytes, limit: self.config.max_chunk_bytes };
             return refused(Failure::TooLarge, e);
         }
         // One store task prepares records at a time (the writer lock). A key present in the
         // index, or repeated in the batch, is skipped; one still in flight from an earlier task
         // is written again, and publishing keeps the first.
         let mut writer = self.writer.lock();
-        let new: Vec<&StoreItem> = {
+        let new: Vec<(&StoreItem, u64)> = {
             let index = self.index.lock();
             let mut batch = HashSet::with_capacity(items.len());
             items
                 .iter()
-                .filter(|item| !index.map.contains_key(&item.key) && batch.insert(item.key))
+                .zip(lens)
+                .filter(|(item, _)| !index.map.contains_key(&item.key) && batch.insert(item.key))
                 .collect()
         };
         writer.tasks += 1;
         let task = writer.tasks;
         let mut records = Vec::with_capacity(new.len());
-        for item in new {
-            if let Err(e) = self.submit_record(&mut writer, task, item, &mut records) {
+        for (item, len) in new {
+            // A panic here (a bug) still abandons what was handed over, so no segment keeps an
+            // unpublished count nobody will release.
+            let submitted = catch_unwind(AssertUnwindSafe(|| {
+                self.submit_record(&mut writer, task, item, len, &mut records)
+            }))
+            .unwrap_or_else(|_| Err(TierError::Io("internal panic while storing".into())));
+            if let Err(e) = submitted {
                 if !records.is_empty() {
                     // Without a write thread `send` settles the records itself.
                     let records = std::mem::take(&mut records);
@@ -1267,9 +1323,9 @@ impl Shared {
         writer: &mut Writer,
         task: u64,
         item: &StoreItem,
+        len: u64,
         records: &mut Vec<(ObjectKey, Loc)>,
     ) -> Result<(), TierError> {
-        let len = item.source.len();
         let size = record_bytes(len);
         // A full segment is sealed with its writes still in flight: their records are
         // unpublished until the task ends, which keeps it from eviction until then.
@@ -1995,5 +2051,41 @@ impl TierAdapter for DiskStore {
 impl Drop for DiskStore {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(segment: u32, offset: u64) -> Loc {
+        Loc { segment, offset, len: 1 }
+    }
+
+    #[test]
+    fn a_task_behind_another_tasks_failed_write_in_the_same_life_is_failed_too() {
+        // Task 1's record at 8 KiB and task 2's at 12 KiB of segment 3, life 7, both in flight;
+        // task 1's write fails. A restart would stop at 8 KiB: task 2's record is lost to it.
+        let mut lives = LifeFailures::default();
+        lives.handed_over(1, at(3, 8192), 7);
+        lives.handed_over(2, at(3, 12288), 7);
+        // Task 3 wrote before the failed record in that life, task 4 in another life of the
+        // segment, task 5 in another segment: a restart finds all three.
+        lives.handed_over(3, at(3, 4096), 7);
+        lives.handed_over(4, at(3, 12288), 8);
+        lives.handed_over(5, at(4, 12288), 7);
+        lives.write_failed(at(3, 8192), 7);
+        assert!(lives.failed(at(3, 16384), 7), "later records of the life are skipped");
+        assert!(!lives.failed(at(3, 16384), 8));
+        assert!(lives.behind_a_failed_write(2));
+        for task in [3, 4, 5] {
+            assert!(!lives.behind_a_failed_write(task), "task {task}");
+        }
+        // A later failure lower in the life moves the mark down.
+        lives.write_failed(at(3, 4096), 7);
+        assert!(lives.behind_a_failed_write(1));
+        assert!(!lives.behind_a_failed_write(3), "the failed record is its own task's failure");
+        lives.forget(2);
+        assert!(!lives.behind_a_failed_write(2), "a task that ended is forgotten");
     }
 }
