@@ -281,6 +281,20 @@ fn sizes_and_durations_parse() {
     let message = assert_refused("[l1]\nlease_ttl = \"soon\"\n", "l1.lease_ttl", 2);
     assert!(message.contains("duration"), "{message}");
     assert_refused("[l1]\nlease_ttl = 30\n", "l1.lease_ttl", 2);
+    // Longer than a day: a mistake that would hang a stop or overflow a clock, refused.
+    assert_eq!(ttl("24h").unwrap().storage.l1.lease_ttl, Duration::from_secs(86_400));
+    for (toml, key) in [
+        ("[storage]\nmaintenance_interval = \"1y\"\n", "storage.maintenance_interval"),
+        (
+            "[storage]\nstore_backpressure = \"18446744073709551615s\"\n",
+            "storage.store_backpressure",
+        ),
+        ("[l1]\nlease_ttl = \"25h\"\n", "l1.lease_ttl"),
+        ("[disk]\nfsync = \"2days\"\n", "disk.fsync"),
+    ] {
+        let message = assert_refused(toml, key, 2);
+        assert!(message.contains("longer than a day"), "{toml}: {message}");
+    }
 }
 
 #[test]

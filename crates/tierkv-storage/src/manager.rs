@@ -327,7 +327,12 @@ impl StorageManager {
         let maintenance =
             std::thread::Builder::new().name("tierkv-maintenance".into()).spawn(move || {
                 while !worker.stop_maintenance.load(Ordering::Acquire) {
-                    std::thread::sleep(worker.config.maintenance_interval);
+                    // Parked, not asleep: `stop` unparks it, so a stop never waits out the
+                    // interval (an early wake-up only ticks early).
+                    std::thread::park_timeout(worker.config.maintenance_interval);
+                    if worker.stop_maintenance.load(Ordering::Acquire) {
+                        break;
+                    }
                     if catch_unwind(AssertUnwindSafe(|| worker.tick())).is_err() {
                         tracing::error!(
                             "the maintenance thread panicked; it carries on at its next tick"
@@ -411,10 +416,14 @@ impl StorageManager {
     /// reservation, and what does not fit is refused. With them, a store goes in windows of
     /// [`tierkv_core::store_window`] chunks (an eighth of L1), each finished before the next is
     /// reserved: L1 hands the earlier windows down (demoted under cascade, copied and freed
-    /// otherwise) to make room for the later ones, so every chunk of a store larger than L1
-    /// reaches the tiers below.
+    /// under write-through and disk admission) to make room for the later ones, so every chunk
+    /// of a store larger than L1 reaches the tiers below. Under write-back a store is one
+    /// reservation too: there L1 copies chunks down only in the background, and a chunk evicted
+    /// to make room is dropped uncopied, so a later window would push out the earlier ones that
+    /// were acknowledged as stored.
     pub fn store_window(&self) -> usize {
-        if self.inner.router.is_empty() {
+        if self.inner.router.is_empty() || self.inner.config.store_policy == StorePolicy::WriteBack
+        {
             return usize::MAX;
         }
         tierkv_core::store_window(self.inner.config.l1.slot_count() as usize)
@@ -684,7 +693,7 @@ impl StorageManager {
             let Stage::Done { result, covered, below, .. } = &lookup.stage else {
                 return Err(keys.first().map_or(StorageError::UnknownLookup(id), not_covered));
             };
-            if self.inner.expired_below(lookup) {
+            if self.inner.expired_without_l1(lookup) {
                 return Err(StorageError::Expired(id));
             }
             if u32::from(reader) >= result.readers {
@@ -755,7 +764,7 @@ impl StorageManager {
     pub fn release(&self, id: LookupId, readers: Readers) -> Result<bool, StorageError> {
         let mut lookups = self.inner.lookups.lock();
         let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
-        if self.inner.expired_below(lookup) {
+        if self.inner.expired_without_l1(lookup) {
             // Forgotten now rather than at the next tick: its tier locks go back with it.
             lookups.remove(&id);
             return Err(StorageError::Expired(id));
@@ -896,6 +905,7 @@ impl StorageManager {
         self.inner.prefetch.stop();
         self.inner.stop_maintenance.store(true, Ordering::Release);
         if let Some(thread) = self.maintenance.lock().take() {
+            thread.thread().unpark();
             let _ = thread.join();
         }
         if self.inner.hand_down_at_stop {
@@ -999,8 +1009,13 @@ impl Inner {
         let request = &lookup.request;
         let l1_live = lookup.l1_lease.is_some_and(|lease| self.l1.lease_live(lease));
         let from_l1 = |g: usize, i: usize| l1_live && lookup.in_l1[g][i];
+        // The prefetch's lease too: claimed after its deadline, it holds nothing any more.
+        let below_live = prefetched
+            .as_ref()
+            .and_then(|p| p.lease)
+            .is_some_and(|lease| self.l1.lease_live(lease));
         let from_below = |g: usize, i: usize| {
-            prefetched.as_ref().is_some_and(|p| p.leased.get(g).is_some_and(|l| l[i]))
+            below_live && prefetched.as_ref().is_some_and(|p| p.leased.get(g).is_some_and(|l| l[i]))
         };
         // Chunks of the hit that stayed in their tier (L1 had no room): no lease, a tier lock.
         let held_below = |g: usize, i: usize| {
@@ -1090,10 +1105,12 @@ impl Inner {
         lookup.stage = Stage::Done { result, covered, below, expires };
     }
 
-    /// Whether a complete lookup holds chunks only below L1 and has passed its deadline (one
-    /// with L1 chunks expires with its lease, which L1 itself refuses).
-    fn expired_below(&self, lookup: &Lookup) -> bool {
-        matches!(&lookup.stage, Stage::Done { covered, below: Some(_), expires, .. }
+    /// Whether a complete lookup holds nothing in L1 (its chunks only below L1, or none: a
+    /// miss) and has passed its deadline. One with L1 chunks expires with its lease, which L1
+    /// itself refuses. A miss expires too, so a client that never returns the shares of its
+    /// misses does not grow the record without bound.
+    fn expired_without_l1(&self, lookup: &Lookup) -> bool {
+        matches!(&lookup.stage, Stage::Done { covered, expires, .. }
             if covered.is_empty() && self.clock.now() >= *expires)
     }
 
@@ -1210,14 +1227,14 @@ impl Inner {
         // Abandoned lookups: return their prefetched leases once the prefetch is over.
         // Complete lookups whose every lease passed its deadline hold nothing any more: forget
         // them, so a session that never releases does not grow the record without bound.
-        // A lookup holding chunks only below L1 expires with the same time to live as leases
-        // (dropping it returns its tier locks).
+        // A lookup holding chunks only below L1, or none (a miss), expires with the same time
+        // to live as leases (dropping it returns its tier locks).
         self.lookups.lock().retain(|_, lookup| match &lookup.stage {
             Stage::Done { covered, .. } if !covered.is_empty() => {
                 let leases: HashSet<LeaseId> = covered.values().copied().collect();
                 leases.into_iter().any(|lease| self.l1.lease_live(lease))
             }
-            _ => !self.expired_below(lookup),
+            _ => !self.expired_without_l1(lookup),
         });
         let mut abandoned = self.abandoned.lock();
         abandoned.retain(|lookup| {

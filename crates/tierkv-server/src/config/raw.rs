@@ -307,11 +307,24 @@ enum ReadModeName {
     Mmap,
 }
 
-/// A duration such as "30s", "50ms" or "1m".
+/// The longest duration a setting takes: longer ones are mistakes (a timeout of a year would
+/// hang a stop, one near `u64::MAX` seconds would overflow the clock it is added to).
+const LONGEST: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// A duration such as "30s", "50ms" or "1m", at most a day.
 fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
     let text = String::deserialize(deserializer)?;
-    humantime::parse_duration(&text)
-        .map_err(|e| de::Error::custom(format!("{text:?} is not a duration such as \"30s\": {e}")))
+    let parsed = humantime::parse_duration(&text).map_err(|e| {
+        de::Error::custom(format!("{text:?} is not a duration such as \"30s\": {e}"))
+    })?;
+    at_most_a_day(&text, parsed)
+}
+
+fn at_most_a_day<E: de::Error>(text: &str, parsed: Duration) -> Result<Duration, E> {
+    if parsed > LONGEST {
+        return Err(E::custom(format!("{text:?} is longer than a day, the most a setting takes")));
+    }
+    Ok(parsed)
 }
 
 /// "always", "never", or the interval of periodic syncs such as "1s".
@@ -346,7 +359,7 @@ fn fsync<'de, D: Deserializer<'de>>(deserializer: D) -> Result<FsyncPolicy, D::E
         "always" => Ok(FsyncPolicy::Always),
         "never" => Ok(FsyncPolicy::Never),
         other => match humantime::parse_duration(other) {
-            Ok(every) if !every.is_zero() => Ok(FsyncPolicy::Periodic(every)),
+            Ok(every) if !every.is_zero() => at_most_a_day(other, every).map(FsyncPolicy::Periodic),
             _ => Err(de::Error::custom(format!(
                 "{other:?} is neither \"always\", \"never\" nor a positive interval such as \"1s\""
             ))),
