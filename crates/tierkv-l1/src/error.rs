@@ -52,6 +52,10 @@ pub enum L1Error {
         /// The key.
         key: ObjectKey,
     },
+    /// A release naming an empty list of keys: it would change nothing, which the rules forbid
+    /// (a release that returns no share is a mistake, not a no-op).
+    #[error("a release of lease {0} names no key")]
+    EmptyRelease(LeaseId),
     /// A key the lease does not cover, with the reason found in L1.
     #[error("lease {lease} does not cover {key:?}: {error}")]
     NotLeased {
@@ -95,6 +99,7 @@ impl L1Error {
             L1Error::LeaseReleased(_) => "lease_released",
             L1Error::NoSuchReader { .. } => "no_such_reader",
             L1Error::AlreadyReleased { .. } => "already_released",
+            L1Error::EmptyRelease(_) => "empty_release",
             L1Error::NotLeased { .. } => "not_leased",
             L1Error::Key { error, .. } => error.as_str(),
             L1Error::OutOfRange { .. } => "out_of_range",

@@ -813,6 +813,9 @@ impl L1Manager {
                 None => Ok(()),
             };
         };
+        if list.is_empty() {
+            return Err(L1Error::EmptyRelease(lease));
+        }
         let mut failure = None;
         for key in list {
             match record.keys.get_mut(key) {
@@ -1114,7 +1117,10 @@ impl L1Manager {
     /// returns the shares. Readers may still lease a victim meanwhile; it goes when they are done.
     pub fn lease_eviction_candidates(&self, owner: OwnerId, n: usize) -> EvictionLease {
         let readers = ExtraCount::ZERO.readers();
-        let deadline = self.clock.now().saturating_add(self.config.lease_ttl);
+        // No deadline: the caller always returns the lease once the victims are copied down.
+        // Revoked on a deadline, a write-back slower than the lease's time to live would free
+        // victims that were never copied, and under write-back they are the only copy.
+        let deadline = Duration::MAX;
         let mut record = LeaseRecord::new(owner, readers, deadline, n);
         let mut keys = Vec::with_capacity(n);
         for _ in 0..n {

@@ -607,8 +607,9 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                 m.untrack(k);
                 victims.push(k);
             }
+            // No deadline: the write-back returns it once the victims are copied down.
             let mut lease =
-                MLease { owner: *o, readers: 1, deadline: m.now + TTL, keys: BTreeMap::new() };
+                MLease { owner: *o, readers: 1, deadline: Duration::MAX, keys: BTreeMap::new() };
             for k in &victims {
                 let entry = m.entries.get_mut(k).unwrap_or_else(|| unreachable!());
                 entry.temporary = true;
@@ -674,6 +675,7 @@ fn model_finish_read(
     };
     let selected: Vec<u8> = match keys {
         None => record.keys.keys().copied().collect(),
+        Some([]) => return Err(L1Error::EmptyRelease(id)),
         Some(list) => list.to_vec(),
     };
     let mut seen = BTreeSet::new();

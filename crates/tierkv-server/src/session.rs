@@ -77,7 +77,9 @@ impl From<StorageError> for Fail {
                 ErrorCode::UnknownLookup
             }
             StorageError::L1(L1Error::NoSuchReader { .. }) => ErrorCode::Forbidden,
-            StorageError::L1(L1Error::LayoutTooLarge { .. }) => ErrorCode::BadRequest,
+            StorageError::L1(L1Error::LayoutTooLarge { .. } | L1Error::EmptyRelease(_)) => {
+                ErrorCode::BadRequest
+            }
             _ => ErrorCode::Internal,
         };
         Fail { code, message: e.to_string() }
