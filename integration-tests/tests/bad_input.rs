@@ -296,29 +296,47 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
 }
 
 #[test]
-fn f4_descriptor_floods_close_the_connection() {
+fn f4_descriptors_a_request_does_not_use_are_closed_and_never_taken_later() {
     let daemon = Daemon::start();
     let mut witness = Witness::new(&daemon);
     let mut client = connect(&daemon);
-    let file = memfd(c"flood", libc::MFD_CLOEXEC).unwrap();
-    let mut frame = Vec::new();
-    tierkv_client::proto::encode(&Request { id: 1, body: RequestBody::Status }, &mut frame)
+    // A request that takes no descriptor, sent with one, again and again: each is closed once
+    // its request is answered, so they never pile up and the session goes on.
+    let stray = memfd(c"stray", libc::MFD_CLOEXEC).unwrap();
+    let mut status = Vec::new();
+    tierkv_client::proto::encode(&Request { id: 1, body: RequestBody::Status }, &mut status)
         .unwrap();
-    let mut closed = false;
-    for _ in 0..16 {
-        if client.send_raw(&frame, &[file.as_fd()]).is_err() {
-            closed = true;
-            break;
-        }
-        match client.read_reply() {
-            Ok(reply) if matches!(reply.body, ReplyBody::Status(_)) => {}
-            _ => {
-                closed = true;
-                break;
-            }
-        }
+    for _ in 0..32 {
+        client.send_raw(&status, &[stray.as_fd()]).unwrap();
+        let reply = client.read_reply().unwrap();
+        assert!(matches!(reply.body, ReplyBody::Status(_)), "{reply:?}");
     }
-    assert!(closed, "a client sending descriptors nobody asked for is cut off");
+    // A registration the daemon cannot decode, carrying another buffer's memfd: refused, and its
+    // descriptor is not left for the next registration to take. That one maps its own buffer,
+    // so what it stores is its own bytes.
+    let other = SharedBuffer::new(CHUNK, 4).unwrap();
+    // {"id": 5, "body": {"register_kv": {"bogus": 1}}}
+    let mut body = vec![0x82, 0xa2, b'i', b'd', 5, 0xa4, b'b', b'o', b'd', b'y', 0x81, 0xab];
+    body.extend_from_slice(b"register_kv");
+    body.extend_from_slice(&[0x81, 0xa5, b'b', b'o', b'g', b'u', b's', 0x01]);
+    client.send_raw(&raw_frame(&body), &[other.fd()]).unwrap();
+    let reply = client.read_reply().unwrap();
+    assert!(
+        matches!(reply.body, ReplyBody::Error { code: ErrorCode::BadRequest, .. }),
+        "{reply:?}"
+    );
+    let mut mine = SharedBuffer::new(CHUNK, 4).unwrap();
+    mine.block_mut(0).unwrap().fill(0x5a);
+    let id = client.register_buffer(&mine).unwrap();
+    let chunk = ChunkId(7);
+    client.store(0, id, vec![ChunkBlocks::one(chunk, 0)]).unwrap();
+    let lookup = client.lookup(0, vec![chunk]).unwrap();
+    client.retrieve(lookup.id, id, vec![ChunkBlocks::one(chunk, 1)]).unwrap();
+    assert!(
+        mine.block(1).unwrap().iter().all(|&b| b == 0x5a),
+        "the registration mapped another buffer than the one it sent"
+    );
+    daemon.eventually("no shares left", |s| s.l1_leased_chunks == 0);
     witness.check();
 }
 

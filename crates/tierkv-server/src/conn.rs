@@ -2,7 +2,12 @@
 //!
 //! On the Unix socket every read is a `recvmsg`, so a descriptor sent with a frame is never
 //! dropped by a plain `read`; descriptors wait in a small queue until a `register_kv` takes
-//! them, and a client that floods descriptors is disconnected.
+//! them, and a client that floods descriptors is disconnected. Each descriptor is tagged with
+//! where in the stream the read that brought it ended: the kernel ends a read right after the
+//! message that carried descriptors, so the tag lies inside the frame they were sent with. A
+//! frame takes only descriptors tagged up to its end, and those a frame left (it could not be
+//! decoded, or carried more than it used) are closed once it is handled: never taken by a later
+//! `register_kv`, which would map the wrong memory.
 
 use std::collections::VecDeque;
 use std::io;
@@ -30,14 +35,27 @@ pub struct Conn {
     stream: Stream,
     buf: Vec<u8>,
     start: usize,
-    fds: VecDeque<OwnedFd>,
+    /// Where in the stream `buf[0]` is.
+    origin: u64,
+    /// Where in the stream the last frame returned ends.
+    frame_end: u64,
+    /// Descriptors waiting, each with where in the stream the read that brought it ended.
+    fds: VecDeque<(u64, OwnedFd)>,
     limit: u32,
 }
 
 impl Conn {
     /// Wraps a stream; frames above `limit` bytes are refused.
     pub fn new(stream: Stream, limit: u32) -> Self {
-        Conn { stream, buf: Vec::with_capacity(READ_CHUNK), start: 0, fds: VecDeque::new(), limit }
+        Conn {
+            stream,
+            buf: Vec::with_capacity(READ_CHUNK),
+            start: 0,
+            origin: 0,
+            frame_end: 0,
+            fds: VecDeque::new(),
+            limit,
+        }
     }
 
     /// The next frame's body; `Ok(None)` when the client closed between frames.
@@ -51,6 +69,7 @@ impl Conn {
                 if ready.len() >= HEADER_BYTES + len {
                     let body = ready[HEADER_BYTES..HEADER_BYTES + len].to_vec();
                     self.start += HEADER_BYTES + len;
+                    self.frame_end = self.origin + self.start as u64;
                     return Ok(Some(body));
                 }
             }
@@ -74,9 +93,21 @@ impl Conn {
         Peer { fd: Some(fd) }
     }
 
-    /// A descriptor that arrived on this connection, oldest first.
+    /// A descriptor that arrived with the frame being handled, oldest first; `None` when it has
+    /// no more (one of a later frame is not given).
     pub fn take_fd(&mut self) -> Option<OwnedFd> {
-        self.fds.pop_front()
+        match self.fds.front() {
+            Some((at, _)) if *at <= self.frame_end => self.fds.pop_front().map(|(_, fd)| fd),
+            _ => None,
+        }
+    }
+
+    /// Closes the descriptors that came with the frames handled so far and were not taken:
+    /// call it before reading the next frame.
+    pub fn drop_used_fds(&mut self) {
+        while self.fds.front().is_some_and(|(at, _)| *at <= self.frame_end) {
+            self.fds.pop_front();
+        }
     }
 
     /// Sends bytes (one or more encoded frames).
@@ -117,16 +148,19 @@ impl Conn {
     async fn recv(&mut self) -> io::Result<usize> {
         if self.start > 0 {
             self.buf.drain(..self.start);
+            self.origin += self.start as u64;
             self.start = 0;
         }
         let filled = self.buf.len();
+        let at = self.origin + filled as u64;
         self.buf.resize(filled + READ_CHUNK, 0);
         let Conn { stream, buf, fds, .. } = self;
         let result = match stream {
             Stream::Tcp(s) => s.read(&mut buf[filled..]).await,
             Stream::Unix(s) => {
                 let raw = s.as_raw_fd();
-                s.async_io(Interest::READABLE, || recv_with_fds(raw, &mut buf[filled..], fds)).await
+                s.async_io(Interest::READABLE, || recv_with_fds(raw, &mut buf[filled..], at, fds))
+                    .await
             }
         };
         let n = *result.as_ref().unwrap_or(&0);
@@ -171,8 +205,14 @@ impl Peer {
     }
 }
 
-/// `recvmsg` into `buf`, keeping every descriptor that came along (close-on-exec).
-fn recv_with_fds(socket: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> io::Result<usize> {
+/// `recvmsg` into `buf` (whose first byte is at `at` of the stream), keeping every descriptor
+/// that came along (close-on-exec), tagged with where in the stream the read ended.
+fn recv_with_fds(
+    socket: RawFd,
+    buf: &mut [u8],
+    at: u64,
+    fds: &mut VecDeque<(u64, OwnedFd)>,
+) -> io::Result<usize> {
     const MAX_FDS: usize = 8;
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE((MAX_FDS * size_of::<libc::c_int>()) as u32) } as usize;
@@ -198,7 +238,7 @@ fn recv_with_fds(socket: RawFd, buf: &mut [u8], fds: &mut VecDeque<OwnedFd>) -> 
                 let payload = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
                 for i in 0..payload / size_of::<libc::c_int>() {
                     let fd = std::ptr::read_unaligned(data.add(i));
-                    fds.push_back(OwnedFd::from_raw_fd(fd));
+                    fds.push_back((at + n as u64, OwnedFd::from_raw_fd(fd)));
                 }
             }
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);

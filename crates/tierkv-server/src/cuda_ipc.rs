@@ -118,9 +118,9 @@ impl std::fmt::Debug for CudaRegion {
 
 impl CudaRegion {
     /// Opens `handle` (from `cuIpcGetMemHandle` in the worker) on the device with PCI bus id
-    /// `device`. `bytes` is what the worker says the allocation holds; the driver cannot check
-    /// it, so the worker's word bounds every copy (a worker that lies reaches only its own
-    /// allocation's neighbours in its own context, which the driver faults).
+    /// `device`. `bytes` is what the worker says the allocation holds, and it bounds every copy:
+    /// it is checked against the allocation the driver mapped, and a region larger than that is
+    /// refused (its copies would run in the daemon's context, over other workers' regions or L1).
     pub fn open(handle: &[u8], device: &str, bytes: u64) -> Result<Self, CudaIpcError> {
         cuda_available().map_err(|e| CudaIpcError::Unavailable(e.to_string()))?;
         let raw: [u8; IPC_HANDLE_BYTES] = handle.try_into().map_err(|_| {
@@ -163,6 +163,23 @@ impl CudaRegion {
         .map_err(driver(
             "cuIpcOpenMemHandle failed (memory from VMM or PyTorch's expandable segments cannot be shared by IPC; the worker must allocate its KV with cudaMalloc)",
         ))?;
+        let (mut start, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: the context is bound; `base` was just mapped; valid out-pointers.
+        let ranged = unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) }.result();
+        let end = start.saturating_add(size as u64);
+        let refusal = match ranged {
+            Err(e) => Some(format!("the driver cannot say how large the allocation is: {e}")),
+            Ok(()) if base.saturating_add(bytes) > end => Some(format!(
+                "the region says {bytes} bytes, the allocation the handle maps holds {}",
+                end.saturating_sub(base)
+            )),
+            Ok(()) => None,
+        };
+        if let Some(why) = refusal {
+            // SAFETY: mapped above, closed once, here; nothing was copied through it.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(base) }.result();
+            return Err(CudaIpcError::Malformed(why));
+        }
         Ok(CudaRegion { stream, base, len: bytes })
     }
 

@@ -414,6 +414,8 @@ async fn serve_connection(
     // No chunk is larger than a slot, so this many chunks copy at most INLINE_COPY_BYTES.
     let inline_chunks = INLINE_COPY_BYTES / daemon.storage().l1().usage().slot_bytes.max(1);
     loop {
+        // Descriptors the last frame brought and did not use are closed, not left for the next.
+        conn.drop_used_fds();
         let frame = tokio::select! {
             frame = conn.next_frame() => frame,
             _ = shutdown.changed() => break,

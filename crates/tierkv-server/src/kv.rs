@@ -23,6 +23,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::Mutex;
@@ -34,6 +35,12 @@ use crate::cuda_ipc::{CudaEvent, CudaIpcError, CudaRegion, Rows};
 /// Regions one registration may carry: a CUDA IPC region per allocation behind an engine's KV
 /// tensors (vLLM allocates one per layer).
 pub const MAX_REGIONS: usize = 256;
+
+/// The most pieces (segments x blocks per chunk) a chunk of a layout has. Each is a copy
+/// descriptor while a request runs; a large model's paged KV has a few thousand (Llama-3-70B:
+/// 160 segments x 32 blocks), and a client naming millions would make the daemon allocate
+/// descriptors many times the size of the data.
+pub const MAX_PIECES_PER_CHUNK: u64 = 1 << 16;
 
 /// Worker events a registration keeps open (a worker records the same one or two events again
 /// and again; the oldest is closed past this).
@@ -226,9 +233,17 @@ impl RegisteredKv {
                 layout.block_bytes, layout.block_stride
             ));
         }
-        let chunk = (layout.segments.len() as u64)
-            .checked_mul(u64::from(layout.blocks_per_chunk))
-            .and_then(|n| n.checked_mul(layout.block_bytes));
+        let pieces =
+            (layout.segments.len() as u64).saturating_mul(u64::from(layout.blocks_per_chunk));
+        if pieces > MAX_PIECES_PER_CHUNK {
+            return shape(format!(
+                "{} segments x {} blocks per chunk is {pieces} pieces a chunk, more than \
+                 {MAX_PIECES_PER_CHUNK}",
+                layout.segments.len(),
+                layout.blocks_per_chunk
+            ));
+        }
+        let chunk = pieces.checked_mul(layout.block_bytes);
         if chunk != Some(chunk_bytes) {
             return shape(format!(
                 "{} segments x {} blocks per chunk x {} bytes is not the session's chunk_bytes ({chunk_bytes})",
@@ -674,10 +689,18 @@ fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<MmapRaw, KvError> {
     let len = usize::try_from(bytes).map_err(|_| {
         KvError::Shape(format!("region {i}: {bytes} bytes do not fit the address space"))
     })?;
-    // Populated: the engine's KV is resident already, and mapping every page into the daemon's
-    // page table now, once, keeps minor faults (about a third of a retrieve's time when a load
-    // lands in blocks the daemon had not touched yet) off the copies.
-    MmapOptions::new().len(len).populate().map_raw(&file).map_err(|e| KvError::Io(i, e))
+    // Populated when the client's pages exist already (an engine's KV is resident): mapping
+    // every page into the daemon's page table now, once, keeps minor faults (about a third of a
+    // retrieve's time when a load lands in blocks the daemon had not touched yet) off the
+    // copies. A sparse memfd is mapped as it is: populating would allocate its holes, charged to
+    // the daemon, so a client could make it allocate any size it names.
+    let resident = file.metadata().map_err(|e| KvError::Io(i, e))?.blocks().saturating_mul(512);
+    let mut options = MmapOptions::new();
+    options.len(len);
+    if resident >= bytes {
+        options.populate();
+    }
+    options.map_raw(&file).map_err(|e| KvError::Io(i, e))
 }
 
 #[cfg(test)]
@@ -866,6 +889,8 @@ mod tests {
             (layout(u64::MAX, 64, 64, 1, &[0]), 64, "does not fit"),
             (layout(4, 16, 16, 1, &[u64::MAX]), 16, "does not fit"),
             (layout(4, 64, 64, 0, &[0]), 0, "non-zero"),
+            // 2 segments x 2^16 blocks a chunk: more copy descriptors than data.
+            (layout(1 << 17, 1, 1, 1 << 16, &[0, 0]), 1 << 17, "pieces a chunk"),
         ];
         for (layout, chunk, why) in cases {
             let err = register(&shared, &layout, chunk).err().unwrap();
