@@ -54,6 +54,10 @@ class TierKVConnector(KVConnectorBase_V1):
             raise ValueError("TierKVConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError("TierKVConnector supports models with one KV cache group")
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            # Each stage holds other layers under the same model and TP rank: their chunks
+            # would share keys, and one stage could load another's KV.
+            raise ValueError("TierKVConnector does not support pipeline parallelism yet")
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 settings,
