@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::error::RemoteError;
+use crate::format::HEADER_BYTES;
 
 /// Which kind of deployment the URLs name.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -43,6 +44,20 @@ pub struct RemoteConfig {
     pub threads: usize,
 }
 
+/// The largest chunk the tier stores: a value (header and chunk) must fit Redis's default
+/// `proto-max-bulk-len` of 512 MiB, or Redis drops the connection every call shares.
+pub const MAX_CHUNK_BYTES: u64 = (512 << 20) - HEADER_BYTES as u64;
+
+/// `url` with any user and password masked, for messages.
+fn without_secrets(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("\"{}***{}\"", &url[..scheme + 3], &url[at..])
+        }
+        _ => format!("{url:?}"),
+    }
+}
+
 impl RemoteConfig {
     /// A store over `urls` in `mode`, chunks up to `max_chunk_bytes`, with the defaults of the
     /// `[remote]` section.
@@ -67,14 +82,30 @@ impl RemoteConfig {
         if self.urls.is_empty() {
             return bad("urls must name at least one server".into());
         }
-        if let Some(url) = self.urls.iter().find(|u| redis::parse_redis_url(u).is_none()) {
-            return bad(format!("{url:?} is not a redis:// URL"));
+        for url in &self.urls {
+            match redis::parse_redis_url(url) {
+                Some(parsed) if parsed.scheme() == "redis" => {}
+                // The redis crate is built without TLS: such a URL would fail every connection.
+                Some(parsed) if matches!(parsed.scheme(), "rediss" | "valkeys") => {
+                    return bad(format!(
+                        "{} asks for TLS, which this daemon is built without: use redis:// on a \
+                         network only the tierkv nodes reach",
+                        without_secrets(url)
+                    ));
+                }
+                _ => return bad(format!("{} is not a redis:// URL", without_secrets(url))),
+            }
         }
         if self.key_prefix.is_empty() || self.key_prefix.contains(char::is_whitespace) {
             return bad("key_prefix must be non-empty and without whitespace".into());
         }
-        if self.connect_timeout.is_zero() || self.op_timeout.is_zero() {
-            return bad("connect_timeout and op_timeout must be positive".into());
+        if self.connect_timeout.is_zero()
+            || self.op_timeout.is_zero()
+            || self.reconnect_interval.is_zero()
+        {
+            return bad(
+                "connect_timeout, op_timeout and reconnect_interval must be positive".into()
+            );
         }
         if !(1..=1024).contains(&self.max_in_flight) {
             return bad(format!(
@@ -85,9 +116,10 @@ impl RemoteConfig {
         if self.ttl.is_some_and(|t| t < Duration::from_millis(1)) {
             return bad("ttl must be at least 1ms (or absent)".into());
         }
-        if self.max_chunk_bytes == 0 || self.max_chunk_bytes > 512 << 20 {
+        if self.max_chunk_bytes == 0 || self.max_chunk_bytes > MAX_CHUNK_BYTES {
             return bad(format!(
-                "max_chunk_bytes must be within 1..=512MiB (a Redis value's limit), got {}",
+                "max_chunk_bytes must be within 1..={MAX_CHUNK_BYTES} (a Redis value's limit, \
+                 512MiB, less the value's {HEADER_BYTES}-byte header), got {}",
                 self.max_chunk_bytes
             ));
         }
@@ -122,6 +154,22 @@ mod tests {
         assert!(
             err(RemoteConfig { key_prefix: String::new(), ..good.clone() }).contains("key_prefix")
         );
-        assert!(err(RemoteConfig { max_chunk_bytes: 0, ..good }).contains("max_chunk_bytes"));
+        assert!(
+            err(RemoteConfig { max_chunk_bytes: 0, ..good.clone() }).contains("max_chunk_bytes")
+        );
+        // A full 512 MiB chunk plus its header is past Redis's value limit.
+        assert!(
+            err(RemoteConfig { max_chunk_bytes: 512 << 20, ..good.clone() })
+                .contains("max_chunk_bytes")
+        );
+        RemoteConfig { max_chunk_bytes: MAX_CHUNK_BYTES, ..good.clone() }.validate().unwrap();
+        assert!(
+            err(RemoteConfig { reconnect_interval: Duration::ZERO, ..good.clone() })
+                .contains("reconnect_interval")
+        );
+        // TLS is not built in: refused at start, not failing every connection later. A password
+        // in a refused URL is not repeated.
+        let tls = err(RemoteConfig { urls: vec!["rediss://u:hunter2@h:6380".into()], ..good });
+        assert!(tls.contains("TLS") && !tls.contains("hunter2"), "{tls}");
     }
 }

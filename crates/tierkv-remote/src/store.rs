@@ -138,13 +138,17 @@ impl RemoteStore {
         W: Future<Output = Completion> + Send + 'static,
         F: FnOnce() -> Completion + Send + 'static,
     {
-        let handle = self.runtime.lock().as_ref().map(|r| r.handle().clone());
+        // The runtime stays locked until the task is counted and spawned: `close` takes the
+        // runtime under this lock, so it either finds the task counted (and waits for its
+        // completion) or no runtime is left here (and the task fails at once). Checked apart,
+        // a task could be spawned on a runtime already shut down, and never complete.
+        let runtime = self.runtime.lock();
         let shared = Arc::clone(&self.shared);
-        match handle {
-            Some(handle) if !shared.closed.load(Ordering::Acquire) => {
+        match runtime.as_ref() {
+            Some(runtime) if !shared.closed.load(Ordering::Acquire) => {
                 let mut closing = shared.close_signal.subscribe();
                 shared.running.fetch_add(1, Ordering::AcqRel);
-                handle.spawn(async move {
+                runtime.spawn(async move {
                     let completion = tokio::select! {
                         biased;
                         _ = closing.wait_for(|c| *c) => None,

@@ -280,3 +280,53 @@ def test_a_preempted_request_waits_for_its_unanswered_calls_before_the_step_reus
         assert given_up.worker.get_finished({"b"}) == {"b"}, "nothing left to wait for"
     finally:
         given_up.close()
+
+
+def test_a_request_whose_load_failed_stores_nothing_it_computed_that_step(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "daemon")
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 2.0, "chunk_blocks": 2}
+    )
+    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(6, 2, 4, 8) for i in (0, 1)}
+    worker = WorkerSide(settings, "m", 32, 0, 1, False, num_blocks=6)
+    try:
+        worker.register_kv_caches(layers)
+        first, later = prefix_hashes(list(range(64)), 32)
+        other = prefix_hashes(list(range(100, 132)), 32)[0]
+        # A load by a lookup the daemon never made: refused, so this request's load failed.
+        worker.start_load_kv(TierKVMetadata(loads=[LoadOp("r", [999], [(first, [0, 1])])]))
+        assert worker.take_load_errors() == {0, 1}
+        # The chunks computed this step over those blocks are not stored; another request's are.
+        worker.wait_for_save(
+            TierKVMetadata(
+                stores=[StoreOp("r", [(later, [2, 3])]), StoreOp("s", [(other, [4, 5])])]
+            )
+        )
+        assert worker.stored_chunks == 1, "only the request whose load did not fail stored"
+        # The next step's stores of that request go as usual.
+        worker.wait_for_save(TierKVMetadata(stores=[StoreOp("r", [(later, [2, 3])])]))
+        assert worker.stored_chunks == 2
+    finally:
+        worker.shutdown()
+        daemon.stop()
+
+
+def test_kv_the_token_ids_do_not_determine_is_not_cached_and_the_namespace_names_weights() -> None:
+    from types import SimpleNamespace
+
+    from tierkv.vllm.scheduler import namespace_of, not_from_tokens_alone
+
+    plain = SimpleNamespace(mm_features=None, prompt_embeds=None)
+    assert not not_from_tokens_alone(plain)
+    assert not_from_tokens_alone(SimpleNamespace(mm_features=[object()], prompt_embeds=None))
+    assert not_from_tokens_alone(SimpleNamespace(mm_features=[], prompt_embeds=torch.zeros(1)))
+
+    def config(quantization: str | None) -> SimpleNamespace:
+        model = SimpleNamespace(
+            model="m", dtype="bfloat16", quantization=quantization, revision=None
+        )
+        cache = SimpleNamespace(cache_dtype="auto", block_size=16)
+        return SimpleNamespace(model_config=model, cache_config=cache)
+
+    settings = Settings.from_extra({})
+    assert namespace_of(config(None), settings) != namespace_of(config("fp8"), settings)

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The KV cache specs whose every block holds its tokens' KV for the request's whole life.
+FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
 
 class TierKVConnector(KVConnectorBase_V1):
     """Loads prompt prefixes from the node's tierkv daemon and stores what vLLM computes."""
@@ -54,10 +57,22 @@ class TierKVConnector(KVConnectorBase_V1):
             raise ValueError("TierKVConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError("TierKVConnector supports models with one KV cache group")
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
             # Each stage holds other layers under the same model and TP rank: their chunks
             # would share keys, and one stage could load another's KV.
             raise ValueError("TierKVConnector does not support pipeline parallelism yet")
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if (getattr(parallel, name, 1) or 1) > 1:
+                # Each rank holds another slice of the tokens' KV under the same chunk ids.
+                raise ValueError(f"TierKVConnector does not support context parallelism ({name})")
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        if type(spec).__name__ not in FULL_ATTENTION_SPECS:
+            # A sliding-window or chunked-local layer drops blocks out of its window (vLLM puts
+            # its null block there), so a chunk's blocks would not hold the chunk's KV.
+            raise ValueError(
+                f"TierKVConnector supports full attention only, not {type(spec).__name__}"
+            )
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 settings,

@@ -65,6 +65,15 @@ def chunk_ids(tokens: list[int], chunk_tokens: int, salt: bytes) -> list[int]:
     return ids
 
 
+def not_from_tokens_alone(request: Request) -> bool:
+    """Whether the request's KV depends on more than its token ids, the cache salt and the
+    LoRA adapter (which :func:`request_salt` covers)."""
+    multimodal = any(
+        getattr(request, name, None) for name in ("mm_features", "mm_hashes", "mm_positions")
+    )
+    return multimodal or getattr(request, "prompt_embeds", None) is not None
+
+
 def request_salt(request: Request) -> bytes:
     salt = getattr(request, "cache_salt", None) or ""
     lora = getattr(request, "lora_request", None)
@@ -206,7 +215,14 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None:
             tokens = list(request.prompt_token_ids or [])
-            ids = chunk_ids(tokens, self.chunk_tokens, request_salt(request))
+            # KV that the token ids do not determine (images and other multimodal inputs behind
+            # placeholder tokens, prompt embeddings) is neither looked up nor stored: two such
+            # prompts with equal ids would share chunks of different KV.
+            ids = (
+                []
+                if not_from_tokens_alone(request)
+                else chunk_ids(tokens, self.chunk_tokens, request_salt(request))
+            )
             lookup = max(len(tokens) - 1, 0) // self.chunk_tokens
             state = _Request(chunks=ids, lookup_chunks=lookup)
             self.requests[request.request_id] = state
@@ -321,4 +337,10 @@ def namespace_of(vllm_config: Any, settings: Settings) -> str:
         return settings.namespace
     model = vllm_config.model_config
     cache = vllm_config.cache_config
-    return f"{model.model}|{cache.cache_dtype}|{model.dtype}|block={cache.block_size}"
+    # The same model id served quantized or not, or at another revision, has other KV bytes.
+    quantization = getattr(model, "quantization", None) or "none"
+    revision = getattr(model, "revision", None) or "default"
+    return (
+        f"{model.model}|{cache.cache_dtype}|{model.dtype}|block={cache.block_size}"
+        f"|quant={quantization}|rev={revision}"
+    )

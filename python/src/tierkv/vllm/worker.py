@@ -65,6 +65,8 @@ class WorkerSide:
         self.link: Link | None = None
         self.buffer = 0
         self.load_errors: set[int] = set()
+        # Requests whose load failed in this step: their stores in the same step are skipped.
+        self._failed_loads: set[str] = set()
         self.loaded_chunks = 0
         self.stored_chunks = 0
         # The interprocess CUDA events of the GPU path (made on first use): the one a store's
@@ -155,6 +157,7 @@ class WorkerSide:
                 self.loaded_chunks += len(op.chunks)
             except (Unavailable, DaemonError) as e:
                 self._watch(op.req_id, e)
+                self._failed_loads.add(op.req_id)
                 log.warning(
                     "tierkv: load of %d chunks for %s failed (%s); vLLM recomputes them",
                     len(op.chunks),
@@ -164,6 +167,7 @@ class WorkerSide:
                 self.load_errors |= blocks
 
     def wait_for_save(self, meta: TierKVMetadata) -> None:
+        failed, self._failed_loads = self._failed_loads, set()
         if self.link is None:
             return
         ready = None
@@ -173,6 +177,12 @@ class WorkerSide:
             ready = self._ready_event()
         for op in meta.stores:
             self._planned.add(op.req_id)
+            if op.req_id in failed:
+                # Computed this step over blocks whose load failed: later chunks' KV depends on
+                # every earlier token, so theirs is wrong too, and stored it would be served
+                # under the right ids. vLLM recomputes them; here they are only missed later.
+                log.debug("tierkv: not storing %s: its load failed", op.req_id)
+                continue
             try:
                 stored = self.link.call(
                     lambda c, op=op: c.store(0, self.buffer, op.chunks, ready_event=ready)
