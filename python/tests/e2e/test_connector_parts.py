@@ -330,3 +330,45 @@ def test_kv_the_token_ids_do_not_determine_is_not_cached_and_the_namespace_names
 
     settings = Settings.from_extra({})
     assert namespace_of(config(None), settings) != namespace_of(config("fp8"), settings)
+
+
+def test_one_ranks_reconnect_does_not_keep_the_other_ranks_leases(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from tierkv.vllm.scheduler import SchedulerSide
+
+    daemon = start_daemon(tmp_path / "daemon")
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 2.0, "chunk_blocks": 2}
+    )
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 2, False)
+    watcher = daemon.admin()
+
+    def open_by_rank() -> dict[int, int]:
+        sessions = watcher.status()["sessions"]
+        return {s["rank"]: s["open_lookups"] for s in sessions if s["role"] == "worker"}
+
+    try:
+        request = SimpleNamespace(
+            request_id="r",
+            prompt_token_ids=list(range(100)),
+            cache_salt=None,
+            lora_request=None,
+            mm_features=None,
+            prompt_embeds=None,
+        )
+        state = scheduler._state(request)  # noqa: SLF001 (the lookups themselves are the subject)
+        assert scheduler._hit(state) == 0  # noqa: SLF001
+        assert open_by_rank() == {0: 1, 1: 1}
+        # Rank 1's session is replaced (its lookups go with the old session); rank 0's stays.
+        scheduler.links[1].generation += 1
+        scheduler._release(state)  # noqa: SLF001
+        deadline = time.monotonic() + 5
+        while open_by_rank()[0] != 0:
+            assert time.monotonic() < deadline, "rank 0's lookup was never returned"
+            time.sleep(0.02)
+        assert open_by_rank()[1] == 1, "nothing is returned on a session that is not the lookup's"
+    finally:
+        watcher.close()
+        scheduler.shutdown()
+        daemon.stop()

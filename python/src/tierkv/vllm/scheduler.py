@@ -40,7 +40,8 @@ class _Request:
     lookup_chunks: int
     lookups: list[int] | None = None
     outcomes: list[int | None] = field(default_factory=list)
-    generation: int = 0
+    #: Each link's session generation when the lookups were made (one per link).
+    generations: list[int] = field(default_factory=list)
     looked_at: float = 0.0
     hit_chunks: int = 0
     #: First chunk of a load vLLM accepted and the next step must perform.
@@ -223,36 +224,39 @@ class SchedulerSide:
                 if not_from_tokens_alone(request)
                 else chunk_ids(tokens, self.chunk_tokens, request_salt(request))
             )
-            lookup = max(len(tokens) - 1, 0) // self.chunk_tokens
+            lookup = min(max(len(tokens) - 1, 0) // self.chunk_tokens, len(ids))
             state = _Request(chunks=ids, lookup_chunks=lookup)
             self.requests[request.request_id] = state
         return state
 
     def _hit(self, state: _Request) -> int | None:
         """The hit in chunks (the least over rank keys), ``None`` while a prefetch runs."""
-        generation = sum(link.generation for link in self.links)
+        generations = [link.generation for link in self.links]
         stale = time.monotonic() - state.looked_at > self.settings.lookup_refresh_s
-        if state.lookups is None or state.generation != generation or stale:
+        if state.lookups is None or state.generations != generations or stale:
             self._release(state)
             wanted = state.chunks[: state.lookup_chunks]
-            started = []
+            # Each lookup with the generation of the session that made it (a link connects,
+            # or reconnects, inside its call).
+            started: list[tuple[Any, int]] = []
             try:
                 for link in self.links:
-                    started.append(link.call(lambda c: c.lookup(0, wanted)))
+                    started.append((link.call(lambda c: c.lookup(0, wanted)), link.generation))
             except (DaemonError, Unavailable) as e:
                 # Refused (e.g. lease_limit: the session holds its cap of leases), or a rank's
                 # session is down: a miss for now, and the lookups already made on the other
-                # ranks' sessions are returned, not left to their lease deadline.
+                # ranks' sessions are returned, not left to their lease deadline: off the
+                # scheduler's thread, since a daemon that just failed one call may be slow to
+                # answer these too.
                 log.debug("tierkv: lookup failed: %s", e)
-                for link, s in zip(self.links, started, strict=False):
-                    with contextlib.suppress(Unavailable, DaemonError):
-                        link.call(lambda c, lookup=s.lookup: c.release(lookup))
+                for link, (s, generation) in zip(self.links, started, strict=False):
+                    self.releases.put((link, generation, s.lookup))
                 if isinstance(e, Unavailable):
                     raise
                 return 0
-            state.lookups = [s.lookup for s in started]
-            state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s in started]
-            state.generation = sum(link.generation for link in self.links)
+            state.lookups = [s.lookup for s, _ in started]
+            state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s, _ in started]
+            state.generations = [generation for _, generation in started]
             state.looked_at = time.monotonic()
         assert state.lookups is not None
         for i, (link, lookup) in enumerate(zip(self.links, state.lookups, strict=True)):
@@ -269,7 +273,8 @@ class SchedulerSide:
                         continue
                     return None
                 state.outcomes[i] = outcome.hit_chunks
-        return min(o or 0 for o in state.outcomes)
+        # Never more than was asked for: vLLM must compute at least the prompt's last token.
+        return min(min(o or 0 for o in state.outcomes), state.lookup_chunks)
 
     def _plan(self, meta: TierKVMetadata, req_id: str, state: _Request, computed: int) -> None:
         per = self.settings.chunk_blocks
@@ -305,12 +310,15 @@ class SchedulerSide:
             state.planned = True
 
     def _release(self, state: _Request) -> None:
+        """Returns the request's lookups, each on its own link's session as long as that session
+        is the one that made it (a session that is gone returned its lookups itself): one rank's
+        reconnect does not keep the other ranks' leases to their deadline."""
         lookups, state.lookups = state.lookups, None
         state.outcomes = []
-        if lookups is None or state.generation != sum(link.generation for link in self.links):
+        if lookups is None:
             return
-        for link, lookup in zip(self.links, lookups, strict=True):
-            self.releases.put((link, link.generation, lookup))
+        for link, generation, lookup in zip(self.links, state.generations, lookups, strict=True):
+            self.releases.put((link, generation, lookup))
 
     def _release_in_background(self) -> None:
         """Returns leases off the scheduler's loop: a release is needed only where a lookup was
@@ -327,8 +335,8 @@ class SchedulerSide:
                 link.call(lambda c, lookup=lookup: c.release(lookup))
 
     def _forget_lookups(self, state: _Request) -> None:
-        state.lookups = None
-        state.outcomes = []
+        """A rank's session went down: the lookups on the others are returned, not dropped."""
+        self._release(state)
 
 
 def namespace_of(vllm_config: Any, settings: Settings) -> str:
