@@ -89,6 +89,11 @@ fn newest_in(dir: &Path, newest: &mut SystemTime) {
     }
 }
 
+/// Descriptors the process `pid` has open.
+pub fn open_fds(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).expect("read /proc/PID/fd").count() as u64
+}
+
 /// Kills a child when dropped.
 struct Reaped(Child);
 

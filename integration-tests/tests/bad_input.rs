@@ -13,7 +13,7 @@ use tierkv_client::proto::{
     ReplyBody, Request, RequestBody, Segment,
 };
 use tierkv_client::{Client, ClientError, SharedBuffer, memfd};
-use tierkv_integration_tests::{Daemon, Worker};
+use tierkv_integration_tests::{Daemon, Worker, open_fds};
 
 const CHUNK: u64 = 65536;
 
@@ -306,11 +306,18 @@ fn f4_descriptors_a_request_does_not_use_are_closed_and_never_taken_later() {
     let mut status = Vec::new();
     tierkv_client::proto::encode(&Request { id: 1, body: RequestBody::Status }, &mut status)
         .unwrap();
+    let before = open_fds(daemon.pid());
     for _ in 0..32 {
         client.send_raw(&status, &[stray.as_fd()]).unwrap();
         let reply = client.read_reply().unwrap();
         assert!(matches!(reply.body, ReplyBody::Status(_)), "{reply:?}");
     }
+    // The witness's worker and the status replies open nothing that lasts: 32 kept would show.
+    assert!(
+        open_fds(daemon.pid()) <= before + 2,
+        "the daemon kept the descriptors: {} open, {before} before",
+        open_fds(daemon.pid())
+    );
     // A registration the daemon cannot decode, carrying another buffer's memfd: refused, and its
     // descriptor is not left for the next registration to take. That one maps its own buffer,
     // so what it stores is its own bytes.

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tierkv_client::Client;
-use tierkv_integration_tests::{Daemon, artifact, serve_refused, small_config};
+use tierkv_integration_tests::{Daemon, artifact, open_fds, serve_refused, small_config};
 
 #[test]
 fn h16_ops_the_example_worker_answers_help() {
@@ -49,11 +49,6 @@ fn with_fd_limit(limit: u64) -> impl Fn(&mut Command) + Send + Sync + 'static {
             });
         }
     }
-}
-
-/// Descriptors the process `pid` has open.
-fn open_fds(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count() as u64
 }
 
 /// CPU seconds the process `pid` has used (user and system).

@@ -206,6 +206,10 @@ fn parse_line(line: &str, chunk_tokens: u64) -> Result<(TraceRequest, u64), Stri
 /// The first line of an Azure LLM inference trace.
 const AZURE_HEADER: &str = "TIMESTAMP,ContextTokens,GeneratedTokens";
 
+/// The longest prompt an Azure row may name, in tokens (the public traces' longest is 14,050):
+/// a row's chunks are made from its length alone, so a wild number would be a wild allocation.
+const MAX_AZURE_TOKENS: u64 = 1 << 24;
+
 /// One row of an Azure trace: its prompt in chunks of `chunk_tokens`, each with an id of its
 /// own from `next_id` on, timed from the trace's first row (`start`, in milliseconds since the
 /// epoch, set by that row).
@@ -221,8 +225,9 @@ fn parse_azure_row(
     };
     let at = azure_time_ms(timestamp)
         .ok_or_else(|| format!("timestamp {timestamp:?} is not YYYY-MM-DD HH:MM:SS.fraction"))?;
-    let tokens: u64 =
-        context.parse().map_err(|_| format!("ContextTokens {context:?} is not a token count"))?;
+    let tokens: u64 = context.parse().ok().filter(|&t| t <= MAX_AZURE_TOKENS).ok_or_else(|| {
+        format!("ContextTokens {context:?} is not a count of 0..={MAX_AZURE_TOKENS}")
+    })?;
     let start = *start.get_or_insert(at);
     let chunks = tokens.div_ceil(chunk_tokens);
     let first = *next_id;
@@ -230,7 +235,7 @@ fn parse_azure_row(
     Ok(TraceRequest { timestamp_ms: at - start, chunks: (first..*next_id).collect(), tokens })
 }
 
-/// `YYYY-MM-DD HH:MM:SS[.fraction]` (UTC) in milliseconds since 1970-01-01.
+/// `YYYY-MM-DD HH:MM:SS[.fraction]` (UTC, years 1..=9999) in milliseconds since 1970-01-01.
 fn azure_time_ms(text: &str) -> Option<f64> {
     let (date, time) = text.trim().split_once(' ')?;
     let mut date = date.splitn(3, '-').map(|part| part.parse::<i64>().ok());
@@ -239,7 +244,8 @@ fn azure_time_ms(text: &str) -> Option<f64> {
     let hour: i64 = time.next()?.parse().ok()?;
     let minute: i64 = time.next()?.parse().ok()?;
     let second: f64 = time.next()?.parse().ok()?;
-    let valid = (1..=12).contains(&month)
+    let valid = (1..=9999).contains(&year)
+        && (1..=12).contains(&month)
         && (1..=31).contains(&day)
         && (0..24).contains(&hour)
         && (0..60).contains(&minute)
@@ -358,6 +364,17 @@ mod tests {
             ),
             ("TIMESTAMP,ContextTokens,GeneratedTokens\n18:17:03,12,1", 2, "not YYYY"),
             ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,12", 2, "3 fields"),
+            // A length past any prompt, and a year past any clock: refused, not computed.
+            (
+                "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,99999999999,1",
+                2,
+                "ContextTokens",
+            ),
+            (
+                "TIMESTAMP,ContextTokens,GeneratedTokens\n99999999999999999-11-16 18:17:03,1,1",
+                2,
+                "not YYYY",
+            ),
         ] {
             let (at, message) = Trace::parse("bad", text, 16).unwrap_err();
             assert_eq!(at, line, "{text}: {message}");
