@@ -64,7 +64,13 @@ pub fn sweep_simulation(
                             (Policy::Online(kind), Some(l1), Some(lower)) => {
                                 simulate_cascade(trace, kind, (l1, shards), lower)
                             }
-                            (Policy::Belady | Policy::OracleAdmission(_), Some(l1), _) => {
+                            (
+                                Policy::Belady
+                                | Policy::PopularityOracle
+                                | Policy::OracleAdmission(_),
+                                Some(l1),
+                                _,
+                            ) => {
                                 let below = lower.map_or(0, |lower| lower.chunks());
                                 simulate(trace, policy, Some(l1.saturating_add(below)), 1)
                             }

@@ -35,6 +35,10 @@ pub enum Policy {
     /// what any rule deciding *whether* to cache a chunk can add to that policy's order (it
     /// does not know *when* the chunk is named again, which only [`Policy::Belady`] uses).
     OracleAdmission(PolicyKind),
+    /// Evicts the cached chunk the whole trace names fewest times (the least recently used of
+    /// those), and declines a chunk named fewer times than that one: an offline reference for orders by frequency, which knows every chunk's lifetime
+    /// popularity, past and future, but not *when* it returns.
+    PopularityOracle,
 }
 
 impl Policy {
@@ -46,6 +50,7 @@ impl Policy {
             Policy::OracleAdmission(PolicyKind::Lru) => "lru-oracle-admission",
             Policy::OracleAdmission(PolicyKind::S3Fifo) => "s3fifo-oracle-admission",
             Policy::OracleAdmission(PolicyKind::Adaptive) => "adaptive-oracle-admission",
+            Policy::PopularityOracle => "popularity-oracle",
         }
     }
 
@@ -53,6 +58,7 @@ impl Policy {
     pub fn parse(name: &str) -> Option<Policy> {
         match name {
             "belady" | "optimal" | "opt" => Some(Policy::Belady),
+            "popularity-oracle" => Some(Policy::PopularityOracle),
             other => PolicyKind::ALL.into_iter().find_map(|kind| {
                 [Policy::Online(kind), Policy::OracleAdmission(kind)]
                     .into_iter()
@@ -124,6 +130,7 @@ pub fn simulate(
             simulate_online(trace, kind.build_sharded(shards), capacity, |_| true)
         }
         Policy::Belady => simulate_belady(trace, capacity),
+        Policy::PopularityOracle => simulate_popularity_oracle(trace, capacity),
         Policy::OracleAdmission(kind) => {
             let next = next_uses(trace);
             simulate_online(trace, kind.build(), capacity, |t| next[t] != NEVER)
@@ -521,6 +528,79 @@ fn simulate_belady(trace: &Trace, capacity: usize) -> SimCounts {
     counts
 }
 
+/// The popularity oracle over the daemon's lookups and stores, in [`simulate_online`]'s order:
+/// hits touched leaf first, the missed chunks reserved root first (each evicting the chunk the
+/// trace names fewest times, the least recent of them, or declined if it is named fewer times
+/// still), and entered leaf first.
+fn simulate_popularity_oracle(trace: &Trace, capacity: usize) -> SimCounts {
+    let mut uses: HashMap<u64, u64> = HashMap::new();
+    for chunk in trace.requests.iter().flat_map(|r| &r.chunks) {
+        *uses.entry(*chunk).or_default() += 1;
+    }
+    let mut cache = PopularityCache { uses, ..PopularityCache::default() };
+    let mut counts = SimCounts::default();
+    let mut reserved = Vec::new();
+    for request in &trace.requests {
+        let chunks = &request.chunks;
+        for chunk in chunks.iter().rev() {
+            if cache.last_use.contains_key(chunk) {
+                cache.use_chunk(*chunk);
+            }
+        }
+        let hit = chunks.iter().take_while(|c| cache.last_use.contains_key(c)).count();
+        counts.add_request(chunks.len(), request.tokens, hit, trace.chunk_tokens);
+        reserved.clear();
+        for chunk in chunks.iter().skip(hit) {
+            if cache.last_use.contains_key(chunk) || capacity == 0 {
+                continue;
+            }
+            if cache.last_use.len() + reserved.len() >= capacity {
+                // Declines a chunk named fewer times than every chunk it holds.
+                match cache.order.first().copied() {
+                    Some((fewest, _, victim)) if fewest <= cache.uses_of(*chunk) => {
+                        cache.order.pop_first();
+                        cache.last_use.remove(&victim);
+                    }
+                    Some(_) => continue,
+                    None => break,
+                }
+            }
+            reserved.push(*chunk);
+        }
+        counts.inserted += reserved.len() as u64;
+        for chunk in reserved.iter().rev() {
+            cache.use_chunk(*chunk);
+        }
+    }
+    counts
+}
+
+/// The popularity oracle's cache: each chunk's uses in the whole trace, each cached chunk's last
+/// use, and the cached chunks ordered by (uses, last use).
+#[derive(Default)]
+struct PopularityCache {
+    uses: HashMap<u64, u64>,
+    last_use: HashMap<u64, u64>,
+    order: BTreeSet<(u64, u64, u64)>,
+    tick: u64,
+}
+
+impl PopularityCache {
+    fn uses_of(&self, chunk: u64) -> u64 {
+        self.uses.get(&chunk).copied().unwrap_or(0)
+    }
+
+    /// Caches `chunk` if it is not, and makes it the most recent of its count.
+    fn use_chunk(&mut self, chunk: u64) {
+        self.tick += 1;
+        let uses = self.uses_of(chunk);
+        if let Some(last) = self.last_use.insert(chunk, self.tick) {
+            self.order.remove(&(uses, last, chunk));
+        }
+        self.order.insert((uses, self.tick, chunk));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -592,9 +672,27 @@ mod tests {
     }
 
     #[test]
+    fn the_popularity_oracle_keeps_the_most_named_chunk() {
+        // Capacity 1. [1] is named three times, [2] and [3] once: the oracle keeps 1 through
+        // them (evicting it only for a chunk named as often), where LRU loses it to each.
+        let t = trace(&[&[1], &[2], &[1], &[3], &[1]]);
+        let oracle = simulate(&t, Policy::PopularityOracle, Some(1), 1);
+        assert_eq!((oracle.hit_chunks, oracle.inserted), (2, 1));
+        assert_eq!(simulate(&t, Policy::Online(PolicyKind::Lru), Some(1), 1).hit_chunks, 0);
+        // Equal counts fall back to recency: 4 and 5 each named twice, alternating.
+        let t = trace(&[&[4], &[5], &[4], &[5]]);
+        let oracle = simulate(&t, Policy::PopularityOracle, Some(1), 1);
+        assert_eq!(oracle, simulate(&t, Policy::Online(PolicyKind::Lru), Some(1), 1));
+    }
+
+    #[test]
     fn unbounded_caches_agree() {
         let t = trace(&[&[1, 2, 3], &[1, 2, 4], &[5], &[1, 2, 3, 6], &[5, 7]]);
         let expected = simulate(&t, Policy::Belady, None, 1);
+        assert_eq!(
+            simulate(&t, Policy::PopularityOracle, None, 1),
+            SimCounts { inserted: 7, ..expected }
+        );
         for kind in PolicyKind::ALL {
             assert_eq!(
                 simulate(&t, Policy::Online(kind), None, 1),
@@ -696,6 +794,7 @@ mod tests {
     fn policy_names_round_trip() {
         for policy in [
             Policy::Belady,
+            Policy::PopularityOracle,
             Policy::OracleAdmission(PolicyKind::Lru),
             Policy::OracleAdmission(PolicyKind::S3Fifo),
             Policy::OracleAdmission(PolicyKind::Adaptive),

@@ -100,5 +100,7 @@ proptest! {
             let online = simulate(&t, Policy::Online(kind), Some(capacity), 1).hit_chunks;
             prop_assert!(online <= optimum, "{:?} {} > {}", kind, online, optimum);
         }
+        let popularity = simulate(&t, Policy::PopularityOracle, Some(capacity), 1).hit_chunks;
+        prop_assert!(popularity <= optimum, "popularity oracle {} > {}", popularity, optimum);
     }
 }

@@ -35,7 +35,8 @@ pub struct ReplayArgs {
     /// Eviction policies: `lru`, `s3fifo`, `adaptive`, and, simulation only, `belady` (the
     /// offline optimum) and `lru-oracle-admission`, `s3fifo-oracle-admission`,
     /// `adaptive-oracle-admission` (the policy caching only chunks named again: the bound on
-    /// admission rules over its order). A comma-separated list compares them. Default: adaptive.
+    /// admission rules over its order), and `popularity-oracle` (evicting the chunk the trace
+    /// names fewest times). A comma-separated list compares them. Default: adaptive.
     #[arg(long, value_delimiter = ',')]
     policy: Option<Vec<String>>,
     /// Bytes of each chunk's payload (daemon replays).
@@ -200,8 +201,8 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         .map(|p| {
             Policy::parse(p.trim()).ok_or_else(|| {
                 format!(
-                    "unknown policy {p:?}: lru, s3fifo, adaptive, belady, or one of the first \
-                     three with -oracle-admission"
+                    "unknown policy {p:?}: lru, s3fifo, adaptive, belady, popularity-oracle, \
+                     or one of the first three with -oracle-admission"
                 )
             })
         })
