@@ -1,6 +1,6 @@
 """The connector's parts that need no engine: settings, chunk naming, the memfd move, the
-device export's refusals and region layout, the reconnecting link, and the worker's hold on the
-blocks of a call it gave up on."""
+device export's refusals and region layout, the reconnecting link, the worker's hold on the
+blocks of a call it gave up on, and the TP ranks' agreement on which loads failed."""
 
 from __future__ import annotations
 
@@ -377,3 +377,56 @@ def test_one_ranks_reconnect_does_not_keep_the_other_ranks_leases(tmp_path: Path
         watcher.close()
         scheduler.shutdown()
         daemon.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tp2_step(tmp_path: Path, fail_rank: int) -> dict[int, dict[str, object]]:
+    """Runs ``failed_load_rank.py`` as two TP ranks against one daemon; their reports by rank."""
+    import json
+
+    daemon = start_daemon(tmp_path / f"daemon-{fail_rank}")
+    program = Path(__file__).with_name("failed_load_rank.py")
+    port = str(_free_port())
+    try:
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(program), str(r), port, str(daemon.socket), str(fail_rank)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
+        reports: dict[int, dict[str, object]] = {}
+        for r, process in enumerate(ranks):
+            try:
+                out, err = process.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                for p in ranks:
+                    p.kill()
+                raise
+            assert process.returncode == 0, f"rank {r} failed:\n{err}"
+            reports[r] = json.loads(out.strip().splitlines()[-1])
+        return reports
+    finally:
+        daemon.stop()
+
+
+def test_a_load_failed_on_one_rank_stores_nothing_that_step_on_any_rank(tmp_path: Path) -> None:
+    # Rank 1's load succeeds and rank 0's fails: the attention output's all-reduce spreads rank
+    # 0's wrong KV into rank 1's activations, so rank 1 must not store what request r computed
+    # either. Request s had no load, and both ranks store it.
+    reports = _tp2_step(tmp_path, fail_rank=0)
+    assert reports[0]["errors"] == [2, 3] and reports[1]["errors"] == []
+    assert reports[0]["stored"] == 1 and reports[1]["stored"] == 1, reports
+    # The control: with no failed load, both ranks store both requests' chunks.
+    reports = _tp2_step(tmp_path, fail_rank=-1)
+    assert reports[0]["errors"] == [] and reports[1]["errors"] == []
+    assert reports[0]["stored"] == 2 and reports[1]["stored"] == 2, reports

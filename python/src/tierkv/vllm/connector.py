@@ -83,7 +83,10 @@ class TierKVConnector(KVConnectorBase_V1):
                 mla,
             )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tp_group,
+            )
 
             self._worker = WorkerSide(
                 settings,
@@ -93,6 +96,7 @@ class TierKVConnector(KVConnectorBase_V1):
                 tp_size,
                 mla,
                 kv_cache_config.num_blocks,
+                tp_group=get_tp_group().cpu_group if tp_size > 1 else None,
             )
 
     # -- worker side -------------------------------------------------------------------------

@@ -10,6 +10,13 @@ may still be writing the blocks. A load that
 fails for any reason reports its blocks through ``get_block_ids_with_load_errors``, and vLLM
 recomputes them (``kv_load_failure_policy="recompute"``); a failed store is only a future miss.
 
+What the forward pass computed over a failed load's blocks is wrong too, and must not be stored:
+every later token's KV depends on the earlier ones. With TP > 1 one rank's failed load reaches
+every rank through the attention output's all-reduce, so before a step's stores the ranks agree
+on which of the step's loads failed anywhere (a MAX all-reduce of one flag per load over the TP
+group's CPU group, only in steps that load: every rank holds the same plan, so all of them take
+part or none), and no rank stores what such a request computed in that step.
+
 A call that misses its deadline is the exception: a hung daemon may resume it. It copies nothing
 into blocks and keeps nothing read from them once the client has given up (the client shuts the
 connection's writing side, and the daemon checks before a retrieve's copies and after a store's),
@@ -30,6 +37,7 @@ import time
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 from tierkv import wire
 from tierkv.client import Client, Unanswered
@@ -53,6 +61,7 @@ class WorkerSide:
         tp_size: int,
         mla: bool,
         num_blocks: int,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.settings = settings
         self.namespace = namespace
@@ -61,6 +70,8 @@ class WorkerSide:
         self.tp_size = tp_size
         self.mla = mla
         self.num_blocks = num_blocks
+        # The TP group's CPU (gloo) group, through which the ranks agree on failed loads.
+        self.tp_group = tp_group
         self.memory: KvMemory | DeviceKv | None = None
         self.link: Link | None = None
         self.buffer = 0
@@ -167,7 +178,7 @@ class WorkerSide:
                 self.load_errors |= blocks
 
     def wait_for_save(self, meta: TierKVMetadata) -> None:
-        failed, self._failed_loads = self._failed_loads, set()
+        failed = self._failed_anywhere(meta)
         if self.link is None:
             return
         ready = None
@@ -178,9 +189,9 @@ class WorkerSide:
         for op in meta.stores:
             self._planned.add(op.req_id)
             if op.req_id in failed:
-                # Computed this step over blocks whose load failed: later chunks' KV depends on
-                # every earlier token, so theirs is wrong too, and stored it would be served
-                # under the right ids. vLLM recomputes them; here they are only missed later.
+                # Computed this step over blocks whose load failed (here or on another rank):
+                # stored, it would be served under the right ids. vLLM recomputes them; here
+                # they are only missed later.
                 log.debug("tierkv: not storing %s: its load failed", op.req_id)
                 continue
             try:
@@ -191,6 +202,24 @@ class WorkerSide:
             except (Unavailable, DaemonError) as e:
                 self._watch(op.req_id, e)
                 log.debug("tierkv: store for %s failed (%s)", op.req_id, e)
+
+    def _failed_anywhere(self, meta: TierKVMetadata) -> set[str]:
+        """The requests whose load of this step failed on this rank or, with a TP group, on any
+        rank. Every rank calls this with the same plan, so the all-reduce is taken by all ranks
+        or by none, whatever happened here (even with no session)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        if self.tp_group is None or not meta.loads:
+            return failed
+        flags = torch.tensor([op.req_id in failed for op in meta.loads], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.tp_group)
+        anywhere = {op.req_id for op, flag in zip(meta.loads, flags.tolist(), strict=True) if flag}
+        if anywhere - failed:
+            log.warning(
+                "tierkv: not storing what %d requests computed this step: "
+                "their loads failed on another rank",
+                len(anywhere - failed),
+            )
+        return anywhere
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Of the requests that had a load or store here, those vLLM has said finished (now or
