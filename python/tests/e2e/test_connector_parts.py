@@ -32,6 +32,9 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         Settings.from_extra({"sockt": "/tmp/x"})
     with pytest.raises(ValueError, match="chunk_blocks"):
         Settings.from_extra({"chunk_blocks": 0})
+    # No backoff would make every call to a hung daemon wait out its deadline again.
+    with pytest.raises(ValueError, match="retry_s must be positive"):
+        Settings.from_extra({"retry_s": 0})
 
 
 def test_chunk_ids_are_tierkv_prefix_hashes_and_a_salt_separates_them() -> None:
@@ -306,6 +309,33 @@ def test_a_request_whose_load_failed_stores_nothing_it_computed_that_step(tmp_pa
         # The next step's stores of that request go as usual.
         worker.wait_for_save(TierKVMetadata(stores=[StoreOp("r", [(later, [2, 3])])]))
         assert worker.stored_chunks == 2
+    finally:
+        worker.shutdown()
+        daemon.stop()
+
+
+def test_a_plan_the_client_cannot_send_is_a_miss_not_an_error_in_the_engines_step(
+    tmp_path: Path,
+) -> None:
+    daemon = start_daemon(tmp_path / "daemon")
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 2.0, "chunk_blocks": 2}
+    )
+    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(6, 2, 4, 8) for i in (0, 1)}
+    worker = WorkerSide(settings, "m", 32, 0, 1, False, num_blocks=6)
+    try:
+        worker.register_kv_caches(layers)
+        first, later = prefix_hashes(list(range(64)), 32)
+        # A block number the wire cannot carry: the client refuses it before sending (a
+        # ValueError, which used to escape into vLLM's step and stop the engine).
+        bad = [(first, [-1, 0])]
+        worker.start_load_kv(TierKVMetadata(loads=[LoadOp("r", [1], bad)]))
+        assert worker.take_load_errors() == {-1, 0}, "reported, so vLLM recomputes"
+        worker.wait_for_save(TierKVMetadata(stores=[StoreOp("s", bad)]))
+        assert worker.stored_chunks == 0
+        # The session is intact: the next store goes through.
+        worker.wait_for_save(TierKVMetadata(stores=[StoreOp("s", [(later, [2, 3])])]))
+        assert worker.stored_chunks == 1
     finally:
         worker.shutdown()
         daemon.stop()

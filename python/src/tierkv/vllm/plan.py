@@ -51,7 +51,8 @@ class Settings:
     socket: str = "/tmp/tierkv.sock"
     #: Deadline of every call to the daemon, in seconds.
     timeout_s: float = 5.0
-    #: How long a daemon that failed a call is left alone before the next try, in seconds.
+    #: How long a daemon that failed a call is left alone before the next try, in seconds
+    #: (doubling while it keeps missing deadlines); positive.
     retry_s: float = 1.0
     #: vLLM blocks in one tierkv chunk.
     chunk_blocks: int = 1
@@ -79,6 +80,7 @@ class Settings:
         settings = Settings(**values)
         if settings.chunk_blocks < 1:
             raise ValueError("chunk_blocks must be at least 1")
-        if settings.timeout_s <= 0 or settings.retry_s < 0:
-            raise ValueError("timeout_s must be positive and retry_s not negative")
+        if settings.timeout_s <= 0 or settings.retry_s <= 0:
+            # retry_s = 0 would make every call to a hung daemon wait out its deadline again.
+            raise ValueError("timeout_s and retry_s must be positive")
         return settings

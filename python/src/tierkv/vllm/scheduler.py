@@ -10,7 +10,6 @@ miss (0 tokens): vLLM computes the prefix itself.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -133,7 +132,10 @@ class SchedulerSide:
             return 0, False
         try:
             hit = self._hit(state)
-        except Unavailable:
+        except Exception as e:
+            # The daemon is down, or anything else failed: a miss, and the engine goes on.
+            if not isinstance(e, Unavailable):
+                log.warning("tierkv: lookup failed", exc_info=True)
             self._forget_lookups(state)
             return 0, False
         if hit is None:
@@ -242,13 +244,16 @@ class SchedulerSide:
             try:
                 for link in self.links:
                     started.append((link.call(lambda c: c.lookup(0, wanted)), link.generation))
-            except (DaemonError, Unavailable) as e:
-                # Refused (e.g. lease_limit: the session holds its cap of leases), or a rank's
-                # session is down: a miss for now, and the lookups already made on the other
-                # ranks' sessions are returned, not left to their lease deadline: off the
-                # scheduler's thread, since a daemon that just failed one call may be slow to
-                # answer these too.
-                log.debug("tierkv: lookup failed: %s", e)
+            except Exception as e:
+                # Refused (e.g. lease_limit: the session holds its cap of leases), a rank's
+                # session is down, or anything else: a miss for now, and the lookups already
+                # made on the other ranks' sessions are returned, not left to their lease
+                # deadline: off the scheduler's thread, since a daemon that just failed one call
+                # may be slow to answer these too.
+                if isinstance(e, (DaemonError, Unavailable)):
+                    log.debug("tierkv: lookup failed: %s", e)
+                else:
+                    log.warning("tierkv: lookup failed", exc_info=True)
                 for link, (s, generation) in zip(self.links, started, strict=False):
                     self.releases.put((link, generation, s.lookup))
                 if isinstance(e, Unavailable):
@@ -331,8 +336,13 @@ class SchedulerSide:
             if link.generation != generation:
                 continue  # a lookup of a session that is gone: the daemon returned it already
             # Already consumed by the retrieves, expired, or the daemon is gone: nothing to return.
-            with contextlib.suppress(Unavailable, DaemonError):
+            # Nothing may end this thread but shutdown, or later leases would wait for the TTL.
+            try:
                 link.call(lambda c, lookup=lookup: c.release(lookup))
+            except (Unavailable, DaemonError):
+                pass
+            except Exception:
+                log.warning("tierkv: release of lookup %d failed", lookup, exc_info=True)
 
     def _forget_lookups(self, state: _Request) -> None:
         """A rank's session went down: the lookups on the others are returned, not dropped."""

@@ -166,7 +166,9 @@ class WorkerSide:
                     # for the daemon's record of the event, on the GPU.
                     torch.cuda.current_stream().wait_event(self._done)
                 self.loaded_chunks += len(op.chunks)
-            except (Unavailable, DaemonError) as e:
+            except Exception as e:
+                # Whatever failed (the daemon, or a plan the client cannot send), it is a miss:
+                # the engine recomputes, and its step goes on.
                 self._watch(op.req_id, e)
                 self._failed_loads.add(op.req_id)
                 log.warning(
@@ -174,6 +176,7 @@ class WorkerSide:
                     len(op.chunks),
                     op.req_id,
                     e,
+                    exc_info=not isinstance(e, (Unavailable, DaemonError)),
                 )
                 self.load_errors |= blocks
 
@@ -199,9 +202,13 @@ class WorkerSide:
                     lambda c, op=op: c.store(0, self.buffer, op.chunks, ready_event=ready)
                 )
                 self.stored_chunks += stored.stored
-            except (Unavailable, DaemonError) as e:
+            except Exception as e:
+                # A store that fails for any reason is only a future miss.
                 self._watch(op.req_id, e)
-                log.debug("tierkv: store for %s failed (%s)", op.req_id, e)
+                if isinstance(e, (Unavailable, DaemonError)):
+                    log.debug("tierkv: store for %s failed (%s)", op.req_id, e)
+                else:
+                    log.warning("tierkv: store for %s failed", op.req_id, exc_info=True)
 
     def _failed_anywhere(self, meta: TierKVMetadata) -> set[str]:
         """The requests whose load of this step failed on this rank or, with a TP group, on any
