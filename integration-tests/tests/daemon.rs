@@ -49,15 +49,18 @@ fn f1_serve_without_config_answers_status_serves_metrics_and_stops_on_sigterm() 
     {
         assert!(body.contains(name), "/metrics lacks {name}:\n{body}");
     }
-    // Each tier says which order its adaptive policy evicts in: a share of 0 (recency, as a
-    // fresh policy starts) to 1 (ARC's order).
+    // Each tier says which order its adaptive policy evicts in: a share of 0 to 1 of its
+    // policies in ARC's order and in the frequency order; both 0 (recency) as a fresh policy
+    // starts. The disk's policy orders segments by recency or ARC only.
     for tier in ["l1", "l2", "disk"] {
-        let series = format!("tierkv_policy_arc_order{{tier=\"{tier}\"}} ");
-        let share = body
-            .lines()
-            .find_map(|line| line.strip_prefix(series.as_str()))
-            .and_then(|value| value.trim().parse::<f64>().ok());
-        assert_eq!(share, Some(0.0), "{series}in:\n{body}");
+        for order in ["arc", "frequency"] {
+            let series = format!("tierkv_policy_{order}_order{{tier=\"{tier}\"}} ");
+            let share = body
+                .lines()
+                .find_map(|line| line.strip_prefix(series.as_str()))
+                .and_then(|value| value.trim().parse::<f64>().ok());
+            assert_eq!(share, Some(0.0), "{series}in:\n{body}");
+        }
     }
     assert!(cwd.path().join("tierkv-data").is_dir(), "the disk tier lives in ./tierkv-data");
 

@@ -98,10 +98,11 @@ fn a_daemon_replay_counts_what_the_simulation_counts_and_checks_every_byte() {
 fn the_adaptive_policy_counts_in_the_daemon_what_it_counts_in_the_simulation() {
     let Some(path) = trace("synthetic_trace.jsonl") else { return };
     let path = path.to_str().unwrap();
-    // At this size the adaptive policy's shadows switch it to ARC's order part of the time, so
-    // it hits less than LRU does here: agreeing with the simulation covers both orders and the
-    // switch between them (the sampled keys are the same chunks in both).
-    let common = ["--limit", "400", "--capacity", "1000", "--policy", "lru,adaptive"];
+    // At this size the adaptive policy's shadows switch it from recency to ARC's order and then
+    // to the frequency order, so it hits less than LRU does here: agreeing with the simulation
+    // covers the three orders and the switches between them (the sampled keys are the same
+    // chunks in both).
+    let common = ["--limit", "1500", "--capacity", "500", "--policy", "lru,adaptive"];
     let daemon = replay(&[&["replay", path, "--chunk-bytes", "16KiB"][..], &common].concat());
     let simulated = replay(&[&["replay", path, "--simulate"][..], &common].concat());
     let hits = |runs: &[Value], policy: &str| {
@@ -120,8 +121,8 @@ fn a_daemon_with_many_l1_shards_counts_what_the_simulation_of_its_shards_counts(
     // 5,000 slots: the daemon's own choice is 32 index shards, each with its policy, joined.
     // The simulation puts every chunk in the daemon's shard and evicts as the daemon's L1 does,
     // so the two agree chunk for chunk with LRU and S3-FIFO. The adaptive policy's shards share
-    // ARC's target and ghost ages, which a batch of keys moves shard by shard in the daemon and
-    // key by key in the simulation: the two agree within a thousandth.
+    // ARC's target, ghost ages and the frequency order's floor, which a batch of keys moves shard
+    // by shard in the daemon and key by key in the simulation: the two agree within a thousandth.
     let common = ["--capacity", "5000", "--policy", "lru,s3fifo,adaptive", "--l1-shards", "0"];
     let daemon = replay(&[&["replay", path, "--chunk-bytes", "4KiB"][..], &common].concat());
     let simulated = replay(&[&["replay", path, "--simulate"][..], &common].concat());
@@ -141,13 +142,20 @@ fn a_daemon_with_many_l1_shards_counts_what_the_simulation_of_its_shards_counts(
         }
     }
     // Joined, LRU's shards evict as one LRU over L1 (choosing the fullest shard, as L1 once
-    // did, read 0.2573 against one LRU's 0.2793), and the adaptive policy's come close to one
-    // adaptive policy (each shard keeping its own ghosts read 0.2820 against 0.2947).
+    // did, read 0.2573 against one LRU's 0.2793), and the adaptive policy's evict as one
+    // adaptive policy in each order. Which order, and when, is judged from every shard's shadows
+    // of a 32nd of the keys: the switches come at other times than one policy's (here the shards
+    // keep the frequency order longer), so the two differ by the order's worth over the time
+    // they disagree: 0.011 here, 0.0186 at most over 37 capacities of both traces
+    // (docs/performance.md). Each shard keeping its own ghosts read 0.2820 against 0.2947; the
+    // sharded policy must stay above LRU in the same daemon.
     let ratio = |r: Option<Value>| r.unwrap()["hit_ratio"].as_f64().unwrap();
-    for (policy, within) in [("lru", 0.002), ("adaptive", 0.005)] {
+    for (policy, within) in [("lru", 0.002), ("adaptive", 0.015)] {
         let (sharded, one) = (ratio(run(&daemon, policy)), ratio(run(&one_shard, policy)));
         assert!((sharded - one).abs() <= within, "{policy}: 32 shards {sharded}, one {one}");
     }
+    let (adaptive, lru) = (ratio(run(&daemon, "adaptive")), ratio(run(&daemon, "lru")));
+    assert!(adaptive > lru, "32 adaptive shards {adaptive} against LRU {lru}");
 }
 
 #[test]

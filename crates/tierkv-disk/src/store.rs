@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
-use tierkv_core::policy::{SampleKey, SegmentPolicy};
+use tierkv_core::policy::{Order, SampleKey, SegmentPolicy};
 use tierkv_core::{
     AlignedBuf, Bitmap, ChunkSink, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
     TierAdapter, TierError, TierUsage,
@@ -1881,8 +1881,9 @@ impl Shared {
     fn publish(&self) {
         let usage = self.usage();
         self.metrics.publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
-        let arc_order = self.index.lock().policy.in_arc_order();
-        self.metrics.publish_arc_order(if arc_order { 1.0 } else { 0.0 });
+        let order = self.index.lock().policy.order();
+        let share = |o| if order == o { 1.0 } else { 0.0 };
+        self.metrics.publish_orders(share(Order::Arc), share(Order::Frequency));
     }
 }
 

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use tierkv_core::policy::Order;
 use tierkv_core::{ChunkSource, Clock, ExtraCount, KeyError, Layout, ObjectKey, SystemClock};
 
 use crate::access::{ReadAccess, SlotHandle, SlotView, WriteAccess};
@@ -1230,14 +1231,17 @@ impl L1Manager {
     }
 
     /// Sets the L1 gauges (bytes used / cached / free / capacity, objects, active leases, the
-    /// share of index shards evicting in ARC's order) from the current state. Counters move
+    /// shares of index shards evicting in ARC's order and by use counts) from the current state. Counters move
     /// with the events they count; gauges are refreshed here, on the caller's metrics tick, so
     /// the hot paths never pay for them.
     pub fn publish_metrics(&self) {
         let shards = self.index.shard_count();
-        let arc = (0..shards).filter(|i| self.index.shard_at(*i).policy.in_arc_order()).count();
-        let arc_order = arc as f64 / shards.max(1) as f64;
-        self.metrics.publish(&self.usage(), self.active_leases(), arc_order);
+        let share = |order| {
+            let n = (0..shards).filter(|i| self.index.shard_at(*i).policy.order() == order).count();
+            n as f64 / shards.max(1) as f64
+        };
+        let orders = [share(Order::Arc), share(Order::Frequency)];
+        self.metrics.publish(&self.usage(), self.active_leases(), orders);
     }
 
     /// Recounts everything under every lock and checks the invariants: every slot is owned by

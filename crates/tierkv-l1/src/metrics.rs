@@ -51,6 +51,7 @@ pub(crate) struct L1Metrics {
     objects: Gauge,
     leases: Gauge,
     arc_order: Gauge,
+    frequency_order: Gauge,
     evicted_on_demand: Counter,
     evicted_watermark: Counter,
     evicted_stop: Counter,
@@ -106,6 +107,7 @@ impl L1Metrics {
             objects: gauge!("tierkv_tier_objects", "tier" => TIER),
             leases: gauge!("tierkv_l1_leases_active"),
             arc_order: gauge!(tierkv_tier_metrics::ARC_ORDER, "tier" => TIER),
+            frequency_order: gauge!(tierkv_tier_metrics::FREQUENCY_ORDER, "tier" => TIER),
             evicted_on_demand: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "on_demand"),
             evicted_watermark: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "watermark"),
             evicted_stop: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "stop"),
@@ -117,9 +119,9 @@ impl L1Metrics {
         }
     }
 
-    /// Sets the gauges: `arc_order` is the share of index shards whose policy evicts in ARC's
-    /// order.
-    pub(crate) fn publish(&self, usage: &crate::Usage, leases: u64, arc_order: f64) {
+    /// Sets the gauges: `[arc, frequency]` are the shares of index shards whose policy evicts
+    /// in ARC's order and by use counts.
+    pub(crate) fn publish(&self, usage: &crate::Usage, leases: u64, [arc, frequency]: [f64; 2]) {
         self.capacity.set(usage.capacity_bytes as f64);
         // `Usage::used_bytes` is what cannot be evicted; the shared gauge counts every state.
         self.used.set(usage.used_bytes.saturating_add(usage.cached_bytes) as f64);
@@ -128,7 +130,8 @@ impl L1Metrics {
         self.free.set(usage.free_bytes as f64);
         self.objects.set((usage.writing + usage.leased + usage.cached) as f64);
         self.leases.set(leases as f64);
-        self.arc_order.set(arc_order);
+        self.arc_order.set(arc);
+        self.frequency_order.set(frequency);
     }
 
     pub(crate) fn evicted(&self, reason: EvictionReason, n: usize) {

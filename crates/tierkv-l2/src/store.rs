@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
-use tierkv_core::policy::EvictionPolicy;
+use tierkv_core::policy::{EvictionPolicy, Order};
 use tierkv_core::{
     Bitmap, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
     TierAdapter, TierError, TierUsage,
@@ -563,8 +563,9 @@ impl Shared {
     fn publish(&self) {
         let usage = self.usage();
         self.metrics.publish(usage.capacity_bytes, usage.used_bytes, usage.objects);
-        let arc_order = self.index.lock().policy.in_arc_order();
-        self.metrics.publish_arc_order(if arc_order { 1.0 } else { 0.0 });
+        let order = self.index.lock().policy.order();
+        let share = |o| if order == o { 1.0 } else { 0.0 };
+        self.metrics.publish_orders(share(Order::Arc), share(Order::Frequency));
     }
 }
 

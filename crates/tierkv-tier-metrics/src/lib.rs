@@ -27,6 +27,7 @@ struct Bounded {
     free: Gauge,
     evictions: Counter,
     arc_order: Gauge,
+    frequency_order: Gauge,
 }
 
 /// Whether a tier bounds its contents itself (and so has a capacity and evicts), or leaves that
@@ -50,6 +51,7 @@ impl TierMetrics {
             free: gauge!("tierkv_tier_free_bytes", "tier" => tier),
             evictions: counter!("tierkv_evictions_total", "tier" => tier, "reason" => "capacity"),
             arc_order: gauge!(ARC_ORDER, "tier" => tier),
+            frequency_order: gauge!(FREQUENCY_ORDER, "tier" => tier),
         });
         TierMetrics {
             stores: counter!("tierkv_tier_stores_total", "tier" => tier),
@@ -92,11 +94,13 @@ impl TierMetrics {
         self.bytes_read.increment(bytes);
     }
 
-    /// Sets the share of the tier's eviction policies that evict in ARC's order now (1 or 0 for
-    /// a tier with one policy; nothing is published for an external tier).
-    pub fn publish_arc_order(&self, share: f64) {
+    /// Sets the shares of the tier's eviction policies that evict in ARC's order and by use
+    /// counts now (each 1 or 0 for a tier with one policy; nothing is published for an external
+    /// tier).
+    pub fn publish_orders(&self, arc: f64, frequency: f64) {
         if let Some(bounded) = &self.bounded {
-            bounded.arc_order.set(share);
+            bounded.arc_order.set(arc);
+            bounded.frequency_order.set(frequency);
         }
     }
 
@@ -126,13 +130,22 @@ impl TierMetrics {
 /// The gauge of the share of a tier's eviction policies that evict in ARC's order.
 pub const ARC_ORDER: &str = "tierkv_policy_arc_order";
 
+/// The gauge of the share of a tier's eviction policies that evict by use counts.
+pub const FREQUENCY_ORDER: &str = "tierkv_policy_frequency_order";
+
 /// Describes the gauges and counters every tier publishes, L1 included, so that each name has
 /// one description whichever tier registers it last (describing again is harmless).
 pub fn describe_shared() {
     describe_gauge!(
         ARC_ORDER,
         Unit::Count,
-        "Share of a tier's eviction policies evicting in ARC's order rather than recency (the \
+        "Share of a tier's eviction policies evicting in ARC's order (the adaptive policy's \
+         choice; L1 has one per index shard): 0 to 1."
+    );
+    describe_gauge!(
+        FREQUENCY_ORDER,
+        Unit::Count,
+        "Share of a tier's eviction policies evicting by use counts remembered past eviction (the \
          adaptive policy's choice; L1 has one per index shard): 0 to 1."
     );
     describe_gauge!("tierkv_tier_capacity_bytes", Unit::Bytes, "Bytes a tier may hold.");
@@ -240,7 +253,7 @@ mod tests {
             m.checksum_failed(1);
             m.failed("io");
             m.failed("io");
-            m.publish_arc_order(1.0);
+            m.publish_orders(0.0, 1.0);
         });
         let expected = [
             ("tierkv_tier_capacity_bytes", "", 100.0),
@@ -256,7 +269,8 @@ mod tests {
             ("tierkv_checksum_failures_total", "", 1.0),
             ("tierkv_errors_total", "io", 2.0),
             ("tierkv_errors_total", "no_space", 0.0),
-            ("tierkv_policy_arc_order", "", 1.0),
+            ("tierkv_policy_arc_order", "", 0.0),
+            ("tierkv_policy_frequency_order", "", 1.0),
         ];
         for (name, reason, want) in expected {
             assert_eq!(value(&all, name, reason), want, "{name} {reason}");
@@ -270,7 +284,7 @@ mod tests {
             let m = TierMetrics::register("remote", Capacity::External, &["timeout"]);
             m.publish(0, 30, 3);
             m.evicted(4);
-            m.publish_arc_order(1.0);
+            m.publish_orders(1.0, 1.0);
         });
         let names: Vec<&str> = all.iter().map(|(n, ..)| n.as_str()).collect();
         for absent in [
@@ -279,6 +293,7 @@ mod tests {
             "tierkv_tier_free_bytes",
             "tierkv_evictions_total",
             "tierkv_policy_arc_order",
+            "tierkv_policy_frequency_order",
         ] {
             assert!(!names.contains(&absent), "{absent} is published: {names:?}");
         }

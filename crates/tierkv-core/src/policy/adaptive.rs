@@ -1,5 +1,6 @@
-//! The adaptive policy: ARC's lists, evicted either in ARC's order or in plain recency order,
-//! whichever two sampled shadow caches show is hitting more on the workload right now.
+//! The adaptive policy: ARC's lists and use counts, evicted in plain recency order, in ARC's
+//! order or by use counts, whichever of three sampled shadow caches shows is hitting most on the
+//! workload right now.
 //!
 //! **The lists** (Megiddo and Modha, "ARC", FAST'03). `T1` holds keys cached and not used since,
 //! `T2` keys used at least once while cached; `B1` and `B2` remember, without data, keys recently
@@ -12,41 +13,51 @@
 //! of a [`PolicyGroup`] keep the ghosts one policy would, each bounding only its own lists
 //! (docs/performance.md has both rules' figures).
 //!
-//! **Two orders over the same lists.** Every tracked key carries the tick of its last use, and
+//! **Three orders over the same keys.** Every tracked key carries the tick of its last use, and
 //! `T1` and `T2` are each ordered by it, so the least recently used key overall is the older of
 //! their two backs. In recency mode the policy evicts that key: it is exactly LRU. In ARC mode it
 //! evicts from `T1` while `T1` is above ARC's target, otherwise from `T2`. ARC protects keys that
 //! proved themselves against a stream of new ones, which is what a small cache facing long
 //! multi-turn conversations needs; at capacities where recency already reaches near the optimum
-//! its protection costs hits, which is where LRU is right.
+//! its protection costs hits, which is where LRU is right. In frequency mode it evicts the key
+//! of lowest GreedyDual priority over its use counts, which a history remembers past eviction
+//! ([`super::frequency`]): at the smallest capacities, where neither recency nor ARC's two
+//! lists hold a conversation until its next turn, how often a chunk was asked for is what tells
+//! the chunks worth keeping. Every key is in ARC's lists and in the frequency classes at once,
+//! so the mode can change between two evictions.
 //!
 //! **Choosing the mode, online.** One key in four (by a mix of [`SampleKey::sample_bits`], so a
 //! key is sampled or not on every node, in every run and in the simulation) also goes through
-//! two small caches of a quarter of the tracked count: a plain LRU and an ARC. Each counts its
-//! hits, decayed by `1 - 1/(8 x capacity)` per sampled access so the count follows the workload
-//! over about eight shadow capacities of accesses: at the hit ratios of small caches a shorter
-//! memory holds a handful of hits, and the mode then flips on noise (with one capacity, 30
-//! switches over the synthetic trace at 2,000 blocks, and 0.006 below LRU there). The
-//! policy switches mode when the other shadow leads by more than 5% (plus one hit), so it does
-//! not flap between two near-equal choices. The shadows cost a quarter of the keys' memory each
-//! and O(1) per sampled access.
+//! three small caches of a quarter of the tracked count: a plain LRU, an ARC and a frequency
+//! order (reading the same history of use counts). For each pair, the policy counts the sampled
+//! accesses one shadow hit and the other missed, decayed by `1 - 1/(8 x capacity)` per sampled
+//! access so the counts follow the workload over about eight shadow capacities of accesses: at the
+//! hit ratios of small caches a shorter memory holds a handful of hits, and the mode then flips on
+//! noise (with one capacity, 30 switches over the synthetic trace at 2,000 blocks, and 0.006
+//! below LRU there). It switches to another order when that order's shadow won significantly more
+//! of the accesses the two disagree on ([`Mode::judged`]), so it does not flap between two
+//! near-equal choices: a switch flushes what the other order protected. The shadows cost a
+//! quarter of the keys' memory each and O(1) per sampled access.
 //!
 //! **Prefix chains.** A chunk is useless without its parent. Callers insert a chain's new chunks
-//! leaf first and touch a hit's chunks leaf first (so its root is the most recent); both orders
-//! here follow insertion and use, so a chain loses its tail before its root in either mode.
+//! leaf first and touch a hit's chunks leaf first (so its root is the most recent); every order
+//! here follows insertion and use, and a root is used at least as often as its tail, so a chain
+//! loses its tail before its root in every mode.
 //!
-//! Constants: sampling one in four, the 5% margin and the ghost bound of twice the tracked keys
-//! were chosen on Mooncake's conversation trace and checked on the synthetic one; the score's
-//! memory of eight capacities was chosen on the synthetic trace (where the shorter one lost to
-//! LRU) and checked on the conversation trace. docs/performance.md has the tables.
+//! Constants: sampling one in four, the ghost bound of twice the tracked keys and the switch's
+//! 2.5 standard deviations were chosen on Mooncake's conversation trace and checked on the
+//! synthetic one; the counts' memory of eight capacities was chosen on the synthetic trace (where
+//! the shorter one lost to LRU) and checked on the conversation trace; the frequency order's own
+//! constants are in [`super::frequency`]. docs/performance.md has the tables.
 
 use std::fmt;
 use std::hash::Hash;
 use std::sync::Arc;
 
+use super::frequency::{FrequencyLists, HISTORY_FACTOR, UseHistory};
 use super::group::{Member, PolicyGroup, Published};
 use super::list::{KeyedLists, NodeId};
-use super::{EvictionPolicy, Lru, SampleKey};
+use super::{EvictionPolicy, Lru, Order, SampleKey};
 
 /// Keys cached and not used since.
 const T1: usize = 0;
@@ -71,12 +82,29 @@ pub(super) const MIN_JUDGED: usize = 64;
 /// The shadows' hit counts decay over this many shadow capacities of sampled accesses.
 pub(super) const SCORE_MEMORY: f64 = 8.0;
 
-/// The other shadow must lead by this fraction (and one hit) before the mode changes.
-const SWITCH_MARGIN: f64 = 0.05;
+/// How many standard deviations another shadow's lead must reach before the mode changes.
+const SWITCH_CONFIDENCE: f64 = 2.5;
 
 /// Whether `key` goes through the shadows: one key in four, by a mix of its sample bits.
 pub(super) fn sampled(key: &impl SampleKey) -> bool {
     key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SAMPLE_SHIFT) == 0
+}
+
+/// The shadows' decayed wins over each other: `[i][j]` counts the sampled accesses that the
+/// shadow of mode `i` hit and the shadow of mode `j` missed (modes in [`Mode::ALL`]'s order).
+pub(super) type Wins = [[f64; 3]; 3];
+
+/// Counts one sampled access that the shadows of the modes in [`Mode::ALL`]'s order hit or
+/// missed (`hits`, the first `N` modes only), after decaying every count by `keep`.
+pub(super) fn count_wins<const N: usize>(wins: &mut Wins, hits: [bool; N], keep: f64) {
+    for (i, row) in wins.iter_mut().enumerate() {
+        for (j, count) in row.iter_mut().enumerate() {
+            *count *= keep;
+            if i < N && j < N && hits[i] && !hits[j] {
+                *count += 1.0;
+            }
+        }
+    }
 }
 
 /// Which order evictions follow.
@@ -86,16 +114,50 @@ pub(super) enum Mode {
     Recency,
     /// ARC's choice between the back of `T1` and the back of `T2`.
     Arc,
+    /// The lowest GreedyDual priority over use counts ([`super::frequency`]).
+    Frequency,
 }
 
 impl Mode {
-    /// The mode after this one given the decayed hits of a recency shadow and an ARC shadow:
-    /// it changes when the other shadow leads by the margin (and one hit).
-    pub(super) fn judged(self, [recency, arc]: [f64; 2]) -> Mode {
+    /// The modes, in the order of [`Wins`].
+    pub(super) const ALL: [Mode; 3] = [Mode::Recency, Mode::Arc, Mode::Frequency];
+
+    /// The mode after this one given the shadows' decayed `wins`: a sign test on the sampled
+    /// accesses where two shadows disagree. Another mode's shadow must have won
+    /// [`SWITCH_CONFIDENCE`] standard deviations more of them than this mode's, `(a - b) /
+    /// sqrt(a + b + 1)`; of several, the one that leads by most. Accesses both shadows hit, or
+    /// both missed, say nothing about which order is better, and counting only the others lets
+    /// two orders that agree on almost everything still be told apart, while two that differ by
+    /// chance are not (a fixed 5% lead in total hits switched between ARC's and the frequency
+    /// order on noise, and each switch flushes what the other order protected).
+    pub(super) fn judged(self, wins: &Wins) -> Mode {
+        let current = self.index();
+        let mut best = (SWITCH_CONFIDENCE, self);
+        for (i, mode) in Mode::ALL.into_iter().enumerate() {
+            let (won, lost) = (wins[i][current], wins[current][i]);
+            let lead = (won - lost) / (won + lost + 1.0).sqrt();
+            if mode != self && lead > best.0 {
+                best = (lead, mode);
+            }
+        }
+        best.1
+    }
+
+    /// This mode's place in [`Mode::ALL`].
+    pub(super) fn index(self) -> usize {
         match self {
-            Mode::Recency if arc > recency * (1.0 + SWITCH_MARGIN) + 1.0 => Mode::Arc,
-            Mode::Arc if recency > arc * (1.0 + SWITCH_MARGIN) + 1.0 => Mode::Recency,
-            mode => mode,
+            Mode::Recency => 0,
+            Mode::Arc => 1,
+            Mode::Frequency => 2,
+        }
+    }
+
+    /// The public name of this mode.
+    pub(super) fn order(self) -> Order {
+        match self {
+            Mode::Recency => Order::Recency,
+            Mode::Arc => Order::Arc,
+            Mode::Frequency => Order::Frequency,
         }
     }
 }
@@ -107,12 +169,20 @@ impl Mode {
 /// costs O(1) per key it returns or skips.
 pub struct Adaptive<K> {
     cache: ArcLists<K>,
+    /// The same keys by use counts, for the frequency order.
+    frequency: FrequencyLists<K>,
+    /// Uses of every recently seen key, cached or not, read by `frequency` and its shadow.
+    history: UseHistory,
     /// Sampled keys in a plain LRU of a quarter of the tracked count.
     shadow_lru: Lru<K>,
     /// Sampled keys in an ARC of a quarter of the tracked count.
     shadow_arc: ArcLists<K>,
-    /// Decayed hits of `shadow_lru` and `shadow_arc`.
-    score: [f64; 2],
+    /// Sampled keys in a frequency order of a quarter of the tracked count.
+    shadow_frequency: FrequencyLists<K>,
+    /// Stamps the uses in `shadow_frequency`.
+    shadow_clock: u64,
+    /// The shadows' decayed wins over each other: recency, ARC, frequency.
+    wins: Wins,
     mode: Mode,
     /// [`MIN_JUDGED`], lowered by tests that need the mode switch on a handful of keys.
     min_judged: usize,
@@ -125,9 +195,13 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
     pub fn new() -> Self {
         Adaptive {
             cache: ArcLists::new(),
+            frequency: FrequencyLists::new(),
+            history: UseHistory::new(),
             shadow_lru: Lru::new(),
             shadow_arc: ArcLists::new(),
-            score: [0.0; 2],
+            shadow_frequency: FrequencyLists::new(),
+            shadow_clock: 0,
+            wins: [[0.0; 3]; 3],
             mode: Mode::Recency,
             min_judged: MIN_JUDGED,
             member: None,
@@ -154,40 +228,97 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
                 len: [keys.len(T1), keys.len(T2)],
                 oldest: [oldest(T1), oldest(T2)],
                 ghosts: [keys.len(B1), keys.len(B2)],
-                score: self.score,
+                lowest: self.frequency.lowest(),
             });
         }
     }
 
-    /// Replays one access of a sampled `key` in both shadows: a hit counts for the shadow, a
-    /// miss caches the key there, evicting to the shadow's capacity first.
-    fn shadow_access(&mut self, key: &K) {
+    /// The floor the frequency order adds a use's value to: the group's, if any.
+    fn floor(&self) -> u64 {
+        match &self.member {
+            Some(member) => member.group.floor(),
+            None => self.frequency.floor,
+        }
+    }
+
+    /// Raises the frequency order's floor to a victim's `priority` (GreedyDual's ageing), the
+    /// group's if any.
+    fn raise_floor(&mut self, priority: u64) {
+        match &self.member {
+            Some(member) => member.group.raise_floor(priority),
+            None => self.frequency.floor = self.frequency.floor.max(priority),
+        }
+    }
+
+    /// The keys whose uses the history must remember room for: [`HISTORY_FACTOR`] times those
+    /// tracked (in a group, this shard's part of the group's).
+    fn history_bound(&self) -> usize {
+        let tracked = match &self.member {
+            Some(member) => member.group.tracked().div_ceil(member.group.shards()),
+            None => self.cache.len(),
+        };
+        HISTORY_FACTOR.saturating_mul(tracked.max(1))
+    }
+
+    /// Counts a use of `key` in the history and returns its uses so far; on an insert, the
+    /// history first grows to `bound` keys ([`Self::history_bound`] before the insert).
+    fn record_use(&mut self, key: &K, bound: Option<usize>) -> u32 {
+        if let Some(bound) = bound {
+            self.history.reserve(bound);
+        }
+        self.history.record(key.sample_bits(), key.identity_bits())
+    }
+
+    /// The frequency order's part of a use of `key`, stamped `stamp`, used `uses` times.
+    fn use_frequency(&mut self, key: &K, uses: u32, stamp: u64) {
+        let floor = self.floor();
+        self.frequency.use_key(key.clone(), uses, stamp, floor);
+    }
+
+    /// Replays one access of a sampled `key`, used `uses` times in all, in the three shadows of
+    /// a policy tracking `tracked` keys: a hit counts for the shadow, a miss caches the key there,
+    /// evicting to the shadow's capacity first.
+    fn shadow_access(&mut self, key: &K, uses: u32, tracked: usize) {
         if !sampled(key) {
             return;
         }
-        let capacity = (self.cache.len() >> SAMPLE_SHIFT).max(1);
-        if self.shadow_lru.contains(key) {
+        let capacity = (tracked >> SAMPLE_SHIFT).max(1);
+        let hits = [
+            self.shadow_lru.contains(key),
+            self.shadow_arc.contains(key),
+            self.shadow_frequency.contains(key),
+        ];
+        let keep = 1.0 - 1.0 / (SCORE_MEMORY * capacity as f64);
+        count_wins(&mut self.wins, hits, keep);
+        if hits[0] {
             self.shadow_lru.touch(key);
-            self.score[0] += 1.0;
         } else {
             let over = (self.shadow_lru.len() + 1).saturating_sub(capacity);
             self.shadow_lru.evict(over, &mut |_| true);
             self.shadow_lru.insert(key.clone());
         }
-        if self.shadow_arc.contains(key) {
+        if hits[1] {
             self.shadow_arc.touch(key);
-            self.score[1] += 1.0;
         } else {
             while self.shadow_arc.len() >= capacity
                 && self.shadow_arc.evict_one(Mode::Arc, &mut |_| true).is_some()
             {}
             self.shadow_arc.insert(key.clone());
         }
-        let keep = 1.0 - 1.0 / (SCORE_MEMORY * capacity as f64);
-        self.score = self.score.map(|s| s * keep);
+        if !hits[2] {
+            while self.shadow_frequency.len() >= capacity
+                && self.shadow_frequency.evict_one().is_some()
+            {}
+        }
+        self.shadow_clock += 1;
+        let floor = self.shadow_frequency.floor;
+        self.shadow_frequency.use_key(key.clone(), uses, self.shadow_clock, floor);
+        if let Some(member) = &self.member {
+            member.publish_wins(&self.wins);
+        }
     }
 
-    /// Switches mode when the other shadow leads by the margin.
+    /// Switches mode when another shadow leads with confidence.
     fn choose_mode(&mut self) {
         if let Some(member) = &self.member {
             self.mode = member.group.judge();
@@ -198,7 +329,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             self.mode = Mode::Recency;
             return;
         }
-        self.mode = self.mode.judged(self.score);
+        self.mode = self.mode.judged(&self.wins);
     }
 }
 
@@ -213,31 +344,35 @@ impl<K: Hash + Eq + Clone> fmt::Debug for Adaptive<K> {
         f.debug_struct("Adaptive")
             .field("mode", &self.mode)
             .field("cache", &self.cache)
-            .field("score", &self.score)
+            .field("wins", &self.wins)
             .finish()
     }
 }
 
 impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> {
     fn insert(&mut self, key: K) {
-        if self.cache.contains(&key) {
+        let (tracked, bound) = (self.cache.len(), self.history_bound());
+        let Some(stamp) = self.cache.insert(key.clone()) else {
             return;
-        }
-        self.shadow_access(&key);
-        self.cache.insert(key);
+        };
+        let uses = self.record_use(&key, Some(bound));
+        self.shadow_access(&key, uses, tracked);
+        self.use_frequency(&key, uses, stamp);
         self.publish();
     }
 
     fn touch(&mut self, key: &K) {
-        if self.cache.contains(key) {
-            self.shadow_access(key);
-            self.cache.touch(key);
+        if let Some(stamp) = self.cache.touch(key) {
+            let uses = self.record_use(key, None);
+            self.shadow_access(key, uses, self.cache.len());
+            self.use_frequency(key, uses, stamp);
             self.publish();
         }
     }
 
     fn remove(&mut self, key: &K) -> bool {
         let removed = self.cache.remove(key);
+        self.frequency.remove(key);
         self.publish();
         removed
     }
@@ -256,21 +391,45 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
         }
     }
 
-    fn in_arc_order(&self) -> bool {
+    fn order(&self) -> Order {
         match &self.member {
-            Some(member) => member.group.in_arc_order(),
-            None => self.mode == Mode::Arc,
+            Some(member) => member.group.order(),
+            None => self.mode.order(),
         }
     }
 
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {
         self.choose_mode();
         let mut victims = Vec::with_capacity(n.min(self.len()));
-        let mut scan = Scan { t1: self.cache.keys.back(T1), t2: self.cache.keys.back(T2) };
-        while victims.len() < n {
-            match self.cache.evict_scanning(self.mode, &mut scan, eligible) {
-                Some(key) => victims.push(key),
-                None => break,
+        if self.mode == Mode::Frequency {
+            let mut scan = self.frequency.scan();
+            while victims.len() < n {
+                let Some((id, (priority, _))) = self.frequency.next_victim(&mut scan, eligible)
+                else {
+                    break;
+                };
+                let key = self.frequency.take(id, &mut scan);
+                self.raise_floor(priority);
+                self.cache.evict_key(&key);
+                victims.push(key);
+            }
+        } else {
+            let mut scan = Scan { t1: self.cache.keys.back(T1), t2: self.cache.keys.back(T2) };
+            while victims.len() < n {
+                match self.cache.evict_scanning(self.mode, &mut scan, eligible) {
+                    Some(key) => {
+                        // The floor rises as GreedyDual's own eviction would have raised it,
+                        // to the lowest priority held (this shard's, in a group): a switch to
+                        // the frequency order then finds the keys used since aged as its own
+                        // evictions would have aged them.
+                        if let Some((lowest, _)) = self.frequency.lowest() {
+                            self.raise_floor(lowest);
+                        }
+                        self.frequency.remove(&key);
+                        victims.push(key);
+                    }
+                    None => break,
+                }
             }
         }
         self.publish();
@@ -352,19 +511,19 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
         self.clock
     }
 
-    /// A use of a tracked key: it moves to the front of `T2`.
-    fn touch(&mut self, key: &K) {
-        if let Some(id) = self.keys.find(key)
-            && self.keys.list_of(id) <= T2
-        {
-            *self.keys.value_mut(id) = self.tick();
-            self.keys.move_to_front(id, T2);
-        }
+    /// A use of a tracked key: it moves to the front of `T2`. Returns the use's stamp, `None`
+    /// for a key not tracked.
+    fn touch(&mut self, key: &K) -> Option<u64> {
+        let id = self.keys.find(key).filter(|id| self.keys.list_of(*id) <= T2)?;
+        let stamp = self.tick();
+        *self.keys.value_mut(id) = stamp;
+        self.keys.move_to_front(id, T2);
+        Some(stamp)
     }
 
     /// Caches `key`: on `T1`, or on `T2` when it is a ghost, adapting the target as ARC does.
-    /// A tracked key is left as it is.
-    fn insert(&mut self, key: K) {
+    /// Returns the stamp of the insert; `None`, and nothing changes, for a key tracked already.
+    fn insert(&mut self, key: K) -> Option<u64> {
         // A ghost past its age goes before it could count as one: in a group, evictions in
         // other shards age this shard's ghosts too.
         self.trim_ghosts();
@@ -374,13 +533,14 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             let from_b1 = match self.keys.list_of(id) {
                 B1 => true,
                 B2 => false,
-                _ => return,
+                _ => return None,
             };
             self.adapt_target(from_b1);
             *self.keys.value_mut(id) = stamp;
             self.keys.move_to_front(id, T2);
         }
         self.count_keys(1);
+        Some(stamp)
     }
 
     /// Tells the group, if any, that this shard tracks `delta` keys more.
@@ -439,6 +599,23 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
         self.evictions
     }
 
+    /// Evicts the tracked `key` chosen by another order, leaving its ghost as an eviction of
+    /// ARC's own would.
+    fn evict_key(&mut self, key: &K) {
+        if let Some(id) = self.keys.find(key).filter(|id| self.keys.list_of(*id) <= T2) {
+            self.evict_node(id);
+        }
+    }
+
+    /// Turns the tracked node `id` into the ghost of its list.
+    fn evict_node(&mut self, id: NodeId) {
+        let ghost = if self.keys.list_of(id) == T1 { B1 } else { B2 };
+        *self.keys.value_mut(id) = self.count_eviction();
+        self.keys.move_to_front(id, ghost);
+        self.count_keys(-1);
+        self.trim_ghosts();
+    }
+
     /// Evicts one key in `mode`, every key eligible.
     fn evict_one(&mut self, mode: Mode, eligible: &mut dyn FnMut(&K) -> bool) -> Option<K> {
         let mut scan = Scan { t1: self.keys.back(T1), t2: self.keys.back(T2) };
@@ -475,18 +652,15 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             (Some(_), None) => true,
             (None, Some(_)) => false,
             (Some(a), Some(b)) => match mode {
-                Mode::Recency => self.keys.value(a) < self.keys.value(b),
                 Mode::Arc => self.t1_due(),
+                // The frequency order has lists of its own; ARC's evict in recency order.
+                Mode::Recency | Mode::Frequency => self.keys.value(a) < self.keys.value(b),
             },
         };
-        let (id, cursor, ghost) =
-            if from_t1 { (t1?, &mut scan.t1, B1) } else { (t2?, &mut scan.t2, B2) };
+        let (id, cursor) = if from_t1 { (t1?, &mut scan.t1) } else { (t2?, &mut scan.t2) };
         *cursor = self.keys.newer(id);
-        *self.keys.value_mut(id) = self.count_eviction();
-        self.keys.move_to_front(id, ghost);
-        self.count_keys(-1);
         let key = self.keys.key(id).clone();
-        self.trim_ghosts();
+        self.evict_node(id);
         Some(key)
     }
 }
@@ -505,10 +679,13 @@ impl<K: Hash + Eq + Clone> fmt::Debug for ArcLists<K> {
 
 #[cfg(test)]
 impl<K: Hash + Eq + Clone> Adaptive<K> {
-    /// Evicts in ARC's order from now on, until the shadows say otherwise.
-    pub(super) fn force_arc_mode(&mut self) {
-        self.mode = Mode::Arc;
-        self.score = [0.0, 1.0e9];
+    /// Evicts in `mode`'s order from now on, until the shadows say otherwise.
+    pub(super) fn force_mode(&mut self, mode: Mode) {
+        self.mode = mode;
+        self.wins = [[0.0; 3]; 3];
+        for loser in Mode::ALL {
+            self.wins[mode.index()][loser.index()] = if loser == mode { 0.0 } else { 1.0e9 };
+        }
         self.min_judged = 0;
     }
 
@@ -521,5 +698,10 @@ impl<K: Hash + Eq + Clone> Adaptive<K> {
     /// The number of ghosts.
     pub(super) fn ghosts(&self) -> usize {
         self.cache.keys.len(B1) + self.cache.keys.len(B2)
+    }
+
+    /// The number of keys whose uses the history remembers.
+    pub(super) fn remembered(&self) -> usize {
+        self.history.len()
     }
 }

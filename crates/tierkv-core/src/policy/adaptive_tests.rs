@@ -2,21 +2,57 @@
 
 use proptest::prelude::*;
 
-use super::adaptive::Adaptive;
-use super::{EvictionPolicy, SampleKey};
+use super::adaptive::{Adaptive, Mode};
+use super::{EvictionPolicy, Order, SampleKey};
 
 /// The adaptive policy written as plainly as possible: vectors, linear searches, oldest first.
 /// It shares no code with [`Adaptive`], so the two agreeing on every victim checks the lists,
-/// the cursors, the ghosts, the shadows and the mode switch together.
+/// the cursors, the ghosts, the use counts, the shadows and the mode switch together.
 #[derive(Default)]
 struct Model {
     cache: ModelArc,
+    frequency: ModelFrequency,
+    /// The history's sets, each the tags of its keys with their uses, most recently used first.
+    history: Vec<Vec<(u64, u32)>>,
     shadow_lru: Vec<u32>,
     shadow_arc: ModelArc,
-    score: [f64; 2],
-    arc_mode: bool,
+    shadow_frequency: ModelFrequency,
+    shadow_clock: u64,
+    /// `[i][j]`: decayed sampled accesses the shadow of order `i` (recency, ARC, frequency)
+    /// hit and that of order `j` missed.
+    wins: [[f64; 3]; 3],
+    /// 0 recency, 1 ARC, 2 frequency.
+    mode: usize,
     /// Below this many tracked keys, recency order.
     min_judged: usize,
+}
+
+/// GreedyDual over use counts: each key with its priority and the stamp of its last use.
+#[derive(Default)]
+struct ModelFrequency {
+    keys: Vec<(u32, u64, u64)>,
+    floor: u64,
+}
+
+impl ModelFrequency {
+    fn contains(&self, key: u32) -> bool {
+        self.keys.iter().any(|(k, _, _)| *k == key)
+    }
+    /// A use of `key`, used `uses` times in all: priority `floor + min(uses, 6)^3`.
+    fn use_key(&mut self, key: u32, uses: u32, stamp: u64, floor: u64) {
+        self.keys.retain(|(k, _, _)| *k != key);
+        let class = u64::from(uses.clamp(1, 6));
+        self.keys.push((key, floor + class * class * class, stamp));
+    }
+    fn remove(&mut self, key: u32) {
+        self.keys.retain(|(k, _, _)| *k != key);
+    }
+    /// The eligible key of lowest priority, the least recently used of equals.
+    fn victim(&self, eligible: &dyn Fn(u32) -> bool) -> Option<(u32, u64)> {
+        (self.keys.iter().filter(|(k, _, _)| eligible(*k)))
+            .min_by_key(|(_, priority, stamp)| (*priority, *stamp))
+            .map(|(k, priority, _)| (*k, *priority))
+    }
 }
 
 /// ARC's lists, each oldest first, tracked keys with their last-use tick, ghosts with the
@@ -39,7 +75,7 @@ impl ModelArc {
     fn contains(&self, key: u32) -> bool {
         self.t1.iter().chain(&self.t2).any(|(k, _)| *k == key)
     }
-    fn touch(&mut self, key: u32) {
+    fn touch(&mut self, key: u32) -> u64 {
         self.clock += 1;
         if let Some(at) = self.t1.iter().position(|(k, _)| *k == key) {
             self.t1.remove(at);
@@ -47,13 +83,28 @@ impl ModelArc {
             self.t2.remove(at);
         } else {
             self.clock -= 1;
-            return;
+            return self.clock;
         }
         self.t2.push((key, self.clock));
+        self.clock
     }
-    fn insert(&mut self, key: u32) {
+    /// Evicts `key`, chosen by another order, leaving its ghost.
+    fn evict_key(&mut self, key: u32) {
+        self.evictions += 1;
+        if let Some(at) = self.t1.iter().position(|(k, _)| *k == key) {
+            self.t1.remove(at);
+            self.b1.push((key, self.evictions));
+        } else if let Some(at) = self.t2.iter().position(|(k, _)| *k == key) {
+            self.t2.remove(at);
+            self.b2.push((key, self.evictions));
+        } else {
+            self.evictions -= 1;
+        }
+        self.trim();
+    }
+    fn insert(&mut self, key: u32) -> u64 {
         if self.contains(key) {
-            return;
+            return self.clock;
         }
         self.trim();
         let tracked = self.len() as f64;
@@ -70,6 +121,7 @@ impl ModelArc {
         } else {
             self.t1.push((key, self.clock));
         }
+        self.clock
     }
     fn remove(&mut self, key: u32) -> bool {
         let before = self.len();
@@ -114,60 +166,143 @@ impl ModelArc {
 }
 
 impl Model {
-    fn shadow_access(&mut self, key: u32) {
+    /// The history's tag of `key`: splitmix64's finalizer, its top 24 bits (which choose the
+    /// set) above its low 32 (which tell keys of a set apart).
+    fn tag(key: u32) -> u64 {
+        let mut z = u64::from(key);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 40) << 32 | (z & 0xFFFF_FFFF)
+    }
+    /// Adds `uses` to `tag`'s count in its set, first in the set, 32 keys at most.
+    fn use_tag(&mut self, tag: u64, uses: u32) -> u32 {
+        let sets = self.history.len() as u64;
+        let set = &mut self.history[((tag >> 32) % sets) as usize];
+        let count = match set.iter().position(|(t, _)| *t == tag) {
+            Some(at) => set.remove(at).1 + uses,
+            None => uses,
+        };
+        set.insert(0, (tag, count));
+        set.truncate(32);
+        count
+    }
+    /// Counts a use of `key`; the history first grows to sets of 32 for 32 times the tracked
+    /// keys, a power of two of them.
+    fn record_use(&mut self, key: u32) -> u32 {
+        let bound = 32 * self.cache.len().max(1);
+        if bound > 32 * self.history.len() {
+            let old = std::mem::replace(
+                &mut self.history,
+                vec![vec![]; bound.div_ceil(32).next_power_of_two()],
+            );
+            for (tag, uses) in old.into_iter().flat_map(|set| set.into_iter().rev()) {
+                self.use_tag(tag, uses);
+            }
+        }
+        self.use_tag(Self::tag(key), 1)
+    }
+    fn shadow_access(&mut self, key: u32, uses: u32) {
         if key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 62 != 0 {
             return;
         }
         let capacity = (self.cache.len() / 4).max(1);
+        let hits = [
+            self.shadow_lru.contains(&key),
+            self.shadow_arc.contains(key),
+            self.shadow_frequency.contains(key),
+        ];
+        let keep = 1.0 - 1.0 / (8.0 * capacity as f64);
+        for i in 0..3 {
+            for j in 0..3 {
+                self.wins[i][j] =
+                    self.wins[i][j] * keep + if hits[i] && !hits[j] { 1.0 } else { 0.0 };
+            }
+        }
         if let Some(at) = self.shadow_lru.iter().position(|k| *k == key) {
             self.shadow_lru.remove(at);
-            self.shadow_lru.push(key);
-            self.score[0] += 1.0;
         } else {
             while self.shadow_lru.len() >= capacity {
                 self.shadow_lru.remove(0);
             }
-            self.shadow_lru.push(key);
         }
-        if self.shadow_arc.contains(key) {
+        self.shadow_lru.push(key);
+        if hits[1] {
             self.shadow_arc.touch(key);
-            self.score[1] += 1.0;
         } else {
             while self.shadow_arc.len() >= capacity {
                 self.shadow_arc.evict_one(true, &|_| true);
             }
             self.shadow_arc.insert(key);
         }
-        let keep = 1.0 - 1.0 / (8.0 * capacity as f64);
-        self.score = self.score.map(|s| s * keep);
+        if !hits[2] {
+            while self.shadow_frequency.keys.len() >= capacity {
+                if let Some((victim, priority)) = self.shadow_frequency.victim(&|_| true) {
+                    self.shadow_frequency.remove(victim);
+                    self.shadow_frequency.floor = self.shadow_frequency.floor.max(priority);
+                }
+            }
+        }
+        self.shadow_clock += 1;
+        let floor = self.shadow_frequency.floor;
+        self.shadow_frequency.use_key(key, uses, self.shadow_clock, floor);
     }
     fn insert(&mut self, key: u32) {
         if !self.cache.contains(key) {
-            self.shadow_access(key);
-            self.cache.insert(key);
+            let uses = self.record_use(key);
+            self.shadow_access(key, uses);
+            let stamp = self.cache.insert(key);
+            self.frequency.use_key(key, uses, stamp, self.frequency.floor);
         }
     }
     fn touch(&mut self, key: u32) {
         if self.cache.contains(key) {
-            self.shadow_access(key);
-            self.cache.touch(key);
+            let uses = self.record_use(key);
+            self.shadow_access(key, uses);
+            let stamp = self.cache.touch(key);
+            self.frequency.use_key(key, uses, stamp, self.frequency.floor);
         }
     }
-    fn evict(&mut self, n: usize, eligible: &dyn Fn(u32) -> bool) -> Vec<u32> {
-        let [recency, arc] = self.score;
+    fn remove(&mut self, key: u32) -> bool {
+        self.frequency.remove(key);
+        self.cache.remove(key)
+    }
+    /// The sign test: another order's shadow must have won 2.5 standard deviations more of the
+    /// accesses on which it and the current order's disagree.
+    fn judge(&mut self) {
         if self.cache.len() < self.min_judged {
-            self.arc_mode = false;
-        } else if !self.arc_mode && arc > recency * 1.05 + 1.0 {
-            self.arc_mode = true;
-        } else if self.arc_mode && recency > arc * 1.05 + 1.0 {
-            self.arc_mode = false;
+            self.mode = 0;
+            return;
         }
+        let now = self.mode;
+        let mut best = (2.5, now);
+        for other in 0..3 {
+            let (won, lost) = (self.wins[other][now], self.wins[now][other]);
+            let lead = (won - lost) / (won + lost + 1.0).sqrt();
+            if other != now && lead > best.0 {
+                best = (lead, other);
+            }
+        }
+        self.mode = best.1;
+    }
+    fn evict(&mut self, n: usize, eligible: &dyn Fn(u32) -> bool) -> Vec<u32> {
+        self.judge();
         let mut victims = vec![];
         while victims.len() < n {
-            match self.cache.evict_one(self.arc_mode, eligible) {
-                Some(key) => victims.push(key),
-                None => break,
-            }
+            let victim = if self.mode == 2 {
+                let Some((key, priority)) = self.frequency.victim(eligible) else { break };
+                self.frequency.remove(key);
+                self.frequency.floor = self.frequency.floor.max(priority);
+                self.cache.evict_key(key);
+                key
+            } else {
+                let Some(key) = self.cache.evict_one(self.mode == 1, eligible) else { break };
+                let lowest = self.frequency.keys.iter().map(|(_, priority, _)| *priority).min();
+                self.frequency.floor = self.frequency.floor.max(lowest.unwrap_or(0));
+                self.frequency.remove(key);
+                key
+            };
+            victims.push(victim);
         }
         victims
     }
@@ -209,6 +344,7 @@ proptest! {
     ) {
         let mut policy = Adaptive::<u32>::new().judging_from(min_judged);
         let mut model = Model { min_judged, ..Model::default() };
+        let mut peak = 0;
         for op in &ops {
             match *op {
                 Op::Insert(key) => {
@@ -219,7 +355,7 @@ proptest! {
                     policy.touch(&key);
                     model.touch(key);
                 }
-                Op::Remove(key) => prop_assert_eq!(policy.remove(&key), model.cache.remove(key)),
+                Op::Remove(key) => prop_assert_eq!(policy.remove(&key), model.remove(key)),
                 Op::Evict(n, m, r) => {
                     let eligible = |key: u32| key % m != r;
                     let victims = policy.evict(n, &mut |key| eligible(*key));
@@ -237,8 +373,11 @@ proptest! {
                 }
             }
             prop_assert_eq!(policy.len(), model.cache.len(), "after {:?}", op);
-            prop_assert_eq!(policy.in_arc_order(), model.arc_mode, "after {:?}", op);
+            prop_assert_eq!(policy.order(), Mode::ALL[model.mode].order(), "after {:?}", op);
             prop_assert!(policy.ghosts() <= 2 * policy.len(), "after {:?}", op);
+            // The history holds 32 times the most keys tracked, rounded up to a power of two.
+            peak = peak.max(policy.len());
+            prop_assert!(policy.remembered() <= 64 * peak.max(1), "after {:?}", op);
         }
     }
 }
@@ -273,12 +412,65 @@ fn hot_set_between_scans() -> Adaptive<u32> {
 }
 
 #[test]
-fn adaptive_switches_to_arc_when_a_scan_would_flush_a_hot_set() {
+fn adaptive_leaves_recency_when_a_scan_would_flush_a_hot_set() {
     let policy = hot_set_between_scans();
-    assert!(policy.in_arc_order(), "{policy:?}");
-    // Protected by ARC, most of the hot set survives the last scan.
+    // ARC and the use counts protect the hot set alike; either will do.
+    assert_ne!(policy.order(), Order::Recency, "{policy:?}");
+    // Protected, most of the hot set survives the last scan.
     let kept = (0..600).filter(|key| policy.contains(key)).count();
     assert!(kept > 300, "only {kept} of the hot set kept: {policy:?}");
+}
+
+/// A cache of 1,000 after 40 rounds of 300 popular keys, each round followed by 2,700 keys
+/// never seen again: a popular key comes back after 3,000 accesses, when LRU has evicted it and
+/// ARC has forgotten its ghost (twice the keys), but the history of uses still counts it.
+/// Returns the policy and the popular keys' hits in the last round.
+fn popular_keys_beyond_ghosts() -> (Adaptive<u32>, usize) {
+    let mut policy = Adaptive::new();
+    let mut fresh = 100_000;
+    let mut hits = 0;
+    for _round in 0..40 {
+        hits = (0..300).filter(|key| policy.contains(key)).count();
+        for key in 0..300 {
+            use_key(&mut policy, 1_000, key);
+        }
+        for _ in 0..2_700 {
+            use_key(&mut policy, 1_000, fresh);
+            fresh += 1;
+        }
+    }
+    (policy, hits)
+}
+
+#[test]
+fn adaptive_switches_to_use_counts_when_keys_return_after_arc_forgot_them() {
+    let (policy, hits) = popular_keys_beyond_ghosts();
+    assert_eq!(policy.order(), Order::Frequency, "{policy:?}");
+    assert!(hits > 250, "only {hits} of 300 popular keys hit in the last round: {policy:?}");
+    // The contrast: recency and ARC alone keep none of them.
+    for mode in [Mode::Recency, Mode::Arc] {
+        let mut forced = Adaptive::new();
+        forced.force_mode(mode);
+        let mut fresh = 100_000;
+        let mut hits = 0;
+        for _round in 0..40 {
+            hits = (0..300).filter(|key| forced.contains(key)).count();
+            for key in 0..300 {
+                use_key_forced(&mut forced, 1_000, key, mode);
+            }
+            for _ in 0..2_700 {
+                use_key_forced(&mut forced, 1_000, fresh, mode);
+                fresh += 1;
+            }
+        }
+        assert!(hits < 30, "{mode:?} kept {hits} popular keys");
+    }
+}
+
+/// [`use_key`] with the policy held in `mode` whatever its shadows say.
+fn use_key_forced(policy: &mut Adaptive<u32>, capacity: usize, key: u32, mode: Mode) {
+    policy.force_mode(mode);
+    use_key(policy, capacity, key);
 }
 
 #[test]
@@ -291,29 +483,35 @@ fn adaptive_stays_lru_where_recency_is_right() {
             use_key(&mut policy, 1_000, key - 300);
         }
     }
-    assert!(!policy.in_arc_order(), "{policy:?}");
+    assert_eq!(policy.order(), Order::Recency, "{policy:?}");
 }
 
 #[test]
 fn adaptive_judges_only_from_enough_keys() {
-    // The stream that switches a cache of 1,000 to ARC's order...
+    // The stream that switches a cache of 1,000 from recency...
     let mut policy = hot_set_between_scans();
-    assert!(policy.in_arc_order(), "{policy:?}");
+    let judged = policy.order();
+    assert_ne!(judged, Order::Recency, "{policy:?}");
     // ...then the cache shrinks below 64 keys: shadows of 16 keys or fewer are too small to
     // judge by, so the next eviction follows recency.
     let victims = policy.evict(policy.len() - 63, &mut |_| true);
-    assert!(policy.in_arc_order(), "the mode is chosen before an eviction");
+    assert_eq!(policy.order(), judged, "the mode is chosen before an eviction");
     assert_eq!(policy.len(), 63, "{} evicted", victims.len());
     policy.evict(1, &mut |_| true);
-    assert!(!policy.in_arc_order(), "{policy:?}");
+    assert_eq!(policy.order(), Order::Recency, "{policy:?}");
 }
 
 #[test]
-fn adaptive_a_chain_loses_its_tail_before_its_root_in_either_mode() {
-    for arc_mode in [false, true] {
+fn adaptive_a_chain_loses_its_tail_before_its_root_in_every_mode() {
+    for mode in Mode::ALL {
         let mut policy = Adaptive::<u32>::new();
-        if arc_mode {
-            policy.force_arc_mode();
+        policy.force_mode(mode);
+        // A chain used twice before, so its keys count more uses than the next chain's.
+        for key in (20..24).rev() {
+            policy.insert(key);
+        }
+        for key in (20..24).rev() {
+            policy.touch(&key);
         }
         // Two chains stored as callers store them, new chunks leaf first: 3, 2, 1, 0.
         for key in (0..4).rev() {
@@ -326,12 +524,23 @@ fn adaptive_a_chain_loses_its_tail_before_its_root_in_either_mode() {
         for key in (0..4).rev() {
             policy.touch(&key);
         }
-        let victims = policy.evict(8, &mut |_| true);
-        let first = victims.iter().position(|k| *k < 4).unwrap_or(usize::MAX);
-        let order: Vec<u32> = victims.iter().copied().filter(|k| *k < 4).collect();
-        assert_eq!(order, vec![3, 2, 1, 0], "arc mode {arc_mode}: {victims:?}");
-        let other: Vec<u32> = victims.iter().copied().filter(|k| *k >= 10).collect();
-        assert_eq!(other, vec![13, 12, 11, 10], "arc mode {arc_mode}: {victims:?}");
-        assert!(first < victims.len());
+        // A longer chain sharing the first's root and next chunk: 0 and 1 are used more often
+        // than the rest of either chain.
+        for key in [31, 30] {
+            policy.insert(key);
+        }
+        for key in (0..2).rev() {
+            policy.touch(&key);
+        }
+        let victims = policy.evict(14, &mut |_| true);
+        let chain = |keys: std::ops::Range<u32>| -> Vec<u32> {
+            victims.iter().copied().filter(|k| keys.contains(k)).collect()
+        };
+        assert_eq!(chain(0..4), vec![3, 2, 1, 0], "{mode:?}: {victims:?}");
+        assert_eq!(chain(10..14), vec![13, 12, 11, 10], "{mode:?}: {victims:?}");
+        assert_eq!(chain(20..24), vec![23, 22, 21, 20], "{mode:?}: {victims:?}");
+        // 30 and 31 hang below 1: they go before it.
+        let at = |key| victims.iter().position(|k| *k == key);
+        assert!(at(30) < at(1) && at(31) < at(1), "{mode:?}: {victims:?}");
     }
 }

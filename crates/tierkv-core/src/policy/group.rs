@@ -9,13 +9,14 @@
 //!
 //! A [`PolicyGroup`] joins the shards' policies. They stamp their keys' uses with one clock, and
 //! each publishes where its next victims stand (how many keys each of its queues holds, the
-//! stamp of each queue's oldest key, the lengths of ARC's ghost lists, the shadows' scores) in a
-//! few atomics of its own, written under its shard's lock and read by nobody's lock. From those
+//! stamp of each queue's oldest key, the lengths of ARC's ghost lists, the lowest priority in the
+//! frequency order, the shadows' wins over each other) in a few atomics of its own, written under its shard's lock and read by nobody's lock. From those
 //! the group names the shard whose next victim one policy over all the keys would take: the
 //! oldest key for LRU and for the adaptive policy in recency order; in ARC's order, the oldest
-//! key of `T1` or of `T2`, as ARC decides from the summed `T1` and the group's one target. The
-//! adaptive policy's order is judged once for the group, from the sum of every shard's shadow
-//! scores. For S3-FIFO, the oldest entry of the small FIFOs while they hold their share of the
+//! key of `T1` or of `T2`, as ARC decides from the summed `T1` and the group's one target; in the
+//! frequency order, the key of lowest priority, whose floor is one for the group. The
+//! adaptive policy's order is judged once for the group, from the sum of every shard's shadows'
+//! wins. For S3-FIFO, the oldest entry of the small FIFOs while they hold their share of the
 //! keys summed over the shards, else of the main FIFOs.
 //!
 //! What ARC remembers is the group's too. Its target for `T1` is one atomic, moved on a ghost
@@ -35,11 +36,12 @@
 
 use std::hash::Hash;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::adaptive::Mode;
+use super::adaptive::{Mode, Wins};
+use super::frequency::Standing as FrequencyStanding;
 use super::s3fifo::DEFAULT_SMALL_PERCENT;
-use super::{Adaptive, EvictionPolicy, Lru, PolicyKind, S3Fifo, SampleKey};
+use super::{Adaptive, EvictionPolicy, Lru, Order, PolicyKind, S3Fifo, SampleKey};
 
 /// Above this many slots per shard, L1's automatic shard count grows.
 const SLOTS_PER_SHARD: u64 = 256;
@@ -72,8 +74,13 @@ pub struct PolicyGroup {
     /// Stamps every use in every shard, so stamps compare across shards.
     clock: AtomicU64,
     standings: Box<[Standing]>,
-    /// The adaptive policy's order for the whole group: ARC's when true.
-    arc_order: AtomicBool,
+    /// The adaptive policy's order for the whole group: an index into [`Mode::ALL`].
+    mode: AtomicU64,
+    /// The adaptive policy's frequency order's floor: the priority of the group's last victim.
+    floor: AtomicU64,
+    /// The eviction count when the order was last judged from every shard's wins; `u64::MAX`
+    /// before the first judgment.
+    judged_at: AtomicU64,
     /// ARC's target for the summed `T1`, as `f64` bits.
     target: AtomicU64,
     /// Evictions by ARC's lists in every shard so far: a ghost is numbered by its eviction.
@@ -95,8 +102,12 @@ struct Standing {
     oldest: [AtomicU64; 2],
     /// The lengths of ARC's ghost lists, `B1` and `B2`.
     ghosts: [AtomicU64; 2],
-    /// The adaptive policy's decayed shadow hits, recency then ARC, as `f64` bits.
-    score: [AtomicU64; 2],
+    /// The adaptive policy's shadows' decayed wins over each other ([`Wins`]), row by row,
+    /// as `f64` bits.
+    wins: [AtomicU64; 9],
+    /// The adaptive policy's lowest standing in the frequency order, priority then stamp;
+    /// `u64::MAX` when there is none.
+    lowest: [AtomicU64; 2],
 }
 
 impl Default for Standing {
@@ -106,7 +117,8 @@ impl Default for Standing {
             len: Default::default(),
             oldest: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
             ghosts: Default::default(),
-            score: Default::default(),
+            wins: Default::default(),
+            lowest: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
         }
     }
 }
@@ -117,7 +129,7 @@ pub(super) struct Published {
     pub(super) len: [usize; 2],
     pub(super) oldest: [Option<u64>; 2],
     pub(super) ghosts: [usize; 2],
-    pub(super) score: [f64; 2],
+    pub(super) lowest: Option<FrequencyStanding>,
 }
 
 impl PolicyGroup {
@@ -127,7 +139,9 @@ impl PolicyGroup {
             kind,
             clock: AtomicU64::new(0),
             standings: (0..shards.max(1)).map(|_| Standing::default()).collect(),
-            arc_order: AtomicBool::new(false),
+            mode: AtomicU64::new(0),
+            floor: AtomicU64::new(0),
+            judged_at: AtomicU64::new(u64::MAX),
             target: AtomicU64::new(0f64.to_bits()),
             evictions: AtomicU64::new(0),
             keys: AtomicU64::new(0),
@@ -169,9 +183,19 @@ impl PolicyGroup {
                     Mode::Recency => either(),
                     Mode::Arc if self.t1_due() => oldest(0).or_else(either),
                     Mode::Arc => oldest(1).or_else(either),
+                    Mode::Frequency => self.lowest_shard().or_else(either),
                 }
             }
         }
+    }
+
+    /// The shard whose lowest standing in the frequency order is the group's lowest, if any
+    /// shard has one; between equal priorities, the least recently used.
+    fn lowest_shard(&self) -> Option<usize> {
+        let standing = |s: &Standing| [0, 1].map(|i| s.lowest[i].load(Ordering::Relaxed));
+        let (shard, lowest) =
+            self.standings.iter().map(standing).enumerate().min_by_key(|(_, lowest)| *lowest)?;
+        (lowest[0] != u64::MAX).then_some(shard)
     }
 
     /// The shard with the smallest stamp `of` its standing, if any stamp is set.
@@ -194,23 +218,62 @@ impl PolicyGroup {
         self.clock.fetch_add(n as u64, Ordering::Relaxed) + 1
     }
 
-    /// Whether the group's order now is ARC's.
-    pub(super) fn in_arc_order(&self) -> bool {
-        self.arc_order.load(Ordering::Relaxed)
+    /// The adaptive policy's order for the group, as last judged.
+    fn mode(&self) -> Mode {
+        let index = self.mode.load(Ordering::Relaxed) as usize;
+        Mode::ALL.get(index).copied().unwrap_or(Mode::Recency)
+    }
+
+    /// The group's order now.
+    pub(super) fn order(&self) -> Order {
+        self.mode().order()
     }
 
     /// Judges the adaptive policy's order for the whole group, from the sum of the shards'
-    /// shadow scores, with the rule and minimum each policy alone uses; returns it.
+    /// shadows' wins, with the rule and minimum each policy alone uses; returns it. The sum
+    /// reads nine atomics of every shard, so it is taken once per as many evictions as there
+    /// are shards (each eviction judged, with one shard), and the order judged last stands
+    /// between: a shadow's wins move by a few in that many evictions.
     pub(super) fn judge(&self) -> Mode {
-        let mode = if self.tracked() < super::adaptive::MIN_JUDGED {
-            Mode::Recency
-        } else {
-            let score = [0, 1].map(|i| self.sum(|s| &s.score[i]));
-            let now = if self.in_arc_order() { Mode::Arc } else { Mode::Recency };
-            now.judged(score)
-        };
-        self.arc_order.store(mode == Mode::Arc, Ordering::Relaxed);
+        if self.tracked() < super::adaptive::MIN_JUDGED {
+            self.mode.store(Mode::Recency.index() as u64, Ordering::Relaxed);
+            return Mode::Recency;
+        }
+        let evictions = self.evictions();
+        let judged_at = self.judged_at.load(Ordering::Relaxed);
+        if judged_at != u64::MAX && evictions < judged_at.saturating_add(self.shards() as u64) {
+            return self.mode();
+        }
+        self.judged_at.store(evictions, Ordering::Relaxed);
+        let wins: Wins =
+            std::array::from_fn(|i| std::array::from_fn(|j| self.sum(|s| &s.wins[3 * i + j])));
+        let mode = self.mode().judged(&wins);
+        self.mode.store(mode.index() as u64, Ordering::Relaxed);
         mode
+    }
+
+    /// Evicts in `mode`'s order from now on, until the shards' shadows say otherwise.
+    #[cfg(test)]
+    pub(super) fn force_mode(&self, mode: Mode) {
+        self.mode.store(mode.index() as u64, Ordering::Relaxed);
+    }
+
+    /// The number of shards.
+    pub(super) fn shards(&self) -> usize {
+        self.standings.len()
+    }
+
+    /// The frequency order's floor for every shard.
+    pub(super) fn floor(&self) -> u64 {
+        self.floor.load(Ordering::Relaxed)
+    }
+
+    /// Raises the frequency order's floor to a victim's `priority`, if that is higher (and
+    /// writes nothing otherwise, so the shards reading it keep their copy of its cache line).
+    pub(super) fn raise_floor(&self, priority: u64) {
+        if priority > self.floor.load(Ordering::Relaxed) {
+            self.floor.fetch_max(priority, Ordering::Relaxed);
+        }
     }
 
     /// The keys the adaptive policy's shards track, `T1` and `T2` of every shard.
@@ -294,15 +357,26 @@ impl Member {
         self.next.take().unwrap_or_else(|| self.group.tick())
     }
 
+    /// Publishes this shard's shadows' wins over each other, which change only when a sampled
+    /// key is used.
+    pub(super) fn publish_wins(&self, wins: &Wins) {
+        let standing = &self.group.standings[self.shard];
+        for (stored, wins) in standing.wins.iter().zip(wins.as_flattened()) {
+            stored.store(wins.to_bits(), Ordering::Relaxed);
+        }
+    }
+
     /// Publishes where this shard's next victims stand.
     pub(super) fn publish(&self, now: Published) {
         let standing = &self.group.standings[self.shard];
         for queue in 0..2 {
             standing.len[queue].store(now.len[queue] as u64, Ordering::Relaxed);
             standing.oldest[queue].store(now.oldest[queue].unwrap_or(u64::MAX), Ordering::Relaxed);
-            standing.score[queue].store(now.score[queue].to_bits(), Ordering::Relaxed);
             standing.ghosts[queue].store(now.ghosts[queue] as u64, Ordering::Relaxed);
         }
+        let (priority, stamp) = now.lowest.unwrap_or((u64::MAX, u64::MAX));
+        standing.lowest[0].store(priority, Ordering::Relaxed);
+        standing.lowest[1].store(stamp, Ordering::Relaxed);
     }
 }
 
@@ -361,8 +435,8 @@ where
         self.members[shard_of(key, self.members.len())].contains(key)
     }
 
-    fn in_arc_order(&self) -> bool {
-        self.group.in_arc_order()
+    fn order(&self) -> Order {
+        self.group.order()
     }
 
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {
@@ -492,6 +566,29 @@ mod tests {
             // From the fullest shard the victims would be 4 and then the root, 0.
             assert_eq!(gone, vec![7, 6, 5, 4], "{kind:?}");
         }
+    }
+
+    #[test]
+    fn in_the_frequency_order_the_group_takes_the_lowest_priority_of_any_shard() {
+        let mut joined = Joined::<u32>::new(PolicyKind::Adaptive, 4);
+        // 120 keys (the group judges from 64 on), 0..60 used three times, then 60..120 twice:
+        // recency would evict 0..60 first, the frequency order 60..120, the lower counts.
+        for key in 0..120 {
+            joined.insert(key);
+        }
+        for key in (0..60).chain(0..60).chain(60..120) {
+            joined.touch(&key);
+        }
+        joined.group.force_mode(Mode::Frequency);
+        let victims = joined.evict(50, &mut |_| true);
+        assert_eq!(joined.order(), Order::Frequency, "the shadows saw too little to switch");
+        // Wherever they live, the keys used twice go, least recently used first.
+        assert_eq!(victims, (60..110).collect::<Vec<_>>());
+        // Each raised the group's one floor to its priority, 0 + 2 cubed.
+        assert_eq!(joined.group.floor(), 8);
+        let shards: std::collections::HashSet<usize> =
+            victims.iter().map(|k| shard_of(k, 4)).collect();
+        assert_eq!(shards.len(), 4, "the victims came from every shard");
     }
 
     #[test]

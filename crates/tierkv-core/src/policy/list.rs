@@ -137,6 +137,16 @@ where
         Some(self.release(i).1)
     }
 
+    /// Removes `key` from whichever list holds it; returns that list, whether the key was its
+    /// oldest, and the key's value.
+    pub(crate) fn remove_from_list(&mut self, key: &K) -> Option<(usize, bool, T)> {
+        let i = self.index.remove(key)?;
+        let list = usize::from(self.node(i).list);
+        let was_back = self.lists[list].back == i;
+        self.unlink(i);
+        Some((list, was_back, self.release(i).1))
+    }
+
     /// Removes the node `id`, whose handle then goes stale, and returns its key and value.
     pub(crate) fn remove_node(&mut self, id: NodeId) -> (K, T) {
         self.unlink(id.0);

@@ -8,6 +8,7 @@
 mod adaptive;
 #[cfg(test)]
 mod adaptive_tests;
+mod frequency;
 mod group;
 mod list;
 mod lru;
@@ -52,10 +53,10 @@ pub trait EvictionPolicy<K>: Send {
     /// Whether `key` is tracked.
     fn contains(&self, key: &K) -> bool;
 
-    /// Whether evictions follow ARC's order now rather than recency: the adaptive policy's
-    /// choice at its last eviction; never for LRU and S3-FIFO.
-    fn in_arc_order(&self) -> bool {
-        false
+    /// The order evictions follow now: the adaptive policy's choice at its last eviction;
+    /// always [`Order::Recency`] for LRU and S3-FIFO.
+    fn order(&self) -> Order {
+        Order::Recency
     }
 
     /// For one shard of a [`PolicyGroup`]: stamps the next use of a key (an insert or a touch)
@@ -72,12 +73,45 @@ pub trait EvictionPolicy<K>: Send {
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K>;
 }
 
+/// The order an adaptive policy evicts in ([`EvictionPolicy::order`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Order {
+    /// Least recently used first (and every policy that is not adaptive).
+    Recency,
+    /// ARC's choice between keys used once and keys used again.
+    Arc,
+    /// The lowest GreedyDual priority over use counts remembered past eviction.
+    Frequency,
+}
+
+impl Order {
+    /// Every order, for metrics that report each.
+    pub const ALL: [Order; 3] = [Order::Recency, Order::Arc, Order::Frequency];
+
+    /// The name used in metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Order::Recency => "recency",
+            Order::Arc => "arc",
+            Order::Frequency => "frequency",
+        }
+    }
+}
+
 /// What a policy may read of a key besides its identity: bits that are the same for the same
 /// chunk everywhere (in every process, run and simulation), so that a policy that samples keys
 /// samples the same ones in the daemon and in `tierkv replay --simulate`.
 pub trait SampleKey {
     /// Bits of the key that do not depend on the process: for a chunk, its chained hash.
     fn sample_bits(&self) -> u64;
+
+    /// A 64-bit fingerprint of the whole key, by which the adaptive policy's history of uses
+    /// tells apart keys with the same [`sample_bits`](Self::sample_bits): distinct for distinct
+    /// keys but by chance (for a chunk, its rank, group and namespace too, which the sample bits
+    /// leave out).
+    fn identity_bits(&self) -> u64 {
+        self.sample_bits()
+    }
 }
 
 impl SampleKey for u64 {
@@ -98,6 +132,20 @@ impl SampleKey for crate::ObjectKey {
         // which knows only `k`, samples the same chunks.
         let hash = self.chunk.0;
         (hash as u64) ^ ((hash >> 64) as u64)
+    }
+
+    fn identity_bits(&self) -> u64 {
+        let (rank, world) = match self.rank {
+            crate::KvRank::Shared => (u16::MAX, 0),
+            crate::KvRank::Rank { rank, world } => (rank, world),
+        };
+        let mut bytes = [0u8; 30];
+        bytes[..8].copy_from_slice(&self.namespace.0.to_le_bytes());
+        bytes[8..24].copy_from_slice(&self.chunk.0.to_le_bytes());
+        bytes[24..26].copy_from_slice(&rank.to_le_bytes());
+        bytes[26..28].copy_from_slice(&world.to_le_bytes());
+        bytes[28..30].copy_from_slice(&self.group.0.to_le_bytes());
+        xxhash_rust::xxh3::xxh3_64(&bytes)
     }
 }
 

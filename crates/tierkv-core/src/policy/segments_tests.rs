@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 
 use super::segments::SegmentArc;
-use super::{PolicyKind, SegmentPolicy};
+use super::{Order, PolicyKind, SegmentPolicy};
 
 /// Ghosts are kept up to this many times the tracked chunks.
 const GHOST_FACTOR: usize = 3;
@@ -494,7 +494,7 @@ proptest! {
         for op in &ops {
             if let Some((got, want)) = log.apply(op, &mut policy, &mut model) {
                 prop_assert_eq!(got, want, "after {:?}", op);
-                prop_assert_eq!(policy.in_arc_order(), model.arc_order, "after {:?}: {:?} against {:?}", op, policy, model.score);
+                prop_assert_eq!(policy.order() == Order::Arc, model.arc_order, "after {:?}: {:?} against {:?}", op, policy, model.score);
             }
         }
     }
