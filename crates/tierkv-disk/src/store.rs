@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
-use tierkv_core::policy::{Order, SampleKey, SegmentPolicy};
+use tierkv_core::policy::{JudgedOrder, Order, PolicyKind, SampleKey, SegmentPolicy};
 use tierkv_core::{
     AlignedBuf, Bitmap, ChunkSink, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
     TierAdapter, TierError, TierUsage,
@@ -783,6 +783,31 @@ impl DiskStore {
     /// What the scan at open found.
     pub fn recovered(&self) -> Recovered {
         self.recovered
+    }
+
+    /// The order the segments are evicted in (the adaptive policy's as of its last eviction).
+    pub fn order(&self) -> Order {
+        self.shared.index.lock().policy.order()
+    }
+
+    /// The eviction policy over the segments.
+    pub fn policy(&self) -> PolicyKind {
+        self.shared.config.policy
+    }
+
+    /// How many chunks of `chunk_bytes` the store holds when full.
+    pub fn chunk_capacity(&self, chunk_bytes: u64) -> u64 {
+        let segments = self.shared.index.lock().segments.len() as u64;
+        let per_segment = self.shared.layout.segment_bytes.saturating_sub(BLOCK)
+            / record_bytes(chunk_bytes).max(1);
+        segments.saturating_mul(per_segment)
+    }
+
+    /// Orders the segments by the order `order` names from now on, instead of one the policy
+    /// judges from the disk's own traffic ([`SegmentPolicy::follow`]; only the adaptive policy
+    /// has a choice).
+    pub fn follow(&self, order: JudgedOrder) {
+        self.shared.index.lock().policy.follow(order);
     }
 
     /// Sets the disk gauges from the current state.

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
-use tierkv_core::policy::{EvictionPolicy, Order};
+use tierkv_core::policy::{EvictionPolicy, JudgedOrder, Order};
 use tierkv_core::{
     Bitmap, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
     TierAdapter, TierError, TierUsage,
@@ -272,6 +272,18 @@ impl HostStore {
     /// dropping it. Set once; a second call is refused (returns false).
     pub fn set_demoter(&self, demote: Demote) -> bool {
         self.shared.demote.set(demote).is_ok()
+    }
+
+    /// The order the policy evicts in (the adaptive policy's as of its last eviction).
+    pub fn order(&self) -> Order {
+        self.shared.index.lock().policy.order()
+    }
+
+    /// Evicts in the order `order` names from now on, instead of one the policy judges from
+    /// this store's own traffic ([`EvictionPolicy::follow`]; only the adaptive policy has a
+    /// choice).
+    pub fn follow(&self, order: JudgedOrder) {
+        self.shared.index.lock().policy.follow(order);
     }
 
     /// Sets the L2 gauges from the current state.

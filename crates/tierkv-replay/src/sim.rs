@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use tierkv_core::policy::{EvictionPolicy, PolicyKind, SegmentPolicy};
+use tierkv_core::policy::{EvictionPolicy, Judge, PolicyKind, SegmentPolicy};
 use tierkv_core::store_window;
 
 use crate::trace::Trace;
@@ -245,6 +245,10 @@ impl LowerTiers {
 /// the disk's policy ([`tierkv_core::policy::SegmentPolicy`]) orders the sealed segments, told
 /// each chunk written, hit or missed, and room is made by dropping a whole segment, which then
 /// takes the next chunks.
+///
+/// With the adaptive policy below L1, L2 and the disk follow one [`Judge`] of the tiers'
+/// combined size, told every request's chunks before the tiers are, as the daemon's
+/// StorageManager tells it every lookup's.
 pub fn simulate_cascade(
     trace: &Trace,
     policy: PolicyKind,
@@ -263,6 +267,19 @@ pub fn simulate_cascade(
             SegmentLog::new(disk_policy, lower.disk_segments(), lower.disk_segment.max(1))
         }),
     };
+    // The tiers below L1 follow one judge of their combined size, as the daemon's do.
+    let adaptive_below = policy == PolicyKind::Adaptive
+        || lower.disk_policy.is_some_and(|p| p == PolicyKind::Adaptive);
+    let mut judge = (adaptive_below && (cascade.tiers.len() > 1 || cascade.disk.is_some()))
+        .then(|| Judge::<u64>::new(l1 + lower.l2 + lower.disk));
+    if let Some(judge) = &judge {
+        for (tier, _) in cascade.tiers.iter_mut().skip(1) {
+            tier.follow(judge.order());
+        }
+        if let Some(disk) = &mut cascade.disk {
+            disk.policy.follow(judge.order());
+        }
+    }
     let window = if cascade.tiers.len() > 1 || cascade.disk.is_some() {
         store_window(l1)
     } else {
@@ -272,6 +289,9 @@ pub fn simulate_cascade(
     let mut reserved = Vec::new();
     for request in &trace.requests {
         let chunks = &request.chunks;
+        if let Some(judge) = &mut judge {
+            chunks.iter().rev().for_each(|chunk| judge.looked_up(chunk));
+        }
         for chunk in chunks.iter().rev() {
             cascade.touch(chunk);
         }

@@ -27,6 +27,8 @@ use tierkv_prefetch::{
 };
 use tierkv_remote::RemoteStore;
 
+use tierkv_core::policy::{Judge, Order, PolicyKind};
+
 use crate::config::{RemoteAdmission, StorageConfig, StorePolicy};
 use crate::error::StorageError;
 use crate::lookup::{HitChunk, Lookup, LookupId, LookupRequest, LookupResult, Stage};
@@ -81,6 +83,36 @@ impl L1Observer for Forward {
     }
 
     fn evicted(&self, _keys: &[ObjectKey], _reason: EvictionReason) {}
+}
+
+/// The judge the host and disk stores follow, when the cascade hands chunks down to either and
+/// it runs the adaptive policy: one judge of the tiers' combined size, in chunks of L1's slots,
+/// fed every lookup (see [`Judge`]). `None` when no tier below L1 has a choice of order.
+fn judge_below(
+    config: &StorageConfig,
+    host: Option<&HostStore>,
+    disk: Option<&DiskStore>,
+) -> Option<Mutex<Judge<ObjectKey>>> {
+    let adaptive = |policy: PolicyKind| policy == PolicyKind::Adaptive;
+    let host_follows = host.is_some_and(|h| adaptive(h.config().policy));
+    let disk_follows = disk.is_some_and(|d| adaptive(d.policy()));
+    if !host_follows && !disk_follows {
+        return None;
+    }
+    let slot = config.l1.slot_bytes.max(1);
+    let chunks = (config.l1.capacity_bytes / slot)
+        .saturating_add(
+            host.map_or(0, |h| h.config().capacity_bytes / h.config().chunk_bytes.max(1)),
+        )
+        .saturating_add(disk.map_or(0, |d| d.chunk_capacity(slot)));
+    let judge = Judge::new(usize::try_from(chunks).unwrap_or(usize::MAX));
+    if let Some(host) = host.filter(|_| host_follows) {
+        host.follow(judge.order());
+    }
+    if let Some(disk) = disk.filter(|_| disk_follows) {
+        disk.follow(judge.order());
+    }
+    Some(Mutex::new(judge))
 }
 
 /// Whether `policy` copies a finished write down at once to one of `tiers`: write-through to
@@ -168,10 +200,17 @@ pub struct StorageStatus {
     /// Why the remote tier is degraded (its last call could not reach Redis: its lookups and
     /// loads are misses while it reconnects), if it is.
     pub remote_degraded: Option<String>,
+    /// The order the judge of the tiers below L1 chose, when they follow one.
+    pub judged_order: Option<Order>,
+    /// The order the host and disk tiers evict in, each as of its last eviction.
+    pub below_orders: Vec<(&'static str, Order)>,
 }
 
 struct Inner {
     l1: Arc<L1Manager>,
+    /// Chooses the order of the tiers below L1 from every lookup, when the cascade hands
+    /// chunks down to an adaptive policy ([`Judge`]).
+    judge: Option<Mutex<Judge<ObjectKey>>>,
     /// The clock L1's lease deadlines are measured on; tier locks held for a hit expire on it too.
     clock: Arc<dyn Clock>,
     router: Arc<TierRouter>,
@@ -290,6 +329,8 @@ impl StorageManager {
             .iter()
             .position(|t| t.name() == "remote")
             .map(|index| (index, config.remote_admission));
+        let judge =
+            cascade.then(|| judge_below(&config, host.as_deref(), disk.as_deref())).flatten();
         let router = Arc::new(TierRouter::start(tiers)?);
         let prefetch = PrefetchController::start(l1.clone(), router.clone(), config.prefetch)?;
         let store = StorePipeline::start(
@@ -302,6 +343,7 @@ impl StorageManager {
         )?;
         let inner = Arc::new(Inner {
             l1,
+            judge,
             clock,
             router,
             host,
@@ -553,6 +595,10 @@ impl StorageManager {
             .flat_map(|(g, group)| (0..group.keys.len()).rev().map(move |i| (g, i)))
             .collect();
         let flat: Vec<ObjectKey> = order.iter().map(|(g, i)| request.groups[*g].keys[*i]).collect();
+        if let Some(judge) = &self.inner.judge {
+            let mut judge = judge.lock();
+            flat.iter().for_each(|key| judge.looked_up(key));
+        }
         let grant = self.inner.l1.reserve_read(request.owner, &flat, request.extra);
         let mut in_l1: Vec<Vec<bool>> =
             request.groups.iter().map(|g| vec![false; g.keys.len()]).collect();
@@ -894,6 +940,14 @@ impl StorageManager {
             lookups: self.inner.metrics.totals(),
             disk_read_only: self.inner.disk.as_ref().and_then(|d| d.read_only()),
             remote_degraded: self.inner.remote.as_ref().and_then(|r| r.degraded()),
+            judged_order: self.inner.judge.as_ref().map(|judge| judge.lock().order().order()),
+            below_orders: [
+                self.inner.host.as_ref().map(|h| ("l2", h.order())),
+                self.inner.disk.as_ref().map(|d| ("disk", d.order())),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
         }
     }
 

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tierkv_core::policy::Order;
 use tierkv_core::{ExtraCount, Layout, ManualClock, ObjectKey};
 use tierkv_disk::{BLOCK, DiskStoreConfig, record_bytes};
 use tierkv_l1::{DeviceKind, L1Config, OwnerId, Presence, Readers, Watermark};
@@ -758,4 +759,48 @@ fn a_read_below_that_fails_or_hangs_is_an_error_never_bytes_and_the_locks_go_bac
 
 fn key_of(n: u64) -> ObjectKey {
     keys(n..n + 1)[0]
+}
+
+#[test]
+fn the_tiers_below_l1_follow_one_judge_of_every_lookup() {
+    let dir = tempfile::tempdir().unwrap();
+    // L1 16 + L2 64 + disk 128 chunks: a judge of 208, whose shadows hold 52 sampled keys each.
+    let s = StorageManager::start(config(16, StorePolicy::Cascade, &dir)).unwrap();
+    let status = s.status();
+    assert_eq!(status.judged_order, Some(Order::Recency), "recency until the judge says otherwise");
+    assert_eq!(status.below_orders, vec![("l2", Order::Recency), ("disk", Order::Recency)]);
+    // Lookups only (nothing is stored, so no tier evicts or judges on its own traffic): a hot
+    // set of 120 chunks, each round followed by a scan of 240 chunks never asked for again,
+    // which a cache of 208 in recency order loses the hot set to.
+    let hot = keys(0..120);
+    let mut fresh = 1_000;
+    for _round in 0..60 {
+        let mut lookups = vec![hot.clone()];
+        for _ in 0..2 {
+            lookups.push(keys(fresh..fresh + 120));
+            fresh += 120;
+        }
+        for chunks in lookups {
+            let result = lookup_all(&s, chunks);
+            assert_eq!(result.hit_chunks, 0, "nothing was stored");
+        }
+    }
+    let judged = s.status().judged_order.unwrap();
+    assert_ne!(judged, Order::Recency);
+    // L2 and the disk take the judge's order at their next eviction: fill them past their
+    // room, in windows of L1's size, each handed down as L1 evicts it.
+    for window in 0..20 {
+        write(&s, &keys(100_000 + window * 16..100_000 + (window + 1) * 16));
+    }
+    // A tier below L1 takes ARC's order for any order but recency: what it could count is the
+    // uses of what reached it, not the requests' uses.
+    let expected = vec![("l2", Order::Arc), ("disk", Order::Arc)];
+    eventually("L2 and the disk evicted", || {
+        let status = s.status();
+        status.store_in_flight == 0 && status.below_orders == expected
+    });
+    // A write-through store keeps copies in every tier as they come: nothing to judge.
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(config(16, StorePolicy::WriteThrough, &dir)).unwrap();
+    assert_eq!(s.status().judged_order, None);
 }

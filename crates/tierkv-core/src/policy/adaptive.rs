@@ -53,6 +53,7 @@
 use std::fmt;
 use std::hash::Hash;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use super::frequency::{FrequencyLists, HISTORY_FACTOR, UseHistory};
 use super::group::{Member, PolicyGroup, Published};
@@ -87,8 +88,18 @@ const SWITCH_CONFIDENCE: f64 = 2.5;
 
 /// Whether `key` goes through the shadows: one key in four, by a mix of its sample bits.
 pub(super) fn sampled(key: &impl SampleKey) -> bool {
-    key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SAMPLE_SHIFT) == 0
+    sampled_one_in(key, SAMPLE_SHIFT)
 }
+
+/// Whether `key` is one of the keys sampled at one in `2^shift` (those at a larger `shift`
+/// are among those at a smaller one).
+fn sampled_one_in(key: &impl SampleKey, shift: u32) -> bool {
+    shift == 0 || key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - shift) == 0
+}
+
+/// The most keys a [`Judge`]'s shadows each model: past this, it samples fewer keys, so its
+/// memory stays under about 70 MiB for tiers of any size.
+const MAX_JUDGE_SHADOW: usize = 1 << 17;
 
 /// The shadows' decayed wins over each other: `[i][j]` counts the sampled accesses that the
 /// shadow of mode `i` hit and the shadow of mode `j` missed (modes in [`Mode::ALL`]'s order).
@@ -173,21 +184,76 @@ pub struct Adaptive<K> {
     frequency: FrequencyLists<K>,
     /// Uses of every recently seen key, cached or not, read by `frequency` and its shadow.
     history: UseHistory,
-    /// Sampled keys in a plain LRU of a quarter of the tracked count.
-    shadow_lru: Lru<K>,
-    /// Sampled keys in an ARC of a quarter of the tracked count.
-    shadow_arc: ArcLists<K>,
-    /// Sampled keys in a frequency order of a quarter of the tracked count.
-    shadow_frequency: FrequencyLists<K>,
-    /// Stamps the uses in `shadow_frequency`.
-    shadow_clock: u64,
-    /// The shadows' decayed wins over each other: recency, ARC, frequency.
-    wins: Wins,
+    /// The three orders, replayed over the sampled keys.
+    shadows: Shadows<K>,
     mode: Mode,
     /// [`MIN_JUDGED`], lowered by tests that need the mode switch on a handful of keys.
     min_judged: usize,
     /// The group this policy is one shard of, if any: the group then judges the order.
     member: Option<Member>,
+    /// The judge this policy takes its order from instead of its shadows, if any
+    /// ([`EvictionPolicy::follow`]). A follower keeps ARC's lists only: it never evicts by use
+    /// counts ([`JudgedOrder::mode_below`]) and never judges, so it counts no uses and feeds no
+    /// shadows.
+    followed: Option<JudgedOrder>,
+}
+
+/// Three small caches over the sampled keys, one per order, and how often each hit where
+/// another missed: what the adaptive policy and a [`Judge`] choose an order by.
+struct Shadows<K> {
+    /// Sampled keys in a plain LRU.
+    lru: Lru<K>,
+    /// Sampled keys in an ARC.
+    arc: ArcLists<K>,
+    /// Sampled keys in a frequency order.
+    frequency: FrequencyLists<K>,
+    /// Stamps the uses in `frequency`.
+    clock: u64,
+    /// The shadows' decayed wins over each other: recency, ARC, frequency.
+    wins: Wins,
+}
+
+impl<K: Hash + Eq + Clone + Send + SampleKey> Shadows<K> {
+    fn new() -> Self {
+        Shadows {
+            lru: Lru::new(),
+            arc: ArcLists::new(),
+            frequency: FrequencyLists::new(),
+            clock: 0,
+            wins: [[0.0; 3]; 3],
+        }
+    }
+
+    /// Replays one access of a sampled `key`, used `uses` times in all, in the three shadows of
+    /// `capacity` keys each: a hit counts for the shadow, a miss caches the key there, evicting
+    /// to the shadow's capacity first.
+    fn access(&mut self, key: &K, uses: u32, capacity: usize) {
+        let capacity = capacity.max(1);
+        let hits = [self.lru.contains(key), self.arc.contains(key), self.frequency.contains(key)];
+        let keep = 1.0 - 1.0 / (SCORE_MEMORY * capacity as f64);
+        count_wins(&mut self.wins, hits, keep);
+        if hits[0] {
+            self.lru.touch(key);
+        } else {
+            let over = (self.lru.len() + 1).saturating_sub(capacity);
+            self.lru.evict(over, &mut |_| true);
+            self.lru.insert(key.clone());
+        }
+        if hits[1] {
+            self.arc.touch(key);
+        } else {
+            while self.arc.len() >= capacity
+                && self.arc.evict_one(Mode::Arc, &mut |_| true).is_some()
+            {}
+            self.arc.insert(key.clone());
+        }
+        if !hits[2] {
+            while self.frequency.len() >= capacity && self.frequency.evict_one().is_some() {}
+        }
+        self.clock += 1;
+        let floor = self.frequency.floor;
+        self.frequency.use_key(key.clone(), uses, self.clock, floor);
+    }
 }
 
 impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
@@ -197,14 +263,11 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             cache: ArcLists::new(),
             frequency: FrequencyLists::new(),
             history: UseHistory::new(),
-            shadow_lru: Lru::new(),
-            shadow_arc: ArcLists::new(),
-            shadow_frequency: FrequencyLists::new(),
-            shadow_clock: 0,
-            wins: [[0.0; 3]; 3],
+            shadows: Shadows::new(),
             mode: Mode::Recency,
             min_judged: MIN_JUDGED,
             member: None,
+            followed: None,
         }
     }
 
@@ -275,51 +338,24 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
         self.frequency.use_key(key.clone(), uses, stamp, floor);
     }
 
-    /// Replays one access of a sampled `key`, used `uses` times in all, in the three shadows of
-    /// a policy tracking `tracked` keys: a hit counts for the shadow, a miss caches the key there,
-    /// evicting to the shadow's capacity first.
+    /// Replays one access of `key`, used `uses` times in all, in the shadows of a policy
+    /// tracking `tracked` keys, if it is sampled.
     fn shadow_access(&mut self, key: &K, uses: u32, tracked: usize) {
         if !sampled(key) {
             return;
         }
-        let capacity = (tracked >> SAMPLE_SHIFT).max(1);
-        let hits = [
-            self.shadow_lru.contains(key),
-            self.shadow_arc.contains(key),
-            self.shadow_frequency.contains(key),
-        ];
-        let keep = 1.0 - 1.0 / (SCORE_MEMORY * capacity as f64);
-        count_wins(&mut self.wins, hits, keep);
-        if hits[0] {
-            self.shadow_lru.touch(key);
-        } else {
-            let over = (self.shadow_lru.len() + 1).saturating_sub(capacity);
-            self.shadow_lru.evict(over, &mut |_| true);
-            self.shadow_lru.insert(key.clone());
-        }
-        if hits[1] {
-            self.shadow_arc.touch(key);
-        } else {
-            while self.shadow_arc.len() >= capacity
-                && self.shadow_arc.evict_one(Mode::Arc, &mut |_| true).is_some()
-            {}
-            self.shadow_arc.insert(key.clone());
-        }
-        if !hits[2] {
-            while self.shadow_frequency.len() >= capacity
-                && self.shadow_frequency.evict_one().is_some()
-            {}
-        }
-        self.shadow_clock += 1;
-        let floor = self.shadow_frequency.floor;
-        self.shadow_frequency.use_key(key.clone(), uses, self.shadow_clock, floor);
+        self.shadows.access(key, uses, tracked >> SAMPLE_SHIFT);
         if let Some(member) = &self.member {
-            member.publish_wins(&self.wins);
+            member.publish_wins(&self.shadows.wins);
         }
     }
 
     /// Switches mode when another shadow leads with confidence.
     fn choose_mode(&mut self) {
+        if let Some(followed) = &self.followed {
+            self.mode = followed.mode_below();
+            return;
+        }
         if let Some(member) = &self.member {
             self.mode = member.group.judge();
             return;
@@ -329,7 +365,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             self.mode = Mode::Recency;
             return;
         }
-        self.mode = self.mode.judged(&self.wins);
+        self.mode = self.mode.judged(&self.shadows.wins);
     }
 }
 
@@ -344,7 +380,7 @@ impl<K: Hash + Eq + Clone> fmt::Debug for Adaptive<K> {
         f.debug_struct("Adaptive")
             .field("mode", &self.mode)
             .field("cache", &self.cache)
-            .field("wins", &self.wins)
+            .field("wins", &self.shadows.wins)
             .finish()
     }
 }
@@ -355,17 +391,21 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
         let Some(stamp) = self.cache.insert(key.clone()) else {
             return;
         };
-        let uses = self.record_use(&key, Some(bound));
-        self.shadow_access(&key, uses, tracked);
-        self.use_frequency(&key, uses, stamp);
+        if self.followed.is_none() {
+            let uses = self.record_use(&key, Some(bound));
+            self.shadow_access(&key, uses, tracked);
+            self.use_frequency(&key, uses, stamp);
+        }
         self.publish();
     }
 
     fn touch(&mut self, key: &K) {
         if let Some(stamp) = self.cache.touch(key) {
-            let uses = self.record_use(key, None);
-            self.shadow_access(key, uses, self.cache.len());
-            self.use_frequency(key, uses, stamp);
+            if self.followed.is_none() {
+                let uses = self.record_use(key, None);
+                self.shadow_access(key, uses, self.cache.len());
+                self.use_frequency(key, uses, stamp);
+            }
             self.publish();
         }
     }
@@ -383,6 +423,11 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
 
     fn contains(&self, key: &K) -> bool {
         self.cache.contains(key)
+    }
+
+    fn follow(&mut self, order: JudgedOrder) {
+        self.mode = order.mode_below();
+        self.followed = Some(order);
     }
 
     fn stamp_next(&mut self, stamp: Option<u64>) {
@@ -434,6 +479,110 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
         }
         self.publish();
         victims
+    }
+}
+
+/// The order a [`Judge`] chose, shared with the policies that follow it
+/// ([`EvictionPolicy::follow`]): read at each of their evictions, without a lock.
+#[derive(Clone, Debug, Default)]
+pub struct JudgedOrder(Arc<AtomicU8>);
+
+impl JudgedOrder {
+    /// The order chosen last.
+    pub fn order(&self) -> Order {
+        self.mode().order()
+    }
+
+    fn mode(&self) -> Mode {
+        Mode::ALL[usize::from(self.0.load(Ordering::Relaxed)).min(Mode::ALL.len() - 1)]
+    }
+
+    /// The mode a tier below L1 evicts in: recency when the judge chose it, ARC's order
+    /// otherwise. A lower tier counts the uses of what reached it (chunks L1 demoted, lookups L1
+    /// missed), not the requests' uses the judge's frequency order ranks by; ranked by those
+    /// counts it loses hits where one cache of the tiers' size gains them (docs/performance.md,
+    /// "One judge for the tiers below L1"), and ARC's order, which asks only whether a chunk was
+    /// used again since it came, stands in for it.
+    pub(super) fn mode_below(&self) -> Mode {
+        match self.mode() {
+            Mode::Recency => Mode::Recency,
+            Mode::Arc | Mode::Frequency => Mode::Arc,
+        }
+    }
+
+    fn set(&self, mode: Mode) {
+        self.0.store(mode.index() as u8, Ordering::Relaxed);
+    }
+}
+
+/// Chooses the order of the tiers below L1 as the adaptive policy of one cache of all the
+/// tiers' size would: the same three shadows and sign test, fed every lookup's chunks.
+///
+/// Each tier's own shadows see only the traffic the tiers above let through: L2 the chunks L1
+/// demoted and the lookups L1 missed, in the order L1 evicted them. That traffic tells the orders
+/// apart badly, and the tiers below then pick recency where one cache of their combined size
+/// (what a cascade should add up to) gains from ARC's order or the counts. The judge replays
+/// every lookup into shadows of a quarter of the combined capacity, so it chooses what the
+/// one cache would, and L2 and the disk follow it (docs/performance.md, "One judge for the
+/// tiers below L1"). L1 keeps its own shadows: it is a cache of its own size in front of the
+/// rest, and judged on the combined size it loses hits at some sizes.
+///
+/// Cost: O(1) per sampled key of a lookup. Memory: three shadows of a quarter of the combined
+/// capacity and a history of 32 entries of 8 bytes for each of their keys, about 140 bytes per
+/// chunk of the combined capacity as the tiers fill, up to 2^17 keys a shadow
+/// (about 70 MiB); tiers larger than that are judged on a sparser sample, one key in `4 x 2^k`.
+pub struct Judge<K> {
+    shadows: Shadows<K>,
+    /// Uses of the sampled keys recently looked up.
+    history: UseHistory,
+    /// Keys are sampled at one in `2^shift`.
+    shift: u32,
+    /// The keys each shadow holds: the combined capacity, sampled.
+    capacity: usize,
+    /// Whether the tiers are large enough for the shadows to tell the orders apart.
+    judges: bool,
+    mode: Mode,
+    order: JudgedOrder,
+}
+
+impl<K: Hash + Eq + Clone + Send + SampleKey> Judge<K> {
+    /// A judge for tiers that hold `capacity` chunks together; recency until the shadows say
+    /// otherwise.
+    pub fn new(capacity: usize) -> Self {
+        let mut shift = SAMPLE_SHIFT;
+        while capacity >> shift > MAX_JUDGE_SHADOW {
+            shift += 1;
+        }
+        Judge {
+            shadows: Shadows::new(),
+            history: UseHistory::new(),
+            shift,
+            capacity: (capacity >> shift).max(1),
+            judges: capacity >= MIN_JUDGED,
+            mode: Mode::Recency,
+            order: JudgedOrder::default(),
+        }
+    }
+
+    /// The order chosen, for the policies that follow it.
+    pub fn order(&self) -> JudgedOrder {
+        self.order.clone()
+    }
+
+    /// One lookup of `key`. Callers pass a lookup's chunks leaf first, as the tiers touch them.
+    pub fn looked_up(&mut self, key: &K) {
+        if !sampled_one_in(key, self.shift) {
+            return;
+        }
+        // The history grows with the keys the shadows hold, as the adaptive policy's grows
+        // with the keys it tracks.
+        self.history.reserve(HISTORY_FACTOR.saturating_mul(self.shadows.lru.len().max(1)));
+        let uses = self.history.record(key.sample_bits(), key.identity_bits());
+        self.shadows.access(key, uses, self.capacity);
+        if self.judges {
+            self.mode = self.mode.judged(&self.shadows.wins);
+            self.order.set(self.mode);
+        }
     }
 }
 
@@ -678,13 +827,37 @@ impl<K: Hash + Eq + Clone> fmt::Debug for ArcLists<K> {
 }
 
 #[cfg(test)]
+impl JudgedOrder {
+    /// An order no judge changes: `mode`'s.
+    pub(super) fn fixed(mode: Mode) -> Self {
+        let order = JudgedOrder::default();
+        order.set(mode);
+        order
+    }
+
+    /// Changes the order, as the judge does.
+    pub(super) fn choose(&self, mode: Mode) {
+        self.set(mode);
+    }
+}
+
+#[cfg(test)]
+impl<K> Judge<K> {
+    /// The keys each shadow holds at most.
+    pub(super) fn shadow_capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+#[cfg(test)]
 impl<K: Hash + Eq + Clone> Adaptive<K> {
     /// Evicts in `mode`'s order from now on, until the shadows say otherwise.
     pub(super) fn force_mode(&mut self, mode: Mode) {
         self.mode = mode;
-        self.wins = [[0.0; 3]; 3];
+        self.shadows.wins = [[0.0; 3]; 3];
         for loser in Mode::ALL {
-            self.wins[mode.index()][loser.index()] = if loser == mode { 0.0 } else { 1.0e9 };
+            self.shadows.wins[mode.index()][loser.index()] =
+                if loser == mode { 0.0 } else { 1.0e9 };
         }
         self.min_judged = 0;
     }

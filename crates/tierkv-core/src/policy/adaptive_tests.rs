@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 
-use super::adaptive::{Adaptive, Mode};
+use super::adaptive::{Adaptive, Judge, JudgedOrder, Mode};
 use super::{EvictionPolicy, Order, SampleKey};
 
 /// The adaptive policy written as plainly as possible: vectors, linear searches, oldest first.
@@ -542,5 +542,87 @@ fn adaptive_a_chain_loses_its_tail_before_its_root_in_every_mode() {
         // 30 and 31 hang below 1: they go before it.
         let at = |key| victims.iter().position(|k| *k == key);
         assert!(at(30) < at(1) && at(31) < at(1), "{mode:?}: {victims:?}");
+    }
+}
+
+/// A judge of tiers of `capacity` chunks after 60 rounds of a hot set of `hot` chunks, each round
+/// followed by a scan of `scan` chunks never asked for again.
+fn judge_of_hot_set_between_scans(capacity: usize, hot: u32, scan: u32) -> Judge<u32> {
+    let mut judge = Judge::new(capacity);
+    let mut fresh = 100_000u32;
+    for _round in 0..60 {
+        (0..hot).for_each(|key| judge.looked_up(&key));
+        (fresh..fresh + scan).for_each(|key| judge.looked_up(&key));
+        fresh += scan;
+    }
+    judge
+}
+
+#[test]
+fn a_judge_chooses_from_lookups_as_one_cache_of_its_size_would() {
+    // A scan longer than the cache between rounds of a hot set: one adaptive cache of 1,000
+    // leaves recency, and so does a judge of 1,000 fed the same keys.
+    assert_ne!(hot_set_between_scans().order(), Order::Recency);
+    let judge = judge_of_hot_set_between_scans(1_000, 600, 1_200);
+    assert_ne!(judge.order().order(), Order::Recency);
+    // A sliding window, where recency is right: the judge stays there.
+    let mut judge = Judge::new(1_000);
+    for key in 0..100_000u32 {
+        judge.looked_up(&key);
+        if key >= 300 {
+            judge.looked_up(&(key - 300));
+        }
+    }
+    assert_eq!(judge.order().order(), Order::Recency);
+    // Too few chunks to judge by: recency, whatever the lookups.
+    let small = judge_of_hot_set_between_scans(63, 40, 80);
+    assert_eq!(small.order().order(), Order::Recency);
+}
+
+#[test]
+fn a_judge_of_any_size_models_a_bounded_sample() {
+    let judge = Judge::<u64>::new(usize::MAX);
+    assert!(judge.shadow_capacity() <= 1 << 17, "{}", judge.shadow_capacity());
+    assert!(judge.shadow_capacity() >= 1 << 16, "{}", judge.shadow_capacity());
+    assert_eq!(Judge::<u64>::new(1_000).shadow_capacity(), 250, "one key in four below that");
+    // Lookups grow its memory with the keys seen, not with the size it models.
+    let mut judge = judge;
+    (0..10_000u64).for_each(|key| judge.looked_up(&key));
+    assert_eq!(judge.order().order(), Order::Recency);
+}
+
+#[test]
+fn a_follower_evicts_in_the_judged_order_whatever_its_own_traffic_says() {
+    let judged = judge_of_hot_set_between_scans(1_000, 600, 1_200).order();
+    assert_ne!(judged.order(), Order::Recency);
+    // A lower tier whose own traffic is a sliding window: its own shadows keep recency, the
+    // follower takes ARC's order for the judge's (its own use counts are of what reached it,
+    // not of the requests), and evicts exactly as a policy held in ARC's order.
+    let (mut own, mut follower, mut forced) = (Adaptive::new(), Adaptive::new(), Adaptive::new());
+    follower.follow(judged.clone());
+    for key in 0..20_000u32 {
+        let keys = if key >= 300 { vec![key, key - 300] } else { vec![key] };
+        for key in keys {
+            use_key(&mut own, 1_000, key);
+            use_key(&mut follower, 1_000, key);
+            use_key_forced(&mut forced, 1_000, key, Mode::Arc);
+        }
+    }
+    assert_eq!(own.order(), Order::Recency, "{own:?}");
+    assert_eq!(follower.order(), Order::Arc, "{follower:?}");
+    forced.force_mode(Mode::Arc);
+    assert_eq!(follower.evict(500, &mut |_| true), forced.evict(500, &mut |_| true));
+    // The judge's next choice is followed at the next eviction.
+    for (chosen, followed) in
+        [(Mode::Recency, Order::Recency), (Mode::Frequency, Order::Arc), (Mode::Arc, Order::Arc)]
+    {
+        let order = JudgedOrder::fixed(Mode::Recency);
+        let mut follower = Adaptive::<u32>::new();
+        follower.follow(order.clone());
+        (0..100).for_each(|key| use_key(&mut follower, 100, key));
+        assert_eq!(follower.order(), Order::Recency);
+        order.choose(chosen);
+        follower.evict(1, &mut |_| true);
+        assert_eq!(follower.order(), followed, "{chosen:?}");
     }
 }

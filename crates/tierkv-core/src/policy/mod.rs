@@ -21,7 +21,7 @@ mod tests;
 
 use std::hash::Hash;
 
-pub use adaptive::Adaptive;
+pub use adaptive::{Adaptive, Judge, JudgedOrder};
 pub use group::{Joined, PolicyGroup, auto_shards, shard_of};
 pub use lru::Lru;
 pub use s3fifo::S3Fifo;
@@ -64,6 +64,12 @@ pub trait EvictionPolicy<K>: Send {
     /// keys, visited shard by shard, then keep the batch's order across the shards
     /// ([`PolicyGroup::reserve_stamps`]). A policy outside a group has no stamps to set.
     fn stamp_next(&mut self, _stamp: Option<u64>) {}
+
+    /// Evicts in the order `order` names for a tier below L1 from now on (recency, or ARC's
+    /// order for any other choice), instead of an order the policy judges itself: a lower
+    /// tier sees only what the tiers above let through, and follows a [`Judge`] that sees every
+    /// lookup. Policies with one order ignore it.
+    fn follow(&mut self, _order: JudgedOrder) {}
 
     /// Chooses up to `n` victims among the keys for which `eligible` returns true, stops
     /// tracking them and returns them, first victim first.

@@ -37,7 +37,7 @@ use std::hash::Hash;
 
 use super::adaptive::{MIN_JUDGED, Mode, SAMPLE_SHIFT, SCORE_MEMORY, sampled};
 use super::list::{KeyedLists, NodeId};
-use super::{EvictionPolicy, Order, PolicyKind, SampleKey};
+use super::{EvictionPolicy, JudgedOrder, Order, PolicyKind, SampleKey};
 
 /// Sealed segments not used since they were sealed.
 const T1: usize = 0;
@@ -79,6 +79,12 @@ pub trait SegmentPolicy<S, K>: Send {
 
     /// Whether the sealed `segment` is tracked.
     fn contains(&self, segment: &S) -> bool;
+
+    /// Evicts in the order `order` names for a tier below L1 from now on instead of judging its
+    /// own: see
+    /// [`EvictionPolicy::follow`](super::EvictionPolicy::follow). Policies with one order ignore
+    /// it.
+    fn follow(&mut self, _order: JudgedOrder) {}
 
     /// The order evictions follow now: the adaptive policy's choice at its last eviction;
     /// always recency for LRU and S3-FIFO.
@@ -192,6 +198,8 @@ pub struct SegmentArc<S, K> {
     clock: u64,
     /// Chooses the order; `None` (a shadow's own policy) always follows ARC's.
     judge: Option<Box<SegmentJudge<S, K>>>,
+    /// The judge whose order this policy follows instead, if any.
+    followed: Option<JudgedOrder>,
 }
 
 impl<S, K> SegmentArc<S, K>
@@ -221,12 +229,23 @@ where
             target: 0.0,
             clock: 0,
             judge: None,
+            followed: None,
         }
     }
 
     fn tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
+    }
+
+    /// The order of the next eviction: the followed judge's (ARC's for the frequency order),
+    /// else the own judge's, else ARC's.
+    fn mode(&self) -> Mode {
+        match (&self.followed, &self.judge) {
+            (Some(followed), _) => followed.mode_below(),
+            (None, Some(judge)) => judge.mode,
+            (None, None) => Mode::Arc,
+        }
     }
 
     /// Moves the tracked segment `id` to the front of `T2` as used now.
@@ -383,7 +402,13 @@ where
     }
 
     fn order(&self) -> Order {
-        self.judge.as_ref().map_or(Order::Arc, |judge| judge.mode.order())
+        self.mode().order()
+    }
+
+    fn follow(&mut self, order: JudgedOrder) {
+        // Its own shadows are no longer read: they go, and with them their cost.
+        self.judge = None;
+        self.followed = Some(order);
     }
 
     fn evict<'c>(
@@ -395,7 +420,10 @@ where
         K: 'c,
     {
         let tracked = self.len();
-        let mode = self.judge.as_mut().map_or(Mode::Arc, |judge| judge.choose(tracked));
+        if let Some(judge) = &mut self.judge {
+            judge.choose(tracked);
+        }
+        let mode = self.mode();
         let t1 = self.first_eligible(T1, eligible);
         let t2 = self.first_eligible(T2, eligible);
         let from_t1 = match (t1, t2) {

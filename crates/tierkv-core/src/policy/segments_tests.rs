@@ -2,6 +2,7 @@
 
 use proptest::prelude::*;
 
+use super::adaptive::{JudgedOrder, Mode};
 use super::segments::SegmentArc;
 use super::{Order, PolicyKind, SegmentPolicy};
 
@@ -568,4 +569,41 @@ fn ineligible_segments_are_skipped_and_stay_tracked() {
     assert!(policy.contains(&1));
     assert_eq!(policy.evict(&mut |_| false, &chunks), None);
     assert_eq!(policy.len(), 1);
+}
+
+#[test]
+fn segment_arc_follows_a_judged_order_over_its_own() {
+    // Segments 1 and 2 sealed, 1 hit (onto T2), then 3 sealed: recency drops 2, 1, 3; ARC
+    // (T1 over its target of nothing) drops 2, 3, 1.
+    let victims = |order: Option<Mode>| {
+        let mut policy = SegmentArc::<u64, u32>::new();
+        let judged = order.map(JudgedOrder::fixed);
+        if let Some(judged) = &judged {
+            policy.follow(judged.clone());
+        }
+        for segment in [1u64, 2] {
+            policy.written(&segment, &(segment as u32));
+            policy.seal(segment);
+        }
+        policy.hit(&1, &1);
+        policy.written(&3, &3);
+        policy.seal(3);
+        let order = policy.order();
+        let chunks = |s: &u64| -> &'static [u32] {
+            match s {
+                1 => &[1],
+                2 => &[2],
+                _ => &[3],
+            }
+        };
+        let dropped: Vec<u64> =
+            std::iter::from_fn(|| policy.evict(&mut |_| true, &chunks)).collect();
+        (order, dropped)
+    };
+    assert_eq!(victims(Some(Mode::Recency)), (Order::Recency, vec![2, 1, 3]));
+    assert_eq!(victims(Some(Mode::Arc)), (Order::Arc, vec![2, 3, 1]));
+    // The frequency order is not kept over segments: ARC's stands in for it.
+    assert_eq!(victims(Some(Mode::Frequency)), (Order::Arc, vec![2, 3, 1]));
+    // Its own judge, with three segments to judge by, says recency.
+    assert_eq!(victims(None), (Order::Recency, vec![2, 1, 3]));
 }
