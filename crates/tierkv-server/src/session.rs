@@ -930,38 +930,53 @@ impl Session {
             })?;
         }
         let storage = &self.daemon.storage;
-        // Pin (or, held below L1, load) every chunk before copying any: a request that names a
-        // chunk outside the hit, or comes from a reader that already returned its share, copies
-        // nothing.
         let keys: Vec<ObjectKey> =
             chunks.iter().map(|c| self.key(info.namespace, info.rank, c.chunk)).collect();
-        let read = storage.read_hit(id, reader, &keys, target.chunk_bytes())?;
-        let mut pinned: Vec<(&[u64], HitChunk)> = Vec::with_capacity(chunks.len());
-        for (c, chunk) in chunks.iter().zip(read) {
-            if chunk.len() != target.chunk_bytes() {
-                return fail(
-                    ErrorCode::BadBuffer,
-                    format!(
-                        "the chunk has {} bytes, a chunk of the buffer's layout {}",
-                        chunk.len(),
-                        target.chunk_bytes()
-                    ),
-                );
+        // Every chunk is checked before any is copied: a request that names a chunk outside the
+        // hit, or comes from a reader that already returned its share, copies nothing.
+        storage.check_hit(id, reader, &keys)?;
+        let scattered = if storage.holds_below(id) {
+            // Chunks held below L1 are read into buffers of their own: a window at a time, so
+            // a hit of any size takes at most `RETRIEVE_WINDOW_BYTES` of the daemon's memory.
+            let per = (RETRIEVE_WINDOW_BYTES / target.chunk_bytes().max(1)).max(1) as usize;
+            let mut bytes = 0;
+            let mut scattered = Ok(());
+            for (part, keys) in chunks.chunks(per).zip(keys.chunks(per)) {
+                if peer.gave_up() {
+                    return Err(self.gave_up("retrieve", chunks.len()));
+                }
+                let pinned = read_pinned(storage, (id, reader), part, keys, target.chunk_bytes())?;
+                match scatter_all(target, &pinned, peer) {
+                    Ok(copied) => bytes += copied,
+                    Err(e) => {
+                        scattered = Err(e);
+                        break;
+                    }
+                }
             }
-            pinned.push((&c.blocks, chunk));
-        }
-        if peer.gave_up() {
-            // The client gave up at its deadline (it recomputes these blocks) and may have
-            // handed them to another request since: nothing is written into them. The reader's
-            // share goes back when the session ends, which it is about to.
-            return Err(self.gave_up("retrieve", chunks.len()));
-        }
-        let scattered = match done_event {
-            Some(handle) => scatter_signalled(target, pinned, handle, peer),
-            None => {
-                let scattered = scatter_all(target, &pinned, peer);
-                drop(pinned);
-                scattered
+            scattered.and_then(|()| match done_event {
+                Some(handle) => target
+                    .signal_event(handle)
+                    .map(|()| bytes)
+                    .map_err(|e| Fail { code: ErrorCode::Internal, message: e.to_string() }),
+                None => Ok(bytes),
+            })
+        } else {
+            // Every chunk is leased in L1: pinned together, no copy of the bytes in between.
+            let pinned = read_pinned(storage, (id, reader), chunks, &keys, target.chunk_bytes())?;
+            if peer.gave_up() {
+                // The client gave up at its deadline (it recomputes these blocks) and may have
+                // handed them to another request since: nothing is written into them. The
+                // reader's share goes back when the session ends, which it is about to.
+                return Err(self.gave_up("retrieve", chunks.len()));
+            }
+            match done_event {
+                Some(handle) => scatter_signalled(target, pinned, handle, peer),
+                None => {
+                    let scattered = scatter_all(target, &pinned, peer);
+                    drop(pinned);
+                    scattered
+                }
             }
         };
         let bytes = match scattered {
@@ -1103,6 +1118,36 @@ fn scatter_threads() -> usize {
     *THREADS.get_or_init(|| {
         std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_SCATTER_THREADS)
     })
+}
+
+/// The most bytes of chunks held below L1 a retrieve reads into memory at once: it reads and
+/// copies a hit held there a window at a time.
+const RETRIEVE_WINDOW_BYTES: u64 = 64 << 20;
+
+/// Pins (in L1) or loads (held below L1) the chunks `keys` of lookup `id` for `reader`, each
+/// with the blocks it goes to; refused when a chunk is not the size of the buffer's chunks.
+fn read_pinned<'c>(
+    storage: &StorageManager,
+    (id, reader): (LookupId, u8),
+    chunks: &'c [ChunkBlocks],
+    keys: &[ObjectKey],
+    chunk_bytes: u64,
+) -> Result<Vec<(&'c [u64], HitChunk)>, Fail> {
+    let read = storage.read_hit(id, reader, keys, chunk_bytes)?;
+    let mut pinned = Vec::with_capacity(chunks.len());
+    for (c, chunk) in chunks.iter().zip(read) {
+        if chunk.len() != chunk_bytes {
+            return fail(
+                ErrorCode::BadBuffer,
+                format!(
+                    "the chunk has {} bytes, a chunk of the buffer's layout {chunk_bytes}",
+                    chunk.len()
+                ),
+            );
+        }
+        pinned.push((c.blocks.as_slice(), chunk));
+    }
+    Ok(pinned)
 }
 
 /// Scatters every pinned chunk into its blocks; returns the bytes copied. A large retrieve whose

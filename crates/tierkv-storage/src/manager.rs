@@ -22,8 +22,8 @@ use tierkv_l1::{
 };
 use tierkv_l2::HostStore;
 use tierkv_prefetch::{
-    GroupKind, GroupRequest, PrefetchController, PrefetchError, PrefetchRequest, Prefetched,
-    TierRouter, hit_chunks,
+    GroupKind, GroupRequest, HeldBelow, PrefetchController, PrefetchError, PrefetchRequest,
+    Prefetched, TierRouter, hit_chunks,
 };
 use tierkv_remote::RemoteStore;
 
@@ -241,6 +241,10 @@ struct Inner {
     /// Set by the first hand-down.
     handed_down: AtomicBool,
 }
+
+/// Where a read of a lookup's chunks finds them: each chunk's L1 lease (`None`: held below L1),
+/// the lookup's locks below L1, and its number of readers.
+type Covering = (Vec<Option<LeaseId>>, Option<Arc<HeldBelow>>, u32);
 
 /// L1, the lower tiers and the pipelines between them.
 pub struct StorageManager {
@@ -732,36 +736,7 @@ impl StorageManager {
         keys: &[ObjectKey],
         chunk_bytes: u64,
     ) -> Result<Vec<HitChunk>, StorageError> {
-        let (leases, below, result_readers) = {
-            let lookups = self.inner.lookups.lock();
-            let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
-            let not_covered = |key: &ObjectKey| StorageError::NotCovered { lookup: id, key: *key };
-            let Stage::Done { result, covered, below, .. } = &lookup.stage else {
-                return Err(keys.first().map_or(StorageError::UnknownLookup(id), not_covered));
-            };
-            if self.inner.expired_without_l1(lookup) {
-                return Err(StorageError::Expired(id));
-            }
-            if u32::from(reader) >= result.readers {
-                return Err(StorageError::NoSuchReader {
-                    lookup: id,
-                    reader,
-                    readers: result.readers,
-                });
-            }
-            if lookup.returned & (1u128 << reader) != 0 {
-                return Err(StorageError::ShareReturned { lookup: id, reader });
-            }
-            let mut leases = Vec::with_capacity(keys.len());
-            for key in keys {
-                let lease = covered.get(key).copied();
-                if lease.is_none() && below.as_ref().is_none_or(|b| b.tier_of(key).is_none()) {
-                    return Err(not_covered(key));
-                }
-                leases.push(lease);
-            }
-            (leases, below.clone(), result.readers)
-        };
+        let (leases, below, result_readers) = self.covering(id, reader, keys)?;
         let mut chunks: Vec<Option<HitChunk>> = Vec::with_capacity(keys.len());
         let mut from_below = Vec::new();
         for (i, (key, lease)) in keys.iter().zip(leases).enumerate() {
@@ -788,6 +763,51 @@ impl StorageManager {
             .zip(chunks)
             .map(|(key, chunk)| chunk.ok_or(StorageError::NotCovered { lookup: id, key: *key }))
             .collect()
+    }
+
+    /// Checks that `reader` may read every chunk of `keys` of the completed lookup `id`, as
+    /// [`StorageManager::read_hit`] does before it reads any, and pins or loads nothing: a
+    /// request read in parts is checked whole first, so a chunk outside the hit refuses all of it.
+    pub fn check_hit(
+        &self,
+        id: LookupId,
+        reader: u8,
+        keys: &[ObjectKey],
+    ) -> Result<(), StorageError> {
+        self.covering(id, reader, keys).map(|_| ())
+    }
+
+    /// What [`StorageManager::read_hit`] reads `keys` from, or why `reader` may not read them.
+    fn covering(
+        &self,
+        id: LookupId,
+        reader: u8,
+        keys: &[ObjectKey],
+    ) -> Result<Covering, StorageError> {
+        let lookups = self.inner.lookups.lock();
+        let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
+        let not_covered = |key: &ObjectKey| StorageError::NotCovered { lookup: id, key: *key };
+        let Stage::Done { result, covered, below, .. } = &lookup.stage else {
+            return Err(keys.first().map_or(StorageError::UnknownLookup(id), not_covered));
+        };
+        if self.inner.expired_without_l1(lookup) {
+            return Err(StorageError::Expired(id));
+        }
+        if u32::from(reader) >= result.readers {
+            return Err(StorageError::NoSuchReader { lookup: id, reader, readers: result.readers });
+        }
+        if lookup.returned & (1u128 << reader) != 0 {
+            return Err(StorageError::ShareReturned { lookup: id, reader });
+        }
+        let mut leases = Vec::with_capacity(keys.len());
+        for key in keys {
+            let lease = covered.get(key).copied();
+            if lease.is_none() && below.as_ref().is_none_or(|b| b.tier_of(key).is_none()) {
+                return Err(not_covered(key));
+            }
+            leases.push(lease);
+        }
+        Ok((leases, below.clone(), result.readers))
     }
 
     fn lease_of(&self, id: LookupId, key: &ObjectKey) -> Result<LeaseId, StorageError> {
