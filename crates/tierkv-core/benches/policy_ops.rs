@@ -7,6 +7,10 @@
 //! The stream mixes what the daemon sees: a hot set of shared roots, conversations that come
 //! back, and one-off tails, with a working set three times the capacity.
 //!
+//! Two more rows: the adaptive policy as a tier below L1 runs it under the cascade, following a
+//! judge's order; and that judge, told every access, as the StorageManager tells it every
+//! lookup's chunks (its cost per chunk looked up; it caches nothing).
+//!
 //! The disk's policies order segments, not keys: the same stream then goes through a log of
 //! segments of four chunks (a hit is `hit`, a miss is `missed` and an append; a full segment is
 //! sealed, and a whole segment is evicted when no segment is free), next to the same log
@@ -18,7 +22,7 @@ use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use tierkv_core::policy::{PolicyKind, SegmentPolicy};
+use tierkv_core::policy::{EvictionPolicy, Judge, JudgedOrder, PolicyKind, SegmentPolicy};
 
 const CAPACITY: usize = 10_000;
 const ACCESSES: usize = 4_000_000;
@@ -53,7 +57,30 @@ fn stream() -> Vec<u64> {
 }
 
 fn run_policy(kind: PolicyKind, keys: &[u64]) -> (Duration, u64) {
-    let mut policy = kind.build::<u64>();
+    run_built(kind.build::<u64>(), keys)
+}
+
+/// The adaptive policy of a tier below L1 under the cascade: it follows a judge's order (here
+/// always recency) and keeps ARC's lists only.
+fn run_follower(keys: &[u64]) -> (Duration, u64) {
+    let mut policy = PolicyKind::Adaptive.build::<u64>();
+    policy.follow(JudgedOrder::default());
+    run_built(policy, keys)
+}
+
+/// The judge of the tiers below L1, told every access as the StorageManager tells it every
+/// lookup's chunks (tiers of three times the capacity); no hits to count.
+fn run_judge(keys: &[u64]) -> (Duration, u64) {
+    let mut judge = Judge::<u64>::new(3 * CAPACITY);
+    let start = Instant::now();
+    for key in keys {
+        judge.looked_up(key);
+    }
+    black_box(judge.order());
+    (start.elapsed(), 0)
+}
+
+fn run_built(mut policy: Box<dyn EvictionPolicy<u64>>, keys: &[u64]) -> (Duration, u64) {
     let mut hits = 0u64;
     let start = Instant::now();
     for key in keys {
@@ -193,6 +220,8 @@ fn main() {
     for kind in PolicyKind::ALL {
         row(kind.as_str(), best(&|| run_policy(kind, &keys)), floor.0);
     }
+    row("adaptive, following", best(&|| run_follower(&keys)), floor.0);
+    row("judge (3x capacity)", best(&|| run_judge(&keys)), floor.0);
     let log_floor = best(&|| run_log(None, &keys));
     println!();
     println!("a log of segments of {PER_SEGMENT} chunks, {CAPACITY} chunks in all");
