@@ -407,3 +407,51 @@ fn f4_lookups_of_many_chunks_and_header_only_frames_are_fine() {
         ReplyBody::Error { code: ErrorCode::BadFrame, .. }
     ));
 }
+
+#[test]
+fn f4_a_connection_says_hello_soon_and_in_a_small_frame_or_is_closed() {
+    let daemon = Daemon::start_with(|dir| {
+        tierkv_integration_tests::small_config(dir, None, "")
+            .replace("[server]\n", "[server]\nhello_timeout = \"300ms\"\n")
+    });
+    let read_reply = |stream: &mut std::os::unix::net::UnixStream| {
+        let reply = tierkv_client::proto::read_frame(stream, 1 << 20).unwrap().unwrap();
+        let reply: tierkv_client::proto::Reply = tierkv_client::proto::decode(&reply).unwrap();
+        reply
+    };
+    // Silent: after the timeout a reply says why, then the daemon closes.
+    let started = std::time::Instant::now();
+    let mut silent = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    silent.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    let reply = read_reply(&mut silent);
+    assert!(started.elapsed() >= std::time::Duration::from_millis(300));
+    match reply.body {
+        ReplyBody::Error { code: ErrorCode::Timeout, message } => {
+            assert!(message.contains("server.hello_timeout"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        tierkv_client::proto::read_frame(&mut silent, 1 << 20).unwrap().is_none(),
+        "closed after the reply"
+    );
+    // Half a frame and then nothing is no hello either.
+    let mut stalled = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    stalled.write_all(&100u32.to_le_bytes()).unwrap();
+    assert!(matches!(
+        read_reply(&mut stalled).body,
+        ReplyBody::Error { code: ErrorCode::Timeout, .. }
+    ));
+    // Before the hello, a frame over 64 KiB is refused at once, whatever server.max_frame says
+    // (16 MiB here): nobody knows yet who sends it.
+    let mut big = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    big.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+    let reply = read_reply(&mut big);
+    assert!(matches!(reply.body, ReplyBody::Error { code: ErrorCode::BadFrame, .. }), "{reply:?}");
+    // A client that said hello is served past the timeout, and with frames up to max_frame.
+    let mut client = connect(&daemon);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(client.call(RequestBody::Status).is_ok());
+    let many: Vec<ChunkId> = (1..=20_000).map(ChunkId).collect(); // a frame of about 200 KiB
+    assert!(client.lookup(0, many).is_ok());
+}

@@ -18,6 +18,7 @@ use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 use tierkv_disk::{BLOCK, DiskStoreConfig, FILE_BYTES, auto_segment_bytes, record_bytes};
@@ -150,6 +151,8 @@ pub struct ServerConfig {
     pub socket_group: Option<u32>,
     /// Bytes of leases one session's open lookups may hold; `None`: a quarter of `l1.capacity`.
     pub max_leased_per_session: Option<u64>,
+    /// How long a connection may take to say hello; it is closed past that.
+    pub hello_timeout: Duration,
 }
 
 /// Where `/metrics` is served.
@@ -359,6 +362,9 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, Stop> {
     })?;
     let max_frame_bytes = max_frame_bytes.unwrap_or(MIN_FRAME_LIMIT);
     file.ensure(s.max_connections > 0, &["server.max_connections"], || "must be positive".into())?;
+    file.ensure(!s.hello_timeout.is_zero(), &["server.hello_timeout"], || {
+        "must be positive".into()
+    })?;
     file.ensure(
         s.max_leased_per_session.is_none_or(|b| b.0 > 0),
         &["server.max_leased_per_session"],
@@ -372,6 +378,7 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, Stop> {
         max_connections: s.max_connections,
         socket_group: group(file, "server.socket_group", s.socket_group.as_deref())?,
         max_leased_per_session: s.max_leased_per_session.map(|b| b.0),
+        hello_timeout: s.hello_timeout,
     })
 }
 

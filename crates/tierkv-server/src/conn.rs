@@ -21,6 +21,10 @@ use tokio::net::{TcpStream, UnixStream};
 const MAX_QUEUED_FDS: usize = crate::kv::MAX_MEMFD_REGIONS;
 /// Bytes read per call at least.
 const READ_CHUNK: usize = 64 << 10;
+/// The largest frame of a connection that has not said hello yet (a hello is well under 1 KiB
+/// but for its namespaces): before it, nobody knows who is sending, and a frame up to
+/// `server.max_frame` would be that much of the daemon's memory per connection.
+pub const HELLO_FRAME_BYTES: u32 = 64 << 10;
 
 /// The transport under a connection.
 pub enum Stream {
@@ -41,11 +45,15 @@ pub struct Conn {
     frame_end: u64,
     /// Descriptors waiting, each with where in the stream the read that brought it ended.
     fds: VecDeque<(u64, OwnedFd)>,
+    /// The largest frame accepted now: [`HELLO_FRAME_BYTES`] at most until the hello.
     limit: u32,
+    /// The largest frame accepted once the client said hello.
+    limit_after_hello: u32,
 }
 
 impl Conn {
-    /// Wraps a stream; frames above `limit` bytes are refused.
+    /// Wraps a stream; frames above `limit` bytes are refused, and above [`HELLO_FRAME_BYTES`]
+    /// until [`Conn::hello_said`].
     pub fn new(stream: Stream, limit: u32) -> Self {
         Conn {
             stream,
@@ -54,8 +62,14 @@ impl Conn {
             origin: 0,
             frame_end: 0,
             fds: VecDeque::new(),
-            limit,
+            limit: limit.min(HELLO_FRAME_BYTES),
+            limit_after_hello: limit,
         }
+    }
+
+    /// The client said hello: frames up to the full limit are accepted from now on.
+    pub fn hello_said(&mut self) {
+        self.limit = self.limit_after_hello;
     }
 
     /// The next frame's body; `Ok(None)` when the client closed between frames.

@@ -142,8 +142,11 @@ pub async fn serve(
     let (shutdown_tx, shutdown) = watch::channel(false);
     let mut connections = JoinSet::new();
     let open = Arc::new(AtomicUsize::new(0));
-    let limits =
-        Limits { frame: config.server.max_frame_bytes, connections: config.server.max_connections };
+    let limits = Limits {
+        frame: config.server.max_frame_bytes,
+        connections: config.server.max_connections,
+        hello: config.server.hello_timeout,
+    };
     let mut backoff = AcceptBackoff::default();
     tokio::pin!(stop);
     loop {
@@ -179,7 +182,7 @@ pub async fn serve(
         connections.spawn(serve_connection(
             daemon.clone(),
             conn,
-            transport,
+            (transport, limits.hello),
             shutdown.clone(),
             slot,
         ));
@@ -209,6 +212,8 @@ pub async fn serve(
 struct Limits {
     frame: u32,
     connections: usize,
+    /// How long a connection may take to say hello.
+    hello: Duration,
 }
 
 /// The pause after failed accepts: doubling from [`ACCEPT_BACKOFF_MIN`] to
@@ -395,7 +400,7 @@ fn bind_unix(path: &Path, group: Option<u32>) -> Result<UnixListener, ServeError
 async fn serve_connection(
     daemon: Arc<Daemon>,
     mut conn: Conn,
-    transport: Transport,
+    (transport, hello_timeout): (Transport, Duration),
     mut shutdown: watch::Receiver<bool>,
     slot: Slot,
 ) {
@@ -413,12 +418,29 @@ async fn serve_connection(
     let peer = conn.peer();
     // No chunk is larger than a slot, so this many chunks copy at most INLINE_COPY_BYTES.
     let inline_chunks = INLINE_COPY_BYTES / daemon.storage().l1().usage().slot_bytes.max(1);
+    // Until it says hello, a connection is anyone's: it holds a connection slot, so it must say
+    // it soon, and its frames are kept small (`Conn::hello_said`).
+    let hello_by = tokio::time::Instant::now() + hello_timeout;
     loop {
         // Descriptors the last frame brought and did not use are closed, not left for the next.
         conn.drop_used_fds();
         let frame = tokio::select! {
             frame = conn.next_frame() => frame,
             _ = shutdown.changed() => break,
+            _ = tokio::time::sleep_until(hello_by), if !session.said_hello() => {
+                daemon.metrics().error(ErrorCode::Timeout);
+                let refusal = ReplyBody::Error {
+                    code: ErrorCode::Timeout,
+                    message: format!(
+                        "no hello within {hello_timeout:?} of connecting \
+                         (server.hello_timeout); the connection is closed"
+                    ),
+                };
+                let _ = send(&mut conn, &mut out, 0, refusal).await;
+                tokio::task::block_in_place(|| session.close());
+                conn.close_after_reply(REFUSAL_LINGER).await;
+                return;
+            }
         };
         let body = match frame {
             Ok(Some(body)) => body,
@@ -468,6 +490,9 @@ async fn serve_connection(
         } else {
             session.handle(request, &mut || conn.take_fd(), peer)
         };
+        if session.said_hello() {
+            conn.hello_said();
+        }
         if send(&mut conn, &mut out, id, answer.reply).await.is_err() || answer.close {
             break;
         }

@@ -512,6 +512,11 @@ impl Session {
         Ok(reply)
     }
 
+    /// Whether the client said hello (and was let in).
+    pub fn said_hello(&self) -> bool {
+        self.opened.is_some()
+    }
+
     fn opened(&self) -> &Opened {
         match &self.opened {
             Some(opened) => opened,

@@ -39,6 +39,8 @@ pub(super) struct Server {
     pub max_connections: usize,
     pub socket_group: Option<String>,
     pub max_leased_per_session: Option<ByteSize>,
+    #[serde(deserialize_with = "duration")]
+    pub hello_timeout: Duration,
 }
 
 impl Default for Server {
@@ -51,6 +53,7 @@ impl Default for Server {
             max_connections: 1024,
             socket_group: None,
             max_leased_per_session: None,
+            hello_timeout: Duration::from_secs(10),
         }
     }
 }
