@@ -471,13 +471,18 @@ async fn serve_connection(
             }
         };
         // A small copy runs inline, unless it may wait: a store while the store pipeline has
-        // copies outstanding (backpressure), a retrieve of a lookup with chunks held below L1
-        // (loaded from their tier).
+        // copies outstanding (backpressure) or behind the engine's CUDA event (its kernels may
+        // still be writing the blocks), a retrieve of a lookup with chunks held below L1 (loaded
+        // from their tier). A registration maps the worker's memory, populating the page tables
+        // of a buffer of any size: it may take seconds.
         let storage = daemon.storage();
         let blocks = match &request {
-            RequestBody::Store { chunks, .. } => {
-                chunks.len() as u64 > inline_chunks || storage.store_may_wait()
+            RequestBody::Store { chunks, ready_event, .. } => {
+                chunks.len() as u64 > inline_chunks
+                    || ready_event.is_some()
+                    || storage.store_may_wait()
             }
+            RequestBody::RegisterKv { .. } => true,
             RequestBody::Retrieve { lookup, chunks, .. } => {
                 chunks.len() as u64 > inline_chunks || storage.holds_below(LookupId(*lookup))
             }
