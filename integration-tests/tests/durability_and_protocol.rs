@@ -148,6 +148,41 @@ fn h16_08_one_session_cannot_fill_l1_with_leases() {
 }
 
 #[test]
+fn h16_08_one_lookup_loads_no_more_of_its_hit_into_l1_than_its_sessions_allowance() {
+    // L1 of 64 slots; a session may hold leases on 4 chunks.
+    let daemon = Daemon::start_with(|dir| {
+        small_config(dir, None, "")
+            .replace("[server]\n", "[server]\nmax_leased_per_session = \"256KiB\"\n")
+    });
+    let (mut writer, mut buffer) = worker(&daemon, Client::worker_hello("m", CHUNK));
+    // Three L1s' worth of chunks: the first batches pass down to L2 and the disk.
+    for prompt in 1..=24 {
+        let ids = chain(prompt);
+        for (i, id) in ids.iter().enumerate() {
+            fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
+        }
+        assert_eq!(writer.store(0, 0, blocks(&ids)).unwrap().stored, BATCH as u32);
+    }
+    daemon.settled();
+    // A lookup of 32 of them, all below L1: the hit is whole, but only 4 chunks of it are loaded
+    // into L1 for the session; the rest is read from the tiers at the retrieve.
+    let ids: Vec<ChunkId> = (1..=4).flat_map(chain).collect();
+    let mut client =
+        Client::connect_unix(&daemon.socket, Client::worker_hello("m", CHUNK)).unwrap();
+    let mut buffer = SharedBuffer::new(CHUNK, ids.len() as u64).unwrap();
+    assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
+    let lookup = client.lookup(0, ids.clone()).unwrap();
+    let outcome = client.wait(lookup.id, Duration::from_secs(30)).unwrap();
+    assert_eq!(outcome.hit_chunks, ids.len() as u32);
+    assert_eq!(daemon.status().l1_leased_chunks, 4, "L1 slots this lookup holds");
+    client.retrieve(lookup.id, 0, blocks(&ids)).unwrap();
+    for (i, id) in ids.iter().enumerate() {
+        assert!(holds(buffer.block_mut(i as u64).unwrap(), *id, 0), "chunk {i}");
+    }
+    assert_eq!(daemon.settled().open_lookups, 0);
+}
+
+#[test]
 fn h16_10_every_reader_of_an_empty_mla_hit_returns_its_share_without_an_error() {
     let daemon = Daemon::start();
     let mla = |rank: u16| Hello {

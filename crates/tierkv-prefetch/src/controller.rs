@@ -79,6 +79,9 @@ pub struct PrefetchRequest {
     pub chunk_tokens: u64,
     /// The groups; one full-attention group for an ordinary model.
     pub groups: Vec<GroupRequest>,
+    /// Chunks of the hit this request may load into L1 slots; the rest of the hit stays in its
+    /// tier under the lock it has, read from there. `usize::MAX`: as many as L1 has room for.
+    pub max_promoted: usize,
 }
 
 impl PrefetchRequest {
@@ -90,6 +93,7 @@ impl PrefetchRequest {
             extra,
             chunk_tokens: 1,
             groups: vec![GroupRequest { kind: GroupKind::FullAttention, layout, keys, in_l1 }],
+            max_promoted: usize::MAX,
         }
     }
 }
@@ -630,6 +634,9 @@ impl Worker {
         let keeps = |tier: Option<&usize>| {
             tier.and_then(|t| self.router.tier(*t)).is_some_and(|t| t.keep_promoted())
         };
+        // Past the request's allowance of L1 slots, a key stays in its tier, as one that finds
+        // no room does.
+        let mut allowance = active.request.max_promoted;
         for g in 0..active.request.groups.len() {
             let wanted: Vec<At> = active.needed(n).into_iter().filter(|at| at.0 == g).collect();
             for lifetime in [Lifetime::Temporary, Lifetime::Cached] {
@@ -638,6 +645,8 @@ impl Worker {
                     .copied()
                     .filter(|at| keeps(active.source.get(at)) == (lifetime == Lifetime::Cached))
                     .collect();
+                let (wanted, past) = wanted.split_at(wanted.len().min(allowance));
+                active.below.extend(past.iter().copied());
                 if wanted.is_empty() {
                     continue;
                 }
@@ -651,6 +660,7 @@ impl Worker {
                     match result {
                         Ok(_) => {
                             active.reserved.insert(*at);
+                            allowance -= 1;
                         }
                         // No room: read from its tier instead. A key refused for any other
                         // reason (another writer has it in flight) trims the hit.

@@ -541,3 +541,27 @@ fn h16_15_locks_of_a_lookup_that_answers_after_the_drain_timeout_are_returned() 
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// A request's allowance of L1 slots (`max_promoted`, a session's lease budget in the daemon):
+/// the hit past it stays in its tier under the lock it has, and the hit is still whole.
+#[test]
+fn a_hit_past_the_requests_allowance_of_l1_slots_is_held_in_its_tier() {
+    let rig = rig_l2();
+    rig.seed(0, &keys(0..5));
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let mut request = PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout, keys(0..5));
+    request.max_promoted = 2;
+    let id = rig.prefetch.submit(request).unwrap();
+    let result = rig.prefetch.wait(id, WAIT).unwrap();
+    assert_eq!(result.hit_chunks, 5);
+    assert_eq!(result.leased[0], vec![true, true, false, false, false], "the root first");
+    let below = result.below.as_ref().unwrap();
+    assert_eq!(below.len(), 3);
+    assert!(keys(2..5).iter().all(|k| below.tier_of(k) == Some(0)));
+    assert!(rig.absent(&keys(2..5)), "nothing past the allowance took an L1 slot");
+    assert_eq!(rig.locks(), vec![3], "the chunks held below keep their locks");
+    assert_eq!(rig.bytes(&result, 0, &key(1)), payload(&key(1), CHUNK));
+    rig.l1.finish_read(result.lease.unwrap(), Readers::One(0), None).unwrap();
+    drop(result);
+    assert_eq!(rig.locks(), vec![0], "every lock back once the result goes");
+}

@@ -865,6 +865,10 @@ impl Session {
             keys,
         );
         request.chunk_tokens = u64::from(opened.hello.chunk_tokens);
+        // What is left of the session's allowance bounds the L1 slots this lookup may load its
+        // hit into; the rest of the hit is read from the tier that holds it.
+        let left = (self.daemon.max_leased_per_session - held) / opened.hello.chunk_bytes.max(1);
+        request.max_promoted = usize::try_from(left).unwrap_or(usize::MAX);
         let id = storage.submit_lookup(request)?;
         let info = LookupInfo {
             owner: self.id,

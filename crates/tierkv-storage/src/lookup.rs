@@ -41,6 +41,9 @@ pub struct LookupRequest {
     pub chunk_tokens: u64,
     /// The groups; one full-attention group for an ordinary model.
     pub groups: Vec<LookupGroup>,
+    /// Chunks of the hit held below L1 that the lookup may load into L1 slots; the rest stay in
+    /// their tier and are read from there. `usize::MAX`: as many as L1 has room for.
+    pub max_promoted: usize,
 }
 
 impl LookupRequest {
@@ -51,6 +54,7 @@ impl LookupRequest {
             extra,
             chunk_tokens: 1,
             groups: vec![LookupGroup { kind: GroupKind::FullAttention, layout, keys }],
+            max_promoted: usize::MAX,
         }
     }
 }

@@ -627,6 +627,7 @@ impl StorageManager {
                 owner: lookup.owner,
                 extra: lookup.request.extra,
                 chunk_tokens: lookup.request.chunk_tokens,
+                max_promoted: lookup.request.max_promoted,
                 groups: lookup
                     .request
                     .groups

@@ -335,6 +335,7 @@ fn e12_hybrid_groups_lease_every_l1_hit_before_a_load_evicts() {
                 keys: window.clone(),
             },
         ],
+        max_promoted: usize::MAX,
     };
     let id = rig.s.submit_lookup(request).unwrap();
     let result = rig.s.wait(id, WAIT).unwrap();
