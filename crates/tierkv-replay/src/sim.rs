@@ -200,6 +200,11 @@ fn simulate_online(
     counts
 }
 
+/// A request's hit below L1 takes at most one in this many of L1's slots to be read through: the
+/// daemon's `server.max_leased_per_session` is a quarter of L1 by default, and a lookup loads no
+/// more of its hit into L1 than what is left of it (a replay's session holds no other lookup).
+pub const PROMOTED_PER_REQUEST: usize = 4;
+
 /// The tiers below L1 of a simulated cascade, in chunks; a tier of 0 is absent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LowerTiers {
@@ -236,7 +241,9 @@ impl LowerTiers {
 /// dropped. A hit is the leading run of chunks held by any
 /// tier, and a chunk is touched where it is. A hit's chunks below L1 are read through L1 slots of
 /// their own, taken for the request (L1 evicts, and so demotes, to make room for them, never the
-/// request's own L1 hits, which its lookup leased) and freed after it.
+/// request's own L1 hits, which its lookup leased) and freed after it: at most one in
+/// [`PROMOTED_PER_REQUEST`] of L1's slots (the daemon's default allowance of a session), and
+/// the rest are read from their tier.
 ///
 /// A store larger than L1 goes in windows of an eighth of L1, so all of it reaches the tiers below;
 /// a hit larger than L1's room is read from the tiers that hold it, the rest through L1.
@@ -297,10 +304,10 @@ pub fn simulate_cascade(
         }
         let hit = chunks.iter().take_while(|c| cascade.holds(c)).count();
         counts.add_request(chunks.len(), request.tokens, hit, trace.chunk_tokens);
-        // The hit's chunks below L1 each take an L1 slot for the read.
+        // The hit's chunks below L1 each take an L1 slot for the read, up to the allowance.
         let leased: Vec<u64> =
             chunks[..hit].iter().filter(|c| cascade.l1().contains(c)).copied().collect();
-        let promoted = hit - leased.len();
+        let promoted = (hit - leased.len()).min(l1 / PROMOTED_PER_REQUEST);
         for taken in 0..promoted {
             if cascade.l1().len() + taken >= l1
                 && !cascade.evict_from_l1(&mut |k| !leased.contains(k))
@@ -766,8 +773,14 @@ mod tests {
         let requests: Vec<&[u64]> = requests.iter().map(Vec::as_slice).collect();
         let t = trace(&requests);
         let on_disk = cascade(&t, 2, 0, (16, 1));
-        assert!(on_disk.hit_chunks > 0);
-        assert_eq!(on_disk, cascade(&t, 2, 16, (0, 1)));
+        let in_l2 = cascade(&t, 2, 16, (0, 1));
+        assert!(on_disk.hit_chunks > cascade(&t, 2, 0, (0, 1)).hit_chunks + 100);
+        // But for the segment still open, whose hits LRU over segments hears of only once it is
+        // sealed (the daemon's disk seals a segment when the next record does not fit, too):
+        // 248 hits against 250 here. (While every hit below L1 was read through L1 slots, which
+        // L1 freed by handing chunks down, the next append sealed it at once, and the two were
+        // equal.)
+        assert!(on_disk.hit_chunks.abs_diff(in_l2.hit_chunks) <= 4, "{on_disk:?} {in_l2:?}");
     }
 
     #[test]
