@@ -277,7 +277,7 @@ fn adaptive_tiers_below_l1_follow_one_judge_and_add_up_to_one_cache_of_their_siz
     // Whole traces, simulated: L1 1,000, L2 3,000 and disk 10,000 chunks against one adaptive
     // cache of 14,000. With each tier judging its own traffic the cascade fell 0.0194
     // (conversation) and 0.0177 (synthetic) short; following one judge of every lookup, 0.0041
-    // and 0.0042.
+    // and 0.0038.
     for name in ["conversation_trace.jsonl", "synthetic_trace.jsonl"] {
         let Some(path) = trace(name) else { return };
         let path = path.to_str().unwrap();
