@@ -414,6 +414,12 @@ fn f4_a_connection_says_hello_soon_and_in_a_small_frame_or_is_closed() {
         tierkv_integration_tests::small_config(dir, None, "")
             .replace("[server]\n", "[server]\nhello_timeout = \"300ms\"\n")
     });
+    // Bare connections, each with a read deadline: a daemon that never answers fails the test.
+    let raw = || {
+        let stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+        stream.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+        stream
+    };
     let read_reply = |stream: &mut std::os::unix::net::UnixStream| {
         let reply = tierkv_client::proto::read_frame(stream, 1 << 20).unwrap().unwrap();
         let reply: tierkv_client::proto::Reply = tierkv_client::proto::decode(&reply).unwrap();
@@ -421,8 +427,7 @@ fn f4_a_connection_says_hello_soon_and_in_a_small_frame_or_is_closed() {
     };
     // Silent: after the timeout a reply says why, then the daemon closes.
     let started = std::time::Instant::now();
-    let mut silent = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
-    silent.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    let mut silent = raw();
     let reply = read_reply(&mut silent);
     assert!(started.elapsed() >= std::time::Duration::from_millis(300));
     match reply.body {
@@ -436,7 +441,7 @@ fn f4_a_connection_says_hello_soon_and_in_a_small_frame_or_is_closed() {
         "closed after the reply"
     );
     // Half a frame and then nothing is no hello either.
-    let mut stalled = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    let mut stalled = raw();
     stalled.write_all(&100u32.to_le_bytes()).unwrap();
     assert!(matches!(
         read_reply(&mut stalled).body,
@@ -444,7 +449,7 @@ fn f4_a_connection_says_hello_soon_and_in_a_small_frame_or_is_closed() {
     ));
     // Before the hello, a frame over 64 KiB is refused at once, whatever server.max_frame says
     // (16 MiB here): nobody knows yet who sends it.
-    let mut big = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    let mut big = raw();
     big.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
     let reply = read_reply(&mut big);
     assert!(matches!(reply.body, ReplyBody::Error { code: ErrorCode::BadFrame, .. }), "{reply:?}");

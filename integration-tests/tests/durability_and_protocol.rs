@@ -37,6 +37,23 @@ fn chain(prompt: u64) -> Vec<ChunkId> {
     (0..BATCH).map(|i| chunk_id(prompt, i)).collect()
 }
 
+/// Writes prompt `prompt`'s chunks into the buffer's first blocks, one a block; their ids.
+fn fill_batch(buffer: &mut SharedBuffer, prompt: u64) -> Vec<ChunkId> {
+    let ids = chain(prompt);
+    for (i, id) in ids.iter().enumerate() {
+        fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
+    }
+    ids
+}
+
+/// A daemon of `small_config` whose sessions may hold `kib` KiB of leases each.
+fn daemon_with_lease_cap(kib: u64) -> Daemon {
+    Daemon::start_with(|dir| {
+        small_config(dir, None, "")
+            .replace("[server]\n", &format!("[server]\nmax_leased_per_session = \"{kib}KiB\"\n"))
+    })
+}
+
 fn blocks(ids: &[ChunkId]) -> Vec<ChunkBlocks> {
     ids.iter().enumerate().map(|(i, id)| ChunkBlocks::one(*id, i as u64)).collect()
 }
@@ -77,10 +94,7 @@ fn h16_02_every_chunk_acknowledged_durable_survives_kill_9_byte_exact() {
             std::thread::spawn(move || {
                 let mut prompt = first;
                 while !stop.load(Ordering::Acquire) {
-                    let ids = chain(prompt);
-                    for (i, id) in ids.iter().enumerate() {
-                        fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
-                    }
+                    let ids = fill_batch(&mut buffer, prompt);
                     attempted.lock().unwrap().push(prompt);
                     let Ok(stored) = client.store(0, 0, blocks(&ids)) else { break };
                     let Ok((ok, _)) = client.flush(Duration::from_secs(30)) else { break };
@@ -121,18 +135,10 @@ fn h16_02_every_chunk_acknowledged_durable_survives_kill_9_byte_exact() {
 
 #[test]
 fn h16_08_one_session_cannot_fill_l1_with_leases() {
-    let daemon = Daemon::start_with(|dir| {
-        small_config(dir, None, "").replace(
-            "[server]\n",
-            &format!("[server]\nmax_leased_per_session = \"{}KiB\"\n", 2 * BATCH * 64),
-        )
-    });
+    let daemon = daemon_with_lease_cap(2 * BATCH * 64);
     let (mut hog, mut buffer) = worker(&daemon, Client::worker_hello("m", CHUNK));
     for prompt in 1..=3 {
-        let ids = chain(prompt);
-        for (i, id) in ids.iter().enumerate() {
-            fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
-        }
+        let ids = fill_batch(&mut buffer, prompt);
         assert_eq!(hog.store(0, 0, blocks(&ids)).unwrap().stored, BATCH as u32);
     }
     // Two unreleased lookups of 8 chunks reach the cap of 16 chunks; the third is refused.
@@ -150,17 +156,11 @@ fn h16_08_one_session_cannot_fill_l1_with_leases() {
 #[test]
 fn h16_08_one_lookup_loads_no_more_of_its_hit_into_l1_than_its_sessions_allowance() {
     // L1 of 64 slots; a session may hold leases on 4 chunks.
-    let daemon = Daemon::start_with(|dir| {
-        small_config(dir, None, "")
-            .replace("[server]\n", "[server]\nmax_leased_per_session = \"256KiB\"\n")
-    });
+    let daemon = daemon_with_lease_cap(4 * 64);
     let (mut writer, mut buffer) = worker(&daemon, Client::worker_hello("m", CHUNK));
     // Three L1s' worth of chunks: the first batches pass down to L2 and the disk.
     for prompt in 1..=24 {
-        let ids = chain(prompt);
-        for (i, id) in ids.iter().enumerate() {
-            fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
-        }
+        let ids = fill_batch(&mut buffer, prompt);
         assert_eq!(writer.store(0, 0, blocks(&ids)).unwrap().stored, BATCH as u32);
     }
     daemon.settled();
@@ -209,10 +209,7 @@ fn h16_10_every_reader_of_an_empty_mla_hit_returns_its_share_without_an_error() 
 fn h16_protocol_per_tier_is_always_l1_l2_disk_and_adds_up_to_the_hit() {
     let daemon = Daemon::start();
     let (mut client, mut buffer) = worker(&daemon, Client::worker_hello("m", CHUNK));
-    let ids = chain(5);
-    for (i, id) in ids.iter().enumerate() {
-        fill(buffer.block_mut(i as u64).unwrap(), *id, 0);
-    }
+    let ids = fill_batch(&mut buffer, 5);
     client.store(0, 0, blocks(&ids)).unwrap();
     let outcome = client.lookup(0, ids.clone()).unwrap().outcome.unwrap();
     assert_eq!(outcome.per_tier, vec![BATCH as u32, 0, 0, 0], "an all-L1 hit");

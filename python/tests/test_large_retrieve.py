@@ -1,4 +1,5 @@
-"""A retrieve large enough to be split over threads scatters every byte where it was asked."""
+"""Large retrieves: every byte lands where it was asked, and a hit held below L1 takes a bounded
+amount of the daemon's memory."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import random
 from functools import partial
 from pathlib import Path
 
+import pytest
 from daemon import Daemon, config
 
 from tierkv import Client, SharedBuffer, prefix_hashes, wire
@@ -71,7 +73,10 @@ def test_a_hit_held_below_l1_is_read_into_memory_a_window_at_a_time(tierkv_bin, 
             for i in range(chunks_n):
                 buf.block(i)[:] = bytes(MIB)
             pid = daemon.proc.pid
-            Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak RSS starts again from here
+            try:
+                Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak RSS starts again here
+            except OSError as e:
+                pytest.skip(f"cannot reset the daemon's peak RSS (/proc/PID/clear_refs): {e}")
             before = _status_bytes(pid, "VmRSS")
             got = client.retrieve(started.lookup, buffer, [(h, i) for i, h in enumerate(chunks)])
             grown = _status_bytes(pid, "VmHWM") - before

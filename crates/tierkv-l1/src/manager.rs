@@ -1231,9 +1231,9 @@ impl L1Manager {
     }
 
     /// Sets the L1 gauges (bytes used / cached / free / capacity, objects, active leases, the
-    /// shares of index shards evicting in ARC's order and by use counts) from the current state. Counters move
-    /// with the events they count; gauges are refreshed here, on the caller's metrics tick, so
-    /// the hot paths never pay for them.
+    /// shares of index shards evicting in ARC's order and by use counts) from the current state.
+    /// Counters move with the events they count; gauges are refreshed here, on the caller's
+    /// metrics tick, so the hot paths never pay for them.
     pub fn publish_metrics(&self) {
         let shards = self.index.shard_count();
         let share = |order| {

@@ -943,10 +943,11 @@ impl Session {
             chunks.iter().map(|c| self.key(info.namespace, info.rank, c.chunk)).collect();
         // Every chunk is checked before any is copied: a request that names a chunk outside the
         // hit, or comes from a reader that already returned its share, copies nothing.
-        storage.check_hit(id, reader, &keys)?;
         let scattered = if storage.holds_below(id) {
             // Chunks held below L1 are read into buffers of their own: a window at a time, so
             // a hit of any size takes at most `RETRIEVE_WINDOW_BYTES` of the daemon's memory.
+            // The whole request is checked first, since each window is read on its own.
+            storage.check_hit(id, reader, &keys)?;
             let per = (RETRIEVE_WINDOW_BYTES / target.chunk_bytes().max(1)).max(1) as usize;
             let mut bytes = 0;
             let mut scattered = Ok(());
@@ -971,7 +972,7 @@ impl Session {
                 None => Ok(bytes),
             })
         } else {
-            // Every chunk is leased in L1: pinned together, no copy of the bytes in between.
+            // Every chunk is leased in L1: checked and pinned together, no copy in between.
             let pinned = read_pinned(storage, (id, reader), chunks, &keys, target.chunk_bytes())?;
             if peer.gave_up() {
                 // The client gave up at its deadline (it recomputes these blocks) and may have

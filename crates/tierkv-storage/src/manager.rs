@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use parking_lot::Mutex;
+use tierkv_core::policy::{Judge, Order, PolicyKind};
 use tierkv_core::{
     ChunkSource, Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage,
 };
@@ -26,8 +27,6 @@ use tierkv_prefetch::{
     Prefetched, TierRouter, hit_chunks,
 };
 use tierkv_remote::RemoteStore;
-
-use tierkv_core::policy::{Judge, Order, PolicyKind};
 
 use crate::config::{RemoteAdmission, StorageConfig, StorePolicy};
 use crate::error::StorageError;

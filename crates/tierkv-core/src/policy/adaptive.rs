@@ -847,6 +847,11 @@ impl<K> Judge<K> {
     pub(super) fn shadow_capacity(&self) -> usize {
         self.capacity
     }
+
+    /// The entries its history of uses has room for.
+    pub(super) fn history_slots(&self) -> usize {
+        self.history.slots()
+    }
 }
 
 #[cfg(test)]

@@ -585,10 +585,15 @@ fn a_judge_of_any_size_models_a_bounded_sample() {
     assert!(judge.shadow_capacity() <= 1 << 17, "{}", judge.shadow_capacity());
     assert!(judge.shadow_capacity() >= 1 << 16, "{}", judge.shadow_capacity());
     assert_eq!(Judge::<u64>::new(1_000).shadow_capacity(), 250, "one key in four below that");
-    // Lookups grow its memory with the keys seen, not with the size it models.
-    let mut judge = judge;
-    (0..10_000u64).for_each(|key| judge.looked_up(&key));
-    assert_eq!(judge.order().order(), Order::Recency);
+    assert_eq!(judge.history_slots(), 0, "nothing is reserved for the size it models");
+    // Lookups grow its memory with the keys its shadows hold: tiers of 16 M chunks are judged on
+    // one chunk in 128 (shadows of 2^17 keys), so 20,000 chunks looked up put about 160 in the
+    // shadows and their history of 32 entries each, not 32 x 2^17.
+    let mut judge = Judge::<u64>::new(1 << 24);
+    assert_eq!(judge.shadow_capacity(), 1 << 17);
+    (0..20_000u64).for_each(|key| judge.looked_up(&key));
+    let slots = judge.history_slots();
+    assert!((1..=1 << 14).contains(&slots), "{slots} history entries");
 }
 
 #[test]

@@ -180,6 +180,12 @@ impl UseHistory {
     pub(super) fn len(&self) -> usize {
         self.entries.iter().filter(|e| **e != 0).count()
     }
+
+    /// The entries the table has room for, used or not: its memory, 8 bytes each.
+    #[cfg(test)]
+    pub(super) fn slots(&self) -> usize {
+        self.entries.len()
+    }
 }
 
 /// Where a key stands in the frequency order: its priority, then the stamp of its last use.

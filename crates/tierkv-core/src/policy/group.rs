@@ -10,9 +10,9 @@
 //! A [`PolicyGroup`] joins the shards' policies. They stamp their keys' uses with one clock, and
 //! each publishes where its next victims stand (how many keys each of its queues holds, the
 //! stamp of each queue's oldest key, the lengths of ARC's ghost lists, the lowest priority in the
-//! frequency order, the shadows' wins over each other) in a few atomics of its own, written under its shard's lock and read by nobody's lock. From those
-//! the group names the shard whose next victim one policy over all the keys would take: the
-//! oldest key for LRU and for the adaptive policy in recency order; in ARC's order, the oldest
+//! frequency order, the shadows' wins over each other) in a few atomics of its own, written under
+//! its shard's lock and read by nobody's lock. From those the group names the shard whose next
+//! victim one policy over all the keys would take: the oldest key for LRU and for the adaptive policy in recency order; in ARC's order, the oldest
 //! key of `T1` or of `T2`, as ARC decides from the summed `T1` and the group's one target; in the
 //! frequency order, the key of lowest priority, whose floor is one for the group. The
 //! adaptive policy's order is judged once for the group, from the sum of every shard's shadows'

@@ -495,7 +495,14 @@ proptest! {
         for op in &ops {
             if let Some((got, want)) = log.apply(op, &mut policy, &mut model) {
                 prop_assert_eq!(got, want, "after {:?}", op);
-                prop_assert_eq!(policy.order() == Order::Arc, model.arc_order, "after {:?}: {:?} against {:?}", op, policy, model.score);
+                prop_assert_eq!(
+                    policy.order() == Order::Arc,
+                    model.arc_order,
+                    "after {:?}: {:?} against {:?}",
+                    op,
+                    policy,
+                    model.score
+                );
             }
         }
     }
