@@ -1302,13 +1302,24 @@ impl Inner {
         // Complete lookups whose every lease passed its deadline hold nothing any more: forget
         // them, so a session that never releases does not grow the record without bound.
         // A lookup holding chunks only below L1, or none (a miss), expires with the same time
-        // to live as leases (dropping it returns its tier locks).
-        self.lookups.lock().retain(|_, lookup| match &lookup.stage {
-            Stage::Done { covered, .. } if !covered.is_empty() => {
-                let leases: HashSet<LeaseId> = covered.values().copied().collect();
-                leases.into_iter().any(|lease| self.l1.lease_live(lease))
+        // to live as leases (dropping it returns its tier locks). A prefetch that finished
+        // while nobody asked completes here, so its clock starts: otherwise the tier locks of a
+        // hit held below L1 would stay taken for as long as its session lives.
+        self.lookups.lock().retain(|_, lookup| {
+            if let Stage::Prefetching(request) = lookup.stage {
+                match self.prefetch.query(request) {
+                    None => {}
+                    Some(Ok(prefetched)) => self.complete(lookup, Some(prefetched)),
+                    Some(Err(e)) => self.fail(lookup, e.to_string()),
+                }
             }
-            _ => !self.expired_without_l1(lookup),
+            match &lookup.stage {
+                Stage::Done { covered, .. } if !covered.is_empty() => {
+                    let leases: HashSet<LeaseId> = covered.values().copied().collect();
+                    leases.into_iter().any(|lease| self.l1.lease_live(lease))
+                }
+                _ => !self.expired_without_l1(lookup),
+            }
         });
         let mut abandoned = self.abandoned.lock();
         abandoned.retain(|lookup| {

@@ -414,3 +414,24 @@ fn h16_15_a_complete_lookup_whose_leases_all_expired_is_forgotten() {
     assert_eq!(s.status().open_lookups, 0);
     assert_eq!(s.held_chunks(id), None);
 }
+
+#[test]
+fn h16_16_a_hit_held_below_l1_that_nobody_asks_for_returns_its_tier_locks_at_its_deadline() {
+    let (s, l2, clock) = lookup_rig(8);
+    for k in keys(0..3) {
+        l2.insert(k, payload(&k, CHUNK));
+    }
+    // No allowance of L1 slots: the whole hit stays in L2, under the prefetch's tier locks.
+    let mut request = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout(), keys(0..3));
+    request.max_promoted = 0;
+    let id = s.submit_lookup(request).unwrap();
+    until("the hit is held in L2", || l2.usage().locks == 3);
+    // Its owner never asks for the outcome, nor releases it. The clock moves past the lease
+    // deadline at every look, so whenever the lookup's clock starts, it runs out.
+    until("the tier locks are returned", || {
+        clock.advance(Duration::from_secs(31));
+        l2.usage().locks == 0
+    });
+    assert!(!s.is_open(id), "the lookup is forgotten with its locks");
+    assert!(matches!(s.query(id), Err(StorageError::UnknownLookup(_))));
+}
