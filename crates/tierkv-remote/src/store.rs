@@ -292,9 +292,10 @@ impl Shared {
         found
     }
 
-    /// Loads every item, each in its own task: `GET`, verify against its key, copy its payload
-    /// into the sink, overlapping the others'. A value absent, unreachable or that does not
-    /// verify is a miss (counted), never copied. Hands the items back in their order.
+    /// Loads every item, each in its own task: read at most the value's expected length and a
+    /// byte (see [`load_command`]), verify it against its key, copy its payload into the sink,
+    /// overlapping the others'. A value absent, unreachable or that does not verify is a miss
+    /// (counted), never copied. Hands the items back in their order.
     async fn load(self: Arc<Self>, items: Vec<LoadItem>) -> (Bitmap, Vec<LoadItem>) {
         let n = items.len();
         let mut set = tokio::task::JoinSet::new();
@@ -304,11 +305,11 @@ impl Shared {
                 let Ok(_permit) = shared.permits.acquire().await else {
                     return (i, Err(CallError::Closed), item);
                 };
-                let mut cmd = redis::cmd("GET");
-                cmd.arg(redis_key(&shared.config.key_prefix, &item.key));
+                let cmd = load_command(&shared.config.key_prefix, &item.key, item.sink.len());
                 let value = match shared.link.call::<Option<Vec<u8>>>(&cmd).await {
-                    Ok(Some(value)) => value,
-                    Ok(None) => return (i, Ok(false), item),
+                    // GETRANGE answers an absent key with an empty string.
+                    Ok(Some(value)) if !value.is_empty() => value,
+                    Ok(_) => return (i, Ok(false), item),
                     Err(e) => return (i, Err(e), item),
                 };
                 let loaded = match verify(&item.key, &value, item.sink.len()) {
@@ -320,7 +321,16 @@ impl Shared {
                         copied
                     }
                     Err(invalid) => {
-                        tracing::warn!(key = ?item.key, why = invalid.reason(), "a remote value failed verification: a miss");
+                        // At most the expected value and one byte were read: more is "longer".
+                        let expected = HEADER_BYTES as u64 + item.sink.len();
+                        tracing::warn!(
+                            key = ?item.key,
+                            why = invalid.reason(),
+                            read = value.len(),
+                            expected,
+                            longer = value.len() as u64 > expected,
+                            "a remote value failed verification: a miss"
+                        );
                         shared.metrics.checksum_failed(1);
                         shared.metrics.failed(invalid.reason());
                         false
@@ -354,6 +364,18 @@ impl Shared {
         // A sink lost to a panicked task cannot be handed back; the bitmap keeps its position.
         (loaded, back.into_iter().flatten().collect())
     }
+}
+
+/// The read of a load of `key` into a sink of `len` bytes: `GETRANGE` of the header, the
+/// payload and one byte more, never more. A value longer than the object it should be (a foreign
+/// or damaged key, however large) costs those bytes, not its own size, and the byte past the end
+/// tells it apart from the exact value (`verify` calls it `wrong_length`). One round trip, as a
+/// `GET`; an absent key reads as an empty string.
+fn load_command(prefix: &str, key: &ObjectKey, len: u64) -> redis::Cmd {
+    let mut cmd = redis::cmd("GETRANGE");
+    // The end offset is inclusive: bytes 0..=HEADER+len are HEADER+len+1 bytes.
+    cmd.arg(redis_key(prefix, key)).arg(0).arg(HEADER_BYTES as u64 + len);
+    cmd
 }
 
 /// Why one value of a store task failed.

@@ -1,0 +1,131 @@
+//! A load reads at most the value it expects: a key holding far more than a chunk (a foreign
+//! value, or ours grown by a stray `SETRANGE`) is a miss counted by reason, and the process's
+//! memory does not grow by that value's size. Its own test binary, with a counting allocator, so
+//! the peak of live heap bytes during the load is this test's alone.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use tierkv_remote::format::{HEADER_BYTES, redis_key};
+use tierkv_remote::{RemoteConfig, RemoteMode, RemoteStore};
+use tierkv_testkit::contract::{SharedTier, keys};
+use tierkv_testkit::redis::RedisStandalone;
+use tierkv_testkit::require_redis;
+
+/// The system allocator, counting the bytes live now and their peak.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is passed on to the system allocator unchanged; the counters only observe.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `alloc`'s contract, which `System.alloc` shares.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(live, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was allocated by `alloc` above with this layout.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller upholds `realloc`'s contract, which `System.realloc` shares.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                let grown = new_size - layout.size();
+                let live = LIVE.fetch_add(grown, Ordering::Relaxed) + grown;
+                PEAK.fetch_max(live, Ordering::Relaxed);
+            } else {
+                LIVE.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+            }
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+const CHUNK: u64 = 64 << 10;
+/// What the oversized keys hold: a thousand chunks.
+const HUGE: u64 = 64 << 20;
+
+#[test]
+fn an_oversized_value_is_a_miss_that_reads_no_more_than_a_chunk() {
+    require_redis!();
+    let server = RedisStandalone::start(&[]);
+    let prefix = format!("bounded-{}", std::process::id());
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let store = metrics::with_local_recorder(&recorder, || {
+        Arc::new(
+            RemoteStore::open(RemoteConfig {
+                key_prefix: prefix.clone(),
+                op_timeout: Duration::from_secs(5),
+                ..RemoteConfig::new(vec![server.url()], RemoteMode::Standalone, CHUNK)
+            })
+            .unwrap(),
+        )
+    });
+    let tier = SharedTier::new(store, CHUNK);
+    let all = keys(0..3);
+    tier.store(&all).unwrap();
+    assert_eq!(tier.load_verified(&all).count_ones(), 3);
+
+    // Key 0: our own value, grown by 64 MiB of zeros past its end (its header and payload
+    // intact). Key 1: a foreign value of 64 MiB under our key. Written by redis-cli, so the
+    // bytes are the server's, not this process's.
+    let name = |i: usize| redis_key(&prefix, &all[i]);
+    let end = HUGE.to_string();
+    assert_eq!(server.node.cli(&["SETRANGE", &name(0), &end, "x"]), (HUGE + 1).to_string());
+    assert_eq!(server.node.cli(&["DEL", &name(1)]), "1");
+    assert_eq!(server.node.cli(&["SETRANGE", &name(1), &end, "x"]), (HUGE + 1).to_string());
+
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let loaded = tier.load_verified(&all);
+    let grown = PEAK.load(Ordering::Relaxed).saturating_sub(base);
+    assert_eq!(loaded.iter_ones().collect::<Vec<_>>(), [2], "only the intact value loads");
+    // Three sinks and three reads of a chunk each, and some slack for the runtime; a read of
+    // either whole value alone would be 64 MiB.
+    assert!(
+        grown < 8 << 20,
+        "the load's heap grew by {grown} bytes: it read an oversized value whole"
+    );
+
+    let mut reasons = std::collections::HashMap::new();
+    for (k, _, _, v) in snapshotter.snapshot().into_vec() {
+        let key = k.key();
+        if key.name() != "tierkv_errors_total" {
+            continue;
+        }
+        let reason = key.labels().find(|l| l.key() == "reason").map(|l| l.value().to_string());
+        if let (Some(reason), DebugValue::Counter(n)) = (reason, v) {
+            *reasons.entry(reason).or_insert(0) += n;
+        }
+    }
+    assert_eq!(reasons.get("wrong_length"), Some(&1), "{reasons:?}");
+    assert_eq!(reasons.get("bad_header"), Some(&1), "{reasons:?}");
+
+    // The value of exactly the expected length still loads: the bound is not one byte short.
+    let exact = server.node.cli(&["STRLEN", &name(2)]);
+    assert_eq!(exact, (HEADER_BYTES as u64 + CHUNK).to_string());
+}
