@@ -1,6 +1,12 @@
 //! The link to Redis: one multiplexed connection (a cluster connection, or one to a single
 //! server), opened lazily, dropped when it fails, reopened at most once per reconnect interval.
 //! Every call has a deadline. The link's health is what `status` reports as degraded.
+//!
+//! Each connection opened has a generation, and each call remembers the generation it used.
+//! Only a failure on the current connection says anything about the
+//! link: a call that fails late on a connection already replaced (dropped after another call's
+//! failure, and reopened since) leaves the new one alone, and a late success on an old one does
+//! not declare the link healthy.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,8 +25,17 @@ enum Conn {
     Cluster(ClusterConnection),
 }
 
+/// The connection calls use now.
+struct Current {
+    conn: Conn,
+    /// Which connection this is: 1 for the first opened, then one more for each.
+    generation: u64,
+}
+
 struct State {
-    conn: Option<Conn>,
+    conn: Option<Current>,
+    /// Connections opened so far (the generation of the last one).
+    generation: u64,
     last_attempt: Option<Instant>,
     /// A connection is being opened (by a task of its own).
     connecting: bool,
@@ -30,6 +45,12 @@ struct State {
     degraded: Option<String>,
     /// When a call last failed for the link's sake.
     last_failure: Option<Instant>,
+}
+
+/// Which connection a call used.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Used {
+    generation: u64,
 }
 
 pub(crate) struct Link {
@@ -45,6 +66,7 @@ impl Link {
             config,
             state: Arc::new(Mutex::new(State {
                 conn: None,
+                generation: 0,
                 last_attempt: None,
                 connecting: false,
                 connect_error: None,
@@ -85,41 +107,89 @@ impl Link {
     }
 
     async fn attempt<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, CallError> {
+        let (used, result) = self.send(cmd).await;
+        self.settle(used, result)
+    }
+
+    /// Runs `cmd` within the op deadline, without judging the link: the result, and which
+    /// connection it used (`None` if it got none). [`Link::settle`] judges.
+    pub(crate) async fn send<T: FromRedisValue>(
+        &self,
+        cmd: &Cmd,
+    ) -> (Option<Used>, Result<T, CallError>) {
         let deadline = self.config.op_timeout;
-        let result = match tokio::time::timeout(deadline, self.call_inner(cmd)).await {
+        let mut used = None;
+        let result = match tokio::time::timeout(deadline, self.call_inner(cmd, &mut used)).await {
             Ok(result) => result,
             Err(_) => Err(CallError::Timeout(deadline)),
         };
+        (used, result)
+    }
+
+    /// What the result of a call on `used` says about the link: a link failure of the current
+    /// connection drops it and marks the tier degraded, a success on it marks it healthy.
+    /// Returns the result.
+    pub(crate) fn settle<T>(
+        &self,
+        used: Option<Used>,
+        result: Result<T, CallError>,
+    ) -> Result<T, CallError> {
+        let mut state = self.state.lock();
+        let current = state.conn.as_ref().map(|c| c.generation);
+        if let Some(used) = used
+            && Some(used.generation) != current
+        {
+            // The connection this call used is gone (dropped after another call's failure): what
+            // happened on it says nothing about the one calls use now.
+            return result;
+        }
         match &result {
             Ok(_) => {
-                let mut state = self.state.lock();
                 if state.degraded.is_some() {
                     tracing::info!("the remote tier answers again");
                     state.degraded = None;
                 }
+                result
             }
             // A call refused while the link reconnects says nothing new: the reason stays the
             // failure that degraded it.
-            Err(CallError::Unavailable(_)) => {}
+            Err(CallError::Unavailable(_)) => result,
             Err(e) if e.is_connection() => {
-                let mut state = self.state.lock();
-                if state.degraded.is_none() {
-                    tracing::warn!(error = %e, "the remote tier is degraded: its calls are misses");
-                }
-                state.degraded = Some(e.to_string());
-                state.last_failure = Some(Instant::now());
-                // The connection goes, a timeout's too: a hung master never answers the cluster
-                // client, which then keeps routing its slots to it after its replica took over.
-                // The next connection learns the slot map afresh.
-                state.conn = None;
+                self.link_failed(&mut state, used.is_some(), e);
+                result
             }
-            Err(_) => {}
+            // Redis answered, with an error of this one command (a full server refusing a SET).
+            Err(_) => result,
         }
-        result
     }
 
-    async fn call_inner<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, CallError> {
-        match self.connection().await? {
+    /// A call failed for the link's sake: on the current connection (`on_current`), which goes,
+    /// or before it got any connection. The tier is degraded unless a connection opened since.
+    fn link_failed(&self, state: &mut State, on_current: bool, e: &CallError) {
+        if !on_current && state.conn.is_some() {
+            // It waited for a connection that opened after its deadline, or failed to open while
+            // another opened: the link works.
+            return;
+        }
+        if state.degraded.is_none() {
+            tracing::warn!(error = %e, "the remote tier is degraded: its calls are misses");
+        }
+        state.degraded = Some(e.to_string());
+        state.last_failure = Some(Instant::now());
+        // The connection goes, a timeout's too: a hung master never answers the cluster client,
+        // which then keeps routing its slots to it after its replica took over. The next
+        // connection learns the slot map afresh.
+        state.conn = None;
+    }
+
+    async fn call_inner<T: FromRedisValue>(
+        &self,
+        cmd: &Cmd,
+        used: &mut Option<Used>,
+    ) -> Result<T, CallError> {
+        let (conn, generation) = self.connection().await?;
+        *used = Some(Used { generation });
+        match conn {
             Conn::Single(mut c) => Ok(cmd.query_async(&mut c).await?),
             Conn::Cluster(mut c) => Ok(cmd.query_async(&mut c).await?),
         }
@@ -129,16 +199,16 @@ impl Link {
     /// a caller's deadline cannot cut it short (a cluster connection connects to every seed node
     /// at once, and a hung seed takes its whole connect timeout): callers wait for it within
     /// their own deadline, and at most one attempt starts per reconnect interval.
-    async fn connection(&self) -> Result<Conn, CallError> {
-        if let Some(conn) = self.state.lock().conn.clone() {
-            return Ok(conn);
+    async fn connection(&self) -> Result<(Conn, u64), CallError> {
+        if let Some(c) = &self.state.lock().conn {
+            return Ok((c.conn.clone(), c.generation));
         }
         // Subscribed before the state is read again, so an attempt that ends in between is seen.
         let mut opened = self.opened.subscribe();
         {
             let mut state = self.state.lock();
-            if let Some(conn) = state.conn.clone() {
-                return Ok(conn);
+            if let Some(c) = &state.conn {
+                return Ok((c.conn.clone(), c.generation));
             }
             if !state.connecting {
                 if let Some(last) = state.last_attempt
@@ -156,7 +226,7 @@ impl Link {
         let _ = opened.changed().await;
         let state = self.state.lock();
         match (&state.conn, &state.connect_error) {
-            (Some(conn), _) => Ok(conn.clone()),
+            (Some(c), _) => Ok((c.conn.clone(), c.generation)),
             (None, Some(why)) => Err(CallError::Connect(why.clone())),
             (None, None) => Err(CallError::Unavailable("reconnecting".into())),
         }
@@ -178,7 +248,9 @@ impl Link {
                 state.connecting = false;
                 match result {
                     Ok(conn) => {
-                        state.conn = Some(conn);
+                        state.generation += 1;
+                        let generation = state.generation;
+                        state.conn = Some(Current { conn, generation });
                         state.connect_error = None;
                     }
                     Err(why) => state.connect_error = Some(why),
@@ -218,5 +290,89 @@ impl Link {
     /// How long a caller waits at most for one call.
     pub(crate) fn op_timeout(&self) -> Duration {
         self.config.op_timeout
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+
+    use std::time::Duration;
+
+    use tierkv_testkit::redis::RedisStandalone;
+    use tierkv_testkit::require_redis;
+
+    use super::*;
+
+    fn link(server: &RedisStandalone, op_timeout: Duration) -> Link {
+        Link::new(RemoteConfig {
+            op_timeout,
+            reconnect_interval: Duration::from_millis(20),
+            ..RemoteConfig::new(vec![server.url()], RemoteMode::Standalone, 1 << 20)
+        })
+    }
+
+    fn cmd(args: &[&str]) -> Cmd {
+        let mut cmd = redis::cmd(args[0]);
+        for arg in &args[1..] {
+            cmd.arg(*arg);
+        }
+        cmd
+    }
+
+    /// The server's id of the connection the link uses now.
+    async fn client_id(link: &Link) -> u64 {
+        link.call::<u64>(&cmd(&["CLIENT", "ID"])).await.unwrap()
+    }
+
+    /// The order is the test's: each call runs with `send`, and its result reaches the link's
+    /// judgement (`settle`) when the test says, so "late" is exact, not a race of timers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_late_failure_on_a_replaced_connection_leaves_the_new_one_alone() {
+        require_redis!();
+        let server = RedisStandalone::start(&[]);
+        let link = link(&server, Duration::from_secs(2));
+        let first = client_id(&link).await;
+        assert!(link.degraded().is_none());
+
+        // The server closes the first connection: two calls on it fail, for the link's sake.
+        assert_eq!(server.node.cli(&["CLIENT", "KILL", "ID", &first.to_string()]), "1");
+        let (late_used, late) = link.send::<String>(&cmd(&["PING"])).await;
+        let (used, failed) = link.send::<String>(&cmd(&["PING"])).await;
+        assert!(late.as_ref().is_err_and(CallError::is_connection), "{late:?}");
+        assert!(failed.as_ref().is_err_and(CallError::is_connection), "{failed:?}");
+        // The first one judged degrades the tier and drops the connection.
+        assert!(link.settle(used, failed).is_err());
+        assert!(link.degraded().is_some());
+
+        // After the reconnect interval a call opens a second connection, and the tier is
+        // healthy again.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let second = client_id(&link).await;
+        assert_ne!(second, first);
+        assert!(link.degraded().is_none());
+
+        // The other failure on the first connection, judged late: it says nothing about the
+        // second, which stays, healthy.
+        assert!(link.settle(late_used, late).is_err());
+        assert!(link.degraded().is_none(), "a late failure degraded the tier");
+        assert_eq!(client_id(&link).await, second, "a late failure dropped the new connection");
+
+        // A late success on an old connection does not declare a degraded link healthy either.
+        let (old_used, ok) = link.send::<String>(&cmd(&["PING"])).await;
+        assert!(ok.is_ok());
+        assert_eq!(server.node.cli(&["CLIENT", "KILL", "ID", &second.to_string()]), "1");
+        let (used, failed) = link.send::<String>(&cmd(&["PING"])).await;
+        assert!(link.settle(used, failed).is_err());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let third = client_id(&link).await;
+        assert_ne!(third, second);
+        assert!(link.degraded().is_none());
+        assert_eq!(server.node.cli(&["CLIENT", "KILL", "ID", &third.to_string()]), "1");
+        let (used, failed) = link.send::<String>(&cmd(&["PING"])).await;
+        assert!(link.settle(used, failed).is_err());
+        assert!(link.degraded().is_some());
+        assert!(link.settle(old_used, ok).is_ok());
+        assert!(link.degraded().is_some(), "a late success on an old connection healed the tier");
     }
 }
