@@ -28,7 +28,9 @@ pub struct RemoteConfig {
     /// How long opening a connection may take.
     pub connect_timeout: Duration,
     /// The deadline of every call (one command, or one batch of them); past it the call is a
-    /// miss or a failed store.
+    /// miss or a failed store. A timeout degrades the tier only if the connection answered
+    /// nothing while the call waited; otherwise the call queued behind others and fails alone
+    /// (`busy`).
     pub op_timeout: Duration,
     /// Values (GET or SET) in flight at once, over every task.
     pub max_in_flight: usize,
@@ -36,9 +38,10 @@ pub struct RemoteConfig {
     pub ttl: Option<Duration>,
     /// The largest payload stored (the L1 slot size).
     pub max_chunk_bytes: u64,
-    /// How long after a call failed for the link's sake (a timeout, a refused or broken
-    /// connection) calls fail at once, as misses, before the next attempt: a dead or hung cluster
-    /// costs one deadline per interval, not one per call.
+    /// How long after a call failed for the link's sake (a refused or broken connection, or a
+    /// timeout with the connection silent) calls fail at once, as misses, before the next
+    /// attempt: a dead or hung cluster costs one deadline per interval, not one per call. Also
+    /// the least time between two connections opened.
     pub reconnect_interval: Duration,
     /// Threads of the adapter's own tokio runtime.
     pub threads: usize,

@@ -2,11 +2,20 @@
 //! server), opened lazily, dropped when it fails, reopened at most once per reconnect interval.
 //! Every call has a deadline. The link's health is what `status` reports as degraded.
 //!
-//! Each connection opened has a generation, and each call remembers the generation it used.
-//! Only a failure on the current connection says anything about the
+//! Each connection opened has a generation, and each call remembers the generation it used and
+//! when it sent its command. Only a failure on the current connection says anything about the
 //! link: a call that fails late on a connection already replaced (dropped after another call's
 //! failure, and reopened since) leaves the new one alone, and a late success on an old one does
 //! not declare the link healthy.
+//!
+//! A call past its deadline is a link failure only if the connection answered nothing at all
+//! since the call sent its command: the link is silent, hung. If it answered other calls in
+//! the meantime, it is busy, not broken (the call queued behind others' bytes on the one
+//! connection, a long pipeline of large `SET`s): the call fails alone, as `busy`, and the tier
+//! stays healthy. In a cluster one hung master looks busy too (the others answer), so a busy
+//! timeout there renews the connection in the background, at most once per reconnect interval,
+//! keeping the current one until the new one is open: the new connection learns the slot map
+//! afresh, which is how a hung master's slots move to its promoted replica.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +39,8 @@ struct Current {
     conn: Conn,
     /// Which connection this is: 1 for the first opened, then one more for each.
     generation: u64,
+    /// When a call on it last got an answer (a value or a server's error), or when it opened.
+    last_answer: Instant,
 }
 
 struct State {
@@ -47,10 +58,11 @@ struct State {
     last_failure: Option<Instant>,
 }
 
-/// Which connection a call used.
+/// Which connection a call used, and when it sent its command on it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Used {
     generation: u64,
+    sent: Instant,
 }
 
 pub(crate) struct Link {
@@ -127,8 +139,9 @@ impl Link {
     }
 
     /// What the result of a call on `used` says about the link: a link failure of the current
-    /// connection drops it and marks the tier degraded, a success on it marks it healthy.
-    /// Returns the result.
+    /// connection drops it and marks the tier degraded, an answer on it marks it alive (and a
+    /// success, healthy). Returns the result, a timeout on a busy connection as
+    /// [`CallError::Busy`].
     pub(crate) fn settle<T>(
         &self,
         used: Option<Used>,
@@ -139,12 +152,15 @@ impl Link {
         if let Some(used) = used
             && Some(used.generation) != current
         {
-            // The connection this call used is gone (dropped after another call's failure): what
-            // happened on it says nothing about the one calls use now.
+            // The connection this call used is gone (dropped after another call's failure, or
+            // renewed): what happened on it says nothing about the one calls use now.
             return result;
         }
         match &result {
             Ok(_) => {
+                if let Some(c) = state.conn.as_mut() {
+                    c.last_answer = Instant::now();
+                }
                 if state.degraded.is_some() {
                     tracing::info!("the remote tier answers again");
                     state.degraded = None;
@@ -154,11 +170,31 @@ impl Link {
             // A call refused while the link reconnects says nothing new: the reason stays the
             // failure that degraded it.
             Err(CallError::Unavailable(_)) => result,
+            Err(e) if e.is_timeout() => {
+                let busy = match (used, state.conn.as_ref()) {
+                    (Some(used), Some(c)) => c.last_answer > used.sent,
+                    _ => false,
+                };
+                if !busy {
+                    self.link_failed(&mut state, used.is_some(), e);
+                    return result;
+                }
+                if self.config.mode == RemoteMode::Cluster {
+                    self.renew(&mut state);
+                }
+                Err(CallError::Busy(self.config.op_timeout))
+            }
             Err(e) if e.is_connection() => {
                 self.link_failed(&mut state, used.is_some(), e);
                 result
             }
             // Redis answered, with an error of this one command (a full server refusing a SET).
+            Err(CallError::Redis(_)) => {
+                if let Some(c) = state.conn.as_mut() {
+                    c.last_answer = Instant::now();
+                }
+                result
+            }
             Err(_) => result,
         }
     }
@@ -182,13 +218,26 @@ impl Link {
         state.conn = None;
     }
 
+    /// Opens a new connection in the background, unless one is being opened or the last attempt
+    /// is more recent than the reconnect interval; calls use the current one until it is open.
+    fn renew(&self, state: &mut State) {
+        let due =
+            state.last_attempt.is_none_or(|last| last.elapsed() >= self.config.reconnect_interval);
+        if !state.connecting && due {
+            tracing::info!("a remote call timed out on a busy connection: renewing it");
+            state.connecting = true;
+            state.last_attempt = Some(Instant::now());
+            self.start_opening();
+        }
+    }
+
     async fn call_inner<T: FromRedisValue>(
         &self,
         cmd: &Cmd,
         used: &mut Option<Used>,
     ) -> Result<T, CallError> {
         let (conn, generation) = self.connection().await?;
-        *used = Some(Used { generation });
+        *used = Some(Used { generation, sent: Instant::now() });
         match conn {
             Conn::Single(mut c) => Ok(cmd.query_async(&mut c).await?),
             Conn::Cluster(mut c) => Ok(cmd.query_async(&mut c).await?),
@@ -250,9 +299,11 @@ impl Link {
                     Ok(conn) => {
                         state.generation += 1;
                         let generation = state.generation;
-                        state.conn = Some(Current { conn, generation });
+                        state.conn =
+                            Some(Current { conn, generation, last_answer: Instant::now() });
                         state.connect_error = None;
                     }
+                    // A renewal that failed keeps the connection calls use now.
                     Err(why) => state.connect_error = Some(why),
                 }
             }
@@ -297,6 +348,7 @@ impl Link {
 mod tests {
     #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
+    use std::sync::Arc;
     use std::time::Duration;
 
     use tierkv_testkit::redis::RedisStandalone;
@@ -374,5 +426,45 @@ mod tests {
         assert!(link.degraded().is_some());
         assert!(link.settle(old_used, ok).is_ok());
         assert!(link.degraded().is_some(), "a late success on an old connection healed the tier");
+    }
+
+    /// Calls queued behind others on the one connection pass their deadline while the
+    /// connection answers: each fails alone, as busy, and the tier stays healthy. A connection
+    /// that answers nothing for a whole deadline is still a link failure.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timeout_on_a_busy_connection_fails_alone() {
+        require_redis!();
+        let server = RedisStandalone::start(&[]);
+        let link = Arc::new(link(&server, Duration::from_millis(350)));
+        link.call::<String>(&cmd(&["PING"])).await.unwrap();
+
+        // Eight BLPOPs of 100 ms on one connection: the server answers them one after the other
+        // (a blocked client's next command waits), one every 100 ms, so the later ones wait in
+        // the queue past the 350 ms deadline while the first ones are answered.
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..8 {
+            let link = Arc::clone(&link);
+            calls.spawn(async move {
+                link.call::<redis::Value>(&cmd(&["BLPOP", "tierkv-test-empty", "0.1"])).await
+            });
+        }
+        let (mut answered, mut busy) = (0, 0);
+        while let Some(result) = calls.join_next().await {
+            match result.unwrap() {
+                Ok(_) => answered += 1,
+                Err(CallError::Busy(_)) => busy += 1,
+                Err(e) => panic!("a queued call failed as {e:?}, not as busy"),
+            }
+        }
+        assert!(answered >= 1 && busy >= 1, "{answered} answered, {busy} busy");
+        assert!(link.degraded().is_none(), "queueing degraded the tier: {:?}", link.degraded());
+        // Let the server work through the queue; the connection serves on.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        link.call::<String>(&cmd(&["PING"])).await.unwrap();
+
+        // Silent for the whole deadline: a hung link.
+        let hung = link.call::<redis::Value>(&cmd(&["BLPOP", "tierkv-test-empty", "0"])).await;
+        assert!(matches!(hung, Err(ref e) if e.is_timeout()), "{hung:?}");
+        assert!(link.degraded().is_some());
     }
 }

@@ -25,6 +25,10 @@ pub(crate) enum CallError {
     /// The deadline passed.
     #[error("no answer within {0:?}")]
     Timeout(std::time::Duration),
+    /// The deadline passed while the connection answered other calls: it is busy (the call
+    /// queued behind others on the one connection), not broken.
+    #[error("no answer within {0:?}, the connection busy with other calls")]
+    Busy(std::time::Duration),
     /// Redis answered with an error, or the connection failed.
     #[error(transparent)]
     Redis(#[from] redis::RedisError),
@@ -40,6 +44,7 @@ impl CallError {
             CallError::Unavailable(_) => "unavailable",
             CallError::Connect(_) => "connection",
             CallError::Timeout(_) => "timeout",
+            CallError::Busy(_) => "busy",
             CallError::Redis(e) if e.code() == Some("OOM") => "oom",
             CallError::Redis(e) if e.is_timeout() => "timeout",
             CallError::Redis(e) if is_link(e) => "connection",
@@ -54,7 +59,16 @@ impl CallError {
         match self {
             CallError::Unavailable(_) | CallError::Connect(_) | CallError::Timeout(_) => true,
             CallError::Redis(e) => is_link(e),
-            CallError::Closed => false,
+            CallError::Busy(_) | CallError::Closed => false,
+        }
+    }
+
+    /// Whether the call ran past its deadline (ours, or the client's response timeout).
+    pub(crate) fn is_timeout(&self) -> bool {
+        match self {
+            CallError::Timeout(_) => true,
+            CallError::Redis(e) => e.is_timeout(),
+            _ => false,
         }
     }
 }

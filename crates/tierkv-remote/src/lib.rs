@@ -7,8 +7,13 @@
 //! served. Redis keys carry the namespace hash, and the header repeats it, so one tenant's
 //! lookups never find, and its loads never serve, another tenant's chunks.
 //!
-//! The tier cannot lock and cannot be relied upon: every call has a deadline, a failure of any
-//! kind is a miss (or a failed store), and the connection is reopened in the background. The
+//! The tier cannot lock and cannot be relied upon: every call has a deadline (`op_timeout`), a
+//! failure of any kind is a miss (or a failed store), and the connection is reopened in the
+//! background. The tier turns degraded (every call a miss at once for `reconnect_interval`) only
+//! when the link fails: a refused or broken connection, or a connection silent for a whole
+//! deadline. A call past its deadline on a connection that answered other calls meanwhile was
+//! queued behind them (one connection carries every value in flight), so it fails alone, counted
+//! as `busy`, and the tier stays healthy. The
 //! adapter runs its calls on its own small tokio runtime; the rest of tierkv sees the same
 //! crossbeam completions as from every other tier.
 //!

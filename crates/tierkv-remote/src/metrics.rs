@@ -5,7 +5,7 @@ use metrics::{Gauge, Unit, describe_gauge, gauge};
 use tierkv_tier_metrics::{Capacity, TierMetrics};
 
 /// Reasons counted in `tierkv_errors_total{tier="remote"}`.
-const REASONS: [&str; 13] = [
+const REASONS: [&str; 14] = [
     "checksum",
     "truncated",
     "bad_header",
@@ -13,6 +13,7 @@ const REASONS: [&str; 13] = [
     "wrong_length",
     "unavailable",
     "timeout",
+    "busy",
     "connection",
     "server",
     "oom",
