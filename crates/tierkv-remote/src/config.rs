@@ -32,7 +32,8 @@ pub struct RemoteConfig {
     /// nothing while the call waited; otherwise the call queued behind others and fails alone
     /// (`busy`).
     pub op_timeout: Duration,
-    /// Values (GET or SET) in flight at once, over every task.
+    /// Values in flight at once, over every task: this many stored and this many loaded, counted
+    /// apart so that a load never queues behind a backlog of stores.
     pub max_in_flight: usize,
     /// Expiry of each stored value; `None`: values live until the server evicts them.
     pub ttl: Option<Duration>,

@@ -33,8 +33,12 @@ use crate::metrics::{self, DegradedGauge};
 struct Shared {
     config: RemoteConfig,
     link: Link,
-    /// Values in flight, over every task.
-    permits: Semaphore,
+    /// Values stored in flight, over every task.
+    store_permits: Semaphore,
+    /// Values loaded in flight, over every task: apart from the stores', since the permits are
+    /// handed out in order and a load would otherwise wait behind every value of a store
+    /// backlog, with no deadline.
+    load_permits: Semaphore,
     done: Sender<Completion>,
     completions: Receiver<Completion>,
     metrics: TierMetrics,
@@ -71,7 +75,8 @@ impl RemoteStore {
         let (close_signal, _) = watch::channel(false);
         let shared = Arc::new(Shared {
             link: Link::new(config.clone()),
-            permits: Semaphore::new(config.max_in_flight),
+            store_permits: Semaphore::new(config.max_in_flight),
+            load_permits: Semaphore::new(config.max_in_flight),
             config,
             done,
             completions,
@@ -202,7 +207,7 @@ impl Shared {
         for (i, item) in items.into_iter().enumerate() {
             let shared = Arc::clone(&self);
             set.spawn(async move {
-                let Ok(_permit) = shared.permits.acquire().await else {
+                let Ok(_permit) = shared.store_permits.acquire().await else {
                     return (i, Err(CallError::Closed.into()), item);
                 };
                 let name = redis_key(&shared.config.key_prefix, &item.key);
@@ -302,7 +307,7 @@ impl Shared {
         for (i, mut item) in items.into_iter().enumerate() {
             let shared = Arc::clone(&self);
             set.spawn(async move {
-                let Ok(_permit) = shared.permits.acquire().await else {
+                let Ok(_permit) = shared.load_permits.acquire().await else {
                     return (i, Err(CallError::Closed), item);
                 };
                 let cmd = load_command(&shared.config.key_prefix, &item.key, item.sink.len());

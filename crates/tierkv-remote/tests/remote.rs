@@ -15,7 +15,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use tierkv_core::{Bitmap, ChunkHash, KvRank, Namespace, ObjectKey, TierAdapter, TierError};
+use tierkv_core::{
+    Bitmap, ChunkHash, Completion, KvRank, Namespace, ObjectKey, StoreItem, TierAdapter, TierError,
+    VecChunk,
+};
 use tierkv_remote::format::{HEADER_BYTES, encode, redis_key};
 use tierkv_remote::{RemoteConfig, RemoteMode, RemoteStore};
 use tierkv_testkit::contract::{self, OpenTier, SharedTier, key, keys, payload};
@@ -502,4 +505,53 @@ fn a_server_that_is_not_what_the_configuration_says_is_a_degraded_tier_saying_wh
     assert_eq!(tier.lookup(&keys(0..2)).count_ones(), 0);
     let why = store.degraded().expect("degraded");
     assert!(why.contains("cluster"), "{why}");
+}
+
+/// A load submitted behind a long backlog of stores does not wait for the backlog: loads and
+/// stores have their own `max_in_flight` slots. What the server holds when the load completes
+/// says how far the backlog had got.
+#[test]
+fn a_load_does_not_queue_behind_a_backlog_of_stores() {
+    require_redis!();
+    const SMALL: u64 = 1 << 10;
+    const BACKLOG: u64 = 20_000;
+    let server = RedisStandalone::start(&[]);
+    let prefix = unique_prefix("backlog");
+    let store = RemoteStore::open(RemoteConfig {
+        max_in_flight: 2,
+        ..config(vec![server.url()], RemoteMode::Standalone, &prefix)
+    })
+    .unwrap();
+    let tier = SharedTier::new(Arc::new(store), SMALL);
+    tier.store(&keys(0..1)).unwrap();
+    let dbsize = || server.node.cli(&["DBSIZE"]).parse::<u64>().unwrap();
+    let items: Vec<StoreItem> = keys(1..1 + BACKLOG)
+        .into_iter()
+        .map(|k| StoreItem { key: k, source: Box::new(VecChunk(payload(&k, SMALL))) })
+        .collect();
+    let (submitted, backlog_submitted) = crossbeam_channel::bounded(1);
+    let (stored_by_then, took) = std::thread::scope(|s| {
+        let backlog = s.spawn(|| {
+            let started = Instant::now();
+            let done = tier.call(|t| {
+                let task = t.submit_store(items);
+                submitted.send(()).unwrap();
+                task
+            });
+            assert!(matches!(done, Completion::Stored { result: Ok(()), .. }));
+            started.elapsed()
+        });
+        // The backlog is submitted, every value waiting for one of two slots.
+        backlog_submitted.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(tier.load_verified(&keys(0..1)).count_ones(), 1);
+        let stored_by_then = dbsize() - 1;
+        (stored_by_then, backlog.join().unwrap())
+    });
+    assert_eq!(dbsize(), 1 + BACKLOG);
+    assert!(
+        stored_by_then < BACKLOG / 2,
+        "the load completed only after {stored_by_then} of the backlog's {BACKLOG} values were \
+         stored (the backlog took {took:?})"
+    );
 }
