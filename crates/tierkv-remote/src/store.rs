@@ -26,6 +26,7 @@ use crate::config::RemoteConfig;
 use crate::conn::Link;
 use crate::error::{CallError, RemoteError};
 use crate::format::{HEADER_BYTES, encode_header, redis_key, verify};
+use crate::log_limit::LogLimit;
 use tierkv_tier_metrics::TierMetrics;
 
 use crate::metrics::{self, DegradedGauge};
@@ -52,7 +53,12 @@ struct Shared {
     bytes: AtomicU64,
     /// Tasks spawned and not yet completed.
     running: AtomicU64,
+    /// Values that failed verification: each counted, at most one a while logged.
+    invalid_log: LogLimit,
 }
+
+/// How often a value that failed verification is logged at most (all are counted).
+const INVALID_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The cross-node tier: a Redis Cluster or one Redis server.
 pub struct RemoteStore {
@@ -88,6 +94,7 @@ impl RemoteStore {
             objects: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             running: AtomicU64::new(0),
+            invalid_log: LogLimit::new(INVALID_LOG_INTERVAL),
         });
         shared.publish();
         Ok(RemoteStore { shared, runtime: Mutex::new(Some(runtime)), next_task: AtomicU64::new(1) })
@@ -328,14 +335,19 @@ impl Shared {
                     Err(invalid) => {
                         // At most the expected value and one byte were read: more is "longer".
                         let expected = HEADER_BYTES as u64 + item.sink.len();
-                        tracing::warn!(
-                            key = ?item.key,
-                            why = invalid.reason(),
-                            read = value.len(),
-                            expected,
-                            longer = value.len() as u64 > expected,
-                            "a remote value failed verification: a miss"
-                        );
+                        if let Some(left_out) = shared.invalid_log.admit() {
+                            tracing::warn!(
+                                key = ?item.key,
+                                why = invalid.reason(),
+                                read = value.len(),
+                                expected,
+                                longer = value.len() as u64 > expected,
+                                left_out,
+                                "a remote value failed verification: a miss (at most one such \
+                                 warning in {INVALID_LOG_INTERVAL:?}; left_out: those since the \
+                                 last, all counted in tierkv_errors_total)"
+                            );
+                        }
                         shared.metrics.checksum_failed(1);
                         shared.metrics.failed(invalid.reason());
                         false
