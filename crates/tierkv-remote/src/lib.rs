@@ -25,6 +25,7 @@ mod config;
 mod conn;
 mod error;
 pub mod format;
+mod held;
 mod log_limit;
 mod metrics;
 mod store;

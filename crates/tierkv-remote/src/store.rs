@@ -26,6 +26,7 @@ use crate::config::RemoteConfig;
 use crate::conn::Link;
 use crate::error::{CallError, RemoteError};
 use crate::format::{HEADER_BYTES, encode_header, redis_key, verify};
+use crate::held::Held;
 use crate::log_limit::LogLimit;
 use tierkv_tier_metrics::TierMetrics;
 
@@ -48,14 +49,18 @@ struct Shared {
     close_signal: watch::Sender<bool>,
     /// Lookup "locks" not yet returned: a ledger, see the module documentation.
     locks: Mutex<HashMap<ObjectKey, u64>>,
-    /// Objects and bytes this node stored and did not delete (the cluster holds others' too).
-    objects: AtomicU64,
-    bytes: AtomicU64,
+    /// Objects and bytes this node stored, did not delete, and that have not certainly expired
+    /// (the cluster holds others' too).
+    held: Held,
     /// Tasks spawned and not yet completed.
     running: AtomicU64,
     /// Values that failed verification: each counted, at most one a while logged.
     invalid_log: LogLimit,
 }
+
+/// Deletes `KEYS[1]`; the length of the value it held (0: there was none).
+const DELETE_SCRIPT: &str =
+    "local n = redis.call('STRLEN', KEYS[1]) if n > 0 then redis.call('DEL', KEYS[1]) end return n";
 
 /// How often a value that failed verification is logged at most (all are counted).
 const INVALID_LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -83,6 +88,7 @@ impl RemoteStore {
             link: Link::new(config.clone()),
             store_permits: Semaphore::new(config.max_in_flight),
             load_permits: Semaphore::new(config.max_in_flight),
+            held: Held::new(config.ttl),
             config,
             done,
             completions,
@@ -91,8 +97,6 @@ impl RemoteStore {
             closed: AtomicBool::new(false),
             close_signal,
             locks: Mutex::new(HashMap::new()),
-            objects: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
             running: AtomicU64::new(0),
             invalid_log: LogLimit::new(INVALID_LOG_INTERVAL),
         });
@@ -185,8 +189,7 @@ impl RemoteStore {
 
 impl Shared {
     fn publish(&self) {
-        let (objects, bytes) =
-            (self.objects.load(Ordering::Relaxed), self.bytes.load(Ordering::Relaxed));
+        let (objects, bytes) = self.held.now();
         self.metrics.publish(0, bytes, objects);
         self.degraded_gauge.set(self.link.degraded().is_some());
     }
@@ -254,8 +257,7 @@ impl Shared {
             }
         }
         let items = back.into_iter().flatten().collect();
-        self.objects.fetch_add(stored, Ordering::Relaxed);
-        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.held.stored(stored, bytes);
         self.metrics.stored(stored, bytes);
         let result = match failure {
             None => Ok(()),
@@ -532,27 +534,30 @@ impl TierAdapter for RemoteStore {
                 .collect()
         };
         let shared = Arc::clone(&self.shared);
-        // One DEL per key: a cluster refuses a DEL whose keys hash to different slots.
-        let deleted = self.run(async move {
-            let mut set = tokio::task::JoinSet::new();
-            for name in names {
-                let shared = Arc::clone(&shared);
-                set.spawn(async move {
-                    let mut cmd = redis::cmd("DEL");
-                    cmd.arg(name);
-                    shared.link.call::<u64>(&cmd).await.unwrap_or(0)
-                });
-            }
-            let mut deleted = 0;
-            while let Some(n) = set.join_next().await {
-                deleted += n.unwrap_or(0);
-            }
-            deleted
-        });
-        let deleted = deleted.unwrap_or(0);
-        let _ = self.shared.objects.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-            Some(n.saturating_sub(deleted))
-        });
+        // One call per key: a cluster refuses a command whose keys hash to different slots. Each
+        // deletes its key and says how long its value was, so the bytes leave the usage too.
+        let (deleted, bytes) = self
+            .run(async move {
+                let mut set = tokio::task::JoinSet::new();
+                for name in names {
+                    let shared = Arc::clone(&shared);
+                    set.spawn(async move {
+                        let mut cmd = redis::cmd("EVAL");
+                        cmd.arg(DELETE_SCRIPT).arg(1).arg(name);
+                        shared.link.call::<u64>(&cmd).await.unwrap_or(0)
+                    });
+                }
+                let (mut deleted, mut bytes) = (0, 0);
+                while let Some(joined) = set.join_next().await {
+                    if let Ok(len @ 1..) = joined {
+                        deleted += 1;
+                        bytes += len.saturating_sub(HEADER_BYTES as u64);
+                    }
+                }
+                (deleted, bytes)
+            })
+            .unwrap_or((0, 0));
+        self.shared.held.deleted(deleted, bytes);
         deleted as usize
     }
 
@@ -563,11 +568,13 @@ impl TierAdapter for RemoteStore {
         0
     }
 
+    /// What this node stored and may still be there (see `held.rs`): an upper bound.
     fn usage(&self) -> TierUsage {
+        let (objects, used_bytes) = self.shared.held.now();
         TierUsage {
             capacity_bytes: 0,
-            used_bytes: self.shared.bytes.load(Ordering::Relaxed),
-            objects: self.shared.objects.load(Ordering::Relaxed),
+            used_bytes,
+            objects,
             locks: self.shared.locks.lock().values().sum(),
         }
     }

@@ -555,3 +555,31 @@ fn a_load_does_not_queue_behind_a_backlog_of_stores() {
          stored (the backlog took {took:?})"
     );
 }
+
+#[test]
+fn the_usage_shrinks_when_values_are_deleted_or_expire() {
+    require_redis!();
+    let prefix = unique_prefix("usage");
+    let ttl = Duration::from_millis(400);
+    let store = Arc::new(
+        RemoteStore::open(RemoteConfig {
+            ttl: Some(ttl),
+            ..config(vec![standalone().url()], RemoteMode::Standalone, &prefix)
+        })
+        .unwrap(),
+    );
+    let tier = SharedTier::new(store.clone(), CHUNK);
+    tier.store(&keys(0..4)).unwrap();
+    let usage = || {
+        let u = store.usage();
+        (u.objects, u.used_bytes)
+    };
+    assert_eq!(usage(), (4, 4 * CHUNK));
+    assert_eq!(store.delete(&keys(0..1)), 1);
+    assert_eq!(usage(), (3, 3 * CHUNK), "a delete left the usage");
+    // Past the TTL (and the usage's granularity of a 32nd of it) the values are gone, in Redis
+    // and in the usage.
+    std::thread::sleep(ttl + ttl / 8);
+    assert_eq!(tier.lookup(&keys(0..4)).count_ones(), 0);
+    assert_eq!(usage(), (0, 0), "expired values stayed in the usage");
+}
