@@ -582,4 +582,14 @@ fn the_usage_shrinks_when_values_are_deleted_or_expire() {
     std::thread::sleep(ttl + ttl / 8);
     assert_eq!(tier.lookup(&keys(0..4)).count_ones(), 0);
     assert_eq!(usage(), (0, 0), "expired values stayed in the usage");
+
+    // A cluster routes the delete (a script of one key) to the key's master.
+    let store = Arc::new(
+        RemoteStore::open(config(shared_cluster().urls(), RemoteMode::Cluster, &prefix)).unwrap(),
+    );
+    let tier = SharedTier::new(store.clone(), CHUNK);
+    tier.store(&keys(0..8)).unwrap();
+    assert_eq!(store.delete(&keys(0..8)), 8);
+    assert_eq!((store.usage().objects, store.usage().used_bytes), (0, 0));
+    assert_eq!(tier.lookup(&keys(0..8)).count_ones(), 0);
 }
