@@ -18,7 +18,7 @@ from tierkv import wire
 from tierkv.client import Client
 from tierkv.errors import ConnectionLost
 from tierkv.hashing import prefix_hashes
-from tierkv.vllm.link import Link, Unavailable
+from tierkv.vllm.link import MIN_BACKOFF_S, Link, Unavailable
 from tierkv.vllm.memory import LayoutError, _layout, export_device_kv, move_to_memfd
 from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
 from tierkv.vllm.scheduler import chunk_ids
@@ -32,9 +32,10 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         Settings.from_extra({"sockt": "/tmp/x"})
     with pytest.raises(ValueError, match="chunk_blocks"):
         Settings.from_extra({"chunk_blocks": 0})
-    # No backoff would make every call to a hung daemon wait out its deadline again.
-    with pytest.raises(ValueError, match="retry_s must be positive"):
-        Settings.from_extra({"retry_s": 0})
+    with pytest.raises(ValueError, match="retry_s must not be negative"):
+        Settings.from_extra({"retry_s": -1})
+    # 0 retries a refused connect at once; a hung daemon still backs off (the link's floor).
+    assert Settings.from_extra({"retry_s": 0}).retry_s == 0.0
 
 
 def test_chunk_ids_are_tierkv_prefix_hashes_and_a_salt_separates_them() -> None:
@@ -159,6 +160,41 @@ def test_a_link_replaces_a_closed_connection_at_once_and_backs_off_from_a_hung_d
             daemon.resume()
         time.sleep(0.5)
         assert link.call(lambda c: c.status())["connected_workers"] == 1
+    finally:
+        link.close()
+        daemon.stop()
+
+
+@pytest.mark.parametrize("retry_s", [0.0, 1e-6])
+def test_a_zero_or_tiny_retry_still_backs_off_from_a_hung_daemon(
+    tmp_path: Path, retry_s: float
+) -> None:
+    daemon = start_daemon(tmp_path / "daemon")
+    hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4096, chunk_tokens=16)
+    link = Link(str(daemon.socket), hello, timeout_s=0.3, retry_s=retry_s)
+    try:
+        assert link.call(lambda c: c.status())["connected_workers"] == 1
+        daemon.pause()
+        try:
+            with pytest.raises(Unavailable):
+                link.call(lambda c: c.status())  # a deadline missed: down MIN_BACKOFF_S
+            with pytest.raises(Unavailable, match="down"):
+                link.call(lambda c: c.status())  # within the floor: no connect at all
+            time.sleep(MIN_BACKOFF_S + 0.05)
+            with pytest.raises(Unavailable):
+                link.call(lambda c: c.status())  # tried again: a second deadline missed
+            # Down for twice the floor now: the call fails at once instead of waiting out
+            # another deadline (with no floor, retry_s * 2 is still about nothing).
+            time.sleep(MIN_BACKOFF_S + 0.05)
+            started = time.monotonic()
+            with pytest.raises(Unavailable, match="down"):
+                link.call(lambda c: c.status())
+            assert time.monotonic() - started < 0.1
+            assert link.failures == 2
+        finally:
+            daemon.resume()
+        time.sleep(MIN_BACKOFF_S + 0.05)
+        assert link.call(lambda c: c.status())["connected_workers"] >= 1
     finally:
         link.close()
         daemon.stop()

@@ -3,8 +3,9 @@
 Every engine-side call goes through a :class:`Link`. While the daemon is down, restarting or hung,
 a call costs at most one deadline, after which the link stays down (calls then fail at once,
 without touching the socket) and then tries again after ``retry_s``; after deadlines missed (or
-sessions refused) in a row the wait doubles each time, up to :data:`MAX_DOWN_S`, so a daemon hung
-for long costs the engine one deadline now and then, not one per request. A connection found closed
+sessions refused) in a row the wait doubles each time from at least :data:`MIN_BACKOFF_S`, up to
+:data:`MAX_DOWN_S`, so a daemon hung for long costs the engine one deadline now and then, not one
+per request, whatever ``retry_s`` is (0 included). A connection found closed
 (the daemon restarted since the last call) is replaced at once, so the first call after a restart
 is served. Each new connection bumps ``generation``, so state that belonged to an old session
 (lookup ids, registered buffers) is known to be void.
@@ -31,6 +32,12 @@ log = logging.getLogger(__name__)
 
 #: The longest a link stays down between two tries.
 MAX_DOWN_S = 30.0
+
+#: The least wait the backoff doubles from after deadlines missed (or sessions refused) in a row,
+#: whatever ``retry_s`` is: from 0 or a tiny retry, doubling would stay near 0 and a hung daemon
+#: would cost a deadline per call. From 0.1 s the waits reach :data:`MAX_DOWN_S` within ten
+#: deadlines missed in a row.
+MIN_BACKOFF_S = 0.1
 
 
 class Unavailable(Exception):
@@ -142,7 +149,8 @@ class Link:
             # chunk larger than its slot, say) will refuse it again: both back off. A refused
             # connect (the daemon is not there) is free to repeat.
             self._in_a_row += 1
-            wait = min(self._retry * 2 ** min(self._in_a_row - 1, 16), max(MAX_DOWN_S, wait))
+            base = max(self._retry, MIN_BACKOFF_S)
+            wait = min(base * 2 ** min(self._in_a_row - 1, 16), max(MAX_DOWN_S, self._retry))
         self._down_until = time.monotonic() + wait
         log.warning("tierkv: daemon unavailable (%s); misses until it is back", why)
 

@@ -51,8 +51,9 @@ class Settings:
     socket: str = "/tmp/tierkv.sock"
     #: Deadline of every call to the daemon, in seconds.
     timeout_s: float = 5.0
-    #: How long a daemon that failed a call is left alone before the next try, in seconds
-    #: (doubling while it keeps missing deadlines); positive.
+    #: How long a daemon that failed a call is left alone before the next try, in seconds; 0 tries
+    #: again at once after a refused connect. While it keeps missing deadlines the wait doubles,
+    #: from at least ``link.MIN_BACKOFF_S`` whatever this is.
     retry_s: float = 1.0
     #: vLLM blocks in one tierkv chunk.
     chunk_blocks: int = 1
@@ -80,7 +81,8 @@ class Settings:
         settings = Settings(**values)
         if settings.chunk_blocks < 1:
             raise ValueError("chunk_blocks must be at least 1")
-        if settings.timeout_s <= 0 or settings.retry_s <= 0:
-            # retry_s = 0 would make every call to a hung daemon wait out its deadline again.
-            raise ValueError("timeout_s and retry_s must be positive")
+        if settings.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        if settings.retry_s < 0:
+            raise ValueError("retry_s must not be negative")
         return settings
