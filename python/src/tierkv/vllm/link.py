@@ -27,6 +27,7 @@ from typing import Any
 
 from tierkv.client import Client, Unanswered
 from tierkv.errors import ConnectionLost, DaemonError
+from tierkv.vllm.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Link:
         self.generation = 0
         self.failures = 0
         self._in_a_row = 0
+        # A daemon that stays down fails a try every retry_s: one warning a minute says so.
+        self._throttle = Throttle(log)
 
     def client(self) -> Client:
         """The live client, connecting first if allowed now; :class:`Unavailable` if not."""
@@ -104,6 +107,12 @@ class Link:
                 client.close()
                 self._down(e)
                 raise Unavailable(str(e)) from e
+            except Exception as e:
+                # Not the daemon's doing (a registration the client refuses to send, say):
+                # the session is ended all the same, and the error passes on as it is.
+                client.close()
+                self._down(e)
+                raise
             self._client = client
             self.generation += 1
             log.info("tierkv: connected to %s (session %d)", self._path, client.session.session)
@@ -152,7 +161,12 @@ class Link:
             base = max(self._retry, MIN_BACKOFF_S)
             wait = min(base * 2 ** min(self._in_a_row - 1, 16), max(MAX_DOWN_S, self._retry))
         self._down_until = time.monotonic() + wait
-        log.warning("tierkv: daemon unavailable (%s); misses until it is back", why)
+        self._throttle.warning(
+            "down",
+            "tierkv: daemon at %s unavailable (%s); misses until it is back",
+            self._path,
+            why,
+        )
 
     def close(self) -> None:
         with self._lock:
