@@ -2,7 +2,12 @@
 
 vLLM instantiates the class twice: in the scheduler process (role SCHEDULER) and in every worker
 process (role WORKER). Each instance delegates to its half, :class:`SchedulerSide` or
-:class:`WorkerSide`; the step's plan travels between them as :class:`TierKVMetadata`.
+:class:`WorkerSide`; the step's plan travels between them as :class:`TierKVMetadata`. Each half
+runs every hook under its :class:`~tierkv.vllm.guard.Guard` (what a failure means in each is
+there), so a failure of the connector never raises into vLLM's step. What is left here raises
+only on vLLM's side of the contract: a step with no connector metadata bound, say.
+``get_block_ids_with_load_errors`` is deliberately unguarded: it only hands over a set, and an
+answer made up after a failure could hide blocks that were never written.
 """
 
 from __future__ import annotations
@@ -103,15 +108,20 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        context = self._vllm_config.compilation_config.static_forward_context
-        bound: list[torch.Tensor] = []
-        for name in kv_caches:
-            view = getattr(context.get(name), "kv_cache", None)
-            if isinstance(view, torch.Tensor):
-                bound.append(view)
-            elif isinstance(view, (list, tuple)):
-                bound.extend(v for v in view if isinstance(v, torch.Tensor))
-        self._worker.register_kv_caches(kv_caches, bound)
+
+        def bound_views() -> list[torch.Tensor]:
+            """The tensors the attention layers read the KV through."""
+            context = self._vllm_config.compilation_config.static_forward_context
+            bound: list[torch.Tensor] = []
+            for name in kv_caches:
+                view = getattr(context.get(name), "kv_cache", None)
+                if isinstance(view, torch.Tensor):
+                    bound.append(view)
+                elif isinstance(view, (list, tuple)):
+                    bound.extend(v for v in view if isinstance(v, torch.Tensor))
+            return bound
+
+        self._worker.register_kv_caches(kv_caches, bound_views)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv.shm import sealed_memfd
+from tierkv.vllm.guard import EngineStateUnknown
 from tierkv.wire import CudaIpcRegion, KvLayout, MemfdRegion, Segment
 
 _PAGE = 4096
@@ -124,7 +125,11 @@ def move_to_memfd(
         )
         view.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
         replacements[ptr] = view.untyped_storage()
-    _repoint(replacements)
+    try:
+        _repoint(replacements)
+    except Exception as e:
+        # Some of the engine's tensors may view the memfd and others still the old storage.
+        raise EngineStateUnknown(f"moving the KV tensors into the memfd failed halfway: {e}") from e
     base = _address(mapping)
     memory = KvMemory(
         fd=fd,
@@ -134,7 +139,8 @@ def move_to_memfd(
     )
     for view in [*tensors, *bound_views]:
         if view.numel() and not memory.contains(view):
-            raise LayoutError(
+            # The engine writes the blocks through one tensor and reads them through another.
+            raise EngineStateUnknown(
                 "a KV view the engine reads through is not backed by the memfd after the move; "
                 "loads would land where the engine does not read"
             )

@@ -41,6 +41,10 @@ class TierKVMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    #: Blocks vLLM counts as loaded (external tokens it accepted) that no load of this step
+    #: fills, per request: the scheduler half failed to plan it. The workers report them as
+    #: failed, so vLLM recomputes them instead of reading them.
+    unloadable: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,13 @@ lease is what guarantees the hit stays readable: it is taken in ``get_num_new_ma
 consumed by the workers' retrieves in the step that loads, and returned by ``release`` when vLLM
 decides not to load, preempts the request, or finishes it. Any failure to reach the daemon is a
 miss (0 tokens): vLLM computes the prefix itself.
+
+Every hook runs under the connector's :class:`~tierkv.vllm.guard.Guard`, so nothing that fails
+here raises into vLLM's scheduler. Once vLLM has accepted external tokens
+(``update_state_after_alloc``) it counts them computed, so a failure after that point must not
+just drop the load: the tokens are recorded first (``promised``), and the step's metadata either
+loads every block of them or lists the rest as ``unloadable``, which the workers report as
+failed loads and vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from tierkv import wire
 from tierkv.errors import DaemonError
 from tierkv.hashing import ROOT, chain
+from tierkv.vllm.guard import Guard, nothing
 from tierkv.vllm.link import Link, Unavailable
 from tierkv.vllm.plan import ChunkBlocks, LoadOp, Settings, StoreOp, TierKVMetadata
 
@@ -50,6 +58,47 @@ class _Request:
     stored: int = 0
     #: Whether a load or store was planned: the workers then free the blocks (``get_finished``).
     planned: bool = False
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One request of vLLM's scheduler output, as the plan needs it."""
+
+    req_id: str
+    #: Its block ids: all of them where ``whole`` (a new or resumed request), else the new ones.
+    block_ids: list[int]
+    whole: bool
+    #: Tokens computed before this step: vLLM's own hit and the external tokens included.
+    computed: int
+    #: Tokens this step computes.
+    scheduled: int
+
+
+def scheduled_requests(out: SchedulerOutput) -> list[Scheduled]:
+    """Every request vLLM's step computes, new and cached alike."""
+    requests = [
+        Scheduled(
+            new.req_id,
+            list(new.block_ids[0]),
+            True,
+            new.num_computed_tokens,
+            out.num_scheduled_tokens.get(new.req_id, 0),
+        )
+        for new in out.scheduled_new_reqs
+    ]
+    cached = out.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        new_blocks = cached.new_block_ids[i]
+        requests.append(
+            Scheduled(
+                req_id,
+                list(new_blocks[0]) if new_blocks else [],
+                req_id in cached.resumed_req_ids,
+                cached.num_computed_tokens[i],
+                out.num_scheduled_tokens.get(req_id, 0),
+            )
+        )
+    return requests
 
 
 def chunk_ids(tokens: list[int], chunk_tokens: int, salt: bytes) -> list[int]:
@@ -116,6 +165,10 @@ class SchedulerSide:
             for r in ranks
         ]
         self.requests: dict[str, _Request] = {}
+        #: External tokens vLLM accepted this step, per request: recorded before anything can
+        #: fail, so that the step's metadata loads them or reports their blocks.
+        self.promised: dict[str, int] = {}
+        self.guard = Guard(log)
         self.releases: queue.SimpleQueue[tuple[Link, int, int] | None] = queue.SimpleQueue()
         self.releaser = threading.Thread(
             target=self._release_in_background, name="tierkv-release", daemon=True
@@ -127,17 +180,69 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that tierkv can load; a failure is no hit."""
+        return self.guard.run(
+            "a lookup (a miss)",
+            lambda: self._matched(request, num_computed_tokens),
+            lambda _e: self._no_hit(request),
+        )
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            # From here on vLLM counts these tokens computed: recorded first, so that the step's
+            # metadata loads them or reports their blocks, whatever fails below.
+            self.promised[request.request_id] = num_external_tokens
+        self.guard.run(
+            "planning a load (vLLM recomputes its blocks)",
+            lambda: self._after_alloc(request, num_external_tokens),
+            nothing,
+        )
+
+    def build_connector_meta(self, out: SchedulerOutput) -> TierKVMetadata:
+        """The step's loads and stores. Should planning fail, the plan made so far goes out (a
+        request marked as having calls must have them in it, or its blocks would be held for a
+        report that never comes), and every block of the external tokens vLLM accepted this step
+        that it does not load is ``unloadable``; should even that fail, the exception reaches
+        vLLM: its step would read blocks nobody wrote."""
+        promised, self.promised = self.promised, {}
+        meta = TierKVMetadata(preempted=sorted(out.preempted_req_ids or ()))
+        return self.guard.run(
+            "planning the step (what it leaves unloaded is recomputed)",
+            lambda: self._build(meta, out, promised),
+            lambda _e: self._settle(meta, scheduled_requests(out), promised),
+        )
+
+    def request_finished(self, request: Request) -> bool:
+        """Returns the request's leases; whether its blocks wait for the workers to report it
+        (every request that had a load or store: a call given up on may still be carried out)."""
+        state = self.requests.pop(request.request_id, None)
+        if state is None:
+            return False
+        self.guard.run(
+            f"returning finished {request.request_id}'s leases",
+            lambda: self._release(state),
+            nothing,
+        )
+        return state.planned
+
+    def shutdown(self) -> None:
+        for state in self.requests.values():
+            self.guard.run(
+                "returning leases at shutdown", lambda s=state: self._release(s), nothing
+            )
+        self.requests.clear()
+        self.releases.put(None)
+        self.releaser.join(timeout=2 * self.settings.timeout_s)
+        for link in self.links:
+            self.guard.run("closing a session at shutdown", link.close, nothing)
+
+    # -- the hooks' bodies -------------------------------------------------------------------
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         if state.lookup_chunks == 0 or num_computed_tokens % self.chunk_tokens:
             return 0, False
-        try:
-            hit = self._hit(state)
-        except Exception as e:
-            # The daemon is down, or anything else failed: a miss, and the engine goes on.
-            if not isinstance(e, Unavailable):
-                log.warning("tierkv: lookup failed", exc_info=True)
-            self._forget_lookups(state)
-            return 0, False
+        hit = self._hit(state)
         if hit is None:
             return None, False
         hit_tokens = hit * self.chunk_tokens
@@ -147,7 +252,25 @@ class SchedulerSide:
         state.hit_chunks = hit
         return hit_tokens - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def _no_hit(self, request: Request) -> tuple[int, bool]:
+        """A failed lookup's answer: no hit, and the request's leases are returned."""
+        self.guard.run(
+            "returning a failed lookup's leases",
+            lambda: self._drop_lookups(request.request_id),
+            nothing,
+        )
+        return 0, False
+
+    def _drop_lookups(self, req_id: str) -> None:
+        state = self.requests.get(req_id)
+        if state is None:
+            # It failed before the request's state was made (prompt token ids that do not hash,
+            # say): the request is never looked up again.
+            self.requests[req_id] = _Request(chunks=[], lookup_chunks=0)
+        else:
+            self._release(state)
+
+    def _after_alloc(self, request: Request, num_external_tokens: int) -> None:
         state = self.requests.get(request.request_id)
         if state is None:
             return
@@ -157,60 +280,66 @@ class SchedulerSide:
             return
         state.load_from = state.hit_chunks - num_external_tokens // self.chunk_tokens
 
-    def build_connector_meta(self, out: SchedulerOutput) -> TierKVMetadata:
-        meta = TierKVMetadata(preempted=sorted(out.preempted_req_ids or ()))
-        for req_id in out.preempted_req_ids or ():
-            state = self.requests.get(req_id)
-            if state is not None:
-                self._release(state)
-                state.block_ids = []
-                state.load_from = None
-        for new in out.scheduled_new_reqs:
-            state = self.requests.get(new.req_id)
+    def _build(
+        self, meta: TierKVMetadata, out: SchedulerOutput, promised: dict[str, int]
+    ) -> TierKVMetadata:
+        for req_id in meta.preempted:
+            self.guard.run(
+                f"returning preempted {req_id}'s leases",
+                lambda req_id=req_id: self._preempted(req_id),
+                nothing,
+            )
+        scheduled = scheduled_requests(out)
+        for request in scheduled:
+            state = self.requests.get(request.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
-            self._plan(
-                meta,
-                new.req_id,
-                state,
-                new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0),
+            self.guard.run(
+                f"planning {request.req_id}'s loads and stores",
+                lambda request=request, state=state: self._plan(meta, request, state),
+                nothing,
             )
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
-            if state is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
-            elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
-            self._plan(
-                meta,
-                req_id,
-                state,
-                cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0),
-            )
-        return meta
+        return self._settle(meta, scheduled, promised)
 
-    def request_finished(self, request: Request) -> bool:
-        """Returns the request's leases; whether its blocks wait for the workers to report it
-        (every request that had a load or store: a call given up on may still be carried out)."""
-        state = self.requests.pop(request.request_id, None)
-        if state is None:
-            return False
-        self._release(state)
-        return state.planned
-
-    def shutdown(self) -> None:
-        for state in self.requests.values():
+    def _preempted(self, req_id: str) -> None:
+        state = self.requests.get(req_id)
+        if state is not None:
             self._release(state)
-        self.requests.clear()
-        self.releases.put(None)
-        self.releaser.join(timeout=2 * self.settings.timeout_s)
-        for link in self.links:
-            link.close()
+            state.block_ids = []
+            state.load_from = None
+
+    def _settle(
+        self, meta: TierKVMetadata, scheduled: list[Scheduled], promised: dict[str, int]
+    ) -> TierKVMetadata:
+        """Lists in ``meta.unloadable`` every block of the external tokens vLLM accepted this
+        step (``promised``) that no load of ``meta`` fills; no load is planned for them later."""
+        if not promised:
+            return meta
+        loading: dict[str, set[int]] = {}
+        for op in meta.loads:
+            loading.setdefault(op.req_id, set()).update(b for _, held in op.chunks for b in held)
+        for request in scheduled:
+            external = promised.get(request.req_id, 0)
+            if external <= 0:
+                continue
+            state = self.requests.get(request.req_id)
+            if state is not None:
+                state.load_from = None
+            held = request.block_ids if request.whole or state is None else state.block_ids
+            first = (request.computed - external) // self.block_size
+            end = -(-request.computed // self.block_size)
+            filled = loading.get(request.req_id, set())
+            unloadable = [b for b in held[first:end] if b not in filled]
+            if unloadable:
+                meta.unloadable[request.req_id] = unloadable
+                self.guard.throttle.warning(
+                    "unloadable",
+                    "tierkv: %d blocks of %s that vLLM counts as loaded have no load; "
+                    "the workers report them failed and vLLM recomputes them",
+                    len(unloadable),
+                    request.req_id,
+                )
+        return meta
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -244,21 +373,15 @@ class SchedulerSide:
             try:
                 for link in self.links:
                     started.append((link.call(lambda c: c.lookup(0, wanted)), link.generation))
-            except Exception as e:
+            except BaseException:
                 # Refused (e.g. lease_limit: the session holds its cap of leases), a rank's
                 # session is down, or anything else: a miss for now, and the lookups already
                 # made on the other ranks' sessions are returned, not left to their lease
                 # deadline: off the scheduler's thread, since a daemon that just failed one call
                 # may be slow to answer these too.
-                if isinstance(e, (DaemonError, Unavailable)):
-                    log.debug("tierkv: lookup failed: %s", e)
-                else:
-                    log.warning("tierkv: lookup failed", exc_info=True)
                 for link, (s, generation) in zip(self.links, started, strict=False):
                     self.releases.put((link, generation, s.lookup))
-                if isinstance(e, Unavailable):
-                    raise
-                return 0
+                raise
             state.lookups = [s.lookup for s, _ in started]
             state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s, _ in started]
             state.generations = [generation for _, generation in started]
@@ -281,7 +404,13 @@ class SchedulerSide:
         # Never more than was asked for: vLLM must compute at least the prompt's last token.
         return min(min(o or 0 for o in state.outcomes), state.lookup_chunks)
 
-    def _plan(self, meta: TierKVMetadata, req_id: str, state: _Request, computed: int) -> None:
+    def _plan(self, meta: TierKVMetadata, request: Scheduled, state: _Request) -> None:
+        if request.whole:
+            state.block_ids = list(request.block_ids)
+        else:
+            state.block_ids.extend(request.block_ids)
+        req_id = request.req_id
+        computed = request.computed + request.scheduled
         per = self.settings.chunk_blocks
         blocks = state.block_ids
 
@@ -297,8 +426,10 @@ class SchedulerSide:
                     break
                 chunks.append((state.chunks[c], held))
             if chunks:
-                meta.loads.append(LoadOp(req_id, list(state.lookups), chunks))
+                # Marked before the load joins the plan: a request whose blocks the workers
+                # report must have been told to vLLM as waiting for that report.
                 state.planned = True
+                meta.loads.append(LoadOp(req_id, list(state.lookups), chunks))
             # The workers' retrieves return the lease; request_finished releases what is left.
             state.stored = max(state.stored, state.hit_chunks)
         state.load_from = None
@@ -310,9 +441,9 @@ class SchedulerSide:
                 break
             stores.append((state.chunks[c], held))
         if stores:
+            state.planned = True
             meta.stores.append(StoreOp(req_id, stores))
             state.stored += len(stores)
-            state.planned = True
 
     def _release(self, state: _Request) -> None:
         """Returns the request's lookups, each on its own link's session as long as that session
@@ -343,10 +474,6 @@ class SchedulerSide:
                 pass
             except Exception:
                 log.warning("tierkv: release of lookup %d failed", lookup, exc_info=True)
-
-    def _forget_lookups(self, state: _Request) -> None:
-        """A rank's session went down: the lookups on the others are returned, not dropped."""
-        self._release(state)
 
 
 def namespace_of(vllm_config: Any, settings: Settings) -> str:

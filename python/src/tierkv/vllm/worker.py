@@ -9,6 +9,10 @@ its reply arrives, and before a store the worker waits for the engine's stream, 
 may still be writing the blocks. A load that
 fails for any reason reports its blocks through ``get_block_ids_with_load_errors``, and vLLM
 recomputes them (``kv_load_failure_policy="recompute"``); a failed store is only a future miss.
+Every hook runs under the connector's :class:`~tierkv.vllm.guard.Guard`: whatever fails in it, a
+load's blocks are reported (so are the blocks the scheduler half could not plan a load for,
+``TierKVMetadata.unloadable``), a store is dropped, and vLLM's step goes on. A worker whose KV
+memory could not be registered runs without the daemon: every load fails, no store is made.
 
 What the forward pass computed over a failed load's blocks is wrong too, and must not be stored:
 every later token's KV depends on the earlier ones. With TP > 1 one rank's failed load reaches
@@ -34,17 +38,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from tierkv import wire
 from tierkv.client import Client, Unanswered
-from tierkv.errors import DaemonError
+from tierkv.vllm.guard import Guard, nothing
 from tierkv.vllm.link import Link, Unavailable
 from tierkv.vllm.memory import DeviceKv, KvMemory, export_device_kv, move_to_memfd
-from tierkv.vllm.plan import Settings, TierKVMetadata
+from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +95,31 @@ class WorkerSide:
         self._unanswered: dict[str, list[Unanswered]] = {}
         # Finished requests whose blocks wait for their unanswered calls.
         self._finishing: set[str] = set()
+        self.guard = Guard(log)
+
+    # -- vLLM's worker calls -----------------------------------------------------------------
 
     def register_kv_caches(
-        self, kv_caches: dict[str, torch.Tensor], bound_views: Iterable[torch.Tensor] = ()
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        bound_views: Callable[[], Iterable[torch.Tensor]] = tuple,
+    ) -> None:
+        """Shares the engine's KV memory with the daemon. ``bound_views`` gives the tensors the
+        engine reads through (the attention layers' caches). If this fails the worker runs
+        without the daemon (every load a failure, no store), unless the engine's KV tensors may
+        have been left half moved (:class:`~tierkv.vllm.guard.EngineStateUnknown` passes on)."""
+        self.guard.run(
+            "registering the KV caches (the connector runs without the daemon)",
+            lambda: self._register_kv_caches(kv_caches, list(bound_views())),
+            self._unregistered,
+        )
+
+    def _unregistered(self, _error: Exception) -> None:
+        self.memory = None
+        self.link = None
+
+    def _register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], bound_views: list[torch.Tensor]
     ) -> None:
         if any(t.device.type == "cuda" for t in kv_caches.values()):
             self.memory = export_device_kv(kv_caches, self.num_blocks, self.settings.chunk_blocks)
@@ -140,6 +166,18 @@ class WorkerSide:
             self.buffer = client.register_kv([(memory.region, memory.fd)], memory.layout)
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
+        """Loads the step's planned chunks into their blocks. Whatever fails, the blocks it may
+        have left unwritten are reported and the request stores nothing this step."""
+        self._note(meta)
+        self.guard.run(
+            "the step's loads (vLLM recomputes their blocks)",
+            lambda: self._load_all(meta),
+            lambda _e: self._loads_failed(meta, meta.loads),
+        )
+
+    def _load_all(self, meta: TierKVMetadata) -> None:
+        # Blocks vLLM counts as loaded that the scheduler half could not plan a load for.
+        self._loads_failed(meta, [])
         if meta.loads and isinstance(self.memory, DeviceKv):
             # The daemon writes the loaded blocks on its own streams, ordered after nothing of
             # the engine's: kernels still queued from an earlier step (vLLM's async scheduling
@@ -149,39 +187,53 @@ class WorkerSide:
             # in protocol 5; one would let the daemon wait on the GPU instead.)
             torch.cuda.current_stream().synchronize()
         for op in meta.loads:
-            self._planned.add(op.req_id)
-            blocks = {b for _, held in op.chunks for b in held}
-            lookup = op.lookups[0] if self.mla or len(op.lookups) == 1 else op.lookups[self.rank]
-            try:
-                if self.link is None:
-                    raise Unavailable("the KV caches were never registered")
-                done = self._done_event() if isinstance(self.memory, DeviceKv) else None
-                self.link.call(
-                    lambda c, lookup=lookup, op=op, done=done: c.retrieve(
-                        lookup, self.buffer, op.chunks, done_event=done
-                    )
-                )
-                if done is not None and self._done is not None:
-                    # The reply comes before the copies are done: the engine's stream waits
-                    # for the daemon's record of the event, on the GPU.
-                    torch.cuda.current_stream().wait_event(self._done)
-                self.loaded_chunks += len(op.chunks)
-            except Exception as e:
-                # Whatever failed (the daemon, or a plan the client cannot send), it is a miss:
-                # the engine recomputes, and its step goes on.
-                self._watch(op.req_id, e)
-                self._failed_loads.add(op.req_id)
-                log.warning(
-                    "tierkv: load of %d chunks for %s failed (%s); vLLM recomputes them",
-                    len(op.chunks),
-                    op.req_id,
-                    e,
-                    exc_info=not isinstance(e, (Unavailable, DaemonError)),
-                )
-                self.load_errors |= blocks
+            self.guard.run(
+                f"a load for {op.req_id} (vLLM recomputes its blocks)",
+                lambda op=op: self._load(op),
+                lambda e, op=op: self._load_failed(op, e),
+            )
+
+    def _load(self, op: LoadOp) -> None:
+        if self.link is None:
+            raise Unavailable("the KV caches were never registered")
+        lookup = op.lookups[0] if self.mla or len(op.lookups) == 1 else op.lookups[self.rank]
+        done = self._done_event() if isinstance(self.memory, DeviceKv) else None
+        self.link.call(lambda c: c.retrieve(lookup, self.buffer, op.chunks, done_event=done))
+        if done is not None and self._done is not None:
+            # The reply comes before the copies are done: the engine's stream waits for the
+            # daemon's record of the event, on the GPU.
+            torch.cuda.current_stream().wait_event(self._done)
+        self.loaded_chunks += len(op.chunks)
+
+    def _load_failed(self, op: LoadOp, error: Exception) -> None:
+        # The daemon may still carry out a call given up on: the request's blocks wait for it.
+        self._watch(op.req_id, error)
+        self._loads_failed(TierKVMetadata(), [op])
+
+    def _loads_failed(self, meta: TierKVMetadata, loads: list[LoadOp]) -> None:
+        """Reports the blocks of ``loads`` and of ``meta.unloadable`` to vLLM, and keeps their
+        requests from storing what they compute this step."""
+        for op in loads:
+            self.load_errors.update(b for _, held in op.chunks for b in held)
+            self._failed_loads.add(op.req_id)
+        for req_id, blocks in meta.unloadable.items():
+            self.load_errors.update(blocks)
+            self._failed_loads.add(req_id)
 
     def wait_for_save(self, meta: TierKVMetadata) -> None:
-        failed = self._failed_anywhere(meta)
+        """Stores the step's completed chunks; a store that fails is dropped (a future miss)."""
+        self._note(meta)
+        # First, whatever happened before: with a TP group every rank must take part.
+        failed = self.guard.run(
+            "agreeing on the step's failed loads (its loading requests store nothing)",
+            lambda: self._failed_anywhere(meta),
+            lambda _e: self._take_failed_loads() | {op.req_id for op in meta.loads},
+        )
+        self.guard.run(
+            "the step's stores (dropped)", lambda: self._store_all(meta, failed), nothing
+        )
+
+    def _store_all(self, meta: TierKVMetadata, failed: set[str]) -> None:
         if self.link is None:
             return
         ready = None
@@ -190,31 +242,38 @@ class WorkerSide:
             # blocks: an event recorded on the engine's stream, shared by CUDA IPC.
             ready = self._ready_event()
         for op in meta.stores:
-            self._planned.add(op.req_id)
             if op.req_id in failed:
                 # Computed this step over blocks whose load failed (here or on another rank):
                 # stored, it would be served under the right ids. vLLM recomputes them; here
                 # they are only missed later.
                 log.debug("tierkv: not storing %s: its load failed", op.req_id)
                 continue
-            try:
-                stored = self.link.call(
-                    lambda c, op=op: c.store(0, self.buffer, op.chunks, ready_event=ready)
-                )
-                self.stored_chunks += stored.stored
-            except Exception as e:
-                # A store that fails for any reason is only a future miss.
-                self._watch(op.req_id, e)
-                if isinstance(e, (Unavailable, DaemonError)):
-                    log.debug("tierkv: store for %s failed (%s)", op.req_id, e)
-                else:
-                    log.warning("tierkv: store for %s failed", op.req_id, exc_info=True)
+            self.guard.run(
+                f"a store for {op.req_id} (dropped)",
+                lambda op=op: self._store(op, ready),
+                lambda e, op=op: self._watch(op.req_id, e),
+            )
+
+    def _store(self, op: StoreOp, ready: bytes | None) -> None:
+        assert self.link is not None
+        stored = self.link.call(lambda c: c.store(0, self.buffer, op.chunks, ready_event=ready))
+        self.stored_chunks += stored.stored
+
+    def _note(self, meta: TierKVMetadata) -> None:
+        """Remembers the requests the step plans calls for, before anything can fail: the
+        scheduler half holds their blocks until :meth:`get_finished` reports them."""
+        self._planned.update(op.req_id for op in meta.loads)
+        self._planned.update(op.req_id for op in meta.stores)
+
+    def _take_failed_loads(self) -> set[str]:
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def _failed_anywhere(self, meta: TierKVMetadata) -> set[str]:
         """The requests whose load of this step failed on this rank or, with a TP group, on any
         rank. Every rank calls this with the same plan, so the all-reduce is taken by all ranks
         or by none, whatever happened here (even with no session)."""
-        failed, self._failed_loads = self._failed_loads, set()
+        failed = self._take_failed_loads()
         if self.tp_group is None or not meta.loads:
             return failed
         flags = torch.tensor([op.req_id in failed for op in meta.loads], dtype=torch.int32)
@@ -226,14 +285,25 @@ class WorkerSide:
                 "their loads failed on another rank",
                 len(anywhere - failed),
             )
-        return anywhere
+        # Requests that had no load but blocks vLLM counts as loaded (``meta.unloadable``) are
+        # the same on every rank.
+        return anywhere | failed
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         """Of the requests that had a load or store here, those vLLM has said finished (now or
-        before) whose unanswered calls are all settled: their blocks may be freed now."""
+        before) whose unanswered calls are all settled: their blocks may be freed now. One whose
+        check fails is asked about again at the next call."""
         self._finishing |= finished_req_ids & self._planned
         self._planned -= finished_req_ids
-        done = {req_id for req_id in self._finishing if self._settled(req_id)}
+        done = {
+            req_id
+            for req_id in list(self._finishing)
+            if self.guard.run(
+                f"checking whether {req_id}'s calls are over (asked again next step)",
+                lambda req_id=req_id: self._settled(req_id),
+                lambda _e: False,
+            )
+        }
         self._finishing -= done
         return done
 
@@ -242,7 +312,14 @@ class WorkerSide:
         them, up to one deadline for them all, since vLLM freed those blocks without asking."""
         deadline = time.monotonic() + self.settings.timeout_s
         for req_id in meta.preempted:
-            if self._settled(req_id, wait_s=max(deadline - time.monotonic(), 0.0)):
+            settled = self.guard.run(
+                f"waiting for preempted {req_id}'s calls",
+                lambda req_id=req_id: self._settled(
+                    req_id, wait_s=max(deadline - time.monotonic(), 0.0)
+                ),
+                lambda _e: False,
+            )
+            if settled:
                 continue
             log.error(
                 "tierkv: the daemon has not finished a call given up on for preempted request %s; "
@@ -293,6 +370,9 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        self.guard.run("shutting down", self._shutdown, nothing)
+
+    def _shutdown(self) -> None:
         for pending in self._unanswered.values():
             for unanswered in pending:
                 unanswered.close()

@@ -1,0 +1,190 @@
+"""Whatever fails inside the connector's hooks is a miss or a recompute for vLLM: never an
+exception in its step, never a block vLLM reads that nobody wrote. Each test drives both halves
+over a real daemon (``halves.py``) and makes one thing fail: a prompt the hash refuses, the
+connector's own bookkeeping broken, a plan the worker cannot carry out, a failed collective."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from halves import BLOCK, Halves, request, scheduler_output
+from vllm.v1.request import Request
+
+from tierkv.hashing import prefix_hashes
+from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
+from tierkv.vllm.worker import WorkerSide
+
+#: 3 chunks and one token: a lookup asks for all 3 chunks (vLLM computes the last token).
+PROMPT = list(range(1000, 1000 + 3 * BLOCK + 1))
+
+
+@pytest.fixture
+def halves(tmp_path: Path) -> Iterator[Halves]:
+    h = Halves(tmp_path / "daemon")
+    yield h
+    h.close()
+
+
+def _hit(halves: Halves, req_id: str) -> Request:
+    """A request for :data:`PROMPT` after it was stored from blocks 0-2: a hit of 48 tokens."""
+    halves.store(request("cold", PROMPT), [0, 1, 2, 3])
+    r = request(req_id, PROMPT)
+    assert halves.matched(r) == 3 * BLOCK
+    return r
+
+
+def test_a_loaded_prefix_arrives_byte_exact(halves: Halves) -> None:
+    # The control for the tests below: nothing fails, the blocks hold the stored KV.
+    r = _hit(halves, "r")
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    meta = halves.step([(r, [4, 5, 6, 7], 3 * BLOCK, 1)])
+    assert [len(op.chunks) for op in meta.loads] == [3] and not meta.unloadable
+    assert halves.worker.take_load_errors() == set()
+    assert halves.holds([4, 5, 6], like=[0, 1, 2])
+
+
+def test_a_prompt_the_hash_refuses_is_a_miss_not_an_exception(halves: Halves) -> None:
+    # A token id past u32 cannot be hashed (OverflowError): no hit, and never asked again.
+    r = request("big", [1 << 32, *PROMPT[1:]])
+    for _ in range(3):
+        assert halves.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert halves.scheduler.guard.failures == 1, "hashed once, then known unhashable"
+    halves.scheduler.update_state_after_alloc(r, 0)
+    assert not halves.scheduler.request_finished(r)
+
+
+def test_tokens_vllm_accepted_that_the_plan_cannot_load_are_reported_not_read(
+    halves: Halves,
+) -> None:
+    # vLLM counts the 48 tokens computed once update_state_after_alloc is called; the
+    # connector's state for the request is broken there (a bookkeeping bug): the step's blocks
+    # 4-6 get no load, and must be reported, or vLLM would read them as they are.
+    r = _hit(halves, "r")
+    halves.scheduler.requests["r"].hit_chunks = None  # type: ignore[assignment]
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    stored = halves.worker.stored_chunks
+    meta = halves.step([(r, [4, 5, 6, 7], 3 * BLOCK, 1)])
+    assert meta.loads == [] and meta.unloadable == {"r": [4, 5, 6]}
+    assert halves.worker.take_load_errors() == {4, 5, 6}
+    assert halves.zero([4, 5, 6, 7])
+    # The step's stores of what r computed over those blocks are not made.
+    assert [op.req_id for op in meta.stores] == ["r"] and halves.worker.stored_chunks == stored
+    assert halves.scheduler.request_finished(r) is True
+    assert halves.worker.get_finished({"r"}) == {"r"}
+    halves.no_lookup_left_open()
+
+
+def test_a_promised_load_the_plan_drops_without_an_error_is_reported(halves: Halves) -> None:
+    # The lookup is gone by the time the step is planned (released by a slip elsewhere): the
+    # old plan made no load and said nothing, so vLLM read blocks nobody wrote.
+    r = _hit(halves, "r")
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    halves.scheduler._release(halves.scheduler.requests["r"])  # noqa: SLF001
+    meta = halves.step([(r, [4, 5, 6, 7], 3 * BLOCK, 1)])
+    assert meta.loads == [] and meta.unloadable == {"r": [4, 5, 6]}
+    assert halves.worker.take_load_errors() == {4, 5, 6}
+
+
+def test_one_requests_broken_plan_spares_the_others_and_reports_its_blocks(
+    halves: Halves,
+) -> None:
+    r = _hit(halves, "r")
+    other = request("other", list(range(5000, 5000 + 2 * BLOCK + 1)))
+    assert halves.matched(other) == 0
+    halves.scheduler.update_state_after_alloc(other, 0)
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    halves.scheduler.requests["r"].chunks = None  # type: ignore[assignment]
+    halves.fill([8, 9], seed=2)
+    before = halves.worker.stored_chunks
+    meta = halves.step([(r, [4, 5, 6, 7], 3 * BLOCK, 1), (other, [8, 9, 10], 0, 2 * BLOCK + 1)])
+    assert meta.unloadable == {"r": [4, 5, 6]}
+    assert halves.worker.take_load_errors() == {4, 5, 6}
+    assert halves.worker.stored_chunks - before == 2, "the other request stored its chunks"
+
+
+def test_a_finished_request_whose_release_fails_still_keeps_its_blocks(halves: Halves) -> None:
+    r = _hit(halves, "r")
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    halves.step([(r, [4, 5, 6, 7], 3 * BLOCK, 1)])
+    state = halves.scheduler.requests["r"]
+    state.lookups = [1, 2]  # more lookups than sessions: the release raises
+    assert halves.scheduler.request_finished(r) is True, "it had a load: the workers report it"
+    assert halves.worker.get_finished({"r"}) == {"r"}
+
+
+def test_a_load_the_worker_cannot_read_is_reported_and_the_others_load(halves: Halves) -> None:
+    r = _hit(halves, "r")
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    meta = halves.scheduler.build_connector_meta(
+        scheduler_output([(r, [4, 5, 6, 7], 3 * BLOCK, 1)])
+    )
+    chunk = prefix_hashes(PROMPT, BLOCK)[0]
+    # A load with no lookup for this rank (a plan that does not fit the TP size).
+    meta.loads.insert(0, LoadOp("broken", [], [(chunk, [10])]))
+    halves.worker.start_load_kv(meta)
+    assert halves.worker.take_load_errors() == {10}
+    assert halves.holds([4, 5, 6], like=[0, 1, 2]), "the other load went through"
+
+
+def test_a_worker_whose_kv_cannot_be_registered_runs_without_the_daemon(tmp_path: Path) -> None:
+    halves = Halves(tmp_path / "daemon")
+    try:
+        chunk = prefix_hashes(PROMPT, BLOCK)[0]
+        worker = WorkerSide(halves.settings, "m", BLOCK, 0, 1, False, num_blocks=16)
+        # No dimension of 16 blocks: the layout cannot be described to the daemon.
+        worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(5, 4)})
+        assert worker.link is None
+        worker.start_load_kv(TierKVMetadata(loads=[LoadOp("r", [1], [(chunk, [3])])]))
+        assert worker.take_load_errors() == {3}
+        worker.wait_for_save(TierKVMetadata(stores=[StoreOp("s", [(chunk, [4])])]))
+        assert worker.stored_chunks == 0
+        worker.shutdown()
+    finally:
+        halves.close()
+
+
+def test_kv_tensors_left_half_moved_stop_the_engine(tmp_path: Path) -> None:
+    from tierkv.vllm.guard import EngineStateUnknown
+
+    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock")})
+    worker = WorkerSide(settings, "m", BLOCK, 0, 1, False, num_blocks=6)
+    layers = {"model.layers.0.self_attn.attn": torch.zeros(6, 2, BLOCK, 8)}
+    # A view the engine reads through that the move could not reach: the engine would write
+    # and read the KV through tensors that no longer share memory. No fallback repairs that.
+    elsewhere = torch.zeros(6, 2, BLOCK, 8)
+    with pytest.raises(EngineStateUnknown, match="not backed by the memfd"):
+        worker.register_kv_caches(layers, lambda: [elsewhere])
+
+
+def test_a_failed_agreement_on_loads_keeps_the_loading_requests_from_storing(
+    halves: Halves,
+) -> None:
+    # With a TP group whose all-reduce fails, the rank cannot know whether another rank's load
+    # failed: the requests that loaded this step store nothing, the others store.
+    r = _hit(halves, "r")
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    meta = halves.scheduler.build_connector_meta(
+        scheduler_output([(r, [4, 5, 6, 7], 3 * BLOCK, 1)])
+    )
+    chunks = prefix_hashes(list(range(7000, 7000 + 2 * BLOCK)), BLOCK)
+    meta.stores += [StoreOp("r", [(chunks[0], [7])]), StoreOp("s", [(chunks[1], [8])])]
+    halves.worker.tp_group = object()  # type: ignore[assignment]
+    before = halves.worker.stored_chunks
+    halves.worker.start_load_kv(meta)
+    halves.worker.wait_for_save(meta)
+    assert halves.worker.stored_chunks - before == 1, "only the request that did not load"
+
+
+def test_a_broken_record_of_unanswered_calls_holds_that_request_only(halves: Halves) -> None:
+    worker = halves.worker
+    chunk = prefix_hashes(PROMPT, BLOCK)[0]
+    worker.wait_for_save(
+        TierKVMetadata(stores=[StoreOp("a", [(chunk, [0])]), StoreOp("b", [(chunk, [1])])])
+    )
+    worker._unanswered["b"] = [None]  # type: ignore[list-item]  # noqa: SLF001
+    assert worker.get_finished({"a", "b"}) == {"a"}, "b's blocks stay held; a is freed"
+    del worker._unanswered["b"]  # noqa: SLF001
+    assert worker.get_finished(set()) == {"b"}, "asked again at the next step"
