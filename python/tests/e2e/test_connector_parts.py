@@ -219,16 +219,24 @@ def test_a_refused_session_backs_off_like_a_hung_daemon(tmp_path: Path) -> None:
         daemon.stop()
 
 
-def test_a_link_whose_session_setup_fails_closes_that_session(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "error, raised",
+    [(ConnectionLost("registration failed"), Unavailable), (ValueError("bad region"), ValueError)],
+)
+def test_a_link_whose_session_setup_fails_closes_that_session(
+    tmp_path: Path, error: Exception, raised: type[Exception]
+) -> None:
+    # The daemon's failure is Unavailable; any other (a registration the client refuses to
+    # send) passes on as it is. Either way the half set-up session is not left open.
     daemon = start_daemon(tmp_path / "daemon")
     hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4096, chunk_tokens=16)
 
     def refuse(client: Client) -> None:
-        raise ConnectionLost("registration failed")
+        raise error
 
     link = Link(str(daemon.socket), hello, timeout_s=0.5, retry_s=0.2, on_connect=refuse)
     try:
-        with pytest.raises(Unavailable, match="registration failed"):
+        with pytest.raises(raised, match=str(error)):
             link.call(lambda c: c.status())
         # The half set-up session is ended, not left open until the collector finds it.
         daemon.eventually("the session is ended", lambda s: s["connected_workers"] == 0)
