@@ -52,16 +52,16 @@ class TierKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         settings = Settings.from_extra(transfer.kv_connector_extra_config if transfer else None)
-        block_size = vllm_config.cache_config.block_size
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        mla = bool(vllm_config.model_config.use_mla)
-        namespace = namespace_of(vllm_config, settings)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if kv_cache_config is None:
             raise ValueError("TierKVConnector needs vLLM's kv_cache_config (vLLM >= 0.11)")
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError("TierKVConnector supports models with one KV cache group")
+        block_size = block_size_of(vllm_config, kv_cache_config)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        mla = bool(vllm_config.model_config.use_mla)
+        namespace = namespace_of(vllm_config, settings, block_size)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             # Each stage holds other layers under the same model and TP rank: their chunks
@@ -188,6 +188,30 @@ class TierKVConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         # The daemon is shared by every engine on the node: one engine's reset does not clear it.
         return False
+
+
+def block_size_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """Tokens per block of the KV the engine allocated: its KV cache spec's, else
+    ``cache_config.block_size``.
+
+    The two can differ: vLLM scales a spec's block size to align page sizes (hybrid models, a
+    draft model's layers), and it settles ``cache_config.block_size`` from the specs in the
+    engine core only, after a worker's copy of the config was made. A chunk named by the wrong
+    token count would hold other tokens' KV than its id says.
+    """
+    configured = int(vllm_config.cache_config.block_size)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    size = getattr(spec, "block_size", None)
+    if not isinstance(size, int) or size <= 0:
+        return configured
+    if size != configured:
+        log.info(
+            "tierkv: the KV cache spec's block size is %d tokens (cache_config says %d); "
+            "chunks follow the spec",
+            size,
+            configured,
+        )
+    return size
 
 
 def _chunk_bytes(kv_cache_config: KVCacheConfig, settings: Settings) -> int:

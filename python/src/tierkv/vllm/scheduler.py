@@ -476,8 +476,9 @@ class SchedulerSide:
                 log.warning("tierkv: release of lookup %d failed", lookup, exc_info=True)
 
 
-def namespace_of(vllm_config: Any, settings: Settings) -> str:
-    """The namespace name: chunks match only between engines whose KV bytes are the same."""
+def namespace_of(vllm_config: Any, settings: Settings, block_size: int | None = None) -> str:
+    """The namespace name: chunks match only between engines whose KV bytes are the same.
+    ``block_size`` is the one the KV is laid out in (``cache_config``'s if not given)."""
     if settings.namespace:
         return settings.namespace
     model = vllm_config.model_config
@@ -486,6 +487,6 @@ def namespace_of(vllm_config: Any, settings: Settings) -> str:
     quantization = getattr(model, "quantization", None) or "none"
     revision = getattr(model, "revision", None) or "default"
     return (
-        f"{model.model}|{cache.cache_dtype}|{model.dtype}|block={cache.block_size}"
+        f"{model.model}|{cache.cache_dtype}|{model.dtype}|block={block_size or cache.block_size}"
         f"|quant={quantization}|rev={revision}"
     )
