@@ -32,7 +32,7 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         Settings.from_extra({"sockt": "/tmp/x"})
     with pytest.raises(ValueError, match="chunk_blocks"):
         Settings.from_extra({"chunk_blocks": 0})
-    with pytest.raises(ValueError, match="retry_s must not be negative"):
+    with pytest.raises(ValueError, match="retry_s and miss_refresh_s must not be negative"):
         Settings.from_extra({"retry_s": -1})
     # 0 retries a refused connect at once; a hung daemon still backs off (the link's floor).
     assert Settings.from_extra({"retry_s": 0}).retry_s == 0.0

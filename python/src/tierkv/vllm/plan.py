@@ -67,6 +67,11 @@ class Settings:
     #: A lookup older than this is redone before it is used (leases expire in the daemon after
     #: ``l1.lease_ttl``, 30 s by default).
     lookup_refresh_s: float = 10.0
+    #: A lookup that found no usable hit (or failed) answers a request vLLM keeps waiting for
+    #: this long, in seconds, without asking the daemon again: what other engines store is seen
+    #: after it. This engine's store of the chunk it missed, or a local hit that shrank, ends it
+    #: at once. 0 asks again at every scheduler step.
+    miss_refresh_s: float = 1.0
 
     @staticmethod
     def from_extra(extra: dict[str, Any] | None) -> Settings:
@@ -87,6 +92,6 @@ class Settings:
             raise ValueError("chunk_blocks must be at least 1")
         if settings.timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
-        if settings.retry_s < 0:
-            raise ValueError("retry_s must not be negative")
+        if settings.retry_s < 0 or settings.miss_refresh_s < 0:
+            raise ValueError("retry_s and miss_refresh_s must not be negative")
         return settings

@@ -58,6 +58,12 @@ class _Request:
     stored: int = 0
     #: Whether a load or store was planned: the workers then free the blocks (``get_finished``).
     planned: bool = False
+    #: A lookup that gave no usable hit is kept (its lease returned) while vLLM keeps the request
+    #: waiting: the tokens vLLM had computed then (``None``: nothing kept) and when it was made.
+    miss_for: int | None = None
+    missed_at: float = 0.0
+    #: The first chunk that lookup missed: this engine's store of it ends the kept miss.
+    missing: int | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,8 @@ class SchedulerSide:
         #: fail, so that the step's metadata loads them or reports their blocks.
         self.promised: dict[str, int] = {}
         self.guard = Guard(log)
+        #: Requests with a kept miss, by the first chunk their lookup missed.
+        self.waiting_on: dict[int, set[str]] = {}
         self.releases: queue.SimpleQueue[tuple[Link, int, int] | None] = queue.SimpleQueue()
         self.releaser = threading.Thread(
             target=self._release_in_background, name="tierkv-release", daemon=True
@@ -184,7 +192,7 @@ class SchedulerSide:
         return self.guard.run(
             "a lookup (a miss)",
             lambda: self._matched(request, num_computed_tokens),
-            lambda _e: self._no_hit(request),
+            lambda _e: self._no_hit(request, num_computed_tokens),
         )
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -220,7 +228,7 @@ class SchedulerSide:
             return False
         self.guard.run(
             f"returning finished {request.request_id}'s leases",
-            lambda: self._release(state),
+            lambda: self._finished(request.request_id, state),
             nothing,
         )
         return state.planned
@@ -239,8 +247,11 @@ class SchedulerSide:
     # -- the hooks' bodies -------------------------------------------------------------------
 
     def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
         state = self._state(request)
         if state.lookup_chunks == 0 or num_computed_tokens % self.chunk_tokens:
+            return 0, False
+        if self._miss_holds(req_id, state, num_computed_tokens):
             return 0, False
         hit = self._hit(state)
         if hit is None:
@@ -248,27 +259,81 @@ class SchedulerSide:
         hit_tokens = hit * self.chunk_tokens
         if hit_tokens <= num_computed_tokens:
             self._release(state)
+            self._keep_miss(req_id, state, num_computed_tokens, hit)
             return 0, False
         state.hit_chunks = hit
         return hit_tokens - num_computed_tokens, False
 
-    def _no_hit(self, request: Request) -> tuple[int, bool]:
-        """A failed lookup's answer: no hit, and the request's leases are returned."""
+    def _miss_holds(self, req_id: str, state: _Request, num_computed_tokens: int) -> bool:
+        """Whether the request's kept miss still answers: vLLM computed no fewer tokens than when
+        it was made (fewer, and the same hit could pass them), and it is younger than
+        ``miss_refresh_s`` (other engines may have stored since). Otherwise it is dropped."""
+        if state.miss_for is None:
+            return False
+        young = time.monotonic() - state.missed_at < self.settings.miss_refresh_s
+        if young and num_computed_tokens >= state.miss_for:
+            return True
+        self._forget_miss(req_id, state)
+        return False
+
+    def _keep_miss(self, req_id: str, state: _Request, num_computed_tokens: int, hit: int) -> None:
+        """Keeps a lookup's answer of no usable hit (its lease already returned), and notes the
+        first chunk it missed, whose store by this engine would grow the hit."""
+        self._forget_miss(req_id, state)
+        if self.settings.miss_refresh_s <= 0:
+            return
+        state.miss_for = num_computed_tokens
+        state.missed_at = time.monotonic()
+        if hit < state.lookup_chunks:
+            state.missing = state.chunks[hit]
+            self.waiting_on.setdefault(state.missing, set()).add(req_id)
+
+    def _forget_miss(self, req_id: str, state: _Request) -> None:
+        if state.missing is not None:
+            waiting = self.waiting_on.get(state.missing)
+            if waiting is not None:
+                waiting.discard(req_id)
+                if not waiting:
+                    del self.waiting_on[state.missing]
+        state.miss_for = None
+        state.missing = None
+
+    def _stored(self, chunks: list[ChunkBlocks]) -> None:
+        """This step stores ``chunks``: the kept misses that missed one of them are dropped, so
+        their requests look up again at the next step."""
+        for chunk, _ in chunks:
+            for req_id in self.waiting_on.pop(chunk, ()):
+                state = self.requests.get(req_id)
+                if state is not None:
+                    state.miss_for = None
+                    state.missing = None
+
+    def _no_hit(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """A failed lookup's answer: no hit, kept like a miss (a refusing daemon is not asked
+        again each step), and the request's leases are returned."""
         self.guard.run(
             "returning a failed lookup's leases",
-            lambda: self._drop_lookups(request.request_id),
+            lambda: self._drop_lookups(request.request_id, num_computed_tokens),
             nothing,
         )
         return 0, False
 
-    def _drop_lookups(self, req_id: str) -> None:
+    def _drop_lookups(self, req_id: str, num_computed_tokens: int) -> None:
         state = self.requests.get(req_id)
         if state is None:
             # It failed before the request's state was made (prompt token ids that do not hash,
             # say): the request is never looked up again.
             self.requests[req_id] = _Request(chunks=[], lookup_chunks=0)
-        else:
-            self._release(state)
+            return
+        self._release(state)
+        self._forget_miss(req_id, state)
+        if self.settings.miss_refresh_s > 0:
+            state.miss_for = num_computed_tokens
+            state.missed_at = time.monotonic()
+
+    def _finished(self, req_id: str, state: _Request) -> None:
+        self._forget_miss(req_id, state)
+        self._release(state)
 
     def _after_alloc(self, request: Request, num_external_tokens: int) -> None:
         state = self.requests.get(request.request_id)
@@ -304,6 +369,8 @@ class SchedulerSide:
     def _preempted(self, req_id: str) -> None:
         state = self.requests.get(req_id)
         if state is not None:
+            # When it resumes it looks up afresh: it may have stored what it missed.
+            self._forget_miss(req_id, state)
             self._release(state)
             state.block_ids = []
             state.load_from = None
@@ -444,6 +511,7 @@ class SchedulerSide:
             state.planned = True
             meta.stores.append(StoreOp(req_id, stores))
             state.stored += len(stores)
+            self._stored(stores)
 
     def _release(self, state: _Request) -> None:
         """Returns the request's lookups, each on its own link's session as long as that session
