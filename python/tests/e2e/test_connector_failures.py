@@ -5,6 +5,7 @@ connector's own bookkeeping broken, a plan the worker cannot carry out, a failed
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,3 +189,22 @@ def test_a_broken_record_of_unanswered_calls_holds_that_request_only(halves: Hal
     assert worker.get_finished({"a", "b"}) == {"a"}, "b's blocks stay held; a is freed"
     del worker._unanswered["b"]  # noqa: SLF001
     assert worker.get_finished(set()) == {"b"}, "asked again at the next step"
+
+
+def test_a_dead_daemon_costs_a_warning_per_kind_not_one_per_request(
+    halves: Halves, caplog: pytest.LogCaptureFixture
+) -> None:
+    chunk = prefix_hashes(PROMPT, BLOCK)[0]
+    halves.worker.wait_for_save(TierKVMetadata(stores=[StoreOp("a", [(chunk, [0])])]))
+    halves.daemon.kill()
+    caplog.set_level(logging.DEBUG, logger="tierkv")
+    for i in range(30):
+        r = request(f"r{i}", [i, *PROMPT])
+        assert halves.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+        load = LoadOp(f"r{i}", [1], [(chunk, [i % 16])])
+        halves.worker.start_load_kv(TierKVMetadata(loads=[load]))
+        assert halves.worker.take_load_errors() == {i % 16}
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # The scheduler's and the worker's links going down, a failed lookup, a failed load.
+    assert len(warnings) <= 4, [r.getMessage() for r in warnings]
+    assert sum("failed" in r.getMessage() for r in caplog.records) >= 60, "the rest at debug"

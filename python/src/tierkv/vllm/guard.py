@@ -52,7 +52,9 @@ class Guard:
 
     def run(self, what: str, body: Callable[[], T], fallback: Callable[[Exception], T]) -> T:
         """``body()``; if it raises (anything but :class:`EngineStateUnknown` and what is not an
-        ``Exception``), the failure is logged under ``what`` and ``fallback(error)`` answers."""
+        ``Exception``), the failure is logged under ``what`` and ``fallback(error)`` answers.
+        ``what`` names a kind of failure, not one request's: it is the key the warnings are
+        throttled by."""
         try:
             return body()
         except EngineStateUnknown:

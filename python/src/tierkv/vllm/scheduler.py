@@ -227,7 +227,7 @@ class SchedulerSide:
         if state is None:
             return False
         self.guard.run(
-            f"returning finished {request.request_id}'s leases",
+            "returning a finished request's leases",
             lambda: self._finished(request.request_id, state),
             nothing,
         )
@@ -350,7 +350,7 @@ class SchedulerSide:
     ) -> TierKVMetadata:
         for req_id in meta.preempted:
             self.guard.run(
-                f"returning preempted {req_id}'s leases",
+                "returning a preempted request's leases",
                 lambda req_id=req_id: self._preempted(req_id),
                 nothing,
             )
@@ -360,7 +360,7 @@ class SchedulerSide:
             if state is None:
                 continue
             self.guard.run(
-                f"planning {request.req_id}'s loads and stores",
+                "planning a request's loads and stores (what it leaves unloaded is recomputed)",
                 lambda request=request, state=state: self._plan(meta, request, state),
                 nothing,
             )

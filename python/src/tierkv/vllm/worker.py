@@ -188,7 +188,7 @@ class WorkerSide:
             torch.cuda.current_stream().synchronize()
         for op in meta.loads:
             self.guard.run(
-                f"a load for {op.req_id} (vLLM recomputes its blocks)",
+                "a load (vLLM recomputes its blocks)",
                 lambda op=op: self._load(op),
                 lambda e, op=op: self._load_failed(op, e),
             )
@@ -249,7 +249,7 @@ class WorkerSide:
                 log.debug("tierkv: not storing %s: its load failed", op.req_id)
                 continue
             self.guard.run(
-                f"a store for {op.req_id} (dropped)",
+                "a store (dropped)",
                 lambda op=op: self._store(op, ready),
                 lambda e, op=op: self._watch(op.req_id, e),
             )
@@ -299,7 +299,7 @@ class WorkerSide:
             req_id
             for req_id in list(self._finishing)
             if self.guard.run(
-                f"checking whether {req_id}'s calls are over (asked again next step)",
+                "checking whether a finished request's calls are over (asked again next step)",
                 lambda req_id=req_id: self._settled(req_id),
                 lambda _e: False,
             )
@@ -313,7 +313,7 @@ class WorkerSide:
         deadline = time.monotonic() + self.settings.timeout_s
         for req_id in meta.preempted:
             settled = self.guard.run(
-                f"waiting for preempted {req_id}'s calls",
+                "waiting for a preempted request's calls",
                 lambda req_id=req_id: self._settled(
                     req_id, wait_s=max(deadline - time.monotonic(), 0.0)
                 ),
