@@ -208,3 +208,15 @@ def test_a_dead_daemon_costs_a_warning_per_kind_not_one_per_request(
     # The scheduler's and the worker's links going down, a failed lookup, a failed load.
     assert len(warnings) <= 4, [r.getMessage() for r in warnings]
     assert sum("failed" in r.getMessage() for r in caplog.records) >= 60, "the rest at debug"
+
+
+def test_what_was_computed_over_unloadable_blocks_is_never_stored(halves: Halves) -> None:
+    # Whether or not the step's start_load_kv ran (or failed before it marked them), the
+    # request whose blocks no load filled stores nothing this step; another request does.
+    chunks = prefix_hashes(list(range(8000, 8000 + 2 * BLOCK)), BLOCK)
+    meta = TierKVMetadata(
+        stores=[StoreOp("r", [(chunks[0], [2])]), StoreOp("s", [(chunks[1], [3])])],
+        unloadable={"r": [0, 1]},
+    )
+    halves.worker.wait_for_save(meta)
+    assert halves.worker.stored_chunks == 1, "only s stored"

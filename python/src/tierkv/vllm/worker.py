@@ -229,6 +229,9 @@ class WorkerSide:
             lambda: self._failed_anywhere(meta),
             lambda _e: self._take_failed_loads() | {op.req_id for op in meta.loads},
         )
+        # What a request computed over blocks no load filled is never stored, whatever
+        # happened to start_load_kv.
+        failed |= meta.unloadable.keys()
         self.guard.run(
             "the step's stores (dropped)", lambda: self._store_all(meta, failed), nothing
         )
