@@ -393,7 +393,8 @@ class SchedulerSide:
             if state is not None:
                 state.load_from = None
             held = request.block_ids if request.whole or state is None else state.block_ids
-            first = (request.computed - external) // self.block_size
+            # vLLM's computed tokens count its own hit and the external tokens.
+            first = max(request.computed - external, 0) // self.block_size
             end = -(-request.computed // self.block_size)
             filled = loading.get(request.req_id, set())
             unloadable = [b for b in held[first:end] if b not in filled]
