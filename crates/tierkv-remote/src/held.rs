@@ -44,7 +44,10 @@ impl Held {
         let now = Instant::now();
         let mut buckets = self.buckets.lock();
         let open = match (buckets.back(), self.width()) {
-            (Some(last), Some(width)) => last.since.is_some_and(|s| now < s + width),
+            // A width past what an instant can hold (a TTL of centuries): one bucket forever.
+            (Some(last), Some(width)) => {
+                last.since.is_some_and(|s| s.checked_add(width).is_none_or(|end| now < end))
+            }
             (Some(_), None) => true,
             (None, _) => false,
         };
@@ -73,10 +76,11 @@ impl Held {
     /// Objects and bytes stored and not yet certainly gone.
     pub(crate) fn now(&self) -> (u64, u64) {
         let mut buckets = self.buckets.lock();
-        if let (Some(ttl), Some(width)) = (self.ttl, self.width()) {
+        // A TTL too long to add to (a file can name centuries) never ends.
+        if let Some(gone_after) = self.ttl.zip(self.width()).and_then(|(t, w)| t.checked_add(w)) {
             while buckets
                 .front()
-                .is_some_and(|b| b.since.is_some_and(|s| s.elapsed() >= ttl + width))
+                .is_some_and(|b| b.since.is_some_and(|s| s.elapsed() >= gone_after))
             {
                 buckets.pop_front();
             }
@@ -103,6 +107,12 @@ mod tests {
         assert_eq!(held.now(), (1, 1000));
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(held.now(), (0, 0));
+
+        // A TTL no instant or duration can be added to: counted, never a panic, never gone.
+        let centuries = Held::new(Some(Duration::MAX));
+        centuries.stored(1, 1000);
+        centuries.stored(2, 2000);
+        assert_eq!(centuries.now(), (3, 3000));
 
         let forever = Held::new(None);
         forever.stored(3, 3000);

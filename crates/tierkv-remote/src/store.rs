@@ -385,6 +385,29 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Deletes the key `name`: `Some(length of its value)` if there was one (0 where the server
+    /// runs no scripts, an ACL forbidding `EVAL`: then a plain `DEL`, and the usage keeps the
+    /// bytes, an upper bound still), `None` if there was none or the call failed.
+    async fn delete_one(&self, name: String) -> Option<u64> {
+        let mut script = redis::cmd("EVAL");
+        script.arg(DELETE_SCRIPT).arg(1).arg(&name);
+        match self.link.call::<u64>(&script).await {
+            Ok(len) => (len > 0).then_some(len),
+            // The server answered, refusing the script: the key is deleted without its length.
+            Err(e @ CallError::Redis(_)) if !e.is_connection() => {
+                let mut del = redis::cmd("DEL");
+                del.arg(&name);
+                match self.link.call::<u64>(&del).await {
+                    Ok(1..) => Some(0),
+                    _ => None,
+                }
+            }
+            Err(_) => None,
+        }
+    }
+}
+
 /// The read of a load of `key` into a sink of `len` bytes: `GETRANGE` of the header, the
 /// payload and one byte more, never more. A value longer than the object it should be (a foreign
 /// or damaged key, however large) costs those bytes, not its own size, and the byte past the end
@@ -541,15 +564,11 @@ impl TierAdapter for RemoteStore {
                 let mut set = tokio::task::JoinSet::new();
                 for name in names {
                     let shared = Arc::clone(&shared);
-                    set.spawn(async move {
-                        let mut cmd = redis::cmd("EVAL");
-                        cmd.arg(DELETE_SCRIPT).arg(1).arg(name);
-                        shared.link.call::<u64>(&cmd).await.unwrap_or(0)
-                    });
+                    set.spawn(async move { shared.delete_one(name).await });
                 }
                 let (mut deleted, mut bytes) = (0, 0);
                 while let Some(joined) = set.join_next().await {
-                    if let Ok(len @ 1..) = joined {
+                    if let Ok(Some(len)) = joined {
                         deleted += 1;
                         bytes += len.saturating_sub(HEADER_BYTES as u64);
                     }

@@ -14,12 +14,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tierkv_remote::format::{HEADER_BYTES, redis_key};
 use tierkv_remote::{RemoteConfig, RemoteMode, RemoteStore};
 use tierkv_testkit::contract::{SharedTier, keys};
 use tierkv_testkit::redis::RedisStandalone;
 use tierkv_testkit::require_redis;
+
+mod common;
+use common::{Seen, recorded, unique_prefix};
 
 /// The system allocator, counting the bytes live now and their peak.
 struct Counting;
@@ -72,10 +74,8 @@ const HUGE: u64 = 64 << 20;
 fn an_oversized_value_is_a_miss_that_reads_no_more_than_a_chunk() {
     require_redis!();
     let server = RedisStandalone::start(&[]);
-    let prefix = format!("bounded-{}", std::process::id());
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let store = metrics::with_local_recorder(&recorder, || {
+    let prefix = unique_prefix("bounded");
+    let (store, snapshotter) = recorded(|| {
         Arc::new(
             RemoteStore::open(RemoteConfig {
                 key_prefix: prefix.clone(),
@@ -111,19 +111,9 @@ fn an_oversized_value_is_a_miss_that_reads_no_more_than_a_chunk() {
         "the load's heap grew by {grown} bytes: it read an oversized value whole"
     );
 
-    let mut reasons = std::collections::HashMap::new();
-    for (k, _, _, v) in snapshotter.snapshot().into_vec() {
-        let key = k.key();
-        if key.name() != "tierkv_errors_total" {
-            continue;
-        }
-        let reason = key.labels().find(|l| l.key() == "reason").map(|l| l.value().to_string());
-        if let (Some(reason), DebugValue::Counter(n)) = (reason, v) {
-            *reasons.entry(reason).or_insert(0) += n;
-        }
-    }
-    assert_eq!(reasons.get("wrong_length"), Some(&1), "{reasons:?}");
-    assert_eq!(reasons.get("bad_header"), Some(&1), "{reasons:?}");
+    let seen = Seen::take(&snapshotter);
+    assert_eq!(seen.get("tierkv_errors_total", "wrong_length"), 1.0);
+    assert_eq!(seen.get("tierkv_errors_total", "bad_header"), 1.0);
 
     // The value of exactly the expected length still loads: the bound is not one byte short.
     let exact = server.node.cli(&["STRLEN", &name(2)]);

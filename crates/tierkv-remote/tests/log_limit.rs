@@ -11,13 +11,15 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use parking_lot::Mutex;
 use tierkv_remote::format::{HEADER_BYTES, redis_key};
 use tierkv_remote::{RemoteConfig, RemoteMode, RemoteStore};
 use tierkv_testkit::contract::{SharedTier, keys};
 use tierkv_testkit::redis::RedisStandalone;
 use tierkv_testkit::require_redis;
+
+mod common;
+use common::{Seen, recorded, unique_prefix};
 
 const CHUNK: u64 = 4 << 10;
 
@@ -42,10 +44,8 @@ fn values_that_fail_verification_are_all_counted_and_logged_once_a_while() {
     require_redis!();
     tracing_subscriber::fmt().with_writer(|| Captured).with_ansi(false).init();
     let server = RedisStandalone::start(&[]);
-    let prefix = format!("logged-{}", std::process::id());
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let store = metrics::with_local_recorder(&recorder, || {
+    let prefix = unique_prefix("logged");
+    let (store, snapshotter) = recorded(|| {
         Arc::new(
             RemoteStore::open(RemoteConfig {
                 key_prefix: prefix.clone(),
@@ -66,17 +66,8 @@ fn values_that_fail_verification_are_all_counted_and_logged_once_a_while() {
         assert_eq!(tier.load_verified(&all).count_ones(), 0);
     }
 
-    let failures: u64 = snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .filter(|(k, _, _, _)| k.key().name() == "tierkv_checksum_failures_total")
-        .map(|(_, _, _, v)| match v {
-            DebugValue::Counter(n) => n,
-            _ => 0,
-        })
-        .sum();
-    assert_eq!(failures, 100, "every failed verification counts");
+    let failures = Seen::take(&snapshotter).get("tierkv_checksum_failures_total", "");
+    assert_eq!(failures, 100.0, "every failed verification counts");
     let log = String::from_utf8_lossy(&LOG.lock()).into_owned();
     let warnings = log.matches("failed verification").count();
     assert_eq!(warnings, 1, "100 failed verifications logged {warnings} times:\n{log}");

@@ -10,11 +10,9 @@
     reason = "test code: a failed unwrap is a failed test"
 )]
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tierkv_core::{
     Bitmap, ChunkHash, Completion, KvRank, Namespace, ObjectKey, StoreItem, TierAdapter, TierError,
     VecChunk,
@@ -25,17 +23,15 @@ use tierkv_testkit::contract::{self, OpenTier, SharedTier, key, keys, payload};
 use tierkv_testkit::redis::{RedisCluster, RedisStandalone};
 use tierkv_testkit::require_redis;
 
+mod common;
+use common::{Seen, recorded, unique_prefix};
+
 const CHUNK: u64 = 64 << 10;
 
 /// One cluster for the tests that do not break it; each uses its own key prefix.
 fn shared_cluster() -> &'static RedisCluster {
     static CLUSTER: OnceLock<RedisCluster> = OnceLock::new();
     CLUSTER.get_or_init(RedisCluster::start)
-}
-
-fn unique_prefix(name: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    format!("test-{name}-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 fn config(urls: Vec<String>, mode: RemoteMode, prefix: &str) -> RemoteConfig {
@@ -54,37 +50,6 @@ fn open_tier(config: RemoteConfig) -> OpenTier {
         tier: Arc::new(RemoteStore::open(config).unwrap()),
         chunk_bytes: CHUNK,
         keep: Box::new(()),
-    }
-}
-
-/// The remote tier's counters and gauges in one snapshot (a snapshot drains the counters), by
-/// name and `reason` label ("" where there is none).
-struct Seen(std::collections::HashMap<(String, String), f64>);
-
-impl Seen {
-    fn take(snapshotter: &Snapshotter) -> Self {
-        let mut seen = std::collections::HashMap::new();
-        for (k, _, _, v) in snapshotter.snapshot().into_vec() {
-            let key = k.key();
-            let label =
-                |name: &str| key.labels().find(|l| l.key() == name).map(|l| l.value().to_string());
-            if label("tier").is_some_and(|t| t != "remote") {
-                continue;
-            }
-            let value = match v {
-                DebugValue::Counter(n) => n as f64,
-                DebugValue::Gauge(g) => g.into_inner(),
-                DebugValue::Histogram(_) => continue,
-            };
-            *seen
-                .entry((key.name().to_string(), label("reason").unwrap_or_default()))
-                .or_insert(0.0) += value;
-        }
-        Seen(seen)
-    }
-
-    fn get(&self, name: &str, reason: &str) -> f64 {
-        self.0.get(&(name.to_string(), reason.to_string())).copied().unwrap_or(0.0)
     }
 }
 
@@ -156,11 +121,8 @@ fn a_value_that_does_not_verify_is_a_miss_counted_never_served() {
     require_redis!();
     let cluster = shared_cluster();
     let prefix = unique_prefix("verify");
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let open = metrics::with_local_recorder(&recorder, || {
-        open_tier(config(cluster.urls(), RemoteMode::Cluster, &prefix))
-    });
+    let (open, snapshotter) =
+        recorded(|| open_tier(config(cluster.urls(), RemoteMode::Cluster, &prefix)));
     let tier = SharedTier::new(open.tier, CHUNK);
     tier.store(&keys(0..4)).unwrap();
     assert_eq!(tier.load_verified(&keys(0..4)).count_ones(), 4);
@@ -342,9 +304,7 @@ fn the_whole_cluster_hung_or_gone_is_a_miss_within_the_deadline_then_recovers() 
     require_redis!();
     let mut cluster = RedisCluster::start();
     let prefix = unique_prefix("down");
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let store = metrics::with_local_recorder(&recorder, || {
+    let (store, snapshotter) = recorded(|| {
         Arc::new(
             RemoteStore::open(RemoteConfig {
                 // Long enough that the calls right after a failure all fall in its window.
@@ -461,9 +421,7 @@ fn a_full_server_evicts_to_misses_or_refuses_stores_never_wrong_bytes() {
 
     // Refusal: a full server without eviction refuses the store; not a broken link.
     let full = RedisStandalone::start(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let store = metrics::with_local_recorder(&recorder, || {
+    let (store, snapshotter) = recorded(|| {
         Arc::new(
             RemoteStore::open(config(
                 vec![full.url()],
@@ -592,4 +550,25 @@ fn the_usage_shrinks_when_values_are_deleted_or_expire() {
     assert_eq!(store.delete(&keys(0..8)), 8);
     assert_eq!((store.usage().objects, store.usage().used_bytes), (0, 0));
     assert_eq!(tier.lookup(&keys(0..8)).count_ones(), 0);
+}
+
+#[test]
+fn a_server_that_refuses_scripts_still_deletes() {
+    require_redis!();
+    let server = RedisStandalone::start(&[]);
+    // The default user may run everything but scripts.
+    assert_eq!(server.node.cli(&["ACL", "SETUSER", "default", "-eval", "-evalsha"]), "OK");
+    let prefix = unique_prefix("noscript");
+    let store = Arc::new(
+        RemoteStore::open(config(vec![server.url()], RemoteMode::Standalone, &prefix)).unwrap(),
+    );
+    let tier = SharedTier::new(store.clone(), CHUNK);
+    tier.store(&keys(0..3)).unwrap();
+    assert_eq!(store.delete(&keys(0..2)), 2, "deleted by DEL once the script is refused");
+    assert_eq!(tier.lookup(&keys(0..3)).count_ones(), 1);
+    tier.tier.unlock(&keys(0..3));
+    // The deleted values' lengths are unknown without the script: the objects leave the usage,
+    // their bytes stay (an upper bound).
+    assert_eq!((store.usage().objects, store.usage().used_bytes), (1, 3 * CHUNK));
+    assert!(store.degraded().is_none(), "a refused script says nothing about the link");
 }
