@@ -128,3 +128,9 @@ class Halves:
         self.scheduler.shutdown()
         self.worker.shutdown()
         self.daemon.stop()
+
+    def __enter__(self) -> Halves:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()

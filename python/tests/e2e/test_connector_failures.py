@@ -24,9 +24,8 @@ PROMPT = list(range(1000, 1000 + 3 * BLOCK + 1))
 
 @pytest.fixture
 def halves(tmp_path: Path) -> Iterator[Halves]:
-    h = Halves(tmp_path / "daemon")
-    yield h
-    h.close()
+    with Halves(tmp_path / "daemon") as h:
+        yield h
 
 
 def _hit(halves: Halves, req_id: str) -> Request:
@@ -130,21 +129,17 @@ def test_a_load_the_worker_cannot_read_is_reported_and_the_others_load(halves: H
     assert halves.holds([4, 5, 6], like=[0, 1, 2]), "the other load went through"
 
 
-def test_a_worker_whose_kv_cannot_be_registered_runs_without_the_daemon(tmp_path: Path) -> None:
-    halves = Halves(tmp_path / "daemon")
-    try:
-        chunk = prefix_hashes(PROMPT, BLOCK)[0]
-        worker = WorkerSide(halves.settings, "m", BLOCK, 0, 1, False, num_blocks=16)
-        # No dimension of 16 blocks: the layout cannot be described to the daemon.
-        worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(5, 4)})
-        assert worker.link is None
-        worker.start_load_kv(TierKVMetadata(loads=[LoadOp("r", [1], [(chunk, [3])])]))
-        assert worker.take_load_errors() == {3}
-        worker.wait_for_save(TierKVMetadata(stores=[StoreOp("s", [(chunk, [4])])]))
-        assert worker.stored_chunks == 0
-        worker.shutdown()
-    finally:
-        halves.close()
+def test_a_worker_whose_kv_cannot_be_registered_runs_without_the_daemon(halves: Halves) -> None:
+    chunk = prefix_hashes(PROMPT, BLOCK)[0]
+    worker = WorkerSide(halves.settings, "m", BLOCK, 0, 1, False, num_blocks=16)
+    # No dimension of 16 blocks: the layout cannot be described to the daemon.
+    worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(5, 4)})
+    assert worker.link is None
+    worker.start_load_kv(TierKVMetadata(loads=[LoadOp("r", [1], [(chunk, [3])])]))
+    assert worker.take_load_errors() == {3}
+    worker.wait_for_save(TierKVMetadata(stores=[StoreOp("s", [(chunk, [4])])]))
+    assert worker.stored_chunks == 0
+    worker.shutdown()
 
 
 def test_kv_tensors_left_half_moved_stop_the_engine(tmp_path: Path) -> None:

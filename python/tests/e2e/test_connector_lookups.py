@@ -35,8 +35,7 @@ def test_a_waiting_request_asks_again_once_this_engine_stored_what_it_missed(
     tmp_path: Path,
 ) -> None:
     # A long refresh: only this engine's store can explain a second lookup.
-    halves = Halves(tmp_path / "daemon", miss_refresh_s=60.0)
-    try:
+    with Halves(tmp_path / "daemon", miss_refresh_s=60.0) as halves:
         waiting = request("waiting", PROMPT)
         base = _lookups(halves)
         assert _steps(halves, waiting, 0, 20) == {0}
@@ -54,15 +53,12 @@ def test_a_waiting_request_asks_again_once_this_engine_stored_what_it_missed(
         assert not halves.scheduler.request_finished(waiting)
         halves.no_lookup_left_open()
         assert halves.scheduler.waiting_on == {}
-    finally:
-        halves.close()
 
 
 def test_a_kept_miss_is_asked_again_after_its_interval_or_when_the_local_hit_shrinks(
     tmp_path: Path,
 ) -> None:
-    halves = Halves(tmp_path / "daemon", miss_refresh_s=0.5)
-    try:
+    with Halves(tmp_path / "daemon", miss_refresh_s=0.5) as halves:
         waiting = request("waiting", PROMPT)
         first = prefix_hashes(PROMPT, BLOCK)[0]
         # The daemon holds the first chunk (stored by another engine: this scheduler half does
@@ -85,18 +81,13 @@ def test_a_kept_miss_is_asked_again_after_its_interval_or_when_the_local_hit_shr
         assert _lookups(halves) - base == 4
         assert not halves.scheduler.request_finished(waiting)
         halves.no_lookup_left_open()
-    finally:
-        halves.close()
 
 
 def test_a_refresh_of_zero_asks_at_every_step(tmp_path: Path) -> None:
-    halves = Halves(tmp_path / "daemon", miss_refresh_s=0.0)
-    try:
+    with Halves(tmp_path / "daemon", miss_refresh_s=0.0) as halves:
         waiting = request("waiting", PROMPT)
         base = _lookups(halves)
         # Each answer is a lookup of its own (asked again while it is pending).
         assert {halves.matched(waiting) for _ in range(5)} == {0}
         assert _lookups(halves) - base == 5
         halves.no_lookup_left_open()
-    finally:
-        halves.close()
