@@ -1,6 +1,6 @@
-//! The adaptive policy: ARC's lists and use counts, evicted in plain recency order, in ARC's
-//! order or by use counts, whichever of three sampled shadow caches shows is hitting most on the
-//! workload right now.
+//! The adaptive policy: ARC's lists and decayed use counts, evicted in plain recency order, in
+//! ARC's order or by decayed use counts, whichever of three sampled shadow caches shows is
+//! hitting most on the workload right now.
 //!
 //! **The lists** (Megiddo and Modha, "ARC", FAST'03). `T1` holds keys cached and not used since,
 //! `T2` keys used at least once while cached; `B1` and `B2` remember, without data, keys recently
@@ -20,16 +20,16 @@
 //! proved themselves against a stream of new ones, which is what a small cache facing long
 //! multi-turn conversations needs; at capacities where recency already reaches near the optimum
 //! its protection costs hits, which is where LRU is right. In frequency mode it evicts the key
-//! of lowest GreedyDual priority over its use counts, which a history remembers past eviction
-//! ([`super::frequency`]): at the smallest capacities, where neither recency nor ARC's two
-//! lists hold a conversation until its next turn, how often a chunk was asked for is what tells
-//! the chunks worth keeping. Every key is in ARC's lists and in the frequency classes at once,
+//! of lowest priority by its decayed use counts (LRFU), which a history remembers past eviction
+//! ([`super::frequency`]): at the smaller capacities, where neither recency nor ARC's two
+//! lists hold a conversation until its next turn, how often a chunk was asked for lately is
+//! what tells the chunks worth keeping. Every key is in ARC's lists and in the frequency classes at once,
 //! so the mode can change between two evictions.
 //!
 //! **Choosing the mode, online.** One key in four (by a mix of [`SampleKey::sample_bits`], so a
 //! key is sampled or not on every node, in every run and in the simulation) also goes through
 //! three small caches of a quarter of the tracked count: a plain LRU, an ARC and a frequency
-//! order (reading the same history of use counts). For each pair, the policy counts the sampled
+//! order (reading the same history of uses). For each pair, the policy counts the sampled
 //! accesses one shadow hit and the other missed, decayed by `1 - 1/(8 x capacity)` per sampled
 //! access so the counts follow the workload over about eight shadow capacities of accesses: at the
 //! hit ratios of small caches a shorter memory holds a handful of hits, and the mode then flips on
@@ -55,7 +55,7 @@ use std::hash::Hash;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use super::frequency::{FrequencyLists, HISTORY_FACTOR, UseHistory};
+use super::frequency::{FrequencyLists, HALF_LIFE, HISTORY_FACTOR, Use, UseHistory, tick_among};
 use super::group::{Member, PolicyGroup, Published};
 use super::list::{KeyedLists, NodeId};
 use super::{EvictionPolicy, Lru, Order, SampleKey};
@@ -125,7 +125,7 @@ pub(super) enum Mode {
     Recency,
     /// ARC's choice between the back of `T1` and the back of `T2`.
     Arc,
-    /// The lowest GreedyDual priority over use counts ([`super::frequency`]).
+    /// The lowest priority by decayed use counts ([`super::frequency`]).
     Frequency,
 }
 
@@ -180,7 +180,7 @@ impl Mode {
 /// costs O(1) per key it returns or skips.
 pub struct Adaptive<K> {
     cache: ArcLists<K>,
-    /// The same keys by use counts, for the frequency order.
+    /// The same keys by decayed use counts, for the frequency order.
     frequency: FrequencyLists<K>,
     /// Uses of every recently seen key, cached or not, read by `frequency` and its shadow.
     history: UseHistory,
@@ -224,10 +224,10 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Shadows<K> {
         }
     }
 
-    /// Replays one access of a sampled `key`, used `uses` times in all, in the three shadows of
-    /// `capacity` keys each: a hit counts for the shadow, a miss caches the key there, evicting
-    /// to the shadow's capacity first.
-    fn access(&mut self, key: &K, uses: u32, capacity: usize) {
+    /// Replays one access of a sampled `key`, ranked `used` by the frequency order, in the three
+    /// shadows of `capacity` keys each: a hit counts for the shadow, a miss caches the key there,
+    /// evicting to the shadow's capacity first.
+    fn access(&mut self, key: &K, used: Use, capacity: usize) {
         let capacity = capacity.max(1);
         let hits = [self.lru.contains(key), self.arc.contains(key), self.frequency.contains(key)];
         let keep = 1.0 - 1.0 / (SCORE_MEMORY * capacity as f64);
@@ -251,8 +251,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Shadows<K> {
             while self.frequency.len() >= capacity && self.frequency.evict_one().is_some() {}
         }
         self.clock += 1;
-        let floor = self.frequency.floor;
-        self.frequency.use_key(key.clone(), uses, self.clock, floor);
+        self.frequency.use_key(key.clone(), used, self.clock);
     }
 }
 
@@ -296,21 +295,13 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
         }
     }
 
-    /// The floor the frequency order adds a use's value to: the group's, if any.
-    fn floor(&self) -> u64 {
-        match &self.member {
-            Some(member) => member.group.floor(),
-            None => self.frequency.floor,
-        }
-    }
-
-    /// Raises the frequency order's floor to a victim's `priority` (GreedyDual's ageing), the
-    /// group's if any.
-    fn raise_floor(&mut self, priority: u64) {
-        match &self.member {
-            Some(member) => member.group.raise_floor(priority),
-            None => self.frequency.floor = self.frequency.floor.max(priority),
-        }
+    /// The frequency order's clock, in half-lives: the evictions so far, the group's if any.
+    fn now(&self) -> u64 {
+        let time = match &self.member {
+            Some(member) => member.group.time(),
+            None => self.cache.time,
+        };
+        time / HALF_LIFE
     }
 
     /// The keys whose uses the history must remember room for: [`HISTORY_FACTOR`] times those
@@ -323,28 +314,29 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
         HISTORY_FACTOR.saturating_mul(tracked.max(1))
     }
 
-    /// Counts a use of `key` in the history and returns its uses so far; on an insert, the
-    /// history first grows to `bound` keys ([`Self::history_bound`] before the insert).
-    fn record_use(&mut self, key: &K, bound: Option<usize>) -> u32 {
+    /// Counts a use of `key` in the history and returns it as the frequency order ranks it; on
+    /// an insert, the history first grows to `bound` keys ([`Self::history_bound`] before the
+    /// insert).
+    fn record_use(&mut self, key: &K, bound: Option<usize>) -> Use {
         if let Some(bound) = bound {
             self.history.reserve(bound);
         }
-        self.history.record(key.sample_bits(), key.identity_bits())
+        let now = self.now();
+        self.history.record(key.sample_bits(), key.identity_bits(), now)
     }
 
-    /// The frequency order's part of a use of `key`, stamped `stamp`, used `uses` times.
-    fn use_frequency(&mut self, key: &K, uses: u32, stamp: u64) {
-        let floor = self.floor();
-        self.frequency.use_key(key.clone(), uses, stamp, floor);
+    /// The frequency order's part of a use of `key`, stamped `stamp`, ranked `used`.
+    fn use_frequency(&mut self, key: &K, used: Use, stamp: u64) {
+        self.frequency.use_key(key.clone(), used, stamp);
     }
 
-    /// Replays one access of `key`, used `uses` times in all, in the shadows of a policy
-    /// tracking `tracked` keys, if it is sampled.
-    fn shadow_access(&mut self, key: &K, uses: u32, tracked: usize) {
+    /// Replays one access of `key`, ranked `used`, in the shadows of a policy tracking
+    /// `tracked` keys, if it is sampled.
+    fn shadow_access(&mut self, key: &K, used: Use, tracked: usize) {
         if !sampled(key) {
             return;
         }
-        self.shadows.access(key, uses, tracked >> SAMPLE_SHIFT);
+        self.shadows.access(key, used, tracked >> SAMPLE_SHIFT);
         if let Some(member) = &self.member {
             member.publish_wins(&self.shadows.wins);
         }
@@ -392,9 +384,9 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
             return;
         };
         if self.followed.is_none() {
-            let uses = self.record_use(&key, Some(bound));
-            self.shadow_access(&key, uses, tracked);
-            self.use_frequency(&key, uses, stamp);
+            let used = self.record_use(&key, Some(bound));
+            self.shadow_access(&key, used, tracked);
+            self.use_frequency(&key, used, stamp);
         }
         self.publish();
     }
@@ -402,9 +394,9 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
     fn touch(&mut self, key: &K) {
         if let Some(stamp) = self.cache.touch(key) {
             if self.followed.is_none() {
-                let uses = self.record_use(key, None);
-                self.shadow_access(key, uses, self.cache.len());
-                self.use_frequency(key, uses, stamp);
+                let used = self.record_use(key, None);
+                self.shadow_access(key, used, self.cache.len());
+                self.use_frequency(key, used, stamp);
             }
             self.publish();
         }
@@ -449,12 +441,10 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
         if self.mode == Mode::Frequency {
             let mut scan = self.frequency.scan();
             while victims.len() < n {
-                let Some((id, (priority, _))) = self.frequency.next_victim(&mut scan, eligible)
-                else {
+                let Some((id, _)) = self.frequency.next_victim(&mut scan, eligible) else {
                     break;
                 };
                 let key = self.frequency.take(id, &mut scan);
-                self.raise_floor(priority);
                 self.cache.evict_key(&key);
                 victims.push(key);
             }
@@ -463,13 +453,6 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
             while victims.len() < n {
                 match self.cache.evict_scanning(self.mode, &mut scan, eligible) {
                     Some(key) => {
-                        // The floor rises as GreedyDual's own eviction would have raised it,
-                        // to the lowest priority held (this shard's, in a group): a switch to
-                        // the frequency order then finds the keys used since aged as its own
-                        // evictions would have aged them.
-                        if let Some((lowest, _)) = self.frequency.lowest() {
-                            self.raise_floor(lowest);
-                        }
                         self.frequency.remove(&key);
                         victims.push(key);
                     }
@@ -535,6 +518,9 @@ pub struct Judge<K> {
     shadows: Shadows<K>,
     /// Uses of the sampled keys recently looked up.
     history: UseHistory,
+    /// The frequency order's clock: sampled lookups, a capacity of them
+    /// [`CAPACITY_OF_EVICTIONS`](super::frequency::CAPACITY_OF_EVICTIONS) ticks.
+    time: u64,
     /// Keys are sampled at one in `2^shift`.
     shift: u32,
     /// The keys each shadow holds: the combined capacity, sampled.
@@ -556,6 +542,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Judge<K> {
         Judge {
             shadows: Shadows::new(),
             history: UseHistory::new(),
+            time: 0,
             shift,
             capacity: (capacity >> shift).max(1),
             judges: capacity >= MIN_JUDGED,
@@ -577,8 +564,10 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Judge<K> {
         // The history grows with the keys the shadows hold, as the adaptive policy's grows
         // with the keys it tracks.
         self.history.reserve(HISTORY_FACTOR.saturating_mul(self.shadows.lru.len().max(1)));
-        let uses = self.history.record(key.sample_bits(), key.identity_bits());
-        self.shadows.access(key, uses, self.capacity);
+        self.time += tick_among(self.capacity);
+        let used =
+            self.history.record(key.sample_bits(), key.identity_bits(), self.time / HALF_LIFE);
+        self.shadows.access(key, used, self.capacity);
         if self.judges {
             self.mode = self.mode.judged(&self.shadows.wins);
             self.order.set(self.mode);
@@ -607,6 +596,10 @@ struct ArcLists<K> {
     clock: u64,
     /// Evictions so far (in a group, the group counts them).
     evictions: u64,
+    /// The frequency order's clock: evictions, a capacity of them
+    /// [`CAPACITY_OF_EVICTIONS`](super::frequency::CAPACITY_OF_EVICTIONS) ticks (in a group,
+    /// the group keeps it).
+    time: u64,
     /// The group whose clock stamps the keys and which decides ARC's choice, if any.
     group: Option<Arc<PolicyGroup>>,
     /// This policy's shard in the group.
@@ -629,6 +622,7 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             target: 0.0,
             clock: 0,
             evictions: 0,
+            time: 0,
             group: None,
             shard: 0,
             next: None,
@@ -745,6 +739,7 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             return group.count_eviction();
         }
         self.evictions += 1;
+        self.time += tick_among(self.len());
         self.evictions
     }
 

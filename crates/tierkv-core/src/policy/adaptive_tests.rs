@@ -12,8 +12,9 @@ use super::{EvictionPolicy, Order, SampleKey};
 struct Model {
     cache: ModelArc,
     frequency: ModelFrequency,
-    /// The history's sets, each the tags of its keys with their uses, most recently used first.
-    history: Vec<Vec<(u64, u32)>>,
+    /// The history's sets, each the tags of its keys with their scores (`log2` of the decayed
+    /// uses plus the clock, in 1/256 of a half-life), most recently used first.
+    history: Vec<Vec<(u64, u64)>>,
     shadow_lru: Vec<u32>,
     shadow_arc: ModelArc,
     shadow_frequency: ModelFrequency,
@@ -27,31 +28,28 @@ struct Model {
     min_judged: usize,
 }
 
-/// GreedyDual over use counts: each key with its priority and the stamp of its last use.
+/// Decayed use counts: each key with its priority and the stamp of its last use.
 #[derive(Default)]
 struct ModelFrequency {
     keys: Vec<(u32, u64, u64)>,
-    floor: u64,
 }
 
 impl ModelFrequency {
     fn contains(&self, key: u32) -> bool {
         self.keys.iter().any(|(k, _, _)| *k == key)
     }
-    /// A use of `key`, used `uses` times in all: priority `floor + min(uses, 6)^3`.
-    fn use_key(&mut self, key: u32, uses: u32, stamp: u64, floor: u64) {
+    fn use_key(&mut self, key: u32, priority: u64, stamp: u64) {
         self.keys.retain(|(k, _, _)| *k != key);
-        let class = u64::from(uses.clamp(1, 6));
-        self.keys.push((key, floor + class * class * class, stamp));
+        self.keys.push((key, priority, stamp));
     }
     fn remove(&mut self, key: u32) {
         self.keys.retain(|(k, _, _)| *k != key);
     }
     /// The eligible key of lowest priority, the least recently used of equals.
-    fn victim(&self, eligible: &dyn Fn(u32) -> bool) -> Option<(u32, u64)> {
+    fn victim(&self, eligible: &dyn Fn(u32) -> bool) -> Option<u32> {
         (self.keys.iter().filter(|(k, _, _)| eligible(*k)))
             .min_by_key(|(_, priority, stamp)| (*priority, *stamp))
-            .map(|(k, priority, _)| (*k, *priority))
+            .map(|(k, _, _)| *k)
     }
 }
 
@@ -66,6 +64,8 @@ struct ModelArc {
     target: f64,
     clock: u64,
     evictions: u64,
+    /// Evictions, 2^32 for as many as the keys tracked at each.
+    time: u64,
 }
 
 impl ModelArc {
@@ -90,6 +90,9 @@ impl ModelArc {
     }
     /// Evicts `key`, chosen by another order, leaving its ghost.
     fn evict_key(&mut self, key: u32) {
+        if self.contains(key) {
+            self.time += (1 << 32) / self.len() as u64;
+        }
         self.evictions += 1;
         if let Some(at) = self.t1.iter().position(|(k, _)| *k == key) {
             self.t1.remove(at);
@@ -151,6 +154,7 @@ impl ModelArc {
             (Some(a), Some(b)) => self.t1[a].1 < self.t2[b].1,
         };
         self.evictions += 1;
+        self.time += (1 << 32) / self.len() as u64;
         let key = if from_t1 {
             let key = self.t1.remove(a?).0;
             self.b1.push((key, self.evictions));
@@ -166,43 +170,62 @@ impl ModelArc {
 }
 
 impl Model {
-    /// The history's tag of `key`: splitmix64's finalizer, its top 24 bits (which choose the
-    /// set) above its low 32 (which tell keys of a set apart).
+    /// The history's tag of `key`: splitmix64's finalizer, its top 20 bits (which choose the
+    /// set) above its low 24 (which tell keys of a set apart, 1 for 0).
     fn tag(key: u32) -> u64 {
         let mut z = u64::from(key);
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
-        (z >> 40) << 32 | (z & 0xFFFF_FFFF)
+        (z >> 44) << 24 | (z & 0xFF_FFFF).max(1)
     }
-    /// Adds `uses` to `tag`'s count in its set, first in the set, 32 keys at most.
-    fn use_tag(&mut self, tag: u64, uses: u32) -> u32 {
+    /// Puts `tag` with `score` first in its set, 32 keys at most; returns its score before, if
+    /// it had one.
+    fn put_tag(&mut self, tag: u64, score: u64) -> Option<u64> {
         let sets = self.history.len() as u64;
-        let set = &mut self.history[((tag >> 32) % sets) as usize];
-        let count = match set.iter().position(|(t, _)| *t == tag) {
-            Some(at) => set.remove(at).1 + uses,
-            None => uses,
-        };
-        set.insert(0, (tag, count));
+        let set = &mut self.history[((tag >> 24) % sets) as usize];
+        let before = set.iter().position(|(t, _)| *t == tag).map(|at| set.remove(at).1);
+        set.insert(0, (tag, score));
         set.truncate(32);
-        count
+        before
     }
-    /// Counts a use of `key`; the history first grows to sets of 32 for 32 times the tracked
-    /// keys, a power of two of them.
-    fn record_use(&mut self, key: u32) -> u32 {
+    /// The clock in half-lives (of six capacities of evictions), 2^32 ticks each.
+    fn now(&self) -> u64 {
+        self.cache.time / 6
+    }
+    /// Counts a use of `key` and returns its priority: the clock plus a quarter of a half-life
+    /// for each quarter doubling of its decayed uses (`C = 1 + C_before * 2^-age`, 23 quarters
+    /// at most). The history first grows to sets of 32 for 32 times the tracked keys, a power
+    /// of two of them.
+    fn record_use(&mut self, key: u32) -> u64 {
         let bound = 32 * self.cache.len().max(1);
         if bound > 32 * self.history.len() {
             let old = std::mem::replace(
                 &mut self.history,
                 vec![vec![]; bound.div_ceil(32).next_power_of_two()],
             );
-            for (tag, uses) in old.into_iter().flat_map(|set| set.into_iter().rev()) {
-                self.use_tag(tag, uses);
+            for (tag, score) in old.into_iter().flat_map(|set| set.into_iter().rev()) {
+                self.put_tag(tag, score);
             }
         }
-        self.use_tag(Self::tag(key), 1)
+        let now = self.now();
+        let tag = Self::tag(key);
+        let before = self.put_tag(tag, 0);
+        let log_uses = match before {
+            // Its log decayed uses before this one, `y`, then `log2(1 + 2^y)`.
+            Some(score) => {
+                let age = ((now >> 24) as f64 - score as f64) / 256.0;
+                let y = if age > 64.0 { f64::NEG_INFINITY } else { -age };
+                y.max(0.0) + (-y.abs()).exp2().ln_1p() / std::f64::consts::LN_2
+            }
+            None => 0.0,
+        };
+        let score = (now + (log_uses * 4_294_967_296.0) as u64 + (1 << 23)) >> 24;
+        self.put_tag(tag, score);
+        let quarters = ((log_uses * 4.0) as u64).min(23);
+        now + quarters * (1 << 30)
     }
-    fn shadow_access(&mut self, key: u32, uses: u32) {
+    fn shadow_access(&mut self, key: u32, priority: u64) {
         if key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 62 != 0 {
             return;
         }
@@ -237,30 +260,28 @@ impl Model {
         }
         if !hits[2] {
             while self.shadow_frequency.keys.len() >= capacity {
-                if let Some((victim, priority)) = self.shadow_frequency.victim(&|_| true) {
+                if let Some(victim) = self.shadow_frequency.victim(&|_| true) {
                     self.shadow_frequency.remove(victim);
-                    self.shadow_frequency.floor = self.shadow_frequency.floor.max(priority);
                 }
             }
         }
         self.shadow_clock += 1;
-        let floor = self.shadow_frequency.floor;
-        self.shadow_frequency.use_key(key, uses, self.shadow_clock, floor);
+        self.shadow_frequency.use_key(key, priority, self.shadow_clock);
     }
     fn insert(&mut self, key: u32) {
         if !self.cache.contains(key) {
-            let uses = self.record_use(key);
-            self.shadow_access(key, uses);
+            let priority = self.record_use(key);
+            self.shadow_access(key, priority);
             let stamp = self.cache.insert(key);
-            self.frequency.use_key(key, uses, stamp, self.frequency.floor);
+            self.frequency.use_key(key, priority, stamp);
         }
     }
     fn touch(&mut self, key: u32) {
         if self.cache.contains(key) {
-            let uses = self.record_use(key);
-            self.shadow_access(key, uses);
+            let priority = self.record_use(key);
+            self.shadow_access(key, priority);
             let stamp = self.cache.touch(key);
-            self.frequency.use_key(key, uses, stamp, self.frequency.floor);
+            self.frequency.use_key(key, priority, stamp);
         }
     }
     fn remove(&mut self, key: u32) -> bool {
@@ -290,15 +311,12 @@ impl Model {
         let mut victims = vec![];
         while victims.len() < n {
             let victim = if self.mode == 2 {
-                let Some((key, priority)) = self.frequency.victim(eligible) else { break };
+                let Some(key) = self.frequency.victim(eligible) else { break };
                 self.frequency.remove(key);
-                self.frequency.floor = self.frequency.floor.max(priority);
                 self.cache.evict_key(key);
                 key
             } else {
                 let Some(key) = self.cache.evict_one(self.mode == 1, eligible) else { break };
-                let lowest = self.frequency.keys.iter().map(|(_, priority, _)| *priority).min();
-                self.frequency.floor = self.frequency.floor.max(lowest.unwrap_or(0));
                 self.frequency.remove(key);
                 key
             };

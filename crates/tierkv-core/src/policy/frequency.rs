@@ -1,83 +1,134 @@
-//! The adaptive policy's third order: GreedyDual over use counts, remembered past eviction.
+//! The adaptive policy's third order: decayed use counts (LRFU), remembered past eviction.
 //!
 //! **Why.** On multi-turn conversations a small cache holds none of a conversation's chunks
 //! until its next turn: the turns come minutes apart, after thousands of other chunks. What a
 //! cache that size can still do is keep the chunks most likely to be asked for again, and how
-//! often a chunk was asked for so far is the best sign of that the traces offer (a conversation
+//! often a chunk was asked for lately is the best sign of that the traces offer (a conversation
 //! that reached its fourth turn goes on twice as often as one at its first). ARC's lists tell
 //! only "used once" from "used again while cached", and forget a chunk a few capacities after
-//! its eviction; this order counts every use of the last [`HISTORY_FACTOR`] capacities of
-//! chunks, cached or not, and ranks by the count.
+//! its eviction; this order remembers every use of the last [`HISTORY_FACTOR`] capacities of
+//! chunks, cached or not, and ranks by how many there were and how long ago.
 //!
-//! **The order** (GreedyDual, Cao and Irani 1997, with a chunk's value taken from its use
-//! count, as GreedyDual-Frequency does). Each use of a cached key gives it the priority
-//! `floor + value(uses)`, where `value` grows with the cube of the uses (1, 8, 27, ... for
-//! 1, 2, 3, ... uses, up to [`CLASSES`]), and the victim is the key of lowest priority, the
-//! least recently used among equals. Each eviction raises `floor` to the victim's priority,
-//! so a key not used again ages out however often it was used before: a count is worth its
-//! value once, not forever. A chain stays a prefix: every request that names a chain's tail
-//! names its root too, so the root's count is never below the tail's, and it is used later.
+//! **The order** (LRFU, Lee et al. 2001). A key's decayed uses are `C = sum of 2^-(age /
+//! half-life)` over its uses, the age counted in evictions ([`HALF_LIFE`] capacities of them
+//! halve a use's weight), and its priority is the clock at its last use plus `log2 C`
+//! half-lives: a key used twice as often is kept one half-life longer than a key used as
+//! lately. The victim is the key of lowest priority, the least recently used among equals. So
+//! a key not used again ages out however often it was used before, and a burst of uses long ago
+//! counts less than a few lately (the cube of plain use counts, as GreedyDual-Frequency ranks
+//! them, kept such keys: 0.02 less hit ratio at conversation 5,000 blocks). A chain stays a
+//! prefix: every request that names a chain's tail names its root too, so the root's uses are
+//! never fewer than the tail's, and it is used later.
 //!
-//! **Cost.** Keys of equal uses share a class, and within a class priorities follow the order
-//! of use (the floor only rises), so each class is a recency list and the victim is the lowest
-//! of the [`CLASSES`] lists' backs: O(1) per use, O(`CLASSES`) per victim, no allocation in
-//! steady state. The history is a set-associative table of 8-byte entries for [`HISTORY_FACTOR`]
-//! times the tracked keys, rounded up to a power of two of sets: under 512 bytes a cached chunk,
-//! a few hundredths of a percent of a 2 MiB chunk.
+//! **Cost.** `log2 C` is taken in quarters of a doubling, [`CLASSES`] of them (`C` up to 64).
+//! Keys of one class share a recency list, and within a class priorities follow the order of
+//! use (the clock only advances), so the victim is the lowest of the [`CLASSES`] lists' backs:
+//! O(1) per use (two floating-point operations for the decay), O(`CLASSES`) per victim, no
+//! allocation in steady state. The history is a set-associative table of 8-byte entries for
+//! [`HISTORY_FACTOR`] times the tracked keys, rounded up to a power of two of sets: under 512
+//! bytes a cached chunk, a few hundredths of a percent of a 2 MiB chunk.
 //!
-//! Constants (the value's exponent, six classes, a history of 32 capacities) were chosen on
-//! Mooncake's conversation trace and checked on the synthetic trace: exponents 3-4 and 6-8
-//! classes read within 0.003 of each other in a Python prototype of the same rules; histories of
-//! 32 and 64 capacities read the same summed over 37 capacities, 16 less (docs/performance.md,
-//! "Counting uses past eviction").
+//! Constants (a half-life of six capacities, quarters of a doubling, a history of 32
+//! capacities) were chosen on Mooncake's conversation trace and checked on the synthetic trace
+//! (docs/performance.md, "Decayed use counts").
 
 use std::hash::Hash;
 
 use super::list::{KeyedLists, NodeId};
 
-/// Keys are classed by uses: 1, 2, ... up to this many, the last class for more.
-pub(super) const CLASSES: usize = 6;
+/// The frequency order's clock runs in evictions: one capacity of evictions (as many as the
+/// keys tracked) is this many ticks, whatever the capacity.
+pub(super) const CAPACITY_OF_EVICTIONS: u64 = 1 << 32;
+
+/// A use counts half as much after this many capacities of evictions.
+pub(super) const HALF_LIFE: u64 = 6;
+
+/// The ticks of one event among `tracked` keys: an eviction, for a policy; a sampled lookup,
+/// for a [`Judge`](super::adaptive::Judge)'s shadows.
+pub(super) fn tick_among(tracked: usize) -> u64 {
+    CAPACITY_OF_EVICTIONS / tracked.max(1) as u64
+}
+
+/// Keys are classed by their decayed uses `C`, a quarter of a doubling apart: class `i` holds
+/// `log2 C` in `[i/4, (i+1)/4)`, the last class everything above (`C` of 64 and more).
+pub(super) const CLASSES: usize = 24;
+
+/// Classes per doubling of the decayed uses.
+const CLASSES_PER_DOUBLING: f64 = 4.0;
+
+/// How far one class is above the one below: a quarter of a half-life of the clock.
+const CLASS_STEP: u64 = CAPACITY_OF_EVICTIONS / 4;
 
 /// The history counts the uses of up to this many times the tracked keys.
 pub(super) const HISTORY_FACTOR: usize = 32;
 
-/// The priority a use adds to the floor for a key of `class` (`class + 1` uses): the cube of
-/// its uses, so a key used twice outlasts eight keys used once that came with it.
-pub(super) fn class_value(class: usize) -> u64 {
-    let uses = class as u64 + 1;
-    uses * uses * uses
+/// One use of a key as the frequency order ranks it: its class and its priority, the clock (in
+/// half-lives) when it was used plus its class's `log2 C`, so that one use is worth a
+/// half-life more of keeping for each doubling of its decayed uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Use {
+    pub(super) class: usize,
+    pub(super) priority: u64,
 }
 
-/// The class of a key used `uses` times (at least once).
-pub(super) fn class_of(uses: u32) -> usize {
-    (uses.max(1) as usize).min(CLASSES) - 1
+impl Use {
+    /// A use at `now` (half-lives, [`CAPACITY_OF_EVICTIONS`] ticks each) of a key whose decayed
+    /// uses, this one included, are `2^log_uses`.
+    pub(super) fn at(now: u64, log_uses: f64) -> Use {
+        let class = ((log_uses.max(0.0) * CLASSES_PER_DOUBLING) as usize).min(CLASSES - 1);
+        Use { class, priority: now.saturating_add(class as u64 * CLASS_STEP) }
+    }
+}
+
+/// `log2(1 + 2^y)`: the log of the decayed uses after one more use, given `y`, the log of
+/// those before it decayed to now.
+fn one_more(y: f64) -> f64 {
+    y.max(0.0) + (-y.abs()).exp2().ln_1p() / std::f64::consts::LN_2
 }
 
 /// Keys per set of the history: one 64-byte cache line.
 const WAYS: usize = 32;
 
-/// The low bits of a history entry that hold the key's uses; the bits above hold its tag, and
+/// The low bits of a history entry that hold the key's score; the bits above hold its tag, and
 /// the top [`PLACE_BITS`] of those where it is placed.
-const USES_BITS: u32 = 8;
+const SCORE_BITS: u32 = 20;
 
-/// The bits of a key's place, which chooses its set: up to 2^24 sets.
-const PLACE_BITS: u32 = 24;
+/// The bits of a key's tag, which tells the keys of a set apart.
+const TAG_BITS: u32 = 24;
 
-/// How many times each recently seen key was used, cached or not: a set-associative table of
-/// key fingerprints with their counts, each set of [`WAYS`] in order of use. A key is forgotten
-/// when [`WAYS`] more recently used keys share its set: about the least recently used of the
-/// table's keys, as an LRU list would forget them, without the list's pointers (one random
-/// access per count instead of five; the policy's accesses took half as long again with the
-/// list).
+/// The bits of a key's place, which chooses its set: up to 2^20 sets, 2^25 keys.
+const PLACE_BITS: u32 = 64 - SCORE_BITS - TAG_BITS;
+
+/// A score's unit, in ticks of the clock in half-lives: 1/256 of a half-life.
+const SCORE_SHIFT: u32 = 24;
+
+/// The mask of an entry's score.
+const SCORE_MASK: u64 = (1 << SCORE_BITS) - 1;
+
+/// A score this many half-lives old counts nothing: its key is used as if for the first time.
+/// It is far inside the score's range (2^20 units of 1/256 half-life: 4,096 half-lives), so a
+/// score is read back as what it was, not as one a wrap of the range away.
+const FORGOTTEN_AFTER: f64 = 64.0;
+
+/// Every recently seen key's decayed uses, cached or not, held as a score: `log2 C` plus the
+/// clock of the key's last use, `C` the sum over its uses of `2^-(age / half-life)`, as LRFU
+/// ranks keys (Lee et al., "LRFU", IEEE Trans. Computers 2001). Stored as `log2 C + now`, a
+/// score decays by itself: read at a later `now`, it is the log of the decayed sum.
+///
+/// A set-associative table of key fingerprints with their scores, each set of [`WAYS`] in order
+/// of use. A key is forgotten when [`WAYS`] more recently used keys share its set: about the
+/// least recently used of the table's keys, as an LRU list would forget them, without the list's
+/// pointers (one random access per use instead of five; the policy's accesses took half as long
+/// again with the list).
 ///
 /// A key's set comes from its [`SampleKey::sample_bits`](super::SampleKey::sample_bits), its tag
 /// within the set from its [`SampleKey::identity_bits`](super::SampleKey::identity_bits): a trace
 /// chunk and the daemon's chunk of the same id share a set, and are forgotten at the same time,
 /// so the daemon still counts what the simulation counts, while the ranks of one chunk are
-/// counted apart. Two keys of one set with the same 32-bit tag would share a count: by chance,
-/// one pair in 2^32 in a set.
+/// counted apart. Two keys of one set with the same 24-bit tag would share a score: by chance,
+/// about one lookup in 2^19.
 pub(super) struct UseHistory {
-    /// `sets * WAYS` entries, each `place << 56 | tag << 8 | uses` (uses at least 1), 0 when
+    /// `sets * WAYS` entries, each `place << 44 | tag << 20 | score` (the tag never 0), 0 when
     /// empty; within a set the most recently used first.
     entries: Vec<u64>,
 }
@@ -95,12 +146,12 @@ impl UseHistory {
         z ^ (z >> 31)
     }
 
-    /// A key's entry without its uses: its place (from `sample_bits`) above its tag (from
-    /// `identity_bits`).
+    /// A key's entry without its score: its place (from `sample_bits`) above its tag (from
+    /// `identity_bits`, never 0, so an entry is never 0).
     fn key(sample_bits: u64, identity_bits: u64) -> u64 {
         let place = Self::mix(sample_bits) >> (64 - PLACE_BITS);
-        let tag = Self::mix(identity_bits) & 0xFFFF_FFFF;
-        (place << 32 | tag) << USES_BITS
+        let tag = (Self::mix(identity_bits) & ((1 << TAG_BITS) - 1)).max(1);
+        (place << TAG_BITS | tag) << SCORE_BITS
     }
 
     /// The first entry of the set of an entry's `key`.
@@ -116,49 +167,67 @@ impl UseHistory {
         }
     }
 
-    /// Counts one use of the key of these bits and returns its uses so far.
-    pub(super) fn record(&mut self, sample_bits: u64, identity_bits: u64) -> u32 {
+    /// Counts one use, at `now` (the clock in half-lives), of the key of these bits, and returns
+    /// the use as the frequency order ranks it.
+    pub(super) fn record(&mut self, sample_bits: u64, identity_bits: u64, now: u64) -> Use {
         if self.entries.is_empty() {
             self.grow(1);
         }
         let key = Self::key(sample_bits, identity_bits);
         let start = self.set_of(key);
-        let uses = Self::use_in(&mut self.entries[start..start + WAYS], key, 1);
-        u32::from(uses)
+        let set = &mut self.entries[start..start + WAYS];
+        let found = Self::find(set, key);
+        let log_uses = match found {
+            Some(at) => one_more(Self::decayed(set[at] & SCORE_MASK, now)),
+            None => 0.0,
+        };
+        let score = now.wrapping_add((log_uses * CAPACITY_OF_EVICTIONS as f64) as u64);
+        // Rounded to the nearest unit, so that scores carried from use to use do not drift.
+        let score = score.wrapping_add(1 << (SCORE_SHIFT - 1)) >> SCORE_SHIFT;
+        Self::put_first(set, found, key | (score & SCORE_MASK));
+        Use::at(now, log_uses)
     }
 
-    /// Adds `uses` to `key`'s count in `set` (a new entry when it has none, pushing out the
-    /// least recently used) and moves it first; returns its count.
-    fn use_in(set: &mut [u64], key: u64, uses: u8) -> u8 {
-        let found = Self::find(set, key);
+    /// The log of a key's decayed uses at `now`, from its stored `score`; minus infinity when
+    /// they count nothing any more.
+    fn decayed(score: u64, now: u64) -> f64 {
+        let range = 1u64 << SCORE_BITS;
+        let behind = (now >> SCORE_SHIFT).wrapping_sub(score) & SCORE_MASK;
+        // A score ahead of now (its uses count more than one) reads as a small negative age.
+        let age = if behind >= range / 2 { behind as f64 - range as f64 } else { behind as f64 };
+        let age = age / f64::from(1u32 << (32 - SCORE_SHIFT));
+        if age > FORGOTTEN_AFTER { f64::NEG_INFINITY } else { -age }
+    }
+
+    /// Puts `entry` first in `set`, where it was at `found`, or else in place of the least
+    /// recently used entry; those before it move down one.
+    fn put_first(set: &mut [u64], found: Option<usize>, entry: u64) {
         let at = found.unwrap_or(WAYS - 1);
-        let before = found.map_or(0, |at| set[at] as u8);
-        let count = before.saturating_add(uses);
-        // The used entry goes first; those before it move down one (the last one out).
         set.copy_within(0..at, 1);
-        set[0] = key | u64::from(count);
-        count
+        set[0] = entry;
     }
 
     /// Where `key` is in `set`.
     fn find(set: &[u64], key: u64) -> Option<usize> {
-        set.iter().position(|e| e >> USES_BITS << USES_BITS == key)
+        set.iter().position(|e| e >> SCORE_BITS << SCORE_BITS == key)
     }
 
-    /// The uses counted for the key of these bits, 1 when it is not remembered.
+    /// The log of the decayed uses of the key of these bits at `now`, minus infinity when it is
+    /// not remembered.
     #[cfg(test)]
-    pub(super) fn uses(&self, sample_bits: u64, identity_bits: u64) -> u32 {
+    pub(super) fn log_uses(&self, sample_bits: u64, identity_bits: u64, now: u64) -> f64 {
         if self.entries.is_empty() {
-            return 1;
+            return f64::NEG_INFINITY;
         }
         let key = Self::key(sample_bits, identity_bits);
         let start = self.set_of(key);
         let set = &self.entries[start..start + WAYS];
-        Self::find(set, key).map_or(1, |at| u32::from(set[at] as u8))
+        Self::find(set, key)
+            .map_or(f64::NEG_INFINITY, |at| Self::decayed(set[at] & SCORE_MASK, now))
     }
 
-    /// Grows the table to the next power of two of sets that holds `bound` keys (at most 2^24
-    /// sets), moving every remembered count to its new set, each old set's least recently used
+    /// Grows the table to the next power of two of sets that holds `bound` keys (at most 2^20
+    /// sets), moving every remembered score to its new set, each old set's least recently used
     /// first.
     fn grow(&mut self, bound: usize) {
         let sets = bound.div_ceil(WAYS).next_power_of_two().min(1 << PLACE_BITS);
@@ -168,9 +237,8 @@ impl UseHistory {
         let old = std::mem::replace(&mut self.entries, vec![0; sets * WAYS]);
         for entry in old.chunks_exact(WAYS).flat_map(|set| set.iter().rev()) {
             if *entry != 0 {
-                let key = entry >> USES_BITS << USES_BITS;
-                let start = self.set_of(key);
-                Self::use_in(&mut self.entries[start..start + WAYS], key, *entry as u8);
+                let start = self.set_of(*entry);
+                Self::put_first(&mut self.entries[start..start + WAYS], None, *entry);
             }
         }
     }
@@ -201,14 +269,11 @@ pub(super) struct FrequencyLists<K> {
     /// The standing of each class's oldest key ([`NO_STANDING`] when empty), kept as the oldest
     /// change, so that the lowest of all is found without reading a key.
     backs: [Standing; CLASSES],
-    /// The priority of the last victim: what a use adds its value to. In a group, the group's
-    /// floor is used instead and this one stays 0.
-    pub(super) floor: u64,
 }
 
 impl<K: Hash + Eq + Clone> FrequencyLists<K> {
     pub(super) fn new() -> Self {
-        FrequencyLists { keys: KeyedLists::new(), backs: [NO_STANDING; CLASSES], floor: 0 }
+        FrequencyLists { keys: KeyedLists::new(), backs: [NO_STANDING; CLASSES] }
     }
 
     pub(super) fn len(&self) -> usize {
@@ -224,11 +289,10 @@ impl<K: Hash + Eq + Clone> FrequencyLists<K> {
         self.backs[class] = self.keys.back(class).map_or(NO_STANDING, |id| *self.keys.value(id));
     }
 
-    /// A use of `key`, tracked or not, now used `uses` times in all, stamped `stamp`, above
-    /// `floor`: it goes to the front of its class.
-    pub(super) fn use_key(&mut self, key: K, uses: u32, stamp: u64, floor: u64) {
-        let class = class_of(uses);
-        let standing = (floor.saturating_add(class_value(class)), stamp);
+    /// A use of `key`, tracked or not, ranked `used`, stamped `stamp`: it goes to the front of
+    /// its class.
+    pub(super) fn use_key(&mut self, key: K, used: Use, stamp: u64) {
+        let (class, standing) = (used.class, (used.priority, stamp));
         let (id, added) = self.keys.push_front_if_absent(class, key, standing);
         if !added {
             let was = self.keys.list_of(id);
@@ -308,12 +372,11 @@ impl<K: Hash + Eq + Clone> FrequencyLists<K> {
         key
     }
 
-    /// Evicts the key of lowest standing, every key eligible, raising the floor to its
-    /// priority: the order alone, as the shadow replays it.
+    /// Evicts the key of lowest standing, every key eligible: the order alone, as the shadow
+    /// replays it.
     pub(super) fn evict_one(&mut self) -> Option<K> {
         let mut scan = self.scan();
-        let (id, (priority, _)) = self.next_victim(&mut scan, &mut |_| true)?;
-        self.floor = self.floor.max(priority);
+        let (id, _) = self.next_victim(&mut scan, &mut |_| true)?;
         Some(self.take(id, &mut scan))
     }
 }
@@ -326,26 +389,88 @@ pub(super) struct FrequencyScan([Option<NodeId>; CLASSES]);
 mod tests {
     use super::*;
 
+    /// One half-life of the clock, in its ticks.
+    const HALF: u64 = CAPACITY_OF_EVICTIONS;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 0.01
+    }
+
     #[test]
-    fn the_history_counts_uses_and_forgets_the_least_recent_of_a_set() {
+    fn the_history_sums_uses_that_halve_each_half_life() {
+        let mut history = UseHistory::new();
+        history.reserve(WAYS);
+        // Two uses at once: C = 2, a whole doubling, class 4 of quarters.
+        assert_eq!(history.record(1, 1, 10 * HALF), Use::at(10 * HALF, 0.0));
+        let second = history.record(1, 1, 10 * HALF);
+        assert_eq!(second, Use { class: 4, priority: 10 * HALF + HALF });
+        // One half-life later the two count as one; a third use then makes two.
+        assert!(close(history.log_uses(1, 1, 11 * HALF), 0.0));
+        let third = history.record(1, 1, 11 * HALF);
+        assert_eq!(third.class, 4, "{third:?}");
+        // Two half-lives after that, C = 2 / 4 = 1/2; a use makes 3/2.
+        assert!(close(history.log_uses(1, 1, 13 * HALF), -1.0));
+        let fourth = history.record(1, 1, 13 * HALF);
+        assert_eq!(fourth.class, (1.5f64.log2() * 4.0) as usize);
+        // A key not used for 64 half-lives counts as new.
+        assert_eq!(history.log_uses(1, 1, 78 * HALF), f64::NEG_INFINITY);
+        assert_eq!(history.record(1, 1, 78 * HALF), Use::at(78 * HALF, 0.0));
+        // A key never seen, likewise.
+        assert_eq!(history.log_uses(2, 2, 78 * HALF), f64::NEG_INFINITY);
+    }
+
+    #[test]
+    fn a_key_used_often_ranks_ahead_of_one_used_once_until_its_uses_decay() {
+        let mut history = UseHistory::new();
+        history.reserve(WAYS);
+        let mut often = Use::at(0, 0.0);
+        for _ in 0..6 {
+            often = history.record(1, 1, 0);
+        }
+        // Six uses: log2 6 = 2.58, ten quarters of a half-life ahead of a key used once at the
+        // same time.
+        assert_eq!(often, Use { class: 10, priority: 10 * HALF / 4 });
+        assert!(history.record(2, 2, 2 * HALF).priority < often.priority);
+        assert!(history.record(3, 3, 3 * HALF).priority > often.priority);
+        // Used again at 4, it ranks ahead of the key used once at 4 by its decayed uses:
+        // 1 + 6/16.
+        let again = history.record(1, 1, 4 * HALF);
+        assert_eq!(again.class, (1.375f64.log2() * 4.0) as usize, "{again:?}");
+        assert!(again.priority > history.record(4, 4, 4 * HALF).priority);
+    }
+
+    #[test]
+    fn the_history_forgets_the_least_recent_of_a_set() {
         let mut history = UseHistory::new();
         // A table of one set.
         history.reserve(WAYS);
-        assert_eq!(history.record(1, 1), 1);
-        assert_eq!(history.record(2, 2), 1);
-        assert_eq!(history.record(1, 1), 2);
-        assert_eq!(history.record(2, 2), 2);
-        assert_eq!(history.record(1, 1), 3);
-        assert_eq!((history.uses(1, 1), history.uses(2, 2), history.uses(3, 3)), (3, 2, 1));
+        history.record(1, 1, 0);
+        history.record(2, 2, 0);
+        history.record(1, 1, 0);
+        assert!(close(history.log_uses(1, 1, 0), 1.0));
+        assert!(close(history.log_uses(2, 2, 0), 0.0));
         // More keys fill the set, pushing out 2, then 1: the least recently used go first.
         for key in 10..(10 + WAYS as u64 - 1) {
-            history.record(key, key);
+            history.record(key, key, 0);
         }
         assert_eq!(history.len(), WAYS);
-        assert_eq!((history.uses(1, 1), history.uses(2, 2)), (3, 1), "2 is forgotten");
-        history.record(100, 100);
-        assert_eq!(history.uses(1, 1), 1, "then 1");
-        assert_eq!(history.record(1, 1), 1, "a forgotten key starts again");
+        assert_eq!(history.log_uses(2, 2, 0), f64::NEG_INFINITY, "2 is forgotten");
+        assert!(close(history.log_uses(1, 1, 0), 1.0), "1 is not");
+        history.record(100, 100, 0);
+        assert_eq!(history.log_uses(1, 1, 0), f64::NEG_INFINITY, "then 1");
+        assert_eq!(history.record(1, 1, 0).class, 0, "a forgotten key starts again");
+    }
+
+    #[test]
+    fn a_score_reads_back_across_the_wrap_of_its_range() {
+        let mut history = UseHistory::new();
+        history.reserve(WAYS);
+        // The score's range is 4,096 half-lives; uses either side of its wrap still add up.
+        let wrap = 4_096 * HALF;
+        history.record(1, 1, wrap - HALF / 2);
+        assert!(close(history.log_uses(1, 1, wrap + HALF / 2), -1.0));
+        assert_eq!(history.record(1, 1, wrap - HALF / 2).class, 4);
+        assert!(close(history.log_uses(1, 1, wrap + HALF / 2), 0.0));
     }
 
     #[test]
@@ -353,10 +478,11 @@ mod tests {
         let mut history = UseHistory::new();
         history.reserve(64 * WAYS);
         // One chunk (sample bits 7) of two ranks: counted apart.
-        history.record(7, 70);
-        history.record(7, 70);
-        history.record(7, 71);
-        assert_eq!((history.uses(7, 70), history.uses(7, 71)), (2, 1));
+        history.record(7, 70, 0);
+        history.record(7, 70, 0);
+        history.record(7, 71, 0);
+        assert!(close(history.log_uses(7, 70, 0), 1.0));
+        assert!(close(history.log_uses(7, 71, 0), 0.0));
         // Fed the same sample bits in the same order, under other identities (a trace's chunk
         // ids, the daemon's keys), two histories count and forget alike.
         let (mut trace, mut daemon) = (UseHistory::new(), UseHistory::new());
@@ -365,68 +491,52 @@ mod tests {
             trace.reserve(4 * WAYS);
             daemon.reserve(4 * WAYS);
             let identity = chunk.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD;
-            assert_eq!(trace.record(chunk, chunk), daemon.record(chunk, identity), "at {i}");
+            let now = i * HALF / 500;
+            assert_eq!(trace.record(chunk, chunk, now), daemon.record(chunk, identity, now));
         }
     }
 
     #[test]
-    fn the_history_keeps_its_counts_when_it_grows() {
+    fn the_history_keeps_its_scores_when_it_grows() {
         let mut history = UseHistory::new();
         history.reserve(2 * WAYS);
         let keys = 2 * WAYS as u64;
         for key in 0..keys {
             for _ in 0..=key % 3 {
-                history.record(key, key);
+                history.record(key, key, 0);
             }
         }
         history.reserve(4_096);
         assert_eq!(history.entries.len(), 4_096);
-        let counts: Vec<u32> = (0..keys).map(|key| history.uses(key, key)).collect();
-        let kept = counts.iter().zip(0u32..).filter(|(c, k)| **c == k % 3 + 1).count();
+        let kept = (0..keys)
+            .filter(|key| close(history.log_uses(*key, *key, 0), ((key % 3 + 1) as f64).log2()))
+            .count() as u64;
         // Two sets of 32 keys may have pushed a few out before the table grew.
-        assert!(kept as u64 >= keys - 8, "{kept} of {keys} counts kept: {counts:?}");
+        assert!(kept >= keys - 8, "{kept} of {keys} scores kept");
     }
 
     #[test]
-    fn a_key_used_more_often_outlasts_keys_used_once_until_the_floor_passes_it() {
+    fn keys_go_by_priority_then_least_recently_used_across_classes() {
         let mut lists = FrequencyLists::new();
-        // Key 0 used three times (value 27), keys 1.. once each (value 1), in room for 4.
-        lists.use_key(0u32, 3, 1, lists.floor);
-        let mut victims = vec![];
-        for key in 1..200u32 {
-            lists.use_key(key, 1, u64::from(key) + 1, lists.floor);
-            if lists.len() > 4 {
-                victims.push(lists.evict_one().unwrap_or(u32::MAX));
-            }
-        }
-        // Each key used once enters one above the floor, and the floor rises to each victim's
-        // priority: by one every three evictions, the three other keys' turn. Key 0 goes once
-        // it has risen past 27, where LRU would have evicted it first.
-        assert_eq!(victims.iter().position(|k| *k == 0), Some(104), "{victims:?}");
-        assert_eq!(victims[..104], (1..105).collect::<Vec<_>>()[..]);
-    }
-
-    #[test]
-    fn equal_priorities_go_least_recently_used_first_across_classes() {
-        let mut lists = FrequencyLists::new();
-        // Used once above floor 0 (priority 1), twice above 0 (8), once above 7 (8).
-        lists.use_key(10u32, 1, 1, 0);
-        lists.use_key(20u32, 2, 2, 0);
-        lists.use_key(30u32, 1, 3, 7);
-        assert_eq!(lists.lowest(), Some((1, 1)));
-        assert_eq!(lists.evict_one(), Some(10));
-        assert_eq!(lists.evict_one(), Some(20), "8 and 8: the older use goes first");
+        // Used in this order, at these times, with these decayed uses.
+        lists.use_key(20u32, Use::at(0, 1.0), 1);
+        lists.use_key(30u32, Use::at(0, 0.0), 2);
+        lists.use_key(40u32, Use::at(0, 2.0), 3);
+        lists.use_key(10u32, Use::at(HALF, 0.0), 4);
+        assert_eq!(lists.lowest(), Some((0, 2)));
         assert_eq!(lists.evict_one(), Some(30));
+        assert_eq!(lists.evict_one(), Some(20), "a doubling is worth a half-life; 20 is older");
+        assert_eq!(lists.evict_one(), Some(10));
+        assert_eq!(lists.evict_one(), Some(40));
         assert_eq!(lists.evict_one(), None);
-        assert_eq!(lists.floor, 8);
     }
 
     #[test]
     fn classes_stop_at_the_last() {
-        assert_eq!(class_of(0), 0);
-        assert_eq!(class_of(1), 0);
-        assert_eq!(class_of(6), CLASSES - 1);
-        assert_eq!(class_of(u32::MAX), CLASSES - 1);
-        assert_eq!((class_value(0), class_value(1), class_value(5)), (1, 8, 216));
+        assert_eq!(Use::at(0, 0.0).class, 0);
+        assert_eq!(Use::at(0, 0.26).class, 1);
+        assert_eq!(Use::at(0, 5.99).class, CLASSES - 1);
+        assert_eq!(Use::at(0, 1e9).class, CLASSES - 1);
+        assert_eq!(Use::at(u64::MAX, 1e9).priority, u64::MAX);
     }
 }

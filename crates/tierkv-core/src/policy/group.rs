@@ -14,7 +14,8 @@
 //! its shard's lock and read by nobody's lock. From those the group names the shard whose next
 //! victim one policy over all the keys would take: the oldest key for LRU and for the adaptive policy in recency order; in ARC's order, the oldest
 //! key of `T1` or of `T2`, as ARC decides from the summed `T1` and the group's one target; in the
-//! frequency order, the key of lowest priority, whose floor is one for the group. The
+//! frequency order, the key of lowest priority, each priority read on the group's one clock of
+//! evictions. The
 //! adaptive policy's order is judged once for the group, from the sum of every shard's shadows'
 //! wins. For S3-FIFO, the oldest entry of the small FIFOs while they hold their share of the
 //! keys summed over the shards, else of the main FIFOs.
@@ -27,7 +28,8 @@
 //! wanders, and a ghost dropped while it is low stays dropped), and cost the sharded adaptive
 //! policy up to 0.008 of hit ratio below LRU (docs/performance.md).
 //!
-//! Costs: one shared counter per use (the clock) and per eviction, a few relaxed stores per
+//! Costs: one shared counter per use (the clock) and two per eviction (the eviction count and
+//! the frequency order's clock of evictions), a few relaxed stores per
 //! policy call, and, per eviction, a read of every shard's atomics (L1 has at most 64 shards by
 //! default).
 //!
@@ -76,8 +78,9 @@ pub struct PolicyGroup {
     standings: Box<[Standing]>,
     /// The adaptive policy's order for the whole group: an index into [`Mode::ALL`].
     mode: AtomicU64,
-    /// The adaptive policy's frequency order's floor: the priority of the group's last victim.
-    floor: AtomicU64,
+    /// The adaptive policy's frequency order's clock: evictions in every shard, a capacity of
+    /// them [`CAPACITY_OF_EVICTIONS`](super::frequency::CAPACITY_OF_EVICTIONS) ticks.
+    time: AtomicU64,
     /// The eviction count when the order was last judged from every shard's wins; `u64::MAX`
     /// before the first judgment.
     judged_at: AtomicU64,
@@ -140,7 +143,7 @@ impl PolicyGroup {
             clock: AtomicU64::new(0),
             standings: (0..shards.max(1)).map(|_| Standing::default()).collect(),
             mode: AtomicU64::new(0),
-            floor: AtomicU64::new(0),
+            time: AtomicU64::new(0),
             judged_at: AtomicU64::new(u64::MAX),
             target: AtomicU64::new(0f64.to_bits()),
             evictions: AtomicU64::new(0),
@@ -263,17 +266,9 @@ impl PolicyGroup {
         self.standings.len()
     }
 
-    /// The frequency order's floor for every shard.
-    pub(super) fn floor(&self) -> u64 {
-        self.floor.load(Ordering::Relaxed)
-    }
-
-    /// Raises the frequency order's floor to a victim's `priority`, if that is higher (and
-    /// writes nothing otherwise, so the shards reading it keep their copy of its cache line).
-    pub(super) fn raise_floor(&self, priority: u64) {
-        if priority > self.floor.load(Ordering::Relaxed) {
-            self.floor.fetch_max(priority, Ordering::Relaxed);
-        }
+    /// The frequency order's clock for every shard.
+    pub(super) fn time(&self) -> u64 {
+        self.time.load(Ordering::Relaxed)
     }
 
     /// The keys the adaptive policy's shards track, `T1` and `T2` of every shard.
@@ -320,6 +315,7 @@ impl PolicyGroup {
 
     /// Numbers an eviction by ARC's lists in any shard: the ghost it leaves carries the number.
     pub(super) fn count_eviction(&self) -> u64 {
+        self.time.fetch_add(super::frequency::tick_among(self.tracked()), Ordering::Relaxed);
         self.evictions.fetch_add(1, Ordering::Relaxed) + 1
     }
 
@@ -584,8 +580,9 @@ mod tests {
         assert_eq!(joined.order(), Order::Frequency, "the shadows saw too little to switch");
         // Wherever they live, the keys used twice go, least recently used first.
         assert_eq!(victims, (60..110).collect::<Vec<_>>());
-        // Each raised the group's one floor to its priority, 0 + 2 cubed.
-        assert_eq!(joined.group.floor(), 8);
+        // Each advanced the group's one clock by a tracked key's share of a capacity.
+        let ticks: u64 = (71..=120u64).map(|tracked| (1 << 32) / tracked).sum();
+        assert_eq!(joined.group.time(), ticks);
         let shards: std::collections::HashSet<usize> =
             victims.iter().map(|k| shard_of(k, 4)).collect();
         assert_eq!(shards.len(), 4, "the victims came from every shard");

@@ -86,7 +86,7 @@ pub enum Order {
     Recency,
     /// ARC's choice between keys used once and keys used again.
     Arc,
-    /// The lowest GreedyDual priority over use counts remembered past eviction.
+    /// The lowest priority by decayed use counts (LRFU) remembered past eviction.
     Frequency,
 }
 
