@@ -1192,6 +1192,15 @@ impl L1Manager {
 
     // ----- inspection -----
 
+    /// Tells L1's eviction policy that the tiers below keep `chunks` more of what L1 evicts (the
+    /// cascade), so that it ages uses over the turnover of all the tiers together
+    /// ([`tierkv_core::policy::EvictionPolicy::keep_below`]).
+    pub fn keep_below(&self, chunks: usize) {
+        for shard in 0..self.index.shard_count() {
+            self.index.shard_at(shard).policy.keep_below(chunks);
+        }
+    }
+
     /// Where `key` stands, without leasing it.
     pub fn presence(&self, key: &ObjectKey) -> Presence {
         match self.index.shard(key).map.get(key) {

@@ -265,7 +265,9 @@ pub fn simulate_cascade(
     if l1 == 0 {
         return simulate_online(trace, policy.build(), 0, |_| true);
     }
-    let l1_policy = (policy.build_sharded(shards), l1);
+    let mut l1_policy = (policy.build_sharded(shards), l1);
+    // What L1 evicts goes down: its policy ages uses over the tiers' turnover, as the daemon's.
+    l1_policy.0.keep_below(lower.chunks());
     let l2 = (lower.l2 > 0).then(|| (policy.build(), lower.l2));
     let mut cascade = Cascade {
         tiers: std::iter::once(l1_policy).chain(l2).collect(),

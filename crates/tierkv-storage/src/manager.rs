@@ -84,6 +84,13 @@ impl L1Observer for Forward {
     fn evicted(&self, _keys: &[ObjectKey], _reason: EvictionReason) {}
 }
 
+/// The chunks of L1's slot size the host and disk stores hold together.
+fn chunks_below(config: &StorageConfig, host: Option<&HostStore>, disk: Option<&DiskStore>) -> u64 {
+    let slot = config.l1.slot_bytes.max(1);
+    host.map_or(0, |h| h.config().capacity_bytes / h.config().chunk_bytes.max(1))
+        .saturating_add(disk.map_or(0, |d| d.chunk_capacity(slot)))
+}
+
 /// The judge the host and disk stores follow, when the cascade hands chunks down to either and
 /// it runs the adaptive policy: one judge of the tiers' combined size, in chunks of L1's slots,
 /// fed every lookup (see [`Judge`]). `None` when no tier below L1 has a choice of order.
@@ -99,11 +106,7 @@ fn judge_below(
         return None;
     }
     let slot = config.l1.slot_bytes.max(1);
-    let chunks = (config.l1.capacity_bytes / slot)
-        .saturating_add(
-            host.map_or(0, |h| h.config().capacity_bytes / h.config().chunk_bytes.max(1)),
-        )
-        .saturating_add(disk.map_or(0, |d| d.chunk_capacity(slot)));
+    let chunks = (config.l1.capacity_bytes / slot).saturating_add(chunks_below(config, host, disk));
     let judge = Judge::new(usize::try_from(chunks).unwrap_or(usize::MAX));
     if let Some(host) = host.filter(|_| host_follows) {
         host.follow(judge.order());
@@ -327,6 +330,12 @@ impl StorageManager {
         }
         let context = L1Context { clock: Arc::clone(&clock), observer, demoter };
         let l1 = Arc::new(L1Manager::build(config.l1.clone(), context)?);
+        if cascade {
+            // What L1 evicts goes down to the host and disk stores: L1's policy ages uses over
+            // the tiers' turnover, as the simulation's cascade does.
+            let below = chunks_below(&config, host.as_deref(), disk.as_deref());
+            l1.keep_below(usize::try_from(below).unwrap_or(usize::MAX));
+        }
         let disk_index = tiers.iter().position(|t| t.name() == "disk");
         let remote_index = tiers
             .iter()

@@ -417,6 +417,13 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
         self.cache.contains(key)
     }
 
+    fn keep_below(&mut self, chunks: usize) {
+        match &self.member {
+            Some(member) => member.group.keep_below(chunks),
+            None => self.cache.below = chunks,
+        }
+    }
+
     fn follow(&mut self, order: JudgedOrder) {
         self.mode = order.mode_below();
         self.followed = Some(order);
@@ -600,6 +607,9 @@ struct ArcLists<K> {
     /// [`CAPACITY_OF_EVICTIONS`](super::frequency::CAPACITY_OF_EVICTIONS) ticks (in a group,
     /// the group keeps it).
     time: u64,
+    /// The chunks the tiers below keep of what this policy evicts
+    /// ([`EvictionPolicy::keep_below`]): a capacity of evictions counts them too.
+    below: usize,
     /// The group whose clock stamps the keys and which decides ARC's choice, if any.
     group: Option<Arc<PolicyGroup>>,
     /// This policy's shard in the group.
@@ -623,6 +633,7 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             clock: 0,
             evictions: 0,
             time: 0,
+            below: 0,
             group: None,
             shard: 0,
             next: None,
@@ -739,7 +750,7 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             return group.count_eviction();
         }
         self.evictions += 1;
-        self.time += tick_among(self.len());
+        self.time += tick_among(self.len().saturating_add(self.below));
         self.evictions
     }
 

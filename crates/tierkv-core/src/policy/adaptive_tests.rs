@@ -649,3 +649,36 @@ fn a_follower_evicts_in_the_judged_order_whatever_its_own_traffic_says() {
         assert_eq!(follower.order(), followed, "{chosen:?}");
     }
 }
+
+/// Evictions until key 0, used four times, goes from a policy of 64 keys in the frequency order
+/// that fresh keys stream through, `below` chunks being kept by the tiers below it.
+fn evictions_until_a_key_used_often_goes(below: usize) -> usize {
+    let mut policy = Adaptive::<u32>::new();
+    policy.keep_below(below);
+    policy.force_mode(Mode::Frequency);
+    for key in 0..64 {
+        policy.insert(key);
+    }
+    for _ in 0..3 {
+        policy.touch(&0);
+    }
+    for (evictions, fresh) in (64..100_000).enumerate() {
+        if policy.evict(1, &mut |_| true) == [0] {
+            return evictions;
+        }
+        policy.insert(fresh);
+    }
+    usize::MAX
+}
+
+#[test]
+fn tiers_below_l1_slow_the_ageing_of_its_uses_to_their_turnover() {
+    // Four uses at once count two doublings: two half-lives of six capacities of evictions, 768
+    // among 64 keys, before key 0 ranks below a fresh key, and it goes once the 63 fresh keys
+    // cached with it were used after that.
+    let alone = evictions_until_a_key_used_often_goes(0);
+    assert!((825..=835).contains(&alone), "{alone}");
+    // With 640 chunks below, a capacity of evictions is 704: eleven times as long.
+    let cascaded = evictions_until_a_key_used_often_goes(640);
+    assert!((8_500..=8_520).contains(&cascaded), "{cascaded}");
+}

@@ -81,6 +81,8 @@ pub struct PolicyGroup {
     /// The adaptive policy's frequency order's clock: evictions in every shard, a capacity of
     /// them [`CAPACITY_OF_EVICTIONS`](super::frequency::CAPACITY_OF_EVICTIONS) ticks.
     time: AtomicU64,
+    /// The chunks the tiers below keep of what the group evicts ([`EvictionPolicy::keep_below`]).
+    below: AtomicU64,
     /// The eviction count when the order was last judged from every shard's wins; `u64::MAX`
     /// before the first judgment.
     judged_at: AtomicU64,
@@ -144,6 +146,7 @@ impl PolicyGroup {
             standings: (0..shards.max(1)).map(|_| Standing::default()).collect(),
             mode: AtomicU64::new(0),
             time: AtomicU64::new(0),
+            below: AtomicU64::new(0),
             judged_at: AtomicU64::new(u64::MAX),
             target: AtomicU64::new(0f64.to_bits()),
             evictions: AtomicU64::new(0),
@@ -271,6 +274,11 @@ impl PolicyGroup {
         self.time.load(Ordering::Relaxed)
     }
 
+    /// Counts `chunks` kept below the group's cache in each capacity of its evictions.
+    pub(super) fn keep_below(&self, chunks: usize) {
+        self.below.store(chunks as u64, Ordering::Relaxed);
+    }
+
     /// The keys the adaptive policy's shards track, `T1` and `T2` of every shard.
     pub(super) fn tracked(&self) -> usize {
         self.keys.load(Ordering::Relaxed) as usize
@@ -315,7 +323,8 @@ impl PolicyGroup {
 
     /// Numbers an eviction by ARC's lists in any shard: the ghost it leaves carries the number.
     pub(super) fn count_eviction(&self) -> u64 {
-        self.time.fetch_add(super::frequency::tick_among(self.tracked()), Ordering::Relaxed);
+        let turnover = self.tracked().saturating_add(self.below.load(Ordering::Relaxed) as usize);
+        self.time.fetch_add(super::frequency::tick_among(turnover), Ordering::Relaxed);
         self.evictions.fetch_add(1, Ordering::Relaxed) + 1
     }
 
@@ -433,6 +442,12 @@ where
 
     fn order(&self) -> Order {
         self.group.order()
+    }
+
+    fn keep_below(&mut self, chunks: usize) {
+        for member in &mut self.members {
+            member.keep_below(chunks);
+        }
     }
 
     fn evict(&mut self, n: usize, eligible: &mut dyn FnMut(&K) -> bool) -> Vec<K> {

@@ -71,6 +71,12 @@ pub trait EvictionPolicy<K>: Send {
     /// lookup. Policies with one order ignore it.
     fn follow(&mut self, _order: JudgedOrder) {}
 
+    /// Tells an L1 policy that the tiers below it keep `chunks` more of what it evicts (the
+    /// cascade): the adaptive policy's frequency order then ages a use over the evictions of
+    /// L1's and those tiers' keys together, the turnover of one cache of all the tiers' size,
+    /// rather than over L1's alone. Policies without a frequency order ignore it.
+    fn keep_below(&mut self, _chunks: usize) {}
+
     /// Chooses up to `n` victims among the keys for which `eligible` returns true, stops
     /// tracking them and returns them, first victim first.
     ///
