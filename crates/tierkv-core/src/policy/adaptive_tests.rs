@@ -212,11 +212,17 @@ impl Model {
         let tag = Self::tag(key);
         let before = self.put_tag(tag, 0);
         let log_uses = match before {
-            // Its log decayed uses before this one, `y`, then `log2(1 + 2^y)`.
+            // Its log decayed uses before this one, `y`, then `log2(1 + 2^y)`; past 16
+            // half-lives its uses count nothing, and `2^-|y|` that far counts nothing either.
             Some(score) => {
-                let age = ((now >> 24) as f64 - score as f64) / 256.0;
-                let y = if age > 64.0 { f64::NEG_INFINITY } else { -age };
-                y.max(0.0) + (-y.abs()).exp2().ln_1p() / std::f64::consts::LN_2
+                let y = (score as f64 - (now >> 24) as f64) / 256.0;
+                if y < -16.0 {
+                    0.0
+                } else if y.abs() > 16.0 {
+                    y.max(0.0)
+                } else {
+                    y.max(0.0) + (-y.abs()).exp2().ln_1p() / std::f64::consts::LN_2
+                }
             }
             None => 0.0,
         };
