@@ -23,7 +23,7 @@
 //! **Cost.** `log2 C` is taken in quarters of a doubling, [`CLASSES`] of them (`C` up to 64).
 //! Keys of one class share a recency list, and within a class priorities follow the order of
 //! use (the clock only advances), so the victim is the lowest of the [`CLASSES`] lists' backs:
-//! O(1) per use (two floating-point operations for the decay), O(`CLASSES`) per victim, no
+//! O(1) per use (the decay is a table lookup and an add), O(`CLASSES`) per victim, no
 //! allocation in steady state. The history is a set-associative table of 8-byte entries for
 //! [`HISTORY_FACTOR`] times the tracked keys, rounded up to a power of two of sets: under 512
 //! bytes a cached chunk, a few hundredths of a percent of a 2 MiB chunk.
