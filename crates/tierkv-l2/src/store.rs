@@ -41,7 +41,12 @@ struct Entry {
 
 impl Entry {
     fn evictable(&self) -> bool {
-        self.ready && self.locks == 0 && self.pins == 0
+        self.ready && !self.held()
+    }
+
+    /// Whether a lookup's lock or a load's pin keeps the entry.
+    fn held(&self) -> bool {
+        self.locks > 0 || self.pins > 0
     }
 }
 
@@ -55,12 +60,15 @@ struct Index {
     policy: Box<dyn EvictionPolicy<ObjectKey>>,
     locks: u64,
     ready: u64,
+    /// Ready entries a lock or a pin keeps: the policy may give up `ready - held` of them.
+    held: u64,
 }
 
 impl Index {
     /// `n` slots for a store task, evicting unlocked, unpinned entries that are not among the
-    /// task's own keys. All or nothing: when `n` cannot be had, nothing is evicted and the
-    /// candidates go back to the policy. Returns the slots and the victims, each with the slot
+    /// task's own keys. All or nothing: when `n` cannot be had, nothing is evicted, and the
+    /// policy is not asked, so its order stays as it was (victims handed back to it would come
+    /// back as its newest keys). Returns the slots and the victims, each with the slot
     /// it held (now among the returned ones, its bytes still in place) and its length.
     fn reserve_slots(
         &mut self,
@@ -69,6 +77,13 @@ impl Index {
     ) -> Option<(Vec<u32>, Vec<Victim>)> {
         let from_free = n.min(self.free.len());
         let short = n - from_free;
+        if short > 0 {
+            let own = task_keys.iter().filter(|k| self.map.get(k).is_some_and(Entry::evictable));
+            let evictable = self.ready.saturating_sub(self.held + own.count() as u64);
+            if evictable < short as u64 {
+                return None;
+            }
+        }
         let Index { map, policy, .. } = self;
         let victims = if short > 0 {
             policy.evict(short, &mut |k| {
@@ -78,6 +93,8 @@ impl Index {
             Vec::new()
         };
         if victims.len() < short {
+            // Not reached: the policy tracks exactly the ready entries, and enough of them are
+            // evictable. Should it be, nothing is lost: the victims stay, as its newest keys.
             for victim in victims {
                 policy.insert(victim);
             }
@@ -170,6 +187,7 @@ impl HostStore {
                 policy: config.policy.build(),
                 locks: 0,
                 ready: 0,
+                held: 0,
             }),
             closed: AtomicBool::new(false),
             next_task: AtomicU64::new(1),
@@ -504,10 +522,11 @@ impl Shared {
     /// leaf first, so the root ends up the most recent and eviction takes a chain's tail first.
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
-        let Index { map, policy, locks, .. } = &mut *index;
+        let Index { map, policy, locks, held, .. } = &mut *index;
         let mut found = vec![false; keys.len()];
         for (i, key) in keys.iter().enumerate().rev() {
             if let Some(entry) = map.get_mut(key).filter(|e| e.ready) {
+                *held += u64::from(!entry.held());
                 entry.locks += 1;
                 *locks += 1;
                 policy.touch(key);
@@ -521,10 +540,12 @@ impl Shared {
         // Pin under the lock, copy outside it, unpin under it again.
         let pinned: Vec<Option<(u32, u64)>> = {
             let mut index = self.index.lock();
+            let Index { map, held, .. } = &mut *index;
             items
                 .iter()
-                .map(|item| match index.map.get_mut(&item.key) {
+                .map(|item| match map.get_mut(&item.key) {
                     Some(entry) if entry.ready && entry.len == item.sink.len() => {
+                        *held += u64::from(!entry.held());
                         entry.pins += 1;
                         Some((entry.slot, entry.len))
                     }
@@ -549,11 +570,13 @@ impl Shared {
             }
         }
         let mut index = self.index.lock();
+        let Index { map, held, .. } = &mut *index;
         for (item, pin) in items.iter().zip(&pinned) {
             if pin.is_some()
-                && let Some(entry) = index.map.get_mut(&item.key)
+                && let Some(entry) = map.get_mut(&item.key)
             {
                 entry.pins -= 1;
+                *held -= u64::from(!entry.held());
             }
         }
         drop(index);
@@ -618,7 +641,9 @@ impl TierAdapter for HostStore {
                 && entry.locks > 0
             {
                 entry.locks -= 1;
+                let released = !entry.held();
                 index.locks -= 1;
+                index.held -= u64::from(released);
             }
         }
     }

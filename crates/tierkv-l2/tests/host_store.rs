@@ -157,6 +157,38 @@ fn a_store_task_never_evicts_its_own_keys_and_a_failed_one_evicts_nothing() {
 }
 
 #[test]
+fn a_store_that_cannot_fit_leaves_the_eviction_order_as_it_was() {
+    // LRU, so the order is plain: 0 is the oldest, then 1, 2, 3.
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        workers: 1,
+        policy: tierkv_core::policy::PolicyKind::Lru,
+        ..HostStoreConfig::new(4 * CHUNK, CHUNK)
+    };
+    let tier = Arc::new(HostStore::open(config).unwrap());
+    let mut h = Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) });
+    for k in 0..4 {
+        h.store(&[key(k)]).unwrap();
+    }
+    // 2 and 3 locked: three new keys cannot fit in the two evictable slots.
+    assert_eq!(h.lookup(&keys(2..4)).count_ones(), 2);
+    assert!(matches!(h.store(&keys(10..13)), Err(TierError::NoSpace(_))));
+    h.tier.unlock(&keys(2..4));
+    // The refused store took nothing from the order: the next victim is still the oldest, 0,
+    // not 2 (which 0 and 1 would be newer than had they gone back to the policy as new).
+    // (Presence is read only at the end: a lookup touches what it finds.)
+    h.store(&[key(20)]).unwrap();
+    h.store(&[key(21)]).unwrap();
+    let present = h.present(&[key(0), key(1), key(2), key(3), key(20), key(21)]);
+    assert_eq!(
+        (0..6).map(|i| present.get(i)).collect::<Vec<_>>(),
+        [false, false, true, true, true, true],
+        "the two oldest objects went, 0 and 1"
+    );
+    h.assert_loads(&keys(2..4));
+}
+
+#[test]
 fn background_eviction_brings_occupancy_to_the_low_watermark_and_spares_locked_keys() {
     let config = HostStoreConfig {
         memory: HostMemory::Plain,
