@@ -433,26 +433,45 @@ struct InFlight<'a> {
 /// Which segment lives had a write fail, and which records the tasks in flight handed over.
 #[derive(Default)]
 struct LifeFailures {
-    /// Lives (segment, epoch) with a failed write, and the lowest offset that failed.
-    failed: HashMap<(u32, u64), u64>,
+    /// For each segment whose current life had a write fail: the life's epoch and the lowest
+    /// offset that failed. A record of a later life drops it, so there is at most one entry a
+    /// segment: a segment is reused only once every task that wrote its earlier life has ended
+    /// (its unpublished records keep it from eviction until then, and a task ends on this
+    /// thread), so no task in flight can be behind that failure any more, and no record of that
+    /// life is to come.
+    failed: HashMap<u32, (u64, u64)>,
     /// The records each task in flight has handed over, with their lives' epochs.
     handed_over: HashMap<u64, Vec<(Loc, u64)>>,
 }
 
 impl LifeFailures {
     fn handed_over(&mut self, task: u64, loc: Loc, epoch: u64) {
+        if self.failed.get(&loc.segment).is_some_and(|(failed, _)| *failed < epoch) {
+            self.failed.remove(&loc.segment);
+        }
         self.handed_over.entry(task).or_default().push((loc, epoch));
     }
 
     /// Notes a failed write of the record at `loc` in life `epoch`.
     fn write_failed(&mut self, loc: Loc, epoch: u64) {
-        let lowest = self.failed.entry((loc.segment, epoch)).or_insert(loc.offset);
-        *lowest = (*lowest).min(loc.offset);
+        match self.failed.get_mut(&loc.segment) {
+            Some((failed, lowest)) if *failed == epoch => *lowest = (*lowest).min(loc.offset),
+            // A failure of an earlier life than one already written: its tasks have ended.
+            Some((failed, _)) if *failed > epoch => {}
+            _ => {
+                self.failed.insert(loc.segment, (epoch, loc.offset));
+            }
+        }
+    }
+
+    /// The lowest offset that failed in `segment`'s life `epoch`, if one did.
+    fn failed_at(&self, segment: u32, epoch: u64) -> Option<u64> {
+        self.failed.get(&segment).filter(|(failed, _)| *failed == epoch).map(|(_, at)| *at)
     }
 
     /// Whether a write to `loc`'s segment in life `epoch` has failed.
     fn failed(&self, loc: Loc, epoch: u64) -> bool {
-        self.failed.contains_key(&(loc.segment, epoch))
+        self.failed_at(loc.segment, epoch).is_some()
     }
 
     /// Whether a record `task` handed over lies after a failed write in its segment's life: a
@@ -461,7 +480,7 @@ impl LifeFailures {
     fn behind_a_failed_write(&self, task: u64) -> bool {
         self.handed_over.get(&task).is_some_and(|records| {
             records.iter().any(|(loc, epoch)| {
-                self.failed.get(&(loc.segment, *epoch)).is_some_and(|&at| loc.offset > at)
+                self.failed_at(loc.segment, *epoch).is_some_and(|at| loc.offset > at)
             })
         })
     }
@@ -2113,5 +2132,29 @@ mod tests {
         assert!(!lives.behind_a_failed_write(3), "the failed record is its own task's failure");
         lives.forget(2);
         assert!(!lives.behind_a_failed_write(2), "a task that ended is forgotten");
+    }
+
+    #[test]
+    fn a_failed_life_is_forgotten_once_its_segment_is_written_again() {
+        let mut lives = LifeFailures::default();
+        // Every write fails, life after life, in two segments: the failures held stay at one
+        // a segment, not one a life.
+        for epoch in 1..1_000u64 {
+            for segment in [3, 4] {
+                lives.handed_over(epoch, at(segment, 4096), epoch);
+                lives.write_failed(at(segment, 4096), epoch);
+                assert!(lives.failed(at(segment, 8192), epoch), "the rest of the life is skipped");
+                lives.forget(epoch);
+            }
+            assert_eq!(lives.failed.len(), 2);
+        }
+        // The next life of segment 3 starts clean; a late report of an earlier life's failure
+        // changes nothing.
+        lives.handed_over(5_000, at(3, 0), 1_000);
+        assert!(!lives.failed(at(3, 4096), 1_000));
+        assert!(!lives.failed(at(3, 4096), 999), "the earlier life is forgotten");
+        lives.write_failed(at(3, 0), 998);
+        assert!(!lives.failed(at(3, 4096), 1_000));
+        assert!(!lives.behind_a_failed_write(5_000));
     }
 }
