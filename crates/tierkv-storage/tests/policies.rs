@@ -43,7 +43,10 @@ fn config(slots: u64, policy: StorePolicy, dir: &tempfile::TempDir) -> StorageCo
 
 fn write(s: &StorageManager, keys: &[ObjectKey]) {
     let layout = Layout::bytes(CHUNK).unwrap();
-    assert!(s.reserve_write(OWNER, keys, &layout).unwrap().iter().all(|r| r.is_ok()));
+    let reserved = s.reserve_write(OWNER, keys, &layout).unwrap();
+    let refused: Vec<_> =
+        reserved.iter().zip(keys).filter_map(|(r, k)| r.as_ref().err().map(|e| (k, e))).collect();
+    assert!(refused.is_empty(), "refused: {refused:?}; L1 {:?}", s.status().l1);
     for k in keys {
         s.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
     }
