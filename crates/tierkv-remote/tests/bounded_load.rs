@@ -10,18 +10,17 @@
 )]
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tierkv_remote::format::{HEADER_BYTES, redis_key};
-use tierkv_remote::{RemoteConfig, RemoteMode, RemoteStore};
+use tierkv_remote::{RemoteConfig, RemoteMode};
 use tierkv_testkit::contract::{SharedTier, keys};
 use tierkv_testkit::redis::RedisStandalone;
 use tierkv_testkit::require_redis;
 
 mod common;
-use common::{Seen, recorded, unique_prefix};
+use common::{Seen, open_recorded, unique_prefix};
 
 /// The system allocator, counting the bytes live now and their peak.
 struct Counting;
@@ -75,15 +74,10 @@ fn an_oversized_value_is_a_miss_that_reads_no_more_than_a_chunk() {
     require_redis!();
     let server = RedisStandalone::start(&[]);
     let prefix = unique_prefix("bounded");
-    let (store, snapshotter) = recorded(|| {
-        Arc::new(
-            RemoteStore::open(RemoteConfig {
-                key_prefix: prefix.clone(),
-                op_timeout: Duration::from_secs(5),
-                ..RemoteConfig::new(vec![server.url()], RemoteMode::Standalone, CHUNK)
-            })
-            .unwrap(),
-        )
+    let (store, snapshotter) = open_recorded(RemoteConfig {
+        key_prefix: prefix.clone(),
+        op_timeout: Duration::from_secs(5),
+        ..RemoteConfig::new(vec![server.url()], RemoteMode::Standalone, CHUNK)
     });
     let tier = SharedTier::new(store, CHUNK);
     let all = keys(0..3);

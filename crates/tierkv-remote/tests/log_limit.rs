@@ -9,17 +9,16 @@
 )]
 
 use std::io::Write;
-use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tierkv_remote::format::{HEADER_BYTES, redis_key};
-use tierkv_remote::{RemoteConfig, RemoteMode, RemoteStore};
+use tierkv_remote::{RemoteConfig, RemoteMode};
 use tierkv_testkit::contract::{SharedTier, keys};
 use tierkv_testkit::redis::RedisStandalone;
 use tierkv_testkit::require_redis;
 
 mod common;
-use common::{Seen, recorded, unique_prefix};
+use common::{Seen, open_recorded, unique_prefix};
 
 const CHUNK: u64 = 4 << 10;
 
@@ -45,14 +44,9 @@ fn values_that_fail_verification_are_all_counted_and_logged_once_a_while() {
     tracing_subscriber::fmt().with_writer(|| Captured).with_ansi(false).init();
     let server = RedisStandalone::start(&[]);
     let prefix = unique_prefix("logged");
-    let (store, snapshotter) = recorded(|| {
-        Arc::new(
-            RemoteStore::open(RemoteConfig {
-                key_prefix: prefix.clone(),
-                ..RemoteConfig::new(vec![server.url()], RemoteMode::Standalone, CHUNK)
-            })
-            .unwrap(),
-        )
+    let (store, snapshotter) = open_recorded(RemoteConfig {
+        key_prefix: prefix.clone(),
+        ..RemoteConfig::new(vec![server.url()], RemoteMode::Standalone, CHUNK)
     });
     let tier = SharedTier::new(store, CHUNK);
     let all = keys(0..20);

@@ -24,7 +24,7 @@ use tierkv_testkit::redis::{RedisCluster, RedisStandalone};
 use tierkv_testkit::require_redis;
 
 mod common;
-use common::{Seen, recorded, unique_prefix};
+use common::{Seen, open_recorded, recorded, unique_prefix};
 
 const CHUNK: u64 = 64 << 10;
 
@@ -304,15 +304,10 @@ fn the_whole_cluster_hung_or_gone_is_a_miss_within_the_deadline_then_recovers() 
     require_redis!();
     let mut cluster = RedisCluster::start();
     let prefix = unique_prefix("down");
-    let (store, snapshotter) = recorded(|| {
-        Arc::new(
-            RemoteStore::open(RemoteConfig {
-                // Long enough that the calls right after a failure all fall in its window.
-                reconnect_interval: Duration::from_secs(1),
-                ..config(cluster.urls(), RemoteMode::Cluster, &prefix)
-            })
-            .unwrap(),
-        )
+    let (store, snapshotter) = open_recorded(RemoteConfig {
+        // Long enough that the calls right after a failure all fall in its window.
+        reconnect_interval: Duration::from_secs(1),
+        ..config(cluster.urls(), RemoteMode::Cluster, &prefix)
     });
     let tier = SharedTier::new(store.clone(), CHUNK);
     let all = keys(0..16);
@@ -421,16 +416,8 @@ fn a_full_server_evicts_to_misses_or_refuses_stores_never_wrong_bytes() {
 
     // Refusal: a full server without eviction refuses the store; not a broken link.
     let full = RedisStandalone::start(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
-    let (store, snapshotter) = recorded(|| {
-        Arc::new(
-            RemoteStore::open(config(
-                vec![full.url()],
-                RemoteMode::Standalone,
-                &unique_prefix("full"),
-            ))
-            .unwrap(),
-        )
-    });
+    let (store, snapshotter) =
+        open_recorded(config(vec![full.url()], RemoteMode::Standalone, &unique_prefix("full")));
     let tier = SharedTier::new(store.clone(), CHUNK);
     let mut refused = None;
     for i in 0..64 {

@@ -3,9 +3,11 @@
 
 #![allow(dead_code, reason = "each test binary uses its own part of this module")]
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tierkv_remote::{RemoteConfig, RemoteStore};
 
 /// A key prefix no other test (or test process) uses.
 pub fn unique_prefix(name: &str) -> String {
@@ -19,6 +21,11 @@ pub fn recorded<T>(open: impl FnOnce() -> T) -> (T, Snapshotter) {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     (metrics::with_local_recorder(&recorder, open), snapshotter)
+}
+
+/// A store opened on `config` with a recorder of its own ([`recorded`]).
+pub fn open_recorded(config: RemoteConfig) -> (Arc<RemoteStore>, Snapshotter) {
+    recorded(|| Arc::new(RemoteStore::open(config).unwrap()))
 }
 
 /// The remote tier's counters and gauges in one snapshot (a snapshot drains the counters), by
