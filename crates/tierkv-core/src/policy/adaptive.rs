@@ -29,7 +29,7 @@
 //! **Choosing the mode, online.** One key in four (by a mix of [`SampleKey::sample_bits`], so a
 //! key is sampled or not on every node, in every run and in the simulation) also goes through
 //! three small caches of a quarter of the tracked count: a plain LRU, an ARC and a frequency
-//! order (reading the same history of uses). For each pair, the policy counts the sampled
+//! order (ranking keys as the policy does). For each pair, the policy counts the sampled
 //! accesses one shadow hit and the other missed, decayed by `1 - 1/(8 x capacity)` per sampled
 //! access so the counts follow the workload over about eight shadow capacities of accesses: at the
 //! hit ratios of small caches a shorter memory holds a handful of hits, and the mode then flips on
@@ -39,23 +39,36 @@
 //! near-equal choices: a switch flushes what the other order protected. The shadows cost a
 //! quarter of the keys' memory each and O(1) per sampled access.
 //!
+//! **Choosing the half-life, online.** The frequency order's half-life is six capacities of
+//! evictions or 24 ([`HALF_LIVES`]). One sampled key in four (one key in 16) also goes through
+//! two frequency shadows of a quarter of the others' size, one at each half-life, each with a
+//! history of those keys' uses of its own, and the half-life changes when the other one's
+//! shadow leads by [`HALF_LIFE_SWITCH_CONFIDENCE`] standard deviations of the accesses the two
+//! disagree on (the sign test of the modes over a quarter of their accesses, so three where
+//! they take 2.5; over every sampled key and at six, the same hits for twice the cost). A change
+//! costs nothing at once: the clock runs in half-lives, so only how fast uses decay from then on
+//! changes. Under tiers below ([`EvictionPolicy::keep_below`]) the half-life stays six: the clock
+//! is already slower by their size (docs/performance.md, "Two half-lives"). The two shadows and
+//! their histories cost about 50 bytes per tracked key and O(1) for one access in 16.
+//!
 //! **Prefix chains.** A chunk is useless without its parent. Callers insert a chain's new chunks
 //! leaf first and touch a hit's chunks leaf first (so its root is the most recent); every order
 //! here follows insertion and use, and a root is used at least as often as its tail, so a chain
 //! loses its tail before its root in every mode.
 //!
-//! Constants: sampling one in four, the ghost bound of twice the tracked keys and the switch's
-//! 2.5 standard deviations were chosen on Mooncake's conversation trace and checked on the
-//! synthetic one; the counts' memory of eight capacities was chosen on the synthetic trace (where
-//! the shorter one lost to LRU) and checked on the conversation trace; the frequency order's own
-//! constants are in [`super::frequency`]. docs/performance.md has the tables.
+//! Constants: sampling one in four, the ghost bound of twice the tracked keys, the switch's
+//! 2.5 standard deviations and the half-life switch's three were chosen on Mooncake's
+//! conversation trace and checked on the synthetic one; the counts' memory of eight capacities
+//! was chosen on the synthetic trace (where the shorter one lost to LRU) and checked on the
+//! conversation trace; the frequency order's own constants are in [`super::frequency`].
+//! docs/performance.md has the tables.
 
 use std::fmt;
 use std::hash::Hash;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use super::frequency::{FrequencyLists, HALF_LIFE, HISTORY_FACTOR, Use, UseHistory, tick_among};
+use super::frequency::{FrequencyLists, HALF_LIVES, HISTORY_FACTOR, Use, UseHistory, tick_among};
 use super::group::{Member, PolicyGroup, Published};
 use super::list::{KeyedLists, NodeId};
 use super::{EvictionPolicy, Lru, Order, SampleKey};
@@ -86,6 +99,10 @@ pub(super) const SCORE_MEMORY: f64 = 8.0;
 /// How many standard deviations another shadow's lead must reach before the mode changes.
 const SWITCH_CONFIDENCE: f64 = 2.5;
 
+/// How many standard deviations the other half-life's shadow's lead must reach before the
+/// frequency order's half-life changes: its shadows see a quarter of the sampled accesses.
+const HALF_LIFE_SWITCH_CONFIDENCE: f64 = 3.0;
+
 /// Whether `key` goes through the shadows: one key in four, by a mix of its sample bits.
 pub(super) fn sampled(key: &impl SampleKey) -> bool {
     sampled_one_in(key, SAMPLE_SHIFT)
@@ -105,13 +122,13 @@ const MAX_JUDGE_SHADOW: usize = 1 << 17;
 /// shadow of mode `i` hit and the shadow of mode `j` missed (modes in [`Mode::ALL`]'s order).
 pub(super) type Wins = [[f64; 3]; 3];
 
-/// Counts one sampled access that the shadows of the modes in [`Mode::ALL`]'s order hit or
-/// missed (`hits`, the first `N` modes only), after decaying every count by `keep`.
-pub(super) fn count_wins<const N: usize>(wins: &mut Wins, hits: [bool; N], keep: f64) {
+/// Counts one sampled access that `N` shadows hit or missed (`hits`, in the order of `wins`:
+/// [`Wins`] or [`HalfLifeWins`]), after decaying every count by `keep`.
+fn count_wins<const N: usize>(wins: &mut [[f64; N]; N], hits: [bool; N], keep: f64) {
     for (i, row) in wins.iter_mut().enumerate() {
         for (j, count) in row.iter_mut().enumerate() {
             *count *= keep;
-            if i < N && j < N && hits[i] && !hits[j] {
+            if hits[i] && !hits[j] {
                 *count += 1.0;
             }
         }
@@ -187,6 +204,8 @@ pub struct Adaptive<K> {
     /// The three orders, replayed over the sampled keys.
     shadows: Shadows<K>,
     mode: Mode,
+    /// The frequency order's half-life, an index into [`HALF_LIVES`] (in a group, the group's).
+    half_life: usize,
     /// [`MIN_JUDGED`], lowered by tests that need the mode switch on a handful of keys.
     min_judged: usize,
     /// The group this policy is one shard of, if any: the group then judges the order.
@@ -198,20 +217,32 @@ pub struct Adaptive<K> {
     followed: Option<JudgedOrder>,
 }
 
-/// Three small caches over the sampled keys, one per order, and how often each hit where
-/// another missed: what the adaptive policy and a [`Judge`] choose an order by.
+/// Three small caches over the sampled keys, one per order, and two over a quarter of them,
+/// one per half-life, and how often each hit where another of its kind missed: what the
+/// adaptive policy and a [`Judge`] choose an order and a half-life by.
 struct Shadows<K> {
     /// Sampled keys in a plain LRU.
     lru: Lru<K>,
     /// Sampled keys in an ARC.
     arc: ArcLists<K>,
-    /// Sampled keys in a frequency order.
+    /// Sampled keys in the frequency order, ranked as the policy ranks them.
     frequency: FrequencyLists<K>,
-    /// Stamps the uses in `frequency`.
+    /// One in four of the sampled keys in a frequency order at each of [`HALF_LIVES`], at a
+    /// quarter of the capacity.
+    half_lives: [FrequencyLists<K>; 2],
+    /// Those keys' uses, at each of [`HALF_LIVES`].
+    histories: [UseHistory; 2],
+    /// Stamps the uses in `frequency` and `half_lives`.
     clock: u64,
     /// The shadows' decayed wins over each other: recency, ARC, frequency.
     wins: Wins,
+    /// The half-lives' shadows' decayed wins over each other, in the order of [`HALF_LIVES`].
+    half_life_wins: HalfLifeWins,
 }
+
+/// `[i][j]` counts the sampled accesses that the frequency shadow at half-life `i` of
+/// [`HALF_LIVES`] hit and the one at `j` missed.
+pub(super) type HalfLifeWins = [[f64; 2]; 2];
 
 impl<K: Hash + Eq + Clone + Send + SampleKey> Shadows<K> {
     fn new() -> Self {
@@ -219,14 +250,17 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Shadows<K> {
             lru: Lru::new(),
             arc: ArcLists::new(),
             frequency: FrequencyLists::new(),
+            half_lives: [FrequencyLists::new(), FrequencyLists::new()],
+            histories: [UseHistory::new(), UseHistory::new()],
             clock: 0,
             wins: [[0.0; 3]; 3],
+            half_life_wins: [[0.0; 2]; 2],
         }
     }
 
-    /// Replays one access of a sampled `key`, ranked `used` by the frequency order, in the three
-    /// shadows of `capacity` keys each: a hit counts for the shadow, a miss caches the key there,
-    /// evicting to the shadow's capacity first.
+    /// Replays one access of a sampled `key`, ranked `used`, in the three orders' shadows of
+    /// `capacity` keys each: a hit counts for the shadow, a miss caches the key there, evicting
+    /// to the shadow's capacity first.
     fn access(&mut self, key: &K, used: Use, capacity: usize) {
         let capacity = capacity.max(1);
         let hits = [self.lru.contains(key), self.arc.contains(key), self.frequency.contains(key)];
@@ -253,6 +287,38 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Shadows<K> {
         self.clock += 1;
         self.frequency.use_key(key.clone(), used, self.clock);
     }
+
+    /// Replays one access of `key` in the half-lives' shadows of `capacity` keys each, each
+    /// ranking it by its own history at `time` (the evictions, before a half-life divides
+    /// them).
+    fn access_half_lives(&mut self, key: &K, capacity: usize, time: u64) {
+        let hits = [self.half_lives[0].contains(key), self.half_lives[1].contains(key)];
+        let keep = 1.0 - 1.0 / (SCORE_MEMORY * capacity as f64);
+        count_wins(&mut self.half_life_wins, hits, keep);
+        // The histories grow with the keys the shadows hold, as the adaptive policy's grows
+        // with the keys it tracks.
+        let bound = HISTORY_FACTOR.saturating_mul(self.half_lives[0].len() + 1);
+        for (i, half_life) in HALF_LIVES.into_iter().enumerate() {
+            let history = &mut self.histories[i];
+            history.reserve(bound);
+            let used = history.record(key.sample_bits(), key.identity_bits(), time / half_life);
+            let shadow = &mut self.half_lives[i];
+            if !hits[i] {
+                while shadow.len() >= capacity && shadow.evict_one().is_some() {}
+            }
+            shadow.use_key(key.clone(), used, self.clock);
+        }
+    }
+}
+
+/// The half-life (an index into [`HALF_LIVES`]) after `chosen`, given the frequency shadows'
+/// decayed wins: the other one's shadow must lead by [`HALF_LIFE_SWITCH_CONFIDENCE`] standard
+/// deviations of the accesses the two disagree on, as for the modes.
+pub(super) fn judged_half_life(chosen: usize, wins: &HalfLifeWins) -> usize {
+    let other = 1 - chosen.min(1);
+    let (won, lost) = (wins[other][chosen.min(1)], wins[chosen.min(1)][other]);
+    let lead = (won - lost) / (won + lost + 1.0).sqrt();
+    if lead > HALF_LIFE_SWITCH_CONFIDENCE { other } else { chosen.min(1) }
 }
 
 impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
@@ -264,6 +330,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             history: UseHistory::new(),
             shadows: Shadows::new(),
             mode: Mode::Recency,
+            half_life: 0,
             min_judged: MIN_JUDGED,
             member: None,
             followed: None,
@@ -295,13 +362,21 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
         }
     }
 
-    /// The frequency order's clock, in half-lives: the evictions so far, the group's if any.
+    /// The frequency order's clock, in half-lives: the evictions so far, each divided by the
+    /// half-life chosen when it happened; the group's if any.
     fn now(&self) -> u64 {
-        let time = match &self.member {
+        match &self.member {
+            Some(member) => member.group.aged(),
+            None => self.cache.aged,
+        }
+    }
+
+    /// The evictions so far, the group's if any: the shadows' clock.
+    fn evictions_time(&self) -> u64 {
+        match &self.member {
             Some(member) => member.group.time(),
             None => self.cache.time,
-        };
-        time / HALF_LIFE
+        }
     }
 
     /// The keys whose uses the history must remember room for: [`HISTORY_FACTOR`] times those
@@ -330,15 +405,20 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
         self.frequency.use_key(key.clone(), used, stamp);
     }
 
-    /// Replays one access of `key`, ranked `used`, in the shadows of a policy tracking
-    /// `tracked` keys, if it is sampled.
+    /// Replays one access of `key` in the shadows of a policy tracking `tracked` keys, if it
+    /// is sampled.
     fn shadow_access(&mut self, key: &K, used: Use, tracked: usize) {
         if !sampled(key) {
             return;
         }
-        self.shadows.access(key, used, tracked >> SAMPLE_SHIFT);
+        let capacity = (tracked >> SAMPLE_SHIFT).max(1);
+        self.shadows.access(key, used, capacity);
+        if sampled_one_in(key, 2 * SAMPLE_SHIFT) {
+            let time = self.evictions_time();
+            self.shadows.access_half_lives(key, (capacity >> SAMPLE_SHIFT).max(1), time);
+        }
         if let Some(member) = &self.member {
-            member.publish_wins(&self.shadows.wins);
+            member.publish_wins(&self.shadows.wins, &self.shadows.half_life_wins);
         }
     }
 
@@ -358,6 +438,10 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             return;
         }
         self.mode = self.mode.judged(&self.shadows.wins);
+        if self.cache.below == 0 {
+            self.half_life = judged_half_life(self.half_life, &self.shadows.half_life_wins);
+            self.cache.half_life = HALF_LIVES[self.half_life];
+        }
     }
 }
 
@@ -517,6 +601,11 @@ impl JudgedOrder {
 /// tiers below L1"). L1 keeps its own shadows: it is a cache of its own size in front of the
 /// rest, and judged on the combined size it loses hits at some sizes.
 ///
+/// Its frequency shadow keeps a half-life of six capacities: the tiers below never evict by
+/// use counts, so the half-life would only move the judge's choice between ARC's order and
+/// recency, and a choice of its own moved the daemon off the simulation at 1,000 / 3,000 /
+/// 10,000 chunks (docs/performance.md, "Two half-lives").
+///
 /// Cost: O(1) per sampled key of a lookup. Memory: three shadows of a quarter of the combined
 /// capacity and a history of 32 entries of 8 bytes for each of their keys, about 140 bytes per
 /// chunk of the combined capacity as the tiers fill, up to 2^17 keys a shadow
@@ -572,8 +661,9 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Judge<K> {
         // with the keys it tracks.
         self.history.reserve(HISTORY_FACTOR.saturating_mul(self.shadows.lru.len().max(1)));
         self.time += tick_among(self.capacity);
-        let used =
-            self.history.record(key.sample_bits(), key.identity_bits(), self.time / HALF_LIFE);
+        // Its half-life stays the first: see the type's documentation.
+        let now = self.time / HALF_LIVES[0];
+        let used = self.history.record(key.sample_bits(), key.identity_bits(), now);
         self.shadows.access(key, used, self.capacity);
         if self.judges {
             self.mode = self.mode.judged(&self.shadows.wins);
@@ -607,6 +697,11 @@ struct ArcLists<K> {
     /// [`CAPACITY_OF_EVICTIONS`](super::frequency::CAPACITY_OF_EVICTIONS) ticks (in a group,
     /// the group keeps it).
     time: u64,
+    /// The frequency order's clock in half-lives: each eviction's ticks divided by the
+    /// half-life then (in a group, the group keeps it).
+    aged: u64,
+    /// The half-life, in capacities of evictions, that the next eviction ages keys by.
+    half_life: u64,
     /// The chunks the tiers below keep of what this policy evicts
     /// ([`EvictionPolicy::keep_below`]): a capacity of evictions counts them too.
     below: usize,
@@ -633,6 +728,8 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             clock: 0,
             evictions: 0,
             time: 0,
+            aged: 0,
+            half_life: HALF_LIVES[0],
             below: 0,
             group: None,
             shard: 0,
@@ -750,7 +847,9 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             return group.count_eviction();
         }
         self.evictions += 1;
-        self.time += tick_among(self.len().saturating_add(self.below));
+        let tick = tick_among(self.len().saturating_add(self.below));
+        self.time += tick;
+        self.aged += tick / self.half_life;
         self.evictions
     }
 
@@ -882,6 +981,11 @@ impl<K: Hash + Eq + Clone> Adaptive<K> {
     /// The number of ghosts.
     pub(super) fn ghosts(&self) -> usize {
         self.cache.keys.len(B1) + self.cache.keys.len(B2)
+    }
+
+    /// The frequency order's half-life, in capacities of evictions.
+    pub(super) fn half_life(&self) -> u64 {
+        HALF_LIVES[self.half_life]
     }
 
     /// The number of keys whose uses the history remembers.

@@ -12,9 +12,7 @@ use super::{EvictionPolicy, Order, SampleKey};
 struct Model {
     cache: ModelArc,
     frequency: ModelFrequency,
-    /// The history's sets, each the tags of its keys with their scores (`log2` of the decayed
-    /// uses plus the clock, in 1/256 of a half-life), most recently used first.
-    history: Vec<Vec<(u64, u64)>>,
+    history: ModelHistory,
     shadow_lru: Vec<u32>,
     shadow_arc: ModelArc,
     shadow_frequency: ModelFrequency,
@@ -22,8 +20,16 @@ struct Model {
     /// `[i][j]`: decayed sampled accesses the shadow of order `i` (recency, ARC, frequency)
     /// hit and that of order `j` missed.
     wins: [[f64; 3]; 3],
+    /// The frequency shadows at half-lives of six and of 24 capacities, of one key in 16, with
+    /// their histories.
+    half_life_shadows: [ModelFrequency; 2],
+    half_life_histories: [ModelHistory; 2],
+    /// The same as `wins` for those two shadows.
+    half_life_wins: [[f64; 2]; 2],
     /// 0 recency, 1 ARC, 2 frequency.
     mode: usize,
+    /// 0: a half-life of six capacities of evictions, 1: of 24.
+    half_life: usize,
     /// Below this many tracked keys, recency order.
     min_judged: usize,
 }
@@ -66,6 +72,10 @@ struct ModelArc {
     evictions: u64,
     /// Evictions, 2^32 for as many as the keys tracked at each.
     time: u64,
+    /// The same in half-lives: each eviction's share divided by the half-life then.
+    aged: u64,
+    /// The half-life evictions age keys by, in capacities: six or 24 (0 reads as six).
+    half_life: u64,
 }
 
 impl ModelArc {
@@ -91,7 +101,7 @@ impl ModelArc {
     /// Evicts `key`, chosen by another order, leaving its ghost.
     fn evict_key(&mut self, key: u32) {
         if self.contains(key) {
-            self.time += (1 << 32) / self.len() as u64;
+            self.age();
         }
         self.evictions += 1;
         if let Some(at) = self.t1.iter().position(|(k, _)| *k == key) {
@@ -136,6 +146,12 @@ impl ModelArc {
         }
         removed
     }
+    /// Counts an eviction on the clocks.
+    fn age(&mut self) {
+        let tick = (1 << 32) / self.len() as u64;
+        self.time += tick;
+        self.aged += tick / self.half_life.max(6);
+    }
     /// Keeps the ghosts of the last `2 x tracked` evictions.
     fn trim(&mut self) {
         let horizon = self.evictions.saturating_sub(2 * self.len() as u64);
@@ -154,7 +170,7 @@ impl ModelArc {
             (Some(a), Some(b)) => self.t1[a].1 < self.t2[b].1,
         };
         self.evictions += 1;
-        self.time += (1 << 32) / self.len() as u64;
+        self.age();
         let key = if from_t1 {
             let key = self.t1.remove(a?).0;
             self.b1.push((key, self.evictions));
@@ -169,7 +185,14 @@ impl ModelArc {
     }
 }
 
-impl Model {
+/// A history of uses: sets of up to 32 tags of keys with their scores (`log2` of the decayed
+/// uses plus the clock, in 1/256 of a half-life), most recently used first.
+#[derive(Default)]
+struct ModelHistory {
+    sets: Vec<Vec<(u64, u64)>>,
+}
+
+impl ModelHistory {
     /// The history's tag of `key`: splitmix64's finalizer, its top 20 bits (which choose the
     /// set) above its low 24 (which tell keys of a set apart, 1 for 0).
     fn tag(key: u32) -> u64 {
@@ -182,33 +205,27 @@ impl Model {
     /// Puts `tag` with `score` first in its set, 32 keys at most; returns its score before, if
     /// it had one.
     fn put_tag(&mut self, tag: u64, score: u64) -> Option<u64> {
-        let sets = self.history.len() as u64;
-        let set = &mut self.history[((tag >> 24) % sets) as usize];
+        let sets = self.sets.len() as u64;
+        let set = &mut self.sets[((tag >> 24) % sets) as usize];
         let before = set.iter().position(|(t, _)| *t == tag).map(|at| set.remove(at).1);
         set.insert(0, (tag, score));
         set.truncate(32);
         before
     }
-    /// The clock in half-lives (of six capacities of evictions), 2^32 ticks each.
-    fn now(&self) -> u64 {
-        self.cache.time / 6
-    }
-    /// Counts a use of `key` and returns its priority: the clock plus a quarter of a half-life
-    /// for each quarter doubling of its decayed uses (`C = 1 + C_before * 2^-age`, 23 quarters
-    /// at most). The history first grows to sets of 32 for 32 times the tracked keys, a power
-    /// of two of them.
-    fn record_use(&mut self, key: u32) -> u64 {
-        let bound = 32 * self.cache.len().max(1);
-        if bound > 32 * self.history.len() {
+    /// Counts a use of `key` at `now` (in half-lives, 2^32 ticks each) and returns its
+    /// priority: the clock plus a quarter of a half-life for each quarter doubling of its
+    /// decayed uses (`C = 1 + C_before * 2^-age`, 23 quarters at most). The history first grows
+    /// to sets of 32 for `bound` keys (one set at least), a power of two of them.
+    fn record(&mut self, key: u32, now: u64, bound: usize) -> u64 {
+        if bound.max(1) > 32 * self.sets.len() {
             let old = std::mem::replace(
-                &mut self.history,
-                vec![vec![]; bound.div_ceil(32).next_power_of_two()],
+                &mut self.sets,
+                vec![vec![]; bound.max(1).div_ceil(32).next_power_of_two()],
             );
             for (tag, score) in old.into_iter().flat_map(|set| set.into_iter().rev()) {
                 self.put_tag(tag, score);
             }
         }
-        let now = self.now();
         let tag = Self::tag(key);
         let before = self.put_tag(tag, 0);
         let log_uses = match before {
@@ -231,8 +248,18 @@ impl Model {
         let quarters = ((log_uses * 4.0) as u64).min(23);
         now + quarters * (1 << 30)
     }
+}
+
+impl Model {
+    /// Counts a use of `key` in the history of 32 times the tracked keys and returns its
+    /// priority, on the clock in half-lives.
+    fn record_use(&mut self, key: u32) -> u64 {
+        let bound = 32 * self.cache.len().max(1);
+        self.history.record(key, self.cache.aged, bound)
+    }
     fn shadow_access(&mut self, key: u32, priority: u64) {
-        if key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 62 != 0 {
+        let mixed = key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        if mixed >> 62 != 0 {
             return;
         }
         let capacity = (self.cache.len() / 4).max(1);
@@ -273,6 +300,36 @@ impl Model {
         }
         self.shadow_clock += 1;
         self.shadow_frequency.use_key(key, priority, self.shadow_clock);
+        if mixed >> 60 == 0 {
+            self.half_life_access(key, (capacity / 4).max(1));
+        }
+    }
+    /// One key in 16 goes through the half-lives' shadows too, of a quarter of the others'
+    /// capacity, each with its own history on the clock of evictions.
+    fn half_life_access(&mut self, key: u32, capacity: usize) {
+        let hits = [0, 1].map(|i| self.half_life_shadows[i].contains(key));
+        let keep = 1.0 - 1.0 / (8.0 * capacity as f64);
+        for i in 0..2 {
+            for j in 0..2 {
+                let won = hits[i] && !hits[j];
+                self.half_life_wins[i][j] =
+                    self.half_life_wins[i][j] * keep + if won { 1.0 } else { 0.0 };
+            }
+        }
+        let bound = 32 * (self.half_life_shadows[0].keys.len() + 1);
+        for (i, half_life) in [6, 24].into_iter().enumerate() {
+            let now = self.cache.time / half_life;
+            let priority = self.half_life_histories[i].record(key, now, bound);
+            let shadow = &mut self.half_life_shadows[i];
+            if !hits[i] {
+                while shadow.keys.len() >= capacity {
+                    if let Some(victim) = shadow.victim(&|_| true) {
+                        shadow.remove(victim);
+                    }
+                }
+            }
+            shadow.use_key(key, priority, self.shadow_clock);
+        }
     }
     fn insert(&mut self, key: u32) {
         if !self.cache.contains(key) {
@@ -311,6 +368,13 @@ impl Model {
             }
         }
         self.mode = best.1;
+        // The half-life, by the same test at three standard deviations.
+        let (now, other) = (self.half_life, 1 - self.half_life);
+        let (won, lost) = (self.half_life_wins[other][now], self.half_life_wins[now][other]);
+        if (won - lost) / (won + lost + 1.0).sqrt() > 3.0 {
+            self.half_life = other;
+        }
+        self.cache.half_life = [6, 24][self.half_life];
     }
     fn evict(&mut self, n: usize, eligible: &dyn Fn(u32) -> bool) -> Vec<u32> {
         self.judge();
@@ -404,6 +468,61 @@ proptest! {
             prop_assert!(policy.remembered() <= 64 * peak.max(1), "after {:?}", op);
         }
     }
+}
+
+/// Uses `key` in `policy` and in `model`, each holding at most `capacity` keys, evicting one
+/// first when full; both must name the same victim.
+fn use_key_in_both(policy: &mut Adaptive<u32>, model: &mut Model, capacity: usize, key: u32) {
+    if policy.contains(&key) {
+        policy.touch(&key);
+        model.touch(key);
+        return;
+    }
+    if policy.len() >= capacity {
+        assert_eq!(policy.evict(1, &mut |_| true), model.evict(1, &|_| true), "before {key}");
+    }
+    policy.insert(key);
+    model.insert(key);
+}
+
+/// For a cache of `capacity` keys: 40 rounds of three quarters of `capacity` keys used again
+/// every eight capacities of evictions, with eight capacities of keys never seen again between.
+/// With a half-life of six capacities a key's uses decay by more than half between two, it
+/// ranks below the new keys long before it returns, and the frequency order misses it every
+/// time; with 24 its uses add up and it stays.
+pub(super) fn uses_back_after_eight_capacities(capacity: u32) -> Vec<u32> {
+    let mut keys = Vec::new();
+    let mut fresh = 1 << 24;
+    for _round in 0..40 {
+        keys.extend(0..capacity / 4 * 3);
+        keys.extend(fresh..fresh + 8 * capacity);
+        fresh += 8 * capacity;
+    }
+    keys
+}
+
+#[test]
+fn the_half_life_lengthens_where_uses_come_back_after_many_capacities() {
+    let mut policy = Adaptive::new();
+    let mut model = Model { min_judged: 64, ..Model::default() };
+    for key in uses_back_after_eight_capacities(256) {
+        use_key_in_both(&mut policy, &mut model, 256, key);
+    }
+    assert_eq!(policy.half_life(), 24, "{policy:?}");
+    assert_eq!(model.half_life, 1, "the model switched with the policy, victim for victim");
+}
+
+#[test]
+fn under_tiers_below_the_half_life_stays_short() {
+    // The tiers below keep 64 chunks of what this cache evicts: its clock already runs slower
+    // than its own evictions (by the tiers' size, here a quarter), and the lead of its shadow
+    // at 24 capacities does not lengthen it further.
+    let mut policy = Adaptive::new();
+    policy.keep_below(64);
+    for key in uses_back_after_eight_capacities(256) {
+        use_key(&mut policy, 256, key);
+    }
+    assert_eq!(policy.half_life(), 6, "{policy:?}");
 }
 
 /// Inserts `key` into `policy` holding at most `capacity` keys, evicting one first when full.

@@ -10,9 +10,9 @@
 //! chunks, cached or not, and ranks by how many there were and how long ago.
 //!
 //! **The order** (LRFU, Lee et al. 2001). A key's decayed uses are `C = sum of 2^-(age /
-//! half-life)` over its uses, the age counted in evictions ([`HALF_LIFE`] capacities of them
-//! halve a use's weight), and its priority is the clock at its last use plus `log2 C`
-//! half-lives: a key used twice as often is kept one half-life longer than a key used as
+//! half-life)` over its uses, the age counted in evictions (six or 24 capacities of them,
+//! [`HALF_LIVES`], halve a use's weight), and its priority is the clock at its last use plus
+//! `log2 C` half-lives: a key used twice as often is kept one half-life longer than a key used as
 //! lately. The victim is the key of lowest priority, the least recently used among equals. So
 //! a key not used again ages out however often it was used before, and a burst of uses long ago
 //! counts less than a few lately (the cube of plain use counts, as GreedyDual-Frequency ranks
@@ -28,9 +28,18 @@
 //! [`HISTORY_FACTOR`] times the tracked keys, rounded up to a power of two of sets: under 512
 //! bytes a cached chunk, a few hundredths of a percent of a 2 MiB chunk.
 //!
-//! Constants (a half-life of six capacities, quarters of a doubling, a history of 32
+//! **The half-life.** How long a use should count depends on how far apart a workload's uses
+//! of one chunk come, measured in the cache's own turnover: on Mooncake's conversation trace a
+//! cache of 1,000 to 2,000 blocks hits most with a half-life of 16 to 32 capacities, one of
+//! 2,500 blocks and more with six. The adaptive policy keeps two shadows of this order, one per
+//! half-life, and ages its keys by the one whose shadow is hitting more
+//! ([`super::adaptive`]). Its clock is kept in half-lives, each eviction adding its share
+//! divided by the half-life of the moment, so a change of half-life changes how fast uses
+//! decay from then on and leaves every score read as it was.
+//!
+//! Constants (half-lives of six and 24 capacities, quarters of a doubling, a history of 32
 //! capacities) were chosen on Mooncake's conversation trace and checked on the synthetic trace
-//! (docs/performance.md, "Decayed use counts").
+//! (docs/performance.md, "Decayed use counts" and "Two half-lives").
 
 use std::hash::Hash;
 use std::sync::LazyLock;
@@ -41,8 +50,9 @@ use super::list::{KeyedLists, NodeId};
 /// keys tracked) is this many ticks, whatever the capacity.
 pub(super) const CAPACITY_OF_EVICTIONS: u64 = 1 << 32;
 
-/// A use counts half as much after this many capacities of evictions.
-pub(super) const HALF_LIFE: u64 = 6;
+/// A use counts half as much after this many capacities of evictions: the half-lives the
+/// adaptive policy chooses between, the first until its shadows say otherwise.
+pub(super) const HALF_LIVES: [u64; 2] = [6, 24];
 
 /// The ticks of one event among `tracked` keys: an eviction, for a policy; a sampled lookup,
 /// for a [`Judge`](super::adaptive::Judge)'s shadows.

@@ -40,7 +40,7 @@ use std::hash::Hash;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::adaptive::{Mode, Wins};
+use super::adaptive::{HalfLifeWins, Mode, Wins, judged_half_life};
 use super::frequency::Standing as FrequencyStanding;
 use super::s3fifo::DEFAULT_SMALL_PERCENT;
 use super::{Adaptive, EvictionPolicy, Lru, Order, PolicyKind, S3Fifo, SampleKey};
@@ -81,6 +81,12 @@ pub struct PolicyGroup {
     /// The adaptive policy's frequency order's clock: evictions in every shard, a capacity of
     /// them [`CAPACITY_OF_EVICTIONS`](super::frequency::CAPACITY_OF_EVICTIONS) ticks.
     time: AtomicU64,
+    /// The frequency order's clock in half-lives: each eviction's ticks divided by the
+    /// half-life chosen then.
+    aged: AtomicU64,
+    /// The frequency order's half-life for the whole group: an index into
+    /// [`HALF_LIVES`](super::frequency::HALF_LIVES).
+    half_life: AtomicU64,
     /// The chunks the tiers below keep of what the group evicts ([`EvictionPolicy::keep_below`]).
     below: AtomicU64,
     /// The eviction count when the order was last judged from every shard's wins; `u64::MAX`
@@ -110,6 +116,9 @@ struct Standing {
     /// The adaptive policy's shadows' decayed wins over each other ([`Wins`]), row by row,
     /// as `f64` bits.
     wins: [AtomicU64; 9],
+    /// The frequency shadows' decayed wins over each other ([`HalfLifeWins`]), row by row, as
+    /// `f64` bits.
+    half_life_wins: [AtomicU64; 4],
     /// The adaptive policy's lowest standing in the frequency order, priority then stamp;
     /// `u64::MAX` when there is none.
     lowest: [AtomicU64; 2],
@@ -123,6 +132,7 @@ impl Default for Standing {
             oldest: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
             ghosts: Default::default(),
             wins: Default::default(),
+            half_life_wins: Default::default(),
             lowest: [AtomicU64::new(u64::MAX), AtomicU64::new(u64::MAX)],
         }
     }
@@ -146,6 +156,8 @@ impl PolicyGroup {
             standings: (0..shards.max(1)).map(|_| Standing::default()).collect(),
             mode: AtomicU64::new(0),
             time: AtomicU64::new(0),
+            aged: AtomicU64::new(0),
+            half_life: AtomicU64::new(0),
             below: AtomicU64::new(0),
             judged_at: AtomicU64::new(u64::MAX),
             target: AtomicU64::new(0f64.to_bits()),
@@ -255,6 +267,13 @@ impl PolicyGroup {
             std::array::from_fn(|i| std::array::from_fn(|j| self.sum(|s| &s.wins[3 * i + j])));
         let mode = self.mode().judged(&wins);
         self.mode.store(mode.index() as u64, Ordering::Relaxed);
+        let half_life_wins: HalfLifeWins = std::array::from_fn(|i| {
+            std::array::from_fn(|j| self.sum(|s| &s.half_life_wins[2 * i + j]))
+        });
+        if self.below.load(Ordering::Relaxed) == 0 {
+            let half_life = judged_half_life(self.half_life(), &half_life_wins);
+            self.half_life.store(half_life as u64, Ordering::Relaxed);
+        }
         mode
     }
 
@@ -269,9 +288,21 @@ impl PolicyGroup {
         self.standings.len()
     }
 
-    /// The frequency order's clock for every shard.
+    /// The evictions of every shard, a capacity of them
+    /// [`CAPACITY_OF_EVICTIONS`](super::frequency::CAPACITY_OF_EVICTIONS) ticks.
     pub(super) fn time(&self) -> u64 {
         self.time.load(Ordering::Relaxed)
+    }
+
+    /// The frequency order's clock for every shard, in half-lives.
+    pub(super) fn aged(&self) -> u64 {
+        self.aged.load(Ordering::Relaxed)
+    }
+
+    /// The frequency order's half-life, an index into
+    /// [`HALF_LIVES`](super::frequency::HALF_LIVES).
+    pub(super) fn half_life(&self) -> usize {
+        (self.half_life.load(Ordering::Relaxed) as usize).min(1)
     }
 
     /// Counts `chunks` kept below the group's cache in each capacity of its evictions.
@@ -324,7 +355,10 @@ impl PolicyGroup {
     /// Numbers an eviction by ARC's lists in any shard: the ghost it leaves carries the number.
     pub(super) fn count_eviction(&self) -> u64 {
         let turnover = self.tracked().saturating_add(self.below.load(Ordering::Relaxed) as usize);
-        self.time.fetch_add(super::frequency::tick_among(turnover), Ordering::Relaxed);
+        let tick = super::frequency::tick_among(turnover);
+        self.time.fetch_add(tick, Ordering::Relaxed);
+        let half_life = super::frequency::HALF_LIVES[self.half_life()];
+        self.aged.fetch_add(tick / half_life, Ordering::Relaxed);
         self.evictions.fetch_add(1, Ordering::Relaxed) + 1
     }
 
@@ -364,9 +398,12 @@ impl Member {
 
     /// Publishes this shard's shadows' wins over each other, which change only when a sampled
     /// key is used.
-    pub(super) fn publish_wins(&self, wins: &Wins) {
+    pub(super) fn publish_wins(&self, wins: &Wins, half_life_wins: &HalfLifeWins) {
         let standing = &self.group.standings[self.shard];
         for (stored, wins) in standing.wins.iter().zip(wins.as_flattened()) {
+            stored.store(wins.to_bits(), Ordering::Relaxed);
+        }
+        for (stored, wins) in standing.half_life_wins.iter().zip(half_life_wins.as_flattened()) {
             stored.store(wins.to_bits(), Ordering::Relaxed);
         }
     }
@@ -551,6 +588,20 @@ mod tests {
                 sharded_victims(kind, 1, capacity, &steps),
                 single_victims(alone.as_mut(), capacity, &steps)
             );
+        }
+    }
+
+    /// The group's half-life is judged from every shard's shadows, as one policy's is from its
+    /// own, and stays short when tiers below keep what the group evicts.
+    #[test]
+    fn the_group_lengthens_its_half_life_unless_tiers_below_keep_its_victims() {
+        let keys = crate::policy::adaptive_tests::uses_back_after_eight_capacities(1_024);
+        for (below, half_life) in [(0, 24), (256, 6)] {
+            let mut joined = Joined::new(PolicyKind::Adaptive, 4);
+            joined.keep_below(below);
+            single_victims(&mut joined, 1_024, &keys);
+            let chosen = super::super::frequency::HALF_LIVES[joined.group.half_life()];
+            assert_eq!(chosen, half_life, "with {below} chunks below");
         }
     }
 
