@@ -602,9 +602,9 @@ impl JudgedOrder {
 /// rest, and judged on the combined size it loses hits at some sizes.
 ///
 /// Its frequency shadow keeps a half-life of six capacities: the tiers below never evict by
-/// use counts, so the half-life would only move the judge's choice between ARC's order and
-/// recency, and a choice of its own moved the daemon off the simulation at 1,000 / 3,000 /
-/// 10,000 chunks (docs/performance.md, "Two half-lives").
+/// use counts, so a half-life of its own would only move the judge's choice between ARC's
+/// order and recency, and it moved no simulated tier size (docs/performance.md, "Two
+/// half-lives").
 ///
 /// Cost: O(1) per sampled key of a lookup. Memory: three shadows of a quarter of the combined
 /// capacity and a history of 32 entries of 8 bytes for each of their keys, about 140 bytes per
