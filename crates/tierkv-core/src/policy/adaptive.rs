@@ -219,7 +219,8 @@ pub struct Adaptive<K> {
 
 /// Three small caches over the sampled keys, one per order, and two over a quarter of them,
 /// one per half-life, and how often each hit where another of its kind missed: what the
-/// adaptive policy and a [`Judge`] choose an order and a half-life by.
+/// adaptive policy chooses an order and a half-life by, and a [`Judge`] an order (it leaves the
+/// half-lives' two empty).
 struct Shadows<K> {
     /// Sampled keys in a plain LRU.
     lru: Lru<K>,
