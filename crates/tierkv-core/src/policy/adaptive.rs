@@ -204,8 +204,6 @@ pub struct Adaptive<K> {
     /// The three orders, replayed over the sampled keys.
     shadows: Shadows<K>,
     mode: Mode,
-    /// The frequency order's half-life, an index into [`HALF_LIVES`] (in a group, the group's).
-    half_life: usize,
     /// [`MIN_JUDGED`], lowered by tests that need the mode switch on a handful of keys.
     min_judged: usize,
     /// The group this policy is one shard of, if any: the group then judges the order.
@@ -331,7 +329,6 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
             history: UseHistory::new(),
             shadows: Shadows::new(),
             mode: Mode::Recency,
-            half_life: 0,
             min_judged: MIN_JUDGED,
             member: None,
             followed: None,
@@ -440,8 +437,8 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Adaptive<K> {
         }
         self.mode = self.mode.judged(&self.shadows.wins);
         if self.cache.below == 0 {
-            self.half_life = judged_half_life(self.half_life, &self.shadows.half_life_wins);
-            self.cache.half_life = HALF_LIVES[self.half_life];
+            let wins = &self.shadows.half_life_wins;
+            self.cache.half_life = judged_half_life(self.cache.half_life, wins);
         }
     }
 }
@@ -701,8 +698,9 @@ struct ArcLists<K> {
     /// The frequency order's clock in half-lives: each eviction's ticks divided by the
     /// half-life then (in a group, the group keeps it).
     aged: u64,
-    /// The half-life, in capacities of evictions, that the next eviction ages keys by.
-    half_life: u64,
+    /// The half-life the next eviction ages keys by, an index into [`HALF_LIVES`] (in a group,
+    /// the group keeps it).
+    half_life: usize,
     /// The chunks the tiers below keep of what this policy evicts
     /// ([`EvictionPolicy::keep_below`]): a capacity of evictions counts them too.
     below: usize,
@@ -730,7 +728,7 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
             evictions: 0,
             time: 0,
             aged: 0,
-            half_life: HALF_LIVES[0],
+            half_life: 0,
             below: 0,
             group: None,
             shard: 0,
@@ -850,7 +848,7 @@ impl<K: Hash + Eq + Clone> ArcLists<K> {
         self.evictions += 1;
         let tick = tick_among(self.len().saturating_add(self.below));
         self.time += tick;
-        self.aged += tick / self.half_life;
+        self.aged += tick / HALF_LIVES[self.half_life];
         self.evictions
     }
 
@@ -986,7 +984,7 @@ impl<K: Hash + Eq + Clone> Adaptive<K> {
 
     /// The frequency order's half-life, in capacities of evictions.
     pub(super) fn half_life(&self) -> u64 {
-        HALF_LIVES[self.half_life]
+        HALF_LIVES[self.cache.half_life]
     }
 
     /// The number of keys whose uses the history remembers.
