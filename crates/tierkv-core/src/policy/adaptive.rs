@@ -115,7 +115,7 @@ fn sampled_one_in(key: &impl SampleKey, shift: u32) -> bool {
 }
 
 /// The most keys a [`Judge`]'s shadows each model: past this, it samples fewer keys, so its
-/// memory stays under about 70 MiB for tiers of any size.
+/// memory stays under about 100 MiB for tiers of any size.
 const MAX_JUDGE_SHADOW: usize = 1 << 17;
 
 /// The shadows' decayed wins over each other: `[i][j]` counts the sampled accesses that the
@@ -605,9 +605,10 @@ impl JudgedOrder {
 /// half-lives").
 ///
 /// Cost: O(1) per sampled key of a lookup. Memory: three shadows of a quarter of the combined
-/// capacity and a history of 32 entries of 8 bytes for each of their keys, about 140 bytes per
-/// chunk of the combined capacity as the tiers fill, up to 2^17 keys a shadow
-/// (about 70 MiB); tiers larger than that are judged on a sparser sample, one key in `4 x 2^k`.
+/// capacity and a history of 48 entries of 8 bytes for each of their keys
+/// ([`HISTORY_FACTOR`]), rounded up to a power of two of sets: about 200 bytes per chunk of the
+/// combined capacity as the tiers fill, up to 2^17 keys a shadow (about 100 MiB, 64 of them the
+/// history); tiers larger than that are judged on a sparser sample, one key in `4 x 2^k`.
 pub struct Judge<K> {
     shadows: Shadows<K>,
     /// Uses of the sampled keys recently looked up.
@@ -990,5 +991,14 @@ impl<K: Hash + Eq + Clone> Adaptive<K> {
     /// The number of keys whose uses the history remembers.
     pub(super) fn remembered(&self) -> usize {
         self.history.len()
+    }
+
+    /// Whether the history still counts a use of `key`.
+    pub(super) fn remembers(&self, key: &K) -> bool
+    where
+        K: Send + SampleKey,
+    {
+        let now = self.now();
+        self.history.log_uses(key.sample_bits(), key.identity_bits(), now) > f64::NEG_INFINITY
     }
 }

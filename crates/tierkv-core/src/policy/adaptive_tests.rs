@@ -251,10 +251,10 @@ impl ModelHistory {
 }
 
 impl Model {
-    /// Counts a use of `key` in the history of 32 times the tracked keys and returns its
-    /// priority, on the clock in half-lives.
+    /// Counts a use of `key` in the history of 48 times the tracked keys (twice the longer
+    /// half-life) and returns its priority, on the clock in half-lives.
     fn record_use(&mut self, key: u32) -> u64 {
-        let bound = 32 * self.cache.len().max(1);
+        let bound = 48 * self.cache.len().max(1);
         self.history.record(key, self.cache.aged, bound)
     }
     fn shadow_access(&mut self, key: u32, priority: u64) {
@@ -316,7 +316,7 @@ impl Model {
                     self.half_life_wins[i][j] * keep + if won { 1.0 } else { 0.0 };
             }
         }
-        let bound = 32 * (self.half_life_shadows[0].keys.len() + 1);
+        let bound = 48 * (self.half_life_shadows[0].keys.len() + 1);
         for (i, half_life) in [6, 24].into_iter().enumerate() {
             let now = self.cache.time / half_life;
             let priority = self.half_life_histories[i].record(key, now, bound);
@@ -463,11 +463,31 @@ proptest! {
             prop_assert_eq!(policy.len(), model.cache.len(), "after {:?}", op);
             prop_assert_eq!(policy.order(), Mode::ALL[model.mode].order(), "after {:?}", op);
             prop_assert!(policy.ghosts() <= 2 * policy.len(), "after {:?}", op);
-            // The history holds 32 times the most keys tracked, rounded up to a power of two.
+            // The history holds 48 times the most keys tracked, rounded up to a power of two.
             peak = peak.max(policy.len());
-            prop_assert!(policy.remembered() <= 64 * peak.max(1), "after {:?}", op);
+            prop_assert!(policy.remembered() <= 96 * peak.max(1), "after {:?}", op);
         }
     }
+}
+
+/// A use keeps counting for two of the longer half-life (48 capacities of evictions, a quarter
+/// of its weight left), however its set of the history fills: at 1,000 tracked keys, whose
+/// table rounds up least, the uses of 98% of a cache of keys are still counted after 40
+/// capacities of one-off keys. The history of 32 capacities before forgot nine in ten of them
+/// here, and read 0.002 less at conversation 1,000 blocks.
+#[test]
+fn a_use_is_remembered_for_two_of_the_longer_half_life() {
+    let capacity = 1_000u32;
+    let mut policy = Adaptive::<u32>::new();
+    for key in 0..capacity {
+        policy.insert(key);
+    }
+    for key in capacity..41 * capacity {
+        policy.evict(1, &mut |_| true);
+        policy.insert(key);
+    }
+    let remembered = (0..capacity).filter(|key| policy.remembers(key)).count();
+    assert!(remembered >= 980, "{remembered} of the first {capacity} keys remembered");
 }
 
 /// Uses `key` in `policy` and in `model`, each holding at most `capacity` keys, evicting one
@@ -731,7 +751,7 @@ fn a_judge_of_any_size_models_a_bounded_sample() {
     assert_eq!(judge.history_slots(), 0, "nothing is reserved for the size it models");
     // Lookups grow its memory with the keys its shadows hold: tiers of 16 M chunks are judged on
     // one chunk in 128 (shadows of 2^17 keys), so 20,000 chunks looked up put about 160 in the
-    // shadows and their history of 32 entries each, not 32 x 2^17.
+    // shadows and their history of 48 entries each, not 48 x 2^17.
     let mut judge = Judge::<u64>::new(1 << 24);
     assert_eq!(judge.shadow_capacity(), 1 << 17);
     (0..20_000u64).for_each(|key| judge.looked_up(&key));

@@ -25,7 +25,7 @@
 //! use (the clock only advances), so the victim is the lowest of the [`CLASSES`] lists' backs:
 //! O(1) per use (the decay is a table lookup and an add), O(`CLASSES`) per victim, no
 //! allocation in steady state. The history is a set-associative table of 8-byte entries for
-//! [`HISTORY_FACTOR`] times the tracked keys, rounded up to a power of two of sets: under 512
+//! [`HISTORY_FACTOR`] times the tracked keys, rounded up to a power of two of sets: 384 to 768
 //! bytes a cached chunk, a few hundredths of a percent of a 2 MiB chunk.
 //!
 //! **The half-life.** How long a use should count depends on how far apart a workload's uses
@@ -37,9 +37,10 @@
 //! divided by the half-life of the moment, so a change of half-life changes how fast uses
 //! decay from then on and leaves every score read as it was.
 //!
-//! Constants (half-lives of six and 24 capacities, quarters of a doubling, a history of 32
-//! capacities) were chosen on Mooncake's conversation trace and checked on the synthetic trace
-//! (docs/performance.md, "Decayed use counts" and "Two half-lives").
+//! Constants (half-lives of six and 24 capacities, quarters of a doubling) were chosen on
+//! Mooncake's conversation trace and checked on the synthetic trace (docs/performance.md,
+//! "Decayed use counts" and "Two half-lives"); the history's length follows from the longer
+//! half-life ("A history as long as two half-lives").
 
 use std::hash::Hash;
 use std::sync::LazyLock;
@@ -70,8 +71,14 @@ const CLASSES_PER_DOUBLING: f64 = 4.0;
 /// How far one class is above the one below: a quarter of a half-life of the clock.
 const CLASS_STEP: u64 = CAPACITY_OF_EVICTIONS / 4;
 
-/// The history counts the uses of up to this many times the tracked keys.
-pub(super) const HISTORY_FACTOR: usize = 32;
+/// The history counts the uses of up to this many times the tracked keys: two of the longer
+/// half-life, so that a use weighing a quarter is still remembered. Its sets fill unevenly, so
+/// some keys go well before the table's length: with 32 capacities (the length before the
+/// half-life of 24 came), on the conversation trace at 1,000 blocks, the size whose table
+/// rounds up least, the frequency order alone at 24 capacities read 0.0787 against 0.0817 with
+/// 48 (or with an exact LRU list of 24 capacities), and the adaptive policy 0.0773 against
+/// 0.0793 (docs/performance.md, "A history as long as two half-lives").
+pub(super) const HISTORY_FACTOR: usize = 2 * HALF_LIVES[1] as usize;
 
 /// One use of a key as the frequency order ranks it: its class and its priority, the clock (in
 /// half-lives) when it was used plus its class's `log2 C`, so that one use is worth a
@@ -113,7 +120,7 @@ fn one_more(age: i64) -> f64 {
     (-age as f64 / SCORE_UNITS_PER_HALF_LIFE as f64).max(0.0) + correction
 }
 
-/// Keys per set of the history: one 64-byte cache line.
+/// Keys per set of the history: 256 bytes, four 64-byte cache lines.
 const WAYS: usize = 32;
 
 /// The low bits of a history entry that hold the key's score; the bits above hold its tag, and
