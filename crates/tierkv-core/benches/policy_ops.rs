@@ -9,7 +9,10 @@
 //!
 //! Two more rows: the adaptive policy as a tier below L1 runs it under the cascade, following a
 //! judge's order; and that judge, told every access, as the StorageManager tells it every
-//! lookup's chunks (its cost per chunk looked up; it caches nothing).
+//! lookup's chunks (its cost per chunk looked up; it caches nothing). Then two threads telling
+//! one judge their lookups at once, doing nothing else: behind a plain mutex, and as the
+//! [`SharedJudge`] the StorageManager holds, with what each lookup waited and the sampled chunks
+//! the shared judge dropped for being that far behind.
 //!
 //! The disk's policies order segments, not keys: the same stream then goes through a log of
 //! segments of four chunks (a hit is `hit`, a miss is `missed` and an append; a full segment is
@@ -22,7 +25,10 @@ use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use tierkv_core::policy::{EvictionPolicy, Judge, JudgedOrder, PolicyKind, SegmentPolicy};
+use parking_lot::Mutex;
+use tierkv_core::policy::{
+    EvictionPolicy, Judge, JudgedOrder, PolicyKind, SegmentPolicy, SharedJudge,
+};
 
 const CAPACITY: usize = 10_000;
 const ACCESSES: usize = 4_000_000;
@@ -78,6 +84,65 @@ fn run_judge(keys: &[u64]) -> (Duration, u64) {
     }
     black_box(judge.order());
     (start.elapsed(), 0)
+}
+
+/// Chunks per lookup in the two-thread judge rows.
+const LOOKUP_CHUNKS: usize = 64;
+
+/// What two threads telling a judge their lookups at once each wait per lookup: the keys split
+/// into lookups of [`LOOKUP_CHUNKS`], every other lookup to each thread, each told through
+/// `tell`. Returns the wall time and every lookup's time, sorted.
+fn run_two_threads(keys: &[u64], tell: &(dyn Fn(&[u64]) + Sync)) -> (Duration, Vec<Duration>) {
+    let lookups: Vec<&[u64]> = keys.chunks(LOOKUP_CHUNKS).collect();
+    let start = Instant::now();
+    let mut times: Vec<Duration> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..2)
+            .map(|t| {
+                let lookups = &lookups;
+                scope.spawn(move || {
+                    lookups
+                        .iter()
+                        .skip(t)
+                        .step_by(2)
+                        .map(|lookup| {
+                            let asked = Instant::now();
+                            tell(lookup);
+                            asked.elapsed()
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        threads.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect()
+    });
+    let wall = start.elapsed();
+    times.sort_unstable();
+    (wall, times)
+}
+
+/// A two-thread judge run: wall time, every lookup's time (sorted), and the sampled keys the
+/// judge never heard.
+type TwoThreadRun = (Duration, Vec<Duration>, u64);
+
+/// The judge behind a mutex, as the StorageManager held it before: a lookup waits while
+/// another's chunks go through it.
+fn run_judge_locked(keys: &[u64]) -> TwoThreadRun {
+    let judge = Mutex::new(Judge::<u64>::new(3 * CAPACITY));
+    let (wall, times) = run_two_threads(keys, &|lookup| {
+        let mut judge = judge.lock();
+        lookup.iter().for_each(|key| judge.looked_up(key));
+    });
+    (wall, times, 0)
+}
+
+/// The [`SharedJudge`] the StorageManager holds: no lookup waits for another.
+fn run_judge_shared(keys: &[u64]) -> TwoThreadRun {
+    let judge = SharedJudge::<u64>::new(3 * CAPACITY);
+    let dropped = std::sync::atomic::AtomicU64::new(0);
+    let (wall, times) = run_two_threads(keys, &|lookup| {
+        dropped.fetch_add(judge.looked_up(lookup), std::sync::atomic::Ordering::Relaxed);
+    });
+    (wall, times, dropped.into_inner())
 }
 
 fn run_built(mut policy: Box<dyn EvictionPolicy<u64>>, keys: &[u64]) -> (Duration, u64) {
@@ -222,6 +287,32 @@ fn main() {
     }
     row("adaptive, following", best(&|| run_follower(&keys)), floor.0);
     row("judge (3x capacity)", best(&|| run_judge(&keys)), floor.0);
+    println!();
+    println!("the judge told lookups of {LOOKUP_CHUNKS} chunks from two threads at once");
+    println!(
+        "{:<24} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "judge", "ns/chunk", "p50 µs", "p99 µs", "max µs", "unheard"
+    );
+    for (name, run) in [
+        ("behind a mutex", run_judge_locked as fn(&[u64]) -> TwoThreadRun),
+        ("shared", run_judge_shared),
+    ] {
+        let (wall, times, dropped) =
+            (0..3).map(|_| run(&keys)).min_by_key(|(wall, ..)| *wall).unwrap_or_default();
+        let at = |q: f64| {
+            times.get(((times.len() as f64 * q) as usize).min(times.len().saturating_sub(1)))
+        };
+        let micros = |d: Option<&Duration>| d.map_or(0.0, |d| d.as_secs_f64() * 1e6);
+        println!(
+            "{:<24} {:>10.1} {:>10.2} {:>10.2} {:>10.2} {:>10}",
+            name,
+            wall.as_nanos() as f64 / keys.len() as f64,
+            micros(at(0.5)),
+            micros(at(0.99)),
+            micros(times.last()),
+            dropped,
+        );
+    }
     let log_floor = best(&|| run_log(None, &keys));
     println!();
     println!("a log of segments of {PER_SEGMENT} chunks, {CAPACITY} chunks in all");

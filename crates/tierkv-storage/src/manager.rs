@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use parking_lot::Mutex;
-use tierkv_core::policy::{Judge, Order, PolicyKind};
+use tierkv_core::policy::{Order, PolicyKind, SharedJudge};
 use tierkv_core::{
     ChunkSource, Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage,
 };
@@ -93,12 +93,12 @@ fn chunks_below(config: &StorageConfig, host: Option<&HostStore>, disk: Option<&
 
 /// The judge the host and disk stores follow, when the cascade hands chunks down to either and
 /// it runs the adaptive policy: one judge of the tiers' combined size, in chunks of L1's slots,
-/// fed every lookup (see [`Judge`]). `None` when no tier below L1 has a choice of order.
+/// fed every lookup (see [`SharedJudge`]). `None` when no tier below L1 has a choice of order.
 fn judge_below(
     config: &StorageConfig,
     host: Option<&HostStore>,
     disk: Option<&DiskStore>,
-) -> Option<Mutex<Judge<ObjectKey>>> {
+) -> Option<SharedJudge<ObjectKey>> {
     let adaptive = |policy: PolicyKind| policy == PolicyKind::Adaptive;
     let host_follows = host.is_some_and(|h| adaptive(h.config().policy));
     let disk_follows = disk.is_some_and(|d| adaptive(d.policy()));
@@ -107,14 +107,14 @@ fn judge_below(
     }
     let slot = config.l1.slot_bytes.max(1);
     let chunks = (config.l1.capacity_bytes / slot).saturating_add(chunks_below(config, host, disk));
-    let judge = Judge::new(usize::try_from(chunks).unwrap_or(usize::MAX));
+    let judge = SharedJudge::new(usize::try_from(chunks).unwrap_or(usize::MAX));
     if let Some(host) = host.filter(|_| host_follows) {
         host.follow(judge.order());
     }
     if let Some(disk) = disk.filter(|_| disk_follows) {
         disk.follow(judge.order());
     }
-    Some(Mutex::new(judge))
+    Some(judge)
 }
 
 /// Whether `policy` copies a finished write down at once to one of `tiers`: write-through to
@@ -211,8 +211,8 @@ pub struct StorageStatus {
 struct Inner {
     l1: Arc<L1Manager>,
     /// Chooses the order of the tiers below L1 from every lookup, when the cascade hands
-    /// chunks down to an adaptive policy ([`Judge`]).
-    judge: Option<Mutex<Judge<ObjectKey>>>,
+    /// chunks down to an adaptive policy ([`SharedJudge`]): no lookup waits on it.
+    judge: Option<SharedJudge<ObjectKey>>,
     /// The clock L1's lease deadlines are measured on; tier locks held for a hit expire on it too.
     clock: Arc<dyn Clock>,
     router: Arc<TierRouter>,
@@ -608,8 +608,7 @@ impl StorageManager {
             .collect();
         let flat: Vec<ObjectKey> = order.iter().map(|(g, i)| request.groups[*g].keys[*i]).collect();
         if let Some(judge) = &self.inner.judge {
-            let mut judge = judge.lock();
-            flat.iter().for_each(|key| judge.looked_up(key));
+            self.inner.metrics.judge_samples_dropped(judge.looked_up(&flat));
         }
         let grant = self.inner.l1.reserve_read(request.owner, &flat, request.extra);
         let mut in_l1: Vec<Vec<bool>> =
@@ -969,7 +968,7 @@ impl StorageManager {
             lookups: self.inner.metrics.totals(),
             disk_read_only: self.inner.disk.as_ref().and_then(|d| d.read_only()),
             remote_degraded: self.inner.remote.as_ref().and_then(|r| r.degraded()),
-            judged_order: self.inner.judge.as_ref().map(|judge| judge.lock().order().order()),
+            judged_order: self.inner.judge.as_ref().map(|judge| judge.order().order()),
             below_orders: [
                 self.inner.host.as_ref().map(|h| ("l2", h.order())),
                 self.inner.disk.as_ref().map(|d| ("disk", d.order())),

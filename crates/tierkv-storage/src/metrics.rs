@@ -33,6 +33,7 @@ pub(crate) struct StorageMetrics {
     demotions_dropped: Counter,
     store_expired: Counter,
     maintenance_panics: Counter,
+    judge_samples_dropped: Counter,
     totals: Mutex<LookupTotals>,
 }
 
@@ -71,6 +72,13 @@ impl StorageMetrics {
             Unit::Count,
             "Chunks submitted by the store pipeline to a lower tier."
         );
+        describe_counter!(
+            "tierkv_judge_samples_dropped_total",
+            Unit::Count,
+            "Sampled lookup chunks the judge of the tiers below L1 never heard because it was \
+             thousands behind (a steady rate says the judge is a bottleneck; it then judges on a \
+             thinner sample)."
+        );
         let all: Vec<String> =
             std::iter::once("l1".to_string()).chain(tiers.iter().cloned()).collect();
         let per_tier = |name: &'static str| -> Vec<(String, Counter)> {
@@ -92,6 +100,7 @@ impl StorageMetrics {
             demotions_dropped: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "demotion_dropped"),
             store_expired: counter!("tierkv_errors_total", "tier" => "l1", "reason" => "store_lease_expired"),
             maintenance_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "maintenance_panic"),
+            judge_samples_dropped: counter!("tierkv_judge_samples_dropped_total"),
             totals: Mutex::new(LookupTotals {
                 hit_chunks: vec![0; all.len()],
                 hit_tokens: vec![0; all.len()],
@@ -153,5 +162,10 @@ impl StorageMetrics {
 
     pub(crate) fn maintenance_panic(&self) {
         self.maintenance_panics.increment(1);
+    }
+
+    /// `n` sampled chunks of a lookup that the judge of the tiers below will never hear.
+    pub(crate) fn judge_samples_dropped(&self, n: u64) {
+        self.judge_samples_dropped.increment(n);
     }
 }

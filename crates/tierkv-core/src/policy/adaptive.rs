@@ -110,7 +110,7 @@ pub(super) fn sampled(key: &impl SampleKey) -> bool {
 
 /// Whether `key` is one of the keys sampled at one in `2^shift` (those at a larger `shift`
 /// are among those at a smaller one).
-fn sampled_one_in(key: &impl SampleKey, shift: u32) -> bool {
+pub(super) fn sampled_one_in(key: &impl SampleKey, shift: u32) -> bool {
     shift == 0 || key.sample_bits().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - shift) == 0
 }
 
@@ -651,6 +651,12 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Judge<K> {
         self.order.clone()
     }
 
+    /// The judge samples the keys [`sampled_one_in`] this shift; told of any other, it changes
+    /// nothing.
+    pub(super) fn sample_shift(&self) -> u32 {
+        self.shift
+    }
+
     /// One lookup of `key`. Callers pass a lookup's chunks leaf first, as the tiers touch them.
     pub fn looked_up(&mut self, key: &K) {
         if !sampled_one_in(key, self.shift) {
@@ -956,6 +962,11 @@ impl<K> Judge<K> {
     /// The entries its history of uses has room for.
     pub(super) fn history_slots(&self) -> usize {
         self.history.slots()
+    }
+
+    /// The sampled keys it has been told of.
+    pub(super) fn heard(&self) -> u64 {
+        self.time / tick_among(self.capacity)
     }
 }
 

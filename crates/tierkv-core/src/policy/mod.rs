@@ -16,6 +16,7 @@ mod s3fifo;
 mod segments;
 #[cfg(test)]
 mod segments_tests;
+mod shared_judge;
 #[cfg(test)]
 mod tests;
 
@@ -26,6 +27,7 @@ pub use group::{Joined, PolicyGroup, auto_shards, shard_of};
 pub use lru::Lru;
 pub use s3fifo::S3Fifo;
 pub use segments::{SegmentArc, SegmentPolicy};
+pub use shared_judge::SharedJudge;
 
 /// Orders tracked keys for eviction.
 ///
