@@ -166,6 +166,9 @@ impl StorageMetrics {
 
     /// `n` sampled chunks of a lookup that the judge of the tiers below will never hear.
     pub(crate) fn judge_samples_dropped(&self, n: u64) {
-        self.judge_samples_dropped.increment(n);
+        // Nearly always none: no write to the shared counter on every lookup then.
+        if n > 0 {
+            self.judge_samples_dropped.increment(n);
+        }
     }
 }

@@ -502,7 +502,13 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> EvictionPolicy<K> for Adaptive<K> 
     fn keep_below(&mut self, chunks: usize) {
         match &self.member {
             Some(member) => member.group.keep_below(chunks),
-            None => self.cache.below = chunks,
+            None => {
+                self.cache.below = chunks;
+                // Under tiers below the half-life is six, whatever the shadows chose before.
+                if chunks > 0 {
+                    self.cache.half_life = 0;
+                }
+            }
         }
     }
 

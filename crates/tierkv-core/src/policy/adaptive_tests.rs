@@ -543,6 +543,14 @@ fn under_tiers_below_the_half_life_stays_short() {
         use_key(&mut policy, 256, key);
     }
     assert_eq!(policy.half_life(), 6, "{policy:?}");
+    // Tiers below added after the shadows chose 24 capacities bring it back to six.
+    let mut policy = Adaptive::new();
+    for key in uses_back_after_eight_capacities(256) {
+        use_key(&mut policy, 256, key);
+    }
+    assert_eq!(policy.half_life(), 24, "{policy:?}");
+    policy.keep_below(64);
+    assert_eq!(policy.half_life(), 6, "{policy:?}");
 }
 
 /// Inserts `key` into `policy` holding at most `capacity` keys, evicting one first when full.

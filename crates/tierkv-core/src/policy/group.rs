@@ -305,9 +305,13 @@ impl PolicyGroup {
         (self.half_life.load(Ordering::Relaxed) as usize).min(1)
     }
 
-    /// Counts `chunks` kept below the group's cache in each capacity of its evictions.
+    /// Counts `chunks` kept below the group's cache in each capacity of its evictions; with
+    /// any, the half-life is six capacities, whatever the shadows chose before.
     pub(super) fn keep_below(&self, chunks: usize) {
         self.below.store(chunks as u64, Ordering::Relaxed);
+        if chunks > 0 {
+            self.half_life.store(0, Ordering::Relaxed);
+        }
     }
 
     /// The keys the adaptive policy's shards track, `T1` and `T2` of every shard.
@@ -602,6 +606,9 @@ mod tests {
             single_victims(&mut joined, 1_024, &keys);
             let chosen = super::super::frequency::HALF_LIVES[joined.group.half_life()];
             assert_eq!(chosen, half_life, "with {below} chunks below");
+            // Tiers below added later bring it back to six.
+            joined.keep_below(256);
+            assert_eq!(super::super::frequency::HALF_LIVES[joined.group.half_life()], 6);
         }
     }
 
