@@ -5,11 +5,16 @@
 //! the index lock, copies outside it, then publishes them all, or on any failure drops them all:
 //! a failed store task leaves no trace. Loads copy out of slots pinned under the lock; eviction
 //! and deletion skip pinned and locked entries, so a slot is never reused under a copy.
+//!
+//! Under a demoter (the cascade), a victim is *leaving*: its bytes go to the tier below as a
+//! [`Departing`] chunk, and until that is dropped (the tier below answered its store, or the
+//! chunk was given up) lookups still find, lock and load it here, from the same bytes. A victim
+//! is never in neither tier while it is on its way.
 
 use std::collections::{HashMap, HashSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
@@ -17,8 +22,8 @@ use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
 use tierkv_core::policy::{EvictionPolicy, JudgedOrder, Order};
 use tierkv_core::{
-    Bitmap, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
-    TierAdapter, TierError, TierUsage,
+    Bitmap, BufferError, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem,
+    TaskId, TierAdapter, TierError, TierUsage,
 };
 
 use crate::arena::{Arena, MemoryKind};
@@ -52,6 +57,13 @@ impl Entry {
 
 /// An evicted entry: its key, the slot it held and its length.
 type Victim = (ObjectKey, u32, u64);
+
+/// What a load copies from: a ready entry's slot (pinned) and its length, or the bytes of a
+/// chunk on its way down.
+enum Pin {
+    Slot(u32, u64),
+    Leaving(Arc<[u8]>),
+}
 
 struct Index {
     map: HashMap<ObjectKey, Entry, RandomState>,
@@ -128,9 +140,67 @@ struct Source<'a> {
     source: &'a dyn ChunkSource,
 }
 
-/// Takes each chunk the host store evicts, with a copy of its bytes (the cascade sends it to the
-/// next tier). Called under the index lock: it must not call back into the store.
-pub type Demote = Box<dyn Fn(ObjectKey, Vec<u8>) + Send + Sync>;
+/// Takes each chunk the host store evicts, as a [`Departing`] copy of its bytes (the cascade
+/// sends it to the next tier). Called under the index lock: it must not call back into the
+/// store, except by dropping the chunk.
+pub type Demote = Box<dyn Fn(ObjectKey, Departing) + Send + Sync>;
+
+/// A victim on its way to the tier below, as the store still serves it.
+struct Leaving {
+    /// Which departure of the key this is: a key can leave again before the last one landed.
+    departure: u64,
+    bytes: Arc<[u8]>,
+    /// Locks taken by lookups and not yet returned.
+    locks: u64,
+    /// Its [`Departing`] was dropped: kept only until its locks are returned.
+    landed: bool,
+}
+
+/// A chunk the host store evicted, with a copy of its bytes, on its way to the tier below.
+/// Until it is dropped, lookups find, lock and load the chunk in the host store as if it had
+/// not left; so the holder drops it once the tier below has it, or has given up on it.
+pub struct Departing {
+    key: ObjectKey,
+    departure: u64,
+    bytes: Arc<[u8]>,
+    store: Weak<Shared>,
+}
+
+impl Departing {
+    /// The chunk's key.
+    pub fn key(&self) -> ObjectKey {
+        self.key
+    }
+}
+
+impl ChunkSource for Departing {
+    fn len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BufferError> {
+        if dst.len() != self.bytes.len() {
+            return Err(BufferError::LengthMismatch {
+                buffer: self.bytes.len() as u64,
+                copy: dst.len() as u64,
+            });
+        }
+        dst.copy_from_slice(&self.bytes);
+        Ok(())
+    }
+
+    fn host_bytes(&self) -> Option<&[u8]> {
+        Some(&self.bytes)
+    }
+}
+
+impl Drop for Departing {
+    fn drop(&mut self) {
+        if let Some(store) = self.store.upgrade() {
+            store.landed(&self.key, self.departure);
+        }
+    }
+}
 
 enum Job {
     Store(TaskId, Vec<StoreItem>),
@@ -161,6 +231,12 @@ struct Shared {
     metrics: TierMetrics,
     /// Where eviction victims go, once set; without it they are dropped.
     demote: OnceLock<Demote>,
+    /// Victims handed to the demoter and not yet landed below (or still locked here). Locked
+    /// after `index` when both are.
+    leaving: Mutex<HashMap<ObjectKey, Leaving, RandomState>>,
+    next_departure: AtomicU64,
+    /// This store, for the departures to find it again.
+    me: Weak<Shared>,
 }
 
 /// The host-memory tier (L2).
@@ -177,7 +253,7 @@ impl HostStore {
         let slots = config.slots()?;
         let arena = Arena::new(u64::from(slots) * config.chunk_bytes, config.memory)?;
         let (done, completions) = unbounded();
-        let shared = Arc::new(Shared {
+        let shared = Arc::new_cyclic(|me| Shared {
             arena,
             chunk_bytes: config.chunk_bytes,
             slots,
@@ -195,6 +271,9 @@ impl HostStore {
             completions,
             metrics: metrics::register(),
             demote: OnceLock::new(),
+            leaving: Mutex::new(HashMap::default()),
+            next_departure: AtomicU64::new(0),
+            me: me.clone(),
         });
         let (jobs, queue) = unbounded::<Job>();
         let mut workers = Vec::with_capacity(config.workers);
@@ -422,7 +501,9 @@ impl Shared {
         let _ = self.done.send(completion);
     }
 
-    /// Hands each victim's bytes to the demoter, if one is set. Its slot must not be written
+    /// Hands each victim's bytes to the demoter, if one is set, and keeps them readable as
+    /// leaving until the demoter drops them. Called under the index lock, the victims just taken
+    /// out of it, so a lookup finds each victim in one of the two. Its slot must not be written
     /// until this returns.
     fn demote_all(&self, victims: &[Victim]) {
         let Some(demote) = self.demote.get() else { return };
@@ -430,8 +511,29 @@ impl Shared {
             let (offset, len) = self.slot_range(*slot, *len);
             // SAFETY: the victim left the index under the lock and its slot is not reused before
             // this returns (the callers guarantee it), so nothing writes these bytes meanwhile.
-            let bytes = unsafe { self.arena.bytes(offset, len) }.to_vec();
-            demote(*key, bytes);
+            let bytes: Arc<[u8]> = Arc::from(unsafe { self.arena.bytes(offset, len) });
+            let departure = self.next_departure.fetch_add(1, Ordering::Relaxed);
+            {
+                let mut leaving = self.leaving.lock();
+                // Leaving again before it landed: the same key, the same bytes; its locks stay.
+                let locks = leaving.get(key).map_or(0, |l| l.locks);
+                let entry = Leaving { departure, bytes: Arc::clone(&bytes), locks, landed: false };
+                leaving.insert(*key, entry);
+            }
+            demote(*key, Departing { key: *key, departure, bytes, store: self.me.clone() });
+        }
+    }
+
+    /// The departure `departure` of `key` is over: the tier below has the chunk, or never will.
+    /// It stops being served here once no lookup holds a lock on it.
+    fn landed(&self, key: &ObjectKey, departure: u64) {
+        let mut leaving = self.leaving.lock();
+        if let Some(entry) = leaving.get_mut(key).filter(|l| l.departure == departure) {
+            if entry.locks == 0 {
+                leaving.remove(key);
+            } else {
+                entry.landed = true;
+            }
         }
     }
 
@@ -520,8 +622,11 @@ impl Shared {
 
     /// Locks and touches every ready key. Lookups name a chain root first; the keys are touched
     /// leaf first, so the root ends up the most recent and eviction takes a chain's tail first.
+    /// A chunk on its way to the tier below is found and locked too, without a touch: the
+    /// policy no longer tracks it.
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
+        let mut leaving = self.leaving.lock();
         let Index { map, policy, locks, held, .. } = &mut *index;
         let mut found = vec![false; keys.len()];
         for (i, key) in keys.iter().enumerate().rev() {
@@ -531,15 +636,21 @@ impl Shared {
                 *locks += 1;
                 policy.touch(key);
                 found[i] = true;
+            } else if let Some(entry) = leaving.get_mut(key) {
+                entry.locks += 1;
+                *locks += 1;
+                found[i] = true;
             }
         }
         Bitmap::from_bools(found)
     }
 
     fn load(&self, items: &mut [LoadItem]) -> Bitmap {
-        // Pin under the lock, copy outside it, unpin under it again.
-        let pinned: Vec<Option<(u32, u64)>> = {
+        // Pin under the lock, copy outside it, unpin under it again. A chunk on its way down is
+        // copied from its own bytes, which the pin shares.
+        let pinned: Vec<Option<Pin>> = {
             let mut index = self.index.lock();
+            let leaving = self.leaving.lock();
             let Index { map, held, .. } = &mut *index;
             items
                 .iter()
@@ -547,20 +658,29 @@ impl Shared {
                     Some(entry) if entry.ready && entry.len == item.sink.len() => {
                         *held += u64::from(!entry.held());
                         entry.pins += 1;
-                        Some((entry.slot, entry.len))
+                        Some(Pin::Slot(entry.slot, entry.len))
                     }
-                    _ => None,
+                    _ => leaving
+                        .get(&item.key)
+                        .filter(|l| l.bytes.len() as u64 == item.sink.len())
+                        .map(|l| Pin::Leaving(Arc::clone(&l.bytes))),
                 })
                 .collect()
         };
         let mut loaded = Bitmap::new(items.len());
         let mut bytes = 0;
         for (i, (item, pin)) in items.iter_mut().zip(&pinned).enumerate() {
-            let Some((slot, len)) = pin else { continue };
-            let (offset, len) = self.slot_range(*slot, *len);
-            // SAFETY: the entry is ready and pinned: nobody writes or reuses its slot until it is
-            // unpinned below.
-            let src = unsafe { self.arena.bytes(offset, len) };
+            let src = match pin {
+                None => continue,
+                Some(Pin::Slot(slot, len)) => {
+                    let (offset, len) = self.slot_range(*slot, *len);
+                    // SAFETY: the entry is ready and pinned: nobody writes or reuses its slot
+                    // until it is unpinned below.
+                    unsafe { self.arena.bytes(offset, len) }
+                }
+                Some(Pin::Leaving(leaving)) => leaving,
+            };
+            let len = src.len();
             let copied = catch_unwind(AssertUnwindSafe(|| item.sink.write_from(src)));
             if matches!(copied, Ok(Ok(()))) {
                 loaded.set(i, true);
@@ -572,7 +692,7 @@ impl Shared {
         let mut index = self.index.lock();
         let Index { map, held, .. } = &mut *index;
         for (item, pin) in items.iter().zip(&pinned) {
-            if pin.is_some()
+            if let Some(Pin::Slot(..)) = pin
                 && let Some(entry) = map.get_mut(&item.key)
             {
                 entry.pins -= 1;
@@ -636,6 +756,7 @@ impl TierAdapter for HostStore {
 
     fn unlock(&self, keys: &[ObjectKey]) {
         let mut index = self.shared.index.lock();
+        let mut leaving = self.shared.leaving.lock();
         for key in keys {
             if let Some(entry) = index.map.get_mut(key)
                 && entry.locks > 0
@@ -644,12 +765,23 @@ impl TierAdapter for HostStore {
                 let released = !entry.held();
                 index.locks -= 1;
                 index.held -= u64::from(released);
+            } else if let Some(entry) = leaving.get_mut(key)
+                && entry.locks > 0
+            {
+                entry.locks -= 1;
+                index.locks -= 1;
+                if entry.locks == 0 && entry.landed {
+                    leaving.remove(key);
+                }
             }
         }
     }
 
+    /// A chunk on its way down stops being served here, unless a lookup holds it (its copy
+    /// below is that tier's to delete).
     fn delete(&self, keys: &[ObjectKey]) -> usize {
         let mut index = self.shared.index.lock();
+        let mut leaving = self.shared.leaving.lock();
         let mut deleted = 0;
         for key in keys {
             if index.map.get(key).is_some_and(Entry::evictable)
@@ -659,13 +791,19 @@ impl TierAdapter for HostStore {
                 index.free.push(entry.slot);
                 index.ready -= 1;
                 deleted += 1;
+            } else if leaving.get(key).is_some_and(|l| l.locks == 0) {
+                leaving.remove(key);
+                deleted += 1;
             }
         }
         deleted
     }
 
     fn clear(&self) -> usize {
-        let keys: Vec<ObjectKey> = self.shared.index.lock().map.keys().copied().collect();
+        let index = self.shared.index.lock();
+        let leaving = self.shared.leaving.lock();
+        let keys: Vec<ObjectKey> = index.map.keys().chain(leaving.keys()).copied().collect();
+        drop((leaving, index));
         self.delete(&keys)
     }
 

@@ -4,12 +4,12 @@
 #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use proptest::prelude::*;
-use tierkv_core::{BufferError, ChunkSource, StoreItem, TierError, VecChunk};
-use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
+use tierkv_core::{BufferError, ChunkSource, ObjectKey, StoreItem, TierError, VecChunk};
+use tierkv_l2::{Departing, HostMemory, HostStore, HostStoreConfig};
 use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload};
 
 const CHUNK: u64 = 16 << 10;
@@ -404,4 +404,247 @@ fn a_large_load_split_over_the_workers_answers_every_key_in_order() {
     assert_eq!(h.locks(), 0);
     // Nothing stayed pinned: every chunk can be deleted.
     assert_eq!(h.tier.delete(&keys(0..300)), 300);
+}
+
+/// A store of `chunks` slots whose victims go to a demoter that keeps them, as the cascade's
+/// store pipeline does until the tier below has them.
+fn with_demoter(chunks: u64) -> (Harness, Arc<Mutex<Vec<Departing>>>) {
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        workers: 1,
+        ..HostStoreConfig::new(chunks * CHUNK, CHUNK)
+    };
+    let store = HostStore::open(config).unwrap();
+    let on_their_way: Arc<Mutex<Vec<Departing>>> = Arc::default();
+    let keep = Arc::clone(&on_their_way);
+    assert!(store.set_demoter(Box::new(move |key, departing| {
+        assert_eq!(departing.key(), key);
+        keep.lock().unwrap().push(departing);
+    })));
+    let tier = Arc::new(store);
+    (Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) }), on_their_way)
+}
+
+#[test]
+fn a_victim_on_its_way_down_is_found_locked_and_loaded_until_it_lands() {
+    let (mut h, on_their_way) = with_demoter(2);
+    h.store(&keys(0..2)).unwrap();
+    h.store(&[key(2)]).unwrap();
+    let departed: Vec<ObjectKey> = on_their_way.lock().unwrap().iter().map(|d| d.key()).collect();
+    assert_eq!(departed.len(), 1, "one victim for one new chunk");
+    let victim = departed[0];
+    {
+        let guard = on_their_way.lock().unwrap();
+        let mut below = vec![0; CHUNK as usize];
+        guard[0].copy_to_host(&mut below).unwrap();
+        assert!(below == payload(&victim, CHUNK), "the tier below gets the victim's bytes");
+    }
+    // On its way: a lookup finds and locks it, a load copies its bytes, though the store holds
+    // only its two slots' chunks.
+    assert_eq!(h.lookup(&[victim]).count_ones(), 1);
+    assert_eq!(h.locks(), 1);
+    assert_eq!(h.tier.usage().objects, 2);
+    h.assert_loads(&[victim]);
+    // Landed while locked: still served to the lookup that holds it, until it unlocks.
+    on_their_way.lock().unwrap().clear();
+    h.assert_loads(&[victim]);
+    h.tier.unlock(&[victim]);
+    assert_eq!(h.locks(), 0);
+    assert_eq!(h.present(&[victim]).count_ones(), 0, "landed and unlocked: served below only");
+    let (loaded, _) = h.load(&[victim]);
+    assert_eq!(loaded.count_ones(), 0);
+}
+
+#[test]
+fn a_victim_given_up_or_deleted_on_its_way_is_gone_at_once() {
+    let (mut h, on_their_way) = with_demoter(1);
+    h.store(&[key(0)]).unwrap();
+    h.store(&[key(1)]).unwrap();
+    assert_eq!(h.present(&[key(0)]).count_ones(), 1);
+    // The tier below refused it (or the pipeline dropped it): a miss from now on.
+    on_their_way.lock().unwrap().clear();
+    assert_eq!(h.present(&[key(0)]).count_ones(), 0);
+    // A delete takes a chunk on its way down out of this store too, unless a lookup holds it.
+    h.store(&[key(2)]).unwrap();
+    assert_eq!(on_their_way.lock().unwrap().len(), 1);
+    assert_eq!(h.lookup(&[key(1)]).count_ones(), 1);
+    assert_eq!(h.tier.delete(&[key(1)]), 0, "a locked chunk is not deleted");
+    h.tier.unlock(&[key(1)]);
+    assert_eq!(h.tier.delete(&[key(1)]), 1);
+    assert_eq!(h.present(&[key(1)]).count_ones(), 0);
+    // Its departure landing later finds nothing to take back.
+    on_their_way.lock().unwrap().clear();
+    assert_eq!(h.present(&[key(2)]).count_ones(), 1);
+    assert_eq!(h.locks(), 0);
+}
+
+#[test]
+fn a_chunk_leaving_again_before_it_landed_keeps_its_locks_and_the_newer_departure() {
+    let (mut h, on_their_way) = with_demoter(1);
+    h.store(&[key(0)]).unwrap();
+    h.store(&[key(1)]).unwrap(); // key 0 leaves
+    assert_eq!(h.lookup(&[key(0)]).count_ones(), 1);
+    h.store(&[key(0)]).unwrap(); // stored again: key 1 leaves
+    h.store(&[key(2)]).unwrap(); // key 0 leaves a second time, the first still on its way
+    let keys_down: Vec<ObjectKey> = on_their_way.lock().unwrap().iter().map(|d| d.key()).collect();
+    assert_eq!(keys_down, [key(0), key(1), key(0)]);
+    // The first departure lands: the second is still on its way, and the lock still held.
+    drop(on_their_way.lock().unwrap().remove(0));
+    assert_eq!(h.locks(), 1);
+    h.assert_loads(&[key(0)]);
+    h.tier.unlock(&[key(0)]);
+    assert_eq!(h.present(&[key(0)]).count_ones(), 1, "the second departure is on its way");
+    drop(on_their_way.lock().unwrap().remove(1));
+    assert_eq!(h.present(&[key(0)]).count_ones(), 0);
+    assert_eq!(h.present(&[key(1)]).count_ones(), 1);
+}
+
+#[derive(Clone, Debug)]
+enum DemotedOp {
+    Store(Vec<u64>),
+    Lookup(Vec<u64>),
+    Unlock(Vec<u64>),
+    Delete(Vec<u64>),
+    Load(Vec<u64>),
+    /// The tier below takes (or gives up) the departure at this place among those held, if any.
+    Land(usize),
+}
+
+fn demoted_op() -> impl Strategy<Value = DemotedOp> {
+    let ks = || prop::collection::vec(0u64..8, 1..4);
+    prop_oneof![
+        3 => ks().prop_map(DemotedOp::Store),
+        2 => ks().prop_map(DemotedOp::Lookup),
+        2 => ks().prop_map(DemotedOp::Unlock),
+        1 => ks().prop_map(DemotedOp::Delete),
+        2 => ks().prop_map(DemotedOp::Load),
+        2 => (0usize..8).prop_map(DemotedOp::Land),
+    ]
+}
+
+/// A chunk the model has on its way down: its latest departure, the locks lookups took on it
+/// and whether that departure landed.
+#[derive(Clone, Copy, Debug)]
+struct ModelLeaving {
+    departure: usize,
+    locks: u64,
+    landed: bool,
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// With a demoter that holds its departures until told to land them: a key is found, locked
+    /// and loaded with its own bytes while it is in a slot or on its way down (its latest
+    /// departure not landed, or landed but still locked), never otherwise; locks add up; only
+    /// slots count as objects.
+    #[test]
+    fn victims_on_their_way_down_agree_with_a_model(ops in prop::collection::vec(demoted_op(), 1..50)) {
+        let (mut h, on_their_way) = with_demoter(4);
+        // Keys in slots and the locks on them; keys on their way; departures held, in order.
+        let mut resident: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut leaving: BTreeMap<u64, ModelLeaving> = BTreeMap::new();
+        let mut held: Vec<(u64, usize)> = Vec::new();
+        let mut departures = 0usize;
+        let id = |k: &ObjectKey| (0..8).find(|i| key(*i) == *k).unwrap();
+        for op in ops {
+            match op {
+                DemotedOp::Store(ids) => {
+                    let before = on_their_way.lock().unwrap().len();
+                    let result = h.store(&ids.iter().map(|i| key(*i)).collect::<Vec<_>>());
+                    let task: BTreeSet<u64> = ids.iter().copied().collect();
+                    let new: BTreeSet<u64> = task.iter().copied().filter(|i| !resident.contains_key(i)).collect();
+                    let evictable = resident.iter().filter(|(i, locks)| **locks == 0 && !task.contains(i)).count();
+                    let fits = new.len() <= 4 - resident.len() + evictable;
+                    prop_assert_eq!(result.is_ok(), fits);
+                    let victims: Vec<u64> =
+                        on_their_way.lock().unwrap()[before..].iter().map(|d| id(&d.key())).collect();
+                    prop_assert_eq!(victims.len(), if fits { (resident.len() + new.len()).saturating_sub(4) } else { 0 });
+                    for v in &victims {
+                        prop_assert_eq!(resident.remove(v), Some(0), "victim {} was locked or absent", v);
+                        let locks = leaving.get(v).map_or(0, |l| l.locks);
+                        leaving.insert(*v, ModelLeaving { departure: departures, locks, landed: false });
+                        held.push((*v, departures));
+                        departures += 1;
+                    }
+                    if fits {
+                        for i in new {
+                            resident.insert(i, 0);
+                        }
+                    }
+                }
+                DemotedOp::Lookup(ids) => {
+                    let found = h.lookup(&ids.iter().map(|i| key(*i)).collect::<Vec<_>>());
+                    // Leaf first: the last key of the request is locked first.
+                    for (n, i) in ids.iter().enumerate().rev() {
+                        let expected = resident.contains_key(i) || leaving.contains_key(i);
+                        prop_assert_eq!(found.get(n), expected, "lookup of {}", i);
+                        if let Some(locks) = resident.get_mut(i) {
+                            *locks += 1;
+                        } else if let Some(l) = leaving.get_mut(i) {
+                            l.locks += 1;
+                        }
+                    }
+                }
+                DemotedOp::Unlock(ids) => {
+                    h.tier.unlock(&ids.iter().map(|i| key(*i)).collect::<Vec<_>>());
+                    for i in ids {
+                        if let Some(locks) = resident.get_mut(&i).filter(|l| **l > 0) {
+                            *locks -= 1;
+                        } else if let Some(l) = leaving.get_mut(&i).filter(|l| l.locks > 0) {
+                            l.locks -= 1;
+                            if l.locks == 0 && l.landed {
+                                leaving.remove(&i);
+                            }
+                        }
+                    }
+                }
+                DemotedOp::Delete(ids) => {
+                    let unique: BTreeSet<u64> = ids.iter().copied().collect();
+                    let mut expected = 0;
+                    for i in &unique {
+                        if resident.get(i) == Some(&0) {
+                            resident.remove(i);
+                            expected += 1;
+                        } else if leaving.get(i).is_some_and(|l| l.locks == 0) {
+                            leaving.remove(i);
+                            expected += 1;
+                        }
+                    }
+                    let deleted = h.tier.delete(&unique.iter().map(|i| key(*i)).collect::<Vec<_>>());
+                    prop_assert_eq!(deleted, expected);
+                }
+                DemotedOp::Load(ids) => {
+                    let ks: Vec<_> = ids.iter().map(|i| key(*i)).collect();
+                    let (loaded, bytes) = h.load(&ks);
+                    for (n, i) in ids.iter().enumerate() {
+                        let expected = resident.contains_key(i) || leaving.contains_key(i);
+                        prop_assert_eq!(loaded.get(n), expected, "load of {}", i);
+                        if loaded.get(n) {
+                            prop_assert!(bytes[n] == payload(&ks[n], CHUNK));
+                        }
+                    }
+                }
+                DemotedOp::Land(place) => {
+                    if held.is_empty() {
+                        continue;
+                    }
+                    let place = place % held.len();
+                    let (i, departure) = held.remove(place);
+                    drop(on_their_way.lock().unwrap().remove(place));
+                    if let Some(l) = leaving.get_mut(&i).filter(|l| l.departure == departure) {
+                        if l.locks == 0 {
+                            leaving.remove(&i);
+                        } else {
+                            l.landed = true;
+                        }
+                    }
+                }
+            }
+            let usage = h.tier.usage();
+            let locks = resident.values().sum::<u64>() + leaving.values().map(|l| l.locks).sum::<u64>();
+            prop_assert_eq!(usage.locks, locks);
+            prop_assert_eq!(usage.objects, resident.len() as u64);
+        }
+    }
 }

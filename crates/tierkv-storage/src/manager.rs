@@ -14,7 +14,7 @@ use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use parking_lot::Mutex;
 use tierkv_core::policy::{Order, PolicyKind, SharedJudge};
 use tierkv_core::{
-    ChunkSource, Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage,
+    ChunkSource, Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage, VecChunk,
 };
 use tierkv_disk::DiskStore;
 use tierkv_l1::{
@@ -155,7 +155,7 @@ impl Demoter for DemoteFromL1 {
         }
         let mut copy = vec![0u8; bytes.len() as usize];
         if bytes.copy_to_host(&mut copy).is_ok() {
-            self.down.send(0, *key, copy);
+            self.down.send(0, *key, Box::new(VecChunk(copy)));
         }
     }
 }
@@ -171,7 +171,7 @@ struct DemoteDown {
 }
 
 impl DemoteDown {
-    fn send(&self, tier: usize, key: ObjectKey, bytes: Vec<u8>) {
+    fn send(&self, tier: usize, key: ObjectKey, bytes: Box<dyn ChunkSource>) {
         if !self.jobs.send_demoted(tier, key, bytes, self.cap) {
             self.metrics.demotion_dropped();
         }
@@ -326,7 +326,9 @@ impl StorageManager {
         });
         if let Some(host) = host.as_ref().filter(|_| cascade && takes_victims(1)) {
             // The host store is tier 0 (fastest first): its victims go to tier 1.
-            host.set_demoter(Box::new(move |key, bytes| down.send(1, key, bytes)));
+            host.set_demoter(Box::new(move |key, departing| {
+                down.send(1, key, Box::new(departing))
+            }));
         }
         let context = L1Context { clock: Arc::clone(&clock), observer, demoter };
         let l1 = Arc::new(L1Manager::build(config.l1.clone(), context)?);
@@ -1411,7 +1413,8 @@ mod tests {
             metrics: storage.inner.metrics.clone(),
         };
         let chunks = keys(0..4);
-        let bytes = |k: &ObjectKey| payload(k, CHUNK);
+        let bytes =
+            |k: &ObjectKey| -> Box<dyn ChunkSource> { Box::new(VecChunk(payload(k, CHUNK))) };
         below.hold();
         down.send(0, chunks[0], bytes(&chunks[0]));
         let deadline = Instant::now() + Duration::from_secs(10);

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use parking_lot::Mutex;
-use tierkv_core::{ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, TaskId, VecChunk};
+use tierkv_core::{ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, TaskId};
 use tierkv_l1::{L1Manager, LeaseId, OwnerId, Readers};
 use tierkv_prefetch::{TierEvent, TierRouter};
 
@@ -41,8 +41,9 @@ pub(crate) enum StoreJob {
     /// Eviction victims leased for write-back; the lease is the pipeline's to return.
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
     /// Chunks a tier above evicted under the cascade policy, with their bytes, for lower tier
-    /// `tier` (fastest first).
-    Demoted { tier: usize, items: Vec<(ObjectKey, Vec<u8>)> },
+    /// `tier` (fastest first). The bytes are dropped once the tier answered (or the job was
+    /// dropped): an L2 victim's ([`tierkv_l2::Departing`]) are served by L2 until then.
+    Demoted { tier: usize, items: Vec<(ObjectKey, Box<dyn ChunkSource>)> },
 }
 
 /// What became of the chunks of one `finish_write`: how many reached the disk tier.
@@ -127,10 +128,10 @@ impl StoreQueue {
         &self,
         tier: usize,
         key: ObjectKey,
-        bytes: Vec<u8>,
+        bytes: Box<dyn ChunkSource>,
         cap: u64,
     ) -> bool {
-        let len = bytes.len() as u64;
+        let len = bytes.len();
         let before = self.demoted_bytes.fetch_add(len, Ordering::AcqRel);
         if before > 0 && before.saturating_add(len) > cap {
             self.demoted_bytes.fetch_sub(len, Ordering::AcqRel);
@@ -266,8 +267,8 @@ impl Drop for StorePipeline {
 }
 
 /// The bytes of demoted chunks.
-fn demoted_len(items: &[(ObjectKey, Vec<u8>)]) -> u64 {
-    items.iter().map(|(_, bytes)| bytes.len() as u64).sum()
+fn demoted_len(items: &[(ObjectKey, Box<dyn ChunkSource>)]) -> u64 {
+    items.iter().map(|(_, bytes)| bytes.len()).sum()
 }
 
 /// How long stopping waits for copies in flight.
@@ -413,13 +414,16 @@ impl Worker {
     }
 
     /// Stores chunks another tier evicted into `tier`, from the bytes they came with.
-    fn start_demoted(&mut self, tier: usize, items: Vec<(ObjectKey, Vec<u8>)>, jobs: usize) {
+    fn start_demoted(
+        &mut self,
+        tier: usize,
+        items: Vec<(ObjectKey, Box<dyn ChunkSource>)>,
+        jobs: usize,
+    ) {
         let keys = items.len();
         let demoted_bytes = demoted_len(&items);
-        let items: Vec<StoreItem> = items
-            .into_iter()
-            .map(|(key, bytes)| StoreItem { key, source: Box::new(VecChunk(bytes)) })
-            .collect();
+        let items: Vec<StoreItem> =
+            items.into_iter().map(|(key, source)| StoreItem { key, source }).collect();
         let id = self.next_batch;
         self.next_batch += 1;
         let batch = Batch {

@@ -807,3 +807,22 @@ fn the_tiers_below_l1_follow_one_judge_of_every_lookup() {
     let s = StorageManager::start(config(16, StorePolicy::WriteThrough, &dir)).unwrap();
     assert_eq!(s.status().judged_order, None);
 }
+
+#[test]
+fn a_chunk_on_its_way_from_l2_to_disk_is_still_served() {
+    // L1 and L2 of two chunks each over a disk that holds all the rest. Every store past the
+    // fourth sends an L2 victim to the disk through the store pipeline; looked up at once, newest
+    // first, before its disk write can have landed, it is still a hit (L2 serves it until the
+    // disk has it), never a miss in neither tier, and its bytes are its own.
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(tiered(2, 2, Some(&dir), StorePolicy::Cascade)).unwrap();
+    for n in 0..12 {
+        write(&s, &keys(n..n + 1));
+        for k in (0..=n).rev() {
+            let result = lookup_all(&s, keys(k..k + 1));
+            assert_eq!(result.hit_chunks, 1, "chunk {k} missed after store {n}: {result:?}");
+        }
+    }
+    eventually("the pipeline is idle", || s.status().store_in_flight == 0);
+    s.l1().audit().unwrap();
+}
