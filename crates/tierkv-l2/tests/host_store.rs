@@ -141,6 +141,93 @@ fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
     assert_eq!(usage.used_bytes, usage.objects * CHUNK, "{usage:?}");
 }
 
+/// Counts a worker thread out when it ends, by return or by panic.
+struct Done<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Done<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+#[test]
+fn victims_landing_under_concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
+    // As above, over a store whose victims go to a demoter, and a fifth thread landing them in
+    // their order of departure: whatever is served, from a slot or on its way, is its own
+    // bytes; a locked key always loads; and once every departure landed, nothing is served but
+    // what the slots hold, and no lock is left.
+    let config = HostStoreConfig {
+        memory: HostMemory::Plain,
+        workers: 4,
+        ..HostStoreConfig::new(12 * CHUNK, CHUNK)
+    };
+    let store = HostStore::open(config).unwrap();
+    let on_their_way: Arc<Mutex<std::collections::VecDeque<Departing>>> = Arc::default();
+    let keep = Arc::clone(&on_their_way);
+    assert!(store.set_demoter(Box::new(move |_, departing| {
+        keep.lock().unwrap().push_back(departing);
+    })));
+    let shared = SharedTier::new(Arc::new(store), CHUNK);
+    let working = std::sync::atomic::AtomicUsize::new(4);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (shared, working) = (&shared, &working);
+            s.spawn(move || {
+                // Counted out however the thread ends, so a failed assertion ends the lander too.
+                let _done = Done(working);
+                let mut seed = t * 7919 + 1;
+                for _ in 0..300 {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let k = key((seed >> 33) % 48);
+                    match (seed >> 20) % 4 {
+                        0 => drop(shared.store(&[k])),
+                        1 => drop(shared.load_verified(&[k])),
+                        2 => {
+                            if shared.lookup(&[k]).get(0) {
+                                assert!(
+                                    shared.load_verified(&[k]).get(0),
+                                    "a locked key failed to load"
+                                );
+                                shared.tier.unlock(&[k]);
+                            }
+                        }
+                        _ => drop(shared.tier.delete(&[k])),
+                    }
+                }
+            });
+        }
+        let on_their_way = &on_their_way;
+        let working = &working;
+        s.spawn(move || {
+            let mut landed = 0u64;
+            while working.load(std::sync::atomic::Ordering::Acquire) > 0 {
+                // Keep a few on their way: land one when more than four are.
+                let next = {
+                    let mut queue = on_their_way.lock().unwrap();
+                    if queue.len() > 4 { queue.pop_front() } else { None }
+                };
+                match next {
+                    Some(departing) => {
+                        drop(departing);
+                        landed += 1;
+                    }
+                    None => std::thread::yield_now(),
+                }
+            }
+            assert!(landed > 0, "nothing was ever on its way");
+        });
+    });
+    on_their_way.lock().unwrap().clear();
+    let usage = shared.tier.usage();
+    assert_eq!(usage.locks, 0);
+    assert_eq!(usage.used_bytes, usage.objects * CHUNK, "{usage:?}");
+    let all: Vec<ObjectKey> = (0..48).map(key).collect();
+    let found = shared.lookup(&all);
+    let locked: Vec<ObjectKey> = found.iter_ones().map(|i| all[i]).collect();
+    shared.tier.unlock(&locked);
+    assert_eq!(found.count_ones() as u64, usage.objects, "served: only what the slots hold");
+}
+
 #[test]
 fn a_store_task_never_evicts_its_own_keys_and_a_failed_one_evicts_nothing() {
     let mut h = harness(4, 1);
