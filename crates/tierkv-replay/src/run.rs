@@ -345,8 +345,12 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
 /// An emulated L1 (and a plain L2) is memory the kernel commits on first write, and the zeroing
 /// page faults cost more than the copies they delay; GPU memory is committed when allocated. So a
 /// started daemon first stores `chunks` throwaway chunks, waits for them to reach the lower
-/// tiers, and is cleared: the replay then starts from empty tiers on committed memory, and counts
-/// exactly what it would have counted without the warm-up.
+/// tiers, and is cleared: the replay then starts from empty tiers on committed memory. The
+/// policies keep what they learned from the warm-up's chunks, though (the adaptive policy's
+/// clock, ghosts and history, once L1 evicted some of them): with a cascade of tiers and the
+/// adaptive policy that can move a replay's count a little (conversation at L1/L2/disk
+/// 1,000/2,000/4,000: 23 chunks of 50,719, docs/performance.md); without tiers nothing was
+/// evicted, and the daemon counts what the simulation counts.
 fn warm_up(
     worker: &mut WorkerProcess,
     socket: &std::path::Path,

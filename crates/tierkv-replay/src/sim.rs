@@ -17,7 +17,7 @@
 //! chunks needed soonest and may decline to cache a chunk needed later than all it holds. A
 //! prefix's chunks are always needed before its extensions, so what it keeps stays usable.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use tierkv_core::policy::{EvictionPolicy, Judge, PolicyKind, SegmentPolicy};
 use tierkv_core::store_window;
@@ -241,7 +241,8 @@ impl LowerTiers {
 /// dropped. A hit is the leading run of chunks held by any
 /// tier, and a chunk is touched where it is. A hit's chunks below L1 are read through L1 slots of
 /// their own, taken for the request (L1 evicts, and so demotes, to make room for them, never the
-/// request's own L1 hits, which its lookup leased) and freed after it: at most one in
+/// request's own L1 hits, which its lookup leased, and the tiers below make room for what L1
+/// demotes around the hit's chunks they hold, which it locked) and freed after it: at most one in
 /// [`PROMOTED_PER_REQUEST`] of L1's slots (the daemon's default allowance of a session), and
 /// the rest are read from their tier.
 ///
@@ -310,9 +311,13 @@ pub fn simulate_cascade(
         let leased: Vec<u64> =
             chunks[..hit].iter().filter(|c| cascade.l1().contains(c)).copied().collect();
         let promoted = (hit - leased.len()).min(l1 / PROMOTED_PER_REQUEST);
+        // The lookup holds the hit's chunks below L1 locked in their tiers while it reads them,
+        // so the demotions its L1 slots cause evict around them there, as the daemon's tiers do.
+        let held: HashSet<u64> =
+            chunks[..hit].iter().filter(|c| !cascade.l1().contains(c)).copied().collect();
         for taken in 0..promoted {
             if cascade.l1().len() + taken >= l1
-                && !cascade.evict_from_l1(&mut |k| !leased.contains(k))
+                && !cascade.evict_from_l1(&mut |k| !leased.contains(k), &held)
             {
                 break;
             }
@@ -328,7 +333,7 @@ pub fn simulate_cascade(
                     continue;
                 }
                 if cascade.l1().len() + reserved.len() >= l1
-                    && !cascade.evict_from_l1(&mut |_| true)
+                    && !cascade.evict_from_l1(&mut |_| true, &HashSet::new())
                 {
                     finish(cascade.l1_mut(), &reserved, &mut counts);
                     break 'store;
@@ -378,11 +383,16 @@ impl Cascade {
         }
     }
 
-    /// Evicts one eligible L1 chunk and hands it down; false when none is eligible.
-    fn evict_from_l1(&mut self, eligible: &mut dyn FnMut(&u64) -> bool) -> bool {
+    /// Evicts one eligible L1 chunk and hands it down, past the chunks `held` below L1; false
+    /// when none is eligible.
+    fn evict_from_l1(
+        &mut self,
+        eligible: &mut dyn FnMut(&u64) -> bool,
+        held: &HashSet<u64>,
+    ) -> bool {
         match self.tiers[0].0.evict(1, eligible).pop() {
             Some(victim) => {
-                self.demote(victim);
+                self.demote(victim, held);
                 true
             }
             None => false,
@@ -390,15 +400,23 @@ impl Cascade {
     }
 
     /// Puts `chunk`, evicted from L1, into the tiers below, each full tier's own victim going
-    /// further down; past the last tier a victim is dropped.
-    fn demote(&mut self, chunk: u64) {
+    /// further down; past the last tier a victim is dropped. No tier evicts a chunk in `held`
+    /// (a lookup's lock): a full tier holding nothing else drops the chunk instead, as the
+    /// daemon's host store refuses a store it cannot make room for.
+    fn demote(&mut self, chunk: u64, held: &HashSet<u64>) {
         let mut chunk = chunk;
         for (policy, capacity) in self.tiers.iter_mut().skip(1) {
             if policy.contains(&chunk) {
                 return;
             }
-            let victim =
-                if policy.len() >= *capacity { policy.evict(1, &mut |_| true).pop() } else { None };
+            let victim = if policy.len() >= *capacity {
+                let Some(victim) = policy.evict(1, &mut |k| !held.contains(k)).pop() else {
+                    return;
+                };
+                Some(victim)
+            } else {
+                None
+            };
             policy.insert(chunk);
             match victim {
                 Some(victim) => chunk = victim,
@@ -406,7 +424,7 @@ impl Cascade {
             }
         }
         if let Some(disk) = &mut self.disk {
-            disk.append(chunk);
+            disk.append(chunk, held);
         }
     }
 }
@@ -462,7 +480,7 @@ impl SegmentLog {
         }
     }
 
-    fn append(&mut self, chunk: u64) {
+    fn append(&mut self, chunk: u64, held: &HashSet<u64>) {
         if self.contains(&chunk) {
             return;
         }
@@ -474,7 +492,7 @@ impl SegmentLog {
                     self.segment_of.insert(life, id);
                     self.policy.seal(life);
                 }
-                let Some(id) = self.open() else { return };
+                let Some(id) = self.open(held) else { return };
                 self.lives += 1;
                 self.life[id as usize] = self.lives;
                 id
@@ -487,7 +505,7 @@ impl SegmentLog {
     }
 
     /// The first segment never written, or else the policy's victim, emptied.
-    fn open(&mut self) -> Option<u32> {
+    fn open(&mut self, held: &HashSet<u64>) -> Option<u32> {
         if self.opened < self.segments.len() {
             self.opened += 1;
             return u32::try_from(self.opened - 1).ok();
@@ -498,7 +516,13 @@ impl SegmentLog {
             Some(id) => segments[*id as usize].as_slice(),
             None => no_chunks,
         };
-        let victim = policy.evict(&mut |_| true, &chunks_of)?;
+        // A segment holding a chunk a lookup holds stays, as the daemon's locked records do.
+        let mut unheld = |life: &u64| {
+            segment_of
+                .get(life)
+                .is_none_or(|id| !segments[*id as usize].iter().any(|c| held.contains(c)))
+        };
+        let victim = policy.evict(&mut unheld, &chunks_of)?;
         let victim = self.segment_of.remove(&victim)?;
         for chunk in std::mem::take(&mut self.segments[victim as usize]) {
             self.at.remove(&chunk);
@@ -811,6 +835,17 @@ mod tests {
         let counts = cascade(&t, 2, 2, (0, 1));
         assert_eq!(counts.hit_chunks, 4);
         assert_eq!(counts.inserted, 4, "hits below L1 are not stored again");
+    }
+
+    #[test]
+    fn a_lookup_keeps_its_hit_below_l1_while_its_l1_slots_push_chunks_down() {
+        // [1 2] goes down to an L2 of two under [3 4 5 6]. Read again, it takes one L1 slot (a
+        // quarter of four), whose victim 3 finds L2 full of the lookup's own hit, locked by it:
+        // 3 is dropped, not 2, and [1 2] hits whole the next time too.
+        let t = trace(&[&[1, 2], &[3, 4, 5, 6], &[1, 2], &[1, 2]]);
+        let counts = cascade(&t, 4, 2, (0, 1));
+        assert_eq!(counts.hit_chunks, 4);
+        assert_eq!(counts.inserted, 6);
     }
 
     #[test]
