@@ -56,7 +56,17 @@ unsafe impl Send for Arena {}
 unsafe impl Sync for Arena {}
 
 impl Arena {
-    pub(crate) fn new(bytes: u64, memory: HostMemory) -> Result<Self, L2Error> {
+    /// An arena of `bytes` in `memory`; with `prefault`, every page is committed before it
+    /// returns.
+    pub(crate) fn new(bytes: u64, memory: HostMemory, prefault: bool) -> Result<Self, L2Error> {
+        let arena = Self::allocate(bytes, memory)?;
+        if prefault && arena.kind != MemoryKind::Pinned {
+            arena.commit();
+        }
+        Ok(arena)
+    }
+
+    fn allocate(bytes: u64, memory: HostMemory) -> Result<Self, L2Error> {
         let len = usize::try_from(bytes).map_err(|_| L2Error::Memory {
             kind: "host",
             bytes,
@@ -124,6 +134,17 @@ impl Arena {
         self.kind
     }
 
+    /// Writes a zero into every page of the fresh (all-zero) arena, after any huge-page advice,
+    /// so the kernel commits them now and in the page size it chose.
+    fn commit(&self) {
+        const PAGE: usize = 4096;
+        for offset in (0..self.len).step_by(PAGE) {
+            // SAFETY: the offset lies inside the arena, which nobody else can reach yet; the
+            // memory is fresh and all zero, so the write changes no byte.
+            unsafe { self.base.as_ptr().add(offset).write_volatile(0) };
+        }
+    }
+
     /// The bytes `offset..offset + len`, to read.
     ///
     /// # Safety
@@ -167,17 +188,17 @@ mod tests {
 
     #[test]
     fn each_memory_kind_opens_or_falls_back_and_says_which() {
-        let plain = Arena::new(1 << 20, HostMemory::Plain).unwrap();
+        let plain = Arena::new(1 << 20, HostMemory::Plain, false).unwrap();
         assert_eq!(plain.kind(), MemoryKind::Plain);
-        let huge = Arena::new(4 << 20, HostMemory::HugePages).unwrap();
+        let huge = Arena::new(4 << 20, HostMemory::HugePages, false).unwrap();
         assert_ne!(huge.kind(), MemoryKind::Pinned);
-        let auto = Arena::new(1 << 20, HostMemory::Auto).unwrap();
+        let auto = Arena::new(1 << 20, HostMemory::Auto, false).unwrap();
         match tierkv_l1::device::cuda_available() {
             Ok(()) => assert_eq!(auto.kind(), MemoryKind::Pinned),
             Err(_) => {
                 assert_eq!(auto.kind(), MemoryKind::Plain);
                 assert!(matches!(
-                    Arena::new(1 << 20, HostMemory::Pinned),
+                    Arena::new(1 << 20, HostMemory::Pinned, false),
                     Err(L2Error::Memory { .. })
                 ));
             }
@@ -186,6 +207,34 @@ mod tests {
         unsafe {
             huge.bytes_mut(4096, 3).copy_from_slice(&[1, 2, 3]);
             assert_eq!(huge.bytes(4096, 3), &[1, 2, 3]);
+        }
+    }
+
+    /// Pages of the arena resident in memory now (`mincore`).
+    fn resident_pages(arena: &Arena) -> usize {
+        let page = 4096;
+        let mut vec = vec![0u8; arena.len.div_ceil(page)];
+        // SAFETY: the range is exactly the arena's mapping, page aligned (mmap returns
+        // page-aligned memory), and `vec` has one byte per page of it.
+        let rc = unsafe { libc::mincore(arena.base.as_ptr().cast(), arena.len, vec.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore failed");
+        vec.iter().filter(|b| *b & 1 != 0).count()
+    }
+
+    #[test]
+    fn a_prefaulted_arena_is_resident_before_any_write_and_a_lazy_one_is_not() {
+        let bytes: usize = 16 << 20;
+        for memory in [HostMemory::Plain, HostMemory::HugePages] {
+            let lazy = Arena::new(bytes as u64, memory, false).unwrap();
+            let eager = Arena::new(bytes as u64, memory, true).unwrap();
+            assert_eq!(resident_pages(&eager), bytes / 4096, "{:?}", eager.kind());
+            assert!(
+                resident_pages(&lazy) < bytes / 4096 / 2,
+                "{:?} committed up front",
+                lazy.kind()
+            );
+            // SAFETY: single-threaded test, range inside the arena.
+            assert!(unsafe { eager.bytes(0, bytes) }.iter().all(|b| *b == 0));
         }
     }
 }

@@ -33,11 +33,14 @@ pub struct HostStoreConfig {
     pub workers: usize,
     /// Which memory backs the arena.
     pub memory: HostMemory,
+    /// Commits every page of the arena when it is allocated, so that no store pays page faults
+    /// (pinned memory is committed anyway).
+    pub prefault: bool,
 }
 
 impl HostStoreConfig {
     /// A store of `capacity_bytes` in slots of `chunk_bytes`, adaptive eviction, two workers, `Auto`
-    /// memory.
+    /// memory, committed as it is first written.
     pub fn new(capacity_bytes: u64, chunk_bytes: u64) -> Self {
         HostStoreConfig {
             capacity_bytes,
@@ -45,6 +48,7 @@ impl HostStoreConfig {
             policy: PolicyKind::default(),
             workers: 2,
             memory: HostMemory::Auto,
+            prefault: false,
         }
     }
 

@@ -251,7 +251,8 @@ impl HostStore {
     /// Allocates the arena and starts the workers.
     pub fn open(config: HostStoreConfig) -> Result<Self, L2Error> {
         let slots = config.slots()?;
-        let arena = Arena::new(u64::from(slots) * config.chunk_bytes, config.memory)?;
+        let arena =
+            Arena::new(u64::from(slots) * config.chunk_bytes, config.memory, config.prefault)?;
         let (done, completions) = unbounded();
         let shared = Arc::new_cyclic(|me| Shared {
             arena,

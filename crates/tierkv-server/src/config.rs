@@ -453,6 +453,7 @@ fn l2(file: &File<'_>, raw: &Raw) -> Result<Option<HostStoreConfig>, Stop> {
         policy: s.policy,
         workers: s.workers,
         memory: s.memory,
+        prefault: s.prefault,
     }))
 }
 

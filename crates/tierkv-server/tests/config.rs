@@ -165,6 +165,7 @@ policy = "s3fifo"
 workers = 8
 watermark_high = 1
 watermark_low = 0.5
+prefault = true
 [disk]
 dir = "/var/lib/tierkv"
 capacity = "1TB"
@@ -205,6 +206,7 @@ prefetch_drain_timeout = "1m 30s"
         memory: HostMemory::HugePages,
         policy: PolicyKind::S3Fifo,
         workers: 8,
+        prefault: true,
         ..HostStoreConfig::new(256 << 30, 512 << 10)
     };
     assert_eq!(storage.l2, Some(l2), "chunks are one L1 slot");

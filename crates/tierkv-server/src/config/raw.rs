@@ -127,6 +127,7 @@ pub(super) struct L2 {
     pub workers: usize,
     pub watermark_high: f64,
     pub watermark_low: f64,
+    pub prefault: bool,
 }
 
 impl Default for L2 {
@@ -139,6 +140,7 @@ impl Default for L2 {
             workers: 2,
             watermark_high: Watermark::default().high,
             watermark_low: Watermark::default().low,
+            prefault: false,
         }
     }
 }
