@@ -185,7 +185,9 @@ impl SpawnedDaemon {
 /// The configuration of a replay's daemon: the tiers as asked, and nothing that would make it
 /// count differently from the simulation. One index shard keeps L1's eviction order exact (with
 /// several, each shard evicts by its own order); watermarks of 1.0 leave eviction to demand; the
-/// lease outlives any request; the disk does not sync (a replay's chunks are disposable).
+/// lease outlives any request; the disk does not sync (a replay's chunks are disposable); L1's
+/// and L2's memory is committed at start (`prefault`), so no timed copy pays its page faults and
+/// nothing has to be stored through the policies before the trace to commit it.
 fn daemon_config(
     dir: &Path,
     chunk_bytes: u64,
@@ -202,7 +204,8 @@ fn daemon_config(
     let mut text = format!(
         "[server]\nsocket = {socket}\ntoken = \"{token}\"\nmax_frame = \"64MiB\"\n\n[metrics]\nenabled = false\n\n\
          [l1]\ndevice = \"emulated\"\ncapacity = {l1}\nslot = {chunk_bytes}\npolicy = \"{policy}\"\n\
-         lease_ttl = \"1h\"\nwatermark_high = 1.0\nwatermark_low = 1.0\nshards = {shards}\n\n",
+         lease_ttl = \"1h\"\nwatermark_high = 1.0\nwatermark_low = 1.0\nshards = {shards}\n\
+         prefault = true\n\n",
         socket = toml_string(&dir.join("tierkv.sock"))?,
         l1 = bytes(tiers.l1.max(1), chunk_bytes)?,
         shards = tiers.l1_shards,
@@ -219,7 +222,7 @@ fn daemon_config(
         let _ = write!(
             text,
             "[l2]\ncapacity = {}\nmemory = \"plain\"\npolicy = \"{policy}\"\n\
-             watermark_high = 1.0\nwatermark_low = 1.0\n\n",
+             watermark_high = 1.0\nwatermark_low = 1.0\nprefault = true\n\n",
             bytes(tiers.l2, chunk_bytes)?
         );
     }

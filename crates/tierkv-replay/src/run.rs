@@ -241,13 +241,6 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         })
         .collect::<Result<Vec<_>, _>>()?;
 
-    if let Target::Spawn { tiers, .. } = &plan.target
-        && let Some(first) = workers.first_mut()
-    {
-        let token = spawned.as_ref().map(|d| d.token().to_string());
-        warm_up(first, &socket, token, tiers.l1.max(tiers.l2))?;
-    }
-
     let bar = progress_bar(trace.requests.len() as u64, plan.progress, "requests");
     let mut tally = Tally::default();
     let started = Instant::now();
@@ -338,48 +331,6 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         ratio_to_memcpy: copy_gb_per_second / (memcpy / 1e9),
     });
     Ok(result)
-}
-
-/// Commits a fresh daemon's memory before the replay is timed, then empties it again.
-///
-/// An emulated L1 (and a plain L2) is memory the kernel commits on first write, and the zeroing
-/// page faults cost more than the copies they delay; GPU memory is committed when allocated. So a
-/// started daemon first stores `chunks` throwaway chunks, waits for them to reach the lower
-/// tiers, and is cleared: the replay then starts from empty tiers on committed memory. The
-/// policies keep what they learned from the warm-up's chunks, though (the adaptive policy's
-/// clock, ghosts and history, once L1 evicted some of them): with a cascade of tiers and the
-/// adaptive policy that can move a replay's count a little (conversation at L1/L2/disk
-/// 1,000/2,000/4,000: 23 chunks of 50,719, docs/performance.md); without tiers nothing was
-/// evicted, and the daemon counts what the simulation counts.
-fn warm_up(
-    worker: &mut WorkerProcess,
-    socket: &std::path::Path,
-    token: Option<String>,
-    chunks: u64,
-) -> Result<(), ReplayError> {
-    worker.send(&Step::Warm { chunks })?;
-    worker.receive()?;
-    let daemon =
-        |what: &str, e: tierkv_client::ClientError| ReplayError::Daemon(format!("{what}: {e}"));
-    let hello = tierkv_client::proto::Hello { token, ..Client::admin_hello() };
-    let mut admin = Client::connect_unix(socket, hello).map_err(|e| daemon("connect", e))?;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while admin.status().map_err(|e| daemon("status", e))?.store_in_flight > 0 {
-        if Instant::now() > deadline {
-            return Err(ReplayError::Daemon(
-                "the warm-up's stores never reached the lower tiers".into(),
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    admin.clear().map_err(|e| daemon("clear", e))?;
-    let left: u64 =
-        admin.status().map_err(|e| daemon("status", e))?.tiers.iter().map(|t| t.objects).sum();
-    let _ = admin.end();
-    if left > 0 {
-        return Err(ReplayError::Inconsistent(format!("{left} warm-up chunks survived the clear")));
-    }
-    Ok(())
 }
 
 /// One request through the workers: per-rank cycles, or the MLA group's lookup, retrieves and

@@ -118,19 +118,9 @@ pub enum Step {
         /// Chunks of the hit.
         hit: u32,
     },
-    /// Store this many throwaway chunks (ids no trace uses), so a freshly started daemon's
-    /// memory is committed before the replay is timed.
-    Warm {
-        /// How many.
-        chunks: u64,
-    },
     /// Wait for every store still in flight and report what they did (the replay's last step).
     Drain,
 }
-
-/// The first chunk id of warm-up chunks: above every trace chunk (trace ids are 64-bit), so
-/// the two never meet.
-const WARM_BASE: u128 = 1 << 64;
 
 /// What a worker did in one step.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -195,7 +185,13 @@ impl Worker {
         let mut client = Client::connect_unix(&spec.socket, hello)?;
         client.set_timeout(Some(WAIT + Duration::from_secs(30)))?;
         let max_chunks = spec.max_chunks.max(1);
-        let buffer = SharedBuffer::new(spec.chunk_bytes, max_chunks.saturating_mul(2))?;
+        let mut buffer = SharedBuffer::new(spec.chunk_bytes, max_chunks.saturating_mul(2))?;
+        // Committed now, so that no timed copy pays the first write's page faults.
+        for block in 0..buffer.blocks() {
+            if let Some(bytes) = buffer.block_mut(block) {
+                bytes.fill(0);
+            }
+        }
         let buffer_id = client.register_buffer(&buffer)?;
         let tag = if spec.mla { SHARED_TAG } else { u64::from(spec.rank) };
         Ok(Worker { client, buffer, buffer_id, tag, max_chunks, stores: Vec::new() })
@@ -226,31 +222,9 @@ impl Worker {
             Step::Finish { lookup, chunks, hit } => {
                 self.finish(*lookup, chunks, *hit, &mut done)?
             }
-            Step::Warm { chunks } => self.warm(*chunks, &mut done)?,
             Step::Drain => {}
         }
         Ok(done)
-    }
-
-    fn warm(&mut self, chunks: u64, done: &mut Done) -> Result<(), String> {
-        let mut next = 0u64;
-        while next < chunks {
-            let batch = (chunks - next).min(self.max_chunks);
-            let refs: Vec<ChunkBlocks> = (0..batch)
-                .map(|i| {
-                    ChunkBlocks::one(ChunkId(WARM_BASE + u128::from(next + i)), self.max_chunks + i)
-                })
-                .collect();
-            // Every batch names the same (unwritten) blocks, which stores only read, so the
-            // batches need not wait for each other.
-            let pending = self
-                .client
-                .submit_store(0, self.buffer_id, refs)
-                .map_err(|e| format!("warm-up: {e}"))?;
-            self.stores.push(pending);
-            next += batch;
-        }
-        self.collect_stores(done)
     }
 
     /// Waits for every store in flight and adds what they did (and the wait) to `done`.
