@@ -232,6 +232,31 @@ fn cascading_tiers_add_up_to_one_cache_of_their_size_and_the_simulation_models_t
 }
 
 #[test]
+fn a_lookups_hit_below_l1_stays_locked_in_its_tier_in_the_daemon_and_the_simulation() {
+    // [1 2] goes down to an L2 of two under [3 4 5 6]. Read again, it takes one L1 slot (a
+    // quarter of four), whose victim finds L2 full of the lookup's own hit: the daemon's L2
+    // cannot evict what the lookup holds locked and drops the victim; the simulation must too,
+    // or [1 2] would hit only in part the time after.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locked.jsonl");
+    let lines = [
+        r#"{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}"#,
+        r#"{"timestamp": 1, "input_length": 2048, "output_length": 1, "hash_ids": [3, 4, 5, 6]}"#,
+        r#"{"timestamp": 2, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}"#,
+        r#"{"timestamp": 3, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}"#,
+    ];
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let path = path.to_str().unwrap();
+    let args = ["replay", path, "--capacity", "4", "--l2", "2", "--chunk-bytes", "16KiB"];
+    for policy in ["lru", "adaptive"] {
+        let daemon = &replay(&[&args[..], &["--policy", policy]].concat())[0];
+        let simulated = &replay(&[&args[..], &["--policy", policy, "--simulate"]].concat())[0];
+        assert_eq!(field(daemon, "hit_chunks"), 4, "{policy}: {daemon}");
+        assert_eq!(field(simulated, "hit_chunks"), 4, "{policy}: {simulated}");
+    }
+}
+
+#[test]
 fn the_simulation_models_the_disks_segments() {
     let Some(path) = trace("synthetic_trace.jsonl") else { return };
     let path = path.to_str().unwrap();
