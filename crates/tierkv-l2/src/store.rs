@@ -778,24 +778,28 @@ impl TierAdapter for HostStore {
         }
     }
 
-    /// A chunk on its way down stops being served here, unless a lookup holds it (its copy
-    /// below is that tier's to delete).
+    /// A key's copy on its way down stops being served here too, as its slot does, unless a
+    /// lookup holds it (the copy below is that tier's to delete). A key counts once, whichever
+    /// of the two went.
     fn delete(&self, keys: &[ObjectKey]) -> usize {
         let mut index = self.shared.index.lock();
         let mut leaving = self.shared.leaving.lock();
         let mut deleted = 0;
         for key in keys {
+            let mut gone = false;
             if index.map.get(key).is_some_and(Entry::evictable)
                 && let Some(entry) = index.map.remove(key)
             {
                 index.policy.remove(key);
                 index.free.push(entry.slot);
                 index.ready -= 1;
-                deleted += 1;
-            } else if leaving.get(key).is_some_and(|l| l.locks == 0) {
-                leaving.remove(key);
-                deleted += 1;
+                gone = true;
             }
+            if leaving.get(key).is_some_and(|l| l.locks == 0) {
+                leaving.remove(key);
+                gone = true;
+            }
+            deleted += usize::from(gone);
         }
         deleted
     }

@@ -102,6 +102,27 @@ fn metrics_count_stores_loads_bytes_and_evictions() {
     assert_eq!(value("tierkv_tier_capacity_bytes"), (2 * CHUNK) as f64);
 }
 
+/// `steps` random stores, verified loads, lookups (each locked key must load, then is unlocked)
+/// and deletes of keys `0..keys`, seeded by `thread`.
+fn random_operations(shared: &SharedTier, thread: u64, steps: usize, keys: u64) {
+    let mut seed = thread * 7919 + 1;
+    for _ in 0..steps {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let k = key((seed >> 33) % keys);
+        match (seed >> 20) % 4 {
+            0 => drop(shared.store(&[k])),
+            1 => drop(shared.load_verified(&[k])),
+            2 => {
+                if shared.lookup(&[k]).get(0) {
+                    assert!(shared.load_verified(&[k]).get(0), "a locked key failed to load");
+                    shared.tier.unlock(&[k]);
+                }
+            }
+            _ => drop(shared.tier.delete(&[k])),
+        }
+    }
+}
+
 #[test]
 fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
     let config = HostStoreConfig {
@@ -113,27 +134,7 @@ fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
     std::thread::scope(|s| {
         for t in 0..4u64 {
             let shared = &shared;
-            s.spawn(move || {
-                let mut seed = t * 7919 + 1;
-                for _ in 0..200 {
-                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    let k = key((seed >> 33) % 64);
-                    match (seed >> 20) % 4 {
-                        0 => drop(shared.store(&[k])),
-                        1 => drop(shared.load_verified(&[k])),
-                        2 => {
-                            if shared.lookup(&[k]).get(0) {
-                                assert!(
-                                    shared.load_verified(&[k]).get(0),
-                                    "a locked key failed to load"
-                                );
-                                shared.tier.unlock(&[k]);
-                            }
-                        }
-                        _ => drop(shared.tier.delete(&[k])),
-                    }
-                }
-            });
+            s.spawn(move || random_operations(shared, t, 200, 64));
         }
     });
     let usage = shared.tier.usage();
@@ -175,25 +176,7 @@ fn victims_landing_under_concurrent_stores_loads_locks_and_deletes_never_serve_w
             s.spawn(move || {
                 // Counted out however the thread ends, so a failed assertion ends the lander too.
                 let _done = Done(working);
-                let mut seed = t * 7919 + 1;
-                for _ in 0..300 {
-                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    let k = key((seed >> 33) % 48);
-                    match (seed >> 20) % 4 {
-                        0 => drop(shared.store(&[k])),
-                        1 => drop(shared.load_verified(&[k])),
-                        2 => {
-                            if shared.lookup(&[k]).get(0) {
-                                assert!(
-                                    shared.load_verified(&[k]).get(0),
-                                    "a locked key failed to load"
-                                );
-                                shared.tier.unlock(&[k]);
-                            }
-                        }
-                        _ => drop(shared.tier.delete(&[k])),
-                    }
-                }
+                random_operations(shared, t, 300, 48);
             });
         }
         let on_their_way = &on_their_way;
@@ -566,6 +549,18 @@ fn a_victim_given_up_or_deleted_on_its_way_is_gone_at_once() {
 }
 
 #[test]
+fn a_delete_takes_a_key_from_its_slot_and_from_its_copy_on_its_way_alike() {
+    let (mut h, on_their_way) = with_demoter(1);
+    h.store(&[key(0)]).unwrap();
+    h.store(&[key(1)]).unwrap(); // key 0 leaves
+    h.store(&[key(0)]).unwrap(); // stored again while its first copy is on its way
+    assert_eq!(on_their_way.lock().unwrap().len(), 2, "keys 0 and 1 left");
+    assert_eq!(h.tier.delete(&[key(0)]), 1, "one key, counted once");
+    assert_eq!(h.present(&[key(0)]).count_ones(), 0, "served from neither copy");
+    assert_eq!(h.present(&[key(1)]).count_ones(), 1);
+}
+
+#[test]
 fn a_chunk_leaving_again_before_it_landed_keeps_its_locks_and_the_newer_departure() {
     let (mut h, on_their_way) = with_demoter(1);
     h.store(&[key(0)]).unwrap();
@@ -690,13 +685,16 @@ proptest! {
                     let unique: BTreeSet<u64> = ids.iter().copied().collect();
                     let mut expected = 0;
                     for i in &unique {
+                        let mut gone = false;
                         if resident.get(i) == Some(&0) {
                             resident.remove(i);
-                            expected += 1;
-                        } else if leaving.get(i).is_some_and(|l| l.locks == 0) {
-                            leaving.remove(i);
-                            expected += 1;
+                            gone = true;
                         }
+                        if leaving.get(i).is_some_and(|l| l.locks == 0) {
+                            leaving.remove(i);
+                            gone = true;
+                        }
+                        expected += usize::from(gone);
                     }
                     let deleted = h.tier.delete(&unique.iter().map(|i| key(*i)).collect::<Vec<_>>());
                     prop_assert_eq!(deleted, expected);
