@@ -60,6 +60,13 @@ pub trait ChunkSource: Send {
             _ => self.copy_to_host(dst),
         }
     }
+
+    /// Whether the tier the chunk was evicted from deleted it while it was on its way down:
+    /// the tier below must then not keep it (it drops it before the write, or deletes it once
+    /// written). Only a demoted chunk can be withdrawn.
+    fn withdrawn(&self) -> bool {
+        false
+    }
 }
 
 /// A chunk an adapter writes into while loading it (an L1 slot reserved for the load).

@@ -31,7 +31,7 @@ use crate::config::HostStoreConfig;
 use crate::error::L2Error;
 use tierkv_tier_metrics::TierMetrics;
 
-use crate::metrics::{self, Failure};
+use crate::metrics::{self, DepartingMetrics, Failure};
 
 struct Entry {
     slot: u32,
@@ -145,24 +145,28 @@ struct Source<'a> {
 /// store, except by dropping the chunk.
 pub type Demote = Box<dyn Fn(ObjectKey, Departing) + Send + Sync>;
 
-/// A victim on its way to the tier below, as the store still serves it.
+/// A victim on its way to the tier below, as the store still serves it: from its newest copy,
+/// until every departure of the key has landed and no lookup holds a lock on it.
 struct Leaving {
-    /// Which departure of the key this is: a key can leave again before the last one landed.
-    departure: u64,
     bytes: Arc<[u8]>,
     /// Locks taken by lookups and not yet returned.
     locks: u64,
-    /// Its [`Departing`] was dropped: kept only until its locks are returned.
-    landed: bool,
+    /// Departures of the key not yet landed (a key can leave again before the last one landed:
+    /// the same key, the same bytes).
+    in_flight: u32,
+    /// Set when the key is deleted here: every departure of this entry is then withdrawn. Its
+    /// identity names the entry, so a departure never settles a later entry of its key.
+    withdrawn: Arc<AtomicBool>,
 }
 
 /// A chunk the host store evicted, with a copy of its bytes, on its way to the tier below.
 /// Until it is dropped, lookups find, lock and load the chunk in the host store as if it had
-/// not left; so the holder drops it once the tier below has it, or has given up on it.
+/// not left; so the holder drops it once the tier below has it, or has given up on it. A delete
+/// here meanwhile withdraws it ([`ChunkSource::withdrawn`]): the tier below must not keep it.
 pub struct Departing {
     key: ObjectKey,
-    departure: u64,
     bytes: Arc<[u8]>,
+    withdrawn: Arc<AtomicBool>,
     store: Weak<Shared>,
 }
 
@@ -192,12 +196,16 @@ impl ChunkSource for Departing {
     fn host_bytes(&self) -> Option<&[u8]> {
         Some(&self.bytes)
     }
+
+    fn withdrawn(&self) -> bool {
+        self.withdrawn.load(Ordering::Acquire)
+    }
 }
 
 impl Drop for Departing {
     fn drop(&mut self) {
         if let Some(store) = self.store.upgrade() {
-            store.landed(&self.key, self.departure);
+            store.landed(&self.key, &self.withdrawn);
         }
     }
 }
@@ -229,12 +237,12 @@ struct Shared {
     done: Sender<Completion>,
     completions: Receiver<Completion>,
     metrics: TierMetrics,
+    departing_metrics: DepartingMetrics,
     /// Where eviction victims go, once set; without it they are dropped.
     demote: OnceLock<Demote>,
     /// Victims handed to the demoter and not yet landed below (or still locked here). Locked
     /// after `index` when both are.
     leaving: Mutex<HashMap<ObjectKey, Leaving, RandomState>>,
-    next_departure: AtomicU64,
     /// This store, for the departures to find it again.
     me: Weak<Shared>,
 }
@@ -271,9 +279,9 @@ impl HostStore {
             done,
             completions,
             metrics: metrics::register(),
+            departing_metrics: metrics::register_departing(),
             demote: OnceLock::new(),
             leaving: Mutex::new(HashMap::default()),
-            next_departure: AtomicU64::new(0),
             me: me.clone(),
         });
         let (jobs, queue) = unbounded::<Job>();
@@ -513,27 +521,33 @@ impl Shared {
             // SAFETY: the victim left the index under the lock and its slot is not reused before
             // this returns (the callers guarantee it), so nothing writes these bytes meanwhile.
             let bytes: Arc<[u8]> = Arc::from(unsafe { self.arena.bytes(offset, len) });
-            let departure = self.next_departure.fetch_add(1, Ordering::Relaxed);
-            {
+            let withdrawn = {
                 let mut leaving = self.leaving.lock();
+                let entry = leaving.entry(*key).or_insert_with(|| Leaving {
+                    bytes: Arc::clone(&bytes),
+                    locks: 0,
+                    in_flight: 0,
+                    withdrawn: Arc::default(),
+                });
                 // Leaving again before it landed: the same key, the same bytes; its locks stay.
-                let locks = leaving.get(key).map_or(0, |l| l.locks);
-                let entry = Leaving { departure, bytes: Arc::clone(&bytes), locks, landed: false };
-                leaving.insert(*key, entry);
-            }
-            demote(*key, Departing { key: *key, departure, bytes, store: self.me.clone() });
+                entry.bytes = Arc::clone(&bytes);
+                entry.in_flight += 1;
+                Arc::clone(&entry.withdrawn)
+            };
+            demote(*key, Departing { key: *key, bytes, withdrawn, store: self.me.clone() });
         }
     }
 
-    /// The departure `departure` of `key` is over: the tier below has the chunk, or never will.
-    /// It stops being served here once no lookup holds a lock on it.
-    fn landed(&self, key: &ObjectKey, departure: u64) {
+    /// A departure of `key` is over: the tier below has the chunk, or never will. The key stops
+    /// being served here once none of its departures is on its way and no lookup holds a lock
+    /// on it. `withdrawn` names the entry the departure left with: one deleted meanwhile (and
+    /// perhaps stored and departed again since) is not this departure's to settle.
+    fn landed(&self, key: &ObjectKey, withdrawn: &Arc<AtomicBool>) {
         let mut leaving = self.leaving.lock();
-        if let Some(entry) = leaving.get_mut(key).filter(|l| l.departure == departure) {
-            if entry.locks == 0 {
+        if let Some(entry) = leaving.get_mut(key).filter(|l| Arc::ptr_eq(&l.withdrawn, withdrawn)) {
+            entry.in_flight -= 1;
+            if entry.in_flight == 0 && entry.locks == 0 {
                 leaving.remove(key);
-            } else {
-                entry.landed = true;
             }
         }
     }
@@ -670,6 +684,7 @@ impl Shared {
         };
         let mut loaded = Bitmap::new(items.len());
         let mut bytes = 0;
+        let mut departing = 0;
         for (i, (item, pin)) in items.iter_mut().zip(&pinned).enumerate() {
             let src = match pin {
                 None => continue,
@@ -686,6 +701,7 @@ impl Shared {
             if matches!(copied, Ok(Ok(()))) {
                 loaded.set(i, true);
                 bytes += len as u64;
+                departing += u64::from(matches!(pin, Some(Pin::Leaving(_))));
             } else {
                 self.metrics.failed(Failure::Copy);
             }
@@ -702,6 +718,7 @@ impl Shared {
         }
         drop(index);
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
+        self.departing_metrics.loads.increment(departing);
         loaded
     }
 
@@ -722,6 +739,16 @@ impl Shared {
         let order = self.index.lock().policy.order();
         let share = |o| if order == o { 1.0 } else { 0.0 };
         self.metrics.publish_orders(share(Order::Arc), share(Order::Frequency));
+        let (objects, bytes) = self.departing();
+        self.departing_metrics.objects.set(objects as f64);
+        self.departing_metrics.bytes.set(bytes as f64);
+    }
+
+    /// Victims on their way down now (a departure not yet landed), and their bytes.
+    fn departing(&self) -> (u64, u64) {
+        let leaving = self.leaving.lock();
+        let departing = leaving.values().filter(|l| l.in_flight > 0);
+        departing.fold((0, 0), |(n, b), l| (n + 1, b + l.bytes.len() as u64))
     }
 }
 
@@ -771,7 +798,7 @@ impl TierAdapter for HostStore {
             {
                 entry.locks -= 1;
                 index.locks -= 1;
-                if entry.locks == 0 && entry.landed {
+                if entry.locks == 0 && entry.in_flight == 0 {
                     leaving.remove(key);
                 }
             }
@@ -779,8 +806,9 @@ impl TierAdapter for HostStore {
     }
 
     /// A key's copy on its way down stops being served here too, as its slot does, unless a
-    /// lookup holds it (the copy below is that tier's to delete). A key counts once, whichever
-    /// of the two went.
+    /// lookup holds it, and its departures are withdrawn: the tier below does not keep them (a
+    /// copy it already has is that tier's to delete). A key counts once, whichever of the two
+    /// went.
     fn delete(&self, keys: &[ObjectKey]) -> usize {
         let mut index = self.shared.index.lock();
         let mut leaving = self.shared.leaving.lock();
@@ -795,8 +823,10 @@ impl TierAdapter for HostStore {
                 index.ready -= 1;
                 gone = true;
             }
-            if leaving.get(key).is_some_and(|l| l.locks == 0) {
-                leaving.remove(key);
+            if leaving.get(key).is_some_and(|l| l.locks == 0)
+                && let Some(entry) = leaving.remove(key)
+            {
+                entry.withdrawn.store(true, Ordering::Release);
                 gone = true;
             }
             deleted += usize::from(gone);

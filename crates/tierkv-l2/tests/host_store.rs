@@ -102,6 +102,45 @@ fn metrics_count_stores_loads_bytes_and_evictions() {
     assert_eq!(value("tierkv_tier_capacity_bytes"), (2 * CHUNK) as f64);
 }
 
+#[test]
+fn metrics_count_loads_from_copies_on_their_way_down_and_what_is_on_its_way() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (mut h, on_their_way, store) =
+        metrics::with_local_recorder(&recorder, || with_demoter_and_store(2));
+    h.store(&keys(0..2)).unwrap();
+    h.store(&keys(2..4)).unwrap(); // keys 0 and 1 leave
+    h.assert_loads(&keys(0..3)); // two from copies on their way, one from a slot
+    // A snapshot takes the values it reads: one per step.
+    let published = || -> Vec<(String, f64)> {
+        store.publish_metrics();
+        let snapshot = snapshotter.snapshot().into_vec();
+        let departing = snapshot.iter().filter(|(k, ..)| k.key().name().contains("departing"));
+        let mut values: Vec<(String, f64)> = departing
+            .map(|(k, .., v)| {
+                let value = match v {
+                    DebugValue::Counter(n) => *n as f64,
+                    DebugValue::Gauge(g) => g.into_inner(),
+                    DebugValue::Histogram(_) => f64::NAN,
+                };
+                (k.key().name().to_string(), value)
+            })
+            .collect();
+        values.sort_by(|a, b| a.0.cmp(&b.0));
+        values
+    };
+    let named = |pairs: &[(&str, f64)]| -> Vec<(String, f64)> {
+        pairs.iter().map(|(name, value)| (format!("tierkv_l2_departing_{name}"), *value)).collect()
+    };
+    let chunk = CHUNK as f64;
+    assert_eq!(
+        published(),
+        named(&[("bytes", 2.0 * chunk), ("loads_total", 2.0), ("objects", 2.0)])
+    );
+    drop(on_their_way.lock().unwrap().remove(0));
+    assert_eq!(published(), named(&[("bytes", chunk), ("loads_total", 0.0), ("objects", 1.0)]));
+}
+
 /// `steps` random stores, verified loads, lookups (each locked key must load, then is unlocked)
 /// and deletes of keys `0..keys`, seeded by `thread`.
 fn random_operations(shared: &SharedTier, thread: u64, steps: usize, keys: u64) {
@@ -479,6 +518,12 @@ fn a_large_load_split_over_the_workers_answers_every_key_in_order() {
 /// A store of `chunks` slots whose victims go to a demoter that keeps them, as the cascade's
 /// store pipeline does until the tier below has them.
 fn with_demoter(chunks: u64) -> (Harness, Arc<Mutex<Vec<Departing>>>) {
+    let (h, on_their_way, _) = with_demoter_and_store(chunks);
+    (h, on_their_way)
+}
+
+/// [`with_demoter`], and the store itself.
+fn with_demoter_and_store(chunks: u64) -> (Harness, Arc<Mutex<Vec<Departing>>>, Arc<HostStore>) {
     let config = HostStoreConfig {
         memory: HostMemory::Plain,
         workers: 1,
@@ -491,8 +536,9 @@ fn with_demoter(chunks: u64) -> (Harness, Arc<Mutex<Vec<Departing>>>) {
         assert_eq!(departing.key(), key);
         keep.lock().unwrap().push(departing);
     })));
-    let tier = Arc::new(store);
-    (Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) }), on_their_way)
+    let store = Arc::new(store);
+    let tier = Arc::clone(&store);
+    (Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) }), on_their_way, store)
 }
 
 #[test]
@@ -542,10 +588,32 @@ fn a_victim_given_up_or_deleted_on_its_way_is_gone_at_once() {
     h.tier.unlock(&[key(1)]);
     assert_eq!(h.tier.delete(&[key(1)]), 1);
     assert_eq!(h.present(&[key(1)]).count_ones(), 0);
-    // Its departure landing later finds nothing to take back.
+    // Its departure is withdrawn: the tier below must not keep it. Landing later finds nothing
+    // to take back.
+    let withdrawn: Vec<(ObjectKey, bool)> =
+        on_their_way.lock().unwrap().iter().map(|d| (d.key(), d.withdrawn())).collect();
+    assert_eq!(withdrawn, [(key(1), true)]);
     on_their_way.lock().unwrap().clear();
     assert_eq!(h.present(&[key(2)]).count_ones(), 1);
     assert_eq!(h.locks(), 0);
+}
+
+#[test]
+fn a_key_deleted_on_its_way_and_departing_again_withdraws_only_the_earlier_departure() {
+    let (mut h, on_their_way) = with_demoter(1);
+    h.store(&[key(0)]).unwrap();
+    h.store(&[key(1)]).unwrap(); // key 0 leaves
+    assert_eq!(h.tier.delete(&[key(0)]), 1);
+    h.store(&[key(0)]).unwrap(); // stored again after the delete: key 1 leaves
+    h.store(&[key(2)]).unwrap(); // key 0 leaves again
+    let down: Vec<(ObjectKey, bool)> =
+        on_their_way.lock().unwrap().iter().map(|d| (d.key(), d.withdrawn())).collect();
+    assert_eq!(down, [(key(0), true), (key(1), false), (key(0), false)]);
+    // The withdrawn departure landing does not settle the later one: key 0 is still served.
+    drop(on_their_way.lock().unwrap().remove(0));
+    assert_eq!(h.present(&[key(0)]).count_ones(), 1);
+    drop(on_their_way.lock().unwrap().remove(1));
+    assert_eq!(h.present(&[key(0)]).count_ones(), 0);
 }
 
 #[test]
@@ -561,7 +629,7 @@ fn a_delete_takes_a_key_from_its_slot_and_from_its_copy_on_its_way_alike() {
 }
 
 #[test]
-fn a_chunk_leaving_again_before_it_landed_keeps_its_locks_and_the_newer_departure() {
+fn a_chunk_leaving_again_before_it_landed_is_served_until_every_departure_landed() {
     let (mut h, on_their_way) = with_demoter(1);
     h.store(&[key(0)]).unwrap();
     h.store(&[key(1)]).unwrap(); // key 0 leaves
@@ -579,6 +647,17 @@ fn a_chunk_leaving_again_before_it_landed_keeps_its_locks_and_the_newer_departur
     drop(on_their_way.lock().unwrap().remove(1));
     assert_eq!(h.present(&[key(0)]).count_ones(), 0);
     assert_eq!(h.present(&[key(1)]).count_ones(), 1);
+    // The other way round: the later departure lands first, the earlier is still on its way.
+    h.store(&[key(0)]).unwrap(); // key 2 leaves
+    h.store(&[key(3)]).unwrap(); // key 0 leaves
+    h.store(&[key(0)]).unwrap(); // key 3 leaves
+    h.store(&[key(4)]).unwrap(); // key 0 leaves again
+    let keys_down: Vec<ObjectKey> = on_their_way.lock().unwrap().iter().map(|d| d.key()).collect();
+    assert_eq!(keys_down, [key(1), key(2), key(0), key(3), key(0)]);
+    drop(on_their_way.lock().unwrap().remove(4));
+    assert_eq!(h.present(&[key(0)]).count_ones(), 1, "the first departure is on its way");
+    drop(on_their_way.lock().unwrap().remove(2));
+    assert_eq!(h.present(&[key(0)]).count_ones(), 0);
 }
 
 #[derive(Clone, Debug)]
@@ -604,22 +683,23 @@ fn demoted_op() -> impl Strategy<Value = DemotedOp> {
     ]
 }
 
-/// A chunk the model has on its way down: its latest departure, the locks lookups took on it
-/// and whether that departure landed.
+/// A chunk the model has on its way down: the entry its departures left with, how many of them
+/// have not landed, and the locks lookups took on it.
 #[derive(Clone, Copy, Debug)]
 struct ModelLeaving {
-    departure: usize,
+    entry: usize,
+    in_flight: u32,
     locks: u64,
-    landed: bool,
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// With a demoter that holds its departures until told to land them: a key is found, locked
-    /// and loaded with its own bytes while it is in a slot or on its way down (its latest
-    /// departure not landed, or landed but still locked), never otherwise; locks add up; only
-    /// slots count as objects.
+    /// and loaded with its own bytes while it is in a slot or on its way down (a departure not
+    /// landed, or all landed but the key still locked), never otherwise; a departure is
+    /// withdrawn exactly when its key was deleted on its way; locks add up; only slots count
+    /// as objects.
     #[test]
     fn victims_on_their_way_down_agree_with_a_model(ops in prop::collection::vec(demoted_op(), 1..50)) {
         let (mut h, on_their_way) = with_demoter(4);
@@ -627,7 +707,8 @@ proptest! {
         let mut resident: BTreeMap<u64, u64> = BTreeMap::new();
         let mut leaving: BTreeMap<u64, ModelLeaving> = BTreeMap::new();
         let mut held: Vec<(u64, usize)> = Vec::new();
-        let mut departures = 0usize;
+        let mut entries = 0usize;
+        let mut withdrawn: BTreeSet<usize> = BTreeSet::new();
         let id = |k: &ObjectKey| (0..8).find(|i| key(*i) == *k).unwrap();
         for op in ops {
             match op {
@@ -644,10 +725,12 @@ proptest! {
                     prop_assert_eq!(victims.len(), if fits { (resident.len() + new.len()).saturating_sub(4) } else { 0 });
                     for v in &victims {
                         prop_assert_eq!(resident.remove(v), Some(0), "victim {} was locked or absent", v);
-                        let locks = leaving.get(v).map_or(0, |l| l.locks);
-                        leaving.insert(*v, ModelLeaving { departure: departures, locks, landed: false });
-                        held.push((*v, departures));
-                        departures += 1;
+                        let l = leaving.entry(*v).or_insert_with(|| {
+                            entries += 1;
+                            ModelLeaving { entry: entries, in_flight: 0, locks: 0 }
+                        });
+                        l.in_flight += 1;
+                        held.push((*v, l.entry));
                     }
                     if fits {
                         for i in new {
@@ -675,7 +758,7 @@ proptest! {
                             *locks -= 1;
                         } else if let Some(l) = leaving.get_mut(&i).filter(|l| l.locks > 0) {
                             l.locks -= 1;
-                            if l.locks == 0 && l.landed {
+                            if l.locks == 0 && l.in_flight == 0 {
                                 leaving.remove(&i);
                             }
                         }
@@ -690,8 +773,10 @@ proptest! {
                             resident.remove(i);
                             gone = true;
                         }
-                        if leaving.get(i).is_some_and(|l| l.locks == 0) {
-                            leaving.remove(i);
+                        if leaving.get(i).is_some_and(|l| l.locks == 0)
+                            && let Some(l) = leaving.remove(i)
+                        {
+                            withdrawn.insert(l.entry);
                             gone = true;
                         }
                         expected += usize::from(gone);
@@ -715,13 +800,14 @@ proptest! {
                         continue;
                     }
                     let place = place % held.len();
-                    let (i, departure) = held.remove(place);
-                    drop(on_their_way.lock().unwrap().remove(place));
-                    if let Some(l) = leaving.get_mut(&i).filter(|l| l.departure == departure) {
-                        if l.locks == 0 {
+                    let (i, entry) = held.remove(place);
+                    let departing = on_their_way.lock().unwrap().remove(place);
+                    prop_assert_eq!(departing.withdrawn(), withdrawn.contains(&entry), "departure of {}", i);
+                    drop(departing);
+                    if let Some(l) = leaving.get_mut(&i).filter(|l| l.entry == entry) {
+                        l.in_flight -= 1;
+                        if l.in_flight == 0 && l.locks == 0 {
                             leaving.remove(&i);
-                        } else {
-                            l.landed = true;
                         }
                     }
                 }

@@ -1392,20 +1392,22 @@ mod tests {
         }
     }
 
-    /// Cascade victims on their way down are copies in memory: past the cap a victim is dropped
-    /// (a miss later) rather than queued, and the room comes back as the tier below takes them.
-    #[test]
-    fn demoted_bytes_on_their_way_are_capped_and_come_back_when_written() {
+    /// A cascade with an L1 of eight chunks over one tier, a fake disk, that holds tasks when
+    /// told to.
+    fn cascade_over_one_tier() -> (StorageManager, Arc<tierkv_testkit::FakeTier>) {
         let below = Arc::new(tierkv_testkit::FakeTier::new("disk", 64, CHUNK));
         let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
         let config = StorageConfig { store_policy: StorePolicy::Cascade, ..StorageConfig::new(l1) };
         let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
-        let storage = StorageManager::start_with_tiers(
-            config,
-            Arc::new(tierkv_core::ManualClock::new()),
-            tiers,
-        )
-        .unwrap();
+        let clock = Arc::new(tierkv_core::ManualClock::new());
+        (StorageManager::start_with_tiers(config, clock, tiers).unwrap(), below)
+    }
+
+    /// Cascade victims on their way down are copies in memory: past the cap a victim is dropped
+    /// (a miss later) rather than queued, and the room comes back as the tier below takes them.
+    #[test]
+    fn demoted_bytes_on_their_way_are_capped_and_come_back_when_written() {
+        let (storage, below) = cascade_over_one_tier();
         let queue = storage.inner.store.queue();
         let down = DemoteDown {
             jobs: queue.clone(),
@@ -1431,5 +1433,70 @@ mod tests {
         assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
         let kept: Vec<bool> = chunks.iter().map(|k| below.contains(k)).collect();
         assert_eq!(kept, [true, true, false, true]);
+    }
+
+    /// A chunk L2 deleted while it was on its way down does not stay in the tier below: the
+    /// pipeline drops it if the delete came before the write, and deletes it below if the delete
+    /// came while the write was under way. A victim not deleted lands as ever.
+    #[test]
+    fn a_victim_deleted_above_on_its_way_down_does_not_stay_below() {
+        let (storage, below) = cascade_over_one_tier();
+        // An L2 of one slot whose victims the test sends down the pipeline to `below` itself.
+        let host = HostStore::open(tierkv_l2::HostStoreConfig {
+            memory: tierkv_l2::HostMemory::Plain,
+            workers: 1,
+            ..tierkv_l2::HostStoreConfig::new(CHUNK, CHUNK)
+        })
+        .unwrap();
+        let departed: Arc<Mutex<Vec<tierkv_l2::Departing>>> = Arc::default();
+        let keep = Arc::clone(&departed);
+        assert!(host.set_demoter(Box::new(move |_, departing| keep.lock().push(departing))));
+        let down = DemoteDown {
+            jobs: storage.inner.store.queue().clone(),
+            cap: 64 * CHUNK,
+            metrics: storage.inner.metrics.clone(),
+        };
+        let send_down = || {
+            for departing in departed.lock().drain(..) {
+                down.send(0, departing.key(), Box::new(departing));
+            }
+        };
+        let idle = || {
+            assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)))
+        };
+        let [k0, k1, k2, k3] = keys(0..4)[..] else { unreachable!() };
+        let store = |k: ObjectKey| host.store_now(k, &VecChunk(payload(&k, CHUNK))).unwrap();
+
+        // Deleted while its write is under way: the tier below has it once the write ends, and
+        // then no more.
+        below.hold();
+        store(k0);
+        store(k1); // k0 leaves
+        send_down();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while below.held_tasks() == 0 {
+            assert!(Instant::now() < deadline, "the pipeline never took the victim");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(host.delete(&[k0]), 1);
+        below.release_held();
+        idle();
+        assert!(!below.contains(&k0), "a chunk deleted while it was written stayed below");
+        // Deleted before the pipeline got to it: never written (the tier below, holding every
+        // task, gets none). The other lands.
+        store(k2); // k1 leaves
+        store(k3); // k2 leaves
+        assert_eq!(host.delete(&[k2]), 1);
+        let first = departed.lock().remove(0);
+        below.hold();
+        send_down();
+        idle();
+        assert_eq!(below.held_tasks(), 0, "a chunk deleted on its way was sent below");
+        below.release_held();
+        down.send(0, first.key(), Box::new(first));
+        idle();
+        assert!(below.contains(&k1), "a victim not deleted lands below");
+        assert!(!below.contains(&k2), "a chunk deleted on its way was written below");
+        assert_eq!(below.usage().objects, 1);
     }
 }

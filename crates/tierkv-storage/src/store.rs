@@ -413,17 +413,21 @@ impl Worker {
         }
     }
 
-    /// Stores chunks another tier evicted into `tier`, from the bytes they came with.
+    /// Stores chunks another tier evicted into `tier`, from the bytes they came with; those the
+    /// tier above deleted on their way ([`ChunkSource::withdrawn`]) are dropped instead.
     fn start_demoted(
         &mut self,
         tier: usize,
         items: Vec<(ObjectKey, Box<dyn ChunkSource>)>,
         jobs: usize,
     ) {
-        let keys = items.len();
         let demoted_bytes = demoted_len(&items);
-        let items: Vec<StoreItem> =
-            items.into_iter().map(|(key, source)| StoreItem { key, source }).collect();
+        let items: Vec<StoreItem> = items
+            .into_iter()
+            .filter(|(_, source)| !source.withdrawn())
+            .map(|(key, source)| StoreItem { key, source })
+            .collect();
+        let keys = items.len();
         let id = self.next_batch;
         self.next_batch += 1;
         let batch = Batch {
@@ -585,6 +589,9 @@ impl Worker {
             if result.is_ok() && Some(tier) == self.disk {
                 durable = sources.len() as u32;
             }
+            if result.is_ok() {
+                self.take_back_withdrawn(tier, &sources);
+            }
             // The copies are done: drop the read guards before the share is returned.
             drop(sources);
             if result.is_err() {
@@ -601,6 +608,18 @@ impl Worker {
         };
         if done {
             self.finish(id);
+        }
+    }
+
+    /// Deletes from `tier` the demoted chunks it just stored that the tier above deleted while
+    /// the write was under way (each was checked before it, in `start_demoted`): a delete
+    /// above that came after the check and before the chunk was in `tier` would otherwise not
+    /// reach it. One that comes later finds the chunk in `tier` itself.
+    fn take_back_withdrawn(&self, tier: usize, sources: &[StoreItem]) {
+        let withdrawn: Vec<ObjectKey> =
+            sources.iter().filter(|item| item.source.withdrawn()).map(|item| item.key).collect();
+        if let (false, Some(target)) = (withdrawn.is_empty(), self.router.tier(tier)) {
+            target.delete(&withdrawn);
         }
     }
 
