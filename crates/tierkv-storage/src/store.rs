@@ -614,7 +614,8 @@ impl Worker {
     /// Deletes from `tier` the demoted chunks it just stored that the tier above deleted while
     /// the write was under way (each was checked before it, in `start_demoted`): a delete
     /// above that came after the check and before the chunk was in `tier` would otherwise not
-    /// reach it. One that comes later finds the chunk in `tier` itself.
+    /// reach it. One that comes later finds the chunk in `tier` itself. A later departure of the
+    /// same key that landed meanwhile goes too: a miss, never wrong bytes.
     fn take_back_withdrawn(&self, tier: usize, sources: &[StoreItem]) {
         let withdrawn: Vec<ObjectKey> =
             sources.iter().filter(|item| item.source.withdrawn()).map(|item| item.key).collect();
