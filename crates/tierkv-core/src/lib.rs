@@ -14,6 +14,7 @@ mod adapter;
 mod aligned;
 mod bitmap;
 mod clock;
+mod departures;
 mod error;
 mod extra;
 pub mod hash;
@@ -30,6 +31,7 @@ pub use adapter::{
 pub use aligned::{ALIGN, AlignedBuf};
 pub use bitmap::Bitmap;
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use departures::{Board, Departing, Departures};
 pub use error::KeyError;
 pub use extra::{ExtraCount, ExtraCountOutOfRange};
 pub use joint::JointLoad;

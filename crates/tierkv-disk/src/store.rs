@@ -28,14 +28,14 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
 use tierkv_core::policy::{JudgedOrder, Order, PolicyKind, SampleKey, SegmentPolicy};
 use tierkv_core::{
-    AlignedBuf, Bitmap, ChunkSink, Completion, JointLoad, LoadItem, ObjectKey, StoreItem, TaskId,
-    TierAdapter, TierError, TierUsage,
+    AlignedBuf, Bitmap, ChunkSink, Completion, Departing, Departures, JointLoad, LoadItem,
+    ObjectKey, StoreItem, TaskId, TierAdapter, TierError, TierUsage,
 };
 
 use crate::config::{DiskStoreConfig, FsyncPolicy, ReadMode};
 use crate::error::DiskError;
 use crate::format::{BLOCK, Header, Superblock, payload_checksum, record_bytes};
-use tierkv_tier_metrics::TierMetrics;
+use tierkv_tier_metrics::{DepartingMetrics, TierMetrics};
 
 use crate::metrics::{self, Failure, ReadOnlyGauge};
 use crate::segment::{
@@ -572,6 +572,10 @@ struct Shared {
     completions: Receiver<Completion>,
     metrics: TierMetrics,
     read_only_gauge: ReadOnlyGauge,
+    /// Chunks handed to this store for writing and not yet answered ([`DiskStore::depart`]):
+    /// found, locked and loaded from their copies until then. Locked after `index`.
+    departures: Departures,
+    departing_metrics: DepartingMetrics,
 }
 
 /// The persistent, checksummed disk tier.
@@ -674,6 +678,8 @@ impl DiskStore {
             completions,
             metrics: metrics::register(),
             read_only_gauge: ReadOnlyGauge::register(),
+            departures: Departures::new(),
+            departing_metrics: DepartingMetrics::register("disk"),
             config,
         });
         let store = DiskStore {
@@ -827,6 +833,15 @@ impl DiskStore {
     /// has a choice).
     pub fn follow(&self, order: JudgedOrder) {
         self.shared.index.lock().policy.follow(order);
+    }
+
+    /// Puts a chunk on its way to this store, with a copy of its bytes: until the returned chunk
+    /// is dropped (give it to [`TierAdapter::submit_store`] and drop it with the answer), lookups
+    /// find, lock and load it here from that copy, as if it were written. How the cascade hands
+    /// L1's victims straight to the disk (no L2) without a window in which they are in neither
+    /// tier.
+    pub fn depart(&self, key: ObjectKey, bytes: Arc<[u8]>) -> Departing {
+        self.shared.departures.depart(key, bytes)
     }
 
     /// Sets the disk gauges from the current state.
@@ -1719,10 +1734,18 @@ impl Shared {
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
         let index = &mut *index;
+        let mut board = self.departures.lock();
         let mut found = vec![false; keys.len()];
         for (i, key) in keys.iter().enumerate().rev() {
             let Some(loc) = index.map.get(key).copied() else {
-                index.policy.missed(key);
+                // On its way here: found and locked, without a word to the policy, which hears
+                // of the chunk when its record is written.
+                if board.lock(key) {
+                    index.lock_total += 1;
+                    found[i] = true;
+                } else {
+                    index.policy.missed(key);
+                }
                 continue;
             };
             let (count, _) = index.locks.entry(*key).or_insert((0, loc.segment));
@@ -1742,27 +1765,43 @@ impl Shared {
         // Pin the segments under the lock, read outside it; the guard unpins them under it
         // again, on every path out of here, a panic included.
         let mut pins = Pins { index: &self.index, segments: Vec::with_capacity(items.len()) };
-        let planned: Vec<Option<(Loc, u64, Arc<SegmentFile>)>> = {
+        let planned: Vec<Option<Planned>> = {
             let mut index = self.index.lock();
+            let board = self.departures.lock();
             items
                 .iter()
                 .map(|item| {
-                    let loc = *index.map.get(&item.key)?;
+                    let Some(loc) = index.map.get(&item.key).copied() else {
+                        // On its way here: copied from its own bytes, which the plan shares.
+                        return board.bytes(&item.key, item.sink.len()).map(Planned::Departing);
+                    };
                     let segment = &mut index.segments[loc.segment as usize];
                     let file = segment.file.clone()?;
                     segment.pins += 1;
                     pins.segments.push(loc.segment);
                     // No touch: the lookup that locked the key was the use.
-                    Some((loc, segment.epoch, file))
+                    Some(Planned::Record(loc, segment.epoch, file))
                 })
                 .collect()
         };
         let mut loaded = Bitmap::new(items.len());
         let mut bytes = 0;
+        let mut departing = 0;
         let mut damaged = Vec::new();
         for (i, (item, plan)) in items.iter_mut().zip(&planned).enumerate() {
-            let Some((loc, epoch, file)) = plan else {
-                continue;
+            let (loc, epoch, file) = match plan {
+                None => continue,
+                Some(Planned::Departing(copy)) => {
+                    if item.sink.write_from(copy).is_ok() {
+                        loaded.set(i, true);
+                        bytes += copy.len() as u64;
+                        departing += 1;
+                    } else {
+                        self.metrics.failed(Failure::Copy);
+                    }
+                    continue;
+                }
+                Some(Planned::Record(loc, epoch, file)) => (loc, epoch, file),
             };
             match self.read_record(file, *loc, *epoch, &item.key, item.sink.as_mut(), staging) {
                 Ok(()) => {
@@ -1790,6 +1829,7 @@ impl Shared {
         }
         drop(pins);
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
+        self.departing_metrics.loaded(departing);
         loaded
     }
 
@@ -1928,7 +1968,17 @@ impl Shared {
         let order = self.index.lock().policy.order();
         let share = |o| if order == o { 1.0 } else { 0.0 };
         self.metrics.publish_orders(share(Order::Arc), share(Order::Frequency));
+        let (objects, bytes) = self.departures.lock().departing();
+        self.departing_metrics.publish(objects, bytes);
     }
+}
+
+/// Where a load reads a chunk from.
+enum Planned {
+    /// Its record, in a segment pinned for the load (of this epoch, through this file).
+    Record(Loc, u64, Arc<SegmentFile>),
+    /// Its copy on its way here.
+    Departing(Arc<[u8]>),
 }
 
 /// Segments a load pinned; unpinned when dropped.
@@ -1999,8 +2049,13 @@ impl TierAdapter for DiskStore {
     fn unlock(&self, keys: &[ObjectKey]) {
         let mut index = self.shared.index.lock();
         let index = &mut *index;
+        let mut board = self.shared.departures.lock();
         for key in keys {
             let Some((count, segment)) = index.locks.get_mut(key) else {
+                // A lock taken on the chunk's copy on its way here.
+                if board.unlock(key) {
+                    index.lock_total -= 1;
+                }
                 continue;
             };
             *count -= 1;
@@ -2014,21 +2069,25 @@ impl TierAdapter for DiskStore {
     }
 
     /// Deletes unlocked keys: drops them from the index, and marks each record deleted on disk
-    /// (its header's flag), so a restart does not find it again.
+    /// (its header's flag), so a restart does not find it again. A key on its way here is
+    /// withdrawn (its writer deletes the record it finishes: `ChunkSource::withdrawn`).
     fn delete(&self, keys: &[ObjectKey]) -> usize {
         let mut marks = Vec::new();
         let mut deleted = 0;
         {
             let mut index = self.shared.index.lock();
+            let mut board = self.shared.departures.lock();
             for key in keys {
                 if index.locks.contains_key(key) {
                     continue;
                 }
+                // A key counts once, whether its record, its copy on its way here or both went.
+                let mut gone = board.delete(key);
                 // A load in progress pins the segment, not the key: dropping the key from the
                 // index leaves its record readable until the load's pin is gone, and no longer.
                 if let Some(loc) = index.map.get(key).copied() {
                     index.drop_record(key, loc);
-                    deleted += 1;
+                    gone = true;
                     let segment = &mut index.segments[loc.segment as usize];
                     if let Some(file) = segment.file.clone() {
                         // The pin keeps the segment from reuse until its mark is written, so the
@@ -2037,6 +2096,7 @@ impl TierAdapter for DiskStore {
                         marks.push((file, segment.epoch, *key, loc));
                     }
                 }
+                deleted += usize::from(gone);
             }
         }
         if !marks.is_empty() {
@@ -2049,9 +2109,14 @@ impl TierAdapter for DiskStore {
         deleted
     }
 
-    /// Deletes every unlocked record, persistently like `delete`.
+    /// Deletes every unlocked record, persistently like `delete`, and withdraws every chunk on
+    /// its way here.
     fn clear(&self) -> usize {
-        let keys: Vec<ObjectKey> = self.shared.index.lock().map.keys().copied().collect();
+        let keys: Vec<ObjectKey> = {
+            let index = self.shared.index.lock();
+            let board = self.shared.departures.lock();
+            index.map.keys().chain(board.keys()).copied().collect()
+        };
         self.delete(&keys)
     }
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tierkv_core::policy::{PolicyKind, SegmentPolicy};
-use tierkv_core::{TierAdapter, TierError};
+use tierkv_core::{StoreItem, TierAdapter, TierError};
 use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, FsyncPolicy, IoMode, ReadMode, record_bytes};
 use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload};
 
@@ -248,13 +248,20 @@ fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
     let shared = SharedTier::new(store.clone(), CHUNK);
     std::thread::scope(|s| {
         for t in 0..4u64 {
-            let shared = &shared;
+            let (shared, store) = (&shared, &store);
             s.spawn(move || {
                 let mut seed = t * 7919 + 3;
-                for _ in 0..60 {
+                for _ in 0..75 {
                     seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     let k = key((seed >> 33) % 48);
-                    match (seed >> 20) % 4 {
+                    match (seed >> 20) % 5 {
+                        // On its way here (as the cascade hands L1's victims over without an
+                        // L2), served from its copy until the write is answered.
+                        4 => {
+                            let departing = store.depart(k, payload(&k, CHUNK).into());
+                            let item = StoreItem { key: k, source: Box::new(departing) };
+                            drop(shared.call(|tier| tier.submit_store(vec![item])));
+                        }
                         // Runs of one to three records: a task may span two segments.
                         0 => {
                             let first = (seed >> 33) % 48;
@@ -1469,4 +1476,41 @@ fn a_closed_store_frees_its_directory_at_once_while_the_process_starts_children(
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     spawner.join().unwrap();
     assert!(refused.is_empty(), "{} reopens refused, first: {:?}", refused.len(), refused.first());
+}
+
+/// A chunk on its way to the disk (the cascade without an L2) is found, locked and loaded from
+/// its copy until the write's answer drops it, and after that from its record; a delete or a
+/// clear withdraws one still on its way, so its writer takes the record back.
+#[test]
+fn a_chunk_on_its_way_here_is_served_from_its_copy_until_its_write_is_answered() {
+    use tierkv_core::ChunkSource;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, store) = open(config(dir.path(), 4, 2));
+    let bytes = |i: u64| -> Arc<[u8]> { payload(&key(i), CHUNK).into() };
+    let on_its_way = store.depart(key(0), bytes(0));
+    assert_eq!(h.lookup(&[key(0)]).count_ones(), 1, "found on its way");
+    assert_eq!(h.locks(), 1);
+    h.assert_loads(&[key(0)]);
+    assert_eq!(store.usage().objects, 0, "not a record yet");
+    // Written, and its answer dropped the copy: served from the record; the lock taken on the
+    // copy is still returned.
+    let task = store.submit_store(vec![StoreItem { key: key(0), source: Box::new(on_its_way) }]);
+    drop(h.wait(task));
+    assert_eq!(store.usage().objects, 1);
+    store.unlock(&[key(0)]);
+    assert_eq!(h.locks(), 0);
+    h.assert_loads(&[key(0)]);
+    // A delete withdraws a chunk on its way, and counts it once.
+    let deleted = store.depart(key(1), bytes(1));
+    assert_eq!(store.delete(&[key(1)]), 1);
+    assert!(deleted.withdrawn());
+    assert_eq!(h.present(&[key(1)]).count_ones(), 0);
+    // So does a clear, with every record.
+    let cleared = store.depart(key(2), bytes(2));
+    assert_eq!(store.clear(), 2);
+    assert!(cleared.withdrawn());
+    assert_eq!(h.present(&keys(0..3)).count_ones(), 0);
+    // Given up (dropped unwritten): a miss at once.
+    drop(store.depart(key(3), bytes(3)));
+    assert_eq!(h.present(&[key(3)]).count_ones(), 0);
 }

@@ -18,4 +18,4 @@ mod store;
 pub use arena::MemoryKind;
 pub use config::{HostMemory, HostStoreConfig};
 pub use error::L2Error;
-pub use store::{Demote, Departing, HostStore};
+pub use store::{Demote, HostStore};

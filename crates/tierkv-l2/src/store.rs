@@ -7,14 +7,14 @@
 //! and deletion skip pinned and locked entries, so a slot is never reused under a copy.
 //!
 //! Under a demoter (the cascade), a victim is *leaving*: its bytes go to the tier below as a
-//! [`Departing`] chunk, and until that is dropped (the tier below answered its store, or the
-//! chunk was given up) lookups still find, lock and load it here, from the same bytes. A victim
-//! is never in neither tier while it is on its way.
+//! [`Departing`] chunk off the store's [`Departures`] board, and until that is dropped (the
+//! tier below answered its store, or the chunk was given up) lookups still find, lock and load
+//! it here, from the same bytes. A victim is never in neither tier while it is on its way.
 
 use std::collections::{HashMap, HashSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
@@ -22,16 +22,16 @@ use foldhash::fast::RandomState;
 use parking_lot::{Mutex, MutexGuard};
 use tierkv_core::policy::{EvictionPolicy, JudgedOrder, Order};
 use tierkv_core::{
-    Bitmap, BufferError, ChunkSource, Completion, JointLoad, LoadItem, ObjectKey, StoreItem,
-    TaskId, TierAdapter, TierError, TierUsage,
+    Bitmap, ChunkSource, Completion, Departing, Departures, JointLoad, LoadItem, ObjectKey,
+    StoreItem, TaskId, TierAdapter, TierError, TierUsage,
 };
 
 use crate::arena::{Arena, MemoryKind};
 use crate::config::HostStoreConfig;
 use crate::error::L2Error;
-use tierkv_tier_metrics::TierMetrics;
+use tierkv_tier_metrics::{DepartingMetrics, TierMetrics};
 
-use crate::metrics::{self, DepartingMetrics, Failure};
+use crate::metrics::{self, Failure};
 
 struct Entry {
     slot: u32,
@@ -145,71 +145,6 @@ struct Source<'a> {
 /// store, except by dropping the chunk.
 pub type Demote = Box<dyn Fn(ObjectKey, Departing) + Send + Sync>;
 
-/// A victim on its way to the tier below, as the store still serves it: from its newest copy,
-/// until every departure of the key has landed and no lookup holds a lock on it.
-struct Leaving {
-    bytes: Arc<[u8]>,
-    /// Locks taken by lookups and not yet returned.
-    locks: u64,
-    /// Departures of the key not yet landed (a key can leave again before the last one landed:
-    /// the same key, the same bytes).
-    in_flight: u32,
-    /// Set when the key is deleted here: every departure of this entry is then withdrawn. Its
-    /// identity names the entry, so a departure never settles a later entry of its key.
-    withdrawn: Arc<AtomicBool>,
-}
-
-/// A chunk the host store evicted, with a copy of its bytes, on its way to the tier below.
-/// Until it is dropped, lookups find, lock and load the chunk in the host store as if it had
-/// not left; so the holder drops it once the tier below has it, or has given up on it. A delete
-/// here meanwhile withdraws it ([`ChunkSource::withdrawn`]): the tier below must not keep it.
-pub struct Departing {
-    key: ObjectKey,
-    bytes: Arc<[u8]>,
-    withdrawn: Arc<AtomicBool>,
-    store: Weak<Shared>,
-}
-
-impl Departing {
-    /// The chunk's key.
-    pub fn key(&self) -> ObjectKey {
-        self.key
-    }
-}
-
-impl ChunkSource for Departing {
-    fn len(&self) -> u64 {
-        self.bytes.len() as u64
-    }
-
-    fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BufferError> {
-        if dst.len() != self.bytes.len() {
-            return Err(BufferError::LengthMismatch {
-                buffer: self.bytes.len() as u64,
-                copy: dst.len() as u64,
-            });
-        }
-        dst.copy_from_slice(&self.bytes);
-        Ok(())
-    }
-
-    fn host_bytes(&self) -> Option<&[u8]> {
-        Some(&self.bytes)
-    }
-
-    fn withdrawn(&self) -> bool {
-        self.withdrawn.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for Departing {
-    fn drop(&mut self) {
-        if let Some(store) = self.store.upgrade() {
-            store.landed(&self.key, &self.withdrawn);
-        }
-    }
-}
-
 enum Job {
     Store(TaskId, Vec<StoreItem>),
     Lookup(TaskId, Vec<ObjectKey>),
@@ -242,9 +177,7 @@ struct Shared {
     demote: OnceLock<Demote>,
     /// Victims handed to the demoter and not yet landed below (or still locked here). Locked
     /// after `index` when both are.
-    leaving: Mutex<HashMap<ObjectKey, Leaving, RandomState>>,
-    /// This store, for the departures to find it again.
-    me: Weak<Shared>,
+    departures: Departures,
 }
 
 /// The host-memory tier (L2).
@@ -262,7 +195,7 @@ impl HostStore {
         let arena =
             Arena::new(u64::from(slots) * config.chunk_bytes, config.memory, config.prefault)?;
         let (done, completions) = unbounded();
-        let shared = Arc::new_cyclic(|me| Shared {
+        let shared = Arc::new(Shared {
             arena,
             chunk_bytes: config.chunk_bytes,
             slots,
@@ -281,8 +214,7 @@ impl HostStore {
             metrics: metrics::register(),
             departing_metrics: metrics::register_departing(),
             demote: OnceLock::new(),
-            leaving: Mutex::new(HashMap::default()),
-            me: me.clone(),
+            departures: Departures::new(),
         });
         let (jobs, queue) = unbounded::<Job>();
         let mut workers = Vec::with_capacity(config.workers);
@@ -521,34 +453,7 @@ impl Shared {
             // SAFETY: the victim left the index under the lock and its slot is not reused before
             // this returns (the callers guarantee it), so nothing writes these bytes meanwhile.
             let bytes: Arc<[u8]> = Arc::from(unsafe { self.arena.bytes(offset, len) });
-            let withdrawn = {
-                let mut leaving = self.leaving.lock();
-                let entry = leaving.entry(*key).or_insert_with(|| Leaving {
-                    bytes: Arc::clone(&bytes),
-                    locks: 0,
-                    in_flight: 0,
-                    withdrawn: Arc::default(),
-                });
-                // Leaving again before it landed: the same key, the same bytes; its locks stay.
-                entry.bytes = Arc::clone(&bytes);
-                entry.in_flight += 1;
-                Arc::clone(&entry.withdrawn)
-            };
-            demote(*key, Departing { key: *key, bytes, withdrawn, store: self.me.clone() });
-        }
-    }
-
-    /// A departure of `key` is over: the tier below has the chunk, or never will. The key stops
-    /// being served here once none of its departures is on its way and no lookup holds a lock
-    /// on it. `withdrawn` names the entry the departure left with: one deleted meanwhile (and
-    /// perhaps stored and departed again since) is not this departure's to settle.
-    fn landed(&self, key: &ObjectKey, withdrawn: &Arc<AtomicBool>) {
-        let mut leaving = self.leaving.lock();
-        if let Some(entry) = leaving.get_mut(key).filter(|l| Arc::ptr_eq(&l.withdrawn, withdrawn)) {
-            entry.in_flight -= 1;
-            if entry.in_flight == 0 && entry.locks == 0 {
-                leaving.remove(key);
-            }
+            demote(*key, self.departures.depart(*key, bytes));
         }
     }
 
@@ -641,7 +546,7 @@ impl Shared {
     /// policy no longer tracks it.
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
-        let mut leaving = self.leaving.lock();
+        let mut board = self.departures.lock();
         let Index { map, policy, locks, held, .. } = &mut *index;
         let mut found = vec![false; keys.len()];
         for (i, key) in keys.iter().enumerate().rev() {
@@ -651,8 +556,7 @@ impl Shared {
                 *locks += 1;
                 policy.touch(key);
                 found[i] = true;
-            } else if let Some(entry) = leaving.get_mut(key) {
-                entry.locks += 1;
+            } else if board.lock(key) {
                 *locks += 1;
                 found[i] = true;
             }
@@ -665,7 +569,7 @@ impl Shared {
         // copied from its own bytes, which the pin shares.
         let pinned: Vec<Option<Pin>> = {
             let mut index = self.index.lock();
-            let leaving = self.leaving.lock();
+            let board = self.departures.lock();
             let Index { map, held, .. } = &mut *index;
             items
                 .iter()
@@ -675,10 +579,7 @@ impl Shared {
                         entry.pins += 1;
                         Some(Pin::Slot(entry.slot, entry.len))
                     }
-                    _ => leaving
-                        .get(&item.key)
-                        .filter(|l| l.bytes.len() as u64 == item.sink.len())
-                        .map(|l| Pin::Leaving(Arc::clone(&l.bytes))),
+                    _ => board.bytes(&item.key, item.sink.len()).map(Pin::Leaving),
                 })
                 .collect()
         };
@@ -718,7 +619,7 @@ impl Shared {
         }
         drop(index);
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
-        self.departing_metrics.loads.increment(departing);
+        self.departing_metrics.loaded(departing);
         loaded
     }
 
@@ -739,16 +640,8 @@ impl Shared {
         let order = self.index.lock().policy.order();
         let share = |o| if order == o { 1.0 } else { 0.0 };
         self.metrics.publish_orders(share(Order::Arc), share(Order::Frequency));
-        let (objects, bytes) = self.departing();
-        self.departing_metrics.objects.set(objects as f64);
-        self.departing_metrics.bytes.set(bytes as f64);
-    }
-
-    /// Victims on their way down now (a departure not yet landed), and their bytes.
-    fn departing(&self) -> (u64, u64) {
-        let leaving = self.leaving.lock();
-        let departing = leaving.values().filter(|l| l.in_flight > 0);
-        departing.fold((0, 0), |(n, b), l| (n + 1, b + l.bytes.len() as u64))
+        let (objects, bytes) = self.departures.lock().departing();
+        self.departing_metrics.publish(objects, bytes);
     }
 }
 
@@ -784,7 +677,7 @@ impl TierAdapter for HostStore {
 
     fn unlock(&self, keys: &[ObjectKey]) {
         let mut index = self.shared.index.lock();
-        let mut leaving = self.shared.leaving.lock();
+        let mut board = self.shared.departures.lock();
         for key in keys {
             if let Some(entry) = index.map.get_mut(key)
                 && entry.locks > 0
@@ -793,14 +686,8 @@ impl TierAdapter for HostStore {
                 let released = !entry.held();
                 index.locks -= 1;
                 index.held -= u64::from(released);
-            } else if let Some(entry) = leaving.get_mut(key)
-                && entry.locks > 0
-            {
-                entry.locks -= 1;
+            } else if board.unlock(key) {
                 index.locks -= 1;
-                if entry.locks == 0 && entry.in_flight == 0 {
-                    leaving.remove(key);
-                }
             }
         }
     }
@@ -811,7 +698,7 @@ impl TierAdapter for HostStore {
     /// went.
     fn delete(&self, keys: &[ObjectKey]) -> usize {
         let mut index = self.shared.index.lock();
-        let mut leaving = self.shared.leaving.lock();
+        let mut board = self.shared.departures.lock();
         let mut deleted = 0;
         for key in keys {
             let mut gone = false;
@@ -823,12 +710,7 @@ impl TierAdapter for HostStore {
                 index.ready -= 1;
                 gone = true;
             }
-            if leaving.get(key).is_some_and(|l| l.locks == 0)
-                && let Some(entry) = leaving.remove(key)
-            {
-                entry.withdrawn.store(true, Ordering::Release);
-                gone = true;
-            }
+            gone |= board.delete(key);
             deleted += usize::from(gone);
         }
         deleted
@@ -836,9 +718,9 @@ impl TierAdapter for HostStore {
 
     fn clear(&self) -> usize {
         let index = self.shared.index.lock();
-        let leaving = self.shared.leaving.lock();
-        let keys: Vec<ObjectKey> = index.map.keys().chain(leaving.keys()).copied().collect();
-        drop((leaving, index));
+        let board = self.shared.departures.lock();
+        let keys: Vec<ObjectKey> = index.map.keys().chain(board.keys()).copied().collect();
+        drop((board, index));
         self.delete(&keys)
     }
 

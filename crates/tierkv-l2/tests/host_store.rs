@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use proptest::prelude::*;
-use tierkv_core::{BufferError, ChunkSource, ObjectKey, StoreItem, TierError, VecChunk};
-use tierkv_l2::{Departing, HostMemory, HostStore, HostStoreConfig};
+use tierkv_core::{BufferError, ChunkSource, Departing, ObjectKey, StoreItem, TierError, VecChunk};
+use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
 use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload};
 
 const CHUNK: u64 = 16 << 10;
@@ -115,7 +115,9 @@ fn metrics_count_loads_from_copies_on_their_way_down_and_what_is_on_its_way() {
     let published = || -> Vec<(String, f64)> {
         store.publish_metrics();
         let snapshot = snapshotter.snapshot().into_vec();
-        let departing = snapshot.iter().filter(|(k, ..)| k.key().name().contains("departing"));
+        let departing = snapshot.iter().filter(|(k, ..)| {
+            k.key().name().contains("departing") && k.key().labels().any(|l| l.value() == "l2")
+        });
         let mut values: Vec<(String, f64)> = departing
             .map(|(k, .., v)| {
                 let value = match v {
@@ -130,7 +132,7 @@ fn metrics_count_loads_from_copies_on_their_way_down_and_what_is_on_its_way() {
         values
     };
     let named = |pairs: &[(&str, f64)]| -> Vec<(String, f64)> {
-        pairs.iter().map(|(name, value)| (format!("tierkv_l2_departing_{name}"), *value)).collect()
+        pairs.iter().map(|(name, value)| (format!("tierkv_departing_{name}"), *value)).collect()
     };
     let chunk = CHUNK as f64;
     assert_eq!(

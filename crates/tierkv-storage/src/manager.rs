@@ -14,7 +14,7 @@ use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use parking_lot::Mutex;
 use tierkv_core::policy::{Order, PolicyKind, SharedJudge};
 use tierkv_core::{
-    ChunkSource, Clock, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage, VecChunk,
+    ChunkSource, Clock, Departing, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage,
 };
 use tierkv_disk::DiskStore;
 use tierkv_l1::{
@@ -138,10 +138,13 @@ fn copies_at_write(
 
 /// The cascade's first step: an L1 victim goes to the first lower tier before L1 reuses its
 /// slot. Into the host store it is copied at once, on the evicting thread; into any other tier
-/// (no host store) it is copied out and handed to the store pipeline. A chunk the tier cannot
-/// take is dropped: a miss later, like any eviction.
+/// (no host store) it is copied out and handed to the store pipeline, and a disk tier serves it
+/// from that copy until it is written ([`DiskStore::depart`]). A chunk the tier cannot take is
+/// dropped: a miss later, like any eviction.
 struct DemoteFromL1 {
     host: Option<Arc<HostStore>>,
+    /// The disk tier, when it is the first lower tier (no host store).
+    disk: Option<Arc<DiskStore>>,
     down: DemoteDown,
 }
 
@@ -153,10 +156,16 @@ impl Demoter for DemoteFromL1 {
             }
             return;
         }
-        let mut copy = vec![0u8; bytes.len() as usize];
-        if bytes.copy_to_host(&mut copy).is_ok() {
-            self.down.send(0, *key, Box::new(VecChunk(copy)));
+        let mut copy: Arc<[u8]> = std::iter::repeat_n(0u8, bytes.len() as usize).collect();
+        let Some(dst) = Arc::get_mut(&mut copy) else { return };
+        if bytes.copy_to_host(dst).is_err() {
+            return;
         }
+        let departing = match &self.disk {
+            Some(disk) => disk.depart(*key, copy),
+            None => Departing::unserved(*key, copy),
+        };
+        self.down.send(0, *key, Box::new(departing));
     }
 }
 
@@ -322,7 +331,10 @@ impl StorageManager {
             metrics: metrics.clone(),
         };
         let demoter: Option<Arc<dyn Demoter>> = cascade.then(|| {
-            Arc::new(DemoteFromL1 { host: host.clone(), down: down.clone() }) as Arc<dyn Demoter>
+            // Without a host store the disk, if any, is the first lower tier.
+            let disk = disk.clone().filter(|_| host.is_none());
+            Arc::new(DemoteFromL1 { host: host.clone(), disk, down: down.clone() })
+                as Arc<dyn Demoter>
         });
         if let Some(host) = host.as_ref().filter(|_| cascade && takes_victims(1)) {
             // The host store is tier 0 (fastest first): its victims go to tier 1.
@@ -1356,7 +1368,7 @@ fn all_readers(readers: u32) -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tierkv_core::Layout;
+    use tierkv_core::{Layout, VecChunk};
     use tierkv_l1::{DeviceKind, L1Config};
     use tierkv_testkit::contract::{keys, payload};
 
@@ -1448,7 +1460,7 @@ mod tests {
             ..tierkv_l2::HostStoreConfig::new(CHUNK, CHUNK)
         })
         .unwrap();
-        let departed: Arc<Mutex<Vec<tierkv_l2::Departing>>> = Arc::default();
+        let departed: Arc<Mutex<Vec<tierkv_core::Departing>>> = Arc::default();
         let keep = Arc::clone(&departed);
         assert!(host.set_demoter(Box::new(move |_, departing| keep.lock().push(departing))));
         let down = DemoteDown {

@@ -42,7 +42,7 @@ pub(crate) enum StoreJob {
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
     /// Chunks a tier above evicted under the cascade policy, with their bytes, for lower tier
     /// `tier` (fastest first). The bytes are dropped once the tier answered (or the job was
-    /// dropped): an L2 victim's ([`tierkv_l2::Departing`]) are served by L2 until then.
+    /// dropped): an L2 victim's ([`tierkv_core::Departing`]) are served by L2 until then.
     Demoted { tier: usize, items: Vec<(ObjectKey, Box<dyn ChunkSource>)> },
 }
 

@@ -809,20 +809,26 @@ fn the_tiers_below_l1_follow_one_judge_of_every_lookup() {
 }
 
 #[test]
-fn a_chunk_on_its_way_from_l2_to_disk_is_still_served() {
+fn a_chunk_on_its_way_to_disk_is_still_served_with_or_without_l2() {
     // L1 and L2 of two chunks each over a disk that holds all the rest. Every store past the
     // fourth sends an L2 victim to the disk through the store pipeline; looked up at once, newest
     // first, before its disk write can have landed, it is still a hit (L2 serves it until the
-    // disk has it), never a miss in neither tier, and its bytes are its own.
-    let dir = tempfile::tempdir().unwrap();
-    let s = StorageManager::start(tiered(2, 2, Some(&dir), StorePolicy::Cascade)).unwrap();
-    for n in 0..12 {
-        write(&s, &keys(n..n + 1));
-        for k in (0..=n).rev() {
-            let result = lookup_all(&s, keys(k..k + 1));
-            assert_eq!(result.hit_chunks, 1, "chunk {k} missed after store {n}: {result:?}");
+    // disk has it), never a miss in neither tier, and its bytes are its own. Without an L2,
+    // every store past the second sends an L1 victim straight to the disk, which serves it from
+    // its copy until it is written.
+    for l2 in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = tiered(2, 2, Some(&dir), StorePolicy::Cascade);
+        let config = StorageConfig { l2: config.l2.filter(|_| l2), ..config };
+        let s = StorageManager::start(config).unwrap();
+        for n in 0..12 {
+            write(&s, &keys(n..n + 1));
+            for k in (0..=n).rev() {
+                let result = lookup_all(&s, keys(k..k + 1));
+                assert_eq!(result.hit_chunks, 1, "l2 {l2}: {k} missed after store {n}: {result:?}");
+            }
         }
+        eventually("the pipeline is idle", || s.status().store_in_flight == 0);
+        s.l1().audit().unwrap();
     }
-    eventually("the pipeline is idle", || s.status().store_in_flight == 0);
-    s.l1().audit().unwrap();
 }

@@ -127,6 +127,52 @@ impl TierMetrics {
     }
 }
 
+/// The metrics of a tier that serves chunks on their way to the disk under the cascade
+/// (`tierkv_core::Departures`): L2 its own victims, the disk L1's when there is no L2.
+pub struct DepartingMetrics {
+    loads: Counter,
+    objects: Gauge,
+    bytes: Gauge,
+}
+
+impl DepartingMetrics {
+    /// Registers the departing metrics of `tier` (the label value).
+    pub fn register(tier: &'static str) -> Self {
+        describe_counter!(
+            "tierkv_departing_loads_total",
+            Unit::Count,
+            "Objects a tier loaded from copies of chunks on their way to the disk (also counted \
+             in tierkv_tier_loads_total)."
+        );
+        describe_gauge!(
+            "tierkv_departing_objects",
+            Unit::Count,
+            "Chunks on their way to the disk, served meanwhile by the tier from copies in memory."
+        );
+        describe_gauge!(
+            "tierkv_departing_bytes",
+            Unit::Bytes,
+            "Bytes of the chunks on their way to the disk, held in memory outside any capacity."
+        );
+        DepartingMetrics {
+            loads: counter!("tierkv_departing_loads_total", "tier" => tier),
+            objects: gauge!("tierkv_departing_objects", "tier" => tier),
+            bytes: gauge!("tierkv_departing_bytes", "tier" => tier),
+        }
+    }
+
+    /// `objects` objects were loaded from copies on their way.
+    pub fn loaded(&self, objects: u64) {
+        self.loads.increment(objects);
+    }
+
+    /// Sets the gauges: `objects` chunks of `bytes` bytes in all are on their way now.
+    pub fn publish(&self, objects: u64, bytes: u64) {
+        self.objects.set(objects as f64);
+        self.bytes.set(bytes as f64);
+    }
+}
+
 /// The gauge of the share of a tier's eviction policies that evict in ARC's order.
 pub const ARC_ORDER: &str = "tierkv_policy_arc_order";
 
