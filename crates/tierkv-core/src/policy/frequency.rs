@@ -56,9 +56,10 @@ pub(super) const CAPACITY_OF_EVICTIONS: u64 = 1 << 32;
 pub(super) const HALF_LIVES: [u64; 2] = [6, 24];
 
 /// The ticks of one event among `tracked` keys: an eviction, for a policy; a sampled lookup,
-/// for a [`Judge`](super::adaptive::Judge)'s shadows.
+/// for a [`Judge`](super::adaptive::Judge)'s shadows. At least one: past 2^32 keys tracked (a
+/// disk of many small chunks below L1) the clock runs slower than it should, but it runs.
 pub(super) fn tick_among(tracked: usize) -> u64 {
-    CAPACITY_OF_EVICTIONS / tracked.max(1) as u64
+    (CAPACITY_OF_EVICTIONS / tracked.max(1) as u64).max(1)
 }
 
 /// Keys are classed by their decayed uses `C`, a quarter of a doubling apart: class `i` holds
@@ -567,6 +568,13 @@ mod tests {
         assert_eq!(lists.evict_one(), Some(10));
         assert_eq!(lists.evict_one(), Some(40));
         assert_eq!(lists.evict_one(), None);
+    }
+
+    #[test]
+    fn the_clock_ticks_among_any_number_of_keys() {
+        assert_eq!(tick_among(0), CAPACITY_OF_EVICTIONS);
+        assert_eq!(tick_among(1 << 20), CAPACITY_OF_EVICTIONS >> 20);
+        assert_eq!(tick_among(1 << 40), 1, "past 2^32 keys it runs slow, but it runs");
     }
 
     #[test]
