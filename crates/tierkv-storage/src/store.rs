@@ -41,8 +41,9 @@ pub(crate) enum StoreJob {
     /// Eviction victims leased for write-back; the lease is the pipeline's to return.
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
     /// Chunks a tier above evicted under the cascade policy, with their bytes, for lower tier
-    /// `tier` (fastest first). The bytes are dropped once the tier answered (or the job was
-    /// dropped): an L2 victim's ([`tierkv_core::Departing`]) are served by L2 until then.
+    /// `tier` (fastest first): the cascade sends [`tierkv_core::Departing`] copies. The bytes
+    /// are dropped once the tier answered (or the job was dropped); until then the tier whose
+    /// board they left from serves them (L2 its victims, the disk L1's when there is no L2).
     Demoted { tier: usize, items: Vec<(ObjectKey, Box<dyn ChunkSource>)> },
 }
 
