@@ -149,7 +149,7 @@ fn one_u32() -> u32 {
 
 /// A chunk and the engine blocks of a registered KV buffer it is gathered from or scattered
 /// into: `blocks[j]` holds the chunk's `j`-th block of tokens in every segment of the layout.
-/// A request's chunks travel together, flat ([`chunk_list`]).
+/// A request's chunks travel together, flat (the `chunk_list` encoding below).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkBlocks {
     /// The chunk.

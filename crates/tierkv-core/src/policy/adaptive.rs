@@ -612,7 +612,7 @@ impl JudgedOrder {
 ///
 /// Cost: O(1) per sampled key of a lookup. Memory: three shadows of a quarter of the combined
 /// capacity and a history of 48 entries of 8 bytes for each of their keys
-/// ([`HISTORY_FACTOR`]), rounded up to a power of two of sets: about 200 bytes per chunk of the
+/// (twice the longer half-life), rounded up to a power of two of sets: about 200 bytes per chunk of the
 /// combined capacity as the tiers fill, up to 2^17 keys a shadow (about 100 MiB, 64 of them the
 /// history); tiers larger than that are judged on a sparser sample, one key in `4 x 2^k`.
 pub struct Judge<K> {

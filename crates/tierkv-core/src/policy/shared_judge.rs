@@ -64,7 +64,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> SharedJudge<K> {
 
     /// One lookup of `keys`, leaf first within each chain, as [`Judge::looked_up`] takes them.
     /// Never waits for another thread. Returns how many of its sampled keys the judge will
-    /// never hear, the judge being [`QUEUED_AT_MOST`] behind.
+    /// never hear, the judge being 4,096 sampled keys behind.
     pub fn looked_up<'a>(&self, keys: impl IntoIterator<Item = &'a K>) -> u64
     where
         K: 'a,
