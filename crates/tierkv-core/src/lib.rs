@@ -2,8 +2,9 @@
 //!
 //! It owns object identity ([`ObjectKey`] and its parts), the chained chunk hash, chunk layouts,
 //! the per-key result codes, the validated `extra_count`, a clock that tests can drive, the
-//! eviction policies, the [`TierAdapter`] contract that lower tiers implement, and the size of a
-//! store's windows when it is larger than L1 ([`store_window`]).
+//! eviction policies, the [`TierAdapter`] contract that lower tiers implement, the board of
+//! chunks on their way to the disk that a tier serves meanwhile ([`Departures`]), and the size
+//! of a store's windows when it is larger than L1 ([`store_window`]).
 //!
 //! Architecture invariant: this crate does no I/O (it offers page-aligned buffers for those who
 //! do), spawns no threads and depends on neither

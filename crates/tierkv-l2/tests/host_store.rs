@@ -14,12 +14,17 @@ use tierkv_testkit::contract::{Harness, OpenTier, SharedTier, key, keys, payload
 
 const CHUNK: u64 = 16 << 10;
 
-fn harness(chunks: u64, workers: usize) -> Harness {
-    let config = HostStoreConfig {
+/// A store of `chunks` slots of plain memory, run by `workers` threads.
+fn plain(chunks: u64, workers: usize) -> HostStoreConfig {
+    HostStoreConfig {
         memory: HostMemory::Plain,
         workers,
         ..HostStoreConfig::new(chunks * CHUNK, CHUNK)
-    };
+    }
+}
+
+fn harness(chunks: u64, workers: usize) -> Harness {
+    let config = plain(chunks, workers);
     let tier = Arc::new(HostStore::open(config).unwrap());
     Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) })
 }
@@ -166,11 +171,7 @@ fn random_operations(shared: &SharedTier, thread: u64, steps: usize, keys: u64) 
 
 #[test]
 fn concurrent_stores_loads_locks_and_deletes_never_serve_wrong_bytes() {
-    let config = HostStoreConfig {
-        memory: HostMemory::Plain,
-        workers: 4,
-        ..HostStoreConfig::new(24 * CHUNK, CHUNK)
-    };
+    let config = plain(24, 4);
     let shared = SharedTier::new(Arc::new(HostStore::open(config).unwrap()), CHUNK);
     std::thread::scope(|s| {
         for t in 0..4u64 {
@@ -198,11 +199,7 @@ fn victims_landing_under_concurrent_stores_loads_locks_and_deletes_never_serve_w
     // their order of departure: whatever is served, from a slot or on its way, is its own
     // bytes; a locked key always loads; and once every departure landed, nothing is served but
     // what the slots hold, and no lock is left.
-    let config = HostStoreConfig {
-        memory: HostMemory::Plain,
-        workers: 4,
-        ..HostStoreConfig::new(12 * CHUNK, CHUNK)
-    };
+    let config = plain(12, 4);
     let store = HostStore::open(config).unwrap();
     let on_their_way: Arc<Mutex<std::collections::VecDeque<Departing>>> = Arc::default();
     let keep = Arc::clone(&on_their_way);
@@ -270,12 +267,7 @@ fn a_store_task_never_evicts_its_own_keys_and_a_failed_one_evicts_nothing() {
 #[test]
 fn a_store_that_cannot_fit_leaves_the_eviction_order_as_it_was() {
     // LRU, so the order is plain: 0 is the oldest, then 1, 2, 3.
-    let config = HostStoreConfig {
-        memory: HostMemory::Plain,
-        workers: 1,
-        policy: tierkv_core::policy::PolicyKind::Lru,
-        ..HostStoreConfig::new(4 * CHUNK, CHUNK)
-    };
+    let config = HostStoreConfig { policy: tierkv_core::policy::PolicyKind::Lru, ..plain(4, 1) };
     let tier = Arc::new(HostStore::open(config).unwrap());
     let mut h = Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) });
     for k in 0..4 {
@@ -301,11 +293,7 @@ fn a_store_that_cannot_fit_leaves_the_eviction_order_as_it_was() {
 
 #[test]
 fn background_eviction_brings_occupancy_to_the_low_watermark_and_spares_locked_keys() {
-    let config = HostStoreConfig {
-        memory: HostMemory::Plain,
-        workers: 1,
-        ..HostStoreConfig::new(10 * CHUNK, CHUNK)
-    };
+    let config = plain(10, 1);
     let store = Arc::new(HostStore::open(config).unwrap());
     let mut h =
         Harness::new(OpenTier { tier: store.clone(), chunk_bytes: CHUNK, keep: Box::new(()) });
@@ -343,11 +331,7 @@ impl tierkv_core::ChunkSink for GatedSink {
 
 #[test]
 fn a_slot_being_loaded_is_never_evicted_under_the_copy() {
-    let config = HostStoreConfig {
-        memory: HostMemory::Plain,
-        workers: 2,
-        ..HostStoreConfig::new(CHUNK, CHUNK)
-    };
+    let config = plain(1, 2);
     let tier = Arc::new(HostStore::open(config).unwrap());
     let mut h = Harness::new(OpenTier { tier, chunk_bytes: CHUNK, keep: Box::new(()) });
     h.store(&[key(0)]).unwrap();
@@ -526,12 +510,7 @@ fn with_demoter(chunks: u64) -> (Harness, Arc<Mutex<Vec<Departing>>>) {
 
 /// [`with_demoter`], and the store itself.
 fn with_demoter_and_store(chunks: u64) -> (Harness, Arc<Mutex<Vec<Departing>>>, Arc<HostStore>) {
-    let config = HostStoreConfig {
-        memory: HostMemory::Plain,
-        workers: 1,
-        ..HostStoreConfig::new(chunks * CHUNK, CHUNK)
-    };
-    let store = HostStore::open(config).unwrap();
+    let store = HostStore::open(plain(chunks, 1)).unwrap();
     let on_their_way: Arc<Mutex<Vec<Departing>>> = Arc::default();
     let keep = Arc::clone(&on_their_way);
     assert!(store.set_demoter(Box::new(move |key, departing| {

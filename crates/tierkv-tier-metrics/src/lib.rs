@@ -2,7 +2,8 @@
 //! it stores and loads, what it holds, what it evicts, what failed verification, and what it
 //! refused and why. One definition, so that names, units and descriptions cannot drift between
 //! the host, disk and remote tiers; L1 publishes the gauges of what it holds under the same
-//! names and takes their descriptions from [`describe_shared`] (README.md lists them).
+//! names and takes their descriptions from [`describe_shared`] (README.md lists them). The tiers
+//! that serve chunks on their way to the disk (L2, the disk) add [`DepartingMetrics`].
 
 use metrics::{Counter, Gauge, Unit, counter, describe_counter, describe_gauge, gauge};
 
