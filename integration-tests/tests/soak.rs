@@ -1,0 +1,343 @@
+//! Many sessions at once against one daemon whose tiers are far smaller than what they store:
+//! stores, lookups, retrieves of all or part of a hit, releases, sessions that vanish holding
+//! shares, MLA readers that join a lookup and die, and an admin clearing every tier, all
+//! interleaved while chunks move between the tiers: L1's victims cascading through L2 to the
+//! disk, going straight to the disk without an L2, or written through to it. Every byte served
+//! is checked, and once every session is gone nothing is held: no share, no open lookup, no
+//! store copy.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tierkv_client::payload::{SHARED_TAG, chunk_id, fill, holds};
+use tierkv_client::proto::{ChunkBlocks, ChunkId, Hello, LookupOutcome};
+use tierkv_client::{Client, SharedBuffer};
+use tierkv_integration_tests::{Daemon, small_config};
+
+/// One chunk a slot: L1 holds 64 chunks, L2 128 and the disk 512 (`small_config`).
+const CHUNK: u64 = 65536;
+/// The longest prompt, in chunks, and each session's buffer, in blocks.
+const LONGEST: u64 = 24;
+/// Prompts 0..PROMPTS: about 1,000 distinct chunks against 704 in all the tiers.
+const PROMPTS: u64 = 40;
+/// Operations of each plain session.
+const OPERATIONS: usize = 150;
+const TOKEN: &str = "soak-admin-secret";
+
+/// A small deterministic generator (xorshift), one per thread.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// What the sessions saw, summed over threads.
+#[derive(Default)]
+struct Seen {
+    hit_chunks: AtomicU64,
+    below_l1_chunks: AtomicU64,
+    verified_chunks: AtomicU64,
+    abandoned: AtomicU64,
+}
+
+impl Seen {
+    fn hit(&self, outcome: &LookupOutcome) {
+        self.hit_chunks.fetch_add(u64::from(outcome.hit_chunks), Ordering::Relaxed);
+        let below: u32 = outcome.per_tier.iter().skip(1).sum();
+        self.below_l1_chunks.fetch_add(u64::from(below), Ordering::Relaxed);
+    }
+}
+
+/// A session with one registered buffer of `LONGEST` blocks; `tag` is what its chunks' bytes
+/// are derived from besides their ids (the rank, or `SHARED_TAG` for MLA).
+struct Session {
+    client: Client,
+    buffer: SharedBuffer,
+    tag: u64,
+}
+
+impl Session {
+    fn open(daemon: &Daemon, hello: Hello, tag: u64) -> Session {
+        let mut client = Client::connect_unix(&daemon.socket, hello).unwrap();
+        let buffer = SharedBuffer::new(CHUNK, LONGEST).unwrap();
+        assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
+        Session { client, buffer, tag }
+    }
+
+    fn store(&mut self, prompt: u64, n: u64) {
+        let refs = chunks(prompt, 0, n);
+        for r in &refs {
+            fill(self.buffer.block_mut(r.blocks[0]).unwrap(), r.chunk, self.tag);
+        }
+        let stored = self.client.store(0, 0, refs).unwrap();
+        assert!(stored.stored + stored.present + stored.refused.len() as u32 <= n as u32);
+    }
+
+    /// Looks up `n` chunks of `prompt` and waits for the outcome, by `wait` or by polling.
+    fn lookup(&mut self, prompt: u64, n: u64, poll: bool) -> (u64, LookupOutcome) {
+        let ids: Vec<ChunkId> = (0..n).map(|i| chunk_id(prompt, i)).collect();
+        let started = self.client.lookup(0, ids).unwrap();
+        let outcome = match started.outcome {
+            Some(outcome) => outcome,
+            None if poll => loop {
+                if let Some(outcome) = self.client.query(started.id).unwrap() {
+                    break outcome;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            },
+            None => self.client.wait(started.id, Duration::from_secs(30)).unwrap(),
+        };
+        assert_eq!(outcome.per_tier.iter().sum::<u32>(), outcome.hit_chunks);
+        assert!(u64::from(outcome.hit_chunks) <= n);
+        (started.id, outcome)
+    }
+
+    /// Retrieves chunks `from..to` of `prompt` (part of lookup `id`'s hit) into blocks
+    /// `from..to` and checks every byte; returns the chunks checked.
+    fn retrieve(&mut self, id: u64, prompt: u64, from: u64, to: u64) -> u64 {
+        let refs = chunks(prompt, from, to);
+        for r in &refs {
+            self.buffer.block_mut(r.blocks[0]).unwrap().fill(0);
+        }
+        self.client.retrieve(id, 0, refs.clone()).unwrap();
+        for r in &refs {
+            let block = self.buffer.block(r.blocks[0]).unwrap();
+            assert!(
+                holds(block, r.chunk, self.tag),
+                "block {} was served with other bytes than chunk {:?} of prompt {prompt}",
+                r.blocks[0],
+                r.chunk
+            );
+        }
+        refs.len() as u64
+    }
+}
+
+/// Chunks `from..to` of `prompt`, chunk `i` into block `i`.
+fn chunks(prompt: u64, from: u64, to: u64) -> Vec<ChunkBlocks> {
+    (from..to).map(|i| ChunkBlocks::one(chunk_id(prompt, i), i)).collect()
+}
+
+fn plain_hello() -> Hello {
+    Client::worker_hello("soak", CHUNK)
+}
+
+fn mla_hello(rank: u16) -> Hello {
+    Hello {
+        rank,
+        tp_size: 2,
+        world_size: Some(2),
+        mla: true,
+        ..Client::worker_hello("soak-mla", CHUNK)
+    }
+}
+
+/// One plain session's random operations; a session that vanishes is replaced by a new one.
+fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen) {
+    let mut rng = Rng(seed);
+    let mut session = Session::open(daemon, plain_hello(), 0);
+    for _ in 0..OPERATIONS {
+        let prompt = rng.below(PROMPTS);
+        let n = 1 + rng.below(LONGEST);
+        if rng.below(3) == 0 {
+            session.store(prompt, n);
+            continue;
+        }
+        let (id, outcome) = session.lookup(prompt, n, rng.below(4) == 0);
+        seen.hit(&outcome);
+        let hit = u64::from(outcome.hit_chunks);
+        match rng.below(10) {
+            // The whole hit.
+            0..=4 => {
+                let checked = session.retrieve(id, prompt, 0, hit);
+                seen.verified_chunks.fetch_add(checked, Ordering::Relaxed);
+            }
+            // The engine already had the first chunks: the rest of the hit only.
+            5 | 6 => {
+                let from = rng.below(hit + 1);
+                let checked = session.retrieve(id, prompt, from, hit);
+                seen.verified_chunks.fetch_add(checked, Ordering::Relaxed);
+            }
+            7 => session.client.release(id).unwrap(),
+            // Nothing wanted: an empty retrieve returns the share.
+            8 => assert_eq!(session.retrieve(id, prompt, 0, 0), 0),
+            // The session vanishes holding its lookup (no end_session): the daemon must give
+            // its shares back by itself.
+            _ => {
+                drop(session);
+                seen.abandoned.fetch_add(1, Ordering::Relaxed);
+                session = Session::open(daemon, plain_hello(), 0);
+            }
+        }
+        // Then store what the request computed past its hit, as an engine does.
+        if hit < n && rng.below(2) == 0 {
+            session.store(prompt, n);
+        }
+    }
+    session.client.end().unwrap();
+}
+
+/// An MLA TP group of two: rank 0 stores and looks up, rank 1 joins its lookups by id; either
+/// may read, release, or die holding its share.
+fn mla_group(daemon: &Daemon, seed: u64, seen: &Seen) {
+    let mut rng = Rng(seed);
+    let mut ranks = [
+        Session::open(daemon, mla_hello(0), SHARED_TAG),
+        Session::open(daemon, mla_hello(1), SHARED_TAG),
+    ];
+    for _ in 0..OPERATIONS / 2 {
+        let prompt = rng.below(PROMPTS);
+        let n = 1 + rng.below(LONGEST);
+        ranks[0].store(prompt, n);
+        let (id, outcome) = ranks[0].lookup(prompt, n, false);
+        seen.hit(&outcome);
+        assert_eq!(outcome.readers, 2, "one share for each rank of the group");
+        let hit = u64::from(outcome.hit_chunks);
+        // Rank 1 learns of the lookup as an engine's other ranks do, and joins it.
+        let joined = ranks[1].client.wait(id, Duration::from_secs(30)).unwrap();
+        assert_eq!(joined.hit_chunks, outcome.hit_chunks);
+        for rank in 0..2 {
+            match rng.below(6) {
+                0..=3 => {
+                    let checked = ranks[rank].retrieve(id, prompt, 0, hit);
+                    seen.verified_chunks.fetch_add(checked, Ordering::Relaxed);
+                }
+                4 if rank == 1 => {
+                    // Rank 1 dies after joining: its share comes back with its session.
+                    let hello = mla_hello(1);
+                    let dead =
+                        std::mem::replace(&mut ranks[1], Session::open(daemon, hello, SHARED_TAG));
+                    drop(dead);
+                    seen.abandoned.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => {
+                    if rank == 0 {
+                        // The owner gives up on the whole lookup: every share returns.
+                        ranks[0].client.release(id).unwrap();
+                        break;
+                    }
+                    assert_eq!(ranks[rank].retrieve(id, prompt, 0, 0), 0);
+                }
+            }
+        }
+    }
+    for rank in ranks {
+        rank.client.end().unwrap();
+    }
+}
+
+/// Clears every tier now and then until told to stop.
+fn admin(daemon: &Daemon, done: &AtomicBool) -> u32 {
+    let hello = Hello { token: Some(TOKEN.into()), ..Client::admin_hello() };
+    let mut admin = Client::connect_unix(&daemon.socket, hello).unwrap();
+    let mut clears = 0;
+    loop {
+        std::thread::sleep(Duration::from_millis(150));
+        // Never after the sessions are done, so that what they left is read back below.
+        if done.load(Ordering::Relaxed) {
+            break;
+        }
+        admin.clear().unwrap();
+        clears += 1;
+    }
+    admin.end().unwrap();
+    clears
+}
+
+/// A daemon of `small_config` (L2 and disk segments of 64 chunks unless `config` changes
+/// them), with the admin token and no fsync.
+fn daemon(config: impl FnOnce(String) -> String) -> Daemon {
+    Daemon::start_with(|dir| {
+        config(small_config(dir, None, ""))
+            .replace("[server]\n", &format!("[server]\ntoken = \"{TOKEN}\"\n"))
+            .replace("fsync = \"always\"", "fsync = \"never\"")
+    })
+}
+
+#[test]
+fn many_sessions_through_the_cascade_are_served_exact_bytes_and_hold_nothing_once_gone() {
+    soak(&daemon(|config| config));
+}
+
+#[test]
+fn many_sessions_without_an_l2_are_served_exact_bytes_and_hold_nothing_once_gone() {
+    // L1's victims go straight to a disk that frees one chunk at a time (the default segment).
+    soak(&daemon(|config| {
+        config.replace("[l2]\n", "[l2]\nenabled = false\n").replace("segment = \"4MiB\"\n", "")
+    }));
+}
+
+#[test]
+fn many_sessions_writing_through_are_served_exact_bytes_and_hold_nothing_once_gone() {
+    soak(&daemon(|config| format!("{config}\n[storage]\nstore_policy = \"write_through\"\n")));
+}
+
+/// Runs four plain sessions, an MLA group of two and a clearing admin at once on `daemon`,
+/// then checks that nothing is held and that what is left reads back exact.
+fn soak(daemon: &Daemon) {
+    let seen = Seen::default();
+    let done = AtomicBool::new(false);
+    let clears = std::thread::scope(|scope| {
+        let clearing = scope.spawn(|| admin(daemon, &done));
+        let workers: Vec<_> = (0..4u64)
+            .map(|i| {
+                let seen = &seen;
+                scope.spawn(move || plain_worker(daemon, 0x9E37_79B9_7F4A_7C15 ^ (i + 1), seen))
+            })
+            .chain(std::iter::once(scope.spawn(|| mla_group(daemon, 0x2545_F491, &seen))))
+            .collect();
+        let failed = workers.into_iter().map(|worker| worker.join()).filter(Result::is_err).count();
+        // Told even when a session failed, so that the test ends with its failure.
+        done.store(true, Ordering::Relaxed);
+        let clears = clearing.join().expect("the admin's thread failed");
+        assert_eq!(failed, 0, "a session's thread failed (its panic is above)");
+        clears
+    });
+
+    // Every session is gone: whatever they held, they returned or the daemon took back.
+    let after = daemon.eventually("nothing held once every session is gone", |s| {
+        s.l1_leased_chunks == 0
+            && s.open_lookups == 0
+            && s.store_in_flight == 0
+            && s.connected_workers == 0
+    });
+    for tier in &after.tiers {
+        assert!(
+            tier.used_bytes <= tier.capacity_bytes,
+            "{} over its capacity: {tier:?}",
+            tier.name
+        );
+    }
+    let hits = seen.hit_chunks.load(Ordering::Relaxed);
+    let below = seen.below_l1_chunks.load(Ordering::Relaxed);
+    let verified = seen.verified_chunks.load(Ordering::Relaxed);
+    let abandoned = seen.abandoned.load(Ordering::Relaxed);
+    assert!(clears > 0 && abandoned > 0, "clears {clears}, sessions abandoned {abandoned}");
+    assert!(below > 0, "no hit came from below L1 ({hits} hit chunks): the tiers were not used");
+    assert!(verified > 0);
+
+    // What is left in the tiers is still every chunk's own bytes, wherever it lies.
+    let mut reader = Session::open(daemon, plain_hello(), 0);
+    let mut left = 0;
+    for prompt in 0..PROMPTS {
+        let (id, outcome) = reader.lookup(prompt, LONGEST, false);
+        left += reader.retrieve(id, prompt, 0, u64::from(outcome.hit_chunks));
+    }
+    reader.client.end().unwrap();
+    daemon.eventually("the last reader's shares returned", |s| {
+        s.l1_leased_chunks == 0 && s.open_lookups == 0
+    });
+    let log = daemon.log();
+    assert!(!log.contains("panicked"), "the daemon panicked:\n{log}");
+    eprintln!(
+        "soak: {hits} hit chunks ({below} below L1), {verified} verified, {abandoned} sessions \
+         abandoned, {clears} clears, {left} chunks left and verified"
+    );
+}
