@@ -908,13 +908,24 @@ impl StorageManager {
     }
 
     /// Chunks whose shares the lookup holds: its hit's chunks once complete (every group's),
-    /// every chunk asked for while it prefetches; `None` when the lookup is not open.
+    /// every chunk asked for while it prefetches; `None` when the lookup is not open. Past its
+    /// deadline a complete lookup holds nothing, though the maintenance tick has yet to forget
+    /// it: chunks under an expired lease count for nothing, nor do those held below L1 once
+    /// their time to live is over.
     pub fn held_chunks(&self, id: LookupId) -> Option<usize> {
         let lookups = self.inner.lookups.lock();
         let lookup = lookups.get(&id)?;
         Some(match &lookup.stage {
-            Stage::Done { covered, below, .. } => {
-                covered.len() + below.as_ref().map_or(0, |b| b.len())
+            Stage::Done { covered, below, expires, .. } => {
+                let leases: HashSet<LeaseId> = covered.values().copied().collect();
+                let live: HashSet<LeaseId> =
+                    leases.into_iter().filter(|lease| self.inner.l1.lease_live(*lease)).collect();
+                let in_l1 = covered.values().filter(|lease| live.contains(lease)).count();
+                let below_l1 = match below {
+                    Some(below) if self.inner.clock.now() < *expires => below.len(),
+                    _ => 0,
+                };
+                in_l1 + below_l1
             }
             Stage::Prefetching(_) => lookup.request.groups.iter().map(|g| g.keys.len()).sum(),
             Stage::Failed(_) => 0,

@@ -416,6 +416,37 @@ fn h16_15_a_complete_lookup_whose_leases_all_expired_is_forgotten() {
 }
 
 #[test]
+fn h16_15_a_lookup_past_its_deadline_holds_nothing_before_the_tick_forgets_it() {
+    // No maintenance tick during the test: only the deadline can make the lookups hold nothing.
+    let l2 = Arc::new(FakeTier::new("l2", 64, CHUNK));
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![l2.clone()];
+    let clock = Arc::new(ManualClock::new());
+    let config = StorageConfig {
+        l1: L1Config { lease_ttl: Duration::from_secs(30), ..l1_config(8) },
+        maintenance_interval: Duration::from_secs(3600),
+        store_policy: StorePolicy::WriteThrough,
+        ..StorageConfig::new(l1_config(8))
+    };
+    let s = StorageManager::start_with_tiers(config, clock.clone(), tiers).unwrap();
+    write(&s, &keys(0..2));
+    until("the copy shares are back", || keys(0..2).iter().all(|k| shares(&s, k) == 0));
+    let in_l1 = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
+    assert_eq!(s.wait(in_l1, WAIT).unwrap().hit_chunks, 2);
+    for k in keys(10..13) {
+        l2.insert(k, payload(&k, CHUNK));
+    }
+    let mut request = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout(), keys(10..13));
+    request.max_promoted = 0;
+    let below = s.submit_lookup(request).unwrap();
+    assert_eq!(s.wait(below, WAIT).unwrap().hit_chunks, 3);
+    assert_eq!((s.held_chunks(in_l1), s.held_chunks(below)), (Some(2), Some(3)));
+    // Past the deadline both are still open (the tick has not run), and hold nothing: a
+    // session's allowance does not count them.
+    clock.advance(Duration::from_secs(31));
+    assert_eq!((s.held_chunks(in_l1), s.held_chunks(below)), (Some(0), Some(0)));
+}
+
+#[test]
 fn h16_16_a_hit_held_below_l1_that_nobody_asks_for_returns_its_tier_locks_at_its_deadline() {
     let (s, l2, clock) = lookup_rig(8);
     for k in keys(0..3) {
