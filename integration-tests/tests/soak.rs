@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tierkv_client::payload::{SHARED_TAG, chunk_id, fill, holds};
-use tierkv_client::proto::{ChunkBlocks, ChunkId, Hello, LookupOutcome};
-use tierkv_client::{Client, SharedBuffer};
+use tierkv_client::proto::{ChunkBlocks, ChunkId, ErrorCode, Hello, LookupOutcome};
+use tierkv_client::{Client, ClientError, SharedBuffer};
 use tierkv_integration_tests::{Daemon, small_config};
 
 /// One chunk a slot: L1 holds 64 chunks, L2 128 and the disk 512 (`small_config`).
@@ -25,6 +25,8 @@ const PROMPTS: u64 = 40;
 /// Operations of each plain session.
 const OPERATIONS: usize = 150;
 const TOKEN: &str = "soak-admin-secret";
+/// A pause longer than the 100 ms leases of the expiring daemon.
+const PAST_THE_LEASE: Duration = Duration::from_millis(150);
 
 /// A small deterministic generator (xorshift), one per thread.
 struct Rng(u64);
@@ -45,6 +47,10 @@ struct Seen {
     below_l1_chunks: AtomicU64,
     verified_chunks: AtomicU64,
     abandoned: AtomicU64,
+    /// Calls on lookups refused because their leases expired.
+    expired: AtomicU64,
+    /// Lookups refused while a dead rank's share was still out.
+    refused: AtomicU64,
 }
 
 impl Seen {
@@ -52,6 +58,14 @@ impl Seen {
         self.hit_chunks.fetch_add(u64::from(outcome.hit_chunks), Ordering::Relaxed);
         let below: u32 = outcome.per_tier.iter().skip(1).sum();
         self.below_l1_chunks.fetch_add(u64::from(below), Ordering::Relaxed);
+    }
+
+    /// Counts a retrieve's checked chunks, or its refusal for an expired lookup.
+    fn read(&self, checked: Option<u64>) {
+        match checked {
+            Some(chunks) => self.verified_chunks.fetch_add(chunks, Ordering::Relaxed),
+            None => self.expired.fetch_add(1, Ordering::Relaxed),
+        };
     }
 }
 
@@ -61,14 +75,43 @@ struct Session {
     client: Client,
     buffer: SharedBuffer,
     tag: u64,
+    /// Whether the daemon's leases expire under the session's feet (`l1.lease_ttl` shorter
+    /// than its pauses): a lookup's later calls may then be refused, never served wrong bytes.
+    expiring: bool,
 }
 
 impl Session {
-    fn open(daemon: &Daemon, hello: Hello, tag: u64) -> Session {
+    fn open(daemon: &Daemon, hello: Hello, tag: u64, expiring: bool) -> Session {
         let mut client = Client::connect_unix(&daemon.socket, hello).unwrap();
         let buffer = SharedBuffer::new(CHUNK, LONGEST).unwrap();
         assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
-        Session { client, buffer, tag }
+        Session { client, buffer, tag, expiring }
+    }
+
+    /// `Some` with what a call on a lookup returned; `None` if it was refused because the
+    /// lookup's leases expired, which only a session of a daemon with short leases accepts.
+    fn unless_expired<T>(&self, result: Result<T, ClientError>) -> Option<T> {
+        let expired = |code| {
+            matches!(
+                code,
+                Some(
+                    ErrorCode::UnknownLookup
+                        | ErrorCode::ShareReturned
+                        | ErrorCode::NotInHit
+                        | ErrorCode::Timeout
+                )
+            )
+        };
+        match result {
+            Ok(value) => Some(value),
+            Err(e) if self.expiring && expired(e.code()) => None,
+            Err(e) => panic!("a call on a lookup failed: {e}"),
+        }
+    }
+
+    fn release(&mut self, id: u64) {
+        let released = self.client.release(id);
+        self.unless_expired(released);
     }
 
     fn store(&mut self, prompt: u64, n: u64) {
@@ -82,8 +125,18 @@ impl Session {
 
     /// Looks up `n` chunks of `prompt` and waits for the outcome, by `wait` or by polling.
     fn lookup(&mut self, prompt: u64, n: u64, poll: bool) -> (u64, LookupOutcome) {
+        self.try_lookup(prompt, n, poll).unwrap()
+    }
+
+    /// [`Session::lookup`], or the refusal of the lookup itself.
+    fn try_lookup(
+        &mut self,
+        prompt: u64,
+        n: u64,
+        poll: bool,
+    ) -> Result<(u64, LookupOutcome), ClientError> {
         let ids: Vec<ChunkId> = (0..n).map(|i| chunk_id(prompt, i)).collect();
-        let started = self.client.lookup(0, ids).unwrap();
+        let started = self.client.lookup(0, ids)?;
         let outcome = match started.outcome {
             Some(outcome) => outcome,
             None if poll => loop {
@@ -96,17 +149,19 @@ impl Session {
         };
         assert_eq!(outcome.per_tier.iter().sum::<u32>(), outcome.hit_chunks);
         assert!(u64::from(outcome.hit_chunks) <= n);
-        (started.id, outcome)
+        Ok((started.id, outcome))
     }
 
     /// Retrieves chunks `from..to` of `prompt` (part of lookup `id`'s hit) into blocks
-    /// `from..to` and checks every byte; returns the chunks checked.
-    fn retrieve(&mut self, id: u64, prompt: u64, from: u64, to: u64) -> u64 {
+    /// `from..to` and checks every byte; returns the chunks checked, `None` if the lookup
+    /// expired ([`Session::unless_expired`]).
+    fn retrieve(&mut self, id: u64, prompt: u64, from: u64, to: u64) -> Option<u64> {
         let refs = chunks(prompt, from, to);
         for r in &refs {
             self.buffer.block_mut(r.blocks[0]).unwrap().fill(0);
         }
-        self.client.retrieve(id, 0, refs.clone()).unwrap();
+        let retrieved = self.client.retrieve(id, 0, refs.clone());
+        self.unless_expired(retrieved)?;
         for r in &refs {
             let block = self.buffer.block(r.blocks[0]).unwrap();
             assert!(
@@ -116,7 +171,7 @@ impl Session {
                 r.chunk
             );
         }
-        refs.len() as u64
+        Some(refs.len() as u64)
     }
 }
 
@@ -140,9 +195,11 @@ fn mla_hello(rank: u16) -> Hello {
 }
 
 /// One plain session's random operations; a session that vanishes is replaced by a new one.
-fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen) {
+/// With `expiring` leases, one lookup in six pauses past the lease time to live before it is
+/// read.
+fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
     let mut rng = Rng(seed);
-    let mut session = Session::open(daemon, plain_hello(), 0);
+    let mut session = Session::open(daemon, plain_hello(), 0, expiring);
     for _ in 0..OPERATIONS {
         let prompt = rng.below(PROMPTS);
         let n = 1 + rng.below(LONGEST);
@@ -153,27 +210,26 @@ fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen) {
         let (id, outcome) = session.lookup(prompt, n, rng.below(4) == 0);
         seen.hit(&outcome);
         let hit = u64::from(outcome.hit_chunks);
+        if expiring && rng.below(6) == 0 {
+            std::thread::sleep(PAST_THE_LEASE);
+        }
         match rng.below(10) {
             // The whole hit.
-            0..=4 => {
-                let checked = session.retrieve(id, prompt, 0, hit);
-                seen.verified_chunks.fetch_add(checked, Ordering::Relaxed);
-            }
+            0..=4 => seen.read(session.retrieve(id, prompt, 0, hit)),
             // The engine already had the first chunks: the rest of the hit only.
             5 | 6 => {
                 let from = rng.below(hit + 1);
-                let checked = session.retrieve(id, prompt, from, hit);
-                seen.verified_chunks.fetch_add(checked, Ordering::Relaxed);
+                seen.read(session.retrieve(id, prompt, from, hit));
             }
-            7 => session.client.release(id).unwrap(),
+            7 => session.release(id),
             // Nothing wanted: an empty retrieve returns the share.
-            8 => assert_eq!(session.retrieve(id, prompt, 0, 0), 0),
+            8 => seen.read(session.retrieve(id, prompt, 0, 0)),
             // The session vanishes holding its lookup (no end_session): the daemon must give
             // its shares back by itself.
             _ => {
                 drop(session);
                 seen.abandoned.fetch_add(1, Ordering::Relaxed);
-                session = Session::open(daemon, plain_hello(), 0);
+                session = Session::open(daemon, plain_hello(), 0, expiring);
             }
         }
         // Then store what the request computed past its hit, as an engine does.
@@ -186,44 +242,51 @@ fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen) {
 
 /// An MLA TP group of two: rank 0 stores and looks up, rank 1 joins its lookups by id; either
 /// may read, release, or die holding its share.
-fn mla_group(daemon: &Daemon, seed: u64, seen: &Seen) {
+fn mla_group(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
     let mut rng = Rng(seed);
-    let mut ranks = [
-        Session::open(daemon, mla_hello(0), SHARED_TAG),
-        Session::open(daemon, mla_hello(1), SHARED_TAG),
-    ];
+    let open = |rank| Session::open(daemon, mla_hello(rank), SHARED_TAG, expiring);
+    let mut ranks = [open(0), open(1)];
+    let mut died = false;
     for _ in 0..OPERATIONS / 2 {
         let prompt = rng.below(PROMPTS);
         let n = 1 + rng.below(LONGEST);
         ranks[0].store(prompt, n);
-        let (id, outcome) = ranks[0].lookup(prompt, n, false);
+        let (id, outcome) = match ranks[0].try_lookup(prompt, n, false) {
+            Ok(found) => found,
+            // A dead rank's share comes back once the daemon has seen its connection close, a
+            // moment after: until then its lookup's leases count against rank 0's allowance,
+            // and a lookup past that allowance is refused (the engine recomputes).
+            Err(e) if died && e.code() == Some(ErrorCode::LeaseLimit) => {
+                seen.refused.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            Err(e) => panic!("rank 0's lookup failed: {e}"),
+        };
+        died = false;
         seen.hit(&outcome);
         assert_eq!(outcome.readers, 2, "one share for each rank of the group");
         let hit = u64::from(outcome.hit_chunks);
         // Rank 1 learns of the lookup as an engine's other ranks do, and joins it.
-        let joined = ranks[1].client.wait(id, Duration::from_secs(30)).unwrap();
-        assert_eq!(joined.hit_chunks, outcome.hit_chunks);
+        let joined = ranks[1].client.wait(id, Duration::from_secs(30));
+        if let Some(joined) = ranks[1].unless_expired(joined) {
+            assert_eq!(joined.hit_chunks, outcome.hit_chunks);
+        }
         for rank in 0..2 {
             match rng.below(6) {
-                0..=3 => {
-                    let checked = ranks[rank].retrieve(id, prompt, 0, hit);
-                    seen.verified_chunks.fetch_add(checked, Ordering::Relaxed);
-                }
+                0..=3 => seen.read(ranks[rank].retrieve(id, prompt, 0, hit)),
                 4 if rank == 1 => {
                     // Rank 1 dies after joining: its share comes back with its session.
-                    let hello = mla_hello(1);
-                    let dead =
-                        std::mem::replace(&mut ranks[1], Session::open(daemon, hello, SHARED_TAG));
-                    drop(dead);
+                    drop(std::mem::replace(&mut ranks[1], open(1)));
                     seen.abandoned.fetch_add(1, Ordering::Relaxed);
+                    died = true;
                 }
                 _ => {
                     if rank == 0 {
                         // The owner gives up on the whole lookup: every share returns.
-                        ranks[0].client.release(id).unwrap();
+                        ranks[0].release(id);
                         break;
                     }
-                    assert_eq!(ranks[rank].retrieve(id, prompt, 0, 0), 0);
+                    seen.read(ranks[rank].retrieve(id, prompt, 0, 0));
                 }
             }
         }
@@ -263,25 +326,37 @@ fn daemon(config: impl FnOnce(String) -> String) -> Daemon {
 
 #[test]
 fn many_sessions_through_the_cascade_are_served_exact_bytes_and_hold_nothing_once_gone() {
-    soak(&daemon(|config| config));
+    soak(&daemon(|config| config), false);
 }
 
 #[test]
 fn many_sessions_without_an_l2_are_served_exact_bytes_and_hold_nothing_once_gone() {
     // L1's victims go straight to a disk that frees one chunk at a time (the default segment).
-    soak(&daemon(|config| {
+    let no_l2 = |config: String| {
         config.replace("[l2]\n", "[l2]\nenabled = false\n").replace("segment = \"4MiB\"\n", "")
-    }));
+    };
+    soak(&daemon(no_l2), false);
 }
 
 #[test]
 fn many_sessions_writing_through_are_served_exact_bytes_and_hold_nothing_once_gone() {
-    soak(&daemon(|config| format!("{config}\n[storage]\nstore_policy = \"write_through\"\n")));
+    soak(
+        &daemon(|config| format!("{config}\n[storage]\nstore_policy = \"write_through\"\n")),
+        false,
+    );
+}
+
+#[test]
+fn many_sessions_whose_leases_expire_are_refused_never_served_wrong_bytes() {
+    let short = |config: String| config.replace("lease_ttl = \"30s\"", "lease_ttl = \"100ms\"");
+    let seen = soak(&daemon(short), true);
+    assert!(seen.expired.load(Ordering::Relaxed) > 0, "no lookup expired: the test tests nothing");
 }
 
 /// Runs four plain sessions, an MLA group of two and a clearing admin at once on `daemon`,
-/// then checks that nothing is held and that what is left reads back exact.
-fn soak(daemon: &Daemon) {
+/// then checks that nothing is held and that what is left reads back exact. `expiring`: the
+/// daemon's leases are shorter than the sessions' pauses.
+fn soak(daemon: &Daemon, expiring: bool) -> Seen {
     let seen = Seen::default();
     let done = AtomicBool::new(false);
     let clears = std::thread::scope(|scope| {
@@ -289,9 +364,11 @@ fn soak(daemon: &Daemon) {
         let workers: Vec<_> = (0..4u64)
             .map(|i| {
                 let seen = &seen;
-                scope.spawn(move || plain_worker(daemon, 0x9E37_79B9_7F4A_7C15 ^ (i + 1), seen))
+                scope.spawn(move || {
+                    plain_worker(daemon, 0x9E37_79B9_7F4A_7C15 ^ (i + 1), seen, expiring)
+                })
             })
-            .chain(std::iter::once(scope.spawn(|| mla_group(daemon, 0x2545_F491, &seen))))
+            .chain(std::iter::once(scope.spawn(|| mla_group(daemon, 0x2545_F491, &seen, expiring))))
             .collect();
         let failed = workers.into_iter().map(|worker| worker.join()).filter(Result::is_err).count();
         // Told even when a session failed, so that the test ends with its failure.
@@ -324,11 +401,11 @@ fn soak(daemon: &Daemon) {
     assert!(verified > 0);
 
     // What is left in the tiers is still every chunk's own bytes, wherever it lies.
-    let mut reader = Session::open(daemon, plain_hello(), 0);
+    let mut reader = Session::open(daemon, plain_hello(), 0, false);
     let mut left = 0;
     for prompt in 0..PROMPTS {
         let (id, outcome) = reader.lookup(prompt, LONGEST, false);
-        left += reader.retrieve(id, prompt, 0, u64::from(outcome.hit_chunks));
+        left += reader.retrieve(id, prompt, 0, u64::from(outcome.hit_chunks)).unwrap_or(0);
     }
     reader.client.end().unwrap();
     daemon.eventually("the last reader's shares returned", |s| {
@@ -337,7 +414,9 @@ fn soak(daemon: &Daemon) {
     let log = daemon.log();
     assert!(!log.contains("panicked"), "the daemon panicked:\n{log}");
     eprintln!(
-        "soak: {hits} hit chunks ({below} below L1), {verified} verified, {abandoned} sessions \
-         abandoned, {clears} clears, {left} chunks left and verified"
+        "soak: {hits} hit chunks ({below} below L1), {verified} verified, {} expired, \
+         {abandoned} sessions abandoned, {clears} clears, {left} chunks left and verified",
+        seen.expired.load(Ordering::Relaxed)
     );
+    seen
 }
