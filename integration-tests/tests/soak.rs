@@ -2,14 +2,17 @@
 //! stores, lookups, retrieves of all or part of a hit, releases, sessions that vanish holding
 //! shares, MLA readers that join a lookup and die, and an admin clearing every tier, all
 //! interleaved while chunks move between the tiers: L1's victims cascading through L2 to the
-//! disk, going straight to the disk without an L2, or written through to it. Every byte served
-//! is checked, and once every session is gone nothing is held: no share, no open lookup, no
-//! store copy.
+//! disk, going straight to the disk without an L2, or written through to it; then sessions whose
+//! leases expire under them, and sessions whose daemon crashes or stops under them and comes
+//! back. Every byte served is checked, and once every session is gone nothing is held: no share,
+//! no open lookup, no store copy.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
+use std::time::Instant;
 
 use tierkv_client::payload::{SHARED_TAG, chunk_id, fill, holds};
 use tierkv_client::proto::{ChunkBlocks, ChunkId, ErrorCode, Hello, LookupOutcome};
@@ -51,6 +54,8 @@ struct Seen {
     expired: AtomicU64,
     /// Lookups refused while a dead rank's share was still out.
     refused: AtomicU64,
+    /// Sessions that lost their daemon and connected again.
+    reconnected: AtomicU64,
 }
 
 impl Seen {
@@ -82,10 +87,22 @@ struct Session {
 
 impl Session {
     fn open(daemon: &Daemon, hello: Hello, tag: u64, expiring: bool) -> Session {
-        let mut client = Client::connect_unix(&daemon.socket, hello).unwrap();
-        let buffer = SharedBuffer::new(CHUNK, LONGEST).unwrap();
-        assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
-        Session { client, buffer, tag, expiring }
+        Session::connect(&daemon.socket, hello, tag, expiring).unwrap()
+    }
+
+    /// [`Session::open`] on `socket`, or why the daemon could not be reached.
+    fn connect(
+        socket: &Path,
+        hello: Hello,
+        tag: u64,
+        expiring: bool,
+    ) -> Result<Session, ClientError> {
+        let mut client = Client::connect_unix(socket, hello)?;
+        // A daemon that stops answering fails the test instead of hanging it.
+        client.set_timeout(Some(Duration::from_secs(20)))?;
+        let buffer = SharedBuffer::new(CHUNK, LONGEST)?;
+        assert_eq!(client.register_buffer(&buffer)?, 0);
+        Ok(Session { client, buffer, tag, expiring })
     }
 
     /// `Some` with what a call on a lookup returned; `None` if it was refused because the
@@ -115,12 +132,18 @@ impl Session {
     }
 
     fn store(&mut self, prompt: u64, n: u64) {
+        self.try_store(prompt, n).unwrap();
+    }
+
+    /// [`Session::store`], or why the store failed.
+    fn try_store(&mut self, prompt: u64, n: u64) -> Result<(), ClientError> {
         let refs = chunks(prompt, 0, n);
         for r in &refs {
             fill(self.buffer.block_mut(r.blocks[0]).unwrap(), r.chunk, self.tag);
         }
-        let stored = self.client.store(0, 0, refs).unwrap();
+        let stored = self.client.store(0, 0, refs)?;
         assert!(stored.stored + stored.present + stored.refused.len() as u32 <= n as u32);
+        Ok(())
     }
 
     /// Looks up `n` chunks of `prompt` and waits for the outcome, by `wait` or by polling.
@@ -140,12 +163,12 @@ impl Session {
         let outcome = match started.outcome {
             Some(outcome) => outcome,
             None if poll => loop {
-                if let Some(outcome) = self.client.query(started.id).unwrap() {
+                if let Some(outcome) = self.client.query(started.id)? {
                     break outcome;
                 }
                 std::thread::sleep(Duration::from_micros(200));
             },
-            None => self.client.wait(started.id, Duration::from_secs(30)).unwrap(),
+            None => self.client.wait(started.id, Duration::from_secs(30))?,
         };
         assert_eq!(outcome.per_tier.iter().sum::<u32>(), outcome.hit_chunks);
         assert!(u64::from(outcome.hit_chunks) <= n);
@@ -156,12 +179,24 @@ impl Session {
     /// `from..to` and checks every byte; returns the chunks checked, `None` if the lookup
     /// expired ([`Session::unless_expired`]).
     fn retrieve(&mut self, id: u64, prompt: u64, from: u64, to: u64) -> Option<u64> {
+        let retrieved = self.try_retrieve(id, prompt, from, to);
+        self.unless_expired(retrieved)
+    }
+
+    /// [`Session::retrieve`], or why the retrieve failed (the blocks are then not checked: an
+    /// engine recomputes them).
+    fn try_retrieve(
+        &mut self,
+        id: u64,
+        prompt: u64,
+        from: u64,
+        to: u64,
+    ) -> Result<u64, ClientError> {
         let refs = chunks(prompt, from, to);
         for r in &refs {
             self.buffer.block_mut(r.blocks[0]).unwrap().fill(0);
         }
-        let retrieved = self.client.retrieve(id, 0, refs.clone());
-        self.unless_expired(retrieved)?;
+        self.client.retrieve(id, 0, refs.clone())?;
         for r in &refs {
             let block = self.buffer.block(r.blocks[0]).unwrap();
             assert!(
@@ -171,7 +206,7 @@ impl Session {
                 r.chunk
             );
         }
-        Some(refs.len() as u64)
+        Ok(refs.len() as u64)
     }
 }
 
@@ -314,6 +349,62 @@ fn admin(daemon: &Daemon, done: &AtomicBool) -> u32 {
     clears
 }
 
+/// One session's stores and whole-hit reads until `stop`, across crashes of the daemon: a call
+/// that loses the connection drops the session (and the lookup it was reading: its blocks are
+/// recomputed), and the session connects again once the daemon is back.
+fn crash_worker(socket: &Path, seed: u64, stop: &AtomicBool, seen: &Seen) {
+    let mut rng = Rng(seed);
+    let mut session: Option<Session> = None;
+    while !stop.load(Ordering::Relaxed) {
+        let Some(current) = session.as_mut() else {
+            session = reconnect(socket);
+            continue;
+        };
+        let prompt = rng.below(PROMPTS);
+        let n = 1 + rng.below(LONGEST);
+        let done = if rng.below(3) == 0 {
+            current.try_store(prompt, n)
+        } else {
+            current.try_lookup(prompt, n, false).and_then(|(id, outcome)| {
+                seen.hit(&outcome);
+                let hit = u64::from(outcome.hit_chunks);
+                current.try_retrieve(id, prompt, 0, hit).map(|checked| seen.read(Some(checked)))
+            })
+        };
+        match done {
+            Ok(()) => {}
+            // A daemon stopping cleanly refuses what comes after the signal; nothing else in
+            // this test should make it refuse.
+            Err(e) if e.code().is_some_and(|code| code != ErrorCode::Stopped) => {
+                panic!("the daemon refused a call: {e}")
+            }
+            // The connection is gone with the daemon.
+            Err(_) => {
+                session = None;
+                seen.reconnected.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    if let Some(session) = session {
+        session.client.end().unwrap();
+    }
+}
+
+/// A new session once the daemon answers again; `None` while it does not, for 30 s at most.
+fn reconnect(socket: &Path) -> Option<Session> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match Session::connect(socket, plain_hello(), 0, false) {
+            Ok(session) => return Some(session),
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("the daemon did not come back within 30 s: {e}"),
+        }
+    }
+}
+
 /// A daemon of `small_config` (L2 and disk segments of 64 chunks unless `config` changes
 /// them), with the admin token and no fsync.
 fn daemon(config: impl FnOnce(String) -> String) -> Daemon {
@@ -351,6 +442,63 @@ fn many_sessions_whose_leases_expire_are_refused_never_served_wrong_bytes() {
     let short = |config: String| config.replace("lease_ttl = \"30s\"", "lease_ttl = \"100ms\"");
     let seen = soak(&daemon(short), true);
     assert!(seen.expired.load(Ordering::Relaxed) > 0, "no lookup expired: the test tests nothing");
+}
+
+#[test]
+fn sessions_across_a_crash_connect_again_and_are_never_served_wrong_bytes() {
+    across_a_restart(|daemon| daemon.kill());
+}
+
+#[test]
+fn sessions_across_a_clean_stop_connect_again_and_are_never_served_wrong_bytes() {
+    across_a_restart(|daemon| {
+        assert!(daemon.stop().success(), "SIGTERM must end the daemon with 0")
+    });
+}
+
+/// Three sessions store and read while the daemon goes down under them (`down`) and comes back
+/// on the same directory: each connects again, nothing wrong is ever served, nothing is held
+/// once they are gone, and what the daemon kept reads back exact.
+fn across_a_restart(down: impl FnOnce(&mut Daemon)) {
+    let mut daemon = daemon(|config| config);
+    let socket = daemon.socket.clone();
+    let (stop, seen) = (AtomicBool::new(false), Seen::default());
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..3u64)
+            .map(|i| {
+                let (socket, stop, seen) = (&socket, &stop, &seen);
+                scope.spawn(move || crash_worker(socket, 0x5DEE_CE66 ^ (i + 1), stop, seen))
+            })
+            .collect();
+        // Work, the daemon down under the sessions' feet (a crash flushes nothing and leaves
+        // the socket file behind), the same daemon back on its directory, work again.
+        std::thread::sleep(Duration::from_millis(800));
+        down(&mut daemon);
+        std::thread::sleep(Duration::from_millis(200));
+        daemon.restart();
+        std::thread::sleep(Duration::from_millis(800));
+        stop.store(true, Ordering::Relaxed);
+        let failed = workers.into_iter().map(|worker| worker.join()).filter(Result::is_err).count();
+        assert_eq!(failed, 0, "a session's thread failed (its panic is above)");
+    });
+    let reconnected = seen.reconnected.load(Ordering::Relaxed);
+    assert!(reconnected > 0, "no session saw the daemon go: the test tests nothing");
+    daemon.eventually("nothing held once every session is gone", |s| {
+        s.l1_leased_chunks == 0 && s.open_lookups == 0 && s.connected_workers == 0
+    });
+    // What the restarted daemon recovered from its disk, and what came after, reads back exact.
+    let mut reader = Session::open(&daemon, plain_hello(), 0, false);
+    for prompt in 0..PROMPTS {
+        let (id, outcome) = reader.lookup(prompt, LONGEST, false);
+        reader.retrieve(id, prompt, 0, u64::from(outcome.hit_chunks));
+    }
+    reader.client.end().unwrap();
+    let log = daemon.log();
+    assert!(!log.contains("panicked"), "the daemon panicked:\n{log}");
+    eprintln!(
+        "restart: {} verified, {reconnected} sessions connected again",
+        seen.verified_chunks.load(Ordering::Relaxed)
+    );
 }
 
 /// Runs four plain sessions, an MLA group of two and a clearing admin at once on `daemon`,
