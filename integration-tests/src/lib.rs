@@ -156,6 +156,17 @@ fsync = "always"
     )
 }
 
+/// The `[remote]` section of a node whose remote tier is the Redis Cluster at `urls`, its keys
+/// under `prefix`, with the short timeouts of a test.
+pub fn remote_section(urls: &[String], prefix: &str) -> String {
+    let urls: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    format!(
+        "\n[remote]\nenabled = true\nurls = [{}]\nkey_prefix = \"{prefix}\"\n\
+         op_timeout = \"500ms\"\nconnect_timeout = \"500ms\"\nreconnect_interval = \"200ms\"\n",
+        urls.join(", ")
+    )
+}
+
 impl Daemon {
     /// Starts a daemon on `config` (the text of its TOML file, written into a fresh directory;
     /// `{dir}` in it is replaced by that directory).

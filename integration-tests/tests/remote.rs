@@ -12,17 +12,12 @@
 use std::time::Duration;
 
 use serde_json::json;
-use tierkv_integration_tests::{Daemon, small_config};
+use tierkv_integration_tests::{Daemon, remote_section, small_config};
 use tierkv_testkit::redis::RedisCluster;
 use tierkv_testkit::require_redis;
 
 fn node(cluster: &RedisCluster, prefix: &str) -> Daemon {
-    let urls: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
-    let remote = format!(
-        "\n[remote]\nenabled = true\nurls = [{}]\nkey_prefix = \"{prefix}\"\n\
-         op_timeout = \"500ms\"\nconnect_timeout = \"500ms\"\nreconnect_interval = \"200ms\"\n",
-        urls.join(", ")
-    );
+    let remote = remote_section(&cluster.urls(), prefix);
     Daemon::start_with(|dir| small_config(dir, None, &remote))
 }
 

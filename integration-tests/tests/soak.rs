@@ -3,9 +3,10 @@
 //! shares, MLA readers that join a lookup and die, and an admin clearing every tier, all
 //! interleaved while chunks move between the tiers: L1's victims cascading through L2 to the
 //! disk, going straight to the disk without an L2, or written through to it; then sessions whose
-//! leases expire under them, and sessions whose daemon crashes or stops under them and comes
-//! back. Every byte served is checked, and once every session is gone nothing is held: no share,
-//! no open lookup, no store copy.
+//! leases expire under them, sessions whose daemon crashes or stops under them and comes back,
+//! and two nodes sharing a Redis Cluster as their remote tier while one of its masters hangs.
+//! Every byte served is checked, and once every session is gone nothing is held: no share, no
+//! open lookup, no store copy.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
@@ -17,7 +18,9 @@ use std::time::Instant;
 use tierkv_client::payload::{SHARED_TAG, chunk_id, fill, holds};
 use tierkv_client::proto::{ChunkBlocks, ChunkId, ErrorCode, Hello, LookupOutcome};
 use tierkv_client::{Client, ClientError, SharedBuffer};
-use tierkv_integration_tests::{Daemon, small_config};
+use tierkv_integration_tests::{Daemon, remote_section, small_config};
+use tierkv_testkit::redis::RedisCluster;
+use tierkv_testkit::require_redis;
 
 /// One chunk a slot: L1 holds 64 chunks, L2 128 and the disk 512 (`small_config`).
 const CHUNK: u64 = 65536;
@@ -30,6 +33,34 @@ const OPERATIONS: usize = 150;
 const TOKEN: &str = "soak-admin-secret";
 /// A pause longer than the 100 ms leases of the expiring daemon.
 const PAST_THE_LEASE: Duration = Duration::from_millis(150);
+
+/// What the daemon under test may do to the calls on a lookup once it is made.
+#[derive(Clone, Copy)]
+struct Mode {
+    /// Whether sessions pause past the lease time to live before reading one lookup in six.
+    pauses: bool,
+    /// The codes a call on a made lookup may be refused with (the engine then recomputes);
+    /// any other refusal fails the test.
+    accepted: &'static [ErrorCode],
+}
+
+/// Nothing refuses a read.
+const STRICT: Mode = Mode { pauses: false, accepted: &[] };
+
+/// Leases shorter than the sessions' pauses: a read may find its lookup expired.
+const EXPIRING: Mode = Mode {
+    pauses: true,
+    accepted: &[
+        ErrorCode::UnknownLookup,
+        ErrorCode::ShareReturned,
+        ErrorCode::NotInHit,
+        ErrorCode::Timeout,
+    ],
+};
+
+/// A tier below L1 that fails or hangs under a read of the hit it holds.
+const FAILING_TIER: Mode =
+    Mode { pauses: false, accepted: &[ErrorCode::Internal, ErrorCode::Timeout] };
 
 /// A small deterministic generator (xorshift), one per thread.
 struct Rng(u64);
@@ -50,10 +81,12 @@ struct Seen {
     below_l1_chunks: AtomicU64,
     verified_chunks: AtomicU64,
     abandoned: AtomicU64,
-    /// Calls on lookups refused because their leases expired.
-    expired: AtomicU64,
+    /// Hit chunks the remote tier served.
+    remote_chunks: AtomicU64,
+    /// Calls on made lookups refused with a code the run's [`Mode`] accepts.
+    reads_refused: AtomicU64,
     /// Lookups refused while a dead rank's share was still out.
-    refused: AtomicU64,
+    lookups_refused: AtomicU64,
     /// Sessions that lost their daemon and connected again.
     reconnected: AtomicU64,
 }
@@ -63,13 +96,15 @@ impl Seen {
         self.hit_chunks.fetch_add(u64::from(outcome.hit_chunks), Ordering::Relaxed);
         let below: u32 = outcome.per_tier.iter().skip(1).sum();
         self.below_l1_chunks.fetch_add(u64::from(below), Ordering::Relaxed);
+        let remote = outcome.per_tier.get(3).copied().unwrap_or(0);
+        self.remote_chunks.fetch_add(u64::from(remote), Ordering::Relaxed);
     }
 
-    /// Counts a retrieve's checked chunks, or its refusal for an expired lookup.
+    /// Counts a retrieve's checked chunks, or its refusal ([`Mode::accepted`]).
     fn read(&self, checked: Option<u64>) {
         match checked {
             Some(chunks) => self.verified_chunks.fetch_add(chunks, Ordering::Relaxed),
-            None => self.expired.fetch_add(1, Ordering::Relaxed),
+            None => self.reads_refused.fetch_add(1, Ordering::Relaxed),
         };
     }
 }
@@ -80,55 +115,38 @@ struct Session {
     client: Client,
     buffer: SharedBuffer,
     tag: u64,
-    /// Whether the daemon's leases expire under the session's feet (`l1.lease_ttl` shorter
-    /// than its pauses): a lookup's later calls may then be refused, never served wrong bytes.
-    expiring: bool,
+    /// The refusals its calls on a made lookup may meet: never wrong bytes.
+    mode: Mode,
 }
 
 impl Session {
-    fn open(daemon: &Daemon, hello: Hello, tag: u64, expiring: bool) -> Session {
-        Session::connect(&daemon.socket, hello, tag, expiring).unwrap()
+    fn open(daemon: &Daemon, hello: Hello, tag: u64, mode: Mode) -> Session {
+        Session::connect(&daemon.socket, hello, tag, mode).unwrap()
     }
 
     /// [`Session::open`] on `socket`, or why the daemon could not be reached.
-    fn connect(
-        socket: &Path,
-        hello: Hello,
-        tag: u64,
-        expiring: bool,
-    ) -> Result<Session, ClientError> {
+    fn connect(socket: &Path, hello: Hello, tag: u64, mode: Mode) -> Result<Session, ClientError> {
         let mut client = Client::connect_unix(socket, hello)?;
         // A daemon that stops answering fails the test instead of hanging it.
         client.set_timeout(Some(Duration::from_secs(20)))?;
         let buffer = SharedBuffer::new(CHUNK, LONGEST)?;
         assert_eq!(client.register_buffer(&buffer)?, 0);
-        Ok(Session { client, buffer, tag, expiring })
+        Ok(Session { client, buffer, tag, mode })
     }
 
-    /// `Some` with what a call on a lookup returned; `None` if it was refused because the
-    /// lookup's leases expired, which only a session of a daemon with short leases accepts.
-    fn unless_expired<T>(&self, result: Result<T, ClientError>) -> Option<T> {
-        let expired = |code| {
-            matches!(
-                code,
-                Some(
-                    ErrorCode::UnknownLookup
-                        | ErrorCode::ShareReturned
-                        | ErrorCode::NotInHit
-                        | ErrorCode::Timeout
-                )
-            )
-        };
+    /// `Some` with what a call on a lookup returned; `None` if it was refused with a code the
+    /// session's [`Mode`] accepts.
+    fn unless_refused<T>(&self, result: Result<T, ClientError>) -> Option<T> {
         match result {
             Ok(value) => Some(value),
-            Err(e) if self.expiring && expired(e.code()) => None,
+            Err(e) if e.code().is_some_and(|code| self.mode.accepted.contains(&code)) => None,
             Err(e) => panic!("a call on a lookup failed: {e}"),
         }
     }
 
     fn release(&mut self, id: u64) {
         let released = self.client.release(id);
-        self.unless_expired(released);
+        self.unless_refused(released);
     }
 
     fn store(&mut self, prompt: u64, n: u64) {
@@ -176,11 +194,11 @@ impl Session {
     }
 
     /// Retrieves chunks `from..to` of `prompt` (part of lookup `id`'s hit) into blocks
-    /// `from..to` and checks every byte; returns the chunks checked, `None` if the lookup
-    /// expired ([`Session::unless_expired`]).
+    /// `from..to` and checks every byte; returns the chunks checked, `None` if it was refused
+    /// ([`Session::unless_refused`]).
     fn retrieve(&mut self, id: u64, prompt: u64, from: u64, to: u64) -> Option<u64> {
         let retrieved = self.try_retrieve(id, prompt, from, to);
-        self.unless_expired(retrieved)
+        self.unless_refused(retrieved)
     }
 
     /// [`Session::retrieve`], or why the retrieve failed (the blocks are then not checked: an
@@ -230,11 +248,9 @@ fn mla_hello(rank: u16) -> Hello {
 }
 
 /// One plain session's random operations; a session that vanishes is replaced by a new one.
-/// With `expiring` leases, one lookup in six pauses past the lease time to live before it is
-/// read.
-fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
+fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen, mode: Mode) {
     let mut rng = Rng(seed);
-    let mut session = Session::open(daemon, plain_hello(), 0, expiring);
+    let mut session = Session::open(daemon, plain_hello(), 0, mode);
     for _ in 0..OPERATIONS {
         let prompt = rng.below(PROMPTS);
         let n = 1 + rng.below(LONGEST);
@@ -245,7 +261,7 @@ fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
         let (id, outcome) = session.lookup(prompt, n, rng.below(4) == 0);
         seen.hit(&outcome);
         let hit = u64::from(outcome.hit_chunks);
-        if expiring && rng.below(6) == 0 {
+        if mode.pauses && rng.below(6) == 0 {
             std::thread::sleep(PAST_THE_LEASE);
         }
         match rng.below(10) {
@@ -264,7 +280,7 @@ fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
             _ => {
                 drop(session);
                 seen.abandoned.fetch_add(1, Ordering::Relaxed);
-                session = Session::open(daemon, plain_hello(), 0, expiring);
+                session = Session::open(daemon, plain_hello(), 0, mode);
             }
         }
         // Then store what the request computed past its hit, as an engine does.
@@ -277,9 +293,9 @@ fn plain_worker(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
 
 /// An MLA TP group of two: rank 0 stores and looks up, rank 1 joins its lookups by id; either
 /// may read, release, or die holding its share.
-fn mla_group(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
+fn mla_group(daemon: &Daemon, seed: u64, seen: &Seen, mode: Mode) {
     let mut rng = Rng(seed);
-    let open = |rank| Session::open(daemon, mla_hello(rank), SHARED_TAG, expiring);
+    let open = |rank| Session::open(daemon, mla_hello(rank), SHARED_TAG, mode);
     let mut ranks = [open(0), open(1)];
     let mut died = false;
     for _ in 0..OPERATIONS / 2 {
@@ -292,7 +308,7 @@ fn mla_group(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
             // moment after: until then its lookup's leases count against rank 0's allowance,
             // and a lookup past that allowance is refused (the engine recomputes).
             Err(e) if died && e.code() == Some(ErrorCode::LeaseLimit) => {
-                seen.refused.fetch_add(1, Ordering::Relaxed);
+                seen.lookups_refused.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             Err(e) => panic!("rank 0's lookup failed: {e}"),
@@ -303,7 +319,7 @@ fn mla_group(daemon: &Daemon, seed: u64, seen: &Seen, expiring: bool) {
         let hit = u64::from(outcome.hit_chunks);
         // Rank 1 learns of the lookup as an engine's other ranks do, and joins it.
         let joined = ranks[1].client.wait(id, Duration::from_secs(30));
-        if let Some(joined) = ranks[1].unless_expired(joined) {
+        if let Some(joined) = ranks[1].unless_refused(joined) {
             assert_eq!(joined.hit_chunks, outcome.hit_chunks);
         }
         for rank in 0..2 {
@@ -394,7 +410,7 @@ fn crash_worker(socket: &Path, seed: u64, stop: &AtomicBool, seen: &Seen) {
 fn reconnect(socket: &Path) -> Option<Session> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match Session::connect(socket, plain_hello(), 0, false) {
+        match Session::connect(socket, plain_hello(), 0, STRICT) {
             Ok(session) => return Some(session),
             Err(e) if Instant::now() < deadline => {
                 let _ = e;
@@ -403,6 +419,22 @@ fn reconnect(socket: &Path) -> Option<Session> {
             Err(e) => panic!("the daemon did not come back within 30 s: {e}"),
         }
     }
+}
+
+/// Looks up every prompt whole on `daemon` and reads back the hit, checking every byte: what
+/// the tiers hold after a run is still each chunk's own bytes. Returns the chunks read, and
+/// checks that the daemon never panicked.
+fn read_back(daemon: &Daemon, mode: Mode) -> u64 {
+    let mut reader = Session::open(daemon, plain_hello(), 0, mode);
+    let mut read = 0;
+    for prompt in 0..PROMPTS {
+        let (id, outcome) = reader.lookup(prompt, LONGEST, false);
+        read += reader.retrieve(id, prompt, 0, u64::from(outcome.hit_chunks)).unwrap_or(0);
+    }
+    reader.client.end().unwrap();
+    let log = daemon.log();
+    assert!(!log.contains("panicked"), "the daemon panicked:\n{log}");
+    read
 }
 
 /// A daemon of `small_config` (L2 and disk segments of 64 chunks unless `config` changes
@@ -417,7 +449,7 @@ fn daemon(config: impl FnOnce(String) -> String) -> Daemon {
 
 #[test]
 fn many_sessions_through_the_cascade_are_served_exact_bytes_and_hold_nothing_once_gone() {
-    soak(&daemon(|config| config), false);
+    soak(&daemon(|config| config), STRICT);
 }
 
 #[test]
@@ -426,22 +458,23 @@ fn many_sessions_without_an_l2_are_served_exact_bytes_and_hold_nothing_once_gone
     let no_l2 = |config: String| {
         config.replace("[l2]\n", "[l2]\nenabled = false\n").replace("segment = \"4MiB\"\n", "")
     };
-    soak(&daemon(no_l2), false);
+    soak(&daemon(no_l2), STRICT);
 }
 
 #[test]
 fn many_sessions_writing_through_are_served_exact_bytes_and_hold_nothing_once_gone() {
     soak(
         &daemon(|config| format!("{config}\n[storage]\nstore_policy = \"write_through\"\n")),
-        false,
+        STRICT,
     );
 }
 
 #[test]
 fn many_sessions_whose_leases_expire_are_refused_never_served_wrong_bytes() {
     let short = |config: String| config.replace("lease_ttl = \"30s\"", "lease_ttl = \"100ms\"");
-    let seen = soak(&daemon(short), true);
-    assert!(seen.expired.load(Ordering::Relaxed) > 0, "no lookup expired: the test tests nothing");
+    let seen = soak(&daemon(short), EXPIRING);
+    let refused = seen.reads_refused.load(Ordering::Relaxed);
+    assert!(refused > 0, "no lookup expired: the test tests nothing");
 }
 
 #[test]
@@ -487,14 +520,7 @@ fn across_a_restart(down: impl FnOnce(&mut Daemon)) {
         s.l1_leased_chunks == 0 && s.open_lookups == 0 && s.connected_workers == 0
     });
     // What the restarted daemon recovered from its disk, and what came after, reads back exact.
-    let mut reader = Session::open(&daemon, plain_hello(), 0, false);
-    for prompt in 0..PROMPTS {
-        let (id, outcome) = reader.lookup(prompt, LONGEST, false);
-        reader.retrieve(id, prompt, 0, u64::from(outcome.hit_chunks));
-    }
-    reader.client.end().unwrap();
-    let log = daemon.log();
-    assert!(!log.contains("panicked"), "the daemon panicked:\n{log}");
+    read_back(&daemon, STRICT);
     eprintln!(
         "restart: {} verified, {reconnected} sessions connected again",
         seen.verified_chunks.load(Ordering::Relaxed)
@@ -502,9 +528,8 @@ fn across_a_restart(down: impl FnOnce(&mut Daemon)) {
 }
 
 /// Runs four plain sessions, an MLA group of two and a clearing admin at once on `daemon`,
-/// then checks that nothing is held and that what is left reads back exact. `expiring`: the
-/// daemon's leases are shorter than the sessions' pauses.
-fn soak(daemon: &Daemon, expiring: bool) -> Seen {
+/// then checks that nothing is held and that what is left reads back exact.
+fn soak(daemon: &Daemon, mode: Mode) -> Seen {
     let seen = Seen::default();
     let done = AtomicBool::new(false);
     let clears = std::thread::scope(|scope| {
@@ -513,10 +538,10 @@ fn soak(daemon: &Daemon, expiring: bool) -> Seen {
             .map(|i| {
                 let seen = &seen;
                 scope.spawn(move || {
-                    plain_worker(daemon, 0x9E37_79B9_7F4A_7C15 ^ (i + 1), seen, expiring)
+                    plain_worker(daemon, 0x9E37_79B9_7F4A_7C15 ^ (i + 1), seen, mode)
                 })
             })
-            .chain(std::iter::once(scope.spawn(|| mla_group(daemon, 0x2545_F491, &seen, expiring))))
+            .chain(std::iter::once(scope.spawn(|| mla_group(daemon, 0x2545_F491, &seen, mode))))
             .collect();
         let failed = workers.into_iter().map(|worker| worker.join()).filter(Result::is_err).count();
         // Told even when a session failed, so that the test ends with its failure.
@@ -549,22 +574,70 @@ fn soak(daemon: &Daemon, expiring: bool) -> Seen {
     assert!(verified > 0);
 
     // What is left in the tiers is still every chunk's own bytes, wherever it lies.
-    let mut reader = Session::open(daemon, plain_hello(), 0, false);
-    let mut left = 0;
-    for prompt in 0..PROMPTS {
-        let (id, outcome) = reader.lookup(prompt, LONGEST, false);
-        left += reader.retrieve(id, prompt, 0, u64::from(outcome.hit_chunks)).unwrap_or(0);
-    }
-    reader.client.end().unwrap();
+    let left = read_back(daemon, STRICT);
     daemon.eventually("the last reader's shares returned", |s| {
         s.l1_leased_chunks == 0 && s.open_lookups == 0
     });
-    let log = daemon.log();
-    assert!(!log.contains("panicked"), "the daemon panicked:\n{log}");
     eprintln!(
-        "soak: {hits} hit chunks ({below} below L1), {verified} verified, {} expired, \
+        "soak: {hits} hit chunks ({below} below L1), {verified} verified, {} refused, \
          {abandoned} sessions abandoned, {clears} clears, {left} chunks left and verified",
-        seen.expired.load(Ordering::Relaxed)
+        seen.reads_refused.load(Ordering::Relaxed)
     );
     seen
+}
+
+#[test]
+fn two_nodes_sharing_a_remote_tier_that_hangs_are_never_served_wrong_bytes() {
+    require_redis!();
+    let cluster = RedisCluster::start();
+    let prefix = format!("soak-{}", std::process::id());
+    let nodes = [remote_node(&cluster, &prefix), remote_node(&cluster, &prefix)];
+    let seen = Seen::default();
+    std::thread::scope(|scope| {
+        // Two sessions on each node, over the same prompts: one node's stores are the other's
+        // hits through the cluster.
+        let workers: Vec<_> = (0..4u64)
+            .map(|i| {
+                let (node, seen) = (&nodes[(i % 2) as usize], &seen);
+                scope.spawn(move || plain_worker(node, 0xC0FF_EE00 ^ (i + 1), seen, FAILING_TIER))
+            })
+            .collect();
+        // A master hangs for a while (it takes connections and never answers), then goes on.
+        std::thread::sleep(Duration::from_millis(600));
+        let hung = &cluster.nodes[cluster.masters()[0]];
+        hung.pause();
+        nodes[0].eventually("the hung master degrades the remote tier", |s| {
+            s.tiers[3].degraded.is_some()
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        hung.resume();
+        let failed = workers.into_iter().map(|worker| worker.join()).filter(Result::is_err).count();
+        assert_eq!(failed, 0, "a session's thread failed (its panic is above)");
+    });
+    for node in &nodes {
+        node.eventually("nothing held once every session is gone", |s| {
+            s.l1_leased_chunks == 0
+                && s.open_lookups == 0
+                && s.store_in_flight == 0
+                && s.connected_workers == 0
+        });
+    }
+    let remote = seen.remote_chunks.load(Ordering::Relaxed);
+    assert!(remote > 0, "no hit came through the remote tier: the test tests nothing");
+    // What either node reads now, from wherever it lies, is exact.
+    for node in &nodes {
+        read_back(node, FAILING_TIER);
+    }
+    eprintln!(
+        "remote: {remote} hit chunks from the remote tier, {} verified, {} reads refused",
+        seen.verified_chunks.load(Ordering::Relaxed),
+        seen.reads_refused.load(Ordering::Relaxed)
+    );
+}
+
+/// A node of `small_config` whose remote tier is `cluster`, under `prefix`, with the short
+/// timeouts of a test.
+fn remote_node(cluster: &RedisCluster, prefix: &str) -> Daemon {
+    let remote = remote_section(&cluster.urls(), prefix);
+    daemon(|config| format!("{config}{remote}"))
 }
