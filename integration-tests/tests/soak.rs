@@ -2,7 +2,8 @@
 //! stores, lookups, retrieves of all or part of a hit, releases, sessions that vanish holding
 //! shares, MLA readers that join a lookup and die, and an admin clearing every tier, all
 //! interleaved while chunks move between the tiers: L1's victims cascading through L2 to the
-//! disk, going straight to the disk without an L2, or written through to it; then sessions whose
+//! disk, going straight to the disk without an L2, written through or back to it, or admitted
+//! to it by reads; then sessions whose
 //! leases expire under them, sessions whose daemon crashes or stops under them and comes back,
 //! and two nodes sharing a Redis Cluster as their remote tier while one of its masters hangs.
 //! Every byte served is checked, and once every session is gone nothing is held: no share, no
@@ -353,7 +354,7 @@ fn admin(daemon: &Daemon, done: &AtomicBool) -> u32 {
     let mut admin = Client::connect_unix(&daemon.socket, hello).unwrap();
     let mut clears = 0;
     loop {
-        std::thread::sleep(Duration::from_millis(150));
+        std::thread::sleep(Duration::from_millis(300));
         // Never after the sessions are done, so that what they left is read back below.
         if done.load(Ordering::Relaxed) {
             break;
@@ -463,10 +464,24 @@ fn many_sessions_without_an_l2_are_served_exact_bytes_and_hold_nothing_once_gone
 
 #[test]
 fn many_sessions_writing_through_are_served_exact_bytes_and_hold_nothing_once_gone() {
-    soak(
-        &daemon(|config| format!("{config}\n[storage]\nstore_policy = \"write_through\"\n")),
-        STRICT,
-    );
+    soak(&daemon(store_policy("write_through")), STRICT);
+}
+
+#[test]
+fn many_sessions_writing_back_are_served_exact_bytes_and_hold_nothing_once_gone() {
+    // L1 hands its coldest chunks down in batches of its own leases above its watermark.
+    soak(&daemon(store_policy("write_back")), STRICT);
+}
+
+#[test]
+fn many_sessions_under_disk_admission_are_served_exact_bytes_and_hold_nothing_once_gone() {
+    // L2 takes every store; the disk what was read often enough.
+    soak(&daemon(store_policy("disk_admission")), STRICT);
+}
+
+/// A config change: the daemon's `storage.store_policy`.
+fn store_policy(policy: &'static str) -> impl FnOnce(String) -> String {
+    move |config| format!("{config}\n[storage]\nstore_policy = \"{policy}\"\n")
 }
 
 #[test]
