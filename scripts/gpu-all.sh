@@ -3,11 +3,13 @@
 # unit tests of the GPU crates (tierkv-l1, tierkv-l2, tierkv-server: all of them, the CUDA tests
 # enabled by the device), from what scripts/gpu-build.sh put in target/gpu-carry, then the Python
 # tests (all but the vLLM end-to-end ones and the no-GPU check of gpu-check.sh; the CUDA ones
-# run there) against the carried daemon. Output goes to the terminal and to OUTDIR (default:
-# $OUT, the device tool's output folder, else target/gpu-out): gpu-check.txt, unit-tests.txt,
-# python-tests.txt, and the daemons' logs. Exit status: the first failure's. Each step has its
-# own time limit (GPU_CHECK_LIMIT, default 230 s; 45 s for each test executable, 160 s for the
-# Python tests), so a step that hangs costs its limit, not the whole call, and no step runs past
+# run there) against the carried daemon, then the daemon soak (integration-tests/tests/soak.rs)
+# with L1 on the GPU. Output goes to the terminal and to OUTDIR (default: $OUT, the device
+# tool's output folder, else target/gpu-out): gpu-check.txt, unit-tests.txt, python-tests.txt,
+# soak.txt, and the daemons' logs. Exit status: the first failure's. Each step has its own time
+# limit (GPU_CHECK_LIMIT, default 230 s; 45 s for each test executable, 160 s for the Python
+# tests, 60 s for the soak), so a step that hangs costs its limit, not the whole call, and no
+# step runs past
 # GPU_ALL_LIMIT (default 560 s) from the start: the device tool stops a command at 600 s, and
 # what a stopped command wrote still comes back. PYTORCH_CUDA_ALLOC_CONF defaults to
 # expandable_segments:False: memory from expandable segments cannot be shared by CUDA IPC.
@@ -54,6 +56,11 @@ rc=${PIPESTATUS[0]}
 PYTHONPATH="$root/python/src" TIERKV_BIN="$root/$carry/tierkv" timeout -k 5 "$(limit 160)" \
     python3 -m pytest python/tests -rA -p no:cacheprovider --ignore=python/tests/e2e \
     --ignore=python/tests/test_gpu_check.py 2>&1 | tee "$out/python-tests.txt"
+rc=${PIPESTATUS[0]}
+[[ $status -eq 0 ]] && status=$rc
+# The soak's Redis test skips itself where no redis-server is installed.
+TIERKV_BIN="$root/$carry/tierkv" TIERKV_SOAK_L1_DEVICE=cuda timeout -k 5 "$(limit 60)" \
+    "$carry/soak-tests" --nocapture 2>&1 | tee "$out/soak.txt"
 rc=${PIPESTATUS[0]}
 [[ $status -eq 0 ]] && status=$rc
 echo "gpu-all: exit $status; output in $out"

@@ -12,6 +12,7 @@
 #   target/gpu-carry/tierkv_l1-tests --test-threads 1   (the CUDA tests: filter "cuda")
 #   target/gpu-carry/tierkv_l2-tests memory_kind --nocapture   (pinned L2 through cudarc)
 #   target/gpu-carry/tierkv_server-tests cuda --nocapture --test-threads 1
+#   TIERKV_BIN=target/gpu-carry/tierkv TIERKV_SOAK_L1_DEVICE=cuda target/gpu-carry/soak-tests
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -34,6 +35,18 @@ for line in sys.stdin:
     fi
     cp "$exe" "$out/${crate//-/_}-tests"
 done
+# The daemon soak, run there with L1 on the GPU (TIERKV_SOAK_L1_DEVICE=cuda).
+exe=$(cargo test --release --locked -p tierkv-integration-tests --test soak --no-run \
+    --message-format=json 2>/dev/null | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])')
+if [[ -z "$exe" ]]; then
+    echo "gpu-build: no test executable for the soak" >&2
+    exit 1
+fi
+cp "$exe" "$out/soak-tests"
 strip "$out"/*
 ls -la "$out"
 du -ch "$out"/* | tail -1

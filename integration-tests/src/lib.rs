@@ -31,8 +31,14 @@ fn profile_dir() -> PathBuf {
 
 /// Path of a workspace binary or example, built first when it is missing or older than the
 /// workspace's sources: a plain `cargo test -p` of this package builds neither, and would
-/// otherwise test whatever daemon an earlier build left behind.
+/// otherwise test whatever daemon an earlier build left behind. `TIERKV_BIN` names the daemon
+/// instead, as it is: a machine without a toolchain runs a carried test executable against a
+/// carried daemon (`scripts/gpu-all.sh`).
 pub fn artifact(kind: &str, name: &str) -> PathBuf {
+    if let (_, "tierkv", Some(bin)) = (kind, name, std::env::var_os("TIERKV_BIN")) {
+        // Absolute: the daemon runs in a directory of its own.
+        return std::path::absolute(&bin).unwrap_or_else(|_| PathBuf::from(bin));
+    }
     let path = match kind {
         "example" => profile_dir().join("examples").join(name),
         _ => profile_dir().join(name),
