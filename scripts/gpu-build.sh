@@ -21,32 +21,29 @@ rm -rf "$out"
 mkdir -p "$out"
 cargo build --release --locked --bin tierkv
 cp target/release/tierkv "$out/tierkv"
-for crate in tierkv-l1 tierkv-l2 tierkv-server; do
-    # The lib's unit-test executable: the CUDA tests live there.
-    exe=$(cargo test --release --locked -p "$crate" --lib --no-run --message-format=json 2>/dev/null |
+# Copies the test executable `cargo test --release ARGS --no-run` builds to $out/NAME.
+carry_tests() {
+    local name=$1
+    shift
+    local exe
+    exe=$(cargo test --release --locked "$@" --no-run --message-format=json 2>/dev/null |
         python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         print(m["executable"])')
     if [[ -z "$exe" ]]; then
-        echo "gpu-build: no test executable for $crate" >&2
+        echo "gpu-build: no test executable for $name" >&2
         exit 1
     fi
-    cp "$exe" "$out/${crate//-/_}-tests"
+    cp "$exe" "$out/$name"
+}
+for crate in tierkv-l1 tierkv-l2 tierkv-server; do
+    # The lib's unit-test executable: the CUDA tests live there.
+    carry_tests "${crate//-/_}-tests" -p "$crate" --lib
 done
 # The daemon soak, run there with L1 on the GPU (TIERKV_SOAK_L1_DEVICE=cuda).
-exe=$(cargo test --release --locked -p tierkv-integration-tests --test soak --no-run \
-    --message-format=json 2>/dev/null | python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        print(m["executable"])')
-if [[ -z "$exe" ]]; then
-    echo "gpu-build: no test executable for the soak" >&2
-    exit 1
-fi
-cp "$exe" "$out/soak-tests"
+carry_tests soak-tests -p tierkv-integration-tests --test soak
 strip "$out"/*
 ls -la "$out"
 du -ch "$out"/* | tail -1
