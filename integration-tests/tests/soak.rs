@@ -1,13 +1,12 @@
 //! Many sessions at once against one daemon whose tiers are far smaller than what they store:
 //! stores, lookups, retrieves of all or part of a hit, releases, sessions that vanish holding
 //! shares, MLA readers that join a lookup and die, and an admin clearing every tier, all
-//! interleaved while chunks move between the tiers: L1's victims cascading through L2 to the
-//! disk, going straight to the disk without an L2, written through or back to it, or admitted
-//! to it by reads; then sessions whose
-//! leases expire under them, sessions whose daemon crashes or stops under them and comes back,
-//! and two nodes sharing a Redis Cluster as their remote tier while one of its masters hangs.
-//! Every byte served is checked, and once every session is gone nothing is held: no share, no
-//! open lookup, no store copy.
+//! interleaved while chunks move between the tiers (L1 in one index shard or eight): L1's victims
+//! cascading through L2 to the disk, going straight to the disk without an L2, written through or
+//! back to it, or admitted to it by reads; then sessions whose leases expire under them, sessions
+//! whose daemon crashes or stops under them and comes back, and two nodes sharing a Redis Cluster
+//! as their remote tier while one of its masters hangs. Every byte served is checked, and once
+//! every session is gone nothing is held: no share, no open lookup, no store copy.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
@@ -505,6 +504,13 @@ fn daemon(config: impl FnOnce(String) -> String) -> Daemon {
 #[test]
 fn many_sessions_through_the_cascade_are_served_exact_bytes_and_hold_nothing_once_gone() {
     served_from_below(&soak(&daemon(|config| config), STRICT));
+}
+
+#[test]
+fn many_sessions_over_a_sharded_l1_are_served_exact_bytes_and_hold_nothing_once_gone() {
+    // Eight index shards, each with its policy, judged together as one (`PolicyGroup`).
+    let sharded = |config: String| config.replace("[l1]\n", "[l1]\nshards = 8\n");
+    served_from_below(&soak(&daemon(sharded), STRICT));
 }
 
 #[test]
