@@ -9,9 +9,8 @@
 # soak.txt, and the daemons' logs. Exit status: the first failure's. Each step has its own time
 # limit (GPU_CHECK_LIMIT, default 230 s; 45 s for each test executable, 160 s for the Python
 # tests, 60 s for the soak), so a step that hangs costs its limit, not the whole call, and no
-# step runs past
-# GPU_ALL_LIMIT (default 560 s) from the start: the device tool stops a command at 600 s, and
-# what a stopped command wrote still comes back. PYTORCH_CUDA_ALLOC_CONF defaults to
+# step runs past GPU_ALL_LIMIT (default 560 s) from the start: the device tool stops a command
+# at 600 s, and what a stopped command wrote still comes back. PYTORCH_CUDA_ALLOC_CONF defaults to
 # expandable_segments:False: memory from expandable segments cannot be shared by CUDA IPC.
 #
 #   scripts/gpu-all.sh [OUTDIR] [gpu-check.sh arguments...]

@@ -35,9 +35,18 @@ fn profile_dir() -> PathBuf {
 /// instead, as it is: a machine without a toolchain runs a carried test executable against a
 /// carried daemon (`scripts/gpu-all.sh`).
 pub fn artifact(kind: &str, name: &str) -> PathBuf {
-    if let (_, "tierkv", Some(bin)) = (kind, name, std::env::var_os("TIERKV_BIN")) {
+    if (kind, name) == ("bin", "tierkv")
+        && let Some(bin) = std::env::var_os("TIERKV_BIN")
+    {
         // Absolute: the daemon runs in a directory of its own.
-        return std::path::absolute(&bin).unwrap_or_else(|_| PathBuf::from(bin));
+        let path = std::path::absolute(&bin).unwrap_or_else(|_| PathBuf::from(&bin));
+        assert!(
+            path.is_file(),
+            "TIERKV_BIN={} names no file (a relative path is taken from the test's directory, {})",
+            bin.display(),
+            std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default()
+        );
+        return path;
     }
     let path = match kind {
         "example" => profile_dir().join("examples").join(name),

@@ -12,8 +12,7 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tierkv_client::payload::{SHARED_TAG, chunk_id, fill, holds};
 use tierkv_client::proto::{ChunkBlocks, ChunkId, ErrorCode, Hello, LookupOutcome};
@@ -463,10 +462,7 @@ fn reconnect(socket: &Path) -> Option<Session> {
     loop {
         match Session::connect(socket, plain_hello(), 0, STRICT) {
             Ok(session) => return Some(session),
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
             Err(e) => panic!("the daemon did not come back within 30 s: {e}"),
         }
     }
@@ -665,9 +661,11 @@ fn soak(daemon: &Daemon, mode: Mode) -> Seen {
         s.l1_leased_chunks == 0 && s.open_lookups == 0
     });
     eprintln!(
-        "soak: {hits} hit chunks ({below} below L1), {verified} verified, {} refused, \
-         {abandoned} sessions abandoned, {clears} clears, {left} chunks left and verified",
-        seen.reads_refused.load(Ordering::Relaxed)
+        "soak: {hits} hit chunks ({below} below L1), {verified} verified, {} reads and {} \
+         lookups refused, {abandoned} sessions abandoned, {clears} clears, {left} chunks left \
+         and verified",
+        seen.reads_refused.load(Ordering::Relaxed),
+        seen.lookups_refused.load(Ordering::Relaxed)
     );
     seen
 }

@@ -917,10 +917,21 @@ impl StorageManager {
         let lookup = lookups.get(&id)?;
         Some(match &lookup.stage {
             Stage::Done { covered, below, expires, .. } => {
-                let leases: HashSet<LeaseId> = covered.values().copied().collect();
-                let live: HashSet<LeaseId> =
-                    leases.into_iter().filter(|lease| self.inner.l1.lease_live(*lease)).collect();
-                let in_l1 = covered.values().filter(|lease| live.contains(lease)).count();
+                // Chunks by lease (a lookup has one, or a few), counted while their lease lives:
+                // one pass over the hit and one look at each lease, on every lookup a session
+                // makes (its allowance is checked then).
+                let mut by_lease: Vec<(LeaseId, usize)> = Vec::new();
+                for lease in covered.values() {
+                    match by_lease.iter_mut().find(|(held, _)| held == lease) {
+                        Some((_, chunks)) => *chunks += 1,
+                        None => by_lease.push((*lease, 1)),
+                    }
+                }
+                let in_l1: usize = by_lease
+                    .into_iter()
+                    .filter(|(lease, _)| self.inner.l1.lease_live(*lease))
+                    .map(|(_, chunks)| chunks)
+                    .sum();
                 let below_l1 = match below {
                     Some(below) if self.inner.clock.now() < *expires => below.len(),
                     _ => 0,
