@@ -32,7 +32,9 @@ use crate::config::{RemoteAdmission, StorageConfig, StorePolicy};
 use crate::error::StorageError;
 use crate::lookup::{HitChunk, Lookup, LookupId, LookupRequest, LookupResult, Stage};
 use crate::metrics::{LookupTotals, StorageMetrics};
-use crate::store::{Durability, STORE_OWNER, StoreJob, StorePipeline, StoreQueue, StoreTicket};
+use crate::store::{
+    Durability, STORE_OWNER, StoreJob, StorePipeline, StoreQueue, StoreTicket, copied_unread,
+};
 
 /// Owners from here on belong to the storage layer's own pipelines.
 pub const RESERVED_OWNERS: u64 = 1 << 63;
@@ -136,24 +138,51 @@ fn copies_at_write(
     }
 }
 
-/// The cascade's first step: an L1 victim goes to the first lower tier before L1 reuses its
-/// slot. Into the host store it is copied at once, on the evicting thread; into any other tier
-/// (no host store) it is copied out and handed to the store pipeline, and a disk tier serves it
-/// from that copy until it is written ([`DiskStore::depart`]). A chunk the tier cannot take is
-/// dropped: a miss later, like any eviction.
+/// Where an L1 victim goes before L1 reuses its slot: under the cascade to the first lower tier,
+/// under write-back to every tier a write-back copies to (a victim a store's reservation took
+/// before the background wrote it back). Into the host store it is copied at once, on the
+/// evicting thread; into any other tier it is copied out and handed to the store pipeline, and a
+/// disk tier serves it from that copy until it is written ([`DiskStore::depart`]). A chunk a
+/// tier cannot take is dropped there: a miss later, like any eviction.
 struct DemoteFromL1 {
+    /// The host store, when it takes L1's victims (it is tier 0).
     host: Option<Arc<HostStore>>,
-    /// The disk tier, when it is the first lower tier (no host store).
-    disk: Option<Arc<DiskStore>>,
+    /// The other tiers that take them, by index, through the store pipeline.
+    piped: Vec<usize>,
+    /// The disk tier and its index, when it is among them.
+    disk: Option<(usize, Arc<DiskStore>)>,
     down: DemoteDown,
+}
+
+impl DemoteFromL1 {
+    /// Demotes to the lower tiers numbered `to` (fastest first), among them the configured host
+    /// store (tier 0) and disk store (with its index), if any; `None` when `to` is empty.
+    fn to(
+        to: &[usize],
+        host: Option<&Arc<HostStore>>,
+        disk: Option<(usize, &Arc<DiskStore>)>,
+        down: &DemoteDown,
+    ) -> Option<Arc<dyn Demoter>> {
+        if to.is_empty() {
+            return None;
+        }
+        let host = host.filter(|_| to.contains(&0)).cloned();
+        let piped: Vec<usize> = to.iter().copied().filter(|&t| t != 0 || host.is_none()).collect();
+        let disk = disk
+            .filter(|(index, _)| piped.contains(index))
+            .map(|(index, disk)| (index, Arc::clone(disk)));
+        Some(Arc::new(DemoteFromL1 { host, piped, disk, down: down.clone() }))
+    }
 }
 
 impl Demoter for DemoteFromL1 {
     fn demote(&self, key: &ObjectKey, bytes: &dyn ChunkSource) {
-        if let Some(host) = &self.host {
-            if let Err(e) = host.store_now(*key, bytes) {
-                tracing::debug!(?key, error = %e, "an L1 victim did not fit into L2; dropped");
-            }
+        if let Some(host) = &self.host
+            && let Err(e) = host.store_now(*key, bytes)
+        {
+            tracing::debug!(?key, error = %e, "an L1 victim did not fit into L2; dropped");
+        }
+        if self.piped.is_empty() {
             return;
         }
         let mut copy: Arc<[u8]> = std::iter::repeat_n(0u8, bytes.len() as usize).collect();
@@ -161,11 +190,13 @@ impl Demoter for DemoteFromL1 {
         if bytes.copy_to_host(dst).is_err() {
             return;
         }
-        let departing = match &self.disk {
-            Some(disk) => disk.depart(*key, copy),
-            None => Departing::unserved(*key, copy),
-        };
-        self.down.send(0, *key, Box::new(departing));
+        for &tier in &self.piped {
+            let departing = match &self.disk {
+                Some((index, disk)) if *index == tier => disk.depart(*key, Arc::clone(&copy)),
+                _ => Departing::unserved(*key, Arc::clone(&copy)),
+            };
+            self.down.send(tier, *key, Box::new(departing));
+        }
     }
 }
 
@@ -246,8 +277,9 @@ struct Inner {
     stop_maintenance: AtomicBool,
     /// Whether finished writes are copied down at once ([`copies_at_write`]).
     copies_at_write: bool,
-    /// Whether a stop hands L1's and L2's chunks down to the disk tier: under the cascade, the
-    /// only tier a restart keeps holds nothing the tiers above hold.
+    /// Whether a stop hands L1's chunks (and under the cascade L2's) down to the disk tier:
+    /// under the cascade, the only tier a restart keeps holds nothing the tiers above hold, and
+    /// under write-back nothing L1 has not yet written back.
     hand_down_at_stop: bool,
     /// Set by the first hand-down.
     handed_down: AtomicBool,
@@ -330,12 +362,21 @@ impl StorageManager {
             cap: demoted_cap(config.l1.slot_bytes),
             metrics: metrics.clone(),
         };
-        let demoter: Option<Arc<dyn Demoter>> = cascade.then(|| {
-            // Without a host store the disk, if any, is the first lower tier.
-            let disk = disk.clone().filter(|_| host.is_none());
-            Arc::new(DemoteFromL1 { host: host.clone(), disk, down: down.clone() })
-                as Arc<dyn Demoter>
-        });
+        let remote_index = tiers
+            .iter()
+            .position(|t| t.name() == "remote")
+            .map(|index| (index, config.remote_admission));
+        let write_back = config.store_policy == StorePolicy::WriteBack;
+        let demoted_to = if cascade {
+            vec![0]
+        } else if write_back {
+            copied_unread(tiers.len(), remote_index)
+        } else {
+            Vec::new()
+        };
+        let disk_index = tiers.iter().position(|t| t.name() == "disk");
+        let demoter =
+            DemoteFromL1::to(&demoted_to, host.as_ref(), disk_index.zip(disk.as_ref()), &down);
         if let Some(host) = host.as_ref().filter(|_| cascade && takes_victims(1)) {
             // The host store is tier 0 (fastest first): its victims go to tier 1.
             host.set_demoter(Box::new(move |key, departing| {
@@ -350,11 +391,6 @@ impl StorageManager {
             let below = chunks_below(&config, host.as_deref(), disk.as_deref());
             l1.keep_below(usize::try_from(below).unwrap_or(usize::MAX));
         }
-        let disk_index = tiers.iter().position(|t| t.name() == "disk");
-        let remote_index = tiers
-            .iter()
-            .position(|t| t.name() == "remote")
-            .map(|index| (index, config.remote_admission));
         let judge =
             cascade.then(|| judge_below(&config, host.as_deref(), disk.as_deref())).flatten();
         let router = Arc::new(TierRouter::start(tiers)?);
@@ -388,7 +424,7 @@ impl StorageManager {
             accepting: AtomicBool::new(true),
             stop_maintenance: AtomicBool::new(false),
             copies_at_write,
-            hand_down_at_stop: cascade && disk_index.is_some(),
+            hand_down_at_stop: (cascade || write_back) && disk_index.is_some(),
             handed_down: AtomicBool::new(false),
         });
         let worker = Arc::clone(&inner);
@@ -483,15 +519,11 @@ impl StorageManager {
     /// The most chunks one store should reserve at a time. Without lower tiers a store is one
     /// reservation, and what does not fit is refused. With them, a store goes in windows of
     /// [`tierkv_core::store_window`] chunks (an eighth of L1), each finished before the next is
-    /// reserved: L1 hands the earlier windows down (demoted under cascade, copied and freed
-    /// under write-through and disk admission) to make room for the later ones, so every chunk
-    /// of a store larger than L1 reaches the tiers below. Under write-back a store is one
-    /// reservation too: there L1 copies chunks down only in the background, and a chunk evicted
-    /// to make room is dropped uncopied, so a later window would push out the earlier ones that
-    /// were acknowledged as stored.
+    /// reserved: L1 hands the earlier windows down (demoted under cascade and write-back, copied
+    /// and freed under write-through and disk admission) to make room for the later ones, so
+    /// every chunk of a store larger than L1 reaches the tiers below.
     pub fn store_window(&self) -> usize {
-        if self.inner.router.is_empty() || self.inner.config.store_policy == StorePolicy::WriteBack
-        {
+        if self.inner.router.is_empty() {
             return usize::MAX;
         }
         tierkv_core::store_window(self.inner.config.l1.slot_count() as usize)
@@ -1057,13 +1089,15 @@ fn hit_of(request: &LookupRequest, available: impl Fn(usize, usize) -> bool) -> 
 }
 
 impl Inner {
-    /// A clean stop under the cascade: what L1 and L2 hold goes down to the disk tier, the one
-    /// a restart keeps, as it would have under write-through. Once: a second stop finds the
-    /// tiers closed. L1 first, the hottest tier, straight to disk: its chunks are leased in
-    /// eviction order and written by the store pipeline as a write-back (which under the
-    /// cascade goes to the disk alone), each freed once written. Then L2's, coldest first,
-    /// through its demoter. A batch at a time, the next once the pipeline has caught up (L2's
-    /// victims are copies in memory); what is not down at `stop_drain_timeout` is lost.
+    /// A clean stop under the cascade or write-back: what L1 (and under the cascade L2) holds
+    /// goes down to the disk tier, the one a restart keeps, as it would have under
+    /// write-through. Once: a second stop finds the tiers closed. L1 first, the hottest tier:
+    /// its chunks are leased in eviction order and written by the store pipeline as a
+    /// write-back (which under the cascade goes to the disk alone), each freed once written.
+    /// Then, under the cascade, L2's, coldest first, through its demoter (under write-back L2
+    /// holds only copies of what is on disk). A batch at a time, the next once the pipeline has
+    /// caught up (L2's victims are copies in memory); what is not down at `stop_drain_timeout`
+    /// is lost.
     fn hand_down_to_disk(&self) {
         if self.handed_down.swap(true, Ordering::AcqRel) {
             return;
@@ -1080,7 +1114,8 @@ impl Inner {
             self.store.submit(StoreJob::WriteBack { lease, keys: leased.keys });
         }
         let mut from_l2 = 0;
-        if let Some(host) = &self.host {
+        let cascade = self.config.store_policy == StorePolicy::Cascade;
+        if let Some(host) = self.host.as_ref().filter(|_| cascade) {
             while Instant::now() < deadline && self.wait_for_store_jobs(STOP_BATCH as u64, deadline)
             {
                 let batch = host.evict(STOP_BATCH);

@@ -29,6 +29,17 @@ use crate::metrics::StorageMetrics;
 /// The owner of the store pipeline's shares.
 pub(crate) const STORE_OWNER: OwnerId = OwnerId(u64::MAX - 1);
 
+/// The tiers (fastest first, of `count`) a chunk is copied to when it is copied before anyone
+/// read it (write-through, write-back): every one but a remote tier that admits chunks only
+/// after reads, which receives them by [`StoreJob::AdmitRemote`] alone.
+pub(crate) fn copied_unread(count: usize, remote: Option<(usize, RemoteAdmission)>) -> Vec<usize> {
+    let later = match remote {
+        Some((index, RemoteAdmission::AfterReads { .. })) => Some(index),
+        _ => None,
+    };
+    (0..count).filter(|&t| Some(t) != later).collect()
+}
+
 /// Work for the store pipeline.
 pub(crate) enum StoreJob {
     /// Objects made visible by `finish_write`; with the lease that pinned them when they became
@@ -381,25 +392,17 @@ impl Worker {
 
     /// The tiers a job's objects go to.
     fn targets(&self, job: &StoreJob) -> Vec<usize> {
-        // A remote tier that admits chunks after reads receives them only by `AdmitRemote`.
-        let remote_later = match self.remote {
-            Some((index, RemoteAdmission::AfterReads { .. })) => Some(index),
-            _ => None,
-        };
-        let all: Vec<usize> = (0..self.router.len()).collect();
         if let StoreJob::AdmitRemote(_) = job {
             return self.remote.map(|(index, _)| index).into_iter().collect();
         }
-        let at_write = |tiers: Vec<usize>| -> Vec<usize> {
-            tiers.into_iter().filter(|t| Some(*t) != remote_later).collect()
-        };
+        let at_write = || copied_unread(self.router.len(), self.remote);
         match (job, self.policy) {
-            (StoreJob::Finished { .. }, StorePolicy::WriteThrough) => at_write(all),
+            (StoreJob::Finished { .. }, StorePolicy::WriteThrough) => at_write(),
             // Under the cascade a write-back is the stop's hand-down of L1: to the disk only.
             (StoreJob::WriteBack { .. }, StorePolicy::Cascade) => self.disk.into_iter().collect(),
-            (StoreJob::WriteBack { .. }, _) => all,
+            (StoreJob::WriteBack { .. }, _) => at_write(),
             (StoreJob::Finished { .. }, StorePolicy::DiskAdmission { .. }) => {
-                at_write(all.into_iter().filter(|t| Some(*t) != self.disk).collect())
+                at_write().into_iter().filter(|t| Some(*t) != self.disk).collect()
             }
             (StoreJob::Finished { .. }, StorePolicy::WriteBack) => Vec::new(),
             // The cascade's tiers take only what the tier above evicted; the remote tier, shared
@@ -410,7 +413,9 @@ impl Worker {
             },
             (StoreJob::Admit(_), _) => self.disk.into_iter().collect(),
             (StoreJob::AdmitRemote(_), _) => Vec::new(),
-            (StoreJob::Demoted { tier, .. }, _) => all.into_iter().filter(|t| t == tier).collect(),
+            (StoreJob::Demoted { tier, .. }, _) => {
+                (0..self.router.len()).filter(|t| t == tier).collect()
+            }
         }
     }
 

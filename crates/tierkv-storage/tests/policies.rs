@@ -115,6 +115,75 @@ fn write_back_copies_victims_down_before_letting_them_go() {
 }
 
 #[test]
+fn write_back_hands_down_what_a_store_evicts_before_the_background_writes_it_back() {
+    // L1 evicts on demand only (watermarks at 1.0): the background never writes anything back,
+    // so every chunk that leaves L1 is a victim of a store's reservation. Each goes where a
+    // write-back would have taken it, L2 and the disk, rather than nowhere.
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(tiered(4, 8, Some(&dir), StorePolicy::WriteBack)).unwrap();
+    write_each(&s, &keys(0..8));
+    eventually("the pipeline is idle", || s.status().store_in_flight == 0);
+    let status = s.status();
+    assert_eq!(
+        (status.l1.cached, status.tiers[0].1.objects, status.tiers[1].1.objects),
+        (4, 4, 4),
+        "L1 holds the newest four; its four victims are in L2 and on disk"
+    );
+    assert_eq!(lookup_all(&s, keys(0..4)).per_tier, vec![0, 4, 0]);
+    s.l1().audit().unwrap();
+}
+
+#[test]
+fn a_stopped_write_back_writes_l1_back_so_a_restart_keeps_it() {
+    // Nothing was written back before the stop (watermarks at 1.0): the stop writes L1's
+    // chunks back, as the cascade hands them down, and the disk keeps them.
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(tiered(4, 8, Some(&dir), StorePolicy::WriteBack)).unwrap();
+    write_each(&s, &keys(0..4));
+    assert_eq!(s.status().tiers[1].1.objects, 0, "nothing on disk before the stop");
+    s.stop();
+    assert_eq!(s.status().l1.cached, 0, "every chunk of L1 was written back and freed");
+    drop(s);
+    let s = StorageManager::start(tiered(4, 8, Some(&dir), StorePolicy::WriteBack)).unwrap();
+    assert_eq!(lookup_all(&s, keys(0..4)).per_tier, vec![0, 0, 4], "a restart finds them");
+}
+
+#[test]
+fn write_back_copies_to_the_remote_tier_only_under_write_through_admission() {
+    use tierkv_storage::RemoteAdmission;
+    use tierkv_testkit::FakeTier;
+    for (admission, copied) in [
+        (RemoteAdmission::WriteThrough, true),
+        (RemoteAdmission::AfterReads { min_reads: 1 }, false),
+    ] {
+        let (l2, remote) = (
+            Arc::new(FakeTier::new("l2", 64, CHUNK)),
+            Arc::new(FakeTier::new("remote", 64, CHUNK)),
+        );
+        let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![l2.clone(), remote.clone()];
+        let tiered = tiered(4, 2, None, StorePolicy::WriteBack);
+        // Chunks leave L1 both ways: written back by the background above three of four slots,
+        // and taken by a store's reservation when the background has not got there yet.
+        let config = StorageConfig {
+            l1: L1Config { watermark: Watermark { high: 0.75, low: 0.5 }, ..tiered.l1 },
+            remote_admission: admission,
+            l2: None,
+            ..tiered
+        };
+        let s =
+            StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap();
+        write_each(&s, &keys(0..12));
+        eventually("the pipeline is idle", || s.status().store_in_flight == 0);
+        let in_l1 = |k: &ObjectKey| matches!(s.l1().presence(k), Presence::Ready { .. });
+        for key in keys(0..12).iter().filter(|k| !in_l1(k)) {
+            assert!(l2.contains(key), "{key:?} left L1 for nowhere ({admission:?})");
+            assert_eq!(remote.contains(key), copied, "{key:?} ({admission:?})");
+        }
+        drop(s);
+    }
+}
+
+#[test]
 fn disk_admission_writes_a_chunk_to_disk_only_once_it_was_read_enough() {
     let dir = tempfile::tempdir().unwrap();
     let s = StorageManager::start(config(16, StorePolicy::DiskAdmission { min_reads: 2 }, &dir))
@@ -506,7 +575,7 @@ fn write_in_windows(s: &StorageManager, keys: &[ObjectKey]) {
 
 #[test]
 fn a_store_larger_than_l1_goes_in_windows_and_all_of_it_reaches_the_tiers_below() {
-    for policy in [StorePolicy::Cascade, StorePolicy::WriteThrough] {
+    for policy in [StorePolicy::Cascade, StorePolicy::WriteThrough, StorePolicy::WriteBack] {
         let dir = tempfile::tempdir().unwrap();
         let s = StorageManager::start(tiered(4, 16, Some(&dir), policy)).unwrap();
         assert_eq!(s.store_window(), 1, "an eighth of L1's four slots, at least one");
