@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # harness, tiny_llama; daemon
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # harness, tiny_models; daemon
 
 from daemon import engine_config  # noqa: E402
 from harness import Engine, prompt, start_daemon  # noqa: E402
-from tiny_llama import make  # noqa: E402
+from tiny_models import make  # noqa: E402
 
 LMCACHE_PORT = 5555
 

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import Daemon, start_daemon  # noqa: E402
-from tiny_llama import make  # noqa: E402
+from tiny_models import make  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -74,9 +74,14 @@ class TierKVConnector(KVConnectorBase_V1):
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         if type(spec).__name__ not in FULL_ATTENTION_SPECS:
             # A sliding-window or chunked-local layer drops blocks out of its window (vLLM puts
-            # its null block there), so a chunk's blocks would not hold the chunk's KV.
+            # its null block there), so a chunk's blocks would not hold the chunk's KV. A model
+            # that mixes such layers with full-attention ones gets one full-attention group here
+            # (vLLM's hybrid manager is off for a connector without SupportsHMA).
             raise ValueError(
-                f"TierKVConnector supports full attention only, not {type(spec).__name__}"
+                "TierKVConnector needs every layer's KV kept whole (full attention or MLA), not "
+                f"{type(spec).__name__}: vLLM frees its blocks outside the window, so a chunk's "
+                "blocks would not hold its KV (models that mix windowed and full-attention "
+                "layers are served)"
             )
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(

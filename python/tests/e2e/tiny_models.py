@@ -1,0 +1,120 @@
+"""Makes tiny random-weight models and a word-level tokenizer, locally (nothing is downloaded).
+
+Two architectures: a Llama (every layer full attention), the model of most tests, and a Gemma-3
+whose layers are each full attention or a sliding window, as ``layer_types`` says.
+
+Token ids 3..vocab-1 are the words "t3", "t4", ...; tests pass token ids directly. Weights are
+saved in float32: in bf16 a random model has near-tied logits, and greedy tokens could differ
+between two builds of the same graph.
+
+Usage: python tiny_models.py OUT_DIR [--layers 4] [--hidden 256]   (a Llama)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+VOCAB = 32000
+MAX_POSITIONS = 16384
+
+
+def make(
+    out: Path,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 4,
+    vocab: int = VOCAB,
+    max_positions: int = MAX_POSITIONS,
+) -> Path:
+    """A Llama in ``out`` (kept if it is there already)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
+    _save_tokenizer(out, vocab, max_positions)
+    return out
+
+
+def make_gemma3(out: Path, layer_types: list[str], sliding_window: int = 256) -> Path:
+    """A Gemma-3 in ``out`` (kept if it is there already) whose layers are each
+    ``"sliding_attention"`` (a window of ``sliding_window`` tokens) or ``"full_attention"``.
+
+    Its weights are drawn wider than Gemma's default (0.2 rather than 0.02), so that greedy
+    tokens depend on the prompt's KV instead of settling on one token."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(out)
+    _save_tokenizer(out, VOCAB, MAX_POSITIONS)
+    return out
+
+
+def _save_tokenizer(out: Path, vocab: int, max_positions: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
+        model_max_length=max_positions,
+    ).save_pretrained(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    args = parser.parse_args()
+    make(args.out, layers=args.layers, hidden=args.hidden)
+
+
+if __name__ == "__main__":
+    main()
