@@ -532,6 +532,18 @@ fn many_sessions_writing_back_are_served_exact_bytes_and_hold_nothing_once_gone(
 }
 
 #[test]
+fn many_sessions_writing_back_without_an_l2_are_served_exact_bytes_and_hold_nothing_once_gone() {
+    // What L1 writes back, and what a store evicts in between, goes straight to the disk, which
+    // serves it from its copy in memory until it is written (the departure board).
+    let write_back_to_disk = |config: String| {
+        store_policy("write_back")(config)
+            .replace("[l2]\n", "[l2]\nenabled = false\n")
+            .replace("segment = \"4MiB\"\n", "")
+    };
+    served_from_below(&soak(&daemon(write_back_to_disk), STRICT));
+}
+
+#[test]
 fn many_sessions_under_disk_admission_are_served_exact_bytes_and_hold_nothing_once_gone() {
     // L2 takes every store; the disk what was read often enough.
     served_from_below(&soak(&daemon(store_policy("disk_admission")), STRICT));
