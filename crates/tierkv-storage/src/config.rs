@@ -21,8 +21,9 @@ pub enum StorePolicy {
         /// Reads (lookup hits) a chunk needs before it is written to disk.
         min_reads: u32,
     },
-    /// Nothing is copied at write time; chunks L1 evicts in the background are copied to every
-    /// lower tier first. (An eviction forced inside a reservation drops its victim uncopied.)
+    /// Nothing is copied at write time; a chunk is copied to every lower tier when it leaves L1:
+    /// written back in the background above L1's watermark, or demoted when a reservation
+    /// evicts it first. A clean stop writes L1 back to disk, so a restart keeps it.
     WriteBack,
     /// Each tier holds what the one above it evicted: a chunk is written to L1 only, L1's
     /// victims (every eviction, on demand or in the background) go to the first lower tier,
