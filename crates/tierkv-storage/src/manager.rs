@@ -1101,8 +1101,9 @@ impl Inner {
     /// A clean stop under the cascade or write-back: what L1 (and under the cascade L2) holds
     /// goes down to the disk tier, the one a restart keeps, as it would have under
     /// write-through. Once: a second stop finds the tiers closed. L1 first, the hottest tier:
-    /// its chunks are leased in eviction order and written by the store pipeline as a
-    /// write-back (which under the cascade goes to the disk alone), each freed once written.
+    /// its chunks are leased in eviction order and handed to the store pipeline for the disk
+    /// (under write-back also for a remote tier that takes unread chunks; never for L2, which
+    /// closes with the daemon), each freed once written.
     /// Then, under the cascade, L2's, coldest first, through its demoter (under write-back L2
     /// holds only copies of what is on disk). A batch at a time, the next once the pipeline has
     /// caught up (L2's victims are copies in memory); what is not down at `stop_drain_timeout`
@@ -1120,7 +1121,7 @@ impl Inner {
             let leased = self.l1.lease_eviction_candidates(WRITEBACK_OWNER, STOP_BATCH);
             let Some(lease) = leased.lease else { break };
             from_l1 += leased.keys.len();
-            self.store.submit(StoreJob::WriteBack { lease, keys: leased.keys });
+            self.store.submit(StoreJob::HandDown { lease, keys: leased.keys });
         }
         let mut from_l2 = 0;
         let cascade = self.config.store_policy == StorePolicy::Cascade;

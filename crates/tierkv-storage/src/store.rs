@@ -51,6 +51,10 @@ pub(crate) enum StoreJob {
     AdmitRemote(Vec<ObjectKey>),
     /// Eviction victims leased for write-back; the lease is the pipeline's to return.
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
+    /// L1's chunks leased at a clean stop, for the tiers that outlive the daemon's memory: the
+    /// disk, and under write-back a remote tier that takes unread chunks. The lease is the
+    /// pipeline's to return.
+    HandDown { lease: LeaseId, keys: Vec<ObjectKey> },
     /// Chunks a tier above evicted under the cascade policy, with their bytes, for lower tier
     /// `tier` (fastest first): the cascade sends [`tierkv_core::Departing`] copies. The bytes
     /// are dropped once the tier answered (or the job was dropped); until then the tier whose
@@ -361,7 +365,9 @@ impl Worker {
     /// writer learns that nothing of it reached the disk.
     fn drop_job(&self, job: StoreJob) {
         match job {
-            StoreJob::WriteBack { lease, .. } | StoreJob::Finished { lease: Some(lease), .. } => {
+            StoreJob::WriteBack { lease, .. }
+            | StoreJob::HandDown { lease, .. }
+            | StoreJob::Finished { lease: Some(lease), .. } => {
                 let _ = self.l1.release_lease(lease);
             }
             _ => {}
@@ -398,9 +404,15 @@ impl Worker {
         let at_write = || copied_unread(self.router.len(), self.remote);
         match (job, self.policy) {
             (StoreJob::Finished { .. }, StorePolicy::WriteThrough) => at_write(),
-            // Under the cascade a write-back is the stop's hand-down of L1: to the disk only.
-            (StoreJob::WriteBack { .. }, StorePolicy::Cascade) => self.disk.into_iter().collect(),
             (StoreJob::WriteBack { .. }, _) => at_write(),
+            // Under the cascade the remote tier took what it takes at the write already.
+            (StoreJob::HandDown { .. }, StorePolicy::Cascade) => self.disk.into_iter().collect(),
+            (StoreJob::HandDown { .. }, _) => {
+                let outlives = |t: &usize| {
+                    Some(*t) == self.disk || Some(*t) == self.remote.map(|(index, _)| index)
+                };
+                at_write().into_iter().filter(outlives).collect()
+            }
             (StoreJob::Finished { .. }, StorePolicy::DiskAdmission { .. }) => {
                 at_write().into_iter().filter(|t| Some(*t) != self.disk).collect()
             }
@@ -494,7 +506,9 @@ impl Worker {
         };
         let targets = self.targets(&job);
         let (lease, keys, write_back, ticket) = match job {
-            StoreJob::WriteBack { lease, keys } => (lease, keys, true, None),
+            StoreJob::WriteBack { lease, keys } | StoreJob::HandDown { lease, keys } => {
+                (lease, keys, true, None)
+            }
             StoreJob::Finished { keys, lease: Some(lease), ticket } if !targets.is_empty() => {
                 (lease, keys, false, ticket)
             }

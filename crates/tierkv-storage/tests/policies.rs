@@ -143,6 +143,7 @@ fn a_stopped_write_back_writes_l1_back_so_a_restart_keeps_it() {
     assert_eq!(s.status().tiers[1].1.objects, 0, "nothing on disk before the stop");
     s.stop();
     assert_eq!(s.status().l1.cached, 0, "every chunk of L1 was written back and freed");
+    assert_eq!(s.status().tiers[0].1.objects, 0, "none to L2, which closes with the daemon");
     drop(s);
     let s = StorageManager::start(tiered(4, 8, Some(&dir), StorePolicy::WriteBack)).unwrap();
     assert_eq!(lookup_all(&s, keys(0..4)).per_tier, vec![0, 0, 4], "a restart finds them");
