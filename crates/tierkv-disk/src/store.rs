@@ -434,11 +434,12 @@ struct InFlight<'a> {
 #[derive(Default)]
 struct LifeFailures {
     /// For each segment whose current life had a write fail: the life's epoch and the lowest
-    /// offset that failed. A record of a later life drops it, so there is at most one entry a
+    /// offset that failed. A record of another life drops it, so there is at most one entry a
     /// segment: a segment is reused only once every task that wrote its earlier life has ended
     /// (its unpublished records keep it from eviction until then, and a task ends on this
-    /// thread), so no task in flight can be behind that failure any more, and no record of that
-    /// life is to come.
+    /// thread, after its writes are reported), so no task in flight can be behind that failure
+    /// any more, and no record or report of that life is to come. Epochs are random, not
+    /// ordered: a life is told from another by its epoch alone, never by which is larger.
     failed: HashMap<u32, (u64, u64)>,
     /// The records each task in flight has handed over, with their lives' epochs.
     handed_over: HashMap<u64, Vec<(Loc, u64)>>,
@@ -446,7 +447,7 @@ struct LifeFailures {
 
 impl LifeFailures {
     fn handed_over(&mut self, task: u64, loc: Loc, epoch: u64) {
-        if self.failed.get(&loc.segment).is_some_and(|(failed, _)| *failed < epoch) {
+        if self.failed.get(&loc.segment).is_some_and(|(failed, _)| *failed != epoch) {
             self.failed.remove(&loc.segment);
         }
         self.handed_over.entry(task).or_default().push((loc, epoch));
@@ -456,8 +457,7 @@ impl LifeFailures {
     fn write_failed(&mut self, loc: Loc, epoch: u64) {
         match self.failed.get_mut(&loc.segment) {
             Some((failed, lowest)) if *failed == epoch => *lowest = (*lowest).min(loc.offset),
-            // A failure of an earlier life than one already written: its tasks have ended.
-            Some((failed, _)) if *failed > epoch => {}
+            // The segment's next life: the earlier one's tasks have ended.
             _ => {
                 self.failed.insert(loc.segment, (epoch, loc.offset));
             }
@@ -2213,13 +2213,29 @@ mod tests {
             }
             assert_eq!(lives.failed.len(), 2);
         }
-        // The next life of segment 3 starts clean; a late report of an earlier life's failure
-        // changes nothing.
+        // The next life of segment 3 starts clean.
         lives.handed_over(5_000, at(3, 0), 1_000);
         assert!(!lives.failed(at(3, 4096), 1_000));
         assert!(!lives.failed(at(3, 4096), 999), "the earlier life is forgotten");
-        lives.write_failed(at(3, 0), 998);
-        assert!(!lives.failed(at(3, 4096), 1_000));
         assert!(!lives.behind_a_failed_write(5_000));
+    }
+
+    #[test]
+    fn a_life_with_a_smaller_epoch_than_the_last_still_has_its_failures_seen() {
+        // Epochs are random: the segment's next life may well draw a smaller one. Its failure
+        // must still skip the records behind it and fail the tasks that wrote them.
+        let mut lives = LifeFailures::default();
+        lives.handed_over(1, at(3, 4096), 1_000);
+        lives.write_failed(at(3, 4096), 1_000);
+        lives.forget(1);
+        lives.handed_over(2, at(3, 4096), 5);
+        lives.handed_over(3, at(3, 8192), 5);
+        assert!(!lives.failed(at(3, 8192), 5), "the new life starts clean");
+        lives.write_failed(at(3, 4096), 5);
+        assert!(lives.failed(at(3, 12288), 5), "later records of the life are skipped");
+        assert!(
+            lives.behind_a_failed_write(3),
+            "a record behind the failed one is lost to a restart"
+        );
     }
 }
