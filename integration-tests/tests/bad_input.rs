@@ -296,6 +296,23 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
 }
 
 #[test]
+fn f4_a_refused_release_or_a_query_of_another_sessions_lookup_leaves_the_owner_its_share() {
+    // Another session of the same model and rank sees the witness's lookup: the release it is
+    // refused and the query it may make change nothing, not even once that session has gone.
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    let theirs = witness.0.run("lookup 42 16")["lookup"].as_u64().unwrap();
+    let mut stranger = connect(&daemon);
+    assert_eq!(code(stranger.release(theirs)), ErrorCode::Forbidden);
+    assert_eq!(stranger.query(theirs).unwrap().map(|o| o.hit_chunks), Some(16));
+    drop(stranger);
+    daemon.eventually("the stranger's session is over", |s| s.connected_workers == 1);
+    assert_eq!(daemon.status().l1_leased_chunks, 16, "the witness's share is still out");
+    assert_eq!(witness.0.run(&format!("retrieve {theirs} 42 16"))["verified"], 16);
+    daemon.eventually("no shares left", |s| s.l1_leased_chunks == 0 && s.open_lookups == 0);
+}
+
+#[test]
 fn f4_descriptors_a_request_does_not_use_are_closed_and_never_taken_later() {
     let daemon = Daemon::start();
     let mut witness = Witness::new(&daemon);

@@ -94,6 +94,8 @@ struct LookupInfo {
     namespace: Namespace,
     rank: KvRank,
     readers: u32,
+    /// The owner's reader number: its share goes back with the owner's session.
+    owner_reader: u16,
 }
 
 /// Lookups that ended (every reader returned its share), oldest forgotten first.
@@ -268,6 +270,14 @@ struct Opened {
     /// keeps no more than what is in flight).
     tickets: Vec<Arc<StoreTicket>>,
     settled: (u32, u32),
+}
+
+impl Opened {
+    /// This session's reader number on a lookup of `rank`'s KV: its TP rank where the ranks
+    /// share one copy (MLA), else 0, the one reader of a rank's own KV.
+    fn reader_of(&self, rank: KvRank) -> u16 {
+        if rank == KvRank::Shared { self.hello.rank } else { 0 }
+    }
 }
 
 /// How the connection reached the daemon.
@@ -875,6 +885,7 @@ impl Session {
             namespace: ns,
             rank: opened.rank,
             readers: opened.extra.readers(),
+            owner_reader: opened.reader_of(opened.rank),
         };
         self.daemon.lookups.lock().insert(id.0, info);
         let l1_hit_chunks = storage.l1_hit(id)? as u32;
@@ -897,17 +908,19 @@ impl Session {
         if info.rank != opened.rank {
             return fail(ErrorCode::Forbidden, "the lookup was made for another rank's KV");
         }
-        let reader = if info.rank == KvRank::Shared { opened.hello.rank } else { 0 };
+        let reader = opened.reader_of(info.rank);
         if u32::from(reader) >= info.readers {
             return fail(
                 ErrorCode::Forbidden,
                 format!("the lookup has {} readers; this session is reader {reader}", info.readers),
             );
         }
-        let reader = reader as u8;
-        if info.owner != self.id {
-            opened.joined.insert((lookup, reader));
+        if info.owner != self.id && reader != info.owner_reader {
+            // Another reader's share, which this session now answers for: returned when it
+            // ends. The owner's reader's share is the owner's, whoever else may look.
+            opened.joined.insert((lookup, reader as u8));
         }
+        let reader = reader as u8;
         Ok((LookupId(lookup), reader, info))
     }
 
