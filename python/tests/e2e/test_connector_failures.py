@@ -215,3 +215,46 @@ def test_what_was_computed_over_unloadable_blocks_is_never_stored(halves: Halves
     )
     halves.worker.wait_for_save(meta)
     assert halves.worker.stored_chunks == 1, "only s stored"
+
+
+def test_a_request_computed_over_another_requests_failed_load_stores_none_of_it(
+    halves: Halves,
+) -> None:
+    # vLLM's prefix cache gives b, scheduled in a's step, the blocks a's load fills. a's load
+    # fails: b computed its new chunks over blocks nobody wrote. Stored, they would be served
+    # under the right ids to every later request; vLLM recomputes b, and nothing of it is kept.
+    a = _hit(halves, "a")
+    halves.scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    b = request("b", PROMPT[: 3 * BLOCK] + list(range(5000, 5000 + 2 * BLOCK + 1)))
+    assert halves.matched(b, 3 * BLOCK) == 0, "vLLM's own cache holds what tierkv would load"
+    halves.scheduler.update_state_after_alloc(b, 0)
+    meta = halves.scheduler.build_connector_meta(
+        scheduler_output(
+            [(a, [4, 5, 6, 7], 3 * BLOCK, 1), (b, [4, 5, 6, 10, 11, 12], 3 * BLOCK, 2 * BLOCK + 1)]
+        )
+    )
+    assert [op.after for op in meta.stores if op.req_id == "b"] == [["a"]]
+    meta.loads[0].lookups = [987_654]  # a load the daemon refuses
+    before = halves.worker.stored_chunks
+    halves.worker.start_load_kv(meta)
+    assert halves.worker.take_load_errors() == {4, 5, 6}
+    halves.worker.wait_for_save(meta)
+    assert halves.worker.stored_chunks == before, "b stored what it computed over a's blocks"
+    c = request("c", b.prompt_token_ids or [])
+    assert halves.matched(c) == 3 * BLOCK, "only what a's earlier store holds"
+
+
+def test_under_async_scheduling_the_next_steps_stores_wait_on_this_steps_failed_loads(
+    halves: Halves,
+) -> None:
+    # vLLM plans the next step before it hears that a load failed: a's store of what it
+    # computed next over the unwritten blocks is dropped too; the step after stores again.
+    worker = halves.worker
+    first, later, last = prefix_hashes(list(range(9000, 9000 + 3 * BLOCK)), BLOCK)
+    worker.start_load_kv(TierKVMetadata(loads=[LoadOp("a", [987_654], [(first, [0])])]))
+    assert worker.take_load_errors() == {0}
+    worker.wait_for_save(TierKVMetadata())
+    worker.wait_for_save(TierKVMetadata(stores=[StoreOp("a", [(later, [1])], after=["a"])]))
+    assert worker.stored_chunks == 0, "computed over block 0 before vLLM knew"
+    worker.wait_for_save(TierKVMetadata(stores=[StoreOp("a", [(last, [2])], after=[])]))
+    assert worker.stored_chunks == 1

@@ -32,6 +32,10 @@ class StoreOp:
 
     req_id: str
     chunks: list[ChunkBlocks]
+    #: The requests whose loads (of this step or the last) filled blocks this KV was computed
+    #: over, the request's own included: through vLLM's prefix cache another request's blocks
+    #: can be among them. Should any of those loads have failed, the KV is not stored.
+    after: list[str] = field(default_factory=list)
 
 
 @dataclass

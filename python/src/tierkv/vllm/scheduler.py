@@ -171,6 +171,11 @@ class SchedulerSide:
             for r in ranks
         ]
         self.requests: dict[str, _Request] = {}
+        #: Blocks that loads planned in this step or the last fill (or that KV computed over
+        #: such blocks went to): the step that planned it and the requests whose loads they
+        #: depend on. A store of KV computed over them waits on those loads (``StoreOp.after``).
+        self.fresh: dict[int, tuple[int, frozenset[str]]] = {}
+        self.steps = 0
         #: External tokens vLLM accepted this step, per request: recorded before anything can
         #: fail, so that the step's metadata loads them or reports their blocks.
         self.promised: dict[str, int] = {}
@@ -214,10 +219,15 @@ class SchedulerSide:
         vLLM: its step would read blocks nobody wrote."""
         promised, self.promised = self.promised, {}
         meta = TierKVMetadata(preempted=sorted(out.preempted_req_ids or ()))
-        return self.guard.run(
+        meta = self.guard.run(
             "planning the step (what it leaves unloaded is recomputed)",
             lambda: self._build(meta, out, promised),
             lambda _e: self._settle(meta, scheduled_requests(out), promised),
+        )
+        return self.guard.run(
+            "finding what the step's stores were computed over (its stores are dropped)",
+            lambda: self._after_loads(meta),
+            lambda _e: self._drop_stores(meta),
         )
 
     def request_finished(self, request: Request) -> bool:
@@ -365,6 +375,49 @@ class SchedulerSide:
                 nothing,
             )
         return self._settle(meta, scheduled, promised)
+
+    def _after_loads(self, meta: TierKVMetadata) -> TierKVMetadata:
+        """Names, in each store of ``meta``, the loads whose blocks its KV was computed over.
+
+        A load that fails leaves its blocks unwritten, and vLLM learns of it only after the
+        step (a step later under async scheduling). Meanwhile any request whose blocks include
+        them, through vLLM's prefix cache or because they are its own, computes over them, and
+        so does one that reads what such a request computed: their stores must wait on that
+        load. vLLM then recomputes every request concerned."""
+        self.steps += 1
+        step = self.steps
+        self.fresh = {b: made for b, made in self.fresh.items() if made[0] >= step - 1}
+        for op in meta.loads:
+            loader = (step, frozenset((op.req_id,)))
+            self.fresh.update((b, loader) for _, held in op.chunks for b in held)
+        for req_id, blocks in meta.unloadable.items():
+            self.fresh.update((b, (step, frozenset((req_id,)))) for b in blocks)
+        if not self.fresh:
+            return meta
+        per = self.settings.chunk_blocks
+        for op in meta.stores:
+            state = self.requests.get(op.req_id)
+            read = state.block_ids[: state.stored * per] if state is not None else []
+            after: set[str] = set()
+            for block in read + [b for _, held in op.chunks for b in held]:
+                made = self.fresh.get(block)
+                if made is not None:
+                    after |= made[1]
+            if after:
+                op.after = sorted(after)
+                # What it computed is as good as those loads, for whoever reads it next.
+                made = (step, frozenset(after))
+                for _, held in op.chunks:
+                    for block in held:
+                        self.fresh.setdefault(block, made)
+        return meta
+
+    def _drop_stores(self, meta: TierKVMetadata) -> TierKVMetadata:
+        """Empties every store of ``meta`` (a miss later), keeping the requests in the plan:
+        they are marked as having calls, so the workers must hear of them."""
+        for op in meta.stores:
+            op.chunks = []
+        return meta
 
     def _preempted(self, req_id: str) -> None:
         state = self.requests.get(req_id)

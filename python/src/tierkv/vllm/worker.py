@@ -82,6 +82,8 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         # Requests whose load failed in this step: their stores in the same step are skipped.
         self._failed_loads: set[str] = set()
+        #: The requests whose loads failed in the last step (on any rank).
+        self._failed_before: set[str] = set()
         self.loaded_chunks = 0
         self.stored_chunks = 0
         # The interprocess CUDA events of the GPU path (made on first use): the one a store's
@@ -232,8 +234,12 @@ class WorkerSide:
         # What a request computed over blocks no load filled is never stored, whatever
         # happened to start_load_kv.
         failed |= meta.unloadable.keys()
+        # A store may have been computed over the last step's loads too: under async
+        # scheduling vLLM plans a step before it hears how the last one's loads went.
+        spoiled = failed | self._failed_before
+        self._failed_before = set(failed)
         self.guard.run(
-            "the step's stores (dropped)", lambda: self._store_all(meta, failed), nothing
+            "the step's stores (dropped)", lambda: self._store_all(meta, spoiled), nothing
         )
 
     def _store_all(self, meta: TierKVMetadata, failed: set[str]) -> None:
@@ -245,11 +251,14 @@ class WorkerSide:
             # blocks: an event recorded on the engine's stream, shared by CUDA IPC.
             ready = self._ready_event()
         for op in meta.stores:
-            if op.req_id in failed:
-                # Computed this step over blocks whose load failed (here or on another rank):
-                # stored, it would be served under the right ids. vLLM recomputes them; here
-                # they are only missed later.
-                log.debug("tierkv: not storing %s: its load failed", op.req_id)
+            if op.req_id in failed or not failed.isdisjoint(op.after):
+                # Computed over blocks whose load failed (here or on another rank; its own
+                # load, or another request's whose blocks it shares): stored, it would be
+                # served under the right ids. vLLM recomputes them; here they are only
+                # missed later.
+                log.debug("tierkv: not storing %s: a load it was computed over failed", op.req_id)
+                continue
+            if not op.chunks:
                 continue
             self.guard.run(
                 "a store (dropped)",
