@@ -885,7 +885,9 @@ impl StorageManager {
     }
 
     /// Returns the shares of `readers` on every chunk of the lookup's hit, an empty hit included.
-    /// Returns whether that ended the lookup (every reader has returned its share).
+    /// Returns whether that ended the lookup (every reader has returned its share). One reader
+    /// may return its share while the lookup still prefetches (its session ended): the share
+    /// goes back when the prefetch completes, or the lookup ends at once if it was the last.
     ///
     /// The whole request is checked before anything changes: a reader the lookup does not have,
     /// a reader that already returned its share, or a lease L1 refuses (past its deadline)
@@ -898,35 +900,45 @@ impl StorageManager {
             lookups.remove(&id);
             return Err(StorageError::Expired(id));
         }
-        let Stage::Done { covered, result, .. } = &lookup.stage else {
-            return Err(StorageError::Invalid(format!("lookup {id} is not complete")));
+        let (covered, readers_of) = match &lookup.stage {
+            Stage::Done { covered, result, .. } => (Some(covered), result.readers),
+            // A reader leaving before the hit is known (its session ended): its share goes
+            // back once the prefetch completes (`Inner::complete`).
+            Stage::Prefetching(_) if matches!(readers, Readers::One(_)) => {
+                (None, lookup.request.extra.readers())
+            }
+            _ => return Err(StorageError::Invalid(format!("lookup {id} is not complete"))),
         };
-        let all = all_readers(result.readers);
+        let all = all_readers(readers_of);
         let mask = match readers {
-            Readers::One(r) if u32::from(r) < result.readers => 1u128 << r,
+            Readers::One(r) if u32::from(r) < readers_of => 1u128 << r,
             Readers::All => all,
             Readers::Set(set) if set != 0 && set & !all == 0 => set,
             Readers::One(reader) => {
-                return Err(StorageError::NoSuchReader {
-                    lookup: id,
-                    reader,
-                    readers: result.readers,
-                });
+                return Err(StorageError::NoSuchReader { lookup: id, reader, readers: readers_of });
             }
             Readers::Set(set) => {
                 let outside = set & !all;
                 let reader = if outside == 0 { 0 } else { outside.trailing_zeros() as u8 };
-                return Err(StorageError::NoSuchReader {
-                    lookup: id,
-                    reader,
-                    readers: result.readers,
-                });
+                return Err(StorageError::NoSuchReader { lookup: id, reader, readers: readers_of });
             }
         };
         if mask & lookup.returned != 0 {
             let reader = (mask & lookup.returned).trailing_zeros() as u8;
             return Err(StorageError::ShareReturned { lookup: id, reader });
         }
+        let Some(covered) = covered else {
+            lookup.returned |= mask;
+            if lookup.returned != all {
+                return Ok(false);
+            }
+            // The last reader left before the hit was known: nobody will read it.
+            if let Some(lookup) = lookups.remove(&id) {
+                drop(lookups);
+                self.inner.settle(lookup);
+            }
+            return Ok(true);
+        };
         let mut by_lease: HashMap<LeaseId, Vec<ObjectKey>> = HashMap::new();
         for (key, lease) in covered {
             by_lease.entry(*lease).or_default().push(*key);
@@ -1264,6 +1276,17 @@ impl Inner {
             readers,
             per_tier,
         };
+        if lookup.returned != 0 {
+            // Readers that left while it prefetched: their shares go back now.
+            let gone = Readers::Set(lookup.returned);
+            let mut by_lease: HashMap<LeaseId, Vec<ObjectKey>> = HashMap::new();
+            for (key, lease) in &covered {
+                by_lease.entry(*lease).or_default().push(*key);
+            }
+            for (lease, keys) in &by_lease {
+                let _ = self.l1.finish_read(*lease, gone, Some(keys));
+            }
+        }
         let expires = self.clock.now() + self.config.l1.lease_ttl;
         lookup.stage = Stage::Done { result, covered, below, expires };
     }

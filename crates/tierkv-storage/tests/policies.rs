@@ -832,6 +832,54 @@ fn a_read_below_that_fails_or_hangs_is_an_error_never_bytes_and_the_locks_go_bac
     s.l1().audit().unwrap();
 }
 
+#[test]
+fn a_reader_that_leaves_while_the_lookup_prefetches_returns_its_share_when_it_completes() {
+    // Two readers (MLA over two TP ranks); the hit is in a lower tier whose loads are held, so
+    // the lookup is still prefetching when reader 1's session ends.
+    let tier = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
+    for key in keys(0..4) {
+        tier.insert(key, payload(&key, CHUNK));
+    }
+    let config = StorageConfig { l2: None, disk: None, ..tiered(4, 4, None, StorePolicy::Cascade) };
+    let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![tier.clone()];
+    let s =
+        StorageManager::start_with_tiers(config, Arc::new(tierkv_core::SystemClock::new()), tiers)
+            .unwrap();
+    tier.hold_loads();
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let id =
+        s.submit_prefetch(OWNER, keys(0..4), ExtraCount::new(1).unwrap(), layout.clone()).unwrap();
+    assert!(s.query(id).unwrap().is_none(), "still prefetching");
+    assert!(!s.release(id, Readers::One(1)).unwrap(), "reader 0 still reads");
+    assert!(matches!(
+        s.release(id, Readers::One(1)),
+        Err(StorageError::ShareReturned { reader: 1, .. })
+    ));
+    tier.release_held();
+    assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 4);
+    assert!(matches!(
+        s.read_hit(id, 1, &keys(0..4), CHUNK),
+        Err(StorageError::ShareReturned { reader: 1, .. })
+    ));
+    let chunks = s.read_hit(id, 0, &keys(0..4), CHUNK).unwrap();
+    for (key, chunk) in keys(0..4).iter().zip(chunks) {
+        assert!(bytes_of(chunk) == payload(key, CHUNK), "{key:?} read other bytes");
+    }
+    assert!(s.release(id, Readers::One(0)).unwrap(), "the last reader ends it");
+    assert!(!s.is_open(id));
+    assert_eq!(s.l1().usage().leased, 0, "no share is left out");
+    s.l1().audit().unwrap();
+    // Both readers leaving before the hit is known end the lookup at once.
+    tier.hold_loads();
+    let id = s.submit_prefetch(OWNER, keys(0..4), ExtraCount::new(1).unwrap(), layout).unwrap();
+    assert!(!s.release(id, Readers::One(0)).unwrap());
+    assert!(s.release(id, Readers::One(1)).unwrap());
+    assert!(!s.is_open(id));
+    tier.release_held();
+    eventually("the prefetch's leases went back", || s.l1().usage().leased == 0);
+    s.l1().audit().unwrap();
+}
+
 fn key_of(n: u64) -> ObjectKey {
     keys(n..n + 1)[0]
 }
