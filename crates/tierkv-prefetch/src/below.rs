@@ -12,7 +12,10 @@
 //! ask for a chunk loads it and the others take the same buffer: the tier is read once per chunk,
 //! not once per reader, and the bytes are held once, until every reader has had them. A reader
 //! waits for a load another reader started; if that load fails, a waiting reader loads the chunk
-//! itself, so a failure costs only the reader it struck.
+//! itself, so a failure costs only the reader it struck. What one hit keeps for readers still to
+//! come is bounded ([`KEPT_FOR_READERS`]): a reader running ahead of the others (or alone, the
+//! others gone) does not hold the whole hit in memory; past the bound, the readers behind load
+//! their own copies.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -42,15 +45,38 @@ pub enum BelowError {
     Timeout(Duration),
 }
 
+/// Bytes of loaded chunks one hit keeps for its readers still to come, at most: what a
+/// retrieve's window takes (the daemon reads a hit held below L1 in windows of 64 MiB).
+pub const KEPT_FOR_READERS: u64 = 64 << 20;
+
 /// Chunks of one hit held in their lower tiers, each under one tier lock.
 pub struct HeldBelow {
     router: Arc<TierRouter>,
     /// Each held key and its tier (index, fastest first); a key leaves when its lock goes back.
     held: Mutex<HashMap<ObjectKey, usize>>,
     /// Chunks one reader is loading, or loaded, for the hit's other readers.
-    shared: Mutex<HashMap<ObjectKey, Shared>>,
+    shared: Mutex<SharedLoads>,
     /// Signalled when a load for the other readers ends, whole or not.
     landed: Condvar,
+    /// Bytes of loaded chunks kept for the readers to come, at most.
+    keep_bytes: u64,
+}
+
+/// The chunks loaded, or being loaded, for a hit's several readers.
+#[derive(Default)]
+struct SharedLoads {
+    chunks: HashMap<ObjectKey, Shared>,
+    /// Bytes of the `Loaded` chunks.
+    kept: u64,
+}
+
+impl SharedLoads {
+    /// Forgets `key`'s entry, counting out its bytes if it was loaded.
+    fn remove(&mut self, key: &ObjectKey) {
+        if let Some(Shared::Loaded { bytes, .. }) = self.chunks.remove(key) {
+            self.kept -= bytes.len() as u64;
+        }
+    }
 }
 
 /// A chunk loaded once for every reader of the hit.
@@ -59,17 +85,26 @@ enum Shared {
     Loading,
     /// Loaded whole; `taken` readers have had it. It goes when every reader has.
     Loaded { bytes: Arc<Vec<u8>>, taken: u32 },
+    /// Loaded by `taken` readers, not kept (the hit kept enough already): the next reader
+    /// loads it again.
+    NotKept { taken: u32 },
 }
 
 impl HeldBelow {
     /// Takes over one tier lock per entry of `held`.
     /// `held` names each key once: a lookup's lock on a key is one lock, whatever the groups.
     pub(crate) fn new(router: Arc<TierRouter>, held: HashMap<ObjectKey, usize>) -> Self {
+        Self::keeping(router, held, KEPT_FOR_READERS)
+    }
+
+    /// As [`HeldBelow::new`], keeping at most `keep_bytes` of loaded chunks for other readers.
+    fn keeping(router: Arc<TierRouter>, held: HashMap<ObjectKey, usize>, keep_bytes: u64) -> Self {
         HeldBelow {
             router,
             held: Mutex::new(held),
-            shared: Mutex::new(HashMap::new()),
+            shared: Mutex::new(SharedLoads::default()),
             landed: Condvar::new(),
+            keep_bytes,
         }
     }
 
@@ -96,7 +131,10 @@ impl HeldBelow {
         drop(held);
         let mut shared = self.shared.lock();
         for (key, _) in &returned {
-            if matches!(shared.get(key), Some(Shared::Loaded { .. })) {
+            if matches!(
+                shared.chunks.get(key),
+                Some(Shared::Loaded { .. } | Shared::NotKept { .. })
+            ) {
                 shared.remove(key);
             }
         }
@@ -133,10 +171,15 @@ impl HeldBelow {
                 if got[i].is_some() {
                     continue;
                 }
-                match shared.get_mut(key) {
+                match shared.chunks.get_mut(key) {
                     None => {
-                        shared.insert(*key, Shared::Loading);
-                        claimed.push(i);
+                        shared.chunks.insert(*key, Shared::Loading);
+                        claimed.push((i, 0));
+                    }
+                    Some(Shared::NotKept { taken }) => {
+                        let taken = *taken;
+                        shared.chunks.insert(*key, Shared::Loading);
+                        claimed.push((i, taken));
                     }
                     Some(Shared::Loading) => waiting = true,
                     Some(Shared::Loaded { bytes, taken }) => {
@@ -159,26 +202,40 @@ impl HeldBelow {
             }
             drop(shared);
             // This reader loads what it claimed, while nothing is locked; others wait for it.
-            let mine: Vec<ObjectKey> = claimed.iter().map(|i| keys[*i]).collect();
-            let their_tiers: Vec<usize> = claimed.iter().map(|i| tiers[*i]).collect();
+            let mine: Vec<ObjectKey> = claimed.iter().map(|(i, _)| keys[*i]).collect();
+            let their_tiers: Vec<usize> = claimed.iter().map(|(i, _)| tiers[*i]).collect();
             let result = self.load(&mine, &their_tiers, chunk_bytes, deadline, timeout);
             let mut shared = self.shared.lock();
             let loaded = match result {
                 Ok(loaded) => loaded,
                 Err(e) => {
                     // Unclaimed again: a waiting reader loads them itself.
-                    for key in &mine {
-                        shared.remove(key);
+                    for (i, taken) in &claimed {
+                        match taken {
+                            0 => shared.remove(&keys[*i]),
+                            _ => {
+                                shared.chunks.insert(keys[*i], Shared::NotKept { taken: *taken });
+                            }
+                        }
                     }
                     drop(shared);
                     self.landed.notify_all();
                     return Err(e);
                 }
             };
-            for (i, bytes) in claimed.into_iter().zip(loaded) {
+            for ((i, taken), bytes) in claimed.into_iter().zip(loaded) {
                 let bytes = Arc::new(bytes);
                 got[i] = Some(Arc::clone(&bytes));
-                shared.insert(keys[i], Shared::Loaded { bytes, taken: 1 });
+                let (taken, len) = (taken + 1, bytes.len() as u64);
+                if taken >= readers {
+                    shared.chunks.remove(&keys[i]);
+                } else if shared.kept + len <= self.keep_bytes {
+                    shared.kept += len;
+                    shared.chunks.insert(keys[i], Shared::Loaded { bytes, taken });
+                } else {
+                    // Not kept: a reader to come loads its own copy.
+                    shared.chunks.insert(keys[i], Shared::NotKept { taken });
+                }
             }
             drop(shared);
             self.landed.notify_all();
@@ -316,5 +373,42 @@ impl Drop for Landing {
         {
             *slot = Some(std::mem::take(&mut self.bytes));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tierkv_testkit::FakeTier;
+    use tierkv_testkit::contract::{keys, payload};
+
+    const CHUNK: u64 = 4096;
+    const WAIT: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn a_reader_ahead_of_the_others_keeps_no_more_than_the_bound_for_them() {
+        let tier = Arc::new(FakeTier::new("l2", 64, CHUNK));
+        for key in keys(0..8) {
+            tier.insert(key, payload(&key, CHUNK));
+        }
+        let router = Arc::new(TierRouter::start(vec![tier.clone()]).unwrap());
+        let held = keys(0..8).into_iter().map(|key| (key, 0)).collect();
+        let below = HeldBelow::keeping(Arc::clone(&router), held, 3 * CHUNK);
+        // Reader 0 of two reads the whole hit and lets its copies go.
+        let first = below.read(&keys(0..8), CHUNK, WAIT, 2).unwrap();
+        let copies: Vec<_> = first.iter().map(Arc::downgrade).collect();
+        drop(first);
+        let kept = copies.iter().filter(|c| c.upgrade().is_some()).count();
+        assert_eq!(kept, 3, "three chunks are kept for reader 1, the others let go");
+        assert_eq!(below.shared.lock().kept, 3 * CHUNK);
+        // Reader 1 still reads every chunk, right: three kept for it, five loaded again.
+        let second = below.read(&keys(0..8), CHUNK, WAIT, 2).unwrap();
+        for (key, bytes) in keys(0..8).iter().zip(&second) {
+            assert!(**bytes == payload(key, CHUNK), "{key:?} read other bytes");
+        }
+        assert_eq!(below.shared.lock().kept, 0, "the last reader took what was kept");
+        assert!(below.shared.lock().chunks.is_empty());
+        drop(below);
+        router.stop();
     }
 }
