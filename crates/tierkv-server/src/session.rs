@@ -73,6 +73,7 @@ impl From<StorageError> for Fail {
             StorageError::L1(L1Error::AlreadyReleased { .. } | L1Error::LeaseReleased(_))
             | StorageError::ShareReturned { .. } => ErrorCode::ShareReturned,
             StorageError::NoSuchReader { .. } => ErrorCode::Forbidden,
+            StorageError::Pending(_) => ErrorCode::Pending,
             StorageError::L1(L1Error::UnknownLease(_) | L1Error::LeaseExpired(_)) => {
                 ErrorCode::UnknownLookup
             }

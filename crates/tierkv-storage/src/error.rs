@@ -47,6 +47,9 @@ pub enum StorageError {
         /// The key.
         key: ObjectKey,
     },
+    /// The lookup is still prefetching: its hit is not known yet.
+    #[error("lookup {0} is still prefetching: wait for it (or query it) first")]
+    Pending(LookupId),
     /// The lookup passed its deadline (`l1.lease_ttl` after it completed) holding chunks only in
     /// the lower tiers: its tier locks went back, and it is over.
     #[error("lookup {0} passed its deadline; its chunks held below L1 were let go")]

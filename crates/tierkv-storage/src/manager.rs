@@ -851,6 +851,9 @@ impl StorageManager {
         let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
         let not_covered = |key: &ObjectKey| StorageError::NotCovered { lookup: id, key: *key };
         let Stage::Done { result, covered, below, .. } = &lookup.stage else {
+            if let Stage::Prefetching(_) = lookup.stage {
+                return Err(StorageError::Pending(id));
+            }
             return Err(keys.first().map_or(StorageError::UnknownLookup(id), not_covered));
         };
         if self.inner.expired_without_l1(lookup) {
@@ -907,7 +910,10 @@ impl StorageManager {
             Stage::Prefetching(_) if matches!(readers, Readers::One(_)) => {
                 (None, lookup.request.extra.readers())
             }
-            _ => return Err(StorageError::Invalid(format!("lookup {id} is not complete"))),
+            Stage::Prefetching(_) => return Err(StorageError::Pending(id)),
+            Stage::Failed(why) => {
+                return Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())));
+            }
         };
         let all = all_readers(readers_of);
         let mask = match readers {

@@ -850,6 +850,10 @@ fn a_reader_that_leaves_while_the_lookup_prefetches_returns_its_share_when_it_co
     let id =
         s.submit_prefetch(OWNER, keys(0..4), ExtraCount::new(1).unwrap(), layout.clone()).unwrap();
     assert!(s.query(id).unwrap().is_none(), "still prefetching");
+    assert!(
+        matches!(s.read_hit(id, 0, &keys(0..4), CHUNK), Err(StorageError::Pending(_))),
+        "a read before the hit is known is told to wait"
+    );
     assert!(!s.release(id, Readers::One(1)).unwrap(), "reader 0 still reads");
     assert!(matches!(
         s.release(id, Readers::One(1)),
