@@ -166,6 +166,27 @@ fn f5_a_restarted_daemon_finds_its_disk_chunks_again() {
     assert_eq!(done["hit"], 24);
     assert_eq!(done["per_tier"], serde_json::json!([0, 0, 24, 0]), "every hit came from disk");
     assert_eq!(worker.run(&format!("retrieve {id} 5 24"))["verified"], 24);
+    // A lookup id kept from before the restart names nothing now: were ids counted from 1 on
+    // every start, the first run's id would name this run's first lookup, and a client
+    // retrying its retrieve on a new session would take that lookup's share.
+    let held = worker.run("lookup 5 4")["lookup"].as_u64().unwrap();
+    worker.run(&format!("wait {held}"));
+    worker.exit();
+    assert!(daemon.stop().success());
+    daemon.restart();
+    let mut worker = daemon.worker(&plain);
+    let mut fresh = Vec::new();
+    for _ in 0..2 {
+        let id = worker.run("lookup 5 4")["lookup"].as_u64().unwrap();
+        assert_eq!(worker.run(&format!("wait {id}"))["hit"], 4);
+        fresh.push(id);
+    }
+    assert!(!fresh.contains(&held), "a restarted daemon gave out an id of its earlier run");
+    let stale = worker.try_run(&format!("retrieve {held} 5 4"));
+    assert!(stale.to_string().contains("UnknownLookup"), "{stale}");
+    for id in fresh {
+        assert_eq!(worker.run(&format!("retrieve {id} 5 4"))["verified"], 4);
+    }
     worker.exit();
     assert!(daemon.stop().success());
 }

@@ -426,7 +426,7 @@ impl StorageManager {
             store,
             lookups: Mutex::new(HashMap::new()),
             abandoned: Mutex::new(Vec::new()),
-            next_lookup: AtomicU64::new(1),
+            next_lookup: AtomicU64::new(first_lookup_id()),
             reads: Mutex::new(HashMap::new()),
             config,
             metrics,
@@ -1454,6 +1454,17 @@ impl Inner {
             }
         });
     }
+}
+
+/// Where this manager's lookup ids start: a random point below 2^52, so that the ids of a
+/// daemon that restarted do not meet its earlier run's. A client that kept an id across the
+/// restart (its session replaced) gets `unknown_lookup` for it, where ids counted from 1 again
+/// would name another client's new lookup, and its retrieve would take that lookup's share.
+fn first_lookup_id() -> u64 {
+    use std::hash::BuildHasher;
+    let random =
+        std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now());
+    (random >> 12).max(1)
 }
 
 /// The bitmap of every reader of a lookup with `readers` readers (1..=128).
