@@ -811,6 +811,17 @@ def test_a_reply_that_does_not_fit_is_connection_lost(sent, why):
         assert msgpack.unpackb(theirs.recv(length)) == {"id": 1, "body": "clear"}
 
 
+def test_a_retrieve_answered_for_other_chunks_is_connection_lost():
+    # Two chunks asked for, none copied by the daemon's count: the blocks may not hold them.
+    ours, theirs = socket.socketpair()
+    with theirs:
+        client = Client(ours, timeout=1.0, unix=True)
+        theirs.sendall(_reply_frame({"id": 1, "body": {"retrieved": {"chunks": 0, "bytes": 0}}}))
+        with pytest.raises(ConnectionLost, match="does not answer"):
+            client.retrieve(7, 0, [(1, [0]), (2, [1])])
+        assert client.closed
+
+
 def test_bad_frame_closes_the_client_and_other_errors_do_not():
     ours, theirs = socket.socketpair()
     with theirs:

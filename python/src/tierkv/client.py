@@ -298,8 +298,16 @@ class Client:
         """Copies chunks of the lookup's hit into blocks of a registered buffer, then returns
         this reader's share of the lookup. For a buffer in GPU memory, ``done_event`` is the IPC
         handle of a CUDA event the daemon records after the copies: the reply then comes
-        before they are done, and the caller's stream must wait for the event before reading."""
-        return self._expect(Retrieved, wire.retrieve(lookup, buffer, chunks, done_event))
+        before they are done, and the caller's stream must wait for the event before reading.
+        A reply that counts other chunks than were asked for is :class:`ConnectionLost`: the
+        blocks may not hold what was asked for."""
+        chunks = list(chunks)
+        retrieved: Retrieved = self._expect(
+            Retrieved, wire.retrieve(lookup, buffer, chunks, done_event)
+        )
+        if retrieved.chunks != len(chunks):
+            raise self._unexpected(retrieved)
+        return retrieved
 
     def release(self, lookup: int) -> None:
         """Returns every share the lookup still holds (for chunks the engine will not read)."""

@@ -559,3 +559,20 @@ def test_chunks_follow_the_kv_cache_specs_block_size_not_cache_configs(
         assert "|block=32|" in hello["namespaces"][0]["model"]
     finally:
         scheduler.shutdown()
+
+
+def test_a_load_failure_policy_other_than_recompute_is_warned_of() -> None:
+    from types import SimpleNamespace
+
+    from tierkv.vllm.connector import load_failure_warning
+
+    assert load_failure_warning(SimpleNamespace(kv_load_failure_policy="recompute")) is None
+    warning = load_failure_warning(SimpleNamespace(kv_load_failure_policy="fail"))
+    assert warning is not None and "'fail'" in warning and "recompute" in warning
+    # vLLM's own default is "fail": a config that leaves it out is warned of too.
+    from vllm.config import KVTransferConfig
+
+    assert (
+        load_failure_warning(KVTransferConfig(kv_connector="TierKVConnector", kv_role="kv_both"))
+        is not None
+    )

@@ -52,6 +52,20 @@ def cpu_split_kv_hazard(windows: Iterable[object], environ: Mapping[str, str]) -
     return split and len(set(windows)) > 1
 
 
+def load_failure_warning(transfer: object) -> str | None:
+    """What to warn of when vLLM's ``kv_load_failure_policy`` (of the ``kv_transfer_config``
+    ``transfer``) is not ``"recompute"``: under vLLM's default, ``"fail"``, every load that
+    fails (the daemon restarted, a lease ran out) fails its request instead of being a miss."""
+    policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+    if policy == "recompute":
+        return None
+    return (
+        f"tierkv: kv_load_failure_policy is {policy!r}: a load that fails (the daemon restarted "
+        "or is down, a lease ran out) fails its request instead of recomputing its blocks; set "
+        '"kv_load_failure_policy": "recompute" in --kv-transfer-config (docs/vllm.md)'
+    )
+
+
 #: The KV cache specs whose every block holds its tokens' KV for the request's whole life.
 FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
@@ -100,6 +114,8 @@ class TierKVConnector(KVConnectorBase_V1):
                 "layers are served)"
             )
         if role == KVConnectorRole.SCHEDULER:
+            if (warning := load_failure_warning(transfer)) is not None:
+                log.warning(warning)
             self._scheduler = SchedulerSide(
                 settings,
                 namespace,
