@@ -46,6 +46,22 @@ def test_chunk_ids_are_tierkv_prefix_hashes_and_a_salt_separates_them() -> None:
     assert all(a != b for a, b in zip(salted, prefix_hashes(tokens, 128), strict=True))
 
 
+def test_a_requests_salt_names_its_cache_salt_and_its_adapter_unambiguously() -> None:
+    from types import SimpleNamespace
+
+    from tierkv.vllm.scheduler import request_salt
+
+    def salt(cache_salt: str | None, name: str = "", path: str = "") -> bytes:
+        lora = SimpleNamespace(lora_name=name, lora_path=path) if name else None
+        return request_salt(SimpleNamespace(cache_salt=cache_salt, lora_request=lora))  # type: ignore[arg-type]
+
+    assert salt(None) == b"", "no salt, no adapter: the plain prompt's chunks"
+    assert salt("a;lora=b", "c") != salt("a", "b;lora=c"), "parts cannot run into each other"
+    assert salt(None, "ad", "/w/v1") != salt(None, "ad", "/w/v2"), "one name, other weights"
+    assert salt("t", "ad", "/w") == salt("t", "ad", "/w")
+    assert len({salt("t"), salt(None, "t"), salt("t", "t")}) == 3
+
+
 def test_the_move_keeps_bytes_repoints_every_view_and_describes_the_layout() -> None:
     blocks = 6
     layers = {f"model.layers.{i}.self_attn.attn": torch.randn(blocks, 2, 4, 8) for i in (1, 0)}

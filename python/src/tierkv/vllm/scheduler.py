@@ -130,10 +130,18 @@ def not_from_tokens_alone(request: Request) -> bool:
 
 
 def request_salt(request: Request) -> bytes:
+    """What, besides its tokens, names a request's KV: its cache salt and its LoRA adapter (by
+    name and by where its weights are, so two engines serving other adapters under one name do
+    not share chunks). Empty for neither. Each part is length-prefixed, so no salt can pass for
+    another salt and adapter."""
     salt = getattr(request, "cache_salt", None) or ""
     lora = getattr(request, "lora_request", None)
-    lora_name = getattr(lora, "lora_name", "") if lora is not None else ""
-    return f"salt={salt};lora={lora_name}".encode() if salt or lora_name else b""
+    name = (getattr(lora, "lora_name", None) or "") if lora is not None else ""
+    path = (getattr(lora, "lora_path", None) or "") if lora is not None else ""
+    if not (salt or name):
+        return b""
+    parts = [str(part).encode() for part in (salt, name, path)]
+    return b"tierkv-salt" + b"".join(len(p).to_bytes(4, "little") + p for p in parts)
 
 
 class SchedulerSide:
