@@ -172,9 +172,18 @@ impl Index {
     }
 
     /// Indexes `key`'s record at `loc`, unless the key already has one; returns whether it did.
+    /// A lock the key still holds (its earlier record was found damaged and dropped while a
+    /// lookup held it) moves to the new record's segment, which it must now keep from eviction.
     fn index_record(&mut self, key: ObjectKey, loc: Loc) -> bool {
         if self.map.contains_key(&key) {
             return false;
+        }
+        if let Some((_, locked_in)) = self.locks.get_mut(&key)
+            && *locked_in != loc.segment
+        {
+            let earlier = std::mem::replace(locked_in, loc.segment);
+            self.segments[earlier as usize].locked -= 1;
+            self.segments[loc.segment as usize].locked += 1;
         }
         self.map.insert(key, loc);
         let segment = &mut self.segments[loc.segment as usize];
@@ -1712,10 +1721,15 @@ impl Shared {
             let index = self.index.lock();
             unique.values().filter_map(|id| index.segments[*id as usize].file.clone()).collect()
         };
+        // Every file is synced, whatever failed before it: one bad file leaves the others'
+        // records no less durable. The first failure is the answer.
+        let mut synced = Ok(());
         for file in files {
-            file.sync().map_err(|e| io_error(&file.path, "syncing", &e))?;
+            if let (Err(e), Ok(())) = (file.sync(), &synced) {
+                synced = Err(io_error(&file.path, "syncing", &e));
+            }
         }
-        Ok(())
+        synced
     }
 
     /// The periodic flusher's step: syncs the segments written since the last one.

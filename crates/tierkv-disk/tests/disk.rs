@@ -1032,6 +1032,28 @@ fn records_damaged_or_torn_before_a_restart_are_counted_when_it_opens() {
 }
 
 #[test]
+fn a_lock_follows_its_key_to_the_record_that_replaced_a_damaged_one() {
+    // Segments of one record. A lookup holds key 0 (a hit held below L1) when a load finds its
+    // record damaged and drops it; the engine recomputes and stores the key again, into another
+    // segment, and a second lookup locks it. That segment must stay while the locks do, however
+    // full the disk gets; the damaged one may go.
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, _store) = open(config(dir.path(), 4, 1));
+    h.store(&[key(0)]).unwrap();
+    assert!(h.lookup(&[key(0)]).get(0));
+    flip(&segment(dir.path(), 0), record_offset(0) + BLOCK + 5);
+    assert!(!h.load(&[key(0)]).0.get(0), "the damage is found, the record dropped");
+    h.store(&[key(0)]).unwrap();
+    assert!(h.lookup(&[key(0)]).get(0));
+    for k in 1..12 {
+        h.store(&[key(k)]).unwrap();
+    }
+    h.assert_loads(&[key(0)]);
+    h.tier.unlock(&[key(0), key(0)]);
+    assert_eq!(h.tier.usage().locks, 0);
+}
+
+#[test]
 fn a_damaged_first_header_read_with_the_superblock_loses_only_its_record() {
     // The restart reads a segment's superblock and first header in one read. Segments of four
     // records: key 0's header damaged, the scan finds key 1's after it. Segments of one record,
