@@ -154,6 +154,25 @@ fn h16_08_one_session_cannot_fill_l1_with_leases() {
 }
 
 #[test]
+fn h16_08_misses_a_session_never_returns_are_bounded_too() {
+    // A miss holds no lease, but its record is kept until its deadline: a client that never
+    // returns its lookups is refused past 4,096 open ones, and only it.
+    let daemon = daemon_with_lease_cap(2 * BATCH * 64);
+    let (mut hog, _buffer) = worker(&daemon, Client::worker_hello("m", CHUNK));
+    let mut last = None;
+    for n in 0..4096u64 {
+        let id = hog.lookup(0, vec![ChunkId(u128::from(n) + 1)]).unwrap().id;
+        assert_eq!(hog.wait(id, Duration::from_secs(10)).unwrap().hit_chunks, 0);
+        last = Some(id);
+    }
+    assert_eq!(code(hog.lookup(0, vec![ChunkId(1)])), ErrorCode::LeaseLimit);
+    let (mut other, _b) = worker(&daemon, Client::worker_hello("m", CHUNK));
+    other.lookup(0, vec![ChunkId(1)]).unwrap();
+    hog.release(last.unwrap()).unwrap();
+    hog.lookup(0, vec![ChunkId(1)]).unwrap();
+}
+
+#[test]
 fn h16_08_one_lookup_loads_no_more_of_its_hit_into_l1_than_its_sessions_allowance() {
     // L1 of 64 slots; a session may hold leases on 4 chunks.
     let daemon = daemon_with_lease_cap(4 * 64);

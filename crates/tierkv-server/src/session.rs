@@ -30,6 +30,9 @@ use crate::metrics::ServerMetrics;
 const MAX_NAMESPACES: usize = 64;
 /// Buffers one session may register.
 const MAX_BUFFERS: usize = 64;
+/// Open lookups one session may have at once: each is kept until its deadline, a miss too, so
+/// a client that never returns them would otherwise grow the daemon's records without bound.
+const MAX_OPEN_LOOKUPS: usize = 4096;
 /// The longest wait a client may ask for; longer asks wait this long.
 const MAX_WAIT: Duration = Duration::from_secs(60);
 /// Lookups remembered after their last reader returned its share, so a late `release` by their
@@ -821,8 +824,9 @@ impl Session {
     }
 
     /// Bytes of leases this session's open lookups hold (a lookup still prefetching counts
-    /// every chunk it asked for). Forgets registry entries of lookups that are over.
-    fn leased_bytes(&self) -> u64 {
+    /// every chunk it asked for), and how many are open. Forgets registry entries of lookups
+    /// that are over.
+    fn open_lookups(&self) -> (u64, usize) {
         let mine: Vec<u64> = self
             .daemon
             .lookups
@@ -834,19 +838,21 @@ impl Session {
         let storage = &self.daemon.storage;
         let mut chunks = 0u64;
         let mut over = Vec::new();
+        let open = mine.len();
         for id in mine {
             match storage.held_chunks(LookupId(id)) {
                 Some(n) => chunks += n as u64,
                 None => over.push(id),
             }
         }
+        let open = open - over.len();
         if !over.is_empty() {
             let mut lookups = self.daemon.lookups.lock();
             for id in over {
                 lookups.remove(&id);
             }
         }
-        chunks.saturating_mul(self.opened().hello.chunk_bytes)
+        (chunks.saturating_mul(self.opened().hello.chunk_bytes), open)
     }
 
     fn lookup(&self, namespace: u32, chunks: &[ChunkId], peer: Peer) -> Result<ReplyBody, Fail> {
@@ -855,7 +861,17 @@ impl Session {
             // Nobody reads the reply: no prefetch takes room in L1, no lease is held for it.
             return Err(self.gave_up("lookup", chunks.len()));
         }
-        let held = self.leased_bytes();
+        let (held, open) = self.open_lookups();
+        if open >= MAX_OPEN_LOOKUPS {
+            // Each costs the daemon its record until its deadline, a miss as much as a hit.
+            return fail(
+                ErrorCode::LeaseLimit,
+                format!(
+                    "this session has {open} open lookups, the most one may have: retrieve or \
+                     release some first"
+                ),
+            );
+        }
         if held >= self.daemon.max_leased_per_session {
             return fail(
                 ErrorCode::LeaseLimit,

@@ -1295,6 +1295,14 @@ impl Inner {
         }
         let expires = self.clock.now() + self.config.l1.lease_ttl;
         lookup.stage = Stage::Done { result, covered, below, expires };
+        // The hit is known: what the request named past it is never looked at again. A miss
+        // of a long prompt, kept until its deadline, keeps nothing of it.
+        for (group, in_l1) in lookup.request.groups.iter_mut().zip(&mut lookup.in_l1) {
+            group.keys.truncate(n);
+            group.keys.shrink_to_fit();
+            in_l1.truncate(n);
+            in_l1.shrink_to_fit();
+        }
     }
 
     /// Whether a complete lookup holds nothing in L1 (its chunks only below L1, or none: a
@@ -1475,7 +1483,7 @@ fn all_readers(readers: u32) -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tierkv_core::{Layout, VecChunk};
+    use tierkv_core::{ExtraCount, Layout, VecChunk};
     use tierkv_l1::{DeviceKind, L1Config};
     use tierkv_testkit::contract::{keys, payload};
 
@@ -1509,6 +1517,37 @@ mod tests {
             storage.stop();
             assert_eq!(storage.inner.store.queue().progress(), 0, "{policy:?}: jobs were sent");
         }
+    }
+
+    /// A complete lookup keeps only the keys of its hit: a miss of a long prompt, kept until its
+    /// deadline, holds none of the keys it named.
+    #[test]
+    fn a_complete_lookup_keeps_only_the_keys_of_its_hit() {
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
+        let storage = StorageManager::start(StorageConfig::new(l1)).unwrap();
+        let layout = Layout::bytes(CHUNK).unwrap();
+        let stored = keys(0..2);
+        assert!(storage.reserve_write(OWNER, &stored, &layout).unwrap().iter().all(|r| r.is_ok()));
+        for k in &stored {
+            storage.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+        }
+        assert!(storage.finish_write(OWNER, &stored).unwrap().iter().all(|r| r.is_ok()));
+        let named = |id: LookupId| {
+            let lookups = storage.inner.lookups.lock();
+            let lookup = &lookups[&id];
+            (lookup.request.groups[0].keys.len(), lookup.in_l1[0].len())
+        };
+        let hit = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), keys(0..1000));
+        let hit = storage.submit_lookup(hit).unwrap();
+        assert_eq!(storage.wait(hit, Duration::from_secs(5)).unwrap().hit_chunks, 2);
+        assert_eq!(named(hit), (2, 2));
+        let miss = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout, keys(5000..6000));
+        let miss = storage.submit_lookup(miss).unwrap();
+        assert_eq!(storage.wait(miss, Duration::from_secs(5)).unwrap().hit_chunks, 0);
+        assert_eq!(named(miss), (0, 0));
+        assert_eq!(storage.l1_hit(hit).unwrap(), 2, "what L1 held is still told");
+        storage.release_all(hit).unwrap();
+        storage.release_all(miss).unwrap();
     }
 
     /// A cascade with an L1 of eight chunks over one tier, a fake disk, that holds tasks when
