@@ -1519,6 +1519,30 @@ mod tests {
         }
     }
 
+    /// A store that finishes while the pipeline stops (or after) has its copy's share returned:
+    /// nothing will copy it, and the chunk must stay evictable.
+    #[test]
+    fn a_store_finished_as_the_pipeline_stops_returns_its_share() {
+        let below = Arc::new(tierkv_testkit::FakeTier::new("disk", 64, CHUNK));
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
+        let config =
+            StorageConfig { store_policy: StorePolicy::WriteThrough, ..StorageConfig::new(l1) };
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![below];
+        let clock = Arc::new(tierkv_core::ManualClock::new());
+        let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+        let layout = Layout::bytes(CHUNK).unwrap();
+        let chunk = keys(0..1);
+        assert!(storage.reserve_write(OWNER, &chunk, &layout).unwrap().iter().all(|r| r.is_ok()));
+        let k = chunk[0];
+        storage.write_access(OWNER, &k).unwrap().write_at(0, &payload(&k, CHUNK)).unwrap();
+        storage.inner.store.stop();
+        let (results, ticket) = storage.finish_write_tracked(OWNER, &chunk).unwrap();
+        assert!(results.iter().all(|r| r.is_ok()));
+        assert!(matches!(storage.l1().presence(&k), tierkv_l1::Presence::Ready { shares: 0, .. }));
+        assert_eq!(storage.l1().active_leases(), 0, "the copy's lease went back");
+        assert_eq!(ticket.outcome().map(|d| d.not_durable), Some(1), "nothing reached the disk");
+    }
+
     /// A complete lookup keeps only the keys of its hit: a miss of a long prompt, kept until its
     /// deadline, holds none of the keys it named.
     #[test]
@@ -1596,6 +1620,45 @@ mod tests {
     /// A chunk L2 deleted while it was on its way down does not stay in the tier below: the
     /// pipeline drops it if the delete came before the write, and deletes it below if the delete
     /// came while the write was under way. A victim not deleted lands as ever.
+    #[test]
+    fn a_tier_that_panics_taking_back_a_withdrawn_chunk_still_ends_its_batch() {
+        let (storage, below) = cascade_over_one_tier();
+        let host = HostStore::open(tierkv_l2::HostStoreConfig {
+            memory: tierkv_l2::HostMemory::Plain,
+            workers: 1,
+            ..tierkv_l2::HostStoreConfig::new(CHUNK, CHUNK)
+        })
+        .unwrap();
+        let departed: Arc<Mutex<Vec<tierkv_core::Departing>>> = Arc::default();
+        let keep = Arc::clone(&departed);
+        assert!(host.set_demoter(Box::new(move |_, departing| keep.lock().push(departing))));
+        let down = DemoteDown {
+            jobs: storage.inner.store.queue().clone(),
+            cap: 64 * CHUNK,
+            metrics: storage.inner.metrics.clone(),
+        };
+        let [k0, k1] = keys(0..2)[..] else { unreachable!() };
+        below.hold();
+        for k in [k0, k1] {
+            host.store_now(k, &VecChunk(payload(&k, CHUNK))).unwrap(); // k0 leaves
+        }
+        for departing in departed.lock().drain(..) {
+            down.send(0, departing.key(), Box::new(departing));
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while below.held_tasks() == 0 {
+            assert!(Instant::now() < deadline, "the pipeline never took the victim");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(host.delete(&[k0]), 1); // withdrawn while it is written
+        below.panic_on_delete();
+        below.release_held();
+        assert!(
+            storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)),
+            "the batch never ended"
+        );
+    }
+
     #[test]
     fn a_victim_deleted_above_on_its_way_down_does_not_stay_below() {
         let (storage, below) = cascade_over_one_tier();

@@ -161,7 +161,8 @@ impl StoreQueue {
         self.outstanding.fetch_add(1, Ordering::AcqRel);
         if let Err(refused) = self.sender.send(job) {
             self.outstanding.fetch_sub(1, Ordering::AcqRel);
-            // The pipeline is gone: nothing will copy the job, so its shares go back now.
+            // The pipeline was never started (it keeps the queue's other end while it lives):
+            // nothing will copy the job.
             match &refused.0 {
                 StoreJob::Finished { ticket: Some(ticket), keys, .. } => {
                     ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
@@ -217,7 +218,12 @@ struct Batch {
 pub(crate) struct StorePipeline {
     queue: StoreQueue,
     stop: Arc<AtomicBool>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: Mutex<Option<JoinHandle<Worker>>>,
+    /// The queue's other end, kept so that a job is never refused: whatever the thread did not
+    /// take before it ended, or is sent after, is dropped here, its shares returned.
+    leftovers: Receiver<StoreJob>,
+    /// The thread's worker once it ended: what drops those jobs.
+    ended: Mutex<Option<Worker>>,
 }
 
 impl StorePipeline {
@@ -247,10 +253,18 @@ impl StorePipeline {
             metrics,
         };
         let halt = Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name("tierkv-store".into())
-            .spawn(move || worker.run(&inbox, &events, &halt))?;
-        Ok(StorePipeline { queue, stop, thread: Mutex::new(Some(thread)) })
+        let leftovers = inbox.clone();
+        let thread = std::thread::Builder::new().name("tierkv-store".into()).spawn(move || {
+            worker.run(&inbox, &events, &halt);
+            worker
+        })?;
+        Ok(StorePipeline {
+            queue,
+            stop,
+            thread: Mutex::new(Some(thread)),
+            leftovers,
+            ended: Mutex::new(None),
+        })
     }
 
     /// The queue jobs go through, for writers waiting on the pipeline's progress.
@@ -260,6 +274,10 @@ impl StorePipeline {
 
     pub(crate) fn submit(&self, job: StoreJob) {
         self.queue.send(job);
+        if self.stop.load(Ordering::SeqCst) {
+            // Sent while (or after) the pipeline stopped: nothing will copy it.
+            self.drop_leftovers();
+        }
     }
 
     /// Jobs queued or being copied.
@@ -269,9 +287,22 @@ impl StorePipeline {
 
     /// Stops after the batches in flight finished (or a drain timeout passed). Idempotent.
     pub(crate) fn stop(&self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(thread) = self.thread.lock().take() {
-            let _ = thread.join();
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.thread.lock().take()
+            && let Ok(worker) = thread.join()
+        {
+            *self.ended.lock() = Some(worker);
+        }
+        self.drop_leftovers();
+    }
+
+    /// Drops the jobs queued that the thread, now ended, never took: their shares go back,
+    /// their writers learn nothing of them reached the disk.
+    fn drop_leftovers(&self) {
+        let ended = self.ended.lock();
+        let Some(worker) = ended.as_ref() else { return };
+        while let Ok(job) = self.leftovers.try_recv() {
+            worker.drop_job(job);
         }
     }
 }
@@ -640,7 +671,12 @@ impl Worker {
         let withdrawn: Vec<ObjectKey> =
             sources.iter().filter(|item| item.source.withdrawn()).map(|item| item.key).collect();
         if let (false, Some(target)) = (withdrawn.is_empty(), self.router.tier(tier)) {
-            target.delete(&withdrawn);
+            // A tier that panics here keeps the keys (a miss at worst, never wrong bytes: equal
+            // keys are equal bytes); its batch still ends.
+            if catch_unwind(AssertUnwindSafe(|| target.delete(&withdrawn))).is_err() {
+                tracing::error!(tier, "a tier panicked deleting withdrawn chunks; they stay");
+                self.metrics.store_panic();
+            }
         }
     }
 

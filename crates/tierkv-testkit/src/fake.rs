@@ -25,6 +25,8 @@ struct State {
     holding_loads: bool,
     held: Vec<Task>,
     closed: bool,
+    /// Deletes panic (a bug in the tier), as the pipeline's callers must survive.
+    panicking_deletes: bool,
 }
 
 /// An in-memory tier of a fixed number of objects, evicting least recently used unlocked ones.
@@ -58,6 +60,7 @@ impl FakeTier {
                 holding_loads: false,
                 held: Vec::new(),
                 closed: false,
+                panicking_deletes: false,
             }),
             next_task: AtomicU64::new(1),
             sender,
@@ -75,6 +78,11 @@ impl FakeTier {
     /// From now on, loads of these keys fail (the key reads as not loaded).
     pub fn fail_loads_of(&self, keys: &[ObjectKey]) {
         self.state.lock().failing_loads.extend(keys.iter().copied());
+    }
+
+    /// From now on, every delete panics (as a buggy tier's might).
+    pub fn panic_on_delete(&self) {
+        self.state.lock().panicking_deletes = true;
     }
 
     /// From now on, tasks wait in flight instead of running.
@@ -235,6 +243,10 @@ impl TierAdapter for FakeTier {
 
     fn delete(&self, keys: &[ObjectKey]) -> usize {
         let mut state = self.state.lock();
+        if state.panicking_deletes {
+            drop(state);
+            panic!("the fake tier was told to panic on deletes");
+        }
         let mut deleted = 0;
         for key in keys {
             if !state.locks.contains_key(key) && state.objects.remove(key).is_some() {
