@@ -210,9 +210,10 @@ pub enum Completion {
     Loaded {
         /// The task.
         task: TaskId,
-        /// Bit `i`: key `i` was copied whole into its sink.
+        /// Bit `i`: `sinks[i]`'s key was copied whole into it. One bit per sink handed back.
         loaded: Bitmap,
-        /// The sink buffers, handed back.
+        /// The sink buffers, handed back in the order they came (a sink lost to a panic is
+        /// missing, and so is its bit).
         sinks: Vec<LoadItem>,
     },
 }

@@ -576,6 +576,20 @@ impl Worker {
                 // Drop the sinks (the write guards) before finishing or aborting their writes.
                 let keys: Vec<ObjectKey> = sinks.iter().map(|item| item.key).collect();
                 drop(sinks);
+                // A bit for each sink, or none is trusted: one read against another sink's key
+                // would take an unwritten slot for a loaded one.
+                let loaded = if loaded.len() == keys.len() {
+                    loaded
+                } else {
+                    tracing::error!(
+                        tier,
+                        bits = loaded.len(),
+                        sinks = keys.len(),
+                        "a tier answered a load with a bit per key asked, not per sink handed \
+                         back: none of it counts as loaded"
+                    );
+                    Bitmap::new(keys.len())
+                };
                 let mut reserved_at: HashMap<ObjectKey, At> = HashMap::new();
                 for at in &active.reserved {
                     reserved_at.entry(active.key(*at)).or_insert(*at);

@@ -380,8 +380,18 @@ impl Shared {
             self.count_error(&e);
         }
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
-        // A sink lost to a panicked task cannot be handed back; the bitmap keeps its position.
-        (loaded, back.into_iter().flatten().collect())
+        // A sink lost to a panicked task cannot be handed back: the bitmap is rebuilt over the
+        // sinks that are, so that bit `i` still names `sinks[i]` (a caller reading bit `i` as
+        // another key's would take an unwritten sink for a loaded one).
+        let mut bits = Vec::with_capacity(n);
+        let mut sinks = Vec::with_capacity(n);
+        for (i, item) in back.into_iter().enumerate() {
+            if let Some(item) = item {
+                bits.push(loaded.get(i));
+                sinks.push(item);
+            }
+        }
+        (Bitmap::from_bools(bits), sinks)
     }
 }
 

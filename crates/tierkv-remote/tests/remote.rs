@@ -163,6 +163,46 @@ fn a_value_that_does_not_verify_is_a_miss_counted_never_served() {
     assert_eq!(tier.load_verified(&keys(0..4)).count_ones(), 4);
 }
 
+/// A sink whose copy panics: a bug in the caller's buffer type.
+struct PanickingSink;
+
+impl tierkv_core::ChunkSink for PanickingSink {
+    fn len(&self) -> u64 {
+        CHUNK
+    }
+
+    fn copy_from_host(&mut self, _src: &[u8]) -> Result<(), tierkv_core::BufferError> {
+        panic!("a sink that panics");
+    }
+}
+
+#[test]
+fn a_load_whose_sink_panics_still_names_each_sink_handed_back_by_its_own_bit() {
+    // Keys 0 and 1 are stored, key 2 is not; key 0's sink panics as the value lands. Its sink
+    // cannot come back, and the bits must follow the sinks that do: read against the keys
+    // asked for, key 1's bit would say key 2 (never written) loaded.
+    require_redis!();
+    let prefix = unique_prefix("panic");
+    let store =
+        RemoteStore::open(config(vec![standalone().url()], RemoteMode::Standalone, &prefix))
+            .unwrap();
+    let tier = SharedTier::new(Arc::new(store), CHUNK);
+    tier.store(&keys(0..2)).unwrap();
+    let items = vec![
+        tierkv_core::LoadItem { key: key(0), sink: Box::new(PanickingSink) },
+        tierkv_core::LoadItem { key: key(1), sink: Box::new(VecChunk(vec![0; CHUNK as usize])) },
+        tierkv_core::LoadItem { key: key(2), sink: Box::new(VecChunk(vec![0; CHUNK as usize])) },
+    ];
+    let task = tier.tier.submit_load(items);
+    let completion = tier.tier.completions().recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(completion.task(), task);
+    let Completion::Loaded { loaded, sinks, .. } = completion else { panic!("not a load") };
+    assert_eq!(loaded.len(), sinks.len(), "one bit per sink handed back");
+    for (i, item) in sinks.iter().enumerate() {
+        assert_eq!(loaded.get(i), item.key == key(1), "{:?}", item.key);
+    }
+}
+
 #[test]
 fn two_namespaces_never_see_each_other() {
     require_redis!();
