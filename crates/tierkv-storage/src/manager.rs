@@ -1621,6 +1621,53 @@ mod tests {
     /// pipeline drops it if the delete came before the write, and deletes it below if the delete
     /// came while the write was under way. A victim not deleted lands as ever.
     #[test]
+    fn a_chunk_withdrawn_on_its_way_to_the_remote_tier_is_not_deleted_there() {
+        // L2 over the shared remote tier (no disk): L2's victim is on its way there when this
+        // node clears L2. The remote tier keeps what it got; other nodes may read it.
+        let remote = Arc::new(tierkv_testkit::FakeTier::new("remote", 64, CHUNK));
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
+        let config = StorageConfig {
+            store_policy: StorePolicy::Cascade,
+            remote_admission: RemoteAdmission::AfterReads { min_reads: 1 },
+            ..StorageConfig::new(l1)
+        };
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![remote.clone()];
+        let clock = Arc::new(tierkv_core::ManualClock::new());
+        let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+        let host = HostStore::open(tierkv_l2::HostStoreConfig {
+            memory: tierkv_l2::HostMemory::Plain,
+            workers: 1,
+            ..tierkv_l2::HostStoreConfig::new(CHUNK, CHUNK)
+        })
+        .unwrap();
+        let departed: Arc<Mutex<Vec<tierkv_core::Departing>>> = Arc::default();
+        let keep = Arc::clone(&departed);
+        assert!(host.set_demoter(Box::new(move |_, departing| keep.lock().push(departing))));
+        let down = DemoteDown {
+            jobs: storage.inner.store.queue().clone(),
+            cap: 64 * CHUNK,
+            metrics: storage.inner.metrics.clone(),
+        };
+        let [k0, k1] = keys(0..2)[..] else { unreachable!() };
+        remote.hold();
+        for k in [k0, k1] {
+            host.store_now(k, &VecChunk(payload(&k, CHUNK))).unwrap(); // k0 leaves
+        }
+        for departing in departed.lock().drain(..) {
+            down.send(0, departing.key(), Box::new(departing));
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while remote.held_tasks() == 0 {
+            assert!(Instant::now() < deadline, "the pipeline never took the victim");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(host.clear(), 2, "the clear withdraws k0 on its way, and takes k1");
+        remote.release_held();
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        assert!(remote.contains(&k0), "this node's clear deleted a shared value");
+    }
+
+    #[test]
     fn a_tier_that_panics_taking_back_a_withdrawn_chunk_still_ends_its_batch() {
         let (storage, below) = cascade_over_one_tier();
         let host = HostStore::open(tierkv_l2::HostStoreConfig {

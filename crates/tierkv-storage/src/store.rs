@@ -668,6 +668,12 @@ impl Worker {
     /// reach it. One that comes later finds the chunk in `tier` itself. A later departure of the
     /// same key that landed meanwhile goes too: a miss, never wrong bytes.
     fn take_back_withdrawn(&self, tier: usize, sources: &[StoreItem]) {
+        if self.remote.is_some_and(|(remote, _)| remote == tier) {
+            // The remote tier is shared by the nodes: what this node deleted (a `clear`) is
+            // not deleted there, where others may have stored it and read it. Equal keys are
+            // equal bytes, so keeping it serves nothing wrong.
+            return;
+        }
         let withdrawn: Vec<ObjectKey> =
             sources.iter().filter(|item| item.source.withdrawn()).map(|item| item.key).collect();
         if let (false, Some(target)) = (withdrawn.is_empty(), self.router.tier(tier)) {
