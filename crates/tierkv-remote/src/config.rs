@@ -103,12 +103,24 @@ impl RemoteConfig {
         if self.key_prefix.is_empty() || self.key_prefix.contains(char::is_whitespace) {
             return bad("key_prefix must be non-empty and without whitespace".into());
         }
+        if self.key_prefix.contains('{') || self.key_prefix.contains('}') {
+            // A hash tag in the prefix would put every key on one cluster slot, one master.
+            return bad("key_prefix must not contain '{' or '}' (a Redis Cluster hash tag)".into());
+        }
         if self.connect_timeout.is_zero()
             || self.op_timeout.is_zero()
             || self.reconnect_interval.is_zero()
         {
             return bad(
                 "connect_timeout, op_timeout and reconnect_interval must be positive".into()
+            );
+        }
+        let day = Duration::from_secs(24 * 3600);
+        if self.connect_timeout > day || self.op_timeout > day || self.reconnect_interval > day {
+            // A remote call waits at most this: past a day it is a mistake, and sums of such
+            // durations would overflow.
+            return bad(
+                "connect_timeout, op_timeout and reconnect_interval must be at most a day".into()
             );
         }
         if !(1..=1024).contains(&self.max_in_flight) {
@@ -119,6 +131,10 @@ impl RemoteConfig {
         }
         if self.ttl.is_some_and(|t| t < Duration::from_millis(1)) {
             return bad("ttl must be at least 1ms (or absent)".into());
+        }
+        // Redis takes a PX of at most i64 milliseconds; ten years is far beyond any cache's use.
+        if self.ttl.is_some_and(|t| t > Duration::from_secs(10 * 365 * 24 * 3600)) {
+            return bad("ttl must be at most ten years (or absent: no expiry)".into());
         }
         if self.max_chunk_bytes == 0 || self.max_chunk_bytes > MAX_CHUNK_BYTES {
             return bad(format!(
@@ -152,6 +168,19 @@ mod tests {
                 .contains("redis://")
         );
         assert!(err(RemoteConfig { max_in_flight: 0, ..good.clone() }).contains("max_in_flight"));
+        assert!(
+            err(RemoteConfig { key_prefix: "tierkv{a}".into(), ..good.clone() })
+                .contains("hash tag")
+        );
+        let forever = Duration::from_secs(u64::MAX / 2 + 1);
+        assert!(
+            err(RemoteConfig { connect_timeout: forever, ..good.clone() })
+                .contains("at most a day")
+        );
+        assert!(
+            err(RemoteConfig { op_timeout: forever, ..good.clone() }).contains("at most a day")
+        );
+        assert!(err(RemoteConfig { ttl: Some(forever), ..good.clone() }).contains("ten years"));
         assert!(
             err(RemoteConfig { op_timeout: Duration::ZERO, ..good.clone() }).contains("op_timeout")
         );
