@@ -4,6 +4,12 @@ use std::fmt::Debug;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// `wait` after `start`, or a year after it where `wait` is too long for an `Instant` (a
+/// configured "forever"): a deadline that never panics.
+pub fn deadline_after(start: Instant, wait: Duration) -> Instant {
+    start.checked_add(wait).unwrap_or(start + Duration::from_secs(365 * 24 * 3600))
+}
+
 /// A monotonic clock: time since an arbitrary origin that never goes back.
 pub trait Clock: Send + Sync + Debug {
     /// The time elapsed since this clock's origin.

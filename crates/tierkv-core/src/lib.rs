@@ -31,7 +31,7 @@ pub use adapter::{
 };
 pub use aligned::{ALIGN, AlignedBuf};
 pub use bitmap::Bitmap;
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, SystemClock, deadline_after};
 pub use departures::{Board, Departing, Departures};
 pub use error::KeyError;
 pub use extra::{ExtraCount, ExtraCountOutOfRange};

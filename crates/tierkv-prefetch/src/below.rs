@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::unbounded;
 use parking_lot::{Condvar, Mutex};
-use tierkv_core::{BufferError, ChunkSink, Completion, LoadItem, ObjectKey};
+use tierkv_core::{BufferError, ChunkSink, Completion, LoadItem, ObjectKey, deadline_after};
 
 use crate::router::TierRouter;
 
@@ -152,7 +152,7 @@ impl HeldBelow {
         timeout: Duration,
         readers: u32,
     ) -> Result<Vec<Arc<Vec<u8>>>, BelowError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(Instant::now(), timeout);
         let tiers: Vec<usize> = keys
             .iter()
             .map(|k| self.tier_of(k).ok_or(BelowError::NotHeld))

@@ -28,6 +28,7 @@ use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use parking_lot::{Condvar, Mutex};
 use tierkv_core::{
     Bitmap, ChunkSink, Completion, ExtraCount, KeyError, Layout, LoadItem, ObjectKey,
+    deadline_after,
 };
 use tierkv_l1::{L1Manager, LeaseId, Lifetime, OwnerId, Readers, WriteMode};
 
@@ -244,7 +245,7 @@ impl PrefetchController {
     /// or `wait`, and the lease in it belongs to the request's owner all along, so it is never
     /// orphaned (the owner's release, or the lease's deadline, returns it if nobody claims it).
     pub fn wait(&self, id: RequestId, timeout: Duration) -> Outcome {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(Instant::now(), timeout);
         let mut results = self.shared.results.lock();
         loop {
             match results.get(&id) {

@@ -109,8 +109,8 @@ pub(crate) enum Stage {
         below: Option<Arc<HeldBelow>>,
         expires: Duration,
     },
-    /// The prefetch failed; the L1 shares were returned.
-    Failed(String),
+    /// The prefetch failed; the L1 shares were returned. Kept, to tell why, until `expires`.
+    Failed { why: String, expires: Duration },
 }
 
 pub(crate) struct Lookup {

@@ -14,7 +14,8 @@ use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use parking_lot::Mutex;
 use tierkv_core::policy::{Order, PolicyKind, SharedJudge};
 use tierkv_core::{
-    ChunkSource, Clock, Departing, KeyError, Layout, ObjectKey, SystemClock, TierAdapter, TierUsage,
+    ChunkSource, Clock, Departing, KeyError, Layout, ObjectKey, SystemClock, TierAdapter,
+    TierUsage, deadline_after,
 };
 use tierkv_disk::DiskStore;
 use tierkv_l1::{
@@ -61,11 +62,6 @@ const READ_COUNTS: usize = 1 << 20;
 
 /// Chunks a stop hands down at a time under the cascade (`Inner::hand_down_to_disk`).
 const STOP_BATCH: usize = 32;
-
-/// `start + wait`, or a year from `start` when a configured wait is past what `Instant` holds.
-fn deadline_after(start: Instant, wait: Duration) -> Instant {
-    start.checked_add(wait).unwrap_or(start + Duration::from_secs(365 * 24 * 3600))
-}
 
 /// Tells the store pipeline of writes finished by a plain `L1Manager::finish_write` (the
 /// manager's own `finish_write` hands the pipeline its jobs, already pinned, itself).
@@ -492,7 +488,7 @@ impl StorageManager {
         let mut seen = queue.progress();
         let mut results =
             l1.reserve_write(owner, keys, layout, WriteMode::Create, Lifetime::Cached)?;
-        let deadline = Instant::now() + self.inner.config.store_backpressure;
+        let deadline = deadline_after(Instant::now(), self.inner.config.store_backpressure);
         // Reservations go root first and stop at the first key without room: retry from it.
         while let Some(first) = results.iter().position(|r| r == &Err(KeyError::OutOfMemory)) {
             // `outstanding` is read before `progress`: a job returns its shares, then counts as
@@ -679,7 +675,7 @@ impl StorageManager {
             request,
             l1_lease: grant.lease,
             in_l1,
-            stage: Stage::Failed(String::new()),
+            stage: Stage::Failed { why: String::new(), expires: Duration::ZERO },
             returned: 0,
         };
         if from_l1 == possible || self.inner.router.is_empty() {
@@ -736,7 +732,9 @@ impl StorageManager {
         }
         match &lookup.stage {
             Stage::Done { result, .. } => Ok(Some(result.clone())),
-            Stage::Failed(why) => Err(StorageError::Prefetch(PrefetchError::Failed(why.clone()))),
+            Stage::Failed { why, .. } => {
+                Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())))
+            }
             Stage::Prefetching(_) => Ok(None),
         }
     }
@@ -911,7 +909,7 @@ impl StorageManager {
                 (None, lookup.request.extra.readers())
             }
             Stage::Prefetching(_) => return Err(StorageError::Pending(id)),
-            Stage::Failed(why) => {
+            Stage::Failed { why, .. } => {
                 return Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())));
             }
         };
@@ -998,7 +996,7 @@ impl StorageManager {
                 in_l1 + below_l1
             }
             Stage::Prefetching(_) => lookup.request.groups.iter().map(|g| g.keys.len()).sum(),
-            Stage::Failed(_) => 0,
+            Stage::Failed { .. } => 0,
         })
     }
 
@@ -1293,7 +1291,7 @@ impl Inner {
                 let _ = self.l1.finish_read(*lease, gone, Some(keys));
             }
         }
-        let expires = self.clock.now() + self.config.l1.lease_ttl;
+        let expires = self.clock.now().saturating_add(self.config.l1.lease_ttl);
         lookup.stage = Stage::Done { result, covered, below, expires };
         // The hit is known: what the request named past it is never looked at again. A miss
         // of a long prompt, kept until its deadline, keeps nothing of it.
@@ -1308,10 +1306,15 @@ impl Inner {
     /// Whether a complete lookup holds nothing in L1 (its chunks only below L1, or none: a
     /// miss) and has passed its deadline. One with L1 chunks expires with its lease, which L1
     /// itself refuses. A miss expires too, so a client that never returns the shares of its
-    /// misses does not grow the record without bound.
+    /// misses does not grow the record without bound; and so does a failed lookup.
     fn expired_without_l1(&self, lookup: &Lookup) -> bool {
-        matches!(&lookup.stage, Stage::Done { covered, expires, .. }
-            if covered.is_empty() && self.clock.now() >= *expires)
+        match &lookup.stage {
+            Stage::Done { covered, expires, .. } => {
+                covered.is_empty() && self.clock.now() >= *expires
+            }
+            Stage::Failed { expires, .. } => self.clock.now() >= *expires,
+            Stage::Prefetching(_) => false,
+        }
     }
 
     /// A lookup that cannot complete: its L1 shares go back.
@@ -1319,7 +1322,13 @@ impl Inner {
         if let Some(lease) = lookup.l1_lease.take() {
             let _ = self.l1.release_lease(lease);
         }
-        lookup.stage = Stage::Failed(why);
+        let expires = self.clock.now().saturating_add(self.config.l1.lease_ttl);
+        lookup.stage = Stage::Failed { why, expires };
+        // Kept only to say why: the keys it named are not needed for that.
+        for (group, in_l1) in lookup.request.groups.iter_mut().zip(&mut lookup.in_l1) {
+            group.keys = Vec::new();
+            *in_l1 = Vec::new();
+        }
     }
 
     /// Returns every share a lookup holds, now or (still prefetching) when its prefetch ends.
@@ -1337,7 +1346,7 @@ impl Inner {
                 }
                 self.abandoned.lock().push(lookup);
             }
-            Stage::Failed(_) => {}
+            Stage::Failed { .. } => {}
         }
     }
 
@@ -1541,6 +1550,60 @@ mod tests {
         assert!(matches!(storage.l1().presence(&k), tierkv_l1::Presence::Ready { shares: 0, .. }));
         assert_eq!(storage.l1().active_leases(), 0, "the copy's lease went back");
         assert_eq!(ticket.outcome().map(|d| d.not_durable), Some(1), "nothing reached the disk");
+    }
+
+    /// A lease time to live of "forever" is a deadline that never comes, never an overflow.
+    #[test]
+    fn an_endless_lease_ttl_or_backpressure_wait_is_no_panic() {
+        let l1 = L1Config {
+            device: DeviceKind::Emulated,
+            lease_ttl: Duration::MAX,
+            ..L1Config::new(8 * CHUNK, CHUNK)
+        };
+        let config = StorageConfig { store_backpressure: Duration::MAX, ..StorageConfig::new(l1) };
+        let storage = StorageManager::start(config).unwrap();
+        let layout = Layout::bytes(CHUNK).unwrap();
+        let stored = keys(0..8);
+        assert!(storage.reserve_write(OWNER, &stored, &layout).unwrap().iter().all(|r| r.is_ok()));
+        for k in &stored {
+            storage.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+        }
+        assert!(storage.finish_write(OWNER, &stored).unwrap().iter().all(|r| r.is_ok()));
+        let lookup = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), stored);
+        let lookup = storage.submit_lookup(lookup).unwrap();
+        assert_eq!(storage.wait(lookup, Duration::MAX).unwrap().hit_chunks, 8);
+        // L1 full of leased chunks, the pipeline idle: refused at once, its deadline no panic.
+        let more = keys(8..9);
+        let refused = storage.reserve_write(OWNER, &more, &layout).unwrap();
+        assert_eq!(refused, vec![Err(KeyError::OutOfMemory)]);
+        storage.release_all(lookup).unwrap();
+    }
+
+    /// A lookup whose prefetch failed says why until its deadline, then is forgotten: a client
+    /// that never releases such lookups does not grow the record (nor its allowance's count).
+    #[test]
+    fn a_failed_lookup_is_forgotten_after_its_deadline() {
+        let below = Arc::new(tierkv_testkit::FakeTier::new("disk", 64, CHUNK));
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
+        let ttl = l1.lease_ttl;
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
+        let clock = Arc::new(tierkv_core::ManualClock::new());
+        let storage =
+            StorageManager::start_with_tiers(StorageConfig::new(l1), clock.clone(), tiers).unwrap();
+        below.panic_on_lookup();
+        let layout = Layout::bytes(CHUNK).unwrap();
+        let lookup = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout, keys(0..100));
+        let id = storage.submit_lookup(lookup).unwrap();
+        assert!(matches!(
+            storage.wait(id, Duration::from_secs(5)),
+            Err(StorageError::Prefetch(PrefetchError::Failed(_)))
+        ));
+        assert_eq!(storage.inner.lookups.lock()[&id].request.groups[0].keys.len(), 0);
+        storage.inner.tick();
+        assert!(storage.is_open(id), "kept to say why until its deadline");
+        clock.advance(ttl + Duration::from_secs(1));
+        storage.inner.tick();
+        assert!(!storage.is_open(id), "a failed lookup stayed past its deadline");
     }
 
     /// A complete lookup keeps only the keys of its hit: a miss of a long prompt, kept until its

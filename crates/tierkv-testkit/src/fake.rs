@@ -27,6 +27,8 @@ struct State {
     closed: bool,
     /// Deletes panic (a bug in the tier), as the pipeline's callers must survive.
     panicking_deletes: bool,
+    /// Lookups panic as they are submitted (a bug in the tier).
+    panicking_lookups: bool,
 }
 
 /// An in-memory tier of a fixed number of objects, evicting least recently used unlocked ones.
@@ -61,6 +63,7 @@ impl FakeTier {
                 held: Vec::new(),
                 closed: false,
                 panicking_deletes: false,
+                panicking_lookups: false,
             }),
             next_task: AtomicU64::new(1),
             sender,
@@ -83,6 +86,11 @@ impl FakeTier {
     /// From now on, every delete panics (as a buggy tier's might).
     pub fn panic_on_delete(&self) {
         self.state.lock().panicking_deletes = true;
+    }
+
+    /// From now on, every lookup panics as it is submitted (as a buggy tier's might).
+    pub fn panic_on_lookup(&self) {
+        self.state.lock().panicking_lookups = true;
     }
 
     /// From now on, tasks wait in flight instead of running.
@@ -218,6 +226,9 @@ impl TierAdapter for FakeTier {
     }
 
     fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
+        if self.state.lock().panicking_lookups {
+            panic!("the fake tier was told to panic on lookups");
+        }
         let task = self.task_id();
         self.submit(Task::Lookup(task, keys));
         task
