@@ -426,6 +426,40 @@ fn f4_lookups_of_many_chunks_and_header_only_frames_are_fine() {
 }
 
 #[test]
+fn f4_a_client_that_never_says_hello_nor_reads_its_replies_loses_its_slot_in_time() {
+    // Two connections, the daemon's two slots, each sending requests it cannot know the type
+    // of (each answered bad_request, at length) and never reading: once their replies fill the
+    // socket, the daemon's sends block. The hello's deadline still closes them.
+    let daemon = Daemon::start_with(|dir| {
+        tierkv_integration_tests::small_config(dir, None, "")
+            .replace("[server]\n", "[server]\nhello_timeout = \"300ms\"\nmax_connections = 2\n")
+    });
+    let name = "x".repeat(60_000);
+    let mut body = vec![0x82, 0xa2, b'i', b'd', 1, 0xa4, b'b', b'o', b'd', b'y', 0x81, 0xda];
+    body.extend_from_slice(&(name.len() as u16).to_be_bytes());
+    body.extend_from_slice(name.as_bytes());
+    body.push(0x80);
+    let frame = raw_frame(&body);
+    let floods: Vec<_> = (0..2)
+        .map(|_| {
+            let mut stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+            stream.set_write_timeout(Some(std::time::Duration::from_secs(3))).unwrap();
+            let frame = frame.clone();
+            std::thread::spawn(move || {
+                // Until the daemon stops reading (its replies unread) or closes the connection.
+                while stream.write_all(&frame).is_ok() {}
+                stream
+            })
+        })
+        .collect();
+    let floods: Vec<_> = floods.into_iter().map(|t| t.join().unwrap()).collect();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let mut client = Client::connect_unix(&daemon.socket, hello()).expect("a slot came free");
+    client.status().unwrap();
+    drop(floods);
+}
+
+#[test]
 fn f4_a_connection_says_hello_soon_and_in_a_small_frame_or_is_closed() {
     let daemon = Daemon::start_with(|dir| {
         tierkv_integration_tests::small_config(dir, None, "")

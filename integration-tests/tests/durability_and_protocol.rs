@@ -248,8 +248,9 @@ fn h16_protocol_a_second_hello_closes_the_connection_and_world_size_defaults_to_
 
 #[test]
 fn h16_protocol_past_max_connections_the_refusal_has_its_own_code() {
+    let port = tierkv_integration_tests::free_port();
     let daemon = Daemon::start_with(|dir| {
-        small_config(dir, None, "").replace("[server]\n", "[server]\nmax_connections = 1\n")
+        small_config(dir, Some(port), "").replace("[server]\n", "[server]\nmax_connections = 1\n")
     });
     // The start-up probe's connection may still hold the one slot for a moment.
     let _first = (0..1000)
@@ -274,6 +275,14 @@ fn h16_protocol_past_max_connections_the_refusal_has_its_own_code() {
             Ok(_) => panic!("a second connection was served"),
         }
     }
+    // Each refusal is counted, as every error reply is.
+    let (_, metrics) = tierkv_integration_tests::http_get(port, "/metrics").unwrap();
+    let refusals = metrics
+        .lines()
+        .find(|l| l.starts_with("tierkv_protocol_errors_total{reason=\"too_many_connections\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse::<f64>().ok());
+    assert!(refusals.is_some_and(|n| n >= 21.0), "refusals counted: {refusals:?}");
 }
 
 #[test]

@@ -406,6 +406,7 @@ async fn serve_connection(
 ) {
     let mut out = Vec::new();
     if slot.0.is_none() {
+        daemon.metrics().error(ErrorCode::TooManyConnections);
         let refusal = ReplyBody::Error {
             code: ErrorCode::TooManyConnections,
             message: "the daemon serves server.max_connections connections already".into(),
@@ -442,13 +443,16 @@ async fn serve_connection(
                 return;
             }
         };
+        // Before the hello, a reply must be taken by the hello's deadline too: a client that
+        // sends requests and never reads the answers would otherwise hold its slot for good.
+        let send_by = (!session.said_hello()).then_some(hello_by);
         let body = match frame {
             Ok(Some(body)) => body,
             Ok(None) => break,
             Err(e) => {
                 daemon.metrics().error(ErrorCode::BadFrame);
                 let reply = ReplyBody::Error { code: ErrorCode::BadFrame, message: e.to_string() };
-                let _ = send(&mut conn, &mut out, 0, reply).await;
+                let _ = send_before(&mut conn, &mut out, 0, reply, send_by).await;
                 break;
             }
         };
@@ -462,7 +466,7 @@ async fn serve_connection(
                 daemon.metrics().error(code);
                 let id = header.map(|h| h.id).unwrap_or(0);
                 let reply = ReplyBody::Error { code, message: e.to_string() };
-                if send(&mut conn, &mut out, id, reply).await.is_err()
+                if send_before(&mut conn, &mut out, id, reply, send_by).await.is_err()
                     || code == ErrorCode::BadFrame
                 {
                     break;
@@ -486,7 +490,8 @@ async fn serve_connection(
             RequestBody::Retrieve { lookup, chunks, .. } => {
                 chunks.len() as u64 > inline_chunks || storage.holds_below(LookupId(*lookup))
             }
-            RequestBody::Wait { .. } | RequestBody::Flush { .. } => true,
+            // A clear marks every record on disk deleted: a write per record, a sync per file.
+            RequestBody::Wait { .. } | RequestBody::Flush { .. } | RequestBody::Clear => true,
             _ => false,
         };
         let answer = if blocks {
@@ -498,11 +503,29 @@ async fn serve_connection(
         if session.said_hello() {
             conn.hello_said();
         }
-        if send(&mut conn, &mut out, id, answer.reply).await.is_err() || answer.close {
+        if send_before(&mut conn, &mut out, id, answer.reply, send_by).await.is_err()
+            || answer.close
+        {
             break;
         }
     }
     tokio::task::block_in_place(|| session.close());
+}
+
+/// [`send`], given up (an error) if it has not gone by `deadline`, where there is one.
+async fn send_before(
+    conn: &mut Conn,
+    out: &mut Vec<u8>,
+    id: u64,
+    body: ReplyBody,
+    deadline: Option<tokio::time::Instant>,
+) -> std::io::Result<()> {
+    match deadline {
+        None => send(conn, out, id, body).await,
+        Some(deadline) => tokio::time::timeout_at(deadline, send(conn, out, id, body))
+            .await
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())),
+    }
 }
 
 async fn send(conn: &mut Conn, out: &mut Vec<u8>, id: u64, body: ReplyBody) -> std::io::Result<()> {
