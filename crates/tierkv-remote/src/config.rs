@@ -82,69 +82,77 @@ impl RemoteConfig {
 
     /// Checks the configuration, naming the first problem.
     pub fn validate(&self) -> Result<(), RemoteError> {
-        let bad = |why: String| Err(RemoteError::Config(why));
+        let bad = |key: &'static str, why: String| Err(RemoteError::Config { key, why });
         if self.urls.is_empty() {
-            return bad("urls must name at least one server".into());
+            return bad("urls", "urls must name at least one server".into());
         }
         for url in &self.urls {
             match redis::parse_redis_url(url) {
                 Some(parsed) if parsed.scheme() == "redis" => {}
                 // The redis crate is built without TLS: such a URL would fail every connection.
                 Some(parsed) if matches!(parsed.scheme(), "rediss" | "valkeys") => {
-                    return bad(format!(
-                        "{} asks for TLS, which this daemon is built without: use redis:// on a \
-                         network only the tierkv nodes reach",
-                        without_secrets(url)
-                    ));
+                    return bad(
+                        "urls",
+                        format!(
+                            "{} asks for TLS, which this daemon is built without: use redis:// \
+                             on a network only the tierkv nodes reach",
+                            without_secrets(url)
+                        ),
+                    );
                 }
-                _ => return bad(format!("{} is not a redis:// URL", without_secrets(url))),
+                _ => return bad("urls", format!("{} is not a redis:// URL", without_secrets(url))),
             }
         }
         if self.key_prefix.is_empty() || self.key_prefix.contains(char::is_whitespace) {
-            return bad("key_prefix must be non-empty and without whitespace".into());
+            return bad("key_prefix", "key_prefix must be non-empty and without whitespace".into());
         }
         if self.key_prefix.contains('{') || self.key_prefix.contains('}') {
             // A hash tag in the prefix would put every key on one cluster slot, one master.
-            return bad("key_prefix must not contain '{' or '}' (a Redis Cluster hash tag)".into());
-        }
-        if self.connect_timeout.is_zero()
-            || self.op_timeout.is_zero()
-            || self.reconnect_interval.is_zero()
-        {
             return bad(
-                "connect_timeout, op_timeout and reconnect_interval must be positive".into()
+                "key_prefix",
+                "key_prefix must not contain '{' or '}' (a Redis Cluster hash tag)".into(),
             );
         }
         let day = Duration::from_secs(24 * 3600);
-        if self.connect_timeout > day || self.op_timeout > day || self.reconnect_interval > day {
+        for (key, wait) in [
+            ("connect_timeout", self.connect_timeout),
+            ("op_timeout", self.op_timeout),
+            ("reconnect_interval", self.reconnect_interval),
+        ] {
+            if wait.is_zero() {
+                return bad(key, format!("{key} must be positive"));
+            }
             // A remote call waits at most this: past a day it is a mistake, and sums of such
             // durations would overflow.
-            return bad(
-                "connect_timeout, op_timeout and reconnect_interval must be at most a day".into()
-            );
+            if wait > day {
+                return bad(key, format!("{key} must be at most a day, got {wait:?}"));
+            }
         }
         if !(1..=1024).contains(&self.max_in_flight) {
-            return bad(format!(
-                "max_in_flight must be within 1..=1024, got {}",
-                self.max_in_flight
-            ));
+            return bad(
+                "max_in_flight",
+                format!("max_in_flight must be within 1..=1024, got {}", self.max_in_flight),
+            );
         }
         if self.ttl.is_some_and(|t| t < Duration::from_millis(1)) {
-            return bad("ttl must be at least 1ms (or absent)".into());
+            return bad("ttl", "ttl must be at least 1ms (or absent)".into());
         }
         // Redis takes a PX of at most i64 milliseconds; ten years is far beyond any cache's use.
         if self.ttl.is_some_and(|t| t > Duration::from_secs(10 * 365 * 24 * 3600)) {
-            return bad("ttl must be at most ten years (or absent: no expiry)".into());
+            return bad("ttl", "ttl must be at most ten years (or absent: no expiry)".into());
         }
         if self.max_chunk_bytes == 0 || self.max_chunk_bytes > MAX_CHUNK_BYTES {
-            return bad(format!(
-                "max_chunk_bytes must be within 1..={MAX_CHUNK_BYTES} (a Redis value's limit, \
-                 512MiB, less the value's {HEADER_BYTES}-byte header), got {}",
-                self.max_chunk_bytes
-            ));
+            return bad(
+                "max_chunk_bytes",
+                format!(
+                    "max_chunk_bytes must be within 1..={MAX_CHUNK_BYTES} (a Redis value's limit, \
+                     512MiB, less the value's {HEADER_BYTES}-byte header), got {}",
+                    self.max_chunk_bytes
+                ),
+            );
         }
         if !(1..=64).contains(&self.threads) {
-            return bad(format!("threads must be within 1..=64, got {}", self.threads));
+            return bad("threads", format!("threads must be within 1..=64, got {}", self.threads));
         }
         Ok(())
     }

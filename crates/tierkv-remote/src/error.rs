@@ -4,9 +4,14 @@
 /// Why a RemoteStore could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum RemoteError {
-    /// The configuration cannot describe a store.
-    #[error("invalid remote configuration: {0}")]
-    Config(String),
+    /// The configuration cannot describe a store: `key` (a field of `RemoteConfig`) is wrong.
+    #[error("invalid remote configuration: {why}")]
+    Config {
+        /// The field at fault.
+        key: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The adapter's runtime could not be started.
     #[error("cannot start the remote tier's runtime: {0}")]
     Runtime(#[from] std::io::Error),

@@ -553,21 +553,11 @@ fn remote(file: &File<'_>, raw: &Raw) -> Result<Option<RemoteConfig>, Stop> {
     // The adapter's own checks, blamed on the key they are about.
     if let Err(e) = config.validate() {
         let message = e.to_string();
-        let key = [
-            "urls",
-            "key_prefix",
-            "connect_timeout",
-            "op_timeout",
-            "max_in_flight",
-            "ttl",
-            "max_chunk_bytes",
-            "threads",
-        ]
-        .into_iter()
-        .find(|k| message.contains(k))
-        .map_or("remote.urls".to_string(), |k| {
-            if k == "max_chunk_bytes" { "l1.slot".into() } else { format!("remote.{k}") }
-        });
+        let key = match &e {
+            tierkv_remote::RemoteError::Config { key: "max_chunk_bytes", .. } => "l1.slot".into(),
+            tierkv_remote::RemoteError::Config { key, .. } => format!("remote.{key}"),
+            _ => "remote.urls".to_string(),
+        };
         file.ensure(false, &[&key], || message)?;
         return Ok(None);
     }

@@ -447,6 +447,14 @@ fn the_remote_section_maps_onto_the_remote_tier_and_its_checks_name_the_key() {
     );
     assert_refused("[remote]\nenabled = true\nurls = [\"http://x\"]\n", "remote.urls", 3);
     assert_refused("[remote]\nenabled = true\nmax_in_flight = 0\n", "remote.max_in_flight", 3);
+    // Each duration blamed by its own name and line, not the first named in the message.
+    assert_refused("[remote]\nenabled = true\nop_timeout = \"0s\"\n", "remote.op_timeout", 3);
+    assert_refused(
+        "[remote]\nenabled = true\nconnect_timeout = \"1s\"\nreconnect_interval = \"0s\"\n",
+        "remote.reconnect_interval",
+        4,
+    );
+    assert_refused("[remote]\nenabled = true\nkey_prefix = \"t{a}\"\n", "remote.key_prefix", 3);
     assert_refused("[remote]\nadmission_min_reads = 0\n", "remote.admission_min_reads", 2);
 }
 
