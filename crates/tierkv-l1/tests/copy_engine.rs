@@ -266,6 +266,49 @@ fn dropping_a_stream_with_work_in_flight_neither_hangs_nor_runs_it() {
     assert_eq!(dst, vec![0u8; 64], "nothing ran after the stop");
 }
 
+#[test]
+fn a_stream_dropped_by_its_own_callback_stops_its_later_work_and_its_thread() {
+    // The stream's last owner is dropped inside a callback on the stream's own thread: the
+    // work queued after it is skipped and fires Stopped, as for any drop, with no panic.
+    let engine = EmulatedCopyEngine::new();
+    let stream: Arc<Mutex<Option<Box<dyn tierkv_l1::device::CopyStream>>>> =
+        Arc::new(Mutex::new(Some(engine.stream().unwrap())));
+    let gate = Event::new();
+    let (first, later) = {
+        let held = stream.lock();
+        let s = held.as_ref().unwrap();
+        s.wait(&gate).unwrap();
+        (s.record().unwrap(), s.record().unwrap())
+    };
+    let owner = Arc::clone(&stream);
+    first.on_complete(move |_| drop(owner.lock().take()));
+    let callback_ran = Arc::new(AtomicBool::new(false));
+    let ran = Arc::clone(&callback_ran);
+    later.on_complete(move |_| ran.store(true, Ordering::Release));
+    gate.fire(Ok(()));
+    assert_eq!(first.wait(Duration::from_secs(10)), Ok(()));
+    assert_eq!(later.wait(Duration::from_secs(10)), Err(CopyError::Stopped));
+    // Its callbacks run after its waiters wake.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !callback_ran.load(Ordering::Acquire) {
+        assert!(std::time::Instant::now() < deadline, "the later event's callback never ran");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(stream.lock().is_none());
+}
+
+#[test]
+fn an_endless_wait_on_an_event_is_no_overflow() {
+    let event = Event::new();
+    let firing = event.clone();
+    let fire = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(10));
+        firing.fire(Ok(()));
+    });
+    assert_eq!(event.wait(Duration::MAX), Ok(()));
+    fire.join().unwrap();
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 

@@ -193,7 +193,7 @@ impl Event {
     /// Blocks (on a condition variable) until the event fires or `timeout` passes.
     pub fn wait(&self, timeout: Duration) -> Result<(), CopyError> {
         let mut state = self.inner.0.lock();
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = tierkv_core::deadline_after(std::time::Instant::now(), timeout);
         while state.result.is_none() {
             if self.inner.1.wait_until(&mut state, deadline).timed_out() && state.result.is_none() {
                 return Err(CopyError::Timeout);

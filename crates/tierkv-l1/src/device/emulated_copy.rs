@@ -123,7 +123,12 @@ impl Drop for EmulatedStream {
         self.stopping.store(true, Ordering::Release);
         self.sender.lock().take();
         if let Some(thread) = self.thread.lock().take() {
-            let _ = thread.join();
+            // Dropped by a callback on its own thread (it held the stream's last owner): that
+            // thread skips what is left, firing it `Stopped`, and ends by itself; it cannot
+            // join itself. As `CudaCopyStream` does.
+            if thread.thread().id() != std::thread::current().id() {
+                let _ = thread.join();
+            }
         }
     }
 }
