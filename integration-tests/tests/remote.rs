@@ -75,3 +75,32 @@ fn two_daemons_share_prefixes_through_the_remote_tier_and_status_says_when_it_is
     worker_a.exit();
     worker_b.exit();
 }
+
+#[test]
+fn a_second_sigterm_ends_a_clean_stop_stuck_behind_a_silent_remote_tier() {
+    // Under write-back a clean stop writes L1 down to the disk and to the remote tier, whose
+    // server here stops answering (SIGSTOP) with a 30 s deadline per call: the stop waits. A
+    // second SIGTERM ends the process at once (what was not down is lost, as after SIGKILL).
+    require_redis!();
+    let server = tierkv_testkit::redis::RedisStandalone::start(&[]);
+    let remote = format!(
+        "\n[remote]\nenabled = true\nmode = \"standalone\"\nurls = [\"{}\"]\n\
+         key_prefix = \"stuck\"\nop_timeout = \"30s\"\nconnect_timeout = \"500ms\"\n\
+         reconnect_interval = \"200ms\"\n\n[storage]\nstore_policy = \"write_back\"\n",
+        server.url()
+    );
+    let mut daemon = Daemon::start_with(|dir| small_config(dir, None, &remote));
+    let mut worker = daemon.worker(&["--chunk-bytes", "65536"]);
+    worker.run("store 1 8");
+    worker.exit();
+    server.node.pause();
+    // SAFETY: kill(2) on the daemon, our child.
+    unsafe { libc::kill(daemon.pid() as libc::pid_t, libc::SIGTERM) };
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(daemon.alive(), "the clean stop waits on the silent remote tier");
+    let started = std::time::Instant::now();
+    let status = daemon.stop(); // the second SIGTERM
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(status.code(), Some(1), "{status}");
+    server.node.resume();
+}

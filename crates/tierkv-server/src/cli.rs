@@ -123,7 +123,7 @@ fn serve(path: Option<&Path>) -> Result<(), String> {
         .thread_name("tierkv-io")
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
-    runtime.block_on(async {
+    let served = runtime.block_on(async {
         let stop = async {
             use tokio::signal::unix::{SignalKind, signal};
             match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
@@ -132,6 +132,19 @@ fn serve(path: Option<&Path>) -> Result<(), String> {
                         _ = term.recv() => tracing::info!("SIGTERM"),
                         _ = int.recv() => tracing::info!("SIGINT"),
                     }
+                    // A second signal during the clean stop (stuck behind a tier that does not
+                    // answer, say) ends the process at once.
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            _ = term.recv() => {}
+                            _ = int.recv() => {}
+                        }
+                        tracing::warn!(
+                            "a second signal: exiting now, before the clean stop finished (what \
+                             it had not handed down to disk is lost)"
+                        );
+                        std::process::exit(1);
+                    });
                 }
                 _ => {
                     tracing::error!("cannot install signal handlers; stop with SIGKILL");
@@ -140,7 +153,10 @@ fn serve(path: Option<&Path>) -> Result<(), String> {
             }
         };
         crate::daemon::serve(config, stop).await.map_err(|e| e.to_string())
-    })
+    });
+    // A request still blocked in a tier past the stop is not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    served
 }
 
 fn status(socket: Option<PathBuf>, config: Option<&Path>, json: bool) -> Result<(), String> {

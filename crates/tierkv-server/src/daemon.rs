@@ -198,7 +198,15 @@ pub async fn serve(
     if drained.is_err() {
         tracing::warn!("connections still busy after {DRAIN:?}; closing them");
         connections.abort_all();
-        while connections.join_next().await.is_some() {}
+        // A request blocked inside a tier cannot be aborted: it is not waited for past a
+        // moment, and the storage's stop below ends what it waits on.
+        let aborted = tokio::time::timeout(Duration::from_secs(1), async {
+            while connections.join_next().await.is_some() {}
+        })
+        .await;
+        if aborted.is_err() {
+            tracing::warn!("requests still blocked in the tiers; stopping without them");
+        }
     }
     let stopping = daemon.clone();
     tokio::task::spawn_blocking(move || stopping.storage().stop())
