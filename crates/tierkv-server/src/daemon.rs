@@ -368,10 +368,17 @@ fn check_socket(path: &Path) -> Result<(), ServeError> {
         };
         return Err(ServeError::NotASocket { path: path.to_path_buf(), what });
     }
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        return Err(ServeError::SocketInUse(path.to_path_buf()));
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => Err(ServeError::SocketInUse(path.to_path_buf())),
+        // Nobody listens there: a stale socket, left by a daemon that did not stop cleanly.
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(()),
+        // Anything else (a socket this user may not connect to, say) may be a live daemon's:
+        // it is not removed.
+        Err(source) => Err(ServeError::Listen {
+            what: format!("{} (an existing socket, which may be in use)", path.display()),
+            source,
+        }),
     }
-    Ok(())
 }
 
 /// Binds the Unix socket, replacing a stale socket file but nothing else. The socket is `0600`,
