@@ -253,3 +253,30 @@ fn the_docker_prometheus_config_passes_promtool() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn h16_ops_idle_scrapers_neither_keep_descriptors_nor_block_the_next_scrape() {
+    // The metrics endpoint may face a network: connections that never send a request hold at
+    // most a few descriptors, and only for the scrape timeout; a scrape after them is served.
+    use std::io::Read;
+    let port = free_port();
+    let daemon = Daemon::start_with(|dir| small_config(dir, Some(port), ""));
+    assert_eq!(http_get(port, "/metrics").unwrap().0, 200);
+    let before = tierkv_integration_tests::open_fds(daemon.pid());
+    let idle: Vec<std::net::TcpStream> =
+        (0..40).map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let held = tierkv_integration_tests::open_fds(daemon.pid()).saturating_sub(before);
+    assert!(held <= 10, "40 idle scrapers hold {held} of the daemon's descriptors");
+    let started = Instant::now();
+    for mut stream in idle {
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut byte = [0u8; 1];
+        assert_eq!(stream.read(&mut byte).unwrap_or(0), 0, "an idle scraper was answered");
+    }
+    assert!(started.elapsed() < Duration::from_secs(10), "closed after {:?}", started.elapsed());
+    let (code, body) = http_get(port, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    assert!(body.contains("tierkv_tier_capacity_bytes"), "{body:.200}");
+    assert_eq!(http_get(port, "/other").unwrap().0, 404);
+}

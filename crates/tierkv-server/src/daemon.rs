@@ -227,7 +227,7 @@ struct Limits {
 /// The pause after failed accepts: doubling from [`ACCEPT_BACKOFF_MIN`] to
 /// [`ACCEPT_BACKOFF_MAX`], and a log line at most every [`ACCEPT_LOG_INTERVAL`].
 #[derive(Default)]
-struct AcceptBackoff {
+pub(crate) struct AcceptBackoff {
     pause: Duration,
     /// Failures since the last log line.
     unlogged: u64,
@@ -238,7 +238,7 @@ struct AcceptBackoff {
 
 impl AcceptBackoff {
     /// Counts a failure; returns how long to wait before accepting again.
-    fn failed(&mut self, listener: &str, e: &std::io::Error) -> Duration {
+    pub(crate) fn failed(&mut self, listener: &str, e: &std::io::Error) -> Duration {
         self.failures += 1;
         self.unlogged += 1;
         self.pause = (self.pause * 2).clamp(ACCEPT_BACKOFF_MIN, ACCEPT_BACKOFF_MAX);
@@ -262,7 +262,7 @@ impl AcceptBackoff {
     }
 
     /// An accept worked: back to full speed.
-    fn succeeded(&mut self) {
+    pub(crate) fn succeeded(&mut self) {
         if self.failures > 0 {
             tracing::info!("accepting connections again after {} failed accept(s)", self.failures);
             *self = AcceptBackoff::default();

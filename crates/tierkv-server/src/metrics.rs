@@ -175,26 +175,23 @@ pub struct ExporterError(String);
 /// metric) and, with `listen`, serves `/metrics` there from the current Tokio runtime.
 pub fn install_exporter(listen: Option<SocketAddr>) -> Result<PrometheusHandle, ExporterError> {
     let err = |e: &dyn std::fmt::Display| ExporterError(e.to_string());
-    let mut builder = PrometheusBuilder::new()
+    let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full("tierkv_request_seconds".into()), LATENCY_BUCKETS)
-        .map_err(|e| err(&e))?;
-    if let Some(addr) = listen {
-        builder = builder.with_http_listener(addr);
-    }
-    let (recorder, exporter) = if listen.is_some() {
-        let (recorder, exporter) = builder.build().map_err(|e| err(&e))?;
-        (recorder, Some(exporter))
-    } else {
-        (builder.build_recorder(), None)
-    };
+        .map_err(|e| err(&e))?
+        .build_recorder();
     let handle = recorder.handle();
+    let listener = match listen {
+        Some(addr) => Some(
+            std::net::TcpListener::bind(addr)
+                .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                .and_then(tokio::net::TcpListener::from_std)
+                .map_err(|e| ExporterError(format!("cannot listen on {addr}: {e}")))?,
+        ),
+        None => None,
+    };
     metrics::set_global_recorder(recorder).map_err(|e| err(&e))?;
-    if let Some(exporter) = exporter {
-        tokio::spawn(async move {
-            if let Err(e) = exporter.await {
-                tracing::error!("the metrics endpoint stopped: {e:?}");
-            }
-        });
+    if let Some(listener) = listener {
+        tokio::spawn(serve_metrics(listener, handle.clone()));
     }
     let upkeep = handle.clone();
     tokio::spawn(async move {
@@ -205,4 +202,75 @@ pub fn install_exporter(listen: Option<SocketAddr>) -> Result<PrometheusHandle, 
         }
     });
     Ok(handle)
+}
+
+/// Scrapes served at once, at most: each holds a descriptor (they are counted among the
+/// daemon's reserved ones); a connection past them is closed at once.
+const SCRAPES: usize = 8;
+/// How long a scrape may take to send its request, and to take its answer.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest request head read.
+const SCRAPE_HEAD: usize = 8 << 10;
+
+/// Serves `/metrics` on `listener`: one request a connection, within [`SCRAPE_TIMEOUT`] each
+/// way, [`SCRAPES`] at once, and failed accepts (out of descriptors) backed off, so that the
+/// endpoint, which may face a network, can neither stall the daemon nor use up its descriptors.
+async fn serve_metrics(listener: tokio::net::TcpListener, handle: PrometheusHandle) {
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(SCRAPES));
+    let mut backoff = crate::daemon::AcceptBackoff::default();
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => {
+                backoff.succeeded();
+                stream
+            }
+            Err(e) => {
+                tokio::time::sleep(backoff.failed("the metrics endpoint", &e)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = std::sync::Arc::clone(&slots).try_acquire_owned() else {
+            continue; // dropped: closed at once
+        };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let _ = tokio::time::timeout(SCRAPE_TIMEOUT, scrape(stream, &handle)).await;
+        });
+    }
+}
+
+/// Answers one HTTP request: `GET /metrics` gets the exposition, anything else a 404.
+async fn scrape(
+    mut stream: tokio::net::TcpStream,
+    handle: &PrometheusHandle,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut head = Vec::with_capacity(1024);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < SCRAPE_HEAD {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+    let mut words = line.split(|b| *b == b' ');
+    let (method, target) = (words.next(), words.next());
+    let path = target.map(|t| t.split(|b| *b == b'?').next().unwrap_or_default());
+    let (status, kind, body) = match (method, path) {
+        (Some(b"GET"), Some(b"/metrics")) => {
+            ("200 OK", "text/plain; version=0.0.4; charset=utf-8", handle.render())
+        }
+        _ => ("404 Not Found", "text/plain; charset=utf-8", "only /metrics is here\n".into()),
+    };
+    let reply = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(reply.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
 }
