@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::io::Write;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 
 use proptest::prelude::*;
 use tierkv_client::payload::chunk_id;
@@ -310,6 +310,88 @@ fn f4_a_refused_release_or_a_query_of_another_sessions_lookup_leaves_the_owner_i
     assert_eq!(daemon.status().l1_leased_chunks, 16, "the witness's share is still out");
     assert_eq!(witness.0.run(&format!("retrieve {theirs} 42 16"))["verified"], 16);
     daemon.eventually("no shares left", |s| s.l1_leased_chunks == 0 && s.open_lookups == 0);
+}
+
+#[test]
+fn f4_sparse_memfds_cannot_take_the_daemons_address_space() {
+    // A sparse memfd costs its client nothing, whatever size it names; mapped, it takes the
+    // daemon's address space. Past 16 TiB of workers' memory mapped at once, over every session,
+    // a registration is refused, and the room comes back when a session ends.
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    // Ten TiB, never written: a sparse memfd (SharedBuffer::new would allocate its pages).
+    let sparse = || {
+        let bytes = 10u64 << 40;
+        let file = memfd(c"sparse", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING).unwrap();
+        file.set_len(bytes).unwrap();
+        // SAFETY: fcntl on a descriptor we own.
+        let sealed =
+            unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) };
+        assert_eq!(sealed, 0);
+        SharedBuffer::from_file(file, CHUNK, bytes / CHUNK).unwrap()
+    };
+    let mut first = connect(&daemon);
+    let big = sparse();
+    first.register_buffer(&big).unwrap();
+    let mut second = connect(&daemon);
+    let other = sparse();
+    let err = second.register_buffer(&other).err().unwrap();
+    assert_eq!(err.code(), Some(ErrorCode::BadBuffer));
+    assert!(err.to_string().contains("at most"), "{err}");
+    drop(first);
+    daemon.eventually("the first session is over", |s| s.connected_workers == 2);
+    second.register_buffer(&other).unwrap();
+    witness.check();
+}
+
+#[test]
+fn f4_a_descriptor_whose_close_blocks_never_blocks_the_daemon() {
+    // A TCP socket whose peer never reads, its send buffer full, lingering on close: its last
+    // close blocks. Four of them, each sent along with a request that takes no descriptor, the
+    // daemon's copy the last: were those closes on the runtime's threads, no other client
+    // would be served.
+    let daemon = Daemon::start();
+    let mut witness = Witness::new(&daemon);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut status = Vec::new();
+    tierkv_client::proto::encode(&Request { id: 1, body: RequestBody::Status }, &mut status)
+        .unwrap();
+    let mut senders = Vec::new();
+    for _ in 0..4 {
+        let stuck = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        stuck.set_nonblocking(true).unwrap();
+        let bytes = vec![0u8; 1 << 16];
+        while (&stuck).write(&bytes).is_ok() {}
+        // Blocking again: a non-blocking socket's close does not linger.
+        stuck.set_nonblocking(false).unwrap();
+        let linger = libc::linger { l_onoff: 1, l_linger: 30 };
+        // SAFETY: setsockopt on a socket we own, with a linger struct of the size given.
+        let set = unsafe {
+            libc::setsockopt(
+                stuck.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                std::ptr::from_ref(&linger).cast(),
+                size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(set, 0);
+        let mut client = connect(&daemon);
+        client.send_raw(&status, &[stuck.as_fd()]).unwrap();
+        // Our copy goes while the message still holds one: the daemon's is the last.
+        drop(stuck);
+        senders.push(client);
+    }
+    let (done, answered) = std::sync::mpsc::channel();
+    let socket = daemon.socket.clone();
+    std::thread::spawn(move || {
+        let mut other = Client::connect_unix(&socket, hello()).unwrap();
+        let _ = done.send(other.status().is_ok());
+    });
+    let served = answered.recv_timeout(std::time::Duration::from_secs(5));
+    assert_eq!(served, Ok(true), "another client was not served");
+    witness.check();
+    drop(senders);
 }
 
 #[test]

@@ -326,7 +326,8 @@ impl Client {
             blocks_per_chunk: 1,
             segments: vec![Segment { region: 0, offset: 0 }],
         };
-        let bytes = buffer.block_bytes() * buffer.blocks();
+        // The buffer checked that its blocks fit its file.
+        let bytes = buffer.block_bytes().saturating_mul(buffer.blocks());
         self.register_kv(&[(RegionSource::Memfd { bytes }, Some(buffer.fd()))], layout)
     }
 

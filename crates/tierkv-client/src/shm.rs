@@ -49,6 +49,13 @@ impl SharedBuffer {
     /// Wraps a memfd made elsewhere (for tests that need a buffer the daemon must refuse, such
     /// as an unsealed one). It is mapped but not checked.
     pub fn from_file(file: File, block_bytes: u64, blocks: u64) -> io::Result<Self> {
+        let len = file.metadata()?.len();
+        if block_bytes.checked_mul(blocks).is_none_or(|n| n == 0 || n > len) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{blocks} blocks of {block_bytes} bytes do not fit a file of {len} bytes"),
+            ));
+        }
         // SAFETY: the caller hands us the file; a shrink under the mapping would fault only here.
         let map = unsafe { MmapMut::map_mut(&file)? };
         Ok(SharedBuffer { file, map, block_bytes, blocks })
@@ -85,8 +92,8 @@ impl SharedBuffer {
         if index >= self.blocks {
             return None;
         }
-        let start = usize::try_from(index * self.block_bytes).ok()?;
-        Some(start..start + usize::try_from(self.block_bytes).ok()?)
+        let start = usize::try_from(index.checked_mul(self.block_bytes)?).ok()?;
+        Some(start..start.checked_add(usize::try_from(self.block_bytes).ok()?)?)
     }
 }
 
@@ -99,4 +106,27 @@ pub fn memfd(name: &std::ffi::CStr, flags: libc::c_uint) -> io::Result<File> {
     }
     // SAFETY: `fd` is a fresh descriptor nobody else owns.
     Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+
+    #[test]
+    fn a_buffer_from_a_file_holds_its_blocks_and_no_block_wraps_around() {
+        let file = memfd(c"small", libc::MFD_CLOEXEC).unwrap();
+        file.set_len(8192).unwrap();
+        // More blocks than the file holds, or a product that overflows: refused.
+        let refused =
+            |blocks: u64| SharedBuffer::from_file(file.try_clone().unwrap(), 4096, blocks);
+        assert!(refused(3).is_err());
+        assert!(refused((1 << 52) + 1).is_err());
+        assert!(refused(0).is_err());
+        let buffer = SharedBuffer::from_file(file, 4096, 2).unwrap();
+        assert_eq!(buffer.block(1).map(<[u8]>::len), Some(4096));
+        assert!(buffer.block(2).is_none());
+        assert!(buffer.block(1 << 52).is_none());
+    }
 }

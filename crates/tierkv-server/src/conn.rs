@@ -44,7 +44,9 @@ pub struct Conn {
     /// Where in the stream the last frame returned ends.
     frame_end: u64,
     /// Descriptors waiting, each with where in the stream the read that brought it ended.
-    fds: VecDeque<(u64, OwnedFd)>,
+    /// Descriptors received, with the stream offset of the frame that brought them; `None` for
+    /// one that is not a memfd (closed elsewhere at once: it could block its close).
+    fds: VecDeque<(u64, Option<OwnedFd>)>,
     /// The largest frame accepted now: [`HELLO_FRAME_BYTES`] at most until the hello.
     limit: u32,
     /// The largest frame accepted once the client said hello.
@@ -111,7 +113,7 @@ impl Conn {
     /// no more (one of a later frame is not given).
     pub fn take_fd(&mut self) -> Option<OwnedFd> {
         match self.fds.front() {
-            Some((at, _)) if *at <= self.frame_end => self.fds.pop_front().map(|(_, fd)| fd),
+            Some((at, _)) if *at <= self.frame_end => self.fds.pop_front().and_then(|(_, fd)| fd),
             _ => None,
         }
     }
@@ -225,7 +227,7 @@ fn recv_with_fds(
     socket: RawFd,
     buf: &mut [u8],
     at: u64,
-    fds: &mut VecDeque<(u64, OwnedFd)>,
+    fds: &mut VecDeque<(u64, Option<OwnedFd>)>,
 ) -> io::Result<usize> {
     const MAX_FDS: usize = 8;
     // SAFETY: CMSG_SPACE is a pure size computation.
@@ -251,8 +253,14 @@ fn recv_with_fds(
                 let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
                 let payload = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
                 for i in 0..payload / size_of::<libc::c_int>() {
-                    let fd = std::ptr::read_unaligned(data.add(i));
-                    fds.push_back((at + n as u64, OwnedFd::from_raw_fd(fd)));
+                    let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
+                    let kept = if is_memfd(&fd) {
+                        Some(fd)
+                    } else {
+                        close_elsewhere(fd);
+                        None
+                    };
+                    fds.push_back((at + n as u64, kept));
                 }
             }
             cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
@@ -265,6 +273,34 @@ fn recv_with_fds(
         ));
     }
     Ok(n as usize)
+}
+
+/// Whether `fd` is a memfd (it has seals to tell), the only descriptor a request takes.
+fn is_memfd(fd: &OwnedFd) -> bool {
+    // SAFETY: fcntl on a descriptor we own.
+    unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) >= 0 }
+}
+
+/// Closes a descriptor a client sent that is not a memfd on a thread of its own: the close of a
+/// client's socket with unsent bytes and a long `SO_LINGER`, or of a file on a filesystem the
+/// client serves, may block for as long as the client likes, and must not block the runtime.
+fn close_elsewhere(fd: OwnedFd) {
+    static CLOSER: std::sync::OnceLock<Option<std::sync::Mutex<std::sync::mpsc::Sender<OwnedFd>>>> =
+        std::sync::OnceLock::new();
+    let closer = CLOSER.get_or_init(|| {
+        let (send, receive) = std::sync::mpsc::channel::<OwnedFd>();
+        std::thread::Builder::new()
+            .name("tierkv-fd-close".into())
+            .spawn(move || receive.into_iter().for_each(drop))
+            .ok()
+            .map(|_| std::sync::Mutex::new(send))
+    });
+    let refused = match closer.as_ref().map(|send| send.lock()) {
+        Some(Ok(send)) => send.send(fd).err().map(|e| e.0),
+        _ => Some(fd),
+    };
+    // No closing thread could be started: closed here, as before.
+    drop(refused);
 }
 
 #[cfg(test)]

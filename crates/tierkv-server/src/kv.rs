@@ -79,8 +79,37 @@ pub enum KvError {
 
 /// A region, mapped or opened.
 enum Region {
-    Host(MmapRaw),
+    Host(HostMap),
     Cuda(CudaRegion),
+}
+
+/// Bytes of workers' memfds the daemon maps at once, at most, over every session: a client can
+/// name any size of a sparse memfd, which costs it nothing but takes the daemon's address space,
+/// and a daemon out of address space cannot allocate (and aborts). Far above what a node's
+/// engines hold, far below what a 47-bit address space has.
+const MAX_MAPPED_BYTES: u64 = 16 << 40;
+
+/// Bytes of workers' memfds mapped now, in every session.
+static MAPPED_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A worker's memfd, mapped, its bytes counted in [`MAPPED_BYTES`] while it is.
+struct HostMap {
+    map: MmapRaw,
+    counted: u64,
+}
+
+impl std::ops::Deref for HostMap {
+    type Target = MmapRaw;
+
+    fn deref(&self) -> &MmapRaw {
+        &self.map
+    }
+}
+
+impl Drop for HostMap {
+    fn drop(&mut self) {
+        MAPPED_BYTES.fetch_sub(self.counted, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// A piece's place: the region's base pointer is added at copy time.
@@ -670,7 +699,7 @@ impl RegisteredKv {
     }
 }
 
-fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<MmapRaw, KvError> {
+fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<HostMap, KvError> {
     if bytes == 0 {
         return Err(KvError::Shape(format!("region {i} has 0 bytes")));
     }
@@ -678,6 +707,17 @@ fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<MmapRaw, KvError> {
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
         return Err(KvError::NotSealed(i));
+    }
+    // Ordinary shared memory only: a hugetlbfs memfd's hole, punched after it is mapped, takes
+    // its page reservation with it, and the daemon's next copy there dies of SIGBUS.
+    // SAFETY: statfs is plain data; zeroed is a valid value to be overwritten.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes into the struct we pass, for a descriptor we own.
+    let statted = unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } == 0;
+    if !statted || fs.f_type as i64 != libc::TMPFS_MAGIC {
+        return Err(KvError::Shape(format!(
+            "region {i} is not in ordinary shared memory: a memfd made without MFD_HUGETLB is"
+        )));
     }
     let file = File::from(fd);
     let size = file.metadata().map_err(|e| KvError::Io(i, e))?.len();
@@ -695,12 +735,27 @@ fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<MmapRaw, KvError> {
     // copies. A sparse memfd is mapped as it is: populating would allocate its holes, charged to
     // the daemon, so a client could make it allocate any size it names.
     let resident = file.metadata().map_err(|e| KvError::Io(i, e))?.blocks().saturating_mul(512);
+    let counted = MAPPED_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::AcqRel);
+    if counted.saturating_add(bytes) > MAX_MAPPED_BYTES {
+        MAPPED_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::AcqRel);
+        return Err(KvError::Shape(format!(
+            "region {i}: {bytes} bytes more would pass the {} TiB of workers' memory the daemon \
+             maps at most ({counted} bytes are mapped)",
+            MAX_MAPPED_BYTES >> 40
+        )));
+    }
     let mut options = MmapOptions::new();
     options.len(len);
     if resident >= bytes {
         options.populate();
     }
-    options.map_raw(&file).map_err(|e| KvError::Io(i, e))
+    match options.map_raw(&file) {
+        Ok(map) => Ok(HostMap { map, counted: bytes }),
+        Err(e) => {
+            MAPPED_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::AcqRel);
+            Err(KvError::Io(i, e))
+        }
+    }
 }
 
 #[cfg(test)]
