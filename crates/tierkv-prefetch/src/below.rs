@@ -280,8 +280,9 @@ impl HeldBelow {
             let Completion::Loaded { loaded, sinks, .. } = event.completion else {
                 return Err(BelowError::LoadFailed { tier: event.tier });
             };
-            // Every sink hands its bytes over as it is dropped; only whole loads count.
-            let whole = loaded.count_ones() == sinks.len();
+            // Every sink hands its bytes over as it is dropped; only whole loads count: a bit
+            // for every sink, each set.
+            let whole = loaded.len() == sinks.len() && loaded.count_ones() == sinks.len();
             drop(sinks);
             if !whole {
                 return Err(BelowError::LoadFailed { tier: event.tier });
@@ -301,7 +302,15 @@ impl HeldBelow {
             let mine: Vec<ObjectKey> =
                 keys.iter().filter(|(_, t)| *t == tier).map(|(k, _)| *k).collect();
             if let (Some(adapter), false) = (self.router.tier(tier), mine.is_empty()) {
-                adapter.unlock(&mine);
+                // A tier that panics keeps its locks (its bug); the panic goes no further: this
+                // runs in `Drop` too, where a second panic while unwinding would abort the
+                // daemon.
+                let unlocked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    adapter.unlock(&mine);
+                }));
+                if unlocked.is_err() {
+                    tracing::error!(tier, keys = mine.len(), "a tier panicked returning locks");
+                }
             }
         }
     }
@@ -409,6 +418,22 @@ mod tests {
         assert_eq!(below.shared.lock().kept, 0, "the last reader took what was kept");
         assert!(below.shared.lock().chunks.is_empty());
         drop(below);
+        router.stop();
+    }
+
+    #[test]
+    fn a_tier_that_panics_returning_locks_is_no_second_panic_while_unwinding() {
+        // Something else panics while a hit is held below; dropping it returns its locks, and
+        // the tier panics there too: a second panic while unwinding would abort the daemon.
+        let tier = Arc::new(FakeTier::new("l2", 64, CHUNK));
+        let router = Arc::new(TierRouter::start(vec![tier.clone()]).unwrap());
+        tier.panic_on_unlock();
+        let held: HashMap<ObjectKey, usize> = keys(0..2).into_iter().map(|k| (k, 0)).collect();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _below = HeldBelow::keeping(Arc::clone(&router), held, KEPT_FOR_READERS);
+            panic!("elsewhere");
+        }));
+        assert!(outcome.is_err(), "the first panic reached its catcher, the process lives");
         router.stop();
     }
 }

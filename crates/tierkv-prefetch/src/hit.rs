@@ -35,12 +35,33 @@ impl GroupKind {
 /// The largest `n` (in chunks) such that every group has every chunk it needs before `n`.
 /// `present[g][i]` says whether chunk `i` of group `g` is available; `n` never exceeds the
 /// shortest group.
+///
+/// Linear in the chunks: every range a group needs ends at `n`, so it is whole when the run of
+/// present chunks ending at `n - 1` is at least as long (a lookup names up to a million chunks,
+/// and this runs under the lookups' lock).
 pub fn hit_chunks(groups: &[(GroupKind, &[bool])], chunk_tokens: u64) -> usize {
     let longest = groups.iter().map(|(_, p)| p.len()).min().unwrap_or(0);
+    // For each group, the length of the run of present chunks ending at each index.
+    let runs: Vec<Vec<usize>> = groups
+        .iter()
+        .map(|(_, present)| {
+            let mut run = 0;
+            present
+                .iter()
+                .map(|&here| {
+                    run = if here { run + 1 } else { 0 };
+                    run
+                })
+                .collect()
+        })
+        .collect();
     (1..=longest)
         .rev()
-        .find(|n| {
-            groups.iter().all(|(kind, present)| kind.needed(*n, chunk_tokens).all(|i| present[i]))
+        .find(|&n| {
+            groups.iter().zip(&runs).all(|((kind, _), run)| {
+                let needed = kind.needed(n, chunk_tokens);
+                needed.is_empty() || run.get(needed.end - 1).is_some_and(|&r| r >= needed.len())
+            })
         })
         .unwrap_or(0)
 }
@@ -86,5 +107,36 @@ mod tests {
         // (needs 0,1), 1 fails (needs 0): no hit.
         let sliding = [false, false, true, false, true];
         assert_eq!(hit_chunks(&[(FULL, &full), (window(512), &sliding)], 256), 0);
+    }
+
+    /// The definition, chunk by chunk: quadratic, kept to check the linear one against.
+    fn by_definition(groups: &[(GroupKind, &[bool])], chunk_tokens: u64) -> usize {
+        let longest = groups.iter().map(|(_, p)| p.len()).min().unwrap_or(0);
+        (1..=longest)
+            .rev()
+            .find(|n| groups.iter().all(|(kind, p)| kind.needed(*n, chunk_tokens).all(|i| p[i])))
+            .unwrap_or(0)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_hit_is_the_definitions_for_any_groups(
+            full in proptest::collection::vec(proptest::bool::weighted(0.8), 0..40),
+            sliding in proptest::collection::vec(proptest::bool::weighted(0.7), 0..40),
+            window_tokens in 1u64..2000,
+            chunk_tokens in 1u64..300,
+        ) {
+            let w = window(window_tokens);
+            for groups in [
+                vec![(FULL, full.as_slice())],
+                vec![(w, sliding.as_slice())],
+                vec![(FULL, full.as_slice()), (w, sliding.as_slice())],
+            ] {
+                proptest::prop_assert_eq!(
+                    hit_chunks(&groups, chunk_tokens),
+                    by_definition(&groups, chunk_tokens)
+                );
+            }
+        }
     }
 }

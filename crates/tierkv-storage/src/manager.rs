@@ -751,6 +751,7 @@ impl StorageManager {
             }
         };
         if let Some(request) = request {
+            let started = Instant::now();
             let outcome = self.inner.prefetch.wait(request, timeout);
             let mut lookups = self.inner.lookups.lock();
             let Some(lookup) = lookups.get_mut(&id) else {
@@ -761,17 +762,31 @@ impl StorageManager {
                 }
                 return Err(StorageError::UnknownLookup(id));
             };
+            let mut taken_by_another = false;
             if matches!(lookup.stage, Stage::Prefetching(_)) {
                 match outcome {
                     Ok(prefetched) => self.inner.complete(lookup, Some(prefetched)),
                     Err(PrefetchError::Timeout) => return Err(PrefetchError::Timeout.into()),
-                    // Another waiter took the outcome first; it completed the lookup below.
-                    Err(PrefetchError::Invalid(_)) => {}
+                    // Another waiter (another reader's session) took the outcome first: it
+                    // completes the lookup as soon as it has this lock.
+                    Err(PrefetchError::Invalid(_)) => taken_by_another = true,
                     Err(e) => self.inner.fail(lookup, e.to_string()),
+                }
+            }
+            drop(lookups);
+            if taken_by_another {
+                let deadline = deadline_after(started, timeout);
+                while self.prefetching(id) && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
                 }
             }
         }
         self.query(id)?.ok_or(StorageError::Prefetch(PrefetchError::Timeout))
+    }
+
+    /// Whether the lookup is open and still prefetching.
+    fn prefetching(&self, id: LookupId) -> bool {
+        matches!(self.inner.lookups.lock().get(&id).map(|l| &l.stage), Some(Stage::Prefetching(_)))
     }
 
     /// Pins `key` of a completed lookup for reading by `reader`, who must still hold its share.

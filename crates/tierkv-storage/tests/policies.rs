@@ -884,6 +884,38 @@ fn a_reader_that_leaves_while_the_lookup_prefetches_returns_its_share_when_it_co
     s.l1().audit().unwrap();
 }
 
+#[test]
+fn two_readers_waiting_on_one_prefetch_both_get_its_hit() {
+    // MLA: each TP rank's session waits on the same lookup. The outcome goes to whichever
+    // waiter takes it first; the other must get the hit too, not a timeout of its own.
+    let tier = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
+    for key in keys(0..4) {
+        tier.insert(key, payload(&key, CHUNK));
+    }
+    let config = StorageConfig { l2: None, disk: None, ..tiered(8, 4, None, StorePolicy::Cascade) };
+    let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![tier.clone()];
+    let s =
+        StorageManager::start_with_tiers(config, Arc::new(tierkv_core::SystemClock::new()), tiers)
+            .unwrap();
+    let layout = Layout::bytes(CHUNK).unwrap();
+    for round in 0..200 {
+        tier.hold_loads();
+        let extra = ExtraCount::new(1).unwrap();
+        let id = s.submit_prefetch(OWNER, keys(0..4), extra, layout.clone()).unwrap();
+        let hits: Vec<_> = std::thread::scope(|scope| {
+            let waiters: Vec<_> =
+                (0..2).map(|_| scope.spawn(|| s.wait(id, WAIT).map(|r| r.hit_chunks))).collect();
+            std::thread::sleep(Duration::from_millis(1));
+            tier.release_held();
+            waiters.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        for hit in hits {
+            assert_eq!(hit.ok(), Some(4), "round {round}: a waiter did not get the hit");
+        }
+        s.release_all(id).unwrap();
+    }
+}
+
 fn key_of(n: u64) -> ObjectKey {
     keys(n..n + 1)[0]
 }

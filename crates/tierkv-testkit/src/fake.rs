@@ -29,6 +29,8 @@ struct State {
     panicking_deletes: bool,
     /// Lookups panic as they are submitted (a bug in the tier).
     panicking_lookups: bool,
+    /// Unlocks panic (a bug in the tier).
+    panicking_unlocks: bool,
 }
 
 /// An in-memory tier of a fixed number of objects, evicting least recently used unlocked ones.
@@ -64,6 +66,7 @@ impl FakeTier {
                 closed: false,
                 panicking_deletes: false,
                 panicking_lookups: false,
+                panicking_unlocks: false,
             }),
             next_task: AtomicU64::new(1),
             sender,
@@ -86,6 +89,11 @@ impl FakeTier {
     /// From now on, every delete panics (as a buggy tier's might).
     pub fn panic_on_delete(&self) {
         self.state.lock().panicking_deletes = true;
+    }
+
+    /// From now on, every unlock of some key panics (as a buggy tier's might).
+    pub fn panic_on_unlock(&self) {
+        self.state.lock().panicking_unlocks = true;
     }
 
     /// From now on, every lookup panics as it is submitted (as a buggy tier's might).
@@ -242,6 +250,10 @@ impl TierAdapter for FakeTier {
 
     fn unlock(&self, keys: &[ObjectKey]) {
         let mut state = self.state.lock();
+        if state.panicking_unlocks && !keys.is_empty() {
+            drop(state);
+            panic!("the fake tier was told to panic on unlocks");
+        }
         for key in keys {
             if let Some(count) = state.locks.get_mut(key) {
                 *count -= 1;
