@@ -93,6 +93,8 @@ fn a_second_sigterm_ends_a_clean_stop_stuck_behind_a_silent_remote_tier() {
     let mut worker = daemon.worker(&["--chunk-bytes", "65536"]);
     worker.run("store 1 8");
     worker.exit();
+    // Connected first: a tier not reached yet fails its calls at once, and the stop is quick.
+    daemon.eventually("the remote tier is reached", |s| s.tiers[3].degraded.is_none());
     server.node.pause();
     // SAFETY: kill(2) on the daemon, our child.
     unsafe { libc::kill(daemon.pid() as libc::pid_t, libc::SIGTERM) };
