@@ -1695,9 +1695,60 @@ mod tests {
         assert_eq!(kept, [true, true, false, true]);
     }
 
-    /// A chunk L2 deleted while it was on its way down does not stay in the tier below: the
-    /// pipeline drops it if the delete came before the write, and deletes it below if the delete
-    /// came while the write was under way. A victim not deleted lands as ever.
+    /// An L2 of one slot whose victims the test sends down `storage`'s pipeline to tier 0.
+    struct L2Above {
+        host: HostStore,
+        departed: Arc<Mutex<Vec<tierkv_core::Departing>>>,
+        down: DemoteDown,
+    }
+
+    impl L2Above {
+        fn new(storage: &StorageManager) -> Self {
+            let host = HostStore::open(tierkv_l2::HostStoreConfig {
+                memory: tierkv_l2::HostMemory::Plain,
+                workers: 1,
+                ..tierkv_l2::HostStoreConfig::new(CHUNK, CHUNK)
+            })
+            .unwrap();
+            let departed: Arc<Mutex<Vec<tierkv_core::Departing>>> = Arc::default();
+            let keep = Arc::clone(&departed);
+            assert!(host.set_demoter(Box::new(move |_, departing| keep.lock().push(departing))));
+            let down = DemoteDown {
+                jobs: storage.inner.store.queue().clone(),
+                cap: 64 * CHUNK,
+                metrics: storage.inner.metrics.clone(),
+            };
+            L2Above { host, departed, down }
+        }
+
+        fn store(&self, key: ObjectKey) {
+            self.host.store_now(key, &VecChunk(payload(&key, CHUNK))).unwrap();
+        }
+
+        /// Sends L2's victims so far down the pipeline.
+        fn send_down(&self) {
+            for departing in self.departed.lock().drain(..) {
+                self.down.send(0, departing.key(), Box::new(departing));
+            }
+        }
+
+        /// Stores k0, then k1 (k0 leaves) and sends k0 down to `below`, which holds its tasks:
+        /// returns k0 once `below` holds its write.
+        fn victim_on_its_way(&self, below: &tierkv_testkit::FakeTier) -> ObjectKey {
+            let [k0, k1] = keys(0..2)[..] else { unreachable!() };
+            below.hold();
+            self.store(k0);
+            self.store(k1); // k0 leaves
+            self.send_down();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while below.held_tasks() == 0 {
+                assert!(Instant::now() < deadline, "the pipeline never took the victim");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            k0
+        }
+    }
+
     #[test]
     fn a_chunk_withdrawn_on_its_way_to_the_remote_tier_is_not_deleted_there() {
         // L2 over the shared remote tier (no disk): L2's victim is on its way there when this
@@ -1712,34 +1763,9 @@ mod tests {
         let tiers: Vec<Arc<dyn TierAdapter>> = vec![remote.clone()];
         let clock = Arc::new(tierkv_core::ManualClock::new());
         let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
-        let host = HostStore::open(tierkv_l2::HostStoreConfig {
-            memory: tierkv_l2::HostMemory::Plain,
-            workers: 1,
-            ..tierkv_l2::HostStoreConfig::new(CHUNK, CHUNK)
-        })
-        .unwrap();
-        let departed: Arc<Mutex<Vec<tierkv_core::Departing>>> = Arc::default();
-        let keep = Arc::clone(&departed);
-        assert!(host.set_demoter(Box::new(move |_, departing| keep.lock().push(departing))));
-        let down = DemoteDown {
-            jobs: storage.inner.store.queue().clone(),
-            cap: 64 * CHUNK,
-            metrics: storage.inner.metrics.clone(),
-        };
-        let [k0, k1] = keys(0..2)[..] else { unreachable!() };
-        remote.hold();
-        for k in [k0, k1] {
-            host.store_now(k, &VecChunk(payload(&k, CHUNK))).unwrap(); // k0 leaves
-        }
-        for departing in departed.lock().drain(..) {
-            down.send(0, departing.key(), Box::new(departing));
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while remote.held_tasks() == 0 {
-            assert!(Instant::now() < deadline, "the pipeline never took the victim");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(host.clear(), 2, "the clear withdraws k0 on its way, and takes k1");
+        let l2 = L2Above::new(&storage);
+        let k0 = l2.victim_on_its_way(&remote);
+        assert_eq!(l2.host.clear(), 2, "the clear withdraws k0 on its way, and takes k1");
         remote.release_held();
         assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
         assert!(remote.contains(&k0), "this node's clear deleted a shared value");
@@ -1748,34 +1774,9 @@ mod tests {
     #[test]
     fn a_tier_that_panics_taking_back_a_withdrawn_chunk_still_ends_its_batch() {
         let (storage, below) = cascade_over_one_tier();
-        let host = HostStore::open(tierkv_l2::HostStoreConfig {
-            memory: tierkv_l2::HostMemory::Plain,
-            workers: 1,
-            ..tierkv_l2::HostStoreConfig::new(CHUNK, CHUNK)
-        })
-        .unwrap();
-        let departed: Arc<Mutex<Vec<tierkv_core::Departing>>> = Arc::default();
-        let keep = Arc::clone(&departed);
-        assert!(host.set_demoter(Box::new(move |_, departing| keep.lock().push(departing))));
-        let down = DemoteDown {
-            jobs: storage.inner.store.queue().clone(),
-            cap: 64 * CHUNK,
-            metrics: storage.inner.metrics.clone(),
-        };
-        let [k0, k1] = keys(0..2)[..] else { unreachable!() };
-        below.hold();
-        for k in [k0, k1] {
-            host.store_now(k, &VecChunk(payload(&k, CHUNK))).unwrap(); // k0 leaves
-        }
-        for departing in departed.lock().drain(..) {
-            down.send(0, departing.key(), Box::new(departing));
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while below.held_tasks() == 0 {
-            assert!(Instant::now() < deadline, "the pipeline never took the victim");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(host.delete(&[k0]), 1); // withdrawn while it is written
+        let l2 = L2Above::new(&storage);
+        let k0 = l2.victim_on_its_way(&below);
+        assert_eq!(l2.host.delete(&[k0]), 1); // withdrawn while it is written
         below.panic_on_delete();
         below.release_held();
         assert!(
@@ -1784,62 +1785,37 @@ mod tests {
         );
     }
 
+    /// A chunk L2 deleted while it was on its way down does not stay in the tier below: the
+    /// pipeline drops it if the delete came before the write, and deletes it below if the delete
+    /// came while the write was under way. A victim not deleted lands as ever.
     #[test]
     fn a_victim_deleted_above_on_its_way_down_does_not_stay_below() {
         let (storage, below) = cascade_over_one_tier();
-        // An L2 of one slot whose victims the test sends down the pipeline to `below` itself.
-        let host = HostStore::open(tierkv_l2::HostStoreConfig {
-            memory: tierkv_l2::HostMemory::Plain,
-            workers: 1,
-            ..tierkv_l2::HostStoreConfig::new(CHUNK, CHUNK)
-        })
-        .unwrap();
-        let departed: Arc<Mutex<Vec<tierkv_core::Departing>>> = Arc::default();
-        let keep = Arc::clone(&departed);
-        assert!(host.set_demoter(Box::new(move |_, departing| keep.lock().push(departing))));
-        let down = DemoteDown {
-            jobs: storage.inner.store.queue().clone(),
-            cap: 64 * CHUNK,
-            metrics: storage.inner.metrics.clone(),
-        };
-        let send_down = || {
-            for departing in departed.lock().drain(..) {
-                down.send(0, departing.key(), Box::new(departing));
-            }
-        };
+        let l2 = L2Above::new(&storage);
         let idle = || {
             assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)))
         };
         let [k0, k1, k2, k3] = keys(0..4)[..] else { unreachable!() };
-        let store = |k: ObjectKey| host.store_now(k, &VecChunk(payload(&k, CHUNK))).unwrap();
 
         // Deleted while its write is under way: the tier below has it once the write ends, and
         // then no more.
-        below.hold();
-        store(k0);
-        store(k1); // k0 leaves
-        send_down();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while below.held_tasks() == 0 {
-            assert!(Instant::now() < deadline, "the pipeline never took the victim");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(host.delete(&[k0]), 1);
+        assert_eq!(l2.victim_on_its_way(&below), k0);
+        assert_eq!(l2.host.delete(&[k0]), 1);
         below.release_held();
         idle();
         assert!(!below.contains(&k0), "a chunk deleted while it was written stayed below");
         // Deleted before the pipeline got to it: never written (the tier below, holding every
         // task, gets none). The other lands.
-        store(k2); // k1 leaves
-        store(k3); // k2 leaves
-        assert_eq!(host.delete(&[k2]), 1);
-        let first = departed.lock().remove(0);
+        l2.store(k2); // k1 leaves
+        l2.store(k3); // k2 leaves
+        assert_eq!(l2.host.delete(&[k2]), 1);
+        let first = l2.departed.lock().remove(0);
         below.hold();
-        send_down();
+        l2.send_down();
         idle();
         assert_eq!(below.held_tasks(), 0, "a chunk deleted on its way was sent below");
         below.release_held();
-        down.send(0, first.key(), Box::new(first));
+        l2.down.send(0, first.key(), Box::new(first));
         idle();
         assert!(below.contains(&k1), "a victim not deleted lands below");
         assert!(!below.contains(&k2), "a chunk deleted on its way was written below");
