@@ -1567,6 +1567,16 @@ mod tests {
         assert_eq!(ticket.outcome().map(|d| d.not_durable), Some(1), "nothing reached the disk");
     }
 
+    /// Writes `chunks` (their payloads) into L1 and finishes them.
+    fn write(storage: &StorageManager, chunks: &[ObjectKey]) {
+        let layout = Layout::bytes(CHUNK).unwrap();
+        assert!(storage.reserve_write(OWNER, chunks, &layout).unwrap().iter().all(|r| r.is_ok()));
+        for k in chunks {
+            storage.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+        }
+        assert!(storage.finish_write(OWNER, chunks).unwrap().iter().all(|r| r.is_ok()));
+    }
+
     /// A lease time to live of "forever" is a deadline that never comes, never an overflow.
     #[test]
     fn an_endless_lease_ttl_or_backpressure_wait_is_no_panic() {
@@ -1579,11 +1589,7 @@ mod tests {
         let storage = StorageManager::start(config).unwrap();
         let layout = Layout::bytes(CHUNK).unwrap();
         let stored = keys(0..8);
-        assert!(storage.reserve_write(OWNER, &stored, &layout).unwrap().iter().all(|r| r.is_ok()));
-        for k in &stored {
-            storage.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
-        }
-        assert!(storage.finish_write(OWNER, &stored).unwrap().iter().all(|r| r.is_ok()));
+        write(&storage, &stored);
         let lookup = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), stored);
         let lookup = storage.submit_lookup(lookup).unwrap();
         assert_eq!(storage.wait(lookup, Duration::MAX).unwrap().hit_chunks, 8);
@@ -1628,12 +1634,7 @@ mod tests {
         let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
         let storage = StorageManager::start(StorageConfig::new(l1)).unwrap();
         let layout = Layout::bytes(CHUNK).unwrap();
-        let stored = keys(0..2);
-        assert!(storage.reserve_write(OWNER, &stored, &layout).unwrap().iter().all(|r| r.is_ok()));
-        for k in &stored {
-            storage.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
-        }
-        assert!(storage.finish_write(OWNER, &stored).unwrap().iter().all(|r| r.is_ok()));
+        write(&storage, &keys(0..2));
         let named = |id: LookupId| {
             let lookups = storage.inner.lookups.lock();
             let lookup = &lookups[&id];

@@ -836,15 +836,7 @@ fn a_read_below_that_fails_or_hangs_is_an_error_never_bytes_and_the_locks_go_bac
 fn a_reader_that_leaves_while_the_lookup_prefetches_returns_its_share_when_it_completes() {
     // Two readers (MLA over two TP ranks); the hit is in a lower tier whose loads are held, so
     // the lookup is still prefetching when reader 1's session ends.
-    let tier = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
-    for key in keys(0..4) {
-        tier.insert(key, payload(&key, CHUNK));
-    }
-    let config = StorageConfig { l2: None, disk: None, ..tiered(4, 4, None, StorePolicy::Cascade) };
-    let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![tier.clone()];
-    let s =
-        StorageManager::start_with_tiers(config, Arc::new(tierkv_core::SystemClock::new()), tiers)
-            .unwrap();
+    let (s, tier) = over_a_fake_tier_holding(keys(0..4), 4);
     tier.hold_loads();
     let layout = Layout::bytes(CHUNK).unwrap();
     let id =
@@ -888,15 +880,7 @@ fn a_reader_that_leaves_while_the_lookup_prefetches_returns_its_share_when_it_co
 fn two_readers_waiting_on_one_prefetch_both_get_its_hit() {
     // MLA: each TP rank's session waits on the same lookup. The outcome goes to whichever
     // waiter takes it first; the other must get the hit too, not a timeout of its own.
-    let tier = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
-    for key in keys(0..4) {
-        tier.insert(key, payload(&key, CHUNK));
-    }
-    let config = StorageConfig { l2: None, disk: None, ..tiered(8, 4, None, StorePolicy::Cascade) };
-    let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![tier.clone()];
-    let s =
-        StorageManager::start_with_tiers(config, Arc::new(tierkv_core::SystemClock::new()), tiers)
-            .unwrap();
+    let (s, tier) = over_a_fake_tier_holding(keys(0..4), 8);
     let layout = Layout::bytes(CHUNK).unwrap();
     for round in 0..200 {
         tier.hold_loads();
@@ -914,6 +898,24 @@ fn two_readers_waiting_on_one_prefetch_both_get_its_hit() {
         }
         s.release_all(id).unwrap();
     }
+}
+
+/// A manager with an L1 of `l1_slots` over one fake lower tier that holds `held`.
+fn over_a_fake_tier_holding(
+    held: Vec<ObjectKey>,
+    l1_slots: u64,
+) -> (StorageManager, Arc<tierkv_testkit::FakeTier>) {
+    let tier = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
+    for key in held {
+        tier.insert(key, payload(&key, CHUNK));
+    }
+    let config =
+        StorageConfig { l2: None, disk: None, ..tiered(l1_slots, 4, None, StorePolicy::Cascade) };
+    let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![tier.clone()];
+    let s =
+        StorageManager::start_with_tiers(config, Arc::new(tierkv_core::SystemClock::new()), tiers)
+            .unwrap();
+    (s, tier)
 }
 
 fn key_of(n: u64) -> ObjectKey {
