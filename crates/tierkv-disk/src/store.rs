@@ -28,7 +28,7 @@ use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
 use tierkv_core::policy::{JudgedOrder, Order, PolicyKind, SampleKey, SegmentPolicy};
 use tierkv_core::{
-    AlignedBuf, Bitmap, ChunkSink, Completion, Departing, Departures, JointLoad, LoadItem,
+    AlignedBuf, Bitmap, Board, ChunkSink, Completion, Departing, Departures, JointLoad, LoadItem,
     ObjectKey, StoreItem, TaskId, TierAdapter, TierError, TierUsage,
 };
 
@@ -200,6 +200,57 @@ impl Index {
             self.map.remove(key);
             self.live_bytes -= record_bytes(loc.len);
         }
+    }
+
+    /// Locks every key of `keys` indexed here or on its way here (on `board`), and tells the
+    /// policy of each hit and miss. Lookups name a chain root first; the keys are visited leaf
+    /// first (as L2 touches them), so the root's segment ends up the most recent and eviction
+    /// takes a chain's tail before its root. The policy hears of every key before any is locked:
+    /// a panic in it (a bug) leaves no lock behind that nobody would release.
+    fn lookup_and_lock(&mut self, board: &mut Board, keys: &[ObjectKey]) -> Bitmap {
+        enum Found {
+            Indexed(Loc),
+            Departing,
+            Missing,
+        }
+        let mut found: Vec<Found> = keys
+            .iter()
+            .rev()
+            .map(|key| match self.map.get(key).copied() {
+                Some(loc) => {
+                    let life = self.life(loc.segment);
+                    self.policy.hit(&life, key);
+                    Found::Indexed(loc)
+                }
+                // On its way here: found, without a word to the policy, which hears of the chunk
+                // when its record is written.
+                None if board.contains(key) => Found::Departing,
+                None => {
+                    self.policy.missed(key);
+                    Found::Missing
+                }
+            })
+            .collect();
+        found.reverse();
+        let mut locked = vec![false; keys.len()];
+        for ((key, found), locked) in keys.iter().zip(found).zip(&mut locked) {
+            match found {
+                Found::Indexed(loc) => {
+                    let (count, _) = self.locks.entry(*key).or_insert((0, loc.segment));
+                    *count += 1;
+                    if *count == 1 {
+                        self.segments[loc.segment as usize].locked += 1;
+                    }
+                }
+                Found::Departing => {
+                    board.lock(key);
+                }
+                Found::Missing => continue,
+            }
+            self.lock_total += 1;
+            *locked = true;
+        }
+        Bitmap::from_bools(locked)
     }
 
     /// Segment `id` is free again (its initialisation failed): the search starts at it.
@@ -1742,37 +1793,11 @@ impl Shared {
 
     // ----- lookups and loads -----
 
-    /// Locks every indexed key and tells the policy of each hit and miss. Lookups name a chain
-    /// root first; the keys are visited leaf first (as L2 touches them), so the root's segment
-    /// ends up the most recent and eviction takes a chain's tail before its root.
+    /// Locks every indexed key and tells the policy of each hit and miss.
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
         let mut index = self.index.lock();
-        let index = &mut *index;
         let mut board = self.departures.lock();
-        let mut found = vec![false; keys.len()];
-        for (i, key) in keys.iter().enumerate().rev() {
-            let Some(loc) = index.map.get(key).copied() else {
-                // On its way here: found and locked, without a word to the policy, which hears
-                // of the chunk when its record is written.
-                if board.lock(key) {
-                    index.lock_total += 1;
-                    found[i] = true;
-                } else {
-                    index.policy.missed(key);
-                }
-                continue;
-            };
-            let (count, _) = index.locks.entry(*key).or_insert((0, loc.segment));
-            *count += 1;
-            if *count == 1 {
-                index.segments[loc.segment as usize].locked += 1;
-            }
-            index.lock_total += 1;
-            let life = index.life(loc.segment);
-            index.policy.hit(&life, key);
-            found[i] = true;
-        }
-        Bitmap::from_bools(found)
+        index.lookup_and_lock(&mut board, keys)
     }
 
     fn load(&self, items: &mut [LoadItem], staging: &mut AlignedBuf) -> Bitmap {
@@ -2184,6 +2209,67 @@ mod tests {
 
     fn at(segment: u32, offset: u64) -> Loc {
         Loc { segment, offset, len: 1 }
+    }
+
+    /// A segment policy with a bug: its second hit panics.
+    struct PanicsOnSecondHit {
+        hits: usize,
+    }
+
+    impl SegmentPolicy<SegmentLife, ObjectKey> for PanicsOnSecondHit {
+        fn written(&mut self, _: &SegmentLife, _: &ObjectKey) {}
+        fn seal(&mut self, _: SegmentLife) {}
+        fn missed(&mut self, _: &ObjectKey) {}
+        fn hit(&mut self, _: &SegmentLife, _: &ObjectKey) {
+            self.hits += 1;
+            assert!(self.hits < 2, "a policy bug");
+        }
+        fn len(&self) -> usize {
+            0
+        }
+        fn contains(&self, _: &SegmentLife) -> bool {
+            false
+        }
+        fn evict<'c>(
+            &mut self,
+            _: &mut dyn FnMut(&SegmentLife) -> bool,
+            _: &dyn Fn(&SegmentLife) -> &'c [ObjectKey],
+        ) -> Option<SegmentLife>
+        where
+            ObjectKey: 'c,
+        {
+            None
+        }
+    }
+
+    #[test]
+    fn a_policy_that_panics_during_a_lookup_leaves_no_lock_behind() {
+        let mut index = Index {
+            map: HashMap::new(),
+            locks: HashMap::new(),
+            lock_total: 0,
+            segments: (0..3).map(|_| Segment::free()).collect(),
+            policy: Box::new(PanicsOnSecondHit { hits: 0 }),
+            lives: 0,
+            live_bytes: 0,
+            free_from: 0,
+        };
+        let keys = tierkv_testkit::contract::keys(0..3);
+        // Keys 0 and 1 have records, key 2 is on its way here; the lookup visits 2, 1, then 0,
+        // whose hit (the policy's second) panics.
+        index.map.insert(keys[0], at(0, 0));
+        index.map.insert(keys[1], at(1, 0));
+        let departures = Departures::new();
+        let departing = departures.depart(keys[2], Arc::from(vec![0u8; 1]));
+        let mut board = departures.lock();
+        let panicked = catch_unwind(AssertUnwindSafe(|| index.lookup_and_lock(&mut board, &keys)));
+        assert!(panicked.is_err(), "the policy's second hit panics");
+        assert!(index.locks.is_empty(), "locked: {:?}", index.locks);
+        assert_eq!(index.lock_total, 0);
+        assert!(index.segments.iter().all(|s| s.locked == 0));
+        assert!(!board.unlock(&keys[2]), "the board holds no lock on the departing key");
+        drop(board);
+        drop(departing);
     }
 
     #[test]
