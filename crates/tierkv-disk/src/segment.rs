@@ -78,6 +78,12 @@ pub(crate) struct SegmentFile {
     map: OnceLock<io::Result<Mmap>>,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The syncs this thread has asked for, for tests.
+    pub(crate) static SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Segment files are never opened through a symlink (`O_NOFOLLOW`), and are created `0600`
 /// (`SegmentFile::secure` then sets the configured mode and group).
 fn options(write: bool, create: bool, mode: IoMode) -> OpenOptions {
@@ -248,6 +254,8 @@ impl SegmentFile {
 
     /// Forces written data to stable storage.
     pub(crate) fn sync(&self) -> io::Result<()> {
+        #[cfg(test)]
+        SYNCS.with(|syncs| syncs.set(syncs.get() + 1));
         self.file.sync_data()
     }
 

@@ -138,6 +138,10 @@ impl SampleKey for SegmentLife {
 
 struct Index {
     map: HashMap<ObjectKey, Loc>,
+    /// Keys whose record the restart scan found and no load has read since: only its header
+    /// is checked (a crash may have left the header without its payload), so a store of such a
+    /// key writes a fresh record, which replaces it.
+    unverified: HashSet<ObjectKey>,
     /// Lock count and segment of every locked key.
     locks: HashMap<ObjectKey, (u64, u32)>,
     lock_total: u64,
@@ -198,6 +202,7 @@ impl Index {
     fn drop_record(&mut self, key: &ObjectKey, loc: Loc) {
         if self.map.get(key) == Some(&loc) {
             self.map.remove(key);
+            self.unverified.remove(key);
             self.live_bytes -= record_bytes(loc.len);
         }
     }
@@ -943,6 +948,7 @@ fn scan(
 ) -> Result<(Index, Recovered), DiskError> {
     let mut index = Index {
         map: HashMap::new(),
+        unverified: HashSet::new(),
         locks: HashMap::new(),
         lock_total: 0,
         segments: (0..layout.segments).map(|_| Segment::free()).collect(),
@@ -1022,6 +1028,13 @@ fn scan(
         for (n, file) in &files {
             cut_file(file, layout.file_bytes(*n));
         }
+        // What the scan found may still be only in the page cache (a process killed between a
+        // write and its sync): it is synced before any store can count on it as durable.
+        if config.fsync != FsyncPolicy::Never {
+            for (_, file) in &files {
+                file.sync().map_err(DiskError::io("syncing", &file.path))?;
+            }
+        }
     }
     for Scanned { id, found } in scanned {
         // A segment without a valid superblock holds nothing; its space is reused as is.
@@ -1042,6 +1055,7 @@ fn scan(
         for (key, loc) in found.records {
             // One object per key: a second copy (written again after a delete) is redundant.
             if index.index_record(key, loc) {
+                index.unverified.insert(key);
                 recovered.records += 1;
                 recovered.bytes += loc.len;
             }
@@ -1393,8 +1407,9 @@ impl Shared {
             return refused(Failure::TooLarge, e);
         }
         // One store task prepares records at a time (the writer lock). A key present in the
-        // index, or repeated in the batch, is skipped; one still in flight from an earlier task
-        // is written again, and publishing keeps the first.
+        // index (unless only the restart scan vouches for its record), or repeated in the batch,
+        // is skipped; one still in flight from an earlier task is written again, and publishing
+        // keeps the first.
         let mut writer = self.writer.lock();
         let new: Vec<(&StoreItem, u64)> = {
             let index = self.index.lock();
@@ -1402,7 +1417,10 @@ impl Shared {
             items
                 .iter()
                 .zip(lens)
-                .filter(|(item, _)| !index.map.contains_key(&item.key) && batch.insert(item.key))
+                .filter(|(item, _)| {
+                    (!index.map.contains_key(&item.key) || index.unverified.contains(&item.key))
+                        && batch.insert(item.key)
+                })
                 .collect()
         };
         writer.tasks += 1;
@@ -1520,16 +1538,31 @@ impl Shared {
 
     /// Makes a written task's records visible (the write thread, after its last write). Under
     /// `FsyncPolicy::Always` they are synced first. A key another task published meanwhile
-    /// keeps that record; this one stays unindexed.
+    /// keeps that record, and this one stays unindexed, unless that record is one the restart
+    /// scan found and nothing has read since: the new one replaces it, and it is marked deleted
+    /// on disk so that the next restart does not find it instead.
     fn publish_records(&self, records: &[(ObjectKey, Loc)]) -> Result<(), TierError> {
         if self.config.fsync == FsyncPolicy::Always {
             self.sync_segments(records.iter().map(|(_, loc)| loc.segment))?;
         }
         let mut index = self.index.lock();
+        let mut replaced = Vec::new();
         for (key, loc) in records {
+            if index.unverified.contains(key)
+                && let Some(old) = index.map.get(key).copied()
+            {
+                index.drop_record(key, old);
+                let segment = &mut index.segments[old.segment as usize];
+                if let Some(file) = segment.file.clone() {
+                    // Pinned until its mark is written, as a delete's is.
+                    segment.pins += 1;
+                    replaced.push((file, segment.epoch, *key, old));
+                }
+            }
             index.index_record(*key, *loc);
         }
         drop(index);
+        self.mark_deleted_and_unpin(&replaced);
         if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
             self.dirty.lock().extend(records.iter().map(|(_, loc)| loc.segment));
         }
@@ -1762,6 +1795,18 @@ impl Shared {
         }
     }
 
+    /// Marks the records of `marks` deleted, each in a segment pinned for it, then unpins them.
+    fn mark_deleted_and_unpin(&self, marks: &[(Arc<SegmentFile>, u64, ObjectKey, Loc)]) {
+        if marks.is_empty() {
+            return;
+        }
+        self.mark_deleted(marks);
+        let mut index = self.index.lock();
+        for (_, _, _, loc) in marks {
+            index.segments[loc.segment as usize].pins -= 1;
+        }
+    }
+
     /// Syncs the files of `segments`, each file once.
     fn sync_segments(&self, segments: impl Iterator<Item = u32>) -> Result<(), TierError> {
         let mut unique: HashMap<u32, u32> = HashMap::new();
@@ -1814,12 +1859,13 @@ impl Shared {
                         // On its way here: copied from its own bytes, which the plan shares.
                         return board.bytes(&item.key, item.sink.len()).map(Planned::Departing);
                     };
+                    let unverified = index.unverified.contains(&item.key);
                     let segment = &mut index.segments[loc.segment as usize];
                     let file = segment.file.clone()?;
                     segment.pins += 1;
                     pins.segments.push(loc.segment);
                     // No touch: the lookup that locked the key was the use.
-                    Some(Planned::Record(loc, segment.epoch, file))
+                    Some(Planned::Record { loc, epoch: segment.epoch, file, unverified })
                 })
                 .collect()
         };
@@ -1827,8 +1873,10 @@ impl Shared {
         let mut bytes = 0;
         let mut departing = 0;
         let mut damaged = Vec::new();
+        let mut marks = Vec::new();
+        let mut verified = Vec::new();
         for (i, (item, plan)) in items.iter_mut().zip(&planned).enumerate() {
-            let (loc, epoch, file) = match plan {
+            let (loc, epoch, file, unverified) = match plan {
                 None => continue,
                 Some(Planned::Departing(copy)) => {
                     if item.sink.write_from(copy).is_ok() {
@@ -1840,17 +1888,23 @@ impl Shared {
                     }
                     continue;
                 }
-                Some(Planned::Record(loc, epoch, file)) => (loc, epoch, file),
+                Some(Planned::Record { loc, epoch, file, unverified }) => {
+                    (loc, epoch, file, unverified)
+                }
             };
             match self.read_record(file, *loc, *epoch, &item.key, item.sink.as_mut(), staging) {
                 Ok(()) => {
                     loaded.set(i, true);
                     bytes += loc.len;
+                    if *unverified {
+                        verified.push((item.key, *loc));
+                    }
                 }
                 Err(ReadFailure::Sink) => self.metrics.failed(Failure::Copy),
                 Err(ReadFailure::Damaged) => {
                     self.metrics.checksum_failed(1);
                     damaged.push((item.key, *loc));
+                    marks.push((Arc::clone(file), *epoch, item.key, *loc));
                 }
                 Err(ReadFailure::Io) => {
                     self.metrics.failed(Failure::Io);
@@ -1859,12 +1913,22 @@ impl Shared {
             }
         }
         // A record that failed verification or could not be read is never served again. (It is
-        // dropped while its segment is still pinned, so `loc` cannot name a reused segment.)
-        if !damaged.is_empty() {
+        // dropped while its segment is still pinned, so `loc` cannot name a reused segment.) One
+        // that failed verification is marked deleted on disk too: a restart would find it again,
+        // and take it for the key's record instead of a good copy stored later.
+        if !damaged.is_empty() || !verified.is_empty() {
             let mut index = self.index.lock();
             for (key, loc) in damaged {
                 index.drop_record(&key, loc);
             }
+            for (key, loc) in verified {
+                if index.map.get(&key) == Some(&loc) {
+                    index.unverified.remove(&key);
+                }
+            }
+        }
+        if !marks.is_empty() {
+            self.mark_deleted(&marks);
         }
         drop(pins);
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
@@ -2014,8 +2078,9 @@ impl Shared {
 
 /// Where a load reads a chunk from.
 enum Planned {
-    /// Its record, in a segment pinned for the load (of this epoch, through this file).
-    Record(Loc, u64, Arc<SegmentFile>),
+    /// Its record, in a segment pinned for the load (of this epoch, through this file), and
+    /// whether only the restart scan has checked it so far.
+    Record { loc: Loc, epoch: u64, file: Arc<SegmentFile>, unverified: bool },
     /// Its copy on its way here.
     Departing(Arc<[u8]>),
 }
@@ -2138,13 +2203,7 @@ impl TierAdapter for DiskStore {
                 deleted += usize::from(gone);
             }
         }
-        if !marks.is_empty() {
-            self.shared.mark_deleted(&marks);
-            let mut index = self.shared.index.lock();
-            for (_, _, _, loc) in &marks {
-                index.segments[loc.segment as usize].pins -= 1;
-            }
-        }
+        self.shared.mark_deleted_and_unpin(&marks);
         deleted
     }
 
@@ -2246,6 +2305,7 @@ mod tests {
     fn a_policy_that_panics_during_a_lookup_leaves_no_lock_behind() {
         let mut index = Index {
             map: HashMap::new(),
+            unverified: HashSet::new(),
             locks: HashMap::new(),
             lock_total: 0,
             segments: (0..3).map(|_| Segment::free()).collect(),
@@ -2270,6 +2330,34 @@ mod tests {
         assert!(!board.unlock(&keys[2]), "the board holds no lock on the departing key");
         drop(board);
         drop(departing);
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+    fn a_restart_syncs_what_its_scan_found_unless_told_never_to() {
+        use crate::segment::SYNCS;
+        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+
+        let dir = tempfile::tempdir().unwrap();
+        let config =
+            |fsync| DiskStoreConfig { fsync, ..DiskStoreConfig::new(dir.path(), 1 << 22, 4096) };
+        // Opens the directory; the syncs this thread asked for while opening it.
+        let open = |fsync| {
+            let before = SYNCS.with(|s| s.get());
+            let store = Arc::new(DiskStore::open(config(fsync)).unwrap());
+            (store, SYNCS.with(|s| s.get()) - before)
+        };
+        // Records written and never synced, as a process killed before its sync leaves them.
+        let (store, _) = open(FsyncPolicy::Never);
+        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
+        Harness::new(tier).store(&keys(0..3)).unwrap();
+        drop(store);
+        let (store, synced) = open(FsyncPolicy::Never);
+        assert_eq!(synced, 0, "told never to sync");
+        drop(store);
+        let (store, synced) = open(FsyncPolicy::Always);
+        assert_eq!(store.recovered().records, 3);
+        assert!(synced >= 1, "the scanned file is synced before a store can count on it");
     }
 
     #[test]
