@@ -453,7 +453,12 @@ impl Shared {
             // SAFETY: the victim left the index under the lock and its slot is not reused before
             // this returns (the callers guarantee it), so nothing writes these bytes meanwhile.
             let bytes: Arc<[u8]> = Arc::from(unsafe { self.arena.bytes(offset, len) });
-            demote(*key, self.departures.depart(*key, bytes));
+            let departing = self.departures.depart(*key, bytes);
+            // A demoter that panics (a bug) loses this chunk (a miss) and nothing else: the
+            // callers still free or reuse the slots they took, and the victims after it go on.
+            if catch_unwind(AssertUnwindSafe(|| demote(*key, departing))).is_err() {
+                self.metrics.failed(Failure::Panic);
+            }
         }
     }
 
@@ -462,23 +467,27 @@ impl Shared {
     }
 
     fn store(&self, items: &[Source<'_>]) -> Result<(), TierError> {
-        if let Some(item) = items.iter().find(|item| item.source.len() > self.chunk_bytes) {
+        // Each source's length, asked once: a source that answered differently later would
+        // have its copy run past its slot into another key's.
+        let lens: Vec<u64> = items.iter().map(|item| item.source.len()).collect();
+        if let Some(&bytes) = lens.iter().find(|&&len| len > self.chunk_bytes) {
             self.metrics.failed(Failure::TooLarge);
-            return Err(TierError::TooLarge { bytes: item.source.len(), limit: self.chunk_bytes });
+            return Err(TierError::TooLarge { bytes, limit: self.chunk_bytes });
         }
         // Reserve a slot for every key not yet here (present or in flight: equal keys, equal
         // bytes), all at once, so a task that cannot fit evicts nothing.
         let task_keys: HashSet<ObjectKey, RandomState> =
             items.iter().map(|item| item.key).collect();
         let mut reserved: Vec<(ObjectKey, u32)> = Vec::with_capacity(items.len());
-        let mut to_copy: Vec<(&Source<'_>, u32)> = Vec::with_capacity(items.len());
+        let mut to_copy: Vec<(&Source<'_>, u64, u32)> = Vec::with_capacity(items.len());
         let evicted;
         {
             let mut index = self.index.lock();
             let mut seen: HashSet<ObjectKey, RandomState> = HashSet::default();
-            let new: Vec<&Source<'_>> = items
+            let new: Vec<(&Source<'_>, u64)> = items
                 .iter()
-                .filter(|item| !index.map.contains_key(&item.key) && seen.insert(item.key))
+                .zip(lens)
+                .filter(|(item, _)| !index.map.contains_key(&item.key) && seen.insert(item.key))
                 .collect();
             let Some((slots, victims)) = index.reserve_slots(new.len(), &task_keys) else {
                 drop(index);
@@ -493,18 +502,18 @@ impl Shared {
             // The victims' slots are this task's now and are written only below, after their
             // bytes were handed down.
             self.demote_all(&victims);
-            for (item, slot) in new.into_iter().zip(slots) {
-                let entry = Entry { slot, len: item.source.len(), ready: false, locks: 0, pins: 0 };
+            for ((item, len), slot) in new.into_iter().zip(slots) {
+                let entry = Entry { slot, len, ready: false, locks: 0, pins: 0 };
                 index.map.insert(item.key, entry);
                 reserved.push((item.key, slot));
-                to_copy.push((item, slot));
+                to_copy.push((item, len, slot));
             }
         }
         self.metrics.evicted(evicted);
         // Copy outside the lock. The reserved slots are this task's alone.
         let mut failure = None;
-        for (item, slot) in &to_copy {
-            let (offset, len) = self.slot_range(*slot, item.source.len());
+        for (item, len, slot) in &to_copy {
+            let (offset, len) = self.slot_range(*slot, *len);
             // SAFETY: the slot was reserved above for this task only; nothing reads an entry that
             // is not ready, and nothing else writes a reserved slot.
             let dst = unsafe { self.arena.bytes_mut(offset, len) };
@@ -535,7 +544,7 @@ impl Shared {
             index.ready += 1;
         }
         drop(index);
-        let bytes = to_copy.iter().map(|(item, _)| item.source.len()).sum();
+        let bytes = to_copy.iter().map(|(_, len, _)| len).sum();
         self.metrics.stored(to_copy.len() as u64, bytes);
         Ok(())
     }

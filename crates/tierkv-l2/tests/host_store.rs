@@ -800,3 +800,45 @@ proptest! {
         }
     }
 }
+
+/// A source that says it is half a slot long when first asked, and twice a slot after.
+struct Growing(std::sync::atomic::AtomicU32);
+
+impl ChunkSource for Growing {
+    fn len(&self) -> u64 {
+        let asked = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if asked == 0 { CHUNK / 2 } else { 2 * CHUNK }
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BufferError> {
+        dst.fill(0xee);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_source_whose_length_grows_once_asked_cannot_write_past_its_slot() {
+    let mut h = harness(4, 1);
+    h.store(&keys(0..4)).unwrap();
+    assert_eq!(h.tier.delete(&[key(0)]), 1);
+    let growing = Growing(std::sync::atomic::AtomicU32::new(0));
+    let item = StoreItem { key: key(9), source: Box::new(growing) };
+    let task = h.tier.submit_store(vec![item]);
+    assert!(matches!(h.wait(task), tierkv_core::Completion::Stored { result: Ok(()), .. }));
+    h.assert_loads(&keys(1..4));
+    assert_eq!(h.tier.usage().objects, 4);
+}
+
+#[test]
+fn a_demoter_that_panics_loses_its_victim_and_no_slot() {
+    let store = HostStore::open(plain(1, 1)).unwrap();
+    assert!(store.set_demoter(Box::new(|_, _| panic!("a demoter bug"))));
+    let store = Arc::new(store);
+    for i in 0..3 {
+        store.store_now(key(i), &VecChunk(payload(&key(i), CHUNK))).unwrap();
+    }
+    let mut h = Harness::new(OpenTier { tier: store, chunk_bytes: CHUNK, keep: Box::new(()) });
+    h.store(&[key(3)]).unwrap();
+    assert_eq!(h.tier.usage().objects, 1, "each victim was lost, its slot was not");
+    h.assert_loads(&[key(3)]);
+}
