@@ -118,6 +118,21 @@ fn streams_run_in_order_and_a_failed_producer_skips_what_waited_on_it() {
 }
 
 #[test]
+fn a_producer_event_fired_with_a_timeout_is_an_upstream_failure_not_one_still_to_come() {
+    let engine = EmulatedCopyEngine::new();
+    let stream = engine.stream().unwrap();
+    let producer = Event::new();
+    stream.wait(&producer).unwrap();
+    producer.fire(Err(CopyError::Timeout));
+    assert!(matches!(producer.wait(SECOND), Err(CopyError::Upstream(_))));
+    // Before, the stream took the fired timeout for a wait still running and spun on it, and
+    // nothing recorded after it ever fired.
+    let result = stream.record().unwrap().wait(SECOND);
+    assert!(matches!(result, Err(CopyError::Upstream(_))), "{result:?}");
+    stream.sync().unwrap();
+}
+
+#[test]
 fn a_failed_copy_is_a_miss_never_a_visible_half_chunk() {
     // A chunk of 4 pieces whose third fails: the store's callback aborts the write, and no
     // reader ever sees the key, neither during the copy nor after.

@@ -156,8 +156,14 @@ impl Event {
     }
 
     /// Fires the event. The first call decides the result; later calls change nothing. The
-    /// callbacks run on this thread, after the lock is dropped.
+    /// callbacks run on this thread, after the lock is dropped. [`CopyError::Timeout`] is what
+    /// a wait answers while the event has not fired, so an event fired with it carries
+    /// [`CopyError::Upstream`] instead: a waiter never takes a fired event for one still to come.
     pub fn fire(&self, result: Result<(), CopyError>) {
+        let result = match result {
+            Err(CopyError::Timeout) => Err(CopyError::Upstream(CopyError::Timeout.to_string())),
+            other => other,
+        };
         let callbacks = {
             let mut state = self.inner.0.lock();
             if state.result.is_some() {
