@@ -21,6 +21,9 @@ pub struct SlotHandle {
     pub offset: u64,
     /// Bytes of the object.
     pub len: u64,
+    /// Which life of the key the object is: a later reservation of the same key, after this
+    /// one was aborted, has another.
+    pub generation: u64,
 }
 
 /// The pinned slot shared by both guards.
@@ -29,6 +32,7 @@ struct Pinned {
     slot: SlotId,
     offset: u64,
     len: u64,
+    generation: u64,
     writer: bool,
 }
 
@@ -61,14 +65,15 @@ pub struct WriteAccess(Pinned);
 pub struct ReadAccess(Pinned);
 
 impl WriteAccess {
-    pub(crate) fn new(slots: Arc<Slots>, slot: SlotId, len: u64) -> Self {
+    pub(crate) fn new(slots: Arc<Slots>, slot: SlotId, generation: u64, len: u64) -> Self {
         let offset = slots.offset(slot);
-        WriteAccess(Pinned { slots, slot, offset, len, writer: true })
+        WriteAccess(Pinned { slots, slot, offset, len, generation, writer: true })
     }
 
     /// Where the object lives.
     pub fn handle(&self) -> SlotHandle {
-        SlotHandle { slot: self.0.slot, offset: self.0.offset, len: self.0.len }
+        let Pinned { slot, offset, len, generation, .. } = self.0;
+        SlotHandle { slot, offset, len, generation }
     }
 
     /// Copies `src` into the object at `offset`.
@@ -94,14 +99,15 @@ impl WriteAccess {
 }
 
 impl ReadAccess {
-    pub(crate) fn new(slots: Arc<Slots>, slot: SlotId, len: u64) -> Self {
+    pub(crate) fn new(slots: Arc<Slots>, slot: SlotId, generation: u64, len: u64) -> Self {
         let offset = slots.offset(slot);
-        ReadAccess(Pinned { slots, slot, offset, len, writer: false })
+        ReadAccess(Pinned { slots, slot, offset, len, generation, writer: false })
     }
 
     /// Where the object lives.
     pub fn handle(&self) -> SlotHandle {
-        SlotHandle { slot: self.0.slot, offset: self.0.offset, len: self.0.len }
+        let Pinned { slot, offset, len, generation, .. } = self.0;
+        SlotHandle { slot, offset, len, generation }
     }
 
     /// Copies the object's bytes at `offset` into `dst`.

@@ -372,7 +372,7 @@ impl L1Manager {
                 let entry = Entry::writing(slot, generation, len, owner, temporary);
                 shard.map.insert(*key, entry);
                 shard.counts.moved(Class::Gone, Class::Writing);
-                results[i] = Ok(self.handle(slot, len));
+                results[i] = Ok(self.handle(slot, generation, len));
             },
         );
         for slot in leftover {
@@ -409,7 +409,7 @@ impl L1Manager {
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
         shard.map.insert(*key, Entry::writing(slot, generation, len, owner, temporary));
         shard.counts.moved(Class::Gone, Class::Writing);
-        Ok(self.handle(slot, len))
+        Ok(self.handle(slot, generation, len))
     }
 
     fn relock_for_update(
@@ -437,7 +437,7 @@ impl L1Manager {
         entry.generation = self.generations.fetch_add(1, Ordering::Relaxed);
         policy.remove(key);
         counts.moved(before, Class::Writing);
-        Ok(self.handle(entry.slot, len))
+        Ok(self.handle(entry.slot, entry.generation, len))
     }
 
     /// Pins the slot of a key `owner` is writing, for copying bytes in. Until the guard drops, the
@@ -450,7 +450,7 @@ impl L1Manager {
             if !self.slots.pin_write(entry.slot) {
                 return Err(KeyError::Busy);
             }
-            Ok(WriteAccess::new(Arc::clone(&self.slots), entry.slot, entry.len))
+            Ok(WriteAccess::new(Arc::clone(&self.slots), entry.slot, entry.generation, entry.len))
         })();
         result.map_err(|error| self.refuse(L1Error::Key { key: *key, error }))
     }
@@ -512,19 +512,40 @@ impl L1Manager {
     /// Drops write reservations. Nothing of an aborted write was ever visible; its slot is freed
     /// as soon as no copy pins it.
     pub fn abort_write(&self, owner: OwnerId, keys: &[ObjectKey]) -> Vec<Result<(), KeyError>> {
-        keys.iter()
-            .map(|key| {
-                let result = (|| {
-                    let mut shard = self.index.shard(key);
-                    let entry = shard.map.get(key).ok_or(KeyError::NotFound)?;
-                    self.check_writer(entry, owner)?;
-                    self.remove_entry(&mut shard, key);
-                    Ok(())
-                })();
-                self.count_refusal(&result);
-                result
-            })
+        keys.iter().map(|key| self.abort_one(owner, key, None)).collect()
+    }
+
+    /// [`abort_write`](Self::abort_write) of reservations, each named with the generation it was
+    /// given: one that is gone and made again (by another request of the same owner) is left.
+    pub fn abort_reserved(
+        &self,
+        owner: OwnerId,
+        reservations: &[(ObjectKey, u64)],
+    ) -> Vec<Result<(), KeyError>> {
+        reservations
+            .iter()
+            .map(|(key, generation)| self.abort_one(owner, key, Some(*generation)))
             .collect()
+    }
+
+    fn abort_one(
+        &self,
+        owner: OwnerId,
+        key: &ObjectKey,
+        generation: Option<u64>,
+    ) -> Result<(), KeyError> {
+        let result = (|| {
+            let mut shard = self.index.shard(key);
+            let entry = shard.map.get(key).ok_or(KeyError::NotFound)?;
+            self.check_writer(entry, owner)?;
+            if generation.is_some_and(|g| g != entry.generation) {
+                return Err(KeyError::NotFound);
+            }
+            self.remove_entry(&mut shard, key);
+            Ok(())
+        })();
+        self.count_refusal(&result);
+        result
     }
 
     /// Refuses a write operation on an entry that is not `owner`'s reservation.
@@ -541,7 +562,7 @@ impl L1Manager {
     /// Leases every ready key for `1 + extra_count` readers. Each key is answered on its own;
     /// one lease holds all the keys granted.
     pub fn reserve_read(&self, owner: OwnerId, keys: &[ObjectKey], extra: ExtraCount) -> ReadGrant {
-        self.lease_keys(owner, keys, extra, Some(self.config.lease_ttl), |key, entry, policy| {
+        self.lease_keys(owner, keys, extra, Some(self.config.lease_ttl), |_, key, entry, policy| {
             match entry.state {
                 EntryState::Writing { .. } => Err(KeyError::NotReadable),
                 EntryState::Ready => {
@@ -555,17 +576,27 @@ impl L1Manager {
     /// Makes `owner`'s written objects visible and leases them in one step, so no eviction can
     /// slip between the two. This is how prefetched objects are promoted into L1: it does not
     /// tell the store pipeline, because the bytes came from a lower tier.
+    ///
+    /// Each key is named with the generation its reservation was given ([`SlotHandle`]): a
+    /// reservation aborted under the caller (its owner disconnected) and made again by another
+    /// request of the same owner is not this one, and is refused (`NotFound`), never made
+    /// visible with bytes that request has not written.
     pub fn finish_write_and_reserve_read(
         &self,
         owner: OwnerId,
-        keys: &[ObjectKey],
+        reservations: &[(ObjectKey, u64)],
         extra: ExtraCount,
     ) -> ReadGrant {
-        self.lease_keys(owner, keys, extra, Some(self.config.lease_ttl), |key, entry, policy| {
+        let keys: Vec<ObjectKey> = reservations.iter().map(|(key, _)| *key).collect();
+        let ttl = Some(self.config.lease_ttl);
+        self.lease_keys(owner, &keys, extra, ttl, |i, key, entry, policy| {
             match entry.state {
                 EntryState::Writing { owner: writer } if writer == owner => {}
                 EntryState::Writing { .. } => return Err(KeyError::Locked),
                 EntryState::Ready => return Err(KeyError::WrongState),
+            }
+            if entry.generation != reservations[i].1 {
+                return Err(KeyError::NotFound);
             }
             if self.slots.has_writer(entry.slot) {
                 return Err(KeyError::Busy);
@@ -590,22 +621,23 @@ impl L1Manager {
         holder: OwnerId,
         keys: &[ObjectKey],
     ) -> ReadGrant {
-        let grant = self.lease_keys(holder, keys, ExtraCount::ZERO, None, |key, entry, policy| {
-            match entry.state {
-                EntryState::Writing { owner } if owner == writer => {}
-                EntryState::Writing { .. } => return Err(KeyError::Locked),
-                EntryState::Ready => return Err(KeyError::WrongState),
-            }
-            if entry.temporary {
-                return Err(KeyError::WrongState);
-            }
-            if self.slots.has_writer(entry.slot) {
-                return Err(KeyError::Busy);
-            }
-            entry.state = EntryState::Ready;
-            policy.insert(*key);
-            Ok(())
-        });
+        let grant =
+            self.lease_keys(holder, keys, ExtraCount::ZERO, None, |_, key, entry, policy| {
+                match entry.state {
+                    EntryState::Writing { owner } if owner == writer => {}
+                    EntryState::Writing { .. } => return Err(KeyError::Locked),
+                    EntryState::Ready => return Err(KeyError::WrongState),
+                }
+                if entry.temporary {
+                    return Err(KeyError::WrongState);
+                }
+                if self.slots.has_writer(entry.slot) {
+                    return Err(KeyError::Busy);
+                }
+                entry.state = EntryState::Ready;
+                policy.insert(*key);
+                Ok(())
+            });
         let finished = grant.results.iter().filter(|r| r.is_ok()).count();
         if finished > 0 {
             self.metrics.writes_finished(finished);
@@ -623,6 +655,7 @@ impl L1Manager {
         extra: ExtraCount,
         ttl: Option<Duration>,
         mut admit: impl FnMut(
+            usize,
             &ObjectKey,
             &mut Entry,
             &mut dyn tierkv_core::policy::EvictionPolicy<ObjectKey>,
@@ -645,7 +678,7 @@ impl L1Manager {
                     let Shard { map, policy, counts } = shard;
                     let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
                     let before = entry.class();
-                    admit(key, entry, policy.as_mut())?;
+                    admit(i, key, entry, policy.as_mut())?;
                     entry.shares += u64::from(readers);
                     counts.moved(before, entry.class());
                     let shares = KeyShares {
@@ -654,7 +687,7 @@ impl L1Manager {
                         marked: false,
                     };
                     record.keys.insert(*key, shares);
-                    Ok(self.handle(entry.slot, entry.len))
+                    Ok(self.handle(entry.slot, entry.generation, entry.len))
                 })();
             },
         );
@@ -686,7 +719,12 @@ impl L1Manager {
             match index.map.get(key) {
                 Some(entry) if entry.generation == shares.generation => {
                     self.slots.pin_read(entry.slot);
-                    Ok(ReadAccess::new(Arc::clone(&self.slots), entry.slot, entry.len))
+                    Ok(ReadAccess::new(
+                        Arc::clone(&self.slots),
+                        entry.slot,
+                        entry.generation,
+                        entry.len,
+                    ))
                 }
                 // Force-deleted under the lease.
                 _ => Err(L1Error::Key { key: *key, error: KeyError::NotFound }),
@@ -1370,8 +1408,8 @@ impl L1Manager {
 
     // ----- helpers -----
 
-    fn handle(&self, slot: SlotId, len: u64) -> SlotHandle {
-        SlotHandle { slot, offset: self.slots.offset(slot), len }
+    fn handle(&self, slot: SlotId, generation: u64, len: u64) -> SlotHandle {
+        SlotHandle { slot, offset: self.slots.offset(slot), len, generation }
     }
 
     /// `NotFound` for a key not in L1, `WrongState` for one that is.

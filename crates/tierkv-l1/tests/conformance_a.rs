@@ -164,9 +164,9 @@ fn a12_temporary_entry_is_freed_when_its_last_share_returns() {
     let results =
         f.l1.reserve_write(OWNER, &[key(0)], &layout(), WriteMode::Create, Lifetime::Temporary)
             .unwrap();
-    assert!(results[0].is_ok());
+    let generation = results[0].as_ref().unwrap().generation;
     f.fill(&key(0), 0);
-    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(2));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[(key(0), generation)], extra(2));
     let lease = grant.lease.unwrap();
     f.release(lease, 0);
     f.release(lease, 1);
@@ -422,9 +422,9 @@ use tierkv_core::Layout;
 #[test]
 fn a26_promotion_makes_a_writing_key_ready_and_leased() {
     let f = l1(8);
-    f.reserve(&[key(0)]);
+    let reserved = f.reserve(&[key(0)]);
     f.fill(&key(0), 0);
-    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(1));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &reserved, extra(1));
     assert_eq!(grant.readers, 2);
     assert_eq!(f.shares(&key(0)), 2);
     let again = f.try_reserve(&[key(0)]);
@@ -435,7 +435,7 @@ fn a26_promotion_makes_a_writing_key_ready_and_leased() {
 #[test]
 fn a27_promotion_of_a_missing_key_is_not_found() {
     let f = l1(8);
-    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[(key(0), 0)], extra(0));
     assert_eq!(grant.results, vec![Err(KeyError::NotFound)]);
     assert_eq!(grant.lease, None);
 }
@@ -444,7 +444,7 @@ fn a27_promotion_of_a_missing_key_is_not_found() {
 fn a28_promotion_of_a_ready_key_is_wrong_state() {
     let f = l1(8);
     f.write(&[key(0)]);
-    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0));
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[(key(0), 0)], extra(0));
     assert_eq!(grant.results, vec![Err(KeyError::WrongState)]);
     assert_eq!(f.shares(&key(0)), 0, "no share was taken");
 }
@@ -452,9 +452,10 @@ fn a28_promotion_of_a_ready_key_is_wrong_state() {
 #[test]
 fn a29_promotion_batch_answers_each_key_on_its_own() {
     let f = l1(8);
-    f.reserve(&[key(0)]);
+    let reserved = f.reserve(&[key(0)]);
     f.write(&[key(2)]);
-    let grant = f.l1.finish_write_and_reserve_read(OWNER, &[key(0), key(1), key(2)], extra(0));
+    let promoted = [reserved[0], (key(1), 0), (key(2), 0)];
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &promoted, extra(0));
     assert!(grant.results[0].is_ok());
     assert_eq!(grant.results[1], Err(KeyError::NotFound));
     assert_eq!(grant.results[2], Err(KeyError::WrongState));
@@ -463,10 +464,29 @@ fn a29_promotion_batch_answers_each_key_on_its_own() {
 }
 
 #[test]
+fn a_promotion_or_abort_naming_a_reservation_gone_and_made_again_leaves_the_new_one() {
+    let f = l1(8);
+    let first = f.reserve(&[key(0)]);
+    // The owner's client disconnects while a load into the first reservation is under way,
+    // and a queued request of the same owner reserves the key again.
+    f.l1.release_owner(OWNER);
+    let second = f.reserve(&[key(0)]);
+    assert_ne!(first, second);
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &first, extra(0));
+    assert_eq!(grant.results, vec![Err(KeyError::NotFound)], "never visible unwritten");
+    assert_eq!(grant.lease, None);
+    assert_eq!(f.l1.abort_reserved(OWNER, &first), vec![Err(KeyError::NotFound)]);
+    f.fill(&key(0), 7);
+    let grant = f.l1.finish_write_and_reserve_read(OWNER, &second, extra(0));
+    assert!(grant.results[0].is_ok());
+    assert_eq!(f.read(grant.lease.unwrap(), 0, &key(0)), payload(&key(0), 7));
+}
+
+#[test]
 fn a30_promotion_does_not_notify_the_store_pipeline() {
     let f = l1(8);
-    f.reserve(&keys(0..2));
-    f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0));
+    let reserved = f.reserve(&keys(0..2));
+    f.l1.finish_write_and_reserve_read(OWNER, &reserved[..1], extra(0));
     assert!(f.recorder.finished.lock().is_empty(), "a prefetch promotion is not a new write");
     f.l1.finish_write(OWNER, &[key(1)]);
     assert_eq!(f.recorder.finished.lock().as_slice(), &[key(1)]);
@@ -636,7 +656,7 @@ fn old_lease_never_reads_or_releases_a_recreated_key() {
 #[test]
 fn half_written_object_cannot_be_finished_and_an_aborted_slot_waits_for_its_copy() {
     let f = l1(1);
-    f.reserve(&[key(0)]);
+    let reserved = f.reserve(&[key(0)]);
     let mut guard = f.l1.write_access(OWNER, &key(0)).unwrap();
     guard.write_at(0, &[1; 16]).unwrap();
     assert_eq!(
@@ -645,7 +665,7 @@ fn half_written_object_cannot_be_finished_and_an_aborted_slot_waits_for_its_copy
         "finish waits for the copy"
     );
     assert_eq!(
-        f.l1.finish_write_and_reserve_read(OWNER, &[key(0)], extra(0)).results,
+        f.l1.finish_write_and_reserve_read(OWNER, &reserved, extra(0)).results,
         vec![Err(KeyError::Busy)]
     );
     assert!(matches!(

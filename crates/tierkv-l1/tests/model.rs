@@ -128,6 +128,9 @@ struct Model {
     now: Duration,
     evicted: Vec<(u8, EvictionReason)>,
     finished: Vec<u8>,
+    /// The generation the manager gave each key's latest reservation: what its writer knows,
+    /// and names when it promotes the key.
+    handed: BTreeMap<u8, u64>,
 }
 
 fn all(readers: u32) -> u128 {
@@ -373,6 +376,11 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             let actual =
                 f.l1.reserve_write(owner(*o), &ks(keys), &layout(), mode, lifetime)
                     .map_err(|e| e.to_string())?;
+            for (key, result) in keys.iter().zip(&actual) {
+                if let Ok(handle) = result {
+                    m.handed.insert(*key, handle.generation);
+                }
+            }
             let mut expected = Vec::new();
             let mut out_of_memory = false;
             for &key in keys {
@@ -484,7 +492,11 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             let promote = matches!(op, Op::Promote { .. });
             let count = ExtraCount::new(i64::from(*extra)).map_err(|e| e.to_string())?;
             let grant = if promote {
-                f.l1.finish_write_and_reserve_read(owner(*o), &ks(keys), count)
+                let reservations: Vec<(ObjectKey, u64)> = keys
+                    .iter()
+                    .map(|key| (k(*key), m.handed.get(key).copied().unwrap_or(0)))
+                    .collect();
+                f.l1.finish_write_and_reserve_read(owner(*o), &reservations, count)
             } else {
                 f.l1.reserve_read(owner(*o), &ks(keys), count)
             };

@@ -43,9 +43,7 @@ fn cycle(f: &Fixture, owner: OwnerId, rng: &mut Rng) {
             let lifetime = if temporary { Lifetime::Temporary } else { Lifetime::Cached };
             let reserved =
                 f.l1.reserve_write(owner, &[k], &layout(), WriteMode::Create, lifetime).unwrap();
-            if reserved[0].is_err() {
-                return;
-            }
+            let Ok(handle) = reserved[0] else { return };
             {
                 let mut guard = match f.l1.write_access(owner, &k) {
                     Ok(guard) => guard,
@@ -63,8 +61,11 @@ fn cycle(f: &Fixture, owner: OwnerId, rng: &mut Rng) {
                 // A forced delete may have removed the reservation meanwhile.
                 let _ = f.l1.abort_write(owner, &[k]);
             } else if temporary {
-                let grant =
-                    f.l1.finish_write_and_reserve_read(owner, &[k], extra(rng.below(3) as i64));
+                let grant = f.l1.finish_write_and_reserve_read(
+                    owner,
+                    &[(k, handle.generation)],
+                    extra(rng.below(3) as i64),
+                );
                 if let Some(lease) = grant.lease {
                     read_and_release(f, lease, &[k], grant.readers, rng);
                 }

@@ -17,7 +17,7 @@
 //! The caller keeps the L1 hits it leased before submitting (rule 4: pin before you allocate);
 //! the controller never touches them.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -318,9 +318,10 @@ struct Active {
     locked: Vec<Vec<ObjectKey>>,
     /// Where each needed key is loaded from.
     source: HashMap<At, usize>,
-    /// Keys reserved in L1 (temporary slots), by position. Positions are kept in sets, so the
-    /// planning stays O(n log n) in the hit's length.
-    reserved: BTreeSet<At>,
+    /// Keys reserved in L1 (temporary slots), by position, with the generation of each
+    /// reservation (which names it to L1 when it is finished or aborted). Positions are kept in
+    /// ordered sets and maps, so the planning stays O(n log n) in the hit's length.
+    reserved: BTreeMap<At, u64>,
     /// Keys whose load succeeded.
     loaded: BTreeSet<At>,
     /// Needed keys that found no room in L1: they stay locked in their tier.
@@ -328,6 +329,11 @@ struct Active {
 }
 
 impl Active {
+    /// The L1 reservations at `positions`, each with its generation.
+    fn reservations(&self, positions: &[At]) -> Vec<(ObjectKey, u64)> {
+        positions.iter().filter_map(|at| Some((self.key(*at), *self.reserved.get(at)?))).collect()
+    }
+
     fn key(&self, at: At) -> ObjectKey {
         self.request.groups[at.0].keys[at.1]
     }
@@ -511,7 +517,7 @@ impl Worker {
                 phase: Phase::LookingUp { found: vec![None; tiers], waiting: 0 },
                 locked: vec![Vec::new(); tiers],
                 source: HashMap::new(),
-                reserved: BTreeSet::new(),
+                reserved: BTreeMap::new(),
                 loaded: BTreeSet::new(),
                 below: BTreeSet::new(),
             };
@@ -592,7 +598,7 @@ impl Worker {
                     Bitmap::new(keys.len())
                 };
                 let mut reserved_at: HashMap<ObjectKey, At> = HashMap::new();
-                for at in &active.reserved {
+                for at in active.reserved.keys() {
                     reserved_at.entry(active.key(*at)).or_insert(*at);
                 }
                 let arrived: Vec<At> = keys
@@ -673,8 +679,8 @@ impl Worker {
                     .unwrap_or_else(|_| vec![Err(KeyError::OutOfMemory); keys.len()]);
                 for (at, result) in wanted.iter().zip(results) {
                     match result {
-                        Ok(_) => {
-                            active.reserved.insert(*at);
+                        Ok(handle) => {
+                            active.reserved.insert(*at, handle.generation);
                             allowance -= 1;
                         }
                         // No room: read from its tier instead. A key refused for any other
@@ -688,21 +694,22 @@ impl Worker {
                 self.active.insert(id, active.clone());
             }
         }
-        let n =
-            active.hit(|g, i| active.reserved.contains(&(g, i)) || active.below.contains(&(g, i)));
+        let n = active
+            .hit(|g, i| active.reserved.contains_key(&(g, i)) || active.below.contains(&(g, i)));
         let needed = active.needed(n);
-        let drop_now: Vec<At> = active.reserved.difference(&needed).copied().collect();
+        let drop_now: Vec<At> =
+            active.reserved.keys().filter(|at| !needed.contains(at)).copied().collect();
         self.abort(&active, &drop_now);
-        active.reserved.retain(|at| needed.contains(at));
+        active.reserved.retain(|at, _| needed.contains(at));
         active.below.retain(|at| needed.contains(at));
-        active.source.retain(|at, _| active.reserved.contains(at) || active.below.contains(at));
+        active.source.retain(|at, _| active.reserved.contains_key(at) || active.below.contains(at));
         self.unlock_all_but_sources(&mut active);
 
         // Load, tier by tier, into the reserved slots.
         let mut waiting = 0;
         for tier in 0..self.router.len() {
             let mut items: Vec<LoadItem> = Vec::new();
-            for at in active.reserved.iter().filter(|at| active.source.get(at) == Some(&tier)) {
+            for at in active.reserved.keys().filter(|at| active.source.get(at) == Some(&tier)) {
                 let key = active.key(*at);
                 if let Ok(access) = self.l1.write_access(active.request.owner, &key) {
                     items.push(LoadItem { key, sink: Box::new(access) as Box<dyn ChunkSink> });
@@ -734,10 +741,10 @@ impl Worker {
         let n = active.hit(|g, i| available(&active, g, i));
         let needed = active.needed(n);
         let to_lease: Vec<At> = active.loaded.intersection(&needed).copied().collect();
-        let keys: Vec<ObjectKey> = to_lease.iter().map(|at| active.key(*at)).collect();
+        let reservations = active.reservations(&to_lease);
         let grant = self.l1.finish_write_and_reserve_read(
             active.request.owner,
-            &keys,
+            &reservations,
             active.request.extra,
         );
         let granted: BTreeSet<At> = to_lease
@@ -843,15 +850,16 @@ impl Worker {
 
     /// Aborts the reservations at `positions`.
     fn abort(&self, active: &Active, positions: &[At]) {
-        let keys: Vec<ObjectKey> = positions.iter().map(|at| active.key(*at)).collect();
-        if !keys.is_empty() {
-            self.l1.abort_write(active.request.owner, &keys);
+        let reservations = active.reservations(positions);
+        if !reservations.is_empty() {
+            self.l1.abort_reserved(active.request.owner, &reservations);
         }
     }
 
     /// Aborts every reservation except `kept`, and returns every tier lock.
     fn release_everything(&self, active: &Active, kept: &BTreeSet<At>) {
-        let doomed: Vec<At> = active.reserved.difference(kept).copied().collect();
+        let doomed: Vec<At> =
+            active.reserved.keys().filter(|at| !kept.contains(at)).copied().collect();
         self.abort(active, &doomed);
         for (tier, keys) in active.locked.iter().enumerate() {
             if let Some(adapter) = self.router.tier(tier) {

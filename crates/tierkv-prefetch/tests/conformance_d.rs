@@ -565,3 +565,50 @@ fn a_hit_past_the_requests_allowance_of_l1_slots_is_held_in_its_tier() {
     drop(result);
     assert_eq!(rig.locks(), vec![0], "every lock back once the result goes");
 }
+
+#[test]
+fn a_load_into_a_reservation_its_owner_lost_never_finishes_a_later_one_of_the_key() {
+    // Tier 0 will hold key 0 but fail to load it; tier 1 holds keys 0 and 1 and holds loads.
+    let x = Arc::new(FakeTier::new("x", 64, CHUNK));
+    let y = Arc::new(FakeTier::new("y", 64, CHUNK));
+    x.fail_loads_of(&[key(0)]);
+    for k in keys(0..2) {
+        y.insert(k, payload(&k, CHUNK));
+    }
+    y.hold_loads();
+    let rig = rig_with(vec![x.clone(), y.clone()], vec![], PrefetchConfig::default());
+    let submit = |keys: Vec<ObjectKey>| {
+        let request =
+            PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys);
+        rig.prefetch.submit(request).unwrap()
+    };
+    // A reserves key 0 and loads it from tier 1; meanwhile its owner's client disconnects.
+    let a = submit(vec![key(0)]);
+    wait_until(|| y.held_tasks() == 1);
+    rig.l1.release_owner(OWNER);
+    // B, of the same owner, reserves key 0 again (to load from tier 0, which fails at once)
+    // and key 1 (from tier 1, held).
+    x.insert(key(0), payload(&key(0), CHUNK));
+    let b = submit(keys(0..2));
+    wait_until(|| y.held_tasks() == 2);
+    // Time for B's failed load of key 0 to come back, so its slot has no writer left.
+    std::thread::sleep(Duration::from_millis(100));
+    y.release_held();
+    let a = rig.prefetch.wait(a, WAIT).unwrap();
+    let b = rig.prefetch.wait(b, WAIT).unwrap();
+    // A's reservation was gone: B's slot of key 0, which nobody wrote, is not A's hit.
+    assert_eq!(a.hit_chunks, 0, "A loaded into a reservation it no longer had");
+    assert_eq!(b.hit_chunks, 0, "B's first key failed to load");
+    assert!(rig.absent(&keys(0..2)), "nothing unwritten is visible");
+    assert_eq!(rig.locks(), vec![0, 0]);
+    rig.l1.audit().unwrap();
+}
+
+/// Polls `done` until it holds, for at most `WAIT`.
+fn wait_until(done: impl Fn() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}

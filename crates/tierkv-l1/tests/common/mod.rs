@@ -96,10 +96,12 @@ impl Fixture {
         self.l1.reserve_write(OWNER, keys, &layout(), WriteMode::Create, Lifetime::Cached).unwrap()
     }
 
-    /// Reserves every key, asserting success.
-    pub fn reserve(&self, keys: &[ObjectKey]) {
+    /// Reserves every key, asserting success; returns each key with its reservation's
+    /// generation (how a promotion names it).
+    pub fn reserve(&self, keys: &[ObjectKey]) -> Vec<(ObjectKey, u64)> {
         let results = self.try_reserve(keys);
         assert!(results.iter().all(|r| r.is_ok()), "reserve failed: {results:?}");
+        keys.iter().zip(results).filter_map(|(k, r)| Some((*k, r.ok()?.generation))).collect()
     }
 
     /// Copies `payload(key, version)` into a reserved key.
