@@ -462,7 +462,8 @@ impl Worker {
                         let held: Vec<ObjectKey> =
                             locked.iter_ones().filter_map(|i| keys.get(i).copied()).collect();
                         if let (Some(adapter), false) = (router.tier(tier), held.is_empty()) {
-                            adapter.unlock(&held);
+                            // A tier that panics keeps these; the others' still come back.
+                            let _ = catch_unwind(AssertUnwindSafe(|| adapter.unlock(&held)));
                         }
                     }
                 }
@@ -533,9 +534,8 @@ impl Worker {
                 continue;
             }
             for tier in 0..tiers {
-                let submitted = self
-                    .router
-                    .submit(tier, &self.events_tx, |t| t.submit_lookup_and_lock(keys.clone()));
+                let submitted =
+                    self.submit(tier, |t| t.submit_lookup_and_lock(keys.clone()), "lookup");
                 if let Some(task) = submitted {
                     self.tasks.insert((tier, task), id);
                     self.lookup_keys.insert((tier, task), keys.clone());
@@ -718,8 +718,7 @@ impl Worker {
             if items.is_empty() {
                 continue;
             }
-            if let Some(task) = self.router.submit(tier, &self.events_tx, |t| t.submit_load(items))
-            {
+            if let Some(task) = self.submit(tier, |t| t.submit_load(items), "load") {
                 self.tasks.insert((tier, task), id);
                 waiting += 1;
             }
@@ -841,9 +840,7 @@ impl Worker {
                 .collect();
             let (kept, returned): (Vec<ObjectKey>, Vec<ObjectKey>) =
                 active.locked[tier].iter().partition(|k| keep.contains(k));
-            if let Some(adapter) = self.router.tier(tier) {
-                adapter.unlock(&returned);
-            }
+            self.unlock(tier, &returned);
             active.locked[tier] = kept;
         }
     }
@@ -862,9 +859,39 @@ impl Worker {
             active.reserved.keys().filter(|at| !kept.contains(at)).copied().collect();
         self.abort(active, &doomed);
         for (tier, keys) in active.locked.iter().enumerate() {
-            if let Some(adapter) = self.router.tier(tier) {
-                adapter.unlock(keys);
-            }
+            self.unlock(tier, keys);
+        }
+    }
+
+    /// Submits a task to `tier`. A tier that panics taking it (a bug) fails this one task, as
+    /// a task it answered with nothing would (its items, and their L1 write guards, dropped):
+    /// never the controller and every request in it.
+    fn submit(
+        &self,
+        tier: usize,
+        submit: impl FnOnce(&dyn tierkv_core::TierAdapter) -> tierkv_core::TaskId,
+        what: &str,
+    ) -> Option<tierkv_core::TaskId> {
+        let submitted =
+            catch_unwind(AssertUnwindSafe(|| self.router.submit(tier, &self.events_tx, submit)));
+        submitted.unwrap_or_else(|_| {
+            tracing::error!(
+                tier,
+                what,
+                "a tier panicked taking a task; counted as answered with nothing"
+            );
+            self.shared.metrics.tier_panicked();
+            None
+        })
+    }
+
+    /// Returns tier locks. A tier that panics (a bug) keeps them, as a tier that failed would:
+    /// the request and the controller go on.
+    fn unlock(&self, tier: usize, keys: &[ObjectKey]) {
+        let Some(adapter) = self.router.tier(tier).filter(|_| !keys.is_empty()) else { return };
+        if catch_unwind(AssertUnwindSafe(|| adapter.unlock(keys))).is_err() {
+            tracing::error!(tier, "a tier panicked returning locks; they stay held there");
+            self.shared.metrics.tier_panicked();
         }
     }
 }

@@ -9,6 +9,7 @@ pub(crate) struct PrefetchMetrics {
     loaded_chunks: Counter,
     failed: Counter,
     panics: Counter,
+    tier_panics: Counter,
     late: Counter,
 }
 
@@ -46,6 +47,7 @@ impl PrefetchMetrics {
             loaded_chunks: counter!("tierkv_prefetch_loaded_chunks_total"),
             failed: counter!("tierkv_errors_total", "tier" => "prefetch", "reason" => "prefetch_failed"),
             panics: counter!("tierkv_errors_total", "tier" => "prefetch", "reason" => "prefetch_panic"),
+            tier_panics: counter!("tierkv_errors_total", "tier" => "prefetch", "reason" => "tier_panic"),
             late: counter!("tierkv_errors_total", "tier" => "prefetch", "reason" => "late_completion"),
         }
     }
@@ -69,6 +71,11 @@ impl PrefetchMetrics {
 
     pub(crate) fn panicked(&self) {
         self.panics.increment(1);
+    }
+
+    /// A lower tier panicked in a call from the controller.
+    pub(crate) fn tier_panicked(&self) {
+        self.tier_panics.increment(1);
     }
 
     pub(crate) fn late_completion(&self) {

@@ -448,49 +448,16 @@ fn a_timed_out_wait_leaves_the_result_claimable_and_the_lease_owned() {
 }
 
 /// A tier that panics when asked to unlock: a bug inside the controller thread's reach.
-struct PanicsOnUnlock(FakeTier);
-
-impl TierAdapter for PanicsOnUnlock {
-    fn name(&self) -> &str {
-        "panics"
-    }
-    fn submit_store(&self, items: Vec<StoreItem>) -> tierkv_core::TaskId {
-        self.0.submit_store(items)
-    }
-    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> tierkv_core::TaskId {
-        self.0.submit_lookup_and_lock(keys)
-    }
-    fn submit_load(&self, items: Vec<tierkv_core::LoadItem>) -> tierkv_core::TaskId {
-        self.0.submit_load(items)
-    }
-    fn unlock(&self, _keys: &[ObjectKey]) {
-        panic!("unlock exploded");
-    }
-    fn delete(&self, keys: &[ObjectKey]) -> usize {
-        self.0.delete(keys)
-    }
-    fn clear(&self) -> usize {
-        self.0.clear()
-    }
-    fn usage(&self) -> tierkv_core::TierUsage {
-        self.0.usage()
-    }
-    fn completions(&self) -> crossbeam_channel::Receiver<Completion> {
-        self.0.completions()
-    }
-    fn close(&self) {
-        self.0.close()
-    }
-}
-
 #[test]
-fn a_panic_in_the_controller_thread_fails_requests_cleanly_instead_of_hanging() {
-    let fake = FakeTier::new("fake", 64, CHUNK);
+fn a_tier_that_panics_returning_locks_costs_those_locks_and_nothing_else() {
+    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
     for k in keys(0..4) {
         fake.insert(k, payload(&k, CHUNK));
     }
-    let rig = rig_with(vec![Arc::new(PanicsOnUnlock(fake))], vec![], PrefetchConfig::default());
-    // A gap makes the controller unlock the keys past it, and the tier panics.
+    fake.panic_on_unlock();
+    let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
+    // A gap makes the controller return the lock of the key past it, and the tier panics.
+    // (Before, that panic stopped the controller and failed every request in it.)
     let request = PrefetchRequest::prefix(
         OWNER,
         ExtraCount::ZERO,
@@ -498,18 +465,29 @@ fn a_panic_in_the_controller_thread_fails_requests_cleanly_instead_of_hanging() 
         vec![key(0), key(9), key(1)],
     );
     let id = rig.prefetch.submit(request).unwrap();
-    match rig.prefetch.wait(id, WAIT) {
-        Err(PrefetchError::Failed(why)) => assert!(why.contains("unlock exploded"), "{why}"),
-        other => panic!("a panicking controller answered {other:?}"),
+    let result = rig.prefetch.wait(id, WAIT).unwrap();
+    assert_eq!(result.hit_chunks, 1);
+    assert_eq!(rig.bytes(&result, 0, &key(0)), payload(&key(0), CHUNK));
+    assert!(rig.absent(&keys(1..4)), "nothing past the gap was promoted");
+    // The controller goes on.
+    assert_eq!(rig.prefetch(keys(2..4), 0).hit_chunks, 2);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
+fn a_tier_that_panics_taking_a_lookup_is_a_miss_there_and_the_others_still_serve() {
+    let broken = Arc::new(FakeTier::new("broken", 64, CHUNK));
+    let good = Arc::new(FakeTier::new("good", 64, CHUNK));
+    for k in keys(0..2) {
+        broken.insert(k, payload(&k, CHUNK));
+        good.insert(k, payload(&k, CHUNK));
     }
-    let again =
-        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..1));
-    assert_eq!(
-        rig.prefetch.submit(again),
-        Err(PrefetchError::Stopped),
-        "a failed controller refuses work at once"
-    );
-    assert!(rig.absent(&keys(0..4)), "its reservations were aborted");
+    broken.panic_on_lookup();
+    let rig = rig_with(vec![broken, good.clone()], vec![], PrefetchConfig::default());
+    let result = rig.prefetch(keys(0..2), 0);
+    assert_eq!(result.hit_chunks, 2, "served by the tier that did not panic");
+    assert_eq!(rig.bytes(&result, 0, &key(1)), payload(&key(1), CHUNK));
+    assert_eq!(good.usage().locks, 0);
     rig.l1.audit().unwrap();
 }
 
