@@ -48,11 +48,19 @@ pub struct PrefetchConfig {
     pub max_in_flight: usize,
     /// How long `stop` waits for tier tasks still in flight before giving up on them.
     pub drain_timeout: Duration,
+    /// How long a request may wait on the lower tiers before it is given up (a tier that never
+    /// answers): it fails, its reservations are aborted and its locks returned, and a lookup
+    /// that answers later has its locks returned then.
+    pub request_timeout: Duration,
 }
 
 impl Default for PrefetchConfig {
     fn default() -> Self {
-        PrefetchConfig { max_in_flight: 8, drain_timeout: Duration::from_secs(5) }
+        PrefetchConfig {
+            max_in_flight: 8,
+            drain_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+        }
     }
 }
 
@@ -311,6 +319,8 @@ enum Phase {
 struct Active {
     request: PrefetchRequest,
     started: u64,
+    /// When it started: past the request timeout it is given up.
+    since: Instant,
     /// The (group, index) of every key not in L1, in order: what was looked up.
     wanted: Vec<At>,
     phase: Phase,
@@ -425,6 +435,7 @@ impl Worker {
                     },
                     default(Duration::from_millis(50)) => {},
                 }
+                self.give_up_overdue();
                 self.shared.metrics.queues(self.pending.len(), self.active.len());
             }));
             if let Err(panic) = step {
@@ -497,6 +508,32 @@ impl Worker {
         self.shared.metrics.queues(0, 0);
     }
 
+    /// Gives up the requests that have waited on the lower tiers past the request timeout: a
+    /// tier that never answers must not hold a place in flight, L1 reservations and the other
+    /// tiers' locks for ever. What they recorded is returned; their tasks still out answer to
+    /// nobody (`on_event` returns a late lookup's locks).
+    fn give_up_overdue(&mut self) {
+        let timeout = self.config.request_timeout;
+        let overdue: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, active)| active.since.elapsed() >= timeout)
+            .map(|(id, _)| *id)
+            .collect();
+        if overdue.is_empty() {
+            return;
+        }
+        self.tasks.retain(|_, id| !overdue.contains(id));
+        for id in overdue {
+            let Some(active) = self.active.remove(&id) else { continue };
+            self.release_everything(&active, &BTreeSet::new());
+            self.shared.metrics.failed();
+            let why = format!("no answer from the lower tiers within {timeout:?}");
+            self.shared.deliver(id, Err(PrefetchError::Failed(why)));
+        }
+        self.start_pending();
+    }
+
     fn start_pending(&mut self) {
         while self.active.len() < self.config.max_in_flight.max(1) {
             let Some((id, request)) = self.pending.pop_front() else {
@@ -514,6 +551,7 @@ impl Worker {
             let active = Active {
                 request,
                 started: self.started,
+                since: Instant::now(),
                 wanted,
                 phase: Phase::LookingUp { found: vec![None; tiers], waiting: 0 },
                 locked: vec![Vec::new(); tiers],
@@ -551,10 +589,16 @@ impl Worker {
 
     fn on_event(&mut self, event: TierEvent) {
         let TierEvent { tier, completion } = event;
-        self.lookup_keys.remove(&(tier, completion.task()));
+        let looked_up = self.lookup_keys.remove(&(tier, completion.task()));
         let Some(id) = self.tasks.remove(&(tier, completion.task())) else {
-            // Nothing we submitted is unknown to us while we run; count it if it ever happens.
+            // The answer of a request given up (past the request timeout): a lookup's locks go
+            // back; a load's sinks are dropped with the completion, freeing their slots.
             self.shared.metrics.late_completion();
+            if let (Some(keys), Completion::LookedUp { locked, .. }) = (looked_up, &completion) {
+                let held: Vec<ObjectKey> =
+                    locked.iter_ones().filter_map(|i| keys.get(i).copied()).collect();
+                self.unlock(tier, &held);
+            }
             return;
         };
         // Record what the completion says in the request's entry first: if anything later in

@@ -590,3 +590,35 @@ fn wait_until(done: impl Fn() -> bool) {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+#[test]
+fn a_request_a_tier_never_answers_is_given_up_and_its_locks_come_back_when_it_does() {
+    let stuck = Arc::new(FakeTier::new("stuck", 64, CHUNK));
+    let good = Arc::new(FakeTier::new("good", 64, CHUNK));
+    for k in keys(0..4) {
+        stuck.insert(k, payload(&k, CHUNK));
+        good.insert(k, payload(&k, CHUNK));
+    }
+    stuck.hold();
+    let config = PrefetchConfig {
+        max_in_flight: 1,
+        request_timeout: Duration::from_millis(200),
+        ..PrefetchConfig::default()
+    };
+    let rig = rig_with(vec![stuck.clone(), good.clone()], vec![], config);
+    let request =
+        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..2));
+    let id = rig.prefetch.submit(request).unwrap();
+    match rig.prefetch.wait(id, WAIT) {
+        Err(PrefetchError::Failed(why)) => assert!(why.contains("no answer"), "{why}"),
+        other => panic!("a request a tier never answers ended {other:?}"),
+    }
+    assert_eq!(good.usage().locks, 0, "the tier that answered has its locks back");
+    assert!(rig.absent(&keys(0..2)));
+    // Its place in flight is free, and the tier's late answer returns the locks it took.
+    stuck.release_held();
+    wait_until(|| stuck.usage().locks == 0);
+    assert_eq!(rig.prefetch(keys(2..4), 0).hit_chunks, 2);
+    assert_eq!(rig.locks(), vec![0, 0]);
+    rig.l1.audit().unwrap();
+}

@@ -579,6 +579,9 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
     file.ensure(s.prefetch_max_in_flight > 0, &["storage.prefetch_max_in_flight"], || {
         "must be positive".into()
     })?;
+    file.ensure(!s.prefetch_timeout.is_zero(), &["storage.prefetch_timeout"], || {
+        "must be positive".into()
+    })?;
     Ok(StorageConfig {
         l1: l1?,
         l2: l2?,
@@ -593,6 +596,7 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
         prefetch: PrefetchConfig {
             max_in_flight: s.prefetch_max_in_flight,
             drain_timeout: s.prefetch_drain_timeout,
+            request_timeout: s.prefetch_timeout,
         },
         store_policy: match s.store_policy {
             StoreMode::WriteThrough => StorePolicy::WriteThrough,

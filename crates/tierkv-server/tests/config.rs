@@ -180,6 +180,7 @@ disk_admission_min_reads = 3
 maintenance_interval = "10ms"
 prefetch_max_in_flight = 32
 prefetch_drain_timeout = "1m 30s"
+prefetch_timeout = "45s"
 "#,
     )
     .unwrap();
@@ -222,7 +223,11 @@ prefetch_drain_timeout = "1m 30s"
     assert_eq!(storage.disk, Some(disk));
     assert_eq!(storage.store_policy, StorePolicy::DiskAdmission { min_reads: 3 });
     assert_eq!(storage.maintenance_interval, Duration::from_millis(10));
-    let prefetch = PrefetchConfig { max_in_flight: 32, drain_timeout: Duration::from_secs(90) };
+    let prefetch = PrefetchConfig {
+        max_in_flight: 32,
+        drain_timeout: Duration::from_secs(90),
+        request_timeout: Duration::from_secs(45),
+    };
     assert_eq!(storage.prefetch, prefetch);
 }
 
@@ -376,6 +381,7 @@ fn contradictions_and_ranges_are_refused_naming_the_key_and_its_line() {
         ("[storage]\ndisk_admission_min_reads = 0\n", "storage.disk_admission_min_reads", 2),
         ("[storage]\nmaintenance_interval = \"0s\"\n", "storage.maintenance_interval", 2),
         ("[storage]\nprefetch_max_in_flight = 0\n", "storage.prefetch_max_in_flight", 2),
+        ("[storage]\nprefetch_timeout = \"0s\"\n", "storage.prefetch_timeout", 2),
     ];
     for (text, key, line) in cases {
         assert_refused(text, key, line);

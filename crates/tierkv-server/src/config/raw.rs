@@ -267,6 +267,8 @@ pub(super) struct Storage {
     #[serde(deserialize_with = "duration")]
     pub prefetch_drain_timeout: Duration,
     #[serde(deserialize_with = "duration")]
+    pub prefetch_timeout: Duration,
+    #[serde(deserialize_with = "duration")]
     pub stop_drain_timeout: Duration,
 }
 
@@ -280,6 +282,7 @@ impl Default for Storage {
             store_backpressure: Duration::from_secs(10),
             prefetch_max_in_flight: prefetch.max_in_flight,
             prefetch_drain_timeout: prefetch.drain_timeout,
+            prefetch_timeout: prefetch.request_timeout,
             stop_drain_timeout: Duration::from_secs(20),
         }
     }
