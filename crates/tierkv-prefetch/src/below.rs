@@ -258,6 +258,8 @@ impl HeldBelow {
         let landed: Arc<Mutex<Vec<Option<Vec<u8>>>>> = Arc::new(Mutex::new(vec![None; keys.len()]));
         let (reply, answers) = unbounded();
         let mut waiting = 0;
+        // Sinks handed to each tier: a whole load hands every one back, each loaded.
+        let mut submitted = vec![0; self.router.len()];
         for tier in 0..self.router.len() {
             let items: Vec<LoadItem> = (0..keys.len())
                 .filter(|i| tiers[*i] == tier)
@@ -269,7 +271,13 @@ impl HeldBelow {
             if items.is_empty() {
                 continue;
             }
-            if self.router.submit(tier, &reply, |t| t.submit_load(items)).is_none() {
+            submitted[tier] = items.len();
+            // A tier that panics taking the load (a bug) failed it; the claims of the caller
+            // are given back as for any failure.
+            let task = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.router.submit(tier, &reply, |t| t.submit_load(items))
+            }));
+            if !matches!(task, Ok(Some(_))) {
                 return Err(BelowError::LoadFailed { tier });
             }
             waiting += 1;
@@ -280,9 +288,13 @@ impl HeldBelow {
             let Completion::Loaded { loaded, sinks, .. } = event.completion else {
                 return Err(BelowError::LoadFailed { tier: event.tier });
             };
-            // Every sink hands its bytes over as it is dropped; only whole loads count: a bit
-            // for every sink, each set.
-            let whole = loaded.len() == sinks.len() && loaded.count_ones() == sinks.len();
+            // Every sink hands its bytes over as it is dropped (one the tier lost, perhaps half
+            // written, too); only whole loads count: every sink handed to the tier back, each
+            // with its bit set.
+            let expected = submitted.get(event.tier).copied().unwrap_or(0);
+            let whole = sinks.len() == expected
+                && loaded.len() == expected
+                && loaded.count_ones() == expected;
             drop(sinks);
             if !whole {
                 return Err(BelowError::LoadFailed { tier: event.tier });

@@ -622,3 +622,95 @@ fn a_request_a_tier_never_answers_is_given_up_and_its_locks_come_back_when_it_do
     assert_eq!(rig.locks(), vec![0, 0]);
     rig.l1.audit().unwrap();
 }
+
+#[test]
+fn a_tier_that_panics_taking_a_load_of_a_chunk_held_below_fails_each_reader_at_once() {
+    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
+    for k in keys(0..2) {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let mut request =
+        PrefetchRequest::prefix(OWNER, ExtraCount::new(1).unwrap(), layout, keys(0..2));
+    request.max_promoted = 0;
+    let id = rig.prefetch.submit(request).unwrap();
+    let result = rig.prefetch.wait(id, WAIT).unwrap();
+    let below = result.below.as_ref().unwrap();
+    assert_eq!(below.len(), 2);
+    fake.panic_on_load();
+    // Two readers: the first's claim of the chunks must not outlive its failed load, or the
+    // second would wait on it for the whole timeout.
+    for reader in 0..2 {
+        let read = below.read(&keys(0..2), CHUNK, WAIT, 2);
+        assert!(
+            matches!(read, Err(tierkv_prefetch::BelowError::LoadFailed { tier: 0 })),
+            "reader {reader}: {read:?}"
+        );
+    }
+    drop(result);
+    assert_eq!(rig.locks(), vec![0]);
+}
+
+/// A tier with a bug: it half-writes the first chunk of every load, then loses its sink, and
+/// answers for the others alone.
+struct LosesASink(FakeTier);
+
+impl TierAdapter for LosesASink {
+    fn name(&self) -> &str {
+        "loses a sink"
+    }
+    fn submit_store(&self, items: Vec<StoreItem>) -> tierkv_core::TaskId {
+        self.0.submit_store(items)
+    }
+    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> tierkv_core::TaskId {
+        self.0.submit_lookup_and_lock(keys)
+    }
+    fn submit_load(&self, mut items: Vec<tierkv_core::LoadItem>) -> tierkv_core::TaskId {
+        let mut lost = items.remove(0);
+        if let Some(bytes) = lost.sink.host_bytes_mut() {
+            bytes[..16].fill(0xee);
+        }
+        drop(lost);
+        self.0.submit_load(items)
+    }
+    fn unlock(&self, keys: &[ObjectKey]) {
+        self.0.unlock(keys)
+    }
+    fn delete(&self, keys: &[ObjectKey]) -> usize {
+        self.0.delete(keys)
+    }
+    fn clear(&self) -> usize {
+        self.0.clear()
+    }
+    fn usage(&self) -> tierkv_core::TierUsage {
+        self.0.usage()
+    }
+    fn completions(&self) -> crossbeam_channel::Receiver<Completion> {
+        self.0.completions()
+    }
+    fn close(&self) {
+        self.0.close()
+    }
+}
+
+#[test]
+fn a_chunk_held_below_whose_sink_the_tier_lost_is_not_served() {
+    let fake = FakeTier::new("fake", 64, CHUNK);
+    for k in keys(0..2) {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    let rig = rig_with(vec![Arc::new(LosesASink(fake))], vec![], PrefetchConfig::default());
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let mut request = PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout, keys(0..2));
+    request.max_promoted = 0;
+    let id = rig.prefetch.submit(request).unwrap();
+    let result = rig.prefetch.wait(id, WAIT).unwrap();
+    let below = result.below.as_ref().unwrap();
+    let read = below.read(&keys(0..2), CHUNK, WAIT, 1);
+    assert!(
+        matches!(read, Err(tierkv_prefetch::BelowError::LoadFailed { tier: 0 })),
+        "a half-written chunk was served: {:?}",
+        read.map(|chunks| chunks.iter().map(|c| c[0]).collect::<Vec<_>>())
+    );
+}

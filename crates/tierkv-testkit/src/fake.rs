@@ -29,6 +29,7 @@ struct State {
     panicking_deletes: bool,
     /// Lookups panic as they are submitted (a bug in the tier).
     panicking_lookups: bool,
+    panicking_loads: bool,
     /// Unlocks panic (a bug in the tier).
     panicking_unlocks: bool,
 }
@@ -66,6 +67,7 @@ impl FakeTier {
                 closed: false,
                 panicking_deletes: false,
                 panicking_lookups: false,
+                panicking_loads: false,
                 panicking_unlocks: false,
             }),
             next_task: AtomicU64::new(1),
@@ -99,6 +101,11 @@ impl FakeTier {
     /// From now on, every lookup panics as it is submitted (as a buggy tier's might).
     pub fn panic_on_lookup(&self) {
         self.state.lock().panicking_lookups = true;
+    }
+
+    /// From now on, every load panics as it is submitted (as a buggy tier's might).
+    pub fn panic_on_load(&self) {
+        self.state.lock().panicking_loads = true;
     }
 
     /// From now on, tasks wait in flight instead of running.
@@ -243,6 +250,9 @@ impl TierAdapter for FakeTier {
     }
 
     fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
+        if self.state.lock().panicking_loads {
+            panic!("the fake tier was told to panic on loads");
+        }
         let task = self.task_id();
         self.submit(Task::Load(task, items));
         task
