@@ -260,7 +260,7 @@ impl HeldBelow {
         let mut waiting = 0;
         // Sinks handed to each tier: a whole load hands every one back, each loaded.
         let mut submitted = vec![0; self.router.len()];
-        for tier in 0..self.router.len() {
+        for (tier, submitted) in submitted.iter_mut().enumerate() {
             let items: Vec<LoadItem> = (0..keys.len())
                 .filter(|i| tiers[*i] == tier)
                 .map(|i| LoadItem {
@@ -271,7 +271,7 @@ impl HeldBelow {
             if items.is_empty() {
                 continue;
             }
-            submitted[tier] = items.len();
+            *submitted = items.len();
             // A tier that panics taking the load (a bug) failed it; the claims of the caller
             // are given back as for any failure.
             let task = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
