@@ -1609,9 +1609,11 @@ mod tests {
         let ttl = l1.lease_ttl;
         let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
         let clock = Arc::new(tierkv_core::ManualClock::new());
-        let storage =
-            StorageManager::start_with_tiers(StorageConfig::new(l1), clock.clone(), tiers).unwrap();
-        below.panic_on_lookup();
+        let mut config = StorageConfig::new(l1);
+        config.prefetch.request_timeout = Duration::from_millis(100);
+        let storage = StorageManager::start_with_tiers(config, clock.clone(), tiers).unwrap();
+        // A tier that never answers: the prefetch is given up, and the lookup fails.
+        below.hold();
         let layout = Layout::bytes(CHUNK).unwrap();
         let lookup = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout, keys(0..100));
         let id = storage.submit_lookup(lookup).unwrap();
