@@ -358,3 +358,59 @@ fn pipelined_stores_each_get_their_own_reply_and_store_exact_bytes() {
     client.release(lookup.id).ok();
     client.end().unwrap();
 }
+
+#[test]
+fn an_mla_reader_that_asked_about_many_ended_lookups_answers_only_for_the_open_ones() {
+    let daemon = Daemon::start();
+    let mla = |rank: u16| Hello {
+        mla: true,
+        rank,
+        tp_size: 2,
+        world_size: None,
+        ..Client::worker_hello("m", CHUNK)
+    };
+    let (mut owner, _owners) = worker(&daemon, mla(0));
+    let (mut other, _others) = worker(&daemon, mla(1));
+    let joined = || daemon.status().sessions.iter().find(|s| s.rank == 1).unwrap().joined_lookups;
+    // Rank 1 asks about each of rank 0's lookups, which rank 0 then releases: each ends, and
+    // rank 1 owes it nothing. Past the per-session limit of open lookups, those are forgotten.
+    // (Pipelined, ten lookups in flight at a time: the test daemon lets a session's open
+    // lookups name 1 MiB, 16 of these chunks.)
+    for batch in 0..420u64 {
+        let lookups: Vec<_> = (0..10)
+            .map(|i| {
+                let chunks = vec![chunk_id(batch * 10 + i, 0)];
+                owner.submit(RequestBody::Lookup { namespace: 0, chunks }).unwrap()
+            })
+            .collect();
+        let ids: Vec<u64> = lookups
+            .into_iter()
+            .map(|pending| match owner.collect(pending).unwrap() {
+                ReplyBody::LookupStarted { lookup, .. } => lookup,
+                other => panic!("a lookup answered {other:?}"),
+            })
+            .collect();
+        let queries: Vec<_> = ids
+            .iter()
+            .map(|&lookup| other.submit(RequestBody::Query { lookup }).unwrap())
+            .collect();
+        for pending in queries {
+            other.collect(pending).unwrap();
+        }
+        let releases: Vec<_> = ids
+            .iter()
+            .map(|&lookup| owner.submit(RequestBody::Release { lookup }).unwrap())
+            .collect();
+        for pending in releases {
+            assert_eq!(owner.collect(pending).unwrap(), ReplyBody::Released);
+        }
+    }
+    let after = joined();
+    assert!((1..4_096).contains(&after), "rank 1 answers for {after} lookups, all of them ended");
+    // One still open is answered for, and its share goes back when rank 1 leaves.
+    let open = owner.lookup(0, vec![chunk_id(9_999, 0)]).unwrap();
+    other.query(open.id).unwrap();
+    drop(other);
+    owner.retrieve(open.id, 0, Vec::new()).unwrap();
+    assert_eq!(daemon.settled().open_lookups, 0, "rank 1's share came back when it left");
+}

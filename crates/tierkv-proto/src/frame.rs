@@ -62,10 +62,16 @@ pub fn frame_len(header: [u8; HEADER_BYTES], limit: u32) -> Result<usize, FrameE
     Ok(len as usize)
 }
 
+/// How deep a frame's values may nest. The messages nest a few levels; the decoder recurses once
+/// a level (skipping an unknown body too), so a small frame of deeply nested arrays would
+/// otherwise overflow a thread's stack, before any hello.
+const MAX_DEPTH: usize = 32;
+
 /// Decodes one frame body: exactly one MessagePack value, with no bytes after it.
 pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
     let mut rest: &[u8] = body;
     let mut deserializer = rmp_serde::Deserializer::new(&mut rest);
+    deserializer.set_max_depth(MAX_DEPTH);
     let value =
         T::deserialize(&mut deserializer).map_err(|e| FrameError::Malformed(e.to_string()))?;
     drop(deserializer);
@@ -119,6 +125,48 @@ mod tests {
         let mut reader = &out[..];
         assert_eq!(read_frame(&mut reader, 1 << 20).unwrap().unwrap(), &out[HEADER_BYTES..]);
         assert!(read_frame(&mut reader, 1 << 20).unwrap().is_none(), "clean end of stream");
+    }
+
+    /// A small frame of deeply nested arrays, where a request's body goes: refused, not decoded
+    /// into a stack overflow (before any hello, and skipped as an unknown body too).
+    #[test]
+    fn a_frame_nested_past_the_depth_limit_is_malformed() {
+        let mut body = vec![0x82, 0xa2, b'i', b'd', 0x03, 0xa4, b'b', b'o', b'd', b'y'];
+        body.extend(std::iter::repeat_n(0x91, 100_000));
+        body.push(0xc0);
+        assert!(matches!(decode::<Request>(&body), Err(FrameError::Malformed(_))));
+        assert!(matches!(decode::<crate::RequestHeader>(&body), Err(FrameError::Malformed(_))));
+    }
+
+    #[test]
+    fn lists_past_their_limits_are_malformed_and_lists_at_them_decode() {
+        use crate::{Hello, NamespaceDecl};
+        let hello = |n: usize| Request {
+            id: 1,
+            body: RequestBody::Hello(Hello {
+                version: crate::PROTOCOL_VERSION,
+                role: crate::Role::Worker,
+                rank: 0,
+                tp_size: 1,
+                world_size: None,
+                mla: false,
+                namespaces: vec![NamespaceDecl { model: "m".into(), cache_salt: String::new() }; n],
+                chunk_bytes: 1,
+                chunk_tokens: 1,
+                token: None,
+            }),
+        };
+        let frame = |request: &Request| {
+            let mut out = Vec::new();
+            encode(request, &mut out).unwrap();
+            out.split_off(HEADER_BYTES)
+        };
+        let at = hello(crate::MAX_NAMESPACES);
+        assert_eq!(decode::<Request>(&frame(&at)).unwrap(), at);
+        match decode::<Request>(&frame(&hello(crate::MAX_NAMESPACES + 1))) {
+            Err(FrameError::Malformed(why)) => assert!(why.contains("at most 64"), "{why}"),
+            other => panic!("65 namespaces decoded: {other:?}"),
+        }
     }
 
     #[test]

@@ -14,9 +14,9 @@ mod message;
 
 pub use frame::{FrameError, HEADER_BYTES, MIN_FRAME_LIMIT, decode, encode, frame_len, read_frame};
 pub use message::{
-    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, NamespaceDecl, RefusalReason,
-    Refused, RegionSource, Reply, ReplyBody, Request, RequestBody, RequestHeader, Role, Segment,
-    SessionReport, StatusReport, TierReport,
+    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, MAX_NAMESPACES, MAX_REGIONS,
+    MAX_SEGMENTS, NamespaceDecl, RefusalReason, Refused, RegionSource, Reply, ReplyBody, Request,
+    RequestBody, RequestHeader, Role, Segment, SessionReport, StatusReport, TierReport,
 };
 
 /// The protocol version this build speaks; a hello with another version is refused.

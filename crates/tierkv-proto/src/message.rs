@@ -6,6 +6,59 @@ use std::fmt;
 use serde::de::{self, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+/// Namespaces one hello may declare.
+pub const MAX_NAMESPACES: usize = 64;
+/// Regions one `register_kv` may carry: a CUDA IPC region per allocation behind an engine's KV
+/// tensors (vLLM allocates one per layer).
+pub const MAX_REGIONS: usize = 256;
+/// Segments one layout may have (its pieces, segments x blocks per chunk, are bounded too).
+pub const MAX_SEGMENTS: usize = 1 << 16;
+
+/// A list of at most `MAX` elements. The decoder refuses a longer one before it builds the
+/// elements past the limit: MessagePack encodes some of them (a struct as a short array of
+/// defaults) in a few bytes, so a frame could otherwise decode into many times its own size.
+mod bounded {
+    use std::fmt;
+    use std::marker::PhantomData;
+
+    use serde::de::{self, Deserialize, Deserializer, SeqAccess, Visitor};
+
+    pub(super) fn deserialize<'de, D, T, const MAX: usize>(
+        deserializer: D,
+    ) -> Result<Vec<T>, D::Error>
+    where
+        D: Deserializer<'de>,
+        T: Deserialize<'de>,
+    {
+        struct List<T, const MAX: usize>(PhantomData<T>);
+
+        impl<'de, T: Deserialize<'de>, const MAX: usize> Visitor<'de> for List<T, MAX> {
+            type Value = Vec<T>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "a list of at most {MAX}")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+                let announced = seq.size_hint().unwrap_or(0);
+                if announced > MAX {
+                    return Err(de::Error::invalid_length(announced, &self));
+                }
+                let mut list = Vec::with_capacity(announced);
+                while let Some(element) = seq.next_element()? {
+                    if list.len() == MAX {
+                        return Err(de::Error::invalid_length(MAX + 1, &self));
+                    }
+                    list.push(element);
+                }
+                Ok(list)
+            }
+        }
+
+        deserializer.deserialize_seq(List::<T, MAX>(PhantomData))
+    }
+}
+
 /// The 128-bit chained hash of a chunk and its whole prefix, as the engine computes it. On the
 /// wire: 16 bytes (MessagePack `bin`), big-endian.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -126,7 +179,7 @@ pub struct Hello {
     #[serde(default)]
     pub mla: bool,
     /// The namespaces this session touches; requests name them by index into this list.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "bounded::deserialize::<_, _, MAX_NAMESPACES>")]
     pub namespaces: Vec<NamespaceDecl>,
     /// Bytes of one chunk (one block of the worker's buffer).
     #[serde(default)]
@@ -361,6 +414,7 @@ pub struct KvLayout {
     /// Engine blocks in one chunk.
     pub blocks_per_chunk: u32,
     /// The segments, in the order their pieces are laid out in a chunk.
+    #[serde(deserialize_with = "bounded::deserialize::<_, _, MAX_SEGMENTS>")]
     pub segments: Vec<Segment>,
 }
 
@@ -373,6 +427,7 @@ pub enum RequestBody {
     /// Registers a KV buffer: its memory regions (memfds ride on this frame) and their layout.
     RegisterKv {
         /// The regions, 1..=256, of which at most 8 memfd regions.
+        #[serde(deserialize_with = "bounded::deserialize::<_, _, MAX_REGIONS>")]
         regions: Vec<RegionSource>,
         /// How chunks lie in them; a chunk must be the session's `chunk_bytes`.
         layout: KvLayout,
@@ -533,6 +588,10 @@ pub struct SessionReport {
     pub tp_size: u16,
     /// Lookups it made that are not yet released.
     pub open_lookups: u64,
+    /// Other sessions' lookups it answers for a reader's share of (an MLA rank's, once it asked
+    /// about one): each returned when it retrieves, or when it closes.
+    #[serde(default)]
+    pub joined_lookups: u64,
 }
 
 /// The daemon's state.

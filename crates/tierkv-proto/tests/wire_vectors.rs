@@ -220,6 +220,7 @@ fn replies() -> Vec<(&'static str, ReplyBody)> {
                     rank: 0,
                     tp_size: 1,
                     open_lookups: 1,
+                    joined_lookups: 0,
                 }],
             }),
         ),

@@ -32,9 +32,7 @@ use tierkv_proto::{KvLayout, RegionSource};
 
 use crate::cuda_ipc::{CudaEvent, CudaIpcError, CudaRegion, Rows};
 
-/// Regions one registration may carry: a CUDA IPC region per allocation behind an engine's KV
-/// tensors (vLLM allocates one per layer).
-pub const MAX_REGIONS: usize = 256;
+pub use tierkv_proto::MAX_REGIONS;
 
 /// The most pieces (segments x blocks per chunk) a chunk of a layout has. Each is a copy
 /// descriptor while a request runs; a large model's paged KV has a few thousand (Llama-3-70B:

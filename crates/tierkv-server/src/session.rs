@@ -16,9 +16,9 @@ use tierkv_core::{ChunkHash, ExtraCount, KeyError, KvRank, Layout, Namespace, Ob
 use tierkv_l1::{L1Error, OwnerId, Readers, WriteAccess};
 use tierkv_prefetch::{BelowError, PrefetchError};
 use tierkv_proto::{
-    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, PROTOCOL_VERSION,
-    RefusalReason, Refused, RegionSource, ReplyBody, RequestBody, Role, SessionReport,
-    StatusReport, TierReport,
+    ChunkBlocks, ChunkId, ErrorCode, Hello, KvLayout, LookupOutcome, MAX_NAMESPACES,
+    PROTOCOL_VERSION, RefusalReason, Refused, RegionSource, ReplyBody, RequestBody, Role,
+    SessionReport, StatusReport, TierReport,
 };
 use tierkv_storage::{HitChunk, LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
 
@@ -26,8 +26,6 @@ use crate::conn::Peer;
 use crate::kv::{DeviceCopies, KvError, RegisteredKv};
 use crate::metrics::ServerMetrics;
 
-/// Namespaces one hello may declare.
-const MAX_NAMESPACES: usize = 64;
 /// Buffers one session may register.
 const MAX_BUFFERS: usize = 64;
 /// Open lookups one session may have at once: each is kept until its deadline, a miss too, so
@@ -500,6 +498,7 @@ impl Session {
             rank: hello.rank,
             tp_size: hello.tp_size,
             open_lookups: 0,
+            joined_lookups: 0,
         };
         self.daemon.sessions.lock().insert(self.id, report);
         if worker {
@@ -932,13 +931,32 @@ impl Session {
                 format!("the lookup has {} readers; this session is reader {reader}", info.readers),
             );
         }
+        let mut joined = None;
         if info.owner != self.id && reader != info.owner_reader {
             // Another reader's share, which this session now answers for: returned when it
             // ends. The owner's reader's share is the owner's, whoever else may look.
+            if opened.joined.len() >= MAX_OPEN_LOOKUPS {
+                // Lookups that ended another way (their owner released them or left, or they
+                // expired) owe this session nothing: forgotten, so the set stays as small as
+                // the lookups still open.
+                let open = self.daemon.lookups.lock();
+                opened.joined.retain(|(joined, _)| open.contains_key(joined));
+            }
             opened.joined.insert((lookup, reader as u8));
+            joined = Some(opened.joined.len());
+        }
+        if let Some(joined) = joined {
+            self.report_joined(joined);
         }
         let reader = reader as u8;
         Ok((LookupId(lookup), reader, info))
+    }
+
+    /// Puts the number of other sessions' lookups this one answers for into its status report.
+    fn report_joined(&self, joined: usize) {
+        if let Some(report) = self.daemon.sessions.lock().get_mut(&self.id) {
+            report.joined_lookups = joined as u64;
+        }
     }
 
     fn retrieve(
@@ -1028,8 +1046,11 @@ impl Session {
             Err(e) => return Err(e),
         };
         let ended = storage.release(id, Readers::One(reader))?;
-        if let Some(opened) = &mut self.opened {
-            opened.joined.remove(&(lookup, reader));
+        if let Some(opened) = &mut self.opened
+            && opened.joined.remove(&(lookup, reader))
+        {
+            let joined = opened.joined.len();
+            self.report_joined(joined);
         }
         if ended {
             self.daemon.end_lookup(lookup);
