@@ -409,6 +409,7 @@ fn an_mla_reader_that_asked_about_many_ended_lookups_answers_only_for_the_open_o
     assert!((1..4_096).contains(&after), "rank 1 answers for {after} lookups, all of them ended");
     // One still open is answered for, and its share goes back when rank 1 leaves.
     let open = owner.lookup(0, vec![chunk_id(9_999, 0)]).unwrap();
+    owner.wait(open.id, Duration::from_secs(10)).unwrap();
     other.query(open.id).unwrap();
     drop(other);
     owner.retrieve(open.id, 0, Vec::new()).unwrap();
