@@ -1538,31 +1538,38 @@ impl Shared {
 
     /// Makes a written task's records visible (the write thread, after its last write). Under
     /// `FsyncPolicy::Always` they are synced first. A key another task published meanwhile
-    /// keeps that record, and this one stays unindexed, unless that record is one the restart
-    /// scan found and nothing has read since: the new one replaces it, and it is marked deleted
-    /// on disk so that the next restart does not find it instead.
+    /// keeps that record, unless it is one the restart scan found and nothing has read since:
+    /// the new one replaces it. The record that loses is marked deleted on disk, so that a
+    /// restart finds only the one indexed (a key deleted or cleared since stays gone).
     fn publish_records(&self, records: &[(ObjectKey, Loc)]) -> Result<(), TierError> {
         if self.config.fsync == FsyncPolicy::Always {
             self.sync_segments(records.iter().map(|(_, loc)| loc.segment))?;
         }
         let mut index = self.index.lock();
-        let mut replaced = Vec::new();
+        let mut losers = Vec::new();
         for (key, loc) in records {
             if index.unverified.contains(key)
                 && let Some(old) = index.map.get(key).copied()
             {
                 index.drop_record(key, old);
-                let segment = &mut index.segments[old.segment as usize];
-                if let Some(file) = segment.file.clone() {
-                    // Pinned until its mark is written, as a delete's is.
-                    segment.pins += 1;
-                    replaced.push((file, segment.epoch, *key, old));
-                }
+                losers.push((*key, old));
             }
-            index.index_record(*key, *loc);
+            if !index.index_record(*key, *loc) {
+                losers.push((*key, *loc));
+            }
         }
+        let marks: Vec<_> = losers
+            .into_iter()
+            .filter_map(|(key, loc)| {
+                let segment = &mut index.segments[loc.segment as usize];
+                let file = segment.file.clone()?;
+                // Pinned until its mark is written, as a delete's is.
+                segment.pins += 1;
+                Some((file, segment.epoch, key, loc))
+            })
+            .collect();
         drop(index);
-        self.mark_deleted_and_unpin(&replaced);
+        self.mark_deleted_and_unpin(&marks);
         if matches!(self.config.fsync, FsyncPolicy::Periodic(_)) {
             self.dirty.lock().extend(records.iter().map(|(_, loc)| loc.segment));
         }
