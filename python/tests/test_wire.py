@@ -131,7 +131,16 @@ STATUS_REPORT = {
     "open_lookups": 1,
     "store_in_flight": 0,
     "connected_workers": 1,
-    "sessions": [{"session": 5, "role": "worker", "rank": 0, "tp_size": 1, "open_lookups": 1}],
+    "sessions": [
+        {
+            "session": 5,
+            "role": "worker",
+            "rank": 0,
+            "tp_size": 1,
+            "open_lookups": 1,
+            "joined_lookups": 0,
+        }
+    ],
 }
 
 # Each non-error reply of wire_vectors.rs, as the Python side parses it.
