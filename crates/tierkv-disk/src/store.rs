@@ -45,13 +45,36 @@ use crate::segment::{
 /// How often a read-only store tries to become writable again (`DiskStore::maintain`).
 pub const WRITABLE_RETRY: Duration = Duration::from_secs(2);
 
-/// Where a record lives: its segment, and its offset in the segment's file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where a record lives: its segment, and its offset in the segment's file; and whether its
+/// payload is known good. A record the restart scan found has had only its header checked (a
+/// crash may have left the header without its payload) until a load reads it: a store of its
+/// key writes a fresh record, which replaces it. (The flag sits in the padding after `segment`:
+/// it costs the index nothing.)
+#[derive(Clone, Copy, Debug)]
 struct Loc {
     segment: u32,
+    verified: bool,
     offset: u64,
     len: u64,
 }
+
+impl Loc {
+    /// A record this process wrote (its payload is what it was given).
+    fn written(segment: u32, offset: u64, len: u64) -> Self {
+        Loc { segment, verified: true, offset, len }
+    }
+}
+
+/// The same record: its place, whether verified or not.
+impl PartialEq for Loc {
+    fn eq(&self, other: &Self) -> bool {
+        (self.segment, self.offset, self.len) == (other.segment, other.offset, other.len)
+    }
+}
+
+impl Eq for Loc {}
+
+const _: () = assert!(std::mem::size_of::<Loc>() == 24, "the flag fits in Loc's padding");
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Status {
@@ -138,10 +161,6 @@ impl SampleKey for SegmentLife {
 
 struct Index {
     map: HashMap<ObjectKey, Loc>,
-    /// Keys whose record the restart scan found and no load has read since: only its header
-    /// is checked (a crash may have left the header without its payload), so a store of such a
-    /// key writes a fresh record, which replaces it.
-    unverified: HashSet<ObjectKey>,
     /// Lock count and segment of every locked key.
     locks: HashMap<ObjectKey, (u64, u32)>,
     lock_total: u64,
@@ -202,7 +221,6 @@ impl Index {
     fn drop_record(&mut self, key: &ObjectKey, loc: Loc) {
         if self.map.get(key) == Some(&loc) {
             self.map.remove(key);
-            self.unverified.remove(key);
             self.live_bytes -= record_bytes(loc.len);
         }
     }
@@ -948,7 +966,6 @@ fn scan(
 ) -> Result<(Index, Recovered), DiskError> {
     let mut index = Index {
         map: HashMap::new(),
-        unverified: HashSet::new(),
         locks: HashMap::new(),
         lock_total: 0,
         segments: (0..layout.segments).map(|_| Segment::free()).collect(),
@@ -1029,10 +1046,17 @@ fn scan(
             cut_file(file, layout.file_bytes(*n));
         }
         // What the scan found may still be only in the page cache (a process killed between a
-        // write and its sync): it is synced before any store can count on it as durable.
+        // write and its sync): it is synced before any store can count on it as durable. A file
+        // that cannot be synced is still served (its records verify on every load); only the
+        // promise for what it holds is weaker, which the log says.
         if config.fsync != FsyncPolicy::Never {
             for (_, file) in &files {
-                file.sync().map_err(DiskError::io("syncing", &file.path))?;
+                if let Err(e) = file.sync() {
+                    tracing::warn!(
+                        "cannot sync {}: {e}; records found in it may not survive a power loss",
+                        file.path.display()
+                    );
+                }
             }
         }
     }
@@ -1055,7 +1079,6 @@ fn scan(
         for (key, loc) in found.records {
             // One object per key: a second copy (written again after a delete) is redundant.
             if index.index_record(key, loc) {
-                index.unverified.insert(key);
                 recovered.records += 1;
                 recovered.bytes += loc.len;
             }
@@ -1226,7 +1249,9 @@ fn scan_segment(
                 if h.deleted {
                     found.deleted_records += 1;
                 } else {
-                    found.records.push((h.key, Loc { segment: id, offset: at, len: h.len }));
+                    // Its header checked, its payload not yet.
+                    let loc = Loc { segment: id, verified: false, offset: at, len: h.len };
+                    found.records.push((h.key, loc));
                 }
                 at += size;
             }
@@ -1418,7 +1443,7 @@ impl Shared {
                 .iter()
                 .zip(lens)
                 .filter(|(item, _)| {
-                    (!index.map.contains_key(&item.key) || index.unverified.contains(&item.key))
+                    index.map.get(&item.key).is_none_or(|loc| !loc.verified)
                         && batch.insert(item.key)
                 })
                 .collect()
@@ -1489,7 +1514,7 @@ impl Shared {
         payload[len as usize..].fill(0);
         let checksum = payload_checksum(&payload[..len as usize]);
         Header { epoch, key: item.key, len, checksum, deleted: false }.encode(head);
-        let loc = Loc { segment, offset: self.layout.base(segment) + offset, len };
+        let loc = Loc::written(segment, self.layout.base(segment) + offset, len);
         let bytes = if first {
             Span { start: 0, len: (BLOCK + size) as usize, at: loc.offset - BLOCK }
         } else {
@@ -1548,8 +1573,8 @@ impl Shared {
         let mut index = self.index.lock();
         let mut losers = Vec::new();
         for (key, loc) in records {
-            if index.unverified.contains(key)
-                && let Some(old) = index.map.get(key).copied()
+            if let Some(old) = index.map.get(key).copied()
+                && !old.verified
             {
                 index.drop_record(key, old);
                 losers.push((*key, old));
@@ -1866,7 +1891,7 @@ impl Shared {
                         // On its way here: copied from its own bytes, which the plan shares.
                         return board.bytes(&item.key, item.sink.len()).map(Planned::Departing);
                     };
-                    let unverified = index.unverified.contains(&item.key);
+                    let unverified = !loc.verified;
                     let segment = &mut index.segments[loc.segment as usize];
                     let file = segment.file.clone()?;
                     segment.pins += 1;
@@ -1929,8 +1954,8 @@ impl Shared {
                 index.drop_record(&key, loc);
             }
             for (key, loc) in verified {
-                if index.map.get(&key) == Some(&loc) {
-                    index.unverified.remove(&key);
+                if let Some(indexed) = index.map.get_mut(&key).filter(|indexed| **indexed == loc) {
+                    indexed.verified = true;
                 }
             }
         }
@@ -2274,7 +2299,7 @@ mod tests {
     use super::*;
 
     fn at(segment: u32, offset: u64) -> Loc {
-        Loc { segment, offset, len: 1 }
+        Loc::written(segment, offset, 1)
     }
 
     /// A segment policy with a bug: its second hit panics.
@@ -2312,7 +2337,6 @@ mod tests {
     fn a_policy_that_panics_during_a_lookup_leaves_no_lock_behind() {
         let mut index = Index {
             map: HashMap::new(),
-            unverified: HashSet::new(),
             locks: HashMap::new(),
             lock_total: 0,
             segments: (0..3).map(|_| Segment::free()).collect(),
