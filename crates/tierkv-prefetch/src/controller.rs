@@ -48,9 +48,9 @@ pub struct PrefetchConfig {
     pub max_in_flight: usize,
     /// How long `stop` waits for tier tasks still in flight before giving up on them.
     pub drain_timeout: Duration,
-    /// How long a request may wait on the lower tiers before it is given up (a tier that never
-    /// answers): it fails, its reservations are aborted and its locks returned, and a lookup
-    /// that answers later has its locks returned then.
+    /// How long a request may wait on the lower tiers without an answer from any of them before
+    /// it is given up (a tier that never answers): it fails, its reservations are aborted and
+    /// its locks returned, and a lookup that answers later has its locks returned then.
     pub request_timeout: Duration,
 }
 
@@ -319,7 +319,8 @@ enum Phase {
 struct Active {
     request: PrefetchRequest,
     started: u64,
-    /// When it started: past the request timeout it is given up.
+    /// When it started, or last heard from a tier: a request that hears nothing for the request
+    /// timeout is given up.
     since: Instant,
     /// The (group, index) of every key not in L1, in order: what was looked up.
     wanted: Vec<At>,
@@ -528,7 +529,7 @@ impl Worker {
             let Some(active) = self.active.remove(&id) else { continue };
             self.release_everything(&active, &BTreeSet::new());
             self.shared.metrics.failed();
-            let why = format!("no answer from the lower tiers within {timeout:?}");
+            let why = format!("no answer from the lower tiers for {timeout:?}");
             self.shared.deliver(id, Err(PrefetchError::Failed(why)));
         }
         self.start_pending();
@@ -584,6 +585,13 @@ impl Worker {
                     }
                 }
             }
+            // No tier took the lookup (each panicked taking it): no answer will come to plan
+            // on, so the request is planned now, on what it has, nothing.
+            if let Some(active) = self.active.get(&id).cloned()
+                && matches!(active.phase, Phase::LookingUp { waiting: 0, .. })
+            {
+                self.plan(id, active);
+            }
         }
     }
 
@@ -606,6 +614,7 @@ impl Worker {
         let Some(active) = self.active.get_mut(&id) else {
             return;
         };
+        active.since = Instant::now();
         let done = match completion {
             Completion::LookedUp { locked, .. } => {
                 for i in locked.iter_ones() {

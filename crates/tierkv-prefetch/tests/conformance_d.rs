@@ -714,3 +714,44 @@ fn a_chunk_held_below_whose_sink_the_tier_lost_is_not_served() {
         read.map(|chunks| chunks.iter().map(|c| c[0]).collect::<Vec<_>>())
     );
 }
+
+#[test]
+fn a_lone_tier_that_panics_taking_a_lookup_is_a_miss_at_once() {
+    let broken = Arc::new(FakeTier::new("broken", 64, CHUNK));
+    for k in keys(0..2) {
+        broken.insert(k, payload(&k, CHUNK));
+    }
+    broken.panic_on_lookup();
+    let rig = rig_with(vec![broken], vec![], PrefetchConfig::default());
+    // No tier answers: the request is planned at once, not left to the request timeout.
+    let started = Instant::now();
+    assert_eq!(rig.prefetch(keys(0..2), 0).hit_chunks, 0);
+    assert!(started.elapsed() < PrefetchConfig::default().request_timeout);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
+fn a_request_whose_tier_answers_slowly_step_by_step_is_not_given_up() {
+    let slow = Arc::new(FakeTier::new("slow", 64, CHUNK));
+    for k in keys(0..2) {
+        slow.insert(k, payload(&k, CHUNK));
+    }
+    slow.hold();
+    let config =
+        PrefetchConfig { request_timeout: Duration::from_millis(600), ..PrefetchConfig::default() };
+    let rig = rig_with(vec![slow.clone()], vec![], config);
+    let request =
+        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..2));
+    let id = rig.prefetch.submit(request).unwrap();
+    // The lookup answers after 400 ms, the load 400 ms after that: more than the timeout in
+    // all, never as long without an answer.
+    wait_until(|| slow.held_tasks() == 1);
+    std::thread::sleep(Duration::from_millis(400));
+    slow.run_held();
+    wait_until(|| slow.held_tasks() == 1);
+    std::thread::sleep(Duration::from_millis(400));
+    slow.release_held();
+    let result = rig.prefetch.wait(id, WAIT).unwrap();
+    assert_eq!(result.hit_chunks, 2);
+    assert_eq!(rig.bytes(&result, 0, &key(1)), payload(&key(1), CHUNK));
+}

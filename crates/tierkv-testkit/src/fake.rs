@@ -131,6 +131,14 @@ impl FakeTier {
         }
     }
 
+    /// Runs the tasks held so far; later ones are still held, as before.
+    pub fn run_held(&self) {
+        let held = std::mem::take(&mut self.state.lock().held);
+        for task in held {
+            self.run(task);
+        }
+    }
+
     /// Tasks submitted and not yet run.
     pub fn held_tasks(&self) -> usize {
         self.state.lock().held.len()
