@@ -265,6 +265,8 @@ struct Opened {
     buffers: Vec<RegisteredKv>,
     /// Shares this session may hold on lookups another session made: returned at close.
     joined: HashSet<(u64, u8)>,
+    /// The size of `joined` at which the lookups that ended are next forgotten.
+    prune_joined_at: usize,
     /// The hello carried the daemon's token (always so over TCP): what `clear` needs.
     authenticated: bool,
     /// This session's stores since its last flush that are still going down, and what became
@@ -518,6 +520,7 @@ impl Session {
             layout,
             buffers: Vec::new(),
             joined: HashSet::new(),
+            prune_joined_at: MAX_OPEN_LOOKUPS,
             authenticated,
             tickets: Vec::new(),
             settled: (0, 0),
@@ -935,12 +938,13 @@ impl Session {
         if info.owner != self.id && reader != info.owner_reader {
             // Another reader's share, which this session now answers for: returned when it
             // ends. The owner's reader's share is the owner's, whoever else may look.
-            if opened.joined.len() >= MAX_OPEN_LOOKUPS {
+            if opened.joined.len() >= opened.prune_joined_at {
                 // Lookups that ended another way (their owner released them or left, or they
-                // expired) owe this session nothing: forgotten, so the set stays as small as
-                // the lookups still open.
+                // expired) owe this session nothing: forgotten, so the set stays within twice
+                // the lookups still open (and each prune pays for as many joins).
                 let open = self.daemon.lookups.lock();
                 opened.joined.retain(|(joined, _)| open.contains_key(joined));
+                opened.prune_joined_at = (2 * opened.joined.len()).max(MAX_OPEN_LOOKUPS);
             }
             opened.joined.insert((lookup, reader as u8));
             joined = Some(opened.joined.len());
