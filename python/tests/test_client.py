@@ -630,6 +630,7 @@ def test_status_shows_hit_tokens(daemon, buf):
             "rank": 0,
             "tp_size": 1,
             "open_lookups": 1,
+            "joined_lookups": 0,
         }
     ]
     client.release(started.lookup)
