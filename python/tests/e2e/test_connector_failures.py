@@ -258,3 +258,41 @@ def test_under_async_scheduling_the_next_steps_stores_wait_on_this_steps_failed_
     assert worker.stored_chunks == 0, "computed over block 0 before vLLM knew"
     worker.wait_for_save(TierKVMetadata(stores=[StoreOp("a", [(last, [2])], after=[])]))
     assert worker.stored_chunks == 1
+
+
+def test_a_store_over_blocks_a_failed_load_left_unwritten_is_dropped_however_late(
+    halves: Halves,
+) -> None:
+    # Under the recompute policy vLLM keeps a failed load's blocks in its prefix cache until a
+    # request computes into them again: a request that reads them steps later computes over
+    # blocks nobody wrote, long after the load's own step; nothing of it may be stored.
+    scheduler, worker = halves.scheduler, halves.worker
+    a = _hit(halves, "a")
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    meta = scheduler.build_connector_meta(scheduler_output([(a, [4, 5, 6, 7], 3 * BLOCK, 1)]))
+    meta.loads[0].lookups = [987_654]  # a load the daemon refuses
+    worker.start_load_kv(meta)
+    assert worker.take_load_errors() == {4, 5, 6}
+    worker.wait_for_save(meta)
+    scheduler.update_connector_output({4, 5, 6})  # vLLM hears of it
+    for _ in range(3):
+        worker.wait_for_save(scheduler.build_connector_meta(scheduler_output([])))
+    b = request("b", PROMPT[: 3 * BLOCK] + list(range(6000, 6000 + 2 * BLOCK + 1)))
+    assert halves.matched(b, 3 * BLOCK) == 0, "vLLM's own cache holds what tierkv would load"
+    scheduler.update_state_after_alloc(b, 0)
+    meta = scheduler.build_connector_meta(
+        scheduler_output([(b, [4, 5, 6, 10, 11, 12], 3 * BLOCK, 2 * BLOCK + 1)])
+    )
+    assert [op.chunks for op in meta.stores if op.req_id == "b"] == [[]], "b read a's blocks"
+    before = worker.stored_chunks
+    worker.wait_for_save(meta)
+    assert worker.stored_chunks == before
+    # A request that computes into those blocks from the start writes them whole: what is then
+    # computed over them is stored again.
+    c = request("c", list(range(7000, 7000 + 3 * BLOCK + 1)))
+    assert halves.matched(c) == 0
+    scheduler.update_state_after_alloc(c, 0)
+    meta = scheduler.build_connector_meta(scheduler_output([(c, [4, 5, 6, 13], 0, 3 * BLOCK + 1)]))
+    assert [len(op.chunks) for op in meta.stores if op.req_id == "c"] == [3]
+    worker.wait_for_save(meta)
+    assert worker.stored_chunks == before + 3

@@ -183,6 +183,11 @@ class SchedulerSide:
         #: such blocks went to): the step that planned it and the requests whose loads they
         #: depend on. A store of KV computed over them waits on those loads (``StoreOp.after``).
         self.fresh: dict[int, tuple[int, frozenset[str]]] = {}
+        #: Blocks vLLM reported unwritten (a failed load's) and nobody wrote since. Under the
+        #: recompute policy vLLM keeps them in its prefix cache until a request computes into
+        #: them again, so KV computed over them can come any number of steps later: a store
+        #: whose blocks, or the blocks before them, include one is dropped.
+        self.tainted: set[int] = set()
         self.steps = 0
         #: External tokens vLLM accepted this step, per request: recorded before anything can
         #: fail, so that the step's metadata loads them or reports their blocks.
@@ -234,9 +239,13 @@ class SchedulerSide:
         )
         return self.guard.run(
             "finding what the step's stores were computed over (its stores are dropped)",
-            lambda: self._after_loads(meta),
+            lambda: self._untainted(self._after_loads(meta), scheduled_requests(out)),
             lambda _e: self._drop_stores(meta),
         )
+
+    def update_connector_output(self, invalid_block_ids: set[int]) -> None:
+        """Remembers the blocks vLLM reports unwritten (a load's that failed)."""
+        self.tainted |= invalid_block_ids
 
     def request_finished(self, request: Request) -> bool:
         """Returns the request's leases; whether its blocks wait for the workers to report it
@@ -418,6 +427,33 @@ class SchedulerSide:
                 for _, held in op.chunks:
                     for block in held:
                         self.fresh.setdefault(block, made)
+        return meta
+
+    def _untainted(self, meta: TierKVMetadata, scheduled: list[Scheduled]) -> TierKVMetadata:
+        """Forgets the tainted blocks this step writes whole over untainted ones (a request
+        computing into them, or a load filling them: one that fails is reported again), then
+        drops every store that reads or writes a block still tainted."""
+        if not self.tainted:
+            return meta
+        for op in meta.loads:
+            self.tainted.difference_update(b for _, held in op.chunks for b in held)
+        for request in scheduled:
+            state = self.requests.get(request.req_id)
+            if state is None:
+                continue
+            # The block that holds the last computed token may be half written: it is read.
+            first = -(-request.computed // self.block_size)
+            end = -(-(request.computed + request.scheduled) // self.block_size)
+            if self.tainted.isdisjoint(state.block_ids[:first]):
+                self.tainted.difference_update(state.block_ids[first:end])
+        per = self.settings.chunk_blocks
+        for op in meta.stores:
+            state = self.requests.get(op.req_id)
+            read = state.block_ids[: state.stored * per] if state is not None else []
+            written = [b for _, held in op.chunks for b in held]
+            if not self.tainted.isdisjoint(read + written):
+                log.debug("tierkv: not storing %s: computed over blocks never rewritten", op.req_id)
+                op.chunks = []
         return meta
 
     def _drop_stores(self, meta: TierKVMetadata) -> TierKVMetadata:
