@@ -4,6 +4,7 @@ blocks of a call it gave up on, and the TP ranks' agreement on which loads faile
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -93,15 +94,20 @@ def test_the_move_keeps_bytes_repoints_every_view_and_describes_the_layout() -> 
     assert layers["model.layers.1.self_attn.attn"][1].flatten()[0].item() == 0.0
 
 
-def test_tensors_the_layout_cannot_describe_are_refused() -> None:
+def test_tensors_the_layout_cannot_describe_are_refused_before_anything_moves() -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    fds = open_fds()
+    odd = torch.zeros(5, 4)
+    where = odd.data_ptr()
     with pytest.raises(LayoutError, match="no dimension of 6 blocks"):
-        move_to_memfd({"l.0.x": torch.zeros(5, 4)}, num_blocks=6, blocks_per_chunk=1)
+        move_to_memfd({"l.0.x": odd}, num_blocks=6, blocks_per_chunk=1)
+    assert odd.data_ptr() == where, "the engine's tensor stays where it was"
+    mixed = {"l.0.x": torch.zeros(6, 4), "l.1.x": torch.zeros(6, 8)}
     with pytest.raises(LayoutError, match="differ in block size"):
-        move_to_memfd(
-            {"l.0.x": torch.zeros(6, 4), "l.1.x": torch.zeros(6, 8)},
-            num_blocks=6,
-            blocks_per_chunk=1,
-        )
+        move_to_memfd(mixed, num_blocks=6, blocks_per_chunk=1)
+    assert open_fds() == fds, "no memfd left behind"
 
 
 def test_the_device_export_takes_only_gpu_tensors_and_lays_blocks_out_by_region() -> None:

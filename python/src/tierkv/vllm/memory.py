@@ -112,31 +112,36 @@ def move_to_memfd(
     for ptr, storage in storages.items():
         offsets[ptr] = total
         total += -(-storage.nbytes() // _PAGE) * _PAGE
+
+    def in_memfd(ptr: int) -> tuple[int, int]:
+        """Where an address of the engine's storages will lie in the memfd."""
+        for start, storage in storages.items():
+            if start <= ptr < start + storage.nbytes():
+                return 0, offsets[start] + (ptr - start)
+        raise LayoutError("a KV plane lies outside the storages of the KV tensors")
+
+    # Described before anything moves: a layout the daemon cannot take leaves the engine's
+    # tensors where they are, and no memfd behind.
+    layout = _layout(tensors, num_blocks, blocks_per_chunk, in_memfd)
     fd = sealed_memfd(total, "tierkv-vllm-kv")
+    replacements: dict[int, torch.UntypedStorage] = {}
     try:
         mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError:
+        for ptr, storage in storages.items():
+            view = torch.frombuffer(
+                mapping, dtype=torch.uint8, count=storage.nbytes(), offset=offsets[ptr]
+            )
+            view.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            replacements[ptr] = view.untyped_storage()
+    except BaseException:
         os.close(fd)
         raise
-    replacements: dict[int, torch.UntypedStorage] = {}
-    for ptr, storage in storages.items():
-        view = torch.frombuffer(
-            mapping, dtype=torch.uint8, count=storage.nbytes(), offset=offsets[ptr]
-        )
-        view.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-        replacements[ptr] = view.untyped_storage()
     try:
         _repoint(replacements)
     except Exception as e:
         # Some of the engine's tensors may view the memfd and others still the old storage.
         raise EngineStateUnknown(f"moving the KV tensors into the memfd failed halfway: {e}") from e
-    base = _address(mapping)
-    memory = KvMemory(
-        fd=fd,
-        nbytes=total,
-        mapping=mapping,
-        layout=_layout(tensors, num_blocks, blocks_per_chunk, lambda ptr: (0, ptr - base)),
-    )
+    memory = KvMemory(fd=fd, nbytes=total, mapping=mapping, layout=layout)
     for view in [*tensors, *bound_views]:
         if view.numel() and not memory.contains(view):
             # The engine writes the blocks through one tensor and reads them through another.
