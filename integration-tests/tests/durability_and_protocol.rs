@@ -33,6 +33,11 @@ fn worker(daemon: &Daemon, hello: Hello) -> (Client, SharedBuffer) {
     (client, buffer)
 }
 
+/// The hello of rank `rank` of a TP group of `tp_size` that shares one copy of its KV (MLA).
+fn mla_hello(rank: u16, tp_size: u16) -> Hello {
+    Hello { mla: true, rank, tp_size, world_size: None, ..Client::worker_hello("m", CHUNK) }
+}
+
 fn chain(prompt: u64) -> Vec<ChunkId> {
     (0..BATCH).map(|i| chunk_id(prompt, i)).collect()
 }
@@ -204,13 +209,7 @@ fn h16_08_one_lookup_loads_no_more_of_its_hit_into_l1_than_its_sessions_allowanc
 #[test]
 fn h16_10_every_reader_of_an_empty_mla_hit_returns_its_share_without_an_error() {
     let daemon = Daemon::start();
-    let mla = |rank: u16| Hello {
-        mla: true,
-        rank,
-        tp_size: 3,
-        world_size: None,
-        ..Client::worker_hello("m", CHUNK)
-    };
+    let mla = |rank: u16| mla_hello(rank, 3);
     let mut ranks: Vec<(Client, SharedBuffer)> = (0..3).map(|r| worker(&daemon, mla(r))).collect();
     let lookup = ranks[0].0.lookup(0, chain(99)).unwrap();
     let outcome = ranks[0].0.wait(lookup.id, Duration::from_secs(10)).unwrap();
@@ -362,13 +361,7 @@ fn pipelined_stores_each_get_their_own_reply_and_store_exact_bytes() {
 #[test]
 fn an_mla_reader_that_asked_about_many_ended_lookups_answers_only_for_the_open_ones() {
     let daemon = Daemon::start();
-    let mla = |rank: u16| Hello {
-        mla: true,
-        rank,
-        tp_size: 2,
-        world_size: None,
-        ..Client::worker_hello("m", CHUNK)
-    };
+    let mla = |rank: u16| mla_hello(rank, 2);
     let (mut owner, _owners) = worker(&daemon, mla(0));
     let (mut other, _others) = worker(&daemon, mla(1));
     let joined = || daemon.status().sessions.iter().find(|s| s.rank == 1).unwrap().joined_lookups;

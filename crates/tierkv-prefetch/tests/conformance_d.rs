@@ -15,8 +15,8 @@ use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
 use tierkv_prefetch::{
     PrefetchConfig, PrefetchController, PrefetchError, PrefetchRequest, Prefetched, TierRouter,
 };
-use tierkv_testkit::FakeTier;
 use tierkv_testkit::contract::{key, keys, payload};
+use tierkv_testkit::{FakeTier, eventually};
 
 const CHUNK: u64 = 16 << 10;
 const OWNER: OwnerId = OwnerId(7);
@@ -70,6 +70,15 @@ fn rig_l2_disk() -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let disk = disk(&dir);
     rig_with(vec![host(), disk], vec![dir], PrefetchConfig::default())
+}
+
+/// A fault-injecting tier named `name` holding `keys`, each with its payload.
+fn fake_holding(name: &str, keys: Vec<ObjectKey>) -> Arc<FakeTier> {
+    let fake = Arc::new(FakeTier::new(name, 64, CHUNK));
+    for k in keys {
+        fake.insert(k, payload(&k, CHUNK));
+    }
+    fake
 }
 
 impl Rig {
@@ -250,10 +259,7 @@ fn d8_no_tier_holds_a_lock_after_any_kind_of_request() {
 
 #[test]
 fn d9_max_in_flight_two_runs_four_requests_in_submission_order() {
-    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
-    for k in keys(0..8) {
-        fake.insert(k, payload(&k, CHUNK));
-    }
+    let fake = fake_holding("fake", keys(0..8));
     fake.hold();
     let config = PrefetchConfig { max_in_flight: 2, ..PrefetchConfig::default() };
     let rig = rig_with(vec![fake.clone()], vec![], config);
@@ -352,10 +358,7 @@ fn d12_a_key_being_written_in_l1_trims_the_hit() {
 
 #[test]
 fn d13_a_failed_load_is_never_visible_and_what_loaded_past_it_is_released() {
-    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
-    for k in keys(0..3) {
-        fake.insert(k, payload(&k, CHUNK));
-    }
+    let fake = fake_holding("fake", keys(0..3));
     fake.fail_loads_of(&[key(1)]);
     let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
     let result = rig.prefetch(keys(0..3), 2);
@@ -369,10 +372,7 @@ fn d13_a_failed_load_is_never_visible_and_what_loaded_past_it_is_released() {
 
 #[test]
 fn d14_stop_with_requests_in_flight_neither_hangs_nor_leaks() {
-    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
-    for k in keys(0..4) {
-        fake.insert(k, payload(&k, CHUNK));
-    }
+    let fake = fake_holding("fake", keys(0..4));
     fake.hold_loads();
     let config =
         PrefetchConfig { drain_timeout: Duration::from_millis(200), ..PrefetchConfig::default() };
@@ -409,10 +409,7 @@ fn d14_stop_with_requests_in_flight_neither_hangs_nor_leaks() {
 /// release (a disconnect) returns its shares if nobody ever claims it.
 #[test]
 fn a_timed_out_wait_leaves_the_result_claimable_and_the_lease_owned() {
-    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
-    for k in keys(0..4) {
-        fake.insert(k, payload(&k, CHUNK));
-    }
+    let fake = fake_holding("fake", keys(0..4));
     fake.hold_loads();
     let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
     let submit = |range| {
@@ -450,10 +447,7 @@ fn a_timed_out_wait_leaves_the_result_claimable_and_the_lease_owned() {
 /// A tier that panics when asked to unlock: a bug inside the controller thread's reach.
 #[test]
 fn a_tier_that_panics_returning_locks_costs_those_locks_and_nothing_else() {
-    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
-    for k in keys(0..4) {
-        fake.insert(k, payload(&k, CHUNK));
-    }
+    let fake = fake_holding("fake", keys(0..4));
     fake.panic_on_unlock();
     let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
     // A gap makes the controller return the lock of the key past it, and the tier panics.
@@ -476,12 +470,8 @@ fn a_tier_that_panics_returning_locks_costs_those_locks_and_nothing_else() {
 
 #[test]
 fn a_tier_that_panics_taking_a_lookup_is_a_miss_there_and_the_others_still_serve() {
-    let broken = Arc::new(FakeTier::new("broken", 64, CHUNK));
-    let good = Arc::new(FakeTier::new("good", 64, CHUNK));
-    for k in keys(0..2) {
-        broken.insert(k, payload(&k, CHUNK));
-        good.insert(k, payload(&k, CHUNK));
-    }
+    let broken = fake_holding("broken", keys(0..2));
+    let good = fake_holding("good", keys(0..2));
     broken.panic_on_lookup();
     let rig = rig_with(vec![broken, good.clone()], vec![], PrefetchConfig::default());
     let result = rig.prefetch(keys(0..2), 0);
@@ -495,10 +485,7 @@ fn a_tier_that_panics_taking_a_lookup_is_a_miss_there_and_the_others_still_serve
 /// answers later with locks; nobody else will unlock them, so the controller's leftovers do.
 #[test]
 fn h16_15_locks_of_a_lookup_that_answers_after_the_drain_timeout_are_returned() {
-    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
-    for k in keys(0..4) {
-        fake.insert(k, payload(&k, CHUNK));
-    }
+    let fake = fake_holding("fake", keys(0..4));
     fake.hold();
     let config = PrefetchConfig { drain_timeout: Duration::ZERO, ..PrefetchConfig::default() };
     let rig = rig_with(vec![fake.clone()], vec![], config);
@@ -547,12 +534,9 @@ fn a_hit_past_the_requests_allowance_of_l1_slots_is_held_in_its_tier() {
 #[test]
 fn a_load_into_a_reservation_its_owner_lost_never_finishes_a_later_one_of_the_key() {
     // Tier 0 will hold key 0 but fail to load it; tier 1 holds keys 0 and 1 and holds loads.
-    let x = Arc::new(FakeTier::new("x", 64, CHUNK));
-    let y = Arc::new(FakeTier::new("y", 64, CHUNK));
+    let x = fake_holding("x", Vec::new());
+    let y = fake_holding("y", keys(0..2));
     x.fail_loads_of(&[key(0)]);
-    for k in keys(0..2) {
-        y.insert(k, payload(&k, CHUNK));
-    }
     y.hold_loads();
     let rig = rig_with(vec![x.clone(), y.clone()], vec![], PrefetchConfig::default());
     let submit = |keys: Vec<ObjectKey>| {
@@ -562,13 +546,13 @@ fn a_load_into_a_reservation_its_owner_lost_never_finishes_a_later_one_of_the_ke
     };
     // A reserves key 0 and loads it from tier 1; meanwhile its owner's client disconnects.
     let a = submit(vec![key(0)]);
-    wait_until(|| y.held_tasks() == 1);
+    eventually("A's load is held", || y.held_tasks() == 1);
     rig.l1.release_owner(OWNER);
     // B, of the same owner, reserves key 0 again (to load from tier 0, which fails at once)
     // and key 1 (from tier 1, held).
     x.insert(key(0), payload(&key(0), CHUNK));
     let b = submit(keys(0..2));
-    wait_until(|| y.held_tasks() == 2);
+    eventually("B's load is held too", || y.held_tasks() == 2);
     // Time for B's failed load of key 0 to come back, so its slot has no writer left.
     std::thread::sleep(Duration::from_millis(100));
     y.release_held();
@@ -582,23 +566,10 @@ fn a_load_into_a_reservation_its_owner_lost_never_finishes_a_later_one_of_the_ke
     rig.l1.audit().unwrap();
 }
 
-/// Polls `done` until it holds, for at most `WAIT`.
-fn wait_until(done: impl Fn() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
 #[test]
 fn a_request_a_tier_never_answers_is_given_up_and_its_locks_come_back_when_it_does() {
-    let stuck = Arc::new(FakeTier::new("stuck", 64, CHUNK));
-    let good = Arc::new(FakeTier::new("good", 64, CHUNK));
-    for k in keys(0..4) {
-        stuck.insert(k, payload(&k, CHUNK));
-        good.insert(k, payload(&k, CHUNK));
-    }
+    let stuck = fake_holding("stuck", keys(0..4));
+    let good = fake_holding("good", keys(0..4));
     stuck.hold();
     let config = PrefetchConfig {
         max_in_flight: 1,
@@ -617,7 +588,7 @@ fn a_request_a_tier_never_answers_is_given_up_and_its_locks_come_back_when_it_do
     assert!(rig.absent(&keys(0..2)));
     // Its place in flight is free, and the tier's late answer returns the locks it took.
     stuck.release_held();
-    wait_until(|| stuck.usage().locks == 0);
+    eventually("the late lookup's locks come back", || stuck.usage().locks == 0);
     assert_eq!(rig.prefetch(keys(2..4), 0).hit_chunks, 2);
     assert_eq!(rig.locks(), vec![0, 0]);
     rig.l1.audit().unwrap();
@@ -625,10 +596,7 @@ fn a_request_a_tier_never_answers_is_given_up_and_its_locks_come_back_when_it_do
 
 #[test]
 fn a_tier_that_panics_taking_a_load_of_a_chunk_held_below_fails_each_reader_at_once() {
-    let fake = Arc::new(FakeTier::new("fake", 64, CHUNK));
-    for k in keys(0..2) {
-        fake.insert(k, payload(&k, CHUNK));
-    }
+    let fake = fake_holding("fake", keys(0..2));
     let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());
     let layout = Layout::bytes(CHUNK).unwrap();
     let mut request =
@@ -652,55 +620,11 @@ fn a_tier_that_panics_taking_a_load_of_a_chunk_held_below_fails_each_reader_at_o
     assert_eq!(rig.locks(), vec![0]);
 }
 
-/// A tier with a bug: it half-writes the first chunk of every load, then loses its sink, and
-/// answers for the others alone.
-struct LosesASink(FakeTier);
-
-impl TierAdapter for LosesASink {
-    fn name(&self) -> &str {
-        "loses a sink"
-    }
-    fn submit_store(&self, items: Vec<StoreItem>) -> tierkv_core::TaskId {
-        self.0.submit_store(items)
-    }
-    fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> tierkv_core::TaskId {
-        self.0.submit_lookup_and_lock(keys)
-    }
-    fn submit_load(&self, mut items: Vec<tierkv_core::LoadItem>) -> tierkv_core::TaskId {
-        let mut lost = items.remove(0);
-        if let Some(bytes) = lost.sink.host_bytes_mut() {
-            bytes[..16].fill(0xee);
-        }
-        drop(lost);
-        self.0.submit_load(items)
-    }
-    fn unlock(&self, keys: &[ObjectKey]) {
-        self.0.unlock(keys)
-    }
-    fn delete(&self, keys: &[ObjectKey]) -> usize {
-        self.0.delete(keys)
-    }
-    fn clear(&self) -> usize {
-        self.0.clear()
-    }
-    fn usage(&self) -> tierkv_core::TierUsage {
-        self.0.usage()
-    }
-    fn completions(&self) -> crossbeam_channel::Receiver<Completion> {
-        self.0.completions()
-    }
-    fn close(&self) {
-        self.0.close()
-    }
-}
-
 #[test]
 fn a_chunk_held_below_whose_sink_the_tier_lost_is_not_served() {
-    let fake = FakeTier::new("fake", 64, CHUNK);
-    for k in keys(0..2) {
-        fake.insert(k, payload(&k, CHUNK));
-    }
-    let rig = rig_with(vec![Arc::new(LosesASink(fake))], vec![], PrefetchConfig::default());
+    let fake = fake_holding("fake", keys(0..2));
+    fake.lose_a_sink_of_loads();
+    let rig = rig_with(vec![fake], vec![], PrefetchConfig::default());
     let layout = Layout::bytes(CHUNK).unwrap();
     let mut request = PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout, keys(0..2));
     request.max_promoted = 0;
@@ -717,10 +641,7 @@ fn a_chunk_held_below_whose_sink_the_tier_lost_is_not_served() {
 
 #[test]
 fn a_lone_tier_that_panics_taking_a_lookup_is_a_miss_at_once() {
-    let broken = Arc::new(FakeTier::new("broken", 64, CHUNK));
-    for k in keys(0..2) {
-        broken.insert(k, payload(&k, CHUNK));
-    }
+    let broken = fake_holding("broken", keys(0..2));
     broken.panic_on_lookup();
     let rig = rig_with(vec![broken], vec![], PrefetchConfig::default());
     // No tier answers: the request is planned at once, not left to the request timeout.
@@ -732,24 +653,21 @@ fn a_lone_tier_that_panics_taking_a_lookup_is_a_miss_at_once() {
 
 #[test]
 fn a_request_whose_tier_answers_slowly_step_by_step_is_not_given_up() {
-    let slow = Arc::new(FakeTier::new("slow", 64, CHUNK));
-    for k in keys(0..2) {
-        slow.insert(k, payload(&k, CHUNK));
-    }
+    let slow = fake_holding("slow", keys(0..2));
     slow.hold();
     let config =
-        PrefetchConfig { request_timeout: Duration::from_millis(600), ..PrefetchConfig::default() };
+        PrefetchConfig { request_timeout: Duration::from_secs(2), ..PrefetchConfig::default() };
     let rig = rig_with(vec![slow.clone()], vec![], config);
     let request =
         PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..2));
     let id = rig.prefetch.submit(request).unwrap();
-    // The lookup answers after 400 ms, the load 400 ms after that: more than the timeout in
-    // all, never as long without an answer.
-    wait_until(|| slow.held_tasks() == 1);
-    std::thread::sleep(Duration::from_millis(400));
+    // The lookup answers after 1.2 s, the load 1.2 s after that: more than the timeout in all,
+    // never as long without an answer.
+    eventually("a task is held", || slow.held_tasks() == 1);
+    std::thread::sleep(Duration::from_millis(1200));
     slow.run_held();
-    wait_until(|| slow.held_tasks() == 1);
-    std::thread::sleep(Duration::from_millis(400));
+    eventually("a task is held", || slow.held_tasks() == 1);
+    std::thread::sleep(Duration::from_millis(1200));
     slow.release_held();
     let result = rig.prefetch.wait(id, WAIT).unwrap();
     assert_eq!(result.hit_chunks, 2);

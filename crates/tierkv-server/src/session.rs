@@ -938,16 +938,20 @@ impl Session {
         if info.owner != self.id && reader != info.owner_reader {
             // Another reader's share, which this session now answers for: returned when it
             // ends. The owner's reader's share is the owner's, whoever else may look.
+            let before = opened.joined.len();
             if opened.joined.len() >= opened.prune_joined_at {
                 // Lookups that ended another way (their owner released them or left, or they
                 // expired) owe this session nothing: forgotten, so the set stays within twice
                 // the lookups still open (and each prune pays for as many joins).
                 let open = self.daemon.lookups.lock();
-                opened.joined.retain(|(joined, _)| open.contains_key(joined));
+                opened.joined.retain(|(id, _)| open.contains_key(id));
                 opened.prune_joined_at = (2 * opened.joined.len()).max(MAX_OPEN_LOOKUPS);
             }
             opened.joined.insert((lookup, reader as u8));
-            joined = Some(opened.joined.len());
+            // The status report is told of changes only: most asks are of a lookup joined already.
+            if opened.joined.len() != before {
+                joined = Some(opened.joined.len());
+            }
         }
         if let Some(joined) = joined {
             self.report_joined(joined);

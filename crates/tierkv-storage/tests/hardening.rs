@@ -19,8 +19,8 @@ use tierkv_storage::{
     Durability, GroupKind, LookupGroup, LookupRequest, StorageConfig, StorageError, StorageManager,
     StorePolicy,
 };
-use tierkv_testkit::FakeTier;
 use tierkv_testkit::contract::{key, keys, payload};
+use tierkv_testkit::{FakeTier, eventually};
 
 use common::{CHUNK, OWNER, WAIT, l1_config, layout};
 
@@ -106,14 +106,6 @@ fn shares(s: &StorageManager, k: &ObjectKey) -> u64 {
     }
 }
 
-fn until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !done() {
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
 #[test]
 fn h16_02_a_finished_chunk_stays_in_l1_until_its_tiers_have_it_and_the_ticket_says_durable() {
     let (disk, open, entered) = GatedTier::shut("disk");
@@ -148,7 +140,7 @@ fn h16_02_a_finished_chunk_stays_in_l1_until_its_tiers_have_it_and_the_ticket_sa
         Some(Durability { durable: 3, not_durable: 0 })
     );
     assert!(keys(0..5).iter().all(|k| disk.inner.contains(k)), "every acknowledged chunk is down");
-    until("the pipeline's shares come back", || keys(0..5).iter().all(|k| shares(&s, k) == 0));
+    eventually("the pipeline's shares come back", || keys(0..5).iter().all(|k| shares(&s, k) == 0));
 }
 
 #[test]
@@ -166,7 +158,7 @@ fn a_cascade_stop_waits_for_copies_that_pin_l1_chunks_then_hands_them_down_once(
     );
     remote.hold();
     write(&s, &keys(0..3));
-    until("the remote copies are held", || remote.held_tasks() > 0);
+    eventually("the remote copies are held", || remote.held_tasks() > 0);
     assert!(keys(0..3).iter().all(|k| shares(&s, k) == 1), "the copies pin the chunks");
     let stopping = {
         let s = Arc::clone(&s);
@@ -199,9 +191,9 @@ fn cascade_victims_queued_behind_a_busy_pipeline_go_down_as_one_task() {
         write(&s, &keys(i..i + 1));
     }
     open.send(()).unwrap();
-    until("every victim is down", || keys(0..7).iter().all(|k| below.inner.contains(k)));
+    eventually("every victim is down", || keys(0..7).iter().all(|k| below.inner.contains(k)));
     assert_eq!(*below.tasks.lock(), vec![1, 6], "the six queued victims went as one task");
-    until("the pipeline is idle", || s.status().store_in_flight == 0);
+    eventually("the pipeline is idle", || s.status().store_in_flight == 0);
 }
 
 #[test]
@@ -222,7 +214,7 @@ fn h16_02_writers_wait_for_the_store_pipeline_when_l1_is_full_of_chunks_going_do
         .unwrap(),
     );
     write(&s, &keys(0..4));
-    until("the copies are in flight", || disk.held_tasks() == 1);
+    eventually("the copies are in flight", || disk.held_tasks() == 1);
     // L1 is full of chunks the disk does not have yet: a writer waits instead of evicting them.
     let writer = {
         let s = Arc::clone(&s);
@@ -250,7 +242,7 @@ fn h16_02_past_the_backpressure_limit_a_full_l1_refuses_rather_than_dropping_a_c
     assert_eq!(reserved[0].as_ref().err(), Some(&tierkv_core::KeyError::OutOfMemory));
     assert!(keys(0..4).iter().all(|k| shares(&s, k) == 1), "nothing was evicted");
     disk.release_held();
-    until("every chunk is down", || keys(0..4).iter().all(|k| disk.contains(k)));
+    eventually("every chunk is down", || keys(0..4).iter().all(|k| disk.contains(k)));
 }
 
 fn lookup_rig(slots: u64) -> (StorageManager, Arc<FakeTier>, Arc<ManualClock>) {
@@ -293,7 +285,7 @@ fn h16_11_a_wait_that_claims_the_outcome_of_an_abandoned_lookup_settles_its_leas
     l2.hold_loads();
     let s = Arc::new(s);
     let id = s.submit_prefetch(OWNER, keys(0..3), ExtraCount::ZERO, layout()).unwrap();
-    until("the load is in flight", || l2.held_tasks() == 1);
+    eventually("the load is in flight", || l2.held_tasks() == 1);
     let waiter = {
         let s = Arc::clone(&s);
         std::thread::spawn(move || s.wait(id, WAIT))
@@ -305,7 +297,7 @@ fn h16_11_a_wait_that_claims_the_outcome_of_an_abandoned_lookup_settles_its_leas
     let waited = waiter.join().unwrap();
     assert!(matches!(waited, Err(StorageError::UnknownLookup(_))), "{waited:?}");
     // Whoever claimed the outcome settled it: no share is left, with no clock movement.
-    until("the promoted chunks are unleased", || s.l1().usage().leased == 0);
+    eventually("the promoted chunks are unleased", || s.l1().usage().leased == 0);
 }
 
 #[test]
@@ -313,7 +305,7 @@ fn h16_12_a_refused_release_changes_nothing() {
     let (s, l2, clock) = lookup_rig(8);
     // k0 in L1 (leased at submit), k1 only below (leased by the prefetch, later).
     write(&s, &keys(0..1));
-    until("k0's copy share is back", || shares(&s, &key(0)) == 0);
+    eventually("k0's copy share is back", || shares(&s, &key(0)) == 0);
     l2.insert(key(1), payload(&key(1), CHUNK));
     // The leases sit in a hash map: try several lookups, so an order-dependent partial
     // release cannot hide.
@@ -321,7 +313,7 @@ fn h16_12_a_refused_release_changes_nothing() {
         l2.hold_loads();
         let id =
             s.submit_prefetch(OWNER, keys(0..2), ExtraCount::new(1).unwrap(), layout()).unwrap();
-        until("the load is in flight", || l2.held_tasks() == 1);
+        eventually("the load is in flight", || l2.held_tasks() == 1);
         // The prefetch's lease is taken 20 s after the L1 lease: it expires 20 s later.
         clock.advance(Duration::from_secs(20));
         l2.release_held();
@@ -343,12 +335,12 @@ fn h16_12_a_refused_release_changes_nothing() {
 fn h16_13_an_l1_lease_that_expires_while_the_prefetch_loads_is_not_counted_as_a_hit() {
     let (s, l2, clock) = lookup_rig(8);
     write(&s, &keys(0..1));
-    until("k0's copy share is back", || shares(&s, &key(0)) == 0);
+    eventually("k0's copy share is back", || shares(&s, &key(0)) == 0);
     l2.insert(key(1), payload(&key(1), CHUNK));
     l2.hold_loads();
     let id = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
     assert_eq!(s.l1_hit(id).unwrap(), 1);
-    until("the load is in flight", || l2.held_tasks() == 1);
+    eventually("the load is in flight", || l2.held_tasks() == 1);
     // The L1 lease passes its deadline while k1 loads.
     clock.advance(Duration::from_secs(31));
     s.l1().expire_leases();
@@ -403,14 +395,14 @@ fn h16_14_a_hybrid_lookup_never_counts_more_hit_tokens_than_requested() {
 fn h16_15_a_complete_lookup_whose_leases_all_expired_is_forgotten() {
     let (s, _l2, clock) = lookup_rig(8);
     write(&s, &keys(0..2));
-    until("the copy shares are back", || keys(0..2).iter().all(|k| shares(&s, k) == 0));
+    eventually("the copy shares are back", || keys(0..2).iter().all(|k| shares(&s, k) == 0));
     let id = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
     assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 2);
     assert_eq!(s.held_chunks(id), Some(2));
     // Its owner never releases it; once its lease is past the deadline it holds nothing, and the
     // maintenance tick forgets it instead of keeping it for the session's lifetime.
     clock.advance(Duration::from_secs(31));
-    until("the lookup is forgotten", || !s.is_open(id));
+    eventually("the lookup is forgotten", || !s.is_open(id));
     assert_eq!(s.status().open_lookups, 0);
     assert_eq!(s.held_chunks(id), None);
 }
@@ -429,7 +421,7 @@ fn h16_15_a_lookup_past_its_deadline_holds_nothing_before_the_tick_forgets_it() 
     };
     let s = StorageManager::start_with_tiers(config, clock.clone(), tiers).unwrap();
     write(&s, &keys(0..2));
-    until("the copy shares are back", || keys(0..2).iter().all(|k| shares(&s, k) == 0));
+    eventually("the copy shares are back", || keys(0..2).iter().all(|k| shares(&s, k) == 0));
     let in_l1 = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
     assert_eq!(s.wait(in_l1, WAIT).unwrap().hit_chunks, 2);
     for k in keys(10..13) {
@@ -456,10 +448,10 @@ fn h16_16_a_hit_held_below_l1_that_nobody_asks_for_returns_its_tier_locks_at_its
     let mut request = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout(), keys(0..3));
     request.max_promoted = 0;
     let id = s.submit_lookup(request).unwrap();
-    until("the hit is held in L2", || l2.usage().locks == 3);
+    eventually("the hit is held in L2", || l2.usage().locks == 3);
     // Its owner never asks for the outcome, nor releases it. The clock moves past the lease
     // deadline at every look, so whenever the lookup's clock starts, it runs out.
-    until("the tier locks are returned", || {
+    eventually("the tier locks are returned", || {
         clock.advance(Duration::from_secs(31));
         l2.usage().locks == 0
     });

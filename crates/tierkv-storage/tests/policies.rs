@@ -13,6 +13,7 @@ use tierkv_l2::{HostMemory, HostStoreConfig};
 use tierkv_prefetch::BelowError;
 use tierkv_storage::{HitChunk, StorageConfig, StorageError, StorageManager, StorePolicy};
 use tierkv_testkit::contract::{keys, payload};
+use tierkv_testkit::eventually;
 
 const CHUNK: u64 = 16 << 10;
 const OWNER: OwnerId = OwnerId(5);
@@ -51,14 +52,6 @@ fn write(s: &StorageManager, keys: &[ObjectKey]) {
         s.write_access(OWNER, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
     }
     assert!(s.finish_write(OWNER, keys).unwrap().iter().all(|r| r.is_ok()));
-}
-
-fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !done() {
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 /// The bytes of `key` of lookup `id` for reader 0, from L1 or from the tier holding it.

@@ -30,6 +30,7 @@ struct State {
     /// Lookups panic as they are submitted (a bug in the tier).
     panicking_lookups: bool,
     panicking_loads: bool,
+    losing_sinks: bool,
     /// Unlocks panic (a bug in the tier).
     panicking_unlocks: bool,
 }
@@ -68,6 +69,7 @@ impl FakeTier {
                 panicking_deletes: false,
                 panicking_lookups: false,
                 panicking_loads: false,
+                losing_sinks: false,
                 panicking_unlocks: false,
             }),
             next_task: AtomicU64::new(1),
@@ -106,6 +108,12 @@ impl FakeTier {
     /// From now on, every load panics as it is submitted (as a buggy tier's might).
     pub fn panic_on_load(&self) {
         self.state.lock().panicking_loads = true;
+    }
+
+    /// From now on, every load half-writes its first chunk, then loses that sink (drops it) and
+    /// answers for the others alone (as a buggy tier's worker might).
+    pub fn lose_a_sink_of_loads(&self) {
+        self.state.lock().losing_sinks = true;
     }
 
     /// From now on, tasks wait in flight instead of running.
@@ -199,6 +207,13 @@ impl FakeTier {
             }
             Task::Load(task, mut sinks) => {
                 let state = self.state.lock();
+                if state.losing_sinks && !sinks.is_empty() {
+                    let mut lost = sinks.remove(0);
+                    if let Some(bytes) = lost.sink.host_bytes_mut() {
+                        let half = bytes.len() / 2;
+                        bytes[..half].fill(0xee);
+                    }
+                }
                 let loaded = Bitmap::from_bools(sinks.iter_mut().map(|item| {
                     !state.failing_loads.contains(&item.key)
                         && state

@@ -8,6 +8,7 @@
 //!   [`tier_contract_tests!`] to run it against an implementation.
 //! - [`redis`]: a real Redis Cluster (3 masters, 3 replicas) or standalone server on loopback
 //!   ports, for the remote tier's tests.
+//! - [`eventually`]: waits for a condition another thread makes true, a hang being a failure.
 //!
 //! Test code only: nothing outside `[dev-dependencies]` may depend on this crate.
 
@@ -25,3 +26,16 @@ pub use fake::FakeTier;
 
 #[doc(hidden)]
 pub use tierkv_core::TierAdapter;
+
+/// How long [`eventually`] waits: far past anything a healthy test waits for, so reaching it
+/// means a hang.
+pub const EVENTUALLY: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Polls `done` until it holds; panics, naming `what`, if it has not after [`EVENTUALLY`].
+pub fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + EVENTUALLY;
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
