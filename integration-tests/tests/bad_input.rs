@@ -464,7 +464,7 @@ proptest! {
                 1 => raw_frame(&bytes),
                 _ => {
                     let mut frame = Vec::new();
-                    let body = RequestBody::Lookup { namespace: 0, chunks: vec![ChunkId(bytes.len() as u128)] };
+                    let body = RequestBody::Lookup { namespace: 0, chunks: vec![ChunkId(bytes.len() as u128)], defer_prefetch: false };
                     tierkv_client::proto::encode(&Request { id: 3, body }, &mut frame).unwrap();
                     frame.truncate(cut % frame.len().max(1));
                     frame

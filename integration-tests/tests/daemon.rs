@@ -192,6 +192,30 @@ fn f5_a_restarted_daemon_finds_its_disk_chunks_again() {
 }
 
 #[test]
+fn a_deferred_lookup_prefetches_nothing_before_its_first_wait() {
+    let mut daemon = Daemon::start();
+    let plain = ["--chunk-bytes", "65536"];
+    let mut worker = daemon.worker(&plain);
+    worker.run("store 6 4");
+    worker.exit();
+    // Restarted: the chunks are on disk only.
+    assert!(daemon.stop().success());
+    daemon.restart();
+    let mut worker = daemon.worker(&plain);
+    let started = worker.run("lookup-deferred 6 4");
+    assert_eq!((started["l1"].as_u64(), started["hit"].as_u64()), (Some(0), None));
+    let id = started["lookup"].as_u64().unwrap();
+    // Time for a prefetch to have loaded something, had one started.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(daemon.status().tiers[0].objects, 0, "nothing was loaded before the wait");
+    let done = worker.run(&format!("wait {id}"));
+    assert_eq!(done["per_tier"], serde_json::json!([0, 0, 4, 0]));
+    assert_eq!(worker.run(&format!("retrieve {id} 6 4"))["verified"], 4);
+    worker.exit();
+    assert!(daemon.stop().success());
+}
+
+#[test]
 fn tp4_mla_round_trip_stores_one_copy_for_four_readers_and_leaves_no_shares() {
     let daemon = Daemon::start();
     let ranks: Vec<Vec<String>> = (0..4).map(|r| mla(r, 4)).collect();

@@ -373,7 +373,9 @@ fn an_mla_reader_that_asked_about_many_ended_lookups_answers_only_for_the_open_o
         let lookups: Vec<_> = (0..10)
             .map(|i| {
                 let chunks = vec![chunk_id(batch * 10 + i, 0)];
-                owner.submit(RequestBody::Lookup { namespace: 0, chunks }).unwrap()
+                owner
+                    .submit(RequestBody::Lookup { namespace: 0, chunks, defer_prefetch: false })
+                    .unwrap()
             })
             .collect();
         let ids: Vec<u64> = lookups

@@ -47,9 +47,11 @@ def config(
     device: str = "emulated",
     l2_memory: str = "plain",
     metrics_listen: str | None = None,
+    l1_extra: str = "",
 ) -> str:
-    """A daemon config: an L1 (emulated by default), L2 (in plain memory by default), a disk
-    tier, and a metrics endpoint only where ``metrics_listen`` names one."""
+    """A daemon config: an L1 (emulated by default; ``l1_extra`` adds lines to its section), L2
+    (in plain memory by default), a disk tier, and a metrics endpoint only where
+    ``metrics_listen`` names one."""
     metrics = (
         f'enabled = true\nlisten = "{metrics_listen}"' if metrics_listen else "enabled = false"
     )
@@ -66,6 +68,7 @@ device = "{device}"
 capacity = "{l1}"
 slot = "{slot}"
 lease_ttl = "30s"
+{l1_extra}
 
 [l2]
 capacity = "{l2}"

@@ -92,6 +92,7 @@ REQUESTS = {
     "store": lambda: wire.store(0, 0, [(CHUNK, [3, 4]), (7, [9, 300])]),
     "store_ready_event": lambda: wire.store(0, 0, [(CHUNK, [3])], ready_event=bytes(range(64))),
     "lookup": lambda: wire.lookup(1, [CHUNK, U128_MAX]),
+    "lookup_deferred": lambda: wire.lookup(1, [CHUNK], defer_prefetch=True),
     "query": lambda: wire.query(17),
     "wait": lambda: wire.wait(17, 2500),
     "retrieve": lambda: wire.retrieve(17, 0, [(CHUNK, [70000, 1])]),

@@ -6,6 +6,7 @@
 //! worker --socket PATH --model M --chunk-bytes B --blocks N [--rank R --tp T --mla --salt S]
 //!   store PROMPT N            store chunks 0..N of PROMPT from blocks 0..N
 //!   lookup PROMPT N           look up chunks 0..N of PROMPT
+//!   lookup-deferred PROMPT N  the same, prefetching nothing before its first wait
 //!   wait LOOKUP               wait for a lookup to complete
 //!   retrieve LOOKUP PROMPT N  copy chunks 0..N into blocks 0..N, verify every byte
 //!   release LOOKUP            return every share of a lookup
@@ -39,9 +40,10 @@ on stdin, one per line, answering each with one JSON line (\"ok\" says whether i
 ";
 
 /// The commands, printed by `--help` and answered to `help`.
-const COMMANDS: [&str; 8] = [
+const COMMANDS: [&str; 9] = [
     "store PROMPT N            store chunks 0..N of PROMPT from blocks 0..N",
     "lookup PROMPT N           look up chunks 0..N of PROMPT",
+    "lookup-deferred PROMPT N  the same, prefetching nothing before its first wait",
     "wait LOOKUP               wait for a lookup to complete",
     "retrieve LOOKUP PROMPT N  copy chunks 0..N into blocks 0..N, verify every byte",
     "release LOOKUP            return every share of a lookup",
@@ -132,9 +134,14 @@ impl Worker {
                 Ok(json!({"stored": stored.stored, "present": stored.present,
                           "refused": stored.refused.len()}))
             }
-            "lookup" => {
+            command @ ("lookup" | "lookup-deferred") => {
                 let ids = self.blocks(num(1)?, num(2)?)?.iter().map(|r| r.chunk).collect();
-                let lookup = self.client.lookup(0, ids).map_err(daemon)?;
+                let lookup = if command == "lookup" {
+                    self.client.lookup(0, ids)
+                } else {
+                    self.client.lookup_deferred(0, ids)
+                };
+                let lookup = lookup.map_err(daemon)?;
                 Ok(json!({"lookup": lookup.id, "l1": lookup.l1_hit_chunks,
                           "hit": lookup.outcome.map(|o| o.hit_chunks)}))
             }

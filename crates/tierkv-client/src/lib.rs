@@ -383,7 +383,26 @@ impl Client {
 
     /// Starts a prefix lookup.
     pub fn lookup(&mut self, namespace: u32, chunks: Vec<ChunkId>) -> Result<Lookup, ClientError> {
-        match self.call(RequestBody::Lookup { namespace, chunks })? {
+        self.lookup_with(namespace, chunks, false)
+    }
+
+    /// Starts a prefix lookup whose prefetch waits for its first `query` or `wait`
+    /// (`defer_prefetch`): see docs/protocol.md.
+    pub fn lookup_deferred(
+        &mut self,
+        namespace: u32,
+        chunks: Vec<ChunkId>,
+    ) -> Result<Lookup, ClientError> {
+        self.lookup_with(namespace, chunks, true)
+    }
+
+    fn lookup_with(
+        &mut self,
+        namespace: u32,
+        chunks: Vec<ChunkId>,
+        defer_prefetch: bool,
+    ) -> Result<Lookup, ClientError> {
+        match self.call(RequestBody::Lookup { namespace, chunks, defer_prefetch })? {
             ReplyBody::LookupStarted { lookup, l1_hit_chunks, outcome } => {
                 Ok(Lookup { id: lookup, l1_hit_chunks, outcome })
             }

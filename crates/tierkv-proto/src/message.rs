@@ -454,6 +454,11 @@ pub enum RequestBody {
         /// The prompt's chunk hashes, root first.
         #[serde(with = "chunk_ids")]
         chunks: Vec<ChunkId>,
+        /// Prefetch nothing until the lookup's first `query` or `wait`: a request's lookups on
+        /// its TP ranks' sessions are all made (every rank's L1 hits leased) before any rank's
+        /// prefetch can evict another rank's hits.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        defer_prefetch: bool,
     },
     /// Asks whether a lookup is complete, without waiting.
     Query {
@@ -810,7 +815,12 @@ mod tests {
                 chunks: vec![ChunkBlocks::one(chunk, 0)],
                 ready_event: Some(vec![9; 64]),
             },
-            RequestBody::Lookup { namespace: 0, chunks: vec![chunk, ChunkId(0)] },
+            RequestBody::Lookup {
+                namespace: 0,
+                chunks: vec![chunk, ChunkId(0)],
+                defer_prefetch: false,
+            },
+            RequestBody::Lookup { namespace: 0, chunks: vec![chunk], defer_prefetch: true },
             RequestBody::Query { lookup: 9 },
             RequestBody::Wait { lookup: 9, timeout_ms: 10 },
             RequestBody::Retrieve {

@@ -16,8 +16,9 @@ fn request() -> impl Strategy<Value = Request> {
         0..20,
     );
     let body = prop_oneof![
-        (any::<u32>(), chunks)
-            .prop_map(|(namespace, chunks)| RequestBody::Lookup { namespace, chunks }),
+        (any::<u32>(), chunks, any::<bool>()).prop_map(|(namespace, chunks, defer_prefetch)| {
+            RequestBody::Lookup { namespace, chunks, defer_prefetch }
+        }),
         (any::<u32>(), any::<u32>(), blocks.clone()).prop_map(|(namespace, buffer, chunks)| {
             RequestBody::Store { namespace, buffer, chunks, ready_event: None }
         }),

@@ -115,7 +115,18 @@ fn requests() -> Vec<(&'static str, RequestBody)> {
                 ready_event: Some((0..64).collect()),
             },
         ),
-        ("lookup", RequestBody::Lookup { namespace: 1, chunks: vec![chunk, ChunkId(u128::MAX)] }),
+        (
+            "lookup",
+            RequestBody::Lookup {
+                namespace: 1,
+                chunks: vec![chunk, ChunkId(u128::MAX)],
+                defer_prefetch: false,
+            },
+        ),
+        (
+            "lookup_deferred",
+            RequestBody::Lookup { namespace: 1, chunks: vec![chunk], defer_prefetch: true },
+        ),
         ("query", RequestBody::Query { lookup: 17 }),
         ("wait", RequestBody::Wait { lookup: 17, timeout_ms: 2500 }),
         (

@@ -389,7 +389,9 @@ impl Session {
             RequestBody::Store { namespace, buffer, chunks, ready_event } => {
                 self.store(namespace, buffer, &chunks, ready_event.as_deref(), peer)
             }
-            RequestBody::Lookup { namespace, chunks } => self.lookup(namespace, &chunks, peer),
+            RequestBody::Lookup { namespace, chunks, defer_prefetch } => {
+                self.lookup(namespace, &chunks, defer_prefetch, peer)
+            }
             RequestBody::Query { lookup } => {
                 let id = self.visible_lookup(lookup)?.0;
                 Ok(match self.daemon.storage.query(id)? {
@@ -857,7 +859,13 @@ impl Session {
         (chunks.saturating_mul(self.opened().hello.chunk_bytes), open)
     }
 
-    fn lookup(&self, namespace: u32, chunks: &[ChunkId], peer: Peer) -> Result<ReplyBody, Fail> {
+    fn lookup(
+        &self,
+        namespace: u32,
+        chunks: &[ChunkId],
+        defer_prefetch: bool,
+        peer: Peer,
+    ) -> Result<ReplyBody, Fail> {
         let ns = self.namespace(namespace)?;
         if peer.gave_up() {
             // Nobody reads the reply: no prefetch takes room in L1, no lease is held for it.
@@ -898,6 +906,7 @@ impl Session {
         // hit into; the rest of the hit is read from the tier that holds it.
         let left = (self.daemon.max_leased_per_session - held) / opened.hello.chunk_bytes.max(1);
         request.max_promoted = usize::try_from(left).unwrap_or(usize::MAX);
+        request.defer_prefetch = defer_prefetch;
         let id = storage.submit_lookup(request)?;
         let info = LookupInfo {
             owner: self.id,
@@ -908,7 +917,10 @@ impl Session {
         };
         self.daemon.lookups.lock().insert(id.0, info);
         let l1_hit_chunks = storage.l1_hit(id)? as u32;
-        let outcome = storage.query(id)?.map(|r| self.daemon.outcome(&r));
+        // Asking the pipeline would start a deferred lookup: only a complete one answers now.
+        let outcome =
+            if defer_prefetch { storage.result_if_complete(id)? } else { storage.query(id)? };
+        let outcome = outcome.map(|r| self.daemon.outcome(&r));
         Ok(ReplyBody::LookupStarted { lookup: id.0, l1_hit_chunks, outcome })
     }
 

@@ -44,6 +44,11 @@ pub struct LookupRequest {
     /// Chunks of the hit held below L1 that the lookup may load into L1 slots; the rest stay in
     /// their tier and are read from there. `usize::MAX`: as many as L1 has room for.
     pub max_promoted: usize,
+    /// Lease the L1 hits now and load nothing until the lookup is first queried, waited on or
+    /// started ([`crate::StorageManager::start_prefetch`]). The lookups of one request's ranks
+    /// (each rank its own copy of the KV) are all made first and started after: one rank's
+    /// loads then evict nothing another rank's lookup leases.
+    pub defer_prefetch: bool,
 }
 
 impl LookupRequest {
@@ -55,6 +60,7 @@ impl LookupRequest {
             chunk_tokens: 1,
             groups: vec![LookupGroup { kind: GroupKind::FullAttention, layout, keys }],
             max_promoted: usize::MAX,
+            defer_prefetch: false,
         }
     }
 }
@@ -98,6 +104,9 @@ impl HitChunk {
 
 /// Where a lookup stands.
 pub(crate) enum Stage {
+    /// Its L1 hits leased, its prefetch not started (`defer_prefetch`): started by the first
+    /// query or wait, or failed if none comes by `expires` (clock time).
+    Deferred { expires: Duration },
     /// Waiting for the prefetch pipeline.
     Prefetching(RequestId),
     /// Complete: which lease holds each key of the hit in L1; the chunks of the hit that L1 had

@@ -53,6 +53,10 @@ type ConfiguredTiers = (Option<Arc<HostStore>>, Option<Arc<DiskStore>>, Option<A
 /// runtime; the thread does not wait for it).
 const REMOTE_PROBE: Duration = Duration::from_secs(1);
 
+/// Why a deferred lookup failed when nobody started it within `l1.lease_ttl`.
+const NOT_STARTED: &str = "its prefetch was deferred and not started (query, wait or start) \
+                           within l1.lease_ttl";
+
 /// The bit of a chunk's read count that says the remote tier served it once: such a chunk is
 /// never admitted back to the remote tier, whatever its reads.
 const CAME_FROM_REMOTE: u32 = 1 << 31;
@@ -680,35 +684,43 @@ impl StorageManager {
         };
         if from_l1 == possible || self.inner.router.is_empty() {
             self.inner.complete(&mut lookup, None);
+        } else if lookup.request.defer_prefetch {
+            let expires = self.inner.clock.now().saturating_add(self.inner.config.l1.lease_ttl);
+            lookup.stage = Stage::Deferred { expires };
         } else {
-            let prefetch = PrefetchRequest {
-                owner: lookup.owner,
-                extra: lookup.request.extra,
-                chunk_tokens: lookup.request.chunk_tokens,
-                max_promoted: lookup.request.max_promoted,
-                groups: lookup
-                    .request
-                    .groups
-                    .iter()
-                    .zip(&lookup.in_l1)
-                    .map(|(group, in_l1)| GroupRequest {
-                        kind: group.kind,
-                        layout: group.layout.clone(),
-                        keys: group.keys.clone(),
-                        in_l1: in_l1.clone(),
-                    })
-                    .collect(),
-            };
-            match self.inner.prefetch.submit(prefetch) {
-                Ok(request) => lookup.stage = Stage::Prefetching(request),
-                Err(e) => {
-                    self.inner.fail(&mut lookup, e.to_string());
-                    return Err(e.into());
-                }
-            }
+            // Refused: the lookup failed and returned its L1 shares; nobody will ask for it.
+            self.inner.start(&mut lookup)?;
         }
         self.inner.lookups.lock().insert(id, lookup);
         Ok(id)
+    }
+
+    /// Starts the prefetch of a lookup submitted with `defer_prefetch` (a query or a wait
+    /// starts it too). Nothing for a lookup already started or complete. A lookup not started
+    /// within `l1.lease_ttl` of its submission has failed (its L1 shares went back).
+    pub fn start_prefetch(&self, id: LookupId) -> Result<(), StorageError> {
+        let mut lookups = self.inner.lookups.lock();
+        let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
+        self.inner.start_deferred(lookup);
+        match &lookup.stage {
+            Stage::Failed { why, .. } => {
+                Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The lookup's result if it is complete, `None` if not; unlike
+    /// [`StorageManager::query`], starts nothing and asks the prefetch pipeline nothing.
+    pub fn result_if_complete(&self, id: LookupId) -> Result<Option<LookupResult>, StorageError> {
+        let lookups = self.inner.lookups.lock();
+        match &lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?.stage {
+            Stage::Done { result, .. } => Ok(Some(result.clone())),
+            Stage::Failed { why, .. } => {
+                Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())))
+            }
+            Stage::Deferred { .. } | Stage::Prefetching(_) => Ok(None),
+        }
     }
 
     /// Chunks of the lookup's hit that L1 held when it was submitted (what a worker can read at
@@ -719,10 +731,12 @@ impl StorageManager {
         Ok(hit_of(&lookup.request, |g, i| lookup.in_l1[g][i]))
     }
 
-    /// The lookup's result if it is complete, `None` while it prefetches.
+    /// The lookup's result if it is complete, `None` while it prefetches. Starts a deferred
+    /// lookup's prefetch.
     pub fn query(&self, id: LookupId) -> Result<Option<LookupResult>, StorageError> {
         let mut lookups = self.inner.lookups.lock();
         let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
+        self.inner.start_deferred(lookup);
         if let Stage::Prefetching(request) = lookup.stage {
             match self.inner.prefetch.query(request) {
                 None => return Ok(None),
@@ -735,17 +749,19 @@ impl StorageManager {
             Stage::Failed { why, .. } => {
                 Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())))
             }
-            Stage::Prefetching(_) => Ok(None),
+            Stage::Deferred { .. } | Stage::Prefetching(_) => Ok(None),
         }
     }
 
     /// Waits up to `timeout` for the lookup to complete. A wait that times out leaves the lookup
     /// open: its leases belong to its owner, and a later wait, query, release or the owner's
-    /// departure settles them.
+    /// departure settles them. Starts a deferred lookup's prefetch.
     pub fn wait(&self, id: LookupId, timeout: Duration) -> Result<LookupResult, StorageError> {
         let request = {
-            let lookups = self.inner.lookups.lock();
-            match &lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?.stage {
+            let mut lookups = self.inner.lookups.lock();
+            let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
+            self.inner.start_deferred(lookup);
+            match &lookup.stage {
                 Stage::Prefetching(request) => Some(*request),
                 _ => None,
             }
@@ -864,7 +880,7 @@ impl StorageManager {
         let lookup = lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?;
         let not_covered = |key: &ObjectKey| StorageError::NotCovered { lookup: id, key: *key };
         let Stage::Done { result, covered, below, .. } = &lookup.stage else {
-            if let Stage::Prefetching(_) = lookup.stage {
+            if let Stage::Deferred { .. } | Stage::Prefetching(_) = lookup.stage {
                 return Err(StorageError::Pending(id));
             }
             return Err(keys.first().map_or(StorageError::UnknownLookup(id), not_covered));
@@ -920,10 +936,14 @@ impl StorageManager {
             Stage::Done { covered, result, .. } => (Some(covered), result.readers),
             // A reader leaving before the hit is known (its session ended): its share goes
             // back once the prefetch completes (`Inner::complete`).
-            Stage::Prefetching(_) if matches!(readers, Readers::One(_)) => {
+            Stage::Deferred { .. } | Stage::Prefetching(_)
+                if matches!(readers, Readers::One(_)) =>
+            {
                 (None, lookup.request.extra.readers())
             }
-            Stage::Prefetching(_) => return Err(StorageError::Pending(id)),
+            Stage::Deferred { .. } | Stage::Prefetching(_) => {
+                return Err(StorageError::Pending(id));
+            }
             Stage::Failed { why, .. } => {
                 return Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())));
             }
@@ -1010,7 +1030,9 @@ impl StorageManager {
                 };
                 in_l1 + below_l1
             }
-            Stage::Prefetching(_) => lookup.request.groups.iter().map(|g| g.keys.len()).sum(),
+            Stage::Deferred { .. } | Stage::Prefetching(_) => {
+                lookup.request.groups.iter().map(|g| g.keys.len()).sum()
+            }
             Stage::Failed { .. } => 0,
         })
     }
@@ -1328,7 +1350,53 @@ impl Inner {
                 covered.is_empty() && self.clock.now() >= *expires
             }
             Stage::Failed { expires, .. } => self.clock.now() >= *expires,
-            Stage::Prefetching(_) => false,
+            // Failed at its deadline by the tick, which returns its L1 shares.
+            Stage::Deferred { .. } | Stage::Prefetching(_) => false,
+        }
+    }
+
+    /// Submits the lookup's prefetch: the chunks L1 lacks, from the lower tiers. A refusal fails
+    /// the lookup.
+    fn start(&self, lookup: &mut Lookup) -> Result<(), StorageError> {
+        let prefetch = PrefetchRequest {
+            owner: lookup.owner,
+            extra: lookup.request.extra,
+            chunk_tokens: lookup.request.chunk_tokens,
+            max_promoted: lookup.request.max_promoted,
+            groups: lookup
+                .request
+                .groups
+                .iter()
+                .zip(&lookup.in_l1)
+                .map(|(group, in_l1)| GroupRequest {
+                    kind: group.kind,
+                    layout: group.layout.clone(),
+                    keys: group.keys.clone(),
+                    in_l1: in_l1.clone(),
+                })
+                .collect(),
+        };
+        match self.prefetch.submit(prefetch) {
+            Ok(request) => {
+                lookup.stage = Stage::Prefetching(request);
+                Ok(())
+            }
+            Err(e) => {
+                self.fail(lookup, e.to_string());
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Starts a deferred lookup's prefetch, or fails it if its deadline passed; nothing for any
+    /// other lookup. A refused start fails the lookup, which says why.
+    fn start_deferred(&self, lookup: &mut Lookup) {
+        if let Stage::Deferred { expires } = lookup.stage {
+            if self.clock.now() >= expires {
+                self.fail(lookup, NOT_STARTED.to_owned());
+            } else {
+                let _ = self.start(lookup);
+            }
         }
     }
 
@@ -1360,6 +1428,11 @@ impl Inner {
                     let _ = self.l1.release_lease(lease);
                 }
                 self.abandoned.lock().push(lookup);
+            }
+            Stage::Deferred { .. } => {
+                if let Some(lease) = lookup.l1_lease.take() {
+                    let _ = self.l1.release_lease(lease);
+                }
             }
             Stage::Failed { .. } => {}
         }
@@ -1455,7 +1528,13 @@ impl Inner {
         // to live as leases (dropping it returns its tier locks). A prefetch that finished
         // while nobody asked completes here, so its clock starts: otherwise the tier locks of a
         // hit held below L1 would stay taken for as long as its session lives.
+        // A deferred lookup nobody started by its deadline fails, returning its L1 shares.
         self.lookups.lock().retain(|_, lookup| {
+            if let Stage::Deferred { expires } = lookup.stage
+                && self.clock.now() >= expires
+            {
+                self.fail(lookup, NOT_STARTED.to_owned());
+            }
             if let Stage::Prefetching(request) = lookup.stage {
                 match self.prefetch.query(request) {
                     None => {}

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use tierkv_core::{ExtraCount, ManualClock, ObjectKey, TierAdapter};
+use tierkv_core::{Clock, ExtraCount, ManualClock, ObjectKey, SystemClock, TierAdapter};
 use tierkv_disk::{BLOCK, DiskStoreConfig, record_bytes};
 use tierkv_l1::{Presence, Readers};
 use tierkv_l2::{HostMemory, HostStoreConfig};
@@ -21,6 +21,7 @@ use tierkv_testkit::FakeTier;
 use tierkv_testkit::contract::{key, keys, payload};
 
 use common::{CHUNK, OWNER, WAIT, l1_config, layout};
+use tierkv_l1::{L1Config, OwnerId, Watermark};
 
 struct Rig {
     s: StorageManager,
@@ -29,6 +30,11 @@ struct Rig {
 
 /// L1 of `slots` slots, an L2 of 64 chunks, and (if `disk`) a disk tier; write-through.
 fn rig(slots: u64, disk: bool) -> Rig {
+    rig_with(l1_config(slots), disk, Arc::new(SystemClock::new()))
+}
+
+/// [`rig`] with the L1 of `l1`, its deadlines measured on `clock`.
+fn rig_with(l1: L1Config, disk: bool, clock: Arc<dyn Clock>) -> Rig {
     let dir = tempfile::tempdir().unwrap();
     let segment_bytes = BLOCK + 8 * record_bytes(CHUNK);
     let config = StorageConfig {
@@ -41,9 +47,9 @@ fn rig(slots: u64, disk: bool) -> Rig {
             ..DiskStoreConfig::new(dir.path(), 16 * segment_bytes, CHUNK)
         }),
         store_policy: StorePolicy::WriteThrough,
-        ..StorageConfig::new(l1_config(slots))
+        ..StorageConfig::new(l1)
     };
-    Rig { s: StorageManager::start(config).unwrap(), _dir: dir }
+    Rig { s: StorageManager::start_with_clock(config, clock).unwrap(), _dir: dir }
 }
 
 impl Rig {
@@ -336,6 +342,7 @@ fn e12_hybrid_groups_lease_every_l1_hit_before_a_load_evicts() {
             },
         ],
         max_promoted: usize::MAX,
+        defer_prefetch: false,
     };
     let id = rig.s.submit_lookup(request).unwrap();
     let result = rig.s.wait(id, WAIT).unwrap();
@@ -351,5 +358,104 @@ fn e12_hybrid_groups_lease_every_l1_hit_before_a_load_evicts() {
         "the fillers made room"
     );
     rig.s.release(id, Readers::All).unwrap();
+    rig.s.l1().audit().unwrap();
+}
+
+/// The lookups of one request on two TP ranks without MLA: each rank its own copy of the KV
+/// (`keys(0..3)` rank 0's, `keys(10..13)` rank 1's), made by its own owner. The first two chunks
+/// of each are in L1, rank 1's least recently used, with no room left; the third is in L2 only.
+/// Returns each rank's result, the lookups made one after the other (`deferred`: both made,
+/// deferred, before either starts).
+fn two_ranks_look_up(deferred: bool) -> [LookupResult; 2] {
+    // No background eviction: only the lookups' loads make room.
+    let full = Watermark { high: 1.0, low: 1.0 };
+    let rig =
+        rig_with(L1Config { watermark: full, ..l1_config(4) }, false, Arc::new(SystemClock::new()));
+    let (rank0, rank1) = (keys(0..3), keys(10..13));
+    rig.write(&[rank0[2], rank1[2]]);
+    rig.settle(0, 2);
+    rig.s.l1().delete(&[rank0[2], rank1[2]], false);
+    rig.write(&rank1[..2]);
+    rig.write(&rank0[..2]);
+    assert_eq!(rig.s.l1().usage().free_bytes, 0);
+    let owners = [OWNER, OwnerId(OWNER.0 + 1)];
+    let request = |rank: usize, keys: &[ObjectKey]| LookupRequest {
+        defer_prefetch: deferred,
+        ..LookupRequest::prefix(owners[rank], ExtraCount::ZERO, layout(), keys.to_vec())
+    };
+    let results = if deferred {
+        let first = rig.s.submit_lookup(request(0, &rank0)).unwrap();
+        // Time for a prefetch to run, were it started: a deferred one is not.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_ne!(rig.s.l1().presence(&rank1[0]), Presence::Absent, "nothing was loaded");
+        let second = rig.s.submit_lookup(request(1, &rank1)).unwrap();
+        // Rank 0's lookup runs to its end before rank 1's starts.
+        rig.s.start_prefetch(first).unwrap();
+        let first = rig.s.wait(first, WAIT).unwrap();
+        rig.s.start_prefetch(second).unwrap();
+        [first, rig.s.wait(second, WAIT).unwrap()]
+    } else {
+        let first = rig.s.submit_lookup(request(0, &rank0)).unwrap();
+        let first = rig.s.wait(first, WAIT).unwrap();
+        let second = rig.s.submit_lookup(request(1, &rank1)).unwrap();
+        [first, rig.s.wait(second, WAIT).unwrap()]
+    };
+    rig.s.l1().audit().unwrap();
+    results
+}
+
+#[test]
+fn e12_the_lookups_of_a_requests_ranks_lease_every_ranks_l1_hits_before_any_load_evicts() {
+    // Made one after the other, rank 0's load of its third chunk takes the slot of the least
+    // recently used chunk: rank 1's first, the hit rank 1's lookup was about to lease. This is
+    // the case deferred lookups exist for; if it stops evicting, the test below proves nothing.
+    let [first, second] = two_ranks_look_up(false);
+    assert_eq!(first.per_tier, vec![2, 1]);
+    assert_eq!(second.per_tier, vec![1, 2], "rank 1's first chunk came back from L2");
+    // Deferred, both ranks' L1 hits are leased before either loads: no rank loses a hit to
+    // another's load (L1 has no room, so the third chunks are read from L2 where they are).
+    for (rank, result) in two_ranks_look_up(true).iter().enumerate() {
+        assert_eq!(result.hit_chunks, 3, "rank {rank}");
+        assert_eq!(result.per_tier, vec![2, 1], "rank {rank}: its L1 hits stayed");
+    }
+}
+
+#[test]
+fn e12_a_deferred_lookup_starts_at_its_first_query_and_fails_unstarted_at_its_deadline() {
+    let clock = Arc::new(ManualClock::new());
+    let rig = rig_with(l1_config(8), false, clock.clone());
+    rig.write(&keys(0..3));
+    rig.settle(0, 3);
+    rig.s.l1().delete(&keys(1..3), false);
+    let deferred = |keys: Vec<ObjectKey>| LookupRequest {
+        defer_prefetch: true,
+        ..LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout(), keys)
+    };
+    // Whole in L1: complete at once, deferred or not.
+    let whole = rig.s.submit_lookup(deferred(keys(0..1))).unwrap();
+    assert_eq!(rig.s.result_if_complete(whole).unwrap().map(|r| r.hit_chunks), Some(1));
+    rig.s.release(whole, Readers::All).unwrap();
+    // Started by its first query.
+    let started = rig.s.submit_lookup(deferred(keys(0..3))).unwrap();
+    assert_eq!(rig.s.result_if_complete(started).unwrap(), None);
+    assert_eq!(rig.shares(&key(0)), 1, "its L1 hit is leased at once");
+    assert!(matches!(rig.s.check_hit(started, 0, &keys(0..1)), Err(StorageError::Pending(_))));
+    let _ = rig.s.query(started).unwrap();
+    let result = rig.s.wait(started, WAIT).unwrap();
+    assert_eq!(result.per_tier, vec![1, 2]);
+    rig.s.release(started, Readers::All).unwrap();
+    // Never started: failed at its deadline, its L1 shares returned.
+    let forgotten = rig.s.submit_lookup(deferred(keys(0..3))).unwrap();
+    assert_eq!(rig.shares(&key(0)), 1);
+    clock.advance(Duration::from_secs(31));
+    let deadline = Instant::now() + WAIT;
+    while rig.shares(&key(0)) != 0 {
+        assert!(Instant::now() < deadline, "the unstarted lookup kept its lease");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let failed = rig.s.start_prefetch(forgotten).unwrap_err();
+    assert!(failed.to_string().contains("not started"), "{failed}");
+    assert!(rig.s.query(forgotten).is_err());
+    assert_eq!(rig.s.status().tiers[0].1.objects, 3, "nothing was lost");
     rig.s.l1().audit().unwrap();
 }

@@ -376,6 +376,7 @@ fn h16_14_a_hybrid_lookup_never_counts_more_hit_tokens_than_requested() {
             },
         ],
         max_promoted: usize::MAX,
+        defer_prefetch: false,
     };
     let id = s.submit_lookup(request).unwrap();
     let result = s.wait(id, WAIT).unwrap();

@@ -266,9 +266,14 @@ class Client:
         were written: the daemon's copies wait for it, so the caller need not synchronize."""
         return self._expect(Stored, wire.store(namespace, buffer, chunks, ready_event))
 
-    def lookup(self, namespace: int, chunks: Iterable[int]) -> LookupStarted:
-        """Starts a prefix lookup of chunk ids, root first."""
-        return self._expect(LookupStarted, wire.lookup(namespace, chunks))
+    def lookup(
+        self, namespace: int, chunks: Iterable[int], defer_prefetch: bool = False
+    ) -> LookupStarted:
+        """Starts a prefix lookup of chunk ids, root first. The L1 hits are leased at once;
+        with ``defer_prefetch`` the rest is prefetched from the lookup's first :meth:`query`
+        or :meth:`wait` on, so that the lookups of one request's TP ranks can all lease their
+        hits before any rank's prefetch makes room in L1."""
+        return self._expect(LookupStarted, wire.lookup(namespace, chunks, defer_prefetch))
 
     def query(self, lookup: int) -> LookupOutcome | None:
         """The lookup's outcome if it is complete, else ``None``; never waits."""

@@ -418,14 +418,18 @@ def _event_handle(handle: Any) -> bytes:
     return bytes(handle)
 
 
-def lookup(namespace: int, chunks: Iterable[int]) -> dict[str, Any]:
-    """``lookup``: the prompt's chunk ids, root first."""
-    return {
-        "lookup": {
-            "namespace": _uint(namespace, _U32, "namespace"),
-            "chunks": _pack_chunk_ids(chunks),
-        }
+def lookup(namespace: int, chunks: Iterable[int], defer_prefetch: bool = False) -> dict[str, Any]:
+    """``lookup``: the prompt's chunk ids, root first; with ``defer_prefetch``, nothing is
+    prefetched until the lookup's first ``query`` or ``wait``."""
+    body: dict[str, Any] = {
+        "namespace": _uint(namespace, _U32, "namespace"),
+        "chunks": _pack_chunk_ids(chunks),
     }
+    if not isinstance(defer_prefetch, bool):
+        raise TypeError(f"defer_prefetch must be a bool, got {defer_prefetch!r}")
+    if defer_prefetch:
+        body["defer_prefetch"] = True
+    return {"lookup": body}
 
 
 def query(lookup: int) -> dict[str, Any]:

@@ -10,9 +10,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from daemon import config
 from harness import start_daemon
 
 from tierkv import wire
@@ -432,8 +434,6 @@ def test_kv_the_token_ids_do_not_determine_is_not_cached_and_the_namespace_names
 
 
 def test_one_ranks_reconnect_does_not_keep_the_other_ranks_leases(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
     from tierkv.vllm.scheduler import SchedulerSide
 
     daemon = start_daemon(tmp_path / "daemon")
@@ -448,14 +448,7 @@ def test_one_ranks_reconnect_does_not_keep_the_other_ranks_leases(tmp_path: Path
         return {s["rank"]: s["open_lookups"] for s in sessions if s["role"] == "worker"}
 
     try:
-        request = SimpleNamespace(
-            request_id="r",
-            prompt_token_ids=list(range(100)),
-            cache_salt=None,
-            lora_request=None,
-            mm_features=None,
-            prompt_embeds=None,
-        )
+        request = _plain_request("r", list(range(100)))
         state = scheduler._state(request)  # noqa: SLF001 (the lookups themselves are the subject)
         # As vLLM's steps ask: None while a lookup's prefetch still runs.
         deadline = time.monotonic() + 5
@@ -598,3 +591,101 @@ def test_a_load_failure_policy_other_than_recompute_is_warned_of() -> None:
         load_failure_warning(KVTransferConfig(kv_connector="TierKVConnector", kv_role="kv_both"))
         is not None
     )
+
+
+def _plain_request(req_id: str, tokens: list[int]) -> Any:
+    """A request as the scheduler side reads it: token ids only, no salt, LoRA or media."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+    )
+
+
+def _four_slot_config(socket_path: Path, disk: Path, extra: str = "") -> str:
+    """An L1 of four 64 KiB slots that only reservations evict (no background eviction)."""
+    return config(
+        socket_path,
+        disk,
+        extra,
+        l1="256KiB",
+        slot="64KiB",
+        l1_extra="watermark_high = 1.0\nwatermark_low = 1.0",
+    )
+
+
+def test_e12_no_ranks_prefetch_evicts_the_l1_hits_another_ranks_lookup_leases(
+    tmp_path: Path,
+) -> None:
+    """TP 2 without MLA: each rank has its own copy of a request's chunks. The first two of
+    each rank are in L1, rank 1's least recently used, and L1 has no room; the third is below
+    L1 only. Rank 0's prefetch of its third chunk must not take rank 1's first: every rank's
+    lookup leases its L1 hits before any rank prefetches."""
+
+    from tierkv import SharedBuffer
+    from tierkv.vllm.scheduler import SchedulerSide
+
+    daemon = start_daemon(tmp_path / "daemon", make_config=_four_slot_config)
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 5.0, "chunk_blocks": 2}
+    )
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 2, False)
+    request = _plain_request("r", list(range(100)))
+    state = scheduler._state(request)  # noqa: SLF001 (the lookups themselves are the subject)
+    first, second, third = state.chunks[:3]
+    buffers = [SharedBuffer(4096, 4, name=f"tierkv-rank{r}") for r in (0, 1)]
+    ranks = []
+    for r, buffer in enumerate(buffers):
+        client = daemon.connect(
+            wire.hello(
+                rank=r,
+                tp_size=2,
+                world_size=2,
+                namespaces=[("m", "")],
+                chunk_bytes=4096,
+                chunk_tokens=32,
+            )
+        )
+        for block in range(4):
+            buffer.block(block)[:] = bytes([0x10 * (r + 1) + block]) * 4096
+        ranks.append((client, client.register_buffer(buffer)))
+
+    try:
+        # The third chunks go down to L2 (the daemon's default cascade), pushed out of L1 by
+        # the first two of each rank, stored rank 1 first (least recently used).
+        for client, buffer in ranks:
+            assert client.store(0, buffer, [(third, 2)]).stored == 1
+        for client, buffer in reversed(ranks):
+            assert client.store(0, buffer, [(first, 0), (second, 1)]).stored == 2
+        daemon.eventually(
+            "the third chunks in L2, the rest in L1",
+            lambda s: s["tiers"][1]["objects"] == 2 and s["tiers"][0]["objects"] == 4,
+        )
+        deadline = time.monotonic() + 10
+        while (hit := scheduler._hit(state)) is None:  # noqa: SLF001
+            assert time.monotonic() < deadline, "the lookups never completed"
+            time.sleep(0.02)
+        assert hit == 3
+        assert state.lookups is not None
+        for r, ((client, _), lookup) in enumerate(zip(ranks, state.lookups, strict=True)):
+            outcome = client.query(lookup)
+            assert outcome is not None
+            assert outcome.per_tier[:2] == [2, 1], f"rank {r}: its first two chunks from L1"
+        # Every rank reads its own bytes, the third chunk from below L1.
+        for r, ((client, buffer), lookup) in enumerate(zip(ranks, state.lookups, strict=True)):
+            for block in range(3):
+                buffers[r].block(block)[:] = bytes(4096)
+            client.retrieve(lookup, buffer, [(first, 0), (second, 1), (third, 2)])
+            for block in range(3):
+                expected = bytes([0x10 * (r + 1) + block]) * 4096
+                assert bytes(buffers[r].block(block)) == expected, f"rank {r} block {block}"
+    finally:
+        scheduler.shutdown()
+        for buffer in buffers:
+            buffer.close()
+        daemon.stop()

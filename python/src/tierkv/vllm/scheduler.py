@@ -532,12 +532,18 @@ class SchedulerSide:
         if state.lookups is None or state.generations != generations or stale:
             self._release(state)
             wanted = state.chunks[: state.lookup_chunks]
+            # Each rank keeps its own copy of the KV (without MLA): every rank's lookup leases
+            # its L1 hits before any prefetches (the queries below start them), or one rank's
+            # prefetch could evict the hits the next rank's lookup was about to lease.
+            defer = len(self.links) > 1
             # Each lookup with the generation of the session that made it (a link connects,
             # or reconnects, inside its call).
             started: list[tuple[Any, int]] = []
             try:
                 for link in self.links:
-                    started.append((link.call(lambda c: c.lookup(0, wanted)), link.generation))
+                    started.append(
+                        (link.call(lambda c: c.lookup(0, wanted, defer)), link.generation)
+                    )
             except BaseException:
                 # Refused (e.g. lease_limit: the session holds its cap of leases), a rank's
                 # session is down, or anything else: a miss for now, and the lookups already
@@ -552,6 +558,9 @@ class SchedulerSide:
             state.generations = [generation for _, generation in started]
             state.looked_at = time.monotonic()
         assert state.lookups is not None
+        # Every rank is asked each time, not only up to the first still prefetching: the first
+        # query of a deferred lookup starts its prefetch, and the ranks' prefetches overlap.
+        prefetching = False
         for i, (link, lookup) in enumerate(zip(self.links, state.lookups, strict=True)):
             if state.outcomes[i] is None:
                 try:
@@ -564,8 +573,11 @@ class SchedulerSide:
                     if time.monotonic() - state.looked_at > self.settings.timeout_s:
                         state.outcomes[i] = 0  # a prefetch past the deadline is a miss
                         continue
-                    return None
+                    prefetching = True
+                    continue
                 state.outcomes[i] = outcome.hit_chunks
+        if prefetching:
+            return None
         # Never more than was asked for: vLLM must compute at least the prompt's last token.
         return min(min(o or 0 for o in state.outcomes), state.lookup_chunks)
 
