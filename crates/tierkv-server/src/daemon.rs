@@ -503,7 +503,9 @@ async fn serve_connection(
             }
             RequestBody::RegisterKv { .. } => true,
             RequestBody::Retrieve { lookup, chunks, .. } => {
-                chunks.len() as u64 > inline_chunks || storage.holds_below(LookupId(*lookup))
+                // Not `holds_below`: the lookup may complete (with chunks below L1) between
+                // this answer and the retrieve's own, which would then read a tier here.
+                chunks.len() as u64 > inline_chunks || storage.may_read_below(LookupId(*lookup))
             }
             // A clear marks every record on disk deleted: a write per record, a sync per file.
             RequestBody::Wait { .. } | RequestBody::Flush { .. } | RequestBody::Clear => true,

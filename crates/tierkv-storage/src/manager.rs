@@ -552,6 +552,20 @@ impl StorageManager {
         })
     }
 
+    /// Whether a read of the lookup may load from a tier below L1 by the time it reads: it holds
+    /// chunks there, or it is not complete yet (whatever completes it, the maintenance tick
+    /// included, may leave chunks of its hit there). `false` only where no read can: a complete
+    /// lookup held in L1 alone, or one that is not open. A caller deciding up front whether a
+    /// read may wait on a tier asks this, not [`StorageManager::holds_below`], which can change
+    /// between its answer and the read.
+    pub fn may_read_below(&self, id: LookupId) -> bool {
+        self.inner.lookups.lock().get(&id).is_some_and(|lookup| match &lookup.stage {
+            Stage::Done { below, .. } => below.as_ref().is_some_and(|held| !held.is_empty()),
+            Stage::Deferred { .. } | Stage::Prefetching(_) => true,
+            Stage::Failed { .. } => false,
+        })
+    }
+
     /// Pins a reserved slot for copying bytes in.
     pub fn write_access(
         &self,

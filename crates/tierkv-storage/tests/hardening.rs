@@ -16,8 +16,8 @@ use tierkv_core::{
 };
 use tierkv_l1::{L1Config, Readers, Watermark};
 use tierkv_storage::{
-    Durability, GroupKind, LookupGroup, LookupRequest, StorageConfig, StorageError, StorageManager,
-    StorePolicy,
+    Durability, GroupKind, LookupGroup, LookupId, LookupRequest, StorageConfig, StorageError,
+    StorageManager, StorePolicy,
 };
 use tierkv_testkit::contract::{key, keys, payload};
 use tierkv_testkit::{FakeTier, eventually};
@@ -458,4 +458,32 @@ fn h16_16_a_hit_held_below_l1_that_nobody_asks_for_returns_its_tier_locks_at_its
     });
     assert!(!s.is_open(id), "the lookup is forgotten with its locks");
     assert!(matches!(s.query(id), Err(StorageError::UnknownLookup(_))));
+}
+
+#[test]
+fn a_lookup_not_complete_yet_may_still_be_read_below_l1() {
+    // The daemon decides before a retrieve whether it may wait on a tier (and moves it off the
+    // runtime's threads). A lookup still prefetching may complete, the maintenance tick
+    // included, with chunks held below L1 before the retrieve reads: it must count as one that
+    // may read below, not as one held in L1.
+    let (s, l2, _clock) = lookup_rig(8);
+    write(&s, &keys(0..2));
+    eventually("the copy shares are back", || keys(0..2).iter().all(|k| shares(&s, k) == 0));
+    let in_l1 = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
+    assert_eq!(s.wait(in_l1, WAIT).unwrap().hit_chunks, 2);
+    assert!(!s.may_read_below(in_l1) && !s.holds_below(in_l1), "held in L1 alone");
+    for k in keys(10..13) {
+        l2.insert(k, payload(&k, CHUNK));
+    }
+    l2.hold();
+    let mut request = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout(), keys(10..13));
+    request.max_promoted = 0;
+    let below = s.submit_lookup(request).unwrap();
+    eventually("the lookup waits on L2", || l2.held_tasks() == 1);
+    assert!(!s.holds_below(below), "nothing is held below yet");
+    assert!(s.may_read_below(below), "but it may be by the time a read comes");
+    l2.release_held();
+    assert_eq!(s.wait(below, WAIT).unwrap().hit_chunks, 3);
+    assert!(s.holds_below(below) && s.may_read_below(below));
+    assert!(!s.may_read_below(LookupId(u64::MAX)), "an unknown lookup reads nothing");
 }
