@@ -315,13 +315,13 @@ fn f4_a_refused_release_or_a_query_of_another_sessions_lookup_leaves_the_owner_i
 #[test]
 fn f4_sparse_memfds_cannot_take_the_daemons_address_space() {
     // A sparse memfd costs its client nothing, whatever size it names; mapped, it takes the
-    // daemon's address space. Past 16 TiB of workers' memory mapped at once, over every session,
-    // a registration is refused, and the room comes back when a session ends.
+    // daemon's address space. One session maps at most 1 TiB of memfds, so one client's
+    // mistake is refused on its own; past 16 TiB mapped at once, over every session, a
+    // registration is refused too, and the room comes back when a session ends.
     let daemon = Daemon::start();
     let mut witness = Witness::new(&daemon);
-    // Ten TiB, never written: a sparse memfd (SharedBuffer::new would allocate its pages).
-    let sparse = || {
-        let bytes = 10u64 << 40;
+    // Never written: sparse memfds (SharedBuffer::new would allocate their pages).
+    let sparse = |bytes: u64| {
         let file = memfd(c"sparse", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING).unwrap();
         file.set_len(bytes).unwrap();
         // SAFETY: fcntl on a descriptor we own.
@@ -330,17 +330,34 @@ fn f4_sparse_memfds_cannot_take_the_daemons_address_space() {
         assert_eq!(sealed, 0);
         SharedBuffer::from_file(file, CHUNK, bytes / CHUNK).unwrap()
     };
-    let mut first = connect(&daemon);
-    let big = sparse();
-    first.register_buffer(&big).unwrap();
-    let mut second = connect(&daemon);
-    let other = sparse();
-    let err = second.register_buffer(&other).err().unwrap();
-    assert_eq!(err.code(), Some(ErrorCode::BadBuffer));
-    assert!(err.to_string().contains("at most"), "{err}");
-    drop(first);
-    daemon.eventually("the first session is over", |s| s.connected_workers == 2);
-    second.register_buffer(&other).unwrap();
+    let refused = |err: tierkv_client::ClientError, what: &str| {
+        assert_eq!(err.code(), Some(ErrorCode::BadBuffer));
+        assert!(err.to_string().contains(what), "{err}");
+    };
+    let tib = 1u64 << 40;
+    // Ten TiB from one session: refused, and nothing of it counted.
+    let mut mistaken = connect(&daemon);
+    refused(mistaken.register_buffer(&sparse(10 * tib)).err().unwrap(), "one session maps");
+    // A session's registrations add up: half a TiB twice is its whole allowance.
+    let half = sparse(tib / 2);
+    mistaken.register_buffer(&half).unwrap();
+    mistaken.register_buffer(&half).unwrap();
+    refused(mistaken.register_buffer(&sparse(CHUNK)).err().unwrap(), "one session maps");
+    // With fourteen other sessions' TiB, the witness's megabyte leaves less than a TiB of the
+    // daemon's 16: the next TiB is refused.
+    let whole = sparse(tib);
+    let mut others: Vec<_> = (0..14)
+        .map(|_| {
+            let mut session = connect(&daemon);
+            session.register_buffer(&whole).unwrap();
+            session
+        })
+        .collect();
+    let mut last = connect(&daemon);
+    refused(last.register_buffer(&whole).err().unwrap(), "the daemon");
+    others.pop();
+    daemon.eventually("a session is over", |s| s.connected_workers == 3 + 13);
+    last.register_buffer(&whole).unwrap();
     witness.check();
 }
 

@@ -87,6 +87,11 @@ enum Region {
 /// engines hold, far below what a 47-bit address space has.
 const MAX_MAPPED_BYTES: u64 = 16 << 40;
 
+/// Bytes of memfds one session may have mapped at once: a sixteenth of
+/// [`MAX_MAPPED_BYTES`], so that one client's mistake (a sparse memfd of any size) is refused
+/// on its own and leaves the rest to the other sessions. Far above one engine worker's KV.
+pub const MAX_SESSION_MAPPED_BYTES: u64 = MAX_MAPPED_BYTES / 16;
+
 /// Bytes of workers' memfds mapped now, in every session.
 static MAPPED_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -205,6 +210,29 @@ pub struct RegisteredKv {
 }
 
 impl RegisteredKv {
+    /// Bytes of memfd regions a registration asks to map (saturating: a sum past `u64::MAX` is
+    /// refused like any other past the limits).
+    pub fn memfd_bytes(regions: &[RegionSource]) -> u64 {
+        regions
+            .iter()
+            .map(|region| match region {
+                RegionSource::Memfd { bytes } => *bytes,
+                RegionSource::CudaIpc { .. } => 0,
+            })
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Bytes of workers' memfds this registration has mapped.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.regions
+            .iter()
+            .map(|region| match region {
+                Region::Host(map) => map.counted,
+                Region::Cuda(_) => 0,
+            })
+            .sum()
+    }
+
     /// Takes the descriptors a registration's memfd regions need, one per memfd region, in
     /// order, from those that arrived on the connection. The session takes them before it checks
     /// anything else, so a refused registration leaves none queued for the next one to pick up.

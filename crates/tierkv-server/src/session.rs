@@ -23,7 +23,7 @@ use tierkv_proto::{
 use tierkv_storage::{HitChunk, LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
 
 use crate::conn::Peer;
-use crate::kv::{DeviceCopies, KvError, RegisteredKv};
+use crate::kv::{DeviceCopies, KvError, MAX_SESSION_MAPPED_BYTES, RegisteredKv};
 use crate::metrics::ServerMetrics;
 
 /// Buffers one session may register.
@@ -585,8 +585,16 @@ impl Session {
         // leaves none queued for the next one to pick up by mistake.
         let fds = RegisteredKv::take_descriptors(regions, descriptor);
         let opened = self.opened();
+        let held: u64 = opened.buffers.iter().map(RegisteredKv::mapped_bytes).sum();
+        let asked = RegisteredKv::memfd_bytes(regions);
         let mapped = if opened.buffers.len() >= MAX_BUFFERS {
-            Err(crate::kv::KvError::Shape(format!("at most {MAX_BUFFERS} buffers per session")))
+            Err(KvError::Shape(format!("at most {MAX_BUFFERS} buffers per session")))
+        } else if held.saturating_add(asked) > MAX_SESSION_MAPPED_BYTES {
+            Err(KvError::Shape(format!(
+                "{asked} bytes of memfds more would pass the {} TiB one session maps at most \
+                 ({held} bytes are mapped for it)",
+                MAX_SESSION_MAPPED_BYTES >> 40
+            )))
         } else {
             RegisteredKv::map(regions, fds, layout, opened.hello.chunk_bytes)
         };
