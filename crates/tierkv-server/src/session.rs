@@ -1019,7 +1019,9 @@ impl Session {
             chunks.iter().map(|c| self.key(info.namespace, info.rank, c.chunk)).collect();
         // Every chunk is checked before any is copied: a request that names a chunk outside the
         // hit, or comes from a reader that already returned its share, copies nothing.
-        let scattered = if storage.holds_below(id) {
+        // `may_read_below`, not `holds_below`: a lookup still prefetching may complete with
+        // chunks below L1 before the pins are taken, and the L1 path would read them all at once.
+        let scattered = if storage.may_read_below(id) {
             // Chunks held below L1 are read into buffers of their own: a window at a time, so
             // a hit of any size takes at most `RETRIEVE_WINDOW_BYTES` of the daemon's memory.
             // The whole request is checked first, since each window is read on its own.

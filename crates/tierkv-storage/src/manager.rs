@@ -544,20 +544,12 @@ impl StorageManager {
         self.inner.store.queue().outstanding() > 0
     }
 
-    /// Whether the lookup holds chunks of its hit below L1, which a read loads from their tier
-    /// (a wait of up to the lease time to live).
-    pub fn holds_below(&self, id: LookupId) -> bool {
-        self.inner.lookups.lock().get(&id).is_some_and(|lookup| {
-            matches!(&lookup.stage, Stage::Done { below: Some(held), .. } if !held.is_empty())
-        })
-    }
-
-    /// Whether a read of the lookup may load from a tier below L1 by the time it reads: it holds
-    /// chunks there, or it is not complete yet (whatever completes it, the maintenance tick
-    /// included, may leave chunks of its hit there). `false` only where no read can: a complete
-    /// lookup held in L1 alone, or one that is not open. A caller deciding up front whether a
-    /// read may wait on a tier asks this, not [`StorageManager::holds_below`], which can change
-    /// between its answer and the read.
+    /// Whether a read of the lookup may load from a tier below L1 (a wait of up to the lease
+    /// time to live) by the time it reads: it holds chunks of its hit there, or it is not
+    /// complete yet (whatever completes it, the maintenance tick included, may leave chunks of
+    /// its hit there). `false` only where no read can: a complete lookup held in L1 alone, or
+    /// one that is not open. The answer cannot turn from `false` to `true`, so a caller may
+    /// decide up front how it reads.
     pub fn may_read_below(&self, id: LookupId) -> bool {
         self.inner.lookups.lock().get(&id).is_some_and(|lookup| match &lookup.stage {
             Stage::Done { below, .. } => below.as_ref().is_some_and(|held| !held.is_empty()),
