@@ -24,6 +24,7 @@ from tierkv import (
     BadFrame,
     BlockOutOfRange,
     Client,
+    ClientBusy,
     ConnectionLost,
     CudaIpcRegion,
     Forbidden,
@@ -390,6 +391,71 @@ def test_a_missed_deadline_is_connection_lost_and_closes_the_client(daemon):
     assert connect(daemon).status()["version"]
 
 
+def test_a_call_behind_another_threads_call_keeps_its_own_deadline(daemon):
+    """A call waits for another thread's call on the same client only until its own deadline:
+    then ``ClientBusy``, nothing sent, and the client stays open for the other call."""
+    client = connect(daemon, timeout=0.5)
+    daemon.pause()
+    outcome: list[BaseException] = []
+
+    def long_wait() -> None:
+        try:
+            client.wait(12345, 2.0)  # its deadline: 0.5 s more than the wait's 2 s
+        except BaseException as e:  # noqa: BLE001 (what it raised is the test's to check)
+            outcome.append(e)
+
+    waiter = threading.Thread(target=long_wait)
+    try:
+        waiter.start()
+        time.sleep(0.1)
+        start = time.monotonic()
+        with pytest.raises(ClientBusy):
+            client.status()
+        elapsed = time.monotonic() - start
+        assert not client.closed, "the other call still owns the session"
+    finally:
+        daemon.resume()
+        waiter.join(timeout=10)
+    assert 0.4 < elapsed < 1.5, elapsed
+    assert len(outcome) == 1 and isinstance(outcome[0], UnknownLookup), outcome
+    assert client.status()["version"], "the session goes on"
+
+
+def test_a_call_after_another_threads_missed_deadline_says_it_timed_out(daemon):
+    client = connect(daemon, timeout=0.5)
+    daemon.pause()
+    try:
+        with pytest.raises(ConnectionLost, match="deadline"):
+            client.status()
+    finally:
+        daemon.resume()
+    # A caller (the connector's link) backs off on a timeout rather than reconnecting at once.
+    with pytest.raises(ConnectionLost, match="missed its deadline") as closed:
+        client.status()
+    assert isinstance(closed.value.__cause__, TimeoutError)
+
+
+def test_descriptors_are_checked_before_anything_is_sent(daemon, tmp_path):
+    client = connect(daemon)
+    region = MemfdRegion(bytes=CHUNK_BYTES)
+    layout = KvLayout(
+        blocks=1,
+        block_bytes=CHUNK_BYTES,
+        block_stride=CHUNK_BYTES,
+        blocks_per_chunk=1,
+        segments=[Segment(region=0, offset=0)],
+    )
+    closed_fd = os.open(tmp_path, os.O_RDONLY)
+    os.close(closed_fd)
+    for fd, error in ((True, TypeError), (-1, ValueError), (closed_fd, ValueError)):
+        with pytest.raises(error):
+            client.register_kv([(region, fd)], layout)
+    many = [(MemfdRegion(bytes=CHUNK_BYTES), 0)] * (wire.MAX_MEMFD_REGIONS + 1)
+    with pytest.raises(ValueError, match="memfd regions"):
+        client.register_kv(many, layout)
+    assert client.status()["version"], "nothing was sent: the session goes on"
+
+
 def test_a_retrieve_past_its_deadline_is_not_carried_out_late(daemon, buf):
     """The hazard a hung daemon makes: a retrieve given up on at its deadline, carried out when
     the daemon resumes, would land in blocks the engine may have handed to another request. The
@@ -534,8 +600,8 @@ def test_a_connect_that_fails_leaves_no_connection_open(daemon):
         assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
     finally:
         daemon.resume()
-    for timeout in (0.0, -1.0):
-        with pytest.raises(ValueError, match="timeout must be positive"):
+    for timeout in (0.0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="timeout must be a positive, finite"):
             Client.connect(str(daemon.socket), worker_hello(), timeout=timeout)
     assert open_descriptors() <= before, "the socket of a refused timeout stayed open"
 

@@ -87,6 +87,18 @@ def test_extra_keys_change_only_their_chunk_and_after():
     assert plain[1] != extra[1] and plain[2] != extra[2]
 
 
+def test_extra_keys_must_be_bytes():
+    # bytes(n) is n zero bytes: an int key 0 would hash as no key at all, 3 as three zeros.
+    with pytest.raises(TypeError, match="bytes-like"):
+        chain(ROOT, [1], 0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bytes-like"):
+        prefix_hashes([1, 2], 1, [3])  # type: ignore[list-item]
+    # One key meant for every chunk, given as bytes, would be read an int per chunk.
+    with pytest.raises(TypeError, match="per-chunk"):
+        prefix_hashes([1, 2], 1, b"lora")
+    assert prefix_hashes([1, 2], 1, [bytearray(b"k")]) == prefix_hashes([1, 2], 1, [b"k"])
+
+
 def test_edges():
     assert prefix_hashes([0] * 3, 4) == []
     assert len(prefix_hashes([0] * 11, 4)) == 2

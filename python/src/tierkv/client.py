@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import select
 import socket
 import threading
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import wire
-from .errors import BadFrame, ConnectionLost, DaemonError, TierKVError
+from .errors import BadFrame, ClientBusy, ConnectionLost, DaemonError, TierKVError
 from .shm import SharedBuffer
 from .wire import (
     BufferRegistered,
@@ -61,7 +62,24 @@ _MAX_DAEMON_WAIT_S = 60.0
 
 
 def _fileno(fd: Any) -> int:
-    return fd if isinstance(fd, int) else fd.fileno()
+    """The descriptor to send for ``fd`` (an ``int`` or anything with ``fileno()``), refused
+    before anything is sent where it is not an open descriptor: the kernel would refuse the
+    whole ``sendmsg``, and the session with it."""
+    if isinstance(fd, bool) or not (isinstance(fd, int) or hasattr(fd, "fileno")):
+        raise TypeError(f"a descriptor is an int or has fileno(), got {fd!r}")
+    number = fd if isinstance(fd, int) else fd.fileno()
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+        raise ValueError(f"{fd!r} is not a file descriptor")
+    try:
+        os.fstat(number)
+    except OSError as e:
+        raise ValueError(f"descriptor {number} is not open: {e}") from e
+    return number
+
+
+def _check_timeout(timeout: float) -> None:
+    if isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout}")
 
 
 class Unanswered:
@@ -123,8 +141,7 @@ class Client:
 
     def __init__(self, sock: socket.socket, *, timeout: float, unix: bool) -> None:
         """Wraps a connected socket; use :meth:`connect` or :meth:`connect_tcp` instead."""
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
+        _check_timeout(timeout)
         self._sock: socket.socket | None = sock
         self._timeout = float(timeout)
         self._unix = unix
@@ -132,6 +149,9 @@ class Client:
         self._next_id = 1
         self._session: Welcome | None = None
         self._unanswered: Unanswered | None = None
+        #: Whether the client closed because a call missed its deadline: a call that then
+        #: finds it closed says so, and a caller backs off instead of reconnecting at once.
+        self._timed_out = False
 
     # -- opening --------------------------------------------------------------------------------
 
@@ -175,9 +195,11 @@ class Client:
         if not (isinstance(hello_body, dict) and set(hello_body) == {"hello"}):
             sock.close()
             raise TypeError("hello_body must be what tierkv.wire.hello() returns")
-        if not timeout > 0:
+        try:
+            _check_timeout(timeout)
+        except (TypeError, ValueError):
             sock.close()
-            raise ValueError(f"timeout must be positive, got {timeout}")
+            raise
         if path is not None:
             try:
                 sock.settimeout(timeout)
@@ -409,16 +431,25 @@ class Client:
             sock.close()
 
     def _call(self, body: Any, *, fds: Sequence[int] = (), timeout: float | None = None) -> Any:
-        """Sends one request and reads its reply within the deadline; returns the parsed reply
-        or raises (``ConnectionLost`` closes the client)."""
-        with self._lock:
+        """Sends one request and reads its reply within the deadline, which covers the wait for
+        another thread's call on this client too; returns the parsed reply or raises
+        (``ConnectionLost`` closes the client, ``ClientBusy`` sent nothing)."""
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise ClientBusy(
+                "another call on this client kept it past this call's deadline; nothing was sent"
+            )
+        try:
             sock = self._sock
             if sock is None:
+                if self._timed_out:
+                    raise ConnectionLost(
+                        "the client is closed: a call missed its deadline"
+                    ) from TimeoutError("a call missed its deadline")
                 raise ConnectionLost("the client is closed")
             request_id = self._next_id
             self._next_id += 1
             frame = wire.encode_frame(request_id, body)
-            deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
             try:
                 self._send(sock, frame, fds, deadline)
                 reply_id, reply_body = wire.unpack_reply(self._read_frame(sock, deadline))
@@ -439,6 +470,7 @@ class Client:
                 if isinstance(e, TimeoutError):
                     # The request may still be carried out: keep the connection to learn when.
                     self._sock = None
+                    self._timed_out = True
                     self._unanswered = Unanswered(sock)
                     raise ConnectionLost("the daemon did not answer within the deadline") from e
                 self._close_locked()
@@ -447,6 +479,8 @@ class Client:
                 # Interrupted (KeyboardInterrupt, ...) with a reply maybe half-read: never reuse.
                 self._close_locked()
                 raise
+        finally:
+            self._lock.release()
 
     @staticmethod
     def _remaining(sock: socket.socket, deadline: float) -> None:

@@ -1,6 +1,6 @@
 """The exceptions of the tierkv client.
 
-Two kinds of failure reach a caller:
+Three kinds of failure reach a caller:
 
 * :class:`ConnectionLost`: the session is gone or unusable. The socket failed or closed, a call
   missed its deadline, or the daemon answered something that is not a reply to the request.
@@ -9,6 +9,8 @@ Two kinds of failure reach a caller:
   changed nothing and the session goes on, except where ``docs/protocol.md`` says the daemon
   closes the connection (a failed hello, ``bad_frame``). There is one subclass per error code,
   so a caller can ``except BlockOutOfRange``; :func:`error_for` maps a code to its exception.
+* :class:`ClientBusy`: another thread's call on the same client kept it for the whole of this
+  call's deadline; this call sent nothing and the client is still open.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "BadFrame",
     "BadRequest",
     "BlockOutOfRange",
+    "ClientBusy",
     "ConnectionLost",
     "DaemonError",
     "Forbidden",
@@ -47,6 +50,13 @@ class ConnectionLost(TierKVError):
     """The connection failed, closed, missed a deadline, or carried a reply that makes no sense.
 
     The client that raised it is closed and must not be used again.
+    """
+
+
+class ClientBusy(TierKVError):
+    """Another thread's call on the same client held it until this call's deadline passed.
+
+    Nothing was sent; the client stays open (the other call ends by its own deadline).
     """
 
 

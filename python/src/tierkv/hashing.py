@@ -51,11 +51,21 @@ def _parent_bytes(parent: int) -> bytes:
     return parent.to_bytes(16, "little")
 
 
+def _extra_bytes(extra: object) -> bytes:
+    """A chunk's extra key bytes; an ``int`` is refused, since ``bytes(n)`` is ``n`` zero bytes
+    (a LoRA id 0 would hash as no extra at all)."""
+    if isinstance(extra, (bytes, bytearray, memoryview)):
+        return bytes(extra)
+    raise TypeError(f"extra key bytes must be bytes-like, got {type(extra).__name__}")
+
+
 def chain(parent: int, tokens: Sequence[int], extra: bytes = b"") -> int:
     """The hash of one chunk of ``tokens`` given its parent's hash (:data:`ROOT` for the first)."""
     count = min(len(tokens), _U32_MAX)
     return xxh3_128_intdigest(
-        b"".join((_parent_bytes(parent), _U32.pack(count), token_bytes(tokens), bytes(extra)))
+        b"".join(
+            (_parent_bytes(parent), _U32.pack(count), token_bytes(tokens), _extra_bytes(extra))
+        )
     )
 
 
@@ -76,6 +86,9 @@ def prefix_hashes(tokens: Sequence[int], chunk_tokens: int, extra: Extra = None)
     count = _U32.pack(min(chunk_tokens, _U32_MAX))
     if extra is None:
         extra_of: Callable[[int], bytes] = lambda _i: b""  # noqa: E731
+    elif isinstance(extra, (bytes, bytearray, memoryview, str)):
+        # A sequence of ints, chunk by chunk: surely meant as one key for every chunk.
+        raise TypeError("extra is a sequence of per-chunk bytes or a function of the chunk index")
     elif callable(extra):
         extra_of = extra
     else:
@@ -87,7 +100,7 @@ def prefix_hashes(tokens: Sequence[int], chunk_tokens: int, extra: Extra = None)
     for i in range(chunks):
         piece = view[i * step : (i + 1) * step]
         parent = xxh3_128_intdigest(
-            b"".join((parent.to_bytes(16, "little"), count, piece, bytes(extra_of(i))))
+            b"".join((parent.to_bytes(16, "little"), count, piece, _extra_bytes(extra_of(i))))
         )
         out.append(parent)
     return out

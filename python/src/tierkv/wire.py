@@ -77,6 +77,12 @@ __all__ = [
 #: The protocol version this package speaks; the daemon refuses a hello with another.
 PROTOCOL_VERSION = 5
 
+#: Regions one ``register_kv`` may name (the daemon's limit, tierkv-proto's ``MAX_REGIONS``).
+MAX_REGIONS = 256
+
+#: Memfd regions one ``register_kv`` may name: their descriptors ride on one ``sendmsg``.
+MAX_MEMFD_REGIONS = 8
+
 #: The frame header: the body's length, a little-endian u32.
 HEADER = struct.Struct("<I")
 
@@ -349,12 +355,21 @@ class KvLayout:
 
 def register_kv(regions: Sequence[Region], layout: KvLayout) -> dict[str, Any]:
     """``register_kv``: the regions (memfd descriptors ride on the same ``sendmsg``, in region
-    order) and the layout over them."""
+    order) and the layout over them: 1 to :data:`MAX_REGIONS` regions, at most
+    :data:`MAX_MEMFD_REGIONS` of them memfds."""
     wire_regions = []
     for r in regions:
         if not isinstance(r, (MemfdRegion, CudaIpcRegion)):
             raise TypeError(f"a region is a MemfdRegion or a CudaIpcRegion, got {r!r}")
         wire_regions.append(r.to_wire())
+    if not 1 <= len(wire_regions) <= MAX_REGIONS:
+        raise ValueError(f"a registration has 1 to {MAX_REGIONS} regions, got {len(wire_regions)}")
+    memfds = sum(isinstance(r, MemfdRegion) for r in regions)
+    if memfds > MAX_MEMFD_REGIONS:
+        raise ValueError(
+            f"a registration has at most {MAX_MEMFD_REGIONS} memfd regions (their descriptors "
+            f"ride on one sendmsg), got {memfds}"
+        )
     if not isinstance(layout, KvLayout):
         raise TypeError(f"layout must be a KvLayout, got {type(layout).__name__}")
     return {"register_kv": {"regions": wire_regions, "layout": layout.to_wire()}}

@@ -189,6 +189,50 @@ def test_a_link_replaces_a_closed_connection_at_once_and_backs_off_from_a_hung_d
         daemon.stop()
 
 
+def test_a_link_call_behind_another_threads_keeps_its_deadline_and_the_session(
+    tmp_path: Path,
+) -> None:
+    """The scheduler's thread and the release thread share a link: a call stuck behind the
+    other thread's is a miss at its own deadline, and leaves the session (and every lookup
+    made on it) to the call that holds it."""
+    daemon = start_daemon(tmp_path / "daemon")
+    hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4096, chunk_tokens=16)
+    link = Link(str(daemon.socket), hello, timeout_s=0.5, retry_s=0.2)
+    try:
+        link.call(lambda c: c.status())
+        generation = link.generation
+        daemon.pause()
+        outcome: list[BaseException] = []
+
+        def long_wait() -> None:
+            try:
+                link.call(lambda c: c.wait(1, 2.0))
+            except BaseException as e:  # noqa: BLE001 (what it raised is the test's to check)
+                outcome.append(e)
+
+        waiter = threading.Thread(target=long_wait)
+        try:
+            waiter.start()
+            time.sleep(0.1)
+            start = time.monotonic()
+            with pytest.raises(Unavailable, match="kept it past"):
+                link.call(lambda c: c.status())
+            assert time.monotonic() - start < 1.5
+        finally:
+            daemon.resume()
+            waiter.join(timeout=10)
+        assert [type(e).__name__ for e in outcome] == ["UnknownLookup"], "answered in time"
+        assert link.call(lambda c: c.status())["connected_workers"] == 1
+        assert link.generation == generation, "the session was kept"
+        link.close()
+        with pytest.raises(Unavailable, match="closed"):
+            link.call(lambda c: c.status())
+        assert daemon.status()["connected_workers"] == 0, "a closed link opens no session"
+    finally:
+        link.close()
+        daemon.stop()
+
+
 @pytest.mark.parametrize("retry_s", [0.0, 1e-6])
 def test_a_zero_or_tiny_retry_still_backs_off_from_a_hung_daemon(
     tmp_path: Path, retry_s: float

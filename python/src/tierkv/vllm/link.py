@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tierkv.client import Client, Unanswered
-from tierkv.errors import ConnectionLost, DaemonError
+from tierkv.errors import ClientBusy, ConnectionLost, DaemonError
 from tierkv.vllm.throttle import Throttle
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Link:
         self._client: Client | None = None
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._closed = False
         self.generation = 0
         self.failures = 0
         self._in_a_row = 0
@@ -87,8 +88,13 @@ class Link:
         self._throttle = Throttle(log)
 
     def client(self) -> Client:
-        """The live client, connecting first if allowed now; :class:`Unavailable` if not."""
-        with self._lock:
+        """The live client, connecting first if allowed now; :class:`Unavailable` if not, or if
+        another thread's connect keeps the link for longer than a call's deadline."""
+        if not self._lock.acquire(timeout=self._timeout):
+            raise Unavailable(f"another thread is still connecting to {self._path}")
+        try:
+            if self._closed:
+                raise Unavailable("the link is closed")
             if self._client is not None:
                 return self._client
             now = time.monotonic()
@@ -117,6 +123,8 @@ class Link:
             self.generation += 1
             log.info("tierkv: connected to %s (session %d)", self._path, client.session.session)
             return client
+        finally:
+            self._lock.release()
 
     def call(self, fn: Callable[[Client], Any]) -> Any:
         """Runs ``fn`` on the client. A connection the daemon closed (it restarted, say) is
@@ -126,6 +134,10 @@ class Link:
         client = self.client()
         try:
             result = fn(client)
+        except ClientBusy as e:
+            # Another thread's call holds the session past this one's deadline: a miss for this
+            # call; the session is that call's to keep or lose.
+            raise Unavailable(str(e)) from e
         except (OSError, ConnectionLost) as e:
             unanswered = self._drop(client)
             if _timed_out(e):
@@ -134,6 +146,8 @@ class Link:
             client = self.client()
             try:
                 result = fn(client)
+            except ClientBusy as e:
+                raise Unavailable(str(e)) from e
             except (OSError, ConnectionLost) as e:
                 unanswered = self._drop(client)
                 self._down(e)
@@ -169,7 +183,9 @@ class Link:
         )
 
     def close(self) -> None:
+        """Ends the session; later calls are :class:`Unavailable` and open none."""
         with self._lock:
+            self._closed = True
             if self._client is not None:
                 with contextlib.suppress(OSError, ConnectionLost, DaemonError):
                     self._client.end()
