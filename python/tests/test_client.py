@@ -304,6 +304,28 @@ def test_an_undeclared_namespace_is_refused(daemon, buf):
     assert outcome_of(client, client.lookup(1, [h])).hit_chunks == 0
 
 
+def test_a_registration_may_take_longer_than_the_clients_deadline(daemon, buf):
+    # The daemon maps every resident page of a memfd before it answers: a large KV cache needs
+    # a registration deadline of its own (the connector's grows with the KV's size).
+    client = connect(daemon, timeout=0.3)
+    daemon.pause()
+    resumer = threading.Timer(0.8, daemon.resume)
+    resumer.start()
+    try:
+        layout = KvLayout(
+            blocks=buf.blocks,
+            block_bytes=buf.block_bytes,
+            block_stride=buf.block_bytes,
+            blocks_per_chunk=1,
+            segments=[Segment(region=0, offset=0)],
+        )
+        region = MemfdRegion(bytes=buf.block_bytes * buf.blocks)
+        assert client.register_kv([(region, buf.fd)], layout, timeout=5.0) == 0
+    finally:
+        resumer.join()
+    assert not client.closed
+
+
 def test_an_unsealed_memfd_is_bad_buffer(daemon, buf):
     client = connect(daemon)
     fd = os.memfd_create("tierkv-unsealed", os.MFD_CLOEXEC)

@@ -246,10 +246,15 @@ class Client:
         self,
         regions: Sequence[tuple[MemfdRegion | CudaIpcRegion, Any]],
         layout: KvLayout,
+        timeout: float | None = None,
     ) -> int:
         """Registers KV memory: ``(region, fd)`` pairs, the descriptor (an ``int`` or anything
         with ``fileno()``) for each memfd region and ``None`` for a CUDA IPC one, and the
-        layout over them. Returns the buffer's number."""
+        layout over them. Returns the buffer's number. ``timeout`` replaces the client's
+        deadline for this call: the daemon maps every resident page of a memfd before it
+        answers, about a second per 10-20 GiB."""
+        if timeout is not None:
+            _check_timeout(timeout)
         fds = []
         for i, (region, fd) in enumerate(regions):
             if isinstance(region, MemfdRegion) and fd is None:
@@ -261,7 +266,7 @@ class Client:
         if fds and not self._unix:
             raise ValueError("file descriptors travel only over the Unix socket")
         body = wire.register_kv([r for r, _ in regions], layout)
-        return self._expect(BufferRegistered, body, fds=fds).buffer
+        return self._expect(BufferRegistered, body, fds=fds, timeout=timeout).buffer
 
     def register_buffer(self, buf: SharedBuffer) -> int:
         """Registers a :class:`~tierkv.shm.SharedBuffer` whose every block is one chunk (its

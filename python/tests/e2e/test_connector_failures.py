@@ -46,6 +46,15 @@ def test_a_loaded_prefix_arrives_byte_exact(halves: Halves) -> None:
     assert halves.holds([4, 5, 6], like=[0, 1, 2])
 
 
+def test_a_step_that_schedules_nothing_is_marked_idle_for_the_workers(halves: Halves) -> None:
+    # vLLM runs such steps back to back while a finished request's blocks wait on the workers;
+    # the workers wait a little in them (IDLE_SETTLE_WAIT_S) rather than spin.
+    assert halves.scheduler.build_connector_meta(scheduler_output([])).idle
+    r = request("r", list(range(2 * BLOCK)))
+    busy = scheduler_output([(r, [0, 1], 0, 2 * BLOCK)])
+    assert not halves.scheduler.build_connector_meta(busy).idle
+
+
 def test_a_prompt_the_hash_refuses_is_a_miss_not_an_exception(halves: Halves) -> None:
     # A token id past u32 cannot be hashed (OverflowError): no hit, and never asked again.
     r = request("big", [1 << 32, *PROMPT[1:]])

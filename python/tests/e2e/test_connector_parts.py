@@ -25,7 +25,7 @@ from tierkv.vllm.link import MIN_BACKOFF_S, Link, Unavailable
 from tierkv.vllm.memory import LayoutError, _layout, export_device_kv, move_to_memfd
 from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
 from tierkv.vllm.scheduler import chunk_ids
-from tierkv.vllm.worker import WorkerSide
+from tierkv.vllm.worker import IDLE_SETTLE_WAIT_S, WorkerSide
 
 
 def test_settings_refuse_unknown_keys_and_bad_values() -> None:
@@ -365,7 +365,14 @@ def test_a_load_given_up_on_holds_the_requests_blocks_until_the_daemon_is_done(
         assert worker.get_finished({"a"}) == {"a"}, "a store that was answered frees at once"
         assert worker.get_finished({"b"}) == set(), "the daemon may still copy into b's blocks"
         time.sleep(0.3)
+        start = time.monotonic()
         assert worker.get_finished(set()) == set()
+        assert time.monotonic() - start < IDLE_SETTLE_WAIT_S / 2, "a busy step does not wait"
+        # In a step that schedules nothing, vLLM runs the next one at once: that step waits a
+        # little for the calls, so a stopped daemon does not have the engine spin.
+        start = time.monotonic()
+        assert worker.get_finished(set(), idle=True) == set()
+        assert time.monotonic() - start >= IDLE_SETTLE_WAIT_S * 0.9
         assert given_up.untouched()
         given_up.daemon.resume()
         deadline = time.monotonic() + 10

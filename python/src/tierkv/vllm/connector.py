@@ -207,7 +207,9 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.get_finished(finished_req_ids) or None, None
+        meta = self._connector_metadata if self.has_connector_metadata() else None
+        idle = isinstance(meta, TierKVMetadata) and meta.idle
+        return self._worker.get_finished(finished_req_ids, idle=idle) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

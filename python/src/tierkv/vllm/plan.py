@@ -49,6 +49,9 @@ class TierKVMetadata(KVConnectorMetadata):
     #: fills, per request: the scheduler half failed to plan it. The workers report them as
     #: failed, so vLLM recomputes them instead of reading them.
     unloadable: dict[str, list[int]] = field(default_factory=dict)
+    #: The step schedules no tokens: vLLM runs it only for the connector (a finished request
+    #: whose blocks wait on :meth:`get_finished`), over and over while they do.
+    idle: bool = False
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,10 @@ class SchedulerSide:
         that it does not load is ``unloadable``; should even that fail, the exception reaches
         vLLM: its step would read blocks nobody wrote."""
         promised, self.promised = self.promised, {}
-        meta = TierKVMetadata(preempted=sorted(out.preempted_req_ids or ()))
+        meta = TierKVMetadata(
+            preempted=sorted(out.preempted_req_ids or ()),
+            idle=getattr(out, "total_num_scheduled_tokens", 1) == 0,
+        )
         meta = self.guard.run(
             "planning the step (what it leaves unloaded is recomputed)",
             lambda: self._build(meta, out, promised),
