@@ -192,6 +192,46 @@ fn f5_a_restarted_daemon_finds_its_disk_chunks_again() {
 }
 
 #[test]
+fn a_signal_during_start_up_stops_the_daemon_cleanly_once_it_has_started() {
+    // Start-up may take seconds (here: 4 GiB of L1 committed page by page); a SIGTERM then must
+    // end in the clean stop and exit 0 that README promises, not in death by the signal.
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("tierkv.sock");
+    let config = dir.path().join("tierkv.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nsocket = \"{}\"\n[metrics]\nenabled = false\n\
+             [l1]\ndevice = \"emulated\"\ncapacity = \"4GiB\"\nprefault = true\n\
+             [l2]\nenabled = false\n[disk]\nenabled = false\n",
+            socket.display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(artifact("bin", "tierkv"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("TIERKV_LOG", "warn")
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(150));
+    assert!(!socket.exists(), "start-up was over before the signal: the test proves nothing");
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) }, 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let exit = loop {
+        if let Some(exit) = child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(std::time::Instant::now() < deadline, "the daemon never stopped");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(exit.success(), "a signal during start-up must end in a clean stop, got {exit}");
+    assert!(!socket.exists(), "the socket file is removed on exit");
+}
+
+#[test]
 fn a_deferred_lookup_prefetches_nothing_before_its_first_wait() {
     let mut daemon = Daemon::start();
     let plain = ["--chunk-bytes", "65536"];

@@ -124,9 +124,13 @@ fn serve(path: Option<&Path>) -> Result<(), String> {
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let served = runtime.block_on(async {
-        let stop = async {
-            use tokio::signal::unix::{SignalKind, signal};
-            match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        use tokio::signal::unix::{SignalKind, signal};
+        // Installed before start-up, which may take seconds (prefaulting L1, pinning L2,
+        // scanning the disk): a signal then is kept, and the daemon stops cleanly as soon as it
+        // has started, instead of dying of it.
+        let signals = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()));
+        let stop = async move {
+            match signals {
                 (Ok(mut term), Ok(mut int)) => {
                     tokio::select! {
                         _ = term.recv() => tracing::info!("SIGTERM"),
