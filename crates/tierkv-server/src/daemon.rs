@@ -3,7 +3,7 @@
 //! returned, the pipelines drained and the disk tier synced, the socket file removed.
 
 use std::net::SocketAddr;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -124,6 +124,7 @@ pub async fn serve(
         config.server.max_leased_per_session,
     ));
     let unix = bind_unix(&config.server.socket, config.server.socket_group)?;
+    let bound = file_id(&config.server.socket);
     let tcp = match config.server.tcp {
         Some(addr) => Some(
             TcpListener::bind(addr)
@@ -190,6 +191,9 @@ pub async fn serve(
 
     tracing::info!("stopping: no new connections; finishing requests in flight");
     drop(unix);
+    // At once, not after the stop (up to a minute): a daemon started meanwhile on the same
+    // path finds this socket refusing, replaces it as stale, and would lose its own here.
+    remove_if_same(&config.server.socket, bound);
     drop(tcp);
     let _ = shutdown_tx.send(true);
     let drained =
@@ -212,7 +216,6 @@ pub async fn serve(
     tokio::task::spawn_blocking(move || stopping.storage().stop())
         .await
         .map_err(|e| std::io::Error::other(format!("the storage stop thread failed: {e}")))?;
-    let _ = std::fs::remove_file(&config.server.socket);
     tracing::info!("stopped");
     Ok(())
 }
@@ -383,6 +386,23 @@ fn check_socket(path: &Path) -> Result<(), ServeError> {
 
 /// Binds the Unix socket, replacing a stale socket file but nothing else. The socket is `0600`,
 /// or `0660` and owned by `group`: only they may connect (and `clear` needs the token besides).
+/// The file at `path` (not following a symlink): device, inode, and change time, since a file
+/// made after another is removed may get its inode number.
+type FileId = (u64, u64, i64, i64);
+
+fn file_id(path: &Path) -> Option<FileId> {
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
+}
+
+/// Removes the file at `path` if it is still the one `bound` names: another daemon's socket
+/// bound there since is left alone. (One whose mode or owner an admin changed since counts as
+/// another: left behind, it is a stale socket, which the next daemon replaces.)
+fn remove_if_same(path: &Path, bound: Option<FileId>) {
+    if bound.is_some() && file_id(path) == bound {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
 fn bind_unix(path: &Path, group: Option<u32>) -> Result<UnixListener, ServeError> {
     check_socket(path)?;
     if std::fs::symlink_metadata(path).is_ok() {
@@ -555,4 +575,28 @@ async fn send(conn: &mut Conn, out: &mut Vec<u8>, id: u64, body: ReplyBody) -> s
             .map_err(|e| std::io::Error::other(e.to_string()))?;
     }
     conn.send(out).await
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+
+    use super::*;
+
+    #[test]
+    fn a_stopping_daemon_removes_its_own_socket_and_not_one_bound_since() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tierkv.sock");
+        let ours = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let bound = file_id(&path);
+        // Another daemon found it refusing, removed it as stale and bound its own.
+        drop(ours);
+        std::fs::remove_file(&path).unwrap();
+        let theirs = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        remove_if_same(&path, bound);
+        assert!(path.exists(), "the other daemon's socket was removed");
+        remove_if_same(&path, file_id(&path));
+        assert!(!path.exists());
+        drop(theirs);
+    }
 }
