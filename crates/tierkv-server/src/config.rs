@@ -402,9 +402,18 @@ fn slot_count(file: &File<'_>, keys: &[&str], slots: u64) -> Result<(), Stop> {
     })
 }
 
+/// The smallest `l1.slot`: a page. Chunks may still be smaller (a worker's `chunk_bytes` is at
+/// most a slot).
+const MIN_SLOT_BYTES: u64 = 4096;
+
 fn l1(file: &File<'_>, s: &raw::L1) -> Result<L1Config, Stop> {
     let (capacity, slot) = (s.capacity.0, s.slot.0);
     file.require(slot > 0, &["l1.slot"], || "must be positive".into())?;
+    // Each slot of every tier costs index and bookkeeping memory of its own: slots of a few
+    // bytes would make a tier of ordinary capacity billions of them (tens of GB of state).
+    file.require(slot >= MIN_SLOT_BYTES, &["l1.slot"], || {
+        format!("must be at least {MIN_SLOT_BYTES} bytes (4KiB), got {slot}")
+    })?;
     file.ensure(capacity >= slot, &["l1.capacity", "l1.slot"], || {
         format!("l1.capacity ({capacity} bytes) cannot hold one l1.slot ({slot} bytes)")
     })?;

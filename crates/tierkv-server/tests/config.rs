@@ -359,7 +359,7 @@ fn contradictions_and_ranges_are_refused_naming_the_key_and_its_line() {
         ("[server]\nmax_connections = 0\n", "server.max_connections", 2),
         ("[l1]\nslot = 0\n", "l1.slot", 2),
         ("[l1]\ncapacity = \"1MiB\"\nslot = \"2MiB\"\n", "l1.capacity", 2),
-        ("[l1]\ncapacity = \"16TiB\"\nslot = 1\n", "l1.capacity", 2),
+        ("[l1]\ncapacity = \"16TiB\"\nslot = \"4KiB\"\n", "l1.capacity", 2),
         ("[l1]\nwatermark_high = 0.5\nwatermark_low = 0.9\n", "l1.watermark_low", 3),
         ("[l1]\nwatermark_high = 1.5\n", "l1.watermark_high", 2),
         ("[l1]\nwatermark_low = 0\n", "l1.watermark_low", 2),
@@ -418,6 +418,10 @@ fn an_auto_disk_segment_is_one_record_of_a_slot_and_segments_share_files() {
     assert_refused("[disk]\nsegment = \"automatic\"\n", "disk.segment", 2);
     // A slot within a block of the largest size is refused, not an overflow in sizing segments.
     assert_refused("[l1]\nslot = \"18446744073709551615\"\n", "l1.slot", 2);
+    // Slots of a few bytes would make billions of them: at least a page.
+    let message = assert_refused("[l1]\nslot = \"1B\"\ncapacity = \"4GiB\"\n", "l1.slot", 2);
+    assert!(message.contains("at least 4096"), "{message}");
+    assert!(parse("[l1]\nslot = \"4KiB\"\n").is_ok());
 }
 
 #[test]
@@ -462,6 +466,11 @@ fn the_remote_section_maps_onto_the_remote_tier_and_its_checks_name_the_key() {
     );
     assert_refused("[remote]\nenabled = true\nkey_prefix = \"t{a}\"\n", "remote.key_prefix", 3);
     assert_refused("[remote]\nadmission_min_reads = 0\n", "remote.admission_min_reads", 2);
+    // A value's life in the cluster is not a timeout: a week is taken, up to ten years.
+    let week = parse("[remote]\nenabled = true\nttl = \"7days\"\n").unwrap();
+    assert_eq!(week.storage.remote.unwrap().ttl, Some(std::time::Duration::from_secs(604_800)));
+    let message = assert_refused("[remote]\nenabled = true\nttl = \"20years\"\n", "remote.ttl", 3);
+    assert!(message.contains("ten years"), "{message}");
 }
 
 #[test]

@@ -230,7 +230,7 @@ impl DemoteDown {
 /// Bytes of cascade victims that may be on their way to a lower tier at once (copies in
 /// memory): 256 MiB, or room for a stop's batches of the largest chunks.
 fn demoted_cap(slot_bytes: u64) -> u64 {
-    (256u64 << 20).max(4 * STOP_BATCH as u64 * slot_bytes)
+    (256u64 << 20).max((4 * STOP_BATCH as u64).saturating_mul(slot_bytes))
 }
 
 /// How full every tier is, and what is in flight.

@@ -209,8 +209,9 @@ pub(super) struct Remote {
     #[serde(deserialize_with = "duration")]
     pub op_timeout: Duration,
     pub max_in_flight: usize,
-    /// "0s": no expiry.
-    #[serde(deserialize_with = "duration")]
+    /// "0s": no expiry. Not bounded by a day: a value's life in the cluster may be long (the
+    /// remote tier's own check bounds it at ten years).
+    #[serde(deserialize_with = "any_duration")]
     pub ttl: Duration,
     pub admission: RemoteAdmissionName,
     pub admission_min_reads: u32,
@@ -326,6 +327,13 @@ fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::E
         de::Error::custom(format!("{text:?} is not a duration such as \"30s\": {e}"))
     })?;
     at_most_a_day(&text, parsed)
+}
+
+/// A duration such as "7d" or "1h", of any length: for a setting whose own check bounds it.
+fn any_duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    humantime::parse_duration(&text)
+        .map_err(|e| de::Error::custom(format!("{text:?} is not a duration such as \"1h\": {e}")))
 }
 
 fn at_most_a_day<E: de::Error>(text: &str, parsed: Duration) -> Result<Duration, E> {
