@@ -22,6 +22,7 @@ pub mod hash;
 mod joint;
 mod key;
 mod layout;
+mod log_limit;
 pub mod policy;
 mod window;
 
@@ -38,4 +39,5 @@ pub use extra::{ExtraCount, ExtraCountOutOfRange};
 pub use joint::JointLoad;
 pub use key::{ChunkHash, GroupId, KvRank, Namespace, ObjectKey};
 pub use layout::{DType, Layout, LayoutError, TensorSpec};
+pub use log_limit::LogLimit;
 pub use window::store_window;

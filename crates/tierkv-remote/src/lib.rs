@@ -26,7 +26,6 @@ mod conn;
 mod error;
 pub mod format;
 mod held;
-mod log_limit;
 mod metrics;
 mod store;
 

@@ -16,7 +16,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
 use tierkv_core::{
-    Bitmap, ChunkSource, Completion, LoadItem, ObjectKey, StoreItem, TaskId, TierAdapter,
+    Bitmap, ChunkSource, Completion, LoadItem, LogLimit, ObjectKey, StoreItem, TaskId, TierAdapter,
     TierError, TierUsage,
 };
 use tokio::runtime::Runtime;
@@ -27,7 +27,6 @@ use crate::conn::Link;
 use crate::error::{CallError, RemoteError};
 use crate::format::{HEADER_BYTES, encode_header, redis_key, verify};
 use crate::held::Held;
-use crate::log_limit::LogLimit;
 use tierkv_tier_metrics::TierMetrics;
 
 use crate::metrics::{self, DegradedGauge};

@@ -14,7 +14,7 @@ use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use parking_lot::Mutex;
 use tierkv_core::policy::{Order, PolicyKind, SharedJudge};
 use tierkv_core::{
-    ChunkSource, Clock, Departing, KeyError, Layout, ObjectKey, SystemClock, TierAdapter,
+    ChunkSource, Clock, Departing, KeyError, Layout, LogLimit, ObjectKey, SystemClock, TierAdapter,
     TierUsage, deadline_after,
 };
 use tierkv_disk::DiskStore;
@@ -184,7 +184,20 @@ impl Demoter for DemoteFromL1 {
         } else {
             let mut copy: Arc<[u8]> = std::iter::repeat_n(0u8, bytes.len() as usize).collect();
             let Some(dst) = Arc::get_mut(&mut copy) else { return };
-            if bytes.copy_to_host(dst).is_err() {
+            if let Err(e) = bytes.copy_to_host(dst) {
+                // The victim is gone from L1 and reaches no tier below: lost, and said so
+                // (under write-back it was the only copy).
+                self.down.metrics.demotion_copy_failed();
+                if let Some(left_out) = self.down.copy_failures.admit() {
+                    tracing::warn!(
+                        ?key,
+                        error = %e,
+                        left_out,
+                        "an L1 victim could not be copied out of its slot: lost (at most one \
+                         such warning a minute; left_out: those since the last, all counted in \
+                         tierkv_errors_total)"
+                    );
+                }
                 return;
             }
             Some(copy)
@@ -217,6 +230,8 @@ struct DemoteDown {
     jobs: StoreQueue,
     cap: u64,
     metrics: Arc<StorageMetrics>,
+    /// Warnings of victims that could not be copied out of L1: one a minute.
+    copy_failures: Arc<LogLimit>,
 }
 
 impl DemoteDown {
@@ -370,6 +385,7 @@ impl StorageManager {
             jobs: jobs.clone(),
             cap: demoted_cap(config.l1.slot_bytes),
             metrics: metrics.clone(),
+            copy_failures: Arc::new(LogLimit::new(Duration::from_secs(60))),
         };
         let remote_index = tiers
             .iter()
@@ -1751,6 +1767,50 @@ mod tests {
         (StorageManager::start_with_tiers(config, clock, tiers).unwrap(), below)
     }
 
+    /// A victim whose bytes cannot be copied out of its slot (a device error) reaches no tier:
+    /// it is counted as lost, and nothing half-copied goes down.
+    #[test]
+    fn a_victim_that_cannot_be_copied_out_of_l1_is_counted_and_sent_nowhere() {
+        struct Broken;
+        impl ChunkSource for Broken {
+            fn len(&self) -> u64 {
+                CHUNK
+            }
+            fn copy_to_host(&self, _: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
+                Err(tierkv_core::BufferError::Device("the device fell off the bus".into()))
+            }
+        }
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let (storage, below) = metrics::with_local_recorder(&recorder, cascade_over_one_tier);
+        let down = DemoteDown {
+            jobs: storage.inner.store.queue().clone(),
+            cap: 64 * CHUNK,
+            metrics: storage.inner.metrics.clone(),
+            copy_failures: Arc::new(LogLimit::new(Duration::from_secs(60))),
+        };
+        let demoter = DemoteFromL1::to(&[0], None, None, &down).unwrap();
+        let chunks = keys(0..2);
+        demoter.demote(&chunks[0], &Broken);
+        demoter.demote(&chunks[1], &VecChunk(payload(&chunks[1], CHUNK)));
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        assert!(!below.contains(&chunks[0]) && below.contains(&chunks[1]));
+        let lost: u64 = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(k, ..)| {
+                k.key().name() == "tierkv_errors_total"
+                    && k.key().labels().any(|l| l.value() == "demotion_copy_failed")
+            })
+            .map(|(.., v)| match v {
+                metrics_util::debugging::DebugValue::Counter(n) => n,
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(lost, 1);
+    }
+
     /// Cascade victims on their way down are copies in memory: past the cap a victim is dropped
     /// (a miss later) rather than queued, and the room comes back as the tier below takes them.
     #[test]
@@ -1761,6 +1821,7 @@ mod tests {
             jobs: queue.clone(),
             cap: 2 * CHUNK,
             metrics: storage.inner.metrics.clone(),
+            copy_failures: Arc::new(LogLimit::new(Duration::from_secs(60))),
         };
         let chunks = keys(0..4);
         let bytes =
@@ -1805,6 +1866,7 @@ mod tests {
                 jobs: storage.inner.store.queue().clone(),
                 cap: 64 * CHUNK,
                 metrics: storage.inner.metrics.clone(),
+                copy_failures: Arc::new(LogLimit::new(Duration::from_secs(60))),
             };
             L2Above { host, departed, down }
         }

@@ -31,6 +31,7 @@ pub(crate) struct StorageMetrics {
     store_failures: Vec<(String, Counter)>,
     store_panics: Counter,
     demotions_dropped: Counter,
+    demotion_copies_failed: Counter,
     store_expired: Counter,
     maintenance_panics: Counter,
     judge_samples_dropped: Counter,
@@ -98,6 +99,7 @@ impl StorageMetrics {
                 .collect(),
             store_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "store_panic"),
             demotions_dropped: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "demotion_dropped"),
+            demotion_copies_failed: counter!("tierkv_errors_total", "tier" => "l1", "reason" => "demotion_copy_failed"),
             store_expired: counter!("tierkv_errors_total", "tier" => "l1", "reason" => "store_lease_expired"),
             maintenance_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "maintenance_panic"),
             judge_samples_dropped: counter!("tierkv_judge_samples_dropped_total"),
@@ -154,6 +156,11 @@ impl StorageMetrics {
     /// A cascade victim dropped instead of demoted: too many demoted bytes were on their way.
     pub(crate) fn demotion_dropped(&self) {
         self.demotions_dropped.increment(1);
+    }
+
+    /// A cascade victim lost: its bytes could not be copied out of its L1 slot.
+    pub(crate) fn demotion_copy_failed(&self) {
+        self.demotion_copies_failed.increment(1);
     }
 
     pub(crate) fn store_lease_expired(&self) {

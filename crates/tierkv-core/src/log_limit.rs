@@ -1,6 +1,6 @@
-//! A limit on how often one warning is logged: a damaged or foreign value is a miss on every
-//! load of its key until it is stored again, and a tenant that reads it in a loop must not fill
-//! the log. The metrics still count every event; the log says how many it left out.
+//! A limit on how often one warning is logged: an event that can repeat on every request (a
+//! damaged value loaded in a loop, a device copy failing for every victim) must not fill the
+//! log. The metrics still count every event; the log says how many it left out.
 
 use std::time::{Duration, Instant};
 
@@ -8,20 +8,21 @@ use parking_lot::Mutex;
 
 /// At most one event logged per interval; the others are counted, and their number goes with
 /// the next one logged.
-pub(crate) struct LogLimit {
+pub struct LogLimit {
     interval: Duration,
     /// When an event was last logged, and how many were left out since.
     state: Mutex<(Option<Instant>, u64)>,
 }
 
 impl LogLimit {
-    pub(crate) const fn new(interval: Duration) -> Self {
+    /// At most one event logged per `interval`.
+    pub const fn new(interval: Duration) -> Self {
         LogLimit { interval, state: Mutex::new((None, 0)) }
     }
 
     /// Whether to log this event: `Some(n)` with the number of events left out since the last
     /// one logged, or `None` (counted) to leave it out.
-    pub(crate) fn admit(&self) -> Option<u64> {
+    pub fn admit(&self) -> Option<u64> {
         let mut state = self.state.lock();
         let (last, left_out) = &mut *state;
         match last {
