@@ -106,7 +106,7 @@ impl Conn {
             Stream::Unix(s) => s.as_raw_fd(),
             Stream::Tcp(s) => s.as_raw_fd(),
         };
-        Peer { fd: Some(fd) }
+        Peer { fd: Some(fd), inline: false }
     }
 
     /// A descriptor that arrived with the frame being handled, oldest first; `None` when it has
@@ -201,12 +201,26 @@ impl Conn {
 #[derive(Clone, Copy, Debug)]
 pub struct Peer {
     fd: Option<RawFd>,
+    /// The request runs on one of the runtime's threads, which must not wait (it serves other
+    /// connections): what would wait refuses instead.
+    inline: bool,
 }
 
 impl Peer {
     /// No client to give up: a session served without a connection (tests, tools).
     pub fn detached() -> Self {
-        Peer { fd: None }
+        Peer { fd: None, inline: false }
+    }
+
+    /// The same client, for a request served on a runtime thread ([`Peer::may_wait`] false).
+    pub fn inline(self) -> Self {
+        Peer { inline: true, ..self }
+    }
+
+    /// Whether the request may wait (for the store pipeline to make room in L1, say): it runs
+    /// off the runtime's threads.
+    pub fn may_wait(&self) -> bool {
+        !self.inline
     }
 
     /// Whether the client has shut its writing side or closed the connection (an error on the

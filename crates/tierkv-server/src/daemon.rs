@@ -535,7 +535,9 @@ async fn serve_connection(
             // Long copies and waits block; let the runtime move its other tasks off this thread.
             tokio::task::block_in_place(|| session.handle(request, &mut || conn.take_fd(), peer))
         } else {
-            session.handle(request, &mut || conn.take_fd(), peer)
+            // Decided on what the request looked like a moment ago: should it find it must wait
+            // after all (the store pipeline turned busy meanwhile), it refuses instead.
+            session.handle(request, &mut || conn.take_fd(), peer.inline())
         };
         if session.said_hello() {
             conn.hello_said();

@@ -704,7 +704,11 @@ impl Session {
     ) -> Result<StoredPart, Fail> {
         let storage = &self.daemon.storage;
         let opened = self.opened();
-        let reserved = storage.reserve_write(self.owner(), keys, &opened.layout)?;
+        let reserved = if peer.may_wait() {
+            storage.reserve_write(self.owner(), keys, &opened.layout)?
+        } else {
+            storage.reserve_write_now(self.owner(), keys, &opened.layout)?
+        };
         let mut part = StoredPart::default();
         let (mut written, mut broken) = (Vec::new(), Vec::new());
         // Device-to-device copies still in flight: their slots stay pinned until the wait.

@@ -541,6 +541,18 @@ impl StorageManager {
         Ok(results)
     }
 
+    /// [`StorageManager::reserve_write`] without the wait for the store pipeline: keys L1 has
+    /// no room for now are refused (`OutOfMemory`). For a caller that must not block.
+    pub fn reserve_write_now(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        layout: &Layout,
+    ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
+        self.check(owner)?;
+        Ok(self.inner.l1.reserve_write(owner, keys, layout, WriteMode::Create, Lifetime::Cached)?)
+    }
+
     /// The most chunks one store should reserve at a time. Without lower tiers a store is one
     /// reservation, and what does not fit is refused. With them, a store goes in windows of
     /// [`tierkv_core::store_window`] chunks (an eighth of L1), each finished before the next is

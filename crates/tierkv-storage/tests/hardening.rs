@@ -215,6 +215,11 @@ fn h16_02_writers_wait_for_the_store_pipeline_when_l1_is_full_of_chunks_going_do
     );
     write(&s, &keys(0..4));
     eventually("the copies are in flight", || disk.held_tasks() == 1);
+    // A writer that must not wait (one of the daemon's runtime threads) is refused at once.
+    let started = Instant::now();
+    let now = s.reserve_write_now(OWNER, &keys(4..6), &layout()).unwrap();
+    assert!(now.iter().all(|r| r.as_ref().err() == Some(&tierkv_core::KeyError::OutOfMemory)));
+    assert!(started.elapsed() < WAIT / 2, "it waited for the pipeline");
     // L1 is full of chunks the disk does not have yet: a writer waits instead of evicting them.
     let writer = {
         let s = Arc::clone(&s);
