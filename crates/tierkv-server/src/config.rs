@@ -591,6 +591,9 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
     file.ensure(!s.prefetch_timeout.is_zero(), &["storage.prefetch_timeout"], || {
         "must be positive".into()
     })?;
+    file.ensure(!s.store_timeout.is_zero(), &["storage.store_timeout"], || {
+        "must be positive".into()
+    })?;
     Ok(StorageConfig {
         l1: l1?,
         l2: l2?,
@@ -619,6 +622,7 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
         maintenance_interval: s.maintenance_interval,
         store_backpressure: s.store_backpressure,
         stop_drain_timeout: s.stop_drain_timeout,
+        store_timeout: s.store_timeout,
     })
 }
 

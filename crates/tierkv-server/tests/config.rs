@@ -67,6 +67,7 @@ fn the_embedded_default_is_the_all_defaults_config() {
     assert_eq!(storage.store_policy, StorePolicy::Cascade);
     assert_eq!(storage.maintenance_interval, Duration::from_millis(50));
     assert_eq!(storage.stop_drain_timeout, Duration::from_secs(20));
+    assert_eq!(storage.store_timeout, Duration::from_secs(60));
 }
 
 /// The key a line of `default.toml` sets, commented out or not.
@@ -181,6 +182,7 @@ maintenance_interval = "10ms"
 prefetch_max_in_flight = 32
 prefetch_drain_timeout = "1m 30s"
 prefetch_timeout = "45s"
+store_timeout = "2m"
 "#,
     )
     .unwrap();
@@ -223,6 +225,7 @@ prefetch_timeout = "45s"
     assert_eq!(storage.disk, Some(disk));
     assert_eq!(storage.store_policy, StorePolicy::DiskAdmission { min_reads: 3 });
     assert_eq!(storage.maintenance_interval, Duration::from_millis(10));
+    assert_eq!(storage.store_timeout, Duration::from_secs(120));
     let prefetch = PrefetchConfig {
         max_in_flight: 32,
         drain_timeout: Duration::from_secs(90),
@@ -382,6 +385,7 @@ fn contradictions_and_ranges_are_refused_naming_the_key_and_its_line() {
         ("[storage]\nmaintenance_interval = \"0s\"\n", "storage.maintenance_interval", 2),
         ("[storage]\nprefetch_max_in_flight = 0\n", "storage.prefetch_max_in_flight", 2),
         ("[storage]\nprefetch_timeout = \"0s\"\n", "storage.prefetch_timeout", 2),
+        ("[storage]\nstore_timeout = \"0s\"\n", "storage.store_timeout", 2),
     ];
     for (text, key, line) in cases {
         assert_refused(text, key, line);

@@ -77,6 +77,10 @@ pub struct StorageConfig {
     /// Under the cascade, how long a stop may spend handing what L1 and L2 hold down to the disk
     /// tier, the one a restart keeps; what is not down by then is lost with the process.
     pub stop_drain_timeout: Duration,
+    /// How long the store pipeline waits for a lower tier to answer a store (a hung disk, say)
+    /// before it gives the copy up: its L1 shares go back, its writers learn that it is not
+    /// durable, and a late answer changes nothing.
+    pub store_timeout: Duration,
 }
 
 impl StorageConfig {
@@ -94,6 +98,7 @@ impl StorageConfig {
             maintenance_interval: Duration::from_millis(50),
             store_backpressure: Duration::from_secs(10),
             stop_drain_timeout: Duration::from_secs(20),
+            store_timeout: Duration::from_secs(60),
         }
     }
 }

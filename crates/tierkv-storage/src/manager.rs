@@ -426,7 +426,7 @@ impl StorageManager {
             config.store_policy,
             (disk_index, remote_index),
             (jobs, inbox),
-            metrics.clone(),
+            (metrics.clone(), config.store_timeout),
         )?;
         let inner = Arc::new(Inner {
             l1,

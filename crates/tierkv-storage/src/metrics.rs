@@ -32,6 +32,7 @@ pub(crate) struct StorageMetrics {
     store_panics: Counter,
     demotions_dropped: Counter,
     demotion_copies_failed: Counter,
+    store_timeouts: Counter,
     store_expired: Counter,
     maintenance_panics: Counter,
     judge_samples_dropped: Counter,
@@ -100,6 +101,7 @@ impl StorageMetrics {
             store_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "store_panic"),
             demotions_dropped: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "demotion_dropped"),
             demotion_copies_failed: counter!("tierkv_errors_total", "tier" => "l1", "reason" => "demotion_copy_failed"),
+            store_timeouts: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "store_timeout"),
             store_expired: counter!("tierkv_errors_total", "tier" => "l1", "reason" => "store_lease_expired"),
             maintenance_panics: counter!("tierkv_errors_total", "tier" => "storage", "reason" => "maintenance_panic"),
             judge_samples_dropped: counter!("tierkv_judge_samples_dropped_total"),
@@ -161,6 +163,11 @@ impl StorageMetrics {
     /// A cascade victim lost: its bytes could not be copied out of its L1 slot.
     pub(crate) fn demotion_copy_failed(&self) {
         self.demotion_copies_failed.increment(1);
+    }
+
+    /// A store batch given up on: a lower tier did not answer within `store_timeout`.
+    pub(crate) fn store_timed_out(&self) {
+        self.store_timeouts.increment(1);
     }
 
     pub(crate) fn store_lease_expired(&self) {

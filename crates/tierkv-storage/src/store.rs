@@ -212,6 +212,8 @@ struct Batch {
     jobs: usize,
     /// Bytes of the demoted chunks the batch carries.
     demoted_bytes: u64,
+    /// When its copies were handed to the tiers: past `Worker::timeout`, given up.
+    started: Instant,
 }
 
 /// The store pipeline's thread and queue.
@@ -233,7 +235,7 @@ impl StorePipeline {
         policy: StorePolicy,
         (disk, remote): (Option<usize>, Option<(usize, RemoteAdmission)>),
         (queue, inbox): (StoreQueue, Receiver<StoreJob>),
-        metrics: Arc<StorageMetrics>,
+        (metrics, timeout): (Arc<StorageMetrics>, Duration),
     ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let (events_tx, events) = unbounded();
@@ -251,6 +253,7 @@ impl StorePipeline {
             progress: Arc::clone(&queue.progress),
             demoted_bytes: Arc::clone(&queue.demoted_bytes),
             metrics,
+            timeout,
         };
         let halt = Arc::clone(&stop);
         let leftovers = inbox.clone();
@@ -341,6 +344,8 @@ struct Worker {
     /// Bytes of demoted chunks queued or being written, shared with the queue.
     demoted_bytes: Arc<AtomicU64>,
     metrics: Arc<StorageMetrics>,
+    /// How long a batch may wait for its tiers' answers (`StorageConfig::store_timeout`).
+    timeout: Duration,
 }
 
 impl Worker {
@@ -369,6 +374,7 @@ impl Worker {
                     recv(events) -> event => if let Ok(event) = event { self.on_event(event) },
                     default(Duration::from_millis(20)) => {},
                 }
+                self.give_up_late();
             }));
             if let Err(panic) = step {
                 // Recover: the batches recorded so far stay correct; keep going.
@@ -488,6 +494,7 @@ impl Worker {
             ticket: None,
             jobs,
             demoted_bytes,
+            started: Instant::now(),
         };
         self.batches.insert(id, batch);
         self.submit_to(tier, id, items);
@@ -583,6 +590,7 @@ impl Worker {
             ticket,
             jobs: 1,
             demoted_bytes: 0,
+            started: Instant::now(),
         };
         self.batches.insert(id, batch);
         for tier in targets {
@@ -634,7 +642,9 @@ impl Worker {
 
     fn on_event(&mut self, event: TierEvent) {
         let TierEvent { tier, completion } = event;
-        let Some(id) = self.tasks.remove(&(tier, completion.task())) else { return };
+        // A task of a batch given up on (`give_up_late`) is no longer known: its answer counts
+        // for nothing, but what it stored that was deleted above meanwhile still goes.
+        let id = self.tasks.remove(&(tier, completion.task()));
         let mut durable = 0;
         if let Completion::Stored { result, sources, .. } = completion {
             if result.is_ok() && Some(tier) == self.disk {
@@ -649,6 +659,7 @@ impl Worker {
                 self.metrics.store_failed(self.router.tier(tier).map_or("unknown", |t| t.name()));
             }
         }
+        let Some(id) = id else { return };
         let done = match self.batches.get_mut(&id) {
             Some(batch) => {
                 batch.durable += durable;
@@ -683,6 +694,32 @@ impl Worker {
                 tracing::error!(tier, "a tier panicked deleting withdrawn chunks; they stay");
                 self.metrics.store_panic();
             }
+        }
+    }
+
+    /// Gives up on every batch whose tiers have not all answered within the timeout (a hung
+    /// disk, say): it finishes as if they had, with what the disk stored so far durable and
+    /// the rest not, its shares returned. Its copies' sources (and their pins on the L1 slots)
+    /// go back when the tier answers at last.
+    fn give_up_late(&mut self) {
+        let late: Vec<u64> = self
+            .batches
+            .iter()
+            .filter(|(_, batch)| batch.waiting > 0 && batch.started.elapsed() > self.timeout)
+            .map(|(id, _)| *id)
+            .collect();
+        if late.is_empty() {
+            return;
+        }
+        self.tasks.retain(|_, id| !late.contains(id));
+        tracing::warn!(
+            batches = late.len(),
+            timeout = ?self.timeout,
+            "a lower tier has not answered stores in time; their copies are given up (not durable)"
+        );
+        for id in late {
+            self.metrics.store_timed_out();
+            self.finish(id);
         }
     }
 

@@ -493,3 +493,29 @@ fn a_lookup_not_complete_yet_may_still_be_read_below_l1() {
     assert!(s.may_read_below(below));
     assert!(!s.may_read_below(LookupId(u64::MAX)), "an unknown lookup reads nothing");
 }
+
+#[test]
+fn a_store_a_lower_tier_never_answers_is_given_up_not_durable_and_its_shares_return() {
+    // A hung disk write: without a limit the chunks stayed pinned by the pipeline for good,
+    // every flush of the writer timed out, and writers waited for room that never came.
+    let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
+    disk.hold();
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
+    let config = StorageConfig {
+        store_policy: StorePolicy::WriteThrough,
+        store_timeout: Duration::from_millis(200),
+        ..StorageConfig::new(l1_config(8))
+    };
+    let s = StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap();
+    let ticket = write(&s, &keys(0..2));
+    eventually("the copy is in flight", || disk.held_tasks() == 1);
+    let outcome = ticket.wait_until(Instant::now() + WAIT).expect("the ticket never settled");
+    assert_eq!((outcome.durable, outcome.not_durable), (0, 2));
+    assert!(keys(0..2).iter().all(|k| shares(&s, k) == 0), "the pipeline's shares came back");
+    assert_eq!(s.status().store_in_flight, 0);
+    // The disk answers at last: it changes nothing above (no share returned twice).
+    disk.release_held();
+    eventually("the late copy landed", || keys(0..2).iter().all(|k| disk.contains(k)));
+    assert!(keys(0..2).iter().all(|k| shares(&s, k) == 0));
+    s.l1().audit().unwrap();
+}

@@ -271,6 +271,8 @@ pub(super) struct Storage {
     pub prefetch_timeout: Duration,
     #[serde(deserialize_with = "duration")]
     pub stop_drain_timeout: Duration,
+    #[serde(deserialize_with = "duration")]
+    pub store_timeout: Duration,
 }
 
 impl Default for Storage {
@@ -285,6 +287,7 @@ impl Default for Storage {
             prefetch_drain_timeout: prefetch.drain_timeout,
             prefetch_timeout: prefetch.request_timeout,
             stop_drain_timeout: Duration::from_secs(20),
+            store_timeout: Duration::from_secs(60),
         }
     }
 }
