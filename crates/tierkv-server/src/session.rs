@@ -267,6 +267,9 @@ struct Opened {
     joined: HashSet<(u64, u8)>,
     /// The size of `joined` at which the lookups that ended are next forgotten.
     prune_joined_at: usize,
+    /// Lookups this session made that may still be open: what its allowance is counted over,
+    /// rather than the whole daemon's registry at every lookup.
+    made: HashSet<u64>,
     /// The hello carried the daemon's token (always so over TCP): what `clear` needs.
     authenticated: bool,
     /// This session's stores since its last flush that are still going down, and what became
@@ -523,6 +526,7 @@ impl Session {
             buffers: Vec::new(),
             joined: HashSet::new(),
             prune_joined_at: MAX_OPEN_LOOKUPS,
+            made: HashSet::new(),
             authenticated,
             tickets: Vec::new(),
             settled: (0, 0),
@@ -840,39 +844,35 @@ impl Session {
     }
 
     /// Bytes of leases this session's open lookups hold (a lookup still prefetching counts
-    /// every chunk it asked for), and how many are open. Forgets registry entries of lookups
-    /// that are over.
-    fn open_lookups(&self) -> (u64, usize) {
-        let mine: Vec<u64> = self
-            .daemon
-            .lookups
-            .lock()
-            .iter()
-            .filter(|(_, info)| info.owner == self.id)
-            .map(|(id, _)| *id)
-            .collect();
+    /// every chunk it asked for), and how many are open. Forgets lookups that are over, here
+    /// and in the registry.
+    fn open_lookups(&mut self) -> (u64, usize) {
+        let Some(opened) = &mut self.opened else { unreachable_hello() };
         let storage = &self.daemon.storage;
-        let mut chunks = 0u64;
-        let mut over = Vec::new();
-        let open = mine.len();
-        for id in mine {
+        let (mut chunks, mut over) = (0u64, Vec::new());
+        {
+            // Gone from the registry: released, ended by its last reader, or past its deadline.
+            let registry = self.daemon.lookups.lock();
+            opened.made.retain(|id| registry.contains_key(id));
+        }
+        for &id in &opened.made {
             match storage.held_chunks(LookupId(id)) {
                 Some(n) => chunks += n as u64,
                 None => over.push(id),
             }
         }
-        let open = open - over.len();
         if !over.is_empty() {
-            let mut lookups = self.daemon.lookups.lock();
-            for id in over {
-                lookups.remove(&id);
+            let mut registry = self.daemon.lookups.lock();
+            for id in &over {
+                opened.made.remove(id);
+                registry.remove(id);
             }
         }
-        (chunks.saturating_mul(self.opened().hello.chunk_bytes), open)
+        (chunks.saturating_mul(opened.hello.chunk_bytes), opened.made.len())
     }
 
     fn lookup(
-        &self,
+        &mut self,
         namespace: u32,
         chunks: &[ChunkId],
         defer_prefetch: bool,
@@ -928,6 +928,9 @@ impl Session {
             owner_reader: opened.reader_of(opened.rank),
         };
         self.daemon.lookups.lock().insert(id.0, info);
+        if let Some(opened) = &mut self.opened {
+            opened.made.insert(id.0);
+        }
         let l1_hit_chunks = storage.l1_hit(id)? as u32;
         // Asking the pipeline would start a deferred lookup: only a complete one answers now.
         let outcome =
