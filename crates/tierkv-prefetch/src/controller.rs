@@ -209,6 +209,7 @@ impl PrefetchController {
             tasks: HashMap::new(),
             lookup_keys: HashMap::new(),
             started: 0,
+            starting: false,
         };
         let thread = std::thread::Builder::new()
             .name("tierkv-prefetch".into())
@@ -320,8 +321,12 @@ struct Active {
     request: PrefetchRequest,
     started: u64,
     /// When it started, or last heard from a tier: a request that hears nothing for the request
-    /// timeout is given up.
+    /// timeout (and its loads' allowance) is given up.
     since: Instant,
+    /// Time beyond the request timeout its loads may take: a tier answers a load once, when the
+    /// whole load is in, so a large hit from a slow tier is silent for as long as it loads
+    /// ([`LOAD_FLOOR_BYTES_PER_S`]).
+    allowance: Duration,
     /// The (group, index) of every key not in L1, in order: what was looked up.
     wanted: Vec<At>,
     phase: Phase,
@@ -397,10 +402,20 @@ struct Worker {
     /// drain timeout) before it answers, the locks it takes are returned when it does.
     lookup_keys: HashMap<(usize, tierkv_core::TaskId), Vec<ObjectKey>>,
     started: u64,
+    /// `start_pending` is running: a request it plans at once (no tier took its lookup) ends in
+    /// `finalize`, which asks for pending requests again; that call returns, and the running
+    /// loop starts them. Recursing instead would go one frame deeper per pending request.
+    starting: bool,
 }
 
 /// How long the thread returning late tier locks waits for the next answer.
 const LATE_LOCKS: Duration = Duration::from_secs(60);
+
+/// The least rate a tier is assumed to load at, for the time a request's loads may take past
+/// the request timeout: a second per 64 MiB (a 20 GiB hit may take 5 minutes more). A tier
+/// answers a load only once it is whole, so a slow disk shared by eight requests in flight can
+/// be silent for longer than the timeout while it works.
+const LOAD_FLOOR_BYTES_PER_S: f64 = (64u64 << 20) as f64;
 
 impl Worker {
     fn run(mut self, inbox: &Receiver<Command>, events: &Receiver<TierEvent>) {
@@ -518,7 +533,7 @@ impl Worker {
         let overdue: Vec<RequestId> = self
             .active
             .iter()
-            .filter(|(_, active)| active.since.elapsed() >= timeout)
+            .filter(|(_, active)| active.since.elapsed() >= timeout + active.allowance)
             .map(|(id, _)| *id)
             .collect();
         if overdue.is_empty() {
@@ -536,6 +551,14 @@ impl Worker {
     }
 
     fn start_pending(&mut self) {
+        if std::mem::replace(&mut self.starting, true) {
+            return;
+        }
+        self.start_pending_now();
+        self.starting = false;
+    }
+
+    fn start_pending_now(&mut self) {
         while self.active.len() < self.config.max_in_flight.max(1) {
             let Some((id, request)) = self.pending.pop_front() else {
                 break;
@@ -553,6 +576,7 @@ impl Worker {
                 request,
                 started: self.started,
                 since: Instant::now(),
+                allowance: Duration::ZERO,
                 wanted,
                 phase: Phase::LookingUp { found: vec![None; tiers], waiting: 0 },
                 locked: vec![Vec::new(); tiers],
@@ -757,14 +781,18 @@ impl Worker {
         active.below.retain(|at| needed.contains(at));
         active.source.retain(|at, _| active.reserved.contains_key(at) || active.below.contains(at));
         self.unlock_all_but_sources(&mut active);
+        // The entry says what is still held: a panic from here on returns only that.
+        self.active.insert(id, active.clone());
 
         // Load, tier by tier, into the reserved slots.
         let mut waiting = 0;
+        let mut bytes = 0u64;
         for tier in 0..self.router.len() {
             let mut items: Vec<LoadItem> = Vec::new();
             for at in active.reserved.keys().filter(|at| active.source.get(at) == Some(&tier)) {
                 let key = active.key(*at);
                 if let Ok(access) = self.l1.write_access(active.request.owner, &key) {
+                    bytes += access.handle().len;
                     items.push(LoadItem { key, sink: Box::new(access) as Box<dyn ChunkSink> });
                 }
             }
@@ -780,6 +808,8 @@ impl Worker {
             self.finalize(id, active);
         } else {
             active.phase = Phase::Loading { waiting };
+            active.since = Instant::now();
+            active.allowance = Duration::from_secs_f64(bytes as f64 / LOAD_FLOOR_BYTES_PER_S);
             self.active.insert(id, active);
         }
     }
@@ -841,6 +871,12 @@ impl Worker {
             (!held.is_empty()).then(|| Arc::new(HeldBelow::new(Arc::clone(&self.router), held)));
         self.active.insert(id, active.clone());
         self.release_everything(&active, &granted);
+        if let Some(entry) = self.active.get_mut(&id) {
+            // Returned: a panic from here on must not return them again (tier locks are
+            // counted, and a second unlock would take another holder's).
+            entry.locked.iter_mut().for_each(Vec::clear);
+            entry.reserved.clear();
+        }
         let of_hit = |at: &At| leased_now.contains(at) || below_now.contains(at);
         let leased = active
             .request

@@ -652,6 +652,70 @@ fn a_lone_tier_that_panics_taking_a_lookup_is_a_miss_at_once() {
 }
 
 #[test]
+fn a_long_queue_of_requests_planned_at_once_does_not_recurse() {
+    // Requests no tier looks up are planned at once, and a finished request starts the next
+    // pending one: ten thousand of them queued behind one held request ran one stack frame
+    // deeper each, and overflowed the controller thread's stack (aborting the process).
+    let slow = fake_holding("slow", keys(0..1));
+    slow.hold();
+    let config = PrefetchConfig { max_in_flight: 1, ..PrefetchConfig::default() };
+    let rig = rig_with(vec![slow.clone()], vec![], config);
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let first = rig
+        .prefetch
+        .submit(PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), keys(0..1)))
+        .unwrap();
+    eventually("the first request is held", || slow.held_tasks() == 1);
+    let queued: Vec<_> = (0..10_000)
+        .map(|_| {
+            let empty = PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), vec![]);
+            rig.prefetch.submit(empty).unwrap()
+        })
+        .collect();
+    slow.release_held();
+    assert_eq!(rig.prefetch.wait(first, WAIT).unwrap().hit_chunks, 1);
+    for id in queued {
+        assert_eq!(rig.prefetch.wait(id, WAIT).unwrap().hit_chunks, 0);
+    }
+}
+
+#[test]
+fn a_large_load_is_given_time_for_its_bytes_past_the_request_timeout() {
+    // A tier answers a load once, when all of it is in: 64 MiB from a slow disk is silent for
+    // as long as it loads. The request timeout (300 ms) plus a second per 64 MiB is its due.
+    const BIG: u64 = 4 << 20;
+    let slow = Arc::new(FakeTier::new("slow", 16, BIG));
+    for k in keys(0..16) {
+        slow.insert(k, payload(&k, BIG));
+    }
+    slow.hold_loads();
+    let l1 = Arc::new(
+        L1Manager::build(
+            L1Config { device: DeviceKind::Emulated, ..L1Config::new(16 * BIG, BIG) },
+            L1Context::default(),
+        )
+        .unwrap(),
+    );
+    let router = Arc::new(TierRouter::start(vec![slow.clone() as Arc<dyn TierAdapter>]).unwrap());
+    let config =
+        PrefetchConfig { request_timeout: Duration::from_millis(300), ..PrefetchConfig::default() };
+    let prefetch = PrefetchController::start(l1.clone(), router, config).unwrap();
+    let request =
+        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(BIG).unwrap(), keys(0..16));
+    let id = prefetch.submit(request).unwrap();
+    eventually("the load is held", || slow.held_tasks() == 1);
+    std::thread::sleep(Duration::from_millis(700));
+    slow.release_held();
+    let result = prefetch.wait(id, WAIT).unwrap();
+    assert_eq!(result.hit_chunks, 16, "given up while its tier was still loading");
+    let lease = result.lease.unwrap();
+    let guard = l1.read_access(lease, 0, &key(15)).unwrap();
+    let mut bytes = vec![0; BIG as usize];
+    guard.read_at(0, &mut bytes).unwrap();
+    assert_eq!(bytes, payload(&key(15), BIG));
+}
+
+#[test]
 fn a_request_whose_tier_answers_slowly_step_by_step_is_not_given_up() {
     let slow = fake_holding("slow", keys(0..2));
     slow.hold();
