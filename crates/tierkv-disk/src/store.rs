@@ -1436,15 +1436,22 @@ impl Shared {
         // is skipped; one still in flight from an earlier task is written again, and publishing
         // keeps the first.
         let mut writer = self.writer.lock();
+        // The segments of the task's keys already here stay while it makes room for the others
+        // (pinned until it is over): evicting one would drop a key this task reports stored.
+        let mut present = Pins { index: &self.index, segments: Vec::new() };
         let new: Vec<(&StoreItem, u64)> = {
-            let index = self.index.lock();
+            let mut index = self.index.lock();
             let mut batch = HashSet::with_capacity(items.len());
             items
                 .iter()
                 .zip(lens)
-                .filter(|(item, _)| {
-                    index.map.get(&item.key).is_none_or(|loc| !loc.verified)
-                        && batch.insert(item.key)
+                .filter(|(item, _)| match index.map.get(&item.key).copied() {
+                    Some(loc) if loc.verified => {
+                        index.segments[loc.segment as usize].pins += 1;
+                        present.segments.push(loc.segment);
+                        false
+                    }
+                    _ => batch.insert(item.key),
                 })
                 .collect()
         };

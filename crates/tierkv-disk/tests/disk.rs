@@ -651,6 +651,25 @@ fn segment_eviction_follows_the_policy_fed_one_use_per_hit() {
 }
 
 #[test]
+fn c5_a_store_task_never_evicts_its_own_keys_already_here() {
+    // One record per segment, LRU, the disk full: key 0's segment is the least recently used.
+    // A task of keys 0 (here already) and 10 (new) must make room for 10 without taking 0,
+    // which it reports stored: every key of a completed task is retrievable.
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), 4, 1);
+    let (mut h, _) = open(DiskStoreConfig { policy: PolicyKind::Lru, ..config });
+    for n in 0..4 {
+        h.store(&keys(n..n + 1)).unwrap();
+    }
+    let task = [key(0), key(10)];
+    h.store(&task).unwrap();
+    assert_eq!(h.lookup(&task).count_ones(), 2, "a key of the completed task was evicted");
+    h.assert_loads(&task);
+    h.tier.unlock(&task);
+    assert_eq!(h.lookup(&keys(1..2)).count_ones(), 0, "the next least recently used went");
+}
+
+#[test]
 fn a_chain_looked_up_root_first_loses_its_tail_segment_before_its_root() {
     // One record per segment, LRU over segments: keys 0, 1 and 2 (a chain, root first) fill
     // three sealed segments, 3 the open one. A lookup names the chain root first and touches it
