@@ -75,7 +75,7 @@ pub enum IoMode {
 pub(crate) struct SegmentFile {
     pub(crate) path: PathBuf,
     file: File,
-    map: OnceLock<io::Result<Mmap>>,
+    map: OnceLock<Mmap>,
 }
 
 #[cfg(test)]
@@ -260,18 +260,21 @@ impl SegmentFile {
     }
 
     /// A read-only mapping of the whole file, made on first use (of the file as long as it was
-    /// then: a file made longer later is read past the mapping with `read_at`).
+    /// then: a file made longer later is read past the mapping with `read_at`). A mapping that
+    /// fails (the address space or `vm.max_map_count` exhausted for a moment) is tried again at
+    /// the next use, not remembered as the file's for good.
     pub(crate) fn mapping(&self) -> io::Result<&Mmap> {
-        let map = self.map.get_or_init(|| {
-            // SAFETY: the mapping is only read; records are read only while their segment is
-            // pinned, so the store never rewrites a mapped range while it is being read. A
-            // truncation or I/O error by another party turns into SIGBUS, which is why this read
-            // mode is not the default.
-            let map = unsafe { Mmap::map(&self.file) }?;
-            let _ = map.advise(Advice::Sequential);
-            Ok(map)
-        });
-        map.as_ref().map_err(|e| io::Error::new(e.kind(), e.to_string()))
+        if let Some(map) = self.map.get() {
+            return Ok(map);
+        }
+        // SAFETY: the mapping is only read; records are read only while their segment is
+        // pinned, so the store never rewrites a mapped range while it is being read. A
+        // truncation or I/O error by another party turns into SIGBUS, which is why this read
+        // mode is not the default.
+        let map = unsafe { Mmap::map(&self.file) }?;
+        let _ = map.advise(Advice::Sequential);
+        // Another reader may have mapped the file meanwhile: its mapping is kept, this one goes.
+        Ok(self.map.get_or_init(|| map))
     }
 }
 
