@@ -98,6 +98,11 @@ impl Board {
         self.leaving.contains_key(key)
     }
 
+    /// Whether a lookup holds `key` here.
+    pub fn is_locked(&self, key: &ObjectKey) -> bool {
+        self.leaving.get(key).is_some_and(|entry| entry.locks > 0)
+    }
+
     /// Takes a lock on `key` if it is here; returns whether it was.
     pub fn lock(&mut self, key: &ObjectKey) -> bool {
         let Some(entry) = self.leaving.get_mut(key) else { return false };

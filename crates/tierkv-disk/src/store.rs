@@ -2221,7 +2221,9 @@ impl TierAdapter for DiskStore {
             let mut index = self.shared.index.lock();
             let mut board = self.shared.departures.lock();
             for key in keys {
-                if index.locks.contains_key(key) {
+                // Locked where the lookup found it, the index or the board (a copy on its way
+                // here that has landed since): a locked key is not deleted, in either place.
+                if index.locks.contains_key(key) || board.is_locked(key) {
                     continue;
                 }
                 // A key counts once, whether its record, its copy on its way here or both went.

@@ -1593,6 +1593,29 @@ fn a_closed_store_frees_its_directory_at_once_while_the_process_starts_children(
     assert!(refused.is_empty(), "{} reopens refused, first: {:?}", refused.len(), refused.first());
 }
 
+/// A lookup that locked a chunk on its way here holds it after its write lands too: a delete
+/// skips it (C3) rather than drop the record its lock is on.
+#[test]
+fn c3_a_key_locked_on_its_way_here_is_not_deleted_once_it_landed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, store) = open(config(dir.path(), 4, 2));
+    let on_its_way = store.depart(key(0), payload(&key(0), CHUNK).into());
+    assert_eq!(h.lookup(&[key(0)]).count_ones(), 1, "locked on its way");
+    let task = store.submit_store(vec![StoreItem { key: key(0), source: Box::new(on_its_way) }]);
+    drop(h.wait(task));
+    assert_eq!(store.usage().objects, 1, "landed");
+    assert_eq!(store.delete(&[key(0)]), 0, "a locked key is not deleted");
+    store.unlock(&[key(0)]);
+    assert_eq!(h.locks(), 0);
+    assert_eq!(h.present(&[key(0)]).count_ones(), 1);
+    h.assert_loads(&[key(0)]);
+    // Unlocked, it goes, and stays gone across a restart.
+    assert_eq!(store.delete(&[key(0)]), 1);
+    drop((h, store));
+    let (mut h, _store) = open(config(dir.path(), 4, 2));
+    assert_eq!(h.present(&[key(0)]).count_ones(), 0);
+}
+
 /// A chunk on its way to the disk (the cascade without an L2) is found, locked and loaded from
 /// its copy until the write's answer drops it, and after that from its record; a delete or a
 /// clear withdraws one still on its way, so its writer takes the record back.

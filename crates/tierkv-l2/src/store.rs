@@ -710,6 +710,11 @@ impl TierAdapter for HostStore {
         let mut board = self.shared.departures.lock();
         let mut deleted = 0;
         for key in keys {
+            // A key a lookup holds (here, or on the board) is not deleted in either place: its
+            // departure withdrawn while it stays here would leave the tiers disagreeing.
+            if index.map.get(key).is_some_and(Entry::held) || board.is_locked(key) {
+                continue;
+            }
             let mut gone = false;
             if index.map.get(key).is_some_and(Entry::evictable)
                 && let Some(entry) = index.map.remove(key)

@@ -610,6 +610,25 @@ fn a_delete_takes_a_key_from_its_slot_and_from_its_copy_on_its_way_alike() {
 }
 
 #[test]
+fn a_key_locked_in_its_slot_is_not_deleted_from_its_copy_on_its_way_either() {
+    // Stored again while its first copy is on its way down, then locked in its slot: a delete
+    // skips it (C3), in both places. Withdrawing the copy on its way while the slot stays
+    // would report it deleted and leave it served here.
+    let (mut h, on_their_way) = with_demoter(1);
+    h.store(&[key(0)]).unwrap();
+    h.store(&[key(1)]).unwrap(); // key 0 leaves
+    h.store(&[key(0)]).unwrap(); // stored again: key 1 leaves
+    assert_eq!(h.lookup(&[key(0)]).count_ones(), 1);
+    assert_eq!(h.tier.delete(&[key(0)]), 0, "a locked key is not deleted");
+    let withdrawn: Vec<(ObjectKey, bool)> =
+        on_their_way.lock().unwrap().iter().map(|d| (d.key(), d.withdrawn())).collect();
+    assert_eq!(withdrawn, [(key(0), false), (key(1), false)], "nothing was withdrawn");
+    h.tier.unlock(&[key(0)]);
+    assert_eq!(h.tier.delete(&[key(0)]), 1);
+    assert_eq!(h.present(&[key(0)]).count_ones(), 0);
+}
+
+#[test]
 fn a_chunk_leaving_again_before_it_landed_is_served_until_every_departure_landed() {
     let (mut h, on_their_way) = with_demoter(1);
     h.store(&[key(0)]).unwrap();
@@ -749,6 +768,12 @@ proptest! {
                     let unique: BTreeSet<u64> = ids.iter().copied().collect();
                     let mut expected = 0;
                     for i in &unique {
+                        // Locked in its slot or on its way: not deleted in either place.
+                        if resident.get(i).is_some_and(|locks| *locks > 0)
+                            || leaving.get(i).is_some_and(|l| l.locks > 0)
+                        {
+                            continue;
+                        }
                         let mut gone = false;
                         if resident.get(i) == Some(&0) {
                             resident.remove(i);
