@@ -525,7 +525,6 @@ impl TierAdapter for RemoteStore {
 
     fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
         let task = self.task();
-        let n = items.len();
         let shared = Arc::clone(&self.shared);
         let items = Arc::new(Mutex::new(Some(items)));
         let give_back = Arc::clone(&items);
@@ -534,10 +533,11 @@ impl TierAdapter for RemoteStore {
             let (loaded, sinks) = shared.load(sinks).await;
             Completion::Loaded { task, loaded, sinks }
         };
-        let failed = move || Completion::Loaded {
-            task,
-            loaded: Bitmap::new(n),
-            sinks: give_back.lock().take().unwrap_or_default(),
+        // One bit per sink handed back: none once the work has taken them (they dropped with
+        // its value tasks), all of them if it never started.
+        let failed = move || {
+            let sinks = give_back.lock().take().unwrap_or_default();
+            Completion::Loaded { task, loaded: Bitmap::new(sinks.len()), sinks }
         };
         self.spawn(work, failed);
         task
