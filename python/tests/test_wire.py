@@ -188,7 +188,7 @@ ERRORS = {
 
 
 def test_protocol_version_is_the_rust_one():
-    assert VECTORS["protocol_version"] == wire.PROTOCOL_VERSION == 5
+    assert VECTORS["protocol_version"] == wire.PROTOCOL_VERSION == 6
     assert _hello()["hello"]["version"] == wire.PROTOCOL_VERSION
     assert wire.hello()["hello"]["version"] == wire.PROTOCOL_VERSION
 

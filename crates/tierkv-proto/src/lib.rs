@@ -27,5 +27,8 @@ pub use message::{
 /// the daemon's copies wait for) and a retrieve's `done_event` (one it records after them).
 /// Version 5 sends a request's chunks flat: a lookup's ids as one `bin`, a store's and a
 /// retrieve's chunks as `{"ids": bin, "blocks": bin}` instead of a map per chunk, which cost
-/// the Python client about a microsecond a chunk to build and pack.
-pub const PROTOCOL_VERSION: u32 = 5;
+/// the Python client about a microsecond a chunk to build and pack. Version 6 added a lookup's
+/// `defer_prefetch`: a daemon of version 5 refuses the field (requests refuse unknown fields), so
+/// a client that may send it says so in its hello, and an older daemon refuses the session at
+/// once rather than every lookup of it.
+pub const PROTOCOL_VERSION: u32 = 6;

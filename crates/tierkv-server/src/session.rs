@@ -428,7 +428,8 @@ impl Session {
                      list; version 3 added flush, refusal reasons, per-tier hits of four tiers \
                      with the remote one, and a tier's degraded state; version 4 added a store's \
                      ready_event and a retrieve's done_event; version 5 sends a request's chunks \
-                     flat, ids in one bin and blocks in another; update the client)",
+                     flat, ids in one bin and blocks in another; version 6 added a lookup's \
+                     defer_prefetch; update the client)",
                     hello.version
                 ),
             );

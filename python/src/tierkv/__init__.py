@@ -2,7 +2,7 @@
 
 The daemon keeps LLM inference KV caches in tiers (device or host memory, a second memory tier,
 disk) on one node; engine workers talk to it over a Unix socket. This package is the pure-Python
-side of that protocol (version 5, ``docs/protocol.md``):
+side of that protocol (version 6, ``docs/protocol.md``):
 
 * :class:`Client`: a blocking session (hello, ``register_kv``, store, lookup, query, wait,
   retrieve, release, status, clear), every call under a deadline.

@@ -1,4 +1,4 @@
-"""The tierkv wire protocol (version 5): frames, request bodies and replies.
+"""The tierkv wire protocol (version 6): frames, request bodies and replies.
 
 A frame is a 4-byte little-endian body length followed by one MessagePack value. A request is
 ``{"id": u64, "body": RequestBody}``; the daemon answers each with ``{"id", "body": ReplyBody}``
@@ -75,7 +75,7 @@ __all__ = [
 ]
 
 #: The protocol version this package speaks; the daemon refuses a hello with another.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 #: Regions one ``register_kv`` may name (the daemon's limit, tierkv-proto's ``MAX_REGIONS``).
 MAX_REGIONS = 256

@@ -201,7 +201,7 @@ class WorkerSide:
             # runs the next step's plan while the last one computes) may still read these
             # blocks for the request that held them before. Without async scheduling the
             # stream is idle here and this costs nothing. (A retrieve carries no ready event
-            # in protocol 5; one would let the daemon wait on the GPU instead.)
+            # in protocol 6; one would let the daemon wait on the GPU instead.)
             torch.cuda.current_stream().synchronize()
         for op in meta.loads:
             self.guard.run(
