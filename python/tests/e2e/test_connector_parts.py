@@ -740,3 +740,45 @@ def test_e12_no_ranks_prefetch_evicts_the_l1_hits_another_ranks_lookup_leases(
         for buffer in buffers:
             buffer.close()
         daemon.stop()
+
+
+def test_kv_another_request_computed_over_a_failed_load_is_never_stored(tmp_path: Path) -> None:
+    """Async scheduling: R's load into blocks 10-11 is planned in one step; in the next, before
+    vLLM hears that it failed, R2 (sharing 10-11 through vLLM's prefix cache) computes block
+    12 over them. vLLM then recomputes R, whose rewrite clears 10, but keeps R2's block 12 as
+    it is: a store reading or writing 12 would put KV computed over unwritten blocks in tierkv
+    under valid ids."""
+    from tierkv.vllm.plan import StoreOp
+    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+
+    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+    try:
+        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
+        reader = scheduler._state(_plain_request("R2", list(range(100))))  # noqa: SLF001
+        loader.block_ids, reader.block_ids = [10, 11], [10, 11, 12, 13]
+        chunk0, chunk1 = reader.chunks[:2]
+        # Step 1: R's load of its first chunk; it computes a token past it.
+        step = TierKVMetadata(loads=[LoadOp("R", [1], [(chunk0, [10, 11])])])
+        scheduler._after_loads(step, [Scheduled("R", [10, 11], True, 32, 1)])  # noqa: SLF001
+        # Step 2, planned before step 1's outcome: R2 computes block 12 over 10-11.
+        scheduler._after_loads(  # noqa: SLF001
+            TierKVMetadata(), [Scheduled("R2", [10, 11, 12, 13], True, 32, 16)]
+        )
+        # Step 1's outcome: block 10 was never written.
+        scheduler.update_connector_output({10})
+        # Step 3: R computes its blocks again; R2 completes its second chunk and would store it.
+        reader.stored = 1
+        scheduled = [
+            Scheduled("R", [], False, 0, 32),
+            Scheduled("R2", [], False, 48, 16),
+        ]
+        store = StoreOp("R2", [(chunk1, [12, 13])])
+        meta = scheduler._untainted(  # noqa: SLF001
+            scheduler._after_loads(TierKVMetadata(stores=[store]), scheduled),  # noqa: SLF001
+            scheduled,
+        )
+        assert 10 not in scheduler.tainted, "R rewrote it whole"
+        assert meta.stores[0].chunks == [], "R2's KV over the failed load was stored"
+    finally:
+        scheduler.shutdown()

@@ -183,6 +183,10 @@ class SchedulerSide:
         #: such blocks went to): the step that planned it and the requests whose loads they
         #: depend on. A store of KV computed over them waits on those loads (``StoreOp.after``).
         self.fresh: dict[int, tuple[int, frozenset[str]]] = {}
+        #: Of those, the blocks a request computed over a freshly loaded one (rather than the
+        #: loaded blocks themselves), and the loads they depend on: if one of those loads is
+        #: reported failed, they hold KV computed over unwritten blocks.
+        self.derived: dict[int, tuple[int, frozenset[str]]] = {}
         #: Blocks vLLM reported unwritten (a failed load's) and nobody wrote since. Under the
         #: recompute policy vLLM keeps them in its prefix cache until a request computes into
         #: them again, so KV computed over them can come any number of steps later: a store
@@ -240,15 +244,29 @@ class SchedulerSide:
             lambda: self._build(meta, out, promised),
             lambda _e: self._settle(meta, scheduled_requests(out), promised),
         )
+        scheduled = scheduled_requests(out)
         return self.guard.run(
             "finding what the step's stores were computed over (its stores are dropped)",
-            lambda: self._untainted(self._after_loads(meta), scheduled_requests(out)),
+            lambda: self._untainted(self._after_loads(meta, scheduled), scheduled),
             lambda _e: self._drop_stores(meta),
         )
 
     def update_connector_output(self, invalid_block_ids: set[int]) -> None:
-        """Remembers the blocks vLLM reports unwritten (a load's that failed)."""
+        """Remembers the blocks vLLM reports unwritten (a load's that failed), and the blocks
+        computed over fresh loads before the report came, by every request that read one of the
+        failed loads' blocks: vLLM recomputes the loading request, but keeps another request's
+        blocks computed over them as they are (they stay in its prefix cache, never written
+        again), so whatever reads them is never stored."""
         self.tainted |= invalid_block_ids
+        failed: set[str] = set()
+        for block in invalid_block_ids:
+            made = self.fresh.get(block)
+            if made is not None:
+                failed |= made[1]
+        if failed:
+            self.tainted.update(
+                block for block, (_, loads) in self.derived.items() if not loads.isdisjoint(failed)
+            )
 
     def request_finished(self, request: Request) -> bool:
         """Returns the request's leases; whether its blocks wait for the workers to report it
@@ -396,7 +414,7 @@ class SchedulerSide:
             )
         return self._settle(meta, scheduled, promised)
 
-    def _after_loads(self, meta: TierKVMetadata) -> TierKVMetadata:
+    def _after_loads(self, meta: TierKVMetadata, scheduled: list[Scheduled]) -> TierKVMetadata:
         """Names, in each store of ``meta``, the loads whose blocks its KV was computed over.
 
         A load that fails leaves its blocks unwritten, and vLLM learns of it only after the
@@ -407,6 +425,7 @@ class SchedulerSide:
         self.steps += 1
         step = self.steps
         self.fresh = {b: made for b, made in self.fresh.items() if made[0] >= step - 1}
+        self.derived = {b: made for b, made in self.derived.items() if made[0] >= step - 1}
         for op in meta.loads:
             loader = (step, frozenset((op.req_id,)))
             self.fresh.update((b, loader) for _, held in op.chunks for b in held)
@@ -414,6 +433,23 @@ class SchedulerSide:
             self.fresh.update((b, (step, frozenset((req_id,)))) for b in blocks)
         if not self.fresh:
             return meta
+        # Every block computed this step over a fresh one (a request's own load, or another's
+        # block through vLLM's prefix cache) depends on its load.
+        for request in scheduled:
+            state = self.requests.get(request.req_id)
+            if state is None:
+                continue
+            first = -(-request.computed // self.block_size)
+            end = -(-(request.computed + request.scheduled) // self.block_size)
+            loads: frozenset[str] = frozenset()
+            for block in state.block_ids[:first]:
+                made = self.fresh.get(block)
+                if made is not None:
+                    loads |= made[1]
+            if loads:
+                for block in state.block_ids[first:end]:
+                    earlier = self.derived.get(block, (step, frozenset()))[1]
+                    self.derived[block] = (step, earlier | loads)
         per = self.settings.chunk_blocks
         for op in meta.stores:
             state = self.requests.get(op.req_id)
