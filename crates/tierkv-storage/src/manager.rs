@@ -502,12 +502,10 @@ impl StorageManager {
         keys: &[ObjectKey],
         layout: &Layout,
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
-        self.check(owner)?;
         let l1 = &self.inner.l1;
         let queue = self.inner.store.queue();
         let mut seen = queue.progress();
-        let mut results =
-            l1.reserve_write(owner, keys, layout, WriteMode::Create, Lifetime::Cached)?;
+        let mut results = self.reserve_write_now(owner, keys, layout)?;
         let deadline = deadline_after(Instant::now(), self.inner.config.store_backpressure);
         // Reservations go root first and stop at the first key without room: retry from it.
         while let Some(first) = results.iter().position(|r| r == &Err(KeyError::OutOfMemory)) {

@@ -436,18 +436,17 @@ class SchedulerSide:
         # Every block computed this step over a fresh one (a request's own load, or another's
         # block through vLLM's prefix cache) depends on its load.
         for request in scheduled:
-            state = self.requests.get(request.req_id)
-            if state is None:
+            blocks = self._computing(request)
+            if blocks is None:
                 continue
-            first = -(-request.computed // self.block_size)
-            end = -(-(request.computed + request.scheduled) // self.block_size)
+            read, written = blocks
             loads: frozenset[str] = frozenset()
-            for block in state.block_ids[:first]:
+            for block in read:
                 made = self.fresh.get(block)
                 if made is not None:
                     loads |= made[1]
             if loads:
-                for block in state.block_ids[first:end]:
+                for block in written:
                     earlier = self.derived.get(block, (step, frozenset()))[1]
                     self.derived[block] = (step, earlier | loads)
         per = self.settings.chunk_blocks
@@ -468,6 +467,17 @@ class SchedulerSide:
                         self.fresh.setdefault(block, made)
         return meta
 
+    def _computing(self, request: Scheduled) -> tuple[list[int], list[int]] | None:
+        """The blocks a scheduled request's step reads (those before its first new token; the
+        one holding its last computed token may be half written, so it is read) and those it
+        writes whole; ``None`` for a request the scheduler half does not know."""
+        state = self.requests.get(request.req_id)
+        if state is None:
+            return None
+        first = -(-request.computed // self.block_size)
+        end = -(-(request.computed + request.scheduled) // self.block_size)
+        return state.block_ids[:first], state.block_ids[first:end]
+
     def _untainted(self, meta: TierKVMetadata, scheduled: list[Scheduled]) -> TierKVMetadata:
         """Forgets the tainted blocks this step writes whole over untainted ones (a request
         computing into them, or a load filling them: one that fails is reported again), then
@@ -477,14 +487,9 @@ class SchedulerSide:
         for op in meta.loads:
             self.tainted.difference_update(b for _, held in op.chunks for b in held)
         for request in scheduled:
-            state = self.requests.get(request.req_id)
-            if state is None:
-                continue
-            # The block that holds the last computed token may be half written: it is read.
-            first = -(-request.computed // self.block_size)
-            end = -(-(request.computed + request.scheduled) // self.block_size)
-            if self.tainted.isdisjoint(state.block_ids[:first]):
-                self.tainted.difference_update(state.block_ids[first:end])
+            blocks = self._computing(request)
+            if blocks is not None and self.tainted.isdisjoint(blocks[0]):
+                self.tainted.difference_update(blocks[1])
         per = self.settings.chunk_blocks
         for op in meta.stores:
             state = self.requests.get(op.req_id)
