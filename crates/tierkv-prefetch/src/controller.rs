@@ -885,7 +885,8 @@ impl Worker {
             .enumerate()
             .map(|(g, group)| (0..group.keys.len()).map(|i| leased_now.contains(&(g, i))).collect())
             .collect();
-        self.shared.metrics.finished((leased_now.len() + below_now.len()) as u64);
+        // Promoted into L1: the chunks of the hit left in their tier are read from there.
+        self.shared.metrics.finished(leased_now.len() as u64);
         let mut per_tier = vec![0; self.router.len()];
         for at in leased_now.iter().chain(&below_now) {
             if let Some(tier) = active.source.get(at).and_then(|t| per_tier.get_mut(*t)) {

@@ -595,6 +595,38 @@ fn a_request_a_tier_never_answers_is_given_up_and_its_locks_come_back_when_it_do
 }
 
 #[test]
+fn the_loaded_chunks_counter_counts_promotions_not_chunks_held_below() {
+    // tierkv_prefetch_loaded_chunks_total: "chunks promoted from a lower tier into an L1 lease".
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (rig, fake) = metrics::with_local_recorder(&recorder, || {
+        let fake = fake_holding("fake", keys(0..4));
+        (rig_with(vec![fake.clone()], vec![], PrefetchConfig::default()), fake)
+    });
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let mut below = PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), keys(0..2));
+    below.max_promoted = 0;
+    let held = rig.prefetch.submit(below).unwrap();
+    let held = rig.prefetch.wait(held, WAIT).unwrap();
+    assert_eq!(held.below.as_ref().map(|b| b.len()), Some(2));
+    let promoted = PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout, keys(2..4));
+    let promoted = rig.prefetch.submit(promoted).unwrap();
+    assert_eq!(rig.prefetch.wait(promoted, WAIT).unwrap().hit_chunks, 2);
+    let counted: u64 = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(k, ..)| k.key().name() == "tierkv_prefetch_loaded_chunks_total")
+        .map(|(.., v)| match v {
+            metrics_util::debugging::DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(counted, 2, "the two held below are not promotions");
+    drop((held, fake));
+}
+
+#[test]
 fn a_tier_that_panics_taking_a_load_of_a_chunk_held_below_fails_each_reader_at_once() {
     let fake = fake_holding("fake", keys(0..2));
     let rig = rig_with(vec![fake.clone()], vec![], PrefetchConfig::default());

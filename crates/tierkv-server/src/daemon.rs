@@ -3,7 +3,7 @@
 //! returned, the pipelines drained and the disk tier synced, the socket file removed.
 
 use std::net::SocketAddr;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -428,8 +428,20 @@ fn bind_unix(path: &Path, group: Option<u32>) -> Result<UnixListener, ServeError
         std::os::unix::fs::lchown(path, None, Some(gid)).map_err(listen)?;
     }
     let mode = if group.is_some() { 0o660 } else { 0o600 };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(listen)?;
+    chmod_no_follow(path, mode).map_err(listen)?;
     Ok(listener)
+}
+
+/// Sets `path`'s mode without following a symlink, as `lchown` does: a path swapped for a
+/// symlink since the bind (in a directory others may write) is refused, not the file it points
+/// to chmodded.
+fn chmod_no_follow(path: &Path, mode: libc::mode_t) -> std::io::Result<()> {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: a NUL-terminated path and plain flags; fchmodat only reads them.
+    let changed =
+        unsafe { libc::fchmodat(libc::AT_FDCWD, c_path.as_ptr(), mode, libc::AT_SYMLINK_NOFOLLOW) };
+    if changed == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
 }
 
 async fn serve_connection(
@@ -584,6 +596,23 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
 
     use super::*;
+
+    #[test]
+    fn the_sockets_mode_is_set_on_the_path_itself_never_through_a_symlink() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("someone-elses");
+        std::fs::write(&target, b"").unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let link = dir.path().join("tierkv.sock");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(chmod_no_follow(&link, 0o600).is_err(), "a symlink is refused");
+        let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644, "the file it points to is untouched");
+        chmod_no_follow(&target, 0o600).unwrap();
+        let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
 
     #[test]
     fn a_stopping_daemon_removes_its_own_socket_and_not_one_bound_since() {
