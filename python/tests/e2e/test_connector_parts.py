@@ -782,3 +782,42 @@ def test_kv_another_request_computed_over_a_failed_load_is_never_stored(tmp_path
         assert meta.stores[0].chunks == [], "R2's KV over the failed load was stored"
     finally:
         scheduler.shutdown()
+
+
+def test_a_release_that_finds_its_session_busy_is_tried_again(tmp_path: Path) -> None:
+    """The release thread shares each rank's session with the scheduler thread. A release that
+    waits past its deadline for the scheduler's call (ClientBusy) is tried again once the
+    session is free, rather than leave the lease held until its deadline (30 s)."""
+    from tierkv.vllm.scheduler import SchedulerSide
+
+    daemon = start_daemon(tmp_path / "daemon")
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 0.5, "chunk_blocks": 2}
+    )
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+    watcher = daemon.admin()
+
+    def open_lookups() -> int:
+        sessions = watcher.status()["sessions"]
+        return sum(s["open_lookups"] for s in sessions if s["role"] == "worker")
+
+    try:
+        link = scheduler.links[0]
+        client = link.call(lambda c: c)
+        lookup = client.lookup(0, [12345]).lookup
+        assert open_lookups() == 1
+        # The scheduler thread's call holds the session past the release's deadline.
+        client._lock.acquire()  # noqa: SLF001 (standing in for a call in flight)
+        try:
+            scheduler.releases.put((link, link.generation, lookup))
+            time.sleep(1.0)
+        finally:
+            client._lock.release()  # noqa: SLF001
+        deadline = time.monotonic() + 5
+        while open_lookups() != 0:
+            assert time.monotonic() < deadline, "the release was dropped"
+            time.sleep(0.05)
+    finally:
+        watcher.close()
+        scheduler.shutdown()
+        daemon.stop()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tierkv import wire
-from tierkv.errors import DaemonError
+from tierkv.errors import ClientBusy, DaemonError
 from tierkv.hashing import ROOT, chain
 from tierkv.vllm.guard import Guard, nothing
 from tierkv.vllm.link import Link, Unavailable
@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+#: How long a release that found its session busy waits before it is tried again, and how many
+#: times: the session, and the lease, are still there, and would otherwise be held until the
+#: lease's deadline.
+_RELEASE_RETRY_S = 0.2
+_RELEASE_TRIES = 3
 
 
 @dataclass
@@ -680,22 +686,44 @@ class SchedulerSide:
 
     def _release_in_background(self) -> None:
         """Returns leases off the scheduler's loop: a release is needed only where a lookup was
-        not (entirely) consumed by the workers' retrieves, and vLLM should not wait for it."""
+        not (entirely) consumed by the workers' retrieves, and vLLM should not wait for it. One
+        that found the session busy with the scheduler thread's call is tried again a little
+        later (a few times), since the session, and the lease, are still there."""
+        again: list[tuple[Link, int, int, int]] = []
         while True:
-            item = self.releases.get()
+            if again:
+                try:
+                    item = self.releases.get(timeout=_RELEASE_RETRY_S)
+                except queue.Empty:
+                    self._release_one(*again.pop(0), again)
+                    continue
+            else:
+                item = self.releases.get()
             if item is None:
                 return
-            link, generation, lookup = item
-            if link.generation != generation:
-                continue  # a lookup of a session that is gone: the daemon returned it already
-            # Already consumed by the retrieves, expired, or the daemon is gone: nothing to return.
-            # Nothing may end this thread but shutdown, or later leases would wait for the TTL.
-            try:
-                link.call(lambda c, lookup=lookup: c.release(lookup))
-            except (Unavailable, DaemonError):
-                pass
-            except Exception:
-                log.warning("tierkv: release of lookup %d failed", lookup, exc_info=True)
+            self._release_one(*item, 0, again)
+
+    def _release_one(
+        self,
+        link: Link,
+        generation: int,
+        lookup: int,
+        tries: int,
+        again: list[tuple[Link, int, int, int]],
+    ) -> None:
+        if link.generation != generation:
+            return  # a lookup of a session that is gone: the daemon returned it already
+        # Already consumed by the retrieves, expired, or the daemon is gone: nothing to return.
+        # Nothing may end the thread but shutdown, or later leases would wait for the TTL.
+        try:
+            link.call(lambda c: c.release(lookup))
+        except Unavailable as e:
+            if isinstance(e.__cause__, ClientBusy) and tries < _RELEASE_TRIES:
+                again.append((link, generation, lookup, tries + 1))
+        except DaemonError:
+            pass
+        except Exception:
+            log.warning("tierkv: release of lookup %d failed", lookup, exc_info=True)
 
 
 def namespace_of(vllm_config: Any, settings: Settings, block_size: int | None = None) -> str:
