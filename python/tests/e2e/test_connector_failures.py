@@ -305,3 +305,20 @@ def test_a_store_over_blocks_a_failed_load_left_unwritten_is_dropped_however_lat
     assert [len(op.chunks) for op in meta.stores if op.req_id == "c"] == [3]
     worker.wait_for_save(meta)
     assert worker.stored_chunks == before + 3
+
+
+def test_a_request_preempted_and_resumed_in_one_step_still_loads(halves: Halves) -> None:
+    # vLLM's reset of its prefix cache (reset_running_requests) preempts every running request
+    # outside a schedule and resumes them in the next step, whose output names them preempted
+    # too: the resumed request's new lookup and load must survive that report.
+    r = _hit(halves, "r")
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    halves.step([(r, [4, 5, 6, 7], 3 * BLOCK, 1)])
+    assert halves.worker.take_load_errors() == set()
+    r.num_preemptions += 1  # as vLLM's _preempt_request does
+    assert halves.matched(r) == 3 * BLOCK
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK)
+    meta = halves.step([(r, [8, 9, 10, 11], 3 * BLOCK, 1)], preempted=("r",))
+    assert [len(op.chunks) for op in meta.loads] == [3] and not meta.unloadable
+    assert halves.worker.take_load_errors() == set()
+    assert halves.holds([8, 9, 10], like=[0, 1, 2])

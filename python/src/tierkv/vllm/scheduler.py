@@ -70,6 +70,8 @@ class _Request:
     missed_at: float = 0.0
     #: The first chunk that lookup missed: this engine's store of it ends the kept miss.
     missing: int | None = None
+    #: vLLM's count of the request's preemptions, as of the last one settled here.
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,9 @@ class SchedulerSide:
         #: fail, so that the step's metadata loads them or reports their blocks.
         self.promised: dict[str, int] = {}
         self.guard = Guard(log)
+        #: Requests whose preemption was settled when they were looked up again, before the
+        #: step that reports it (which then leaves them alone).
+        self.settled_preemptions: set[str] = set()
         #: Requests with a kept miss, by the first chunk their lookup missed.
         self.waiting_on: dict[int, set[str]] = {}
         self.releases: queue.SimpleQueue[tuple[Link, int, int] | None] = queue.SimpleQueue()
@@ -303,6 +308,15 @@ class SchedulerSide:
     def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         state = self._state(request)
+        preemptions = getattr(request, "num_preemptions", 0)
+        if preemptions != state.preemptions:
+            # Preempted since it was last planned, and resumed before the step that reports
+            # the preemption (vLLM's reset of its prefix cache preempts every running request
+            # outside a schedule and resumes them in the next): settled now, so that this
+            # lookup is a new one and the step's report of the preemption leaves it alone.
+            self._preempted(req_id)
+            state.preemptions = preemptions
+            self.settled_preemptions.add(req_id)
         if state.lookup_chunks == 0 or num_computed_tokens % self.chunk_tokens:
             return 0, False
         if self._miss_holds(req_id, state, num_computed_tokens):
@@ -402,7 +416,10 @@ class SchedulerSide:
     def _build(
         self, meta: TierKVMetadata, out: SchedulerOutput, promised: dict[str, int]
     ) -> TierKVMetadata:
+        settled, self.settled_preemptions = self.settled_preemptions, set()
         for req_id in meta.preempted:
+            if req_id in settled:
+                continue
             self.guard.run(
                 "returning a preempted request's leases",
                 lambda req_id=req_id: self._preempted(req_id),
