@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tierkv import Client, wire
@@ -104,6 +106,22 @@ def engine_config(socket_path: Path, disk: Path, extra: str = "", **kw: str) -> 
 def cuda_config(socket_path: Path, disk: Path, extra: str = "") -> str:
     """:func:`engine_config` with L1 on GPU 0 and L2 in pinned host memory: the GPU tests."""
     return engine_config(socket_path, disk, extra, device="cuda", l2_memory="pinned")
+
+
+def in_background(call: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
+    """Runs ``call`` on a thread of its own, started; what it raised, if anything, lands in the
+    list (a test checks it after joining the thread)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 (what it raised is the test's to check)
+            raised.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, raised
 
 
 def free_port() -> int:

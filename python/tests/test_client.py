@@ -17,7 +17,7 @@ import warnings
 
 import msgpack
 import pytest
-from daemon import Daemon, admin_hello, config, free_port
+from daemon import Daemon, admin_hello, config, free_port, in_background
 
 from tierkv import (
     BadBuffer,
@@ -312,15 +312,7 @@ def test_a_registration_may_take_longer_than_the_clients_deadline(daemon, buf):
     resumer = threading.Timer(0.8, daemon.resume)
     resumer.start()
     try:
-        layout = KvLayout(
-            blocks=buf.blocks,
-            block_bytes=buf.block_bytes,
-            block_stride=buf.block_bytes,
-            blocks_per_chunk=1,
-            segments=[Segment(region=0, offset=0)],
-        )
-        region = MemfdRegion(bytes=buf.block_bytes * buf.blocks)
-        assert client.register_kv([(region, buf.fd)], layout, timeout=5.0) == 0
+        assert client.register_buffer(buf, timeout=5.0) == 0
     finally:
         resumer.join()
     assert not client.closed
@@ -418,17 +410,9 @@ def test_a_call_behind_another_threads_call_keeps_its_own_deadline(daemon):
     then ``ClientBusy``, nothing sent, and the client stays open for the other call."""
     client = connect(daemon, timeout=0.5)
     daemon.pause()
-    outcome: list[BaseException] = []
-
-    def long_wait() -> None:
-        try:
-            client.wait(12345, 2.0)  # its deadline: 0.5 s more than the wait's 2 s
-        except BaseException as e:  # noqa: BLE001 (what it raised is the test's to check)
-            outcome.append(e)
-
-    waiter = threading.Thread(target=long_wait)
+    # Its deadline: 0.5 s more than the wait's 2 s.
+    waiter, outcome = in_background(lambda: client.wait(12345, 2.0))
     try:
-        waiter.start()
         time.sleep(0.1)
         start = time.monotonic()
         with pytest.raises(ClientBusy):

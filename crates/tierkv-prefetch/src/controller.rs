@@ -782,7 +782,10 @@ impl Worker {
         active.source.retain(|at, _| active.reserved.contains_key(at) || active.below.contains(at));
         self.unlock_all_but_sources(&mut active);
         // The entry says what is still held: a panic from here on returns only that.
-        self.active.insert(id, active.clone());
+        if let Some(entry) = self.active.get_mut(&id) {
+            entry.locked.clone_from(&active.locked);
+            entry.reserved.clone_from(&active.reserved);
+        }
 
         // Load, tier by tier, into the reserved slots.
         let mut waiting = 0;

@@ -254,6 +254,7 @@ impl StorePipeline {
             demoted_bytes: Arc::clone(&queue.demoted_bytes),
             metrics,
             timeout,
+            next_late_check: Instant::now(),
         };
         let halt = Arc::clone(&stop);
         let leftovers = inbox.clone();
@@ -346,6 +347,9 @@ struct Worker {
     metrics: Arc<StorageMetrics>,
     /// How long a batch may wait for its tiers' answers (`StorageConfig::store_timeout`).
     timeout: Duration,
+    /// When the batches are next looked over for that: a few times a timeout (at most a
+    /// second apart), not after every job and answer.
+    next_late_check: Instant,
 }
 
 impl Worker {
@@ -702,6 +706,11 @@ impl Worker {
     /// the rest not, its shares returned. Its copies' sources (and their pins on the L1 slots)
     /// go back when the tier answers at last.
     fn give_up_late(&mut self) {
+        let now = Instant::now();
+        if now < self.next_late_check {
+            return;
+        }
+        self.next_late_check = now + (self.timeout / 4).min(Duration::from_secs(1));
         let late: Vec<u64> = self
             .batches
             .iter()

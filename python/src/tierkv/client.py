@@ -268,9 +268,10 @@ class Client:
         body = wire.register_kv([r for r, _ in regions], layout)
         return self._expect(BufferRegistered, body, fds=fds, timeout=timeout).buffer
 
-    def register_buffer(self, buf: SharedBuffer) -> int:
+    def register_buffer(self, buf: SharedBuffer, timeout: float | None = None) -> int:
         """Registers a :class:`~tierkv.shm.SharedBuffer` whose every block is one chunk (its
-        ``block_bytes`` must be the session's ``chunk_bytes``). Returns the buffer's number."""
+        ``block_bytes`` must be the session's ``chunk_bytes``). Returns the buffer's number;
+        ``timeout`` as in :meth:`register_kv`."""
         layout = KvLayout(
             blocks=buf.blocks,
             block_bytes=buf.block_bytes,
@@ -278,7 +279,7 @@ class Client:
             blocks_per_chunk=1,
             segments=[Segment(region=0, offset=0)],
         )
-        return self.register_kv([(MemfdRegion(bytes=buf.nbytes), buf.fd)], layout)
+        return self.register_kv([(MemfdRegion(bytes=buf.nbytes), buf.fd)], layout, timeout)
 
     def store(
         self,

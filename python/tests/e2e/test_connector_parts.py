@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon import config
+from daemon import config, in_background
 from harness import start_daemon
 
 from tierkv import wire
@@ -202,17 +202,8 @@ def test_a_link_call_behind_another_threads_keeps_its_deadline_and_the_session(
         link.call(lambda c: c.status())
         generation = link.generation
         daemon.pause()
-        outcome: list[BaseException] = []
-
-        def long_wait() -> None:
-            try:
-                link.call(lambda c: c.wait(1, 2.0))
-            except BaseException as e:  # noqa: BLE001 (what it raised is the test's to check)
-                outcome.append(e)
-
-        waiter = threading.Thread(target=long_wait)
+        waiter, outcome = in_background(lambda: link.call(lambda c: c.wait(1, 2.0)))
         try:
-            waiter.start()
             time.sleep(0.1)
             start = time.monotonic()
             with pytest.raises(Unavailable, match="kept it past"):

@@ -32,6 +32,8 @@ from tierkv.vllm.link import Link, Unavailable
 from tierkv.vllm.plan import ChunkBlocks, LoadOp, Settings, StoreOp, TierKVMetadata
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -269,11 +271,7 @@ class SchedulerSide:
         blocks computed over them as they are (they stay in its prefix cache, never written
         again), so whatever reads them is never stored."""
         self.tainted |= invalid_block_ids
-        failed: set[str] = set()
-        for block in invalid_block_ids:
-            made = self.fresh.get(block)
-            if made is not None:
-                failed |= made[1]
+        failed = self._fresh_loads(invalid_block_ids)
         if failed:
             self.tainted.update(
                 block for block, (_, loads) in self.derived.items() if not loads.isdisjoint(failed)
@@ -463,11 +461,7 @@ class SchedulerSide:
             if blocks is None:
                 continue
             read, written = blocks
-            loads: frozenset[str] = frozenset()
-            for block in read:
-                made = self.fresh.get(block)
-                if made is not None:
-                    loads |= made[1]
+            loads = self._fresh_loads(read)
             if loads:
                 for block in written:
                     earlier = self.derived.get(block, (step, frozenset()))[1]
@@ -476,19 +470,24 @@ class SchedulerSide:
         for op in meta.stores:
             state = self.requests.get(op.req_id)
             read = state.block_ids[: state.stored * per] if state is not None else []
-            after: set[str] = set()
-            for block in read + [b for _, held in op.chunks for b in held]:
-                made = self.fresh.get(block)
-                if made is not None:
-                    after |= made[1]
+            after = self._fresh_loads(read + [b for _, held in op.chunks for b in held])
             if after:
                 op.after = sorted(after)
                 # What it computed is as good as those loads, for whoever reads it next.
-                made = (step, frozenset(after))
+                made = (step, after)
                 for _, held in op.chunks:
                     for block in held:
                         self.fresh.setdefault(block, made)
         return meta
+
+    def _fresh_loads(self, blocks: Iterable[int]) -> frozenset[str]:
+        """The requests whose loads (of this step or the last) ``blocks`` depend on."""
+        loads: frozenset[str] = frozenset()
+        for block in blocks:
+            made = self.fresh.get(block)
+            if made is not None:
+                loads |= made[1]
+        return loads
 
     def _computing(self, request: Scheduled) -> tuple[list[int], list[int]] | None:
         """The blocks a scheduled request's step reads (those before its first new token; the
