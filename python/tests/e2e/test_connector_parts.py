@@ -733,6 +733,59 @@ def test_e12_no_ranks_prefetch_evicts_the_l1_hits_another_ranks_lookup_leases(
         daemon.stop()
 
 
+def test_a_prefix_vllm_holds_whole_is_not_looked_up(tmp_path: Path) -> None:
+    """vLLM's prefix cache holds every chunk of a request a lookup could find; tierkv holds
+    them below L1. No hit can pass what vLLM has, so nothing is looked up: a lookup would
+    prefetch them into L1 (evicting the chunks there) and keep the request waiting a step for
+    blocks vLLM never reads."""
+
+    from tierkv import SharedBuffer
+    from tierkv.vllm.scheduler import SchedulerSide
+
+    daemon = start_daemon(tmp_path / "daemon", make_config=_four_slot_config)
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 5.0, "chunk_blocks": 2}
+    )
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+    request = _plain_request("r", list(range(100)))
+    state = scheduler._state(request)  # noqa: SLF001
+    others = scheduler._state(_plain_request("o", list(range(1000, 1200))))  # noqa: SLF001
+    buffer = SharedBuffer(4096, 4, name="tierkv-rank0")
+    client = daemon.connect(
+        wire.hello(
+            rank=0,
+            tp_size=1,
+            world_size=1,
+            namespaces=[("m", "")],
+            chunk_bytes=4096,
+            chunk_tokens=32,
+        )
+    )
+    number = client.register_buffer(buffer)
+    try:
+        assert state.lookup_chunks == 3
+        stored = client.store(0, number, [(c, i) for i, c in enumerate(state.chunks[:3])])
+        assert stored.stored == 3
+        # Four other chunks fill L1 and push the request's three down to L2.
+        fill = [(c, i) for i, c in enumerate(others.chunks[:4])]
+        assert client.store(0, number, fill).stored == 4
+        daemon.eventually(
+            "the request's chunks in L2, the others in L1",
+            lambda s: s["tiers"][1]["objects"] == 3 and s["tiers"][0]["objects"] == 4,
+        )
+        before = daemon.status()["lookups"]
+        assert scheduler.get_num_new_matched_tokens(request, 3 * 32) == (0, False)
+        report = daemon.settled()
+        assert report["lookups"] == before and report["open_lookups"] == 0, "nothing looked up"
+        assert [t["objects"] for t in report["tiers"][:2]] == [4, 3], "nothing loaded into L1"
+        # One chunk fewer computed by vLLM, and the lookup is made: the third chunk can pass it.
+        assert scheduler.get_num_new_matched_tokens(request, 2 * 32) in ((None, False), (32, False))
+    finally:
+        scheduler.shutdown()
+        buffer.close()
+        daemon.stop()
+
+
 def test_kv_another_request_computed_over_a_failed_load_is_never_stored(tmp_path: Path) -> None:
     """Async scheduling: R's load into blocks 10-11 is planned in one step; in the next, before
     vLLM hears that it failed, R2 (sharing 10-11 through vLLM's prefix cache) computes block

@@ -317,6 +317,12 @@ class SchedulerSide:
             self.settled_preemptions.add(req_id)
         if state.lookup_chunks == 0 or num_computed_tokens % self.chunk_tokens:
             return 0, False
+        if num_computed_tokens >= state.lookup_chunks * self.chunk_tokens:
+            # vLLM's own prefix cache holds every chunk a lookup could find: no hit can pass it,
+            # and a lookup would only prefetch what vLLM never reads (a step's wait, and L1
+            # slots taken from other prefixes).
+            self._release(state)
+            return 0, False
         if self._miss_holds(req_id, state, num_computed_tokens):
             return 0, False
         hit = self._hit(state)
