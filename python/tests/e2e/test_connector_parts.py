@@ -733,11 +733,12 @@ def test_e12_no_ranks_prefetch_evicts_the_l1_hits_another_ranks_lookup_leases(
         daemon.stop()
 
 
-def test_a_prefix_vllm_holds_whole_is_not_looked_up(tmp_path: Path) -> None:
+def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
     """vLLM's prefix cache holds every chunk of a request a lookup could find; tierkv holds
     them below L1. No hit can pass what vLLM has, so nothing is looked up: a lookup would
     prefetch them into L1 (evicting the chunks there) and keep the request waiting a step for
-    blocks vLLM never reads."""
+    blocks vLLM never reads. Where vLLM holds the first chunks only, the lookup starts after
+    them."""
 
     from tierkv import SharedBuffer
     from tierkv.vllm.scheduler import SchedulerSide
@@ -778,8 +779,16 @@ def test_a_prefix_vllm_holds_whole_is_not_looked_up(tmp_path: Path) -> None:
         report = daemon.settled()
         assert report["lookups"] == before and report["open_lookups"] == 0, "nothing looked up"
         assert [t["objects"] for t in report["tiers"][:2]] == [4, 3], "nothing loaded into L1"
-        # One chunk fewer computed by vLLM, and the lookup is made: the third chunk can pass it.
-        assert scheduler.get_num_new_matched_tokens(request, 2 * 32) in ((None, False), (32, False))
+        # vLLM holds the first chunk only: the lookup asks for the other two, and prefetches
+        # and leases only those.
+        deadline = time.monotonic() + 10
+        while (matched := scheduler.get_num_new_matched_tokens(request, 32))[0] is None:
+            assert time.monotonic() < deadline, "the lookup never completed"
+            time.sleep(0.02)
+        assert matched == (2 * 32, False)
+        report = daemon.status()
+        assert report["requested_chunks"] == 2 and report["hit_chunks"] == 2
+        assert report["l1_leased_chunks"] == 2, "the first chunk is neither loaded nor leased"
     finally:
         scheduler.shutdown()
         buffer.close()

@@ -54,6 +54,9 @@ class _Request:
     #: Chunks a lookup may ask for: the prompt minus its last token (vLLM computes at least one).
     lookup_chunks: int
     lookups: list[int] | None = None
+    #: The first chunk the open lookups ask for: those before it vLLM had computed itself.
+    looked_from: int = 0
+    #: Each lookup's hit, in chunks from ``looked_from`` (``None``: still prefetching).
     outcomes: list[int | None] = field(default_factory=list)
     #: Each link's session generation when the lookups were made (one per link).
     generations: list[int] = field(default_factory=list)
@@ -325,7 +328,7 @@ class SchedulerSide:
             return 0, False
         if self._miss_holds(req_id, state, num_computed_tokens):
             return 0, False
-        hit = self._hit(state)
+        hit = self._hit(state, num_computed_tokens // self.chunk_tokens)
         if hit is None:
             return None, False
         hit_tokens = hit * self.chunk_tokens
@@ -597,13 +600,20 @@ class SchedulerSide:
             self.requests[request.request_id] = state
         return state
 
-    def _hit(self, state: _Request) -> int | None:
-        """The hit in chunks (the least over rank keys), ``None`` while a prefetch runs."""
+    def _hit(self, state: _Request, first: int = 0) -> int | None:
+        """The hit in chunks from the root (the least over rank keys), ``None`` while a prefetch
+        runs. vLLM holds the chunks before ``first`` itself: they are not looked up, so neither
+        leased nor prefetched (the lookup's hit counts from ``first``)."""
         generations = [link.generation for link in self.links]
         stale = time.monotonic() - state.looked_at > self.settings.lookup_refresh_s
-        if state.lookups is None or state.generations != generations or stale:
+        if (
+            state.lookups is None
+            or state.generations != generations
+            or stale
+            or state.looked_from > first
+        ):
             self._release(state)
-            wanted = state.chunks[: state.lookup_chunks]
+            wanted = state.chunks[first : state.lookup_chunks]
             # Each rank keeps its own copy of the KV (without MLA): every rank's lookup leases
             # its L1 hits before any prefetches (the queries below start them), or one rank's
             # prefetch could evict the hits the next rank's lookup was about to lease.
@@ -626,6 +636,7 @@ class SchedulerSide:
                     self.releases.put((link, generation, s.lookup))
                 raise
             state.lookups = [s.lookup for s, _ in started]
+            state.looked_from = first
             state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s, _ in started]
             state.generations = [generation for _, generation in started]
             state.looked_at = time.monotonic()
@@ -651,7 +662,8 @@ class SchedulerSide:
         if prefetching:
             return None
         # Never more than was asked for: vLLM must compute at least the prompt's last token.
-        return min(min(o or 0 for o in state.outcomes), state.lookup_chunks)
+        hit = state.looked_from + min(o or 0 for o in state.outcomes)
+        return min(hit, state.lookup_chunks)
 
     def _plan(self, meta: TierKVMetadata, request: Scheduled, state: _Request) -> None:
         if request.whole:
