@@ -269,6 +269,39 @@ def test_under_async_scheduling_the_next_steps_stores_wait_on_this_steps_failed_
     assert worker.stored_chunks == 1
 
 
+def test_what_vllm_recomputes_after_a_failed_load_is_stored(halves: Halves) -> None:
+    # a's load of its first three chunks fails in the step that computes its next two over
+    # them: those two are not stored. vLLM hears of it before it plans the next step (no async
+    # scheduling) and recomputes a from block 4; what it computes then is stored, so the next
+    # request with the prompt finds all five chunks.
+    scheduler, worker = halves.scheduler, halves.worker
+    prompt = PROMPT[: 3 * BLOCK] + list(range(7000, 7000 + 2 * BLOCK + 1))
+    halves.store(request("cold", PROMPT), [0, 1, 2, 3])
+    a = request("a", prompt)
+    assert halves.matched(a) == 3 * BLOCK
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    blocks = [4, 5, 6, 7, 8, 9]
+    meta = scheduler.build_connector_meta(scheduler_output([(a, blocks, 3 * BLOCK, 2 * BLOCK + 1)]))
+    assert [op.after for op in meta.stores] == [["a"]]
+    meta.loads[0].lookups = [987_654]  # a load the daemon refuses
+    worker.start_load_kv(meta)
+    assert worker.take_load_errors() == {4, 5, 6}
+    halves.fill([7, 8], seed=2)
+    before = worker.stored_chunks
+    worker.wait_for_save(meta)
+    assert worker.stored_chunks == before, "computed over the blocks the load left unwritten"
+    scheduler.update_connector_output({4, 5, 6})  # vLLM hears of it, and recomputes a
+    halves.fill(blocks[:5], seed=3)
+    meta = halves.step([(a, blocks, 0, 5 * BLOCK + 1)])
+    assert [[c for c, _ in op.chunks] for op in meta.stores] == [
+        prefix_hashes(prompt, BLOCK)[:5]
+    ], "every chunk recomputed, stored"
+    assert [op.after for op in meta.stores] == [[]], "planned after vLLM heard"
+    assert worker.stored_chunks > before
+    c = request("c", prompt)
+    assert halves.matched(c) == 5 * BLOCK
+
+
 def test_a_store_over_blocks_a_failed_load_left_unwritten_is_dropped_however_late(
     halves: Halves,
 ) -> None:

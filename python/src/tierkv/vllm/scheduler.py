@@ -279,6 +279,27 @@ class SchedulerSide:
             self.tainted.update(
                 block for block, (_, loads) in self.derived.items() if not loads.isdisjoint(failed)
             )
+            # From here on the failure is known: whatever depends on those loads is tainted,
+            # and a store planned from now on need not wait on them (``StoreOp.after``), so
+            # that what vLLM recomputes over the blocks is stored.
+            for made in (self.fresh, self.derived):
+                gone = [block for block, (_, loads) in made.items() if not loads.isdisjoint(failed)]
+                self.tainted.update(gone)
+                for block in gone:
+                    del made[block]
+        self._rewind(invalid_block_ids)
+
+    def _rewind(self, unwritten: set[int]) -> None:
+        """Plans again, from the first chunk holding an unwritten block, the stores of every
+        request whose blocks include one: vLLM recomputes such a request from there, and the
+        stores planned over the failed load were dropped (a store of a block still tainted when
+        planned is dropped again)."""
+        per = self.settings.chunk_blocks
+        for state in self.requests.values():
+            for c in range(state.stored):
+                if not unwritten.isdisjoint(state.block_ids[c * per : (c + 1) * per]):
+                    state.stored = c
+                    break
 
     def request_finished(self, request: Request) -> bool:
         """Returns the request's leases; whether its blocks wait for the workers to report it

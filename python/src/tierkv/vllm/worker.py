@@ -250,14 +250,17 @@ class WorkerSide:
         # happened to start_load_kv.
         failed |= meta.unloadable.keys()
         # A store may have been computed over the last step's loads too: under async
-        # scheduling vLLM plans a step before it hears how the last one's loads went.
-        spoiled = failed | self._failed_before
-        self._failed_before = set(failed)
+        # scheduling vLLM plans a step before it hears how the last one's loads went, and the
+        # scheduler names them in the store's ``after``. One planned after vLLM heard (what it
+        # recomputes over the blocks) does not name them, and goes.
+        before, self._failed_before = self._failed_before, set(failed)
         self.guard.run(
-            "the step's stores (dropped)", lambda: self._store_all(meta, spoiled), nothing
+            "the step's stores (dropped)",
+            lambda: self._store_all(meta, failed, failed | before),
+            nothing,
         )
 
-    def _store_all(self, meta: TierKVMetadata, failed: set[str]) -> None:
+    def _store_all(self, meta: TierKVMetadata, failed: set[str], spoiled: set[str]) -> None:
         if self.link is None:
             return
         ready = None
@@ -266,7 +269,7 @@ class WorkerSide:
             # blocks: an event recorded on the engine's stream, shared by CUDA IPC.
             ready = self._ready_event()
         for op in meta.stores:
-            if op.req_id in failed or not failed.isdisjoint(op.after):
+            if op.req_id in failed or not spoiled.isdisjoint(op.after):
                 # Computed over blocks whose load failed (here or on another rank; its own
                 # load, or another request's whose blocks it shares): stored, it would be
                 # served under the right ids. vLLM recomputes them; here they are only
