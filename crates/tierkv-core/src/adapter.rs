@@ -169,6 +169,9 @@ pub enum TierError {
     /// The adapter was closed before the task finished.
     #[error("tier is closed")]
     Closed,
+    /// The submitter gave up on the task ([`TierAdapter::abandon`]) before it finished.
+    #[error("the task was given up on")]
+    Abandoned,
     /// The tier is full and nothing can be evicted.
     #[error("tier is full: {0}")]
     NoSpace(String),
@@ -279,6 +282,14 @@ pub trait TierAdapter: Send + Sync {
 
     /// Stops accepting work; tasks still queued complete as failures, none hangs.
     fn close(&self);
+
+    /// The submitter has given up on store task `task` (it took longer than the submitter
+    /// waits): what of it has not started need not be, so its sources go back sooner. The task
+    /// still completes, once, as it would have or as [`TierError::Abandoned`]; a task already
+    /// complete, or unknown, is ignored. The default ignores every task: its copies run on.
+    fn abandon(&self, task: TaskId) {
+        let _ = task;
+    }
 
     /// Whether a chunk promoted from this tier into L1 stays cached there (until evicted) rather
     /// than being freed with its last reader: true for a tier whose loads are costly and shared

@@ -5,7 +5,7 @@ use metrics::{Gauge, Unit, describe_gauge, gauge};
 use tierkv_tier_metrics::{Capacity, TierMetrics};
 
 /// Reasons counted in `tierkv_errors_total{tier="remote"}`.
-const REASONS: [&str; 14] = [
+const REASONS: [&str; 15] = [
     "checksum",
     "truncated",
     "bad_header",
@@ -20,6 +20,7 @@ const REASONS: [&str; 14] = [
     "closed",
     "too_large",
     "copy",
+    "abandoned",
 ];
 
 /// Redis decides what it keeps: no capacity, no evictions of the tier's own.

@@ -55,6 +55,8 @@ struct Shared {
     running: AtomicU64,
     /// Values that failed verification: each counted, at most one a while logged.
     invalid_log: LogLimit,
+    /// Store tasks not yet complete, each with the signal that it was given up on.
+    abandonable: Mutex<HashMap<TaskId, watch::Sender<bool>>>,
 }
 
 /// Deletes `KEYS[1]`; the length of the value it held (0: there was none).
@@ -98,6 +100,7 @@ impl RemoteStore {
             locks: Mutex::new(HashMap::new()),
             running: AtomicU64::new(0),
             invalid_log: LogLimit::new(INVALID_LOG_INTERVAL),
+            abandonable: Mutex::new(HashMap::new()),
         });
         shared.publish();
         Ok(RemoteStore { shared, runtime: Mutex::new(Some(runtime)), next_task: AtomicU64::new(1) })
@@ -199,11 +202,13 @@ impl Shared {
 
     /// Stores every item, each in its own task (its copy, checksum and `SET` overlap the
     /// others'); the first failure fails the task (values already written stay: each verifies
-    /// itself, so a partial task leaves nothing that could be served wrong). Hands the items
-    /// back in their order.
+    /// itself, so a partial task leaves nothing that could be served wrong). An item still
+    /// waiting for a slot when the task is given up on (`abandoned`) is not sent. Hands the
+    /// items back in their order.
     async fn store(
         self: Arc<Self>,
         items: Vec<StoreItem>,
+        abandoned: watch::Receiver<bool>,
     ) -> (Result<(), TierError>, Vec<StoreItem>) {
         let limit = self.config.max_chunk_bytes;
         if let Some(item) = items.iter().find(|i| i.source.len() > limit) {
@@ -215,8 +220,16 @@ impl Shared {
         let mut set = tokio::task::JoinSet::new();
         for (i, item) in items.into_iter().enumerate() {
             let shared = Arc::clone(&self);
+            let mut abandoned = abandoned.clone();
             set.spawn(async move {
-                let Ok(_permit) = shared.store_permits.acquire().await else {
+                let permit = tokio::select! {
+                    biased;
+                    Ok(_) = abandoned.wait_for(|a| *a) => {
+                        return (i, Err(StoreFailure::Tier(TierError::Abandoned)), item);
+                    }
+                    permit = shared.store_permits.acquire() => permit,
+                };
+                let Ok(_permit) = permit else {
                     return (i, Err(CallError::Closed.into()), item);
                 };
                 let name = redis_key(&shared.config.key_prefix, &item.key);
@@ -230,7 +243,7 @@ impl Shared {
             });
         }
         let mut back: Vec<Option<StoreItem>> = (0..n).map(|_| None).collect();
-        let (mut stored, mut bytes, mut failure) = (0u64, 0u64, None);
+        let (mut stored, mut bytes, mut failure, mut abandoned) = (0u64, 0u64, None, 0u64);
         while let Some(joined) = set.join_next().await {
             match joined {
                 Ok((i, result, item)) => {
@@ -240,8 +253,10 @@ impl Shared {
                             bytes += item.source.len();
                         }
                         Err(e) => {
-                            if let StoreFailure::Call(e) = &e {
-                                self.count_error(e);
+                            match &e {
+                                StoreFailure::Call(e) => self.count_error(e),
+                                StoreFailure::Tier(TierError::Abandoned) => abandoned += 1,
+                                StoreFailure::Tier(_) => {}
                             }
                             failure.get_or_insert(e);
                         }
@@ -256,6 +271,10 @@ impl Shared {
             }
         }
         let items = back.into_iter().flatten().collect();
+        if abandoned > 0 {
+            // One count per task given up on, as for any failed task.
+            self.metrics.failed("abandoned");
+        }
         self.held.stored(stored, bytes);
         self.metrics.stored(stored, bytes);
         let result = match failure {
@@ -500,15 +519,22 @@ impl TierAdapter for RemoteStore {
         // it has not yet passed to its value tasks.
         let items = Arc::new(Mutex::new(Some(items)));
         let give_back = Arc::clone(&items);
+        let (abandon, abandoned) = watch::channel(false);
+        self.shared.abandonable.lock().insert(task, abandon);
         let work = async move {
             let sources = items.lock().take().unwrap_or_default();
-            let (result, sources) = shared.store(sources).await;
+            let (result, sources) = Arc::clone(&shared).store(sources, abandoned).await;
+            shared.abandonable.lock().remove(&task);
             Completion::Stored { task, result, sources }
         };
-        let failed = move || Completion::Stored {
-            task,
-            result: Err(TierError::Closed),
-            sources: give_back.lock().take().unwrap_or_default(),
+        let forget = Arc::clone(&self.shared);
+        let failed = move || {
+            forget.abandonable.lock().remove(&task);
+            Completion::Stored {
+                task,
+                result: Err(TierError::Closed),
+                sources: give_back.lock().take().unwrap_or_default(),
+            }
         };
         self.spawn(work, failed);
         task
@@ -541,6 +567,14 @@ impl TierAdapter for RemoteStore {
         };
         self.spawn(work, failed);
         task
+    }
+
+    /// The task's values still waiting for a slot are not sent; those in flight end within
+    /// the op deadline.
+    fn abandon(&self, task: TaskId) {
+        if let Some(abandon) = self.shared.abandonable.lock().get(&task) {
+            let _ = abandon.send(true);
+        }
     }
 
     fn unlock(&self, keys: &[ObjectKey]) {

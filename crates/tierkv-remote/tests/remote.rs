@@ -540,6 +540,56 @@ fn a_load_does_not_queue_behind_a_backlog_of_stores() {
     );
 }
 
+/// A store task the submitter gave up on (the storage pipeline's `store_timeout`) sends none of
+/// its values still waiting for a slot: a slow server no longer holds their sources (pins on L1
+/// slots) until it has taken every one. The value in flight ends as it would have.
+#[test]
+fn a_store_given_up_on_sends_none_of_its_values_still_waiting_for_a_slot() {
+    require_redis!();
+    let server = RedisStandalone::start(&[]);
+    let prefix = unique_prefix("abandon");
+    let store = Arc::new(
+        RemoteStore::open(RemoteConfig {
+            max_in_flight: 1,
+            op_timeout: Duration::from_secs(5),
+            ..config(vec![server.url()], RemoteMode::Standalone, &prefix)
+        })
+        .unwrap(),
+    );
+    let tier = SharedTier::new(Arc::clone(&store) as Arc<dyn TierAdapter>, CHUNK);
+    tier.store(&keys(0..1)).unwrap(); // connected
+    let dbsize = || server.node.cli(&["DBSIZE"]).parse::<u64>().unwrap();
+    // Writes wait at the server: the task's first value holds the one slot, the others queue.
+    server.node.cli(&["CLIENT", "PAUSE", "1500", "WRITE"]);
+    let items: Vec<StoreItem> = keys(1..5)
+        .into_iter()
+        .map(|k| StoreItem { key: k, source: Box::new(VecChunk(payload(&k, CHUNK))) })
+        .collect();
+    let (submitted, task) = crossbeam_channel::bounded(1);
+    let done = std::thread::scope(|s| {
+        let waiting = s.spawn(|| {
+            tier.call(|t| {
+                let task = t.submit_store(items);
+                submitted.send(task).unwrap();
+                task
+            })
+        });
+        let task = task.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        store.abandon(task);
+        store.abandon(task); // twice is once
+        waiting.join().unwrap()
+    });
+    let Completion::Stored { result, sources, .. } = done else { panic!("not a store's answer") };
+    assert!(matches!(result, Err(TierError::Abandoned)), "{result:?}");
+    assert_eq!(sources.len(), 4, "every source handed back");
+    assert_eq!(dbsize(), 2, "the value in flight stored, none of the three waiting sent");
+    // The tier stores as before, and a task already complete is ignored.
+    store.abandon(tierkv_core::TaskId(1));
+    tier.store(&keys(5..7)).unwrap();
+    assert_eq!(dbsize(), 4);
+}
+
 #[test]
 fn the_usage_shrinks_when_values_are_deleted_or_expire() {
     require_redis!();

@@ -720,7 +720,15 @@ impl Worker {
         if late.is_empty() {
             return;
         }
-        self.tasks.retain(|_, id| !late.contains(id));
+        let given_up: Vec<(usize, TaskId)> =
+            self.tasks.iter().filter(|(_, id)| late.contains(id)).map(|(task, _)| *task).collect();
+        for (tier, task) in given_up {
+            self.tasks.remove(&(tier, task));
+            // What the tier has not started of it need not be: its sources come back sooner.
+            if let Some(target) = self.router.tier(tier) {
+                target.abandon(task);
+            }
+        }
         tracing::warn!(
             batches = late.len(),
             timeout = ?self.timeout,

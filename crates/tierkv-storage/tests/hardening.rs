@@ -513,9 +513,15 @@ fn a_store_a_lower_tier_never_answers_is_given_up_not_durable_and_its_shares_ret
     assert_eq!((outcome.durable, outcome.not_durable), (0, 2));
     assert!(keys(0..2).iter().all(|k| shares(&s, k) == 0), "the pipeline's shares came back");
     assert_eq!(s.status().store_in_flight, 0);
-    // The disk answers at last: it changes nothing above (no share returned twice).
+    // The disk is told (what it has not started need not be), and its late answer, the task
+    // failed as abandoned, changes nothing above (no share returned twice).
+    eventually("the task was given up on at the disk", || disk.abandoned().len() == 1);
+    assert_eq!(disk.held_tasks(), 0);
+    assert!(keys(0..2).iter().all(|k| !disk.contains(k)));
     disk.release_held();
-    eventually("the late copy landed", || keys(0..2).iter().all(|k| disk.contains(k)));
-    assert!(keys(0..2).iter().all(|k| shares(&s, k) == 0));
+    let later = write(&s, &keys(2..4));
+    let outcome = later.wait_until(Instant::now() + WAIT).expect("the ticket never settled");
+    assert_eq!((outcome.durable, outcome.not_durable), (2, 0), "the disk works on");
+    assert!(keys(0..4).iter().all(|k| shares(&s, k) == 0));
     s.l1().audit().unwrap();
 }

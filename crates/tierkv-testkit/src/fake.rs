@@ -33,6 +33,8 @@ struct State {
     losing_sinks: bool,
     /// Unlocks panic (a bug in the tier).
     panicking_unlocks: bool,
+    /// Store tasks given up on while held (they completed as `Abandoned`).
+    abandoned: Vec<TaskId>,
 }
 
 /// An in-memory tier of a fixed number of objects, evicting least recently used unlocked ones.
@@ -71,6 +73,7 @@ impl FakeTier {
                 panicking_loads: false,
                 losing_sinks: false,
                 panicking_unlocks: false,
+                abandoned: Vec::new(),
             }),
             next_task: AtomicU64::new(1),
             sender,
@@ -150,6 +153,11 @@ impl FakeTier {
     /// Tasks submitted and not yet run.
     pub fn held_tasks(&self) -> usize {
         self.state.lock().held.len()
+    }
+
+    /// The held store tasks given up on ([`TierAdapter::abandon`]), in order.
+    pub fn abandoned(&self) -> Vec<TaskId> {
+        self.state.lock().abandoned.clone()
     }
 
     /// Whether the tier holds `key`.
@@ -336,6 +344,23 @@ impl TierAdapter for FakeTier {
 
     fn completions(&self) -> Receiver<Completion> {
         self.receiver.clone()
+    }
+
+    /// A held store task completes at once, as `Abandoned`, storing nothing; any other task is
+    /// ignored.
+    fn abandon(&self, task: TaskId) {
+        let given_up = {
+            let mut state = self.state.lock();
+            let at = state.held.iter().position(|t| matches!(t, Task::Store(id, _) if *id == task));
+            let given_up = at.map(|at| state.held.remove(at));
+            if given_up.is_some() {
+                state.abandoned.push(task);
+            }
+            given_up
+        };
+        if let Some(task) = given_up {
+            self.fail(task, TierError::Abandoned);
+        }
     }
 
     fn close(&self) {
