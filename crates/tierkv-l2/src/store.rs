@@ -61,8 +61,30 @@ type Victim = (ObjectKey, u32, u64);
 /// What a load copies from: a ready entry's slot (pinned) and its length, or the bytes of a
 /// chunk on its way down.
 enum Pin {
-    Slot(u32, u64),
+    Slot { key: ObjectKey, slot: u32, len: u64 },
     Leaving(Arc<[u8]>),
+}
+
+/// What a load pinned, one entry per item; the slots are unpinned when it is dropped, so a
+/// panic between pin and unpin leaves no slot pinned for ever.
+struct SlotPins<'a> {
+    index: &'a Mutex<Index>,
+    pins: Vec<Option<Pin>>,
+}
+
+impl Drop for SlotPins<'_> {
+    fn drop(&mut self) {
+        let mut index = self.index.lock();
+        let Index { map, held, .. } = &mut *index;
+        for pin in &self.pins {
+            if let Some(Pin::Slot { key, .. }) = pin
+                && let Some(entry) = map.get_mut(key)
+            {
+                entry.pins -= 1;
+                *held -= u64::from(!entry.held());
+            }
+        }
+    }
 }
 
 struct Index {
@@ -574,34 +596,51 @@ impl Shared {
     }
 
     fn load(&self, items: &mut [LoadItem]) -> Bitmap {
-        // Pin under the lock, copy outside it, unpin under it again. A chunk on its way down is
-        // copied from its own bytes, which the pin shares.
-        let pinned: Vec<Option<Pin>> = {
+        // Each sink's length, asked once and outside the lock: a sink whose `len` panics (or
+        // blocks) is the caller's code, so it is never run under the index lock or between a
+        // pin and its unpin. One that panics is that key's miss.
+        let lens: Vec<Option<u64>> = items
+            .iter()
+            .map(|item| {
+                catch_unwind(AssertUnwindSafe(|| item.sink.len())).ok().or_else(|| {
+                    self.metrics.failed(Failure::Copy);
+                    None
+                })
+            })
+            .collect();
+        // Pin under the lock, copy outside it; the guard unpins under it again, on every path.
+        // A chunk on its way down is copied from its own bytes, which the pin shares.
+        let pins = {
             let mut index = self.index.lock();
             let board = self.departures.lock();
             let Index { map, held, .. } = &mut *index;
-            items
+            let pins = items
                 .iter()
-                .map(|item| match map.get_mut(&item.key) {
-                    Some(entry) if entry.ready && entry.len == item.sink.len() => {
-                        *held += u64::from(!entry.held());
-                        entry.pins += 1;
-                        Some(Pin::Slot(entry.slot, entry.len))
+                .zip(&lens)
+                .map(|(item, len)| {
+                    let len = (*len)?;
+                    match map.get_mut(&item.key) {
+                        Some(entry) if entry.ready && entry.len == len => {
+                            *held += u64::from(!entry.held());
+                            entry.pins += 1;
+                            Some(Pin::Slot { key: item.key, slot: entry.slot, len })
+                        }
+                        _ => board.bytes(&item.key, len).map(Pin::Leaving),
                     }
-                    _ => board.bytes(&item.key, item.sink.len()).map(Pin::Leaving),
                 })
-                .collect()
+                .collect();
+            SlotPins { index: &self.index, pins }
         };
         let mut loaded = Bitmap::new(items.len());
         let mut bytes = 0;
         let mut departing = 0;
-        for (i, (item, pin)) in items.iter_mut().zip(&pinned).enumerate() {
+        for (i, (item, pin)) in items.iter_mut().zip(&pins.pins).enumerate() {
             let src = match pin {
                 None => continue,
-                Some(Pin::Slot(slot, len)) => {
+                Some(Pin::Slot { slot, len, .. }) => {
                     let (offset, len) = self.slot_range(*slot, *len);
                     // SAFETY: the entry is ready and pinned: nobody writes or reuses its slot
-                    // until it is unpinned below.
+                    // until the guard unpins it, after this loop.
                     unsafe { self.arena.bytes(offset, len) }
                 }
                 Some(Pin::Leaving(leaving)) => leaving,
@@ -616,17 +655,7 @@ impl Shared {
                 self.metrics.failed(Failure::Copy);
             }
         }
-        let mut index = self.index.lock();
-        let Index { map, held, .. } = &mut *index;
-        for (item, pin) in items.iter().zip(&pinned) {
-            if let Some(Pin::Slot(..)) = pin
-                && let Some(entry) = map.get_mut(&item.key)
-            {
-                entry.pins -= 1;
-                *held -= u64::from(!entry.held());
-            }
-        }
-        drop(index);
+        drop(pins);
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
         self.departing_metrics.loaded(departing);
         loaded

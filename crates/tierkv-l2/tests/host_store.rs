@@ -867,3 +867,46 @@ fn a_demoter_that_panics_loses_its_victim_and_no_slot() {
     assert_eq!(h.tier.usage().objects, 1, "each victim was lost, its slot was not");
     h.assert_loads(&[key(3)]);
 }
+
+/// A sink that answers its length once and panics when asked again.
+struct PanicsOnSecondLen(std::sync::atomic::AtomicU32);
+
+impl tierkv_core::ChunkSink for PanicsOnSecondLen {
+    fn len(&self) -> u64 {
+        let asked = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        assert!(asked == 0, "a sink whose length cannot be asked twice");
+        CHUNK
+    }
+
+    fn copy_from_host(&mut self, _: &[u8]) -> Result<(), BufferError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_sink_whose_length_panics_when_asked_again_leaves_no_slot_pinned() {
+    let mut h = harness(4, 1);
+    h.store(&keys(0..2)).unwrap();
+    // The load asks each sink's length once when it is submitted; the second sink panics when
+    // the worker asks again, after the first key's slot may already be pinned.
+    let items = vec![
+        tierkv_core::LoadItem { key: key(0), sink: Box::new(VecChunk(vec![0; CHUNK as usize])) },
+        tierkv_core::LoadItem {
+            key: key(1),
+            sink: Box::new(PanicsOnSecondLen(std::sync::atomic::AtomicU32::new(0))),
+        },
+    ];
+    let task = h.tier.submit_load(items);
+    let done = h.wait(task);
+    assert_eq!(h.locks(), 0);
+    // Nothing stayed pinned: both keys can be deleted.
+    assert_eq!(h.tier.delete(&keys(0..2)), 2, "a pin leaked");
+    match done {
+        tierkv_core::Completion::Loaded { loaded, sinks, .. } => {
+            assert_eq!(sinks.len(), 2, "every sink comes back, the panicking one too");
+            assert!(loaded.get(0), "the other key still loads");
+            assert!(!loaded.get(1), "the panicking sink is a miss");
+        }
+        _ => panic!("not a load completion"),
+    }
+}
