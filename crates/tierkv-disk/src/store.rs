@@ -386,9 +386,11 @@ impl Write {
     fn run(self) -> Written {
         let Write { task, file, buf, bytes, loc, epoch } = self;
         let result = match buf.as_slice().get(bytes.start..bytes.start + bytes.len) {
-            Some(record) => {
-                file.write_at(record, bytes.at).map_err(|e| io_error(&file.path, "writing", &e))
-            }
+            // A panic (a bug) fails this write, reported as any failed write is; the buffer,
+            // outside the call, still goes back, and the writer thread lives on.
+            Some(record) => catch_unwind(AssertUnwindSafe(|| file.write_at(record, bytes.at)))
+                .unwrap_or_else(|_| Err(std::io::Error::other("internal panic while writing")))
+                .map_err(|e| io_error(&file.path, "writing", &e)),
             None => Err(TierError::Io("a record larger than its buffer".into())),
         };
         Written { task, buf, loc, epoch, result }
@@ -407,6 +409,10 @@ impl Write {
 /// harmless: nothing indexes a record of an unpublished task at run time, and after a restart the
 /// scan indexes only records whose header matches, and a load verifies epoch, key and checksum
 /// before serving one.
+///
+/// The thread runs no caller code, but a bug in this crate (or in a policy it calls) that panics
+/// here costs the task whose message it was handling, never the thread: that task completes as
+/// failed, counted, its sources handed back, and later tasks are written as before.
 fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender<AlignedBuf>) {
     let (writes, queued) = unbounded::<Write>();
     let (report, written) = unbounded::<Written>();
@@ -450,53 +456,7 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
             let Ok(message) = message else {
                 break;
             };
-            match message {
-                WriteMsg::Record { task, file, buf, bytes, loc, epoch } => {
-                    let write = Write { task, file, buf, bytes, loc, epoch };
-                    state.lives.handed_over(task, loc, epoch);
-                    if state.failed_tasks.contains_key(&task) || state.lives.failed(loc, epoch) {
-                        let e =
-                            TierError::Io("skipped: an earlier write to its segment failed".into());
-                        state.finish(Written { task, buf: write.buf, loc, epoch, result: Err(e) });
-                        continue;
-                    }
-                    if writers == 0 {
-                        // No writer thread could be started: write here, one at a time.
-                        state.finish(write.run());
-                        continue;
-                    }
-                    while state.in_flight >= writers {
-                        state.collect_one();
-                    }
-                    match writes.send(write) {
-                        Ok(()) => state.in_flight += 1,
-                        Err(refused) => state.finish(refused.0.run()),
-                    }
-                }
-                WriteMsg::Abandon { task, records } => {
-                    state.collect_all();
-                    state.failed_tasks.remove(&task);
-                    state.lives.forget(task);
-                    shared.settle(&records);
-                }
-                WriteMsg::End { task, id, records, sources } => {
-                    state.collect_all();
-                    let result = match state.failed_tasks.remove(&task) {
-                        Some(e) => Err(e),
-                        None if state.lives.behind_a_failed_write(task) => Err(TierError::Io(
-                            "an earlier write to its segment failed, so a restart would not \
-                             find it"
-                                .into(),
-                        )),
-                        None => shared.publish_records(&records),
-                    };
-                    state.lives.forget(task);
-                    shared.settle(&records);
-                    shared.count_store(&result, &records);
-                    let _ = shared.done.send(Completion::Stored { task: id, result, sources });
-                    shared.publish();
-                }
-            }
+            state.handle(message, &writes, writers);
         }
         state.collect_all();
         drop(writes);
@@ -575,13 +535,127 @@ impl LifeFailures {
 }
 
 impl InFlight<'_> {
+    /// Handles one message of the storing threads. A panic (a bug) fails the task the message
+    /// belongs to and is counted; the thread goes on with the next message.
+    fn handle(&mut self, message: WriteMsg, writes: &Sender<Write>, writers: usize) {
+        match message {
+            WriteMsg::Record { task, file, buf, bytes, loc, epoch } => {
+                let write = Write { task, file, buf, bytes, loc, epoch };
+                if catch_unwind(AssertUnwindSafe(|| self.record(write, writes, writers))).is_err() {
+                    self.panicked("handing over a record");
+                    // Whether it was written is not known: its life is failed as after a failed
+                    // write (the task fails, and so does any behind it in the life).
+                    self.write_failed(task, loc, epoch, internal_panic());
+                    // Its buffer may have gone down with the panic: another takes its place, so
+                    // the storing thread never waits for one that will not come back.
+                    let len = (BLOCK + record_bytes(self.shared.config.max_chunk_bytes)) as usize;
+                    if let Some(buf) = AlignedBuf::new(len) {
+                        let _ = self.free.send(buf);
+                    }
+                }
+            }
+            WriteMsg::Abandon { task, records } => {
+                let abandoned = catch_unwind(AssertUnwindSafe(|| {
+                    self.collect_all();
+                    self.failed_tasks.remove(&task);
+                    self.lives.forget(task);
+                    self.shared.settle(&records);
+                }));
+                if abandoned.is_err() {
+                    // The records' segments may stay unevictable (space lost until a restart),
+                    // never evictable under an unpublished record.
+                    self.panicked("abandoning a task");
+                    self.failed_tasks.remove(&task);
+                    self.lives.forget(task);
+                }
+            }
+            WriteMsg::End { task, id, records, sources } => {
+                // The sources stay out of the code that may panic: they go back whatever happens.
+                let result = catch_unwind(AssertUnwindSafe(|| self.end(task, &records)))
+                    .unwrap_or_else(|_| {
+                        self.panicked("ending a task");
+                        self.failed_tasks.remove(&task);
+                        self.lives.forget(task);
+                        Err(internal_panic())
+                    });
+                let _ = self.shared.done.send(Completion::Stored { task: id, result, sources });
+                let _ = self.shared.contained(|| self.shared.publish());
+            }
+        }
+    }
+
+    /// Hands one record to a writer thread, or fails it at once.
+    fn record(&mut self, write: Write, writes: &Sender<Write>, writers: usize) {
+        let Write { task, loc, epoch, .. } = write;
+        self.lives.handed_over(task, loc, epoch);
+        if self.failed_tasks.contains_key(&task) || self.lives.failed(loc, epoch) {
+            let e = TierError::Io("skipped: an earlier write to its segment failed".into());
+            self.finish(Written { task, buf: write.buf, loc, epoch, result: Err(e) });
+            return;
+        }
+        if writers == 0 {
+            // No writer thread could be started: write here, one at a time.
+            self.finish(write.run());
+            return;
+        }
+        while self.in_flight >= writers {
+            self.collect_one();
+        }
+        match writes.send(write) {
+            Ok(()) => self.in_flight += 1,
+            Err(refused) => self.finish(refused.0.run()),
+        }
+    }
+
+    /// Publishes a task every record of which was handed over (unless one failed), gives its
+    /// segments back to eviction and counts it; returns its outcome.
+    fn end(&mut self, task: u64, records: &[(ObjectKey, Loc)]) -> Result<(), TierError> {
+        self.collect_all();
+        let result = match self.failed_tasks.remove(&task) {
+            Some(e) => Err(e),
+            None if self.lives.behind_a_failed_write(task) => Err(TierError::Io(
+                "an earlier write to its segment failed, so a restart would not find it".into(),
+            )),
+            None => self
+                .shared
+                .contained(|| self.shared.publish_records(records))
+                .unwrap_or_else(|| Err(TierError::Io("internal panic while publishing".into()))),
+        };
+        self.lives.forget(task);
+        if self.shared.contained(|| self.shared.settle(records)).is_none() {
+            // The records' segments may stay unevictable (space lost until a restart), never
+            // evictable under an unpublished record.
+            tracing::error!(task, "the disk write thread panicked settling a task's records");
+        }
+        self.shared.count_store(&result, records);
+        result
+    }
+
+    /// Counts and logs a panic of the write thread's own.
+    fn panicked(&self, doing: &str) {
+        self.shared.metrics.failed(Failure::Panic);
+        tracing::error!(
+            "the disk write thread panicked {doing}; that task fails, the thread goes on"
+        );
+    }
+
+    /// Notes a failed write of `task`'s record at `loc` in life `epoch`: the life is sealed and
+    /// the task fails.
+    fn write_failed(&mut self, task: u64, loc: Loc, epoch: u64, e: TierError) {
+        self.lives.write_failed(loc, epoch);
+        if self.shared.contained(|| self.shared.seal_failed(loc.segment, epoch)).is_none() {
+            // Unsealed, the segment may still take appends; the failed life's records after this
+            // one are skipped all the same (`LifeFailures::failed`).
+            tracing::error!(segment = loc.segment, "the disk write thread panicked sealing");
+        }
+        self.failed_tasks.entry(task).or_insert(e);
+    }
+
     /// Records a write's outcome and hands its buffer back.
     fn finish(&mut self, written: Written) {
         let Written { task, buf, loc, epoch, result } = written;
         if let Err(e) = result {
-            self.lives.write_failed(loc, epoch);
-            self.shared.seal_failed(loc.segment, epoch);
-            self.failed_tasks.entry(task).or_insert(e);
+            self.write_failed(task, loc, epoch, e);
         }
         // The store thread may be gone (closing): the buffer is then simply freed.
         let _ = self.free.send(buf);
@@ -610,6 +684,11 @@ impl InFlight<'_> {
             self.collect_one();
         }
     }
+}
+
+/// Why a task whose handling panicked on the write thread failed.
+fn internal_panic() -> TierError {
+    TierError::Io("internal panic on the disk write thread".into())
 }
 
 enum Job {
@@ -2398,6 +2477,82 @@ mod tests {
         let (store, synced) = open(FsyncPolicy::Always);
         assert_eq!(store.recovered().records, 3);
         assert!(synced >= 1, "the scanned file is synced before a store can count on it");
+    }
+
+    /// A segment policy with a bug: the first record written after it took over panics (on
+    /// the write thread, which publishes records). Otherwise it is the policy it wraps.
+    struct PanicsOnFirstWrite {
+        inner: Box<dyn SegmentPolicy<SegmentLife, ObjectKey>>,
+        panicked: bool,
+    }
+
+    impl SegmentPolicy<SegmentLife, ObjectKey> for PanicsOnFirstWrite {
+        fn written(&mut self, segment: &SegmentLife, key: &ObjectKey) {
+            if !std::mem::replace(&mut self.panicked, true) {
+                panic!("a policy bug");
+            }
+            self.inner.written(segment, key);
+        }
+        fn seal(&mut self, segment: SegmentLife) {
+            self.inner.seal(segment);
+        }
+        fn missed(&mut self, key: &ObjectKey) {
+            self.inner.missed(key);
+        }
+        fn hit(&mut self, segment: &SegmentLife, key: &ObjectKey) {
+            self.inner.hit(segment, key);
+        }
+        fn len(&self) -> usize {
+            self.inner.len()
+        }
+        fn contains(&self, segment: &SegmentLife) -> bool {
+            self.inner.contains(segment)
+        }
+        fn evict<'c>(
+            &mut self,
+            eligible: &mut dyn FnMut(&SegmentLife) -> bool,
+            chunks: &dyn Fn(&SegmentLife) -> &'c [ObjectKey],
+        ) -> Option<SegmentLife>
+        where
+            ObjectKey: 'c,
+        {
+            self.inner.evict(eligible, chunks)
+        }
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+    fn a_panic_on_the_write_thread_fails_its_task_and_the_thread_serves_the_next() {
+        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        {
+            let mut index = store.shared.index.lock();
+            let inner = std::mem::replace(&mut index.policy, PolicyKind::Lru.build_for_segments());
+            index.policy = Box::new(PanicsOnFirstWrite { inner, panicked: false });
+        }
+        let completions = store.completions();
+        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
+        let mut h = Harness::new(tier);
+        // The first store's publish panics on the write thread: the task still completes, as a
+        // failure, with its sources back.
+        let task = h.submit_store(&keys(0..2));
+        let done = completions
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the store whose publish panicked never completed");
+        match done {
+            Completion::Stored { task: t, result, sources } => {
+                assert_eq!(t, task);
+                assert!(result.is_err(), "a store whose publish panicked reported {result:?}");
+                assert_eq!(sources.len(), 2, "the sources come back");
+            }
+            _ => panic!("not a store completion"),
+        }
+        // The write thread lives on: the next store is written, published and served.
+        h.store(&keys(2..4)).unwrap();
+        h.assert_loads(&keys(2..4));
     }
 
     #[test]
