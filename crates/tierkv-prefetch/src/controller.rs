@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use parking_lot::{Condvar, Mutex};
 use tierkv_core::{
-    Bitmap, ChunkSink, Completion, ExtraCount, KeyError, Layout, LoadItem, ObjectKey,
+    Bitmap, ChunkSink, Completion, ExtraCount, KeyError, Layout, LoadItem, ObjectKey, TaskId,
     deadline_after,
 };
 use tierkv_l1::{L1Manager, LeaseId, Lifetime, OwnerId, Readers, WriteMode};
@@ -50,7 +50,8 @@ pub struct PrefetchConfig {
     pub drain_timeout: Duration,
     /// How long a request may wait on the lower tiers without an answer from any of them before
     /// it is given up (a tier that never answers): it fails, its reservations are aborted and
-    /// its locks returned, and a lookup that answers later has its locks returned then.
+    /// its locks returned, and a lookup that answers later has its locks returned then. A tier
+    /// with a task given up on is left out of new requests (a miss there) until it answers.
     pub request_timeout: Duration,
 }
 
@@ -151,6 +152,9 @@ type Outcome = Result<Prefetched, PrefetchError>;
 /// Where a key stands in a request: (group, index within the group).
 type At = (usize, usize);
 
+/// A task given to a lower tier: (tier, its task id there).
+type Slot = (usize, TaskId);
+
 struct Shared {
     /// `None` while a request runs, `Some` once its outcome is ready to hand out (once).
     results: Mutex<HashMap<RequestId, Option<Outcome>>>,
@@ -208,6 +212,7 @@ impl PrefetchController {
             active: HashMap::new(),
             tasks: HashMap::new(),
             lookup_keys: HashMap::new(),
+            late: HashMap::new(),
             started: 0,
             starting: false,
         };
@@ -397,10 +402,16 @@ struct Worker {
     events_tx: Sender<TierEvent>,
     pending: VecDeque<(RequestId, PrefetchRequest)>,
     active: HashMap<RequestId, Active>,
-    tasks: HashMap<(usize, tierkv_core::TaskId), RequestId>,
+    tasks: HashMap<Slot, RequestId>,
     /// The keys of every lookup-and-lock task in flight: if its request is given up (past the
     /// drain timeout) before it answers, the locks it takes are returned when it does.
-    lookup_keys: HashMap<(usize, tierkv_core::TaskId), Vec<ObjectKey>>,
+    lookup_keys: HashMap<Slot, Arc<[ObjectKey]>>,
+    /// Tasks of requests given up (past the request timeout) before their tier answered, with
+    /// a lookup's keys (`None` for a load), so that a late answer returns the locks it took.
+    /// A tier with a task here is asked nothing new until it answers: what a tier that never
+    /// answers leaves here is bounded by the tasks it had when it stopped answering (a lookup
+    /// and a load per request in flight), not one more for each later request.
+    late: HashMap<Slot, Option<Arc<[ObjectKey]>>>,
     started: u64,
     /// `start_pending` is running: a request it plans at once (no tier took its lookup) ends in
     /// `finalize`, which asks for pending requests again; that call returns, and the running
@@ -473,6 +484,7 @@ impl Worker {
     /// arrive; it ends when every such task answered or the router stops (the channel closes).
     fn return_late_locks(&mut self, events: &Receiver<TierEvent>) {
         let mut late = std::mem::take(&mut self.lookup_keys);
+        late.extend(self.late.drain().filter_map(|(slot, keys)| Some((slot, keys?))));
         if late.is_empty() {
             return;
         }
@@ -485,13 +497,10 @@ impl Worker {
                         return;
                     };
                     let Some(keys) = late.remove(&(tier, completion.task())) else { continue };
-                    if let Completion::LookedUp { locked, .. } = completion {
-                        let held: Vec<ObjectKey> =
-                            locked.iter_ones().filter_map(|i| keys.get(i).copied()).collect();
-                        if let (Some(adapter), false) = (router.tier(tier), held.is_empty()) {
-                            // A tier that panics keeps these; the others' still come back.
-                            let _ = catch_unwind(AssertUnwindSafe(|| adapter.unlock(&held)));
-                        }
+                    let held = locks_taken(&keys, &completion);
+                    if let (Some(adapter), false) = (router.tier(tier), held.is_empty()) {
+                        // A tier that panics keeps these; the others' still come back.
+                        let _ = catch_unwind(AssertUnwindSafe(|| adapter.unlock(&held)));
                     }
                 }
             });
@@ -526,8 +535,9 @@ impl Worker {
 
     /// Gives up the requests that have waited on the lower tiers past the request timeout: a
     /// tier that never answers must not hold a place in flight, L1 reservations and the other
-    /// tiers' locks for ever. What they recorded is returned; their tasks still out answer to
-    /// nobody (`on_event` returns a late lookup's locks).
+    /// tiers' locks for ever. What they recorded is returned; their tasks still out move to
+    /// `late` (`on_event` returns a late lookup's locks), and their tiers are asked nothing new
+    /// until they answer.
     fn give_up_overdue(&mut self) {
         let timeout = self.config.request_timeout;
         let overdue: Vec<RequestId> = self
@@ -539,7 +549,25 @@ impl Worker {
         if overdue.is_empty() {
             return;
         }
-        self.tasks.retain(|_, id| !overdue.contains(id));
+        let given_up: Vec<Slot> = self
+            .tasks
+            .iter()
+            .filter(|(_, id)| overdue.contains(id))
+            .map(|(slot, _)| *slot)
+            .collect();
+        for slot in given_up {
+            self.tasks.remove(&slot);
+            if !self.unanswering(slot.0) {
+                tracing::warn!(
+                    tier = slot.0,
+                    timeout = ?timeout,
+                    "a lower tier has not answered a prefetch task in time; it is left out of \
+                     new prefetches (a miss there) until it answers"
+                );
+            }
+            let keys = self.lookup_keys.remove(&slot);
+            self.late.insert(slot, keys);
+        }
         for id in overdue {
             let Some(active) = self.active.remove(&id) else { continue };
             self.release_everything(&active, &BTreeSet::new());
@@ -587,7 +615,7 @@ impl Worker {
             };
             self.started += 1;
             self.shared.metrics.started();
-            let keys: Vec<ObjectKey> = active.wanted.iter().map(|at| active.key(*at)).collect();
+            let keys: Arc<[ObjectKey]> = active.wanted.iter().map(|at| active.key(*at)).collect();
             let nothing_to_look_up = keys.is_empty() || tiers == 0;
             self.active.insert(id, active);
             if nothing_to_look_up {
@@ -596,12 +624,14 @@ impl Worker {
                 }
                 continue;
             }
-            for tier in 0..tiers {
+            // A tier that has not answered a task given up on is not asked: it finds nothing.
+            let asked: Vec<usize> = (0..tiers).filter(|tier| !self.unanswering(*tier)).collect();
+            for tier in asked {
                 let submitted =
-                    self.submit(tier, |t| t.submit_lookup_and_lock(keys.clone()), "lookup");
+                    self.submit(tier, |t| t.submit_lookup_and_lock(keys.to_vec()), "lookup");
                 if let Some(task) = submitted {
                     self.tasks.insert((tier, task), id);
-                    self.lookup_keys.insert((tier, task), keys.clone());
+                    self.lookup_keys.insert((tier, task), Arc::clone(&keys));
                     if let Some(Active { phase: Phase::LookingUp { waiting, .. }, .. }) =
                         self.active.get_mut(&id)
                     {
@@ -609,8 +639,8 @@ impl Worker {
                     }
                 }
             }
-            // No tier took the lookup (each panicked taking it): no answer will come to plan
-            // on, so the request is planned now, on what it has, nothing.
+            // No tier took the lookup (each panicked taking it, or is not answering): no answer
+            // will come to plan on, so the request is planned now, on what it has, nothing.
             if let Some(active) = self.active.get(&id).cloned()
                 && matches!(active.phase, Phase::LookingUp { waiting: 0, .. })
             {
@@ -621,21 +651,31 @@ impl Worker {
 
     fn on_event(&mut self, event: TierEvent) {
         let TierEvent { tier, completion } = event;
-        let looked_up = self.lookup_keys.remove(&(tier, completion.task()));
-        let Some(id) = self.tasks.remove(&(tier, completion.task())) else {
+        let slot = (tier, completion.task());
+        if let Some(keys) = self.late.remove(&slot) {
             // The answer of a request given up (past the request timeout): a lookup's locks go
-            // back; a load's sinks are dropped with the completion, freeing their slots.
+            // back; a load's sinks are dropped with the completion, freeing their slots. The
+            // tier is asked again once it answered every task given up on.
             self.shared.metrics.late_completion();
-            if let (Some(keys), Completion::LookedUp { locked, .. }) = (looked_up, &completion) {
-                let held: Vec<ObjectKey> =
-                    locked.iter_ones().filter_map(|i| keys.get(i).copied()).collect();
-                self.unlock(tier, &held);
+            if let Some(keys) = keys {
+                self.unlock(tier, &locks_taken(&keys, &completion));
+            }
+            if !self.unanswering(tier) {
+                tracing::info!(tier, "a lower tier answered its late prefetch tasks; asked again");
             }
             return;
-        };
+        }
+        let looked_up = self.lookup_keys.remove(&slot);
+        let request = self.tasks.remove(&slot);
         // Record what the completion says in the request's entry first: if anything later in
         // this step panics, the entry still tells what to give back.
-        let Some(active) = self.active.get_mut(&id) else {
+        let Some((id, active)) = request.and_then(|id| Some((id, self.active.get_mut(&id)?)))
+        else {
+            // An answer no request waits for: the locks it took go back all the same.
+            self.shared.metrics.late_completion();
+            if let Some(keys) = looked_up {
+                self.unlock(tier, &locks_taken(&keys, &completion));
+            }
             return;
         };
         active.since = Instant::now();
@@ -962,9 +1002,9 @@ impl Worker {
     fn submit(
         &self,
         tier: usize,
-        submit: impl FnOnce(&dyn tierkv_core::TierAdapter) -> tierkv_core::TaskId,
+        submit: impl FnOnce(&dyn tierkv_core::TierAdapter) -> TaskId,
         what: &str,
-    ) -> Option<tierkv_core::TaskId> {
+    ) -> Option<TaskId> {
         let submitted =
             catch_unwind(AssertUnwindSafe(|| self.router.submit(tier, &self.events_tx, submit)));
         submitted.unwrap_or_else(|_| {
@@ -978,6 +1018,11 @@ impl Worker {
         })
     }
 
+    /// Whether `tier` has not answered a task of a request given up on: it is asked nothing new.
+    fn unanswering(&self, tier: usize) -> bool {
+        self.late.keys().any(|(t, _)| *t == tier)
+    }
+
     /// Returns tier locks. A tier that panics (a bug) keeps them, as a tier that failed would:
     /// the request and the controller go on.
     fn unlock(&self, tier: usize, keys: &[ObjectKey]) {
@@ -986,6 +1031,16 @@ impl Worker {
             tracing::error!(tier, "a tier panicked returning locks; they stay held there");
             self.shared.metrics.tier_panicked();
         }
+    }
+}
+
+/// The keys a lookup-and-lock of `keys` locked, by its completion (none for any other answer).
+fn locks_taken(keys: &[ObjectKey], completion: &Completion) -> Vec<ObjectKey> {
+    match completion {
+        Completion::LookedUp { locked, .. } => {
+            locked.iter_ones().filter_map(|i| keys.get(i).copied()).collect()
+        }
+        _ => Vec::new(),
     }
 }
 

@@ -769,3 +769,80 @@ fn a_request_whose_tier_answers_slowly_step_by_step_is_not_given_up() {
     assert_eq!(result.hit_chunks, 2);
     assert_eq!(rig.bytes(&result, 0, &key(1)), payload(&key(1), CHUNK));
 }
+
+#[test]
+fn a_tier_that_never_answers_is_not_asked_again_until_it_does_so_what_it_leaves_is_bounded() {
+    // Every lookup given to a tier that never answers is kept (its keys, to return the locks
+    // its late answer takes). Asked again for each new request, such a tier grew that record
+    // (and its own queue) by one task a request, for ever, and failed every request after the
+    // timeout. Once one of its tasks is given up, it is left out of new requests (a miss there)
+    // until it answers.
+    let stuck = fake_holding("stuck", keys(0..6));
+    let good = fake_holding("good", keys(0..4));
+    stuck.hold();
+    let config = PrefetchConfig {
+        max_in_flight: 1,
+        request_timeout: Duration::from_millis(100),
+        ..PrefetchConfig::default()
+    };
+    let rig = rig_with(vec![stuck.clone(), good.clone()], vec![], config);
+    let submit = |keys: Vec<ObjectKey>| {
+        let request =
+            PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys);
+        rig.prefetch.wait(rig.prefetch.submit(request).unwrap(), WAIT)
+    };
+    match submit(keys(0..2)) {
+        Err(PrefetchError::Failed(why)) => assert!(why.contains("no answer"), "{why}"),
+        other => panic!("a request a tier never answers ended {other:?}"),
+    }
+    for round in 0..5 {
+        let result = submit(keys(0..2)).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert_eq!(result.hit_chunks, 2, "round {round}: the tier that answers serves the hit");
+        assert_eq!(stuck.held_tasks(), 1, "round {round}: the hung tier was asked again");
+        rig.l1.release_owner(OWNER);
+    }
+    assert_eq!(submit(keys(4..6)).unwrap().hit_chunks, 0, "what only the hung tier has: a miss");
+    // The tier answers at last: the locks its late answer took come back, once, and it is
+    // asked again.
+    stuck.release_held();
+    eventually("the late lookup's locks come back", || stuck.usage().locks == 0);
+    let result = submit(keys(4..6)).unwrap();
+    assert_eq!(result.hit_chunks, 2, "the tier that answered again serves its chunks");
+    assert_eq!(rig.bytes(&result, 0, &key(5)), payload(&key(5), CHUNK));
+    rig.l1.release_owner(OWNER);
+    assert_eq!(rig.locks(), vec![0, 0]);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
+fn a_tier_whose_loads_never_answer_is_not_given_more_of_them_until_it_does() {
+    // Each load given to a tier that never answers keeps its L1 slots (the tier holds their
+    // write guards). Given one for each new request, such a tier pinned more of L1 with every
+    // request, and failed each after the timeout.
+    let stuck = fake_holding("stuck", keys(0..4));
+    stuck.hold_loads();
+    let config = PrefetchConfig {
+        max_in_flight: 1,
+        request_timeout: Duration::from_millis(100),
+        ..PrefetchConfig::default()
+    };
+    let rig = rig_with(vec![stuck.clone()], vec![], config);
+    let submit = |keys: Vec<ObjectKey>| {
+        let request =
+            PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys);
+        rig.prefetch.wait(rig.prefetch.submit(request).unwrap(), WAIT)
+    };
+    assert!(matches!(submit(keys(0..2)), Err(PrefetchError::Failed(_))));
+    for round in 0..3 {
+        let result = submit(keys(2..4)).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert_eq!(result.hit_chunks, 0, "round {round}: the hung tier was asked: a miss");
+        assert_eq!(stuck.held_tasks(), 1, "round {round}: the hung tier was given another load");
+    }
+    assert_eq!(stuck.usage().locks, 0);
+    stuck.release_held();
+    eventually("the late load's slots are free", || rig.l1.usage().writing == 0);
+    assert_eq!(submit(keys(2..4)).unwrap().hit_chunks, 2, "asked again once it answered");
+    rig.l1.release_owner(OWNER);
+    assert_eq!(rig.locks(), vec![0]);
+    rig.l1.audit().unwrap();
+}
