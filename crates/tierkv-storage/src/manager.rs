@@ -79,7 +79,9 @@ struct Forward {
 impl L1Observer for Forward {
     fn writes_finished(&self, keys: &[ObjectKey]) {
         if self.copies_at_write {
-            self.jobs.send(StoreJob::Finished { keys: keys.to_vec(), lease: None, ticket: None });
+            // Refused once the pipeline stopped: such a job holds nothing to return.
+            let job = StoreJob::Finished { keys: keys.to_vec(), lease: None, ticket: None };
+            let _ = self.jobs.send(job);
         }
     }
 
@@ -1852,6 +1854,55 @@ mod tests {
         assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
         let kept: Vec<bool> = chunks.iter().map(|k| below.contains(k)).collect();
         assert_eq!(kept, [true, true, false, true]);
+    }
+
+    /// The demoted-chunk counter of `snapshot`: victims dropped on their way down.
+    fn dropped_demotions(snapshotter: &metrics_util::debugging::Snapshotter) -> u64 {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(k, ..)| {
+                k.key().name() == "tierkv_errors_total"
+                    && k.key().labels().any(|l| l.value() == "demotion_dropped")
+            })
+            .map(|(.., v)| match v {
+                metrics_util::debugging::DebugValue::Counter(n) => n,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// L1 outlives a stop (the daemon's data plane holds it), and what it evicts then still goes
+    /// to its demoter. With the store pipeline stopped nothing takes the victim: it is dropped
+    /// and counted at once, not queued to nobody, where it stayed counted in flight and its
+    /// bytes on their way for good.
+    #[test]
+    fn a_demotion_after_the_stop_is_dropped_and_counted_not_queued_to_nobody() {
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // A tier that is not the disk: a stop hands nothing down to it, L1 stays full.
+        let below = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(8 * CHUNK, CHUNK) };
+        let config = StorageConfig { store_policy: StorePolicy::Cascade, ..StorageConfig::new(l1) };
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
+        let clock = Arc::new(tierkv_core::ManualClock::new());
+        let storage = metrics::with_local_recorder(&recorder, || {
+            StorageManager::start_with_tiers(config, clock, tiers).unwrap()
+        });
+        write(&storage, &keys(0..8));
+        storage.stop();
+        assert_eq!(storage.l1().usage().cached, 8);
+        let layout = Layout::bytes(CHUNK).unwrap();
+        let more = keys(8..9);
+        let reserved =
+            storage.l1().reserve_write(OWNER, &more, &layout, WriteMode::Create, Lifetime::Cached);
+        assert!(reserved.unwrap().iter().all(|r| r.is_ok()), "L1 made room by evicting");
+        let queue = storage.inner.store.queue();
+        assert_eq!(storage.status().store_in_flight, 0, "a demotion was queued to nobody");
+        assert_eq!(queue.demoted_bytes(), 0, "its bytes stayed counted");
+        assert_eq!(dropped_demotions(&snapshotter), 1, "the lost victim was not counted");
+        assert_eq!(below.usage().objects, 0);
     }
 
     /// An L2 of one slot whose victims the test sends down `storage`'s pipeline to tier 0.

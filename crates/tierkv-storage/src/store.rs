@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select, unbounded};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use tierkv_core::{ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, TaskId};
 use tierkv_l1::{L1Manager, LeaseId, OwnerId, Readers};
 use tierkv_prefetch::{TierEvent, TierRouter};
@@ -122,6 +122,11 @@ pub(crate) struct StoreQueue {
     progress: Arc<(Mutex<u64>, Condvar)>,
     /// Bytes of demoted chunks queued or being written: their copies live in memory until then.
     demoted_bytes: Arc<AtomicU64>,
+    /// Whether the pipeline takes jobs. A send holds the read lock while it queues, and a stop
+    /// closes the queue under the write lock before it drains it: every job sent is either in
+    /// the channel before the drain or refused, never queued to a pipeline that stopped
+    /// (L1 and L2 outlive a stop, and their demoters still send what they evict).
+    open: Arc<RwLock<bool>>,
 }
 
 impl StoreQueue {
@@ -132,14 +137,16 @@ impl StoreQueue {
             outstanding: Arc::new(AtomicU64::new(0)),
             progress: Arc::new((Mutex::new(0), Condvar::new())),
             demoted_bytes: Arc::new(AtomicU64::new(0)),
+            open: Arc::new(RwLock::new(true)),
         };
         (queue, inbox)
     }
 
     /// Sends a chunk a tier evicted down to `tier`, unless the demoted bytes queued or being
     /// written would then pass `cap` (one chunk always goes): a tier below slower than the
-    /// writers above it must not grow the daemon's memory without bound. A refused chunk is
-    /// dropped by the caller, a miss later like any eviction. Returns whether it was sent.
+    /// writers above it must not grow the daemon's memory without bound; nor may a pipeline
+    /// that stopped. A refused chunk is dropped by the caller, a miss later like any eviction.
+    /// Returns whether it was sent.
     pub(crate) fn send_demoted(
         &self,
         tier: usize,
@@ -153,26 +160,31 @@ impl StoreQueue {
             self.demoted_bytes.fetch_sub(len, Ordering::AcqRel);
             return false;
         }
-        self.send(StoreJob::Demoted { tier, items: vec![(key, bytes)] });
+        if self.send(StoreJob::Demoted { tier, items: vec![(key, bytes)] }).is_err() {
+            self.demoted_bytes.fetch_sub(len, Ordering::AcqRel);
+            return false;
+        }
         true
     }
 
-    pub(crate) fn send(&self, job: StoreJob) {
-        self.outstanding.fetch_add(1, Ordering::AcqRel);
-        if let Err(refused) = self.sender.send(job) {
-            self.outstanding.fetch_sub(1, Ordering::AcqRel);
-            // The pipeline was never started (it keeps the queue's other end while it lives):
-            // nothing will copy the job.
-            match &refused.0 {
-                StoreJob::Finished { ticket: Some(ticket), keys, .. } => {
-                    ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
-                }
-                StoreJob::Demoted { items, .. } => {
-                    self.demoted_bytes.fetch_sub(demoted_len(items), Ordering::AcqRel);
-                }
-                _ => {}
-            }
+    /// Queues `job`, or hands it back when the pipeline has stopped (or was never started):
+    /// nothing will copy it then, and what it holds is the caller's to return
+    /// ([`release_unstarted`]).
+    pub(crate) fn send(&self, job: StoreJob) -> Result<(), StoreJob> {
+        let open = self.open.read();
+        if !*open {
+            return Err(job);
         }
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
+        self.sender.send(job).map_err(|refused| {
+            self.outstanding.fetch_sub(1, Ordering::AcqRel);
+            refused.0
+        })
+    }
+
+    /// Refuses every job from now on; returns once no send is under way.
+    fn close(&self) {
+        *self.open.write() = false;
     }
 
     /// The number of jobs that have ended so far.
@@ -194,6 +206,12 @@ impl StoreQueue {
     /// Jobs queued or being copied.
     pub(crate) fn outstanding(&self) -> u64 {
         self.outstanding.load(Ordering::Acquire)
+    }
+
+    /// Bytes of demoted chunks queued or being written.
+    #[cfg(test)]
+    pub(crate) fn demoted_bytes(&self) -> u64 {
+        self.demoted_bytes.load(Ordering::Acquire)
     }
 }
 
@@ -221,9 +239,11 @@ pub(crate) struct StorePipeline {
     queue: StoreQueue,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<JoinHandle<Worker>>>,
-    /// The queue's other end, kept so that a job is never refused: whatever the thread did not
-    /// take before it ended, or is sent after, is dropped here, its shares returned.
+    /// The queue's other end, kept so that a job is never lost: whatever the thread did not
+    /// take before it ended is dropped here, its shares returned.
     leftovers: Receiver<StoreJob>,
+    /// Where the shares of a job refused after the stop go back.
+    l1: Arc<L1Manager>,
     /// The thread's worker once it ended: what drops those jobs.
     ended: Mutex<Option<Worker>>,
 }
@@ -240,7 +260,7 @@ impl StorePipeline {
         let stop = Arc::new(AtomicBool::new(false));
         let (events_tx, events) = unbounded();
         let mut worker = Worker {
-            l1,
+            l1: Arc::clone(&l1),
             router,
             policy,
             disk,
@@ -267,6 +287,7 @@ impl StorePipeline {
             stop,
             thread: Mutex::new(Some(thread)),
             leftovers,
+            l1,
             ended: Mutex::new(None),
         })
     }
@@ -277,10 +298,9 @@ impl StorePipeline {
     }
 
     pub(crate) fn submit(&self, job: StoreJob) {
-        self.queue.send(job);
-        if self.stop.load(Ordering::SeqCst) {
-            // Sent while (or after) the pipeline stopped: nothing will copy it.
-            self.drop_leftovers();
+        if let Err(job) = self.queue.send(job) {
+            // Sent after the pipeline stopped: nothing will copy it.
+            release_unstarted(&self.l1, &self.queue.demoted_bytes, job);
         }
     }
 
@@ -291,6 +311,7 @@ impl StorePipeline {
 
     /// Stops after the batches in flight finished (or a drain timeout passed). Idempotent.
     pub(crate) fn stop(&self) {
+        self.queue.close();
         self.stop.store(true, Ordering::SeqCst);
         if let Some(thread) = self.thread.lock().take()
             && let Ok(worker) = thread.join()
@@ -320,6 +341,26 @@ impl Drop for StorePipeline {
 /// The bytes of demoted chunks.
 fn demoted_len(items: &[(ObjectKey, Box<dyn ChunkSource>)]) -> u64 {
     items.iter().map(|(_, bytes)| bytes.len()).sum()
+}
+
+/// Returns what a job that will not be started holds: its lease's shares, its demoted bytes
+/// (counted on their way until now), and its writer's ticket, which learns that nothing of it
+/// reached the disk.
+fn release_unstarted(l1: &L1Manager, demoted_bytes: &AtomicU64, job: StoreJob) {
+    match &job {
+        StoreJob::WriteBack { lease, .. }
+        | StoreJob::HandDown { lease, .. }
+        | StoreJob::Finished { lease: Some(lease), .. } => {
+            let _ = l1.release_lease(*lease);
+        }
+        StoreJob::Demoted { items, .. } => {
+            demoted_bytes.fetch_sub(demoted_len(items), Ordering::AcqRel);
+        }
+        _ => {}
+    }
+    if let StoreJob::Finished { keys, ticket: Some(ticket), .. } = &job {
+        ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
+    }
 }
 
 /// How long stopping waits for copies in flight.
@@ -405,23 +446,7 @@ impl Worker {
     /// A job that will not be started (the pipeline is stopping): its shares go back, its
     /// writer learns that nothing of it reached the disk.
     fn drop_job(&self, job: StoreJob) {
-        match job {
-            StoreJob::WriteBack { lease, .. }
-            | StoreJob::HandDown { lease, .. }
-            | StoreJob::Finished { lease: Some(lease), .. } => {
-                let _ = self.l1.release_lease(lease);
-            }
-            _ => {}
-        }
-        match &job {
-            StoreJob::Finished { keys, ticket: Some(ticket), .. } => {
-                ticket.settle(Durability { durable: 0, not_durable: keys.len() as u32 });
-            }
-            StoreJob::Demoted { items, .. } => {
-                self.demoted_bytes.fetch_sub(demoted_len(items), Ordering::AcqRel);
-            }
-            _ => {}
-        }
+        release_unstarted(&self.l1, &self.demoted_bytes, job);
         self.done_with_job();
     }
 
