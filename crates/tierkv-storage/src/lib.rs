@@ -14,6 +14,7 @@ mod error;
 mod lookup;
 mod manager;
 mod metrics;
+mod reads;
 mod store;
 
 pub use config::{RemoteAdmission, StorageConfig, StorePolicy};

@@ -33,6 +33,7 @@ use crate::config::{RemoteAdmission, StorageConfig, StorePolicy};
 use crate::error::StorageError;
 use crate::lookup::{HitChunk, Lookup, LookupId, LookupRequest, LookupResult, Stage};
 use crate::metrics::{LookupTotals, StorageMetrics};
+use crate::reads::ReadCounts;
 use crate::store::{
     Durability, STORE_OWNER, StoreJob, StorePipeline, StoreQueue, StoreTicket, copied_unread,
 };
@@ -56,10 +57,6 @@ const REMOTE_PROBE: Duration = Duration::from_secs(1);
 /// Why a deferred lookup failed when nobody started it within `l1.lease_ttl`.
 const NOT_STARTED: &str = "its prefetch was deferred and not started (query, wait or start) \
                            within l1.lease_ttl";
-
-/// The bit of a chunk's read count that says the remote tier served it once: such a chunk is
-/// never admitted back to the remote tier, whatever its reads.
-const CAME_FROM_REMOTE: u32 = 1 << 31;
 
 /// Reads counted per chunk for disk admission, at most; beyond this the counts start over.
 const READ_COUNTS: usize = 1 << 20;
@@ -296,7 +293,8 @@ struct Inner {
     /// prefetch finishes.
     abandoned: Mutex<Vec<Lookup>>,
     next_lookup: AtomicU64,
-    reads: Mutex<HashMap<ObjectKey, u32>>,
+    /// Reads per chunk, for admission after reads.
+    reads: Mutex<ReadCounts>,
     config: StorageConfig,
     metrics: Arc<StorageMetrics>,
     accepting: AtomicBool,
@@ -445,7 +443,7 @@ impl StorageManager {
             lookups: Mutex::new(HashMap::new()),
             abandoned: Mutex::new(Vec::new()),
             next_lookup: AtomicU64::new(first_lookup_id()),
-            reads: Mutex::new(HashMap::new()),
+            reads: Mutex::new(ReadCounts::new(READ_COUNTS)),
             config,
             metrics,
             accepting: AtomicBool::new(true),
@@ -1479,7 +1477,9 @@ impl Inner {
             StorePolicy::DiskAdmission { min_reads } => Some(min_reads),
             _ => None,
         };
-        let remote = match (&self.remote, self.config.remote_admission) {
+        // The tier named "remote", configured or given (`start_with_tiers`), as the store
+        // pipeline finds it.
+        let remote = match (self.remote_tier, self.config.remote_admission) {
             (Some(_), RemoteAdmission::AfterReads { min_reads }) => Some(min_reads),
             _ => None,
         };
@@ -1487,21 +1487,14 @@ impl Inner {
             return;
         }
         let mut reads = self.reads.lock();
-        if reads.len() > READ_COUNTS {
-            reads.clear();
-        }
+        reads.bound();
         let (mut to_disk, mut to_remote) = (Vec::new(), Vec::new());
         for key in keys {
-            let entry = reads.entry(key).or_insert(0);
-            if from_remote.contains(&key) {
-                *entry |= CAME_FROM_REMOTE;
-            }
-            let count = (*entry & !CAME_FROM_REMOTE).saturating_add(1).min(!CAME_FROM_REMOTE);
-            *entry = (*entry & CAME_FROM_REMOTE) | count;
-            if Some(count) == disk {
+            let admit = reads.read(key, from_remote.contains(&key), disk, remote);
+            if admit.disk {
                 to_disk.push(key);
             }
-            if Some(count) == remote && *entry & CAME_FROM_REMOTE == 0 {
+            if admit.remote {
                 to_remote.push(key);
             }
         }
