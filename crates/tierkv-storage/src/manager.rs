@@ -1898,6 +1898,101 @@ mod tests {
         assert_eq!(below.usage().objects, 0);
     }
 
+    /// A fake remote tier: a [`tierkv_testkit::FakeTier`] named "remote" whose promotions
+    /// stay cached in L1, as the remote tier's do.
+    struct KeptRemote(Arc<tierkv_testkit::FakeTier>);
+
+    impl TierAdapter for KeptRemote {
+        fn name(&self) -> &str {
+            self.0.name()
+        }
+        fn submit_store(&self, items: Vec<tierkv_core::StoreItem>) -> tierkv_core::TaskId {
+            self.0.submit_store(items)
+        }
+        fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> tierkv_core::TaskId {
+            self.0.submit_lookup_and_lock(keys)
+        }
+        fn submit_load(&self, items: Vec<tierkv_core::LoadItem>) -> tierkv_core::TaskId {
+            self.0.submit_load(items)
+        }
+        fn unlock(&self, keys: &[ObjectKey]) {
+            self.0.unlock(keys);
+        }
+        fn delete(&self, keys: &[ObjectKey]) -> usize {
+            self.0.delete(keys)
+        }
+        fn clear(&self) -> usize {
+            self.0.clear()
+        }
+        fn usage(&self) -> TierUsage {
+            self.0.usage()
+        }
+        fn completions(&self) -> crossbeam_channel::Receiver<tierkv_core::Completion> {
+            self.0.completions()
+        }
+        fn close(&self) {
+            self.0.close();
+        }
+        fn keep_promoted(&self) -> bool {
+            true
+        }
+    }
+
+    /// Remote admission after reads never sends a chunk back to the remote tier that served
+    /// it. That was a bit of the chunk's read count, and the counts start over when they pass
+    /// their bound: a chunk the remote tier had served (kept in L1) was then admitted back to
+    /// it after its next reads, as if this node had computed it.
+    #[test]
+    fn a_chunk_the_remote_tier_served_is_not_stored_back_once_the_read_counts_start_over() {
+        let remote = Arc::new(tierkv_testkit::FakeTier::new("remote", 64, CHUNK));
+        let served = keys(100..101)[0];
+        remote.insert(served, payload(&served, CHUNK));
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(16 * CHUNK, CHUNK) };
+        let config = StorageConfig {
+            store_policy: StorePolicy::WriteThrough,
+            remote_admission: RemoteAdmission::AfterReads { min_reads: 2 },
+            ..StorageConfig::new(l1)
+        };
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![Arc::new(KeptRemote(remote.clone()))];
+        let clock = Arc::new(tierkv_core::ManualClock::new());
+        let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+        // Counts for four chunks: the bound is passed in a few lookups.
+        *storage.inner.reads.lock() = ReadCounts::new(4);
+        let layout = Layout::bytes(CHUNK).unwrap();
+        let read = |chunks: &[ObjectKey]| {
+            let lookup =
+                LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), chunks.to_vec());
+            let id = storage.submit_lookup(lookup).unwrap();
+            assert_eq!(storage.wait(id, Duration::from_secs(5)).unwrap().hit_chunks, chunks.len());
+            storage.release_all(id).unwrap();
+        };
+        let idle = || {
+            assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)))
+        };
+        read(&[served]);
+        assert!(
+            matches!(storage.l1().presence(&served), tierkv_l1::Presence::Ready { .. }),
+            "a promotion from the remote tier stays in L1"
+        );
+        // Redis let it go meanwhile: a store back to it would show.
+        assert_eq!(remote.delete(&[served]), 1);
+        // A chunk this node wrote goes to the remote tier at its second read.
+        let local = keys(0..1);
+        write(&storage, &local);
+        read(&local);
+        read(&local);
+        idle();
+        assert!(remote.contains(&local[0]), "admission after reads admits nothing");
+        // Other chunks read: the counts pass their bound and start over.
+        let others = keys(1..7);
+        write(&storage, &others);
+        read(&others);
+        read(&[served]);
+        read(&[served]);
+        idle();
+        assert!(!remote.contains(&served), "a chunk the remote tier served was stored back to it");
+    }
+
     /// An L2 of one slot whose victims the test sends down `storage`'s pipeline to tier 0.
     struct L2Above {
         host: HostStore,

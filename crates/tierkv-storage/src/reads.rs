@@ -1,13 +1,16 @@
 //! Read counts for admission after reads: disk admission (`StorePolicy::DiskAdmission`) and
 //! remote admission (`RemoteAdmission::AfterReads`) send a chunk down once it has been read
 //! often enough, and never send one back to the remote tier that served it.
+//!
+//! Both records are bounded, and apart: the counts start over when they pass their bound, which
+//! costs at most a few reads more before a chunk is admitted; the chunks the remote tier served
+//! are kept through that, since forgetting one sends it back to the remote tier at its next
+//! reads. They are kept in two generations of a bounded size: a chunk served or read again
+//! moves to the newest, so only a chunk neither served nor read while a whole generation of
+//! others arrived is forgotten.
 
-use foldhash::{HashMap, HashMapExt};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use tierkv_core::ObjectKey;
-
-/// The bit of a chunk's read count that says the remote tier served it once: such a chunk is
-/// never admitted back to the remote tier, whatever its reads.
-const CAME_FROM_REMOTE: u32 = 1 << 31;
 
 /// Where a chunk read just now goes, by the thresholds it reached with this read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -18,19 +21,25 @@ pub(crate) struct Admit {
     pub(crate) remote: bool,
 }
 
-/// Reads counted per chunk, bounded: past `cap` chunks the counts start over.
+/// Reads counted per chunk, and the chunks the remote tier served, each for about `cap`
+/// chunks at most.
 pub(crate) struct ReadCounts {
+    /// Reads per chunk; they start over past `cap` chunks.
     counts: HashMap<ObjectKey, u32>,
+    /// Chunks the remote tier served: the newest generation, then the one before it. A
+    /// generation of `cap / 2` chunks becomes the older one and the older is forgotten.
+    from_remote: [HashSet<ObjectKey>; 2],
     cap: usize,
 }
 
 impl ReadCounts {
-    /// Counts for at most about `cap` chunks.
+    /// Counts for at most about `cap` chunks, and as many chunks the remote tier served.
     pub(crate) fn new(cap: usize) -> Self {
-        ReadCounts { counts: HashMap::new(), cap }
+        ReadCounts { counts: HashMap::new(), from_remote: [HashSet::new(), HashSet::new()], cap }
     }
 
-    /// Keeps the counts within their bound before a lookup's reads are counted.
+    /// Keeps the counts within their bound before a lookup's reads are counted. The chunks the
+    /// remote tier served are kept.
     pub(crate) fn bound(&mut self) {
         if self.counts.len() > self.cap {
             self.counts.clear();
@@ -46,15 +55,74 @@ impl ReadCounts {
         disk: Option<u32>,
         remote: Option<u32>,
     ) -> Admit {
-        let entry = self.counts.entry(key).or_insert(0);
-        if from_remote {
-            *entry |= CAME_FROM_REMOTE;
+        let came_from_remote = self.remember_remote(key, from_remote);
+        let count = self.counts.entry(key).or_insert(0);
+        *count = count.saturating_add(1);
+        Admit { disk: Some(*count) == disk, remote: Some(*count) == remote && !came_from_remote }
+    }
+
+    /// Whether the remote tier served `key`, now (`served`) or before; if it did, `key` moves
+    /// to the newest generation.
+    fn remember_remote(&mut self, key: ObjectKey, served: bool) -> bool {
+        let [newest, older] = &mut self.from_remote;
+        if newest.contains(&key) {
+            return true;
         }
-        let count = (*entry & !CAME_FROM_REMOTE).saturating_add(1).min(!CAME_FROM_REMOTE);
-        *entry = (*entry & CAME_FROM_REMOTE) | count;
-        Admit {
-            disk: Some(count) == disk,
-            remote: Some(count) == remote && *entry & CAME_FROM_REMOTE == 0,
+        if !(older.remove(&key) || served) {
+            return false;
         }
+        if newest.len() >= (self.cap / 2).max(1) {
+            *older = std::mem::take(newest);
+        }
+        self.from_remote[0].insert(key);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tierkv_testkit::contract::keys;
+
+    /// Reads `steps` (a key's number, and whether the remote tier served it) into counts of
+    /// `cap` chunks, a lookup each, and returns the numbers of those admitted to the remote tier
+    /// (after two reads).
+    fn check(cap: usize, steps: &[(u64, bool)], expected: &[u64]) {
+        let mut reads = ReadCounts::new(cap);
+        let mut admitted = Vec::new();
+        for &(n, served) in steps {
+            reads.bound();
+            if reads.read(keys(n..n + 1)[0], served, None, Some(2)).remote {
+                admitted.push(n);
+            }
+        }
+        assert_eq!(admitted, expected, "steps {steps:?}");
+    }
+
+    #[test]
+    fn a_chunk_the_remote_tier_served_is_never_admitted_back_while_remembered() {
+        // Local chunk 1 is admitted at its second read; chunk 0, served by the remote tier, is
+        // not, however often it is read.
+        check(100, &[(0, true), (0, false), (0, false), (1, false), (1, false)], &[1]);
+        // The counts start over past four chunks: chunk 0 is still known to come from remote.
+        let mut steps = vec![(0, true)];
+        steps.extend((1..=5).map(|n| (n, false)));
+        steps.extend([(0, false), (0, false), (0, false)]);
+        check(4, &steps, &[]);
+    }
+
+    #[test]
+    fn the_chunks_the_remote_tier_served_are_bounded_and_the_ones_read_are_kept_longest() {
+        // Generations of two: chunk 0, read again, moves to the newest each time and outlives
+        // chunk 1, served with it and never read since, which is forgotten: admitted at its
+        // second read.
+        let steps = [(0, true), (1, true), (2, true), (0, false), (3, true), (0, false)];
+        let steps = [&steps[..], &[(0, false), (1, false)]].concat();
+        check(4, &steps, &[1]);
+        let mut reads = ReadCounts::new(4);
+        for n in 0..1000 {
+            reads.read(keys(n..n + 1)[0], true, None, Some(2));
+        }
+        assert!(reads.from_remote.iter().map(HashSet::len).sum::<usize>() <= 4);
     }
 }
