@@ -195,6 +195,34 @@ fn disk_admission_writes_a_chunk_to_disk_only_once_it_was_read_enough() {
 }
 
 #[test]
+fn disk_admission_counts_a_lookup_of_several_readers_as_one_read() {
+    // MLA over four TP ranks: one lookup, four readers, each reading every chunk of the hit.
+    // That is one read of each chunk for admission, not four.
+    let dir = tempfile::tempdir().unwrap();
+    let s = StorageManager::start(config(16, StorePolicy::DiskAdmission { min_reads: 2 }, &dir))
+        .unwrap();
+    write(&s, &keys(0..2));
+    eventually("the host tier has the writes", || s.status().tiers[0].1.objects == 2);
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let read_by_four = || {
+        let extra = ExtraCount::new(3).unwrap();
+        let id = s.submit_prefetch(OWNER, keys(0..2), extra, layout.clone()).unwrap();
+        assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 2);
+        for reader in 0..4 {
+            for k in keys(0..2) {
+                drop(s.read(id, reader, &k).unwrap());
+            }
+            s.release(id, Readers::One(reader)).unwrap();
+        }
+    };
+    read_by_four();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(s.status().tiers[1].1.objects, 0, "one lookup of four readers counted as more");
+    read_by_four();
+    eventually("chunks looked up twice reach the disk", || s.status().tiers[1].1.objects == 2);
+}
+
+#[test]
 fn write_through_copies_every_write_to_every_tier() {
     let dir = tempfile::tempdir().unwrap();
     let s = StorageManager::start(config(16, StorePolicy::WriteThrough, &dir)).unwrap();
