@@ -2020,7 +2020,6 @@ impl Shared {
                 }
                 Err(ReadFailure::Sink) => self.metrics.failed(Failure::Copy),
                 Err(ReadFailure::Damaged) => {
-                    self.metrics.checksum_failed(1);
                     damaged.push((item.key, *loc));
                     marks.push((Arc::clone(file), *epoch, item.key, *loc));
                 }
@@ -2033,9 +2032,13 @@ impl Shared {
         // A record that failed verification or could not be read is never served again. (It is
         // dropped while its segment is still pinned, so `loc` cannot name a reused segment.) One
         // that failed verification is marked deleted on disk too: a restart would find it again,
-        // and take it for the key's record instead of a good copy stored later.
+        // and take it for the key's record instead of a good copy stored later. A record no
+        // longer indexed where it was read (deleted or replaced meanwhile) is a plain miss: the
+        // mark of its delete may have been written under the read (a torn header, not damage).
         if !damaged.is_empty() || !verified.is_empty() {
             let mut index = self.index.lock();
+            marks.retain(|(_, _, key, loc)| index.map.get(key) == Some(loc));
+            self.metrics.checksum_failed(marks.len() as u64);
             for (key, loc) in damaged {
                 index.drop_record(&key, loc);
             }

@@ -125,6 +125,62 @@ fn restart_with_thousands_of_records_across_many_segments() {
     }
 }
 
+/// A sink that, when the load first asks its length (after the load found the record and
+/// before it reads it), deletes the key and damages the record's header, as a read that met the
+/// delete's mark half written would see it.
+struct DeletedUnderTheRead {
+    store: Arc<DiskStore>,
+    key: tierkv_core::ObjectKey,
+    header: (PathBuf, u64),
+    done: std::sync::atomic::AtomicBool,
+    bytes: Vec<u8>,
+}
+
+impl tierkv_core::ChunkSink for DeletedUnderTheRead {
+    fn len(&self) -> u64 {
+        if !self.done.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            assert_eq!(self.store.delete(&[self.key]), 1);
+            flip(&self.header.0, self.header.1 + 7);
+        }
+        self.bytes.len() as u64
+    }
+
+    fn copy_from_host(&mut self, src: &[u8]) -> Result<(), tierkv_core::BufferError> {
+        self.bytes.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_record_deleted_under_its_load_is_a_plain_miss_not_a_checksum_failure() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(dir.path(), 4, 8)));
+    h.store(&keys(0..3)).unwrap();
+    let sink = DeletedUnderTheRead {
+        store: Arc::clone(&store),
+        key: key(1),
+        header: (segment(dir.path(), 0), record_offset(1)),
+        done: false.into(),
+        bytes: vec![0; CHUNK as usize],
+    };
+    let completions = store.completions();
+    let task = store.submit_load(vec![tierkv_core::LoadItem { key: key(1), sink: Box::new(sink) }]);
+    let done = completions.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+    let tierkv_core::Completion::Loaded { task: answered, loaded, .. } = done else {
+        panic!("not a load's answer")
+    };
+    assert_eq!(answered, task);
+    assert!(!loaded.get(0), "a record deleted under its read is a miss");
+    assert_eq!(
+        counter(&snapshotter, "tierkv_checksum_failures_total", None),
+        0,
+        "a key deleted while it was read is not damage on disk"
+    );
+    h.assert_loads(&[key(0), key(2)]);
+}
+
 #[test]
 fn c10_a_flipped_payload_byte_is_a_counted_miss_and_the_others_load() {
     let recorder = DebuggingRecorder::new();
