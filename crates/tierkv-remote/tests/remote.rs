@@ -629,6 +629,25 @@ fn the_usage_shrinks_when_values_are_deleted_or_expire() {
 }
 
 #[test]
+fn a_server_that_refuses_ping_still_heals_a_degraded_tier() {
+    require_redis!();
+    let server = RedisStandalone::start(&[]);
+    // The default user may run everything the tier's calls need, but not PING.
+    assert_eq!(server.node.cli(&["ACL", "SETUSER", "default", "-ping"]), "OK");
+    let prefix = unique_prefix("noping");
+    let store =
+        RemoteStore::open(config(vec![server.url()], RemoteMode::Standalone, &prefix)).unwrap();
+    assert!(store.degraded().is_some(), "not connected yet");
+    // The maintenance thread probes a degraded tier; nothing else calls it meanwhile.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.degraded().is_some() {
+        assert!(Instant::now() < deadline, "still degraded: {:?}", store.degraded());
+        store.probe();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
 fn a_server_that_refuses_scripts_still_deletes() {
     require_redis!();
     let server = RedisStandalone::start(&[]);
