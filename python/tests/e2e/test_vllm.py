@@ -79,6 +79,27 @@ def test_cold_then_reset_loads_from_tierkv_with_identical_tokens(
     )
 
 
+def test_a_prefix_split_between_vllms_cache_and_tierkv_loads_only_what_vllm_lacks(
+    engine_a: Engine, daemon: Daemon
+) -> None:
+    # vLLM's own prefix cache holds P1's first three chunks (loaded from tierkv by a shorter
+    # prompt); P1 then asks tierkv only for the four after them, and answers as it did cold.
+    engine_a.reset()
+    before = daemon.status()
+    short = engine_a.generate([P1[: 3 * CHUNK + 1]])[0]
+    assert short["cached"] == 3 * CHUNK
+    middle = daemon.status()
+    assert middle["requested_tokens"] - before["requested_tokens"] == 3 * CHUNK
+    whole = engine_a.generate([P1])[0]
+    assert whole["tokens"] == REFERENCE[1]
+    assert whole["cached"] == loadable(1000)
+    after = daemon.status()
+    assert after["requested_tokens"] - middle["requested_tokens"] == loadable(1000) - 3 * CHUNK, (
+        "the lookup asked only for the chunks after vLLM's own hit"
+    )
+    assert after["hit_tokens"] - middle["hit_tokens"] == loadable(1000) - 3 * CHUNK
+
+
 def test_a_second_vllm_process_loads_what_the_first_stored(
     engine_b: Engine, daemon: Daemon
 ) -> None:
