@@ -4,7 +4,7 @@
 //! shard means the eligibility filter it is given sees exactly the entries it orders, under the
 //! same lock, so a victim is never leased or written by the time it is removed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use foldhash::fast::RandomState;
@@ -123,6 +123,39 @@ pub(crate) struct Shard {
     pub(crate) policy: Box<dyn EvictionPolicy<ObjectKey>>,
     /// The classes of the entries of `map`.
     pub(crate) counts: Counts,
+    /// Keys absent from `map` that a write reservation has claimed while it evicts for their
+    /// slots: every other writer is refused them (`WriteInFlight`), so a chunk is never evicted
+    /// for a key another writer then takes. Empty whenever no reservation is under way.
+    pub(crate) claims: HashSet<ObjectKey, RandomState>,
+}
+
+/// The claims a write reservation made in `keys`' shards ([`Shard::claims`]). The reservation
+/// removes each claim itself as it inserts or refuses the key, then calls [`Claims::settle`];
+/// dropped unsettled (a demoter panicked during the eviction, or the batch gave up), this
+/// withdraws every claim, so no key stays refused to every writer after its reservation is gone.
+pub(crate) struct Claims<'a> {
+    index: &'a Index,
+    keys: &'a [ObjectKey],
+}
+
+impl<'a> Claims<'a> {
+    /// Takes charge of claims already made on `keys`, each in its shard.
+    pub(crate) fn new(index: &'a Index, keys: &'a [ObjectKey]) -> Self {
+        Claims { index, keys }
+    }
+
+    /// The reservation has removed every claim itself.
+    pub(crate) fn settle(mut self) {
+        self.keys = &[];
+    }
+}
+
+impl Drop for Claims<'_> {
+    fn drop(&mut self) {
+        for key in self.keys {
+            self.index.shard(key).claims.remove(key);
+        }
+    }
 }
 
 /// A shard on its own cache line pair, so neighbouring locks do not share a line.
@@ -152,6 +185,7 @@ impl Index {
                         None => policy.build(),
                     },
                     counts: Counts::default(),
+                    claims: HashSet::default(),
                 }),
             })
             .collect();

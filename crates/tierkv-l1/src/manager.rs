@@ -16,7 +16,7 @@ use crate::access::{ReadAccess, SlotHandle, SlotView, WriteAccess};
 use crate::config::L1Config;
 use crate::device::{self, DeviceArena};
 use crate::error::L1Error;
-use crate::index::{Class, Counts, Entry, EntryState, Index, Shard};
+use crate::index::{Claims, Class, Counts, Entry, EntryState, Index, Shard};
 use crate::lease::{
     KeyShares, LeaseId, LeaseRecord, LeaseShard, LeaseTable, OwnerId, Readers, all_readers,
 };
@@ -271,6 +271,11 @@ impl L1Manager {
     /// When no slot is free, cached objects are evicted by policy. When nothing more can be
     /// evicted, this key and every later key of the batch get `OutOfMemory`: a batch degrades to
     /// its longest allocatable prefix, never to a prefix with holes.
+    ///
+    /// A key that must wait for an eviction is claimed first: until the reservation inserts it
+    /// (or gives it up for want of a slot), other writers are told `WriteInFlight`. So every
+    /// chunk evicted for a reservation is replaced by one of its keys, never evicted for a key
+    /// that another writer reserved meanwhile.
     pub fn reserve_write(
         &self,
         owner: OwnerId,
@@ -320,10 +325,17 @@ impl L1Manager {
     /// Reserves a batch of keys none of which L1 holds, with one lock per touched shard for the
     /// check and one for the inserts, one free-list lock for the slots, and victims taken
     /// several per shard lock: what two writers contended on when each key took its locks one
-    /// by one. Returns `None`, having changed nothing, when a key is present or named twice: the
-    /// key-by-key path then gives the exact refusals (a present key might be one of the victims
-    /// an earlier key of the batch evicts). The results are those of the key-by-key path: the
-    /// longest prefix that gets slots, `OutOfMemory` from the first key that does not.
+    /// by one. Returns `None`, having changed nothing, when a key is present, claimed by another
+    /// reservation or named twice: the key-by-key path then gives the exact refusals (a present
+    /// key might be one of the victims an earlier key of the batch evicts). The results are
+    /// those of the key-by-key path: the longest prefix that gets slots, `OutOfMemory` from the
+    /// first key that does not.
+    ///
+    /// Short of free slots, the batch claims its keys as it checks them ([`Shard::claims`]), so
+    /// no other writer can reserve one between the check and the inserts: every victim evicted
+    /// for the batch then gets a key. (Unclaimed, a key another writer took meanwhile made the
+    /// batch evict a chunk for nothing, and hand that chunk's slot back to the free list while
+    /// a later key of the batch was refused `OutOfMemory`.)
     fn create_batch(
         &self,
         owner: OwnerId,
@@ -332,6 +344,9 @@ impl L1Manager {
         temporary: bool,
         evicted: &mut Vec<ObjectKey>,
     ) -> Option<Vec<Result<SlotHandle, KeyError>>> {
+        let mut slots = self.slots.alloc_many(keys.len());
+        let claim = slots.len() < keys.len();
+        let mut claimed = Vec::with_capacity(if claim { keys.len() } else { 0 });
         let mut seen: foldhash::HashSet<ObjectKey> =
             foldhash::HashSet::with_capacity_and_hasher(keys.len(), Default::default());
         let mut clash = false;
@@ -339,15 +354,28 @@ impl L1Manager {
             keys,
             |k| k,
             |shard, i| {
-                clash |= shard.map.contains_key(&keys[i]) || !seen.insert(keys[i]);
+                let key = &keys[i];
+                if !seen.insert(*key) || create_conflict(shard, key).is_some() {
+                    clash = true;
+                } else if claim {
+                    shard.claims.insert(*key);
+                    claimed.push(*key);
+                }
             },
         );
+        // Dropped unsettled, this withdraws the claims: on a clash below, or a demoter's panic.
+        let claims = Claims::new(&self.index, &claimed);
         if clash {
+            drop(claims);
+            self.slots.give_back_many(slots);
             return None;
         }
-        let mut slots = self.slots.alloc_many(keys.len());
-        if slots.len() < keys.len() {
+        if claim {
             self.evict_many(keys.len() - slots.len(), evicted, &mut slots);
+            // A slot may have come free since, when too little was evictable.
+            if slots.len() < keys.len() {
+                slots.extend(self.slots.alloc_many(keys.len() - slots.len()));
+            }
         }
         let granted = slots.len();
         let mut results: Vec<Result<SlotHandle, KeyError>> =
@@ -357,14 +385,19 @@ impl L1Manager {
         // its cache line between cores for every key).
         let first_generation = self.generations.fetch_add(granted as u64, Ordering::Relaxed);
         self.index.visit_grouped(
-            &keys[..granted],
+            keys,
             |k| k,
             |shard, i| {
                 let key = &keys[i];
-                let slot = slots[i];
-                // Another writer may have reserved the key since the check: it keeps it (rule 3).
-                if let Some(entry) = shard.map.get(key) {
-                    results[i] = Err(write_conflict(entry));
+                if claim {
+                    shard.claims.remove(key);
+                }
+                let Some(&slot) = slots.get(i) else { return };
+                // Unclaimed, another writer may have reserved the key since the check: it keeps
+                // it (rule 3), and the slot, which no eviction freed, goes back. Claimed, no
+                // writer could.
+                if let Some(refusal) = create_conflict(shard, key) {
+                    results[i] = Err(refusal);
                     leftover.push(slot);
                     return;
                 }
@@ -375,12 +408,14 @@ impl L1Manager {
                 results[i] = Ok(self.handle(slot, generation, len));
             },
         );
-        for slot in leftover {
-            self.slots.give_back(slot);
-        }
+        claims.settle();
+        self.slots.give_back_many(leftover);
         Some(results)
     }
 
+    /// Reserves one key. With a free slot, under one lock of the key's shard. Without, the key
+    /// is claimed before a victim is evicted for it, so that no other writer can take the key
+    /// meanwhile and the victim's slot is always used.
     fn create(
         &self,
         owner: OwnerId,
@@ -389,27 +424,48 @@ impl L1Manager {
         temporary: bool,
         evicted: &mut Vec<ObjectKey>,
     ) -> Result<SlotHandle, KeyError> {
-        // Refuse present keys before allocating, so a duplicate write never evicts anything.
-        if let Some(entry) = self.index.shard(key).map.get(key) {
-            return Err(write_conflict(entry));
-        }
-        let slot = match self.slots.alloc() {
-            Some(slot) => slot,
-            None => self.evict_one(evicted).ok_or(KeyError::OutOfMemory)?,
-        };
         let mut shard = self.index.shard(key);
-        // Another writer may have reserved the key while we looked for a slot: the insert below,
-        // under the shard lock, is the one place that decides who writes the key (rule 3).
-        if let Some(entry) = shard.map.get(key) {
-            let refusal = write_conflict(entry);
+        // Refuse present keys before allocating, so a duplicate write never evicts anything.
+        if let Some(refusal) = create_conflict(&shard, key) {
+            return Err(refusal);
+        }
+        // The free list nests inside a shard lock (the lock order).
+        if let Some(slot) = self.slots.alloc() {
+            return Ok(self.insert_writing(&mut shard, key, slot, len, owner, temporary));
+        }
+        shard.claims.insert(*key);
+        drop(shard);
+        let claims = Claims::new(&self.index, std::slice::from_ref(key));
+        // A slot may have come free since, when nothing is evictable.
+        let slot = self.evict_one(evicted).or_else(|| self.slots.alloc());
+        let mut shard = self.index.shard(key);
+        shard.claims.remove(key);
+        claims.settle();
+        let slot = slot.ok_or(KeyError::OutOfMemory)?;
+        // The claim kept every other writer off the key; the insert below, under the shard lock,
+        // is still the one place that decides who writes it (rule 3).
+        if let Some(refusal) = create_conflict(&shard, key) {
             drop(shard);
             self.slots.give_back(slot);
             return Err(refusal);
         }
+        Ok(self.insert_writing(&mut shard, key, slot, len, owner, temporary))
+    }
+
+    /// Inserts a fresh reservation of `slot` for `key`, absent from its locked `shard`.
+    fn insert_writing(
+        &self,
+        shard: &mut Shard,
+        key: &ObjectKey,
+        slot: SlotId,
+        len: u64,
+        owner: OwnerId,
+        temporary: bool,
+    ) -> SlotHandle {
         let generation = self.generations.fetch_add(1, Ordering::Relaxed);
         shard.map.insert(*key, Entry::writing(slot, generation, len, owner, temporary));
         shard.counts.moved(Class::Gone, Class::Writing);
-        Ok(self.handle(slot, generation, len))
+        self.handle(slot, generation, len)
     }
 
     fn relock_for_update(
@@ -420,7 +476,7 @@ impl L1Manager {
         temporary: bool,
     ) -> Result<SlotHandle, KeyError> {
         let mut guard = self.index.shard(key);
-        let Shard { map, policy, counts } = &mut *guard;
+        let Shard { map, policy, counts, .. } = &mut *guard;
         let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
         if entry.is_writing() {
             return Err(KeyError::WriteInFlight);
@@ -497,7 +553,7 @@ impl L1Manager {
             &mut dyn tierkv_core::policy::EvictionPolicy<ObjectKey>,
         ) -> Result<(), KeyError>,
     ) -> Result<(), KeyError> {
-        let Shard { map, policy, counts } = shard;
+        let Shard { map, policy, counts, .. } = shard;
         let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
         self.check_writer(entry, owner)?;
         if self.slots.has_writer(entry.slot) {
@@ -675,7 +731,7 @@ impl L1Manager {
                     if record.keys.contains_key(key) {
                         return Err(KeyError::Duplicate);
                     }
-                    let Shard { map, policy, counts } = shard;
+                    let Shard { map, policy, counts, .. } = shard;
                     let entry = map.get_mut(key).ok_or(KeyError::NotFound)?;
                     let before = entry.class();
                     admit(i, key, entry, policy.as_mut())?;
@@ -1012,7 +1068,7 @@ impl L1Manager {
         let mut cleared = Cleared::default();
         for i in 0..self.index.shard_count() {
             let mut guard = self.index.shard_at(i);
-            let Shard { map, policy, counts } = &mut *guard;
+            let Shard { map, policy, counts, .. } = &mut *guard;
             map.retain(|key, entry| {
                 if !force && entry.class() != Class::Cached {
                     cleared.kept += 1;
@@ -1294,10 +1350,11 @@ impl L1Manager {
     /// Recounts everything under every lock and checks the invariants: every slot is owned by
     /// exactly one entry, or free, or retiring; the class counters match the entries; each
     /// entry's share count equals the shares its leases hold; the policies track exactly the
-    /// finished, non-temporary entries.
+    /// finished, non-temporary entries; no key is claimed.
     ///
     /// Expensive. For tests and for operators verifying a live daemon. Slot ownership is exact
-    /// only while no guard is alive (a guard may free a retired slot during the audit).
+    /// only while no guard is alive (a guard may free a retired slot during the audit) and no
+    /// write reservation is under way (it holds slots and claims it has not yet given keys).
     pub fn audit(&self) -> Result<(), String> {
         let leases: Vec<_> = self.leases.shards().map(|s| s.lock()).collect();
         let shards: Vec<_> =
@@ -1335,6 +1392,9 @@ impl L1Manager {
             };
         let mut totals = Counts::default();
         for shard in &shards {
+            if let Some(key) = shard.claims.iter().next() {
+                return Err(format!("{key:?} is claimed by a write reservation under way"));
+            }
             let mut tracked = 0;
             let mut recount = Counts::default();
             for (key, entry) in &shard.map {
@@ -1436,4 +1496,13 @@ impl L1Manager {
 /// Why a key cannot be reserved for a new write.
 fn write_conflict(entry: &Entry) -> KeyError {
     if entry.is_writing() { KeyError::WriteInFlight } else { KeyError::AlreadyPresent }
+}
+
+/// Why `key` cannot be reserved for a new write now, if it cannot: its entry in its locked
+/// `shard`, or another reservation's claim on it (which will write it, or give it up).
+fn create_conflict(shard: &Shard, key: &ObjectKey) -> Option<KeyError> {
+    match shard.map.get(key) {
+        Some(entry) => Some(write_conflict(entry)),
+        None => shard.claims.contains(key).then_some(KeyError::WriteInFlight),
+    }
 }

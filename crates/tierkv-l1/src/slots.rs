@@ -88,6 +88,14 @@ impl Slots {
         self.free.lock().push(slot);
     }
 
+    /// Returns slots that were allocated but never became entries, under one lock; slots
+    /// `alloc_many` handed out come back in the order it would hand them out again.
+    pub(crate) fn give_back_many(&self, slots: Vec<SlotId>) {
+        if !slots.is_empty() {
+            self.free.lock().extend(slots.into_iter().rev());
+        }
+    }
+
     fn state(&self, slot: SlotId) -> &AtomicU32 {
         // Slot ids are only minted by `new` below `count`, so the index is in bounds.
         &self.states[slot.0 as usize]

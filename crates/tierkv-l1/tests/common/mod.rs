@@ -9,8 +9,8 @@ use parking_lot::Mutex;
 use tierkv_core::policy::PolicyKind;
 use tierkv_core::{ChunkHash, ExtraCount, KvRank, Layout, ManualClock, Namespace, ObjectKey};
 use tierkv_l1::{
-    DeviceKind, EvictionReason, L1Config, L1Context, L1Manager, L1Observer, Lifetime, OwnerId,
-    Presence, Readers, Usage, WriteMode,
+    Demoter, DeviceKind, EvictionReason, L1Config, L1Context, L1Manager, L1Observer, Lifetime,
+    OwnerId, Presence, Readers, Usage, WriteMode,
 };
 
 /// Bytes per slot in the scenario tests: "8 MiB slots" scaled down, proportions kept.
@@ -55,9 +55,14 @@ pub fn l1(slots: u64) -> Fixture {
 }
 
 pub fn with_config(config: L1Config) -> Fixture {
+    with_demoter(config, None)
+}
+
+/// An L1 built with `config` whose eviction victims go to `demoter`.
+pub fn with_demoter(config: L1Config, demoter: Option<Arc<dyn Demoter>>) -> Fixture {
     let clock = Arc::new(ManualClock::new());
     let recorder = Arc::new(Recorder::default());
-    let context = L1Context { clock: clock.clone(), observer: recorder.clone(), demoter: None };
+    let context = L1Context { clock: clock.clone(), observer: recorder.clone(), demoter };
     Fixture { l1: L1Manager::build(config, context).unwrap(), clock, recorder }
 }
 

@@ -1,0 +1,204 @@
+//! A write reservation that has to evict, raced by another writer between its eviction and its
+//! inserts. The race is staged, not hoped for: the demoter L1 hands every victim to (under the
+//! victim's shard lock, in the middle of the reservation) stops the reservation at its first
+//! victim until the test has run the other writer's steps, in shards the paused one does not
+//! hold. L1 must then neither evict a chunk it does not use (a miss later, and under the cascade
+//! a demotion for nothing) nor refuse a key for want of a slot while one is free.
+
+#![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::*;
+use parking_lot::Mutex;
+use tierkv_core::policy::shard_of;
+use tierkv_core::{ChunkSource, KeyError, ObjectKey};
+use tierkv_l1::{Demoter, L1Config, Lifetime, OwnerId, SlotHandle, WriteMode};
+
+const SHARDS: usize = 4;
+const OTHER: OwnerId = OwnerId(2);
+
+/// Once armed, pauses the next demotion until the test resumes it.
+struct PauseAtNextDemotion {
+    armed: AtomicBool,
+    reached: Mutex<mpsc::Sender<ObjectKey>>,
+    resume: Mutex<mpsc::Receiver<()>>,
+}
+
+impl Demoter for PauseAtNextDemotion {
+    fn demote(&self, key: &ObjectKey, _bytes: &dyn ChunkSource) {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            self.reached.lock().send(*key).unwrap();
+            // A bound, so that a reservation the test cannot resume fails instead of hanging.
+            self.resume.lock().recv_timeout(Duration::from_secs(10)).unwrap();
+        }
+    }
+}
+
+type Answers = Vec<Result<SlotHandle, KeyError>>;
+
+/// What the staged race left.
+struct Race {
+    f: Fixture,
+    /// The paused reservation's answers.
+    batch: Answers,
+    /// The other writer's answer for the batch's first key.
+    other: Result<SlotHandle, KeyError>,
+    /// The chunks evicted.
+    evicted: Vec<ObjectKey>,
+}
+
+/// `n` keys whose shard is (`inside`) or is not the victims' shard, skipping `skip`.
+fn keys_where(inside: bool, n: usize, skip: u64) -> Vec<ObjectKey> {
+    let victims_shard = shard_of(&key(0), SHARDS);
+    (skip..).map(key).filter(|k| (shard_of(k, SHARDS) == victims_shard) == inside).take(n).collect()
+}
+
+/// An L1 of `victims + 1` slots in 4 shards: `victims` cached chunks, all in one shard, and one
+/// reservation of `OTHER` (not evictable). `OWNER` reserves `batch` (keys outside the victims'
+/// shard), which must evict; paused at its first victim, `OTHER` aborts its reservation (a slot
+/// comes free) and reserves the batch's first key. Then the batch goes on.
+fn race(victims: usize, batch: usize) -> Race {
+    let (reached_tx, reached) = mpsc::channel();
+    let (resume, resume_rx) = mpsc::channel();
+    let pause = Arc::new(PauseAtNextDemotion {
+        armed: AtomicBool::new(false),
+        reached: Mutex::new(reached_tx),
+        resume: Mutex::new(resume_rx),
+    });
+    let config = L1Config { shards: SHARDS, ..config(victims as u64 + 1) };
+    let f = with_demoter(config, Some(pause.clone()));
+    let cached = keys_where(true, victims, 0);
+    for k in &cached {
+        f.write(std::slice::from_ref(k));
+    }
+    let outside = keys_where(false, batch + 1, 1_000);
+    let (held, batch) = (outside[0], outside[1..].to_vec());
+    let reserve = |owner, keys: &[ObjectKey]| {
+        f.l1.reserve_write(owner, keys, &layout(), WriteMode::Create, Lifetime::Cached).unwrap()
+    };
+    assert!(reserve(OTHER, &[held])[0].is_ok());
+    assert_eq!(f.usage().free_bytes, 0);
+    pause.armed.store(true, Ordering::SeqCst);
+
+    let (answers, other) = std::thread::scope(|s| {
+        let paused = s.spawn(|| reserve(OWNER, &batch));
+        let victim = reached.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(victim, cached[0], "the oldest chunk goes first");
+        // The other writer's steps touch only shards outside the victims' one, which the paused
+        // reservation holds.
+        assert_eq!(f.l1.abort_write(OTHER, &[held]), [Ok(())]);
+        let other = reserve(OTHER, &batch[..1]).remove(0);
+        resume.send(()).unwrap();
+        (paused.join().unwrap(), other)
+    });
+    let evicted = f.recorder.evicted.lock().iter().map(|(k, _)| *k).collect();
+    Race { f, batch: answers, other, evicted }
+}
+
+impl Race {
+    /// Whatever the outcome, one writer holds the contested key, every slot taken is owned,
+    /// free or retiring, and once both writers let go nothing stays held.
+    fn check_consistent(&self) {
+        assert!(
+            self.batch[0].is_ok() != self.other.is_ok(),
+            "exactly one writer gets the contested key: {:?} and {:?}",
+            self.batch[0],
+            self.other
+        );
+        self.f.assert_consistent();
+        self.f.l1.release_owner(OWNER);
+        self.f.l1.release_owner(OTHER);
+        self.f.assert_consistent();
+        let usage = self.f.usage();
+        assert_eq!((usage.used_bytes, usage.writing), (0, 0), "{usage:?}");
+    }
+
+    /// Every chunk evicted gave its slot to a key of the paused reservation (the other writer
+    /// evicts nothing: a slot comes free for it).
+    fn assert_no_victim_wasted(&self) {
+        let reserved = self.batch.iter().filter(|r| r.is_ok()).count();
+        assert!(
+            self.evicted.len() <= reserved,
+            "evicted {:?} for {reserved} reservations: answers {:?}, {} bytes free",
+            self.evicted,
+            self.batch,
+            self.f.usage().free_bytes
+        );
+    }
+}
+
+#[test]
+fn a_batch_evicts_no_chunk_for_a_key_another_writer_reserves_meanwhile() {
+    let race = race(2, 2);
+    race.assert_no_victim_wasted();
+    race.check_consistent();
+}
+
+#[test]
+fn a_single_key_reservation_evicts_no_chunk_for_a_key_another_writer_reserves_meanwhile() {
+    let race = race(1, 1);
+    race.assert_no_victim_wasted();
+    race.check_consistent();
+}
+
+#[test]
+fn a_batch_refuses_no_key_for_want_of_a_slot_while_one_is_free() {
+    // Two chunks to evict for three keys: the third key's slot is the one that comes free.
+    let race = race(2, 3);
+    let free = race.f.usage().free_bytes;
+    assert!(
+        !race.batch.contains(&Err(KeyError::OutOfMemory)) || free == 0,
+        "refused for want of a slot with {free} bytes free: {:?}",
+        race.batch
+    );
+    race.assert_no_victim_wasted();
+    race.check_consistent();
+}
+
+/// Once armed, panics at the next demotion, as a faulty demoter might.
+#[derive(Default)]
+struct PanicAtNextDemotion {
+    armed: AtomicBool,
+}
+
+impl Demoter for PanicAtNextDemotion {
+    fn demote(&self, _key: &ObjectKey, _bytes: &dyn ChunkSource) {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            panic!("the demoter fails");
+        }
+    }
+}
+
+#[test]
+fn a_reservation_whose_eviction_panics_leaves_its_keys_to_other_writers() {
+    // The reservation claimed its keys before evicting; a panic in the middle must not leave
+    // them claimed, refused to every writer for ever.
+    for n in [1, 2] {
+        let demoter = Arc::new(PanicAtNextDemotion::default());
+        let config = L1Config { shards: SHARDS, ..config(n as u64 + 1) };
+        let f = with_demoter(config, Some(demoter.clone()));
+        for k in keys_where(true, n, 0) {
+            f.write(&[k]);
+        }
+        let outside = keys_where(false, n + 1, 1_000);
+        let (held, batch) = (outside[0], &outside[1..]);
+        let reserve = |owner, keys: &[ObjectKey]| {
+            f.l1.reserve_write(owner, keys, &layout(), WriteMode::Create, Lifetime::Cached).unwrap()
+        };
+        assert!(reserve(OTHER, &[held])[0].is_ok());
+        demoter.armed.store(true, Ordering::SeqCst);
+        let failed =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reserve(OWNER, batch)));
+        assert!(failed.is_err(), "{n} keys: the demoter's panic reaches the caller");
+        assert_eq!(f.l1.abort_write(OTHER, &[held]), [Ok(())]);
+        for k in batch {
+            assert!(reserve(OTHER, &[*k])[0].is_ok(), "{n} keys: {k:?} is still refused");
+        }
+    }
+}
