@@ -3,7 +3,9 @@
 //! One thread owns a submission queue (fed from any thread), a FIFO of pending requests and at
 //! most `max_in_flight` active ones. Each active request goes through:
 //!
-//! 1. lookup-and-lock of its keys (those not already leased in L1) on every tier;
+//! 1. lookup-and-lock of its keys (those not already leased in L1) on every tier, one tier after
+//!    the other, fastest first: the next tier is asked once the one before answered (see
+//!    [`Worker::look_up_from`]);
 //! 2. plan: the hit over all groups given what L1 and the tiers hold; each needed key comes from
 //!    the fastest tier that has it; every other lock is returned;
 //! 3. reserve temporary L1 slots for the needed keys; a key that finds no slot (the hit is
@@ -315,8 +317,9 @@ fn validate(request: &PrefetchRequest) -> Result<(), PrefetchError> {
 /// Where a request stands.
 #[derive(Clone)]
 enum Phase {
-    /// Waiting for lookups: per tier, its bitmap over `wanted` once it arrived.
-    LookingUp { found: Vec<Option<Bitmap>>, waiting: usize },
+    /// Waiting for the lookup of one tier, asked after every faster one answered: per tier,
+    /// its bitmap over `wanted` once it arrived, and the tier to ask after this one.
+    LookingUp { found: Vec<Option<Bitmap>>, next: usize },
     /// Waiting for loads.
     Loading { waiting: usize },
 }
@@ -606,7 +609,7 @@ impl Worker {
                 since: Instant::now(),
                 allowance: Duration::ZERO,
                 wanted,
-                phase: Phase::LookingUp { found: vec![None; tiers], waiting: 0 },
+                phase: Phase::LookingUp { found: vec![None; tiers], next: 0 },
                 locked: vec![Vec::new(); tiers],
                 source: HashMap::new(),
                 reserved: BTreeMap::new(),
@@ -615,37 +618,48 @@ impl Worker {
             };
             self.started += 1;
             self.shared.metrics.started();
-            let keys: Arc<[ObjectKey]> = active.wanted.iter().map(|at| active.key(*at)).collect();
-            let nothing_to_look_up = keys.is_empty() || tiers == 0;
             self.active.insert(id, active);
-            if nothing_to_look_up {
-                if let Some(active) = self.active.get(&id).cloned() {
-                    self.plan(id, active);
-                }
+            self.look_up_from(id, 0);
+        }
+    }
+
+    /// Asks the first tier from `first` on that takes the request's lookup, or plans the
+    /// request once no tier is left to ask.
+    ///
+    /// One tier at a time, fastest first, each once the one before answered: chunks move down
+    /// the tiers (L1 to L2 to the disk under the cascade), and a chunk leaves a tier only once
+    /// the tier below has it (a victim on its way is served from its copy until the disk
+    /// indexed it). A chunk that a tier did not find when it answered had reached the tiers
+    /// below by then (or left the node: deleted, evicted, dropped), so a tier asked afterwards
+    /// finds it. Asked at once, the disk could answer before a victim of L2 arrived and L2
+    /// after it had left: a miss in both tiers for a chunk the node holds. The manager leases
+    /// the L1 hits before any of this, for the same reason.
+    fn look_up_from(&mut self, id: RequestId, first: usize) {
+        let Some(active) = self.active.get(&id) else { return };
+        let keys: Arc<[ObjectKey]> = active.wanted.iter().map(|at| active.key(*at)).collect();
+        let tiers = if keys.is_empty() { 0 } else { self.router.len() };
+        for tier in first..tiers {
+            // A tier that has not answered a task given up on is not asked: it finds nothing.
+            if self.unanswering(tier) {
                 continue;
             }
-            // A tier that has not answered a task given up on is not asked: it finds nothing.
-            let asked: Vec<usize> = (0..tiers).filter(|tier| !self.unanswering(*tier)).collect();
-            for tier in asked {
-                let submitted =
-                    self.submit(tier, |t| t.submit_lookup_and_lock(keys.to_vec()), "lookup");
-                if let Some(task) = submitted {
-                    self.tasks.insert((tier, task), id);
-                    self.lookup_keys.insert((tier, task), Arc::clone(&keys));
-                    if let Some(Active { phase: Phase::LookingUp { waiting, .. }, .. }) =
-                        self.active.get_mut(&id)
-                    {
-                        *waiting += 1;
-                    }
-                }
-            }
-            // No tier took the lookup (each panicked taking it, or is not answering): no answer
-            // will come to plan on, so the request is planned now, on what it has, nothing.
-            if let Some(active) = self.active.get(&id).cloned()
-                && matches!(active.phase, Phase::LookingUp { waiting: 0, .. })
+            let submitted =
+                self.submit(tier, |t| t.submit_lookup_and_lock(keys.to_vec()), "lookup");
+            // A tier that panicked taking it found nothing; the next is asked.
+            let Some(task) = submitted else { continue };
+            self.tasks.insert((tier, task), id);
+            self.lookup_keys.insert((tier, task), keys);
+            if let Some(Active { phase: Phase::LookingUp { next, .. }, .. }) =
+                self.active.get_mut(&id)
             {
-                self.plan(id, active);
+                *next = tier + 1;
             }
+            return;
+        }
+        // Every tier answered or was left out (or there was nothing to look up): the request
+        // is planned on what the tiers found.
+        if let Some(active) = self.active.get(&id).cloned() {
+            self.plan(id, active);
         }
     }
 
@@ -688,10 +702,9 @@ impl Worker {
                     }
                 }
                 match &mut active.phase {
-                    Phase::LookingUp { found, waiting } => {
+                    Phase::LookingUp { found, .. } => {
                         found[tier] = Some(locked);
-                        *waiting -= 1;
-                        *waiting == 0
+                        true
                     }
                     Phase::Loading { .. } => false,
                 }
@@ -737,10 +750,12 @@ impl Worker {
             Completion::Stored { .. } => false,
         };
         if done {
-            let next = active.clone();
-            match next.phase {
-                Phase::LookingUp { .. } => self.plan(id, next),
-                Phase::Loading { .. } => self.finalize(id, next),
+            match active.phase {
+                Phase::LookingUp { next, .. } => self.look_up_from(id, next),
+                Phase::Loading { .. } => {
+                    let active = active.clone();
+                    self.finalize(id, active);
+                }
             }
         }
     }
