@@ -379,6 +379,43 @@ def test_a_load_given_up_on_holds_the_requests_blocks_until_the_daemon_is_done(
         given_up.close()
 
 
+def test_a_done_event_that_never_completes_does_not_hang_the_engine(tmp_path: Path) -> None:
+    """With KV on a GPU a retrieve's copies end with the daemon's record of the worker's done
+    event. A request whose given-up calls are over still waits for that event before its blocks
+    are freed; an event whose recorder died may never complete, and the wait has the caller's
+    deadline: the request stays unsettled (its blocks held), and is settled once it completes.
+    (An event stand-in: this machine has no GPU; the GPU session runs the real one.)"""
+
+    class Event:
+        def __init__(self) -> None:
+            self.done = False
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return self.done
+
+        def synchronize(self) -> None:
+            raise AssertionError("an event is never waited on without a deadline")
+
+    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
+    worker = WorkerSide(settings, "m", 32, 0, 1, False, num_blocks=6)
+    try:
+        event = Event()
+        worker._done = event  # type: ignore[assignment]  # noqa: SLF001
+        worker._unanswered["r"] = []  # noqa: SLF001 (its calls given up on, all over)
+        start = time.monotonic()
+        assert not worker._settled("r", wait_s=0.05)  # noqa: SLF001
+        assert 0.05 <= time.monotonic() - start < 1.0
+        assert event.queries >= 2, "polled until the deadline"
+        assert not worker._settled("r"), "still not settled, asked again"  # noqa: SLF001
+        event.done = True
+        assert worker._settled("r")  # noqa: SLF001
+        assert "r" not in worker._unanswered  # noqa: SLF001
+    finally:
+        worker.shutdown()
+
+
 def test_a_preempted_request_waits_for_its_unanswered_calls_before_the_step_reuses_blocks(
     tmp_path: Path,
 ) -> None:

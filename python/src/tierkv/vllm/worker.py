@@ -65,6 +65,21 @@ IDLE_SETTLE_WAIT_S = 0.05
 REGISTER_BYTES_PER_S = 1 << 30
 
 
+#: How often a wait for an interprocess CUDA event polls it (it is polled, not synchronized on,
+#: so that the wait has a deadline).
+EVENT_POLL_S = 0.001
+
+
+def _completes(event: torch.cuda.Event, deadline: float) -> bool:
+    """Whether ``event`` completes before ``deadline`` (a ``time.monotonic()`` value); it is
+    queried at least once, however near the deadline."""
+    while not event.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(EVENT_POLL_S)
+    return True
+
+
 class WorkerSide:
     """One TP rank's session, its registered KV memory, and the step's copies."""
 
@@ -371,17 +386,20 @@ class WorkerSide:
     def _settled(self, req_id: str, wait_s: float = 0.0) -> bool:
         """Whether every call given up on for ``req_id`` is over (waiting up to ``wait_s``)."""
         pending = self._unanswered.get(req_id)
-        if not pending:
+        if pending is None:
             return True
         deadline = time.monotonic() + wait_s
         pending[:] = [u for u in pending if not u.wait(max(deadline - time.monotonic(), 0.0))]
         if pending:
             return False
+        # On the GPU the daemon's copies of a retrieve end with its record of this event; its
+        # connection closes once they are enqueued, so they must land too. Polled, within the
+        # same deadline: an event whose recorder died may never complete, and the engine must
+        # not wait on it for ever (the request stays unsettled, its blocks held, and is asked
+        # about again).
+        if self._done is not None and not _completes(self._done, deadline):
+            return False
         del self._unanswered[req_id]
-        if self._done is not None:
-            # On the GPU the daemon's copies of a retrieve end with its record of this event;
-            # its connection closes once they are enqueued, so wait for them to land too.
-            self._done.synchronize()
         log.info("tierkv: the calls given up on for %s are over; its blocks may be reused", req_id)
         return True
 
