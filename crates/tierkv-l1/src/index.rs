@@ -129,30 +129,37 @@ pub(crate) struct Shard {
     pub(crate) claims: HashSet<ObjectKey, RandomState>,
 }
 
-/// The claims a write reservation made in `keys`' shards ([`Shard::claims`]). The reservation
-/// removes each claim itself as it inserts or refuses the key, then calls [`Claims::settle`];
-/// dropped unsettled (a demoter panicked during the eviction, or the batch gave up), this
-/// withdraws every claim, so no key stays refused to every writer after its reservation is gone.
+/// The claims a write reservation made, each in its key's shard ([`Shard::claims`]), recorded
+/// as it makes them. The reservation removes each claim itself as it inserts or refuses the key,
+/// then calls [`Claims::settle`]; dropped unsettled (a panic while it claims or evicts, or the
+/// batch gave up), this withdraws every claim, so no key stays refused to every writer after its
+/// reservation is gone.
 pub(crate) struct Claims<'a> {
     index: &'a Index,
-    keys: &'a [ObjectKey],
+    keys: Vec<ObjectKey>,
 }
 
 impl<'a> Claims<'a> {
-    /// Takes charge of claims already made on `keys`, each in its shard.
-    pub(crate) fn new(index: &'a Index, keys: &'a [ObjectKey]) -> Self {
-        Claims { index, keys }
+    /// None made yet.
+    pub(crate) fn new(index: &'a Index) -> Self {
+        Claims { index, keys: Vec::new() }
+    }
+
+    /// Records the claim just made on `key` in its shard (still locked by the caller: the
+    /// record is taken before anything can unwind past it).
+    pub(crate) fn made(&mut self, key: ObjectKey) {
+        self.keys.push(key);
     }
 
     /// The reservation has removed every claim itself.
     pub(crate) fn settle(mut self) {
-        self.keys = &[];
+        self.keys.clear();
     }
 }
 
 impl Drop for Claims<'_> {
     fn drop(&mut self) {
-        for key in self.keys {
+        for key in &self.keys {
             self.index.shard(key).claims.remove(key);
         }
     }

@@ -326,8 +326,9 @@ impl L1Manager {
     /// check and one for the inserts, one free-list lock for the slots, and victims taken
     /// several per shard lock: what two writers contended on when each key took its locks one
     /// by one. Returns `None`, having changed nothing, when a key is present, claimed by another
-    /// reservation or named twice: the key-by-key path then gives the exact refusals (a present
-    /// key might be one of the victims an earlier key of the batch evicts). The results are
+    /// reservation or named twice (the key-by-key path then gives the exact refusals: a present
+    /// key might be one of the victims an earlier key of the batch evicts), or when the free
+    /// slots it counted were taken before it could allocate them unclaimed. The results are
     /// those of the key-by-key path: the longest prefix that gets slots, `OutOfMemory` from the
     /// first key that does not.
     ///
@@ -344,9 +345,13 @@ impl L1Manager {
         temporary: bool,
         evicted: &mut Vec<ObjectKey>,
     ) -> Option<Vec<Result<SlotHandle, KeyError>>> {
-        let mut slots = self.slots.alloc_many(keys.len());
-        let claim = slots.len() < keys.len();
-        let mut claimed = Vec::with_capacity(if claim { keys.len() } else { 0 });
+        // Short of free slots, the keys are claimed. The slots are counted, not taken, before
+        // the check: a batch that turns out to clash (a store of chunks already here is
+        // routine) must not hold slots meanwhile that another writer would evict for.
+        let claim = self.slots.free_count() < keys.len() as u64;
+        // Dropped unsettled, this withdraws the claims: on a clash, or a panic while claiming
+        // or evicting.
+        let mut claims = Claims::new(&self.index);
         let mut seen: foldhash::HashSet<ObjectKey> =
             foldhash::HashSet::with_capacity_and_hasher(keys.len(), Default::default());
         let mut clash = false;
@@ -359,18 +364,21 @@ impl L1Manager {
                     clash = true;
                 } else if claim {
                     shard.claims.insert(*key);
-                    claimed.push(*key);
+                    claims.made(*key);
                 }
             },
         );
-        // Dropped unsettled, this withdraws the claims: on a clash below, or a demoter's panic.
-        let claims = Claims::new(&self.index, &claimed);
         if clash {
-            drop(claims);
-            self.slots.give_back_many(slots);
             return None;
         }
-        if claim {
+        let mut slots = self.slots.alloc_many(keys.len());
+        if slots.len() < keys.len() {
+            if !claim {
+                // Free slots were taken since they were counted: the key-by-key path claims
+                // each key before it evicts for it.
+                self.slots.give_back_many(slots);
+                return None;
+            }
             self.evict_many(keys.len() - slots.len(), evicted, &mut slots);
             // A slot may have come free since, when too little was evictable.
             if slots.len() < keys.len() {
@@ -434,8 +442,9 @@ impl L1Manager {
             return Ok(self.insert_writing(&mut shard, key, slot, len, owner, temporary));
         }
         shard.claims.insert(*key);
+        let mut claims = Claims::new(&self.index);
+        claims.made(*key);
         drop(shard);
-        let claims = Claims::new(&self.index, std::slice::from_ref(key));
         // A slot may have come free since, when nothing is evictable.
         let slot = self.evict_one(evicted).or_else(|| self.slots.alloc());
         let mut shard = self.index.shard(key);
