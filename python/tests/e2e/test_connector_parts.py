@@ -412,6 +412,20 @@ def test_a_done_event_that_never_completes_does_not_hang_the_engine(tmp_path: Pa
         event.done = True
         assert worker._settled("r")  # noqa: SLF001
         assert "r" not in worker._unanswered  # noqa: SLF001
+
+        # A call answered only at the end of the caller's wait: the copies it enqueued get a
+        # wait of their own, and land within it.
+        class AnsweredLate:
+            def wait(self, timeout: float) -> bool:
+                time.sleep(timeout)
+                return True
+
+        event.done = False
+        worker._unanswered["p"] = [AnsweredLate()]  # type: ignore[list-item]  # noqa: SLF001
+        landing = threading.Timer(0.3, lambda: setattr(event, "done", True))
+        landing.start()
+        assert worker._settled("p", wait_s=0.2), "the copies were given no time"  # noqa: SLF001
+        landing.join()
     finally:
         worker.shutdown()
 
@@ -871,6 +885,38 @@ def test_kv_another_request_computed_over_a_failed_load_is_never_stored(tmp_path
         )
         assert 10 not in scheduler.tainted, "R rewrote it whole"
         assert meta.stores[0].chunks == [], "R2's KV over the failed load was stored"
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_block_rewritten_only_in_part_stays_unwritten(tmp_path: Path) -> None:
+    """R's load into blocks 10-11 failed, and vLLM keeps them in its prefix cache. R computes
+    them again in chunks: a step that stops inside block 11 rewrites 10 whole but 11 only in
+    part, the rest of it what the failed load left. R2, whose prefix hit shares 10-11, stores
+    its first chunk in that step: 11 is still unwritten, so it is not stored."""
+    from tierkv.vllm.plan import StoreOp
+    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+
+    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+    try:
+        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
+        reader = scheduler._state(_plain_request("R2", list(range(100))))  # noqa: SLF001
+        loader.block_ids, reader.block_ids = [10, 11, 12], [10, 11, 20, 21]
+        chunk0 = reader.chunks[0]
+        step = TierKVMetadata(loads=[LoadOp("R", [1], [(chunk0, [10, 11])])])
+        scheduler._after_loads(step, [Scheduled("R", [10, 11, 12], True, 32, 1)])  # noqa: SLF001
+        scheduler.update_connector_output({10, 11})
+        # R recomputes 24 tokens: block 10 whole, block 11 half.
+        scheduled = [Scheduled("R", [], False, 0, 24), Scheduled("R2", [], False, 32, 1)]
+        store = StoreOp("R2", [(chunk0, [10, 11])])
+        meta = scheduler._untainted(  # noqa: SLF001
+            scheduler._after_loads(TierKVMetadata(stores=[store]), scheduled),  # noqa: SLF001
+            scheduled,
+        )
+        assert 10 not in scheduler.tainted, "R rewrote it whole"
+        assert 11 in scheduler.tainted, "R rewrote only part of it"
+        assert meta.stores[0].chunks == [], "a chunk over a half-rewritten block was stored"
     finally:
         scheduler.shutdown()
 

@@ -490,7 +490,7 @@ class SchedulerSide:
             blocks = self._computing(request)
             if blocks is None:
                 continue
-            read, written = blocks
+            read, written, _ = blocks
             loads = self._fresh_loads(read)
             if loads:
                 for block in written:
@@ -519,16 +519,19 @@ class SchedulerSide:
                 loads |= made[1]
         return loads
 
-    def _computing(self, request: Scheduled) -> tuple[list[int], list[int]] | None:
+    def _computing(self, request: Scheduled) -> tuple[list[int], list[int], int] | None:
         """The blocks a scheduled request's step reads (those before its first new token; the
-        one holding its last computed token may be half written, so it is read) and those it
-        writes whole; ``None`` for a request the scheduler half does not know."""
+        one holding its last computed token may be half written, so it is read), those it
+        writes into (the last one perhaps only in part), and how many of those it writes whole;
+        ``None`` for a request the scheduler half does not know."""
         state = self.requests.get(request.req_id)
         if state is None:
             return None
         first = -(-request.computed // self.block_size)
-        end = -(-(request.computed + request.scheduled) // self.block_size)
-        return state.block_ids[:first], state.block_ids[first:end]
+        computed = request.computed + request.scheduled
+        end = -(-computed // self.block_size)
+        whole = max(computed // self.block_size - first, 0)
+        return state.block_ids[:first], state.block_ids[first:end], whole
 
     def _untainted(self, meta: TierKVMetadata, scheduled: list[Scheduled]) -> TierKVMetadata:
         """Forgets the tainted blocks this step writes whole over untainted ones (a request
@@ -541,7 +544,10 @@ class SchedulerSide:
         for request in scheduled:
             blocks = self._computing(request)
             if blocks is not None and self.tainted.isdisjoint(blocks[0]):
-                self.tainted.difference_update(blocks[1])
+                # Only the blocks it writes whole: the rest of one it stops inside still holds
+                # what the failed load left there.
+                _, written, whole = blocks
+                self.tainted.difference_update(written[:whole])
         per = self.settings.chunk_blocks
         for op in meta.stores:
             state = self.requests.get(op.req_id)
