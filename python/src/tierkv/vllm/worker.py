@@ -393,11 +393,13 @@ class WorkerSide:
         if pending:
             return False
         # On the GPU the daemon's copies of a retrieve end with its record of this event; its
-        # connection closes once they are enqueued, so they must land too. Polled, within the
-        # same deadline: an event whose recorder died may never complete, and the engine must
-        # not wait on it for ever (the request stays unsettled, its blocks held, and is asked
-        # about again).
-        if self._done is not None and not _completes(self._done, deadline):
+        # connection closes once they are enqueued, so they must land too. They get a wait of
+        # their own, as long as the caller's (calls answered at the end of it must not leave
+        # the copies none), and the event is polled: one whose recorder died may never
+        # complete, and the engine must not wait on it for ever (the request then stays
+        # unsettled, its blocks held, and is asked about again).
+        landed = max(deadline, time.monotonic() + wait_s)
+        if self._done is not None and not _completes(self._done, landed):
             return False
         del self._unanswered[req_id]
         log.info("tierkv: the calls given up on for %s are over; its blocks may be reused", req_id)
