@@ -2455,7 +2455,6 @@ mod tests {
     }
 
     #[test]
-    #[allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
     fn a_restart_syncs_what_its_scan_found_unless_told_never_to() {
         use crate::segment::SYNCS;
         use tierkv_testkit::contract::{Harness, OpenTier, keys};
@@ -2524,7 +2523,6 @@ mod tests {
     }
 
     #[test]
-    #[allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
     fn a_panic_on_the_write_thread_fails_its_task_and_the_thread_serves_the_next() {
         use tierkv_testkit::contract::{Harness, OpenTier, keys};
 
