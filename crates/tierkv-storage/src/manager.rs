@@ -1800,20 +1800,7 @@ mod tests {
         demoter.demote(&chunks[1], &VecChunk(payload(&chunks[1], CHUNK)));
         assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
         assert!(!below.contains(&chunks[0]) && below.contains(&chunks[1]));
-        let lost: u64 = snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .filter(|(k, ..)| {
-                k.key().name() == "tierkv_errors_total"
-                    && k.key().labels().any(|l| l.value() == "demotion_copy_failed")
-            })
-            .map(|(.., v)| match v {
-                metrics_util::debugging::DebugValue::Counter(n) => n,
-                _ => 0,
-            })
-            .sum();
-        assert_eq!(lost, 1);
+        assert_eq!(errors_counted(&snapshotter, "demotion_copy_failed"), 1);
     }
 
     /// Cascade victims on their way down are copies in memory: past the cap a victim is dropped
@@ -1849,15 +1836,15 @@ mod tests {
         assert_eq!(kept, [true, true, false, true]);
     }
 
-    /// The demoted-chunk counter of `snapshot`: victims dropped on their way down.
-    fn dropped_demotions(snapshotter: &metrics_util::debugging::Snapshotter) -> u64 {
+    /// `tierkv_errors_total` of `reason`, as `snapshotter` finds it (a snapshot drains it).
+    fn errors_counted(snapshotter: &metrics_util::debugging::Snapshotter, reason: &str) -> u64 {
         snapshotter
             .snapshot()
             .into_vec()
             .into_iter()
             .filter(|(k, ..)| {
                 k.key().name() == "tierkv_errors_total"
-                    && k.key().labels().any(|l| l.value() == "demotion_dropped")
+                    && k.key().labels().any(|l| l.value() == reason)
             })
             .map(|(.., v)| match v {
                 metrics_util::debugging::DebugValue::Counter(n) => n,
@@ -1894,7 +1881,11 @@ mod tests {
         let queue = storage.inner.store.queue();
         assert_eq!(storage.status().store_in_flight, 0, "a demotion was queued to nobody");
         assert_eq!(queue.demoted_bytes(), 0, "its bytes stayed counted");
-        assert_eq!(dropped_demotions(&snapshotter), 1, "the lost victim was not counted");
+        assert_eq!(
+            errors_counted(&snapshotter, "demotion_dropped"),
+            1,
+            "the lost victim was not counted"
+        );
         assert_eq!(below.usage().objects, 0);
     }
 
