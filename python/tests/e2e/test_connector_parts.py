@@ -921,6 +921,58 @@ def test_a_block_rewritten_only_in_part_stays_unwritten(tmp_path: Path) -> None:
         scheduler.shutdown()
 
 
+def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritten(
+    tmp_path: Path,
+) -> None:
+    """R's load into blocks 10-11 failed and vLLM heard of it: it recomputes R from its start,
+    and meanwhile keeps 10-11 in its prefix cache. R2, whose prompt shares that chunk, hits
+    them and computes blocks 20-21 over them (that store is dropped: it reads 10-11). R then
+    rewrites 10-11 whole, and R2 completes its next chunk, 22-23: every block before it is
+    untainted now, but 20-21 hold KV computed over the failed load's blocks, and so does the new
+    chunk. vLLM never recomputes R2 (it heard of 10-11 only), so nothing of it may be stored.
+    Found by ``test_connector_model.py`` (seed 73, synchronous scheduling)."""
+    from tierkv.vllm.plan import StoreOp
+    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+
+    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+
+    def step(stores: list[StoreOp], scheduled: list[Scheduled]) -> TierKVMetadata:
+        meta = TierKVMetadata(stores=stores)
+        return scheduler._untainted(scheduler._after_loads(meta, scheduled), scheduled)  # noqa: SLF001
+
+    try:
+        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
+        reader = scheduler._state(  # noqa: SLF001
+            _plain_request("R2", list(range(32)) + list(range(500, 600)))
+        )
+        loader.block_ids = [10, 11, 12]
+        load = TierKVMetadata(loads=[LoadOp("R", [1], [(loader.chunks[0], [10, 11])])])
+        scheduler._after_loads(load, [Scheduled("R", [10, 11, 12], True, 32, 1)])  # noqa: SLF001
+        scheduler.update_connector_output({10, 11})  # vLLM recomputes R from 0
+        # R2 hits 10-11 in vLLM's prefix cache and computes its second chunk over them.
+        reader.block_ids, reader.stored = [10, 11, 20, 21], 2
+        chunk0, chunk1, chunk2 = reader.chunks[:3]
+        meta = step(
+            [StoreOp("R2", [(chunk0, [10, 11]), (chunk1, [20, 21])])],
+            [Scheduled("R2", [10, 11, 20, 21], True, 32, 32)],
+        )
+        assert meta.stores[0].chunks == [], "it read 10-11"
+        # R rewrites 10-11 whole.
+        step([], [Scheduled("R", [], False, 0, 32)])
+        assert not {10, 11} & scheduler.tainted
+        assert {20, 21} <= scheduler.tainted, "computed over 10-11 before they were rewritten"
+        # R2's third chunk, computed over 20-21.
+        reader.block_ids += [22, 23]
+        reader.stored = 3
+        meta = step(
+            [StoreOp("R2", [(chunk2, [22, 23])])], [Scheduled("R2", [22, 23], False, 64, 32)]
+        )
+        assert meta.stores[0].chunks == [], "KV computed over a failed load's blocks was stored"
+    finally:
+        scheduler.shutdown()
+
+
 def test_a_release_that_finds_its_session_busy_is_tried_again(tmp_path: Path) -> None:
     """The release thread shares each rank's session with the scheduler thread. A release that
     waits past its deadline for the scheduler's call (ClientBusy) is tried again once the

@@ -533,21 +533,56 @@ class SchedulerSide:
         whole = max(computed // self.block_size - first, 0)
         return state.block_ids[:first], state.block_ids[first:end], whole
 
+    def _touched(self, request: Scheduled) -> list[int]:
+        """Every block a scheduled request's step writes into: those of :meth:`_computing`,
+        and the half-written one it starts in (read, and written for the rest)."""
+        state = self.requests.get(request.req_id)
+        if state is None:
+            return []
+        end = -(-(request.computed + request.scheduled) // self.block_size)
+        return state.block_ids[request.computed // self.block_size : end]
+
     def _untainted(self, meta: TierKVMetadata, scheduled: list[Scheduled]) -> TierKVMetadata:
         """Forgets the tainted blocks this step writes whole over untainted ones (a request
-        computing into them, or a load filling them: one that fails is reported again), then
-        drops every store that reads or writes a block still tainted."""
+        computing into them, or a load filling them: one that fails is reported again), taints
+        every block a request writes over a tainted one, then drops every store that reads or
+        writes a block still tainted."""
         if not self.tainted:
             return meta
         for op in meta.loads:
             self.tainted.difference_update(b for _, held in op.chunks for b in held)
-        for request in scheduled:
-            blocks = self._computing(request)
-            if blocks is not None and self.tainted.isdisjoint(blocks[0]):
-                # Only the blocks it writes whole: the rest of one it stops inside still holds
-                # what the failed load left there.
-                _, written, whole = blocks
-                self.tainted.difference_update(written[:whole])
+        steps = [
+            (blocks, self._touched(request))
+            for request in scheduled
+            if (blocks := self._computing(request)) is not None
+        ]
+        # What a request computes over a tainted block is as unwritten as that block: vLLM
+        # keeps it in its prefix cache and never recomputes it (it heard of the load's blocks
+        # only), and once the block before it is rewritten nothing else would keep it out of
+        # tierkv. Within the step every layer writes the whole batch's KV before attention reads
+        # it, so a request reads what another rewrites whole in the same step: the requests that
+        # compute over tainted blocks are found together, until none is added (a request's
+        # taint only grows the set, so this ends).
+        before = set(self.tainted)
+        over: set[int] = set()
+        while True:
+            tainted = set(before)
+            for i, ((_, written, whole), _) in enumerate(steps):
+                if i not in over:
+                    # Only the blocks it writes whole: the rest of one it stops inside still
+                    # holds what was there.
+                    tainted.difference_update(written[:whole])
+            for i in over:
+                tainted.update(steps[i][1])
+            more = {
+                i
+                for i, ((read, _, _), _) in enumerate(steps)
+                if i not in over and not tainted.isdisjoint(read)
+            }
+            if not more:
+                break
+            over |= more
+        self.tainted = tainted
         per = self.settings.chunk_blocks
         for op in meta.stores:
             state = self.requests.get(op.req_id)
