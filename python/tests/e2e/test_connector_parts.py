@@ -921,6 +921,40 @@ def test_a_block_rewritten_only_in_part_stays_unwritten(tmp_path: Path) -> None:
         scheduler.shutdown()
 
 
+def test_a_block_rewritten_over_two_steps_is_written_again(tmp_path: Path) -> None:
+    """R's load into blocks 10-11 failed; vLLM recomputes R in chunks that end inside block
+    11: the first step rewrites 10 and half of 11, the next goes on from there to the end of 11.
+    Then 11 holds valid KV again, and what is computed over it is stored (it stayed unwritten
+    for ever, and with it every chunk of the prefix after it, while vLLM kept it cached)."""
+    from tierkv.vllm.plan import StoreOp
+    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+
+    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+
+    def step(stores: list[StoreOp], scheduled: list[Scheduled]) -> TierKVMetadata:
+        meta = TierKVMetadata(stores=stores)
+        return scheduler._untainted(scheduler._after_loads(meta, scheduled), scheduled)  # noqa: SLF001
+
+    try:
+        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
+        reader = scheduler._state(_plain_request("R2", list(range(100))))  # noqa: SLF001
+        loader.block_ids, reader.block_ids = [10, 11, 12, 13], [10, 11, 20, 21]
+        chunk0 = reader.chunks[0]
+        load = TierKVMetadata(loads=[LoadOp("R", [1], [(chunk0, [10, 11])])])
+        scheduler._after_loads(load, [Scheduled("R", [10, 11, 12], True, 32, 1)])  # noqa: SLF001
+        scheduler.update_connector_output({10, 11})
+        step([], [Scheduled("R", [], False, 0, 24)])  # 10 whole, 11 up to slot 8
+        assert scheduler.tainted == {11, 12}
+        step([], [Scheduled("R", [], False, 24, 16)])  # 11 to its end, 12 up to slot 8
+        assert 11 not in scheduler.tainted, "rewritten from its first slot to its last"
+        reader.stored = 1
+        meta = step([StoreOp("R2", [(chunk0, [10, 11])])], [Scheduled("R2", [], False, 32, 1)])
+        assert meta.stores[0].chunks == [(chunk0, [10, 11])], "recomputed, and stored"
+    finally:
+        scheduler.shutdown()
+
+
 def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritten(
     tmp_path: Path,
 ) -> None:

@@ -93,6 +93,26 @@ class Scheduled:
     scheduled: int
 
 
+@dataclass(frozen=True)
+class _Writes:
+    """The blocks one request's step reads and writes."""
+
+    #: Read whole: those before the block its first token goes into.
+    read: list[int]
+    #: The block its first token goes into, where that is not the block's first slot: the
+    #: step reads its first ``offset`` slots and writes the rest up to ``inside_to``.
+    inside: int | None
+    offset: int
+    inside_to: int
+    #: Written whole, from the first slot to the last.
+    whole: list[int]
+    #: The block it stops inside, written from its first slot up to ``stops_at``.
+    stops: int | None
+    stops_at: int
+    #: Every block it writes into.
+    touched: list[int]
+
+
 def scheduled_requests(out: SchedulerOutput) -> list[Scheduled]:
     """Every request vLLM's step computes, new and cached alike."""
     requests = [
@@ -205,6 +225,10 @@ class SchedulerSide:
         #: them again, so KV computed over them can come any number of steps later: a store
         #: whose blocks, or the blocks before them, include one is dropped.
         self.tainted: set[int] = set()
+        #: Of the tainted blocks, how many slots from the first a request has rewritten over
+        #: untainted KV since (its step stopped inside the block): a step that goes on from
+        #: there over untainted KV to the block's end clears it.
+        self.rewritten: dict[int, int] = {}
         self.steps = 0
         #: External tokens vLLM accepted this step, per request: recorded before anything can
         #: fail, so that the step's metadata loads them or reports their blocks.
@@ -273,20 +297,20 @@ class SchedulerSide:
         failed loads' blocks: vLLM recomputes the loading request, but keeps another request's
         blocks computed over them as they are (they stay in its prefix cache, never written
         again), so whatever reads them is never stored."""
-        self.tainted |= invalid_block_ids
+        spoiled = set(invalid_block_ids)
         failed = self._fresh_loads(invalid_block_ids)
         if failed:
-            self.tainted.update(
-                block for block, (_, loads) in self.derived.items() if not loads.isdisjoint(failed)
-            )
             # From here on the failure is known: whatever depends on those loads is tainted,
             # and a store planned from now on need not wait on them (``StoreOp.after``), so
             # that what vLLM recomputes over the blocks is stored.
             for made in (self.fresh, self.derived):
                 gone = [block for block, (_, loads) in made.items() if not loads.isdisjoint(failed)]
-                self.tainted.update(gone)
+                spoiled.update(gone)
                 for block in gone:
                     del made[block]
+        self.tainted |= spoiled
+        for block in spoiled:
+            self.rewritten.pop(block, None)
         self._rewind(invalid_block_ids)
 
     def _rewind(self, unwritten: set[int]) -> None:
@@ -533,56 +557,61 @@ class SchedulerSide:
         whole = max(computed // self.block_size - first, 0)
         return state.block_ids[:first], state.block_ids[first:end], whole
 
-    def _touched(self, request: Scheduled) -> list[int]:
-        """Every block a scheduled request's step writes into: those of :meth:`_computing`,
-        and the half-written one it starts in (read, and written for the rest)."""
+    def _writes(self, request: Scheduled) -> _Writes | None:
+        """What a scheduled request's step reads and writes, block by block; ``None`` for a
+        request the scheduler half does not know."""
         state = self.requests.get(request.req_id)
         if state is None:
-            return []
-        end = -(-(request.computed + request.scheduled) // self.block_size)
-        return state.block_ids[request.computed // self.block_size : end]
+            return None
+        size, blocks = self.block_size, state.block_ids
+        start, end = request.computed, request.computed + request.scheduled
+        first, offset = divmod(start, size)
+        whole_from = -(-start // size)
+        stops = end // size if end % size and end // size >= whole_from else None
+        return _Writes(
+            read=blocks[:first],
+            inside=blocks[first] if offset and first < len(blocks) else None,
+            offset=offset,
+            inside_to=min(end - first * size, size),
+            whole=blocks[whole_from : max(end // size, whole_from)],
+            stops=blocks[stops] if stops is not None and stops < len(blocks) else None,
+            stops_at=end % size,
+            touched=blocks[first : -(-end // size)],
+        )
 
     def _untainted(self, meta: TierKVMetadata, scheduled: list[Scheduled]) -> TierKVMetadata:
-        """Forgets the tainted blocks this step writes whole over untainted ones (a request
-        computing into them, or a load filling them: one that fails is reported again), taints
-        every block a request writes over a tainted one, then drops every store that reads or
-        writes a block still tainted."""
+        """Forgets the tainted blocks this step rewrites over untainted KV (a request computing
+        one from its first slot to its last, in this step or over several, or a load filling
+        it: one that fails is reported again), taints every block a request writes over a
+        tainted one, then drops every store that reads or writes a block still tainted."""
         if not self.tainted:
             return meta
         for op in meta.loads:
-            self.tainted.difference_update(b for _, held in op.chunks for b in held)
-        steps = [
-            (blocks, self._touched(request))
-            for request in scheduled
-            if (blocks := self._computing(request)) is not None
-        ]
+            for _, held in op.chunks:
+                self.tainted.difference_update(held)
+                for block in held:
+                    self.rewritten.pop(block, None)
+        steps = [w for request in scheduled if (w := self._writes(request)) is not None]
         # What a request computes over a tainted block is as unwritten as that block: vLLM
         # keeps it in its prefix cache and never recomputes it (it heard of the load's blocks
         # only), and once the block before it is rewritten nothing else would keep it out of
         # tierkv. Within the step every layer writes the whole batch's KV before attention reads
-        # it, so a request reads what another rewrites whole in the same step: the requests that
-        # compute over tainted blocks are found together, until none is added (a request's
-        # taint only grows the set, so this ends).
-        before = set(self.tainted)
+        # it, so a request reads what another rewrites in the same step: the requests that
+        # compute over tainted blocks are found together, until none is added (each one added
+        # only taints more, so this ends).
         over: set[int] = set()
         while True:
-            tainted = set(before)
-            for i, ((_, written, whole), _) in enumerate(steps):
-                if i not in over:
-                    # Only the blocks it writes whole: the rest of one it stops inside still
-                    # holds what was there.
-                    tainted.difference_update(written[:whole])
-            for i in over:
-                tainted.update(steps[i][1])
+            tainted, rewritten = self._after_step(steps, over)
             more = {
                 i
-                for i, ((read, _, _), _) in enumerate(steps)
-                if i not in over and not tainted.isdisjoint(read)
+                for i, w in enumerate(steps)
+                if i not in over and self._reads_tainted(w, tainted, rewritten)
             }
             if not more:
                 break
             over |= more
         self.tainted = tainted
+        self.rewritten = {b: n for b, n in rewritten.items() if b in tainted and n > 0}
         per = self.settings.chunk_blocks
         for op in meta.stores:
             state = self.requests.get(op.req_id)
@@ -592,6 +621,46 @@ class SchedulerSide:
                 log.debug("tierkv: not storing %s: computed over blocks never rewritten", op.req_id)
                 op.chunks = []
         return meta
+
+    def _after_step(self, steps: list[_Writes], over: set[int]) -> tuple[set[int], dict[int, int]]:
+        """The tainted blocks, and how far from its first slot each is rewritten, once
+        ``steps`` are computed: those of ``over`` over a tainted block."""
+        size = self.block_size
+        tainted, rewritten = set(self.tainted), dict(self.rewritten)
+        for i, w in enumerate(steps):
+            if i in over:
+                continue
+            tainted.difference_update(w.whole)
+            if w.inside in self.tainted and self.rewritten.get(w.inside, 0) >= w.offset:
+                # It goes on from where an earlier step stopped rewriting the block.
+                done = max(rewritten.get(w.inside, 0), w.inside_to)
+                if done >= size:
+                    tainted.discard(w.inside)
+                rewritten[w.inside] = done
+            if w.stops in self.tainted:
+                # Its first slots are rewritten; the rest still holds what was there.
+                rewritten[w.stops] = max(rewritten.get(w.stops, 0), w.stops_at)
+        for i in over:
+            w = steps[i]
+            for block in w.touched:
+                tainted.add(block)
+                # In the block it starts inside, the slots before its first keep what they
+                # held; everything else it writes is unwritten.
+                kept = w.offset if block == w.inside else 0
+                if block in self.tainted:
+                    kept = min(kept, self.rewritten.get(block, 0))
+                rewritten[block] = min(kept, rewritten.get(block, kept))
+        return tainted, rewritten
+
+    def _reads_tainted(self, w: _Writes, tainted: set[int], rewritten: dict[int, int]) -> bool:
+        """Whether a step reads a tainted block, as the step leaves them (``tainted``,
+        ``rewritten``): one before the block it starts inside, or that one's slots before its
+        first token, not all rewritten."""
+        if not tainted.isdisjoint(w.read):
+            return True
+        if w.inside is None or w.inside not in tainted:
+            return False
+        return rewritten.get(w.inside, 0) < w.offset
 
     def _drop_stores(self, meta: TierKVMetadata) -> TierKVMetadata:
         """Empties every store of ``meta`` (a miss later), keeping the requests in the plan:
