@@ -1007,6 +1007,55 @@ def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritt
         scheduler.shutdown()
 
 
+def test_a_failed_load_does_not_taint_the_older_blocks_another_request_stores_with_it(
+    tmp_path: Path,
+) -> None:
+    """R hits chunk 0 (blocks 3, 5) in vLLM's prefix cache and loads chunk 1 into 16-17; R2,
+    in the same step, hits all four blocks and stores both chunks for the first time, so its
+    store waits on R's load. The load fails: 16-17 and what was computed over them are
+    unwritten, but 3 and 5 were computed long before and hold valid KV. Tainted, they would
+    stay so for as long as vLLM keeps them, and no chunk of any request sharing that prefix
+    would be stored again. Found by ``test_connector_model.py`` (seed 1004, synchronous
+    scheduling, 2,500 seeds)."""
+    from tierkv.vllm.plan import StoreOp
+    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+
+    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+
+    def step(meta: TierKVMetadata, scheduled: list[Scheduled]) -> TierKVMetadata:
+        return scheduler._untainted(scheduler._after_loads(meta, scheduled), scheduled)  # noqa: SLF001
+
+    try:
+        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
+        reader = scheduler._state(_plain_request("R2", list(range(100))))  # noqa: SLF001
+        later = scheduler._state(_plain_request("R3", list(range(40))))  # noqa: SLF001
+        loader.block_ids, reader.block_ids = [3, 5, 16, 17, 20], [3, 5, 16, 17, 21]
+        chunk0, chunk1 = reader.chunks[:2]
+        reader.stored = 2
+        store = StoreOp("R2", [(chunk0, [3, 5]), (chunk1, [16, 17])])
+        step(
+            TierKVMetadata(loads=[LoadOp("R", [1], [(chunk1, [16, 17])])], stores=[store]),
+            [
+                Scheduled("R", loader.block_ids, True, 64, 5),
+                Scheduled("R2", reader.block_ids, True, 64, 2),
+            ],
+        )
+        assert store.after == ["R"], "computed over R's load: dropped if it failed"
+        scheduler.update_connector_output({16, 17})
+        assert {16, 17, 20, 21} <= scheduler.tainted
+        assert not {3, 5} & scheduler.tainted, "computed before R's load"
+        # R3 hits chunk 0 and stores it.
+        later.block_ids, later.stored = [3, 5, 30], 1
+        meta = step(
+            TierKVMetadata(stores=[StoreOp("R3", [(chunk0, [3, 5])])]),
+            [Scheduled("R3", later.block_ids, True, 32, 1)],
+        )
+        assert meta.stores[0].chunks == [(chunk0, [3, 5])]
+    finally:
+        scheduler.shutdown()
+
+
 def test_a_release_that_finds_its_session_busy_is_tried_again(tmp_path: Path) -> None:
     """The release thread shares each rank's session with the scheduler thread. A release that
     waits past its deadline for the scheduler's call (ClientBusy) is tried again once the

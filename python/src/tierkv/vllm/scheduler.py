@@ -527,11 +527,16 @@ class SchedulerSide:
             after = self._fresh_loads(read + [b for _, held in op.chunks for b in held])
             if after:
                 op.after = sorted(after)
-                # What it computed is as good as those loads, for whoever reads it next.
+                # What it computed over them is as good as those loads, for whoever reads it
+                # next. Only that: a chunk of blocks computed before the loads (this request's
+                # prefix hit, stored by it for the first time) holds KV as good as it was,
+                # and tainted should one of the loads fail, it would be for as long as vLLM
+                # keeps it, and with it every chunk after it of every request sharing it.
                 made = (step, after)
                 for _, held in op.chunks:
                     for block in held:
-                        self.fresh.setdefault(block, made)
+                        if block in self.derived:
+                            self.fresh.setdefault(block, made)
         return meta
 
     def _fresh_loads(self, blocks: Iterable[int]) -> frozenset[str]:
