@@ -15,8 +15,10 @@ The promise checked at every store the worker sends: every slot of the chunk's b
 KV. KV computed over blocks a failed load left unwritten, stored, would be served as the right
 prefix's KV to every engine. Failing, the test prints the seed and the step-by-step trace.
 
-What it leaves out: preemption, block reuse (block ids are never freed), TP > 1, spec decoding,
-and lookups themselves (the hit is chosen at random).
+What it leaves out: preemption, block reuse (block ids are never freed, so a tainted block is
+never handed to another prompt), TP > 1, spec decoding, lookups themselves (the hit is chosen
+at random), failures of the connector's own bookkeeping (the guard's fallbacks), and
+``unloadable`` blocks (every accepted external token gets a load here).
 """
 
 from __future__ import annotations
