@@ -955,6 +955,51 @@ def test_a_block_rewritten_over_two_steps_is_written_again(tmp_path: Path) -> No
         scheduler.shutdown()
 
 
+def test_a_step_whose_bookkeeping_fails_taints_what_it_wrote(tmp_path: Path) -> None:
+    """With blocks 10-11 unwritten (a failed load vLLM heard of), R2 computes 20-21 over them in
+    a step whose bookkeeping fails (a bug): its stores are dropped, and what it wrote is
+    tainted, since whether it read 10-11 could not be found out. Once R rewrites 10-11, R2's
+    next chunk, computed over 20-21, is still not stored."""
+    from tierkv.vllm.plan import StoreOp
+    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+
+    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+
+    def step(stores: list[StoreOp], scheduled: list[Scheduled]) -> TierKVMetadata:
+        meta = TierKVMetadata(stores=stores)
+        return scheduler._untainted(scheduler._after_loads(meta, scheduled), scheduled)  # noqa: SLF001
+
+    try:
+        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
+        reader = scheduler._state(  # noqa: SLF001
+            _plain_request("R2", list(range(32)) + list(range(500, 600)))
+        )
+        loader.block_ids = [10, 11, 12]
+        load = TierKVMetadata(loads=[LoadOp("R", [1], [(loader.chunks[0], [10, 11])])])
+        scheduler._after_loads(load, [Scheduled("R", [10, 11, 12], True, 32, 1)])  # noqa: SLF001
+        scheduler.update_connector_output({10, 11})
+        reader.block_ids, reader.stored = [10, 11, 20, 21], 2
+        chunk1, chunk2 = reader.chunks[1:3]
+        # The step's bookkeeping fails: what build_connector_meta falls back to.
+        dropped = scheduler._drop_stores(  # noqa: SLF001
+            TierKVMetadata(stores=[StoreOp("R2", [(chunk1, [20, 21])])]),
+            [Scheduled("R2", [10, 11, 20, 21], True, 32, 32)],
+        )
+        assert dropped.stores[0].chunks == []
+        assert {20, 21} <= scheduler.tainted
+        step([], [Scheduled("R", [], False, 0, 32)])  # R rewrites 10-11 whole
+        assert not {10, 11} & scheduler.tainted
+        reader.block_ids += [22, 23]
+        reader.stored = 3
+        meta = step(
+            [StoreOp("R2", [(chunk2, [22, 23])])], [Scheduled("R2", [22, 23], False, 64, 32)]
+        )
+        assert meta.stores[0].chunks == [], "KV computed over a failed load's blocks was stored"
+    finally:
+        scheduler.shutdown()
+
+
 def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritten(
     tmp_path: Path,
 ) -> None:

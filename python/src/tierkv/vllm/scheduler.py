@@ -288,7 +288,7 @@ class SchedulerSide:
         return self.guard.run(
             "finding what the step's stores were computed over (its stores are dropped)",
             lambda: self._untainted(self._after_loads(meta, scheduled), scheduled),
-            lambda _e: self._drop_stores(meta),
+            lambda _e: self._drop_stores(meta, scheduled),
         )
 
     def update_connector_output(self, invalid_block_ids: set[int]) -> None:
@@ -667,11 +667,23 @@ class SchedulerSide:
             return False
         return rewritten.get(w.inside, 0) < w.offset
 
-    def _drop_stores(self, meta: TierKVMetadata) -> TierKVMetadata:
+    def _drop_stores(self, meta: TierKVMetadata, scheduled: list[Scheduled]) -> TierKVMetadata:
         """Empties every store of ``meta`` (a miss later), keeping the requests in the plan:
-        they are marked as having calls, so the workers must hear of them."""
+        they are marked as having calls, so the workers must hear of them. With blocks tainted,
+        every block the step writes into is tainted too: what it computed over them could not
+        be found, and must not be stored later either."""
         for op in meta.stores:
             op.chunks = []
+        if self.tainted:
+            for request in scheduled:
+                state = self.requests.get(request.req_id)
+                if state is None:
+                    continue
+                first = request.computed // self.block_size
+                end = -(-(request.computed + request.scheduled) // self.block_size)
+                self.tainted.update(state.block_ids[first:end])
+                for block in state.block_ids[first:end]:
+                    self.rewritten.pop(block, None)
         return meta
 
     def _preempted(self, req_id: str) -> None:
