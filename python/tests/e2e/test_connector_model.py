@@ -59,6 +59,8 @@ class _Req:
     last_step: int = -1
     #: The prompt's chunk ids, as the scheduler half names them.
     chunks: list[int] = field(default_factory=list)
+    #: Preempted, and not scheduled since.
+    resumed: bool = False
 
 
 class Failed(AssertionError):
@@ -76,8 +78,11 @@ class Engine:
         self.asynchronous = asynchronous
         self.steps = steps
         self.rng = random.Random(seed)
-        settings = Settings(socket=socket, chunk_blocks=CHUNK_BLOCKS)
+        # A miss is not kept: the made-up lookup answers afresh at every step.
+        settings = Settings(socket=socket, chunk_blocks=CHUNK_BLOCKS, miss_refresh_s=0)
         self.scheduler = SchedulerSide(settings, "m", 4096, BLOCK, 1, False)
+        # The scheduler half's own bookkeeping runs; only the daemon's lookup is made up.
+        self.scheduler._hit = self._lookup  # type: ignore[method-assign]  # noqa: SLF001
         self.worker = WorkerSide(settings, "m", CHUNK, 0, 1, False, num_blocks=1 << 16)
         # The worker half's own drop rule runs; only its calls to the daemon are replaced.
         self.worker.link = SimpleNamespace(close=lambda: None)  # type: ignore[assignment]
@@ -85,7 +90,22 @@ class Engine:
         self.worker._store = self._store  # type: ignore[method-assign]  # noqa: SLF001
         self.valid: dict[int, list[bool]] = {}
         self.cache: dict[tuple[int, ...], int] = {}
-        self.next_block = 0
+        # vLLM's block pool: few blocks, so that finished and preempted requests' blocks are
+        # handed to others, or many.
+        blocks = self.rng.choice([12, 16, 24, 1 << 10])
+        self.free = list(range(blocks))
+        self.ref = dict.fromkeys(self.free, 0)
+        self.hash_of: dict[int, tuple[int, ...]] = {}
+        #: Requests preempted in the step being scheduled; blocks of requests preempted while a
+        #: step computing them is in flight (freed once it is reported); requests that finished
+        #: since the last step was scheduled; finished requests whose blocks wait for the
+        #: workers (``get_finished``).
+        self.preempted: set[str] = set()
+        self.deferred: list[_Req] = []
+        self.finished: set[str] = set()
+        self.held: dict[str, _Req] = {}
+        self.reported = -1
+        self.preemptions = self.reused = 0
         self.next_lookup = 1
         self.trace: list[str] = []
         self.violations: list[str] = []
@@ -107,7 +127,7 @@ class Engine:
         rng = self.rng
         families = [[1000 * (f + 1) + i for i in range(160)] for f in range(2)]
         out = []
-        for i in range(rng.randint(3, 6)):
+        for i in range(rng.randint(3, 8)):
             base = rng.choice(families)
             shared = rng.choice([0, 16, 24, 32, 48, 64, 80, 96, 160, 160, 160])
             length = rng.randint(40, 150)
@@ -131,9 +151,6 @@ class Engine:
 
     def _slots(self, block: int) -> list[bool]:
         return self.valid.setdefault(block, [False] * BLOCK)
-
-    def _prefix_valid(self, r: _Req, end: int) -> bool:
-        return all(self._slots(r.blocks[p // BLOCK])[p % BLOCK] for p in range(end))
 
     def _chunk_valid(self, blocks: list[int]) -> bool:
         return all(all(self._slots(b)) for b in blocks)
@@ -163,6 +180,77 @@ class Engine:
                 self.violations.append(f"step {self.step}: {op.req_id} stored blocks {bad}")
         self.trace.append(f"  store sent {op.req_id} {[h for _, h in op.chunks]} after={op.after}")
 
+    # -- vLLM's block pool ------------------------------------------------------------------
+
+    def _touch(self, blocks: list[int]) -> None:
+        """A prefix cache hit: a free block is taken off the free queue."""
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.free.remove(b)
+            self.ref[b] += 1
+
+    def _free(self, r: _Req) -> None:
+        """``free_blocks``, last block first: a block nobody else holds goes back to the free
+        queue, at its front without a prefix cache hash (reused first), at its end with one
+        (kept for hits until evicted). Invalid blocks keep their hash (the recompute policy)."""
+        first: list[int] = []
+        for b in reversed(r.blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.hash_of:
+                    self.free.append(b)
+                else:
+                    first.append(b)
+        self.free[:0] = first
+        self.trace.append(f"  {r.rid} frees {r.blocks}")
+        r.blocks = []
+
+    def _new_blocks(self, r: _Req, tokens: int) -> list[int] | None:
+        """``get_new_blocks``: from the front of the free queue, each block's hash evicted. A
+        reused block still holds its last owner's KV: not this request's."""
+        need = _ceil(tokens, BLOCK) - len(r.blocks)
+        if need > len(self.free):
+            return None
+        new = self.free[:need]
+        del self.free[:need]
+        for b in new:
+            self.reused += b in self.valid
+            key = self.hash_of.pop(b, None)
+            if key is not None:
+                del self.cache[key]
+            self.ref[b] = 1
+            self.valid[b] = [False] * BLOCK
+        r.blocks.extend(new)
+        return new
+
+    def _cache(self, r: _Req, tokens: int) -> None:
+        """vLLM caches the full blocks of what is computed once the step is scheduled, so a
+        request scheduled after it (in this step, or the next) hits them."""
+        for i in range(min(tokens, len(r.tokens)) // BLOCK):
+            key = tuple(r.tokens[: (i + 1) * BLOCK])
+            b = r.blocks[i]
+            if key not in self.cache and b not in self.hash_of:
+                self.cache[key] = b
+                self.hash_of[b] = key
+
+    def _preempt(self, r: _Req) -> None:
+        """vLLM's ``_preempt_request``: its blocks freed without asking the connector (after the
+        step in flight that computes it, under async scheduling), back to the front of the
+        waiting queue, recomputed from its prefix cache hit when it resumes."""
+        self.running.remove(r)
+        self.preempted.add(r.rid)
+        r.computed = 0
+        r.request.num_preemptions += 1
+        r.resumed = True
+        self.waiting.insert(0, r)
+        self.preemptions += 1
+        self.trace.append(f"  {r.rid} PREEMPTED")
+        if r.last_step > self.reported:
+            self.deferred.append(_Req(r.rid, [], 0, 0, None, list(r.blocks), last_step=r.last_step))
+            r.blocks = []
+        else:
+            self._free(r)
+
     # -- vLLM's scheduler -------------------------------------------------------------------
 
     def _hit_blocks(self, r: _Req) -> list[int]:
@@ -176,17 +264,18 @@ class Engine:
             hit.append(block)
         return hit
 
-    def _allocate(self, r: _Req, tokens: int) -> list[int]:
-        new = []
-        while len(r.blocks) < _ceil(tokens, BLOCK):
-            new.append(self.next_block)
-            r.blocks.append(self.next_block)
-            self.next_block += 1
-        # vLLM caches the full blocks of what is computed once the step is scheduled, so a
-        # request scheduled after it (in this step, or the next) hits them.
-        for i in range(min(tokens, len(r.tokens)) // BLOCK):
-            self.cache.setdefault(tuple(r.tokens[: (i + 1) * BLOCK]), r.blocks[i])
-        return new
+    def _lookup(self, state: Any, first: int) -> int:
+        """The daemon's lookup (``SchedulerSide._hit``), made up: a hit past ``first`` or none."""
+        hit = first
+        if self.rng.random() < 0.6:
+            hit = self.rng.randint(first + 1, state.lookup_chunks)
+        state.lookups = [self.next_lookup]
+        state.looked_from = first
+        state.outcomes = [hit - first]
+        state.generations = [link.generation for link in self.scheduler.links]
+        state.looked_at = 1e18
+        self.next_lookup += 1
+        return hit
 
     def _chunk(self) -> int:
         """The tokens a step computes of a prompt: a random count, or whole blocks (large
@@ -198,54 +287,72 @@ class Engine:
             return self.rng.randint(1, 12)
         return self.rng.randint(1, 40)
 
-    def schedule(self) -> tuple[TierKVMetadata, dict[str, tuple[int, int]]]:
+    def schedule(self) -> tuple[TierKVMetadata, dict[str, tuple[int, int, list[int]]], set[str]]:
         rng = self.rng
         budget = rng.choice([rng.randint(16, 96), 1000])
-        planned: dict[str, tuple[int, int]] = {}
+        planned: dict[str, tuple[int, int, list[int]]] = {}
         cached: list[tuple[_Req, list[int], int, int]] = []
         new: list[tuple[_Req, int, int]] = []
+        resumed: set[str] = set()
         lines = []
-        for r in self.running:
-            if r.computed >= len(r.tokens) or budget <= 0:
+        self.preempted = set()
+        for r in list(self.running):
+            if r not in self.running or r.computed >= len(r.tokens) or budget <= 0:
                 continue
             n = 1 if r.computed >= r.prompt_len else self._chunk()
             n = min(n, len(r.tokens) - r.computed, budget)
-            added = self._allocate(r, r.computed + n)
+            # Short of blocks, vLLM preempts the last running request, until it fits.
+            while (added := self._new_blocks(r, r.computed + n)) is None:
+                self._preempt(self.running[-1])
+                if r not in self.running:
+                    break
+            if added is None:
+                continue
+            self._cache(r, r.computed + n)
             cached.append((r, added, r.computed, n))
-            planned[r.rid] = (r.computed, n)
+            planned[r.rid] = (r.computed, n, list(r.blocks))
             lines.append(f"{r.rid} from {r.computed} +{n} new blocks {added}")
             r.computed += n
             r.last_step = self.step
             budget -= n
-        for r in [w for w in self.waiting if w.arrival <= self.step]:
+        # No request is admitted in a step that preempts one.
+        for r in [w for w in self.waiting if w.arrival <= self.step and not self.preempted]:
             if budget <= 0:
                 break
+            hit = self._hit_blocks(r)
+            local = len(hit) * BLOCK
+            external, _ = self.scheduler.get_num_new_matched_tokens(r.request, local)
+            external = external or 0
+            n = min(self._chunk(), len(r.tokens) - local - external, budget)
+            # ``allocate_slots``: short of blocks, the request keeps waiting (the connector is
+            # not told: its lookup stays open for the next try).
+            short = sum(self.ref[b] == 0 for b in hit)
+            if _ceil(local + external + n, BLOCK) - len(hit) > len(self.free) - short:
+                break
+            self._touch(hit)
+            r.blocks = list(hit)
+            r.computed = local + external
+            if self._new_blocks(r, r.computed + n) is None:
+                raise AssertionError("no free blocks for an admitted request")
             self.waiting.remove(r)
             self.running.append(r)
-            r.blocks = self._hit_blocks(r)
-            local = len(r.blocks) * BLOCK
-            state = self.scheduler._state(r.request)  # noqa: SLF001 (the lookup is made up)
-            external = 0
-            if local % CHUNK == 0 and local < state.lookup_chunks * CHUNK and rng.random() < 0.6:
-                hit = rng.randint(local // CHUNK + 1, state.lookup_chunks)
-                state.hit_chunks = hit
-                state.lookups = [self.next_lookup]
-                state.generations = [link.generation for link in self.scheduler.links]
-                self.next_lookup += 1
-                external = hit * CHUNK - local
-            r.computed = local + external
-            n = min(self._chunk(), len(r.tokens) - r.computed, budget)
-            self._allocate(r, r.computed + n)
+            self._cache(r, r.computed + n)
             self.scheduler.update_state_after_alloc(r.request, external)
-            new.append((r, r.computed, n))
-            planned[r.rid] = (r.computed, n)
+            if r.resumed:
+                resumed.add(r.rid)
+                cached.append((r, list(r.blocks), r.computed, n))
+            else:
+                new.append((r, r.computed, n))
+            r.resumed = False
+            planned[r.rid] = (r.computed, n, list(r.blocks))
             lines.append(
-                f"{r.rid} NEW hit {local} external {external} from {r.computed} +{n} "
-                f"blocks {r.blocks}"
+                f"{r.rid} {'RESUMED' if r.rid in resumed else 'NEW'} hit {local} external "
+                f"{external} from {r.computed} +{n} blocks {r.blocks}"
             )
             r.computed += n
             r.last_step = self.step
             budget -= n
+        finished, self.finished = self.finished, set()
         out = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(
@@ -262,49 +369,54 @@ class Engine:
             ],
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=[r.rid for r, *_ in cached],
-                resumed_req_ids=set(),
+                resumed_req_ids=resumed,
                 new_token_ids=[[] for _ in cached],
                 all_token_ids={},
                 new_block_ids=[(added,) if added else None for _, added, _, _ in cached],
                 num_computed_tokens=[computed for _, _, computed, _ in cached],
                 num_output_tokens=[max(computed - r.prompt_len, 0) for r, _, computed, _ in cached],
             ),
-            num_scheduled_tokens={rid: n for rid, (_, n) in planned.items()},
-            total_num_scheduled_tokens=sum(n for _, n in planned.values()),
+            num_scheduled_tokens={rid: n for rid, (_, n, _) in planned.items()},
+            total_num_scheduled_tokens=sum(n for _, n, _ in planned.values()),
             scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={},
-            finished_req_ids=set(),
+            finished_req_ids=finished,
             free_encoder_mm_hashes=[],
-            preempted_req_ids=set(),
+            preempted_req_ids=set(self.preempted),
         )
         meta = self.scheduler.build_connector_meta(out)
         self.trace.append(f"step {self.step} plan: " + "; ".join(lines))
+        if self.preempted:
+            self.trace.append(f"  preempted {sorted(self.preempted)}")
         for op in meta.stores:
             self.trace.append(
                 f"  planned store {op.req_id} {[h for _, h in op.chunks]} after={op.after}"
             )
         if meta.unloadable:
             self.trace.append(f"  unloadable {meta.unloadable}")
-        return meta, planned
+        return meta, planned, finished
 
     # -- the worker and the forward pass ---------------------------------------------------
 
     def execute(
-        self, step: int, meta: TierKVMetadata, planned: dict[str, tuple[int, int]]
-    ) -> set[int]:
+        self,
+        step: int,
+        meta: TierKVMetadata,
+        planned: dict[str, tuple[int, int, list[int]]],
+        finished: set[str],
+    ) -> tuple[set[int], set[str]]:
         self.step = step
         self.trace.append(f"step {step} runs")
+        self.worker.handle_preemptions(meta)
         self.worker.start_load_kv(meta)
         # Every layer writes the whole batch's KV before its attention reads it: a request reads
         # what another wrote in the same step. Its reads are all positions before its first, so
         # in order of first position, each reads only what is settled.
         written: dict[tuple[int, int], bool] = {}
-        by_id = {r.rid: r for r in self.running}
-        for rid, (start, n) in sorted(planned.items(), key=lambda item: item[1][0]):
-            r = by_id[rid]
-            ok = self._prefix_valid(r, start)
+        for rid, (start, n, blocks) in sorted(planned.items(), key=lambda item: item[1][0]):
+            ok = all(self._slots(blocks[p // BLOCK])[p % BLOCK] for p in range(start))
             for p in range(start, start + n):
-                where = (r.blocks[p // BLOCK], p % BLOCK)
+                where = (blocks[p // BLOCK], p % BLOCK)
                 # Two writers of one slot in a step: valid only if both are.
                 written[where] = written.get(where, True) and ok
                 self._slots(where[0])[where[1]] = written[where]
@@ -312,14 +424,22 @@ class Engine:
                     self.spoiled.add(where[0])
             self.trace.append(f"  {rid} computes {start}..{start + n} {'ok' if ok else 'GARBAGE'}")
         self.worker.wait_for_save(meta)
-        return self.worker.take_load_errors()
+        sending = self.worker.get_finished(finished)
+        return self.worker.take_load_errors(), sending
 
     # -- vLLM's reaction to the step's output -----------------------------------------------
 
-    def report(self, step: int, invalid: set[int], planned: dict[str, tuple[int, int]]) -> None:
+    def report(
+        self,
+        step: int,
+        output: tuple[set[int], set[str]],
+        planned: dict[str, tuple[int, int, list[int]]],
+    ) -> None:
         """``update_from_output`` of ``step``: vLLM's ``_update_requests_with_invalid_blocks``
         over its running requests (the recompute policy), then the connector's
-        ``update_connector_output``, then the requests that finished."""
+        ``update_connector_output`` and the blocks of the requests the workers report finished
+        (``finished_sending``), then the requests that finished."""
+        invalid, sending = output
         affected: set[str] = set()
         if invalid:
             for r in self.running:
@@ -334,14 +454,25 @@ class Engine:
                 f"report of step {step}: invalid {sorted(invalid)}; resets {resets}; "
                 f"tainted {sorted(self.scheduler.tainted)}"
             )
+        self.reported = step
+        for rid in sorted(sending):
+            self._free(self.held.pop(rid))
+        for r in [d for d in self.deferred if d.last_step <= step]:
+            self.deferred.remove(r)
+            self._free(r)
         for r in list(self.running):
             if r.computed >= len(r.tokens) and r.last_step <= step and r.rid not in affected:
                 self.running.remove(r)
-                self.scheduler.request_finished(r.request)
-                self.trace.append(f"  {r.rid} finished")
+                self.finished.add(r.rid)
+                held = self.scheduler.request_finished(r.request)
+                self.trace.append(f"  {r.rid} finished{' (blocks held)' if held else ''}")
+                if held:
+                    self.held[r.rid] = r
+                else:
+                    self._free(r)
 
     def _vllm_resets(
-        self, invalid: set[int], planned: dict[str, tuple[int, int]], affected: set[str]
+        self, invalid: set[int], planned: dict[str, tuple[int, int, list[int]]], affected: set[str]
     ) -> list[str]:
         resets = []
         marked: set[int] = set()
@@ -376,9 +507,8 @@ class Engine:
         if not self.asynchronous:
             for step in range(self.steps):
                 self.step = step
-                meta, planned = self.schedule()
-                invalid = self.execute(step, meta, planned)
-                self.report(step, invalid, planned)
+                pending = self.schedule()
+                self.report(step, self.execute(step, *pending), pending[1])
             return
         # Async scheduling: step N + 1 is planned before the output of step N is reported.
         self.step = 0
@@ -386,8 +516,7 @@ class Engine:
         for step in range(self.steps):
             self.step = step + 1
             following = self.schedule()
-            invalid = self.execute(step, *pending)
-            self.report(step, invalid, pending[1])
+            self.report(step, self.execute(step, *pending), pending[1])
             pending = following
 
     def close(self) -> None:
@@ -430,7 +559,9 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
     quiet.setLevel(logging.ERROR)
     wrong: list[Engine] = []
     missed: list[tuple[Engine, list[int]]] = []
-    totals = {"loads": 0, "failed": 0, "sent": 0, "spoiled": 0, "recomputed": 0, "stored": 0}
+    totals = dict.fromkeys(
+        ("loads", "failed", "sent", "spoiled", "recomputed", "stored", "preempted", "reused"), 0
+    )
     try:
         for seed in range(300):
             for asynchronous in (False, True):
@@ -443,6 +574,8 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
                 totals["spoiled"] += len(engine.damaged)
                 totals["recomputed"] += len(recomputed)
                 totals["stored"] += len(recomputed) - len(unstored)
+                totals["preempted"] += engine.preemptions
+                totals["reused"] += engine.reused
                 if engine.violations:
                     wrong.append(engine)
                 if unstored:
