@@ -15,10 +15,24 @@ The promise checked at every store the worker sends: every slot of the chunk's b
 KV. KV computed over blocks a failed load left unwritten, stored, would be served as the right
 prefix's KV to every engine. Failing, the test prints the seed and the step-by-step trace.
 
-What it leaves out: preemption, block reuse (block ids are never freed, so a tainted block is
-never handed to another prompt), TP > 1, spec decoding, lookups themselves (the hit is chosen
-at random), failures of the connector's own bookkeeping (the guard's fallbacks), and
-``unloadable`` blocks (every accepted external token gets a load here).
+Blocks come from a small pool, as vLLM's ``BlockPool`` hands them out (12 to 24 blocks, or
+plenty): a finished request's blocks are freed at once when ``request_finished`` says so, else
+once the worker's ``get_finished`` reports it (the step after vLLM said it finished); a freed
+block keeps its prefix cache hash (a hit may take it back) until it is handed out again, from
+the free queue's front (blocks without a hash first, then the least recently freed), to a
+request that writes it from slot 0. Invalid blocks keep their hash too (the recompute policy).
+Short of blocks, vLLM preempts the last running request (its blocks freed without asking the
+connector, after the step in flight that computes it under async scheduling), listing it in
+``preempted_req_ids``; it resumes later with ``num_preemptions`` moved, from its prefix cache
+hit and a new lookup. Lookups go through ``get_num_new_matched_tokens``; only the daemon's
+answer (``SchedulerSide._hit``) is made up.
+
+What it leaves out: TP > 1, spec decoding, lookups themselves (the hit is chosen at random, and
+misses are not kept), failures of the connector's own bookkeeping (the guard's fallbacks),
+``unloadable`` blocks (every accepted external token gets a load here), vLLM's reset of its
+prefix cache (a preemption resumed in the step that reports it), requests that finish or are
+aborted mid-prefill, and the worker's calls given up on (every call here answers at once, so
+``get_finished`` and ``handle_preemptions`` never wait).
 """
 
 from __future__ import annotations
@@ -548,10 +562,11 @@ def run_seed(seed: int, asynchronous: bool, socket: str) -> Engine:
 
 
 def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any) -> None:
-    """300 seeds of 30 steps, each with synchronous and with async scheduling. Then, what
-    vLLM recomputes after a failure is stored again: every chunk a failure's report found
-    spoiled that some request's blocks hold as valid KV by the end was stored (a miss
-    otherwise, not a wrong answer). The counts are printed with ``-s``."""
+    """300 seeds of 30 steps (block reuse and preemption included), each with synchronous and
+    with async scheduling. Then, what vLLM recomputes after a failure is stored again: every
+    chunk a failure's report found spoiled that some request's blocks hold as valid KV by the
+    end was stored (a miss otherwise, not a wrong answer). Only blocks a request holds count:
+    a freed block may be handed to another prompt. The counts are printed with ``-s``."""
     socket = str(tmp_path / "none.sock")
     quiet = logging.getLogger("tierkv")
     level = quiet.level
