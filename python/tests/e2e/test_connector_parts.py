@@ -889,36 +889,53 @@ def test_kv_another_request_computed_over_a_failed_load_is_never_stored(tmp_path
         scheduler.shutdown()
 
 
+class _AfterFailedLoad:
+    """A scheduler half (no daemon) in which R's load of its first chunk into blocks 10-11
+    failed and vLLM heard of it: vLLM recomputes R from its start and keeps 10-11 in its prefix
+    cache. R2, whose prompt shares that first chunk, is known to it. ``step`` does to a step's
+    plan what ``build_connector_meta`` does after planning it."""
+
+    def __init__(self, tmp_path: Path, r2_tokens: list[int], r_blocks: list[int]) -> None:
+        from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+
+        settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
+        self.scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+        self.loader = self.scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
+        self.reader = self.scheduler._state(_plain_request("R2", r2_tokens))  # noqa: SLF001
+        self.loader.block_ids = r_blocks
+        load = TierKVMetadata(loads=[LoadOp("R", [1], [(self.loader.chunks[0], [10, 11])])])
+        self.scheduler._after_loads(load, [Scheduled("R", r_blocks, True, 32, 1)])  # noqa: SLF001
+        self.scheduler.update_connector_output({10, 11})
+
+    def step(self, stores: list[StoreOp], scheduled: list[Any]) -> TierKVMetadata:
+        meta = self.scheduler._after_loads(TierKVMetadata(stores=stores), scheduled)  # noqa: SLF001
+        return self.scheduler._untainted(meta, scheduled)  # noqa: SLF001
+
+    def __enter__(self) -> _AfterFailedLoad:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.scheduler.shutdown()
+
+
 def test_a_block_rewritten_only_in_part_stays_unwritten(tmp_path: Path) -> None:
     """R's load into blocks 10-11 failed, and vLLM keeps them in its prefix cache. R computes
     them again in chunks: a step that stops inside block 11 rewrites 10 whole but 11 only in
     part, the rest of it what the failed load left. R2, whose prefix hit shares 10-11, stores
     its first chunk in that step: 11 is still unwritten, so it is not stored."""
-    from tierkv.vllm.plan import StoreOp
-    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+    from tierkv.vllm.scheduler import Scheduled
 
-    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
-    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
-    try:
-        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
-        reader = scheduler._state(_plain_request("R2", list(range(100))))  # noqa: SLF001
-        loader.block_ids, reader.block_ids = [10, 11, 12], [10, 11, 20, 21]
-        chunk0 = reader.chunks[0]
-        step = TierKVMetadata(loads=[LoadOp("R", [1], [(chunk0, [10, 11])])])
-        scheduler._after_loads(step, [Scheduled("R", [10, 11, 12], True, 32, 1)])  # noqa: SLF001
-        scheduler.update_connector_output({10, 11})
+    with _AfterFailedLoad(tmp_path, list(range(100)), [10, 11, 12]) as failed:
+        failed.reader.block_ids = [10, 11, 20, 21]
+        chunk0 = failed.reader.chunks[0]
         # R recomputes 24 tokens: block 10 whole, block 11 half.
-        scheduled = [Scheduled("R", [], False, 0, 24), Scheduled("R2", [], False, 32, 1)]
-        store = StoreOp("R2", [(chunk0, [10, 11])])
-        meta = scheduler._untainted(  # noqa: SLF001
-            scheduler._after_loads(TierKVMetadata(stores=[store]), scheduled),  # noqa: SLF001
-            scheduled,
+        meta = failed.step(
+            [StoreOp("R2", [(chunk0, [10, 11])])],
+            [Scheduled("R", [], False, 0, 24), Scheduled("R2", [], False, 32, 1)],
         )
-        assert 10 not in scheduler.tainted, "R rewrote it whole"
-        assert 11 in scheduler.tainted, "R rewrote only part of it"
+        assert 10 not in failed.scheduler.tainted, "R rewrote it whole"
+        assert 11 in failed.scheduler.tainted, "R rewrote only part of it"
         assert meta.stores[0].chunks == [], "a chunk over a half-rewritten block was stored"
-    finally:
-        scheduler.shutdown()
 
 
 def test_a_block_rewritten_over_two_steps_is_written_again(tmp_path: Path) -> None:
@@ -926,33 +943,24 @@ def test_a_block_rewritten_over_two_steps_is_written_again(tmp_path: Path) -> No
     11: the first step rewrites 10 and half of 11, the next goes on from there to the end of 11.
     Then 11 holds valid KV again, and what is computed over it is stored (it stayed unwritten
     for ever, and with it every chunk of the prefix after it, while vLLM kept it cached)."""
-    from tierkv.vllm.plan import StoreOp
-    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+    from tierkv.vllm.scheduler import Scheduled
 
-    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
-    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
-
-    def step(stores: list[StoreOp], scheduled: list[Scheduled]) -> TierKVMetadata:
-        meta = TierKVMetadata(stores=stores)
-        return scheduler._untainted(scheduler._after_loads(meta, scheduled), scheduled)  # noqa: SLF001
-
-    try:
-        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
-        reader = scheduler._state(_plain_request("R2", list(range(100))))  # noqa: SLF001
-        loader.block_ids, reader.block_ids = [10, 11, 12, 13], [10, 11, 20, 21]
-        chunk0 = reader.chunks[0]
-        load = TierKVMetadata(loads=[LoadOp("R", [1], [(chunk0, [10, 11])])])
-        scheduler._after_loads(load, [Scheduled("R", [10, 11, 12], True, 32, 1)])  # noqa: SLF001
-        scheduler.update_connector_output({10, 11})
-        step([], [Scheduled("R", [], False, 0, 24)])  # 10 whole, 11 up to slot 8
-        assert scheduler.tainted == {11, 12}
-        step([], [Scheduled("R", [], False, 24, 16)])  # 11 to its end, 12 up to slot 8
-        assert 11 not in scheduler.tainted, "rewritten from its first slot to its last"
-        reader.stored = 1
-        meta = step([StoreOp("R2", [(chunk0, [10, 11])])], [Scheduled("R2", [], False, 32, 1)])
+    with _AfterFailedLoad(tmp_path, list(range(100)), [10, 11, 12, 13]) as failed:
+        failed.reader.block_ids = [10, 11, 20, 21]
+        chunk0 = failed.reader.chunks[0]
+        failed.step([], [Scheduled("R", [], False, 0, 24)])  # 10 whole, 11 up to slot 8
+        assert failed.scheduler.tainted == {11, 12}
+        failed.step([], [Scheduled("R", [], False, 24, 16)])  # 11 to its end, 12 up to slot 8
+        assert 11 not in failed.scheduler.tainted, "rewritten from its first slot to its last"
+        failed.reader.stored = 1
+        meta = failed.step(
+            [StoreOp("R2", [(chunk0, [10, 11])])], [Scheduled("R2", [], False, 32, 1)]
+        )
         assert meta.stores[0].chunks == [(chunk0, [10, 11])], "recomputed, and stored"
-    finally:
-        scheduler.shutdown()
+
+
+#: R2's prompt: R's first chunk, then its own.
+_R2_TOKENS = list(range(32)) + list(range(500, 600))
 
 
 def test_a_step_whose_bookkeeping_fails_taints_what_it_wrote(tmp_path: Path) -> None:
@@ -960,25 +968,10 @@ def test_a_step_whose_bookkeeping_fails_taints_what_it_wrote(tmp_path: Path) -> 
     a step whose bookkeeping fails (a bug): its stores are dropped, and what it wrote is
     tainted, since whether it read 10-11 could not be found out. Once R rewrites 10-11, R2's
     next chunk, computed over 20-21, is still not stored."""
-    from tierkv.vllm.plan import StoreOp
-    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+    from tierkv.vllm.scheduler import Scheduled
 
-    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
-    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
-
-    def step(stores: list[StoreOp], scheduled: list[Scheduled]) -> TierKVMetadata:
-        meta = TierKVMetadata(stores=stores)
-        return scheduler._untainted(scheduler._after_loads(meta, scheduled), scheduled)  # noqa: SLF001
-
-    try:
-        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
-        reader = scheduler._state(  # noqa: SLF001
-            _plain_request("R2", list(range(32)) + list(range(500, 600)))
-        )
-        loader.block_ids = [10, 11, 12]
-        load = TierKVMetadata(loads=[LoadOp("R", [1], [(loader.chunks[0], [10, 11])])])
-        scheduler._after_loads(load, [Scheduled("R", [10, 11, 12], True, 32, 1)])  # noqa: SLF001
-        scheduler.update_connector_output({10, 11})
+    with _AfterFailedLoad(tmp_path, _R2_TOKENS, [10, 11, 12]) as failed:
+        reader, scheduler = failed.reader, failed.scheduler
         reader.block_ids, reader.stored = [10, 11, 20, 21], 2
         chunk1, chunk2 = reader.chunks[1:3]
         # The step's bookkeeping fails: what build_connector_meta falls back to.
@@ -988,16 +981,14 @@ def test_a_step_whose_bookkeeping_fails_taints_what_it_wrote(tmp_path: Path) -> 
         )
         assert dropped.stores[0].chunks == []
         assert {20, 21} <= scheduler.tainted
-        step([], [Scheduled("R", [], False, 0, 32)])  # R rewrites 10-11 whole
+        failed.step([], [Scheduled("R", [], False, 0, 32)])  # R rewrites 10-11 whole
         assert not {10, 11} & scheduler.tainted
         reader.block_ids += [22, 23]
         reader.stored = 3
-        meta = step(
+        meta = failed.step(
             [StoreOp("R2", [(chunk2, [22, 23])])], [Scheduled("R2", [22, 23], False, 64, 32)]
         )
         assert meta.stores[0].chunks == [], "KV computed over a failed load's blocks was stored"
-    finally:
-        scheduler.shutdown()
 
 
 def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritten(
@@ -1010,46 +1001,29 @@ def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritt
     untainted now, but 20-21 hold KV computed over the failed load's blocks, and so does the new
     chunk. vLLM never recomputes R2 (it heard of 10-11 only), so nothing of it may be stored.
     Found by ``test_connector_model.py`` (seed 73, synchronous scheduling)."""
-    from tierkv.vllm.plan import StoreOp
-    from tierkv.vllm.scheduler import Scheduled, SchedulerSide
+    from tierkv.vllm.scheduler import Scheduled
 
-    settings = Settings.from_extra({"socket": str(tmp_path / "none.sock"), "chunk_blocks": 2})
-    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
-
-    def step(stores: list[StoreOp], scheduled: list[Scheduled]) -> TierKVMetadata:
-        meta = TierKVMetadata(stores=stores)
-        return scheduler._untainted(scheduler._after_loads(meta, scheduled), scheduled)  # noqa: SLF001
-
-    try:
-        loader = scheduler._state(_plain_request("R", list(range(100))))  # noqa: SLF001
-        reader = scheduler._state(  # noqa: SLF001
-            _plain_request("R2", list(range(32)) + list(range(500, 600)))
-        )
-        loader.block_ids = [10, 11, 12]
-        load = TierKVMetadata(loads=[LoadOp("R", [1], [(loader.chunks[0], [10, 11])])])
-        scheduler._after_loads(load, [Scheduled("R", [10, 11, 12], True, 32, 1)])  # noqa: SLF001
-        scheduler.update_connector_output({10, 11})  # vLLM recomputes R from 0
+    with _AfterFailedLoad(tmp_path, _R2_TOKENS, [10, 11, 12]) as failed:
+        reader, scheduler = failed.reader, failed.scheduler
         # R2 hits 10-11 in vLLM's prefix cache and computes its second chunk over them.
         reader.block_ids, reader.stored = [10, 11, 20, 21], 2
         chunk0, chunk1, chunk2 = reader.chunks[:3]
-        meta = step(
+        meta = failed.step(
             [StoreOp("R2", [(chunk0, [10, 11]), (chunk1, [20, 21])])],
             [Scheduled("R2", [10, 11, 20, 21], True, 32, 32)],
         )
         assert meta.stores[0].chunks == [], "it read 10-11"
         # R rewrites 10-11 whole.
-        step([], [Scheduled("R", [], False, 0, 32)])
+        failed.step([], [Scheduled("R", [], False, 0, 32)])
         assert not {10, 11} & scheduler.tainted
         assert {20, 21} <= scheduler.tainted, "computed over 10-11 before they were rewritten"
         # R2's third chunk, computed over 20-21.
         reader.block_ids += [22, 23]
         reader.stored = 3
-        meta = step(
+        meta = failed.step(
             [StoreOp("R2", [(chunk2, [22, 23])])], [Scheduled("R2", [22, 23], False, 64, 32)]
         )
         assert meta.stores[0].chunks == [], "KV computed over a failed load's blocks was stored"
-    finally:
-        scheduler.shutdown()
 
 
 def test_a_failed_load_does_not_taint_the_older_blocks_another_request_stores_with_it(
