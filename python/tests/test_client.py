@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import mmap
@@ -10,8 +11,10 @@ import re
 import resource
 import signal
 import socket
+import struct
 import threading
 import time
+import tracemalloc
 import urllib.request
 import warnings
 
@@ -22,6 +25,7 @@ from daemon import Daemon, admin_hello, config, free_port, in_background
 from tierkv import (
     BadBuffer,
     BadFrame,
+    BadReply,
     BlockOutOfRange,
     Client,
     ClientBusy,
@@ -909,3 +913,128 @@ def test_bad_frame_closes_the_client_and_other_errors_do_not():
         with pytest.raises(BadFrame):
             client.query(5)
         assert client.closed
+
+
+#: ``{"id": 1, "body": `` and then the body's bytes.
+_REPLY_HEAD = b"\x82\xa2id\x01\xa4body"
+
+
+def _cleared_with(extra: object) -> bytes:
+    """A ``clear``'s reply frame with an unknown field, which a client ignores within limits."""
+    return _reply_frame({"id": 1, "body": {"cleared": {"removed": [1, 2, 3], "x": extra}}})
+
+
+def _raw_frame(body: bytes) -> bytes:
+    return wire.HEADER.pack(len(body)) + body
+
+
+#: Frames no daemon sends, and what the client says of each.
+HOSTILE = {
+    "longer than the limit": (
+        wire.HEADER.pack(wire.MAX_REPLY_BYTES + 1) + bytes(1 << 20),
+        f"a frame of {wire.MAX_REPLY_BYTES + 1} bytes",
+    ),
+    "4 GiB long": (wire.HEADER.pack(2**32 - 1) + b"\x81", "a frame of 4294967295 bytes"),
+    "a list of 2**31 items": (
+        _raw_frame(_REPLY_HEAD + b"\xdd" + struct.pack(">I", 2**31)),
+        "list of 2147483648 items",
+    ),
+    "a map of 2**31 keys": (
+        _raw_frame(_REPLY_HEAD + b"\xdf" + struct.pack(">I", 2**31)),
+        "map of 2147483648 keys",
+    ),
+    "nested 1,000 deep": (
+        _raw_frame(_REPLY_HEAD + b"\x91" * 1000 + b"\xc0"),
+        "nested deeper than 32",
+    ),
+    "nested 1,000,000 deep": (
+        _raw_frame(_REPLY_HEAD + b"\x91" * 1_000_000 + b"\xc0"),
+        "nested deeper than 32",
+    ),
+    "a bin of 4 GiB": (_raw_frame(_REPLY_HEAD + b"\xc6\xff\xff\xff\xff"), "bin of 4294967295"),
+    "a bin of 4 MiB": (_cleared_with(bytes(4 << 20)), "bin of 4194304 bytes"),
+    "a million empty lists": (_cleared_with([[[]] * 250_000] * 4), "values in a frame"),
+    "cut inside a value": (
+        _raw_frame(msgpack.packb({"id": 1, "body": {"cleared": {"removed": [1, 2]}}})[:-1]),
+        "end inside a value",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_reply_is_bad_reply_at_once_in_bounded_memory_and_closes_the_client(
+    name: str,
+) -> None:
+    frame, why = HOSTILE[name]
+    ours, theirs = socket.socketpair()
+    with theirs:
+        client = Client(ours, timeout=5.0, unix=True)
+
+        def send() -> None:
+            # A frame longer than the socket's buffer: the client closes before it is all read.
+            with contextlib.suppress(OSError):
+                theirs.sendall(frame)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        tracemalloc.start()
+        try:
+            started = time.monotonic()
+            with pytest.raises(BadReply, match=f"bad reply: .*{why}"):
+                client.clear()
+            took = time.monotonic() - started
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert took < 2.0, f"{took:.1f} s"
+        # The frame, read once, and little else: nothing built from what it announces.
+        assert peak < min(len(frame), wire.MAX_REPLY_BYTES) + (1 << 20), f"{peak} bytes"
+        assert client.closed
+        with pytest.raises(ConnectionLost, match="closed"):
+            client.clear()
+        # The daemon's end sees one request and then the connection closed: nothing of the bad
+        # frame can be read as a later call's reply.
+        (length,) = wire.HEADER.unpack(theirs.recv(4))
+        assert msgpack.unpackb(theirs.recv(length)) == {"id": 1, "body": "clear"}
+        theirs.settimeout(5.0)
+        with contextlib.suppress(ConnectionResetError):  # closed with the frame's rest unread
+            assert theirs.recv(1) == b""
+        sender.join(5.0)
+        assert not sender.is_alive()
+
+
+def test_a_frame_cut_short_is_connection_lost_within_the_deadline() -> None:
+    # A daemon that stops inside a reply and keeps the connection open: the deadline ends it.
+    ours, theirs = socket.socketpair()
+    with theirs:
+        client = Client(ours, timeout=0.3, unix=True)
+        theirs.sendall(wire.HEADER.pack(100) + b"\x81")
+        started = time.monotonic()
+        with pytest.raises(ConnectionLost, match="deadline"):
+            client.clear()
+        assert time.monotonic() - started < 2.0
+        assert client.closed
+        with pytest.raises(ConnectionLost, match="closed"):
+            client.clear()
+
+
+def test_the_largest_status_a_daemon_sends_is_read_whole() -> None:
+    # A status of as many sessions as the daemon serves by default (server.max_connections).
+    sessions = [
+        {
+            "session": 2**40 + i,
+            "role": "worker",
+            "rank": i % 8,
+            "tp_size": 8,
+            "open_lookups": 3,
+            "joined_lookups": 0,
+        }
+        for i in range(1024)
+    ]
+    status = {"tiers": [], "hit_tokens": 0, "sessions": sessions}
+    ours, theirs = socket.socketpair()
+    with theirs:
+        client = Client(ours, timeout=5.0, unix=True)
+        theirs.sendall(_reply_frame({"id": 1, "body": {"status": status}}))
+        assert client.status()["sessions"] == sessions
+        assert not client.closed

@@ -395,3 +395,118 @@ def test_reply_dataclasses_are_frozen():
     welcome = REPLIES["welcome"]
     with pytest.raises(AttributeError):
         welcome.session = 6  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------
+# The reply limits: what a reply may be, checked before MessagePack builds it
+# ---------------------------------------------------------------------------------------------
+
+#: ``{"id": 1, "body": `` and then the body's bytes.
+_REPLY_HEAD = b"\x82\xa2id\x01\xa4body"
+
+
+def _cleared_with(extra: object) -> bytes:
+    """A ``cleared`` reply with an unknown field (ignored when it fits the limits)."""
+    return msgpack.packb({"id": 1, "body": {"cleared": {"removed": [1, 2, 3], "x": extra}}})
+
+
+def _nested(levels: int) -> object:
+    value: object = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (_REPLY_HEAD + b"\xdd" + struct.pack(">I", 2**31), "list of 2147483648 items"),
+        (_REPLY_HEAD + b"\xdf" + struct.pack(">I", 2**31), "map of 2147483648 keys"),
+        (
+            _REPLY_HEAD + b"\xdc\xff\xff" + b"\xc0" * 100,
+            "list of 65535 items .* 100 bytes are left",
+        ),
+        (_REPLY_HEAD + b"\xc6\xff\xff\xff\xff", "bin of 4294967295 bytes"),
+        (_REPLY_HEAD + b"\xdb\x00\x10\x00\x00" + b"a" * 10, "string of 1048576 bytes"),
+        (_cleared_with(bytes(wire.MAX_REPLY_STRING + 1)), "bin of 1048577 bytes"),
+        (_cleared_with("é" * (wire.MAX_REPLY_STRING // 2 + 1)), "string of 1048578 bytes"),
+        (_REPLY_HEAD + b"\x91" * 1000 + b"\xc0", "nested deeper than 32"),
+        (_REPLY_HEAD + b"\x91" * 100_000 + b"\xc0", "nested deeper than 32"),
+        # The reply's own three levels and 30 more: one past the protocol's 32.
+        (_cleared_with(_nested(30)), "nested deeper than 32"),
+        # A frame of a million empty lists: MessagePack alone builds some 60 bytes of Python
+        # objects from each byte.
+        (_cleared_with([[]] * (1 << 20)), "values in a frame of"),
+        (_cleared_with([1000] * (1 << 20)), "values in a frame of"),
+        (msgpack.packb({"id": 1, "body": {"cleared": {"removed": [1, 2, 3]}}})[:-1], "end inside"),
+        (_REPLY_HEAD + b"\xcb\x00\x00", "end inside"),
+        (_REPLY_HEAD + b"\xd4\x01\x00", "extension type"),
+        (_REPLY_HEAD + b"\xc1", "no type"),
+    ],
+)
+def test_a_reply_past_the_limits_is_bad_reply_before_it_is_built(body: bytes, why: str) -> None:
+    with pytest.raises(errors.BadReply, match=f"bad reply: .*{why}"):
+        wire.decode_reply(body)
+    with pytest.raises(errors.BadReply, match=why):
+        wire.check_reply_shape(body)
+
+
+def test_bad_reply_is_connection_lost() -> None:
+    # A caller that handles a lost connection handles a broken reply the same way.
+    assert issubclass(errors.BadReply, errors.ConnectionLost)
+    assert errors.BadReply in (getattr(errors, name) for name in errors.__all__)
+
+
+def test_replies_at_the_limits_decode() -> None:
+    assert wire.decode_reply(_cleared_with(_nested(29))) == (1, Cleared(removed=[1, 2, 3]))
+    assert wire.decode_reply(_cleared_with(bytes(wire.MAX_REPLY_STRING))) == (
+        1,
+        Cleared(removed=[1, 2, 3]),
+    )
+    keys = {f"field_{i:04}": 0 for i in range(wire.MAX_REPLY_KEYS - 1)}
+    body = msgpack.packb({"id": 1, "body": {"cleared": {"removed": [], **keys}}})
+    assert wire.decode_reply(body) == (1, Cleared(removed=[]))
+
+
+def _refused(chunks: int, reason: str, message: str) -> bytes:
+    refused = [{"index": i, "reason": reason, "message": message} for i in range(chunks)]
+    reply = {"id": 1, "body": {"stored": {"stored": 0, "present": 0, "refused": refused}}}
+    return msgpack.packb(reply)
+
+
+def test_the_largest_replies_a_daemon_sends_decode() -> None:
+    # A store of as many one-block chunks as the daemon's default 16 MiB request frame holds
+    # (16 bytes of id and 8 of block each), every one refused with the daemon's own message.
+    chunks = (16 << 20) // 24
+    body = _refused(chunks, "no_space", "out of memory")
+    assert len(body) <= wire.MAX_REPLY_BYTES
+    reply_id, stored = wire.decode_reply(body)
+    assert isinstance(stored, Stored) and len(stored.refused) == chunks
+    assert stored.refused[-1] == (chunks - 1, "no_space", "out of memory")
+    # The densest reply there is: refusals with the shortest reason and no message. One
+    # refusal is 7 values in 29 bytes or more, within the budget of a value per 4 bytes.
+    densest = _refused(100_000, "busy", "")
+    assert len(densest) >= 29 * 100_000
+    assert len(wire.decode_reply(densest)[1].refused) == 100_000
+    # A status of as many sessions as the daemon serves by default (server.max_connections).
+    sessions = [
+        {
+            "session": 2**40 + i,
+            "role": "worker",
+            "rank": i % 8,
+            "tp_size": 8,
+            "open_lookups": 0,
+            "joined_lookups": 0,
+        }
+        for i in range(1024)
+    ]
+    reply = msgpack.unpackb(bytes.fromhex(VECTORS["replies"]["status"]))
+    reply["body"]["status"]["sessions"] = sessions
+    assert wire.decode_reply(msgpack.packb(reply))[1]["sessions"] == sessions
+
+
+def test_a_bad_replys_message_is_short_whatever_its_size() -> None:
+    big = msgpack.packb({"id": 1, "body": [list(range(1000))] * 100})
+    with pytest.raises(errors.BadReply) as caught:
+        wire.decode_reply(big)
+    assert len(str(caught.value)) < 300

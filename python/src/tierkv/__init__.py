@@ -10,7 +10,8 @@ side of that protocol (version 6, ``docs/protocol.md``):
   encode them.
 * :class:`SharedBuffer` and :func:`sealed_memfd`: KV memory the daemon can map.
 * :func:`prefix_hashes` and :func:`chain`: the chained chunk hash that names chunks.
-* :mod:`tierkv.errors`: :class:`ConnectionLost`, and one :class:`DaemonError` subclass per
+* :mod:`tierkv.errors`: :class:`ConnectionLost` (:class:`BadReply` for a reply that breaks the
+  protocol), and one :class:`DaemonError` subclass per
   error code.
 
 Example::
@@ -32,6 +33,7 @@ from .client import DEFAULT_TIMEOUT, Client
 from .errors import (
     BadBuffer,
     BadFrame,
+    BadReply,
     BadRequest,
     BlockOutOfRange,
     ClientBusy,
@@ -84,6 +86,7 @@ __all__ = [
     "ROOT",
     "BadBuffer",
     "BadFrame",
+    "BadReply",
     "BadRequest",
     "BlockOutOfRange",
     "ClientBusy",

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import wire
-from .errors import BadFrame, ClientBusy, ConnectionLost, DaemonError, TierKVError
+from .errors import BadFrame, BadReply, ClientBusy, ConnectionLost, DaemonError, TierKVError
 from .shm import SharedBuffer
 from .wire import (
     BufferRegistered,
@@ -218,7 +218,7 @@ class Client:
             raise
         if not isinstance(reply, Welcome):
             client.close()
-            raise ConnectionLost(f"bad reply to hello: {reply!r}")
+            raise BadReply(f"bad reply to hello: {wire.show(reply)}")
         client._session = reply
         return client
 
@@ -427,9 +427,9 @@ class Client:
             raise self._unexpected(reply)
         return reply
 
-    def _unexpected(self, reply: Any) -> ConnectionLost:
+    def _unexpected(self, reply: Any) -> BadReply:
         self.close()
-        return ConnectionLost(f"bad reply: {reply!r:.200} does not answer the request")
+        return BadReply(f"bad reply: {wire.show(reply)} does not answer the request")
 
     def _close_locked(self) -> None:
         sock, self._sock = self._sock, None
@@ -460,7 +460,7 @@ class Client:
                 self._send(sock, frame, fds, deadline)
                 reply_id, reply_body = wire.unpack_reply(self._read_frame(sock, deadline))
                 if reply_id not in (request_id, 0):
-                    raise ConnectionLost(
+                    raise BadReply(
                         f"bad reply: an answer to request {reply_id} while waiting for {request_id}"
                     )
                 return wire.parse_reply_body(reply_body)
@@ -522,6 +522,11 @@ class Client:
 
     def _read_frame(self, sock: socket.socket, deadline: float) -> bytearray:
         (length,) = wire.HEADER.unpack(self._read_exactly(sock, wire.HEADER.size, deadline))
+        # Refused before a byte of the body is read (or a buffer made for it); the caller closes
+        # the connection, so the rest of that frame is never taken for another reply.
         if length == 0 or length > wire.MAX_REPLY_BYTES:
-            raise ConnectionLost(f"bad reply: a frame of {length} bytes")
+            raise BadReply(
+                f"bad reply: a frame of {length} bytes (a reply is 1 to "
+                f"{wire.MAX_REPLY_BYTES} bytes)"
+            )
         return self._read_exactly(sock, length, deadline)

@@ -4,7 +4,9 @@ Three kinds of failure reach a caller:
 
 * :class:`ConnectionLost`: the session is gone or unusable. The socket failed or closed, a call
   missed its deadline, or the daemon answered something that is not a reply to the request.
-  The client is closed when this is raised; open a new one.
+  The client is closed when this is raised; open a new one. A reply that breaks the protocol
+  (a frame over the reply limit, not MessagePack, past the limits of ``tierkv.wire``, or no
+  answer to the request) is its subclass :class:`BadReply`.
 * :class:`DaemonError`: the daemon refused the request (an ``error`` reply). A refused request
   changed nothing and the session goes on, except where ``docs/protocol.md`` says the daemon
   closes the connection (a failed hello, ``bad_frame``). There is one subclass per error code,
@@ -18,6 +20,7 @@ from __future__ import annotations
 __all__ = [
     "BadBuffer",
     "BadFrame",
+    "BadReply",
     "BadRequest",
     "BlockOutOfRange",
     "ClientBusy",
@@ -50,6 +53,17 @@ class ConnectionLost(TierKVError):
     """The connection failed, closed, missed a deadline, or carried a reply that makes no sense.
 
     The client that raised it is closed and must not be used again.
+    """
+
+
+class BadReply(ConnectionLost):
+    """What came back is no reply of this protocol: a frame longer than
+    :data:`tierkv.wire.MAX_REPLY_BYTES`, a body that is not MessagePack or goes past the reply
+    limits of :mod:`tierkv.wire` (nesting, lengths, values per byte), or a reply that does not
+    answer the request. A buggy daemon, another program on the socket, or a corrupted stream.
+
+    The client that raised it is closed (nothing of the frame is left to be read as the next
+    call's reply) and must not be used again.
     """
 
 

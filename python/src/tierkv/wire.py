@@ -21,6 +21,7 @@ its :class:`~tierkv.errors.DaemonError` subclass.
 from __future__ import annotations
 
 import operator
+import reprlib
 import struct
 import sys
 from array import array
@@ -30,15 +31,21 @@ from typing import Any, TypeAlias
 
 import msgpack
 
-from .errors import ConnectionLost, DaemonError, error_for
+from .errors import BadReply, DaemonError, error_for
 
 __all__ = [
     "CLEAR",
     "END_SESSION",
     "HEADER",
     "MAX_REPLY_BYTES",
+    "MAX_REPLY_DEPTH",
+    "MAX_REPLY_KEYS",
+    "MAX_REPLY_LIST",
+    "MAX_REPLY_STRING",
     "PROTOCOL_VERSION",
     "REFUSAL_REASONS",
+    "REPLY_BYTES_PER_VALUE",
+    "REPLY_EXTRA_VALUES",
     "STATUS",
     "Bye",
     "BufferRegistered",
@@ -86,9 +93,42 @@ MAX_MEMFD_REGIONS = 8
 #: The frame header: the body's length, a little-endian u32.
 HEADER = struct.Struct("<I")
 
-#: Reply frames longer than this are refused as broken (a status with thousands of sessions
-#: still fits; the Rust client uses the same limit).
+# What a reply may be. A reply comes from whatever holds the socket (a buggy daemon, another
+# program, a corrupted stream), so its frame is checked against these before MessagePack builds
+# anything of it: a bad one is `BadReply`, never a MemoryError, a RecursionError or a hang.
+# docs/protocol.md states them ("Replies"), and test_protocol_docs.py holds the two together.
+
+#: Reply frames longer than this are refused before their body is read (a status with thousands
+#: of sessions, or a store that refuses every chunk of a 16 MiB request, still fits; the Rust
+#: client, ``tierkv-client``'s ``REPLY_LIMIT``, uses the same limit).
 MAX_REPLY_BYTES = 64 << 20
+
+#: How deep a reply's maps and lists nest, at most: the protocol's limit on every frame
+#: (tierkv-proto's ``MAX_DEPTH``). A reply nests five deep (a status's tier reports).
+MAX_REPLY_DEPTH = 32
+
+#: The longest string or bin a reply holds: replies carry names and messages, and no bin.
+MAX_REPLY_STRING = 1 << 20
+
+#: The longest list a reply holds. The longest a daemon sends is a store's ``refused``, an entry
+#: of at least 29 bytes per chunk refused: a reply of :data:`MAX_REPLY_BYTES` has at most
+#: 2.3 million of them.
+MAX_REPLY_LIST = 1 << 22
+
+#: The most keys of a map in a reply (a status has 13 fields; the rest is room for the fields a
+#: newer daemon adds).
+MAX_REPLY_KEYS = 1024
+
+#: A reply holds at most one value (every key, value and element, at every level) per this many
+#: bytes of its frame, plus :data:`REPLY_EXTRA_VALUES`: the densest a daemon sends, a store's
+#: ``refused``, takes 29 bytes for an entry's 7 values. So a reply costs the client no more memory
+#: than a genuine reply of its size would, where MessagePack alone builds an empty list (some 60
+#: bytes of Python objects) from each byte.
+REPLY_BYTES_PER_VALUE = 4
+
+#: The values a reply may hold beyond one per :data:`REPLY_BYTES_PER_VALUE` bytes: room for the
+#: few dense ones of any reply (an id, a lookup's ``per_tier`` counts).
+REPLY_EXTRA_VALUES = 64
 
 #: Request bodies without fields: the bare variant name.
 END_SESSION = "end_session"
@@ -183,20 +223,169 @@ def encode_frame(request_id: int, body: Any) -> bytes:
     return HEADER.pack(len(packed)) + packed
 
 
+# Bytes after a MessagePack type byte that are the value's (or, for a str, bin or container,
+# its length's): -1 where the type byte is all there is, None for a type no reply uses.
+_U8 = struct.Struct(">B").unpack_from
+_U16_AT = struct.Struct(">H").unpack_from
+_U32_AT = struct.Struct(">I").unpack_from
+_SCALAR_BYTES = {
+    0xC0: 0,  # nil
+    0xC2: 0,  # false
+    0xC3: 0,  # true
+    0xCA: 4,  # float 32
+    0xCB: 8,  # float 64
+    0xCC: 1,  # uint 8 .. int 64
+    0xCD: 2,
+    0xCE: 4,
+    0xCF: 8,
+    0xD0: 1,
+    0xD1: 2,
+    0xD2: 4,
+    0xD3: 8,
+}
+# str 8/16/32 and bin 8/16/32: (what, bytes of the length).
+_SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}
+# array 16/32 and map 16/32: (bytes of the count, values per counted item).
+_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+_LENGTH_READERS = {1: _U8, 2: _U16_AT, 4: _U32_AT}
+
+
+def check_reply_shape(body: bytes | bytearray | memoryview) -> None:
+    """Walks a reply frame's body without building anything and raises :class:`BadReply` unless
+    it is exactly one MessagePack value within the reply limits: maps and lists nested at most
+    :data:`MAX_REPLY_DEPTH` deep, no string or bin over :data:`MAX_REPLY_STRING` bytes, no list
+    over :data:`MAX_REPLY_LIST` elements nor map over :data:`MAX_REPLY_KEYS` keys, no length
+    that the bytes left could not hold, at most one value per :data:`REPLY_BYTES_PER_VALUE`
+    bytes (plus :data:`REPLY_EXTRA_VALUES`), and no extension types (the protocol has none)."""
+    data = body if isinstance(body, (bytes, bytearray)) else bytes(body)
+    end = len(data)
+    if end > MAX_REPLY_BYTES:
+        raise BadReply(f"bad reply: a frame of {end} bytes, over the limit of {MAX_REPLY_BYTES}")
+    budget = end // REPLY_BYTES_PER_VALUE + REPLY_EXTRA_VALUES
+    # Values the walk has to read: each map or list adds its own as it starts, so the budget is
+    # checked before any of them is (a frame of many values fails fast, not at its end).
+    promised = 1
+    pos = 0
+    # The values left to read in each open map or list, outermost first (not the innermost's).
+    open_counts: list[int] = []
+    left = 1
+    try:
+        while True:
+            if not left:
+                if not open_counts:
+                    break
+                left = open_counts.pop()
+                continue
+            left -= 1
+            b = data[pos]  # IndexError past the end: cut short
+            pos += 1
+            if b < 0x80 or b >= 0xE0:  # fixint
+                continue
+            if b < 0x90:  # fixmap
+                count = 2 * (b & 0x0F)
+            elif b < 0xA0:  # fixarray
+                count = b & 0x0F
+            elif b < 0xC0:  # fixstr
+                pos += b & 0x1F
+                continue
+            elif (skip := _SCALAR_BYTES.get(b)) is not None:
+                pos += skip
+                continue
+            elif (width := _SIZED.get(b)) is not None:
+                (size,) = _LENGTH_READERS[width](data, pos)
+                pos += width
+                if size > MAX_REPLY_STRING or size > end - pos:
+                    what = "bin" if b < 0xD0 else "string"
+                    raise BadReply(
+                        f"bad reply: a {what} of {size} bytes at byte {pos - width - 1}, "
+                        f"{_over(size, MAX_REPLY_STRING, end - pos)}"
+                    )
+                pos += size
+                continue
+            elif (container := _CONTAINERS.get(b)) is not None:
+                width, per_item = container
+                (items,) = _LENGTH_READERS[width](data, pos)
+                pos += width
+                limit = MAX_REPLY_KEYS if per_item == 2 else MAX_REPLY_LIST
+                if items > limit or items * per_item > end - pos:
+                    what = f"map of {items} keys" if per_item == 2 else f"list of {items} items"
+                    raise BadReply(
+                        f"bad reply: a {what} at byte {pos - width - 1}, "
+                        f"{_over(items, limit, end - pos)}"
+                    )
+                count = items * per_item
+            else:
+                what = "an extension type" if 0xC7 <= b <= 0xC9 or b >= 0xD4 else "no type"
+                raise BadReply(f"bad reply: byte {pos - 1} is {b:#04x}, {what} of a reply")
+            # A map or a list, `count` values long.
+            if len(open_counts) >= MAX_REPLY_DEPTH:
+                raise BadReply(
+                    f"bad reply: maps and lists nested deeper than {MAX_REPLY_DEPTH} "
+                    f"(byte {pos - 1})"
+                )
+            if count:
+                promised += count
+                if promised > budget:
+                    raise BadReply(
+                        f"bad reply: more than {budget} values in a frame of {end} bytes, over "
+                        f"one per {REPLY_BYTES_PER_VALUE} bytes (plus {REPLY_EXTRA_VALUES})"
+                    )
+                open_counts.append(left)
+                left = count
+    except (IndexError, struct.error):
+        raise BadReply(f"bad reply: the frame's {end} bytes end inside a value") from None
+    if pos > end:
+        raise BadReply(f"bad reply: the frame's {end} bytes end inside a value")
+    if pos != end:
+        raise BadReply(f"bad reply: bytes after the reply ({end - pos}); a frame holds one value")
+
+
+def _over(n: int, limit: int, left: int) -> str:
+    if n > limit:
+        return f"over the limit of {limit}"
+    return f"where {left} bytes are left in the frame"
+
+
+#: The representation of a reply's values in messages: a few elements, a few levels.
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel = 4
+_SHOW.maxdict = _SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxset = 6
+_SHOW.maxstring = _SHOW.maxother = _SHOW.maxlong = 80
+
+
+def show(value: Any) -> str:
+    """``repr(value)`` cut short: a few elements and levels of it, at most some 200 characters,
+    whatever its size (a bad reply's values go into error messages)."""
+    text = _SHOW.repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def unpack_reply(body_bytes: bytes | bytearray | memoryview) -> tuple[int, Any]:
     """The ``(id, body)`` of a reply frame's body, the body still as MessagePack decoded it.
 
-    Raises :class:`ConnectionLost` when it is not a reply at all.
+    Raises :class:`~tierkv.errors.BadReply` when it is not a reply at all, or goes past the
+    reply limits (:func:`check_reply_shape`).
     """
+    check_reply_shape(body_bytes)
     try:
-        reply = msgpack.unpackb(body_bytes, raw=False, use_list=True, strict_map_key=True)
+        reply = msgpack.unpackb(
+            body_bytes,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=MAX_REPLY_STRING,
+            max_bin_len=MAX_REPLY_STRING,
+            max_array_len=MAX_REPLY_LIST,
+            max_map_len=MAX_REPLY_KEYS,
+            max_ext_len=0,
+        )
     except Exception as e:  # msgpack raises several unrelated types for broken input
-        raise ConnectionLost(f"bad reply: not MessagePack ({e})") from e
+        raise BadReply(f"bad reply: not MessagePack ({type(e).__name__}: {e})") from e
     if not isinstance(reply, dict) or "id" not in reply or "body" not in reply:
-        raise ConnectionLost(f"bad reply: not an {{id, body}} map: {reply!r:.200}")
+        raise BadReply(f"bad reply: not an {{id, body}} map: {show(reply)}")
     reply_id = reply["id"]
     if not isinstance(reply_id, int) or isinstance(reply_id, bool) or not 0 <= reply_id <= _U64:
-        raise ConnectionLost(f"bad reply: id {reply_id!r:.50}")
+        raise BadReply(f"bad reply: id {show(reply_id)}")
     return reply_id, reply["body"]
 
 
@@ -204,7 +393,7 @@ def decode_reply(body_bytes: bytes | bytearray | memoryview) -> tuple[int, Reply
     """The ``(id, reply)`` of a reply frame's body (without the 4-byte length).
 
     An ``error`` reply raises its :class:`~tierkv.errors.DaemonError` subclass; a body that is
-    not a reply raises :class:`~tierkv.errors.ConnectionLost`.
+    not a reply raises :class:`~tierkv.errors.BadReply`.
     """
     reply_id, body = unpack_reply(body_bytes)
     return reply_id, parse_reply_body(body)
@@ -621,25 +810,25 @@ class _BadReply(Exception):
 
 def _int(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise _BadReply(f"{what} is {value!r:.50}, not an unsigned integer")
+        raise _BadReply(f"{what} is {show(value)}, not an unsigned integer")
     return value
 
 
 def _str(value: Any, what: str) -> str:
     if not isinstance(value, str):
-        raise _BadReply(f"{what} is {value!r:.50}, not a string")
+        raise _BadReply(f"{what} is {show(value)}, not a string")
     return value
 
 
 def _list(value: Any, what: str) -> list:
     if not isinstance(value, list):
-        raise _BadReply(f"{what} is {value!r:.50}, not a list")
+        raise _BadReply(f"{what} is {show(value)}, not a list")
     return value
 
 
 def _map(value: Any, what: str, keys: tuple[str, ...]) -> dict:
     if not isinstance(value, dict):
-        raise _BadReply(f"{what} is {value!r:.50}, not a map")
+        raise _BadReply(f"{what} is {show(value)}, not a map")
     missing = [k for k in keys if k not in value]
     if missing:
         raise _BadReply(f"{what} lacks {', '.join(missing)}")
@@ -729,23 +918,23 @@ def parse_reply_body(body: Any) -> Reply:
     """A decoded reply body as its dataclass (a status as a ``dict``).
 
     An ``error`` reply raises its :class:`~tierkv.errors.DaemonError` subclass; anything that
-    is not a reply raises :class:`~tierkv.errors.ConnectionLost`.
+    is not a reply raises :class:`~tierkv.errors.BadReply`.
     """
     try:
         if isinstance(body, str):
             if body in _UNIT_REPLIES:
                 return _UNIT_REPLIES[body]
-            raise _BadReply(f"unknown reply {body!r:.50}")
+            raise _BadReply(f"unknown reply {show(body)}")
         if not isinstance(body, dict) or len(body) != 1:
-            raise _BadReply(f"not an externally tagged reply: {body!r:.200}")
+            raise _BadReply(f"not an externally tagged reply: {show(body)}")
         ((tag, value),) = body.items()
         if tag == "error":
             error = _error(value)
         else:
             parse = _REPLIES.get(tag)
             if parse is None:
-                raise _BadReply(f"unknown reply {tag!r:.50}")
+                raise _BadReply(f"unknown reply {show(tag)}")
             return parse(value)
     except _BadReply as e:
-        raise ConnectionLost(f"bad reply: {e}") from None
+        raise BadReply(f"bad reply: {e}") from None
     raise error
