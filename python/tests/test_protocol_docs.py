@@ -82,6 +82,42 @@ def test_every_version_the_docs_name_as_the_daemons_is_the_current_one():
     assert versions == {wire.PROTOCOL_VERSION}
 
 
+def _rust_const(path: str, name: str) -> int:
+    """A Rust integer constant as the source writes it (``64 << 20``, ``32``)."""
+    source = (REPO_ROOT / path).read_text()
+    found = re.search(rf"const {name}: \w+ = ([0-9_ <]+);", source)
+    assert found, f"no const {name} in {path}"
+    value, *shift = (int(part.replace("_", "")) for part in found[1].split("<<"))
+    return value << shift[0] if shift else value
+
+
+def test_the_reply_limits_are_the_documented_ones_and_the_rust_ones() -> None:
+    # "a reply frame is at most 64 MiB, its values nest at most 32 deep, no string or bin is
+    # longer than 1 MiB, no list has more than 4,194,304 items nor a map more than 1,024 keys,
+    # and a frame of `n` bytes holds at most `n / 4 + 64` values"
+    text = " ".join((REPO_ROOT / "docs" / "protocol.md").read_text().split())
+    limits = re.search(
+        r"a reply frame is at most (\d+) MiB, its values nest at most (\d+) deep, no string or "
+        r"bin is longer than (\d+) MiB, no list has more than ([\d,]+) items nor a map more "
+        r"than ([\d,]+) keys, and a frame of `n` bytes holds at most `n / (\d+) \+ (\d+)` values",
+        text,
+    )
+    assert limits, "docs/protocol.md no longer states the reply limits"
+    mib, depth, string_mib, items, keys, per_value, extra = (
+        int(g.replace(",", "")) for g in limits.groups()
+    )
+    assert mib << 20 == wire.MAX_REPLY_BYTES
+    assert depth == wire.MAX_REPLY_DEPTH
+    assert string_mib << 20 == wire.MAX_REPLY_STRING
+    assert items == wire.MAX_REPLY_LIST
+    assert keys == wire.MAX_REPLY_KEYS
+    assert (per_value, extra) == (wire.REPLY_BYTES_PER_VALUE, wire.REPLY_EXTRA_VALUES)
+    # "Values nest at most 32 deep (`bad_frame`)": the one depth, for requests and replies.
+    assert "Values nest at most 32 deep" in text
+    assert _rust_const("crates/tierkv-proto/src/frame.rs", "MAX_DEPTH") == wire.MAX_REPLY_DEPTH
+    assert _rust_const("crates/tierkv-client/src/lib.rs", "REPLY_LIMIT") == wire.MAX_REPLY_BYTES
+
+
 def test_world_size_has_a_default_even_with_tp_size_above_one(raw):
     # "| `world_size` | u16 | `tp_size` | at least `tp_size` |"
     reply = raw().hello(tp_size=4, rank=3)

@@ -96,7 +96,7 @@ HEADER = struct.Struct("<I")
 # What a reply may be. A reply comes from whatever holds the socket (a buggy daemon, another
 # program, a corrupted stream), so its frame is checked against these before MessagePack builds
 # anything of it: a bad one is `BadReply`, never a MemoryError, a RecursionError or a hang.
-# docs/protocol.md states them ("Replies"), and test_protocol_docs.py holds the two together.
+# docs/protocol.md states them (under "Frames"); test_protocol_docs.py holds the two together.
 
 #: Reply frames longer than this are refused before their body is read (a status with thousands
 #: of sessions, or a store that refuses every chunk of a 16 MiB request, still fits; the Rust
