@@ -142,7 +142,8 @@ fn copies_at_write(
 /// before the background wrote it back). Into the host store it is copied at once, on the
 /// evicting thread; into any other tier it is copied out and handed to the store pipeline, and a
 /// disk tier serves it from that copy until it is written ([`DiskStore::depart`]). A chunk a
-/// tier cannot take is dropped there: a miss later, like any eviction.
+/// tier cannot take is dropped there: a miss later, like any eviction. A chunk the remote tier
+/// served this node is not sent back to it ([`ReadCounts::remote_holds`]).
 struct DemoteFromL1 {
     /// The host store, when it takes L1's victims (it is tier 0).
     host: Option<Arc<HostStore>>,
@@ -150,16 +151,20 @@ struct DemoteFromL1 {
     piped: Vec<usize>,
     /// The disk tier and its index, when it is among them.
     disk: Option<(usize, Arc<DiskStore>)>,
+    /// The remote tier's index, and what it served this node.
+    remote: Option<(usize, Arc<Mutex<ReadCounts>>)>,
     down: DemoteDown,
 }
 
 impl DemoteFromL1 {
     /// Demotes to the lower tiers numbered `to` (fastest first), among them the configured host
-    /// store (tier 0) and disk store (with its index), if any; `None` when `to` is empty.
+    /// store (tier 0) and disk store (with its index), if any, and the remote tier (with its
+    /// index and the record of what it served); `None` when `to` is empty.
     fn to(
         to: &[usize],
         host: Option<&Arc<HostStore>>,
         disk: Option<(usize, &Arc<DiskStore>)>,
+        remote: Option<(usize, &Arc<Mutex<ReadCounts>>)>,
         down: &DemoteDown,
     ) -> Option<Arc<dyn Demoter>> {
         if to.is_empty() {
@@ -170,15 +175,25 @@ impl DemoteFromL1 {
         let disk = disk
             .filter(|(index, _)| piped.contains(index))
             .map(|(index, disk)| (index, Arc::clone(disk)));
-        Some(Arc::new(DemoteFromL1 { host, piped, disk, down: down.clone() }))
+        let remote = remote
+            .filter(|(index, _)| piped.contains(index))
+            .map(|(index, reads)| (index, Arc::clone(reads)));
+        Some(Arc::new(DemoteFromL1 { host, piped, disk, remote, down: down.clone() }))
     }
 }
 
 impl Demoter for DemoteFromL1 {
     fn demote(&self, key: &ObjectKey, bytes: &dyn ChunkSource) {
+        // The remote tier does not get back what it served: it holds those bytes already.
+        let remote_holds = match &self.remote {
+            Some((index, reads)) => reads.lock().remote_holds(key).then_some(*index),
+            None => None,
+        };
+        let piped: Vec<usize> =
+            self.piped.iter().copied().filter(|&t| Some(t) != remote_holds).collect();
         // A victim bound for the store pipeline is copied out of its slot once (a device-to-host
         // copy with L1 on a GPU), and that copy serves the host store too.
-        let copy = if self.piped.is_empty() {
+        let copy = if piped.is_empty() {
             None
         } else {
             let mut copy: Arc<[u8]> = std::iter::repeat_n(0u8, bytes.len() as usize).collect();
@@ -211,7 +226,7 @@ impl Demoter for DemoteFromL1 {
             }
         }
         let Some(copy) = copy else { return };
-        for &tier in &self.piped {
+        for tier in piped {
             let departing = match &self.disk {
                 Some((index, disk)) if *index == tier => disk.depart(*key, Arc::clone(&copy)),
                 _ => Departing::unserved(*key, Arc::clone(&copy)),
@@ -293,8 +308,9 @@ struct Inner {
     /// prefetch finishes.
     abandoned: Mutex<Vec<Lookup>>,
     next_lookup: AtomicU64,
-    /// Reads per chunk, for admission after reads.
-    reads: Mutex<ReadCounts>,
+    /// Reads per chunk, for admission after reads, and the chunks the remote tier served (shared
+    /// with the store pipeline and L1's demoter, which do not send those back to it).
+    reads: Arc<Mutex<ReadCounts>>,
     config: StorageConfig,
     metrics: Arc<StorageMetrics>,
     accepting: AtomicBool,
@@ -400,8 +416,14 @@ impl StorageManager {
             Vec::new()
         };
         let disk_index = tiers.iter().position(|t| t.name() == "disk");
-        let demoter =
-            DemoteFromL1::to(&demoted_to, host.as_ref(), disk_index.zip(disk.as_ref()), &down);
+        let reads = Arc::new(Mutex::new(ReadCounts::new(READ_COUNTS)));
+        let demoter = DemoteFromL1::to(
+            &demoted_to,
+            host.as_ref(),
+            disk_index.zip(disk.as_ref()),
+            remote_index.map(|(index, _)| (index, &reads)),
+            &down,
+        );
         if let Some(host) = host.as_ref().filter(|_| cascade && takes_victims(1)) {
             // The host store is tier 0 (fastest first): its victims go to tier 1.
             host.set_demoter(Box::new(move |key, departing| {
@@ -425,6 +447,7 @@ impl StorageManager {
             router.clone(),
             config.store_policy,
             (disk_index, remote_index),
+            Arc::clone(&reads),
             (jobs, inbox),
             (metrics.clone(), config.store_timeout),
         )?;
@@ -443,7 +466,7 @@ impl StorageManager {
             lookups: Mutex::new(HashMap::new()),
             abandoned: Mutex::new(Vec::new()),
             next_lookup: AtomicU64::new(first_lookup_id()),
-            reads: Mutex::new(ReadCounts::new(READ_COUNTS)),
+            reads,
             config,
             metrics,
             accepting: AtomicBool::new(true),
@@ -621,6 +644,9 @@ impl StorageManager {
         let reversed: Vec<ObjectKey> = keys.iter().rev().copied().collect();
         if !self.inner.copies_at_write {
             let mut results = self.inner.l1.finish_write(owner, &reversed);
+            self.inner.stored_here(
+                reversed.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(k, _)| k),
+            );
             results.reverse();
             let finished = results.iter().filter(|r| r.is_ok()).count() as u32;
             let ticket = StoreTicket::settled(Durability { durable: 0, not_durable: finished });
@@ -633,6 +659,7 @@ impl StorageManager {
             .filter(|(_, r)| r.is_ok())
             .map(|(k, _)| *k)
             .collect();
+        self.inner.stored_here(finished.iter());
         let mut results: Vec<Result<(), KeyError>> =
             grant.results.into_iter().map(|r| r.map(|_| ())).collect();
         results.reverse();
@@ -1470,6 +1497,18 @@ impl Inner {
         }
     }
 
+    /// Chunks this node finished writing: no longer ones the remote tier served, so they go
+    /// there as this node's own (it computed them: the remote tier most likely lost its copy).
+    fn stored_here<'a>(&self, finished: impl Iterator<Item = &'a ObjectKey>) {
+        if self.remote_tier.is_none() {
+            return;
+        }
+        let mut reads = self.reads.lock();
+        for key in finished {
+            reads.stored_here(key);
+        }
+    }
+
     /// Disk and remote admission: counts reads, and sends chunks that reached a threshold to
     /// that tier; never a chunk back to the remote tier that served it.
     fn count_reads(&self, keys: impl Iterator<Item = ObjectKey>, from_remote: &HashSet<ObjectKey>) {
@@ -1484,6 +1523,14 @@ impl Inner {
             _ => None,
         };
         if disk.is_none() && remote.is_none() {
+            // No admission counts reads; what the remote tier served is still remembered, so
+            // that nothing writes it back there.
+            if !from_remote.is_empty() {
+                let mut reads = self.reads.lock();
+                for key in from_remote {
+                    reads.served_by_remote(*key);
+                }
+            }
             return;
         }
         let mut reads = self.reads.lock();
@@ -1794,7 +1841,7 @@ mod tests {
             metrics: storage.inner.metrics.clone(),
             copy_failures: Arc::new(LogLimit::new(Duration::from_secs(60))),
         };
-        let demoter = DemoteFromL1::to(&[0], None, None, &down).unwrap();
+        let demoter = DemoteFromL1::to(&[0], None, None, None, &down).unwrap();
         let chunks = keys(0..2);
         demoter.demote(&chunks[0], &Broken);
         demoter.demote(&chunks[1], &VecChunk(payload(&chunks[1], CHUNK)));

@@ -2,6 +2,12 @@
 //! remote admission (`RemoteAdmission::AfterReads`) send a chunk down once it has been read
 //! often enough, and never send one back to the remote tier that served it.
 //!
+//! The chunks the remote tier served are also what keeps the store pipeline from writing them
+//! back to it (write-back, a clean stop's hand-down, a demotion): Redis holds them already
+//! ([`ReadCounts::remote_holds`]), whatever the admission. A chunk this node stores itself is
+//! forgotten there ([`ReadCounts::stored_here`]): it computed the chunk, so the remote tier most
+//! likely lost it, and it goes there as any chunk of this node's.
+//!
 //! Both records are bounded, and apart: the counts start over when they pass their bound, which
 //! costs at most a few reads more before a chunk is admitted; the chunks the remote tier served
 //! are kept through that, since forgetting one sends it back to the remote tier at its next
@@ -59,6 +65,25 @@ impl ReadCounts {
         let count = self.counts.entry(key).or_insert(0);
         *count = count.saturating_add(1);
         Admit { disk: Some(*count) == disk, remote: Some(*count) == remote && !came_from_remote }
+    }
+
+    /// Remembers that the remote tier served `key` (a lookup that counts no reads).
+    pub(crate) fn served_by_remote(&mut self, key: ObjectKey) {
+        self.remember_remote(key, true);
+    }
+
+    /// Whether the remote tier served `key` and this node has not stored it since: the remote
+    /// tier holds it, as far as this node knows (it may have let it go since: a miss there
+    /// later, as any value Redis evicts).
+    pub(crate) fn remote_holds(&self, key: &ObjectKey) -> bool {
+        self.from_remote.iter().any(|generation| generation.contains(key))
+    }
+
+    /// This node stored `key` itself: it is no longer a chunk the remote tier served.
+    pub(crate) fn stored_here(&mut self, key: &ObjectKey) {
+        for generation in &mut self.from_remote {
+            generation.remove(key);
+        }
     }
 
     /// Whether the remote tier served `key`, now (`served`) or before; if it did, `key` moves
@@ -124,5 +149,18 @@ mod tests {
             reads.read(keys(n..n + 1)[0], true, None, Some(2));
         }
         assert!(reads.from_remote.iter().map(HashSet::len).sum::<usize>() <= 4);
+    }
+
+    #[test]
+    fn the_remote_tier_holds_what_it_served_until_this_node_stores_it() {
+        let mut reads = ReadCounts::new(100);
+        let [served, local] = [keys(0..1)[0], keys(1..2)[0]];
+        reads.served_by_remote(served);
+        reads.read(local, false, None, None);
+        assert!(reads.remote_holds(&served));
+        assert!(!reads.remote_holds(&local));
+        reads.stored_here(&served);
+        assert!(!reads.remote_holds(&served), "stored here: it goes to the remote tier again");
+        assert!(reads.read(served, false, None, Some(1)).remote, "and is admitted as this node's");
     }
 }

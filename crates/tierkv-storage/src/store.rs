@@ -25,6 +25,7 @@ use tierkv_prefetch::{TierEvent, TierRouter};
 
 use crate::config::{RemoteAdmission, StorePolicy};
 use crate::metrics::StorageMetrics;
+use crate::reads::ReadCounts;
 
 /// The owner of the store pipeline's shares.
 pub(crate) const STORE_OWNER: OwnerId = OwnerId(u64::MAX - 1);
@@ -254,6 +255,7 @@ impl StorePipeline {
         router: Arc<TierRouter>,
         policy: StorePolicy,
         (disk, remote): (Option<usize>, Option<(usize, RemoteAdmission)>),
+        reads: Arc<Mutex<ReadCounts>>,
         (queue, inbox): (StoreQueue, Receiver<StoreJob>),
         (metrics, timeout): (Arc<StorageMetrics>, Duration),
     ) -> std::io::Result<Self> {
@@ -265,6 +267,7 @@ impl StorePipeline {
             policy,
             disk,
             remote,
+            reads,
             events_tx,
             batches: HashMap::new(),
             tasks: HashMap::new(),
@@ -376,6 +379,8 @@ struct Worker {
     disk: Option<usize>,
     /// The remote tier's index and which chunks it receives.
     remote: Option<(usize, RemoteAdmission)>,
+    /// The chunks the remote tier served this node: never sent back to it.
+    reads: Arc<Mutex<ReadCounts>>,
     events_tx: Sender<TierEvent>,
     batches: HashMap<u64, Batch>,
     tasks: HashMap<(usize, TaskId), u64>,
@@ -508,7 +513,7 @@ impl Worker {
         let demoted_bytes = demoted_len(&items);
         let items: Vec<StoreItem> = items
             .into_iter()
-            .filter(|(_, source)| !source.withdrawn())
+            .filter(|(key, source)| !source.withdrawn() && !self.remote_holds(tier, key))
             .map(|(key, source)| StoreItem { key, source })
             .collect();
         let keys = items.len();
@@ -625,6 +630,7 @@ impl Worker {
         for tier in targets {
             let items: Vec<StoreItem> = keys
                 .iter()
+                .filter(|key| !self.remote_holds(tier, key))
                 .filter_map(|key| {
                     let source = self.l1.read_access(lease, 0, key).ok()?;
                     Some(StoreItem { key: *key, source: Box::new(source) as Box<dyn ChunkSource> })
@@ -635,6 +641,13 @@ impl Worker {
         if self.batches.get(&id).is_some_and(|b| b.waiting == 0) {
             self.finish(id);
         }
+    }
+
+    /// Whether `tier` is the remote tier and it served `key` to this node: it holds those bytes
+    /// already (equal keys are equal bytes), so a write-back, a hand-down or a demotion there
+    /// would send them over the network for nothing.
+    fn remote_holds(&self, tier: usize, key: &ObjectKey) -> bool {
+        self.remote.is_some_and(|(remote, _)| remote == tier) && self.reads.lock().remote_holds(key)
     }
 
     /// Submits one batch's store of `items` to `tier` and records the task.

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tierkv_core::{ExtraCount, Layout, ObjectKey};
-use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers};
+use tierkv_l1::{DeviceKind, L1Config, OwnerId, Readers, Watermark};
 use tierkv_l2::{HostMemory, HostStoreConfig};
 use tierkv_remote::{RemoteConfig, RemoteMode};
 use tierkv_storage::{
@@ -228,4 +228,87 @@ fn a_chunk_the_remote_tier_served_is_never_admitted_back_to_it() {
         assert!(Instant::now() < deadline, "node C's own chunks never reached the remote tier");
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// A chunk node B got from the remote tier is not written back to it under write-back: Redis
+/// holds it already (every byte of it: the key names the bytes), so a second `SET` is network
+/// and cluster work for nothing. Node B's own chunks still go there when L1 lets them go, and the
+/// promoted ones still go to its L2.
+#[test]
+fn write_back_never_sends_the_remote_tier_what_it_served() {
+    require_redis!();
+    let urls = shared_cluster().urls();
+    let prefix = unique_prefix("write-back");
+    let a = node(urls.clone(), &prefix, RemoteAdmission::WriteThrough);
+    // Node B: write-back, L1 of 8 chunks written back past half full, down to a quarter.
+    let b = StorageManager::start(StorageConfig {
+        l2: Some(HostStoreConfig {
+            memory: HostMemory::Plain,
+            ..HostStoreConfig::new(64 * CHUNK, CHUNK)
+        }),
+        remote: Some(RemoteConfig {
+            key_prefix: prefix.clone(),
+            op_timeout: Duration::from_millis(500),
+            connect_timeout: Duration::from_millis(500),
+            reconnect_interval: Duration::from_millis(200),
+            ..RemoteConfig::new(urls, RemoteMode::Cluster, CHUNK)
+        }),
+        remote_admission: RemoteAdmission::WriteThrough,
+        maintenance_interval: Duration::from_millis(10),
+        store_policy: StorePolicy::WriteBack,
+        ..StorageConfig::new(L1Config {
+            device: DeviceKind::Emulated,
+            watermark: Watermark { high: 0.5, low: 0.25 },
+            ..L1Config::new(8 * CHUNK, CHUNK)
+        })
+    })
+    .unwrap();
+    let remote_writes = |s: &StorageManager| s.status().tiers[1].1.objects;
+    write(&a, &keys(0..8));
+    assert_eq!(remote_writes(&a), 8);
+
+    // B's own four chunks, then A's eight from Redis: the lookup's reservation evicts B's own
+    // (to L2 at once, to Redis through the store pipeline), and the maintenance thread writes
+    // back six of the eight promoted ones once L1 is past its high watermark.
+    write(&b, &keys(100..104));
+    assert_eq!(remote_writes(&b), 0, "write-back: nothing goes down before L1 lets it go");
+    assert_eq!(lookup(&b, keys(0..8)).per_tier, vec![0, 0, 8]);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let status = b.status();
+        let l1 = status.l1;
+        if status.store_in_flight == 0 && l1.slots - l1.free_bytes / l1.slot_bytes <= 4 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "L1 was never written back: {status:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(b.status().store_in_flight, 0);
+    assert_eq!(
+        remote_writes(&b),
+        4,
+        "node B wrote to Redis chunks it had fetched from there (only its own 4 should go)"
+    );
+    assert!(
+        b.status().tiers[0].1.objects >= 4 + 6,
+        "the written-back chunks reached L2: {:?}",
+        b.status().tiers[0]
+    );
+    // Eight more from Redis: their reservation evicts the promoted chunks still in L1 on
+    // demand (L1's demoter, not the maintenance thread), and those do not go back either.
+    write(&a, &keys(8..16));
+    assert_eq!(lookup(&b, keys(8..16)).per_tier, vec![0, 0, 8]);
+    let deadline = Instant::now() + WAIT;
+    while b.status().store_in_flight > 0 {
+        assert!(Instant::now() < deadline, "node B's store pipeline never went idle");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(remote_writes(&b), 4, "an eviction on demand sent Redis what it served");
+    // Both kinds still hit, from L1 or L2.
+    for chunks in [keys(0..8), keys(8..16)] {
+        let result = lookup(&b, chunks);
+        assert_eq!((result.hit_chunks, result.per_tier[2]), (8, 0));
+    }
+    assert_eq!(lookup(&b, keys(100..104)).hit_chunks, 4);
 }
