@@ -1,8 +1,8 @@
 //! What this node stored in the remote tier and may still be there: the tier's `used_bytes` and
 //! `objects`. Redis does not say when a value leaves (its TTL, the server's eviction, another
-//! node's overwrite), so this is an upper bound: stores add, deletes subtract, and with a TTL a
-//! store leaves the count once its values have certainly expired. Without one, only deletes
-//! subtract. A chunk stored twice within its TTL counts twice.
+//! node's overwrite), so this is an upper bound: stores add, and with a TTL a store leaves the
+//! count once its values have certainly expired. Without one, nothing subtracts (this node
+//! never deletes from the shared tier). A chunk stored twice within its TTL counts twice.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -60,19 +60,6 @@ impl Held {
         }
     }
 
-    /// `objects` values of `bytes` payload bytes in all were deleted. Which stores they came
-    /// from is unknown: they leave the oldest buckets first (the count stays an upper bound).
-    pub(crate) fn deleted(&self, mut objects: u64, mut bytes: u64) {
-        let mut buckets = self.buckets.lock();
-        for bucket in buckets.iter_mut() {
-            let (o, b) = (objects.min(bucket.objects), bytes.min(bucket.bytes));
-            bucket.objects -= o;
-            bucket.bytes -= b;
-            objects -= o;
-            bytes -= b;
-        }
-    }
-
     /// Objects and bytes stored and not yet certainly gone.
     pub(crate) fn now(&self) -> (u64, u64) {
         let mut buckets = self.buckets.lock();
@@ -94,14 +81,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stores_leave_the_count_once_expired_or_deleted() {
+    fn stores_leave_the_count_once_expired() {
         let held = Held::new(Some(Duration::from_millis(320)));
         held.stored(2, 2000);
         std::thread::sleep(Duration::from_millis(200));
         held.stored(1, 1000);
         assert_eq!(held.now(), (3, 3000));
-        held.deleted(1, 1000);
-        assert_eq!(held.now(), (2, 2000));
         // Past the first stores' TTL (and a bucket's width), before the last one's.
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(held.now(), (1, 1000));
@@ -117,9 +102,6 @@ mod tests {
         let forever = Held::new(None);
         forever.stored(3, 3000);
         forever.stored(1, 1000);
-        forever.deleted(2, 2000);
-        assert_eq!(forever.now(), (2, 2000));
-        forever.deleted(5, 5000);
-        assert_eq!(forever.now(), (0, 0));
+        assert_eq!(forever.now(), (4, 4000));
     }
 }

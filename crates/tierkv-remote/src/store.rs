@@ -59,10 +59,6 @@ struct Shared {
     abandonable: Mutex<HashMap<TaskId, watch::Sender<bool>>>,
 }
 
-/// Deletes `KEYS[1]`; the length of the value it held (0: there was none).
-const DELETE_SCRIPT: &str =
-    "local n = redis.call('STRLEN', KEYS[1]) if n > 0 then redis.call('DEL', KEYS[1]) end return n";
-
 /// How often a value that failed verification is logged at most (all are counted).
 const INVALID_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -132,17 +128,6 @@ impl RemoteStore {
     /// The configuration the store was opened with.
     pub fn config(&self) -> &RemoteConfig {
         &self.shared.config
-    }
-
-    /// Runs `work` on the runtime and waits for it, at most a little past the op deadline
-    /// (`work` has its own deadlines). Safe to call from any thread, an async one included.
-    fn run<T: Send + 'static>(&self, work: impl Future<Output = T> + Send + 'static) -> Option<T> {
-        let handle = self.runtime.lock().as_ref().map(|r| r.handle().clone())?;
-        let (reply, answer) = crossbeam_channel::bounded(1);
-        handle.spawn(async move {
-            let _ = reply.send(work.await);
-        });
-        answer.recv_timeout(self.shared.config.op_timeout * 2 + Duration::from_secs(1)).ok()
     }
 
     fn task(&self) -> TaskId {
@@ -413,29 +398,6 @@ impl Shared {
     }
 }
 
-impl Shared {
-    /// Deletes the key `name`: `Some(length of its value)` if there was one (0 where the server
-    /// runs no scripts, an ACL forbidding `EVAL`: then a plain `DEL`, and the usage keeps the
-    /// bytes, an upper bound still), `None` if there was none or the call failed.
-    async fn delete_one(&self, name: String) -> Option<u64> {
-        let mut script = redis::cmd("EVAL");
-        script.arg(DELETE_SCRIPT).arg(1).arg(&name);
-        match self.link.call::<u64>(&script).await {
-            Ok(len) => (len > 0).then_some(len),
-            // The server answered, refusing the script: the key is deleted without its length.
-            Err(e @ CallError::Redis(_)) if !e.is_connection() => {
-                let mut del = redis::cmd("DEL");
-                del.arg(&name);
-                match self.link.call::<u64>(&del).await {
-                    Ok(1..) => Some(0),
-                    _ => None,
-                }
-            }
-            Err(_) => None,
-        }
-    }
-}
-
 /// The read of a load of `key` into a sink of `len` bytes: `GETRANGE` of the header, the
 /// payload and one byte more, never more. A value longer than the object it should be (a foreign
 /// or damaged key, however large) costs those bytes, not its own size, and the byte past the end
@@ -589,38 +551,16 @@ impl TierAdapter for RemoteStore {
         }
     }
 
-    /// Deletes the keys no lookup of this node holds, within the op deadline; a failure deletes
-    /// nothing it can report.
-    fn delete(&self, keys: &[ObjectKey]) -> usize {
-        let names: Vec<String> = {
-            let locks = self.shared.locks.lock();
-            keys.iter()
-                .filter(|k| !locks.contains_key(k))
-                .map(|k| redis_key(&self.shared.config.key_prefix, k))
-                .collect()
-        };
-        let shared = Arc::clone(&self.shared);
-        // One call per key: a cluster refuses a command whose keys hash to different slots. Each
-        // deletes its key and says how long its value was, so the bytes leave the usage too.
-        let (deleted, bytes) = self
-            .run(async move {
-                let mut set = tokio::task::JoinSet::new();
-                for name in names {
-                    let shared = Arc::clone(&shared);
-                    set.spawn(async move { shared.delete_one(name).await });
-                }
-                let (mut deleted, mut bytes) = (0, 0);
-                while let Some(joined) = set.join_next().await {
-                    if let Ok(Some(len)) = joined {
-                        deleted += 1;
-                        bytes += len.saturating_sub(HEADER_BYTES as u64);
-                    }
-                }
-                (deleted, bytes)
-            })
-            .unwrap_or((0, 0));
-        self.shared.held.deleted(deleted, bytes);
-        deleted as usize
+    /// Deletes nothing, and says so (0): the remote tier is shared by every node's daemon, and
+    /// a key names its bytes, whoever stored them (equal keys are equal bytes), so a key this
+    /// node would delete may be one another node stored, or one it is loading or about to look
+    /// up; "only what this node wrote" is no safer, since another node may have written or
+    /// fetched the same key since. Values leave by their TTL or the server's eviction; an
+    /// operator who wants them gone deletes them in Redis. So no caller (a `StorageManager`
+    /// deleting from every tier, the store pipeline taking back a chunk deleted above) can
+    /// take a chunk from another node through this tier.
+    fn delete(&self, _keys: &[ObjectKey]) -> usize {
+        0
     }
 
     /// Deletes nothing: the remote tier is shared with other nodes, which may be reading what

@@ -1129,8 +1129,9 @@ impl StorageManager {
 
     // ----- removal and status -----
 
-    /// Deletes chunks that no one holds, from every tier. Returns how many each tier deleted,
-    /// L1 first.
+    /// Deletes chunks that no one holds, from every tier of this node. Returns how many each
+    /// tier deleted, L1 first. The remote tier, shared with other nodes, deletes nothing (0):
+    /// another node may be reading any of its keys (`RemoteStore::delete`).
     pub fn delete(&self, keys: &[ObjectKey]) -> Vec<usize> {
         let l1 = self.inner.l1.delete(keys, false).iter().filter(|r| r.is_ok()).count();
         std::iter::once(l1).chain(self.inner.router.tiers().map(|t| t.delete(keys))).collect()

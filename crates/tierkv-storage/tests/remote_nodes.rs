@@ -312,3 +312,20 @@ fn write_back_never_sends_the_remote_tier_what_it_served() {
     }
     assert_eq!(lookup(&b, keys(100..104)).hit_chunks, 4);
 }
+
+/// A node that deletes chunks deletes them from its own tiers only: the remote tier is shared,
+/// and another node may be reading what this one no longer wants.
+#[test]
+fn a_delete_on_one_node_leaves_the_remote_tier_to_the_others() {
+    require_redis!();
+    let urls = shared_cluster().urls();
+    let prefix = unique_prefix("delete");
+    let a = node(urls.clone(), &prefix, RemoteAdmission::WriteThrough);
+    let b = node(urls, &prefix, RemoteAdmission::WriteThrough);
+    write(&a, &keys(0..4));
+    // L1, L2 and the remote tier, in that order: node A's own copies go, Redis keeps its.
+    assert_eq!(a.delete(&keys(0..4)), vec![4, 4, 0]);
+    assert_eq!(a.status().tiers[1].1.objects, 4, "node A still counts what it stored");
+    assert_eq!(lookup(&b, keys(0..4)).per_tier, vec![0, 0, 4], "node B lost node A's chunks");
+    assert_eq!(lookup(&a, keys(0..4)).per_tier, vec![0, 0, 4], "node A gets them back from Redis");
+}
