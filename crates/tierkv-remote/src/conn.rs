@@ -16,6 +16,14 @@
 //! timeout there renews the connection in the background, at most once per reconnect interval,
 //! keeping the current one until the new one is open: the new connection learns the slot map
 //! afresh, which is how a hung master's slots move to its promoted replica.
+//!
+//! In a cluster, a call that succeeds proves one master alive, not the link: with a master
+//! dead, calls to the others succeed and calls to its slots fail, and a tier healed by every
+//! success flapped between healthy and degraded. So there only a probe heals a degraded link,
+//! and only once it reached every master the slots map to (`CLUSTER SLOTS`, then a `PING`
+//! to each by address: the cluster client's own `PING` to all masters skips a master it holds
+//! no connection to, a dead one). A call that succeeds on a degraded cluster link starts such a
+//! probe (one at a time), so a link that works again heals at once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +31,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncConnectionConfig, Cmd, FromRedisValue};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{AsyncConnectionConfig, Cmd, FromRedisValue, Value};
 
 use crate::config::{RemoteConfig, RemoteMode};
 use crate::error::CallError;
@@ -56,6 +65,8 @@ struct State {
     degraded: Option<String>,
     /// When a call last failed for the link's sake.
     last_failure: Option<Instant>,
+    /// A probe started by a call's success on a degraded cluster link is under way.
+    probing: bool,
 }
 
 /// Which connection a call used, and when it sent its command on it.
@@ -65,6 +76,7 @@ pub(crate) struct Used {
     sent: Instant,
 }
 
+#[derive(Clone)]
 pub(crate) struct Link {
     config: RemoteConfig,
     state: Arc<Mutex<State>>,
@@ -84,6 +96,7 @@ impl Link {
                 connect_error: None,
                 degraded: Some("not connected yet".into()),
                 last_failure: None,
+                probing: false,
             })),
             opened: Arc::new(tokio::sync::watch::channel(0).0),
         }
@@ -113,16 +126,28 @@ impl Link {
         self.attempt(cmd).await
     }
 
-    /// Checks the link now (`PING`), degraded or not; whether it answered.
+    /// Checks the link now, degraded or not: a `PING` of the server, or in a cluster of every
+    /// master the slots map to; whether every one answered. Only a probe heals a degraded
+    /// cluster link.
     pub(crate) async fn probe(&self) -> bool {
-        let (used, result) = self.send::<String>(&redis::cmd("PING")).await;
-        let result = match result {
-            // The server answered, refusing the command (an ACL without `PING`): the link works,
-            // and the tier would otherwise stay degraded until the next lookup.
-            Err(CallError::Redis(e)) if e.code() == Some("NOPERM") => Ok(String::new()),
-            result => result,
+        let deadline = self.config.op_timeout;
+        let mut used = None;
+        let result = match tokio::time::timeout(deadline, self.probe_inner(&mut used)).await {
+            Ok(result) => result,
+            Err(_) => Err(CallError::Timeout(deadline)),
         };
-        self.settle(used, result).is_ok()
+        let healthy = self.judge(used, result, true).is_ok();
+        self.state.lock().probing = false;
+        healthy
+    }
+
+    async fn probe_inner(&self, used: &mut Option<Used>) -> Result<(), CallError> {
+        let (conn, generation) = self.connection().await?;
+        *used = Some(Used { generation, sent: Instant::now() });
+        match conn {
+            Conn::Single(mut c) => answered(redis::cmd("PING").query_async(&mut c).await),
+            Conn::Cluster(c) => probe_masters(c).await,
+        }
     }
 
     async fn attempt<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, CallError> {
@@ -154,6 +179,18 @@ impl Link {
         used: Option<Used>,
         result: Result<T, CallError>,
     ) -> Result<T, CallError> {
+        // One server: its answer is the link's. A cluster's: one master's only.
+        self.judge(used, result, self.config.mode == RemoteMode::Standalone)
+    }
+
+    /// [`Link::settle`]; a success heals a degraded link only if it `heals` (a probe's, or any
+    /// call's on one server), else it starts a probe.
+    fn judge<T>(
+        &self,
+        used: Option<Used>,
+        result: Result<T, CallError>,
+        heals: bool,
+    ) -> Result<T, CallError> {
         let mut state = self.state.lock();
         let current = state.conn.as_ref().map(|c| c.generation);
         if let Some(used) = used
@@ -168,9 +205,16 @@ impl Link {
                 if let Some(c) = state.conn.as_mut() {
                     c.last_answer = Instant::now();
                 }
-                if state.degraded.is_some() {
+                if state.degraded.is_some() && heals {
                     tracing::info!("the remote tier answers again");
                     state.degraded = None;
+                } else if state.degraded.is_some() && !state.probing {
+                    // Whether every master answers, now, rather than at the next lookup.
+                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                        state.probing = true;
+                        let link = self.clone();
+                        runtime.spawn(async move { link.probe().await });
+                    }
                 }
                 result
             }
@@ -317,6 +361,75 @@ impl Link {
             opened.send_modify(|n| *n += 1);
         });
     }
+}
+
+/// A `PING`'s answer: any reply, or a refusal of the command (an ACL without `PING`), says the
+/// server is there; the tier would otherwise stay degraded until the next lookup.
+fn answered(reply: redis::RedisResult<Value>) -> Result<(), CallError> {
+    match reply {
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == Some("NOPERM") => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether every master the cluster's slots map to answers a `PING` sent to it by address (all
+/// at once). The cluster client's own `PING` of all masters leaves out a master it holds no
+/// connection to, a dead one: it answered for a cluster with a master down. Where `CLUSTER
+/// SLOTS` is refused (an ACL) or not understood, that `PING` is all there is.
+async fn probe_masters(mut c: ClusterConnection) -> Result<(), CallError> {
+    let masters = match redis::cmd("CLUSTER").arg("SLOTS").query_async::<Value>(&mut c).await {
+        Ok(slots) => masters_of(&slots),
+        Err(e) if e.code() == Some("NOPERM") => None,
+        Err(e) => return Err(e.into()),
+    };
+    let Some(masters) = masters else {
+        return answered(redis::cmd("PING").query_async(&mut c).await);
+    };
+    let mut pings = tokio::task::JoinSet::new();
+    for (host, port) in masters {
+        let mut c = c.clone();
+        pings.spawn(async move {
+            let to = SingleNodeRoutingInfo::ByAddress { host: host.clone(), port };
+            let reply = c.route_command(redis::cmd("PING"), RoutingInfo::SingleNode(to)).await;
+            answered(reply).map_err(|e| CallError::Unreachable(format!("{host}:{port}: {e}")))
+        });
+    }
+    while let Some(joined) = pings.join_next().await {
+        match joined {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(e) => return Err(CallError::Unavailable(format!("a probe failed: {e}"))),
+        }
+    }
+    Ok(())
+}
+
+/// The masters (host, port) of a `CLUSTER SLOTS` reply, each once; `None` if it is not one.
+fn masters_of(slots: &Value) -> Option<Vec<(String, u16)>> {
+    let Value::Array(ranges) = slots else { return None };
+    let mut masters = Vec::new();
+    for range in ranges {
+        let Value::Array(fields) = range else { return None };
+        let Some(Value::Array(master)) = fields.get(2) else { return None };
+        let host = match master.first() {
+            Some(Value::BulkString(host)) => String::from_utf8(host.clone()).ok()?,
+            Some(Value::SimpleString(host)) => host.clone(),
+            _ => return None,
+        };
+        let port = match master.get(1) {
+            Some(Value::Int(port)) => u16::try_from(*port).ok()?,
+            _ => return None,
+        };
+        // An empty host is the answering node's own, which a PING by address cannot name.
+        if host.is_empty() {
+            return None;
+        }
+        if !masters.contains(&(host.clone(), port)) {
+            masters.push((host, port));
+        }
+    }
+    Some(masters)
 }
 
 /// Opens a connection as `c` says.

@@ -27,6 +27,9 @@ pub(crate) enum CallError {
     /// configuration says: a cluster node that is not in cluster mode, a wrong password).
     #[error("cannot connect: {0}")]
     Connect(String),
+    /// A probe found a master the cluster's slots map to that does not answer.
+    #[error("a master does not answer: {0}")]
+    Unreachable(String),
     /// The deadline passed.
     #[error("no answer within {0:?}")]
     Timeout(std::time::Duration),
@@ -47,7 +50,7 @@ impl CallError {
     pub(crate) fn reason(&self) -> &'static str {
         match self {
             CallError::Unavailable(_) => "unavailable",
-            CallError::Connect(_) => "connection",
+            CallError::Connect(_) | CallError::Unreachable(_) => "connection",
             CallError::Timeout(_) => "timeout",
             CallError::Busy(_) => "busy",
             CallError::Redis(e) if e.code() == Some("OOM") => "oom",
@@ -62,7 +65,10 @@ impl CallError {
     /// one command was refused (a full server refusing a SET is not a broken link).
     pub(crate) fn is_connection(&self) -> bool {
         match self {
-            CallError::Unavailable(_) | CallError::Connect(_) | CallError::Timeout(_) => true,
+            CallError::Unavailable(_)
+            | CallError::Connect(_)
+            | CallError::Unreachable(_)
+            | CallError::Timeout(_) => true,
             CallError::Redis(e) => is_link(e),
             CallError::Busy(_) | CallError::Closed => false,
         }

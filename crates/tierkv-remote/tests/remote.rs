@@ -332,10 +332,21 @@ fn a_hung_master_costs_at_most_the_deadline_and_never_wrong_bytes() {
     });
     assert!(partial > 0, "no load missed while a master hung");
     assert!(slowest < Duration::from_secs(2), "a load took {slowest:?}");
-    assert!(store.degraded().is_none(), "recovered after the failover, the master still hung");
+    // Recovered after the failover, the master still hung.
+    healed(&store);
     cluster.nodes[victim].resume();
     cluster.wait_ok(Duration::from_secs(30));
     assert_eq!(tier.load_verified(&all).count_ones(), all.len());
+}
+
+/// Waits (briefly) until the tier is healthy: on a cluster, the probe a successful call started
+/// heals it once every master answered.
+fn healed(store: &RemoteStore) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while let Some(why) = store.degraded() {
+        assert!(Instant::now() < deadline, "still degraded: {why}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 #[test]
@@ -351,7 +362,8 @@ fn the_whole_cluster_hung_or_gone_is_a_miss_within_the_deadline_then_recovers() 
     let tier = SharedTier::new(store.clone(), CHUNK);
     let all = keys(0..16);
     tier.store(&all).unwrap();
-    assert!(store.degraded().is_none());
+    // A call's success on a cluster starts a probe of every master, which heals the tier.
+    healed(&store);
     store.publish_metrics();
     assert_eq!(Seen::take(&snapshotter).get("tierkv_remote_degraded", ""), 0.0);
 
@@ -395,7 +407,7 @@ fn the_whole_cluster_hung_or_gone_is_a_miss_within_the_deadline_then_recovers() 
         assert!(Instant::now() < deadline, "never recovered from the hang");
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(store.degraded().is_none());
+    healed(&store);
 
     // Gone: every node killed. Misses, fast (no reconnect storm), then back when it returns.
     for node in &mut cluster.nodes {
@@ -423,7 +435,7 @@ fn the_whole_cluster_hung_or_gone_is_a_miss_within_the_deadline_then_recovers() 
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_eq!(tier.load_verified(&all).count_ones(), all.len());
-    assert!(store.degraded().is_none());
+    healed(&store);
     store.publish_metrics();
     assert_eq!(Seen::take(&snapshotter).get("tierkv_remote_degraded", ""), 0.0);
 }
@@ -665,4 +677,54 @@ fn a_server_that_refuses_ping_still_heals_a_degraded_tier() {
         store.probe();
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A master that is dead and stays dead (its replica may not fail over, and the cluster serves
+/// the slots it still covers): the tier is degraded, and stays so for as long as the master is
+/// gone, not healthy on one probe or call and degraded on the next; healthy again once its
+/// replica took over.
+#[test]
+fn a_dead_master_keeps_the_tier_degraded_without_flapping() {
+    require_redis!();
+    let mut cluster = RedisCluster::start();
+    let prefix = unique_prefix("flap");
+    let store =
+        Arc::new(RemoteStore::open(config(cluster.urls(), RemoteMode::Cluster, &prefix)).unwrap());
+    let tier = SharedTier::new(Arc::clone(&store) as Arc<dyn TierAdapter>, CHUNK);
+    let all = keys(0..24);
+    tier.store(&all).unwrap();
+    let victim = cluster.master_of(&redis_key(&prefix, &all[0])).unwrap();
+    for node in &cluster.nodes {
+        assert_eq!(node.cli(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]), "OK");
+        assert_eq!(node.cli(&["CONFIG", "SET", "cluster-replica-no-failover", "yes"]), "OK");
+    }
+    cluster.nodes[victim].kill();
+    // Loads and probes (the maintenance thread's, once a second while degraded) for 4 s.
+    let started = Instant::now();
+    let (mut degraded_seen, mut healthy_after) = (false, 0);
+    while started.elapsed() < Duration::from_secs(4) {
+        tier.load_verified(&all);
+        store.probe();
+        std::thread::sleep(Duration::from_millis(20));
+        match store.degraded() {
+            Some(_) => degraded_seen = true,
+            None if degraded_seen => healthy_after += 1,
+            None => {}
+        }
+    }
+    assert!(degraded_seen, "a dead master never degraded the tier");
+    assert_eq!(healthy_after, 0, "the tier flapped healthy {healthy_after} times, its master dead");
+    // The replica may take over now: once it did, every master answers, and the tier heals.
+    for node in cluster.nodes.iter().filter(|n| n.running()) {
+        assert_eq!(node.cli(&["CONFIG", "SET", "cluster-replica-no-failover", "no"]), "OK");
+    }
+    cluster.wait_ok(Duration::from_secs(30));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while store.degraded().is_some() {
+        assert!(Instant::now() < deadline, "never healthy again: {:?}", store.degraded());
+        tier.load_verified(&all);
+        store.probe();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(tier.load_verified(&all).count_ones(), all.len());
 }

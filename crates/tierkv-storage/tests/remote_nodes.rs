@@ -130,7 +130,12 @@ fn node_b_hits_what_node_a_stored_through_the_remote_tier() {
     let result = lookup(&b, keys(10..16));
     assert_eq!(result.hit_chunks, 4);
     assert_eq!(result.per_tier, vec![0, 0, 4]);
-    assert!(b.status().remote_degraded.is_none());
+    // Healthy: on a cluster, once a probe reached every master (a successful call starts one).
+    let deadline = Instant::now() + WAIT;
+    while b.status().remote_degraded.is_some() {
+        assert!(Instant::now() < deadline, "{:?}", b.status().remote_degraded);
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert_eq!(b.status().tiers[1].1.locks, 0, "every lookup lock returned");
 }
 
