@@ -24,15 +24,33 @@ request that writes it from slot 0. Invalid blocks keep their hash too (the reco
 Short of blocks, vLLM preempts the last running request (its blocks freed without asking the
 connector, after the step in flight that computes it under async scheduling), listing it in
 ``preempted_req_ids``; it resumes later with ``num_preemptions`` moved, from its prefix cache
-hit and a new lookup. Lookups go through ``get_num_new_matched_tokens``; only the daemon's
-answer (``SchedulerSide._hit``) is made up.
+hit and a new lookup.
 
-What it leaves out: TP > 1, spec decoding, lookups themselves (the hit is chosen at random, and
-misses are not kept), failures of the connector's own bookkeeping (the guard's fallbacks),
-``unloadable`` blocks (every accepted external token gets a load here), vLLM's reset of its
-prefix cache (a preemption resumed in the step that reports it), requests that finish or are
-aborted mid-prefill, and the worker's calls given up on (every call here answers at once, so
-``get_finished`` and ``handle_preemptions`` never wait).
+Between steps (where vLLM's engine core handles its input queue) a request may be aborted
+(``finish_requests``: running or waiting, mid-prefill, with a load or store in flight under async
+scheduling; its blocks held for the workers if ``request_finished`` says so, else freed after the
+step in flight), and vLLM may reset its prefix cache (``reset_prefix_cache`` with
+``reset_running_requests``: every running request preempted outside a schedule, listed in the
+next step's ``preempted_req_ids`` and resumed in it where it fits; the hashes dropped only if
+no block is in use, else vLLM raises and the requests stay preempted).
+
+Runs have one or two TP ranks. Each rank keeps its own KV and its own lookups; a rank's load
+fails on its own, leaving only that rank's blocks garbage, but the attention output's all-reduce
+makes every rank's later KV garbage; vLLM hears of the union of the ranks' failed blocks, and
+the worker halves agree on failed loads through ``dist.all_reduce`` (a thread per rank).
+
+Lookups go through ``get_num_new_matched_tokens`` into a made-up daemon (``SchedulerSide._hit``
+replaced): per rank, the chunk ids it holds (some prompts' first chunks from the start, then
+every chunk a worker stores), so this engine's stores grow later requests' hits; an open lookup
+is used again or redone as the real one is, returning the old one. Misses are kept
+(``miss_refresh_s`` past the run) or not. At the end every lookup made must have been returned
+(``release``) unless a request the scheduler half still knows holds it, and no finished request
+is still known (nor waiting on a kept miss).
+
+What it leaves out: spec decoding, failures of the connector's own bookkeeping (the guard's
+fallbacks), ``unloadable`` blocks (every accepted external token gets a load here), lookups still
+prefetching (``None``), MLA, and the worker's calls given up on (every call here answers at once,
+so ``get_finished`` and ``handle_preemptions`` never wait).
 """
 
 from __future__ import annotations
@@ -48,7 +66,6 @@ from typing import Any
 from unittest import mock
 
 import torch
-
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
@@ -197,6 +214,8 @@ class Engine:
         self.next_lookup = 1
         self.trace: list[str] = []
         self.violations: list[str] = []
+        #: Lookups never returned, and the scheduler half's bookkeeping of finished requests.
+        self.leaks: list[str] = []
         self.step = 0
         self.requests = self._requests()
         self.waiting = list(self.requests)
@@ -272,9 +291,7 @@ class Engine:
         for chunk, held in op.chunks:
             self.stored_at.setdefault(chunk, []).append(self.step)
             if not self._chunk_valid(held, rank):
-                bad = {
-                    b: "".join("v" if s else "." for s in self._slots(b, rank)) for b in held
-                }
+                bad = {b: "".join("v" if s else "." for s in self._slots(b, rank)) for b in held}
                 self.violations.append(
                     f"step {self.step}: rank {rank} {op.req_id} stored blocks {bad}"
                 )
@@ -740,13 +757,13 @@ class Engine:
         held = {lookup for state in states.values() for lookup in state.lookups or ()}
         leaked = self.lookups - self.releases.released - held
         if leaked:
-            self.violations.append(f"lookups never returned: {sorted(leaked)}")
+            self.leaks.append(f"lookups never returned: {sorted(leaked)}")
         waiting = {rid for rids in self.scheduler.waiting_on.values() for rid in rids}
         if waiting - states.keys():
-            self.violations.append(f"kept misses of finished requests: {waiting - states.keys()}")
+            self.leaks.append(f"kept misses of finished requests: {waiting - states.keys()}")
         gone = states.keys() & {r.rid for r in self.requests if r.rid in self.finished_ever}
         if gone:
-            self.violations.append(f"finished requests still known: {sorted(gone)}")
+            self.leaks.append(f"finished requests still known: {sorted(gone)}")
 
     def in_daemon(self, chunk: int) -> bool:
         return all(chunk in held for held in self.daemon)
@@ -783,8 +800,9 @@ def run_seed(seed: int, asynchronous: bool, socket: str) -> Engine:
 
 
 def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any) -> None:
-    """300 seeds of 30 steps (block reuse and preemption included), each with synchronous and
-    with async scheduling. Then, what vLLM recomputes after a failure is stored again: every
+    """300 seeds of 30 steps (block reuse, preemption, aborts, prefix cache resets, TP 2 and
+    kept misses included), each with synchronous and with async scheduling; every lookup is
+    returned or still held. Then, what vLLM recomputes after a failure is stored again: every
     chunk a failure's report found spoiled that some request's blocks hold as valid KV by the
     end was stored (a miss otherwise, not a wrong answer). Only blocks a request holds count:
     a freed block may be handed to another prompt. The counts are printed with ``-s``."""
@@ -794,6 +812,7 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
     # Every injected failure is logged; the guard's warnings would only slow the loop.
     quiet.setLevel(logging.ERROR)
     wrong: list[Engine] = []
+    leaking: list[Engine] = []
     missed: list[tuple[Engine, list[int]]] = []
     totals = dict.fromkeys(
         (
@@ -839,6 +858,8 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
                 totals["kept misses"] += engine.kept
                 if engine.violations:
                     wrong.append(engine)
+                if engine.leaks:
+                    leaking.append(engine)
                 if unstored:
                     missed.append((engine, unstored))
     finally:
@@ -849,6 +870,12 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
         raise Failed(
             f"{len(wrong)} runs stored KV computed over unwritten blocks; the first, seed "
             f"{engine.seed} ({engine.mode()}): {engine.violations[0]}\n" + "\n".join(engine.trace)
+        )
+    if leaking:
+        engine = leaking[0]
+        raise Failed(
+            f"{len(leaking)} runs left lookups or finished requests behind; the first, seed "
+            f"{engine.seed} ({engine.mode()}): {engine.leaks[0]}\n" + "\n".join(engine.trace)
         )
     if missed:
         engine, unstored = missed[0]
