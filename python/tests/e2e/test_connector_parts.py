@@ -1075,6 +1075,75 @@ def test_a_failed_load_does_not_taint_the_older_blocks_another_request_stores_wi
         scheduler.shutdown()
 
 
+def _step_output(
+    *,
+    new: list[tuple[str, list[int], int, int]],
+    preempted: set[str],
+    resumed: dict[str, list[int]],
+) -> Any:
+    """vLLM's scheduler output of a step computing ``new`` requests (id, block ids, tokens
+    computed before, tokens scheduled) and resuming ``resumed`` ones from their start (id, block
+    ids; every block scheduled), and reporting ``preempted``."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    scheduled = {rid: n for rid, _, _, n in new}
+    scheduled.update({rid: len(blocks) * 16 for rid, blocks in resumed.items()})
+    return SchedulerOutput(
+        scheduled_new_reqs=[
+            NewRequestData(
+                req_id=rid,
+                prompt_token_ids=list(range(100)),
+                mm_features=[],
+                sampling_params=None,
+                pooling_params=None,
+                block_ids=(blocks,),
+                num_computed_tokens=computed,
+                lora_request=None,
+            )
+            for rid, blocks, computed, _ in new
+        ],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=list(resumed),
+            resumed_req_ids=set(resumed),
+            new_token_ids=[[] for _ in resumed],
+            all_token_ids={},
+            new_block_ids=[(blocks,) for blocks in resumed.values()],
+            num_computed_tokens=[0 for _ in resumed],
+            num_output_tokens=[0 for _ in resumed],
+        ),
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+        preempted_req_ids=preempted,
+    )
+
+
+def test_a_store_dropped_over_unwritten_blocks_is_made_once_they_are_recomputed(
+    tmp_path: Path,
+) -> None:
+    """R's load into blocks 10-11 failed, and vLLM keeps them in its prefix cache. R2 hits them
+    there and computes its second chunk over them: its store of both chunks is dropped. Then R2
+    is preempted and resumed, and computes both chunks again into fresh blocks, over written KV:
+    those are stored (the dropped store had moved the plan past them, and nothing stored them,
+    ever: a later chunk of R2's was stored without the ones before it)."""
+    with _AfterFailedLoad(tmp_path, list(range(100)), [10, 11, 12]) as failed:
+        scheduler = failed.scheduler
+        chunks = failed.reader.chunks[:2]
+        meta = scheduler.build_connector_meta(
+            _step_output(new=[("R2", [10, 11, 20, 21], 32, 32)], preempted=set(), resumed={})
+        )
+        assert [op.chunks for op in meta.stores] == [[]], "stored over unwritten blocks"
+        scheduler.build_connector_meta(_step_output(new=[], preempted={"R2"}, resumed={}))
+        meta = scheduler.build_connector_meta(
+            _step_output(new=[], preempted=set(), resumed={"R2": [30, 31, 32, 33]})
+        )
+        stored = [chunk for op in meta.stores if op.req_id == "R2" for chunk in op.chunks]
+        assert stored == [(chunks[0], [30, 31]), (chunks[1], [32, 33])]
+
+
 def test_a_release_that_finds_its_session_busy_is_tried_again(tmp_path: Path) -> None:
     """The release thread shares each rank's session with the scheduler thread. A release that
     waits past its deadline for the scheduler's call (ClientBusy) is tried again once the

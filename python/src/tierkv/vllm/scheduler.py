@@ -624,7 +624,7 @@ class SchedulerSide:
             written = [b for _, held in op.chunks for b in held]
             if not self.tainted.isdisjoint(read + written):
                 log.debug("tierkv: not storing %s: computed over blocks never rewritten", op.req_id)
-                op.chunks = []
+                self._unplan(op)
         return meta
 
     def _after_step(self, steps: list[_Writes], over: set[int]) -> tuple[set[int], dict[int, int]]:
@@ -673,7 +673,7 @@ class SchedulerSide:
         every block the step writes into is tainted too: what it computed over them could not
         be found, and must not be stored later either."""
         for op in meta.stores:
-            op.chunks = []
+            self._unplan(op)
         if self.tainted:
             for request in scheduled:
                 state = self.requests.get(request.req_id)
@@ -685,6 +685,17 @@ class SchedulerSide:
                 for block in state.block_ids[first:end]:
                     self.rewritten.pop(block, None)
         return meta
+
+    def _unplan(self, op: StoreOp) -> None:
+        """Drops the store ``op`` and plans its chunks again from the first: a later step stores
+        them once the request holds them computed over written KV (rewritten, or recomputed
+        after a preemption), not before (a store of a block still tainted is dropped again)."""
+        state = self.requests.get(op.req_id)
+        if state is not None and op.chunks:
+            first = op.chunks[0][0]
+            if first in state.chunks:
+                state.stored = min(state.stored, state.chunks.index(first))
+        op.chunks = []
 
     def _preempted(self, req_id: str) -> None:
         state = self.requests.get(req_id)
