@@ -5,6 +5,7 @@
 //! guards after the locks are released.
 
 use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -48,7 +49,9 @@ impl L1Observer for NoObserver {}
 /// rather than lost (the tiers then add up instead of holding copies of one another).
 ///
 /// It is called under the lock of the victim's index shard, so it must not call back into L1;
-/// it may be slow only as long as a copy into host memory is.
+/// it may be slow only as long as a copy into host memory is. A panic in `demote` costs that
+/// victim alone (counted in `tierkv_errors_total{tier="l1",reason="demoter_panic"}`): its slot
+/// is reused all the same and the eviction goes on.
 pub trait Demoter: Send + Sync {
     /// `bytes` reads the victim's slot; it is valid during the call only.
     fn demote(&self, key: &ObjectKey, bytes: &dyn ChunkSource);
@@ -208,6 +211,8 @@ pub struct L1Manager {
     clock: Arc<dyn Clock>,
     observer: Arc<dyn L1Observer>,
     demoter: Option<Arc<dyn Demoter>>,
+    /// Panics of the demoter so far (contained: see `take_victim`).
+    demoter_panics: AtomicU64,
     metrics: L1Metrics,
 }
 
@@ -247,6 +252,7 @@ impl L1Manager {
             clock: context.clock,
             observer: context.observer,
             demoter: context.demoter,
+            demoter_panics: AtomicU64::new(0),
             metrics: L1Metrics::register(),
         };
         manager.publish_metrics();
@@ -1207,11 +1213,36 @@ impl L1Manager {
         if let Some(demoter) = &self.demoter {
             // The slot is idle and cannot be pinned while this shard is locked.
             let view = SlotView { slots: &self.slots, slot: entry.slot, len: entry.len };
-            demoter.demote(key, &view);
+            // A demoter that panics (a bug below L1) loses this victim, as a failed copy down
+            // does, never its slot: unwinding past the recycle below would leak the slot for
+            // good and fail the reservation or tick that evicted it. The shard is consistent
+            // here (the entry and its counts are gone), so going on is sound.
+            if catch_unwind(AssertUnwindSafe(|| demoter.demote(key, &view))).is_err() {
+                self.demoter_panicked(key);
+            }
         }
         // The filter saw the slot idle under this lock, and pins are only taken under it.
         self.slots.recycle(entry.slot);
         Some(entry.slot)
+    }
+
+    /// Counts a demoter's panic over `key`; logs the first and then ever more rarely (the 2nd,
+    /// 4th, 8th...), so a demoter that always panics cannot flood the log.
+    fn demoter_panicked(&self, key: &ObjectKey) {
+        let n = self.demoter_panics.fetch_add(1, Ordering::Relaxed) + 1;
+        self.metrics.demoter_panicked();
+        if n.is_power_of_two() {
+            tracing::error!(
+                ?key,
+                panics = n,
+                "the demoter panicked over an L1 victim: the victim is lost, its slot reused"
+            );
+        }
+    }
+
+    /// How many times the demoter has panicked (each cost one victim its demotion).
+    pub fn demoter_panics(&self) -> u64 {
+        self.demoter_panics.load(Ordering::Relaxed)
     }
 
     /// Leases up to `n` eviction victims, chosen as eviction would choose them, to `owner` instead

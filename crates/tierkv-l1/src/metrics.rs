@@ -58,6 +58,7 @@ pub(crate) struct L1Metrics {
     lease_expiries: Counter,
     writes_finished: Counter,
     read_shares: Counter,
+    demoter_panics: Counter,
     key_errors: Vec<(KeyError, Counter)>,
     request_errors: Vec<(&'static str, Counter)>,
 }
@@ -114,6 +115,7 @@ impl L1Metrics {
             lease_expiries: counter!("tierkv_lease_expiries_total", "tier" => TIER),
             writes_finished: counter!("tierkv_l1_writes_finished_total"),
             read_shares: counter!("tierkv_l1_read_shares_total"),
+            demoter_panics: counter!("tierkv_errors_total", "tier" => TIER, "reason" => "demoter_panic"),
             key_errors,
             request_errors,
         }
@@ -152,6 +154,10 @@ impl L1Metrics {
 
     pub(crate) fn read_shares(&self, n: u64) {
         self.read_shares.increment(n);
+    }
+
+    pub(crate) fn demoter_panicked(&self) {
+        self.demoter_panics.increment(1);
     }
 
     pub(crate) fn key_error(&self, error: KeyError) {
