@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use foldhash::fast::RandomState;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use tierkv_core::ObjectKey;
 use tierkv_core::policy::{EvictionPolicy, PolicyGroup, PolicyKind, shard_of};
 
@@ -124,8 +124,10 @@ pub(crate) struct Shard {
     /// The classes of the entries of `map`.
     pub(crate) counts: Counts,
     /// Keys absent from `map` that a write reservation has claimed while it evicts for their
-    /// slots: every other writer is refused them (`WriteInFlight`), so a chunk is never evicted
-    /// for a key another writer then takes. Empty whenever no reservation is under way.
+    /// slots: every other writer of such a key waits for the claim to go ([`Index::unclaim`],
+    /// [`Index::wait_unclaimed`]), so a chunk is never evicted for a key another writer then
+    /// takes, and no writer is told `WriteInFlight` for a key the claimer then gives up for want
+    /// of a slot. Empty whenever no reservation is under way.
     pub(crate) claims: HashSet<ObjectKey, RandomState>,
 }
 
@@ -160,7 +162,7 @@ impl<'a> Claims<'a> {
 impl Drop for Claims<'_> {
     fn drop(&mut self) {
         for key in &self.keys {
-            self.index.shard(key).claims.remove(key);
+            self.index.unclaim(&mut self.index.shard(key), key);
         }
     }
 }
@@ -169,6 +171,8 @@ impl Drop for Claims<'_> {
 #[repr(align(128))]
 struct Padded {
     lock: Mutex<Shard>,
+    /// Notified whenever a claim of this shard goes: writers of a claimed key wait on it.
+    unclaimed: Condvar,
 }
 
 /// A locked shard.
@@ -194,6 +198,7 @@ impl Index {
                     counts: Counts::default(),
                     claims: HashSet::default(),
                 }),
+                unclaimed: Condvar::new(),
             })
             .collect();
         Index { shards, group }
@@ -220,6 +225,24 @@ impl Index {
     /// The shard a key lives in, locked.
     pub(crate) fn shard(&self, key: &ObjectKey) -> ShardGuard<'_> {
         self.shards[self.shard_index(key)].lock.lock()
+    }
+
+    /// Withdraws the claim on `key` from its locked `shard` and wakes the writers waiting for
+    /// it.
+    pub(crate) fn unclaim(&self, shard: &mut Shard, key: &ObjectKey) {
+        if shard.claims.remove(key) {
+            // Cheap with nobody waiting: one load.
+            self.shards[self.shard_index(key)].unclaimed.notify_all();
+        }
+    }
+
+    /// Returns once no reservation claims `key`, its shard (`guard`, `key`'s) unlocked while it
+    /// waits. A claim lasts one reservation's eviction, which never waits for a claim: the
+    /// caller must hold no claim of its own, so no two writers can wait for each other.
+    pub(crate) fn wait_unclaimed(&self, guard: &mut ShardGuard<'_>, key: &ObjectKey) {
+        while !guard.claims.is_empty() && guard.claims.contains(key) {
+            self.shards[self.shard_index(key)].unclaimed.wait(guard);
+        }
     }
 
     /// Calls `visit(shard, i)` for every item, grouped by the shard of `key(item)` so each shard

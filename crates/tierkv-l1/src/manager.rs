@@ -279,9 +279,11 @@ impl L1Manager {
     /// its longest allocatable prefix, never to a prefix with holes.
     ///
     /// A key that must wait for an eviction is claimed first: until the reservation inserts it
-    /// (or gives it up for want of a slot), other writers are told `WriteInFlight`. So every
-    /// chunk evicted for a reservation is replaced by one of its keys, never evicted for a key
-    /// that another writer reserved meanwhile.
+    /// (or gives it up for want of a slot), other writers of the key wait (one eviction), then
+    /// find it reserved (`WriteInFlight`) or, given up, try for it themselves. So every chunk
+    /// evicted for a reservation is replaced by one of its keys, never evicted for a key that
+    /// another writer reserved meanwhile, and no writer hears `WriteInFlight` (which a store
+    /// counts as present) for a key nobody then writes.
     pub fn reserve_write(
         &self,
         owner: OwnerId,
@@ -398,31 +400,53 @@ impl L1Manager {
         // One shared counter update for the batch, not one per key (two writers would bounce
         // its cache line between cores for every key).
         let first_generation = self.generations.fetch_add(granted as u64, Ordering::Relaxed);
+        // Unclaimed keys another reservation claimed since the check, with their slots.
+        let mut contested = Vec::new();
+        let insert = |shard: &mut Shard, i: usize, slot: SlotId| {
+            let generation = first_generation + i as u64;
+            let entry = Entry::writing(slot, generation, len, owner, temporary);
+            shard.map.insert(keys[i], entry);
+            shard.counts.moved(Class::Gone, Class::Writing);
+            self.handle(slot, generation, len)
+        };
         self.index.visit_grouped(
             keys,
             |k| k,
             |shard, i| {
                 let key = &keys[i];
                 if claim {
-                    shard.claims.remove(key);
+                    self.index.unclaim(shard, key);
                 }
                 let Some(&slot) = slots.get(i) else { return };
                 // Unclaimed, another writer may have reserved the key since the check: it keeps
-                // it (rule 3), and the slot, which no eviction freed, goes back. Claimed, no
-                // writer could.
+                // it (rule 3), and the slot, which no eviction freed, goes back. Or it may have
+                // claimed it, evicting for it: whether it gets a slot is not known yet, so the
+                // key waits (below). Claimed, no writer could do either.
+                if !shard.map.contains_key(key) && shard.claims.contains(key) {
+                    contested.push((i, slot));
+                    return;
+                }
                 if let Some(refusal) = create_conflict(shard, key) {
                     results[i] = Err(refusal);
                     leftover.push(slot);
                     return;
                 }
-                let generation = first_generation + i as u64;
-                let entry = Entry::writing(slot, generation, len, owner, temporary);
-                shard.map.insert(*key, entry);
-                shard.counts.moved(Class::Gone, Class::Writing);
-                results[i] = Ok(self.handle(slot, generation, len));
+                results[i] = Ok(insert(shard, i, slot));
             },
         );
         claims.settle();
+        // Only an unclaimed batch gets here, so it holds no claim while it waits.
+        for (i, slot) in contested {
+            let mut shard = self.index.shard(&keys[i]);
+            self.index.wait_unclaimed(&mut shard, &keys[i]);
+            match create_conflict(&shard, &keys[i]) {
+                Some(refusal) => {
+                    results[i] = Err(refusal);
+                    leftover.push(slot);
+                }
+                None => results[i] = Ok(insert(&mut shard, i, slot)),
+            }
+        }
         self.slots.give_back_many(leftover);
         Some(results)
     }
@@ -439,6 +463,10 @@ impl L1Manager {
         evicted: &mut Vec<ObjectKey>,
     ) -> Result<SlotHandle, KeyError> {
         let mut shard = self.index.shard(key);
+        // Another reservation evicting for this key decides it first: it reserves the key (then
+        // refused below) or gives it up for want of a slot (then it is this writer's to try).
+        // This writer holds no claim: its earlier keys are reserved or refused.
+        self.index.wait_unclaimed(&mut shard, key);
         // Refuse present keys before allocating, so a duplicate write never evicts anything.
         if let Some(refusal) = create_conflict(&shard, key) {
             return Err(refusal);
@@ -454,7 +482,7 @@ impl L1Manager {
         // A slot may have come free since, when nothing is evictable.
         let slot = self.evict_one(evicted).or_else(|| self.slots.alloc());
         let mut shard = self.index.shard(key);
-        shard.claims.remove(key);
+        self.index.unclaim(&mut shard, key);
         claims.settle();
         let slot = slot.ok_or(KeyError::OutOfMemory)?;
         // The claim kept every other writer off the key; the insert below, under the shard lock,
@@ -1539,7 +1567,8 @@ fn write_conflict(entry: &Entry) -> KeyError {
 }
 
 /// Why `key` cannot be reserved for a new write now, if it cannot: its entry in its locked
-/// `shard`, or another reservation's claim on it (which will write it, or give it up).
+/// `shard`, or another reservation's claim on it (which will write it, or give it up: the
+/// writers that must answer for the key wait for it first, `Index::wait_unclaimed`).
 fn create_conflict(shard: &Shard, key: &ObjectKey) -> Option<KeyError> {
     match shard.map.get(key) {
         Some(entry) => Some(write_conflict(entry)),

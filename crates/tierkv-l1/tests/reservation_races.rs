@@ -18,7 +18,7 @@ use common::*;
 use parking_lot::Mutex;
 use tierkv_core::policy::shard_of;
 use tierkv_core::{ChunkSource, KeyError, ObjectKey};
-use tierkv_l1::{Demoter, L1Config, Lifetime, OwnerId, SlotHandle, WriteMode};
+use tierkv_l1::{Demoter, L1Config, Lifetime, OwnerId, Presence, SlotHandle, WriteMode};
 
 const SHARDS: usize = 4;
 const OTHER: OwnerId = OwnerId(2);
@@ -93,9 +93,12 @@ fn race(victims: usize, batch: usize) -> Race {
         // The other writer's steps touch only shards outside the victims' one, which the paused
         // reservation holds.
         assert_eq!(f.l1.abort_write(OTHER, &[held]), [Ok(())]);
-        let other = reserve(OTHER, &batch[..1]).remove(0);
+        // The other writer waits for the claim on the key (until the batch inserts it or gives
+        // it up): it answers once the batch has gone on.
+        let other = s.spawn(|| reserve(OTHER, &batch[..1]).remove(0));
+        std::thread::sleep(Duration::from_millis(50));
         resume.send(()).unwrap();
-        (paused.join().unwrap(), other)
+        (paused.join().unwrap(), other.join().unwrap())
     });
     let evicted = f.recorder.evicted.lock().iter().map(|(k, _)| *k).collect();
     Race { f, batch: answers, other, evicted }
@@ -159,6 +162,50 @@ fn a_batch_refuses_no_key_for_want_of_a_slot_while_one_is_free() {
     );
     race.assert_no_victim_wasted();
     race.check_consistent();
+}
+
+#[test]
+fn a_writer_of_a_key_a_reservation_claims_and_then_gives_up_is_not_told_it_is_in_flight() {
+    // An L1 of 2 slots: one cached chunk, one reservation of `OTHER`. `OWNER` reserves two
+    // keys, claims both, and is paused at its one victim; `OTHER` then writes the second key.
+    // Nothing more is evictable, so `OWNER` gives that key up (`OutOfMemory`): `OTHER` must not
+    // have been told `WriteInFlight` (a store counts that as present: a chunk nobody stores).
+    let (reached_tx, reached) = mpsc::channel();
+    let (resume, resume_rx) = mpsc::channel();
+    let pause = Arc::new(PauseAtNextDemotion {
+        armed: AtomicBool::new(false),
+        reached: Mutex::new(reached_tx),
+        resume: Mutex::new(resume_rx),
+    });
+    let f = with_demoter(L1Config { shards: SHARDS, ..config(2) }, Some(pause.clone()));
+    f.write(&keys_where(true, 1, 0));
+    let outside = keys_where(false, 3, 1_000);
+    let (held, batch) = (outside[0], outside[1..].to_vec());
+    let reserve = |owner, keys: &[ObjectKey]| {
+        f.l1.reserve_write(owner, keys, &layout(), WriteMode::Create, Lifetime::Cached).unwrap()
+    };
+    assert!(reserve(OTHER, &[held])[0].is_ok());
+    pause.armed.store(true, Ordering::SeqCst);
+    let (answers, other) = std::thread::scope(|s| {
+        let paused = s.spawn(|| reserve(OWNER, &batch));
+        reached.recv_timeout(Duration::from_secs(10)).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let (reserve, second) = (&reserve, &batch[1..]);
+        s.spawn(move || tx.send(reserve(OTHER, second).remove(0)).unwrap());
+        // Answered at once (the claim refused) or, waiting for the claim, after the resume.
+        let early = rx.recv_timeout(Duration::from_millis(200)).ok();
+        resume.send(()).unwrap();
+        let answers = paused.join().unwrap();
+        (answers, early.unwrap_or_else(|| rx.recv_timeout(Duration::from_secs(10)).unwrap()))
+    });
+    assert!(answers[0].is_ok(), "{answers:?}");
+    assert_eq!(answers[1], Err(KeyError::OutOfMemory), "no slot for the second key");
+    assert_eq!(f.l1.presence(&batch[1]), Presence::Absent, "nobody writes it");
+    assert_eq!(other, Err(KeyError::OutOfMemory), "the other writer is told the truth");
+    f.assert_consistent();
+    f.l1.release_owner(OWNER);
+    f.l1.release_owner(OTHER);
+    f.assert_consistent();
 }
 
 /// Once armed, panics at the next demotion, as a faulty demoter might.
