@@ -411,8 +411,10 @@ impl Write {
 /// before serving one.
 ///
 /// The thread runs no caller code, but a bug in this crate (or in a policy it calls) that panics
-/// here costs the task whose message it was handling, never the thread: that task completes as
-/// failed, counted, its sources handed back, and later tasks are written as before.
+/// here costs the task whose message (or finished write) it was handling, never the thread:
+/// every step runs under `InFlight::step`, that task completes as failed, counted, its sources
+/// handed back, any record buffer the panic lost is replaced (only those), and later tasks are
+/// written as before.
 fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender<AlignedBuf>) {
     let (writes, queued) = unbounded::<Write>();
     let (report, written) = unbounded::<Written>();
@@ -437,6 +439,7 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
             free: &free,
             written: &written,
             in_flight: 0,
+            held: 0,
             failed_tasks: HashMap::new(),
             lives: LifeFailures::default(),
         };
@@ -449,7 +452,7 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
             let message = crossbeam_channel::select! {
                 recv(messages) -> message => message,
                 recv(results) -> done => {
-                    state.collected(done);
+                    state.on_written(done);
                     continue;
                 }
             };
@@ -458,7 +461,7 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
             };
             state.handle(message, &writes, writers);
         }
-        state.collect_all();
+        state.step("collecting the last writes", InFlight::collect_all, |_| {});
         drop(writes);
     });
 }
@@ -469,6 +472,10 @@ struct InFlight<'a> {
     free: &'a Sender<AlignedBuf>,
     written: &'a Receiver<Written>,
     in_flight: usize,
+    /// Record buffers in this thread's hands: taken in with a record or a finished write, not
+    /// yet handed to a writer or back to the storing thread. None between steps; after a step
+    /// that panicked, those it lost.
+    held: usize,
     failed_tasks: HashMap<u64, TierError>,
     lives: LifeFailures,
 }
@@ -535,53 +542,81 @@ impl LifeFailures {
 }
 
 impl InFlight<'_> {
+    /// Runs one step of the thread under `catch_unwind`. A panic (a bug) is counted and logged,
+    /// `recover` fails what the step was about, and every record buffer the step had in hand
+    /// and lost is replaced, so the storing thread never waits for one that will not come back;
+    /// the thread goes on with the next message.
+    fn step(&mut self, doing: &str, step: impl FnOnce(&mut Self), recover: impl FnOnce(&mut Self)) {
+        if catch_unwind(AssertUnwindSafe(|| step(self))).is_ok() {
+            return;
+        }
+        self.panicked(doing);
+        recover(self);
+        let len = (BLOCK + record_bytes(self.shared.config.max_chunk_bytes)) as usize;
+        for _ in 0..std::mem::take(&mut self.held) {
+            if let Some(buf) = AlignedBuf::new(len) {
+                let _ = self.free.send(buf);
+            }
+        }
+    }
+
     /// Handles one message of the storing threads. A panic (a bug) fails the task the message
     /// belongs to and is counted; the thread goes on with the next message.
     fn handle(&mut self, message: WriteMsg, writes: &Sender<Write>, writers: usize) {
         match message {
             WriteMsg::Record { task, file, buf, bytes, loc, epoch } => {
+                self.held += 1;
                 let write = Write { task, file, buf, bytes, loc, epoch };
-                if catch_unwind(AssertUnwindSafe(|| self.record(write, writes, writers))).is_err() {
-                    self.panicked("handing over a record");
-                    // Whether it was written is not known: its life is failed as after a failed
-                    // write (the task fails, and so does any behind it in the life).
-                    self.write_failed(task, loc, epoch, internal_panic());
-                    // Its buffer may have gone down with the panic: another takes its place, so
-                    // the storing thread never waits for one that will not come back.
-                    let len = (BLOCK + record_bytes(self.shared.config.max_chunk_bytes)) as usize;
-                    if let Some(buf) = AlignedBuf::new(len) {
-                        let _ = self.free.send(buf);
-                    }
-                }
+                // Whether it was written is not known: its life is failed as after a failed
+                // write (the task fails, and so does any behind it in the life).
+                self.step(
+                    "handing over a record",
+                    |s| s.record(write, writes, writers),
+                    |s| s.write_failed(task, loc, epoch, internal_panic()),
+                );
             }
             WriteMsg::Abandon { task, records } => {
-                let abandoned = catch_unwind(AssertUnwindSafe(|| {
-                    self.collect_all();
-                    self.failed_tasks.remove(&task);
-                    self.lives.forget(task);
-                    self.shared.settle(&records);
-                }));
-                if abandoned.is_err() {
-                    // The records' segments may stay unevictable (space lost until a restart),
-                    // never evictable under an unpublished record.
-                    self.panicked("abandoning a task");
-                    self.failed_tasks.remove(&task);
-                    self.lives.forget(task);
-                }
+                // On a panic, the records' segments may stay unevictable (space lost until a
+                // restart), never evictable under an unpublished record.
+                self.step(
+                    "abandoning a task",
+                    |s| {
+                        s.collect_all();
+                        s.failed_tasks.remove(&task);
+                        s.lives.forget(task);
+                        s.shared.settle(&records);
+                    },
+                    |s| s.forget(task),
+                );
             }
             WriteMsg::End { task, id, records, sources } => {
-                // The sources stay out of the code that may panic: they go back whatever happens.
-                let result = catch_unwind(AssertUnwindSafe(|| self.end(task, &records)))
-                    .unwrap_or_else(|_| {
-                        self.panicked("ending a task");
-                        self.failed_tasks.remove(&task);
-                        self.lives.forget(task);
-                        Err(internal_panic())
-                    });
+                // The sources stay out of the step: they go back whatever happens.
+                let mut result = Err(internal_panic());
+                self.step("ending a task", |s| result = s.end(task, &records), |s| s.forget(task));
                 let _ = self.shared.done.send(Completion::Stored { task: id, result, sources });
                 let _ = self.shared.contained(|| self.shared.publish());
             }
         }
+    }
+
+    /// Handles a finished write (or the writers' end), as a step: a panic fails its task.
+    fn on_written(&mut self, done: Result<Written, crossbeam_channel::RecvError>) {
+        let what = done.as_ref().ok().map(|w| (w.task, w.loc, w.epoch));
+        self.step(
+            "collecting a write",
+            |s| s.collected(done),
+            |s| {
+                if let Some((task, loc, epoch)) = what {
+                    s.write_failed(task, loc, epoch, internal_panic());
+                }
+            },
+        );
+    }
+
+    /// Forgets a task whose handling panicked.
+    fn forget(&mut self, task: u64) {
+        self.failed_tasks.remove(&task);
+        self.lives.forget(task);
     }
 
     /// Hands one record to a writer thread, or fails it at once.
@@ -602,7 +637,12 @@ impl InFlight<'_> {
             self.collect_one();
         }
         match writes.send(write) {
-            Ok(()) => self.in_flight += 1,
+            Ok(()) => {
+                self.in_flight += 1;
+                self.held -= 1;
+                #[cfg(test)]
+                WriteFaults::fire(&self.shared.faults.handed_over, "a record handed over");
+            }
             Err(refused) => self.finish(refused.0.run()),
         }
     }
@@ -651,14 +691,16 @@ impl InFlight<'_> {
         self.failed_tasks.entry(task).or_insert(e);
     }
 
-    /// Records a write's outcome and hands its buffer back.
+    /// Hands a write's buffer back and records its outcome.
     fn finish(&mut self, written: Written) {
         let Written { task, buf, loc, epoch, result } = written;
+        // First, so that a panic recording the outcome costs no buffer. The store thread may be
+        // gone (closing): the buffer is then simply freed.
+        let _ = self.free.send(buf);
+        self.held -= 1;
         if let Err(e) = result {
             self.write_failed(task, loc, epoch, e);
         }
-        // The store thread may be gone (closing): the buffer is then simply freed.
-        let _ = self.free.send(buf);
     }
 
     /// Waits for one write in flight to finish.
@@ -671,6 +713,9 @@ impl InFlight<'_> {
         match done {
             Ok(written) => {
                 self.in_flight -= 1;
+                self.held += 1;
+                #[cfg(test)]
+                WriteFaults::fire(&self.shared.faults.collecting, "collecting a write");
                 self.finish(written);
             }
             // Every writer is gone (none is while its queue is open): nothing is in flight.
@@ -738,6 +783,28 @@ struct Shared {
     /// found, locked and loaded from their copies until then. Locked after `index`.
     departures: Departures,
     departing_metrics: DepartingMetrics,
+    /// Panics the tests inject on the write thread.
+    #[cfg(test)]
+    faults: WriteFaults,
+}
+
+/// Panics the tests inject on the write thread, each armed for one shot.
+#[cfg(test)]
+#[derive(Default)]
+struct WriteFaults {
+    /// While a finished write is collected, its buffer in hand.
+    collecting: AtomicBool,
+    /// Once a record has gone to a writer thread, its buffer with it.
+    handed_over: AtomicBool,
+}
+
+#[cfg(test)]
+impl WriteFaults {
+    fn fire(armed: &AtomicBool, what: &str) {
+        if armed.swap(false, Ordering::SeqCst) {
+            panic!("injected panic: {what}");
+        }
+    }
 }
 
 /// The persistent, checksummed disk tier.
@@ -843,6 +910,8 @@ impl DiskStore {
             departures: Departures::new(),
             departing_metrics: DepartingMetrics::register("disk"),
             config,
+            #[cfg(test)]
+            faults: WriteFaults::default(),
         });
         let store = DiskStore {
             shared: Arc::clone(&shared),
@@ -2554,6 +2623,53 @@ mod tests {
         // The write thread lives on: the next store is written, published and served.
         h.store(&keys(2..4)).unwrap();
         h.assert_loads(&keys(2..4));
+    }
+
+    /// The record buffers `store` has: in hand, and back from the write thread.
+    fn record_buffers(store: &DiskStore) -> usize {
+        let writer = store.shared.writer.lock();
+        writer.spare.len() + writer.pipe.as_ref().map_or(0, |pipe| pipe.free.len())
+    }
+
+    /// Arms the write thread's `fault` for one panic during a store: the task completes as
+    /// failed with its sources, the thread serves the next store, and the store ends with as
+    /// many record buffers as it began with (none lost, none made for one that came back).
+    fn a_write_thread_panic_is_contained(fault: fn(&WriteFaults) -> &AtomicBool) {
+        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        let completions = store.completions();
+        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
+        let mut h = Harness::new(tier);
+        fault(&store.shared.faults).store(true, Ordering::SeqCst);
+        let task = h.submit_store(&keys(0..2));
+        let done = completions
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the store whose write thread panicked never completed");
+        assert!(!fault(&store.shared.faults).load(Ordering::SeqCst), "the fault fired");
+        match done {
+            Completion::Stored { task: t, result, sources } => {
+                assert_eq!(t, task);
+                assert!(result.is_err(), "a store whose write thread panicked reported {result:?}");
+                assert_eq!(sources.len(), 2, "the sources come back");
+            }
+            _ => panic!("not a store completion"),
+        }
+        h.store(&keys(2..4)).expect("the write thread serves the next store");
+        h.assert_loads(&keys(2..4));
+        assert_eq!(record_buffers(&store), RECORD_BUFFERS, "record buffers lost or made");
+    }
+
+    #[test]
+    fn a_panic_collecting_a_finished_write_fails_its_task_and_loses_no_buffer() {
+        a_write_thread_panic_is_contained(|faults| &faults.collecting);
+    }
+
+    #[test]
+    fn a_panic_after_a_record_is_handed_over_makes_no_extra_buffer() {
+        a_write_thread_panic_is_contained(|faults| &faults.handed_over);
     }
 
     #[test]
