@@ -438,12 +438,12 @@ impl Worker {
             if let Some(lease) = batch.lease {
                 let _ = self.l1.release_lease(lease);
             }
-            if let Some(ticket) = &batch.ticket {
-                ticket.settle(Durability { durable: 0, not_durable: batch.keys as u32 });
-            }
             self.demoted_bytes.fetch_sub(batch.demoted_bytes, Ordering::AcqRel);
             for _ in 0..batch.jobs {
                 self.done_with_job();
+            }
+            if let Some(ticket) = &batch.ticket {
+                ticket.settle(Durability { durable: 0, not_durable: batch.keys as u32 });
             }
         }
     }
@@ -789,13 +789,15 @@ impl Worker {
             // Only an expired lease can be refused here: its shares came back when it expired.
             self.metrics.store_lease_expired();
         }
-        if let Some(ticket) = &batch.ticket {
-            let durable = batch.durable.min(batch.keys as u32);
-            ticket.settle(Durability { durable, not_durable: batch.keys as u32 - durable });
-        }
         self.demoted_bytes.fetch_sub(batch.demoted_bytes, Ordering::AcqRel);
         for _ in 0..batch.jobs {
             self.done_with_job();
+        }
+        // Settled last: whoever waits on the ticket then finds the batch's shares back and its
+        // jobs no longer in flight (`store_in_flight`), not a status a moment behind.
+        if let Some(ticket) = &batch.ticket {
+            let durable = batch.durable.min(batch.keys as u32);
+            ticket.settle(Durability { durable, not_durable: batch.keys as u32 - durable });
         }
     }
 }
