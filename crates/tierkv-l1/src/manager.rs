@@ -422,7 +422,10 @@ impl L1Manager {
                 // it (rule 3), and the slot, which no eviction freed, goes back. Or it may have
                 // claimed it, evicting for it: whether it gets a slot is not known yet, so the
                 // key waits (below). Claimed, no writer could do either.
-                if !shard.map.contains_key(key) && shard.claims.contains(key) {
+                if !shard.claims.is_empty()
+                    && shard.claims.contains(key)
+                    && !shard.map.contains_key(key)
+                {
                     contested.push((i, slot));
                     return;
                 }
