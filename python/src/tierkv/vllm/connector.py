@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from tierkv.vllm.guard import nothing
@@ -206,10 +207,24 @@ class TierKVConnector(KVConnectorBase_V1):
         self._worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s sets, and the asynchronous loads vLLM must take as failed whole
+        (no block of them known to report)."""
+        sending, recving, failed = self._finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def _finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         assert self._worker is not None
         meta = self._connector_metadata if self.has_connector_metadata() else None
         idle = isinstance(meta, TierKVMetadata) and meta.idle
-        return self._worker.get_finished(finished_req_ids, idle=idle) or None, None
+        sending = self._worker.get_finished(finished_req_ids, idle=idle)
+        recving, failed = self._worker.take_finished_recving(idle=idle)
+        return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -232,15 +247,19 @@ class TierKVConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else None
+        self._scheduler.update_state_after_alloc(request, num_external_tokens, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self._scheduler is not None and connector_output.invalid_block_ids:
-            self._scheduler.update_connector_output(set(connector_output.invalid_block_ids))
+        recving = connector_output.finished_recving or ()
+        if self._scheduler is not None and (connector_output.invalid_block_ids or recving):
+            self._scheduler.update_connector_output(
+                set(connector_output.invalid_block_ids or ()), recving
+            )
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -52,6 +52,16 @@ class TierKVMetadata(KVConnectorMetadata):
     #: The step schedules no tokens: vLLM runs it only for the connector (a finished request
     #: whose blocks wait on :meth:`get_finished`), over and over while they do.
     idle: bool = False
+    #: ``async_loads``: loads of requests vLLM keeps waiting (``WAITING_FOR_REMOTE_KVS``) until
+    #: the workers report them in ``get_finished``'s finished-recving set. Run off the step.
+    async_loads: list[LoadOp] = field(default_factory=list)
+    #: Blocks of such requests that no load fills, per request (every one of them listed, even
+    #: with none): the workers report them failed, and the request finished loading, at once.
+    async_unloadable: dict[str, list[int]] = field(default_factory=dict)
+    #: Requests vLLM finished while their asynchronous load was not yet reported to it: vLLM
+    #: frees their blocks on the finished-recving report, so the workers must not report them
+    #: again in finished-sending.
+    freed_on_recv: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,11 @@ class Settings:
     #: after it. This engine's store of the chunk it missed, or a local hit that shrank, ends it
     #: at once. 0 asks again at every scheduler step.
     miss_refresh_s: float = 1.0
+    #: Loads run asynchronously: vLLM keeps a request with a hit waiting until its load is
+    #: over, and only then caches its blocks, so no other request ever reads a load that failed
+    #: (under vLLM's async scheduling a synchronous load's failure is heard of a step late). It
+    #: costs a hit about one scheduler step.
+    async_loads: bool = False
 
     @staticmethod
     def from_extra(extra: dict[str, Any] | None) -> Settings:
@@ -93,7 +108,7 @@ class Settings:
             values["socket"] = env_socket
         for key in known:
             if key in extra:
-                values[key] = type(getattr(Settings, key))(extra[key])
+                values[key] = _value(key, extra[key])
         settings = Settings(**values)
         if settings.chunk_blocks < 1:
             raise ValueError("chunk_blocks must be at least 1")
@@ -102,3 +117,15 @@ class Settings:
         if settings.retry_s < 0 or settings.miss_refresh_s < 0:
             raise ValueError("retry_s and miss_refresh_s must not be negative")
         return settings
+
+
+def _value(key: str, raw: Any) -> Any:
+    """``raw`` as the type of the setting ``key`` (a flag from a bool, 0/1 or true/false)."""
+    kind = type(getattr(Settings, key))
+    if kind is not bool:
+        return kind(raw)
+    if isinstance(raw, bool) or raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.strip().lower() in ("true", "false", "1", "0"):
+        return raw.strip().lower() in ("true", "1")
+    raise ValueError(f"{key} must be true or false, not {raw!r}")

@@ -77,6 +77,11 @@ class _Request:
     missing: int | None = None
     #: vLLM's count of the request's preemptions, as of the last one settled here.
     preemptions: int = 0
+    #: The tokens vLLM had computed when it was last looked up (the hit counts from there).
+    asked_at: int = 0
+    #: ``async_loads``: a load was planned that vLLM has not yet heard is over; vLLM keeps the
+    #: request waiting, and frees its blocks on that report should it finish first.
+    loading: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,13 @@ class SchedulerSide:
         self.settled_preemptions: set[str] = set()
         #: Requests with a kept miss, by the first chunk their lookup missed.
         self.waiting_on: dict[int, set[str]] = {}
+        #: ``async_loads``: the blocks vLLM allocated to a request it keeps waiting for its
+        #: load, recorded before anything can fail (should planning fail, every one of them is
+        #: reported failed), and the load planned for it, until the step's metadata takes them.
+        self.async_promised: dict[str, list[int]] = {}
+        self.async_planned: dict[str, tuple[LoadOp | None, list[int]]] = {}
+        #: Requests finished while vLLM waited for their load (``TierKVMetadata.freed_on_recv``).
+        self.freed_on_recv: list[str] = []
         self.releases: queue.SimpleQueue[tuple[Link, int, int] | None] = queue.SimpleQueue()
         self.releaser = threading.Thread(
             target=self._release_in_background, name="tierkv-release", daemon=True
@@ -250,14 +262,30 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` that tierkv can load; a failure is no hit."""
-        return self.guard.run(
+        """Tokens beyond ``num_computed_tokens`` that tierkv can load; a failure is no hit. With
+        ``async_loads`` a hit is loaded asynchronously: vLLM keeps the request waiting for it."""
+        tokens, _ = self.guard.run(
             "a lookup (a miss)",
             lambda: self._matched(request, num_computed_tokens),
             lambda _e: self._no_hit(request, num_computed_tokens),
         )
+        return tokens, bool(self.settings.async_loads and tokens)
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, num_external_tokens: int, block_ids: list[int] | None = None
+    ) -> None:
+        """vLLM allocated the request's blocks (``block_ids``: all of them, its own hit's
+        included) and accepted ``num_external_tokens`` of the hit."""
+        if self.settings.async_loads and num_external_tokens > 0:
+            # vLLM waits for the workers to report this request: recorded first, so that the
+            # step's metadata loads it or has the workers report every block of it failed.
+            self.async_promised[request.request_id] = list(block_ids or [])
+            self.guard.run(
+                "planning an asynchronous load (vLLM recomputes its blocks)",
+                lambda: self._plan_async(request, num_external_tokens, list(block_ids or [])),
+                nothing,
+            )
+            return
         if num_external_tokens > 0:
             # From here on vLLM counts these tokens computed: recorded first, so that the step's
             # metadata loads them or reports their blocks, whatever fails below.
@@ -279,6 +307,7 @@ class SchedulerSide:
             preempted=sorted(out.preempted_req_ids or ()),
             idle=getattr(out, "total_num_scheduled_tokens", 1) == 0,
         )
+        self._async_meta(meta)
         meta = self.guard.run(
             "planning the step (what it leaves unloaded is recomputed)",
             lambda: self._build(meta, out, promised),
@@ -291,12 +320,21 @@ class SchedulerSide:
             lambda _e: self._drop_stores(meta, scheduled),
         )
 
-    def update_connector_output(self, invalid_block_ids: set[int]) -> None:
-        """Remembers the blocks vLLM reports unwritten (a load's that failed), and the blocks
+    def update_connector_output(
+        self, invalid_block_ids: set[int], finished_recving: Iterable[str] = ()
+    ) -> None:
+        """Notes the asynchronous loads vLLM now knows are over (``finished_recving``).
+        Remembers the blocks vLLM reports unwritten (a load's that failed), and the blocks
         computed over fresh loads before the report came, by every request that read one of the
         failed loads' blocks: vLLM recomputes the loading request, but keeps another request's
         blocks computed over them as they are (they stay in its prefix cache, never written
         again), so whatever reads them is never stored."""
+        for req_id in finished_recving:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.loading = False
+        if not invalid_block_ids:
+            return
         spoiled = set(invalid_block_ids)
         failed = self._fresh_loads(invalid_block_ids)
         if failed:
@@ -336,6 +374,11 @@ class SchedulerSide:
             lambda: self._finished(request.request_id, state),
             nothing,
         )
+        if state.loading:
+            # vLLM holds its blocks until the workers report the load over, and frees them
+            # then: the workers must not report it finished a second time.
+            self.freed_on_recv.append(request.request_id)
+            return False
         return state.planned
 
     def shutdown(self) -> None:
@@ -382,6 +425,7 @@ class SchedulerSide:
             self._keep_miss(req_id, state, num_computed_tokens, hit)
             return 0, False
         state.hit_chunks = hit
+        state.asked_at = num_computed_tokens
         return hit_tokens - num_computed_tokens, False
 
     def _miss_holds(self, req_id: str, state: _Request, num_computed_tokens: int) -> bool:
@@ -464,6 +508,59 @@ class SchedulerSide:
             state.load_from = None
             return
         state.load_from = state.hit_chunks - num_external_tokens // self.chunk_tokens
+
+    def _plan_async(self, request: Request, num_external_tokens: int, block_ids: list[int]) -> None:
+        """Plans the asynchronous load of the hit's chunks vLLM accepted into ``block_ids``, as
+        the synchronous path plans it; the blocks of those tokens it cannot fill are listed for
+        the workers to report failed."""
+        req_id = request.request_id
+        state = self.requests[req_id]
+        state.block_ids = list(block_ids)
+        state.load_from = None
+        first = state.asked_at // self.chunk_tokens
+        end = first + num_external_tokens // self.chunk_tokens
+        external = block_ids[state.asked_at // self.block_size :][
+            : -(-num_external_tokens // self.block_size)
+        ]
+        per = self.settings.chunk_blocks
+        chunks: list[ChunkBlocks] = []
+        if state.lookups is not None and end <= state.hit_chunks:
+            for c in range(first, end):
+                held = block_ids[c * per : (c + 1) * per]
+                if len(held) != per:
+                    break
+                chunks.append((state.chunks[c], held))
+        filled = {b for _, held in chunks for b in held}
+        op = LoadOp(req_id, list(state.lookups), chunks) if chunks and state.lookups else None
+        # The workers' retrieves return the lease; request_finished releases what is left.
+        state.stored = max(state.stored, end)
+        self.async_planned[req_id] = (op, [b for b in external if b not in filled])
+
+    def _async_meta(self, meta: TierKVMetadata) -> None:
+        """Puts the asynchronous loads planned since the last step in ``meta``: every request
+        vLLM keeps waiting gets its load, or the blocks no load fills (all of them, should its
+        plan be missing), so that the workers report it whatever happens."""
+        promised, self.async_promised = self.async_promised, {}
+        planned, self.async_planned = self.async_planned, {}
+        meta.freed_on_recv, self.freed_on_recv = self.freed_on_recv, []
+        for req_id, blocks in promised.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                # Marked before the load joins the plan: vLLM now waits for the workers.
+                state.loading = True
+                state.planned = True
+            op, unloadable = planned.get(req_id, (None, blocks))
+            if op is not None:
+                meta.async_loads.append(op)
+            if unloadable or op is None:
+                meta.async_unloadable[req_id] = unloadable
+                self.guard.throttle.warning(
+                    "unloadable",
+                    "tierkv: %d blocks of %s that vLLM waits for have no load; "
+                    "the workers report them failed and vLLM recomputes them",
+                    len(unloadable),
+                    req_id,
+                )
 
     def _build(
         self, meta: TierKVMetadata, out: SchedulerOutput, promised: dict[str, int]

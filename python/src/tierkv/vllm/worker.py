@@ -32,11 +32,21 @@ settled: the daemon closed that connection, which it does only after the call re
 (:class:`tierkv.client.Unanswered`). Usually that is in the step that says the request finished.
 A preempted request's blocks are freed without asking the connector, so ``handle_preemptions``
 waits for its unanswered calls, up to one more deadline, before the step reuses them.
+
+With ``async_loads`` the loads of requests vLLM keeps waiting for them
+(``TierKVMetadata.async_loads``) run on a thread of their own, one after the other, off the
+step; vLLM reads none of their blocks until this half reports the request in ``get_finished``'s
+finished-recving set, which it does once the load is over, ok or failed, with a failed load's
+blocks in ``get_block_ids_with_load_errors`` in the same step. A load that cannot even start is
+reported at once. Every TP rank reports each request: vLLM waits for all of them and hears of
+the union of their failed blocks, so a failure on any rank is a failure.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -124,6 +134,20 @@ class WorkerSide:
         self._unanswered: dict[str, list[Unanswered]] = {}
         # Finished requests whose blocks wait for their unanswered calls.
         self._finishing: set[str] = set()
+        # ``async_loads``: the loads waiting for or on the loading thread, by request; the
+        # requests whose load is over (with the blocks it failed to fill, and whether vLLM
+        # must take the whole request as failed: no block of it is known); the requests
+        # vLLM frees on that report (``TierKVMetadata.freed_on_recv``).
+        self._lock = threading.Condition()
+        self._loading: set[str] = set()
+        self._loaded: list[tuple[str, list[int], bool]] = []
+        self._freed_on_recv: set[str] = set()
+        self._loads: queue.SimpleQueue[tuple[LoadOp, torch.cuda.Event | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self._loader: threading.Thread | None = None
+        # The interprocess event the daemon records after an asynchronous retrieve's copies.
+        self._async_done: torch.cuda.Event | None = None
         self.guard = Guard(log)
 
     # -- vLLM's worker calls -----------------------------------------------------------------
@@ -199,13 +223,140 @@ class WorkerSide:
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
         """Loads the step's planned chunks into their blocks. Whatever fails, the blocks it may
-        have left unwritten are reported and the request stores nothing this step."""
+        have left unwritten are reported and the request stores nothing this step. Starts the
+        step's asynchronous loads; one that cannot start is reported over and failed."""
         self._note(meta)
         self.guard.run(
             "the step's loads (vLLM recomputes their blocks)",
             lambda: self._load_all(meta),
             lambda _e: self._loads_failed(meta, meta.loads),
         )
+        if meta.async_loads or meta.async_unloadable:
+            started: set[str] = set()
+            self.guard.run(
+                "starting the step's asynchronous loads (vLLM recomputes their blocks)",
+                lambda: self._start_async(meta, started),
+                lambda _e: self._async_not_started(meta, started),
+            )
+
+    def _start_async(self, meta: TierKVMetadata, started: set[str]) -> None:
+        loading = {op.req_id for op in meta.async_loads}
+        for req_id, blocks in meta.async_unloadable.items():
+            if req_id in loading:
+                # Reported now: vLLM must hear of them no later than of the load's end.
+                self.load_errors.update(blocks)
+            else:
+                self._async_over(req_id, blocks, whole=not blocks)
+            started.add(req_id)
+        if not meta.async_loads:
+            return
+        ready = None
+        if isinstance(self.memory, DeviceKv):
+            # Kernels still queued from an earlier step may read these blocks for the request
+            # that held them before: the loading thread waits for them, off the step.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        if self._loader is None:
+            loader = threading.Thread(target=self._load_in_background, name="tierkv-load")
+            loader.daemon = True
+            loader.start()
+            self._loader = loader
+        for op in meta.async_loads:
+            with self._lock:
+                self._loading.add(op.req_id)
+            self._loads.put((op, ready))
+            started.add(op.req_id)
+
+    def _async_not_started(self, meta: TierKVMetadata, started: set[str]) -> None:
+        """Reports every asynchronous load of ``meta`` not yet handed to the loading thread as
+        over and failed: vLLM would otherwise wait for it for ever."""
+        for op in meta.async_loads:
+            if op.req_id not in started:
+                blocks = [b for _, held in op.chunks for b in held]
+                self._async_over(op.req_id, blocks + meta.async_unloadable.get(op.req_id, []))
+                started.add(op.req_id)
+        for req_id, blocks in meta.async_unloadable.items():
+            if req_id not in started:
+                self._async_over(req_id, blocks, whole=not blocks)
+
+    def _async_over(self, req_id: str, failed: list[int], whole: bool = False) -> None:
+        with self._lock:
+            self._loading.discard(req_id)
+            self._loaded.append((req_id, failed, whole))
+            self._lock.notify_all()
+
+    def _load_in_background(self) -> None:
+        """The loading thread: each load in turn; nothing but shutdown ends it."""
+        while True:
+            item = self._loads.get()
+            if item is None:
+                return
+            op, ready = item
+            failed: list[int] = []
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                self._load_async(op)
+            except Exception as e:
+                self.guard.throttle.warning(
+                    "async load",
+                    "tierkv: an asynchronous load failed (vLLM recomputes its blocks): %s",
+                    e,
+                )
+                with self._lock:
+                    self._watch(op.req_id, e)
+                failed = [b for _, held in op.chunks for b in held]
+            self._async_over(op.req_id, failed)
+
+    def _load_async(self, op: LoadOp) -> None:
+        if self.link is None:
+            raise Unavailable("the KV caches were never registered")
+        lookup = op.lookups[0] if self.mla or len(op.lookups) == 1 else op.lookups[self.rank]
+        done = None
+        if isinstance(self.memory, DeviceKv):
+            if self._async_done is None:
+                self._async_done = torch.cuda.Event(interprocess=True)
+                self._async_done.record(torch.cuda.current_stream())
+            done = bytes(self._async_done.ipc_handle())
+        self.link.call(lambda c: c.retrieve(lookup, self.buffer, op.chunks, done_event=done))
+        # The reply comes before the copies are done: over once the daemon's record of the
+        # event completes.
+        deadline = time.monotonic() + self.settings.timeout_s
+        if self._async_done is not None and not _completes(self._async_done, deadline):
+            raise Unavailable("the daemon's copies of a retrieve did not complete in time")
+        with self._lock:
+            self.loaded_chunks += len(op.chunks)
+
+    def take_finished_recving(self, idle: bool = False) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous load is over since the last call, and of those the
+        ones vLLM must take as failed whole; their failed blocks join the load errors (taken
+        right after, in the same step). In an idle step with loads under way it waits up to
+        :data:`IDLE_SETTLE_WAIT_S` for one to end. A request vLLM frees on this report waits
+        for the calls given up on for it."""
+        with self._lock:
+            if idle and self._loading and not self._loaded:
+                self._lock.wait(IDLE_SETTLE_WAIT_S)
+            loaded, self._loaded = self._loaded, []
+        finished: set[str] = set()
+        whole: set[str] = set()
+        held: list[tuple[str, list[int], bool]] = []
+        for req_id, blocks, failed_whole in loaded:
+            if req_id in self._freed_on_recv and not self.guard.run(
+                "checking whether an aborted request's load is over (asked again next step)",
+                lambda req_id=req_id: self._settled(req_id),
+                lambda _e: False,
+            ):
+                held.append((req_id, blocks, failed_whole))
+                continue
+            self._freed_on_recv.discard(req_id)
+            self.load_errors.update(blocks)
+            finished.add(req_id)
+            if failed_whole:
+                whole.add(req_id)
+        if held:
+            with self._lock:
+                self._loaded.extend(held)
+        return finished, whole
 
     def _load_all(self, meta: TierKVMetadata) -> None:
         # Blocks vLLM counts as loaded that the scheduler half could not plan a load for.
@@ -309,6 +460,12 @@ class WorkerSide:
         scheduler half holds their blocks until :meth:`get_finished` reports them."""
         self._planned.update(op.req_id for op in meta.loads)
         self._planned.update(op.req_id for op in meta.stores)
+        self._planned.update(op.req_id for op in meta.async_loads)
+        self._planned.update(meta.async_unloadable)
+        # vLLM frees these on the finished-recving report: never reported finished-sending.
+        self._freed_on_recv.update(meta.freed_on_recv)
+        self._planned.difference_update(meta.freed_on_recv)
+        self._finishing.difference_update(meta.freed_on_recv)
 
     def _take_failed_loads(self) -> set[str]:
         failed, self._failed_loads = self._failed_loads, set()
@@ -429,6 +586,9 @@ class WorkerSide:
         self.guard.run("shutting down", self._shutdown, nothing)
 
     def _shutdown(self) -> None:
+        if self._loader is not None:
+            self._loads.put(None)
+            self._loader.join(timeout=2 * self.settings.timeout_s)
         for pending in self._unanswered.values():
             for unanswered in pending:
                 unanswered.close()

@@ -1,0 +1,186 @@
+"""``async_loads``: both halves over a real daemon (``halves.py``), driven as vLLM drives a
+request it keeps waiting (``WAITING_FOR_REMOTE_KVS``) for an asynchronous load: the hit is
+answered ``(tokens, True)``, the load is planned once vLLM allocated the blocks, runs off the
+step, and the request is reported in the finished-recving set once the load is over."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from halves import BLOCK, Halves, request, scheduler_output
+from vllm.v1.request import Request
+
+from tierkv.vllm.plan import LoadOp, TierKVMetadata
+from tierkv.vllm.worker import WorkerSide
+
+TOKENS = list(range(1, 4 * BLOCK + 2))
+STORED = [0, 1, 2, 3, 4]
+ALLOCATED = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture
+def halves(tmp_path: Path) -> Iterator[Halves]:
+    with Halves(tmp_path / "daemon", async_loads=True) as h:
+        h.store(request("stored", TOKENS), STORED)
+        yield h
+
+
+def _waiting(halves: Halves, req_id: str) -> tuple[Request, TierKVMetadata]:
+    """A hit vLLM keeps waiting for: looked up, its blocks allocated, the next step planned."""
+    r = request(req_id, TOKENS)
+    deadline = time.monotonic() + 5
+    while (answer := halves.scheduler.get_num_new_matched_tokens(r, 0))[0] is None:
+        assert time.monotonic() < deadline, "the lookup never completed"
+        time.sleep(0.01)
+    assert answer == (4 * BLOCK, True), "a hit is loaded asynchronously"
+    halves.scheduler.update_state_after_alloc(r, 4 * BLOCK, ALLOCATED)
+    meta = halves.scheduler.build_connector_meta(scheduler_output([]))
+    assert meta.loads == [] and meta.async_unloadable == {}
+    assert [op.req_id for op in meta.async_loads] == [req_id]
+    assert [held for _, held in meta.async_loads[0].chunks] == [[5], [6], [7], [8]]
+    return r, meta
+
+
+def _recved(worker: WorkerSide, req_id: str) -> set[int]:
+    """Waits for ``req_id`` in the finished-recving set; the load errors of that step."""
+    deadline = time.monotonic() + 5
+    while True:
+        finished, whole = worker.take_finished_recving()
+        errors = worker.take_load_errors()
+        if finished:
+            assert finished == {req_id} and whole == set()
+            return errors
+        assert not errors, "errors come with the report of their load, not before"
+        assert time.monotonic() < deadline, "the load was never reported over"
+        time.sleep(0.01)
+
+
+def test_settings_take_async_loads_as_a_flag() -> None:
+    from tierkv.vllm.plan import Settings
+
+    assert Settings().async_loads is False
+    assert Settings.from_extra({"async_loads": "false"}).async_loads is False
+    assert Settings.from_extra({"async_loads": True}).async_loads is True
+    with pytest.raises(ValueError, match="async_loads must be true or false"):
+        Settings.from_extra({"async_loads": "maybe"})
+
+
+def test_a_hit_waits_for_a_load_run_off_the_step(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r, meta = _waiting(halves, "r")
+    worker = halves.worker
+    go = threading.Event()
+    load = worker._load_async  # noqa: SLF001
+
+    def held(op: LoadOp) -> None:
+        assert go.wait(5)
+        load(op)
+
+    monkeypatch.setattr(worker, "_load_async", held)
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    # The step is over and the load has not even begun: vLLM hears nothing yet.
+    assert worker.take_finished_recving() == (set(), set())
+    assert worker.get_finished(set()) == set()
+    assert halves.zero([5, 6, 7, 8])
+    go.set()
+    assert _recved(worker, "r") == set()
+    assert halves.holds([5, 6, 7, 8], [0, 1, 2, 3]), "the stored KV arrived"
+    assert worker.loaded_chunks == 4
+    halves.scheduler.update_connector_output(set(), {"r"})
+    # Once vLLM schedules it, it computes its last token; nothing more to store.
+    step = halves.step([(r, ALLOCATED, 4 * BLOCK, 1)])
+    assert step.loads == [] and step.stores == []
+    assert halves.scheduler.request_finished(r), "its blocks wait for the workers' report"
+    assert worker.get_finished({"r"}) == {"r"}
+    halves.no_lookup_left_open()
+
+
+def test_a_failed_load_reports_its_blocks_with_the_request(halves: Halves) -> None:
+    r, meta = _waiting(halves, "r")
+    meta.async_loads[0].lookups = [999_999]  # a lookup the daemon never made: refused
+    halves.worker.start_load_kv(meta)
+    halves.worker.wait_for_save(meta)
+    assert _recved(halves.worker, "r") == {5, 6, 7, 8}
+    assert halves.worker.loaded_chunks == 0
+    halves.scheduler.update_connector_output({5, 6, 7, 8}, {"r"})
+    # vLLM recomputes the prompt into those blocks, and the scheduler half stores it again.
+    halves.fill(ALLOCATED, seed=2)
+    step = halves.step([(r, ALLOCATED, 0, len(TOKENS))])
+    assert [held for op in step.stores for _, held in op.chunks] == [[5], [6], [7], [8]]
+    assert halves.scheduler.request_finished(r)
+    assert halves.worker.get_finished({"r"}) == {"r"}
+    halves.no_lookup_left_open()
+
+
+def test_a_request_aborted_while_waiting_returns_its_lease_and_is_freed_once(
+    halves: Halves,
+) -> None:
+    r, meta = _waiting(halves, "r")
+    assert halves.open_lookups() == 1
+    # vLLM finishes it before it heard the load is over: it holds the blocks until then,
+    # whatever the connector says, and frees them on that report.
+    assert not halves.scheduler.request_finished(r), "vLLM frees it on the recving report"
+    halves.no_lookup_left_open()
+    later = halves.scheduler.build_connector_meta(scheduler_output([]))
+    assert later.freed_on_recv == ["r"]
+    worker = halves.worker
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    worker.start_load_kv(later)
+    _recved(worker, "r")  # ok or failed: the lease may be gone before the retrieve
+    assert worker.get_finished({"r"}) == set(), "reported finished twice, vLLM frees it twice"
+    assert worker.get_finished(set()) == set()
+    halves.no_lookup_left_open()
+
+
+def test_an_aborted_request_whose_load_was_reported_waits_for_the_workers(
+    halves: Halves,
+) -> None:
+    r, meta = _waiting(halves, "r")
+    halves.worker.start_load_kv(meta)
+    _recved(halves.worker, "r")
+    halves.scheduler.update_connector_output(set(), {"r"})
+    # vLLM heard the load is over and frees the blocks only on the workers' report.
+    assert halves.scheduler.request_finished(r)
+    assert halves.scheduler.build_connector_meta(scheduler_output([])).freed_on_recv == []
+    assert halves.worker.get_finished({"r"}) == {"r"}
+    halves.no_lookup_left_open()
+
+
+def test_a_load_that_cannot_be_planned_or_started_is_reported_failed_at_once(
+    halves: Halves,
+) -> None:
+    # Planning fails (a request the scheduler half never looked up): every block is reported.
+    stranger = request("stranger", TOKENS)
+    halves.scheduler.update_state_after_alloc(stranger, 4 * BLOCK, ALLOCATED)
+    meta = halves.scheduler.build_connector_meta(scheduler_output([]))
+    assert meta.async_loads == [] and meta.async_unloadable == {"stranger": ALLOCATED}
+    halves.worker.start_load_kv(meta)
+    assert halves.worker.take_finished_recving() == ({"stranger"}, set())
+    assert halves.worker.take_load_errors() == set(ALLOCATED)
+    # A worker without the daemon: the load is over, failed, with every block reported.
+    _, meta = _waiting(halves, "r")
+    halves.worker.link = None
+    halves.worker.start_load_kv(meta)
+    assert _recved(halves.worker, "r") == {5, 6, 7, 8}
+    # No block known at all: vLLM takes the whole request as failed.
+    halves.worker.start_load_kv(TierKVMetadata(async_unloadable={"blind": []}))
+    assert halves.worker.take_finished_recving() == ({"blind"}, {"blind"})
+
+
+def test_loads_stay_synchronous_by_default(tmp_path: Path) -> None:
+    with Halves(tmp_path / "daemon") as h:
+        h.store(request("stored", TOKENS), STORED)
+        r = request("r", TOKENS)
+        assert h.matched(r) == 4 * BLOCK
+        assert h.scheduler.get_num_new_matched_tokens(r, 0) == (4 * BLOCK, False)
+        h.scheduler.update_state_after_alloc(r, 4 * BLOCK, ALLOCATED)
+        meta = h.step([(r, ALLOCATED, 4 * BLOCK, 1)])
+        assert meta.async_loads == [] and len(meta.loads) == 1
+        assert h.holds([5, 6, 7, 8], [0, 1, 2, 3])
