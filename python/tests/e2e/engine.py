@@ -14,7 +14,7 @@ Each command is one JSON object per line; each answer is one line on stdout pref
 - ``{"op": "quit"}``.
 
 Usage: python engine.py --model DIR [--connector tierkv|lmcache-mp|none] [--socket PATH]
-       [--blocks N] [--max-model-len N] [--tp N]
+       [--blocks N] [--max-model-len N] [--tp N] [--extra JSON]
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from typing import Any
 PREFIX = "@@tierkv@@ "
 
 
-def transfer_config(kind: str, socket: str | None) -> dict[str, Any] | None:
+def transfer_config(
+    kind: str, socket: str | None, more: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     if kind == "none":
         return None
     if kind == "tierkv":
-        extra: dict[str, Any] = {"timeout_s": 5.0, "retry_s": 1.0}
+        extra: dict[str, Any] = {"timeout_s": 5.0, "retry_s": 1.0, **(more or {})}
         if socket:
             extra["socket"] = socket
         return {
@@ -62,6 +64,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="torch.compile (slow start)")
     parser.add_argument("--stats", action="store_true", help="keep vLLM's metrics (preemptions)")
+    parser.add_argument(
+        "--extra", default="{}", help="JSON: more tierkv kv_connector_extra_config settings"
+    )
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -80,7 +85,7 @@ def main() -> None:
     )
     if args.blocks:
         options["num_gpu_blocks_override"] = args.blocks
-    kv = transfer_config(args.connector, args.socket)
+    kv = transfer_config(args.connector, args.socket, json.loads(args.extra))
     if kv is not None:
         from vllm.config import KVTransferConfig
 

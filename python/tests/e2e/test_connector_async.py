@@ -109,6 +109,10 @@ def test_a_failed_load_reports_its_blocks_with_the_request(halves: Halves) -> No
     assert _recved(halves.worker, "r") == {5, 6, 7, 8}
     assert halves.worker.loaded_chunks == 0
     halves.scheduler.update_connector_output({5, 6, 7, 8}, {"r"})
+    # A load that failed at its first block leaves vLLM nothing computed, and it asks again:
+    # no hit now (the same lookup may fail again and again), and its lease is returned.
+    assert halves.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    halves.no_lookup_left_open()
     # vLLM recomputes the prompt into those blocks, and the scheduler half stores it again.
     halves.fill(ALLOCATED, seed=2)
     step = halves.step([(r, ALLOCATED, 0, len(TOKENS))])

@@ -258,7 +258,9 @@ class TierKVConnector(KVConnectorBase_V1):
         recving = connector_output.finished_recving or ()
         if self._scheduler is not None and (connector_output.invalid_block_ids or recving):
             self._scheduler.update_connector_output(
-                set(connector_output.invalid_block_ids or ()), recving
+                set(connector_output.invalid_block_ids or ()),
+                recving,
+                getattr(connector_output, "failed_recving", None) or (),
             )
 
     def request_finished(

@@ -82,6 +82,10 @@ class _Request:
     #: ``async_loads``: a load was planned that vLLM has not yet heard is over; vLLM keeps the
     #: request waiting, and frees its blocks on that report should it finish first.
     loading: bool = False
+    #: ``async_loads``: a load of it failed. vLLM may ask again from scratch (a load that failed
+    #: at its first block leaves nothing computed): the answer is no hit, so that a lookup whose
+    #: retrieve keeps failing never keeps the request waiting for ever.
+    load_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -321,7 +325,10 @@ class SchedulerSide:
         )
 
     def update_connector_output(
-        self, invalid_block_ids: set[int], finished_recving: Iterable[str] = ()
+        self,
+        invalid_block_ids: set[int],
+        finished_recving: Iterable[str] = (),
+        failed_recving: Iterable[str] = (),
     ) -> None:
         """Notes the asynchronous loads vLLM now knows are over (``finished_recving``).
         Remembers the blocks vLLM reports unwritten (a load's that failed), and the blocks
@@ -329,10 +336,18 @@ class SchedulerSide:
         failed loads' blocks: vLLM recomputes the loading request, but keeps another request's
         blocks computed over them as they are (they stay in its prefix cache, never written
         again), so whatever reads them is never stored."""
+        failed = set(failed_recving)
         for req_id in finished_recving:
             state = self.requests.get(req_id)
             if state is not None:
                 state.loading = False
+                if req_id in failed or not invalid_block_ids.isdisjoint(state.block_ids):
+                    state.load_failed = True
+                    self.guard.run(
+                        "returning a failed load's leases",
+                        lambda s=state: self._release(s),
+                        nothing,
+                    )
         if not invalid_block_ids:
             return
         spoiled = set(invalid_block_ids)
@@ -406,7 +421,7 @@ class SchedulerSide:
             self._preempted(req_id)
             state.preemptions = preemptions
             self.settled_preemptions.add(req_id)
-        if state.lookup_chunks == 0 or num_computed_tokens % self.chunk_tokens:
+        if state.lookup_chunks == 0 or num_computed_tokens % self.chunk_tokens or state.load_failed:
             return 0, False
         if num_computed_tokens >= state.lookup_chunks * self.chunk_tokens:
             # vLLM's own prefix cache holds every chunk a lookup could find: no hit can pass it,
