@@ -53,7 +53,12 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def run_tierkv(model: Path, work: Path, prompts: dict[int, list[list[int]]]) -> dict[str, Any]:
+def run_tierkv(
+    model: Path,
+    work: Path,
+    prompts: dict[int, list[list[int]]],
+    tierkv_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     shutil.rmtree(work / "daemon", ignore_errors=True)  # a previous run's disk tier would hit
     daemon = start_daemon(work / "daemon", make_config=bench_config)
     engine = None
@@ -65,6 +70,7 @@ def run_tierkv(model: Path, work: Path, prompts: dict[int, list[list[int]]]) -> 
             blocks=400,
             max_model_len=9000,
             log=work / "engine-tierkv.log",
+            extra_args=("--extra", json.dumps(tierkv_extra)) if tierkv_extra else (),
         )
         ttft(engine, prompt(999, 500))  # warm-up
         for length, group in prompts.items():
@@ -207,12 +213,15 @@ def main() -> None:
     parser.add_argument("--lengths", default="2000,8000")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--no-lmcache", action="store_true")
+    parser.add_argument(
+        "--tierkv-extra", default="{}", help='JSON: more connector settings ({"async_loads": true})'
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     model = make(args.work / "tiny-llama")
     lengths = [int(x) for x in args.lengths.split(",")]
     prompts = {n: [prompt(1000 + 10 * n + i, n) for i in range(args.prompts)] for n in lengths}
-    results = run_tierkv(model, args.work, prompts)
+    results = run_tierkv(model, args.work, prompts, json.loads(args.tierkv_extra))
     if not args.no_lmcache:
         lmcache = run_lmcache(model, args.work, prompts, Path(sys.executable).parent)
         for n in lengths:
