@@ -122,6 +122,16 @@ def test_a_failed_load_reports_its_blocks_with_the_request(halves: Halves) -> No
     halves.no_lookup_left_open()
 
 
+def test_a_failure_one_rank_reports_before_the_others_finish_counts(halves: Halves) -> None:
+    # TP: vLLM hears of one rank's failed blocks at once, and of the load's end only once the
+    # last rank reports it.
+    r, meta = _waiting(halves, "r")
+    halves.scheduler.update_connector_output({7}, ())
+    halves.scheduler.update_connector_output(set(), {"r"})
+    halves.no_lookup_left_open()
+    assert halves.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
 def test_a_request_aborted_while_waiting_returns_its_lease_and_is_freed_once(
     halves: Halves,
 ) -> None:

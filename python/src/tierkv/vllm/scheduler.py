@@ -336,18 +336,27 @@ class SchedulerSide:
         failed loads' blocks: vLLM recomputes the loading request, but keeps another request's
         blocks computed over them as they are (they stay in its prefix cache, never written
         again), so whatever reads them is never stored."""
-        failed = set(failed_recving)
+        load_failed = set(failed_recving)
+        if invalid_block_ids:
+            # A rank may report its failed blocks a step before the last rank reports the load
+            # over (vLLM waits for every rank's report, and hears of each rank's failed blocks
+            # as they come): a loading request holding one failed.
+            load_failed.update(
+                req_id
+                for req_id, state in self.requests.items()
+                if state.loading and not invalid_block_ids.isdisjoint(state.block_ids)
+            )
+        for req_id in load_failed:
+            state = self.requests.get(req_id)
+            if state is not None and not state.load_failed:
+                state.load_failed = True
+                self.guard.run(
+                    "returning a failed load's leases", lambda s=state: self._release(s), nothing
+                )
         for req_id in finished_recving:
             state = self.requests.get(req_id)
             if state is not None:
                 state.loading = False
-                if req_id in failed or not invalid_block_ids.isdisjoint(state.block_ids):
-                    state.load_failed = True
-                    self.guard.run(
-                        "returning a failed load's leases",
-                        lambda s=state: self._release(s),
-                        nothing,
-                    )
         if not invalid_block_ids:
             return
         spoiled = set(invalid_block_ids)
