@@ -167,6 +167,38 @@ def test_an_aborted_request_whose_load_was_reported_waits_for_the_workers(
     halves.no_lookup_left_open()
 
 
+def test_a_load_whose_retrieve_was_given_up_on_is_reported_once_that_call_is_over(
+    halves: Halves,
+) -> None:
+    """A retrieve past its deadline may still be copying into the blocks. vLLM frees them on
+    the finished-recving report if it finished the request meanwhile, which the workers hear of
+    only a step later: the report waits until the call given up on is over (the daemon closed
+    that connection), or one more deadline (a daemon that stopped must not keep a request
+    waiting for ever)."""
+    import socket
+
+    from tierkv.client import Unanswered
+    from tierkv.vllm.link import Unavailable
+
+    worker = halves.worker
+    ours, daemons = socket.socketpair()
+    worker._watch("r", Unavailable("a retrieve past its deadline", Unanswered(ours)))  # noqa: SLF001 (what the loading thread records)
+    worker._async_over("r", [5, 6, 7, 8])  # noqa: SLF001
+    assert worker.take_finished_recving() == (set(), set()), "reported while it may copy"
+    assert worker.take_load_errors() == set()
+    daemons.close()  # the daemon is done with the call
+    assert worker.take_finished_recving() == ({"r"}, set())
+    assert worker.take_load_errors() == {5, 6, 7, 8}
+    # A daemon that never answers: reported after one more deadline all the same.
+    ours, daemons = socket.socketpair()
+    worker._watch("s", Unavailable("a retrieve past its deadline", Unanswered(ours)))  # noqa: SLF001
+    worker._async_over("s", [9])  # noqa: SLF001
+    assert worker.take_finished_recving() == (set(), set())
+    time.sleep(halves.settings.timeout_s + 0.1)
+    assert worker.take_finished_recving() == ({"s"}, set())
+    daemons.close()
+
+
 def test_a_load_that_cannot_be_planned_or_started_is_reported_failed_at_once(
     halves: Halves,
 ) -> None:

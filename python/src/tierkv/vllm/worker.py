@@ -140,7 +140,9 @@ class WorkerSide:
         # vLLM frees on that report (``TierKVMetadata.freed_on_recv``).
         self._lock = threading.Condition()
         self._loading: set[str] = set()
-        self._loaded: list[tuple[str, list[int], bool]] = []
+        # Each with when it may be reported at the latest while a call given up on for it is
+        # still unanswered.
+        self._loaded: list[tuple[str, list[int], bool, float]] = []
         self._freed_on_recv: set[str] = set()
         self._loads: queue.SimpleQueue[tuple[LoadOp, torch.cuda.Event | None] | None] = (
             queue.SimpleQueue()
@@ -282,7 +284,8 @@ class WorkerSide:
     def _async_over(self, req_id: str, failed: list[int], whole: bool = False) -> None:
         with self._lock:
             self._loading.discard(req_id)
-            self._loaded.append((req_id, failed, whole))
+            latest = time.monotonic() + self.settings.timeout_s
+            self._loaded.append((req_id, failed, whole, latest))
             self._lock.notify_all()
 
     def _load_in_background(self) -> None:
@@ -331,23 +334,38 @@ class WorkerSide:
         """The requests whose asynchronous load is over since the last call, and of those the
         ones vLLM must take as failed whole; their failed blocks join the load errors (taken
         right after, in the same step). In an idle step with loads under way it waits up to
-        :data:`IDLE_SETTLE_WAIT_S` for one to end. A request vLLM frees on this report waits
-        for the calls given up on for it."""
+        :data:`IDLE_SETTLE_WAIT_S` for one to end.
+
+        A request with a call given up on (a retrieve past its deadline: the daemon may still be
+        copying into its blocks) is reported only once that call is over: vLLM frees the blocks
+        on this report if it finished the request meanwhile, and the workers may not know yet
+        (its ``freed_on_recv`` comes a step later). One it finished waits for as long as that
+        takes (its blocks are held, nobody waits on it); any other at most one more deadline,
+        as a preempted request does (``handle_preemptions``), so no request waits for ever on a
+        daemon that stopped."""
         with self._lock:
             if idle and self._loading and not self._loaded:
                 self._lock.wait(IDLE_SETTLE_WAIT_S)
             loaded, self._loaded = self._loaded, []
         finished: set[str] = set()
         whole: set[str] = set()
-        held: list[tuple[str, list[int], bool]] = []
-        for req_id, blocks, failed_whole in loaded:
-            if req_id in self._freed_on_recv and not self.guard.run(
-                "checking whether an aborted request's load is over (asked again next step)",
+        held: list[tuple[str, list[int], bool, float]] = []
+        now = time.monotonic()
+        for req_id, blocks, failed_whole, latest in loaded:
+            freed = req_id in self._freed_on_recv
+            if (freed or now < latest) and not self.guard.run(
+                "checking whether a load's calls given up on are over (asked again next step)",
                 lambda req_id=req_id: self._settled(req_id),
                 lambda _e: False,
             ):
-                held.append((req_id, blocks, failed_whole))
+                held.append((req_id, blocks, failed_whole, latest))
                 continue
+            if not freed and req_id in self._unanswered:
+                log.error(
+                    "tierkv: the daemon has not finished a retrieve given up on for %s; if it "
+                    "resumes, it may still copy into blocks vLLM frees should the request end",
+                    req_id,
+                )
             self._freed_on_recv.discard(req_id)
             self.load_errors.update(blocks)
             finished.add(req_id)
