@@ -199,6 +199,33 @@ def test_a_load_whose_retrieve_was_given_up_on_is_reported_once_that_call_is_ove
     daemons.close()
 
 
+class _Event:
+    """A CUDA event as ``_completes`` polls it: complete once ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_load_whose_copies_have_not_landed_is_reported_once_they_have(halves: Halves) -> None:
+    """On a GPU an asynchronous retrieve is over when the daemon's record of the loading
+    thread's done event completes. One that did not complete by the deadline is a failed load,
+    but its copies may still land: it is reported like a call given up on, once the event
+    completes or one more deadline passed."""
+    worker = halves.worker
+    event = _Event()
+    worker._async_done = event  # type: ignore[assignment]  # noqa: SLF001
+    worker._unanswered.setdefault("r", [])  # noqa: SLF001 (what _load_async records)
+    worker._async_over("r", [5, 6])  # noqa: SLF001
+    assert worker.take_finished_recving() == (set(), set()), "reported before its copies landed"
+    event.done = True
+    assert worker.take_finished_recving() == ({"r"}, set())
+    assert worker.take_load_errors() == {5, 6}
+    worker._async_done = None  # noqa: SLF001
+
+
 def test_a_load_that_cannot_be_planned_or_started_is_reported_failed_at_once(
     halves: Halves,
 ) -> None:

@@ -326,6 +326,10 @@ class WorkerSide:
         # event completes.
         deadline = time.monotonic() + self.settings.timeout_s
         if self._async_done is not None and not _completes(self._async_done, deadline):
+            # Its copies may still land: the request is unsettled until the event completes
+            # (``_settled``), as after a call given up on.
+            with self._lock:
+                self._unanswered.setdefault(op.req_id, [])
             raise Unavailable("the daemon's copies of a retrieve did not complete in time")
         with self._lock:
             self.loaded_chunks += len(op.chunks)
@@ -567,15 +571,17 @@ class WorkerSide:
         pending[:] = [u for u in pending if not u.wait(max(deadline - time.monotonic(), 0.0))]
         if pending:
             return False
-        # On the GPU the daemon's copies of a retrieve end with its record of this event; its
-        # connection closes once they are enqueued, so they must land too. They get a wait of
+        # On the GPU the daemon's copies of a retrieve end with its record of the done event
+        # (the step's, or the loading thread's for an asynchronous load); its connection closes
+        # once they are enqueued, so they must land too. They get a wait of
         # their own, as long as the caller's (calls answered at the end of it must not leave
         # the copies none), and the event is polled: one whose recorder died may never
         # complete, and the engine must not wait on it for ever (the request then stays
         # unsettled, its blocks held, and is asked about again).
         landed = max(deadline, time.monotonic() + wait_s)
-        if self._done is not None and not _completes(self._done, landed):
-            return False
+        for done in (self._done, self._async_done):
+            if done is not None and not _completes(done, landed):
+                return False
         del self._unanswered[req_id]
         log.info("tierkv: the calls given up on for %s are over; its blocks may be reused", req_id)
         return True
