@@ -30,6 +30,20 @@ struct PauseAtNextDemotion {
     resume: Mutex<mpsc::Receiver<()>>,
 }
 
+impl PauseAtNextDemotion {
+    /// A disarmed pause, the receiver of the keys it pauses at and the sender that resumes it.
+    fn new() -> (Arc<Self>, mpsc::Receiver<ObjectKey>, mpsc::Sender<()>) {
+        let (reached_tx, reached) = mpsc::channel();
+        let (resume, resume_rx) = mpsc::channel();
+        let pause = Arc::new(PauseAtNextDemotion {
+            armed: AtomicBool::new(false),
+            reached: Mutex::new(reached_tx),
+            resume: Mutex::new(resume_rx),
+        });
+        (pause, reached, resume)
+    }
+}
+
 impl Demoter for PauseAtNextDemotion {
     fn demote(&self, key: &ObjectKey, _bytes: &dyn ChunkSource) {
         if self.armed.swap(false, Ordering::SeqCst) {
@@ -64,13 +78,7 @@ fn keys_where(inside: bool, n: usize, skip: u64) -> Vec<ObjectKey> {
 /// shard), which must evict; paused at its first victim, `OTHER` aborts its reservation (a slot
 /// comes free) and reserves the batch's first key. Then the batch goes on.
 fn race(victims: usize, batch: usize) -> Race {
-    let (reached_tx, reached) = mpsc::channel();
-    let (resume, resume_rx) = mpsc::channel();
-    let pause = Arc::new(PauseAtNextDemotion {
-        armed: AtomicBool::new(false),
-        reached: Mutex::new(reached_tx),
-        resume: Mutex::new(resume_rx),
-    });
+    let (pause, reached, resume) = PauseAtNextDemotion::new();
     let config = L1Config { shards: SHARDS, ..config(victims as u64 + 1) };
     let f = with_demoter(config, Some(pause.clone()));
     let cached = keys_where(true, victims, 0);
@@ -170,13 +178,7 @@ fn a_writer_of_a_key_a_reservation_claims_and_then_gives_up_is_not_told_it_is_in
     // keys, claims both, and is paused at its one victim; `OTHER` then writes the second key.
     // Nothing more is evictable, so `OWNER` gives that key up (`OutOfMemory`): `OTHER` must not
     // have been told `WriteInFlight` (a store counts that as present: a chunk nobody stores).
-    let (reached_tx, reached) = mpsc::channel();
-    let (resume, resume_rx) = mpsc::channel();
-    let pause = Arc::new(PauseAtNextDemotion {
-        armed: AtomicBool::new(false),
-        reached: Mutex::new(reached_tx),
-        resume: Mutex::new(resume_rx),
-    });
+    let (pause, reached, resume) = PauseAtNextDemotion::new();
     let f = with_demoter(L1Config { shards: SHARDS, ..config(2) }, Some(pause.clone()));
     f.write(&keys_where(true, 1, 0));
     let outside = keys_where(false, 3, 1_000);
