@@ -963,6 +963,23 @@ def test_a_block_rewritten_over_two_steps_is_written_again(tmp_path: Path) -> No
 _R2_TOKENS = list(range(32)) + list(range(500, 600))
 
 
+def _rewrite_then_store_the_third_chunk(failed: _AfterFailedLoad, chunk2: int) -> None:
+    """R rewrites 10-11 whole; then R2, which computed 20-21 over them before, stores its third
+    chunk (22-23, computed over 20-21): it must not be stored."""
+    from tierkv.vllm.scheduler import Scheduled
+
+    reader, scheduler = failed.reader, failed.scheduler
+    failed.step([], [Scheduled("R", [], False, 0, 32)])
+    assert not {10, 11} & scheduler.tainted
+    assert {20, 21} <= scheduler.tainted, "computed over 10-11 before they were rewritten"
+    reader.block_ids += [22, 23]
+    reader.stored = 3
+    meta = failed.step(
+        [StoreOp("R2", [(chunk2, [22, 23])])], [Scheduled("R2", [22, 23], False, 64, 32)]
+    )
+    assert meta.stores[0].chunks == [], "KV computed over a failed load's blocks was stored"
+
+
 def test_a_step_whose_bookkeeping_fails_taints_what_it_wrote(tmp_path: Path) -> None:
     """With blocks 10-11 unwritten (a failed load vLLM heard of), R2 computes 20-21 over them in
     a step whose bookkeeping fails (a bug): its stores are dropped, and what it wrote is
@@ -981,14 +998,7 @@ def test_a_step_whose_bookkeeping_fails_taints_what_it_wrote(tmp_path: Path) -> 
         )
         assert dropped.stores[0].chunks == []
         assert {20, 21} <= scheduler.tainted
-        failed.step([], [Scheduled("R", [], False, 0, 32)])  # R rewrites 10-11 whole
-        assert not {10, 11} & scheduler.tainted
-        reader.block_ids += [22, 23]
-        reader.stored = 3
-        meta = failed.step(
-            [StoreOp("R2", [(chunk2, [22, 23])])], [Scheduled("R2", [22, 23], False, 64, 32)]
-        )
-        assert meta.stores[0].chunks == [], "KV computed over a failed load's blocks was stored"
+        _rewrite_then_store_the_third_chunk(failed, chunk2)
 
 
 def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritten(
@@ -1004,7 +1014,7 @@ def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritt
     from tierkv.vllm.scheduler import Scheduled
 
     with _AfterFailedLoad(tmp_path, _R2_TOKENS, [10, 11, 12]) as failed:
-        reader, scheduler = failed.reader, failed.scheduler
+        reader = failed.reader
         # R2 hits 10-11 in vLLM's prefix cache and computes its second chunk over them.
         reader.block_ids, reader.stored = [10, 11, 20, 21], 2
         chunk0, chunk1, chunk2 = reader.chunks[:3]
@@ -1013,17 +1023,7 @@ def test_kv_computed_over_unwritten_blocks_is_never_stored_once_they_are_rewritt
             [Scheduled("R2", [10, 11, 20, 21], True, 32, 32)],
         )
         assert meta.stores[0].chunks == [], "it read 10-11"
-        # R rewrites 10-11 whole.
-        failed.step([], [Scheduled("R", [], False, 0, 32)])
-        assert not {10, 11} & scheduler.tainted
-        assert {20, 21} <= scheduler.tainted, "computed over 10-11 before they were rewritten"
-        # R2's third chunk, computed over 20-21.
-        reader.block_ids += [22, 23]
-        reader.stored = 3
-        meta = failed.step(
-            [StoreOp("R2", [(chunk2, [22, 23])])], [Scheduled("R2", [22, 23], False, 64, 32)]
-        )
-        assert meta.stores[0].chunks == [], "KV computed over a failed load's blocks was stored"
+        _rewrite_then_store_the_third_chunk(failed, chunk2)
 
 
 def test_a_failed_load_does_not_taint_the_older_blocks_another_request_stores_with_it(
