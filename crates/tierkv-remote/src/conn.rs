@@ -35,7 +35,7 @@ use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{AsyncConnectionConfig, Cmd, FromRedisValue, Value};
 
 use crate::config::{RemoteConfig, RemoteMode};
-use crate::error::CallError;
+use crate::error::{CallError, is_link};
 
 #[derive(Clone)]
 enum Conn {
@@ -67,6 +67,9 @@ struct State {
     last_failure: Option<Instant>,
     /// A probe started by a call's success on a degraded cluster link is under way.
     probing: bool,
+    /// When a call's success last started one: at most one a reconnect interval, since calls
+    /// go on while a master is unreachable.
+    probed: Option<Instant>,
 }
 
 /// Which connection a call used, and when it sent its command on it.
@@ -97,6 +100,7 @@ impl Link {
                 degraded: Some("not connected yet".into()),
                 last_failure: None,
                 probing: false,
+                probed: None,
             })),
             opened: Arc::new(tokio::sync::watch::channel(0).0),
         }
@@ -208,10 +212,14 @@ impl Link {
                 if state.degraded.is_some() && heals {
                     tracing::info!("the remote tier answers again");
                     state.degraded = None;
-                } else if state.degraded.is_some() && !state.probing {
+                } else if state.degraded.is_some()
+                    && !state.probing
+                    && state.probed.is_none_or(|at| at.elapsed() >= self.config.reconnect_interval)
+                {
                     // Whether every master answers, now, rather than at the next lookup.
                     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                         state.probing = true;
+                        state.probed = Some(Instant::now());
                         let link = self.clone();
                         runtime.spawn(async move { link.probe().await });
                     }
@@ -221,6 +229,16 @@ impl Link {
             // A call refused while the link reconnects says nothing new: the reason stays the
             // failure that degraded it.
             Err(CallError::Unavailable(_)) => result,
+            // A probe that reached some masters but not every one: the tier is degraded (only a
+            // probe heals it), but the connection stays and calls go on, served by the masters
+            // that answer; a call to a dead master's slots fails, and drops the link, by itself.
+            Err(e @ CallError::Unreachable(_)) => {
+                if state.degraded.is_none() {
+                    tracing::warn!(error = %e, "the remote tier is degraded: a master is unreachable");
+                }
+                state.degraded = Some(e.to_string());
+                result
+            }
             Err(e) if e.is_timeout() => {
                 let busy = match (used, state.conn.as_ref()) {
                     (Some(used), Some(c)) => c.last_answer > used.sent,
@@ -380,7 +398,9 @@ fn answered(reply: redis::RedisResult<Value>) -> Result<(), CallError> {
 async fn probe_masters(mut c: ClusterConnection) -> Result<(), CallError> {
     let masters = match redis::cmd("CLUSTER").arg("SLOTS").query_async::<Value>(&mut c).await {
         Ok(slots) => masters_of(&slots),
-        Err(e) if e.code() == Some("NOPERM") => None,
+        // Refused (an ACL) or not understood (a proxy or a managed service that renames or
+        // hides CLUSTER): Redis answered, so the PING below is all there is.
+        Err(e) if !is_link(&e) => None,
         Err(e) => return Err(e.into()),
     };
     let Some(masters) = masters else {

@@ -85,7 +85,7 @@ impl CallError {
 }
 
 /// Whether a Redis error says the link or the cluster is unhealthy.
-fn is_link(e: &redis::RedisError) -> bool {
+pub(crate) fn is_link(e: &redis::RedisError) -> bool {
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
