@@ -189,11 +189,10 @@ impl Demoter for DemoteFromL1 {
             Some((index, reads)) => reads.lock().remote_holds(key).then_some(*index),
             None => None,
         };
-        let piped: Vec<usize> =
-            self.piped.iter().copied().filter(|&t| Some(t) != remote_holds).collect();
+        let piped = || self.piped.iter().copied().filter(move |&t| Some(t) != remote_holds);
         // A victim bound for the store pipeline is copied out of its slot once (a device-to-host
         // copy with L1 on a GPU), and that copy serves the host store too.
-        let copy = if piped.is_empty() {
+        let copy = if piped().next().is_none() {
             None
         } else {
             let mut copy: Arc<[u8]> = std::iter::repeat_n(0u8, bytes.len() as usize).collect();
@@ -226,7 +225,7 @@ impl Demoter for DemoteFromL1 {
             }
         }
         let Some(copy) = copy else { return };
-        for tier in piped {
+        for tier in piped() {
             let departing = match &self.disk {
                 Some((index, disk)) if *index == tier => disk.depart(*key, Arc::clone(&copy)),
                 _ => Departing::unserved(*key, Arc::clone(&copy)),
