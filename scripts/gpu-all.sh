@@ -11,9 +11,9 @@
 # limit (GPU_CHECK_LIMIT, default 230 s; 90 s for the Python CUDA tests, 45 s for each test
 # executable, 120 s for the other Python tests, 60 s for the soak), so a step that hangs costs
 # its limit, not the whole call, and no step runs past GPU_ALL_LIMIT (default 560 s) from the
-# start: the device tool stops a command at 600 s, and what a stopped command wrote still comes
-# back (Python runs unbuffered, and a step's clean-up has 20 s after its limit before it is
-# killed). A first call that must leave time for a second: GPU_ALL_LIMIT=300 and gpu-check's
+# start, its 20 s of clean-up after its limit before a kill included (a step with no time left
+# is skipped, and fails the call): the device tool stops a command at 600 s, and what a stopped
+# command wrote still comes back (Python runs unbuffered). A first call that must leave time for a second: GPU_ALL_LIMIT=300 and gpu-check's
 # --rounds 2. PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:False: memory from
 # expandable segments cannot be shared by CUDA IPC.
 #
@@ -30,19 +30,26 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:F
 export PYTHONUNBUFFERED=1
 cuda_python=(python/tests/test_worker_cuda.py python/tests/test_cuda.py)
 deadline=$((SECONDS + ${GPU_ALL_LIMIT:-560}))
-# The limit of a step that would like $1 seconds: less if the call's deadline is nearer.
-limit() {
-    local left=$((deadline - SECONDS - 5))
-    ((left < 1)) && left=1
-    echo $(($1 < left ? $1 : left))
+# Runs "$@" as a step that would like $1 seconds: less if the call's deadline is nearer, with
+# 20 s of clean-up after its limit before a kill, so it ends by the deadline; a step with no
+# time left is not started (exit 124).
+bounded() {
+    local want=$1 left
+    shift
+    left=$((deadline - SECONDS - 25))
+    if ((left < 1)); then
+        echo "gpu-all: no time left for: $*"
+        return 124
+    fi
+    timeout -k 20 "$((want < left ? want : left))" "$@"
 }
-# The Python tests named, or all but the vLLM end-to-end ones, gpu-check.sh's no-GPU check and
-# the CUDA ones (with "rest"), against the carried daemon; appended to python-tests.txt.
+# The Python tests named (with their pytest arguments), against the carried daemon; appended to
+# python-tests.txt.
 python_tests() {
     local seconds=$1
     shift
-    PYTHONPATH="$root/python/src" TIERKV_BIN="$root/$carry/tierkv" \
-        timeout -k 20 "$(limit "$seconds")" python3 -m pytest -rA -p no:cacheprovider "$@" 2>&1 |
+    bounded "$seconds" env PYTHONPATH="$root/python/src" TIERKV_BIN="$root/$carry/tierkv" \
+        python3 -m pytest -rA -p no:cacheprovider "$@" 2>&1 |
         tee -a "$out/python-tests.txt"
     return "${PIPESTATUS[0]}"
 }
@@ -50,7 +57,7 @@ python_tests() {
     date -u
     nvidia-smi || true
 } 2>&1 | tee "$out/device.txt"
-timeout -k 20 "$(limit "${GPU_CHECK_LIMIT:-230}")" scripts/gpu-check.sh --bin "$carry/tierkv" --keep "$@" 2>&1 | tee "$out/gpu-check.txt"
+bounded "${GPU_CHECK_LIMIT:-230}" scripts/gpu-check.sh --bin "$carry/tierkv" --keep "$@" 2>&1 | tee "$out/gpu-check.txt"
 rc=${PIPESTATUS[0]}
 [[ $status -eq 0 ]] && status=$rc
 # One file for every daemon's log (the device tool brings back at most 8 files).
@@ -64,7 +71,7 @@ rc=$?
 {
     for t in tierkv_l1-tests tierkv_l2-tests tierkv_server-tests; do
         echo "== $carry/$t"
-        timeout -k 20 "$(limit 45)" "$carry/$t" --test-threads 1
+        bounded 45 "$carry/$t" --test-threads 1
         rc=$?
         [[ $status -eq 0 ]] && status=$rc
     done
@@ -77,7 +84,7 @@ python_tests 120 python/tests --ignore=python/tests/e2e \
 rc=$?
 [[ $status -eq 0 ]] && status=$rc
 # The soak's Redis test skips itself where no redis-server is installed.
-TIERKV_BIN="$root/$carry/tierkv" TIERKV_SOAK_L1_DEVICE=cuda timeout -k 20 "$(limit 60)" \
+bounded 60 env TIERKV_BIN="$root/$carry/tierkv" TIERKV_SOAK_L1_DEVICE=cuda \
     "$carry/soak-tests" --nocapture 2>&1 | tee "$out/soak.txt"
 rc=${PIPESTATUS[0]}
 [[ $status -eq 0 ]] && status=$rc

@@ -99,8 +99,9 @@ HEADER = struct.Struct("<I")
 # docs/protocol.md states them (under "Frames"); test_protocol_docs.py holds the two together.
 
 #: Reply frames longer than this are refused before their body is read (a status with thousands
-#: of sessions, or a store that refuses every chunk of a 16 MiB request, still fits; the Rust
-#: client, ``tierkv-client``'s ``REPLY_LIMIT``, uses the same limit).
+#: of sessions, or a store that refuses every chunk of a 16 MiB request with the daemon's short
+#: messages, still fits; the Rust client, ``tierkv-client``'s ``REPLY_LIMIT``, uses the same
+#: limit).
 MAX_REPLY_BYTES = 64 << 20
 
 #: How deep a reply's maps and lists nest, at most: the protocol's limit on every frame
@@ -223,8 +224,8 @@ def encode_frame(request_id: int, body: Any) -> bytes:
     return HEADER.pack(len(packed)) + packed
 
 
-# Bytes after a MessagePack type byte that are the value's (or, for a str, bin or container,
-# its length's): -1 where the type byte is all there is, None for a type no reply uses.
+# The bytes after a scalar's MessagePack type byte (0 where the type byte is all there is); a
+# type byte in none of these tables (an extension type, 0xC1) is no reply's.
 _U8 = struct.Struct(">B").unpack_from
 _U16_AT = struct.Struct(">H").unpack_from
 _U32_AT = struct.Struct(">I").unpack_from
@@ -243,7 +244,7 @@ _SCALAR_BYTES = {
     0xD2: 4,
     0xD3: 8,
 }
-# str 8/16/32 and bin 8/16/32: (what, bytes of the length).
+# str 8/16/32 and bin 8/16/32: the bytes of the length.
 _SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}
 # array 16/32 and map 16/32: (bytes of the count, values per counted item).
 _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
