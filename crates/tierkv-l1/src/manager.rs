@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tierkv_core::policy::Order;
-use tierkv_core::{ChunkSource, Clock, ExtraCount, KeyError, Layout, ObjectKey, SystemClock};
+use tierkv_core::{
+    ChunkSource, Clock, ExtraCount, KeyError, Layout, LogLimit, ObjectKey, SystemClock,
+};
 
 use crate::access::{ReadAccess, SlotHandle, SlotView, WriteAccess};
 use crate::config::L1Config;
@@ -213,6 +215,8 @@ pub struct L1Manager {
     demoter: Option<Arc<dyn Demoter>>,
     /// Panics of the demoter so far (contained: see `take_victim`).
     demoter_panics: AtomicU64,
+    /// Its log: one a minute.
+    demoter_panic_log: LogLimit,
     metrics: L1Metrics,
 }
 
@@ -253,6 +257,7 @@ impl L1Manager {
             observer: context.observer,
             demoter: context.demoter,
             demoter_panics: AtomicU64::new(0),
+            demoter_panic_log: LogLimit::new(Duration::from_secs(60)),
             metrics: L1Metrics::register(),
         };
         manager.publish_metrics();
@@ -1257,16 +1262,19 @@ impl L1Manager {
         Some(entry.slot)
     }
 
-    /// Counts a demoter's panic over `key`; logs the first and then ever more rarely (the 2nd,
-    /// 4th, 8th...), so a demoter that always panics cannot flood the log.
+    /// Counts a demoter's panic over `key`; logs at most one a minute (`LogLimit`, as the
+    /// storage manager limits its own per-victim warnings), so a demoter that always panics
+    /// cannot flood the log.
     fn demoter_panicked(&self, key: &ObjectKey) {
-        let n = self.demoter_panics.fetch_add(1, Ordering::Relaxed) + 1;
+        let panics = self.demoter_panics.fetch_add(1, Ordering::Relaxed) + 1;
         self.metrics.demoter_panicked();
-        if n.is_power_of_two() {
+        if let Some(left_out) = self.demoter_panic_log.admit() {
             tracing::error!(
                 ?key,
-                panics = n,
-                "the demoter panicked over an L1 victim: the victim is lost, its slot reused"
+                panics,
+                left_out,
+                "the demoter panicked over an L1 victim: the victim is lost, its slot reused (at \
+                 most one such error a minute; left_out: those since the last)"
             );
         }
     }
