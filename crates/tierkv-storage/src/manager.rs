@@ -71,10 +71,18 @@ struct Forward {
     /// Whether a lower tier takes finished writes at once ([`copies_at_write`]); when none
     /// does, the pipeline is not woken for a job it would drop.
     copies_at_write: bool,
+    /// The record of chunks the remote tier served, when there is a remote tier: a chunk
+    /// finished here is this node's own again, as in [`Inner::stored_here`].
+    served: Option<Arc<Mutex<ReadCounts>>>,
 }
 
 impl L1Observer for Forward {
     fn writes_finished(&self, keys: &[ObjectKey]) {
+        if let Some(reads) = &self.served {
+            // Before the job goes out: the pipeline must not find them served by Redis.
+            let mut reads = reads.lock();
+            keys.iter().for_each(|key| reads.stored_here(key));
+        }
         if self.copies_at_write {
             // Refused once the pipeline stopped: such a job holds nothing to return.
             let job = StoreJob::Finished { keys: keys.to_vec(), lease: None, ticket: None };
@@ -385,7 +393,6 @@ impl StorageManager {
     ) -> Result<Self, StorageError> {
         let (jobs, inbox) = StoreQueue::new();
         let copies_at_write = copies_at_write(config.store_policy, &tiers, config.remote_admission);
-        let observer = Arc::new(Forward { jobs: jobs.clone(), copies_at_write });
         // Which tiers the cascade hands victims to: each but a remote tier that takes every
         // finished write already (write-through admission).
         let takes_victims = |index: usize| {
@@ -416,6 +423,11 @@ impl StorageManager {
         };
         let disk_index = tiers.iter().position(|t| t.name() == "disk");
         let reads = Arc::new(Mutex::new(ReadCounts::new(READ_COUNTS)));
+        let observer = Arc::new(Forward {
+            jobs: jobs.clone(),
+            copies_at_write,
+            served: remote_index.map(|_| Arc::clone(&reads)),
+        });
         let demoter = DemoteFromL1::to(
             &demoted_to,
             host.as_ref(),
@@ -2029,6 +2041,44 @@ mod tests {
         read(&[served]);
         idle();
         assert!(!remote.contains(&served), "a chunk the remote tier served was stored back to it");
+    }
+
+    /// A chunk the remote tier served that this node then computes and stores itself goes to
+    /// the remote tier as its own (Redis most likely lost it), whichever way the write is
+    /// finished: through the manager, or through a plain `L1Manager::finish_write`, which only
+    /// the L1 observer hears of.
+    #[test]
+    fn a_served_chunk_this_node_stores_again_goes_to_the_remote_tier_through_plain_l1_finishes() {
+        let remote = Arc::new(tierkv_testkit::FakeTier::new("remote", 64, CHUNK));
+        let served = keys(100..101)[0];
+        remote.insert(served, payload(&served, CHUNK));
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(16 * CHUNK, CHUNK) };
+        let config = StorageConfig {
+            store_policy: StorePolicy::WriteThrough,
+            remote_admission: RemoteAdmission::WriteThrough,
+            ..StorageConfig::new(l1)
+        };
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![Arc::new(KeptRemote(remote.clone()))];
+        let clock = Arc::new(tierkv_core::ManualClock::new());
+        let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+        let layout = Layout::bytes(CHUNK).unwrap();
+        let lookup = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), vec![served]);
+        let id = storage.submit_lookup(lookup).unwrap();
+        assert_eq!(storage.wait(id, Duration::from_secs(5)).unwrap().hit_chunks, 1);
+        storage.release_all(id).unwrap();
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        // Redis lets it go, and L1 too: this node computes it again.
+        assert_eq!(remote.delete(&[served]), 1);
+        assert_eq!(storage.delete(&[served]).iter().sum::<usize>(), 1);
+        assert!(storage.reserve_write(OWNER, &[served], &layout).unwrap()[0].is_ok());
+        storage
+            .write_access(OWNER, &served)
+            .unwrap()
+            .write_at(0, &payload(&served, CHUNK))
+            .unwrap();
+        assert!(storage.l1().finish_write(OWNER, &[served])[0].is_ok());
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        assert!(remote.contains(&served), "a chunk this node stored was kept from the remote tier");
     }
 
     /// An L2 of one slot whose victims the test sends down `storage`'s pipeline to tier 0.
