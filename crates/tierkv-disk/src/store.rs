@@ -599,18 +599,9 @@ impl InFlight<'_> {
         }
     }
 
-    /// Handles a finished write (or the writers' end), as a step: a panic fails its task.
+    /// Handles a finished write (or the writers' end); `collected` is a step of its own.
     fn on_written(&mut self, done: Result<Written, crossbeam_channel::RecvError>) {
-        let what = done.as_ref().ok().map(|w| (w.task, w.loc, w.epoch));
-        self.step(
-            "collecting a write",
-            |s| s.collected(done),
-            |s| {
-                if let Some((task, loc, epoch)) = what {
-                    s.write_failed(task, loc, epoch, internal_panic());
-                }
-            },
-        );
+        self.collected(done);
     }
 
     /// Forgets a task whose handling panicked.
@@ -708,15 +699,30 @@ impl InFlight<'_> {
         self.collected(self.written.recv());
     }
 
-    /// Counts one write as finished.
+    /// Counts one write as finished, as a step of its own: the write may be another task's
+    /// than the one whose message is being handled (with several I/O threads, a task's records
+    /// can arrive while an earlier task's writes are in flight, its end not yet sent; a record
+    /// waiting for a writer, or an end or abandon waiting for every write, collects them). A
+    /// panic here fails the write's own task, whose outcome it lost, and replaces only its
+    /// buffer; the step it was collected in goes on with what it has in hand.
     fn collected(&mut self, done: Result<Written, crossbeam_channel::RecvError>) {
         match done {
             Ok(written) => {
                 self.in_flight -= 1;
-                self.held += 1;
-                #[cfg(test)]
-                WriteFaults::fire(&self.shared.faults.collecting, "collecting a write");
-                self.finish(written);
+                let (task, loc, epoch) = (written.task, written.loc, written.epoch);
+                // The enclosing step's buffers are not this step's to replace.
+                let outer = std::mem::take(&mut self.held);
+                self.step(
+                    "collecting a write",
+                    |s| {
+                        s.held += 1;
+                        #[cfg(test)]
+                        WriteFaults::fire(&s.shared.faults.collecting, "collecting a write");
+                        s.finish(written);
+                    },
+                    |s| s.write_failed(task, loc, epoch, internal_panic()),
+                );
+                self.held += outer;
             }
             // Every writer is gone (none is while its queue is open): nothing is in flight.
             Err(_) => self.in_flight = 0,
@@ -2737,5 +2743,50 @@ mod tests {
             lives.behind_a_failed_write(3),
             "a record behind the failed one is lost to a restart"
         );
+    }
+
+    #[test]
+    fn a_panic_collecting_another_tasks_write_fails_that_task_not_the_one_being_handled() {
+        // With several I/O threads, task 2's records can reach the write thread while task 1's
+        // writes are in flight (task 1's end is sent after its store let go of the writer): task
+        // 2's record then waits for a writer by collecting task 1's write. A panic collecting it
+        // must fail task 1, whose write's outcome is unknown, and leave task 2 alone.
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap();
+        let file = Arc::new(
+            SegmentFile::create(dir.path().join("records"), 1 << 20, IoMode::Buffered).unwrap(),
+        );
+        let (free, freed) = unbounded();
+        let (writes, queued) = unbounded::<Write>();
+        let (report, written) = unbounded::<Written>();
+        let mut state = InFlight {
+            shared: &store.shared,
+            free: &free,
+            written: &written,
+            in_flight: 0,
+            held: 0,
+            failed_tasks: HashMap::new(),
+            lives: LifeFailures::default(),
+        };
+        let record = |task: u64, offset: u64| WriteMsg::Record {
+            task,
+            file: Arc::clone(&file),
+            buf: AlignedBuf::new(2 * BLOCK as usize).unwrap(),
+            bytes: Span { start: BLOCK as usize, len: BLOCK as usize, at: offset },
+            loc: at(0, offset),
+            epoch: 7,
+        };
+        // One writer thread (played by the test), busy with task 1's record, which finishes.
+        state.handle(record(1, BLOCK), &writes, 1);
+        let write = queued.try_recv().expect("task 1's record went to the writer");
+        report.send(write.run()).unwrap();
+        // Task 2's record collects task 1's write to get a writer, and that collection panics.
+        store.shared.faults.collecting.store(true, Ordering::SeqCst);
+        state.handle(record(2, 2 * BLOCK), &writes, 1);
+        assert!(!store.shared.faults.collecting.load(Ordering::SeqCst), "the fault fired");
+        assert!(state.failed_tasks.contains_key(&1), "task 1's write's outcome is unknown");
+        assert!(!state.failed_tasks.contains_key(&2), "task 2 failed for task 1's write");
+        assert_eq!(queued.try_iter().map(|w| w.task).collect::<Vec<_>>(), [2], "written next");
+        assert_eq!(freed.try_iter().count(), 1, "task 1's buffer, lost, is replaced; no other");
     }
 }
