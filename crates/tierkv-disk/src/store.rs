@@ -312,6 +312,10 @@ struct Writer {
     active: Option<u32>,
     /// Record buffers in hand; the others are with the write thread, and come back on `free`.
     spare: Vec<AlignedBuf>,
+    /// Record buffers handed to the write thread in a record and not yet received back on
+    /// `free` (as a buffer, or as lost). With `spare`, every buffer the writer can count on: a
+    /// buffer lost anywhere (to a panic) is made again when fewer than `RECORD_BUFFERS` are.
+    out: usize,
     /// The write thread, once started.
     pipe: Option<WritePipe>,
     /// Store tasks so far; numbers each record, so the write thread can tell tasks apart.
@@ -322,12 +326,27 @@ struct Writer {
 /// slack lets the write thread keep writing while a loaded machine delays the storing thread).
 const RECORD_BUFFERS: usize = 4;
 
+/// The longest a store waits for the write thread to hand a record buffer back. Buffers come
+/// back as their writes finish (or are reported lost), so only a write that hangs (a dead
+/// disk or mount) reaches it: the store then fails (a miss) instead of holding the writer, and
+/// the I/O threads queued behind it, for ever.
+const BUFFER_WAIT: Duration = Duration::from_secs(10);
+
+/// What the write thread hands back to the storing thread for each record buffer it took.
+enum Freed {
+    /// The buffer, done with.
+    Buffer(AlignedBuf),
+    /// The buffer was lost to a panic (a bug): the storing thread makes another when it needs
+    /// one, and fails that store if it cannot (no memory), rather than waiting for it.
+    Lost,
+}
+
 /// The write thread (`tierkv-disk-write`): hands records, in order, to the writer threads
 /// (`tierkv-disk-w<n>`), and publishes each store task once all its records are written.
 struct WritePipe {
     messages: Sender<WriteMsg>,
-    /// Buffers the write thread is done with.
-    free: Receiver<AlignedBuf>,
+    /// Buffers the write thread is done with, or lost.
+    free: Receiver<Freed>,
     thread: JoinHandle<()>,
 }
 
@@ -413,9 +432,9 @@ impl Write {
 /// The thread runs no caller code, but a bug in this crate (or in a policy it calls) that panics
 /// here costs the task whose message (or finished write) it was handling, never the thread:
 /// every step runs under `InFlight::step`, that task completes as failed, counted, its sources
-/// handed back, any record buffer the panic lost is replaced (only those), and later tasks are
-/// written as before.
-fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender<AlignedBuf>) {
+/// handed back, any record buffer the panic lost is reported lost (only those: the storing
+/// thread makes another), and later tasks are written as before.
+fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender<Freed>) {
     let (writes, queued) = unbounded::<Write>();
     let (report, written) = unbounded::<Written>();
     std::thread::scope(|scope| {
@@ -469,7 +488,7 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
 /// The write thread's bookkeeping of writes in flight and of failures.
 struct InFlight<'a> {
     shared: &'a Shared,
-    free: &'a Sender<AlignedBuf>,
+    free: &'a Sender<Freed>,
     written: &'a Receiver<Written>,
     in_flight: usize,
     /// Record buffers in this thread's hands: taken in with a record or a finished write, not
@@ -544,19 +563,17 @@ impl LifeFailures {
 impl InFlight<'_> {
     /// Runs one step of the thread under `catch_unwind`. A panic (a bug) is counted and logged,
     /// `recover` fails what the step was about, and every record buffer the step had in hand
-    /// and lost is replaced, so the storing thread never waits for one that will not come back;
-    /// the thread goes on with the next message.
+    /// and lost is reported lost, so the storing thread never waits for one that will not come
+    /// back (it makes another; this thread allocates nothing, so it cannot fail to); the thread
+    /// goes on with the next message.
     fn step(&mut self, doing: &str, step: impl FnOnce(&mut Self), recover: impl FnOnce(&mut Self)) {
         if catch_unwind(AssertUnwindSafe(|| step(self))).is_ok() {
             return;
         }
         self.panicked(doing);
         recover(self);
-        let len = (BLOCK + record_bytes(self.shared.config.max_chunk_bytes)) as usize;
         for _ in 0..std::mem::take(&mut self.held) {
-            if let Some(buf) = AlignedBuf::new(len) {
-                let _ = self.free.send(buf);
-            }
+            let _ = self.free.send(Freed::Lost);
         }
     }
 
@@ -687,7 +704,7 @@ impl InFlight<'_> {
         let Written { task, buf, loc, epoch, result } = written;
         // First, so that a panic recording the outcome costs no buffer. The store thread may be
         // gone (closing): the buffer is then simply freed.
-        let _ = self.free.send(buf);
+        let _ = self.free.send(Freed::Buffer(buf));
         self.held -= 1;
         if let Err(e) = result {
             self.write_failed(task, loc, epoch, e);
@@ -802,6 +819,8 @@ struct WriteFaults {
     collecting: AtomicBool,
     /// Once a record has gone to a writer thread, its buffer with it.
     handed_over: AtomicBool,
+    /// While set (not a single shot), no record buffer can be allocated.
+    no_memory: AtomicBool,
 }
 
 #[cfg(test)]
@@ -904,7 +923,7 @@ impl DiskStore {
                 lock,
             }),
             index: Mutex::new(index),
-            writer: Mutex::new(Writer { active: None, spare, pipe: None, tasks: 0 }),
+            writer: Mutex::new(Writer { active: None, spare, out: 0, pipe: None, tasks: 0 }),
             dirty: Mutex::new(HashSet::new()),
             closed: AtomicBool::new(false),
             next_task: AtomicU64::new(1),
@@ -976,7 +995,7 @@ impl DiskStore {
 
     fn start_threads(&self) -> Result<(), DiskError> {
         let (messages, queued) = unbounded::<WriteMsg>();
-        let (freed, free) = unbounded::<AlignedBuf>();
+        let (freed, free) = unbounded::<Freed>();
         let shared = Arc::clone(&self.shared);
         let thread = std::thread::Builder::new()
             .name("tierkv-disk-write".into())
@@ -1698,8 +1717,13 @@ impl Shared {
         let Some(pipe) = writer.pipe.as_ref() else {
             return Err(TierError::Closed);
         };
+        let record = matches!(message, WriteMsg::Record { .. });
         match pipe.messages.send(message) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                // Its buffer is the write thread's until it comes back on `free`.
+                writer.out += usize::from(record);
+                Ok(())
+            }
             Err(refused) => {
                 match refused.0 {
                     WriteMsg::Record { buf, .. } => writer.spare.push(buf),
@@ -1713,13 +1737,62 @@ impl Shared {
         }
     }
 
-    /// A record buffer: one in hand, or the next the write thread is done with.
+    /// A record buffer: one in hand, one made for a buffer lost, or the next the write thread
+    /// is done with, waited for at most `BUFFER_WAIT`.
     fn free_buffer(&self, writer: &mut Writer) -> Result<AlignedBuf, TierError> {
-        if let Some(buf) = writer.spare.pop() {
-            return Ok(buf);
+        self.free_buffer_within(writer, BUFFER_WAIT)
+    }
+
+    /// `free_buffer`, waiting at most `wait`. It never waits for a buffer that cannot come: one
+    /// the write thread lost is reported (`Freed::Lost`), and one lost here (a panic while a
+    /// record was copied) is simply missing from `spare` and `out`; either is made again while
+    /// fewer than `RECORD_BUFFERS` are counted. A buffer that cannot be made fails the store (a
+    /// miss) when none is left to wait for, as does a wait past `wait`.
+    fn free_buffer_within(
+        &self,
+        writer: &mut Writer,
+        wait: Duration,
+    ) -> Result<AlignedBuf, TierError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            if let Some(buf) = writer.spare.pop() {
+                return Ok(buf);
+            }
+            if writer.out < RECORD_BUFFERS {
+                if let Some(buf) = self.record_buffer() {
+                    return Ok(buf);
+                }
+                if writer.out == 0 {
+                    return Err(TierError::Io("no memory for a record buffer".into()));
+                }
+            }
+            let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
+            match pipe.free.recv_deadline(deadline) {
+                Ok(freed) => {
+                    writer.out = writer.out.saturating_sub(1);
+                    if let Freed::Buffer(buf) = freed {
+                        return Ok(buf);
+                    }
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    return Err(TierError::Io(format!(
+                        "no record buffer came back from the disk write thread in {wait:?}"
+                    )));
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                    return Err(TierError::Io("the disk write thread is gone".into()));
+                }
+            }
         }
-        let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
-        pipe.free.recv().map_err(|_| TierError::Io("the disk write thread is gone".into()))
+    }
+
+    /// A new record buffer, if memory can be had.
+    fn record_buffer(&self) -> Option<AlignedBuf> {
+        #[cfg(test)]
+        if self.faults.no_memory.load(Ordering::SeqCst) {
+            return None;
+        }
+        AlignedBuf::new((BLOCK + record_bytes(self.config.max_chunk_bytes)) as usize)
     }
 
     /// Makes a written task's records visible (the write thread, after its last write). Under
@@ -2631,16 +2704,29 @@ mod tests {
         h.assert_loads(&keys(2..4));
     }
 
-    /// The record buffers `store` has: in hand, and back from the write thread.
-    fn record_buffers(store: &DiskStore) -> usize {
-        let writer = store.shared.writer.lock();
-        writer.spare.len() + writer.pipe.as_ref().map_or(0, |pipe| pipe.free.len())
+    /// The record buffers `store` has once it took in all the write thread handed back: in
+    /// hand, and reported lost. (None may be with the write thread then.)
+    fn record_buffers(store: &DiskStore) -> (usize, usize) {
+        let mut writer = store.shared.writer.lock();
+        let freed: Vec<Freed> =
+            writer.pipe.as_ref().map_or(Vec::new(), |pipe| pipe.free.try_iter().collect());
+        let mut lost = 0;
+        for freed in freed {
+            writer.out -= 1;
+            match freed {
+                Freed::Buffer(buf) => writer.spare.push(buf),
+                Freed::Lost => lost += 1,
+            }
+        }
+        assert_eq!(writer.out, 0, "buffers still with the write thread");
+        (writer.spare.len(), lost)
     }
 
     /// Arms the write thread's `fault` for one panic during a store: the task completes as
     /// failed with its sources, the thread serves the next store, and the store ends with as
-    /// many record buffers as it began with (none lost, none made for one that came back).
-    fn a_write_thread_panic_is_contained(fault: fn(&WriteFaults) -> &AtomicBool) {
+    /// many record buffers as it began with, counting those reported lost (`lost` of them:
+    /// none lost silently, none reported for one that came back).
+    fn a_write_thread_panic_is_contained(fault: fn(&WriteFaults) -> &AtomicBool, lost: usize) {
         use tierkv_testkit::contract::{Harness, OpenTier, keys};
 
         let dir = tempfile::tempdir().unwrap();
@@ -2665,17 +2751,17 @@ mod tests {
         }
         h.store(&keys(2..4)).expect("the write thread serves the next store");
         h.assert_loads(&keys(2..4));
-        assert_eq!(record_buffers(&store), RECORD_BUFFERS, "record buffers lost or made");
+        assert_eq!(record_buffers(&store), (RECORD_BUFFERS - lost, lost), "(in hand, lost)");
     }
 
     #[test]
     fn a_panic_collecting_a_finished_write_fails_its_task_and_loses_no_buffer() {
-        a_write_thread_panic_is_contained(|faults| &faults.collecting);
+        a_write_thread_panic_is_contained(|faults| &faults.collecting, 1);
     }
 
     #[test]
     fn a_panic_after_a_record_is_handed_over_makes_no_extra_buffer() {
-        a_write_thread_panic_is_contained(|faults| &faults.handed_over);
+        a_write_thread_panic_is_contained(|faults| &faults.handed_over, 0);
     }
 
     #[test]
@@ -2787,6 +2873,56 @@ mod tests {
         assert!(state.failed_tasks.contains_key(&1), "task 1's write's outcome is unknown");
         assert!(!state.failed_tasks.contains_key(&2), "task 2 failed for task 1's write");
         assert_eq!(queued.try_iter().map(|w| w.task).collect::<Vec<_>>(), [2], "written next");
-        assert_eq!(freed.try_iter().count(), 1, "task 1's buffer, lost, is replaced; no other");
+        let freed: Vec<Freed> = freed.try_iter().collect();
+        assert!(matches!(freed[..], [Freed::Lost]), "task 1's buffer, lost, is reported; no other");
+    }
+
+    #[test]
+    fn a_store_never_waits_for_ever_for_record_buffers_the_write_thread_lost() {
+        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        let completions = store.completions();
+        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
+        let mut h = Harness::new(tier);
+        let faults = &store.shared.faults;
+        let stored = |what: &str| match completions.recv_timeout(Duration::from_secs(10)) {
+            Ok(Completion::Stored { result, .. }) => result,
+            Ok(_) => panic!("not a store completion"),
+            Err(_) => panic!("{what} never completed"),
+        };
+        // Every record buffer is lost to a panic on the write thread while no memory can be
+        // had to replace it.
+        faults.no_memory.store(true, Ordering::SeqCst);
+        for n in 0..RECORD_BUFFERS as u64 {
+            faults.collecting.store(true, Ordering::SeqCst);
+            h.submit_store(&keys(n..n + 1));
+            assert!(stored("a store whose write thread panicked").is_err());
+        }
+        // The next store has no buffer and none will come back: it fails (a miss), at once.
+        h.submit_store(&keys(10..11));
+        assert!(stored("a store with every record buffer lost").is_err());
+        // With memory to be had again, the buffers lost are made again as stores need them.
+        faults.no_memory.store(false, Ordering::SeqCst);
+        let more = 20..20 + 2 * RECORD_BUFFERS as u64;
+        h.store(&keys(more.clone())).expect("the buffers lost are made again");
+        h.assert_loads(&keys(more));
+        assert_eq!(record_buffers(&store), (RECORD_BUFFERS, 0), "as many as before, no more");
+    }
+
+    #[test]
+    fn a_store_waits_for_a_record_buffer_no_longer_than_its_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap();
+        let mut writer = store.shared.writer.lock();
+        // Every buffer is with the write thread, as behind a write that hangs: none comes back.
+        let spare = std::mem::take(&mut writer.spare);
+        writer.out = RECORD_BUFFERS;
+        let waited = store.shared.free_buffer_within(&mut writer, Duration::from_millis(20));
+        assert!(matches!(waited, Err(TierError::Io(_))), "{:?}", waited.map(|_| ()));
+        writer.out = 0;
+        writer.spare = spare;
     }
 }
