@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use parking_lot::{Condvar, Mutex};
 use tierkv_core::{
-    Bitmap, ChunkSink, Completion, ExtraCount, KeyError, Layout, LoadItem, ObjectKey, TaskId,
-    deadline_after,
+    Bitmap, ChunkSink, Clock, Completion, ExtraCount, KeyError, Layout, LoadItem, ObjectKey,
+    SystemClock, TaskId, deadline_after,
 };
 use tierkv_l1::{L1Manager, LeaseId, Lifetime, OwnerId, Readers, WriteMode};
 
@@ -195,6 +195,18 @@ impl PrefetchController {
         router: Arc<TierRouter>,
         config: PrefetchConfig,
     ) -> std::io::Result<Self> {
+        Self::start_with_clock(l1, router, config, Arc::new(SystemClock::new()))
+    }
+
+    /// Like [`PrefetchController::start`], with the clock the request timeout is measured on
+    /// (a `ManualClock` lets a test pass it exactly when it says). The controller still checks
+    /// its requests every 50 ms of real time.
+    pub fn start_with_clock(
+        l1: Arc<L1Manager>,
+        router: Arc<TierRouter>,
+        config: PrefetchConfig,
+        clock: Arc<dyn Clock>,
+    ) -> std::io::Result<Self> {
         let (commands, inbox) = unbounded();
         let shared = Arc::new(Shared {
             results: Mutex::new(HashMap::new()),
@@ -208,6 +220,7 @@ impl PrefetchController {
             l1,
             router,
             config,
+            clock,
             shared: Arc::clone(&shared),
             events_tx,
             pending: VecDeque::new(),
@@ -328,9 +341,9 @@ enum Phase {
 struct Active {
     request: PrefetchRequest,
     started: u64,
-    /// When it started, or last heard from a tier: a request that hears nothing for the request
-    /// timeout (and its loads' allowance) is given up.
-    since: Instant,
+    /// When it started, or last heard from a tier, on the controller's clock: a request that
+    /// hears nothing for the request timeout (and its loads' allowance) is given up.
+    since: Duration,
     /// Time beyond the request timeout its loads may take: a tier answers a load once, when the
     /// whole load is in, so a large hit from a slow tier is silent for as long as it loads
     /// ([`LOAD_FLOOR_BYTES_PER_S`]).
@@ -401,6 +414,8 @@ struct Worker {
     l1: Arc<L1Manager>,
     router: Arc<TierRouter>,
     config: PrefetchConfig,
+    /// What the request timeout is measured on.
+    clock: Arc<dyn Clock>,
     shared: Arc<Shared>,
     events_tx: Sender<TierEvent>,
     pending: VecDeque<(RequestId, PrefetchRequest)>,
@@ -543,10 +558,11 @@ impl Worker {
     /// until they answer.
     fn give_up_overdue(&mut self) {
         let timeout = self.config.request_timeout;
+        let now = self.clock.now();
         let overdue: Vec<RequestId> = self
             .active
             .iter()
-            .filter(|(_, active)| active.since.elapsed() >= timeout + active.allowance)
+            .filter(|(_, active)| now.saturating_sub(active.since) >= timeout + active.allowance)
             .map(|(id, _)| *id)
             .collect();
         if overdue.is_empty() {
@@ -606,7 +622,7 @@ impl Worker {
             let active = Active {
                 request,
                 started: self.started,
-                since: Instant::now(),
+                since: self.clock.now(),
                 allowance: Duration::ZERO,
                 wanted,
                 phase: Phase::LookingUp { found: vec![None; tiers], next: 0 },
@@ -692,7 +708,7 @@ impl Worker {
             }
             return;
         };
-        active.since = Instant::now();
+        active.since = self.clock.now();
         let done = match completion {
             Completion::LookedUp { locked, .. } => {
                 for i in locked.iter_ones() {
@@ -866,7 +882,7 @@ impl Worker {
             self.finalize(id, active);
         } else {
             active.phase = Phase::Loading { waiting };
-            active.since = Instant::now();
+            active.since = self.clock.now();
             active.allowance = Duration::from_secs_f64(bytes as f64 / LOAD_FLOOR_BYTES_PER_S);
             self.active.insert(id, active);
         }
