@@ -18,6 +18,10 @@
 //!
 //! The caller keeps the L1 hits it leased before submitting (rule 4: pin before you allocate);
 //! the controller never touches them.
+//!
+//! A request not done one request timeout after it was submitted (plus the time its loads'
+//! bytes take at [`LOAD_FLOOR_BYTES_PER_S`]) is given up, whatever its tiers answered meanwhile
+//! ([`PrefetchConfig::request_timeout`] says the bound).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -50,10 +54,17 @@ pub struct PrefetchConfig {
     pub max_in_flight: usize,
     /// How long `stop` waits for tier tasks still in flight before giving up on them.
     pub drain_timeout: Duration,
-    /// How long a request may wait on the lower tiers without an answer from any of them before
-    /// it is given up (a tier that never answers): it fails, its reservations are aborted and
-    /// its locks returned, and a lookup that answers later has its locks returned then. A tier
-    /// with a task given up on is left out of new requests (a miss there) until it answers.
+    /// How long a request may take, counted from its submission (its time in the queue, its
+    /// lookups of every lower tier and its loads together), before it is given up (a tier that
+    /// never answers, or tiers too slow): it fails, its reservations are aborted and its locks
+    /// returned, and a lookup that answers later has its locks returned then. A tier with a
+    /// task given up on is left out of new requests (a miss there) until it answers.
+    ///
+    /// The bound: a request ends (done, or failed) at most `request_timeout`, plus the time
+    /// its loads' bytes take at [`LOAD_FLOOR_BYTES_PER_S`] (a second per 64 MiB), plus one
+    /// check of the controller (every 50 ms), after it was submitted, however many lower tiers
+    /// there are. (An answer never restarts the count: it did, so a request could wait a
+    /// timeout per lower tier and one more for its loads.)
     pub request_timeout: Duration,
 }
 
@@ -177,7 +188,8 @@ impl Shared {
 }
 
 enum Command {
-    Submit(RequestId, PrefetchRequest),
+    /// A request, and when it was submitted on the controller's clock.
+    Submit(RequestId, PrefetchRequest, Duration),
     Stop,
 }
 
@@ -185,6 +197,8 @@ enum Command {
 pub struct PrefetchController {
     commands: Sender<Command>,
     shared: Arc<Shared>,
+    /// What the request timeout is measured on, from each request's submission.
+    clock: Arc<dyn Clock>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -220,7 +234,7 @@ impl PrefetchController {
             l1,
             router,
             config,
-            clock,
+            clock: Arc::clone(&clock),
             shared: Arc::clone(&shared),
             events_tx,
             pending: VecDeque::new(),
@@ -234,7 +248,7 @@ impl PrefetchController {
         let thread = std::thread::Builder::new()
             .name("tierkv-prefetch".into())
             .spawn(move || worker.run(&inbox, &events))?;
-        Ok(PrefetchController { commands, shared, thread: Mutex::new(Some(thread)) })
+        Ok(PrefetchController { commands, shared, clock, thread: Mutex::new(Some(thread)) })
     }
 
     /// Queues a request. Fails at once if the controller stopped or the request is malformed.
@@ -245,7 +259,8 @@ impl PrefetchController {
         }
         let id = RequestId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
         self.shared.results.lock().insert(id, None);
-        if self.commands.send(Command::Submit(id, request)).is_err() {
+        let submitted = self.clock.now();
+        if self.commands.send(Command::Submit(id, request, submitted)).is_err() {
             self.shared.results.lock().remove(&id);
             return Err(PrefetchError::Stopped);
         }
@@ -341,13 +356,13 @@ enum Phase {
 struct Active {
     request: PrefetchRequest,
     started: u64,
-    /// When it started, or last heard from a tier, on the controller's clock: a request that
-    /// hears nothing for the request timeout (and its loads' allowance) is given up.
-    since: Duration,
-    /// Time beyond the request timeout its loads may take: a tier answers a load once, when the
-    /// whole load is in, so a large hit from a slow tier is silent for as long as it loads
-    /// ([`LOAD_FLOOR_BYTES_PER_S`]).
-    allowance: Duration,
+    /// When it is given up unless it ended, on the controller's clock: one request timeout
+    /// after it was submitted, and once its loads are planned, the time their bytes may take
+    /// at [`LOAD_FLOOR_BYTES_PER_S`] more (a tier answers a load once, when the whole load is
+    /// in, so a large hit from a slow tier takes as long as it loads). Fixed once the loads
+    /// are planned: no answer moves it, so the lookups of several tiers one after the other
+    /// share one timeout.
+    due: Duration,
     /// The (group, index) of every key not in L1, in order: what was looked up.
     wanted: Vec<At>,
     phase: Phase,
@@ -418,7 +433,8 @@ struct Worker {
     clock: Arc<dyn Clock>,
     shared: Arc<Shared>,
     events_tx: Sender<TierEvent>,
-    pending: VecDeque<(RequestId, PrefetchRequest)>,
+    /// Requests not started yet, each with when it was submitted (its time here counts).
+    pending: VecDeque<(RequestId, PrefetchRequest, Duration)>,
     active: HashMap<RequestId, Active>,
     tasks: HashMap<Slot, RequestId>,
     /// The keys of every lookup-and-lock task in flight: if its request is given up (past the
@@ -444,7 +460,12 @@ const LATE_LOCKS: Duration = Duration::from_secs(60);
 /// the request timeout: a second per 64 MiB (a 20 GiB hit may take 5 minutes more). A tier
 /// answers a load only once it is whole, so a slow disk shared by eight requests in flight can
 /// be silent for longer than the timeout while it works.
-const LOAD_FLOOR_BYTES_PER_S: f64 = (64u64 << 20) as f64;
+pub const LOAD_FLOOR_BYTES_PER_S: f64 = (64u64 << 20) as f64;
+
+/// `at` plus `wait`, or the end of time where that overflows (a configured "forever").
+fn after(at: Duration, wait: Duration) -> Duration {
+    at.checked_add(wait).unwrap_or(Duration::MAX)
+}
 
 impl Worker {
     fn run(mut self, inbox: &Receiver<Command>, events: &Receiver<TierEvent>) {
@@ -458,16 +479,16 @@ impl Worker {
             let step = catch_unwind(AssertUnwindSafe(|| {
                 select! {
                     recv(inbox) -> command => match command {
-                        Ok(Command::Submit(id, request)) if stopping.is_none() => {
-                            self.pending.push_back((id, request));
+                        Ok(Command::Submit(id, request, submitted)) if stopping.is_none() => {
+                            self.pending.push_back((id, request, submitted));
                             self.start_pending();
                         }
-                        Ok(Command::Submit(id, _)) => self.shared.deliver(id, Err(PrefetchError::Stopped)),
+                        Ok(Command::Submit(id, ..)) => self.shared.deliver(id, Err(PrefetchError::Stopped)),
                         // A stop, or every controller handle gone: drain and end.
                         Ok(Command::Stop) | Err(_) => {
                             if stopping.is_none() {
                                 stopping = Some(Instant::now());
-                                for (id, _) in std::mem::take(&mut self.pending) {
+                                for (id, ..) in std::mem::take(&mut self.pending) {
                                     self.shared.deliver(id, Err(PrefetchError::Stopped));
                                 }
                             }
@@ -532,7 +553,7 @@ impl Worker {
     /// undelivered (a request that was in hand when a panic struck). Stops accepting.
     fn fail_everything(&mut self, error: PrefetchError) {
         self.shared.accepting.store(false, Ordering::Release);
-        for (id, _) in std::mem::take(&mut self.pending) {
+        for (id, ..) in std::mem::take(&mut self.pending) {
             self.shared.deliver(id, Err(error.clone()));
         }
         for (id, active) in std::mem::take(&mut self.active) {
@@ -551,20 +572,27 @@ impl Worker {
         self.shared.metrics.queues(0, 0);
     }
 
-    /// Gives up the requests that have waited on the lower tiers past the request timeout: a
-    /// tier that never answers must not hold a place in flight, L1 reservations and the other
-    /// tiers' locks for ever. What they recorded is returned; their tasks still out move to
-    /// `late` (`on_event` returns a late lookup's locks), and their tiers are asked nothing new
-    /// until they answer.
+    /// Gives up the requests past their due time (`Active::due`): a tier that never answers
+    /// must not hold a place in flight, L1 reservations and the other tiers' locks for ever,
+    /// nor slow tiers keep an engine waiting longer than the timeout. What they recorded is
+    /// returned; their tasks still out move to `late` (`on_event` returns a late lookup's
+    /// locks), and their tiers are asked nothing new until they answer. A request still queued
+    /// past the timeout (the requests in flight before it took it all) fails without starting:
+    /// it holds nothing.
     fn give_up_overdue(&mut self) {
         let timeout = self.config.request_timeout;
         let now = self.clock.now();
-        let overdue: Vec<RequestId> = self
-            .active
-            .iter()
-            .filter(|(_, active)| now.saturating_sub(active.since) >= timeout + active.allowance)
-            .map(|(id, _)| *id)
-            .collect();
+        let (queued, pending): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|(_, _, submitted)| now >= after(*submitted, timeout));
+        self.pending = pending.into();
+        for (id, ..) in queued {
+            self.shared.metrics.failed();
+            let why = format!("not started within {timeout:?}: the lower tiers were busy");
+            self.shared.deliver(id, Err(PrefetchError::Failed(why)));
+        }
+        let overdue: Vec<RequestId> =
+            self.active.iter().filter(|(_, active)| now >= active.due).map(|(id, _)| *id).collect();
         if overdue.is_empty() {
             return;
         }
@@ -591,7 +619,7 @@ impl Worker {
             let Some(active) = self.active.remove(&id) else { continue };
             self.release_everything(&active, &BTreeSet::new());
             self.shared.metrics.failed();
-            let why = format!("no answer from the lower tiers for {timeout:?}");
+            let why = format!("no answer from the lower tiers within {timeout:?} of the request");
             self.shared.deliver(id, Err(PrefetchError::Failed(why)));
         }
         self.start_pending();
@@ -607,7 +635,7 @@ impl Worker {
 
     fn start_pending_now(&mut self) {
         while self.active.len() < self.config.max_in_flight.max(1) {
-            let Some((id, request)) = self.pending.pop_front() else {
+            let Some((id, request, submitted)) = self.pending.pop_front() else {
                 break;
             };
             let wanted: Vec<At> = request
@@ -622,8 +650,7 @@ impl Worker {
             let active = Active {
                 request,
                 started: self.started,
-                since: self.clock.now(),
-                allowance: Duration::ZERO,
+                due: after(submitted, self.config.request_timeout),
                 wanted,
                 phase: Phase::LookingUp { found: vec![None; tiers], next: 0 },
                 locked: vec![Vec::new(); tiers],
@@ -708,7 +735,6 @@ impl Worker {
             }
             return;
         };
-        active.since = self.clock.now();
         let done = match completion {
             Completion::LookedUp { locked, .. } => {
                 for i in locked.iter_ones() {
@@ -882,8 +908,10 @@ impl Worker {
             self.finalize(id, active);
         } else {
             active.phase = Phase::Loading { waiting };
-            active.since = self.clock.now();
-            active.allowance = Duration::from_secs_f64(bytes as f64 / LOAD_FLOOR_BYTES_PER_S);
+            // The loads' bytes at the floor rate, once: the request's due time is final now.
+            let allowance = Duration::try_from_secs_f64(bytes as f64 / LOAD_FLOOR_BYTES_PER_S)
+                .unwrap_or(Duration::MAX);
+            active.due = after(active.due, allowance);
             self.active.insert(id, active);
         }
     }

@@ -16,8 +16,8 @@ mod router;
 
 pub use below::{BelowError, HeldBelow};
 pub use controller::{
-    GroupRequest, PrefetchConfig, PrefetchController, PrefetchError, PrefetchRequest, Prefetched,
-    RequestId,
+    GroupRequest, LOAD_FLOOR_BYTES_PER_S, PrefetchConfig, PrefetchController, PrefetchError,
+    PrefetchRequest, Prefetched, RequestId,
 };
 pub use hit::{GroupKind, hit_chunks};
 pub use router::{TierEvent, TierRouter};

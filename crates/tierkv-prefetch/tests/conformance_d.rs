@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::unbounded;
-use tierkv_core::{Completion, ExtraCount, Layout, ObjectKey, StoreItem, TierAdapter, VecChunk};
+use tierkv_core::{
+    Completion, ExtraCount, Layout, ManualClock, ObjectKey, StoreItem, TierAdapter, VecChunk,
+};
 use tierkv_disk::{BLOCK, DiskStore, DiskStoreConfig, record_bytes};
 use tierkv_l1::{DeviceKind, L1Config, L1Context, L1Manager, OwnerId, Presence, Readers};
 use tierkv_l2::{HostMemory, HostStore, HostStoreConfig};
@@ -58,6 +60,19 @@ fn rig_with(
     let router = Arc::new(TierRouter::start(tiers).unwrap());
     let prefetch = PrefetchController::start(l1.clone(), router.clone(), config).unwrap();
     Rig { l1, router, prefetch, _dirs: dirs }
+}
+
+/// A rig over the fake `tiers` whose request timeout is measured on `clock`.
+fn rig_with_clock(
+    tiers: Vec<Arc<dyn TierAdapter>>,
+    config: PrefetchConfig,
+    clock: Arc<ManualClock>,
+) -> Rig {
+    let l1 = l1(32);
+    let router = Arc::new(TierRouter::start(tiers).unwrap());
+    let prefetch =
+        PrefetchController::start_with_clock(l1.clone(), router.clone(), config, clock).unwrap();
+    Rig { l1, router, prefetch, _dirs: vec![] }
 }
 
 /// A rig with the HostStore as its only lower tier.
@@ -785,27 +800,118 @@ fn a_large_load_is_given_time_for_its_bytes_past_the_request_timeout() {
     assert_eq!(bytes, payload(&key(15), BIG));
 }
 
+/// The request timeout of the tests on a manual clock: long enough never to pass by itself.
+const TIMEOUT: Duration = Duration::from_secs(1000);
+
+/// Submits a prefix request for `keys` (16 KiB chunks) to `rig`.
+fn submit_prefix(rig: &Rig, keys: Vec<ObjectKey>) -> tierkv_prefetch::RequestId {
+    let layout = Layout::bytes(CHUNK).unwrap();
+    rig.prefetch.submit(PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout, keys)).unwrap()
+}
+
+/// Waits for `id`, which must fail for want of an answer.
+fn given_up(rig: &Rig, id: tierkv_prefetch::RequestId) {
+    match rig.prefetch.wait(id, WAIT) {
+        Err(PrefetchError::Failed(why)) => assert!(why.contains("no answer"), "{why}"),
+        other => panic!("a request past its timeout ended {other:?}"),
+    }
+}
+
 #[test]
-fn a_request_whose_tier_answers_slowly_step_by_step_is_not_given_up() {
+fn a_request_whose_tier_answers_step_by_step_within_its_timeout_is_not_given_up() {
+    let clock = Arc::new(ManualClock::new());
     let slow = fake_holding("slow", keys(0..2));
     slow.hold();
-    let config =
-        PrefetchConfig { request_timeout: Duration::from_secs(2), ..PrefetchConfig::default() };
-    let rig = rig_with(vec![slow.clone()], vec![], config);
-    let request =
-        PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, Layout::bytes(CHUNK).unwrap(), keys(0..2));
-    let id = rig.prefetch.submit(request).unwrap();
-    // The lookup answers after 1.2 s, the load 1.2 s after that: more than the timeout in all,
-    // never as long without an answer.
+    let config = PrefetchConfig { request_timeout: TIMEOUT, ..PrefetchConfig::default() };
+    let rig = rig_with_clock(vec![slow.clone()], config, clock.clone());
+    let id = submit_prefix(&rig, keys(0..2));
+    // The lookup answers after 0.4 of the timeout, the load 0.4 after that.
     eventually("a task is held", || slow.held_tasks() == 1);
-    std::thread::sleep(Duration::from_millis(1200));
+    clock.advance(TIMEOUT * 4 / 10);
     slow.run_held();
     eventually("a task is held", || slow.held_tasks() == 1);
-    std::thread::sleep(Duration::from_millis(1200));
+    clock.advance(TIMEOUT * 4 / 10);
     slow.release_held();
     let result = rig.prefetch.wait(id, WAIT).unwrap();
     assert_eq!(result.hit_chunks, 2);
     assert_eq!(rig.bytes(&result, 0, &key(1)), payload(&key(1), CHUNK));
+}
+
+#[test]
+fn a_request_a_lower_tier_never_answers_is_given_up_one_timeout_after_it_was_submitted() {
+    // L2 answers its lookup just before the timeout, and the disk never answers the rest. The
+    // request is given up one timeout after it was submitted: each tier's answer restarted the
+    // count, so a request could wait a timeout per lower tier (and one more for its loads).
+    let clock = Arc::new(ManualClock::new());
+    let (l2, disk) = (fake_holding("l2", keys(0..2)), fake_holding("disk", keys(0..4)));
+    l2.hold();
+    disk.hold();
+    let config = PrefetchConfig { request_timeout: TIMEOUT, ..PrefetchConfig::default() };
+    let rig = rig_with_clock(vec![l2.clone(), disk.clone()], config, clock.clone());
+    let id = submit_prefix(&rig, keys(0..4));
+    eventually("L2 is asked", || l2.held_tasks() == 1);
+    clock.advance(TIMEOUT * 9 / 10);
+    l2.run_held();
+    eventually("the disk is asked what L2 did not find", || disk.held_tasks() == 1);
+    clock.advance(TIMEOUT * 2 / 10);
+    given_up(&rig, id);
+    assert_eq!(l2.usage().locks, 0, "the tier that answered has its locks back");
+    disk.release_held();
+    eventually("the late lookup's locks come back", || disk.usage().locks == 0);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
+fn a_request_whose_loads_never_answer_is_given_up_one_timeout_after_it_was_submitted() {
+    // The lookup answers at half the timeout, the load never: the load's silence is not
+    // counted from the lookup's answer. (Two 16 KiB chunks are allowed well under a
+    // millisecond past the timeout for their bytes.)
+    let clock = Arc::new(ManualClock::new());
+    let stuck = fake_holding("stuck", keys(0..2));
+    stuck.hold_loads();
+    stuck.hold();
+    let config = PrefetchConfig { request_timeout: TIMEOUT, ..PrefetchConfig::default() };
+    let rig = rig_with_clock(vec![stuck.clone()], config, clock.clone());
+    let id = submit_prefix(&rig, keys(0..2));
+    eventually("the lookup is held", || stuck.held_tasks() == 1);
+    clock.advance(TIMEOUT / 2);
+    stuck.run_held();
+    eventually("the load is held", || stuck.held_tasks() == 1);
+    clock.advance(TIMEOUT / 2 + Duration::from_millis(10));
+    given_up(&rig, id);
+    stuck.release_held();
+    eventually("the late load's slots come back", || rig.absent(&keys(0..2)));
+    assert_eq!(rig.locks(), vec![0]);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
+fn a_request_waiting_in_the_queue_has_its_time_there_counted() {
+    // One request in flight at a time: the second waits while a slow tier serves the first
+    // for 0.9 of the timeout, then gets nothing more from it. It is given up one timeout after
+    // it was submitted, not one timeout after it started.
+    let clock = Arc::new(ManualClock::new());
+    let slow = fake_holding("slow", keys(0..4));
+    slow.hold();
+    let config =
+        PrefetchConfig { max_in_flight: 1, request_timeout: TIMEOUT, ..PrefetchConfig::default() };
+    let rig = rig_with_clock(vec![slow.clone()], config, clock.clone());
+    let first = submit_prefix(&rig, keys(0..2));
+    let second = submit_prefix(&rig, keys(2..4));
+    eventually("the first lookup is held", || slow.held_tasks() == 1);
+    clock.advance(TIMEOUT * 4 / 10);
+    slow.run_held();
+    eventually("the first load is held", || slow.held_tasks() == 1);
+    clock.advance(TIMEOUT * 5 / 10);
+    slow.run_held();
+    assert_eq!(rig.prefetch.wait(first, WAIT).unwrap().hit_chunks, 2);
+    eventually("the second lookup is held", || slow.held_tasks() == 1);
+    clock.advance(TIMEOUT * 2 / 10);
+    given_up(&rig, second);
+    slow.release_held();
+    rig.l1.release_owner(OWNER);
+    eventually("the late lookup's locks come back", || slow.usage().locks == 0);
+    rig.l1.audit().unwrap();
 }
 
 #[test]
