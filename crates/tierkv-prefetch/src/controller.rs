@@ -4,8 +4,8 @@
 //! most `max_in_flight` active ones. Each active request goes through:
 //!
 //! 1. lookup-and-lock of its keys (those not already leased in L1) on every tier, one tier after
-//!    the other, fastest first: the next tier is asked once the one before answered (see
-//!    [`Worker::look_up_from`]);
+//!    the other, fastest first: the next tier is asked once the one before answered, for the
+//!    keys no tier before it found (see [`Worker::look_up_from`]);
 //! 2. plan: the hit over all groups given what L1 and the tiers hold; each needed key comes from
 //!    the fastest tier that has it; every other lock is returned;
 //! 3. reserve temporary L1 slots for the needed keys; a key that finds no slot (the hit is
@@ -346,8 +346,9 @@ fn validate(request: &PrefetchRequest) -> Result<(), PrefetchError> {
 #[derive(Clone)]
 enum Phase {
     /// Waiting for the lookup of one tier, asked after every faster one answered: per tier,
-    /// its bitmap over `wanted` once it arrived, and the tier to ask after this one.
-    LookingUp { found: Vec<Option<Bitmap>>, next: usize },
+    /// its bitmap over `wanted` once it arrived; the tier to ask after this one; and the
+    /// positions in `wanted` of the keys this one was asked (those no tier before found).
+    LookingUp { found: Vec<Option<Bitmap>>, next: usize, asked: Vec<usize> },
     /// Waiting for loads.
     Loading { waiting: usize },
 }
@@ -652,7 +653,7 @@ impl Worker {
                 started: self.started,
                 due: after(submitted, self.config.request_timeout),
                 wanted,
-                phase: Phase::LookingUp { found: vec![None; tiers], next: 0 },
+                phase: Phase::LookingUp { found: vec![None; tiers], next: 0, asked: Vec::new() },
                 locked: vec![Vec::new(); tiers],
                 source: HashMap::new(),
                 reserved: BTreeMap::new(),
@@ -666,8 +667,13 @@ impl Worker {
         }
     }
 
-    /// Asks the first tier from `first` on that takes the request's lookup, or plans the
-    /// request once no tier is left to ask.
+    /// Asks the first tier from `first` on that takes the request's lookup of the keys no tier
+    /// before it found, or plans the request once no tier is left to ask (or no key to ask for).
+    ///
+    /// A key a faster tier found is loaded from there (the fastest tier that has a key is its
+    /// source, and every other lock is returned before loading), so a slower tier is not asked
+    /// for it: that cost the tier a lookup and a lock to return (the remote tier, a round trip),
+    /// and the request the wait for a tier it did not need.
     ///
     /// One tier at a time, fastest first, each once the one before answered: chunks move down
     /// the tiers (L1 to L2 to the disk under the cascade), and a chunk leaves a tier only once
@@ -679,7 +685,12 @@ impl Worker {
     /// the L1 hits before any of this, for the same reason.
     fn look_up_from(&mut self, id: RequestId, first: usize) {
         let Some(active) = self.active.get(&id) else { return };
-        let keys: Arc<[ObjectKey]> = active.wanted.iter().map(|at| active.key(*at)).collect();
+        let found_before = |n: usize| match &active.phase {
+            Phase::LookingUp { found, .. } => found.iter().flatten().any(|bits| bits.get(n)),
+            Phase::Loading { .. } => false,
+        };
+        let asked: Vec<usize> = (0..active.wanted.len()).filter(|n| !found_before(*n)).collect();
+        let keys: Arc<[ObjectKey]> = asked.iter().map(|n| active.key(active.wanted[*n])).collect();
         let tiers = if keys.is_empty() { 0 } else { self.router.len() };
         for tier in first..tiers {
             // A tier that has not answered a task given up on is not asked: it finds nothing.
@@ -692,10 +703,11 @@ impl Worker {
             let Some(task) = submitted else { continue };
             self.tasks.insert((tier, task), id);
             self.lookup_keys.insert((tier, task), keys);
-            if let Some(Active { phase: Phase::LookingUp { next, .. }, .. }) =
+            if let Some(Active { phase: Phase::LookingUp { next, asked: now, .. }, .. }) =
                 self.active.get_mut(&id)
             {
                 *next = tier + 1;
+                *now = asked;
             }
             return;
         }
@@ -737,15 +749,16 @@ impl Worker {
         };
         let done = match completion {
             Completion::LookedUp { locked, .. } => {
-                for i in locked.iter_ones() {
-                    if let Some(at) = active.wanted.get(i).copied() {
-                        let key = active.key(at);
-                        active.locked[tier].push(key);
-                    }
-                }
+                // Bit i is the i-th key the tier was asked: those no faster tier found.
+                let asked = looked_up.as_deref().unwrap_or_default();
+                active.locked[tier].extend(locked.iter_ones().filter_map(|i| asked.get(i)));
                 match &mut active.phase {
-                    Phase::LookingUp { found, .. } => {
-                        found[tier] = Some(locked);
+                    Phase::LookingUp { found, asked, .. } => {
+                        let mut bits = Bitmap::new(active.wanted.len());
+                        for n in locked.iter_ones().filter_map(|i| asked.get(i)) {
+                            bits.set(*n, true);
+                        }
+                        found[tier] = Some(bits);
                         true
                     }
                     Phase::Loading { .. } => false,

@@ -818,6 +818,35 @@ fn given_up(rig: &Rig, id: tierkv_prefetch::RequestId) {
 }
 
 #[test]
+fn a_slower_tier_is_asked_only_for_what_the_faster_ones_did_not_find() {
+    // What a faster tier found is loaded from there: asking a slower tier for it too cost that
+    // tier a lookup and a lock to return (a round trip per key for the remote tier), and the
+    // request the wait for its answer when the faster tiers had found everything.
+    let l2 = fake_holding("l2", keys(0..2));
+    let disk = fake_holding("disk", keys(0..4));
+    let rig = rig_with(vec![l2.clone(), disk.clone()], vec![], PrefetchConfig::default());
+    let result = rig.prefetch(keys(0..4), 0);
+    assert_eq!((result.hit_chunks, result.per_tier.clone()), (4, vec![2, 2]));
+    assert_eq!(disk.looked_up(), vec![keys(2..4)], "the disk was asked for what L2 found");
+    for k in keys(0..4) {
+        assert_eq!(rig.bytes(&result, 0, &k), payload(&k, CHUNK));
+    }
+    rig.l1.release_owner(OWNER);
+    // Everything is in L2: the disk is not asked at all.
+    assert_eq!(rig.prefetch(keys(0..2), 0).per_tier, vec![2, 0]);
+    assert_eq!(disk.looked_up().len(), 1, "the disk was asked though L2 found every key");
+    rig.l1.release_owner(OWNER);
+    // A miss everywhere still asks every tier, each for every key.
+    assert_eq!(rig.prefetch(keys(6..8), 0).hit_chunks, 0);
+    assert_eq!(
+        (l2.looked_up().last(), disk.looked_up().last()),
+        (Some(&keys(6..8)), Some(&keys(6..8)))
+    );
+    assert_eq!(rig.locks(), vec![0, 0]);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
 fn a_request_whose_tier_answers_step_by_step_within_its_timeout_is_not_given_up() {
     let clock = Arc::new(ManualClock::new());
     let slow = fake_holding("slow", keys(0..2));

@@ -35,6 +35,8 @@ struct State {
     panicking_unlocks: bool,
     /// Store tasks given up on while held (they completed as `Abandoned`).
     abandoned: Vec<TaskId>,
+    /// The keys of every lookup-and-lock task submitted, in order.
+    looked_up: Vec<Vec<ObjectKey>>,
 }
 
 /// An in-memory tier of a fixed number of objects, evicting least recently used unlocked ones.
@@ -74,6 +76,7 @@ impl FakeTier {
                 losing_sinks: false,
                 panicking_unlocks: false,
                 abandoned: Vec::new(),
+                looked_up: Vec::new(),
             }),
             next_task: AtomicU64::new(1),
             sender,
@@ -158,6 +161,11 @@ impl FakeTier {
     /// The held store tasks given up on ([`TierAdapter::abandon`]), in order.
     pub fn abandoned(&self) -> Vec<TaskId> {
         self.state.lock().abandoned.clone()
+    }
+
+    /// The keys of every lookup-and-lock task submitted so far, in order.
+    pub fn looked_up(&self) -> Vec<Vec<ObjectKey>> {
+        self.state.lock().looked_up.clone()
     }
 
     /// Whether the tier holds `key`.
@@ -272,9 +280,13 @@ impl TierAdapter for FakeTier {
     }
 
     fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
-        if self.state.lock().panicking_lookups {
+        let mut state = self.state.lock();
+        if state.panicking_lookups {
+            drop(state);
             panic!("the fake tier was told to panic on lookups");
         }
+        state.looked_up.push(keys.clone());
+        drop(state);
         let task = self.task_id();
         self.submit(Task::Lookup(task, keys));
         task
