@@ -367,16 +367,21 @@ impl Cascade {
             || self.disk.as_ref().is_some_and(|d| d.contains(chunk))
     }
 
-    /// A lookup of `chunk`: a use in L1 if L1 holds it; otherwise, as in the daemon, which looks
-    /// a chunk missing from L1 up in every lower tier at once, a use in each tier holding it (the
-    /// disk also hears of a miss).
+    /// A lookup of `chunk`: a use in L1 if L1 holds it; otherwise, as in the daemon, which asks
+    /// the lower tiers one after the other, fastest first, each for the chunks no tier before
+    /// it found, a use in the first tier holding it, and the tiers before it hear of a miss
+    /// (the disk hears of one only when no tier above it holds the chunk).
     fn touch(&mut self, chunk: &u64) {
         if self.tiers[0].0.contains(chunk) {
             self.tiers[0].0.touch(chunk);
             return;
         }
         for (tier, _) in self.tiers.iter_mut().skip(1) {
+            let held = tier.contains(chunk);
             tier.touch(chunk);
+            if held {
+                return;
+            }
         }
         if let Some(disk) = &mut self.disk {
             disk.touch(chunk);
