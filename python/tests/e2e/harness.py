@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +123,14 @@ class Engine:
             "outputs"
         ]
 
-    def reset(self) -> None:
-        assert self.call(op="reset")["reset"], "reset_prefix_cache refused (requests running?)"
+    def reset(self, within_s: float = 10.0) -> None:
+        """``reset_prefix_cache``, asked again while vLLM refuses it for up to ``within_s``: a
+        finished request's blocks wait for the workers' report that its calls are over, which
+        under async scheduling may come a step after ``generate`` returned."""
+        deadline = time.monotonic() + within_s
+        while not self.call(op="reset")["reset"]:
+            assert time.monotonic() < deadline, "reset_prefix_cache refused (requests running?)"
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.process.poll() is None:

