@@ -200,13 +200,91 @@ def test_a_load_whose_retrieve_was_given_up_on_is_reported_once_that_call_is_ove
 
 
 class _Event:
-    """A CUDA event as ``_completes`` polls it: complete once ``done`` is set."""
+    """A CUDA event as the worker uses one: complete once ``done`` is set; while ``error`` is
+    set, querying it raises (a CUDA call failing); ``synchronize`` blocks, as a real event's
+    does, until it is complete or ``released`` is set (so that a test ends)."""
 
     def __init__(self) -> None:
         self.done = False
+        self.error: Exception | None = None
+        self.released = threading.Event()
 
     def query(self) -> bool:
+        if self.error is not None:
+            raise self.error
         return self.done
+
+    def synchronize(self) -> None:
+        while not self.done and not self.released.wait(0.01):
+            pass
+
+    def ipc_handle(self) -> bytes:
+        return bytes(64)
+
+
+def _over(worker: WorkerSide, req_id: str) -> None:
+    """Waits until the loading thread is done with ``req_id`` (ok or failed)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with worker._lock:  # noqa: SLF001
+            if req_id not in worker._loading:  # noqa: SLF001
+                return
+        assert time.monotonic() < deadline, "the loading thread never finished the load"
+        time.sleep(0.01)
+
+
+def test_a_load_whose_engine_stream_never_gets_there_fails_without_a_retrieve(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the loading thread waits for an event recorded on the engine's stream before
+    the daemon may write the blocks. One that never completes (a hung kernel) must end as a
+    failed load within the deadline, with nothing written, not a thread stuck for ever and a
+    request vLLM keeps waiting for ever."""
+    r, meta = _waiting(halves, "r")
+    worker = halves.worker
+    never = _Event()
+    monkeypatch.setattr(worker, "_async_events", lambda: never)
+    try:
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        assert _recved(worker, "r") == {5, 6, 7, 8}
+    finally:
+        never.released.set()
+    assert worker.loaded_chunks == 0
+    assert halves.zero([5, 6, 7, 8]), "no retrieve was made"
+    halves.scheduler.update_connector_output({5, 6, 7, 8}, {"r"})
+    halves.no_lookup_left_open()
+
+
+def test_a_load_whose_done_event_fails_keeps_its_blocks_until_it_completes(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a retrieve's reply, on a GPU the daemon's copies are over once its record of the
+    done event completes. Querying the event may fail (a CUDA error): the load failed, but
+    nobody knows whether the copies may still land, so vLLM must not hear of it (and reuse the
+    blocks) before the event completes, or one more deadline passed."""
+    from tierkv.client import Client
+
+    r, meta = _waiting(halves, "r")
+    worker = halves.worker
+    event = _Event()
+    event.error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    worker._async_done = event  # type: ignore[assignment]  # noqa: SLF001
+    retrieve = Client.retrieve
+    # The daemon here has CPU memory, which takes no done event: the copies happen as usual.
+    monkeypatch.setattr(Client, "retrieve", lambda c, *a, done_event=None: retrieve(c, *a))
+    try:
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        _over(worker, "r")
+        assert worker.take_finished_recving() == (set(), set()), "reported while it may copy"
+        assert worker.take_load_errors() == set()
+        event.error = None
+        event.done = True
+        assert worker.take_finished_recving() == ({"r"}, set())
+        assert worker.take_load_errors() == {5, 6, 7, 8}, "a failed load: vLLM recomputes"
+    finally:
+        worker._async_done = None  # noqa: SLF001
 
 
 def test_a_load_whose_copies_have_not_landed_is_reported_once_they_have(halves: Halves) -> None:

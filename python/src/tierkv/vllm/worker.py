@@ -252,12 +252,7 @@ class WorkerSide:
             started.add(req_id)
         if not meta.async_loads:
             return
-        ready = None
-        if isinstance(self.memory, DeviceKv):
-            # Kernels still queued from an earlier step may read these blocks for the request
-            # that held them before: the loading thread waits for them, off the step.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream())
+        ready = self._async_events()
         if self._loader is None:
             loader = threading.Thread(target=self._load_in_background, name="tierkv-load")
             loader.daemon = True
@@ -268,6 +263,24 @@ class WorkerSide:
                 self._loading.add(op.req_id)
             self._loads.put((op, ready))
             started.add(op.req_id)
+
+    def _async_events(self) -> torch.cuda.Event | None:
+        """On a GPU, on the step's thread (the engine's device and stream): an event recorded
+        on the engine's stream, which the loading thread waits for before the daemon writes the
+        blocks (kernels still queued from an earlier step may read them for the request that
+        held them before), and the interprocess event the daemon records after an asynchronous
+        retrieve's copies, made once. Made here, not on the loading thread, whose current
+        device is not the engine's. ``None`` on CPU."""
+        if not isinstance(self.memory, DeviceKv):
+            return None
+        if self._async_done is None:
+            done = torch.cuda.Event(interprocess=True)
+            # Recorded once here so that the event exists before its handle is taken.
+            done.record(torch.cuda.current_stream())
+            self._async_done = done
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+        return ready
 
     def _async_not_started(self, meta: TierKVMetadata, started: set[str]) -> None:
         """Reports every asynchronous load of ``meta`` not yet handed to the loading thread as
@@ -297,8 +310,11 @@ class WorkerSide:
             op, ready = item
             failed: list[int] = []
             try:
-                if ready is not None:
-                    ready.synchronize()
+                # Polled, with the call's deadline: an engine stream that never gets there
+                # fails the load (nothing was sent: the blocks are vLLM's to recompute).
+                deadline = time.monotonic() + self.settings.timeout_s
+                if ready is not None and not _completes(ready, deadline):
+                    raise Unavailable("the engine's stream did not reach the load in time")
                 self._load_async(op)
             except Exception as e:
                 self.guard.throttle.warning(
@@ -315,24 +331,31 @@ class WorkerSide:
         if self.link is None:
             raise Unavailable("the KV caches were never registered")
         lookup = op.lookups[0] if self.mla or len(op.lookups) == 1 else op.lookups[self.rank]
-        done = None
-        if isinstance(self.memory, DeviceKv):
-            if self._async_done is None:
-                self._async_done = torch.cuda.Event(interprocess=True)
-                self._async_done.record(torch.cuda.current_stream())
-            done = bytes(self._async_done.ipc_handle())
+        event = self._async_done
+        done = bytes(event.ipc_handle()) if event is not None else None
         self.link.call(lambda c: c.retrieve(lookup, self.buffer, op.chunks, done_event=done))
-        # The reply comes before the copies are done: over once the daemon's record of the
-        # event completes.
-        deadline = time.monotonic() + self.settings.timeout_s
-        if self._async_done is not None and not _completes(self._async_done, deadline):
-            # Its copies may still land: the request is unsettled until the event completes
-            # (``_settled``), as after a call given up on.
-            with self._lock:
-                self._unanswered.setdefault(op.req_id, [])
-            raise Unavailable("the daemon's copies of a retrieve did not complete in time")
+        if event is not None:
+            # The reply comes before the copies are done: over once the daemon's record of
+            # the event completes.
+            deadline = time.monotonic() + self.settings.timeout_s
+            try:
+                landed = _completes(event, deadline)
+            except Exception:
+                self._unsettled(op.req_id)
+                raise
+            if not landed:
+                self._unsettled(op.req_id)
+                raise Unavailable("the daemon's copies of a retrieve did not complete in time")
         with self._lock:
             self.loaded_chunks += len(op.chunks)
+
+    def _unsettled(self, req_id: str) -> None:
+        """A retrieve's copies may still land (the done event did not complete in time, or
+        querying it failed, and nobody knows): the request is unsettled until the event
+        completes (``_settled``), as after a call given up on, so that vLLM does not reuse its
+        blocks under them."""
+        with self._lock:
+            self._unanswered.setdefault(req_id, [])
 
     def take_finished_recving(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """The requests whose asynchronous load is over since the last call, and of those the
