@@ -172,6 +172,42 @@ def test_a_hit_waits_for_a_load_run_off_the_step(
     halves.no_lookup_left_open()
 
 
+def test_a_store_does_not_wait_behind_an_asynchronous_retrieve(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loading thread's retrieve is held in flight (sent to the daemon, its reply not yet
+    read, its session's call lock held); the step's store goes out meanwhile, on the step's
+    own session, and is made. With one session for both, the store would wait for the
+    retrieve until its deadline and be dropped."""
+    from tierkv.client import Client
+
+    r, meta = _waiting(halves, "r")
+    worker = halves.worker
+    in_flight, go = threading.Event(), threading.Event()
+    read_frame = Client._read_frame  # noqa: SLF001
+
+    def held(client: Client, *args: object) -> object:
+        if threading.current_thread().name == "tierkv-load" and not go.is_set():
+            in_flight.set()
+            assert go.wait(30), "the test never let the retrieve go on"
+        return read_frame(client, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Client, "_read_frame", held)
+    try:
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        assert in_flight.wait(10), "the retrieve was never sent"
+        other = request("other", list(range(5000, 5000 + 2 * BLOCK + 1)))
+        halves.store(other, [10, 11, 12])  # asserts the store was made
+        assert worker.take_finished_recving() == (set(), set()), "the retrieve is still held"
+    finally:
+        go.set()
+    assert _recved(worker, "r") == set()
+    assert halves.holds([5, 6, 7, 8], [0, 1, 2, 3]), "the retrieve's own session had the KV"
+    assert halves.matched(request("again", list(range(5000, 5000 + 2 * BLOCK + 1)))) == 2 * BLOCK
+    halves.scheduler.update_connector_output(set(), {"r"})
+
+
 def test_a_failed_load_reports_its_blocks_with_the_request(halves: Halves) -> None:
     r, meta = _waiting(halves, "r")
     meta.async_loads[0].lookups = [999_999]  # a lookup the daemon never made: refused

@@ -35,9 +35,11 @@ waits for its unanswered calls, up to one more deadline, before the step reuses 
 
 With ``async_loads`` the loads of requests vLLM keeps waiting for them
 (``TierKVMetadata.async_loads``) run on a thread of their own, one after the other, off the
-step; vLLM reads none of their blocks until this half reports the request in ``get_finished``'s
-finished-recving set, which it does once the load is over, ok or failed, with a failed load's
-blocks in ``get_block_ids_with_load_errors`` in the same step. A load that cannot even start is
+step, over a session of their own (opened on the first load, with the KV memory registered on
+it too), so that a long retrieve never holds the step's stores behind it. vLLM reads none of
+their blocks until this half reports the request in ``get_finished``'s finished-recving set,
+which it does once the load is over, ok or failed, with a failed load's blocks in
+``get_block_ids_with_load_errors`` in the same step. A load that cannot even start is
 reported at once. Every TP rank reports each request: vLLM waits for all of them and hears of
 the union of their failed blocks, so a failure on any rank is a failure.
 """
@@ -49,6 +51,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,6 +119,12 @@ class WorkerSide:
         self.memory: KvMemory | DeviceKv | None = None
         self.link: Link | None = None
         self.buffer = 0
+        # The loading thread's own session (``async_loads``), opened on its first load, so that
+        # the step's stores never wait behind a long retrieve; its own number for the KV
+        # buffer it registers, and the hello both sessions share.
+        self._async_link: Link | None = None
+        self._async_buffer = 0
+        self._hello: dict[str, Any] | None = None
         self.load_errors: set[int] = set()
         # Requests whose load failed in this step: their stores in the same step are skipped.
         self._failed_loads: set[str] = set()
@@ -191,14 +200,8 @@ class WorkerSide:
             chunk_bytes=self.memory.chunk_bytes(),
             chunk_tokens=self.chunk_tokens,
         )
-        self.link = Link(
-            self.settings.socket,
-            hello,
-            self.settings.timeout_s,
-            self.settings.retry_s,
-            on_connect=self._register,
-            watch_unanswered=True,
-        )
+        self._hello = hello
+        self.link = self._link(self._register)
         where = (
             f"{len(self.memory.regions)} CUDA IPC regions"
             if isinstance(self.memory, DeviceKv)
@@ -211,17 +214,42 @@ class WorkerSide:
             self.memory.chunk_bytes(),
         )
 
+    def _link(self, on_connect: Callable[[Client], None]) -> Link:
+        """A session of this worker (its hello), which registers the KV memory on connecting."""
+        assert self._hello is not None
+        return Link(
+            self.settings.socket,
+            self._hello,
+            self.settings.timeout_s,
+            self.settings.retry_s,
+            on_connect=on_connect,
+            watch_unanswered=True,
+        )
+
     def _register(self, client: Client) -> None:
+        self.buffer = self._register_kv(client)
+
+    def _register_async(self, client: Client) -> None:
+        self._async_buffer = self._register_kv(client)
+
+    def _register_kv(self, client: Client) -> int:
+        """Registers the KV memory on a new session (a buffer is the session's own); its
+        number there."""
         memory = self.memory
         assert memory is not None
         if isinstance(memory, DeviceKv):
             regions = [(region, None) for region in memory.regions]
-            self.buffer = client.register_kv(regions, memory.layout)
-        else:
-            timeout = self.settings.timeout_s + memory.nbytes / REGISTER_BYTES_PER_S
-            self.buffer = client.register_kv(
-                [(memory.region, memory.fd)], memory.layout, timeout=timeout
-            )
+            return client.register_kv(regions, memory.layout)
+        timeout = self.settings.timeout_s + memory.nbytes / REGISTER_BYTES_PER_S
+        return client.register_kv([(memory.region, memory.fd)], memory.layout, timeout=timeout)
+
+    def _loading_link(self) -> Link:
+        """The loading thread's session, made on its first load (``async_loads`` only). Its
+        retrieves read the scheduler half's lookups as the step's session does: a lookup is
+        valid on every session of its namespace and rank (docs/protocol.md)."""
+        if self._async_link is None:
+            self._async_link = self._link(self._register_async)
+        return self._async_link
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
         """Loads the step's planned chunks into their blocks. Whatever fails, the blocks it may
@@ -333,7 +361,9 @@ class WorkerSide:
         lookup = op.lookups[0] if self.mla or len(op.lookups) == 1 else op.lookups[self.rank]
         event = self._async_done
         done = bytes(event.ipc_handle()) if event is not None else None
-        self.link.call(lambda c: c.retrieve(lookup, self.buffer, op.chunks, done_event=done))
+        # On the loading thread's own session: the step's stores must not wait behind it.
+        link = self._loading_link()
+        link.call(lambda c: c.retrieve(lookup, self._async_buffer, op.chunks, done_event=done))
         if event is not None:
             # The reply comes before the copies are done: over once the daemon's record of
             # the event completes.
@@ -640,5 +670,7 @@ class WorkerSide:
             for unanswered in pending:
                 unanswered.close()
         self._unanswered.clear()
+        if self._async_link is not None:
+            self._async_link.close()
         if self.link is not None:
             self.link.close()
