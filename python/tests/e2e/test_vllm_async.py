@@ -132,8 +132,9 @@ def test_a_failed_synchronous_load_under_async_scheduling_kills_the_engine(
     step late and rewinds the request to recompute its blocks
     (``Scheduler._update_requests_with_invalid_blocks``), but keeps the output placeholders of
     the step whose output it drops and of the one already scheduled. It then schedules the
-    request up to those placeholders, whose token ids nobody filled in: the worker's embedding
-    lookup reads an id out of range and the engine core dies. If this starts to pass, vLLM
+    request up to those placeholders, whose token ids nobody filled in (P rewound to 0 with 2
+    placeholders: 1002 tokens, the id at position 1000 is -1): the worker's embedding lookup
+    raises and the engine core dies. If this starts to pass, vLLM
     changed: see whether it now answers, and whether the answer is the cold one."""
     engine = _engine(
         model, daemon, flag, tmp_path_factory, "sync", {"async_loads": False, "namespace": "sync"}
