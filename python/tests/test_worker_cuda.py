@@ -169,3 +169,31 @@ def test_cuda_a_load_given_up_on_settles_when_the_daemon_is_killed(tmp_path: Pat
         assert gpu.untouched(), "the daemon died before it ran the retrieve"
     finally:
         gpu.close()
+
+
+def test_cuda_an_asynchronous_load_lands_after_the_engines_earlier_kernels_on_its_blocks(
+    tmp_path: Path,
+) -> None:
+    """``async_loads``: the loading thread waits for the engine's stream (an event recorded on
+    the step's thread) before the retrieve, which goes over the thread's own session (the KV's
+    CUDA IPC regions registered a second time), and reports the load only once the daemon's
+    record of the done event completed."""
+    gpu = GpuWorker(tmp_path / "daemon")
+    try:
+        lookup = gpu.lookup()
+        torch.cuda._sleep(50_000_000)
+        for t in gpu.layers.values():
+            t[:, 4:6].zero_()
+        gpu.worker.start_load_kv(
+            TierKVMetadata(async_loads=[LoadOp("b", [lookup], [(gpu.chunk, [4, 5])])])
+        )
+        deadline = time.monotonic() + 10
+        while not (finished := gpu.worker.take_finished_recving()[0]):
+            assert time.monotonic() < deadline, "the load was never reported over"
+            time.sleep(0.01)
+        assert finished == {"b"}
+        assert gpu.worker.take_load_errors() == set(), "the load failed"
+        assert gpu.landed(), "a kernel queued before the load overwrote the loaded blocks"
+        assert gpu.worker.get_finished({"a", "b"}) == {"a", "b"}
+    finally:
+        gpu.close()
