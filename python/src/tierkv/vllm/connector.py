@@ -68,6 +68,20 @@ def load_failure_warning(transfer: object) -> str | None:
     )
 
 
+def sync_loads_warning(async_loads: bool | None, async_scheduling: bool | None) -> str | None:
+    """What to warn of when loads are synchronous (``async_loads`` set false) although vLLM
+    schedules asynchronously: a failed load is then heard of a step late, which vLLM 0.32
+    does not recover from (docs/vllm.md, "Failures")."""
+    if async_loads or not async_scheduling:
+        return None
+    return (
+        "tierkv: async_loads is false under vLLM's async scheduling: a load that fails is heard "
+        "of a step late, when another request may have read its blocks, and vLLM 0.32's engine "
+        'core dies rescheduling the loading request; leave "async_loads" out (auto) or set it '
+        "true (docs/vllm.md)"
+    )
+
+
 #: The KV cache specs whose every block holds its tokens' KV for the request's whole life.
 FULL_ATTENTION_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
@@ -119,6 +133,9 @@ class TierKVConnector(KVConnectorBase_V1):
             )
         if role == KVConnectorRole.SCHEDULER:
             if (warning := load_failure_warning(transfer)) is not None:
+                log.warning(warning)
+            async_scheduling = vllm_config.scheduler_config.async_scheduling
+            if (warning := sync_loads_warning(settings.async_loads, async_scheduling)) is not None:
                 log.warning(warning)
             log.info(
                 "tierkv: loads are %s (async_loads %s; vLLM's async scheduling is %s)",
