@@ -252,6 +252,19 @@ fn replica_caught_up(info: &str) -> bool {
         })
 }
 
+/// Whether a `CLUSTER NODES` line's flags (`myself,master`, `master,fail?`, ...) name a master not
+/// marked failing. Flag by flag: `nofailover` (a node with `cluster-replica-no-failover yes`)
+/// contains "fail" and is no failure.
+fn serving_master(flags: &str) -> bool {
+    let mut flags = flags.split(',');
+    let (mut master, mut failing) = (false, false);
+    for flag in &mut flags {
+        master |= flag == "master";
+        failing |= flag == "fail" || flag == "fail?";
+    }
+    master && !failing
+}
+
 /// One standalone Redis server in its own temporary directory.
 pub struct RedisStandalone {
     /// The server.
@@ -389,7 +402,7 @@ impl RedisCluster {
             .lines()
             .filter(|line| {
                 let fields: Vec<&str> = line.split_whitespace().collect();
-                fields.len() > 8 && fields[2].contains("master") && !fields[2].contains("fail")
+                fields.len() > 8 && serving_master(fields[2])
             })
             .filter_map(|line| {
                 let addr = line.split_whitespace().nth(1)?;
@@ -406,7 +419,7 @@ impl RedisCluster {
         let table = seen_by.cli(&["CLUSTER", "NODES"]);
         table.lines().find_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
-            if fields.len() < 9 || !fields[2].contains("master") || fields[2].contains("fail") {
+            if fields.len() < 9 || !serving_master(fields[2]) {
                 return None;
             }
             let serves = fields[8..].iter().any(|range| match range.split_once('-') {
@@ -437,7 +450,7 @@ impl RedisCluster {
 
 #[cfg(test)]
 mod tests {
-    use super::replica_caught_up;
+    use super::{replica_caught_up, serving_master};
 
     /// `INFO replication` of a master whose replica is in its first sync, as Redis 7 prints it.
     const SYNCING: &str = "# Replication\r\nrole:master\r\nconnected_slaves:1\r\n\
@@ -454,5 +467,16 @@ mod tests {
         let alone = "role:master\r\nconnected_slaves:0\r\nmaster_repl_offset:50";
         assert!(!replica_caught_up(alone), "a master without a replica");
         assert!(!replica_caught_up(""), "no answer");
+    }
+
+    #[test]
+    fn a_master_barred_from_failover_still_counts_as_a_master() {
+        assert!(serving_master("myself,master"));
+        assert!(serving_master("master,nofailover"));
+        assert!(serving_master("myself,master,nofailover"));
+        assert!(!serving_master("master,fail"));
+        assert!(!serving_master("master,fail?,nofailover"));
+        assert!(!serving_master("slave,nofailover"));
+        assert!(!serving_master("myself,slave"));
     }
 }
