@@ -15,7 +15,10 @@
 //! stays healthy. In a cluster one hung master looks busy too (the others answer), so a busy
 //! timeout there renews the connection in the background, at most once per reconnect interval,
 //! keeping the current one until the new one is open: the new connection learns the slot map
-//! afresh, which is how a hung master's slots move to its promoted replica.
+//! afresh, which is how a hung master's slots move to its promoted replica. Likewise a call that
+//! fails for the link's sake at once (a dead master refuses it) while the cluster connection
+//! answered other calls within the op deadline: one master's failure, not the link's. The tier
+//! is degraded, but the connection stays and the other masters' keys keep hitting.
 //!
 //! In a cluster, a call that succeeds proves one master alive, not the link: with a master
 //! dead, calls to the others succeed and calls to its slots fail, and a tier healed by every
@@ -249,9 +252,21 @@ impl Link {
                     return result;
                 }
                 if self.config.mode == RemoteMode::Cluster {
-                    self.renew(&mut state);
+                    self.renew(&mut state, "a remote call timed out on a busy connection");
                 }
                 Err(CallError::Busy(self.config.op_timeout))
+            }
+            Err(e) if e.is_connection() && self.one_master(&state, used) => {
+                // One master's failure, not the link's: the tier is degraded (only a probe that
+                // reaches every master heals it), but the connection stays and calls go on,
+                // the other masters' keys hitting. A new connection, opened in the background,
+                // learns the slot map afresh once the master's replica took over.
+                if state.degraded.is_none() {
+                    tracing::warn!(error = %e, "the remote tier is degraded: a master fails");
+                }
+                state.degraded = Some(e.to_string());
+                self.renew(&mut state, "a remote call to one master failed");
+                result
             }
             Err(e) if e.is_connection() => {
                 self.link_failed(&mut state, used.is_some(), e);
@@ -266,6 +281,21 @@ impl Link {
             }
             Err(_) => result,
         }
+    }
+
+    /// Whether a call that failed for the link's sake on `used` (not by its deadline: see
+    /// [`CallError::Busy`]) failed for one master's: in a cluster, on the current connection,
+    /// which answered another call within the last op deadline. A dead master refuses its
+    /// calls at once while the others answer; dropping the connection for it, and failing
+    /// every call for a reconnect interval, took the live masters' keys down with it each
+    /// time a call went to the dead master's slots, which is every interval under load. A
+    /// cluster gone or partitioned whole answers nothing, and fails as the link within a
+    /// deadline.
+    fn one_master(&self, state: &State, used: Option<Used>) -> bool {
+        let current = state.conn.as_ref();
+        self.config.mode == RemoteMode::Cluster
+            && used.is_some_and(|u| current.is_some_and(|c| c.generation == u.generation))
+            && current.is_some_and(|c| c.last_answer.elapsed() < self.config.op_timeout)
     }
 
     /// A call failed for the link's sake: on the current connection (`on_current`), which goes,
@@ -289,11 +319,11 @@ impl Link {
 
     /// Opens a new connection in the background, unless one is being opened or the last attempt
     /// is more recent than the reconnect interval; calls use the current one until it is open.
-    fn renew(&self, state: &mut State) {
+    fn renew(&self, state: &mut State, why: &str) {
         let due =
             state.last_attempt.is_none_or(|last| last.elapsed() >= self.config.reconnect_interval);
         if !state.connecting && due {
-            tracing::info!("a remote call timed out on a busy connection: renewing it");
+            tracing::info!("{why}: renewing the connection");
             state.connecting = true;
             state.last_attempt = Some(Instant::now());
             self.start_opening();

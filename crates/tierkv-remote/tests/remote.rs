@@ -728,3 +728,114 @@ fn a_dead_master_keeps_the_tier_degraded_without_flapping() {
     }
     assert_eq!(tier.load_verified(&all).count_ones(), all.len());
 }
+
+/// Lets the cluster's replicas take over from a failed master (`allowed`), or bars them, on every
+/// running node; either way the slots a master still serves stay served while another's are
+/// not (`cluster-require-full-coverage no`): otherwise a master in `FAIL` takes the whole
+/// cluster down, and no key of any master could hit.
+fn allow_failover(cluster: &RedisCluster, allowed: bool) {
+    let barred = if allowed { "no" } else { "yes" };
+    for node in cluster.nodes.iter().filter(|n| n.running()) {
+        assert_eq!(node.cli(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]), "OK");
+        assert_eq!(node.cli(&["CONFIG", "SET", "cluster-replica-no-failover", barred]), "OK");
+    }
+}
+
+/// `all` split into the keys `victim` serves and the others, each part non-empty (so a test of
+/// one master's keys against the others' cannot pass on an empty side).
+fn split_by_master(
+    cluster: &RedisCluster,
+    prefix: &str,
+    all: &[ObjectKey],
+    victim: usize,
+) -> (Vec<ObjectKey>, Vec<ObjectKey>) {
+    let (on_victim, others): (Vec<ObjectKey>, Vec<ObjectKey>) =
+        all.iter().partition(|k| cluster.master_of(&redis_key(prefix, k)) == Some(victim));
+    assert!(!on_victim.is_empty() && !others.is_empty(), "{} on the victim", on_victim.len());
+    let masters: std::collections::HashSet<usize> =
+        all.iter().filter_map(|k| cluster.master_of(&redis_key(prefix, k))).collect();
+    assert_eq!(masters.len(), 3, "the keys do not cover every master");
+    (on_victim, others)
+}
+
+/// Loads `keys` `rounds` times in a row (every byte verified), probing between rounds as the
+/// maintenance thread does while the tier is degraded; how many rounds loaded every key.
+fn whole_rounds(store: &RemoteStore, tier: &SharedTier, keys: &[ObjectKey], rounds: u32) -> u32 {
+    (0..rounds)
+        .filter(|_| {
+            store.probe();
+            std::thread::sleep(Duration::from_millis(20));
+            let n = tier.load_verified(keys).count_ones();
+            eprintln!("DEBUG round: {n}/{} degraded {:?}", keys.len(), store.degraded());
+            n == keys.len()
+        })
+        .count() as u32
+}
+
+/// One master dead and no replica taking over: the live masters' keys still hit, every byte
+/// verified, while the dead one's are misses within the call deadline; the tier says degraded
+/// all along. Once the replica may take over, the dead master's keys hit again (what the
+/// replica holds) and the tier heals.
+#[test]
+fn the_live_masters_keys_hit_while_a_dead_masters_are_misses() {
+    require_redis!();
+    let mut cluster = RedisCluster::start();
+    let prefix = unique_prefix("live");
+    let store =
+        Arc::new(RemoteStore::open(config(cluster.urls(), RemoteMode::Cluster, &prefix)).unwrap());
+    let tier = SharedTier::new(Arc::clone(&store) as Arc<dyn TierAdapter>, CHUNK);
+    let all = keys(0..36);
+    tier.store(&all).unwrap();
+    cluster.wait_replicated(Duration::from_secs(20));
+    healed(&store);
+    let victim = cluster.master_of(&redis_key(&prefix, &all[0])).unwrap();
+    let (dead, live) = split_by_master(&cluster, &prefix, &all, victim);
+    allow_failover(&cluster, false);
+    cluster.nodes[victim].kill();
+
+    // Loads of every key, probed between them as the maintenance thread does: only the live
+    // masters' keys ever load, each load ends within the deadline (500 ms), and once the live
+    // masters' keys loaded (the first loads may fall in the reconnect interval after the first
+    // failure) they load every time: a call to the dead master's slots fails alone, it does not
+    // take the other masters' keys down with it.
+    let (mut slowest, mut rounds, mut whole) = (Duration::ZERO, 0, 0);
+    let started = Instant::now();
+    while whole == 0 || rounds < 15 {
+        assert!(started.elapsed() < Duration::from_secs(20), "the live keys never all loaded");
+        let t = Instant::now();
+        let loaded = tier.load_verified(&all);
+        slowest = slowest.max(t.elapsed());
+        let hits: Vec<ObjectKey> = loaded.iter_ones().map(|i| all[i]).collect();
+        assert!(hits.iter().all(|k| live.contains(k)), "a dead master's key loaded: {hits:?}");
+        if whole > 0 || hits.len() == live.len() {
+            rounds += 1;
+            whole += u32::from(hits.len() == live.len());
+        }
+        store.probe();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(slowest < Duration::from_secs(2), "a load took {slowest:?}");
+    assert_eq!(whole, rounds, "the live masters' keys missed, a master dead");
+    assert!(store.degraded().is_some(), "a dead master, and the tier is not degraded");
+    assert_eq!(cluster.masters().len(), 2, "failed over: {}", cluster.cli(&["CLUSTER", "NODES"]));
+
+    // Calls only to the live masters: every one hits, and the probes that miss the dead master
+    // keep the tier degraded.
+    assert_eq!(whole_rounds(&store, &tier, &live, 10), 10, "live masters' keys missed");
+    assert!(store.degraded().is_some(), "the tier healed, a master dead: {:?}", store.degraded());
+    // And the dead master's keys are misses, within the deadline.
+    let t = Instant::now();
+    assert_eq!(tier.load_verified(&dead).count_ones(), 0);
+    assert!(t.elapsed() < Duration::from_secs(2), "a load took {:?}", t.elapsed());
+
+    // The replica takes over: every value comes back (the replicas had them all), and the tier
+    // heals.
+    allow_failover(&cluster, true);
+    cluster.wait_ok(Duration::from_secs(30));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tier.load_verified(&all).count_ones() < all.len() || store.degraded().is_some() {
+        assert!(Instant::now() < deadline, "never whole again: {:?}", store.degraded());
+        store.probe();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
