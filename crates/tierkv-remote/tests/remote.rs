@@ -839,3 +839,64 @@ fn the_live_masters_keys_hit_while_a_dead_masters_are_misses() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// One master hung (SIGSTOP) while the tier is degraded, its replica barred from taking over:
+/// each load ends within a bound of the deadline, none of the hung master's keys loads, no byte
+/// is wrong; once it answers again (SIGCONT) the tier heals by itself, no restart, no failover,
+/// and every key hits.
+///
+/// Not asserted: that the other masters' keys hit while it hangs. They mostly do not (none of
+/// 12 rounds whole, here): the cluster client refreshes its slot map after a timeout, and the
+/// refresh holds every request while it waits for the hung node (redis 1.8's `refresh_slots`
+/// takes the connections' lock and asks the nodes in turn), so the live masters' calls pass
+/// their deadline too, and the connection looks silent. See docs/remote.md.
+#[test]
+fn a_master_hung_then_resumed_heals_a_degraded_tier_without_a_failover() {
+    require_redis!();
+    let cluster = RedisCluster::start();
+    let prefix = unique_prefix("resumed");
+    let store =
+        Arc::new(RemoteStore::open(config(cluster.urls(), RemoteMode::Cluster, &prefix)).unwrap());
+    let tier = SharedTier::new(Arc::clone(&store) as Arc<dyn TierAdapter>, CHUNK);
+    let all = keys(0..36);
+    tier.store(&all).unwrap();
+    healed(&store);
+    let victim = cluster.master_of(&redis_key(&prefix, &all[0])).unwrap();
+    let (hung, live) = split_by_master(&cluster, &prefix, &all, victim);
+    allow_failover(&cluster, false);
+    cluster.nodes[victim].pause();
+
+    // The hung master's keys alone: the connection answers nothing for a whole deadline, a
+    // link failure; the tier is degraded.
+    let t = Instant::now();
+    assert_eq!(tier.load_verified(&hung).count_ones(), 0);
+    assert!(t.elapsed() < Duration::from_secs(3), "a load took {:?}", t.elapsed());
+    assert!(store.degraded().is_some(), "a hung master's silence did not degrade the tier");
+
+    // Every key, probed between loads, for longer than the cluster takes to mark the master
+    // failed (1 s): each load ends within the deadline (500 ms) for each of the three rounds of
+    // `max_in_flight` (16) calls it may take, plus slack; only the others' keys may load.
+    let mut slowest = Duration::ZERO;
+    for _ in 0..12 {
+        let t = Instant::now();
+        let loaded = tier.load_verified(&all);
+        slowest = slowest.max(t.elapsed());
+        let hits: Vec<ObjectKey> = loaded.iter_ones().map(|i| all[i]).collect();
+        assert!(hits.iter().all(|k| live.contains(k)), "a hung master's key loaded: {hits:?}");
+        store.probe();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(slowest < Duration::from_secs(3), "a load took {slowest:?}");
+    assert!(store.degraded().is_some(), "the tier healed, a master hung");
+
+    // It answers again, still the master of its slots: the tier heals, and every key hits.
+    cluster.nodes[victim].resume();
+    cluster.wait_ok(Duration::from_secs(30));
+    assert!(cluster.masters().contains(&victim), "failed over");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tier.load_verified(&all).count_ones() < all.len() || store.degraded().is_some() {
+        assert!(Instant::now() < deadline, "never whole again: {:?}", store.degraded());
+        store.probe();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
