@@ -698,6 +698,8 @@ fn a_dead_master_keeps_the_tier_degraded_without_flapping() {
         assert_eq!(node.cli(&["CONFIG", "SET", "cluster-require-full-coverage", "no"]), "OK");
         assert_eq!(node.cli(&["CONFIG", "SET", "cluster-replica-no-failover", "yes"]), "OK");
     }
+    // The replica must hold the victim's keys before it dies: every key loads after failover.
+    cluster.wait_replicated(Duration::from_secs(20));
     cluster.nodes[victim].kill();
     // Loads and probes (the maintenance thread's, once a second while degraded) for 4 s.
     let started = Instant::now();
