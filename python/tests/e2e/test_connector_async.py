@@ -260,6 +260,31 @@ def test_a_request_aborted_while_waiting_returns_its_lease_and_is_freed_once(
     halves.no_lookup_left_open()
 
 
+def test_a_request_aborted_after_its_load_was_reported_is_forgotten_by_the_workers(
+    halves: Halves,
+) -> None:
+    """Under async scheduling (or with TP, one rank reporting before the others), a worker can
+    report a load over in a step planned before vLLM finished its request: the step that says
+    ``freed_on_recv`` comes later. The worker has nothing left to wait for then, and must not
+    keep the request (one such entry per aborted request, for the engine's life)."""
+    r, meta = _waiting(halves, "r")
+    worker = halves.worker
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert not halves.scheduler.request_finished(r), "vLLM frees it on the recving report"
+    _recved(worker, "r")  # in a step planned before vLLM finished it
+    out = scheduler_output([])
+    out.finished_req_ids = {"r"}
+    later = halves.scheduler.build_connector_meta(out)
+    assert later.freed_on_recv == ["r"]
+    worker.start_load_kv(later)
+    worker.wait_for_save(later)
+    assert worker.get_finished({"r"}) == set(), "vLLM freed it on the recving report"
+    assert worker.take_finished_recving() == (set(), set())
+    assert "r" not in worker._freed_on_recv, "the worker keeps a request vLLM freed"  # noqa: SLF001
+    halves.no_lookup_left_open()
+
+
 def test_an_aborted_request_whose_load_was_reported_waits_for_the_workers(
     halves: Halves,
 ) -> None:

@@ -537,8 +537,16 @@ class WorkerSide:
         self._planned.update(op.req_id for op in meta.stores)
         self._planned.update(op.req_id for op in meta.async_loads)
         self._planned.update(meta.async_unloadable)
-        # vLLM frees these on the finished-recving report: never reported finished-sending.
-        self._freed_on_recv.update(meta.freed_on_recv)
+        # vLLM frees these on the finished-recving report: never reported finished-sending. One
+        # this rank reported already (in a step planned before vLLM finished the request) is
+        # not waited for any more, and is forgotten at once.
+        with self._lock:
+            loaded = {item[0] for item in self._loaded}
+            self._freed_on_recv.update(
+                req_id
+                for req_id in meta.freed_on_recv
+                if req_id in self._loading or req_id in loaded
+            )
         self._planned.difference_update(meta.freed_on_recv)
         self._finishing.difference_update(meta.freed_on_recv)
 
