@@ -260,6 +260,33 @@ def test_a_request_aborted_while_waiting_returns_its_lease_and_is_freed_once(
     halves.no_lookup_left_open()
 
 
+def test_what_is_computed_over_an_asynchronous_load_into_once_failed_blocks_is_stored(
+    halves: Halves,
+) -> None:
+    """Blocks a failed load left unwritten stay tainted until rewritten, and vLLM hands them to
+    other requests. An asynchronous load into them rewrites them (should it fail, vLLM hears of
+    its blocks again before anyone reads them): what its request computes over them is stored,
+    or every later chunk of it, and of every request hitting it in vLLM's prefix cache, is a
+    miss for good."""
+    halves.scheduler.update_connector_output({5, 6, 7, 8})  # another request's failed load
+    longer = list(range(1, 6 * BLOCK + 2))  # TOKENS' first four chunks, and two more
+    r = request("r", longer)
+    assert halves.matched(r) == 4 * BLOCK
+    halves.scheduler.update_state_after_alloc(r, 4 * BLOCK, [5, 6, 7, 8])
+    meta = halves.scheduler.build_connector_meta(scheduler_output([]))
+    assert [op.req_id for op in meta.async_loads] == ["r"]
+    halves.worker.start_load_kv(meta)
+    halves.worker.wait_for_save(meta)
+    assert _recved(halves.worker, "r") == set()
+    halves.scheduler.update_connector_output(set(), {"r"})
+    blocks = [5, 6, 7, 8, 10, 11, 12]
+    step = halves.step([(r, blocks, 4 * BLOCK, 2 * BLOCK + 1)])
+    assert [held for op in step.stores for _, held in op.chunks] == [[10], [11]]
+    assert halves.scheduler.request_finished(r)
+    assert halves.worker.get_finished({"r"}) == {"r"}
+    halves.no_lookup_left_open()
+
+
 def test_a_request_aborted_after_its_load_was_reported_is_forgotten_by_the_workers(
     halves: Halves,
 ) -> None:

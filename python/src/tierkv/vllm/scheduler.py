@@ -712,7 +712,9 @@ class SchedulerSide:
         tainted one, then drops every store that reads or writes a block still tainted."""
         if not self.tainted:
             return meta
-        for op in meta.loads:
+        # An asynchronous load's blocks are read by nobody until vLLM hears the load is over,
+        # and it hears of a failure's blocks no later than that (tainted again then).
+        for op in meta.loads + meta.async_loads:
             for _, held in op.chunks:
                 self.tainted.difference_update(held)
                 for block in held:
