@@ -269,6 +269,37 @@ def test_under_async_scheduling_the_next_steps_stores_wait_on_this_steps_failed_
     assert worker.stored_chunks == 1
 
 
+def test_a_request_that_loads_again_right_after_a_failed_load_stores_what_it_computes(
+    halves: Halves,
+) -> None:
+    # a's load fails; before the next step vLLM resets its prefix cache, which preempts a and
+    # resumes it in that step: it looks up and loads again, and that load succeeds. What it
+    # computes over it depends on this step's load only: the last step's failure must not drop
+    # it (the scheduler half counts it stored, so it would never be stored: a miss for good).
+    scheduler, worker = halves.scheduler, halves.worker
+    prompt = PROMPT[: 3 * BLOCK] + list(range(7000, 7000 + 2 * BLOCK + 1))
+    halves.store(request("cold", PROMPT), [0, 1, 2, 3])
+    a = request("a", prompt)
+    assert halves.matched(a) == 3 * BLOCK
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    blocks = [4, 5, 6, 7, 8, 9]
+    meta = scheduler.build_connector_meta(scheduler_output([(a, blocks, 3 * BLOCK, 2 * BLOCK + 1)]))
+    meta.loads[0].lookups = [987_654]  # a load the daemon refuses
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.take_load_errors() == {4, 5, 6}
+    scheduler.update_connector_output({4, 5, 6})
+    a.num_preemptions += 1  # reset_prefix_cache(reset_running_requests=True)
+    assert halves.matched(a) == 3 * BLOCK
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    before = worker.stored_chunks
+    meta = halves.step([(a, blocks, 3 * BLOCK, 2 * BLOCK + 1)], preempted=("a",))
+    assert [op.req_id for op in meta.loads] == ["a"]
+    assert [op.after for op in meta.stores] == [["a"]], "computed over this step's load"
+    assert worker.take_load_errors() == set()
+    assert worker.stored_chunks == before + 2, "dropped for the last step's failed load"
+
+
 def test_what_vllm_recomputes_after_a_failed_load_is_stored(halves: Halves) -> None:
     # a's load of its first three chunks fails in the step that computes its next two over
     # them: those two are not stored. vLLM hears of it before it plans the next step (no async

@@ -36,6 +36,9 @@ class StoreOp:
     #: over, the request's own included: through vLLM's prefix cache another request's blocks
     #: can be among them. Should any of those loads have failed, the KV is not stored.
     after: list[str] = field(default_factory=list)
+    #: Of ``after``, the requests whose loads it was computed over are all of this step: a
+    #: load of theirs that failed in the last step does not concern it.
+    this_step: list[str] = field(default_factory=list)
 
 
 @dataclass

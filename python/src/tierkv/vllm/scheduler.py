@@ -88,6 +88,10 @@ class _Request:
     load_failed: bool = False
 
 
+#: A load, as the scheduler half tells them apart: its request, and the step that planned it.
+Load = tuple[str, int]
+
+
 @dataclass(frozen=True)
 class Scheduled:
     """One request of vLLM's scheduler output, as the plan needs it."""
@@ -222,13 +226,14 @@ class SchedulerSide:
         ]
         self.requests: dict[str, _Request] = {}
         #: Blocks that loads planned in this step or the last fill (or that KV computed over
-        #: such blocks went to): the step that planned it and the requests whose loads they
-        #: depend on. A store of KV computed over them waits on those loads (``StoreOp.after``).
-        self.fresh: dict[int, tuple[int, frozenset[str]]] = {}
+        #: such blocks went to): the step that planned it and the loads they depend on (each a
+        #: request and the step that planned its load). A store of KV computed over them waits
+        #: on those loads (``StoreOp.after``).
+        self.fresh: dict[int, tuple[int, frozenset[Load]]] = {}
         #: Of those, the blocks a request computed over a freshly loaded one (rather than the
         #: loaded blocks themselves), and the loads they depend on: if one of those loads is
         #: reported failed, they hold KV computed over unwritten blocks.
-        self.derived: dict[int, tuple[int, frozenset[str]]] = {}
+        self.derived: dict[int, tuple[int, frozenset[Load]]] = {}
         #: Blocks vLLM reported unwritten (a failed load's) and nobody wrote since. Under the
         #: recompute policy vLLM keeps them in its prefix cache until a request computes into
         #: them again, so KV computed over them can come any number of steps later: a store
@@ -623,10 +628,10 @@ class SchedulerSide:
         self.fresh = {b: made for b, made in self.fresh.items() if made[0] >= step - 1}
         self.derived = {b: made for b, made in self.derived.items() if made[0] >= step - 1}
         for op in meta.loads:
-            loader = (step, frozenset((op.req_id,)))
+            loader = (step, frozenset(((op.req_id, step),)))
             self.fresh.update((b, loader) for _, held in op.chunks for b in held)
         for req_id, blocks in meta.unloadable.items():
-            self.fresh.update((b, (step, frozenset((req_id,)))) for b in blocks)
+            self.fresh.update((b, (step, frozenset(((req_id, step),)))) for b in blocks)
         if not self.fresh:
             return meta
         # Every block computed this step over a fresh one (a request's own load, or another's
@@ -647,7 +652,15 @@ class SchedulerSide:
             read = state.block_ids[: state.stored * per] if state is not None else []
             after = self._fresh_loads(read + [b for _, held in op.chunks for b in held])
             if after:
-                op.after = sorted(after)
+                op.after = sorted({req_id for req_id, _ in after})
+                # A request whose load failed in the last step may load again in this one
+                # (resumed at once after vLLM reset its prefix cache): a store that depends
+                # only on its new load need not wait on the old one.
+                op.this_step = [
+                    req_id
+                    for req_id in op.after
+                    if all(planned == step for loader, planned in after if loader == req_id)
+                ]
                 # What it computed over them is as good as those loads, for whoever reads it
                 # next. Only that: a chunk of blocks computed before the loads (this request's
                 # prefix hit, stored by it for the first time) holds KV as good as it was,
@@ -660,9 +673,9 @@ class SchedulerSide:
                             self.fresh.setdefault(block, made)
         return meta
 
-    def _fresh_loads(self, blocks: Iterable[int]) -> frozenset[str]:
-        """The requests whose loads (of this step or the last) ``blocks`` depend on."""
-        loads: frozenset[str] = frozenset()
+    def _fresh_loads(self, blocks: Iterable[int]) -> frozenset[Load]:
+        """The loads (of this step or the last) ``blocks`` depend on."""
+        loads: frozenset[Load] = frozenset()
         for block in blocks:
             made = self.fresh.get(block)
             if made is not None:

@@ -497,11 +497,11 @@ class WorkerSide:
         before, self._failed_before = self._failed_before, set(failed)
         self.guard.run(
             "the step's stores (dropped)",
-            lambda: self._store_all(meta, failed, failed | before),
+            lambda: self._store_all(meta, failed, before),
             nothing,
         )
 
-    def _store_all(self, meta: TierKVMetadata, failed: set[str], spoiled: set[str]) -> None:
+    def _store_all(self, meta: TierKVMetadata, failed: set[str], before: set[str]) -> None:
         if self.link is None:
             return
         ready = None
@@ -510,6 +510,9 @@ class WorkerSide:
             # blocks: an event recorded on the engine's stream, shared by CUDA IPC.
             ready = self._ready_event()
         for op in meta.stores:
+            # A request's failed load of the last step does not concern a store computed over
+            # its loads of this step only (``StoreOp.this_step``).
+            spoiled = failed | before.difference(op.this_step)
             if op.req_id in failed or not spoiled.isdisjoint(op.after):
                 # Computed over blocks whose load failed (here or on another rank; its own
                 # load, or another request's whose blocks it shares): stored, it would be
