@@ -300,6 +300,39 @@ def test_a_request_that_loads_again_right_after_a_failed_load_stores_what_it_com
     assert worker.stored_chunks == before + 2, "dropped for the last step's failed load"
 
 
+def test_a_failed_load_does_not_drop_a_store_over_the_requests_earlier_good_load(
+    halves: Halves,
+) -> None:
+    # a loads into blocks 4-6, and that load is good. vLLM resets its prefix cache: a is
+    # preempted, and its blocks go to others at once: b writes block 6 anew and stores it,
+    # still counted as depending on a's load of the last step. a resumes in the same step and
+    # loads again, and that load fails: it does not concern b's store.
+    scheduler, worker = halves.scheduler, halves.worker
+    a = _hit(halves, "a")
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    halves.step([(a, [4, 5, 6, 7], 3 * BLOCK, 1)])
+    assert worker.take_load_errors() == set()
+    a.num_preemptions += 1  # reset_prefix_cache(reset_running_requests=True)
+    b = request("b", list(range(8000, 8000 + 2 * BLOCK + 1)))
+    assert halves.matched(b) == 0
+    scheduler.update_state_after_alloc(b, 0)
+    assert halves.matched(a) == 3 * BLOCK
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    meta = scheduler.build_connector_meta(
+        scheduler_output(
+            [(a, [8, 9, 10, 11], 3 * BLOCK, 1), (b, [6, 12, 13], 0, 2 * BLOCK + 1)],
+            preempted=("a",),
+        )
+    )
+    assert [op.after for op in meta.stores if op.req_id == "b"] == [["a"]]
+    meta.loads[0].lookups = [987_654]  # a load the daemon refuses
+    before = worker.stored_chunks
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.take_load_errors() == {8, 9, 10}
+    assert worker.stored_chunks == before + 2, "dropped for a's failed load of this step"
+
+
 def test_what_vllm_recomputes_after_a_failed_load_is_stored(halves: Halves) -> None:
     # a's load of its first three chunks fails in the step that computes its next two over
     # them: those two are not stored. vLLM hears of it before it plans the next step (no async

@@ -36,9 +36,11 @@ class StoreOp:
     #: over, the request's own included: through vLLM's prefix cache another request's blocks
     #: can be among them. Should any of those loads have failed, the KV is not stored.
     after: list[str] = field(default_factory=list)
-    #: Of ``after``, the requests whose loads it was computed over are all of this step: a
-    #: load of theirs that failed in the last step does not concern it.
+    #: Of ``after``, the requests whose loads it was computed over are all of this step (a
+    #: load of theirs that failed in the last step does not concern it), and those whose loads
+    #: it was computed over are all of earlier steps (one that failed in this step does not).
     this_step: list[str] = field(default_factory=list)
+    earlier: list[str] = field(default_factory=list)
 
 
 @dataclass

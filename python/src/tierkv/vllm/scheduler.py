@@ -653,14 +653,12 @@ class SchedulerSide:
             after = self._fresh_loads(read + [b for _, held in op.chunks for b in held])
             if after:
                 op.after = sorted({req_id for req_id, _ in after})
-                # A request whose load failed in the last step may load again in this one
-                # (resumed at once after vLLM reset its prefix cache): a store that depends
-                # only on its new load need not wait on the old one.
-                op.this_step = [
-                    req_id
-                    for req_id in op.after
-                    if all(planned == step for loader, planned in after if loader == req_id)
-                ]
+                # A request may load in two steps in a row (resumed at once after vLLM reset
+                # its prefix cache): a store that depends on one of its loads only does not wait
+                # on the other.
+                steps = {r: {s for loader, s in after if loader == r} for r in op.after}
+                op.this_step = [r for r in op.after if steps[r] == {step}]
+                op.earlier = [r for r in op.after if step not in steps[r]]
                 # What it computed over them is as good as those loads, for whoever reads it
                 # next. Only that: a chunk of blocks computed before the loads (this request's
                 # prefix hit, stored by it for the first time) holds KV as good as it was,

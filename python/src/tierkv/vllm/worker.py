@@ -511,8 +511,9 @@ class WorkerSide:
             ready = self._ready_event()
         for op in meta.stores:
             # A request's failed load of the last step does not concern a store computed over
-            # its loads of this step only (``StoreOp.this_step``).
-            spoiled = failed | before.difference(op.this_step)
+            # its loads of this step only (``StoreOp.this_step``), nor its failed load of this
+            # step one computed over its earlier loads only (``StoreOp.earlier``).
+            spoiled = failed.difference(op.earlier) | before.difference(op.this_step)
             if op.req_id in failed or not spoiled.isdisjoint(op.after):
                 # Computed over blocks whose load failed (here or on another rank; its own
                 # load, or another request's whose blocks it shares): stored, it would be
