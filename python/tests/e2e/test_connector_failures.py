@@ -333,6 +333,39 @@ def test_a_failed_load_does_not_drop_a_store_over_the_requests_earlier_good_load
     assert worker.stored_chunks == before + 2, "dropped for a's failed load of this step"
 
 
+def test_stores_a_failed_load_dropped_are_made_after_a_preemption_heard_of_first(
+    halves: Halves,
+) -> None:
+    # Under async scheduling vLLM preempts a in the plan of the next step before it hears
+    # that a's load failed: the stores that step dropped (of what a computed over the unwritten
+    # blocks) are planned again once a resumes and recomputes them.
+    scheduler, worker = halves.scheduler, halves.worker
+    prompt = PROMPT[: 3 * BLOCK] + list(range(7000, 7000 + 2 * BLOCK + 1))
+    halves.store(request("cold", PROMPT), [0, 1, 2, 3])
+    a = request("a", prompt)
+    assert halves.matched(a) == 3 * BLOCK
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    meta = scheduler.build_connector_meta(
+        scheduler_output([(a, [4, 5, 6, 7, 8, 9], 3 * BLOCK, 2 * BLOCK + 1)])
+    )
+    meta.loads[0].lookups = [987_654]  # a load the daemon refuses
+    before = worker.stored_chunks
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    assert worker.stored_chunks == before, "computed over the blocks the load left unwritten"
+    preempting = scheduler.build_connector_meta(scheduler_output([], preempted=("a",)))
+    a.num_preemptions += 1
+    scheduler.update_connector_output(worker.take_load_errors())  # the report comes now
+    worker.start_load_kv(preempting)
+    worker.wait_for_save(preempting)
+    assert halves.matched(a) == 3 * BLOCK
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    halves.fill([13, 14], seed=3)
+    meta = halves.step([(a, [10, 11, 12, 13, 14, 15], 3 * BLOCK, 2 * BLOCK + 1)])
+    assert [held for op in meta.stores for _, held in op.chunks] == [[13], [14]]
+    assert worker.stored_chunks == before + 2
+
+
 def test_what_vllm_recomputes_after_a_failed_load_is_stored(halves: Halves) -> None:
     # a's load of its first three chunks fails in the step that computes its next two over
     # them: those two are not stored. vLLM hears of it before it plans the next step (no async

@@ -837,7 +837,9 @@ class SchedulerSide:
             # When it resumes it looks up afresh: it may have stored what it missed.
             self._forget_miss(req_id, state)
             self._release(state)
-            state.block_ids = []
+            # Its block ids are kept until it resumes (with all of them anew): under async
+            # scheduling vLLM may report a load of the step in flight failed after this, and
+            # the stores that step dropped must be planned again (``_rewind``).
             state.load_from = None
 
     def _settle(
