@@ -71,9 +71,10 @@ blocks until the load is reported over unless vLLM heard that already, whatever
 ``request_finished`` says. Checked besides: no step computes over, no store reads, and no free
 gives back a block a load may still write (on any rank: a retrieve not over, or one given up on
 whose call is unanswered); vLLM never hears a request finished recving that it does not wait
-for, nor finished sending that it holds no blocks for (its asserts, or a double free); every
-chunk a request finished holding as valid KV was stored; and the workers forget every request
-vLLM freed.
+for, nor finished sending that it holds no blocks for (its asserts, or a double free); a
+request whose load failed is offered no hit again; and the workers forget every request vLLM
+freed. In every run, besides: every chunk a request finished holding as valid KV was stored (on
+every rank).
 
 What it leaves out: spec decoding, failures of the connector's own bookkeeping (the guard's
 fallbacks), ``unloadable`` blocks (every accepted external token gets a load here), lookups still
@@ -544,11 +545,8 @@ class Engine:
     def _finish(self, r: _Req) -> None:
         """``_free_request``: the connector is asked (``request_finished``) whether the blocks
         wait for the workers; if not, they are freed (after the step in flight)."""
-        # With ``async_loads`` every chunk a request finished holding as valid KV was stored
-        # (on every rank). Not with synchronous loads: a store whose ``after`` names a request
-        # whose load failed in the last step is dropped even where it names its new load of
-        # this step (resumed at once after a reset), a miss.
-        if self.async_loads and r.blocks and r.computed >= len(r.tokens):
+        # Every chunk a request finished holding as valid KV was stored (on every rank).
+        if r.blocks and r.computed >= len(r.tokens):
             for c, chunk in enumerate(r.chunks[: r.computed // CHUNK]):
                 held = r.blocks[c * CHUNK_BLOCKS : (c + 1) * CHUNK_BLOCKS]
                 if self._chunk_valid(held) and not self.in_daemon(chunk):
@@ -1267,9 +1265,10 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
     ``async_loads`` (loads that take steps, fail, or are given up on, aborts while waiting);
     every lookup is returned or still held, and the workers forget every freed request. Then,
     what vLLM recomputes after a failure is stored again: every chunk a failure's report found
-    spoiled that some request's blocks hold as valid KV by the end was stored (a miss
-    otherwise, not a wrong answer). Only blocks a request holds count: a freed block may be
-    handed to another prompt. The counts are printed with ``-s``."""
+    spoiled that some request's blocks hold as valid KV by the end was stored, and so was every
+    chunk a request finished holding as valid KV (a miss otherwise, not a wrong answer). Only
+    blocks a request holds count: a freed block may be handed to another prompt. The counts are
+    printed with ``-s``."""
     socket = str(tmp_path / "none.sock")
     quiet = logging.getLogger("tierkv")
     level = quiet.level
@@ -1357,7 +1356,7 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
     if missed:
         engine, unstored = missed[0]
         raise Failed(
-            f"{len(missed)} runs never stored chunks vLLM recomputed after a failure, or "
-            "computed with async_loads; "
+            f"{len(missed)} runs never stored chunks vLLM recomputed after a failure, or that a "
+            "request finished holding; "
             f"{_first([e for e, _ in missed])}: chunks {unstored}\n" + "\n".join(engine.trace)
         )
