@@ -15,9 +15,11 @@
 //! (`tierkv-storage`, `demoted_cap`), one chunk a task as the cascade sends its victims.
 //!
 //! Each ratio is a latency over its limit's at the same percentile: 1.00 is as fast as the raw
-//! read, more is slower. The stream's own rate is printed too: alone (2 s before the samples
-//! under it), and while the samples run, which shows how much the disk slows writes while it
-//! reads.
+//! read, more is slower. The stream's own rate is printed too, against the disk's sequential
+//! `O_DIRECT` write (2 MiB requests, `WRITES_IN_FLIGHT` at once, into a preallocated file)
+//! measured right before the stream starts and right after it stops: alone (over 3 s before the
+//! samples under it), the store path's own figure; and while the samples run, which shows how
+//! much the disk slows writes while it reads.
 //!
 //! Every read is cold for the machine: loads read with `O_DIRECT` (the default), so the page
 //! cache never serves them, and each sample reads its own 8 chunks, raw reads and loads distinct
@@ -38,7 +40,8 @@ use tierkv_core::{
     Namespace, ObjectKey, StoreItem, TaskId, TierAdapter, VecChunk,
 };
 use tierkv_disk::{
-    BLOCK, DiskStore, DiskStoreConfig, FILE_BYTES, auto_segment_bytes, record_bytes,
+    BLOCK, DiskStore, DiskStoreConfig, FILE_BYTES, WRITES_IN_FLIGHT, auto_segment_bytes,
+    record_bytes,
 };
 
 const CHUNK: u64 = 2 << 20;
@@ -53,7 +56,9 @@ const STREAM_ROOM: u64 = 256;
 /// How long the stream runs before the samples under it start.
 const WARM_UP: Duration = Duration::from_millis(500);
 /// How long the stream's own rate is measured, before the samples under it.
-const STREAM_ALONE: Duration = Duration::from_secs(2);
+const STREAM_ALONE: Duration = Duration::from_secs(3);
+/// Bytes the write limit writes each time it is measured.
+const LIMIT_BYTES: usize = 512 << 20;
 const WAIT: Duration = Duration::from_secs(120);
 
 fn key(i: u64) -> ObjectKey {
@@ -264,6 +269,11 @@ fn main() {
         (stored * CHUNK) as f64 / since.0.elapsed().as_secs_f64()
     };
     let now = || (Instant::now(), streamed.stored.load(Ordering::Relaxed));
+    let write_limit = || {
+        tierkv_bench::direct_write_bandwidth(&parent, LIMIT_BYTES, CHUNK as usize, WRITES_IN_FLIGHT)
+            .unwrap()
+    };
+    let write_before = write_limit();
     let (stream_alone, stream_sampled) = std::thread::scope(|s| {
         let stream_thread = s.spawn(|| stream(&store, &routes.stored, &stop, &streamed));
         std::thread::sleep(WARM_UP);
@@ -279,6 +289,8 @@ fn main() {
         stream_thread.join().unwrap();
         (alone, sampled)
     });
+    let write_after = write_limit();
+    let write = (write_before + write_after) / 2.0;
 
     println!(
         "{SAMPLES} samples a phase of {PER_LOAD} x {} MiB chunks on disk, {} (fsync always, 4 I/O \
@@ -308,11 +320,17 @@ fn main() {
     print("lookup, under stores", &under.lookup, None);
     print("load, under stores", &under.load, Some(&under.raw));
     print("load, under stores / raw alone", &under.load, Some(&alone.raw));
+    println!("{:<34} {:>9} {:>9} {:>10}", "stream of stores", "GB/s", "", "ratio");
     println!(
-        "stream: {:.2} GB/s stored alone, {:.2} GB/s while sampled; {} failed in all",
-        stream_alone / 1e9,
-        stream_sampled / 1e9,
-        streamed.failed.load(Ordering::Relaxed),
+        "{:<34} {:>9.2} {:>9} {:>10}",
+        format!("limit: disk write, 2 MiB x {WRITES_IN_FLIGHT}"),
+        write / 1e9,
+        format!("({:.2}/{:.2})", write_before / 1e9, write_after / 1e9),
+        ""
     );
+    for (name, rate) in [("stream alone", stream_alone), ("stream while sampled", stream_sampled)] {
+        println!("{name:<34} {:>9.2} {:>9} {:>10.2}", rate / 1e9, "", rate / write);
+    }
+    println!("stores failed: {}", streamed.failed.load(Ordering::Relaxed));
     store.close();
 }
