@@ -27,6 +27,19 @@
 //! to each by address: the cluster client's own `PING` to all masters skips a master it holds
 //! no connection to, a dead one). A call that succeeds on a degraded cluster link starts such a
 //! probe (one at a time), so a link that works again heals at once.
+//!
+//! A probe asks the nodes over connections of its own, not through the cluster client, and a
+//! master whose answer it has not had a quarter of the deadline before its own is *silent*
+//! (hung, or cut off): calls to that master's slots fail at once, as misses, until a probe finds
+//! it answering or its slots served by another master. They must not reach the cluster client
+//! (redis 1.8): a call that finds no connection to its slot's master (a cluster connection
+//! opened while the master hung holds none to it) goes to another node, whose
+//! `MOVED` makes the client refresh its slot map, and while `refresh_slots` runs (holding the
+//! connections' write lock, connecting and `PING`ing every node, the hung one until its response
+//! timeout) `poll_flush` polls no other request: every master's calls passed their deadline,
+//! and one hung master took the whole tier's hits away. A timeout in a cluster starts a probe
+//! (at most one a reconnect interval), so a hung master is found silent within a deadline or
+//! two; so does a call to a silent master's slots, so its recovery or failover is noticed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,8 +47,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use redis::aio::MultiplexedConnection;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{AsyncConnectionConfig, Cmd, FromRedisValue, Value};
+use redis::{
+    Arg, AsyncConnectionConfig, Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue,
+    IntoConnectionInfo, Value,
+};
 
 use crate::config::{RemoteConfig, RemoteMode};
 use crate::error::{CallError, is_link};
@@ -44,6 +59,17 @@ use crate::error::{CallError, is_link};
 enum Conn {
     Single(MultiplexedConnection),
     Cluster(ClusterConnection),
+}
+
+/// A cluster node, by address.
+type Node = (String, u16);
+
+/// Slots `first..=last` of a cluster, and the master that serves them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SlotRange {
+    first: u16,
+    last: u16,
+    master: Node,
 }
 
 /// The connection calls use now.
@@ -70,9 +96,14 @@ struct State {
     last_failure: Option<Instant>,
     /// A probe started by a call's success on a degraded cluster link is under way.
     probing: bool,
-    /// When a call's success last started one: at most one a reconnect interval, since calls
-    /// go on while a master is unreachable.
+    /// When a call last started one: at most one a reconnect interval, since calls go on while
+    /// a master is unreachable.
     probed: Option<Instant>,
+    /// The cluster's slot map as the last probe learnt it (empty until one did).
+    slots: Vec<SlotRange>,
+    /// The masters of `slots` the last probe found silent: no answer within its deadline (a
+    /// hung server, or a partition). Calls to their slots fail at once (see [`Link::call`]).
+    silent: Vec<Node>,
 }
 
 /// Which connection a call used, and when it sent its command on it.
@@ -104,6 +135,8 @@ impl Link {
                 last_failure: None,
                 probing: false,
                 probed: None,
+                slots: Vec::new(),
+                silent: Vec::new(),
             })),
             opened: Arc::new(tokio::sync::watch::channel(0).0),
         }
@@ -121,13 +154,24 @@ impl Link {
     /// passed since the last failure; then calls try again (and [`Link::probe`] tries at any
     /// time). So a hung cluster costs the op deadline once per interval, not on every lookup:
     /// the prefetch pipeline waits for every tier's answer, and must not wait for this one.
+    ///
+    /// In a cluster, a call to the slots of a master the last probe found silent fails at once
+    /// too (and starts a probe, at most one a reconnect interval, which lets its calls through
+    /// once it answers or its slots moved): sent, it would pass its deadline, and the cluster
+    /// client would hold every other master's calls while it refreshed its slot map from the
+    /// silent node (see the module's docs).
     pub(crate) async fn call<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, CallError> {
         {
-            let state = self.state.lock();
+            let mut state = self.state.lock();
             if let (Some(why), Some(failed)) = (&state.degraded, state.last_failure)
                 && failed.elapsed() < self.config.reconnect_interval
             {
                 return Err(CallError::Unavailable(why.clone()));
+            }
+            if let Some((host, port)) = silent_master(&state, cmd) {
+                let why = format!("the master {host}:{port} of its slot does not answer");
+                self.start_probe(&mut state);
+                return Err(CallError::Unavailable(why));
             }
         }
         self.attempt(cmd).await
@@ -138,8 +182,12 @@ impl Link {
     /// cluster link.
     pub(crate) async fn probe(&self) -> bool {
         let deadline = self.config.op_timeout;
+        // In a cluster, each node's answer is due a quarter of the deadline before the probe's:
+        // a master with none by then is silent (one master hung), not the probe's link.
+        let answers_by = tokio::time::Instant::now() + deadline * 3 / 4;
         let mut used = None;
-        let result = match tokio::time::timeout(deadline, self.probe_inner(&mut used)).await {
+        let probe = self.probe_inner(&mut used, answers_by);
+        let result = match tokio::time::timeout(deadline, probe).await {
             Ok(result) => result,
             Err(_) => Err(CallError::Timeout(deadline)),
         };
@@ -148,12 +196,181 @@ impl Link {
         healthy
     }
 
-    async fn probe_inner(&self, used: &mut Option<Used>) -> Result<(), CallError> {
+    async fn probe_inner(
+        &self,
+        used: &mut Option<Used>,
+        answers_by: tokio::time::Instant,
+    ) -> Result<(), CallError> {
+        if self.config.mode == RemoteMode::Cluster {
+            let sent = Instant::now();
+            match self.probe_nodes(answers_by).await {
+                // Some master missed: whatever connection calls use now stays (see `judge`).
+                Probed::Masters(Some(missed)) => {
+                    *used = self.used_now(sent);
+                    return Err(CallError::Unreachable(missed));
+                }
+                Probed::NoAnswer(e) => {
+                    *used = self.used_now(sent);
+                    return Err(e);
+                }
+                // Every master answered: the link heals once the connection calls use answers
+                // too (below).
+                Probed::Masters(None) | Probed::NotCluster => {}
+            }
+        }
         let (conn, generation) = self.connection().await?;
         *used = Some(Used { generation, sent: Instant::now() });
         match conn {
             Conn::Single(mut c) => answered(redis::cmd("PING").query_async(&mut c).await),
-            Conn::Cluster(c) => probe_masters(c).await,
+            Conn::Cluster(mut c) => answered(redis::cmd("PING").query_async(&mut c).await),
+        }
+    }
+
+    /// The connection calls use now, as used by a call that sent its command at `sent`.
+    fn used_now(&self, sent: Instant) -> Option<Used> {
+        self.state.lock().conn.as_ref().map(|c| Used { generation: c.generation, sent })
+    }
+
+    /// Asks the cluster's nodes themselves, each over a connection of its own opened for the
+    /// probe (never through the cluster client, whose slot refresh a silent node stalls, and
+    /// whose `PING` of all masters skips one it holds no connection to): the slot map, from the
+    /// first node that answers `CLUSTER SLOTS` (the masters known, then the seed nodes, all at
+    /// once), then a `PING` of every master it names. Records the slot map and the masters
+    /// that answered nothing by `answers_by` (silent), and renews the connection when the slot
+    /// map's masters changed (a failover: the cluster client would keep routing to the old one,
+    /// if it is hung).
+    async fn probe_nodes(&self, answers_by: tokio::time::Instant) -> Probed {
+        let base = match self.config.urls.first().map(|url| url.as_str().into_connection_info()) {
+            Some(Ok(info)) => info,
+            _ => return Probed::NotCluster,
+        };
+        let mut nodes: Vec<Node> = Vec::new();
+        for range in &self.state.lock().slots {
+            if !nodes.contains(&range.master) {
+                nodes.push(range.master.clone());
+            }
+        }
+        for url in &self.config.urls {
+            if let Ok(info) = url.as_str().into_connection_info()
+                && let ConnectionAddr::Tcp(host, port) = info.addr()
+                && !nodes.contains(&(host.clone(), *port))
+            {
+                nodes.push((host.clone(), *port));
+            }
+        }
+
+        let connect_timeout = self.config.connect_timeout;
+        let mut asks = tokio::task::JoinSet::new();
+        for node in nodes {
+            let base = base.clone();
+            asks.spawn(async move {
+                let slots = redis::cmd("CLUSTER").arg("SLOTS").clone();
+                let reply = ask(&base, &node, &slots, connect_timeout, answers_by).await;
+                (node, reply)
+            });
+        }
+        let (mut refused, mut failure) = (false, None);
+        let ranges = loop {
+            match asks.join_next().await {
+                None => break None,
+                Some(Ok((node, Ok(Some(reply))))) => match ranges_of(&reply, &node.0) {
+                    Some(ranges) => break Some(ranges),
+                    None => refused = true,
+                },
+                // Refused (an ACL) or not understood (a server not in cluster mode, a proxy
+                // that renames or hides CLUSTER): the node answered.
+                Some(Ok((_, Err(e)))) if !is_link(&e) => refused = true,
+                Some(Ok((_, Err(e)))) => failure = Some(CallError::from(e)),
+                Some(Ok((_, Ok(None)))) | Some(Err(_)) => {}
+            }
+        };
+        // The asks still under way end here.
+        drop(asks);
+        let Some(mut ranges) = ranges else {
+            if refused {
+                return Probed::NotCluster;
+            }
+            return Probed::NoAnswer(failure.unwrap_or(CallError::Timeout(self.config.op_timeout)));
+        };
+        ranges.sort_by_key(|r| r.first);
+
+        let mut masters: Vec<Node> = Vec::new();
+        for range in &ranges {
+            if !masters.contains(&range.master) {
+                masters.push(range.master.clone());
+            }
+        }
+        let mut pings = tokio::task::JoinSet::new();
+        for master in masters {
+            let base = base.clone();
+            pings.spawn(async move {
+                let ping = redis::cmd("PING");
+                let reply = ask(&base, &master, &ping, connect_timeout, answers_by).await;
+                (master, reply)
+            });
+        }
+        let (mut silent, mut missed) = (Vec::new(), Vec::new());
+        while let Some(joined) = pings.join_next().await {
+            let Ok((master, reply)) = joined else {
+                missed.push("a probe's PING failed".to_string());
+                continue;
+            };
+            let (host, port) = &master;
+            match reply {
+                Ok(Some(reply)) => match answered(Ok(reply)) {
+                    Ok(()) => {}
+                    Err(e) => missed.push(format!("{host}:{port}: {e}")),
+                },
+                Err(e) => match answered(Err(e)) {
+                    Ok(()) => {}
+                    Err(e) if e.is_timeout() => {
+                        missed.push(format!("{host}:{port}: {e}"));
+                        silent.push(master);
+                    }
+                    Err(e) => missed.push(format!("{host}:{port}: {e}")),
+                },
+                Ok(None) => {
+                    missed.push(format!("{host}:{port}: no answer"));
+                    silent.push(master);
+                }
+            }
+        }
+        silent.sort();
+
+        let mut state = self.state.lock();
+        if silent != state.silent {
+            for (host, port) in silent.iter().filter(|m| !state.silent.contains(m)) {
+                tracing::warn!(
+                    "the remote master {host}:{port} does not answer: calls to its slots miss \
+                     at once until it does"
+                );
+            }
+            for (host, port) in state.silent.iter().filter(|m| !silent.contains(m)) {
+                tracing::info!("the remote master {host}:{port} answers again, or left");
+            }
+        }
+        let moved = !state.slots.is_empty() && state.slots != ranges;
+        state.slots = ranges;
+        state.silent = silent;
+        if moved {
+            self.renew(&mut state, "the cluster's slot map changed");
+        }
+        Probed::Masters((!missed.is_empty()).then(|| missed.join(", ")))
+    }
+
+    /// Starts a probe in the background ([`Link::probe`]), unless one is under way or one
+    /// started within the reconnect interval.
+    fn start_probe(&self, state: &mut State) {
+        if state.probing
+            || state.probed.is_some_and(|at| at.elapsed() < self.config.reconnect_interval)
+        {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            state.probing = true;
+            state.probed = Some(Instant::now());
+            let link = self.clone();
+            runtime.spawn(async move { link.probe().await });
         }
     }
 
@@ -215,17 +432,9 @@ impl Link {
                 if state.degraded.is_some() && heals {
                     tracing::info!("the remote tier answers again");
                     state.degraded = None;
-                } else if state.degraded.is_some()
-                    && !state.probing
-                    && state.probed.is_none_or(|at| at.elapsed() >= self.config.reconnect_interval)
-                {
+                } else if state.degraded.is_some() {
                     // Whether every master answers, now, rather than at the next lookup.
-                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                        state.probing = true;
-                        state.probed = Some(Instant::now());
-                        let link = self.clone();
-                        runtime.spawn(async move { link.probe().await });
-                    }
+                    self.start_probe(&mut state);
                 }
                 result
             }
@@ -243,6 +452,11 @@ impl Link {
                 result
             }
             Err(e) if e.is_timeout() => {
+                if self.config.mode == RemoteMode::Cluster {
+                    // Whether one master is silent, now: then calls to its slots stop going out
+                    // (and holding the others' in the cluster client's slot refresh).
+                    self.start_probe(&mut state);
+                }
                 let busy = match (used, state.conn.as_ref()) {
                     (Some(used), Some(c)) => c.last_answer > used.sent,
                     _ => false,
@@ -421,65 +635,99 @@ fn answered(reply: redis::RedisResult<Value>) -> Result<(), CallError> {
     }
 }
 
-/// Whether every master the cluster's slots map to answers a `PING` sent to it by address (all
-/// at once). The cluster client's own `PING` of all masters leaves out a master it holds no
-/// connection to, a dead one: it answered for a cluster with a master down. Where `CLUSTER
-/// SLOTS` is refused (an ACL) or not understood, that `PING` is all there is.
-async fn probe_masters(mut c: ClusterConnection) -> Result<(), CallError> {
-    let masters = match redis::cmd("CLUSTER").arg("SLOTS").query_async::<Value>(&mut c).await {
-        Ok(slots) => masters_of(&slots),
-        // Refused (an ACL) or not understood (a proxy or a managed service that renames or
-        // hides CLUSTER): Redis answered, so the PING below is all there is.
-        Err(e) if !is_link(&e) => None,
-        Err(e) => return Err(e.into()),
-    };
-    let Some(masters) = masters else {
-        return answered(redis::cmd("PING").query_async(&mut c).await);
-    };
-    let mut pings = tokio::task::JoinSet::new();
-    for (host, port) in masters {
-        let mut c = c.clone();
-        pings.spawn(async move {
-            let to = SingleNodeRoutingInfo::ByAddress { host: host.clone(), port };
-            let reply = c.route_command(redis::cmd("PING"), RoutingInfo::SingleNode(to)).await;
-            answered(reply).map_err(|e| CallError::Unreachable(format!("{host}:{port}: {e}")))
-        });
-    }
-    while let Some(joined) = pings.join_next().await {
-        match joined {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e),
-            Err(e) => return Err(CallError::Unavailable(format!("a probe failed: {e}"))),
-        }
-    }
-    Ok(())
+/// What a probe of a cluster's nodes found.
+enum Probed {
+    /// The slot map, and every master it names answered (`None`) or some did not (why).
+    Masters(Option<String>),
+    /// No node answered `CLUSTER SLOTS` (all silent, or refused): why.
+    NoAnswer(CallError),
+    /// A node answered `CLUSTER SLOTS` with a refusal or a reply that is no slot map: a probe
+    /// through the cluster connection's `PING` is all there is.
+    NotCluster,
 }
 
-/// The masters (host, port) of a `CLUSTER SLOTS` reply, each once; `None` if it is not one.
-fn masters_of(slots: &Value) -> Option<Vec<(String, u16)>> {
+/// `cmd` sent to `node` over a connection of its own (the credentials of `base`): the reply, or
+/// `None` if none came by `by`.
+async fn ask(
+    base: &ConnectionInfo,
+    node: &Node,
+    cmd: &Cmd,
+    connect_timeout: Duration,
+    by: tokio::time::Instant,
+) -> redis::RedisResult<Option<Value>> {
+    let info = base.clone().set_addr(ConnectionAddr::Tcp(node.0.clone(), node.1));
+    let asked = async {
+        let client = redis::Client::open(info)?;
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(connect_timeout))
+            .set_response_timeout(None);
+        let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+        cmd.query_async::<Value>(&mut conn).await
+    };
+    match tokio::time::timeout_at(by, asked).await {
+        Ok(Ok(reply)) => Ok(Some(reply)),
+        Ok(Err(e)) if e.is_timeout() => Ok(None),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The slot ranges and their masters of a `CLUSTER SLOTS` reply from `host`; `None` if it is
+/// not one.
+fn ranges_of(slots: &Value, host: &str) -> Option<Vec<SlotRange>> {
     let Value::Array(ranges) = slots else { return None };
-    let mut masters = Vec::new();
+    let mut found = Vec::new();
     for range in ranges {
         let Value::Array(fields) = range else { return None };
+        let slot = |i: usize| match fields.get(i) {
+            Some(Value::Int(slot)) => u16::try_from(*slot).ok(),
+            _ => None,
+        };
+        let (first, last) = (slot(0)?, slot(1)?);
         let Some(Value::Array(master)) = fields.get(2) else { return None };
-        let host = match master.first() {
-            Some(Value::BulkString(host)) => String::from_utf8(host.clone()).ok()?,
-            Some(Value::SimpleString(host)) => host.clone(),
+        let master_host = match master.first() {
+            Some(Value::BulkString(h)) => String::from_utf8(h.clone()).ok()?,
+            Some(Value::SimpleString(h)) => h.clone(),
             _ => return None,
         };
         let port = match master.get(1) {
             Some(Value::Int(port)) => u16::try_from(*port).ok()?,
             _ => return None,
         };
-        // An empty host is the answering node's own, which a PING by address cannot name.
-        if host.is_empty() {
-            return None;
-        }
-        if !masters.contains(&(host.clone(), port)) {
-            masters.push((host, port));
+        // An empty host is the answering node's own.
+        let master_host = if master_host.is_empty() { host.to_string() } else { master_host };
+        found.push(SlotRange { first, last, master: (master_host, port) });
+    }
+    Some(found)
+}
+
+/// The master the last probe found silent that serves the slot of `cmd`'s key (its first
+/// argument, as in every call of the tier), if there is one.
+fn silent_master<'s>(state: &'s State, cmd: &Cmd) -> Option<&'s Node> {
+    if state.silent.is_empty() {
+        return None;
+    }
+    let Some(Arg::Simple(key)) = cmd.args_iter().nth(1) else { return None };
+    let slot = key_slot(key);
+    let range = state.slots.iter().find(|r| r.first <= slot && slot <= r.last)?;
+    state.silent.contains(&range.master).then_some(&range.master)
+}
+
+/// The cluster slot of `key`: CRC16 (XMODEM) of its hash tag (the first `{...}`, if not empty)
+/// or of the whole key, modulo 16384, as Redis computes it.
+fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let close = key[open + 1..].iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &key[open + 1..open + 1 + close])
+    });
+    let mut crc: u16 = 0;
+    for &byte in tagged.unwrap_or(key) {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
         }
     }
-    Some(masters)
+    crc % 16384
 }
 
 /// Opens a connection as `c` says.
@@ -532,6 +780,19 @@ mod tests {
             reconnect_interval: Duration::from_millis(20),
             ..RemoteConfig::new(vec![server.url()], RemoteMode::Standalone, 1 << 20)
         })
+    }
+
+    #[test]
+    fn key_slots_are_redis_cluster_slots() {
+        // Redis's own CLUSTER KEYSLOT answers.
+        assert_eq!(key_slot(b"123456789"), 12739);
+        assert_eq!(key_slot(b"foo"), 12182);
+        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
+        assert_ne!(key_slot(b"foo{}{bar}"), key_slot(b"bar"));
+        for key in ["tierkv:0123:abcd:s0.0:0", "a", "", "{x}y"] {
+            let theirs = format!("{:?}", redis::cluster_routing::Slot::for_key(key));
+            assert_eq!(theirs, format!("Slot({})", key_slot(key.as_bytes())), "{key}");
+        }
     }
 
     fn cmd(args: &[&str]) -> Cmd {
