@@ -768,7 +768,6 @@ fn whole_rounds(store: &RemoteStore, tier: &SharedTier, keys: &[ObjectKey], roun
             store.probe();
             std::thread::sleep(Duration::from_millis(20));
             let n = tier.load_verified(keys).count_ones();
-            eprintln!("DEBUG round: {n}/{} degraded {:?}", keys.len(), store.degraded());
             n == keys.len()
         })
         .count() as u32
@@ -844,14 +843,9 @@ fn the_live_masters_keys_hit_while_a_dead_masters_are_misses() {
 
 /// One master hung (SIGSTOP) while the tier is degraded, its replica barred from taking over:
 /// each load ends within a bound of the deadline, none of the hung master's keys loads, no byte
-/// is wrong; once it answers again (SIGCONT) the tier heals by itself, no restart, no failover,
-/// and every key hits.
-///
-/// Not asserted: that the other masters' keys hit while it hangs. They mostly do not (none of
-/// 12 rounds whole, here): the cluster client refreshes its slot map after a timeout, and the
-/// refresh holds every request while it waits for the hung node (redis 1.8's `refresh_slots`
-/// takes the connections' lock and asks the nodes in turn), so the live masters' calls pass
-/// their deadline too, and the connection looks silent. See docs/remote.md.
+/// is wrong, and once the tier has settled the other masters' keys hit in most rounds: one hung
+/// node does not take the whole tier's hits away. Once it answers again (SIGCONT) the tier heals
+/// by itself, no restart, no failover, and every key hits.
 #[test]
 fn a_master_hung_then_resumed_heals_a_degraded_tier_without_a_failover() {
     require_redis!();
@@ -877,18 +871,32 @@ fn a_master_hung_then_resumed_heals_a_degraded_tier_without_a_failover() {
 
     // Every key, probed between loads, for longer than the cluster takes to mark the master
     // failed (1 s): each load ends within the deadline (500 ms) for each of the three rounds of
-    // `max_in_flight` (16) calls it may take, plus slack; only the others' keys may load.
-    let mut slowest = Duration::ZERO;
-    for _ in 0..12 {
+    // `max_in_flight` (16) calls it may take, plus slack; only the others' keys may load. Once
+    // the live masters' keys loaded whole (the first rounds may fall in the reconnect interval
+    // after the link failure, or wait for a new connection), they load whole in most of the 12
+    // rounds that follow: the hung master's calls do not hold theirs.
+    let (mut slowest, mut rounds, mut whole) = (Duration::ZERO, 0, 0);
+    let started = Instant::now();
+    while whole == 0 || rounds < 12 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the live masters' keys never all loaded, a master hung: {:?}",
+            store.degraded()
+        );
         let t = Instant::now();
         let loaded = tier.load_verified(&all);
         slowest = slowest.max(t.elapsed());
         let hits: Vec<ObjectKey> = loaded.iter_ones().map(|i| all[i]).collect();
         assert!(hits.iter().all(|k| live.contains(k)), "a hung master's key loaded: {hits:?}");
+        if whole > 0 || hits.len() == live.len() {
+            rounds += 1;
+            whole += u32::from(hits.len() == live.len());
+        }
         store.probe();
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(slowest < Duration::from_secs(3), "a load took {slowest:?}");
+    assert!(whole >= 9, "the live masters' keys loaded whole in {whole} of {rounds} rounds");
     assert!(store.degraded().is_some(), "the tier healed, a master hung");
 
     // It answers again, still the master of its slots: the tier heals, and every key hits.
