@@ -1988,24 +1988,34 @@ mod tests {
         }
     }
 
-    /// Remote admission after reads never sends a chunk back to the remote tier that served
-    /// it. That was a bit of the chunk's read count, and the counts start over when they pass
-    /// their bound: a chunk the remote tier had served (kept in L1) was then admitted back to
-    /// it after its next reads, as if this node had computed it.
-    #[test]
-    fn a_chunk_the_remote_tier_served_is_not_stored_back_once_the_read_counts_start_over() {
+    /// A write-through storage manager over a fake remote tier (its copies kept in L1) that
+    /// holds one chunk, `served`, which no node's L1 holds yet.
+    fn served_by_remote(
+        admission: RemoteAdmission,
+    ) -> (StorageManager, Arc<tierkv_testkit::FakeTier>, ObjectKey) {
         let remote = Arc::new(tierkv_testkit::FakeTier::new("remote", 64, CHUNK));
         let served = keys(100..101)[0];
         remote.insert(served, payload(&served, CHUNK));
         let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(16 * CHUNK, CHUNK) };
         let config = StorageConfig {
             store_policy: StorePolicy::WriteThrough,
-            remote_admission: RemoteAdmission::AfterReads { min_reads: 2 },
+            remote_admission: admission,
             ..StorageConfig::new(l1)
         };
         let tiers: Vec<Arc<dyn TierAdapter>> = vec![Arc::new(KeptRemote(remote.clone()))];
         let clock = Arc::new(tierkv_core::ManualClock::new());
         let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+        (storage, remote, served)
+    }
+
+    /// Remote admission after reads never sends a chunk back to the remote tier that served
+    /// it. That was a bit of the chunk's read count, and the counts start over when they pass
+    /// their bound: a chunk the remote tier had served (kept in L1) was then admitted back to
+    /// it after its next reads, as if this node had computed it.
+    #[test]
+    fn a_chunk_the_remote_tier_served_is_not_stored_back_once_the_read_counts_start_over() {
+        let (storage, remote, served) =
+            served_by_remote(RemoteAdmission::AfterReads { min_reads: 2 });
         // Counts for four chunks: the bound is passed in a few lookups.
         *storage.inner.reads.lock() = ReadCounts::new(4);
         let layout = Layout::bytes(CHUNK).unwrap();
@@ -2049,18 +2059,7 @@ mod tests {
     /// the L1 observer hears of.
     #[test]
     fn a_served_chunk_this_node_stores_again_goes_to_the_remote_tier_through_plain_l1_finishes() {
-        let remote = Arc::new(tierkv_testkit::FakeTier::new("remote", 64, CHUNK));
-        let served = keys(100..101)[0];
-        remote.insert(served, payload(&served, CHUNK));
-        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(16 * CHUNK, CHUNK) };
-        let config = StorageConfig {
-            store_policy: StorePolicy::WriteThrough,
-            remote_admission: RemoteAdmission::WriteThrough,
-            ..StorageConfig::new(l1)
-        };
-        let tiers: Vec<Arc<dyn TierAdapter>> = vec![Arc::new(KeptRemote(remote.clone()))];
-        let clock = Arc::new(tierkv_core::ManualClock::new());
-        let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+        let (storage, remote, served) = served_by_remote(RemoteAdmission::WriteThrough);
         let layout = Layout::bytes(CHUNK).unwrap();
         let lookup = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), vec![served]);
         let id = storage.submit_lookup(lookup).unwrap();
