@@ -51,9 +51,8 @@ pub struct DiskStoreConfig {
     pub max_chunk_bytes: u64,
     /// When records are synced.
     pub fsync: FsyncPolicy,
-    /// I/O threads: how many lookups and loads (or parts of a split load) run at once. Stores
-    /// have a thread of their own (one store task is prepared at a time, its records appended
-    /// in order), so lookups and loads never queue behind them.
+    /// Worker threads: how many tasks run at once. Loads run in parallel; writes are appended
+    /// one at a time.
     pub io_threads: usize,
     /// How loads read.
     pub read_mode: ReadMode,

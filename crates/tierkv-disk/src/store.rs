@@ -4,17 +4,15 @@
 //! Writes append records to one active segment, in order, at most two at a time; so after a
 //! crash only the last two records of a segment can be torn (or the second-last missing), and a
 //! load verifies every record before serving it. The write thread (`tierkv-disk-write`) hands
-//! records to two writer threads (`tierkv-disk-w<n>`) while the storing thread
-//! (`tierkv-disk-store`) copies and checksums the next record into another buffer, so copy,
-//! checksum and writes overlap; a full segment is sealed with its writes in flight (their
-//! records are unpublished until their task ends). Lookups and loads have queue and threads of
-//! their own, the I/O threads (`tierkv-disk-<n>`), so they never wait behind queued stores. A
-//! load of several records is split over the I/O threads, so its reads are in flight at once.
-//! Records become visible in the index only after their whole store task was written (and
-//! synced, under `FsyncPolicy::Always`). Loads read a record while its segment is pinned, verify
-//! header, epoch, key and payload checksum, and only then copy into the caller's sink. Eviction
-//! drops a whole sealed segment that holds no locked, no pinned and no unpublished record (one of
-//! a store task not yet published), and reuses its file under a new epoch.
+//! records to two writer threads (`tierkv-disk-w<n>`) while the storing I/O thread copies and checksums the next
+//! record into another buffer, so copy, checksum and writes overlap; a full segment is sealed
+//! with its writes in flight (their records are unpublished until their task ends). A load of
+//! several records is split over the I/O threads, so its reads are in flight at once. Records become visible in the index only after their whole
+//! store task was written (and synced, under `FsyncPolicy::Always`). Loads read a record while
+//! its segment is pinned, verify header, epoch, key and payload checksum, and only then copy
+//! into the caller's sink. Eviction drops a whole sealed segment that holds no locked, no pinned
+//! and no unpublished record (one of a store task not yet published), and reuses its file under
+//! a new epoch.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
@@ -331,8 +329,7 @@ const RECORD_BUFFERS: usize = 4;
 /// The longest a store waits for the write thread to hand a record buffer back. Buffers come
 /// back as their writes finish (or are reported lost), so only a write that hangs (a dead
 /// disk or mount) reaches it: the store then fails (a miss) instead of holding the writer, and
-/// the stores queued behind it, for ever. (Lookups and loads never queue behind it: they have
-/// threads of their own.)
+/// the I/O threads queued behind it, for ever.
 const BUFFER_WAIT: Duration = Duration::from_secs(10);
 
 /// What the write thread hands back to the storing thread for each record buffer it took.
@@ -444,14 +441,10 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
         let mut writers = 0;
         for n in 0..WRITES_IN_FLIGHT {
             let (queued, report) = (queued.clone(), report.clone());
-            #[cfg(test)]
-            let faults = &shared.faults;
             let spawned = std::thread::Builder::new()
                 .name(format!("tierkv-disk-w{n}"))
                 .spawn_scoped(scope, move || {
                     while let Ok(write) = queued.recv() {
-                        #[cfg(test)]
-                        faults.wait_while_writes_held();
                         if report.send(write.run()).is_err() {
                             break;
                         }
@@ -584,7 +577,7 @@ impl InFlight<'_> {
         }
     }
 
-    /// Handles one message of the storing thread. A panic (a bug) fails the task the message
+    /// Handles one message of the storing threads. A panic (a bug) fails the task the message
     /// belongs to and is counted; the thread goes on with the next message.
     fn handle(&mut self, message: WriteMsg, writes: &Sender<Write>, writers: usize) {
         match message {
@@ -724,11 +717,9 @@ impl InFlight<'_> {
     }
 
     /// Counts one write as finished, as a step of its own: the write may be another task's
-    /// than the one whose message is being handled (an end or abandon waits for every write in
-    /// flight; and were a task's records to arrive while an earlier task's writes are in flight,
-    /// its end not yet handled, a record waiting for a writer would collect them: the one
-    /// storing thread sends each task's end before the next task's records, but this thread
-    /// does not count on it). A
+    /// than the one whose message is being handled (with several I/O threads, a task's records
+    /// can arrive while an earlier task's writes are in flight, its end not yet sent; a record
+    /// waiting for a writer, or an end or abandon waiting for every write, collects them). A
     /// panic here fails the write's own task, whose outcome it lost, and replaces only its
     /// buffer; the step it was collected in goes on with what it has in hand.
     fn collected(&mut self, done: Result<Written, crossbeam_channel::RecvError>) {
@@ -768,9 +759,8 @@ fn internal_panic() -> TierError {
     TierError::Io("internal panic on the disk write thread".into())
 }
 
-/// A task for the I/O threads: lookups and loads. Stores go to the storing thread instead
-/// ([`StoreTask`]), so a lookup or a load never queues behind them.
 enum Job {
+    Store(TaskId, Vec<StoreItem>),
     Lookup(TaskId, Vec<ObjectKey>),
     Load(TaskId, Vec<LoadItem>),
     /// One contiguous part of a load task split over the I/O threads: the items from `first` on.
@@ -779,18 +769,6 @@ enum Job {
         first: usize,
         items: Vec<LoadItem>,
     },
-}
-
-/// A task for the storing thread (`tierkv-disk-store`).
-struct StoreTask {
-    task: TaskId,
-    sources: Vec<StoreItem>,
-}
-
-/// Where tasks are queued: lookups and loads for the I/O threads, stores for the storing thread.
-struct Queues {
-    reads: Sender<Job>,
-    stores: Sender<StoreTask>,
 }
 
 /// A load of fewer items than this runs on one thread: splitting it buys less than it costs.
@@ -843,10 +821,6 @@ struct WriteFaults {
     handed_over: AtomicBool,
     /// While set (not a single shot), no record buffer can be allocated.
     no_memory: AtomicBool,
-    /// While set (not a single shot), the writer threads start no write: they wait, as behind
-    /// a disk that hangs.
-    writes_held: Mutex<bool>,
-    writes_released: parking_lot::Condvar,
 }
 
 #[cfg(test)]
@@ -856,39 +830,12 @@ impl WriteFaults {
             panic!("injected panic: {what}");
         }
     }
-
-    /// Holds every write not yet started until the guard is dropped (a test that fails
-    /// meanwhile releases them as it unwinds, so closing the store does not hang).
-    fn hold_writes(&self) -> HeldWrites<'_> {
-        *self.writes_held.lock() = true;
-        HeldWrites(self)
-    }
-
-    fn wait_while_writes_held(&self) {
-        let mut held = self.writes_held.lock();
-        while *held {
-            self.writes_released.wait(&mut held);
-        }
-    }
-}
-
-/// Writes held by [`WriteFaults::hold_writes`]: released when dropped.
-#[cfg(test)]
-struct HeldWrites<'a>(&'a WriteFaults);
-
-#[cfg(test)]
-impl Drop for HeldWrites<'_> {
-    fn drop(&mut self) {
-        *self.0.writes_held.lock() = false;
-        self.0.writes_released.notify_all();
-    }
 }
 
 /// The persistent, checksummed disk tier.
 pub struct DiskStore {
     shared: Arc<Shared>,
-    queues: Mutex<Option<Queues>>,
-    /// The I/O threads and the storing thread.
+    jobs: Mutex<Option<Sender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     flusher: Mutex<Option<(Sender<()>, JoinHandle<()>)>>,
     recovered: Recovered,
@@ -993,7 +940,7 @@ impl DiskStore {
         });
         let store = DiskStore {
             shared: Arc::clone(&shared),
-            queues: Mutex::new(None),
+            jobs: Mutex::new(None),
             workers: Mutex::new(Vec::new()),
             flusher: Mutex::new(None),
             recovered,
@@ -1055,18 +1002,8 @@ impl DiskStore {
             .spawn(move || write_records(shared, queued, freed))
             .map_err(DiskError::Thread)?;
         self.shared.writer.lock().pipe = Some(WritePipe { messages, free, thread });
-        // Stores are prepared one at a time (the writer lock), and one may wait for a record
-        // buffer as long as a write takes (up to `BUFFER_WAIT` behind a write that hangs): on a
-        // thread of their own, never on the I/O threads, so lookups and loads never queue behind
-        // them.
-        let (stores, stored) = unbounded::<StoreTask>();
-        let shared = Arc::clone(&self.shared);
-        let storer = std::thread::Builder::new()
-            .name("tierkv-disk-store".into())
-            .spawn(move || shared.store_work(&stored))
-            .map_err(DiskError::Thread)?;
-        let mut workers = vec![storer];
-        let (reads, queue) = unbounded::<Job>();
+        let (jobs, queue) = unbounded::<Job>();
+        let mut workers = Vec::new();
         for n in 0..self.shared.config.io_threads {
             let (shared, queue) = (Arc::clone(&self.shared), queue.clone());
             let handle = std::thread::Builder::new()
@@ -1075,7 +1012,7 @@ impl DiskStore {
                 .map_err(DiskError::Thread)?;
             workers.push(handle);
         }
-        *self.queues.lock() = Some(Queues { reads, stores });
+        *self.jobs.lock() = Some(jobs);
         *self.workers.lock() = workers;
         if let FsyncPolicy::Periodic(every) = self.shared.config.fsync {
             let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
@@ -1169,18 +1106,14 @@ impl DiskStore {
     }
 
     fn submit(&self, make: impl FnOnce(TaskId) -> Job) -> TaskId {
-        let task = self.next_task();
+        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
         self.send(make(task));
         task
     }
 
-    fn next_task(&self) -> TaskId {
-        TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// Queues a job for the I/O threads, or completes it as failed when the store is closed.
+    /// Queues a job for the workers, or completes it as failed when the store is closed.
     fn send(&self, job: Job) {
-        let sender = self.queues.lock().as_ref().map(|queues| queues.reads.clone());
+        let sender = self.jobs.lock().clone();
         match sender {
             Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
                 if let Err(refused) = sender.send(job) {
@@ -1188,20 +1121,6 @@ impl DiskStore {
                 }
             }
             _ => self.shared.fail(job),
-        }
-    }
-
-    /// Queues a store for the storing thread, or completes it as failed when the store is
-    /// closed.
-    fn send_store(&self, store: StoreTask) {
-        let sender = self.queues.lock().as_ref().map(|queues| queues.stores.clone());
-        match sender {
-            Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
-                if let Err(refused) = sender.send(store) {
-                    self.shared.fail_store(refused.0);
-                }
-            }
-            _ => self.shared.fail_store(store),
         }
     }
 }
@@ -1568,63 +1487,45 @@ impl Shared {
         }
     }
 
-    /// The storing thread's loop (`tierkv-disk-store`): one store task at a time, each handed
-    /// over to the write thread, which completes it once written.
-    fn store_work(&self, queue: &Receiver<StoreTask>) {
-        while let Ok(store) = queue.recv() {
-            if self.closed.load(Ordering::Acquire) {
-                self.fail_store(store);
-                continue;
-            }
-            if let Some(completion) = self.run_store(store) {
-                let _ = self.done.send(completion);
-            }
-            self.publish();
-        }
-    }
-
-    /// Runs a store task: copies its new records and hands them to the write thread, which
-    /// publishes them and completes the task (`None`); or completes it here, as failed. The
-    /// sources stay outside the code that may panic, so a panic (a bug in this crate, or a
-    /// caller's source whose methods panic) fails the task, counted, its sources handed back.
-    fn run_store(&self, store: StoreTask) -> Option<Completion> {
-        let StoreTask { task, sources } = store;
-        let queued = self
-            .contained(|| self.store(&sources))
-            .unwrap_or_else(|| Err(TierError::Io("internal panic while storing".into())));
-        // Records handed over are written whatever happens; only a task whose every record was
-        // handed over is published, by the write thread, which completes it. (Records of a
-        // failed task are written but never indexed.)
-        let Queued { task: number, records } = match queued {
-            Ok(queued) => queued,
-            Err(e) => return Some(Completion::Stored { task, result: Err(e), sources }),
-        };
-        let end = WriteMsg::End { task: number, id: task, records, sources };
-        let sent = match self.writer.lock().pipe.as_ref() {
-            Some(pipe) => pipe.messages.send(end).map_err(|refused| refused.0),
-            None => Err(end),
-        };
-        let unsent = sent.err()?;
-        self.metrics.failed(Failure::Io);
-        let sources = match unsent {
-            WriteMsg::End { sources, records, .. } => {
-                // Never published: their segments may go.
-                self.settle(&records);
-                sources
-            }
-            WriteMsg::Record { .. } | WriteMsg::Abandon { .. } => Vec::new(),
-        };
-        let result = Err(TierError::Io("the disk write thread is gone".into()));
-        Some(Completion::Stored { task, result, sources })
-    }
-
-    /// Runs a lookup or a load. The job's buffers stay outside the code that may panic, so a
-    /// panic (a bug in this crate, or a caller's buffer whose methods panic) completes the task
-    /// as a failure, counted, with every buffer handed back; pins and other state are released
-    /// by guards. Returns the task's completion (`None` for a part of a split load that is not
-    /// the last).
+    /// Runs a job. The job's buffers stay outside the code that may panic, so a panic (a bug in
+    /// this crate, or a caller's buffer whose methods panic) completes the task as a failure,
+    /// counted, with every buffer handed back; pins and other state are released by guards.
+    /// Returns the task's completion (`None` for a part of a split load that is not the last).
     fn run(&self, job: Job, staging: &mut AlignedBuf) -> Option<Completion> {
         Some(match job {
+            Job::Store(task, sources) => {
+                let queued = self
+                    .contained(|| self.store(&sources))
+                    .unwrap_or_else(|| Err(TierError::Io("internal panic while storing".into())));
+                // Records handed over are written whatever happens; only a task whose every
+                // record was handed over is published, by the write thread, which completes it.
+                // (Records of a failed task are written but never indexed.)
+                let Queued { task: number, records } = match queued {
+                    Ok(queued) => queued,
+                    Err(e) => return Some(Completion::Stored { task, result: Err(e), sources }),
+                };
+                let end = WriteMsg::End { task: number, id: task, records, sources };
+                let sent = match self.writer.lock().pipe.as_ref() {
+                    Some(pipe) => pipe.messages.send(end).map_err(|refused| refused.0),
+                    None => Err(end),
+                };
+                match sent {
+                    Ok(()) => return None,
+                    Err(unsent) => {
+                        self.metrics.failed(Failure::Io);
+                        let sources = match unsent {
+                            WriteMsg::End { sources, records, .. } => {
+                                // Never published: their segments may go.
+                                self.settle(&records);
+                                sources
+                            }
+                            WriteMsg::Record { .. } | WriteMsg::Abandon { .. } => Vec::new(),
+                        };
+                        let result = Err(TierError::Io("the disk write thread is gone".into()));
+                        Completion::Stored { task, result, sources }
+                    }
+                }
+            }
             Job::Lookup(task, keys) => {
                 let locked = self
                     .contained(|| self.lookup_and_lock(&keys))
@@ -1657,18 +1558,13 @@ impl Shared {
         }
     }
 
-    /// Completes a store that will not run.
-    fn fail_store(&self, store: StoreTask) {
-        self.metrics.failed(Failure::Closed);
-        let StoreTask { task, sources } = store;
-        let _ =
-            self.done.send(Completion::Stored { task, result: Err(TierError::Closed), sources });
-    }
-
     /// Completes a job that will not run.
     fn fail(&self, job: Job) {
         self.metrics.failed(Failure::Closed);
         let completion = match job {
+            Job::Store(task, sources) => {
+                Completion::Stored { task, result: Err(TierError::Closed), sources }
+            }
             Job::Lookup(task, keys) => {
                 Completion::LookedUp { task, locked: Bitmap::new(keys.len()) }
             }
@@ -2499,11 +2395,8 @@ impl TierAdapter for DiskStore {
         "disk"
     }
 
-    /// Queued for the storing thread, never ahead of a lookup or a load.
     fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
-        let task = self.next_task();
-        self.send_store(StoreTask { task, sources: items });
-        task
+        self.submit(|task| Job::Store(task, items))
     }
 
     fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
@@ -2517,7 +2410,7 @@ impl TierAdapter for DiskStore {
         if items.len() < SPLIT_LOADS_FROM || threads < 2 {
             return self.submit(|task| Job::Load(task, items));
         }
-        let task = self.next_task();
+        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
         let parts = threads.min(items.len());
         let (joint, jobs) = JointLoad::split(task, items, parts);
         for (first, items) in jobs {
@@ -2606,12 +2499,12 @@ impl TierAdapter for DiskStore {
 
     fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
-        drop(self.queues.lock().take());
+        drop(self.jobs.lock().take());
         let workers = std::mem::take(&mut *self.workers.lock());
         for worker in workers {
             let _ = worker.join();
         }
-        // No store task is being prepared now (the storing thread is gone): the write thread writes
+        // No store task is being prepared now (the workers are gone): the write thread writes
         // what it was handed, completes those tasks, and stops.
         let pipe = self.shared.writer.lock().pipe.take();
         if let Some(WritePipe { messages, free, thread }) = pipe {
@@ -2940,11 +2833,10 @@ mod tests {
 
     #[test]
     fn a_panic_collecting_another_tasks_write_fails_that_task_not_the_one_being_handled() {
-        // Were task 2's records to reach the write thread while task 1's writes are in flight,
-        // task 1's end not yet handled (stores once ran on several I/O threads, and task 1's end
-        // could follow task 2's records), task 2's record would wait for a writer by collecting
-        // task 1's write. A panic collecting it must fail task 1, whose write's outcome is
-        // unknown, and leave task 2 alone.
+        // With several I/O threads, task 2's records can reach the write thread while task 1's
+        // writes are in flight (task 1's end is sent after its store let go of the writer): task
+        // 2's record then waits for a writer by collecting task 1's write. A panic collecting it
+        // must fail task 1, whose write's outcome is unknown, and leave task 2 alone.
         let dir = tempfile::tempdir().unwrap();
         let store = DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap();
         let file = Arc::new(
@@ -3019,77 +2911,6 @@ mod tests {
         h.assert_loads(&keys(more));
         assert_eq!(record_buffers(&store), (RECORD_BUFFERS, 0), "as many as before, no more");
     }
-
-    #[test]
-    fn lookups_and_loads_never_wait_behind_stores_whose_writes_are_held() {
-        use tierkv_testkit::contract::{Harness, OpenTier, keys, payload};
-
-        let dir = tempfile::tempdir().unwrap();
-        let store =
-            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
-        let completions = store.completions();
-        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
-        let mut h = Harness::new(tier);
-        h.store(&keys(0..8)).unwrap();
-        let held = store.shared.faults.hold_writes();
-        // Stores whose writes cannot finish: the first take every record buffer, the next waits
-        // for one (until `BUFFER_WAIT`), and more than the I/O threads queue behind it. On one
-        // queue with the lookups and loads, they would hold every I/O thread.
-        let stores = RECORD_BUFFERS as u64 + 2 * store.shared.config.io_threads as u64;
-        for i in 0..stores {
-            h.submit_store(&keys(100 + i..101 + i));
-        }
-        // Submitted behind them, a lookup and a load (split over the I/O threads) are answered
-        // while every write is held, before any store: nothing of a store completes or is
-        // published before its writes.
-        let next = || {
-            let done = completions.recv_timeout(DEADLINE).expect("nothing completed");
-            assert!(!matches!(done, Completion::Stored { .. }), "a store completed first");
-            done
-        };
-        let task = store.submit_lookup_and_lock(keys(0..8));
-        match next() {
-            Completion::LookedUp { task: t, locked } => {
-                assert_eq!((t, locked.count_ones()), (task, 8), "the chunks on disk are found");
-            }
-            _ => panic!("not a lookup completion"),
-        }
-        let items = keys(0..8)
-            .into_iter()
-            .map(|key| LoadItem { key, sink: Box::new(tierkv_core::VecChunk(vec![0; 4096])) })
-            .collect();
-        let task = store.submit_load(items);
-        match next() {
-            Completion::Loaded { task: t, loaded, mut sinks } => {
-                assert_eq!((t, loaded.count_ones()), (task, 8), "the chunks on disk load");
-                for item in &mut sinks {
-                    let bytes = item.sink.host_bytes_mut().map(|b| b.to_vec());
-                    assert_eq!(bytes, Some(payload(&item.key, 4096)), "{:?}", item.key);
-                }
-            }
-            _ => panic!("not a load completion"),
-        }
-        let task = store.submit_lookup_and_lock(keys(100..100 + stores));
-        match next() {
-            Completion::LookedUp { task: t, locked } => {
-                assert_eq!((t, locked.count_ones()), (task, 0), "published before its writes");
-            }
-            _ => panic!("not a lookup completion"),
-        }
-        store.unlock(&keys(0..8));
-        // Released, every store is written and answered.
-        drop(held);
-        for _ in 0..stores {
-            match completions.recv_timeout(DEADLINE).expect("a store never completed") {
-                Completion::Stored { result, .. } => result.expect("a held store failed"),
-                _ => panic!("not a store completion"),
-            }
-        }
-        h.assert_loads(&keys(100..100 + stores));
-    }
-
-    /// How long the tests above wait for a completion before they call the task hung.
-    const DEADLINE: Duration = Duration::from_secs(60);
 
     #[test]
     fn a_store_waits_for_a_record_buffer_no_longer_than_its_bound() {
