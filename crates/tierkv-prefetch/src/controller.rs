@@ -57,8 +57,9 @@ pub struct PrefetchConfig {
     /// How long a request may take, counted from its submission (its time in the queue, its
     /// lookups of every lower tier and its loads together), before it is given up (a tier that
     /// never answers, or tiers too slow): it fails, its reservations are aborted and its locks
-    /// returned, and a lookup that answers later has its locks returned then. A tier with a
-    /// task given up on is left out of new requests (a miss there) until it answers.
+    /// returned, and a lookup that answers later has its locks returned then. A tier that had
+    /// a task given up on for half the timeout or more, or has had it a whole timeout (plus its
+    /// loads' bytes' time), is left out of new requests (a miss there) until it answers.
     ///
     /// The bound: a request ends (done, or failed) at most `request_timeout`, plus the time
     /// its loads' bytes take at [`LOAD_FLOOR_BYTES_PER_S`] (a second per 64 MiB), plus one
@@ -437,16 +438,19 @@ struct Worker {
     /// Requests not started yet, each with when it was submitted (its time here counts).
     pending: VecDeque<(RequestId, PrefetchRequest, Duration)>,
     active: HashMap<RequestId, Active>,
-    tasks: HashMap<Slot, RequestId>,
+    /// Every task in flight: its request, and when its tier counts as not answering it (see
+    /// [`Worker::slow_at`]).
+    tasks: HashMap<Slot, (RequestId, Duration)>,
     /// The keys of every lookup-and-lock task in flight: if its request is given up (past the
     /// drain timeout) before it answers, the locks it takes are returned when it does.
     lookup_keys: HashMap<Slot, Arc<[ObjectKey]>>,
     /// Tasks of requests given up (past the request timeout) before their tier answered, with
     /// a lookup's keys (`None` for a load), so that a late answer returns the locks it took.
-    /// A tier with a task here is asked nothing new until it answers: what a tier that never
-    /// answers leaves here is bounded by the tasks it had when it stopped answering (a lookup
-    /// and a load per request in flight), not one more for each later request.
-    late: HashMap<Slot, Option<Arc<[ObjectKey]>>>,
+    /// A tier with a task here that it kept long enough ([`Late::slow_from`]) is asked nothing
+    /// new until it answers: what a tier that never answers leaves here is bounded by the tasks
+    /// it had when it stopped answering (a lookup and a load per request in flight, and those
+    /// handed to it within a timeout before that), not one more for each later request.
+    late: HashMap<Slot, Late>,
     started: u64,
     /// `start_pending` is running: a request it plans at once (no tier took its lookup) ends in
     /// `finalize`, which asks for pending requests again; that call returns, and the running
@@ -462,6 +466,18 @@ const LATE_LOCKS: Duration = Duration::from_secs(60);
 /// answers a load only once it is whole, so a slow disk shared by eight requests in flight can
 /// be silent for longer than the timeout while it works.
 pub const LOAD_FLOOR_BYTES_PER_S: f64 = (64u64 << 20) as f64;
+
+/// A task of a request given up on before its tier answered ([`Worker::late`]).
+struct Late {
+    /// A lookup's keys, so that its late answer returns the locks it took; `None` for a load.
+    keys: Option<Arc<[ObjectKey]>>,
+    /// From when its tier counts as not answering it, and is left out of new requests: at once
+    /// if the tier had had it for half a timeout or more when its request was given up,
+    /// otherwise once it has had it for a whole timeout ([`Worker::slow_at`]). A task given up
+    /// because its request ran out of time elsewhere (in the queue, or at a tier before it)
+    /// says nothing of its tier until then.
+    slow_from: Duration,
+}
 
 /// `at` plus `wait`, or the end of time where that overflows (a configured "forever").
 fn after(at: Duration, wait: Duration) -> Duration {
@@ -524,7 +540,7 @@ impl Worker {
     /// arrive; it ends when every such task answered or the router stops (the channel closes).
     fn return_late_locks(&mut self, events: &Receiver<TierEvent>) {
         let mut late = std::mem::take(&mut self.lookup_keys);
-        late.extend(self.late.drain().filter_map(|(slot, keys)| Some((slot, keys?))));
+        late.extend(self.late.drain().filter_map(|(slot, late)| Some((slot, late.keys?))));
         if late.is_empty() {
             return;
         }
@@ -597,15 +613,17 @@ impl Worker {
         if overdue.is_empty() {
             return;
         }
-        let given_up: Vec<Slot> = self
+        let given_up: Vec<(Slot, Duration)> = self
             .tasks
             .iter()
-            .filter(|(_, id)| overdue.contains(id))
-            .map(|(slot, _)| *slot)
+            .filter(|(_, (id, _))| overdue.contains(id))
+            .map(|(slot, (_, slow_at))| (*slot, *slow_at))
             .collect();
-        for slot in given_up {
+        for (slot, slow_at) in given_up {
             self.tasks.remove(&slot);
-            if !self.unanswering(slot.0) {
+            let half = self.config.request_timeout / 2;
+            let slow_from = if now >= slow_at.saturating_sub(half) { now } else { slow_at };
+            if slow_from == now && !self.unanswering(slot.0) {
                 tracing::warn!(
                     tier = slot.0,
                     timeout = ?timeout,
@@ -614,7 +632,7 @@ impl Worker {
                 );
             }
             let keys = self.lookup_keys.remove(&slot);
-            self.late.insert(slot, keys);
+            self.late.insert(slot, Late { keys, slow_from });
         }
         for id in overdue {
             let Some(active) = self.active.remove(&id) else { continue };
@@ -701,7 +719,7 @@ impl Worker {
                 self.submit(tier, |t| t.submit_lookup_and_lock(keys.to_vec()), "lookup");
             // A tier that panicked taking it found nothing; the next is asked.
             let Some(task) = submitted else { continue };
-            self.tasks.insert((tier, task), id);
+            self.tasks.insert((tier, task), (id, self.slow_at(0)));
             self.lookup_keys.insert((tier, task), keys);
             if let Some(Active { phase: Phase::LookingUp { next, asked: now, .. }, .. }) =
                 self.active.get_mut(&id)
@@ -721,7 +739,7 @@ impl Worker {
     fn on_event(&mut self, event: TierEvent) {
         let TierEvent { tier, completion } = event;
         let slot = (tier, completion.task());
-        if let Some(keys) = self.late.remove(&slot) {
+        if let Some(Late { keys, .. }) = self.late.remove(&slot) {
             // The answer of a request given up (past the request timeout): a lookup's locks go
             // back; a load's sinks are dropped with the completion, freeing their slots. The
             // tier is asked again once it answered every task given up on.
@@ -738,7 +756,7 @@ impl Worker {
         let request = self.tasks.remove(&slot);
         // Record what the completion says in the request's entry first: if anything later in
         // this step panics, the entry still tells what to give back.
-        let Some((id, active)) = request.and_then(|id| Some((id, self.active.get_mut(&id)?)))
+        let Some((id, active)) = request.and_then(|(id, _)| Some((id, self.active.get_mut(&id)?)))
         else {
             // An answer no request waits for: the locks it took go back all the same.
             self.shared.metrics.late_completion();
@@ -902,18 +920,20 @@ impl Worker {
         let mut bytes = 0u64;
         for tier in 0..self.router.len() {
             let mut items: Vec<LoadItem> = Vec::new();
+            let mut task_bytes = 0u64;
             for at in active.reserved.keys().filter(|at| active.source.get(at) == Some(&tier)) {
                 let key = active.key(*at);
                 if let Ok(access) = self.l1.write_access(active.request.owner, &key) {
-                    bytes += access.handle().len;
+                    task_bytes += access.handle().len;
                     items.push(LoadItem { key, sink: Box::new(access) as Box<dyn ChunkSink> });
                 }
             }
+            bytes += task_bytes;
             if items.is_empty() {
                 continue;
             }
             if let Some(task) = self.submit(tier, |t| t.submit_load(items), "load") {
-                self.tasks.insert((tier, task), id);
+                self.tasks.insert((tier, task), (id, self.slow_at(task_bytes)));
                 waiting += 1;
             }
         }
@@ -1090,9 +1110,20 @@ impl Worker {
         })
     }
 
-    /// Whether `tier` has not answered a task of a request given up on: it is asked nothing new.
+    /// Whether `tier` has not answered a task of a request given up on for long enough to
+    /// count as not answering ([`Late::slow_from`]): it is asked nothing new.
     fn unanswering(&self, tier: usize) -> bool {
-        self.late.keys().any(|(t, _)| *t == tier)
+        let now = self.clock.now();
+        self.late.iter().any(|((t, _), late)| *t == tier && now >= late.slow_from)
+    }
+
+    /// When a task handed to a tier now, moving `bytes` (a load's; 0 for a lookup), has been
+    /// out for a whole request timeout, plus those bytes' time at [`LOAD_FLOOR_BYTES_PER_S`]:
+    /// a tier that has not answered it by then does not answer (see [`Late::slow_from`]).
+    fn slow_at(&self, bytes: u64) -> Duration {
+        let allowance = Duration::try_from_secs_f64(bytes as f64 / LOAD_FLOOR_BYTES_PER_S)
+            .unwrap_or(Duration::MAX);
+        after(after(self.clock.now(), self.config.request_timeout), allowance)
     }
 
     /// Returns tier locks. A tier that panics (a bug) keeps them, as a tier that failed would:

@@ -891,6 +891,42 @@ fn a_request_a_lower_tier_never_answers_is_given_up_one_timeout_after_it_was_sub
 }
 
 #[test]
+fn only_a_tier_that_kept_a_task_a_whole_timeout_is_left_out_of_the_next_requests() {
+    // L2 takes 0.9 of the request's time, and the disk has its lookup for the last 0.2 when the
+    // request is given up. The disk was not slow: the next request still asks it (it was left
+    // out, a miss there, until it answered). A tier that had a task half a timeout or more
+    // when its request was given up is left out.
+    let clock = Arc::new(ManualClock::new());
+    let (l2, disk) = (fake_holding("l2", keys(0..2)), fake_holding("disk", keys(0..4)));
+    l2.hold();
+    disk.hold();
+    let config = PrefetchConfig { request_timeout: TIMEOUT, ..PrefetchConfig::default() };
+    let rig = rig_with_clock(vec![l2.clone(), disk.clone()], config, clock.clone());
+    let first = submit_prefix(&rig, keys(0..4));
+    eventually("L2 is asked", || l2.held_tasks() == 1);
+    clock.advance(TIMEOUT * 9 / 10);
+    l2.run_held();
+    eventually("the disk is asked", || disk.held_tasks() == 1);
+    clock.advance(TIMEOUT * 2 / 10);
+    given_up(&rig, first);
+    let second = submit_prefix(&rig, keys(2..4));
+    eventually("L2 is asked again", || l2.held_tasks() == 1);
+    l2.run_held();
+    eventually("the disk is asked again, its first lookup still out", || disk.held_tasks() == 2);
+    // This one it keeps a whole timeout: the next request leaves it out, and misses there.
+    clock.advance(TIMEOUT + Duration::from_millis(1));
+    given_up(&rig, second);
+    let third = submit_prefix(&rig, keys(2..4));
+    eventually("L2 is asked a third time", || l2.held_tasks() == 1);
+    l2.run_held();
+    assert_eq!(rig.prefetch.wait(third, WAIT).unwrap().hit_chunks, 0);
+    assert_eq!(disk.held_tasks(), 2, "a tier that did not answer for a timeout was asked");
+    disk.release_held();
+    eventually("the late lookups' locks come back", || disk.usage().locks == 0);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
 fn a_request_whose_loads_never_answer_is_given_up_one_timeout_after_it_was_submitted() {
     // The lookup answers at half the timeout, the load never: the load's silence is not
     // counted from the lookup's answer. (Two 16 KiB chunks are allowed well under a
