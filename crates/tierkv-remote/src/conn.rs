@@ -29,8 +29,8 @@
 //! probe (one at a time), so a link that works again heals at once.
 //!
 //! A probe asks the nodes over connections of its own, not through the cluster client, and a
-//! master whose answer it has not had a quarter of the deadline before its own is *silent*
-//! (hung, or cut off): calls to that master's slots fail at once, as misses, until a probe finds
+//! master whose answer it has not had a quarter of the deadline before its own, or that refuses
+//! the probe's connection (dead), is *silent* (hung, cut off, or down): calls to that master's slots fail at once, as misses, until a probe finds
 //! it answering or its slots served by another master. They must not reach the cluster client
 //! (redis 1.8): a call that finds no connection to its slot's master (a cluster connection
 //! opened while the master hung holds none to it) goes to another node, whose
@@ -102,7 +102,7 @@ struct State {
     /// The cluster's slot map as the last probe learnt it (empty until one did).
     slots: Vec<SlotRange>,
     /// The masters of `slots` the last probe found silent: no answer within its deadline (a
-    /// hung server, or a partition). Calls to their slots fail at once (see [`Link::call`]).
+    /// hung server, or a partition), or the connection refused (a dead one). Calls to their slots fail at once (see [`Link::call`]).
     silent: Vec<Node>,
 }
 
@@ -323,7 +323,9 @@ impl Link {
                 },
                 Err(e) => match answered(Err(e)) {
                     Ok(()) => {}
-                    Err(e) if e.is_timeout() => {
+                    // Hung (no answer in time) or down (refused: a dead master, whose calls
+                    // the cluster client would retry and reconnect for): silent alike.
+                    Err(e) if e.is_timeout() || e.is_connection() => {
                         missed.push(format!("{host}:{port}: {e}"));
                         silent.push(master);
                     }
