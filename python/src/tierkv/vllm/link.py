@@ -187,7 +187,8 @@ class Link:
         with self._lock:
             self._closed = True
             if self._client is not None:
-                with contextlib.suppress(OSError, ConnectionLost, DaemonError):
+                # Busy: another thread's call holds the client; closing it ends the session.
+                with contextlib.suppress(OSError, ConnectionLost, DaemonError, ClientBusy):
                     self._client.end()
                 self._client.close()
                 self._client = None

@@ -682,7 +682,9 @@ class WorkerSide:
             for unanswered in pending:
                 unanswered.close()
         self._unanswered.clear()
-        if self._async_link is not None:
-            self._async_link.close()
+        # The step's session first: a loading thread the join above gave up on may still hold
+        # its own session's lock (registering the KV memory on a new connection).
         if self.link is not None:
             self.link.close()
+        if self._async_link is not None:
+            self._async_link.close()
