@@ -72,6 +72,14 @@ class GpuWorker:
         assert (started.outcome or scheduler.wait(started.lookup, 5.0)).hit_chunks == 1
         return started.lookup
 
+    def queue_kernels_on_4_5(self) -> None:
+        """The last step's kernels, still queued on the engine's stream (as under vLLM's async
+        scheduling): a long one, then one that writes blocks 4-5 for the request that held
+        them before. A load into them must wait for both."""
+        torch.cuda._sleep(50_000_000)
+        for t in self.layers.values():
+            t[:, 4:6].zero_()
+
     def load_into_4_5(self, lookup: int) -> None:
         self.worker.start_load_kv(
             TierKVMetadata(loads=[LoadOp("b", [lookup], [(self.chunk, [4, 5])])])
@@ -115,12 +123,8 @@ def test_cuda_a_load_lands_after_the_engines_earlier_kernels_on_its_blocks(
     gpu = GpuWorker(tmp_path / "daemon")
     try:
         lookup = gpu.lookup()
-        # The last step's kernels, still queued (as under vLLM's async scheduling): a long
-        # one, then one that writes blocks 4-5 for the request that held them before. The
-        # load must land after them, not under them.
-        torch.cuda._sleep(50_000_000)
-        for t in gpu.layers.values():
-            t[:, 4:6].zero_()
+        # The load must land after the last step's kernels, not under them.
+        gpu.queue_kernels_on_4_5()
         gpu.load_into_4_5(lookup)
         assert gpu.worker.take_load_errors() == set()
         assert gpu.landed(), "a kernel queued before the load overwrote the loaded blocks"
@@ -181,9 +185,7 @@ def test_cuda_an_asynchronous_load_lands_after_the_engines_earlier_kernels_on_it
     gpu = GpuWorker(tmp_path / "daemon")
     try:
         lookup = gpu.lookup()
-        torch.cuda._sleep(50_000_000)
-        for t in gpu.layers.values():
-            t[:, 4:6].zero_()
+        gpu.queue_kernels_on_4_5()
         gpu.worker.start_load_kv(
             TierKVMetadata(async_loads=[LoadOp("b", [lookup], [(gpu.chunk, [4, 5])])])
         )

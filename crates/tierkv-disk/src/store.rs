@@ -2691,17 +2691,22 @@ mod tests {
         let done = completions
             .recv_timeout(Duration::from_secs(10))
             .expect("the store whose publish panicked never completed");
-        match done {
-            Completion::Stored { task: t, result, sources } => {
-                assert_eq!(t, task);
-                assert!(result.is_err(), "a store whose publish panicked reported {result:?}");
-                assert_eq!(sources.len(), 2, "the sources come back");
-            }
-            _ => panic!("not a store completion"),
-        }
+        failed_with_its_sources(done, task, 2, "publish panicked");
         // The write thread lives on: the next store is written, published and served.
         h.store(&keys(2..4)).unwrap();
         h.assert_loads(&keys(2..4));
+    }
+
+    /// `done` completes store `task` of `sources` chunks as failed (`why`), its sources back.
+    fn failed_with_its_sources(done: Completion, task: TaskId, sources: usize, why: &str) {
+        match done {
+            Completion::Stored { task: t, result, sources: back } => {
+                assert_eq!(t, task);
+                assert!(result.is_err(), "a store whose {why} reported {result:?}");
+                assert_eq!(back.len(), sources, "the sources come back");
+            }
+            _ => panic!("not a store completion"),
+        }
     }
 
     /// The record buffers `store` has once it took in all the write thread handed back: in
@@ -2741,14 +2746,7 @@ mod tests {
             .recv_timeout(Duration::from_secs(10))
             .expect("the store whose write thread panicked never completed");
         assert!(!fault(&store.shared.faults).load(Ordering::SeqCst), "the fault fired");
-        match done {
-            Completion::Stored { task: t, result, sources } => {
-                assert_eq!(t, task);
-                assert!(result.is_err(), "a store whose write thread panicked reported {result:?}");
-                assert_eq!(sources.len(), 2, "the sources come back");
-            }
-            _ => panic!("not a store completion"),
-        }
+        failed_with_its_sources(done, task, 2, "write thread panicked");
         h.store(&keys(2..4)).expect("the write thread serves the next store");
         h.assert_loads(&keys(2..4));
         assert_eq!(record_buffers(&store), (RECORD_BUFFERS - lost, lost), "(in hand, lost)");

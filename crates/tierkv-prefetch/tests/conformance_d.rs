@@ -866,11 +866,10 @@ fn a_request_whose_tier_answers_step_by_step_within_its_timeout_is_not_given_up(
     assert_eq!(rig.bytes(&result, 0, &key(1)), payload(&key(1), CHUNK));
 }
 
-#[test]
-fn a_request_a_lower_tier_never_answers_is_given_up_one_timeout_after_it_was_submitted() {
-    // L2 answers its lookup just before the timeout, and the disk never answers the rest. The
-    // request is given up one timeout after it was submitted: each tier's answer restarted the
-    // count, so a request could wait a timeout per lower tier (and one more for its loads).
+/// A rig over L2 and a disk, both holding their tasks, after a request of `keys(0..4)` was
+/// given up: L2 answered its lookup at 0.9 of the timeout (it holds keys 0-1), and the disk,
+/// asked for the rest then, still holds that lookup, 0.2 of a timeout later.
+fn disk_left_holding_a_given_up_lookup() -> (Rig, Arc<FakeTier>, Arc<FakeTier>, Arc<ManualClock>) {
     let clock = Arc::new(ManualClock::new());
     let (l2, disk) = (fake_holding("l2", keys(0..2)), fake_holding("disk", keys(0..4)));
     l2.hold();
@@ -884,6 +883,15 @@ fn a_request_a_lower_tier_never_answers_is_given_up_one_timeout_after_it_was_sub
     eventually("the disk is asked what L2 did not find", || disk.held_tasks() == 1);
     clock.advance(TIMEOUT * 2 / 10);
     given_up(&rig, id);
+    (rig, l2, disk, clock)
+}
+
+#[test]
+fn a_request_a_lower_tier_never_answers_is_given_up_one_timeout_after_it_was_submitted() {
+    // L2 answers its lookup just before the timeout, and the disk never answers the rest. The
+    // request is given up one timeout after it was submitted: each tier's answer restarted the
+    // count, so a request could wait a timeout per lower tier (and one more for its loads).
+    let (rig, l2, disk, _) = disk_left_holding_a_given_up_lookup();
     assert_eq!(l2.usage().locks, 0, "the tier that answered has its locks back");
     disk.release_held();
     eventually("the late lookup's locks come back", || disk.usage().locks == 0);
@@ -891,24 +899,12 @@ fn a_request_a_lower_tier_never_answers_is_given_up_one_timeout_after_it_was_sub
 }
 
 #[test]
-fn only_a_tier_that_kept_a_task_a_whole_timeout_is_left_out_of_the_next_requests() {
-    // L2 takes 0.9 of the request's time, and the disk has its lookup for the last 0.2 when the
-    // request is given up. The disk was not slow: the next request still asks it (it was left
-    // out, a miss there, until it answered). A tier that had a task half a timeout or more
-    // when its request was given up is left out.
-    let clock = Arc::new(ManualClock::new());
-    let (l2, disk) = (fake_holding("l2", keys(0..2)), fake_holding("disk", keys(0..4)));
-    l2.hold();
-    disk.hold();
-    let config = PrefetchConfig { request_timeout: TIMEOUT, ..PrefetchConfig::default() };
-    let rig = rig_with_clock(vec![l2.clone(), disk.clone()], config, clock.clone());
-    let first = submit_prefix(&rig, keys(0..4));
-    eventually("L2 is asked", || l2.held_tasks() == 1);
-    clock.advance(TIMEOUT * 9 / 10);
-    l2.run_held();
-    eventually("the disk is asked", || disk.held_tasks() == 1);
-    clock.advance(TIMEOUT * 2 / 10);
-    given_up(&rig, first);
+fn a_tier_is_left_out_of_later_requests_only_once_it_was_slow_itself() {
+    // The disk had its lookup for the last 0.2 of the request's time when the request was given
+    // up: it was not slow, so the next request still asks it (it was left out, a miss there,
+    // until it answered). A tier that had a task half a timeout or more when its request was
+    // given up is left out.
+    let (rig, l2, disk, clock) = disk_left_holding_a_given_up_lookup();
     let second = submit_prefix(&rig, keys(2..4));
     eventually("L2 is asked again", || l2.held_tasks() == 1);
     l2.run_held();

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from harness import Daemon, start_daemon
+from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
@@ -26,6 +27,38 @@ BLOCK = 16
 #: A new request of a step: the request, its block ids, the tokens vLLM counts computed before
 #: the step (its own hit and the external tokens) and the tokens the step computes.
 NewRequest = tuple[Request, list[int], int, int]
+
+
+def scheduler_connector(config: VllmConfig, block_size: int) -> SchedulerSide:
+    """The scheduler half of a ``TierKVConnector`` built by vLLM's own constructor for
+    ``config``, over a KV cache of four float32 full-attention layers of 8 blocks of
+    ``block_size`` tokens (the KV cache spec's block size). Shut it down when done."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    from tierkv.vllm.connector import TierKVConnector
+
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=4, head_size=64, dtype=torch.float32
+    )
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    kv = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[
+            KVCacheTensor(size=8 * spec.page_size_bytes, layers=[n], layer_stride=0, block_stride=0)
+            for n in layers
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+    connector = TierKVConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config=kv)
+    scheduler = connector._scheduler  # noqa: SLF001
+    assert scheduler is not None
+    return scheduler
 
 
 def request(req_id: str, tokens: list[int]) -> Request:

