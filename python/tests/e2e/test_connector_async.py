@@ -29,19 +29,22 @@ def halves(tmp_path: Path) -> Iterator[Halves]:
         yield h
 
 
-def _waiting(halves: Halves, req_id: str) -> tuple[Request, TierKVMetadata]:
-    """A hit vLLM keeps waiting for: looked up, its blocks allocated, the next step planned."""
+def _waiting(
+    halves: Halves, req_id: str, allocated: list[int] = ALLOCATED
+) -> tuple[Request, TierKVMetadata]:
+    """A hit vLLM keeps waiting for: looked up, its blocks allocated (``allocated``), the next
+    step planned."""
     r = request(req_id, TOKENS)
     deadline = time.monotonic() + 5
     while (answer := halves.scheduler.get_num_new_matched_tokens(r, 0))[0] is None:
         assert time.monotonic() < deadline, "the lookup never completed"
         time.sleep(0.01)
     assert answer == (4 * BLOCK, True), "a hit is loaded asynchronously"
-    halves.scheduler.update_state_after_alloc(r, 4 * BLOCK, ALLOCATED)
+    halves.scheduler.update_state_after_alloc(r, 4 * BLOCK, allocated)
     meta = halves.scheduler.build_connector_meta(scheduler_output([]))
     assert meta.loads == [] and meta.async_unloadable == {}
     assert [op.req_id for op in meta.async_loads] == [req_id]
-    assert [held for _, held in meta.async_loads[0].chunks] == [[5], [6], [7], [8]]
+    assert [held for _, held in meta.async_loads[0].chunks] == [[b] for b in allocated[:4]]
     return r, meta
 
 
@@ -460,6 +463,70 @@ def test_a_load_that_cannot_be_planned_or_started_is_reported_failed_at_once(
     # No block known at all: vLLM takes the whole request as failed.
     halves.worker.start_load_kv(TierKVMetadata(async_unloadable={"blind": []}))
     assert halves.worker.take_finished_recving() == ({"blind"}, {"blind"})
+
+
+def test_a_load_that_cannot_start_is_reported_failed_with_the_blocks_no_load_fills(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request with a load and blocks no load fills: those blocks are reported first, then
+    starting the step's loads fails (a CUDA error recording the engine's event). The load is
+    still reported over, failed: vLLM would otherwise keep the request waiting for ever."""
+    _, meta = _waiting(halves, "r")
+    meta.async_unloadable = {"r": [9]}
+
+    def broken() -> None:
+        raise RuntimeError("an injected failure recording the engine's event")
+
+    monkeypatch.setattr(halves.worker, "_async_events", broken)
+    halves.worker.start_load_kv(meta)
+    assert _recved(halves.worker, "r") == {5, 6, 7, 8, 9}
+
+
+def test_the_loading_thread_reports_every_load_whatever_raises_and_lives_on(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed load whose warning itself raises (a broken log handler) is still reported
+    over, failed, and the next load is served: a loading thread that died would leave every
+    later request waiting for ever."""
+    worker = halves.worker
+    _, meta = _waiting(halves, "r")
+    link = worker.link
+    worker.link = None  # the load fails: no daemon
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("an injected failure logging the warning")
+
+    monkeypatch.setattr(worker.guard.throttle, "warning", broken)
+    worker.start_load_kv(meta)
+    assert _recved(worker, "r") == {5, 6, 7, 8}
+    worker.link = link
+    halves.scheduler.update_connector_output({5, 6, 7, 8}, {"r"})
+    _, meta = _waiting(halves, "s", [10, 11, 12, 13, 14])
+    worker.start_load_kv(meta)
+    assert _recved(worker, "s") == set()
+    assert halves.holds([10, 11, 12, 13], like=STORED[:4])
+
+
+def test_a_load_queued_past_its_deadline_fails_without_a_retrieve(halves: Halves) -> None:
+    """Each load's deadline counts from the step that queued it: one the loading thread takes
+    up only after that (queued behind loads that took their whole deadlines) fails at once,
+    with nothing retrieved, rather than taking a deadline of its own (N slow loads would take
+    N deadlines, and vLLM keep the last request waiting that long)."""
+    worker = halves.worker
+    # A load served, which starts the loading thread.
+    _, meta = _waiting(halves, "r")
+    worker.start_load_kv(meta)
+    assert _recved(worker, "r") == set()
+    loaded = worker.loaded_chunks
+    # Then a load as a step queued it a deadline ago.
+    _, meta = _waiting(halves, "s", [10, 11, 12, 13, 14])
+    (op,) = meta.async_loads
+    with worker._lock:  # noqa: SLF001
+        worker._loading.add("s")  # noqa: SLF001
+    worker._loads.put((op, None, time.monotonic() - halves.settings.timeout_s))  # noqa: SLF001
+    assert _recved(worker, "s") == {10, 11, 12, 13}
+    assert worker.loaded_chunks == loaded
+    assert halves.zero([10, 11, 12, 13]), "a load queued past its deadline was retrieved"
 
 
 def test_loads_stay_synchronous_by_default(tmp_path: Path) -> None:

@@ -46,6 +46,7 @@ the union of their failed blocks, so a failure on any rank is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -123,6 +124,8 @@ class WorkerSide:
         # the step's stores never wait behind a long retrieve; its own number for the KV
         # buffer it registers, and the hello both sessions share.
         self._async_link: Link | None = None
+        # Shutting down: the loading thread opens no session any more.
+        self._closing = False
         self._async_buffer = 0
         self._hello: dict[str, Any] | None = None
         self.load_errors: set[int] = set()
@@ -153,7 +156,7 @@ class WorkerSide:
         # still unanswered.
         self._loaded: list[tuple[str, list[int], bool, float]] = []
         self._freed_on_recv: set[str] = set()
-        self._loads: queue.SimpleQueue[tuple[LoadOp, torch.cuda.Event | None] | None] = (
+        self._loads: queue.SimpleQueue[tuple[LoadOp, torch.cuda.Event | None, float] | None] = (
             queue.SimpleQueue()
         )
         self._loader: threading.Thread | None = None
@@ -247,9 +250,12 @@ class WorkerSide:
         """The loading thread's session, made on its first load (``async_loads`` only). Its
         retrieves read the scheduler half's lookups as the step's session does: a lookup is
         valid on every session of its namespace and rank (docs/protocol.md)."""
-        if self._async_link is None:
-            self._async_link = self._link(self._register_async)
-        return self._async_link
+        with self._lock:
+            if self._closing:
+                raise Unavailable("the worker is shutting down")
+            if self._async_link is None:
+                self._async_link = self._link(self._register_async)
+            return self._async_link
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
         """Loads the step's planned chunks into their blocks. Whatever fails, the blocks it may
@@ -273,23 +279,27 @@ class WorkerSide:
         loading = {op.req_id for op in meta.async_loads}
         for req_id, blocks in meta.async_unloadable.items():
             if req_id in loading:
-                # Reported now: vLLM must hear of them no later than of the load's end.
+                # Reported now: vLLM must hear of them no later than of the load's end. Not
+                # started yet: should what follows fail, the load is reported over, failed.
                 self.load_errors.update(blocks)
             else:
                 self._async_over(req_id, blocks, whole=not blocks)
-            started.add(req_id)
+                started.add(req_id)
         if not meta.async_loads:
             return
         ready = self._async_events()
-        if self._loader is None:
+        if self._loader is None or not self._loader.is_alive():
             loader = threading.Thread(target=self._load_in_background, name="tierkv-load")
             loader.daemon = True
             loader.start()
             self._loader = loader
+        # Each load's deadline counts from now: one queued behind slow loads that is not
+        # started by then fails without a retrieve.
+        deadline = time.monotonic() + self.settings.timeout_s
         for op in meta.async_loads:
             with self._lock:
                 self._loading.add(op.req_id)
-            self._loads.put((op, ready))
+            self._loads.put((op, ready, deadline))
             started.add(op.req_id)
 
     def _async_events(self) -> torch.cuda.Event | None:
@@ -330,30 +340,35 @@ class WorkerSide:
             self._lock.notify_all()
 
     def _load_in_background(self) -> None:
-        """The loading thread: each load in turn; nothing but shutdown ends it."""
+        """The loading thread: each load in turn; nothing but shutdown ends it. Every load it
+        takes is reported over, whatever raises (else vLLM would wait for it for ever)."""
         while True:
             item = self._loads.get()
             if item is None:
                 return
-            op, ready = item
-            failed: list[int] = []
+            op, ready, deadline = item
+            failed = [b for _, held in op.chunks for b in held]
             try:
-                # Polled, with the call's deadline: an engine stream that never gets there
-                # fails the load (nothing was sent: the blocks are vLLM's to recompute).
-                deadline = time.monotonic() + self.settings.timeout_s
+                # By the deadline counted from the step that queued it: a load not started
+                # in time, or whose engine stream never gets there, fails with nothing sent
+                # (the blocks are vLLM's to recompute).
+                if time.monotonic() >= deadline:
+                    raise Unavailable("queued behind other loads past its deadline")
                 if ready is not None and not _completes(ready, deadline):
                     raise Unavailable("the engine's stream did not reach the load in time")
                 self._load_async(op)
+                failed = []
             except Exception as e:
-                self.guard.throttle.warning(
-                    "async load",
-                    "tierkv: an asynchronous load failed (vLLM recomputes its blocks): %s",
-                    e,
-                )
-                with self._lock:
-                    self._watch(op.req_id, e)
-                failed = [b for _, held in op.chunks for b in held]
-            self._async_over(op.req_id, failed)
+                with contextlib.suppress(Exception):
+                    self.guard.throttle.warning(
+                        "async load",
+                        "tierkv: an asynchronous load failed (vLLM recomputes its blocks): %s",
+                        e,
+                    )
+                    with self._lock:
+                        self._watch(op.req_id, e)
+            finally:
+                self._async_over(op.req_id, failed)
 
     def _load_async(self, op: LoadOp) -> None:
         if self.link is None:
@@ -675,16 +690,24 @@ class WorkerSide:
         self.guard.run("shutting down", self._shutdown, nothing)
 
     def _shutdown(self) -> None:
-        if self._loader is not None:
-            self._loads.put(None)
-            self._loader.join(timeout=2 * self.settings.timeout_s)
-        for pending in self._unanswered.values():
+        with self._lock:
+            self._closing = True
+        try:
+            if self._loader is not None:
+                self._loads.put(None)
+                self._loader.join(timeout=2 * self.settings.timeout_s)
+            # Under the lock: a loading thread the join gave up on may still record calls.
+            with self._lock:
+                pending = [u for calls in self._unanswered.values() for u in calls]
+                self._unanswered.clear()
             for unanswered in pending:
                 unanswered.close()
-        self._unanswered.clear()
-        # The step's session first: a loading thread the join above gave up on may still hold
-        # its own session's lock (registering the KV memory on a new connection).
-        if self.link is not None:
-            self.link.close()
-        if self._async_link is not None:
-            self._async_link.close()
+        finally:
+            # The step's session first: a loading thread the join above gave up on may still
+            # hold its own session's lock (registering the KV memory on a new connection).
+            if self.link is not None:
+                self.link.close()
+            with self._lock:
+                loading_link = self._async_link
+            if loading_link is not None:
+                loading_link.close()
