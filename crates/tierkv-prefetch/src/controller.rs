@@ -599,10 +599,12 @@ impl Worker {
     fn give_up_overdue(&mut self) {
         let timeout = self.config.request_timeout;
         let now = self.clock.now();
-        let (queued, pending): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
-            .into_iter()
-            .partition(|(_, _, submitted)| now >= after(*submitted, timeout));
-        self.pending = pending.into();
+        // The queue is in submission order: the overdue are at its front (no walk of the whole
+        // queue at every event).
+        let mut queued = Vec::new();
+        while self.pending.front().is_some_and(|(_, _, at)| now >= after(*at, timeout)) {
+            queued.extend(self.pending.pop_front());
+        }
         for (id, ..) in queued {
             self.shared.metrics.failed();
             let why = format!("not started within {timeout:?}: the lower tiers were busy");

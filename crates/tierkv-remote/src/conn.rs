@@ -274,6 +274,9 @@ impl Link {
             match asks.join_next().await {
                 None => break None,
                 Some(Ok((node, Ok(Some(reply))))) => match ranges_of(&reply, &node.0) {
+                    // An empty map (a node not yet in the cluster, or one that lost its
+                    // nodes.conf) says nothing of the masters: another node's answer is taken.
+                    Some(ranges) if ranges.is_empty() => {}
                     Some(ranges) => break Some(ranges),
                     None => refused = true,
                 },

@@ -654,10 +654,8 @@ impl StorageManager {
         self.check(owner)?;
         let reversed: Vec<ObjectKey> = keys.iter().rev().copied().collect();
         if !self.inner.copies_at_write {
+            // L1's observer (`Forward`) records them as stored here.
             let mut results = self.inner.l1.finish_write(owner, &reversed);
-            self.inner.stored_here(
-                reversed.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(k, _)| k),
-            );
             results.reverse();
             let finished = results.iter().filter(|r| r.is_ok()).count() as u32;
             let ticket = StoreTicket::settled(Durability { durable: 0, not_durable: finished });
