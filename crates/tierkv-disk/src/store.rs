@@ -2886,11 +2886,12 @@ mod tests {
         let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
         let mut h = Harness::new(tier);
         let faults = &store.shared.faults;
-        let stored = |what: &str| match completions.recv_timeout(Duration::from_secs(10)) {
+        let stored_within = |what: &str, wait: Duration| match completions.recv_timeout(wait) {
             Ok(Completion::Stored { result, .. }) => result,
             Ok(_) => panic!("not a store completion"),
-            Err(_) => panic!("{what} never completed"),
+            Err(_) => panic!("{what} did not complete within {wait:?}"),
         };
+        let stored = |what: &str| stored_within(what, Duration::from_secs(10));
         // Every record buffer is lost to a panic on the write thread while no memory can be
         // had to replace it.
         faults.no_memory.store(true, Ordering::SeqCst);
@@ -2899,9 +2900,11 @@ mod tests {
             h.submit_store(&keys(n..n + 1));
             assert!(stored("a store whose write thread panicked").is_err());
         }
-        // The next store has no buffer and none will come back: it fails (a miss), at once.
+        // The next store has no buffer and none will come back: it fails (a miss), at once,
+        // not after waiting out the bound for a buffer that cannot come.
         h.submit_store(&keys(10..11));
-        assert!(stored("a store with every record buffer lost").is_err());
+        let lost = stored_within("a store with every record buffer lost", BUFFER_WAIT / 2);
+        assert!(lost.is_err());
         // With memory to be had again, the buffers lost are made again as stores need them.
         faults.no_memory.store(false, Ordering::SeqCst);
         let more = 20..20 + 2 * RECORD_BUFFERS as u64;

@@ -741,6 +741,7 @@ impl Worker {
     fn on_event(&mut self, event: TierEvent) {
         let TierEvent { tier, completion } = event;
         let slot = (tier, completion.task());
+        let left_out = self.unanswering(tier);
         if let Some(Late { keys, .. }) = self.late.remove(&slot) {
             // The answer of a request given up (past the request timeout): a lookup's locks go
             // back; a load's sinks are dropped with the completion, freeing their slots. The
@@ -749,7 +750,9 @@ impl Worker {
             if let Some(keys) = keys {
                 self.unlock(tier, &locks_taken(&keys, &completion));
             }
-            if !self.unanswering(tier) {
+            // Said only of a tier that was left out (most late answers are of tiers that were
+            // not slow: their requests ran out of time elsewhere).
+            if left_out && !self.unanswering(tier) {
                 tracing::info!(tier, "a lower tier answered its late prefetch tasks; asked again");
             }
             return;

@@ -923,6 +923,34 @@ fn a_tier_is_left_out_of_later_requests_only_once_it_was_slow_itself() {
 }
 
 #[test]
+fn a_tier_that_had_a_task_half_a_timeout_when_its_request_was_given_up_is_left_out_at_once() {
+    // L2 answers at 0.4 of the timeout; the disk then keeps its lookup for the remaining 0.6
+    // and more: past half a timeout, it was slow itself, and the next request, submitted right
+    // after, does not ask it (it would wait for a tier that does not answer).
+    let clock = Arc::new(ManualClock::new());
+    let (l2, disk) = (fake_holding("l2", keys(0..2)), fake_holding("disk", keys(0..4)));
+    l2.hold();
+    disk.hold();
+    let config = PrefetchConfig { request_timeout: TIMEOUT, ..PrefetchConfig::default() };
+    let rig = rig_with_clock(vec![l2.clone(), disk.clone()], config, clock.clone());
+    let first = submit_prefix(&rig, keys(0..4));
+    eventually("L2 is asked", || l2.held_tasks() == 1);
+    clock.advance(TIMEOUT * 4 / 10);
+    l2.run_held();
+    eventually("the disk is asked", || disk.held_tasks() == 1);
+    clock.advance(TIMEOUT * 7 / 10);
+    given_up(&rig, first);
+    let second = submit_prefix(&rig, keys(2..4));
+    eventually("L2 is asked again", || l2.held_tasks() == 1);
+    l2.run_held();
+    assert_eq!(rig.prefetch.wait(second, WAIT).unwrap().hit_chunks, 0);
+    assert_eq!(disk.held_tasks(), 1, "a tier slow for most of a timeout was asked again");
+    disk.release_held();
+    eventually("the late lookup's locks come back", || disk.usage().locks == 0);
+    rig.l1.audit().unwrap();
+}
+
+#[test]
 fn a_request_whose_loads_never_answer_is_given_up_one_timeout_after_it_was_submitted() {
     // The lookup answers at half the timeout, the load never: the load's silence is not
     // counted from the lookup's answer. (Two 16 KiB chunks are allowed well under a
