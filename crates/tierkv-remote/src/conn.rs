@@ -23,15 +23,18 @@
 //! In a cluster, a call that succeeds proves one master alive, not the link: with a master
 //! dead, calls to the others succeed and calls to its slots fail, and a tier healed by every
 //! success flapped between healthy and degraded. So there only a probe heals a degraded link,
-//! and only once it reached every master the slots map to (`CLUSTER SLOTS`, then a `PING`
-//! to each by address: the cluster client's own `PING` to all masters skips a master it holds
-//! no connection to, a dead one). A call that succeeds on a degraded cluster link starts such a
-//! probe (one at a time), so a link that works again heals at once.
+//! and only once it reached every master the slots map to (`CLUSTER SLOTS` of the nodes it
+//! knows, each by address, and a `PING` of a master not among them: the cluster client's own
+//! `PING` to all masters skips a master it holds no connection to, a dead one). A call that
+//! succeeds on a degraded cluster link starts such a probe, so a link that works again heals at
+//! once. Probes run one at a time, the maintenance thread's too: two at once could end in
+//! either order, and the older view of the cluster overwrite the newer.
 //!
-//! A probe asks the nodes over connections of its own, not through the cluster client, and a
-//! master whose answer it has not had a quarter of the deadline before its own, or that refuses
-//! the probe's connection (dead), is *silent* (hung, cut off, or down): calls to that master's slots fail at once, as misses, until a probe finds
-//! it answering or its slots served by another master. They must not reach the cluster client
+//! A probe asks the nodes over connections of its own, one a node, not through the cluster
+//! client, and a master that has not answered within the op deadline of its question (a `PING`
+//! sent once a slow slot map came has a whole deadline too), or that refuses the probe's
+//! connection (dead), is *silent* (hung, cut off, or down): calls to that master's slots fail
+//! at once, as misses, until a probe finds it answering or its slots served by another master. They must not reach the cluster client
 //! (redis 1.8): a call that finds no connection to its slot's master (a cluster connection
 //! opened while the master hung holds none to it) goes to another node, whose
 //! `MOVED` makes the client refresh its slot map, and while `refresh_slots` runs (holding the
@@ -41,6 +44,7 @@
 //! (at most one a reconnect interval), so a hung master is found silent within a deadline or
 //! two; so does a call to a silent master's slots, so its recovery or failover is noticed.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -177,33 +181,43 @@ impl Link {
         self.attempt(cmd).await
     }
 
+    /// Probes the link now ([`Link::probe`]) unless a probe is under way: whether it is healthy,
+    /// `None` if another probe was under way. The maintenance thread's probes come this way,
+    /// at any time; a call's at most once a reconnect interval ([`Link::start_probe`]).
+    pub(crate) async fn probe_alone(&self) -> Option<bool> {
+        if !self.claim_probe(&mut self.state.lock()) {
+            return None;
+        }
+        Some(self.probe().await)
+    }
+
+    /// Marks a probe under way, unless one is: whether it may run. One probe at a time: two at
+    /// once could end in either order, and the one that ended last would leave its view of the
+    /// cluster (its slot map, its silent masters) even if it was the older one.
+    fn claim_probe(&self, state: &mut State) -> bool {
+        if state.probing {
+            return false;
+        }
+        state.probing = true;
+        state.probed = Some(Instant::now());
+        true
+    }
+
     /// Checks the link now, degraded or not: a `PING` of the server, or in a cluster of every
     /// master the slots map to; whether every one answered. Only a probe heals a degraded
-    /// cluster link.
-    pub(crate) async fn probe(&self) -> bool {
-        let deadline = self.config.op_timeout;
-        // In a cluster, each node's answer is due a quarter of the deadline before the probe's:
-        // a master with none by then is silent (one master hung), not the probe's link.
-        let answers_by = tokio::time::Instant::now() + deadline * 3 / 4;
+    /// cluster link. Runs after [`Link::claim_probe`], and ends the probe it claimed.
+    async fn probe(&self) -> bool {
         let mut used = None;
-        let probe = self.probe_inner(&mut used, answers_by);
-        let result = match tokio::time::timeout(deadline, probe).await {
-            Ok(result) => result,
-            Err(_) => Err(CallError::Timeout(deadline)),
-        };
+        let result = self.probe_inner(&mut used).await;
         let healthy = self.judge(used, result, true).is_ok();
         self.state.lock().probing = false;
         healthy
     }
 
-    async fn probe_inner(
-        &self,
-        used: &mut Option<Used>,
-        answers_by: tokio::time::Instant,
-    ) -> Result<(), CallError> {
+    async fn probe_inner(&self, used: &mut Option<Used>) -> Result<(), CallError> {
         if self.config.mode == RemoteMode::Cluster {
             let sent = Instant::now();
-            match self.probe_nodes(answers_by).await {
+            match self.probe_nodes().await {
                 // Some master missed: whatever connection calls use now stays (see `judge`).
                 Probed::Masters(Some(missed)) => {
                     *used = self.used_now(sent);
@@ -218,11 +232,18 @@ impl Link {
                 Probed::Masters(None) | Probed::NotCluster => {}
             }
         }
-        let (conn, generation) = self.connection().await?;
-        *used = Some(Used { generation, sent: Instant::now() });
-        match conn {
-            Conn::Single(mut c) => answered(redis::cmd("PING").query_async(&mut c).await),
-            Conn::Cluster(mut c) => answered(redis::cmd("PING").query_async(&mut c).await),
+        let deadline = self.config.op_timeout;
+        let ping = async {
+            let (conn, generation) = self.connection().await?;
+            *used = Some(Used { generation, sent: Instant::now() });
+            match conn {
+                Conn::Single(mut c) => answered(redis::cmd("PING").query_async(&mut c).await),
+                Conn::Cluster(mut c) => answered(redis::cmd("PING").query_async(&mut c).await),
+            }
+        };
+        match tokio::time::timeout(deadline, ping).await {
+            Ok(result) => result,
+            Err(_) => Err(CallError::Timeout(deadline)),
         }
     }
 
@@ -233,47 +254,56 @@ impl Link {
 
     /// Asks the cluster's nodes themselves, each over a connection of its own opened for the
     /// probe (never through the cluster client, whose slot refresh a silent node stalls, and
-    /// whose `PING` of all masters skips one it holds no connection to): the slot map, from the
-    /// first node that answers `CLUSTER SLOTS` (the masters known, then the seed nodes, all at
-    /// once), then a `PING` of every master it names. Records the slot map and the masters
-    /// that answered nothing by `answers_by` (silent), and renews the connection when the slot
-    /// map's masters changed (a failover: the cluster client would keep routing to the old one,
-    /// if it is hung).
-    async fn probe_nodes(&self, answers_by: tokio::time::Instant) -> Probed {
+    /// whose `PING` of all masters skips one it holds no connection to), one connection a node:
+    /// `CLUSTER SLOTS` of the masters known and the seed nodes, all at once, the slot map taken
+    /// from the first that answers with one; a master it names that was asked has answered
+    /// (or will), and one that was not is sent a `PING`. Each node's answer is due within the op
+    /// deadline of its own question: a `PING` sent once a slow slot map came has the whole
+    /// deadline too, not what the slot map left of one. Records the slot map and the masters
+    /// that answered nothing in time (silent), and renews the connection when the slot map's
+    /// masters changed (a failover: the cluster client would keep routing to the old one, if
+    /// it is hung).
+    async fn probe_nodes(&self) -> Probed {
         let base = match self.config.urls.first().map(|url| url.as_str().into_connection_info()) {
             Some(Ok(info)) => info,
             _ => return Probed::NotCluster,
         };
-        let mut nodes: Vec<Node> = Vec::new();
+        let mut asked: Vec<Node> = Vec::new();
         for range in &self.state.lock().slots {
-            if !nodes.contains(&range.master) {
-                nodes.push(range.master.clone());
+            if !asked.contains(&range.master) {
+                asked.push(range.master.clone());
             }
         }
         for url in &self.config.urls {
             if let Ok(info) = url.as_str().into_connection_info()
                 && let ConnectionAddr::Tcp(host, port) = info.addr()
-                && !nodes.contains(&(host.clone(), *port))
+                && !asked.contains(&(host.clone(), *port))
             {
-                nodes.push((host.clone(), *port));
+                asked.push((host.clone(), *port));
             }
         }
 
-        let connect_timeout = self.config.connect_timeout;
+        let (connect_timeout, within) = (self.config.connect_timeout, self.config.op_timeout);
         let mut asks = tokio::task::JoinSet::new();
-        for node in nodes {
+        let ask_of = |asks: &mut Asks, node: Node, cmd: Cmd| {
             let base = base.clone();
             asks.spawn(async move {
-                let slots = redis::cmd("CLUSTER").arg("SLOTS").clone();
-                let reply = ask(&base, &node, &slots, connect_timeout, answers_by).await;
+                let reply = ask(&base, &node, &cmd, connect_timeout, within).await;
                 (node, reply)
             });
+        };
+        for node in &asked {
+            ask_of(&mut asks, node.clone(), redis::cmd("CLUSTER").arg("SLOTS").clone());
         }
+        // What each node's answer says of it, as it came.
+        let mut heard: HashMap<Node, Heard> = HashMap::new();
         let (mut refused, mut failure) = (false, None);
         let ranges = loop {
-            match asks.join_next().await {
-                None => break None,
-                Some(Ok((node, Ok(Some(reply))))) => match ranges_of(&reply, &node.0) {
+            let Some(joined) = asks.join_next().await else { break None };
+            let Ok((node, reply)) = joined else { continue };
+            heard.insert(node.clone(), Heard::of(&reply));
+            match reply {
+                Ok(Some(reply)) => match ranges_of(&reply, &node.0) {
                     // An empty map (a node not yet in the cluster, or one that lost its
                     // nodes.conf) says nothing of the masters: another node's answer is taken.
                     Some(ranges) if ranges.is_empty() => {}
@@ -282,13 +312,11 @@ impl Link {
                 },
                 // Refused (an ACL) or not understood (a server not in cluster mode, a proxy
                 // that renames or hides CLUSTER): the node answered.
-                Some(Ok((_, Err(e)))) if !is_link(&e) => refused = true,
-                Some(Ok((_, Err(e)))) => failure = Some(CallError::from(e)),
-                Some(Ok((_, Ok(None)))) | Some(Err(_)) => {}
+                Err(e) if !is_link(&e) => refused = true,
+                Err(e) => failure = Some(CallError::from(e)),
+                Ok(None) => {}
             }
         };
-        // The asks still under way end here.
-        drop(asks);
         let Some(mut ranges) = ranges else {
             if refused {
                 return Probed::NotCluster;
@@ -303,41 +331,29 @@ impl Link {
                 masters.push(range.master.clone());
             }
         }
-        let mut pings = tokio::task::JoinSet::new();
-        for master in masters {
-            let base = base.clone();
-            pings.spawn(async move {
-                let ping = redis::cmd("PING");
-                let reply = ask(&base, &master, &ping, connect_timeout, answers_by).await;
-                (master, reply)
-            });
+        for master in masters.iter().filter(|m| !asked.contains(m)) {
+            ask_of(&mut asks, master.clone(), redis::cmd("PING"));
         }
+        // Every master's answer, or its deadline; the other nodes' are not waited for.
+        while masters.iter().any(|m| !heard.contains_key(m)) {
+            let Some(joined) = asks.join_next().await else { break };
+            if let Ok((node, reply)) = joined {
+                heard.insert(node, Heard::of(&reply));
+            }
+        }
+        // The asks still under way end here.
+        drop(asks);
         let (mut silent, mut missed) = (Vec::new(), Vec::new());
-        while let Some(joined) = pings.join_next().await {
-            let Ok((master, reply)) = joined else {
-                missed.push("a probe's PING failed".to_string());
-                continue;
-            };
+        for master in masters {
             let (host, port) = &master;
-            match reply {
-                Ok(Some(reply)) => match answered(Ok(reply)) {
-                    Ok(()) => {}
-                    Err(e) => missed.push(format!("{host}:{port}: {e}")),
-                },
-                Err(e) => match answered(Err(e)) {
-                    Ok(()) => {}
-                    // Hung (no answer in time) or down (refused: a dead master, whose calls
-                    // the cluster client would retry and reconnect for): silent alike.
-                    Err(e) if e.is_timeout() || e.is_connection() => {
-                        missed.push(format!("{host}:{port}: {e}"));
-                        silent.push(master);
-                    }
-                    Err(e) => missed.push(format!("{host}:{port}: {e}")),
-                },
-                Ok(None) => {
-                    missed.push(format!("{host}:{port}: no answer"));
+            match heard.remove(&master) {
+                Some(Heard::Alive) => {}
+                Some(Heard::Refused(why)) => missed.push(format!("{host}:{port}: {why}")),
+                Some(Heard::Silent(why)) => {
+                    missed.push(format!("{host}:{port}: {why}"));
                     silent.push(master);
                 }
+                None => missed.push(format!("{host}:{port}: the probe's question failed")),
             }
         }
         silent.sort();
@@ -363,17 +379,15 @@ impl Link {
         Probed::Masters((!missed.is_empty()).then(|| missed.join(", ")))
     }
 
-    /// Starts a probe in the background ([`Link::probe`]), unless one is under way or one
-    /// started within the reconnect interval.
+    /// Starts a probe in the background ([`Link::probe`]) for a call, unless one is under way or
+    /// one started within the reconnect interval.
     fn start_probe(&self, state: &mut State) {
-        if state.probing
-            || state.probed.is_some_and(|at| at.elapsed() < self.config.reconnect_interval)
-        {
+        if state.probed.is_some_and(|at| at.elapsed() < self.config.reconnect_interval) {
             return;
         }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            state.probing = true;
-            state.probed = Some(Instant::now());
+        if let Ok(runtime) = tokio::runtime::Handle::try_current()
+            && self.claim_probe(state)
+        {
             let link = self.clone();
             runtime.spawn(async move { link.probe().await });
         }
@@ -651,15 +665,42 @@ enum Probed {
     NotCluster,
 }
 
+/// A probe's questions under way, each to a node.
+type Asks = tokio::task::JoinSet<(Node, redis::RedisResult<Option<Value>>)>;
+
+/// What a node's answer to a probe's question says of it.
+enum Heard {
+    /// It answered: a reply, or a refusal of the command (an ACL without it).
+    Alive,
+    /// It answered with an error: why. Not silent, but not serving either.
+    Refused(String),
+    /// Hung (no answer in time) or down (the connection refused: a dead master, whose calls
+    /// the cluster client would retry and reconnect for): why.
+    Silent(String),
+}
+
+impl Heard {
+    fn of(reply: &redis::RedisResult<Option<Value>>) -> Self {
+        match reply {
+            Ok(Some(_)) => Heard::Alive,
+            Ok(None) => Heard::Silent("no answer".into()),
+            Err(e) if e.code() == Some("NOPERM") => Heard::Alive,
+            Err(e) if is_link(e) => Heard::Silent(e.to_string()),
+            Err(e) => Heard::Refused(e.to_string()),
+        }
+    }
+}
+
 /// `cmd` sent to `node` over a connection of its own (the credentials of `base`): the reply, or
-/// `None` if none came by `by`.
+/// `None` if none came `within` this of the question (the connection's opening included).
 async fn ask(
     base: &ConnectionInfo,
     node: &Node,
     cmd: &Cmd,
     connect_timeout: Duration,
-    by: tokio::time::Instant,
+    within: Duration,
 ) -> redis::RedisResult<Option<Value>> {
+    let by = tokio::time::Instant::now() + within;
     let info = base.clone().set_addr(ConnectionAddr::Tcp(node.0.clone(), node.1));
     let asked = async {
         let client = redis::Client::open(info)?;
@@ -774,10 +815,34 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use tierkv_testkit::redis::RedisStandalone;
+    use tierkv_testkit::redis::{RedisCluster, RedisStandalone};
     use tierkv_testkit::require_redis;
 
     use super::*;
+
+    /// One cluster for this module's tests, lent to one test at a time: they pause its nodes or
+    /// count the connections its nodes accept, which another test's calls would disturb.
+    async fn cluster() -> tokio::sync::MutexGuard<'static, RedisCluster> {
+        static CLUSTER: std::sync::OnceLock<tokio::sync::Mutex<RedisCluster>> =
+            std::sync::OnceLock::new();
+        CLUSTER.get_or_init(|| tokio::sync::Mutex::new(RedisCluster::start())).lock().await
+    }
+
+    fn cluster_link(urls: Vec<String>, op_timeout: Duration) -> Link {
+        Link::new(RemoteConfig {
+            op_timeout,
+            connect_timeout: op_timeout,
+            reconnect_interval: Duration::from_millis(20),
+            ..RemoteConfig::new(urls, RemoteMode::Cluster, 1 << 20)
+        })
+    }
+
+    /// The client connections `node` has accepted so far, this question's own included.
+    fn connections_received(node: &tierkv_testkit::redis::RedisNode) -> u64 {
+        let stats = node.cli(&["INFO", "stats"]);
+        let line = stats.lines().find_map(|l| l.strip_prefix("total_connections_received:"));
+        line.and_then(|n| n.trim().parse().ok()).unwrap()
+    }
 
     fn link(server: &RedisStandalone, op_timeout: Duration) -> Link {
         Link::new(RemoteConfig {
@@ -902,5 +967,58 @@ mod tests {
         let hung = link.call::<redis::Value>(&cmd(&["BLPOP", "tierkv-test-empty", "0"])).await;
         assert!(matches!(hung, Err(ref e) if e.is_timeout()), "{hung:?}");
         assert!(link.degraded().is_some());
+    }
+
+    /// Under load `CLUSTER SLOTS` may answer late; the masters it names then get the whole
+    /// deadline to answer their `PING`, counted from when it is sent, not what the slot map
+    /// left of one deadline shared by both: a live master that answers within the deadline is
+    /// not silent. Here every node holds its clients' commands (`CLIENT PAUSE`): the seeds (the
+    /// replicas) for 0.8 s, the masters for 1.8 s, of a 2 s deadline.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_slot_map_leaves_the_masters_their_whole_deadline() {
+        require_redis!();
+        let cluster = cluster().await;
+        let masters = cluster.masters();
+        let replicas: Vec<usize> =
+            (0..cluster.nodes.len()).filter(|i| !masters.contains(i)).collect();
+        let link = cluster_link(
+            replicas.iter().map(|&i| cluster.nodes[i].url()).collect(),
+            Duration::from_secs(2),
+        );
+        for &i in &replicas {
+            assert_eq!(cluster.nodes[i].cli(&["CLIENT", "PAUSE", "800"]), "OK");
+        }
+        for &i in &masters {
+            assert_eq!(cluster.nodes[i].cli(&["CLIENT", "PAUSE", "1800"]), "OK");
+        }
+        link.probe().await;
+        let state = link.state.lock();
+        assert!(!state.slots.is_empty(), "the probe learnt no slot map");
+        assert!(state.silent.is_empty(), "live masters found silent: {:?}", state.silent);
+    }
+
+    /// A probe opens one connection to each node it asks: `CLUSTER SLOTS` of each known node,
+    /// whose answer also says a master is alive, and a `PING` only of a master not asked yet.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_opens_one_connection_to_each_node() {
+        require_redis!();
+        let cluster = cluster().await;
+        let link = cluster_link(cluster.urls(), Duration::from_secs(2));
+        // The link's own connection first, and the probe its first success starts.
+        link.call::<u64>(&cmd(&["EXISTS", "tierkv-test-absent"])).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while link.state.lock().probing || link.degraded().is_some() {
+            assert!(Instant::now() < deadline, "never healthy: {:?}", link.degraded());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let masters = cluster.masters();
+        let before: Vec<u64> = cluster.nodes.iter().map(connections_received).collect();
+        assert!(link.probe().await);
+        for (i, node) in cluster.nodes.iter().enumerate() {
+            // The second question's own connection aside.
+            let opened = connections_received(node) - before[i] - 1;
+            let role = if masters.contains(&i) { "master" } else { "replica" };
+            assert_eq!(opened, 1, "the probe opened {opened} connections to a {role}");
+        }
     }
 }

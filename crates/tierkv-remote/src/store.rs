@@ -113,14 +113,16 @@ impl RemoteStore {
     }
 
     /// Tries to reach Redis (a `PING` within the op deadline) in the background, without
-    /// waiting: a degraded tier then notices its recovery without waiting for a lookup. The
-    /// storage layer's maintenance calls it while the tier is degraded.
+    /// waiting, unless a probe is under way (one at a time: see `Link::claim_probe`): a degraded
+    /// tier then notices its recovery without waiting for a lookup. The storage layer's
+    /// maintenance calls it while the tier is degraded.
     pub fn probe(&self) {
         let shared = Arc::clone(&self.shared);
         if let Some(runtime) = self.runtime.lock().as_ref() {
             runtime.spawn(async move {
-                shared.link.probe().await;
-                shared.publish();
+                if shared.link.probe_alone().await.is_some() {
+                    shared.publish();
+                }
             });
         }
     }

@@ -679,6 +679,78 @@ fn a_server_that_refuses_ping_still_heals_a_degraded_tier() {
     }
 }
 
+/// The maintenance thread's probes and the calls' run one at a time: two at once could end in
+/// either order, and the one that ended last left its view of the cluster (which masters are
+/// silent) even if it was the older one. The cluster here is one "node" that takes connections
+/// and never answers (as a hung server does), so a probe lasts its whole deadline, and asks it
+/// over a connection of its own: the connections it took count the probes.
+#[test]
+fn probes_run_one_at_a_time() {
+    let node = SilentNode::start();
+    let store =
+        RemoteStore::open(config(vec![node.url()], RemoteMode::Cluster, "one-probe")).unwrap();
+    // Five probes asked for within the first one's deadline (500 ms): one runs.
+    for _ in 0..5 {
+        store.probe();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(900));
+    assert_eq!(node.accepted(), 1, "probes ran at once");
+    // Once it ended, the next probe runs.
+    store.probe();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while node.accepted() < 2 {
+        assert!(Instant::now() < deadline, "no probe ran after the first");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A server on loopback that takes connections and never answers (as a hung Redis does), and
+/// counts them; it stops when dropped.
+struct SilentNode {
+    addr: std::net::SocketAddr,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SilentNode {
+    fn start() -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (accepted, stop) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let (counted, stopped) = (Arc::clone(&accepted), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !stopped.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        held.push(stream);
+                        counted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        SilentNode { addr, accepted, stop }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for SilentNode {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// A master that is dead and stays dead (its replica may not fail over, and the cluster serves
 /// the slots it still covers): the tier is degraded, and stays so for as long as the master is
 /// gone, not healthy on one probe or call and degraded on the next; healthy again once its
