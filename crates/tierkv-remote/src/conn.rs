@@ -106,8 +106,14 @@ struct State {
     /// The cluster's slot map as the last probe learnt it (empty until one did).
     slots: Vec<SlotRange>,
     /// The masters of `slots` the last probe found silent: no answer within its deadline (a
-    /// hung server, or a partition), or the connection refused (a dead one). Calls to their slots fail at once (see [`Link::call`]).
+    /// hung server, or a partition), or the connection refused (a dead one). Calls to their
+    /// slots fail at once (see [`Link::call`]).
     silent: Vec<Node>,
+    /// Which of `silent` serves each slot: 0 for none, else its index in `silent` plus one.
+    /// Empty while no master is silent. A call finds its slot's master here in one step, under
+    /// the lock every call takes anyway, where a scan of `slots` took as long as the map is
+    /// fragmented (16,384 ranges at worst).
+    silent_slots: Vec<u16>,
 }
 
 /// Which connection a call used, and when it sent its command on it.
@@ -141,6 +147,7 @@ impl Link {
                 probed: None,
                 slots: Vec::new(),
                 silent: Vec::new(),
+                silent_slots: Vec::new(),
             })),
             opened: Arc::new(tokio::sync::watch::channel(0).0),
         }
@@ -371,6 +378,7 @@ impl Link {
             }
         }
         let moved = !state.slots.is_empty() && state.slots != ranges;
+        state.silent_slots = silent_slots(&ranges, &silent);
         state.slots = ranges;
         state.silent = silent;
         if moved {
@@ -750,14 +758,35 @@ fn ranges_of(slots: &Value, host: &str) -> Option<Vec<SlotRange>> {
 /// The master the last probe found silent that serves the slot of `cmd`'s key (its first
 /// argument, as in every call of the tier), if there is one.
 fn silent_master<'s>(state: &'s State, cmd: &Cmd) -> Option<&'s Node> {
-    if state.silent.is_empty() {
+    if state.silent_slots.is_empty() {
         return None;
     }
     let Some(Arg::Simple(key)) = cmd.args_iter().nth(1) else { return None };
-    let slot = key_slot(key);
-    let range = state.slots.iter().find(|r| r.first <= slot && slot <= r.last)?;
-    state.silent.contains(&range.master).then_some(&range.master)
+    let master = *state.silent_slots.get(usize::from(key_slot(key)))?;
+    state.silent.get(usize::from(master).checked_sub(1)?)
 }
+
+/// The cluster's slots in a table ([`State::silent_slots`]): for each, 0, or the index in
+/// `silent` of the master `ranges` says serves it, plus one. Empty if no master is silent.
+fn silent_slots(ranges: &[SlotRange], silent: &[Node]) -> Vec<u16> {
+    if silent.is_empty() {
+        return Vec::new();
+    }
+    let mut table = vec![0u16; SLOTS];
+    for range in ranges {
+        let Some(i) = silent.iter().position(|m| *m == range.master) else { continue };
+        // At most one master a slot, so fewer than 16,384 silent ones: the index fits.
+        let Ok(entry) = u16::try_from(i + 1) else { continue };
+        let slots = usize::from(range.first)..=usize::from(range.last).min(SLOTS - 1);
+        if let Some(entries) = table.get_mut(slots) {
+            entries.fill(entry);
+        }
+    }
+    table
+}
+
+/// The slots of a Redis Cluster.
+const SLOTS: usize = 16384;
 
 /// The cluster slot of `key`: CRC16 (XMODEM) of its hash tag (the first `{...}`, if not empty)
 /// or of the whole key, modulo 16384, as Redis computes it.
@@ -773,7 +802,7 @@ fn key_slot(key: &[u8]) -> u16 {
             crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
         }
     }
-    crc % 16384
+    crc % SLOTS as u16
 }
 
 /// Opens a connection as `c` says.
@@ -863,6 +892,46 @@ mod tests {
             let theirs = format!("{:?}", redis::cluster_routing::Slot::for_key(key));
             assert_eq!(theirs, format!("Slot({})", key_slot(key.as_bytes())), "{key}");
         }
+    }
+
+    /// The table a call looks its slot up in says what the slot map and the silent masters
+    /// say, slot by slot, on a map fragmented as resharding leaves it, with slots no master
+    /// serves; and says nothing while no master is silent.
+    #[test]
+    fn a_calls_slot_finds_its_silent_master_in_the_table() {
+        let master = |port: u16| ("127.0.0.1".to_string(), port);
+        let mut ranges = Vec::new();
+        let mut first = 0u16;
+        for i in 0..600u16 {
+            // Ranges of 1 to 40 slots, every third followed by a slot no master serves, and the
+            // last few thousand slots served by none.
+            let last = (first + i % 40).min(16383);
+            ranges.push(SlotRange { first, last, master: master(7000 + i % 5) });
+            first = last + 1 + u16::from(i % 3 == 0);
+            if first > 16383 {
+                break;
+            }
+        }
+        let silent = vec![master(7001), master(7003)];
+        let link = Link::new(RemoteConfig::new(vec!["redis://x".into()], RemoteMode::Cluster, 1));
+        let mut state = link.state.lock();
+        assert!(silent_master(&state, &cmd(&["EXISTS", "a"])).is_none());
+        state.silent_slots = silent_slots(&ranges, &silent);
+        state.slots = ranges.clone();
+        state.silent = silent.clone();
+        let mut found = 0;
+        for i in 0..100_000 {
+            let key = format!("tierkv-test:{i}");
+            let slot = key_slot(key.as_bytes());
+            let serves = ranges.iter().find(|r| r.first <= slot && slot <= r.last);
+            let expected = serves.map(|r| &r.master).filter(|m| silent.contains(m));
+            assert_eq!(silent_master(&state, &cmd(&["EXISTS", &key])), expected, "slot {slot}");
+            found += usize::from(expected.is_some());
+        }
+        assert!(found > 0 && found < 100_000, "{found} keys on silent masters");
+        state.silent_slots = silent_slots(&state.slots, &[]);
+        assert!(state.silent_slots.is_empty());
+        assert!(silent_master(&state, &cmd(&["EXISTS", "a"])).is_none());
     }
 
     fn cmd(args: &[&str]) -> Cmd {
