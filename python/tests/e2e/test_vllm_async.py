@@ -71,31 +71,37 @@ def _schedules_asynchronously(engine: Engine) -> bool:
     return "tierkv-test: scheduler AsyncScheduler" in engine.log_path.read_text()
 
 
-COLD: dict[str, list[list[int]]] = {}
-
-
-def test_a_prompt_loaded_asynchronously_answers_as_cold(engine: Engine, daemon: Daemon) -> None:
+@pytest.fixture(scope="module")
+def cold(engine: Engine, daemon: Daemon) -> list[list[int]]:
+    """P's and Q's tokens computed cold, one after the other, by the module's engine, and their
+    chunks stored (by whichever test asks first: each test can run alone)."""
     assert _schedules_asynchronously(engine)
+    engine.reset()
     # One after the other: in one batch, P may wait a step for its lookup (the daemon asks its
     # lower tiers) while Q goes first, and P then hits Q's blocks in vLLM's prefix cache.
-    cold = [engine.generate([P])[0], engine.generate([Q])[0]]
-    assert [o["cached"] for o in cold] == [0, 2 * CHUNK], "Q shares P's first chunks in vLLM"
-    COLD["tokens"] = [o["tokens"] for o in cold]
+    outputs = [engine.generate([P])[0], engine.generate([Q])[0]]
+    assert [o["cached"] for o in outputs] == [0, 2 * CHUNK], "Q shares P's first chunks in vLLM"
     daemon.eventually("the prompts are stored", lambda s: s["tiers"][0]["objects"] >= 7 + 3)
+    return [o["tokens"] for o in outputs]
+
+
+def test_a_prompt_loaded_asynchronously_answers_as_cold(
+    engine: Engine, daemon: Daemon, cold: list[list[int]]
+) -> None:
     before = daemon.status()["hit_tokens"]
     engine.reset()
     loaded = engine.generate([P])[0]
-    assert loaded["tokens"] == COLD["tokens"][0]
+    assert loaded["tokens"] == cold[0]
     assert loaded["cached"] == 896
     assert daemon.status()["hit_tokens"] - before == 896
     engine.reset()
     both = engine.generate([P, Q])
-    assert [o["tokens"] for o in both] == COLD["tokens"]
+    assert [o["tokens"] for o in both] == cold
     assert all(o["cached"] > 0 for o in both)
 
 
 def test_a_failed_asynchronous_load_is_recomputed_and_answers_as_cold(
-    engine: Engine, daemon: Daemon, flag: Path
+    engine: Engine, flag: Path, cold: list[list[int]]
 ) -> None:
     assert _schedules_asynchronously(engine)
     engine.reset()
@@ -106,7 +112,7 @@ def test_a_failed_asynchronous_load_is_recomputed_and_answers_as_cold(
         assert _failures(flag) == ["async"]
     finally:
         flag.unlink()
-    assert alone["tokens"] == COLD["tokens"][0]
+    assert alone["tokens"] == cold[0]
     engine.reset()
     flag.touch()
     try:
@@ -117,16 +123,20 @@ def test_a_failed_asynchronous_load_is_recomputed_and_answers_as_cold(
     # One failed load per prompt: vLLM, left nothing computed, asks again, and gets no hit
     # (the same lookup would fail again, and keep the request waiting for ever).
     assert failures == ["async", "async"], f"loads made (and failed): {failures}"
-    assert [o["tokens"] for o in failed] == COLD["tokens"]
+    assert [o["tokens"] for o in failed] == cold
     # The engine goes on loading once the daemon serves again.
     engine.reset()
     again = engine.generate([P])[0]
-    assert again["tokens"] == COLD["tokens"][0]
+    assert again["tokens"] == cold[0]
     assert again["cached"] == 896
 
 
 def test_a_failed_synchronous_load_under_async_scheduling_kills_the_engine(
-    model: Path, daemon: Daemon, flag: Path, tmp_path_factory: pytest.TempPathFactory
+    model: Path,
+    daemon: Daemon,
+    flag: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    cold: list[list[int]],
 ) -> None:
     """The same failed load made synchronously (``async_loads`` off): vLLM 0.32 hears of it a
     step late and rewinds the request to recompute its blocks
@@ -141,12 +151,12 @@ def test_a_failed_synchronous_load_under_async_scheduling_kills_the_engine(
     )
     try:
         assert _schedules_asynchronously(engine)
-        cold = engine.generate([P])[0]
-        assert cold["tokens"] == COLD["tokens"][0]
+        computed = engine.generate([P])[0]
+        assert computed["tokens"] == cold[0]
         daemon.eventually("P is stored", lambda s: s["tiers"][0]["objects"] >= 10 + 7)
         engine.reset()
         loaded = engine.generate([P])[0]
-        assert (loaded["tokens"], loaded["cached"]) == (COLD["tokens"][0], 896)
+        assert (loaded["tokens"], loaded["cached"]) == (cold[0], 896)
         engine.reset()
         flag.touch()
         try:
