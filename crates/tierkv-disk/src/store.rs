@@ -4,17 +4,21 @@
 //! Writes append records to one active segment, in order, at most two at a time; so after a
 //! crash only the last two records of a segment can be torn (or the second-last missing), and a
 //! load verifies every record before serving it. The write thread (`tierkv-disk-write`) hands
-//! records to two writer threads (`tierkv-disk-w<n>`) while the storing I/O thread copies and checksums the next
-//! record into another buffer, so copy, checksum and writes overlap; a full segment is sealed
-//! with its writes in flight (their records are unpublished until their task ends). A load of
-//! several records is split over the I/O threads, so its reads are in flight at once. Records become visible in the index only after their whole
-//! store task was written (and synced, under `FsyncPolicy::Always`). Loads read a record while
-//! its segment is pinned, verify header, epoch, key and payload checksum, and only then copy
-//! into the caller's sink. Eviction drops a whole sealed segment that holds no locked, no pinned
-//! and no unpublished record (one of a store task not yet published), and reuses its file under
-//! a new epoch.
+//! records to two writer threads (`tierkv-disk-w<n>`) while the storing I/O thread copies and
+//! checksums the next record into another buffer, so copy, checksum and writes overlap; a full
+//! segment is sealed with its writes in flight (their records are unpublished until their task
+//! ends). The I/O threads (`tierkv-disk-<n>`) take lookups first, which read only the index
+//! (each evicting first what the stores queued before it will evict), then loads and stores in
+//! turns, one store prepared at a time ([`Queue`]): a request whose hit is on disk does not
+//! wait behind the demotions queued before it, and the demotions still get their share of the
+//! disk. A load of several records is split over the I/O threads, so its reads are in flight at
+//! once. Records become visible in the index only after their whole store task was written
+//! (and synced, under `FsyncPolicy::Always`). Loads read a record while its segment is pinned,
+//! verify header, epoch, key and payload checksum, and only then copy into the caller's sink.
+//! Eviction drops a whole sealed segment that holds no locked, no pinned and no unpublished
+//! record (one of a store task not yet published), and reuses its file under a new epoch.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasher;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -174,6 +178,10 @@ struct Index {
     live_bytes: u64,
     /// No segment before this one is free: where the search for a free segment starts.
     free_from: usize,
+    /// The segment receiving appends (the writer's, mirrored here for lookups).
+    active: Option<u32>,
+    /// Sizes of the records of the store task being prepared that have no room yet, in order.
+    preparing: VecDeque<u64>,
 }
 
 impl Index {
@@ -276,7 +284,82 @@ impl Index {
         Bitmap::from_bools(locked)
     }
 
-    /// Segment `id` is free again (its initialisation failed): the search starts at it.
+    /// Evicts the policy's victim among the evictable segments: drops its records from the index
+    /// and takes its life out of the policy. Returns its id and the records dropped, or `None`
+    /// when every segment holds locked, pinned or unpublished records.
+    fn evict_one(&mut self) -> Option<(u32, u64)> {
+        let Index { segments, policy, .. } = self;
+        let victim = policy.evict(&mut |life| segments[life.id as usize].evictable(), &|life| {
+            segments[life.id as usize].keys.as_slice()
+        });
+        let SegmentLife { id, .. } = victim?;
+        let keys = std::mem::take(&mut self.segments[id as usize].keys);
+        let mut evicted = 0;
+        for key in keys {
+            if let Some(loc) = self.map.get(&key).copied()
+                && loc.segment == id
+            {
+                self.drop_record(&key, loc);
+                evicted += 1;
+            }
+        }
+        Some((id, evicted))
+    }
+
+    /// Makes the room that the records of the stores queued ahead (`queued`, one list of key and
+    /// length a task, in order; after those of the task being prepared) will take, as preparing
+    /// them would: the segments they would open, free ones first, then the policy's victims,
+    /// evicted now and left free for them. So a lookup that runs ahead of queued stores finds
+    /// what it would have found behind them (their victims gone) rather than a disk larger by
+    /// their backlog; their own keys are found on their way here, or above. Returns the
+    /// records evicted.
+    fn make_room_ahead(
+        &mut self,
+        queued: &[Vec<(ObjectKey, u64)>],
+        config: &DiskStoreConfig,
+    ) -> u64 {
+        let mut sizes: Vec<u64> = self.preparing.iter().copied().collect();
+        for task in queued {
+            if task.iter().any(|(_, len)| *len > config.max_chunk_bytes) {
+                continue; // Refused whole.
+            }
+            let mut batch = HashSet::with_capacity(task.len());
+            for (key, len) in task {
+                let present = self.map.get(key).is_some_and(|loc| loc.verified);
+                if !present && batch.insert(*key) {
+                    sizes.push(record_bytes(*len));
+                }
+            }
+        }
+        // Where they would go: the active segment's room, then one new segment after another.
+        let active = self.active.map(|id| &self.segments[id as usize]);
+        let mut end = active.filter(|s| s.status == Status::Active).map(|s| s.end);
+        let mut opened = 0usize;
+        for size in sizes {
+            match end {
+                Some(at) if at + size <= config.segment_bytes => end = Some(at + size),
+                _ => {
+                    opened += 1;
+                    end = Some(BLOCK + size);
+                }
+            }
+        }
+        let free = self.segments[self.free_from.min(self.segments.len())..]
+            .iter()
+            .filter(|s| s.status == Status::Free)
+            .take(opened)
+            .count();
+        let mut evicted = 0;
+        for _ in free..opened {
+            let Some((id, records)) = self.evict_one() else { break };
+            self.free(id);
+            evicted += records;
+        }
+        evicted
+    }
+
+    /// Segment `id` is free again (evicted ahead of the stores that will use it, or its
+    /// initialisation failed): the search starts at it.
     fn free(&mut self, id: u32) {
         self.segments[id as usize].status = Status::Free;
         self.free_from = self.free_from.min(id as usize);
@@ -320,6 +403,10 @@ struct Writer {
     pipe: Option<WritePipe>,
     /// Store tasks so far; numbers each record, so the write thread can tell tasks apart.
     tasks: u64,
+    /// A store waited for a record buffer until its bound and none has come back since: the
+    /// write thread is stuck (behind a write that hangs). Later stores then take a buffer only if
+    /// one is back, and fail at once otherwise, rather than each waiting out the bound in turn.
+    stuck: bool,
 }
 
 /// Record buffers per store: one being filled while the others are written or queued (the
@@ -329,7 +416,8 @@ const RECORD_BUFFERS: usize = 4;
 /// The longest a store waits for the write thread to hand a record buffer back. Buffers come
 /// back as their writes finish (or are reported lost), so only a write that hangs (a dead
 /// disk or mount) reaches it: the store then fails (a miss) instead of holding the writer, and
-/// the I/O threads queued behind it, for ever.
+/// the stores queued behind it, for ever; and the stores after it fail at once until a buffer
+/// comes back (`Writer::stuck`).
 const BUFFER_WAIT: Duration = Duration::from_secs(10);
 
 /// What the write thread hands back to the storing thread for each record buffer it took.
@@ -441,10 +529,14 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
         let mut writers = 0;
         for n in 0..WRITES_IN_FLIGHT {
             let (queued, report) = (queued.clone(), report.clone());
+            #[cfg(test)]
+            let faults = &shared.faults;
             let spawned = std::thread::Builder::new()
                 .name(format!("tierkv-disk-w{n}"))
                 .spawn_scoped(scope, move || {
                     while let Ok(write) = queued.recv() {
+                        #[cfg(test)]
+                        faults.wait_while_writes_held();
                         if report.send(write.run()).is_err() {
                             break;
                         }
@@ -760,8 +852,12 @@ fn internal_panic() -> TierError {
 }
 
 enum Job {
-    Store(TaskId, Vec<StoreItem>),
-    Lookup(TaskId, Vec<ObjectKey>),
+    /// A store task, with each source's length, asked once when it was submitted (`None` if
+    /// asking panicked): lookups count the room its records will take while it waits, and a
+    /// source that answered differently later would find its record's room wrong.
+    Store(TaskId, Vec<StoreItem>, Option<Vec<u64>>),
+    /// A lookup, with the records submitted for storing before it (set when it is queued).
+    Lookup(TaskId, Vec<ObjectKey>, u64),
     Load(TaskId, Vec<LoadItem>),
     /// One contiguous part of a load task split over the I/O threads: the items from `first` on.
     LoadPart {
@@ -773,6 +869,226 @@ enum Job {
 
 /// A load of fewer items than this runs on one thread: splitting it buys less than it costs.
 const SPLIT_LOADS_FROM: usize = 4;
+
+/// How many chunks loads may read ahead of the stores while stores wait: a load task starts
+/// only while the chunks of the load tasks started since stores began waiting exceed the
+/// chunks of the stores prepared meanwhile by less than this. So while both wait, loads and
+/// stores take turns at about one chunk for one, and neither waits for more than the other's
+/// turn: a load for the stores that make up its lead (a few writes), a demotion for a
+/// request's loads, never for a queue of them.
+const READ_AHEAD: u64 = 8;
+
+/// The store task being prepared: when it is over, none of its records waits for room.
+struct Preparing<'a>(&'a Mutex<Index>);
+
+impl Drop for Preparing<'_> {
+    fn drop(&mut self) {
+        self.0.lock().preparing.clear();
+    }
+}
+
+/// A store taken from the [`Queue`]: its turn ends when this is dropped.
+struct StoreTurn<'a>(&'a Queue, u64);
+
+impl Drop for StoreTurn<'_> {
+    fn drop(&mut self) {
+        self.0.stored(self.1);
+    }
+}
+
+/// How many records queued for storing before it a lookup may run ahead of. It evicts what
+/// they will evict first ([`Index::make_room_ahead`]), so it finds what it would find behind
+/// them but for their own keys, found on their way here (or above) until they are written: a
+/// store that lags adds that much room, so the lag is bounded, well within a disk's capacity
+/// (and the daemon's replay still counts what its simulation does). 128 is the daemon's cap on
+/// demoted bytes in 2 MiB chunks (`tierkv-storage`, `demoted_cap`): a lookup does not wait
+/// behind the demotions of chunks that large.
+const LOOKUP_AHEAD: u64 = 128;
+
+/// The I/O threads' queue. Lookups go first: they read only the index. Loads (a task whole, all
+/// its parts at once) and stores take turns by [`READ_AHEAD`]. One store is prepared at a time
+/// (they share the writer anyway), so a store waiting for a record buffer, as long as a write
+/// takes, holds one thread, never all of them.
+struct Queue {
+    state: Mutex<QueueState>,
+    ready: parking_lot::Condvar,
+}
+
+#[derive(Default)]
+struct QueueState {
+    lookups: VecDeque<Job>,
+    /// Load tasks not yet started: their chunks, and their jobs (one, or the parts of a split).
+    loads: VecDeque<(u64, Vec<Job>)>,
+    /// Parts of load tasks started: taken before anything but a lookup.
+    started: VecDeque<Job>,
+    /// Store tasks, each with the records submitted for storing before it.
+    stores: VecDeque<(u64, Job)>,
+    /// Whether a store is being prepared.
+    storing: bool,
+    /// The key and length of each record of the store taken, until it counts them itself
+    /// (`Index::preparing`).
+    taking: Option<Vec<(ObjectKey, u64)>>,
+    /// Chunks of the load tasks started since stores began waiting, less those of the stores
+    /// prepared since: what loads read ahead of the stores.
+    ahead: u64,
+    /// Records submitted for storing so far, and those taken to be prepared.
+    stored_in: u64,
+    stored_out: u64,
+    closed: bool,
+}
+
+/// The key and length of each record of a store task.
+fn records_of(items: &[StoreItem], lens: &[u64]) -> Vec<(ObjectKey, u64)> {
+    items.iter().map(|item| item.key).zip(lens.iter().copied()).collect()
+}
+
+impl QueueState {
+    /// The key and length of every record of the store taken, if it does not count them yet,
+    /// and of the stores queued among the first `before` records submitted for storing: a list
+    /// a task, in order.
+    fn records_before(&self, before: u64) -> Vec<Vec<(ObjectKey, u64)>> {
+        let queued = self.stores.iter().filter_map(|(first, job)| match job {
+            Job::Store(_, items, Some(lens)) if *first < before => Some(records_of(items, lens)),
+            _ => None,
+        });
+        self.taking.iter().cloned().chain(queued).collect()
+    }
+
+    /// The next job the rules let start now, if any. Once closed, any job left (to be failed).
+    fn take(&mut self) -> Option<Job> {
+        // A lookup runs ahead of at most `LOOKUP_AHEAD` records queued for storing before it.
+        let within = |job: &Job| match job {
+            Job::Lookup(_, _, behind) => behind.saturating_sub(self.stored_out) <= LOOKUP_AHEAD,
+            _ => true,
+        };
+        if self.lookups.front().is_some_and(|l| self.closed || within(l)) {
+            return self.lookups.pop_front();
+        }
+        if let Some(job) = self.started.pop_front() {
+            return Some(job);
+        }
+        let stores_wait = self.storing || !self.stores.is_empty();
+        if !stores_wait {
+            self.ahead = 0;
+        }
+        if (self.closed || !stores_wait || self.ahead < READ_AHEAD)
+            && let Some((chunks, jobs)) = self.loads.pop_front()
+        {
+            if stores_wait {
+                self.ahead += chunks;
+            }
+            self.started.extend(jobs);
+            return self.started.pop_front();
+        }
+        if (self.closed || !self.storing)
+            && let Some((_, job)) = self.stores.pop_front()
+        {
+            self.storing = true;
+            if let Job::Store(_, items, lens) = &job {
+                self.stored_out += items.len() as u64;
+                self.taking = lens.as_ref().map(|lens| records_of(items, lens));
+            }
+            return Some(job);
+        }
+        None
+    }
+
+    /// A store of `chunks` chunks taken is prepared (or failed).
+    fn stored(&mut self, chunks: u64) {
+        self.storing = false;
+        self.taking = None;
+        self.ahead = self.ahead.saturating_sub(chunks);
+    }
+}
+
+impl Queue {
+    fn new() -> Self {
+        Queue { state: Mutex::new(QueueState::default()), ready: parking_lot::Condvar::new() }
+    }
+
+    /// Queues jobs, or hands them back when the store is closed.
+    fn push(&self, to: impl FnOnce(&mut QueueState) -> Result<(), Vec<Job>>) -> Vec<Job> {
+        let mut state = self.state.lock();
+        let refused = to(&mut state).err().unwrap_or_default();
+        drop(state);
+        self.ready.notify_one();
+        refused
+    }
+
+    fn push_lookup(&self, mut job: Job) -> Vec<Job> {
+        self.push(|state| {
+            if state.closed {
+                return Err(vec![job]);
+            }
+            if let Job::Lookup(_, _, behind) = &mut job {
+                *behind = state.stored_in;
+            }
+            state.lookups.push_back(job);
+            Ok(())
+        })
+    }
+
+    /// Queues a store task of `records` records.
+    fn push_store(&self, records: u64, job: Job) -> Vec<Job> {
+        self.push(|state| {
+            if state.closed {
+                return Err(vec![job]);
+            }
+            state.stores.push_back((state.stored_in, job));
+            state.stored_in += records;
+            Ok(())
+        })
+    }
+
+    /// Queues a load task of `chunks` chunks: one job, or the parts it was split into.
+    fn push_load(&self, chunks: u64, jobs: Vec<Job>) -> Vec<Job> {
+        let parts = jobs.len();
+        let refused = self.push(|state| {
+            if state.closed {
+                return Err(jobs);
+            }
+            state.loads.push_back((chunks, jobs));
+            Ok(())
+        });
+        if parts > 1 {
+            self.ready.notify_all();
+        }
+        refused
+    }
+
+    /// The next job to run, waiting for one; `None` once the store is closed and nothing is
+    /// left. A store taken must be handed back to [`Queue::stored`] once prepared.
+    fn next(&self) -> Option<Job> {
+        let mut state = self.state.lock();
+        loop {
+            if let Some(job) = state.take() {
+                // Another may start too: a started load's other parts, or a lookup now within
+                // its bound.
+                if !state.started.is_empty() || !state.lookups.is_empty() {
+                    self.ready.notify_one();
+                }
+                return Some(job);
+            }
+            if state.closed {
+                return None;
+            }
+            self.ready.wait(&mut state);
+        }
+    }
+
+    /// A store of `chunks` chunks taken by [`Queue::next`] is prepared (or failed): the next
+    /// may start, and loads may read as much further ahead.
+    fn stored(&self, chunks: u64) {
+        self.state.lock().stored(chunks);
+        self.ready.notify_all();
+    }
+
+    /// Refuses further jobs; those queued are handed out to be failed.
+    fn close(&self) {
+        self.state.lock().closed = true;
+        self.ready.notify_all();
+    }
+}
 
 /// Whether stores are accepted, and what a read-only store needs to become writable.
 struct WriteState {
@@ -796,6 +1112,8 @@ struct Shared {
     /// it while a store may hold the writer lock waiting for a buffer).
     dirty: Mutex<HashSet<u32>>,
     closed: AtomicBool,
+    /// Lookups, loads and stores for the I/O threads.
+    queue: Queue,
     next_task: AtomicU64,
     epochs: AtomicU64,
     done: Sender<Completion>,
@@ -821,6 +1139,10 @@ struct WriteFaults {
     handed_over: AtomicBool,
     /// While set (not a single shot), no record buffer can be allocated.
     no_memory: AtomicBool,
+    /// While set (not a single shot), the writer threads start no write: they wait, as behind
+    /// a disk that hangs.
+    writes_held: Mutex<bool>,
+    writes_released: parking_lot::Condvar,
 }
 
 #[cfg(test)]
@@ -830,12 +1152,37 @@ impl WriteFaults {
             panic!("injected panic: {what}");
         }
     }
+
+    /// Holds every write not yet started until the guard is dropped (a test that fails
+    /// meanwhile releases them as it unwinds, so closing the store does not hang).
+    fn hold_writes(&self) -> HeldWrites<'_> {
+        *self.writes_held.lock() = true;
+        HeldWrites(self)
+    }
+
+    fn wait_while_writes_held(&self) {
+        let mut held = self.writes_held.lock();
+        while *held {
+            self.writes_released.wait(&mut held);
+        }
+    }
+}
+
+/// Writes held by [`WriteFaults::hold_writes`]: released when dropped.
+#[cfg(test)]
+struct HeldWrites<'a>(&'a WriteFaults);
+
+#[cfg(test)]
+impl Drop for HeldWrites<'_> {
+    fn drop(&mut self) {
+        *self.0.writes_held.lock() = false;
+        self.0.writes_released.notify_all();
+    }
 }
 
 /// The persistent, checksummed disk tier.
 pub struct DiskStore {
     shared: Arc<Shared>,
-    jobs: Mutex<Option<Sender<Job>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     flusher: Mutex<Option<(Sender<()>, JoinHandle<()>)>>,
     recovered: Recovered,
@@ -923,9 +1270,17 @@ impl DiskStore {
                 lock,
             }),
             index: Mutex::new(index),
-            writer: Mutex::new(Writer { active: None, spare, out: 0, pipe: None, tasks: 0 }),
+            writer: Mutex::new(Writer {
+                active: None,
+                spare,
+                out: 0,
+                pipe: None,
+                tasks: 0,
+                stuck: false,
+            }),
             dirty: Mutex::new(HashSet::new()),
             closed: AtomicBool::new(false),
+            queue: Queue::new(),
             next_task: AtomicU64::new(1),
             epochs: AtomicU64::new(0),
             done,
@@ -940,7 +1295,6 @@ impl DiskStore {
         });
         let store = DiskStore {
             shared: Arc::clone(&shared),
-            jobs: Mutex::new(None),
             workers: Mutex::new(Vec::new()),
             flusher: Mutex::new(None),
             recovered,
@@ -1002,17 +1356,21 @@ impl DiskStore {
             .spawn(move || write_records(shared, queued, freed))
             .map_err(DiskError::Thread)?;
         self.shared.writer.lock().pipe = Some(WritePipe { messages, free, thread });
-        let (jobs, queue) = unbounded::<Job>();
         let mut workers = Vec::new();
         for n in 0..self.shared.config.io_threads {
-            let (shared, queue) = (Arc::clone(&self.shared), queue.clone());
-            let handle = std::thread::Builder::new()
+            let shared = Arc::clone(&self.shared);
+            let spawned = std::thread::Builder::new()
                 .name(format!("tierkv-disk-{n}"))
-                .spawn(move || shared.work(&queue))
-                .map_err(DiskError::Thread)?;
-            workers.push(handle);
+                .spawn(move || shared.work());
+            match spawned {
+                Ok(handle) => workers.push(handle),
+                Err(e) => {
+                    // The threads started stop once the store is closed (dropped).
+                    *self.workers.lock() = workers;
+                    return Err(DiskError::Thread(e));
+                }
+            }
         }
-        *self.jobs.lock() = Some(jobs);
         *self.workers.lock() = workers;
         if let FsyncPolicy::Periodic(every) = self.shared.config.fsync {
             let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
@@ -1105,22 +1463,14 @@ impl DiskStore {
         self.shared.publish();
     }
 
-    fn submit(&self, make: impl FnOnce(TaskId) -> Job) -> TaskId {
-        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
-        self.send(make(task));
-        task
+    fn next_task(&self) -> TaskId {
+        TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// Queues a job for the workers, or completes it as failed when the store is closed.
-    fn send(&self, job: Job) {
-        let sender = self.jobs.lock().clone();
-        match sender {
-            Some(sender) if !self.shared.closed.load(Ordering::Acquire) => {
-                if let Err(refused) = sender.send(job) {
-                    self.shared.fail(refused.0);
-                }
-            }
-            _ => self.shared.fail(job),
+    /// Completes jobs the queue refused (the store is closed) as failed.
+    fn refused(&self, jobs: Vec<Job>) {
+        for job in jobs {
+            self.shared.fail(job);
         }
     }
 }
@@ -1146,6 +1496,8 @@ fn scan(
         lives: 0,
         live_bytes: 0,
         free_from: 0,
+        active: None,
+        preparing: VecDeque::new(),
     };
     let mut recovered = Recovered::default();
     let entries = std::fs::read_dir(&config.dir).map_err(DiskError::io("listing", &config.dir))?;
@@ -1468,9 +1820,15 @@ fn scan_segment(
 }
 
 impl Shared {
-    fn work(&self, queue: &Receiver<Job>) {
+    /// An I/O thread's loop (`tierkv-disk-<n>`).
+    fn work(&self) {
         let mut staging = AlignedBuf::new(record_bytes(self.config.max_chunk_bytes) as usize);
-        while let Ok(job) = queue.recv() {
+        while let Some(job) = self.queue.next() {
+            // A store's turn ends when this job does, however it ends.
+            let _turn = match &job {
+                Job::Store(_, items, _) => Some(StoreTurn(&self.queue, items.len() as u64)),
+                _ => None,
+            };
             if self.closed.load(Ordering::Acquire) {
                 self.fail(job);
                 continue;
@@ -1493,9 +1851,9 @@ impl Shared {
     /// Returns the task's completion (`None` for a part of a split load that is not the last).
     fn run(&self, job: Job, staging: &mut AlignedBuf) -> Option<Completion> {
         Some(match job {
-            Job::Store(task, sources) => {
-                let queued = self
-                    .contained(|| self.store(&sources))
+            Job::Store(task, sources, lens) => {
+                let queued = lens
+                    .and_then(|lens| self.contained(|| self.store(&sources, &lens)))
                     .unwrap_or_else(|| Err(TierError::Io("internal panic while storing".into())));
                 // Records handed over are written whatever happens; only a task whose every
                 // record was handed over is published, by the write thread, which completes it.
@@ -1526,7 +1884,8 @@ impl Shared {
                     }
                 }
             }
-            Job::Lookup(task, keys) => {
+            Job::Lookup(task, keys, behind) => {
+                self.contained(|| self.make_room_ahead(behind));
                 let locked = self
                     .contained(|| self.lookup_and_lock(&keys))
                     .unwrap_or_else(|| Bitmap::new(keys.len()));
@@ -1562,10 +1921,10 @@ impl Shared {
     fn fail(&self, job: Job) {
         self.metrics.failed(Failure::Closed);
         let completion = match job {
-            Job::Store(task, sources) => {
+            Job::Store(task, sources, _) => {
                 Completion::Stored { task, result: Err(TierError::Closed), sources }
             }
-            Job::Lookup(task, keys) => {
+            Job::Lookup(task, keys, _) => {
                 Completion::LookedUp { task, locked: Bitmap::new(keys.len()) }
             }
             Job::Load(task, sinks) => {
@@ -1586,7 +1945,7 @@ impl Shared {
     /// Copies and checksums the task's new records into record buffers and hands them to the
     /// write thread, which writes them in order and then publishes the task. Returns as soon
     /// as the last record is handed over, so the next task's copies overlap these writes.
-    fn store(&self, items: &[StoreItem]) -> Result<Queued, TierError> {
+    fn store(&self, items: &[StoreItem], lens: &[u64]) -> Result<Queued, TierError> {
         let refused = |failure: Failure, e: TierError| {
             self.metrics.failed(failure);
             Err(e)
@@ -1597,9 +1956,6 @@ impl Shared {
                 TierError::Io(format!("{why}; stores are refused, loads still work")),
             );
         }
-        // Each source's length, asked once: a source that answered differently later (or
-        // panicked when asked again) would find its record's room wrong after it was reserved.
-        let lens: Vec<u64> = items.iter().map(|item| item.source.len()).collect();
         if let Some(&bytes) = lens.iter().find(|&&len| len > self.config.max_chunk_bytes) {
             let e = TierError::TooLarge { bytes, limit: self.config.max_chunk_bytes };
             return refused(Failure::TooLarge, e);
@@ -1612,12 +1968,17 @@ impl Shared {
         // The segments of the task's keys already here stay while it makes room for the others
         // (pinned until it is over): evicting one would drop a key this task reports stored.
         let mut present = Pins { index: &self.index, segments: Vec::new() };
+        // Until it returns, lookups count the room of its records still to be given room.
+        let _preparing = Preparing(&self.index);
         let new: Vec<(&StoreItem, u64)> = {
+            // The queue, then the index, as a lookup making room locks them.
+            let mut queue = self.queue.state.lock();
             let mut index = self.index.lock();
+            queue.taking = None;
             let mut batch = HashSet::with_capacity(items.len());
-            items
+            let new: Vec<(&StoreItem, u64)> = items
                 .iter()
-                .zip(lens)
+                .zip(lens.iter().copied())
                 .filter(|(item, _)| match index.map.get(&item.key).copied() {
                     Some(loc) if loc.verified => {
                         index.segments[loc.segment as usize].pins += 1;
@@ -1626,7 +1987,9 @@ impl Shared {
                     }
                     _ => batch.insert(item.key),
                 })
-                .collect()
+                .collect();
+            index.preparing = new.iter().map(|(_, len)| record_bytes(*len)).collect();
+            new
         };
         writer.tasks += 1;
         let task = writer.tasks;
@@ -1706,6 +2069,7 @@ impl Shared {
         let reserved = &mut index.segments[segment as usize];
         reserved.end = offset + size;
         reserved.unpublished += 1;
+        index.preparing.pop_front();
         drop(index);
         records.push((item.key, loc));
         Ok(())
@@ -1747,8 +2111,21 @@ impl Shared {
     /// the write thread lost is reported (`Freed::Lost`), and one lost here (a panic while a
     /// record was copied) is simply missing from `spare` and `out`; either is made again while
     /// fewer than `RECORD_BUFFERS` are counted. A buffer that cannot be made fails the store (a
-    /// miss) when none is left to wait for, as does a wait past `wait`.
+    /// miss) when none is left to wait for, as does a wait past `wait`; after which, until a
+    /// buffer is had again, it does not wait at all (`Writer::stuck`).
     fn free_buffer_within(
+        &self,
+        writer: &mut Writer,
+        wait: Duration,
+    ) -> Result<AlignedBuf, TierError> {
+        let got = self.take_buffer_within(writer, wait);
+        if got.is_ok() {
+            writer.stuck = false;
+        }
+        got
+    }
+
+    fn take_buffer_within(
         &self,
         writer: &mut Writer,
         wait: Duration,
@@ -1767,14 +2144,34 @@ impl Shared {
                 }
             }
             let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
-            match pipe.free.recv_deadline(deadline) {
+            let freed = if writer.stuck {
+                pipe.free.try_recv().map_err(|e| match e {
+                    crossbeam_channel::TryRecvError::Empty => {
+                        crossbeam_channel::RecvTimeoutError::Timeout
+                    }
+                    crossbeam_channel::TryRecvError::Disconnected => {
+                        crossbeam_channel::RecvTimeoutError::Disconnected
+                    }
+                })
+            } else {
+                pipe.free.recv_deadline(deadline)
+            };
+            match freed {
                 Ok(freed) => {
                     writer.out = writer.out.saturating_sub(1);
                     if let Freed::Buffer(buf) = freed {
                         return Ok(buf);
                     }
                 }
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if writer.stuck => {
+                    return Err(TierError::Io(
+                        "the disk write thread is stuck: no record buffer has come back since \
+                         a store waited its bound for one"
+                            .into(),
+                    ));
+                }
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    writer.stuck = true;
                     return Err(TierError::Io(format!(
                         "no record buffer came back from the disk write thread in {wait:?}"
                     )));
@@ -1889,7 +2286,9 @@ impl Shared {
         }
         let (id, file) = self.open_segment()?;
         writer.active = Some(id);
-        Ok((id, BLOCK, self.index.lock().segments[id as usize].epoch, file))
+        let mut index = self.index.lock();
+        index.active = Some(id);
+        Ok((id, BLOCK, index.segments[id as usize].epoch, file))
     }
 
     /// Stops appending to `segment`; it becomes evictable.
@@ -1902,6 +2301,7 @@ impl Shared {
         }
         if writer.active == Some(segment) {
             writer.active = None;
+            index.active = None;
         }
     }
 
@@ -1924,31 +2324,13 @@ impl Shared {
             let mut index = self.index.lock();
             let (id, evicted) = match index.free_segment(create, &self.layout) {
                 Some(id) => (id, 0),
-                None => {
-                    let Index { segments, policy, .. } = &mut *index;
-                    let victim = policy
-                        .evict(&mut |life| segments[life.id as usize].evictable(), &|life| {
-                            segments[life.id as usize].keys.as_slice()
-                        });
-                    let Some(SegmentLife { id, .. }) = victim else {
-                        return Err(TierError::NoSpace(format!(
-                            "all {} segments of {} bytes hold locked, pinned or unpublished records",
-                            index.segments.len(),
-                            self.config.segment_bytes
-                        )));
-                    };
-                    let keys = std::mem::take(&mut index.segments[id as usize].keys);
-                    let mut evicted = 0;
-                    for key in keys {
-                        if let Some(loc) = index.map.get(&key).copied()
-                            && loc.segment == id
-                        {
-                            index.drop_record(&key, loc);
-                            evicted += 1;
-                        }
-                    }
-                    (id, evicted)
-                }
+                None => index.evict_one().ok_or_else(|| {
+                    TierError::NoSpace(format!(
+                        "all {} segments of {} bytes hold locked, pinned or unpublished records",
+                        index.segments.len(),
+                        self.config.segment_bytes
+                    ))
+                })?,
             };
             let segment = &mut index.segments[id as usize];
             segment.status = Status::Preparing;
@@ -2103,6 +2485,21 @@ impl Shared {
     }
 
     // ----- lookups and loads -----
+
+    /// Evicts now what the stores queued ahead of a lookup will evict ([`Index::make_room_ahead`]),
+    /// unless stores are refused (read-only).
+    fn make_room_ahead(&self, behind: u64) {
+        if self.state.lock().read_only.is_some() {
+            return;
+        }
+        // The queue, then the index: the store taken hands its records over from one to the
+        // other under both, so they are counted once.
+        let queue = self.queue.state.lock();
+        let queued = queue.records_before(behind);
+        let evicted = self.index.lock().make_room_ahead(&queued, &self.config);
+        drop(queue);
+        self.metrics.evicted(evicted);
+    }
 
     /// Locks every indexed key and tells the policy of each hit and miss.
     fn lookup_and_lock(&self, keys: &[ObjectKey]) -> Bitmap {
@@ -2395,27 +2792,42 @@ impl TierAdapter for DiskStore {
         "disk"
     }
 
+    /// Queued behind the stores before it, never ahead of a lookup, and taking turns with loads.
     fn submit_store(&self, items: Vec<StoreItem>) -> TaskId {
-        self.submit(|task| Job::Store(task, items))
+        let task = self.next_task();
+        let records = items.len() as u64;
+        let lens = catch_unwind(AssertUnwindSafe(|| {
+            items.iter().map(|item| item.source.len()).collect::<Vec<u64>>()
+        }));
+        if lens.is_err() {
+            self.shared.metrics.failed(Failure::Panic);
+        }
+        self.refused(self.shared.queue.push_store(records, Job::Store(task, items, lens.ok())));
+        task
     }
 
+    /// Queued ahead of every load and store.
     fn submit_lookup_and_lock(&self, keys: Vec<ObjectKey>) -> TaskId {
-        self.submit(|task| Job::Lookup(task, keys))
+        let task = self.next_task();
+        self.refused(self.shared.queue.push_lookup(Job::Lookup(task, keys, 0)));
+        task
     }
 
     /// A load of several records is split into contiguous parts, one per I/O thread, so its
     /// reads are in flight at once; the task still completes once, with every sink in order.
     fn submit_load(&self, items: Vec<LoadItem>) -> TaskId {
         let threads = self.shared.config.io_threads;
-        if items.len() < SPLIT_LOADS_FROM || threads < 2 {
-            return self.submit(|task| Job::Load(task, items));
-        }
-        let task = TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed));
-        let parts = threads.min(items.len());
-        let (joint, jobs) = JointLoad::split(task, items, parts);
-        for (first, items) in jobs {
-            self.send(Job::LoadPart { joint: Arc::clone(&joint), first, items });
-        }
+        let task = self.next_task();
+        let chunks = items.len() as u64;
+        let jobs = if items.len() < SPLIT_LOADS_FROM || threads < 2 {
+            vec![Job::Load(task, items)]
+        } else {
+            let parts = threads.min(items.len());
+            let (joint, parts) = JointLoad::split(task, items, parts);
+            let part = |(first, items)| Job::LoadPart { joint: Arc::clone(&joint), first, items };
+            parts.into_iter().map(part).collect()
+        };
+        self.refused(self.shared.queue.push_load(chunks, jobs));
         task
     }
 
@@ -2499,7 +2911,7 @@ impl TierAdapter for DiskStore {
 
     fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
-        drop(self.jobs.lock().take());
+        self.shared.queue.close();
         let workers = std::mem::take(&mut *self.workers.lock());
         for worker in workers {
             let _ = worker.join();
@@ -2583,6 +2995,8 @@ mod tests {
             lives: 0,
             live_bytes: 0,
             free_from: 0,
+            active: None,
+            preparing: VecDeque::new(),
         };
         let keys = tierkv_testkit::contract::keys(0..3);
         // Keys 0 and 1 have records, key 2 is on its way here; the lookup visits 2, 1, then 0,
@@ -2925,5 +3339,221 @@ mod tests {
         assert!(matches!(waited, Err(TierError::Io(_))), "{:?}", waited.map(|_| ()));
         writer.out = 0;
         writer.spare = spare;
+    }
+
+    /// How long the tests below wait for a completion before they call the task hung.
+    const DEADLINE: Duration = Duration::from_secs(60);
+
+    /// A store of one 4 KiB chunk in one-record segments, evicting least recently used first.
+    fn lru_store(dir: &Path, segments: u64) -> Arc<DiskStore> {
+        let config = DiskStoreConfig::new(dir, 0, 4096);
+        let capacity_bytes = segments * config.segment_bytes;
+        let config = DiskStoreConfig { capacity_bytes, policy: PolicyKind::Lru, ..config };
+        Arc::new(DiskStore::open(config).unwrap())
+    }
+
+    #[test]
+    fn the_queue_serves_lookups_first_and_lets_loads_and_stores_take_turns() {
+        let store = |n: u64| {
+            let items = (0..n)
+                .map(|i| StoreItem {
+                    key: tierkv_testkit::contract::key(i),
+                    source: Box::new(tierkv_core::VecChunk(vec![0; 8])),
+                })
+                .collect();
+            Job::Store(TaskId(0), items, Some(vec![8; n as usize]))
+        };
+        let load = |task: u64| Job::Load(TaskId(task), Vec::new());
+        let lookup = |task: u64| Job::Lookup(TaskId(task), Vec::new(), 0);
+        let queue = Queue::new();
+        let taken = || queue.state.lock().take();
+        let what = |job: Option<Job>| match job {
+            Some(Job::Lookup(task, ..)) => format!("lookup {}", task.0),
+            Some(Job::Load(task, _)) => format!("load {}", task.0),
+            Some(Job::Store(_, items, _)) => format!("store of {}", items.len()),
+            Some(Job::LoadPart { .. }) => "part".into(),
+            None => "wait".into(),
+        };
+        assert!(queue.push_store(1, store(1)).is_empty());
+        assert!(queue.push_store(2, store(2)).is_empty());
+        assert!(queue.push_load(READ_AHEAD, vec![load(1)]).is_empty());
+        assert!(queue.push_load(READ_AHEAD, vec![load(2)]).is_empty());
+        assert!(queue.push_lookup(lookup(3)).is_empty());
+        // The lookup first, then a load (stores wait: it reads as far ahead of them as loads
+        // may), then a store; the second load waits for a store's turn, the second store for
+        // the first to be prepared.
+        assert_eq!(what(taken()), "lookup 3");
+        assert_eq!(what(taken()), "load 1");
+        assert_eq!(what(taken()), "store of 1");
+        assert_eq!(what(taken()), "wait");
+        queue.stored(1);
+        assert_eq!(what(taken()), "load 2");
+        assert_eq!(what(taken()), "store of 2");
+        assert_eq!(what(taken()), "wait");
+        queue.stored(2);
+        // With no store waiting, loads need no turn.
+        for task in 4..7 {
+            assert!(queue.push_load(READ_AHEAD, vec![load(task)]).is_empty());
+            assert_eq!(what(taken()), format!("load {task}"));
+        }
+        // A lookup waits while more than `LOOKUP_AHEAD` records queued before it are not taken.
+        for _ in 0..=LOOKUP_AHEAD {
+            assert!(queue.push_store(1, store(1)).is_empty());
+        }
+        assert!(queue.push_lookup(lookup(7)).is_empty());
+        assert!(queue.push_store(1, store(1)).is_empty());
+        assert_eq!(what(taken()), "store of 1");
+        assert_eq!(what(taken()), "lookup 7", "within its bound once one is taken");
+        // Closed: everything left is handed out (to be failed), turns or not.
+        assert!(queue.push_load(1, vec![load(8)]).is_empty());
+        queue.close();
+        let mut left = 0;
+        while taken().is_some() {
+            left += 1;
+        }
+        assert_eq!(left, LOOKUP_AHEAD + 2, "every store and the load");
+        assert_eq!(queue.push_lookup(lookup(9)).len(), 1, "refused once closed");
+    }
+
+    #[test]
+    fn lookups_and_loads_are_answered_while_the_stores_before_them_wait_for_writes() {
+        use tierkv_testkit::contract::{Harness, OpenTier, keys, payload};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        let completions = store.completions();
+        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
+        let mut h = Harness::new(tier);
+        h.store(&keys(0..8)).unwrap();
+        let held = store.shared.faults.hold_writes();
+        // Stores whose writes cannot finish: the first take every record buffer, the next waits
+        // for one (until `BUFFER_WAIT`), and more than the I/O threads queue behind it. On one
+        // queue with the lookups and loads, they would hold every I/O thread.
+        let stores = RECORD_BUFFERS as u64 + 2 * store.shared.config.io_threads as u64;
+        for i in 0..stores {
+            h.submit_store(&keys(100 + i..101 + i));
+        }
+        // Submitted behind them, a lookup and a load (split over the I/O threads) are answered
+        // while every write is held, before any store: nothing of a store completes or is
+        // published before its writes.
+        let next = || {
+            let done = completions.recv_timeout(DEADLINE).expect("nothing completed");
+            assert!(!matches!(done, Completion::Stored { .. }), "a store completed first");
+            done
+        };
+        let task = store.submit_lookup_and_lock(keys(0..8));
+        match next() {
+            Completion::LookedUp { task: t, locked } => {
+                assert_eq!((t, locked.count_ones()), (task, 8), "the chunks on disk are found");
+            }
+            _ => panic!("not a lookup completion"),
+        }
+        let task = h.submit_load(&keys(0..8));
+        match next() {
+            Completion::Loaded { task: t, loaded, mut sinks } => {
+                assert_eq!((t, loaded.count_ones()), (task, 8), "the chunks on disk load");
+                for item in &mut sinks {
+                    let bytes = item.sink.host_bytes_mut().map(|b| b.to_vec());
+                    assert_eq!(bytes, Some(payload(&item.key, 4096)), "{:?}", item.key);
+                }
+            }
+            _ => panic!("not a load completion"),
+        }
+        let task = store.submit_lookup_and_lock(keys(100..100 + stores));
+        match next() {
+            Completion::LookedUp { task: t, locked } => {
+                assert_eq!((t, locked.count_ones()), (task, 0), "published before its writes");
+            }
+            _ => panic!("not a lookup completion"),
+        }
+        store.unlock(&keys(0..8));
+        // Released, every store is written and answered.
+        drop(held);
+        for _ in 0..stores {
+            match completions.recv_timeout(DEADLINE).expect("a store never completed") {
+                Completion::Stored { result, .. } => result.expect("a held store failed"),
+                _ => panic!("not a store completion"),
+            }
+        }
+        h.assert_loads(&keys(100..100 + stores));
+    }
+
+    #[test]
+    fn a_lookup_ahead_of_queued_stores_finds_what_it_would_find_behind_them() {
+        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
+        let mut h = Harness::new(tier);
+        // A full disk, one chunk a segment, written oldest first.
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        let held = store.shared.faults.hold_writes();
+        // Eight stores of a new chunk each: the first four take the record buffers, the fifth
+        // waits for one, three wait in the queue. Each evicts the oldest chunk left when it is
+        // prepared: eight in all, three of them not yet.
+        let tasks: Vec<TaskId> = (100..108).map(|n| h.submit_store(&keys(n..n + 1))).collect();
+        while store.shared.queue.state.lock().stores.len() > 3 {
+            std::thread::yield_now();
+        }
+        // A lookup ahead of the three finds what it would have found behind them.
+        let found = h.present(&keys(0..16));
+        assert_eq!(found.iter_ones().collect::<Vec<_>>(), (8..16).collect::<Vec<_>>());
+        drop(held);
+        for task in tasks {
+            match h.wait(task) {
+                Completion::Stored { result, .. } => result.expect("a held store failed"),
+                _ => panic!("not a store completion"),
+            }
+        }
+        // The stores took the room made for them, and evicted nothing more.
+        let found = h.present(&keys(0..16));
+        assert_eq!(found.iter_ones().collect::<Vec<_>>(), (8..16).collect::<Vec<_>>());
+        assert_eq!(h.present(&keys(100..108)).count_ones(), 8);
+    }
+
+    #[test]
+    fn stores_behind_a_stuck_write_thread_fail_at_once_until_a_buffer_comes_back() {
+        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store =
+            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
+        let mut h = Harness::new(tier);
+        // Every buffer is with the write thread, as behind a write that hangs, and a store has
+        // waited its bound for one.
+        let spare = {
+            let mut writer = store.shared.writer.lock();
+            let spare = std::mem::take(&mut writer.spare);
+            writer.out = RECORD_BUFFERS;
+            let waited = store.shared.free_buffer_within(&mut writer, Duration::from_millis(20));
+            assert!(waited.is_err());
+            spare
+        };
+        // The stores after it fail at once, each, not after waiting out `BUFFER_WAIT` in turn.
+        let tasks: Vec<TaskId> = (0..3).map(|n| h.submit_store(&keys(n..n + 1))).collect();
+        let started = Instant::now();
+        for task in tasks {
+            match h.wait(task) {
+                Completion::Stored { result: Err(TierError::Io(why)), .. } => {
+                    assert!(why.contains("stuck"), "{why}");
+                }
+                _ => panic!("not a failed store"),
+            }
+        }
+        assert!(started.elapsed() < BUFFER_WAIT, "they waited: {:?}", started.elapsed());
+        // A buffer back, stores are written again, and wait for buffers again.
+        {
+            let mut writer = store.shared.writer.lock();
+            writer.out = 0;
+            writer.spare = spare;
+        }
+        h.store(&keys(10..20)).expect("stored once buffers are back");
+        h.assert_loads(&keys(10..20));
+        assert!(!store.shared.writer.lock().stuck);
     }
 }
