@@ -3019,7 +3019,7 @@ mod tests {
     #[test]
     fn a_restart_syncs_what_its_scan_found_unless_told_never_to() {
         use crate::segment::SYNCS;
-        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+        use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
         let config =
@@ -3032,8 +3032,7 @@ mod tests {
         };
         // Records written and never synced, as a process killed before its sync leaves them.
         let (store, _) = open(FsyncPolicy::Never);
-        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
-        Harness::new(tier).store(&keys(0..3)).unwrap();
+        harness(&store).store(&keys(0..3)).unwrap();
         drop(store);
         let (store, synced) = open(FsyncPolicy::Never);
         assert_eq!(synced, 0, "told never to sync");
@@ -3086,19 +3085,17 @@ mod tests {
 
     #[test]
     fn a_panic_on_the_write_thread_fails_its_task_and_the_thread_serves_the_next() {
-        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+        use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        let store = small_store(dir.path());
         {
             let mut index = store.shared.index.lock();
             let inner = std::mem::replace(&mut index.policy, PolicyKind::Lru.build_for_segments());
             index.policy = Box::new(PanicsOnFirstWrite { inner, panicked: false });
         }
         let completions = store.completions();
-        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
-        let mut h = Harness::new(tier);
+        let mut h = harness(&store);
         // The first store's publish panics on the write thread: the task still completes, as a
         // failure, with its sources back.
         let task = h.submit_store(&keys(0..2));
@@ -3146,14 +3143,12 @@ mod tests {
     /// many record buffers as it began with, counting those reported lost (`lost` of them:
     /// none lost silently, none reported for one that came back).
     fn a_write_thread_panic_is_contained(fault: fn(&WriteFaults) -> &AtomicBool, lost: usize) {
-        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+        use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        let store = small_store(dir.path());
         let completions = store.completions();
-        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
-        let mut h = Harness::new(tier);
+        let mut h = harness(&store);
         fault(&store.shared.faults).store(true, Ordering::SeqCst);
         let task = h.submit_store(&keys(0..2));
         let done = completions
@@ -3291,14 +3286,12 @@ mod tests {
 
     #[test]
     fn a_store_never_waits_for_ever_for_record_buffers_the_write_thread_lost() {
-        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+        use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        let store = small_store(dir.path());
         let completions = store.completions();
-        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
-        let mut h = Harness::new(tier);
+        let mut h = harness(&store);
         let faults = &store.shared.faults;
         let stored_within = |what: &str, wait: Duration| match completions.recv_timeout(wait) {
             Ok(Completion::Stored { result, .. }) => result,
@@ -3343,6 +3336,17 @@ mod tests {
 
     /// How long the tests below wait for a completion before they call the task hung.
     const DEADLINE: Duration = Duration::from_secs(60);
+
+    /// A store of 4 KiB chunks in 4 MiB.
+    fn small_store(dir: &Path) -> Arc<DiskStore> {
+        Arc::new(DiskStore::open(DiskStoreConfig::new(dir, 1 << 22, 4096)).unwrap())
+    }
+
+    /// A harness over `store`, of 4 KiB chunks.
+    fn harness(store: &Arc<DiskStore>) -> tierkv_testkit::contract::Harness {
+        use tierkv_testkit::contract::{Harness, OpenTier};
+        Harness::new(OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) })
+    }
 
     /// A store of one 4 KiB chunk in one-record segments, evicting least recently used first.
     fn lru_store(dir: &Path, segments: u64) -> Arc<DiskStore> {
@@ -3417,14 +3421,12 @@ mod tests {
 
     #[test]
     fn lookups_and_loads_are_answered_while_the_stores_before_them_wait_for_writes() {
-        use tierkv_testkit::contract::{Harness, OpenTier, keys, payload};
+        use tierkv_testkit::contract::{keys, payload};
 
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
+        let store = small_store(dir.path());
         let completions = store.completions();
-        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
-        let mut h = Harness::new(tier);
+        let mut h = harness(&store);
         h.store(&keys(0..8)).unwrap();
         let held = store.shared.faults.hold_writes();
         // Stores whose writes cannot finish: the first take every record buffer, the next waits
@@ -3481,12 +3483,11 @@ mod tests {
 
     #[test]
     fn a_lookup_ahead_of_queued_stores_finds_what_it_would_find_behind_them() {
-        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+        use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
         let store = lru_store(dir.path(), 16);
-        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
-        let mut h = Harness::new(tier);
+        let mut h = harness(&store);
         // A full disk, one chunk a segment, written oldest first.
         for n in 0..16 {
             h.store(&keys(n..n + 1)).unwrap();
@@ -3517,13 +3518,11 @@ mod tests {
 
     #[test]
     fn stores_behind_a_stuck_write_thread_fail_at_once_until_a_buffer_comes_back() {
-        use tierkv_testkit::contract::{Harness, OpenTier, keys};
+        use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
-        let store =
-            Arc::new(DiskStore::open(DiskStoreConfig::new(dir.path(), 1 << 22, 4096)).unwrap());
-        let tier = OpenTier { tier: store.clone(), chunk_bytes: 4096, keep: Box::new(()) };
-        let mut h = Harness::new(tier);
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
         // Every buffer is with the write thread, as behind a write that hangs, and a store has
         // waited its bound for one.
         let spare = {
