@@ -115,6 +115,10 @@ struct Segment {
     /// Records handed to the write thread whose store task is not yet published or abandoned:
     /// until it is, the segment's space is theirs even though the index does not name them.
     unpublished: u64,
+    /// A free segment evicted ahead of the stores that will reuse it
+    /// ([`Index::make_room_ahead`]): the records of its last life, still on disk (and found again
+    /// by a restart) until it is reused, which a clear marks deleted too.
+    stale: Vec<(ObjectKey, Loc)>,
 }
 
 impl Segment {
@@ -129,6 +133,7 @@ impl Segment {
             locked: 0,
             pins: 0,
             unpublished: 0,
+            stale: Vec::new(),
         }
     }
 
@@ -287,20 +292,20 @@ impl Index {
     /// Evicts the policy's victim among the evictable segments: drops its records from the index
     /// and takes its life out of the policy. Returns its id and the records dropped, or `None`
     /// when every segment holds locked, pinned or unpublished records.
-    fn evict_one(&mut self) -> Option<(u32, u64)> {
+    fn evict_one(&mut self) -> Option<(u32, Vec<(ObjectKey, Loc)>)> {
         let Index { segments, policy, .. } = self;
         let victim = policy.evict(&mut |life| segments[life.id as usize].evictable(), &|life| {
             segments[life.id as usize].keys.as_slice()
         });
         let SegmentLife { id, .. } = victim?;
         let keys = std::mem::take(&mut self.segments[id as usize].keys);
-        let mut evicted = 0;
+        let mut evicted = Vec::new();
         for key in keys {
             if let Some(loc) = self.map.get(&key).copied()
                 && loc.segment == id
             {
                 self.drop_record(&key, loc);
-                evicted += 1;
+                evicted.push((key, loc));
             }
         }
         Some((id, evicted))
@@ -352,8 +357,9 @@ impl Index {
         let mut evicted = 0;
         for _ in free..opened {
             let Some((id, records)) = self.evict_one() else { break };
+            evicted += records.len() as u64;
+            self.segments[id as usize].stale = records;
             self.free(id);
-            evicted += records;
         }
         evicted
     }
@@ -2323,7 +2329,7 @@ impl Shared {
         let (id, evicted, existing) = {
             let mut index = self.index.lock();
             let (id, evicted) = match index.free_segment(create, &self.layout) {
-                Some(id) => (id, 0),
+                Some(id) => (id, Vec::new()),
                 None => index.evict_one().ok_or_else(|| {
                     TierError::NoSpace(format!(
                         "all {} segments of {} bytes hold locked, pinned or unpublished records",
@@ -2335,7 +2341,8 @@ impl Shared {
             let segment = &mut index.segments[id as usize];
             segment.status = Status::Preparing;
             segment.end = BLOCK;
-            (id, evicted, segment.file.clone())
+            segment.stale.clear();
+            (id, evicted.len() as u64, segment.file.clone())
         };
         self.metrics.evicted(evicted);
         let initialised = self.initialise(id, existing);
@@ -2440,6 +2447,34 @@ impl Shared {
             for file in written {
                 let _ = file.sync();
             }
+        }
+    }
+
+    /// Marks deleted the records of the free segments evicted ahead of stores (`Segment::stale`),
+    /// each segment kept from reuse meanwhile (preparing, as if taken), then frees them again.
+    fn clear_stale(&self) {
+        let (ids, marks): (Vec<u32>, Vec<_>) = {
+            let mut index = self.index.lock();
+            let stale = index.segments.iter_mut().enumerate().filter(|(_, s)| {
+                s.status == Status::Free && s.file.is_some() && !s.stale.is_empty()
+            });
+            let mut ids = Vec::new();
+            let mut marks = Vec::new();
+            for (id, segment) in stale {
+                let Some(file) = segment.file.clone() else { continue };
+                segment.status = Status::Preparing;
+                ids.push(id as u32);
+                let epoch = segment.epoch;
+                let records = std::mem::take(&mut segment.stale);
+                marks
+                    .extend(records.into_iter().map(|(k, loc)| (Arc::clone(&file), epoch, k, loc)));
+            }
+            (ids, marks)
+        };
+        self.mark_deleted(&marks);
+        let mut index = self.index.lock();
+        for id in ids {
+            index.free(id);
         }
     }
 
@@ -2891,14 +2926,18 @@ impl TierAdapter for DiskStore {
     }
 
     /// Deletes every unlocked record, persistently like `delete`, and withdraws every chunk on
-    /// its way here.
+    /// its way here. The records of segments evicted ahead of the stores that will reuse them,
+    /// not in the index but still on disk until then, are marked deleted too, so that a restart
+    /// does not find them again.
     fn clear(&self) -> usize {
         let keys: Vec<ObjectKey> = {
             let index = self.shared.index.lock();
             let board = self.shared.departures.lock();
             index.map.keys().chain(board.keys()).copied().collect()
         };
-        self.delete(&keys)
+        let deleted = self.delete(&keys);
+        self.shared.clear_stale();
+        deleted
     }
 
     fn usage(&self) -> TierUsage {
@@ -3514,6 +3553,44 @@ mod tests {
         let found = h.present(&keys(0..16));
         assert_eq!(found.iter_ones().collect::<Vec<_>>(), (8..16).collect::<Vec<_>>());
         assert_eq!(h.present(&keys(100..108)).count_ones(), 8);
+    }
+
+    #[test]
+    fn a_clear_marks_the_records_of_segments_evicted_ahead_of_stores_deleted() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        // As above: a lookup evicts 5, 6 and 7 ahead of the three stores queued, whose
+        // segments stay free, their records on disk, as the store closes before they run.
+        let held = store.shared.faults.hold_writes();
+        for n in 100..108 {
+            h.submit_store(&keys(n..n + 1));
+        }
+        while store.shared.queue.state.lock().stores.len() > 3 {
+            std::thread::yield_now();
+        }
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 8);
+        store.clear();
+        let closing = std::thread::spawn({
+            let store = Arc::clone(&store);
+            move || store.close()
+        });
+        while !store.shared.queue.state.lock().closed {
+            std::thread::yield_now();
+        }
+        drop(held);
+        closing.join().unwrap();
+        drop((h, store));
+        // Nothing cleared comes back with a restart: not the records evicted ahead either.
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 0);
+        assert_eq!(h.present(&keys(100..105)).count_ones(), 5, "stored after the clear");
     }
 
     #[test]
