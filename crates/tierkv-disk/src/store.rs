@@ -3520,6 +3520,28 @@ mod tests {
         h.assert_loads(&keys(100..100 + stores));
     }
 
+    /// Fills an `lru_store` of 16 segments with keys 0 to 15, oldest first, holds every write and
+    /// submits eight stores of a new chunk each (100 to 107): the first four take the record
+    /// buffers, the fifth waits for one, three wait in the queue. Each evicts the oldest chunk
+    /// left when it is prepared: eight in all, three of them not yet. Returns the writes held
+    /// and the stores' tasks.
+    fn three_stores_queued<'a>(
+        store: &'a DiskStore,
+        h: &mut tierkv_testkit::contract::Harness,
+    ) -> (HeldWrites<'a>, Vec<TaskId>) {
+        use tierkv_testkit::contract::keys;
+
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        let held = store.shared.faults.hold_writes();
+        let tasks: Vec<TaskId> = (100..108).map(|n| h.submit_store(&keys(n..n + 1))).collect();
+        while store.shared.queue.state.lock().stores.len() > 3 {
+            std::thread::yield_now();
+        }
+        (held, tasks)
+    }
+
     #[test]
     fn a_lookup_ahead_of_queued_stores_finds_what_it_would_find_behind_them() {
         use tierkv_testkit::contract::keys;
@@ -3527,18 +3549,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = lru_store(dir.path(), 16);
         let mut h = harness(&store);
-        // A full disk, one chunk a segment, written oldest first.
-        for n in 0..16 {
-            h.store(&keys(n..n + 1)).unwrap();
-        }
-        let held = store.shared.faults.hold_writes();
-        // Eight stores of a new chunk each: the first four take the record buffers, the fifth
-        // waits for one, three wait in the queue. Each evicts the oldest chunk left when it is
-        // prepared: eight in all, three of them not yet.
-        let tasks: Vec<TaskId> = (100..108).map(|n| h.submit_store(&keys(n..n + 1))).collect();
-        while store.shared.queue.state.lock().stores.len() > 3 {
-            std::thread::yield_now();
-        }
+        let (held, tasks) = three_stores_queued(&store, &mut h);
         // A lookup ahead of the three finds what it would have found behind them.
         let found = h.present(&keys(0..16));
         assert_eq!(found.iter_ones().collect::<Vec<_>>(), (8..16).collect::<Vec<_>>());
@@ -3562,18 +3573,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = lru_store(dir.path(), 16);
         let mut h = harness(&store);
-        for n in 0..16 {
-            h.store(&keys(n..n + 1)).unwrap();
-        }
-        // As above: a lookup evicts 5, 6 and 7 ahead of the three stores queued, whose
-        // segments stay free, their records on disk, as the store closes before they run.
-        let held = store.shared.faults.hold_writes();
-        for n in 100..108 {
-            h.submit_store(&keys(n..n + 1));
-        }
-        while store.shared.queue.state.lock().stores.len() > 3 {
-            std::thread::yield_now();
-        }
+        // A lookup evicts 5, 6 and 7 ahead of the three stores queued, whose segments stay
+        // free, their records on disk, as the store closes before they run.
+        let (held, _) = three_stores_queued(&store, &mut h);
         assert_eq!(h.present(&keys(0..16)).count_ones(), 8);
         store.clear();
         let closing = std::thread::spawn({
