@@ -134,6 +134,12 @@ class _Req:
     resumed: bool = False
     #: ``async_loads``: vLLM keeps it waiting for its load (``WAITING_FOR_REMOTE_KVS``).
     remote: bool = False
+    #: vLLM's own hit, in tokens, when it was last asked about (loads start after it).
+    local: int = 0
+    #: When it was last looked up, else first asked about (-1: neither), by the run's
+    #: ``_tick``: what the daemon let go before then, the request must store again if it holds
+    #: it.
+    looked: int = -1
 
 
 class Failed(AssertionError):
@@ -241,11 +247,15 @@ class _Releases:
     def __init__(self, queue: Any) -> None:
         self.queue = queue
         self.released: set[int] = set()
+        #: Lookups returned more than once.
+        self.twice: list[int] = []
 
     def put(self, item: tuple[Any, int, int] | None) -> None:
         if item is None:
             self.queue.put(None)  # shutdown: ends the releasing thread
             return
+        if item[2] in self.released:
+            self.twice.append(item[2])
         self.released.add(item[2])
 
 
@@ -277,9 +287,13 @@ class Engine:
             miss_refresh_s=rng.choice([0.0, 1e9]),
             async_loads=async_loads,
         )
+        #: How often, between steps, the daemon lets a chunk go (its eviction policy), and how
+        #: often a request's open lookup is found older than ``lookup_refresh_s``.
+        self.evict = rng.choice([0.0, 0.3, 0.6])
+        self.stale = rng.choice([0.0, 0.3])
         self.scheduler = SchedulerSide(settings, "m", 4096, BLOCK, self.tp, False)
-        # The scheduler half's own bookkeeping runs; only the daemon's lookup is made up.
-        self.scheduler._hit = self._lookup  # type: ignore[method-assign]  # noqa: SLF001
+        # The scheduler half's own bookkeeping runs; only the daemon's lookups are made up.
+        self.scheduler._look_up = self._lookup  # type: ignore[method-assign]  # noqa: SLF001
         self.releases = _Releases(self.scheduler.releases)
         self.scheduler.releases = self.releases  # type: ignore[assignment]
         group = _TpGroup(self.tp) if self.tp > 1 else None
@@ -298,8 +312,19 @@ class Engine:
         #: The daemon, per rank: the chunk ids it holds (valid KV: every store is checked).
         self.daemon: list[set[int]] = [set() for _ in range(self.tp)]
         #: Lookups made (by the made-up daemon): each must be returned, or still be held by a
-        #: request the scheduler half knows.
+        #: request the scheduler half knows; per lookup, its rank and the chunks it leased.
         self.lookups: set[int] = set()
+        self.leased: dict[int, tuple[int, list[int]]] = {}
+        #: When each chunk id was last let go by the daemon (on any rank), by :meth:`_tick`
+        #: (steps do not order it: under async scheduling a step is planned before the last
+        #: one runs).
+        self.lost: dict[int, int] = {}
+        self.ticks = 0
+        #: Requests that computed over garbage: the connector drops their stores whole, the
+        #: chunks of their own hit with the rest.
+        self.over_garbage: set[str] = set()
+        #: Chunks a lookup found where vLLM's own hit held them and the daemon did not.
+        self.roots_missed = 0
         self.cache: dict[tuple[int, ...], int] = {}
         # vLLM's block pool: few blocks, so that finished and preempted requests' blocks are
         # handed to others, or many.
@@ -342,6 +367,8 @@ class Engine:
         #: Chunks a request finished holding as valid KV that the daemon never got (request, its
         #: chunk index).
         self.never_stored: list[tuple[str, int]] = []
+        #: Requests that finished holding a chunk as valid KV, and the chunk's index.
+        self.finished_holding: list[tuple[_Req, int]] = []
         # ``async_loads``: how many steps the loading thread takes over a retrieve, how often one
         # is given up on at its deadline (the daemon may go on copying for a few steps more).
         self.load_steps = rng.choice([[0], [0, 1, 2], [1, 2, 3, 5]]) if async_loads else [0]
@@ -545,12 +572,14 @@ class Engine:
     def _finish(self, r: _Req) -> None:
         """``_free_request``: the connector is asked (``request_finished``) whether the blocks
         wait for the workers; if not, they are freed (after the step in flight)."""
-        # Every chunk a request finished holding as valid KV was stored (on every rank).
+        # Every chunk a request finished holding as valid KV was stored (on every rank), its
+        # own hit's included: checked at the end of the run (a store of the step in flight
+        # is still to come).
         if r.blocks and r.computed >= len(r.tokens):
-            for c, chunk in enumerate(r.chunks[: r.computed // CHUNK]):
+            for c, _ in enumerate(r.chunks[: r.computed // CHUNK]):
                 held = r.blocks[c * CHUNK_BLOCKS : (c + 1) * CHUNK_BLOCKS]
-                if self._chunk_valid(held) and not self.in_daemon(chunk):
-                    self.never_stored.append((r.rid, c))
+                if self._chunk_valid(held):
+                    self.finished_holding.append((r, c))
         self.finished.add(r.rid)
         self.finished_ever.add(r.rid)
         # ``finish_requests``: a request waiting for its asynchronous load keeps its blocks
@@ -607,11 +636,38 @@ class Engine:
         self.cache.clear()
         self.hash_of.clear()
 
+    def _tick(self) -> int:
+        self.ticks += 1
+        return self.ticks
+
+    def _let_go(self) -> None:
+        """The daemon's eviction: a chunk no open lookup leases goes, on one rank or all (a
+        request's root that vLLM holds is no older there than the chunks after it)."""
+        live = {
+            (rank, c)
+            for lookup, (rank, chunks) in self.leased.items()
+            if lookup not in self.releases.released
+            for c in chunks
+        }
+        held = sorted({c for chunks in self.daemon for c in chunks})
+        if not held:
+            return
+        chunk = self.rng.choice(held)
+        ranks = [self.rng.randrange(self.tp)] if self.rng.random() < 0.5 else range(self.tp)
+        if any((rank, chunk) in live for rank in ranks):
+            return
+        for rank in ranks:
+            self.daemon[rank].discard(chunk)
+        self.lost[chunk] = self._tick()
+        self.trace.append(f"  daemon let {chunk} go on ranks {list(ranks)}")
+
     def between_steps(self) -> None:
         if self.rng.random() < self.abort:
             self._abort()
         if self.rng.random() < self.reset:
             self._reset_prefix_cache()
+        if self.rng.random() < self.evict:
+            self._let_go()
 
     # -- vLLM's scheduler -------------------------------------------------------------------
 
@@ -626,36 +682,35 @@ class Engine:
             hit.append(block)
         return hit
 
-    def _lookup(self, state: Any, first: int) -> int:
-        """The daemon's lookup (``SchedulerSide._hit``), made up over the chunks the daemon holds
-        per rank: an open lookup that asked from no further than ``first`` is used again (or, at
-        random, found stale); otherwise it is returned and one is made per rank. The hit is the
-        least over the ranks."""
+    def _lookup(self, state: Any, wanted: list[int]) -> None:
+        """The daemon's lookups (``SchedulerSide._look_up``), one per rank, made up over the
+        chunks the daemon holds per rank: each leases its hit, the chunks from the first up to
+        the first it lacks. Every lookup must ask for the prompt's chunks from the root, those
+        vLLM holds included: the daemon's eviction sees them used only so."""
+        rid = next(rid for rid, known in self.scheduler.requests.items() if known is state)
+        r = self.requests[int(rid[1:])]
+        if wanted != r.chunks[: len(wanted)] or len(wanted) != state.lookup_chunks:
+            self.violations.append(
+                f"step {self.step}: {rid} looked up {len(wanted)} chunks, not the "
+                f"{state.lookup_chunks} of its prompt from the root"
+            )
+        r.looked = self._tick()
         links = self.scheduler.links
-        generations = [link.generation for link in links]
-        if (
-            state.lookups is None
-            or state.looked_from > first
-            or state.generations != generations
-            or self.rng.random() < 0.3
-        ):
-            self.scheduler._release(state)  # noqa: SLF001
-            wanted = state.chunks[first : state.lookup_chunks]
-            state.lookups = []
-            state.outcomes = []
-            for rank in range(len(links)):
-                hit = 0
-                while hit < len(wanted) and wanted[hit] in self.daemon[rank]:
-                    hit += 1
-                self.grown += rank == 0 and any(c in self.stored_at for c in wanted[:hit])
-                state.lookups.append(self.next_lookup)
-                state.outcomes.append(hit)
-                self.lookups.add(self.next_lookup)
-                self.next_lookup += 1
-            state.looked_from = first
-            state.generations = generations
-            state.looked_at = time.monotonic()
-        return min(state.looked_from + min(state.outcomes), state.lookup_chunks)
+        state.lookups = []
+        state.outcomes = []
+        for rank in range(len(links)):
+            hit = 0
+            while hit < len(wanted) and wanted[hit] in self.daemon[rank]:
+                hit += 1
+            self.grown += rank == 0 and any(c in self.stored_at for c in wanted[:hit])
+            self.roots_missed += rank == 0 and hit < r.local // CHUNK
+            state.lookups.append(self.next_lookup)
+            state.outcomes.append(hit)
+            self.lookups.add(self.next_lookup)
+            self.leased[self.next_lookup] = (rank, wanted[:hit])
+            self.next_lookup += 1
+        state.generations = [link.generation for link in links]
+        state.looked_at = time.monotonic()
 
     def _chunk(self) -> int:
         """The tokens a step computes of a prompt: a random count, or whole blocks (large
@@ -758,6 +813,12 @@ class Engine:
             if r.computed == 0:
                 hit = self._hit_blocks(r)
                 local = len(hit) * BLOCK
+                r.local = local
+                if r.looked < 0:
+                    r.looked = self._tick()
+                known = self.scheduler.requests.get(r.rid)
+                if known is not None and self.rng.random() < self.stale:
+                    known.looked_at = float("-inf")  # older than lookup_refresh_s: made again
                 answer, load_async = self.scheduler.get_num_new_matched_tokens(r.request, local)
                 self.kept += self.scheduler.requests[r.rid].miss_for is not None
                 if answer and r.rid in self.load_failed:
@@ -840,6 +901,16 @@ class Engine:
         )
         meta = self.scheduler.build_connector_meta(out)
         assert not self.scheduler.promised, "accepted external tokens left unplanned"
+        # A load fills only blocks after vLLM's own hit: those are its prefix cache's, maybe
+        # other requests' too.
+        for op in meta.loads + meta.async_loads:
+            r = self.requests[int(op.req_id[1:])]
+            first = r.chunks.index(op.chunks[0][0]) if op.chunks else len(r.chunks)
+            if first * CHUNK < r.local:
+                self.violations.append(
+                    f"step {self.step}: {op.req_id} loads from chunk {first}, inside vLLM's own "
+                    f"hit of {r.local} tokens"
+                )
         self.trace.append(f"step {self.step} plan: " + "; ".join(lines))
         if self.preempted:
             self.trace.append(f"  preempted {sorted(self.preempted)}")
@@ -898,6 +969,8 @@ class Engine:
                     self._slots(where[0], k)[where[1]] = written[where]
                 if not ok:
                     self.spoiled.add(where[0])
+            if not ok:
+                self.over_garbage.add(rid)
             self.trace.append(f"  {rid} computes {start}..{start + n} {'ok' if ok else 'GARBAGE'}")
         if self.tp > 1 and meta.loads:
             # The ranks agree on the step's failed loads through an all-reduce: each its own
@@ -1132,6 +1205,7 @@ class Engine:
                 self.report(step, self.execute(step, *pending), pending[1])
                 self.between_steps()
             self.check_leases()
+            self.check_stored()
             return
         # Async scheduling: step N + 1 is planned before the output of step N is reported.
         self.step = 0
@@ -1143,6 +1217,17 @@ class Engine:
             self.between_steps()
             pending = following
         self.check_leases()
+        self.check_stored()
+
+    def check_stored(self) -> None:
+        """Every chunk a request finished holding as valid KV is in the daemon, unless the
+        daemon let it go after the request's last lookup (the request could not know), or the
+        request computed over garbage (its stores were dropped whole)."""
+        for r, c in self.finished_holding:
+            chunk = r.chunks[c]
+            since = 0 if r.rid in self.over_garbage else r.looked
+            if not self.in_daemon(chunk) and self.lost.get(chunk, -1) < since:
+                self.never_stored.append((r.rid, c))
 
     def check_leases(self) -> None:
         """Every lookup made was returned, unless a request the scheduler half still knows holds
@@ -1152,6 +1237,11 @@ class Engine:
         leaked = self.lookups - self.releases.released - held
         if leaked:
             self.leaks.append(f"lookups never returned: {sorted(leaked)}")
+        if self.releases.twice:
+            self.leaks.append(f"lookups returned twice: {sorted(self.releases.twice)}")
+        reused = held & self.releases.released
+        if reused:
+            self.leaks.append(f"returned lookups still held: {sorted(reused)}")
         waiting = {rid for rids in self.scheduler.waiting_on.values() for rid in rids}
         if waiting - states.keys():
             self.leaks.append(f"kept misses of finished requests: {waiting - states.keys()}")
@@ -1178,6 +1268,13 @@ class Engine:
 
     def in_daemon(self, chunk: int) -> bool:
         return all(chunk in held for held in self.daemon)
+
+    def stored_since(self, chunk: int) -> bool:
+        """Whether ``chunk``, spoiled and then let go by the daemon, was stored since the report
+        that found it spoiled."""
+        return chunk in self.lost and any(
+            step >= self.damaged[chunk] for step in self.stored_at.get(chunk, [])
+        )
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -1294,6 +1391,8 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
             "partial failures",
             "grown hits",
             "kept misses",
+            "let go",
+            "roots missed",
             "async loads",
             "async failed",
             "given up",
@@ -1308,8 +1407,11 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
             asynchronous, async_loads = VARIANTS[variant]
             engine = run_seed(seed, asynchronous, socket, async_loads)
             recomputed = engine.recomputed()
-            # The daemon may hold it already (it was loaded again): no miss then.
-            unstored = [c for c in recomputed if not engine.in_daemon(c)]
+            # The daemon may hold it already (it was loaded again): no miss then. One it let go
+            # must have been stored since the report.
+            unstored = [
+                c for c in recomputed if not engine.in_daemon(c) and not engine.stored_since(c)
+            ]
             totals["loads"] += engine.loads
             totals["failed"] += engine.failures
             totals["sent"] += engine.sent
@@ -1325,6 +1427,8 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
             totals["partial failures"] += engine.partial
             totals["grown hits"] += engine.grown
             totals["kept misses"] += engine.kept
+            totals["let go"] += len(engine.lost)
+            totals["roots missed"] += engine.roots_missed
             totals["async loads"] += engine.async_started
             totals["async failed"] += engine.async_failed
             totals["given up"] += engine.given_up
@@ -1348,6 +1452,10 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
     if loads_runs >= 50:
         for what in ("async loads", "async failed", "given up", "aborted waiting"):
             assert totals[what] > 0, f"no {what} in {loads_runs} async_loads runs: {totals}"
+    # Lookups must have found the daemon without chunks vLLM's own hit held, or the runs never
+    # checked that those are stored again.
+    if len(_runs()) >= 100:
+        assert totals["roots missed"] > 0, f"no lookup missed a chunk vLLM held: {totals}"
     if wrong:
         engine = wrong[0]
         raise Failed(

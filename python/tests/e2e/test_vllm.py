@@ -83,7 +83,8 @@ def test_a_prefix_split_between_vllms_cache_and_tierkv_loads_only_what_vllm_lack
     engine_a: Engine, daemon: Daemon
 ) -> None:
     # vLLM's own prefix cache holds P1's first three chunks (loaded from tierkv by a shorter
-    # prompt); P1 then asks tierkv only for the four after them, and answers as it did cold.
+    # prompt); P1's lookup asks for every chunk from the root (so that the daemon sees those
+    # three used too), it loads the four after them, and answers as it did cold.
     engine_a.reset()
     before = daemon.status()
     short = engine_a.generate([P1[: 3 * CHUNK + 1]])[0]
@@ -94,10 +95,10 @@ def test_a_prefix_split_between_vllms_cache_and_tierkv_loads_only_what_vllm_lack
     assert whole["tokens"] == REFERENCE[1]
     assert whole["cached"] == loadable(1000)
     after = daemon.status()
-    assert after["requested_tokens"] - middle["requested_tokens"] == loadable(1000) - 3 * CHUNK, (
-        "the lookup asked only for the chunks after vLLM's own hit"
+    assert after["requested_tokens"] - middle["requested_tokens"] == loadable(1000), (
+        "the lookup asked for the chunks vLLM holds too"
     )
-    assert after["hit_tokens"] - middle["hit_tokens"] == loadable(1000) - 3 * CHUNK
+    assert after["hit_tokens"] - middle["hit_tokens"] == loadable(1000)
 
 
 def test_a_second_vllm_process_loads_what_the_first_stored(

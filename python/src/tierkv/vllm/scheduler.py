@@ -53,10 +53,13 @@ class _Request:
     chunks: list[int]
     #: Chunks a lookup may ask for: the prompt minus its last token (vLLM computes at least one).
     lookup_chunks: int
+    #: The open lookups (one per rank key). Each asks for the prompt's chunks from the root,
+    #: those vLLM's own prefix cache holds included, though only the chunks after those are
+    #: loaded: the daemon sees every chunk of the prefix used, so its eviction policy keeps the
+    #: shared roots that vLLM holds (a chunk is no use without its parent), and a root it lacks
+    #: is a miss that this request's store puts back.
     lookups: list[int] | None = None
-    #: The first chunk the open lookups ask for: those before it vLLM had computed itself.
-    looked_from: int = 0
-    #: Each lookup's hit, in chunks from ``looked_from`` (``None``: still prefetching).
+    #: Each lookup's hit, in chunks from the root (``None``: still prefetching).
     outcomes: list[int | None] = field(default_factory=list)
     #: Each link's session generation when the lookups were made (one per link).
     generations: list[int] = field(default_factory=list)
@@ -65,7 +68,8 @@ class _Request:
     #: First chunk of a load vLLM accepted and the next step must perform.
     load_from: int | None = None
     block_ids: list[int] = field(default_factory=list)
-    #: Chunks from the root known to be in tierkv (hit) or stored by an earlier step.
+    #: Chunks from the root known to be in tierkv (a lookup's hit, usable or not) or stored by
+    #: an earlier step: the stores start after them.
     stored: int = 0
     #: Whether a load or store was planned: the workers then free the blocks (``get_finished``).
     planned: bool = False
@@ -445,9 +449,13 @@ class SchedulerSide:
             return 0, False
         if self._miss_holds(req_id, state, num_computed_tokens):
             return 0, False
-        hit = self._hit(state, num_computed_tokens // self.chunk_tokens)
+        hit = self._hit(state)
         if hit is None:
             return None, False
+        # The daemon holds the hit's chunks and, short of the last chunk asked for, not the
+        # next: the request's stores start there, whatever an earlier lookup found. What it
+        # lacks of vLLM's own hit (tierkv let it go) is stored from the request's blocks.
+        state.stored = hit if hit < state.lookup_chunks else max(state.stored, hit)
         hit_tokens = hit * self.chunk_tokens
         if hit_tokens <= num_computed_tokens:
             self._release(state)
@@ -895,46 +903,15 @@ class SchedulerSide:
             self.requests[request.request_id] = state
         return state
 
-    def _hit(self, state: _Request, first: int = 0) -> int | None:
+    def _hit(self, state: _Request) -> int | None:
         """The hit in chunks from the root (the least over rank keys), ``None`` while a prefetch
-        runs. vLLM holds the chunks before ``first`` itself: they are not looked up, so neither
-        leased nor prefetched (the lookup's hit counts from ``first``)."""
+        runs. The open lookups are used again unless a session changed or they are older than
+        ``lookup_refresh_s``; otherwise they are returned and made again."""
         generations = [link.generation for link in self.links]
         stale = time.monotonic() - state.looked_at > self.settings.lookup_refresh_s
-        if (
-            state.lookups is None
-            or state.generations != generations
-            or stale
-            or state.looked_from > first
-        ):
+        if state.lookups is None or state.generations != generations or stale:
             self._release(state)
-            wanted = state.chunks[first : state.lookup_chunks]
-            # Each rank keeps its own copy of the KV (without MLA): every rank's lookup leases
-            # its L1 hits before any prefetches (the queries below start them), or one rank's
-            # prefetch could evict the hits the next rank's lookup was about to lease.
-            defer = len(self.links) > 1
-            # Each lookup with the generation of the session that made it (a link connects,
-            # or reconnects, inside its call).
-            started: list[tuple[Any, int]] = []
-            try:
-                for link in self.links:
-                    started.append(
-                        (link.call(lambda c: c.lookup(0, wanted, defer)), link.generation)
-                    )
-            except BaseException:
-                # Refused (e.g. lease_limit: the session holds its cap of leases), a rank's
-                # session is down, or anything else: a miss for now, and the lookups already
-                # made on the other ranks' sessions are returned, not left to their lease
-                # deadline: off the scheduler's thread, since a daemon that just failed one call
-                # may be slow to answer these too.
-                for link, (s, generation) in zip(self.links, started, strict=False):
-                    self.releases.put((link, generation, s.lookup))
-                raise
-            state.lookups = [s.lookup for s, _ in started]
-            state.looked_from = first
-            state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s, _ in started]
-            state.generations = [generation for _, generation in started]
-            state.looked_at = time.monotonic()
+            self._look_up(state, state.chunks[: state.lookup_chunks])
         assert state.lookups is not None
         # Every rank is asked each time, not only up to the first still prefetching: the first
         # query of a deferred lookup starts its prefetch, and the ranks' prefetches overlap.
@@ -957,8 +934,34 @@ class SchedulerSide:
         if prefetching:
             return None
         # Never more than was asked for: vLLM must compute at least the prompt's last token.
-        hit = state.looked_from + min(o or 0 for o in state.outcomes)
-        return min(hit, state.lookup_chunks)
+        return min(min(o or 0 for o in state.outcomes), state.lookup_chunks)
+
+    def _look_up(self, state: _Request, wanted: list[int]) -> None:
+        """Makes one lookup of ``wanted`` per rank key and records them in ``state``; should one
+        fail, those made are returned and it raises."""
+        # Each rank keeps its own copy of the KV (without MLA): every rank's lookup leases its
+        # L1 hits before any prefetches (the queries start them), or one rank's prefetch could
+        # evict the hits the next rank's lookup was about to lease.
+        defer = len(self.links) > 1
+        # Each lookup with the generation of the session that made it (a link connects, or
+        # reconnects, inside its call).
+        started: list[tuple[Any, int]] = []
+        try:
+            for link in self.links:
+                started.append((link.call(lambda c: c.lookup(0, wanted, defer)), link.generation))
+        except BaseException:
+            # Refused (e.g. lease_limit: the session holds its cap of leases), a rank's session
+            # is down, or anything else: a miss for now, and the lookups already made on the
+            # other ranks' sessions are returned, not left to their lease deadline: off the
+            # scheduler's thread, since a daemon that just failed one call may be slow to
+            # answer these too.
+            for link, (s, generation) in zip(self.links, started, strict=False):
+                self.releases.put((link, generation, s.lookup))
+            raise
+        state.lookups = [s.lookup for s, _ in started]
+        state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s, _ in started]
+        state.generations = [generation for _, generation in started]
+        state.looked_at = time.monotonic()
 
     def _plan(self, meta: TierKVMetadata, request: Scheduled, state: _Request) -> None:
         if request.whole:
