@@ -320,6 +320,8 @@ class Engine:
         #: one runs).
         self.lost: dict[int, int] = {}
         self.ticks = 0
+        #: Requests freed on their finished-recving report by the step planned last (``run``).
+        self.unrun: set[str] = set()
         #: Requests that computed over garbage: the connector drops their stores whole, the
         #: chunks of their own hit with the rest.
         self.over_garbage: set[str] = set()
@@ -1216,6 +1218,9 @@ class Engine:
             self.report(step, self.execute(step, *pending), pending[1])
             self.between_steps()
             pending = following
+        # The last step planned never runs: the workers never hear of the requests it says
+        # vLLM freed on their finished-recving report.
+        self.unrun = set(pending[0].freed_on_recv)
         self.check_leases()
         self.check_stored()
 
@@ -1249,7 +1254,7 @@ class Engine:
         if gone:
             self.leaks.append(f"finished requests still known: {sorted(gone)}")
         # The workers forget every request vLLM has freed.
-        freed = self.finished_ever - self.held.keys() - self.recv_held.keys()
+        freed = self.finished_ever - self.held.keys() - self.recv_held.keys() - self.unrun
         for rank, worker in enumerate(self.workers):
             with worker._lock:  # noqa: SLF001
                 kept = {
