@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -225,18 +225,27 @@ def mooncake_prompts(requests: int, max_blocks: int) -> list[tuple[list[int], li
     return out
 
 
-def l1_only(socket_path: Path, disk: Path, extra: str = "") -> str:
-    """L1 alone, evicting in exactly the policy's order (one shard, on demand), as
-    ``tierkv replay`` configures the daemons it compares with the simulation."""
-    return f"""
+#: The L1 of ``l1_only`` by default, in 2 MiB slots (one of the tiny model's 1 MiB chunks each).
+L1_CHUNKS = 40
+
+
+def l1_only(chunks: int = L1_CHUNKS, policy: str = "adaptive") -> Callable[..., str]:
+    """A daemon config of L1 alone, ``chunks`` slots under ``policy``, evicting in exactly the
+    policy's order (one shard, on demand), as ``tierkv replay`` configures the daemons it
+    compares with the simulation."""
+
+    def make(socket_path: Path, disk: Path, extra: str = "") -> str:
+        return f"""
 [server]
 socket = "{socket_path}"
+{extra}
 [metrics]
 enabled = false
 [l1]
 device = "emulated"
-capacity = "{L1_CHUNKS * 2}MiB"
+capacity = "{chunks * 2}MiB"
 slot = "2MiB"
+policy = "{policy}"
 lease_ttl = "1h"
 watermark_high = 1.0
 watermark_low = 1.0
@@ -247,8 +256,7 @@ enabled = false
 enabled = false
 """
 
-
-L1_CHUNKS = 40
+    return make
 
 
 def test_mooncake_slice_hits_match_the_simulation(model: Path, tmp_path: Path) -> None:
@@ -284,7 +292,7 @@ def test_mooncake_slice_hits_match_the_simulation(model: Path, tmp_path: Path) -
     )
     run = json.loads((tmp_path / "sim" / "replay.json").read_text())["runs"][0]
 
-    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only)
+    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only())
     engine = None
     try:
         engine = Engine(model, socket=daemon.socket, log=tmp_path / "engine.log")
@@ -382,3 +390,86 @@ def test_a_prompt_longer_than_l1_is_stored_whole_and_loaded_whole_from_below(
     assert loaded["tokens"] == cold["tokens"]
     from_l2 = after["tiers"][1]["hit_chunks"]
     assert from_l2 >= 7 - 4, f"the hit past L1's room came from L2: {after['tiers']}"
+
+
+def test_a_root_vllm_holds_stays_in_tierkv_while_its_children_are_loaded(
+    model: Path, tmp_path: Path
+) -> None:
+    """A shared root (a system prompt, say) that vLLM's own prefix cache holds is never loaded,
+    but the children under it are, from tierkv. Their lookups must touch the root in the daemon
+    too, or its eviction sees the root unused and lets it go first: once vLLM lets it go as well,
+    every chain under it misses, though tierkv still holds their chunks (a chunk is no use
+    without its parent). Children that miss would not show it: a request that misses stores its
+    prompt from the root, which writes a root tierkv lost again (the newest chunk then, a chain
+    being finished leaf first), and a store of a chunk the daemon holds touches nothing. L1
+    alone, six chunks under LRU, evicting only on demand: the order is exact."""
+    root = prompt(300, CHUNK)
+    children = [prompt(310 + i, 2 * CHUNK + 1, prefix=root) for i in range(3)]
+    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only(6, "lru"))
+    engine = None
+    try:
+        engine = Engine(model, socket=daemon.socket, log=tmp_path / "engine.log")
+        cold = [engine.generate([p], max_tokens=4)[0] for p in children]
+        daemon.eventually("the root and three children are stored", _objects(4))
+        # vLLM holds the root alone (loaded from tierkv), and each child is loaded under it.
+        engine.reset()
+        assert engine.generate([root + [7]], max_tokens=1)[0]["cached"] == CHUNK
+        warm = [engine.generate([p], max_tokens=4)[0] for p in children]
+        assert [o["cached"] for o in warm] == [2 * CHUNK] * 3
+        assert [o["tokens"] for o in warm] == [o["tokens"] for o in cold]
+        # Another prompt's four chunks take L1's two free slots and evict two: the two least
+        # recently used of the root and its children.
+        engine.generate([prompt(320, 4 * CHUNK + 1)], max_tokens=1)
+        daemon.eventually("the other prompt is stored", _objects(6))
+        # vLLM lets the root go: the last child loaded must still load whole, from the root.
+        engine.reset()
+        again = engine.generate([children[2]], max_tokens=4)[0]
+    finally:
+        if engine is not None:
+            engine.stop()
+        daemon.stop()
+    assert again["cached"] == 2 * CHUNK, "tierkv let the root go while it held its children"
+    assert again["tokens"] == cold[2]["tokens"]
+
+
+def test_a_root_tierkv_lost_is_stored_again_from_the_blocks_of_vllm_that_holds_it(
+    model: Path, tmp_path: Path
+) -> None:
+    """tierkv let a root go and holds a child of it, which engine A lacks; A holds the root in
+    its own prefix cache. A's request for the child must store the root again from A's blocks:
+    a lookup that starts after the chunks vLLM holds would load the child and store nothing,
+    leaving the child unreachable for every engine that lacks the root (here engine B, once its
+    prefix cache is reset). L1 alone, six chunks under LRU, evicting only on demand."""
+    root = prompt(330, CHUNK)
+    child = prompt(331, 2 * CHUNK + 1, prefix=root)
+    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only(6, "lru"))
+    engine_a = engine_b = None
+    try:
+        engine_a = Engine(model, socket=daemon.socket, log=tmp_path / "engine-a.log")
+        engine_b = Engine(model, socket=daemon.socket, log=tmp_path / "engine-b.log")
+        assert engine_a.generate([root + [7]], max_tokens=1)[0]["cached"] == 0
+        daemon.eventually("the root is stored", _objects(1))
+        # B loads the root and stores the child: the child is the more recently used.
+        cold = engine_b.generate([child], max_tokens=4)[0]
+        assert cold["cached"] == CHUNK
+        daemon.eventually("the child is stored", _objects(2))
+        # Another prompt's five chunks take L1's four free slots and evict the root.
+        engine_b.generate([prompt(332, 5 * CHUNK + 1)], max_tokens=1)
+        daemon.eventually("the other prompt is stored", _objects(6))
+        out = engine_a.generate([child], max_tokens=4)[0]
+        assert out["tokens"] == cold["tokens"]
+        daemon.settled()
+        engine_b.reset()
+        again = engine_b.generate([child], max_tokens=4)[0]
+    finally:
+        for engine in (engine_a, engine_b):
+            if engine is not None:
+                engine.stop()
+        daemon.stop()
+    assert again["cached"] == 2 * CHUNK, "the root A held was not stored again"
+    assert again["tokens"] == cold["tokens"]
+
+
+def _objects(n: int) -> Callable[[dict], bool]:
+    """Whether the daemon's L1 holds ``n`` chunks, none of them still being written."""
+    return lambda s: s["tiers"][0]["objects"] == n and s["store_in_flight"] == 0
