@@ -183,7 +183,9 @@ struct Index {
     live_bytes: u64,
     /// No segment before this one is free: where the search for a free segment starts.
     free_from: usize,
-    /// The segment receiving appends (the writer's, mirrored here for lookups).
+    /// The segment receiving appends (the writer's, mirrored here for lookups), or being
+    /// opened to receive them (`Status::Preparing`, set under the same lock): a lookup never sees
+    /// a segment taken for the stores that it does not count as theirs.
     active: Option<u32>,
     /// Sizes of the records of the store task being prepared that have no room yet, in order.
     preparing: VecDeque<u64>,
@@ -336,9 +338,11 @@ impl Index {
                 }
             }
         }
-        // Where they would go: the active segment's room, then one new segment after another.
+        // Where they would go: the active segment's room (all of it, while it is being opened),
+        // then one new segment after another.
         let active = self.active.map(|id| &self.segments[id as usize]);
-        let mut end = active.filter(|s| s.status == Status::Active).map(|s| s.end);
+        let receiving = |s: &&Segment| matches!(s.status, Status::Active | Status::Preparing);
+        let mut end = active.filter(receiving).map(|s| s.end);
         let mut opened = 0usize;
         for size in sizes {
             match end {
@@ -542,7 +546,7 @@ fn write_records(shared: Arc<Shared>, messages: Receiver<WriteMsg>, free: Sender
                 .spawn_scoped(scope, move || {
                     while let Ok(write) = queued.recv() {
                         #[cfg(test)]
-                        faults.wait_while_writes_held();
+                        faults.writes.pass();
                         if report.send(write.run()).is_err() {
                             break;
                         }
@@ -1145,10 +1149,10 @@ struct WriteFaults {
     handed_over: AtomicBool,
     /// While set (not a single shot), no record buffer can be allocated.
     no_memory: AtomicBool,
-    /// While set (not a single shot), the writer threads start no write: they wait, as behind
-    /// a disk that hangs.
-    writes_held: Mutex<bool>,
-    writes_released: parking_lot::Condvar,
+    /// While held, the writer threads start no write: they wait, as behind a disk that hangs.
+    writes: Gate,
+    /// While held, a segment being opened waits before its initialisation (its file and epoch).
+    opening: Gate,
 }
 
 #[cfg(test)]
@@ -1159,30 +1163,59 @@ impl WriteFaults {
         }
     }
 
-    /// Holds every write not yet started until the guard is dropped (a test that fails
-    /// meanwhile releases them as it unwinds, so closing the store does not hang).
-    fn hold_writes(&self) -> HeldWrites<'_> {
-        *self.writes_held.lock() = true;
-        HeldWrites(self)
+    /// Holds every write not yet started until the guard is dropped.
+    fn hold_writes(&self) -> Held<'_> {
+        self.writes.hold()
+    }
+}
+
+/// A point the tests can hold threads at (not a single shot): while held, every thread that
+/// reaches it waits.
+#[cfg(test)]
+#[derive(Default)]
+struct Gate {
+    held: Mutex<bool>,
+    released: parking_lot::Condvar,
+    /// Threads waiting at it now.
+    waiting: AtomicU64,
+}
+
+#[cfg(test)]
+impl Gate {
+    /// Holds the threads that reach it until the guard is dropped (a test that fails meanwhile
+    /// releases them as it unwinds, so closing the store does not hang).
+    fn hold(&self) -> Held<'_> {
+        *self.held.lock() = true;
+        Held(self)
     }
 
-    fn wait_while_writes_held(&self) {
-        let mut held = self.writes_held.lock();
+    /// Waits while the gate is held.
+    fn pass(&self) {
+        let mut held = self.held.lock();
+        self.waiting.fetch_add(1, Ordering::SeqCst);
         while *held {
-            self.writes_released.wait(&mut held);
+            self.released.wait(&mut held);
+        }
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Waits until `n` threads wait at the gate.
+    fn wait_for(&self, n: u64) {
+        while self.waiting.load(Ordering::SeqCst) < n {
+            std::thread::yield_now();
         }
     }
 }
 
-/// Writes held by [`WriteFaults::hold_writes`]: released when dropped.
+/// A [`Gate`] held: released when dropped.
 #[cfg(test)]
-struct HeldWrites<'a>(&'a WriteFaults);
+struct Held<'a>(&'a Gate);
 
 #[cfg(test)]
-impl Drop for HeldWrites<'_> {
+impl Drop for Held<'_> {
     fn drop(&mut self) {
-        *self.0.writes_held.lock() = false;
-        self.0.writes_released.notify_all();
+        *self.0.held.lock() = false;
+        self.0.released.notify_all();
     }
 }
 
@@ -2292,8 +2325,7 @@ impl Shared {
         }
         let (id, file) = self.open_segment()?;
         writer.active = Some(id);
-        let mut index = self.index.lock();
-        index.active = Some(id);
+        let index = self.index.lock();
         Ok((id, BLOCK, index.segments[id as usize].epoch, file))
     }
 
@@ -2338,6 +2370,8 @@ impl Shared {
                     ))
                 })?,
             };
+            // The stores' segment from now on, as lookups count their room.
+            index.active = Some(id);
             let segment = &mut index.segments[id as usize];
             segment.status = Status::Preparing;
             segment.end = BLOCK;
@@ -2365,6 +2399,7 @@ impl Shared {
             }
             Err(e) => {
                 index.free(id);
+                index.active = None;
                 Err(e)
             }
         }
@@ -2381,6 +2416,8 @@ impl Shared {
         id: u32,
         existing: Option<Arc<SegmentFile>>,
     ) -> Result<(Arc<SegmentFile>, u64), TierError> {
+        #[cfg(test)]
+        self.faults.opening.pass();
         let n = self.layout.file_of(id);
         // The file as far as this segment's end: files grow a segment at a time.
         let bytes = self.layout.base(id) + self.layout.segment_bytes;
@@ -3528,7 +3565,7 @@ mod tests {
     fn three_stores_queued<'a>(
         store: &'a DiskStore,
         h: &mut tierkv_testkit::contract::Harness,
-    ) -> (HeldWrites<'a>, Vec<TaskId>) {
+    ) -> (Held<'a>, Vec<TaskId>) {
         use tierkv_testkit::contract::keys;
 
         for n in 0..16 {
@@ -3564,6 +3601,33 @@ mod tests {
         let found = h.present(&keys(0..16));
         assert_eq!(found.iter_ones().collect::<Vec<_>>(), (8..16).collect::<Vec<_>>());
         assert_eq!(h.present(&keys(100..108)).count_ones(), 8);
+    }
+
+    #[test]
+    fn a_lookup_while_a_segment_is_opened_counts_its_store_once() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        // A store evicts the oldest chunk for its segment and is held while it opens it: the
+        // segment it takes is neither free nor yet receiving appends.
+        let opening = store.shared.faults.opening.hold();
+        let task = h.submit_store(&keys(100..101));
+        store.shared.faults.opening.wait_for(1);
+        // A lookup then finds all but the chunk evicted for it: it evicts nothing more.
+        let found = h.present(&keys(0..16));
+        assert_eq!(found.iter_ones().collect::<Vec<_>>(), (1..16).collect::<Vec<_>>());
+        drop(opening);
+        match h.wait(task) {
+            Completion::Stored { result, .. } => result.expect("the held store failed"),
+            _ => panic!("not a store completion"),
+        }
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 15);
+        assert_eq!(h.present(&keys(100..101)).count_ones(), 1);
     }
 
     #[test]
