@@ -18,7 +18,7 @@
 //! Eviction drops a whole sealed segment that holds no locked, no pinned and no unpublished
 //! record (one of a store task not yet published), and reuses its file under a new epoch.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasher;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -115,10 +115,20 @@ struct Segment {
     /// Records handed to the write thread whose store task is not yet published or abandoned:
     /// until it is, the segment's space is theirs even though the index does not name them.
     unpublished: u64,
-    /// A free segment evicted ahead of the stores that will reuse it
-    /// ([`Index::make_room_ahead`]): the records of its last life, still on disk (and found again
-    /// by a restart) until it is reused, which a clear marks deleted too.
-    stale: Vec<(ObjectKey, Loc)>,
+    /// The records of its earlier lives that were indexed when it was evicted, each with its
+    /// life's epoch: no longer indexed, but still on disk, and found again by a restart, until the
+    /// first record of a new life is written with its superblock (or each is marked deleted). An
+    /// eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there until a store
+    /// reuses the segment, for good if none does; a store that fails before its first record is
+    /// written leaves them too. A delete or a clear marks those of its keys deleted.
+    stale: Vec<(u64, ObjectKey, Loc)>,
+    /// Deletes and clears marking stale records now: until they are done, the life's first
+    /// record is not handed to the write thread (a mark must not land on it).
+    marking: u32,
+    /// The life's first record is with the write thread, stale records behind it: none is
+    /// marked until it is written, which ends them. A write that fails leaves them, unmarkable
+    /// until the life's writes are over, so until the segment is evicted again.
+    superseding: bool,
 }
 
 impl Segment {
@@ -134,6 +144,8 @@ impl Segment {
             pins: 0,
             unpublished: 0,
             stale: Vec::new(),
+            marking: 0,
+            superseding: false,
         }
     }
 
@@ -189,6 +201,8 @@ struct Index {
     active: Option<u32>,
     /// Sizes of the records of the store task being prepared that have no room yet, in order.
     preparing: VecDeque<u64>,
+    /// The segments that hold stale records (`Segment::stale`).
+    stale: BTreeSet<u32>,
 }
 
 impl Index {
@@ -292,25 +306,35 @@ impl Index {
     }
 
     /// Evicts the policy's victim among the evictable segments: drops its records from the index
-    /// and takes its life out of the policy. Returns its id and the records dropped, or `None`
-    /// when every segment holds locked, pinned or unpublished records.
-    fn evict_one(&mut self) -> Option<(u32, Vec<(ObjectKey, Loc)>)> {
+    /// (they stay stale until the segment's next life is written) and takes its life out of the
+    /// policy. Returns its id and how many records it dropped, or `None` when every segment holds
+    /// locked, pinned or unpublished records.
+    fn evict_one(&mut self) -> Option<(u32, u64)> {
         let Index { segments, policy, .. } = self;
         let victim = policy.evict(&mut |life| segments[life.id as usize].evictable(), &|life| {
             segments[life.id as usize].keys.as_slice()
         });
         let SegmentLife { id, .. } = victim?;
         let keys = std::mem::take(&mut self.segments[id as usize].keys);
+        let epoch = self.segments[id as usize].epoch;
         let mut evicted = Vec::new();
         for key in keys {
             if let Some(loc) = self.map.get(&key).copied()
                 && loc.segment == id
             {
                 self.drop_record(&key, loc);
-                evicted.push((key, loc));
+                evicted.push((epoch, key, loc));
             }
         }
-        Some((id, evicted))
+        let dropped = evicted.len() as u64;
+        let segment = &mut self.segments[id as usize];
+        // Evictable: no write of its life is in flight or to come, a failed first one included.
+        segment.superseding = false;
+        segment.stale.extend(evicted);
+        if !segment.stale.is_empty() {
+            self.stale.insert(id);
+        }
+        Some((id, dropped))
     }
 
     /// Makes the room that the records of the stores queued ahead (`queued`, one list of key and
@@ -361,8 +385,7 @@ impl Index {
         let mut evicted = 0;
         for _ in free..opened {
             let Some((id, records)) = self.evict_one() else { break };
-            evicted += records.len() as u64;
-            self.segments[id as usize].stale = records;
+            evicted += records;
             self.free(id);
         }
         evicted
@@ -808,8 +831,9 @@ impl InFlight<'_> {
         // gone (closing): the buffer is then simply freed.
         let _ = self.free.send(Freed::Buffer(buf));
         self.held -= 1;
-        if let Err(e) = result {
-            self.write_failed(task, loc, epoch, e);
+        match result {
+            Ok(()) => self.shared.superseded(loc, epoch, true),
+            Err(e) => self.write_failed(task, loc, epoch, e),
         }
     }
 
@@ -1117,6 +1141,8 @@ struct Shared {
     io: IoMode,
     state: Mutex<WriteState>,
     index: Mutex<Index>,
+    /// Signalled (with `index`) when a delete or a clear is done marking stale records.
+    marked: parking_lot::Condvar,
     writer: Mutex<Writer>,
     /// Segments written since the last periodic sync (its own lock: the write thread adds to
     /// it while a store may hold the writer lock waiting for a buffer).
@@ -1309,6 +1335,7 @@ impl DiskStore {
                 lock,
             }),
             index: Mutex::new(index),
+            marked: parking_lot::Condvar::new(),
             writer: Mutex::new(Writer {
                 active: None,
                 spare,
@@ -1502,6 +1529,44 @@ impl DiskStore {
         self.shared.publish();
     }
 
+    /// `delete` but for the stale records: returns how many keys went, and the keys it did not
+    /// skip as locked.
+    fn delete_indexed(&self, keys: &[ObjectKey]) -> (usize, HashSet<ObjectKey>) {
+        let mut marks = Vec::new();
+        let mut unlocked = HashSet::new();
+        let mut deleted = 0;
+        {
+            let mut index = self.shared.index.lock();
+            let mut board = self.shared.departures.lock();
+            for key in keys {
+                // Locked where the lookup found it, the index or the board (a copy on its way
+                // here that has landed since): a locked key is not deleted, in either place.
+                if index.locks.contains_key(key) || board.is_locked(key) {
+                    continue;
+                }
+                unlocked.insert(*key);
+                // A key counts once, whether its record, its copy on its way here or both went.
+                let mut gone = board.delete(key);
+                // A load in progress pins the segment, not the key: dropping the key from the
+                // index leaves its record readable until the load's pin is gone, and no longer.
+                if let Some(loc) = index.map.get(key).copied() {
+                    index.drop_record(key, loc);
+                    gone = true;
+                    let segment = &mut index.segments[loc.segment as usize];
+                    if let Some(file) = segment.file.clone() {
+                        // The pin keeps the segment from reuse until its mark is written, so the
+                        // mark can never land on a record of the segment's next life.
+                        segment.pins += 1;
+                        marks.push((file, segment.epoch, *key, loc));
+                    }
+                }
+                deleted += usize::from(gone);
+            }
+        }
+        self.shared.mark_deleted_and_unpin(&marks);
+        (deleted, unlocked)
+    }
+
     fn next_task(&self) -> TaskId {
         TaskId(self.shared.next_task.fetch_add(1, Ordering::Relaxed))
     }
@@ -1537,6 +1602,7 @@ fn scan(
         free_from: 0,
         active: None,
         preparing: VecDeque::new(),
+        stale: BTreeSet::new(),
     };
     let mut recovered = Recovered::default();
     let entries = std::fs::read_dir(&config.dir).map_err(DiskError::io("listing", &config.dir))?;
@@ -2103,7 +2169,14 @@ impl Shared {
             Span { start: BLOCK as usize, len: size as usize, at: loc.offset }
         };
         let message = WriteMsg::Record { task, file, buf, bytes, loc, epoch };
-        self.send(writer, message)?;
+        let superseding = first && self.supersede(segment);
+        if let Err(e) = self.send(writer, message) {
+            if superseding {
+                // Nothing was handed over: its stale records are still to be marked.
+                self.index.lock().segments[segment as usize].superseding = false;
+            }
+            return Err(e);
+        }
         let mut index = self.index.lock();
         let reserved = &mut index.segments[segment as usize];
         reserved.end = offset + size;
@@ -2112,6 +2185,35 @@ impl Shared {
         drop(index);
         records.push((item.key, loc));
         Ok(())
+    }
+
+    /// The first record of `segment`'s life is about to be handed to the write thread: waits
+    /// until no delete or clear marks its stale records, and keeps them from being marked until
+    /// it is written (`superseded`). Returns whether it has stale records.
+    fn supersede(&self, segment: u32) -> bool {
+        let mut index = self.index.lock();
+        while index.segments[segment as usize].marking > 0 {
+            self.marked.wait(&mut index);
+        }
+        let segment = &mut index.segments[segment as usize];
+        segment.superseding = !segment.stale.is_empty();
+        segment.superseding
+    }
+
+    /// The write of the record at `loc` in life `epoch` ended (`written` or failed). If it was
+    /// the life's first, its superblock ends the stale records behind it once written; if it
+    /// failed they stay, unmarkable until the life's writes are over (`Segment::superseding`).
+    fn superseded(&self, loc: Loc, epoch: u64, written: bool) {
+        if !written || loc.offset != self.layout.base(loc.segment) + BLOCK {
+            return;
+        }
+        let mut index = self.index.lock();
+        let segment = &mut index.segments[loc.segment as usize];
+        if segment.superseding && segment.epoch == epoch {
+            segment.superseding = false;
+            segment.stale = Vec::new();
+            index.stale.remove(&loc.segment);
+        }
     }
 
     /// Hands a message to the write thread.
@@ -2361,7 +2463,7 @@ impl Shared {
         let (id, evicted, existing) = {
             let mut index = self.index.lock();
             let (id, evicted) = match index.free_segment(create, &self.layout) {
-                Some(id) => (id, Vec::new()),
+                Some(id) => (id, 0),
                 None => index.evict_one().ok_or_else(|| {
                     TierError::NoSpace(format!(
                         "all {} segments of {} bytes hold locked, pinned or unpublished records",
@@ -2375,8 +2477,7 @@ impl Shared {
             let segment = &mut index.segments[id as usize];
             segment.status = Status::Preparing;
             segment.end = BLOCK;
-            segment.stale.clear();
-            (id, evicted.len() as u64, segment.file.clone())
+            (id, evicted, segment.file.clone())
         };
         self.metrics.evicted(evicted);
         let initialised = self.initialise(id, existing);
@@ -2455,29 +2556,37 @@ impl Shared {
         ))
     }
 
-    /// Sets the deleted flag in the header of each record (a pinned segment's, of the epoch it
-    /// was indexed in). A mark that cannot be written leaves the record to be found again after
-    /// a restart, with its key's correct bytes: the delete is then only not persistent.
-    fn mark_deleted(&self, marks: &[(Arc<SegmentFile>, u64, ObjectKey, Loc)]) {
+    /// Sets the deleted flag in the header of each record (of a segment kept from reuse
+    /// meanwhile, in the epoch it was written in). A mark that cannot be written leaves the record
+    /// to be found again after a restart, with its key's correct bytes: the delete is then only
+    /// not persistent. Returns, for each, whether it is settled: marked, or not that record any
+    /// more (a later life's, or marked before); not if reading or writing it failed.
+    fn mark_deleted(&self, marks: &[(Arc<SegmentFile>, u64, ObjectKey, Loc)]) -> Vec<bool> {
+        let mut settled = vec![false; marks.len()];
         let Some(mut block) = AlignedBuf::new(BLOCK as usize) else {
-            return;
+            return settled;
         };
         let mut written: Vec<&Arc<SegmentFile>> = Vec::new();
-        for (file, epoch, key, loc) in marks {
+        for ((file, epoch, key, loc), settled) in marks.iter().zip(&mut settled) {
             let head = block.as_mut_slice();
             if file.read_at(head, loc.offset).is_err() {
                 continue;
             }
-            let Ok(mut header) = Header::decode(head) else { continue };
+            let Ok(mut header) = Header::decode(head) else {
+                *settled = true;
+                continue;
+            };
             if header.epoch != *epoch || header.key != *key || header.deleted {
+                *settled = true;
                 continue;
             }
             header.deleted = true;
             header.encode(head);
-            if file.write_at(block.as_slice(), loc.offset).is_ok()
-                && !written.iter().any(|f| Arc::ptr_eq(f, file))
-            {
-                written.push(file);
+            if file.write_at(block.as_slice(), loc.offset).is_ok() {
+                *settled = true;
+                if !written.iter().any(|f| Arc::ptr_eq(f, file)) {
+                    written.push(file);
+                }
             }
         }
         if self.config.fsync != FsyncPolicy::Never {
@@ -2485,34 +2594,62 @@ impl Shared {
                 let _ = file.sync();
             }
         }
+        settled
     }
 
-    /// Marks deleted the records of the free segments evicted ahead of stores (`Segment::stale`),
-    /// each segment kept from reuse meanwhile (preparing, as if taken), then frees them again.
-    fn clear_stale(&self) {
-        let (ids, marks): (Vec<u32>, Vec<_>) = {
+    /// Marks deleted the stale records (`Segment::stale`) of `keys`, or all of them, except
+    /// those behind a first record on its way to disk, which ends them. Each segment is kept
+    /// meanwhile from having its next life's first record handed over (`Segment::marking`); it
+    /// stays free or active as it was, counted as before by stores and lookups. A record whose
+    /// mark failed stays stale, to be marked again by the next delete or clear.
+    fn mark_stale(&self, keys: Option<&HashSet<ObjectKey>>) {
+        let (ids, marks) = {
             let mut index = self.index.lock();
-            let stale = index.segments.iter_mut().enumerate().filter(|(_, s)| {
-                s.status == Status::Free && s.file.is_some() && !s.stale.is_empty()
-            });
+            let index = &mut *index;
             let mut ids = Vec::new();
             let mut marks = Vec::new();
-            for (id, segment) in stale {
+            for &id in &index.stale {
+                let segment = &mut index.segments[id as usize];
                 let Some(file) = segment.file.clone() else { continue };
-                segment.status = Status::Preparing;
-                ids.push(id as u32);
-                let epoch = segment.epoch;
-                let records = std::mem::take(&mut segment.stale);
-                marks
-                    .extend(records.into_iter().map(|(k, loc)| (Arc::clone(&file), epoch, k, loc)));
+                if segment.superseding {
+                    continue;
+                }
+                let before = marks.len();
+                marks.extend(
+                    segment
+                        .stale
+                        .iter()
+                        .filter(|(_, key, _)| keys.is_none_or(|keys| keys.contains(key)))
+                        .map(|&(epoch, key, loc)| (Arc::clone(&file), epoch, key, loc)),
+                );
+                if marks.len() > before {
+                    segment.marking += 1;
+                    ids.push(id);
+                }
             }
             (ids, marks)
         };
-        self.mark_deleted(&marks);
+        if ids.is_empty() {
+            return;
+        }
+        let settled = self.mark_deleted(&marks);
+        let settled: HashSet<(u64, u64)> = marks
+            .iter()
+            .zip(settled)
+            .filter(|(_, settled)| *settled)
+            .map(|((_, epoch, _, loc), _)| (*epoch, loc.offset))
+            .collect();
         let mut index = self.index.lock();
         for id in ids {
-            index.free(id);
+            let segment = &mut index.segments[id as usize];
+            segment.stale.retain(|(epoch, _, loc)| !settled.contains(&(*epoch, loc.offset)));
+            segment.marking -= 1;
+            if segment.stale.is_empty() {
+                index.stale.remove(&id);
+            }
         }
+        drop(index);
+        self.marked.notify_all();
     }
 
     /// Marks the records of `marks` deleted, each in a segment pinned for it, then unpins them.
@@ -2520,7 +2657,7 @@ impl Shared {
         if marks.is_empty() {
             return;
         }
-        self.mark_deleted(marks);
+        let _ = self.mark_deleted(marks);
         let mut index = self.index.lock();
         for (_, _, _, loc) in marks {
             index.segments[loc.segment as usize].pins -= 1;
@@ -2926,54 +3063,27 @@ impl TierAdapter for DiskStore {
     }
 
     /// Deletes unlocked keys: drops them from the index, and marks each record deleted on disk
-    /// (its header's flag), so a restart does not find it again. A key on its way here is
-    /// withdrawn (its writer deletes the record it finishes: `ChunkSource::withdrawn`).
+    /// (its header's flag), so a restart does not find it again; so are their records evicted
+    /// but still on disk (`Segment::stale`). A key on its way here is withdrawn (its writer
+    /// deletes the record it finishes: `ChunkSource::withdrawn`).
     fn delete(&self, keys: &[ObjectKey]) -> usize {
-        let mut marks = Vec::new();
-        let mut deleted = 0;
-        {
-            let mut index = self.shared.index.lock();
-            let mut board = self.shared.departures.lock();
-            for key in keys {
-                // Locked where the lookup found it, the index or the board (a copy on its way
-                // here that has landed since): a locked key is not deleted, in either place.
-                if index.locks.contains_key(key) || board.is_locked(key) {
-                    continue;
-                }
-                // A key counts once, whether its record, its copy on its way here or both went.
-                let mut gone = board.delete(key);
-                // A load in progress pins the segment, not the key: dropping the key from the
-                // index leaves its record readable until the load's pin is gone, and no longer.
-                if let Some(loc) = index.map.get(key).copied() {
-                    index.drop_record(key, loc);
-                    gone = true;
-                    let segment = &mut index.segments[loc.segment as usize];
-                    if let Some(file) = segment.file.clone() {
-                        // The pin keeps the segment from reuse until its mark is written, so the
-                        // mark can never land on a record of the segment's next life.
-                        segment.pins += 1;
-                        marks.push((file, segment.epoch, *key, loc));
-                    }
-                }
-                deleted += usize::from(gone);
-            }
+        let (deleted, unlocked) = self.delete_indexed(keys);
+        if !unlocked.is_empty() && !self.shared.index.lock().stale.is_empty() {
+            self.shared.mark_stale(Some(&unlocked));
         }
-        self.shared.mark_deleted_and_unpin(&marks);
         deleted
     }
 
     /// Deletes every unlocked record, persistently like `delete`, and withdraws every chunk on
-    /// its way here. The records of segments evicted ahead of the stores that will reuse them,
-    /// not in the index but still on disk until then, are marked deleted too, so that a restart
-    /// does not find them again.
+    /// its way here; every stale record is marked deleted too.
     fn clear(&self) -> usize {
         let keys: Vec<ObjectKey> = {
             let index = self.shared.index.lock();
             let board = self.shared.departures.lock();
             index.map.keys().chain(board.keys()).copied().collect()
         };
-        let deleted = self.delete(&keys);
-        self.shared.clear_stale();
+        let (deleted, _) = self.delete_indexed(&keys);
+        self.shared.mark_stale(None);
         deleted
     }
 
@@ -3073,6 +3183,7 @@ mod tests {
             free_from: 0,
             active: None,
             preparing: VecDeque::new(),
+            stale: BTreeSet::new(),
         };
         let keys = tierkv_testkit::contract::keys(0..3);
         // Keys 0 and 1 have records, key 2 is on its way here; the lookup visits 2, 1, then 0,
@@ -3697,5 +3808,75 @@ mod tests {
         h.store(&keys(10..20)).expect("stored once buffers are back");
         h.assert_loads(&keys(10..20));
         assert!(!store.shared.writer.lock().stuck);
+    }
+
+    #[test]
+    fn a_delete_marks_the_records_of_segments_evicted_ahead_of_stores_deleted() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        // A lookup evicts 5, 6 and 7 ahead of the three stores queued, whose segments stay
+        // free, their records on disk, as the store closes before they run.
+        let (held, _) = three_stores_queued(&store, &mut h);
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 8);
+        // Not indexed, so not counted; still marked deleted on disk.
+        assert_eq!(store.delete(&keys(5..7)), 0);
+        let closing = std::thread::spawn({
+            let store = Arc::clone(&store);
+            move || store.close()
+        });
+        while !store.shared.queue.state.lock().closed {
+            std::thread::yield_now();
+        }
+        drop(held);
+        closing.join().unwrap();
+        drop((h, store));
+        // The keys deleted do not come back with a restart; the one evicted ahead and not
+        // deleted does (its key's bytes), as do the chunks never evicted.
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(5..7)).count_ones(), 0, "deleted, back after a restart");
+        assert_eq!(h.present(&keys(7..16)).count_ones(), 9);
+        h.assert_loads(&keys(7..8));
+    }
+
+    #[test]
+    fn a_clear_marks_the_records_of_a_segment_whose_store_failed_before_writing_deleted() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        // Every buffer is with the write thread, which is stuck: a store evicts the oldest
+        // chunk for its segment, opens it and fails for want of a buffer, nothing written.
+        let spare = {
+            let mut writer = store.shared.writer.lock();
+            let mut spare = std::mem::take(&mut writer.spare);
+            loop {
+                writer.out = RECORD_BUFFERS;
+                match store.shared.free_buffer_within(&mut writer, Duration::from_millis(20)) {
+                    Ok(buf) => spare.push(buf),
+                    Err(_) => break spare,
+                }
+            }
+        };
+        assert!(h.store(&keys(100..101)).is_err());
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 15);
+        store.clear();
+        {
+            let mut writer = store.shared.writer.lock();
+            writer.out = 0;
+            writer.spare = spare;
+        }
+        drop((h, store));
+        // The chunk evicted comes back with a restart no more than those cleared.
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 0);
     }
 }
