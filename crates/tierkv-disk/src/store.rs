@@ -339,56 +339,58 @@ impl Index {
 
     /// Makes the room that the records of the stores queued ahead (`queued`, one list of key and
     /// length a task, in order; after those of the task being prepared) will take, as preparing
-    /// them would: the segments they would open, free ones first, then the policy's victims,
-    /// evicted now and left free for them. So a lookup that runs ahead of queued stores finds
-    /// what it would have found behind them (their victims gone) rather than a disk larger by
-    /// their backlog; their own keys are found on their way here, or above. Returns the
-    /// records evicted.
+    /// them would, one task after another: the segments they would open, free ones first, then
+    /// the policy's victims, evicted now and left free for them. As a store does, each task keeps
+    /// the segments of its keys present (pinned while its room is made), and a key whose record
+    /// an earlier task's room evicted takes room again. So a lookup that runs ahead of queued
+    /// stores finds what it would have found behind them (their victims gone) rather than a disk
+    /// larger by their backlog; their own keys are found on their way here, or above. Returns
+    /// the records evicted.
     fn make_room_ahead(
         &mut self,
         queued: &[Vec<(ObjectKey, u64)>],
         config: &DiskStoreConfig,
     ) -> u64 {
-        let mut sizes: Vec<u64> = self.preparing.iter().copied().collect();
+        // Where the records go: the active segment's room (all of it, while it is being
+        // opened), then one new segment after another, free ones first.
+        let active = self.active.map(|id| &self.segments[id as usize]);
+        let receiving = |s: &&Segment| matches!(s.status, Status::Active | Status::Preparing);
+        let mut room = Room {
+            end: active.filter(receiving).map(|s| s.end),
+            next_free: self.free_from,
+            freed: HashSet::new(),
+            evicted: 0,
+            full: false,
+        };
+        // The task being prepared pins its own present keys' segments.
+        for size in self.preparing.clone() {
+            room.place(self, size, config);
+        }
         for task in queued {
             if task.iter().any(|(_, len)| *len > config.max_chunk_bytes) {
                 continue; // Refused whole.
             }
             let mut batch = HashSet::with_capacity(task.len());
+            let mut pinned = Vec::new();
+            let mut sizes = Vec::new();
             for (key, len) in task {
-                let present = self.map.get(key).is_some_and(|loc| loc.verified);
-                if !present && batch.insert(*key) {
-                    sizes.push(record_bytes(*len));
+                match self.map.get(key).copied() {
+                    Some(loc) if loc.verified => pinned.push(loc.segment),
+                    _ if batch.insert(*key) => sizes.push(record_bytes(*len)),
+                    _ => {}
                 }
             }
-        }
-        // Where they would go: the active segment's room (all of it, while it is being opened),
-        // then one new segment after another.
-        let active = self.active.map(|id| &self.segments[id as usize]);
-        let receiving = |s: &&Segment| matches!(s.status, Status::Active | Status::Preparing);
-        let mut end = active.filter(receiving).map(|s| s.end);
-        let mut opened = 0usize;
-        for size in sizes {
-            match end {
-                Some(at) if at + size <= config.segment_bytes => end = Some(at + size),
-                _ => {
-                    opened += 1;
-                    end = Some(BLOCK + size);
-                }
+            for &id in &pinned {
+                self.segments[id as usize].pins += 1;
+            }
+            for size in sizes {
+                room.place(self, size, config);
+            }
+            for &id in &pinned {
+                self.segments[id as usize].pins -= 1;
             }
         }
-        let free = self.segments[self.free_from.min(self.segments.len())..]
-            .iter()
-            .filter(|s| s.status == Status::Free)
-            .take(opened)
-            .count();
-        let mut evicted = 0;
-        for _ in free..opened {
-            let Some((id, records)) = self.evict_one() else { break };
-            evicted += records;
-            self.free(id);
-        }
-        evicted
+        room.evicted
     }
 
     /// Segment `id` is free again (evicted ahead of the stores that will use it, or its
@@ -423,6 +425,49 @@ impl Index {
     }
 }
 
+/// Where [`Index::make_room_ahead`] places the records of the stores queued ahead.
+struct Room {
+    /// The end of the segment they fill now, if any.
+    end: Option<u64>,
+    /// Where the search for the next free segment goes on.
+    next_free: usize,
+    /// Segments this call freed, already theirs: not counted free again.
+    freed: HashSet<u32>,
+    evicted: u64,
+    /// No segment is free or evictable: the stores will fail to find room too.
+    full: bool,
+}
+
+impl Room {
+    /// Places a record of `size` bytes: in the segment being filled, or in the next free
+    /// segment, or in the policy's victim, evicted now and left free.
+    fn place(&mut self, index: &mut Index, size: u64, config: &DiskStoreConfig) {
+        if let Some(at) = self.end
+            && at + size <= config.segment_bytes
+        {
+            self.end = Some(at + size);
+            return;
+        }
+        if self.full {
+            return;
+        }
+        let segments = &index.segments;
+        let free = (self.next_free..segments.len())
+            .find(|&i| segments[i].status == Status::Free && !self.freed.contains(&(i as u32)));
+        if let Some(i) = free {
+            self.next_free = i + 1;
+        } else if let Some((id, records)) = index.evict_one() {
+            self.evicted += records;
+            index.free(id);
+            self.freed.insert(id);
+        } else {
+            self.full = true;
+            return;
+        }
+        self.end = Some(BLOCK + size);
+    }
+}
+
 /// The writer's state: only one store task prepares records at a time.
 struct Writer {
     active: Option<u32>,
@@ -436,10 +481,6 @@ struct Writer {
     pipe: Option<WritePipe>,
     /// Store tasks so far; numbers each record, so the write thread can tell tasks apart.
     tasks: u64,
-    /// A store waited for a record buffer until its bound and none has come back since: the
-    /// write thread is stuck (behind a write that hangs). Later stores then take a buffer only if
-    /// one is back, and fail at once otherwise, rather than each waiting out the bound in turn.
-    stuck: bool,
 }
 
 /// Record buffers per store: one being filled while the others are written or queued (the
@@ -450,7 +491,7 @@ const RECORD_BUFFERS: usize = 4;
 /// back as their writes finish (or are reported lost), so only a write that hangs (a dead
 /// disk or mount) reaches it: the store then fails (a miss) instead of holding the writer, and
 /// the stores queued behind it, for ever; and the stores after it fail at once until a buffer
-/// comes back (`Writer::stuck`).
+/// comes back (`Shared::stuck`).
 const BUFFER_WAIT: Duration = Duration::from_secs(10);
 
 /// What the write thread hands back to the storing thread for each record buffer it took.
@@ -1143,6 +1184,12 @@ struct Shared {
     index: Mutex<Index>,
     /// Signalled (with `index`) when a delete or a clear is done marking stale records.
     marked: parking_lot::Condvar,
+    /// A store waited for a record buffer until its bound and none has come back since: the
+    /// write thread is stuck (behind a write that hangs). Later stores then take a buffer only if
+    /// one is back, and fail at once otherwise, rather than each waiting out the bound in turn;
+    /// and lookups make no room ahead of them. Written under the writer lock, read by lookups
+    /// without it.
+    stuck: AtomicBool,
     writer: Mutex<Writer>,
     /// Segments written since the last periodic sync (its own lock: the write thread adds to
     /// it while a store may hold the writer lock waiting for a buffer).
@@ -1336,14 +1383,8 @@ impl DiskStore {
             }),
             index: Mutex::new(index),
             marked: parking_lot::Condvar::new(),
-            writer: Mutex::new(Writer {
-                active: None,
-                spare,
-                out: 0,
-                pipe: None,
-                tasks: 0,
-                stuck: false,
-            }),
+            stuck: AtomicBool::new(false),
+            writer: Mutex::new(Writer { active: None, spare, out: 0, pipe: None, tasks: 0 }),
             dirty: Mutex::new(HashSet::new()),
             closed: AtomicBool::new(false),
             queue: Queue::new(),
@@ -2139,8 +2180,16 @@ impl Shared {
         let size = record_bytes(len);
         // A full segment is sealed with its writes still in flight: their records are
         // unpublished until the task ends, which keeps it from eviction until then.
-        let (segment, offset, epoch, file) = self.reserve(writer, size)?;
+        // The buffer first: a store that fails for want of one (a stuck write thread) has taken
+        // no room, evicted nothing.
         let mut buf = self.free_buffer(writer)?;
+        let (segment, offset, epoch, file) = match self.reserve(writer, size) {
+            Ok(reserved) => reserved,
+            Err(e) => {
+                writer.spare.push(buf);
+                return Err(e);
+            }
+        };
         let (superblock, record) = buf.as_mut_slice().split_at_mut(BLOCK as usize);
         let first = offset == BLOCK;
         if first {
@@ -2253,7 +2302,7 @@ impl Shared {
     /// record was copied) is simply missing from `spare` and `out`; either is made again while
     /// fewer than `RECORD_BUFFERS` are counted. A buffer that cannot be made fails the store (a
     /// miss) when none is left to wait for, as does a wait past `wait`; after which, until a
-    /// buffer is had again, it does not wait at all (`Writer::stuck`).
+    /// buffer is had again, it does not wait at all (`Shared::stuck`).
     fn free_buffer_within(
         &self,
         writer: &mut Writer,
@@ -2261,7 +2310,7 @@ impl Shared {
     ) -> Result<AlignedBuf, TierError> {
         let got = self.take_buffer_within(writer, wait);
         if got.is_ok() {
-            writer.stuck = false;
+            self.stuck.store(false, Ordering::Release);
         }
         got
     }
@@ -2285,7 +2334,8 @@ impl Shared {
                 }
             }
             let pipe = writer.pipe.as_ref().ok_or(TierError::Closed)?;
-            let freed = if writer.stuck {
+            let stuck = self.stuck.load(Ordering::Acquire);
+            let freed = if stuck {
                 pipe.free.try_recv().map_err(|e| match e {
                     crossbeam_channel::TryRecvError::Empty => {
                         crossbeam_channel::RecvTimeoutError::Timeout
@@ -2304,7 +2354,7 @@ impl Shared {
                         return Ok(buf);
                     }
                 }
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) if writer.stuck => {
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if stuck => {
                     return Err(TierError::Io(
                         "the disk write thread is stuck: no record buffer has come back since \
                          a store waited its bound for one"
@@ -2312,7 +2362,7 @@ impl Shared {
                     ));
                 }
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                    writer.stuck = true;
+                    self.stuck.store(true, Ordering::Release);
                     return Err(TierError::Io(format!(
                         "no record buffer came back from the disk write thread in {wait:?}"
                     )));
@@ -2698,7 +2748,9 @@ impl Shared {
     /// Evicts now what the stores queued ahead of a lookup will evict ([`Index::make_room_ahead`]),
     /// unless stores are refused (read-only).
     fn make_room_ahead(&self, behind: u64) {
-        if self.state.lock().read_only.is_some() {
+        // Stores fail at once while read-only, or while the write thread is stuck (before they
+        // take any room: `submit_record` takes its buffer first).
+        if self.stuck.load(Ordering::Acquire) || self.state.lock().read_only.is_some() {
             return;
         }
         // The queue, then the index: the store taken hands its records over from one to the
@@ -3779,14 +3831,7 @@ mod tests {
         let mut h = harness(&store);
         // Every buffer is with the write thread, as behind a write that hangs, and a store has
         // waited its bound for one.
-        let spare = {
-            let mut writer = store.shared.writer.lock();
-            let spare = std::mem::take(&mut writer.spare);
-            writer.out = RECORD_BUFFERS;
-            let waited = store.shared.free_buffer_within(&mut writer, Duration::from_millis(20));
-            assert!(waited.is_err());
-            spare
-        };
+        let spare = take_every_buffer(&store);
         // The stores after it fail at once, each, not after waiting out `BUFFER_WAIT` in turn.
         let tasks: Vec<TaskId> = (0..3).map(|n| h.submit_store(&keys(n..n + 1))).collect();
         let started = Instant::now();
@@ -3800,14 +3845,10 @@ mod tests {
         }
         assert!(started.elapsed() < BUFFER_WAIT, "they waited: {:?}", started.elapsed());
         // A buffer back, stores are written again, and wait for buffers again.
-        {
-            let mut writer = store.shared.writer.lock();
-            writer.out = 0;
-            writer.spare = spare;
-        }
+        give_back_buffers(&store, spare);
         h.store(&keys(10..20)).expect("stored once buffers are back");
         h.assert_loads(&keys(10..20));
-        assert!(!store.shared.writer.lock().stuck);
+        assert!(!store.shared.stuck.load(Ordering::SeqCst));
     }
 
     #[test]
@@ -3843,7 +3884,7 @@ mod tests {
     }
 
     #[test]
-    fn a_clear_marks_the_records_of_a_segment_whose_store_failed_before_writing_deleted() {
+    fn a_clear_marks_the_records_of_a_segment_whose_store_failed_before_writing_them_deleted() {
         use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
@@ -3852,31 +3893,121 @@ mod tests {
         for n in 0..16 {
             h.store(&keys(n..n + 1)).unwrap();
         }
-        // Every buffer is with the write thread, which is stuck: a store evicts the oldest
-        // chunk for its segment, opens it and fails for want of a buffer, nothing written.
-        let spare = {
-            let mut writer = store.shared.writer.lock();
-            let mut spare = std::mem::take(&mut writer.spare);
-            loop {
-                writer.out = RECORD_BUFFERS;
-                match store.shared.free_buffer_within(&mut writer, Duration::from_millis(20)) {
-                    Ok(buf) => spare.push(buf),
-                    Err(_) => break spare,
-                }
+        // A store evicts the oldest chunk for its segment, opens it and fails: its source cannot
+        // be read (a device error), so nothing is written.
+        struct Broken;
+        impl tierkv_core::ChunkSource for Broken {
+            fn len(&self) -> u64 {
+                4096
             }
-        };
-        assert!(h.store(&keys(100..101)).is_err());
+            fn copy_to_host(&self, _: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
+                Err(tierkv_core::BufferError::Device("the device fell off the bus".into()))
+            }
+        }
+        let key = tierkv_testkit::contract::key(100);
+        let task = store.submit_store(vec![StoreItem { key, source: Box::new(Broken) }]);
+        match h.wait(task) {
+            Completion::Stored { result, .. } => assert!(result.is_err()),
+            _ => panic!("not a store completion"),
+        }
         assert_eq!(h.present(&keys(0..16)).count_ones(), 15);
         store.clear();
-        {
-            let mut writer = store.shared.writer.lock();
-            writer.out = 0;
-            writer.spare = spare;
-        }
         drop((h, store));
         // The chunk evicted comes back with a restart no more than those cleared.
         let store = lru_store(dir.path(), 16);
         let mut h = harness(&store);
         assert_eq!(h.present(&keys(0..16)).count_ones(), 0);
+    }
+
+    /// Holds back the stores queued on `store` from the I/O threads while `f` runs (as if one
+    /// were being prepared), then lets them go.
+    fn with_stores_held<T>(store: &DiskStore, f: impl FnOnce() -> T) -> T {
+        store.shared.queue.state.lock().storing = true;
+        let out = f();
+        store.shared.queue.stored(0);
+        out
+    }
+
+    #[test]
+    fn a_lookup_makes_no_room_ahead_of_stores_that_will_fail_at_once() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        let spare = take_every_buffer(&store);
+        let tasks = with_stores_held(&store, || {
+            let tasks: Vec<TaskId> = (100..103).map(|n| h.submit_store(&keys(n..n + 1))).collect();
+            // The write thread is stuck: the stores will fail at once, taking no room, so a
+            // lookup ahead of them evicts nothing for them.
+            assert_eq!(h.present(&keys(0..16)).count_ones(), 16);
+            tasks
+        });
+        for task in tasks {
+            match h.wait(task) {
+                Completion::Stored { result: Err(TierError::Io(why)), .. } => {
+                    assert!(why.contains("stuck"), "{why}");
+                }
+                _ => panic!("not a failed store"),
+            }
+        }
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 16, "nor did they");
+        give_back_buffers(&store, spare);
+        h.store(&keys(100..101)).unwrap();
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 15);
+    }
+
+    #[test]
+    fn a_lookup_ahead_of_a_store_keeps_the_segments_of_its_keys_present() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        // A store of the oldest chunk, present, and a new one: it keeps the oldest and evicts
+        // the next for the new one. A lookup ahead of it finds the same.
+        let behind = (0..1).chain(2..16).collect::<Vec<_>>();
+        let task = with_stores_held(&store, || {
+            let mut both = keys(0..1);
+            both.extend(keys(100..101));
+            let task = h.submit_store(&both);
+            let found = h.present(&keys(0..16));
+            assert_eq!(found.iter_ones().collect::<Vec<_>>(), behind);
+            task
+        });
+        match h.wait(task) {
+            Completion::Stored { result, .. } => result.expect("the store failed"),
+            _ => panic!("not a store completion"),
+        }
+        let found = h.present(&keys(0..16));
+        assert_eq!(found.iter_ones().collect::<Vec<_>>(), behind);
+        assert_eq!(h.present(&keys(100..101)).count_ones(), 1);
+    }
+
+    /// Takes every record buffer from the writer and leaves it stuck, as behind a write that
+    /// hangs; returns the buffers.
+    fn take_every_buffer(store: &DiskStore) -> Vec<AlignedBuf> {
+        let mut writer = store.shared.writer.lock();
+        let mut spare = std::mem::take(&mut writer.spare);
+        loop {
+            writer.out = RECORD_BUFFERS;
+            match store.shared.free_buffer_within(&mut writer, Duration::from_millis(20)) {
+                Ok(buf) => spare.push(buf),
+                Err(_) => break spare,
+            }
+        }
+    }
+
+    /// Gives the writer back the buffers `take_every_buffer` took.
+    fn give_back_buffers(store: &DiskStore, spare: Vec<AlignedBuf>) {
+        let mut writer = store.shared.writer.lock();
+        writer.out = 0;
+        writer.spare = spare;
     }
 }
