@@ -953,6 +953,30 @@ const SPLIT_LOADS_FROM: usize = 4;
 /// request's loads, never for a queue of them.
 const READ_AHEAD: u64 = 8;
 
+/// How long the store being prepared may wait for a record buffer before loads stop taking turns
+/// with it. A healthy disk hands a buffer back within a write (milliseconds; a sync at most);
+/// a store that waits longer is behind a write that hangs, up to `BUFFER_WAIT`, and loads then
+/// start as if no store waited until it is prepared or failed.
+const TURN_WAIT: Duration = Duration::from_secs(1);
+
+/// The store being prepared has waited for a record buffer longer than [`TURN_WAIT`]: loads do
+/// not take turns with it until this is dropped.
+struct Stalled<'a>(&'a Queue);
+
+impl<'a> Stalled<'a> {
+    fn new(queue: &'a Queue) -> Self {
+        queue.state.lock().stalled = true;
+        queue.ready.notify_all();
+        Stalled(queue)
+    }
+}
+
+impl Drop for Stalled<'_> {
+    fn drop(&mut self) {
+        self.0.state.lock().stalled = false;
+    }
+}
+
 /// The store task being prepared: when it is over, none of its records waits for room.
 struct Preparing<'a>(&'a Mutex<Index>);
 
@@ -1006,6 +1030,8 @@ struct QueueState {
     /// Chunks of the load tasks started since stores began waiting, less those of the stores
     /// prepared since: what loads read ahead of the stores.
     ahead: u64,
+    /// The store being prepared waits for a record buffer past [`TURN_WAIT`] ([`Stalled`]).
+    stalled: bool,
     /// Records submitted for storing so far, and those taken to be prepared.
     stored_in: u64,
     stored_out: u64,
@@ -1046,10 +1072,12 @@ impl QueueState {
         if !stores_wait {
             self.ahead = 0;
         }
-        if (self.closed || !stores_wait || self.ahead < READ_AHEAD)
+        // A store stalled behind a write that hangs takes no turn: loads do not wait for it.
+        let turns = stores_wait && !self.stalled;
+        if (self.closed || !turns || self.ahead < READ_AHEAD)
             && let Some((chunks, jobs)) = self.loads.pop_front()
         {
-            if stores_wait {
+            if turns {
                 self.ahead += chunks;
             }
             self.started.extend(jobs);
@@ -2320,7 +2348,11 @@ impl Shared {
         writer: &mut Writer,
         wait: Duration,
     ) -> Result<AlignedBuf, TierError> {
-        let deadline = Instant::now() + wait;
+        let started = Instant::now();
+        let deadline = started + wait;
+        let turn_over = deadline.min(started + TURN_WAIT);
+        // Loads stop taking turns with this store once it waited past `TURN_WAIT`.
+        let mut stalled = None;
         loop {
             if let Some(buf) = writer.spare.pop() {
                 return Ok(buf);
@@ -2345,7 +2377,13 @@ impl Shared {
                     }
                 })
             } else {
-                pipe.free.recv_deadline(deadline)
+                match pipe.free.recv_deadline(turn_over) {
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) if turn_over < deadline => {
+                        stalled.get_or_insert_with(|| Stalled::new(&self.queue));
+                        pipe.free.recv_deadline(deadline)
+                    }
+                    freed => freed,
+                }
             };
             match freed {
                 Ok(freed) => {
@@ -4009,5 +4047,55 @@ mod tests {
         let mut writer = store.shared.writer.lock();
         writer.out = 0;
         writer.spare = spare;
+    }
+
+    #[test]
+    fn loads_past_their_turn_do_not_wait_for_a_store_stalled_behind_a_write() {
+        use tierkv_testkit::contract::{keys, payload};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let completions = store.completions();
+        let mut h = harness(&store);
+        h.store(&keys(0..16)).unwrap();
+        // The first stores take every record buffer; the next waits for one, as behind a write
+        // that hangs, until `BUFFER_WAIT`.
+        let held = store.shared.faults.hold_writes();
+        let stores = RECORD_BUFFERS as u64 + 1;
+        for i in 0..stores {
+            h.submit_store(&keys(100 + i..101 + i));
+        }
+        while !{
+            let queue = store.shared.queue.state.lock();
+            queue.stores.is_empty() && queue.storing
+        } {
+            std::thread::yield_now();
+        }
+        // Two loads of `READ_AHEAD` chunks each: the second is past the loads' turn, and waits
+        // for the store only until it has waited `TURN_WAIT`, not until its wait runs out.
+        let first = h.submit_load(&keys(0..READ_AHEAD));
+        let second = h.submit_load(&keys(READ_AHEAD..2 * READ_AHEAD));
+        for _ in 0..2 {
+            match completions.recv_timeout(DEADLINE).expect("nothing completed") {
+                Completion::Loaded { task, loaded, mut sinks } => {
+                    assert!(task == first || task == second);
+                    assert_eq!(loaded.count_ones(), READ_AHEAD as usize);
+                    for item in &mut sinks {
+                        let bytes = item.sink.host_bytes_mut().map(|b| b.to_vec());
+                        assert_eq!(bytes, Some(payload(&item.key, 4096)), "{:?}", item.key);
+                    }
+                }
+                Completion::Stored { .. } => panic!("a store completed before the loads"),
+                _ => panic!("not a load completion"),
+            }
+        }
+        drop(held);
+        for _ in 0..stores {
+            match completions.recv_timeout(DEADLINE).expect("a store never completed") {
+                Completion::Stored { result, .. } => result.expect("a held store failed"),
+                _ => panic!("not a store completion"),
+            }
+        }
+        h.assert_loads(&keys(100..100 + stores));
     }
 }
