@@ -3702,9 +3702,39 @@ mod tests {
         assert_eq!(queue.push_lookup(lookup(9)).len(), 1, "refused once closed");
     }
 
+    /// Releases the writes held, and checks that each of the `stores` stores held behind them
+    /// (keys 100 on) is written and answered.
+    fn release_held_stores(
+        held: Held<'_>,
+        completions: &Receiver<Completion>,
+        h: &mut tierkv_testkit::contract::Harness,
+        stores: u64,
+    ) {
+        use tierkv_testkit::contract::keys;
+
+        drop(held);
+        for _ in 0..stores {
+            match completions.recv_timeout(DEADLINE).expect("a store never completed") {
+                Completion::Stored { result, .. } => result.expect("a held store failed"),
+                _ => panic!("not a store completion"),
+            }
+        }
+        h.assert_loads(&keys(100..100 + stores));
+    }
+
+    /// Asserts that a load brought every chunk, each with its payload.
+    fn assert_loaded_whole(loaded: &Bitmap, sinks: &mut [LoadItem]) {
+        assert_eq!(loaded.count_ones(), sinks.len(), "not every chunk loaded");
+        for item in sinks {
+            let bytes = item.sink.host_bytes_mut().map(|b| b.to_vec());
+            let payload = tierkv_testkit::contract::payload(&item.key, 4096);
+            assert_eq!(bytes, Some(payload), "{:?}", item.key);
+        }
+    }
+
     #[test]
     fn lookups_and_loads_are_answered_while_the_stores_before_them_wait_for_writes() {
-        use tierkv_testkit::contract::{keys, payload};
+        use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
         let store = small_store(dir.path());
@@ -3737,11 +3767,8 @@ mod tests {
         let task = h.submit_load(&keys(0..8));
         match next() {
             Completion::Loaded { task: t, loaded, mut sinks } => {
-                assert_eq!((t, loaded.count_ones()), (task, 8), "the chunks on disk load");
-                for item in &mut sinks {
-                    let bytes = item.sink.host_bytes_mut().map(|b| b.to_vec());
-                    assert_eq!(bytes, Some(payload(&item.key, 4096)), "{:?}", item.key);
-                }
+                assert_eq!(t, task);
+                assert_loaded_whole(&loaded, &mut sinks);
             }
             _ => panic!("not a load completion"),
         }
@@ -3753,15 +3780,7 @@ mod tests {
             _ => panic!("not a lookup completion"),
         }
         store.unlock(&keys(0..8));
-        // Released, every store is written and answered.
-        drop(held);
-        for _ in 0..stores {
-            match completions.recv_timeout(DEADLINE).expect("a store never completed") {
-                Completion::Stored { result, .. } => result.expect("a held store failed"),
-                _ => panic!("not a store completion"),
-            }
-        }
-        h.assert_loads(&keys(100..100 + stores));
+        release_held_stores(held, &completions, &mut h, stores);
     }
 
     /// Fills an `lru_store` of 16 segments with keys 0 to 15, oldest first, holds every write and
@@ -3784,6 +3803,26 @@ mod tests {
             std::thread::yield_now();
         }
         (held, tasks)
+    }
+
+    /// Closes `store` with the stores of `three_stores_queued` still queued, which then fail;
+    /// the writes held are released once it no longer takes jobs, so the store waiting for a
+    /// buffer is written.
+    fn close_before_the_queued_stores_run(
+        store: &Arc<DiskStore>,
+        h: tierkv_testkit::contract::Harness,
+        held: Held<'_>,
+    ) {
+        let closing = std::thread::spawn({
+            let store = Arc::clone(store);
+            move || store.close()
+        });
+        while !store.shared.queue.state.lock().closed {
+            std::thread::yield_now();
+        }
+        drop(held);
+        closing.join().unwrap();
+        drop(h);
     }
 
     #[test]
@@ -3849,16 +3888,8 @@ mod tests {
         let (held, _) = three_stores_queued(&store, &mut h);
         assert_eq!(h.present(&keys(0..16)).count_ones(), 8);
         store.clear();
-        let closing = std::thread::spawn({
-            let store = Arc::clone(&store);
-            move || store.close()
-        });
-        while !store.shared.queue.state.lock().closed {
-            std::thread::yield_now();
-        }
-        drop(held);
-        closing.join().unwrap();
-        drop((h, store));
+        close_before_the_queued_stores_run(&store, h, held);
+        drop(store);
         // Nothing cleared comes back with a restart: not the records evicted ahead either.
         let store = lru_store(dir.path(), 16);
         let mut h = harness(&store);
@@ -3908,16 +3939,8 @@ mod tests {
         assert_eq!(h.present(&keys(0..16)).count_ones(), 8);
         // Not indexed, so not counted; still marked deleted on disk.
         assert_eq!(store.delete(&keys(5..7)), 0);
-        let closing = std::thread::spawn({
-            let store = Arc::clone(&store);
-            move || store.close()
-        });
-        while !store.shared.queue.state.lock().closed {
-            std::thread::yield_now();
-        }
-        drop(held);
-        closing.join().unwrap();
-        drop((h, store));
+        close_before_the_queued_stores_run(&store, h, held);
+        drop(store);
         // The keys deleted do not come back with a restart; the one evicted ahead and not
         // deleted does (its key's bytes), as do the chunks never evicted.
         let store = lru_store(dir.path(), 16);
@@ -4057,7 +4080,7 @@ mod tests {
 
     #[test]
     fn loads_past_their_turn_do_not_wait_for_a_store_stalled_behind_a_write() {
-        use tierkv_testkit::contract::{keys, payload};
+        use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
         let store = small_store(dir.path());
@@ -4085,23 +4108,12 @@ mod tests {
             match completions.recv_timeout(DEADLINE).expect("nothing completed") {
                 Completion::Loaded { task, loaded, mut sinks } => {
                     assert!(task == first || task == second);
-                    assert_eq!(loaded.count_ones(), READ_AHEAD as usize);
-                    for item in &mut sinks {
-                        let bytes = item.sink.host_bytes_mut().map(|b| b.to_vec());
-                        assert_eq!(bytes, Some(payload(&item.key, 4096)), "{:?}", item.key);
-                    }
+                    assert_loaded_whole(&loaded, &mut sinks);
                 }
                 Completion::Stored { .. } => panic!("a store completed before the loads"),
                 _ => panic!("not a load completion"),
             }
         }
-        drop(held);
-        for _ in 0..stores {
-            match completions.recv_timeout(DEADLINE).expect("a store never completed") {
-                Completion::Stored { result, .. } => result.expect("a held store failed"),
-                _ => panic!("not a store completion"),
-            }
-        }
-        h.assert_loads(&keys(100..100 + stores));
+        release_held_stores(held, &completions, &mut h, stores);
     }
 }
