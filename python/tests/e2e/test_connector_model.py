@@ -45,7 +45,11 @@ every chunk a worker stores), so this engine's stores grow later requests' hits;
 is used again or redone as the real one is, returning the old one. Misses are kept
 (``miss_refresh_s`` past the run) or not. At the end every lookup made must have been returned
 (``release``) unless a request the scheduler half still knows holds it, and no finished request
-is still known (nor waiting on a kept miss).
+is still known (nor waiting on a kept miss). A request vLLM's own hit covers whole is not looked
+up but touched: the scheduler half's background work (``_touch_now``) runs at once over the
+made-up daemon, whose touch lookups fail at random (leasing nothing) and whose releases find
+the session busy at random (tried again); each such request is touched once per rank, from the
+root, deferred, never loaded through, and its lookups returned exactly once.
 
 A third of the runs use ``async_loads``, under sync or async scheduling in turn. vLLM then
 answers a hit ``(n, True)``: it allocates the request's blocks for its local and external
@@ -100,10 +104,11 @@ from unittest import mock
 import torch
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from tierkv.errors import ClientBusy, LeaseLimit
 from tierkv.vllm import worker as worker_module
 from tierkv.vllm.link import Unavailable
 from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
-from tierkv.vllm.scheduler import SchedulerSide
+from tierkv.vllm.scheduler import SchedulerSide, _Touch
 from tierkv.vllm.worker import WorkerSide, dist
 
 BLOCK = 16
@@ -241,22 +246,45 @@ def _all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None) -> None
 
 
 class _Releases:
-    """The scheduler half's queue of leases to return, recorded instead of sent: every lookup
-    made must come back here, or belong to a request the scheduler half still knows."""
+    """The scheduler half's queue for its background thread: leases to return, recorded instead
+    of sent (every lookup made must come back here, or belong to a request the scheduler half
+    still knows), and touches, handed to ``touch`` (the run's, on this thread)."""
 
-    def __init__(self, queue: Any) -> None:
+    def __init__(self, queue: Any, touch: Any) -> None:
         self.queue = queue
+        self.touch = touch
         self.released: set[int] = set()
         #: Lookups returned more than once.
         self.twice: list[int] = []
 
-    def put(self, item: tuple[Any, int, int] | None) -> None:
+    def put(self, item: Any) -> None:
         if item is None:
             self.queue.put(None)  # shutdown: ends the releasing thread
             return
-        if item[2] in self.released:
-            self.twice.append(item[2])
-        self.released.add(item[2])
+        if isinstance(item, _Touch):
+            self.touch(item)
+            return
+        self.record(item[2])
+
+    def record(self, lookup: int) -> None:
+        if lookup in self.released:
+            self.twice.append(lookup)
+        self.released.add(lookup)
+
+
+class _TouchClient:
+    """A rank's session as the background thread's touches see it: the made-up daemon's lookups
+    and releases (``Engine._touch_lookup``, ``Engine._touch_release``)."""
+
+    def __init__(self, engine: Engine, rank: int) -> None:
+        self.engine = engine
+        self.rank = rank
+
+    def lookup(self, namespace: int, chunks: list[int], defer: bool) -> Any:
+        return self.engine._touch_lookup(self.rank, chunks, defer)  # noqa: SLF001
+
+    def release(self, lookup: int) -> None:
+        self.engine._touch_release(self.rank, lookup)  # noqa: SLF001
 
 
 class Engine:
@@ -294,8 +322,25 @@ class Engine:
         self.scheduler = SchedulerSide(settings, "m", 4096, BLOCK, self.tp, False)
         # The scheduler half's own bookkeeping runs; only the daemon's lookups are made up.
         self.scheduler._look_up = self._lookup  # type: ignore[method-assign]  # noqa: SLF001
-        self.releases = _Releases(self.scheduler.releases)
+        self.releases = _Releases(self.scheduler.releases, self._touch_prompt)
         self.scheduler.releases = self.releases  # type: ignore[assignment]
+        # The background thread's calls (a touch's lookups and releases) reach the made-up
+        # daemon: each rank's link answers with its own session.
+        for rank, link in enumerate(self.scheduler.links):
+            client = _TouchClient(self, rank)
+            link.call = lambda fn, client=client: fn(client)  # type: ignore[method-assign]
+        #: How often a touch's lookup fails (the daemon down, or refusing it), and how often its
+        #: release finds the session busy (tried again).
+        self.touch_fails = rng.choice([0.0, 0.3])
+        self.touch_busy = rng.choice([0.0, 0.3])
+        #: The request being asked about (``get_num_new_matched_tokens``), whose touch it is.
+        self.asking: _Req | None = None
+        #: Touches' lookups (never loaded), per request the ranks it touched, touches made, and
+        #: touches whose lookups failed.
+        self.touch_lookups: set[int] = set()
+        self.touched: dict[str, list[int]] = {}
+        self.touches = self.touches_failed = 0
+        self.found_busy: set[int] = set()
         group = _TpGroup(self.tp) if self.tp > 1 else None
         self.workers = [
             WorkerSide(settings, "m", CHUNK, rank, self.tp, False, 1 << 16, group)  # type: ignore[arg-type]
@@ -714,6 +759,64 @@ class Engine:
         state.generations = [link.generation for link in links]
         state.looked_at = time.monotonic()
 
+    def _touch_prompt(self, touch: _Touch) -> None:
+        """The background thread's touch, run here at once: the scheduler half's own
+        ``_touch_now``, its releases found busy tried again until it gives them up."""
+        r = self.asking
+        if r is None:
+            self.violations.append(f"step {self.step}: a touch outside a lookup of a request")
+            return
+        self.touches += 1
+        self.touched.setdefault(r.rid, [])
+        again: list[Any] = []
+        self.scheduler._touch_now(touch, again)  # noqa: SLF001
+        while again:
+            self.scheduler._release_one(*again.pop(0), again)  # noqa: SLF001
+
+    def _touch_lookup(self, rank: int, wanted: list[int], defer: bool) -> Any:
+        """A touch's lookup on ``rank``'s session: only of a request vLLM's own hit covers whole,
+        once per rank in its life, of its prompt's chunks from the root, deferred (its L1 hits
+        leased, nothing prefetched). Fails at random, leasing nothing."""
+        r = self.asking
+        assert r is not None
+        state = self.scheduler.requests[r.rid]
+        if wanted != r.chunks[: state.lookup_chunks] or r.local < len(wanted) * CHUNK:
+            self.violations.append(
+                f"step {self.step}: {r.rid} touched {len(wanted)} chunks with vLLM's hit of "
+                f"{r.local} tokens, not the {state.lookup_chunks} of its prompt vLLM holds"
+            )
+        if not defer:
+            self.violations.append(f"step {self.step}: {r.rid}'s touch may prefetch")
+        if rank in self.touched[r.rid]:
+            self.violations.append(f"step {self.step}: {r.rid} touched again on rank {rank}")
+        self.touched[r.rid].append(rank)
+        if self.rng.random() < self.touch_fails:
+            self.touches_failed += 1
+            if self.rng.random() < 0.5:
+                raise Unavailable("the daemon is down")
+            raise LeaseLimit("this session's open lookups hold too many leases")
+        lookup = self.next_lookup
+        self.next_lookup += 1
+        self.lookups.add(lookup)
+        self.touch_lookups.add(lookup)
+        self.leased[lookup] = (rank, [c for c in wanted if c in self.daemon[rank]])
+        self.trace.append(f"  {r.rid} touches {len(wanted)} chunks on rank {rank}: {lookup}")
+        return SimpleNamespace(lookup=lookup, outcome=None)
+
+    def _touch_release(self, rank: int, lookup: int) -> None:
+        """A release on the background thread: finds the session busy at random, once per
+        lookup (nothing returned: tried again); else returns the lookup, which must be this
+        rank's."""
+        if lookup not in self.found_busy and self.rng.random() < self.touch_busy:
+            self.found_busy.add(lookup)
+            try:
+                raise ClientBusy("another call holds the session")
+            except ClientBusy as e:
+                raise Unavailable(str(e)) from e
+        if self.leased.get(lookup, (None,))[0] != rank:
+            self.violations.append(f"step {self.step}: lookup {lookup} released on rank {rank}")
+        self.releases.record(lookup)
+
     def _chunk(self) -> int:
         """The tokens a step computes of a prompt: a random count, or whole blocks (large
         token budgets rarely end a step inside a block)."""
@@ -821,7 +924,9 @@ class Engine:
                 known = self.scheduler.requests.get(r.rid)
                 if known is not None and self.rng.random() < self.stale:
                     known.looked_at = float("-inf")  # older than lookup_refresh_s: made again
+                self.asking = r
                 answer, load_async = self.scheduler.get_num_new_matched_tokens(r.request, local)
+                self.asking = None
                 self.kept += self.scheduler.requests[r.rid].miss_for is not None
                 if answer and r.rid in self.load_failed:
                     # A retrieve that keeps failing would keep it waiting for ever.
@@ -906,6 +1011,10 @@ class Engine:
         # A load fills only blocks after vLLM's own hit: those are its prefix cache's, maybe
         # other requests' too.
         for op in meta.loads + meta.async_loads:
+            if self.touch_lookups.intersection(op.lookups):
+                self.violations.append(
+                    f"step {self.step}: {op.req_id} loads through a touch's lookup {op.lookups}"
+                )
             r = self.requests[int(op.req_id[1:])]
             first = r.chunks.index(op.chunks[0][0]) if op.chunks else len(r.chunks)
             if first * CHUNK < r.local:
@@ -1245,6 +1354,8 @@ class Engine:
         if self.releases.twice:
             self.leaks.append(f"lookups returned twice: {sorted(self.releases.twice)}")
         reused = held & self.releases.released
+        if held & self.touch_lookups:
+            self.leaks.append(f"touches' lookups held by requests: {held & self.touch_lookups}")
         if reused:
             self.leaks.append(f"returned lookups still held: {sorted(reused)}")
         waiting = {rid for rids in self.scheduler.waiting_on.values() for rid in rids}
@@ -1398,6 +1509,8 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
             "kept misses",
             "let go",
             "roots missed",
+            "touches",
+            "touches failed",
             "async loads",
             "async failed",
             "given up",
@@ -1434,6 +1547,8 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
             totals["kept misses"] += engine.kept
             totals["let go"] += len(engine.lost)
             totals["roots missed"] += engine.roots_missed
+            totals["touches"] += engine.touches
+            totals["touches failed"] += engine.touches_failed
             totals["async loads"] += engine.async_started
             totals["async failed"] += engine.async_failed
             totals["given up"] += engine.given_up
@@ -1461,6 +1576,10 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
     # checked that those are stored again.
     if len(_runs()) >= 100:
         assert totals["roots missed"] > 0, f"no lookup missed a chunk vLLM held: {totals}"
+        # Requests vLLM's own hit covered whole must have been touched, some of those touches
+        # failing, or the runs never checked their leases.
+        for what in ("touches", "touches failed"):
+            assert totals[what] > 0, f"no {what} in {len(_runs())} runs: {totals}"
     if wrong:
         engine = wrong[0]
         raise Failed(

@@ -779,11 +779,26 @@ def test_e12_no_ranks_prefetch_evicts_the_l1_hits_another_ranks_lookup_leases(
         daemon.stop()
 
 
+def _touches(scheduler: Any) -> threading.Semaphore:
+    """Released once per touch the scheduler half's background thread has made (its lookups
+    made and released)."""
+    done = threading.Semaphore(0)
+    touch_now = scheduler._touch_now  # noqa: SLF001
+
+    def counted(*args: Any) -> None:
+        touch_now(*args)
+        done.release()
+
+    scheduler._touch_now = counted  # noqa: SLF001
+    return done
+
+
 def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
     """vLLM's prefix cache holds every chunk of a request a lookup could find; tierkv holds
-    them below L1. No hit can pass what vLLM has, so nothing is looked up: a lookup would
-    prefetch them into L1 (evicting the chunks there) and keep the request waiting a step for
-    blocks vLLM never reads. Where vLLM holds the first chunks only, the lookup asks from the
+    them below L1. No hit can pass what vLLM has, so nothing is looked up for a load: a lookup
+    would prefetch them into L1 (evicting the chunks there) and keep the request waiting a step
+    for blocks vLLM never reads. It is touched instead, by a deferred lookup released at once,
+    which prefetches nothing. Where vLLM holds the first chunks only, the lookup asks from the
     root all the same (the daemon's eviction then sees the chunks vLLM holds used), and the
     hit answered is what comes after them."""
 
@@ -795,6 +810,7 @@ def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
         {"socket": str(daemon.socket), "timeout_s": 5.0, "chunk_blocks": 2}
     )
     scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+    touched = _touches(scheduler)
     request = _plain_request("r", list(range(100)))
     state = scheduler._state(request)  # noqa: SLF001
     others = scheduler._state(_plain_request("o", list(range(1000, 1200))))  # noqa: SLF001
@@ -823,7 +839,10 @@ def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
         )
         before = daemon.status()["lookups"]
         assert scheduler.get_num_new_matched_tokens(request, 3 * 32) == (0, False)
+        assert touched.acquire(timeout=10), "the request was not touched"
         report = daemon.settled()
+        # The touch's lookup, deferred and never queried, found no L1 hit: it never completes
+        # (the daemon counts only completed lookups), and its release returned it.
         assert report["lookups"] == before and report["open_lookups"] == 0, "nothing looked up"
         assert [t["objects"] for t in report["tiers"][:2]] == [4, 3], "nothing loaded into L1"
         # vLLM holds the first chunk only: the lookup asks for all three, and prefetches and
@@ -840,6 +859,93 @@ def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
         scheduler.update_state_after_alloc(request, 0)
         daemon.eventually("the lookup is released", lambda s: s["l1_leased_chunks"] == 0)
     finally:
+        scheduler.shutdown()
+        buffer.close()
+        daemon.stop()
+
+
+def _lru_four_slots(socket_path: Path, disk: Path, extra: str = "") -> str:
+    """An L1 of four 64 KiB slots under LRU, one shard, that only reservations evict."""
+    return config(
+        socket_path,
+        disk,
+        extra,
+        l1="256KiB",
+        slot="64KiB",
+        l1_extra='policy = "lru"\nshards = 1\nwatermark_high = 1.0\nwatermark_low = 1.0',
+    )
+
+
+def test_a_prompt_vllm_holds_whole_is_touched_once_and_its_lease_returned(
+    tmp_path: Path,
+) -> None:
+    """A request vLLM's own prefix cache covers whole is looked up for no load, and its store
+    finds the daemon holding its chunks (which touches nothing): the daemon would see a prompt
+    vLLM serves all the time unused, and let it go first. Its chunks are touched instead, off
+    the scheduler's thread: a deferred lookup (its L1 hits leased, which makes them the most
+    recently used, and nothing prefetched) released at once. Once per request, though vLLM asks
+    at every step it waits; and a daemon that is gone costs the request nothing but the touch."""
+    from tierkv import SharedBuffer
+    from tierkv.vllm.scheduler import SchedulerSide
+
+    daemon = start_daemon(tmp_path / "daemon", make_config=_lru_four_slots)
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 5.0, "chunk_blocks": 2}
+    )
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
+    touched = _touches(scheduler)
+    request = _plain_request("r", list(range(100)))
+    state = scheduler._state(request)  # noqa: SLF001
+    others = scheduler._state(_plain_request("o", list(range(1000, 1200))))  # noqa: SLF001
+    buffer = SharedBuffer(4096, 4, name="tierkv-touch")
+    client = daemon.connect(
+        wire.hello(
+            rank=0,
+            tp_size=1,
+            world_size=1,
+            namespaces=[("m", "")],
+            chunk_bytes=4096,
+            chunk_tokens=32,
+        )
+    )
+    number = client.register_buffer(buffer)
+
+    def in_l1() -> int:
+        """How many of the request's chunks L1 holds (a lookup of them, released)."""
+        started = client.lookup(0, state.chunks[:3], defer_prefetch=True)
+        client.release(started.lookup)
+        return started.l1_hit_chunks
+
+    try:
+        assert state.lookup_chunks == 3
+        # The request's three chunks, then another: L1 is full, the request's the oldest.
+        assert client.store(0, number, [(c, i) for i, c in enumerate(state.chunks[:3])]).stored
+        assert client.store(0, number, [(others.chunks[0], 0)]).stored == 1
+        daemon.eventually("L1 holds four chunks", lambda s: s["tiers"][0]["objects"] == 4)
+        before = daemon.status()["lookups"]
+        # vLLM holds all three and asks at every step it keeps the request waiting.
+        for _ in range(5):
+            assert scheduler.get_num_new_matched_tokens(request, 3 * 32) == (0, False)
+        assert touched.acquire(timeout=10), "the request was not touched"
+        report = daemon.eventually(
+            "the touch's lease is returned",
+            lambda s: s["open_lookups"] == 0 and s["l1_leased_chunks"] == 0,
+        )
+        # All three in L1: the touch's lookup completed at once, and it was the only one.
+        assert report["lookups"] - before == 1, "touched once, not at every step"
+        assert not touched.acquire(timeout=0.5)
+        assert state.lookups is None, "the request holds no lookup"
+        # Another chunk needs a slot: LRU takes the other prompt's, not the request's root.
+        assert client.store(0, number, [(others.chunks[1], 1)]).stored == 1
+        daemon.eventually("the other chunk is stored", lambda s: s["store_in_flight"] == 0)
+        assert in_l1() == 3, "the touch left the request's chunks the most recently used"
+        # With the daemon gone, a covered request is still answered at once, a miss.
+        daemon.stop()
+        late = _plain_request("late", list(range(100)))
+        assert scheduler.get_num_new_matched_tokens(late, 3 * 32) == (0, False)
+        assert touched.acquire(timeout=10), "the touch was tried, and failed quietly"
+    finally:
+        client.close()
         scheduler.shutdown()
         buffer.close()
         daemon.stop()

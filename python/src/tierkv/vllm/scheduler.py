@@ -4,8 +4,10 @@ Per request it keeps the prompt's chunk ids (hashed once), the open lookup (one 
 one with MLA, one per TP rank otherwise) and how far the prompt has been stored. The lookup's
 lease is what guarantees the hit stays readable: it is taken in ``get_num_new_matched_tokens``,
 consumed by the workers' retrieves in the step that loads, and returned by ``release`` when vLLM
-decides not to load, preempts the request, or finishes it. Any failure to reach the daemon is a
-miss (0 tokens): vLLM computes the prefix itself.
+decides not to load, preempts the request, or finishes it. A request vLLM's own prefix cache
+holds whole is not looked up but touched (:class:`_Touch`: a deferred lookup released at once,
+on the background thread that returns leases), so the daemon sees its chunks used. Any failure
+to reach the daemon is a miss (0 tokens): vLLM computes the prefix itself.
 
 Every hook runs under the connector's :class:`~tierkv.vllm.guard.Guard`, so nothing that fails
 here raises into vLLM's scheduler. Once vLLM has accepted external tokens
@@ -90,6 +92,23 @@ class _Request:
     #: at its first block leaves nothing computed): the answer is no hit, so that a lookup whose
     #: retrieve keeps failing never keeps the request waiting for ever.
     load_failed: bool = False
+    #: Its chunks were touched in the daemon (:class:`_Touch`): once in the request's life, not
+    #: at every step vLLM keeps it waiting.
+    touched: bool = False
+
+
+@dataclass(frozen=True)
+class _Touch:
+    """A prompt vLLM's own prefix cache holds whole (every chunk a lookup could ask for), to be
+    touched in the daemon: no lookup of it is made, since none could load anything, and a store
+    of a chunk the daemon holds touches nothing, so the daemon's eviction would see a hot prompt
+    unused and let it go, and it would miss once vLLM lets it go too. The background thread
+    looks up ``chunks[:count]`` with ``defer_prefetch`` on every rank's session and releases
+    each lookup at once: the L1 hits are leased, which touches them (leaf first, so the root
+    ends newest), nothing is prefetched from below L1, and nobody waits for the answer."""
+
+    chunks: list[int]
+    count: int
 
 
 #: A load, as the scheduler half tells them apart: its request, and the step that planned it.
@@ -264,7 +283,11 @@ class SchedulerSide:
         self.async_planned: dict[str, tuple[LoadOp | None, list[int]]] = {}
         #: Requests finished while vLLM waited for their load (``TierKVMetadata.freed_on_recv``).
         self.freed_on_recv: list[str] = []
-        self.releases: queue.SimpleQueue[tuple[Link, int, int] | None] = queue.SimpleQueue()
+        #: The background thread's work: leases to return (a lookup, on the link that made it
+        #: in that session generation), touches, and ``None`` to stop.
+        self.releases: queue.SimpleQueue[tuple[Link, int, int] | _Touch | None] = (
+            queue.SimpleQueue()
+        )
         self.releaser = threading.Thread(
             target=self._release_in_background, name="tierkv-release", daemon=True
         )
@@ -439,13 +462,17 @@ class SchedulerSide:
             self._preempted(req_id)
             state.preemptions = preemptions
             self.settled_preemptions.add(req_id)
-        if state.lookup_chunks == 0 or num_computed_tokens % self.chunk_tokens or state.load_failed:
+        if state.lookup_chunks == 0 or state.load_failed:
             return 0, False
         if num_computed_tokens >= state.lookup_chunks * self.chunk_tokens:
             # vLLM's own prefix cache holds every chunk a lookup could find: no hit can pass it,
             # and a lookup would only prefetch what vLLM never reads (a step's wait, and L1
-            # slots taken from other prefixes).
+            # slots taken from other prefixes). Its chunks are touched in the daemon instead,
+            # off this thread.
             self._release(state)
+            self._touch(state)
+            return 0, False
+        if num_computed_tokens % self.chunk_tokens:
             return 0, False
         if self._miss_holds(req_id, state, num_computed_tokens):
             return 0, False
@@ -1005,6 +1032,14 @@ class SchedulerSide:
             state.stored += len(stores)
             self._stored(stores)
 
+    def _touch(self, state: _Request) -> None:
+        """Has the background thread touch the request's chunks in the daemon (:class:`_Touch`),
+        once: this thread only queues it."""
+        if state.touched:
+            return
+        state.touched = True
+        self.releases.put(_Touch(state.chunks, state.lookup_chunks))
+
     def _release(self, state: _Request) -> None:
         """Returns the request's lookups, each on its own link's session as long as that session
         is the one that made it (a session that is gone returned its lookups itself): one rank's
@@ -1020,7 +1055,8 @@ class SchedulerSide:
         """Returns leases off the scheduler's loop: a release is needed only where a lookup was
         not (entirely) consumed by the workers' retrieves, and vLLM should not wait for it. One
         that found the session busy with the scheduler thread's call is tried again a little
-        later (a few times), since the session, and the lease, are still there."""
+        later (a few times), since the session, and the lease, are still there. Touches
+        (:class:`_Touch`) are made here too, for the same reason."""
         again: list[tuple[Link, int, int, int]] = []
         while True:
             if again:
@@ -1033,7 +1069,28 @@ class SchedulerSide:
                 item = self.releases.get()
             if item is None:
                 return
-            self._release_one(*item, 0, again)
+            if isinstance(item, _Touch):
+                self._touch_now(item, again)
+            else:
+                self._release_one(*item, 0, again)
+
+    def _touch_now(self, touch: _Touch, again: list[tuple[Link, int, int, int]]) -> None:
+        """Looks up the touch's chunks on every rank's session, deferred (no prefetch), and
+        releases each lookup made, once (a release that finds the session busy is tried again
+        like any other). A lookup that fails leased nothing, or its session is gone with its
+        leases: it is skipped, as a miss would be."""
+        wanted = touch.chunks[: touch.count]
+        for link in self.links:
+            try:
+                started = link.call(lambda c: c.lookup(0, wanted, True))
+            except (Unavailable, DaemonError):
+                continue
+            except Exception:
+                log.warning("tierkv: a touch of %d chunks failed", len(wanted), exc_info=True)
+                continue
+            # The generation read after the call: the call may have opened a new session,
+            # which made the lookup (one replaced since returned its leases as it ended).
+            self._release_one(link, link.generation, started.lookup, 0, again)
 
     def _release_one(
         self,
