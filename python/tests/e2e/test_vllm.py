@@ -435,6 +435,48 @@ def test_a_root_vllm_holds_stays_in_tierkv_while_its_children_are_loaded(
     assert again["tokens"] == cold[2]["tokens"]
 
 
+def test_a_prompt_vllm_holds_whole_stays_in_tierkv_while_vllm_serves_it(
+    model: Path, tmp_path: Path
+) -> None:
+    """A hot prompt that vLLM's own prefix cache holds whole is asked again and again, served by
+    vLLM alone: nothing is loaded, so no lookup would be made for it, and its store finds the
+    daemon holding its chunks (which touches nothing). Each such request must touch its chunks in
+    the daemon all the same (a deferred lookup released at once), or the daemon's eviction sees
+    the prompt unused and lets it go while other prompts come: once vLLM lets it go too, it
+    misses. L1 alone, six chunks under LRU, evicting only on demand: the order is exact."""
+    hot = prompt(340, 2 * CHUNK + 1)
+    others = [prompt(341 + i, CHUNK + 1) for i in range(6)]
+    daemon = start_daemon(tmp_path / "daemon", make_config=l1_only(6, "lru"))
+    engine = None
+    try:
+        engine = Engine(model, socket=daemon.socket, log=tmp_path / "engine.log")
+        cold = engine.generate([hot], max_tokens=4)[0]
+        assert cold["cached"] == 0
+        daemon.eventually("the hot prompt is stored", _objects(2))
+        # Four other prompts fill L1; the hot one is asked again after each, vLLM holding it.
+        for i, other in enumerate(others[:4]):
+            assert engine.generate([other], max_tokens=1)[0]["cached"] == 0
+            daemon.eventually("the other prompt is stored", _objects(3 + i))
+            warm = engine.generate([hot], max_tokens=4)[0]
+            assert warm["cached"] == 2 * CHUNK and warm["tokens"] == cold["tokens"]
+        # The touches go out on the connector's background thread: settled before L1 evicts.
+        daemon.eventually("no lookup is open", lambda s: s["open_lookups"] == 0)
+        time.sleep(0.5)
+        # Two more prompts evict the two least recently used chunks of L1.
+        for other in others[4:]:
+            assert engine.generate([other], max_tokens=1)[0]["cached"] == 0
+        daemon.eventually("the last prompts are stored", _objects(6))
+        # vLLM lets the hot prompt go: it must load whole from tierkv.
+        engine.reset()
+        again = engine.generate([hot], max_tokens=4)[0]
+    finally:
+        if engine is not None:
+            engine.stop()
+        daemon.stop()
+    assert again["cached"] == 2 * CHUNK, "tierkv let go the prompt vLLM kept asking for"
+    assert again["tokens"] == cold["tokens"]
+
+
 def test_a_root_tierkv_lost_is_stored_again_from_the_blocks_of_vllm_that_holds_it(
     model: Path, tmp_path: Path
 ) -> None:
