@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -695,15 +696,16 @@ def _plain_request(req_id: str, tokens: list[int]) -> Any:
     )
 
 
-def _four_slot_config(socket_path: Path, disk: Path, extra: str = "") -> str:
-    """An L1 of four 64 KiB slots that only reservations evict (no background eviction)."""
+def _four_slot_config(socket_path: Path, disk: Path, extra: str = "", l1_extra: str = "") -> str:
+    """An L1 of four 64 KiB slots that only reservations evict (no background eviction);
+    ``l1_extra`` adds lines to its section."""
     return config(
         socket_path,
         disk,
         extra,
         l1="256KiB",
         slot="64KiB",
-        l1_extra="watermark_high = 1.0\nwatermark_low = 1.0",
+        l1_extra=f"watermark_high = 1.0\nwatermark_low = 1.0\n{l1_extra}",
     )
 
 
@@ -793,27 +795,22 @@ def _touches(scheduler: Any) -> threading.Semaphore:
     return done
 
 
-def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
-    """vLLM's prefix cache holds every chunk of a request a lookup could find; tierkv holds
-    them below L1. No hit can pass what vLLM has, so nothing is looked up for a load: a lookup
-    would prefetch them into L1 (evicting the chunks there) and keep the request waiting a step
-    for blocks vLLM never reads. It is touched instead, by a deferred lookup released at once,
-    which prefetches nothing. Where vLLM holds the first chunks only, the lookup asks from the
-    root all the same (the daemon's eviction then sees the chunks vLLM holds used), and the
-    hit answered is what comes after them."""
+def _beside_a_client(tmp_path: Path, make_config: Any) -> Any:
+    """A daemon of ``make_config``; a TP 1 scheduler half over it (chunks of two 16-token
+    blocks) whose touches are counted (``touched``); its ``request`` of three chunks (``state``)
+    and ``others`` of six; and a client of the same namespace and rank with a buffer of four
+    chunks registered (``number``), to store chunks the scheduler half does not know of."""
+    from types import SimpleNamespace
 
     from tierkv import SharedBuffer
     from tierkv.vllm.scheduler import SchedulerSide
 
-    daemon = start_daemon(tmp_path / "daemon", make_config=_four_slot_config)
+    daemon = start_daemon(tmp_path / "daemon", make_config=make_config)
     settings = Settings.from_extra(
         {"socket": str(daemon.socket), "timeout_s": 5.0, "chunk_blocks": 2}
     )
     scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
-    touched = _touches(scheduler)
     request = _plain_request("r", list(range(100)))
-    state = scheduler._state(request)  # noqa: SLF001
-    others = scheduler._state(_plain_request("o", list(range(1000, 1200))))  # noqa: SLF001
     buffer = SharedBuffer(4096, 4, name="tierkv-rank0")
     client = daemon.connect(
         wire.hello(
@@ -825,7 +822,31 @@ def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
             chunk_tokens=32,
         )
     )
-    number = client.register_buffer(buffer)
+    return SimpleNamespace(
+        daemon=daemon,
+        scheduler=scheduler,
+        touched=_touches(scheduler),
+        request=request,
+        state=scheduler._state(request),  # noqa: SLF001
+        others=scheduler._state(_plain_request("o", list(range(1000, 1200)))),  # noqa: SLF001
+        buffer=buffer,
+        client=client,
+        number=client.register_buffer(buffer),
+    )
+
+
+def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
+    """vLLM's prefix cache holds every chunk of a request a lookup could find; tierkv holds
+    them below L1. No hit can pass what vLLM has, so nothing is looked up for a load: a lookup
+    would prefetch them into L1 (evicting the chunks there) and keep the request waiting a step
+    for blocks vLLM never reads. It is touched instead, by a deferred lookup released at once,
+    which prefetches nothing. Where vLLM holds the first chunks only, the lookup asks from the
+    root all the same (the daemon's eviction then sees the chunks vLLM holds used), and the
+    hit answered is what comes after them."""
+
+    setup = _beside_a_client(tmp_path, _four_slot_config)
+    daemon, scheduler, client, number = setup.daemon, setup.scheduler, setup.client, setup.number
+    request, state, others, touched = setup.request, setup.state, setup.others, setup.touched
     try:
         assert state.lookup_chunks == 3
         stored = client.store(0, number, [(c, i) for i, c in enumerate(state.chunks[:3])])
@@ -860,20 +881,12 @@ def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
         daemon.eventually("the lookup is released", lambda s: s["l1_leased_chunks"] == 0)
     finally:
         scheduler.shutdown()
-        buffer.close()
+        setup.buffer.close()
         daemon.stop()
 
 
-def _lru_four_slots(socket_path: Path, disk: Path, extra: str = "") -> str:
-    """An L1 of four 64 KiB slots under LRU, one shard, that only reservations evict."""
-    return config(
-        socket_path,
-        disk,
-        extra,
-        l1="256KiB",
-        slot="64KiB",
-        l1_extra='policy = "lru"\nshards = 1\nwatermark_high = 1.0\nwatermark_low = 1.0',
-    )
+#: :func:`_four_slot_config` under LRU in one shard: L1 evicts in exactly LRU's order.
+_lru_four_slots = partial(_four_slot_config, l1_extra='policy = "lru"\nshards = 1')
 
 
 def test_a_prompt_vllm_holds_whole_is_touched_once_and_its_lease_returned(
@@ -885,30 +898,9 @@ def test_a_prompt_vllm_holds_whole_is_touched_once_and_its_lease_returned(
     the scheduler's thread: a deferred lookup (its L1 hits leased, which makes them the most
     recently used, and nothing prefetched) released at once. Once per request, though vLLM asks
     at every step it waits; and a daemon that is gone costs the request nothing but the touch."""
-    from tierkv import SharedBuffer
-    from tierkv.vllm.scheduler import SchedulerSide
-
-    daemon = start_daemon(tmp_path / "daemon", make_config=_lru_four_slots)
-    settings = Settings.from_extra(
-        {"socket": str(daemon.socket), "timeout_s": 5.0, "chunk_blocks": 2}
-    )
-    scheduler = SchedulerSide(settings, "m", 4096, 16, 1, False)
-    touched = _touches(scheduler)
-    request = _plain_request("r", list(range(100)))
-    state = scheduler._state(request)  # noqa: SLF001
-    others = scheduler._state(_plain_request("o", list(range(1000, 1200))))  # noqa: SLF001
-    buffer = SharedBuffer(4096, 4, name="tierkv-touch")
-    client = daemon.connect(
-        wire.hello(
-            rank=0,
-            tp_size=1,
-            world_size=1,
-            namespaces=[("m", "")],
-            chunk_bytes=4096,
-            chunk_tokens=32,
-        )
-    )
-    number = client.register_buffer(buffer)
+    setup = _beside_a_client(tmp_path, _lru_four_slots)
+    daemon, scheduler, client, number = setup.daemon, setup.scheduler, setup.client, setup.number
+    request, state, others, touched = setup.request, setup.state, setup.others, setup.touched
 
     def in_l1() -> int:
         """How many of the request's chunks L1 holds (a lookup of them, released)."""
@@ -947,7 +939,7 @@ def test_a_prompt_vllm_holds_whole_is_touched_once_and_its_lease_returned(
     finally:
         client.close()
         scheduler.shutdown()
-        buffer.close()
+        setup.buffer.close()
         daemon.stop()
 
 

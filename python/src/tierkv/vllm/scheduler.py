@@ -1085,8 +1085,11 @@ class SchedulerSide:
                 started = link.call(lambda c: c.lookup(0, wanted, True))
             except (Unavailable, DaemonError):
                 continue
-            except Exception:
-                log.warning("tierkv: a touch of %d chunks failed", len(wanted), exc_info=True)
+            except Exception as e:
+                # Not the daemon's doing: once a minute at most, as the guard's warnings.
+                self.guard.throttle.warning(
+                    "touch", "tierkv: a touch of %d chunks failed", len(wanted), exc_info=e
+                )
                 continue
             # The generation read after the call: the call may have opened a new session,
             # which made the lookup (one replaced since returned its leases as it ended).
