@@ -480,9 +480,13 @@ class SchedulerSide:
         if hit is None:
             return None, False
         # The daemon holds the hit's chunks and, short of the last chunk asked for, not the
-        # next: the request's stores start there, whatever an earlier lookup found. What it
-        # lacks of vLLM's own hit (tierkv let it go) is stored from the request's blocks.
-        state.stored = hit if hit < state.lookup_chunks else max(state.stored, hit)
+        # next: the request's stores start there, whatever an earlier lookup found or an earlier
+        # step stored. What it lacks of vLLM's own hit (tierkv let it go) is stored from the
+        # request's blocks. A hit of every chunk asked for says nothing of the prompt's last
+        # chunk (a prompt that fills it ends in it, and a lookup never asks for the last
+        # token): the daemon may have let it go since this request stored it, so it is stored
+        # again (a store of a chunk the daemon holds costs a transfer, a chunk lost a miss).
+        state.stored = hit
         hit_tokens = hit * self.chunk_tokens
         if hit_tokens <= num_computed_tokens:
             self._release(state)
