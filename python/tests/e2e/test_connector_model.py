@@ -49,7 +49,12 @@ is still known (nor waiting on a kept miss). A request vLLM's own hit covers who
 up but touched: the scheduler half's background work (``_touch_now``) runs at once over the
 made-up daemon, whose touch lookups fail at random (leasing nothing) and whose releases find
 the session busy at random (tried again); each such request is touched once per rank, from the
-root, deferred, never loaded through, and its lookups returned exactly once.
+root, deferred, never loaded through, and its lookups returned exactly once. A load fills
+exactly the blocks vLLM allocated for the external tokens it accepted (none of its own hit's).
+The daemon refuses a retrieve through a lookup already returned (a failed load): under
+synchronous scheduling, where nothing runs between a step's plan and its loads, that is a
+broken promise; under async scheduling the next step's preemption or an abort may return it
+first.
 
 A third of the runs use ``async_loads``, under sync or async scheduling in turn. vLLM then
 answers a hit ``(n, True)``: it allocates the request's blocks for its local and external
@@ -141,6 +146,9 @@ class _Req:
     remote: bool = False
     #: vLLM's own hit, in tokens, when it was last asked about (loads start after it).
     local: int = 0
+    #: The external tokens vLLM accepted then: a load fills exactly the blocks allocated for
+    #: them, after ``local``'s.
+    external: int = 0
     #: When it was last looked up, else first asked about (-1: neither), by the run's
     #: ``_tick``: what the daemon let go before then, the request must store again if it holds
     #: it.
@@ -411,6 +419,8 @@ class Engine:
         self.damaged: dict[int, int] = {}
         self.stored_at: dict[int, list[int]] = {}
         self.loads = self.failures = self.sent = 0
+        #: Synchronous loads the daemon refused, their lookup returned before they ran.
+        self.refused = 0
         #: Chunks a request finished holding as valid KV that the daemon never got (request, its
         #: chunk index).
         self.never_stored: list[tuple[str, int]] = []
@@ -483,8 +493,19 @@ class Engine:
         blocks = [b for _, held in op.chunks for b in held]
         lookup = op.lookups[rank] if len(op.lookups) > 1 else op.lookups[0]
         assert lookup in self.lookups, f"{op.req_id} loads through unknown lookup {lookup}"
+        # The daemon refuses a retrieve through a lookup already returned: a failed load. Under
+        # synchronous scheduling a step runs right after it is planned, so nothing returns the
+        # lookup in between. Under async scheduling the next step is planned first, and its
+        # preemption (or an abort between them) returns it while this step's load waits to run.
+        refused = lookup in self.releases.released
+        if refused and not self.asynchronous:
+            self.violations.append(
+                f"step {self.step}: rank {rank} {op.req_id} loads through lookup {lookup}, "
+                "already released"
+            )
+        self.refused += refused
         failed = self.failed_on.setdefault((self.step, op.req_id), set())
-        if self.rng.random() < self.fail / self.tp:
+        if refused or self.rng.random() < self.fail / self.tp:
             failed.add(rank)
             self.partial += rank == self.tp - 1 and len(failed) < self.tp
             self.failures += 1
@@ -935,6 +956,7 @@ class Engine:
                         f"of {answer} tokens again"
                     )
                 external = answer or 0
+                r.external = external
             else:
                 # Promoted from an asynchronous load: it holds its blocks, and is not looked up.
                 hit, local, external = [], r.computed, 0
@@ -1016,11 +1038,13 @@ class Engine:
                     f"step {self.step}: {op.req_id} loads through a touch's lookup {op.lookups}"
                 )
             r = self.requests[int(op.req_id[1:])]
-            first = r.chunks.index(op.chunks[0][0]) if op.chunks else len(r.chunks)
-            if first * CHUNK < r.local:
+            blocks = [b for _, held in op.chunks for b in held]
+            external = r.blocks[r.local // BLOCK : (r.local + r.external) // BLOCK]
+            if blocks != external:
                 self.violations.append(
-                    f"step {self.step}: {op.req_id} loads from chunk {first}, inside vLLM's own "
-                    f"hit of {r.local} tokens"
+                    f"step {self.step}: {op.req_id} loads into blocks {blocks}, not the blocks "
+                    f"{external} vLLM allocated for its {r.external} external tokens after its "
+                    f"own hit of {r.local}"
                 )
         self.trace.append(f"step {self.step} plan: " + "; ".join(lines))
         if self.preempted:
@@ -1494,6 +1518,7 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
         (
             "loads",
             "failed",
+            "refused",
             "sent",
             "spoiled",
             "recomputed",
@@ -1532,6 +1557,7 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
             ]
             totals["loads"] += engine.loads
             totals["failed"] += engine.failures
+            totals["refused"] += engine.refused
             totals["sent"] += engine.sent
             totals["spoiled"] += len(engine.damaged)
             totals["recomputed"] += len(recomputed)
