@@ -83,7 +83,8 @@ class _Request:
     missing: int | None = None
     #: vLLM's count of the request's preemptions, as of the last one settled here.
     preemptions: int = 0
-    #: The tokens vLLM had computed when it was last looked up (the hit counts from there).
+    #: The tokens vLLM had computed when it was last looked up: an asynchronous load starts
+    #: there (the hit itself counts from the root).
     asked_at: int = 0
     #: ``async_loads``: a load was planned that vLLM has not yet heard is over; vLLM keeps the
     #: request waiting, and frees its blocks on that report should it finish first.
