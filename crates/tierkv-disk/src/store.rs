@@ -383,11 +383,10 @@ impl Index {
             for &id in &pinned {
                 self.segments[id as usize].pins += 1;
             }
+            // Unpinned by the guard, so that a policy that panics placing them leaks no pin.
+            let pins = PinnedAhead { index: self, segments: pinned };
             for size in sizes {
-                room.place(self, size, config);
-            }
-            for &id in &pinned {
-                self.segments[id as usize].pins -= 1;
+                room.place(pins.index, size, config);
             }
         }
         room.evicted
@@ -3054,6 +3053,21 @@ enum Planned {
     Record { loc: Loc, epoch: u64, file: Arc<SegmentFile>, unverified: bool },
     /// Its copy on its way here.
     Departing(Arc<[u8]>),
+}
+
+/// Segments [`Index::make_room_ahead`] pinned for a queued task, in the index it holds locked;
+/// unpinned when dropped.
+struct PinnedAhead<'a> {
+    index: &'a mut Index,
+    segments: Vec<u32>,
+}
+
+impl Drop for PinnedAhead<'_> {
+    fn drop(&mut self) {
+        for &id in &self.segments {
+            self.index.segments[id as usize].pins -= 1;
+        }
+    }
 }
 
 /// Segments a load pinned; unpinned when dropped.
