@@ -117,10 +117,11 @@ struct Segment {
     unpublished: u64,
     /// The records of its earlier lives that were indexed when it was evicted, each with its
     /// life's epoch: no longer indexed, but still on disk, and found again by a restart, until the
-    /// first record of a new life is written with its superblock (or each is marked deleted). An
-    /// eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there until a store
-    /// reuses the segment, for good if none does; a store that fails before its first record is
-    /// written leaves them too. A delete or a clear marks those of its keys deleted.
+    /// first record of a new life is written with its superblock, and synced (or each is marked
+    /// deleted). An eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there
+    /// until a store reuses the segment, for good if none does; a store that fails before its
+    /// first record is written leaves them too. A delete or a clear marks those of its keys
+    /// deleted.
     stale: Vec<(u64, ObjectKey, Loc)>,
     /// Deletes and clears marking stale records now: until they are done, the life's first
     /// record is not handed to the write thread (a mark must not land on it).
@@ -129,6 +130,9 @@ struct Segment {
     /// marked until it is written, which ends them. A write that fails leaves them, unmarkable
     /// until the life's writes are over, so until the segment is evicted again.
     superseding: bool,
+    /// The write of the life's first record ended without ending the stale records behind it
+    /// (the write or its sync failed): a delete or a clear does not wait for it any more.
+    unsuperseded: bool,
 }
 
 impl Segment {
@@ -146,6 +150,7 @@ impl Segment {
             stale: Vec::new(),
             marking: 0,
             superseding: false,
+            unsuperseded: false,
         }
     }
 
@@ -330,6 +335,7 @@ impl Index {
         let segment = &mut self.segments[id as usize];
         // Evictable: no write of its life is in flight or to come, a failed first one included.
         segment.superseding = false;
+        segment.unsuperseded = false;
         segment.stale.extend(evicted);
         if !segment.stale.is_empty() {
             self.stale.insert(id);
@@ -879,7 +885,10 @@ impl InFlight<'_> {
         self.held -= 1;
         match result {
             Ok(()) => self.shared.superseded(loc, epoch, true),
-            Err(e) => self.write_failed(task, loc, epoch, e),
+            Err(e) => {
+                self.shared.superseded(loc, epoch, false);
+                self.write_failed(task, loc, epoch, e);
+            }
         }
     }
 
@@ -2279,23 +2288,44 @@ impl Shared {
         }
         let segment = &mut index.segments[segment as usize];
         segment.superseding = !segment.stale.is_empty();
+        segment.unsuperseded = false;
         segment.superseding
     }
 
     /// The write of the record at `loc` in life `epoch` ended (`written` or failed). If it was
-    /// the life's first, its superblock ends the stale records behind it once written; if it
-    /// failed they stay, unmarkable until the life's writes are over (`Segment::superseding`).
+    /// the life's first, its superblock ends the stale records behind it once it is on disk for
+    /// good: written, and synced (unless [`FsyncPolicy::Never`]) before they are dropped, for a
+    /// restart after a power loss would find them again under the old superblock. If the write
+    /// or the sync failed they stay, unmarkable until the life's writes are over
+    /// (`Segment::superseding`). Either way the deletes and clears waiting for it go on.
     fn superseded(&self, loc: Loc, epoch: u64, written: bool) {
-        if !written || loc.offset != self.layout.base(loc.segment) + BLOCK {
+        if loc.offset != self.layout.base(loc.segment) + BLOCK {
             return;
         }
+        let file = {
+            let index = self.index.lock();
+            let segment = &index.segments[loc.segment as usize];
+            if !segment.superseding || segment.epoch != epoch {
+                return;
+            }
+            segment.file.clone()
+        };
+        let durable = written
+            && (self.config.fsync == FsyncPolicy::Never
+                || file.is_some_and(|file| file.sync().is_ok()));
         let mut index = self.index.lock();
         let segment = &mut index.segments[loc.segment as usize];
         if segment.superseding && segment.epoch == epoch {
-            segment.superseding = false;
-            segment.stale = Vec::new();
-            index.stale.remove(&loc.segment);
+            if durable {
+                segment.superseding = false;
+                segment.stale = Vec::new();
+                index.stale.remove(&loc.segment);
+            } else {
+                segment.unsuperseded = true;
+            }
         }
+        drop(index);
+        self.marked.notify_all();
     }
 
     /// Hands a message to the write thread.
@@ -2690,14 +2720,30 @@ impl Shared {
         settled
     }
 
-    /// Marks deleted the stale records (`Segment::stale`) of `keys`, or all of them, except
-    /// those behind a first record on its way to disk, which ends them. Each segment is kept
-    /// meanwhile from having its next life's first record handed over (`Segment::marking`); it
-    /// stays free or active as it was, counted as before by stores and lookups. A record whose
-    /// mark failed stays stale, to be marked again by the next delete or clear.
+    /// Marks deleted the stale records (`Segment::stale`) of `keys`, or all of them. Those behind
+    /// a first record on its way to disk are not marked (the mark could land on it) but waited
+    /// for, at most `BUFFER_WAIT`: once that record is on disk for good it ends them, and a
+    /// delete that returned before would be undone by a restart that finds them under the old
+    /// superblock. Those still behind it then (its write failed, or hangs) are left. Each
+    /// segment marked is kept meanwhile from having its next life's first record handed over
+    /// (`Segment::marking`); it stays free or active as it was, counted as before by stores and
+    /// lookups. A record whose mark failed stays stale, to be marked again by the next delete or
+    /// clear.
     fn mark_stale(&self, keys: Option<&HashSet<ObjectKey>>) {
+        let wanted = |stale: &[(u64, ObjectKey, Loc)]| {
+            stale.iter().any(|(_, key, _)| keys.is_none_or(|keys| keys.contains(key)))
+        };
+        let deadline = Instant::now() + BUFFER_WAIT;
         let (ids, marks) = {
             let mut index = self.index.lock();
+            while index.stale.iter().any(|&id| {
+                let segment = &index.segments[id as usize];
+                segment.superseding && !segment.unsuperseded && wanted(&segment.stale)
+            }) {
+                if self.marked.wait_until(&mut index, deadline).timed_out() {
+                    break;
+                }
+            }
             let index = &mut *index;
             let mut ids = Vec::new();
             let mut marks = Vec::new();
@@ -3901,8 +3947,15 @@ mod tests {
         // free, their records on disk, as the store closes before they run.
         let (held, _) = three_stores_queued(&store, &mut h);
         assert_eq!(h.present(&keys(0..16)).count_ones(), 8);
-        store.clear();
+        // The clear waits for the first records held, which end the records evicted for them
+        // (0 to 4), and marks those evicted ahead.
+        let clearing = std::thread::spawn({
+            let store = Arc::clone(&store);
+            move || store.clear()
+        });
+        std::thread::sleep(Duration::from_millis(200));
         close_before_the_queued_stores_run(&store, h, held);
+        clearing.join().unwrap();
         drop(store);
         // Nothing cleared comes back with a restart: not the records evicted ahead either.
         let store = lru_store(dir.path(), 16);
@@ -3964,18 +4017,19 @@ mod tests {
         h.assert_loads(&keys(7..8));
     }
 
-    #[test]
-    fn a_clear_marks_the_records_of_a_segment_whose_store_failed_before_writing_them_deleted() {
+    /// A store of 16 segments full, one chunk each (keys 0 to 15), and then a store that evicts
+    /// the oldest chunk for its segment, opens it and fails: its source cannot be read (a device
+    /// error), so nothing is written. Key 0's record is left stale in the active segment.
+    fn with_a_stale_record_in_the_active_segment(
+        dir: &Path,
+    ) -> (Arc<DiskStore>, tierkv_testkit::contract::Harness) {
         use tierkv_testkit::contract::keys;
 
-        let dir = tempfile::tempdir().unwrap();
-        let store = lru_store(dir.path(), 16);
+        let store = lru_store(dir, 16);
         let mut h = harness(&store);
         for n in 0..16 {
             h.store(&keys(n..n + 1)).unwrap();
         }
-        // A store evicts the oldest chunk for its segment, opens it and fails: its source cannot
-        // be read (a device error), so nothing is written.
         struct Broken;
         impl tierkv_core::ChunkSource for Broken {
             fn len(&self) -> u64 {
@@ -3992,6 +4046,15 @@ mod tests {
             _ => panic!("not a store completion"),
         }
         assert_eq!(h.present(&keys(0..16)).count_ones(), 15);
+        (store, h)
+    }
+
+    #[test]
+    fn a_clear_marks_the_records_of_a_segment_whose_store_failed_before_writing_them_deleted() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, h) = with_a_stale_record_in_the_active_segment(dir.path());
         store.clear();
         drop((h, store));
         // The chunk evicted comes back with a restart no more than those cleared.
@@ -4129,5 +4192,66 @@ mod tests {
             }
         }
         release_held_stores(held, &completions, &mut h, stores);
+    }
+
+    /// Copies the segment files of `from` into `to`: what a kill -9 now leaves on disk.
+    fn copy_segment_files(from: &Path, to: &Path) {
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            let name = entry.file_name();
+            if name.to_str().unwrap().starts_with("seg") {
+                std::fs::copy(entry.path(), to.join(name)).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn a_delete_of_a_stale_record_waits_for_the_first_record_on_its_way_that_ends_it() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let killed = tempfile::tempdir().unwrap();
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path());
+        // The next store reuses the active segment: its first record, which ends key 0's stale
+        // record, is handed over and held.
+        let held = store.shared.faults.hold_writes();
+        let task = h.submit_store(&keys(200..201));
+        store.shared.faults.writes.wait_for(1);
+        // The delete cannot mark the record (the mark could land on the first record); it must
+        // not return before the first record is on disk either, or a kill then undoes it.
+        let deleting = std::thread::spawn({
+            let store = Arc::clone(&store);
+            let (from, to) = (dir.path().to_owned(), killed.path().to_owned());
+            move || {
+                store.delete(&keys(0..1));
+                copy_segment_files(&from, &to);
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        drop(held);
+        deleting.join().unwrap();
+        match h.wait(task) {
+            Completion::Stored { result, .. } => result.unwrap(),
+            _ => panic!("not a store completion"),
+        }
+        drop((h, store));
+        let store = lru_store(killed.path(), 16);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..1)).count_ones(), 0, "deleted, back after a kill");
+    }
+
+    #[test]
+    fn the_first_record_of_a_segments_next_life_ends_its_stale_records() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path());
+        let active = store.shared.index.lock().active.unwrap();
+        assert_eq!(store.shared.index.lock().segments[active as usize].stale.len(), 1);
+        h.store(&keys(200..201)).unwrap();
+        let index = store.shared.index.lock();
+        assert!(index.segments[active as usize].stale.is_empty());
+        assert!(!index.segments[active as usize].superseding);
+        assert!(index.stale.is_empty());
     }
 }
