@@ -1268,6 +1268,10 @@ struct WriteFaults {
     writes: Gate,
     /// While held, a segment being opened waits before its initialisation (its file and epoch).
     opening: Gate,
+    /// While held, a delete or a clear waits before writing its marks of stale records.
+    marks: Gate,
+    /// Once a delete or a clear has counted itself in `Segment::marking`.
+    marking: AtomicBool,
 }
 
 #[cfg(test)]
@@ -2259,12 +2263,20 @@ impl Shared {
         } else {
             Span { start: BLOCK as usize, len: size as usize, at: loc.offset }
         };
+        let superseding = match first.then(|| self.supersede(segment)) {
+            Some(Ok(superseding)) => superseding,
+            Some(Err(e)) => {
+                writer.spare.push(buf);
+                return Err(e);
+            }
+            None => false,
+        };
         let message = WriteMsg::Record { task, file, buf, bytes, loc, epoch };
-        let superseding = first && self.supersede(segment);
         if let Err(e) = self.send(writer, message) {
             if superseding {
                 // Nothing was handed over: its stale records are still to be marked.
                 self.index.lock().segments[segment as usize].superseding = false;
+                self.marked.notify_all();
             }
             return Err(e);
         }
@@ -2278,18 +2290,38 @@ impl Shared {
         Ok(())
     }
 
-    /// The first record of `segment`'s life is about to be handed to the write thread: waits
-    /// until no delete or clear marks its stale records, and keeps them from being marked until
-    /// it is written (`superseded`). Returns whether it has stale records.
-    fn supersede(&self, segment: u32) -> bool {
+    /// The first record of `segment`'s life is about to be handed to the write thread: keeps
+    /// its stale records from being marked from now until it is written (`superseded`), and
+    /// waits until the deletes and clears marking them now are done. A mark that hangs (a dead
+    /// disk) holds the store at most `BUFFER_WAIT`, as a write would, loads not taking turns with
+    /// it past `TURN_WAIT`; the store then fails, nothing handed over. Returns whether the
+    /// segment has stale records.
+    fn supersede(&self, segment: u32) -> Result<bool, TierError> {
+        let started = Instant::now();
+        let (turn_over, deadline) = (started + TURN_WAIT, started + BUFFER_WAIT);
+        let mut stalled = None;
+        let id = segment as usize;
         let mut index = self.index.lock();
-        while index.segments[segment as usize].marking > 0 {
-            self.marked.wait(&mut index);
-        }
-        let segment = &mut index.segments[segment as usize];
+        let segment = &mut index.segments[id];
         segment.superseding = !segment.stale.is_empty();
         segment.unsuperseded = false;
-        segment.superseding
+        while index.segments[id].marking > 0 {
+            let until = if stalled.is_none() { turn_over.min(deadline) } else { deadline };
+            if !self.marked.wait_until(&mut index, until).timed_out() {
+                continue;
+            }
+            if until == deadline {
+                index.segments[id].superseding = false;
+                drop(index);
+                self.marked.notify_all();
+                return Err(TierError::Io(
+                    "marking the stale records of the segment to reuse hangs".into(),
+                ));
+            }
+            stalled =
+                Some(parking_lot::MutexGuard::unlocked(&mut index, || Stalled::new(&self.queue)));
+        }
+        Ok(index.segments[id].superseding)
     }
 
     /// The write of the record at `loc` in life `epoch` ended (`written` or failed). If it was
@@ -2771,24 +2803,19 @@ impl Shared {
         if ids.is_empty() {
             return;
         }
+        let mut marking = Marking { shared: self, ids, settled: HashSet::new() };
+        #[cfg(test)]
+        {
+            WriteFaults::fire(&self.faults.marking, "marking stale records");
+            self.faults.marks.pass();
+        }
         let settled = self.mark_deleted(&marks);
-        let settled: HashSet<(u64, u64)> = marks
+        marking.settled = marks
             .iter()
             .zip(settled)
             .filter(|(_, settled)| *settled)
             .map(|((_, epoch, _, loc), _)| (*epoch, loc.offset))
             .collect();
-        let mut index = self.index.lock();
-        for id in ids {
-            let segment = &mut index.segments[id as usize];
-            segment.stale.retain(|(epoch, _, loc)| !settled.contains(&(*epoch, loc.offset)));
-            segment.marking -= 1;
-            if segment.stale.is_empty() {
-                index.stale.remove(&id);
-            }
-        }
-        drop(index);
-        self.marked.notify_all();
     }
 
     /// Marks the records of `marks` deleted, each in a segment pinned for it, then unpins them.
@@ -3113,6 +3140,32 @@ impl Drop for PinnedAhead<'_> {
         for &id in &self.segments {
             self.index.segments[id as usize].pins -= 1;
         }
+    }
+}
+
+/// The segments whose stale records a delete or a clear is marking (`Segment::marking`): when
+/// dropped, the records whose marks are `settled` leave `Segment::stale`, and the segments may
+/// take their next life's first record again (a mark that panicked too: it leaves them stale).
+struct Marking<'a> {
+    shared: &'a Shared,
+    ids: Vec<u32>,
+    settled: HashSet<(u64, u64)>,
+}
+
+impl Drop for Marking<'_> {
+    fn drop(&mut self) {
+        let mut index = self.shared.index.lock();
+        for &id in &self.ids {
+            let segment = &mut index.segments[id as usize];
+            let settled = &self.settled;
+            segment.stale.retain(|(epoch, _, loc)| !settled.contains(&(*epoch, loc.offset)));
+            segment.marking -= 1;
+            if segment.stale.is_empty() {
+                index.stale.remove(&id);
+            }
+        }
+        drop(index);
+        self.shared.marked.notify_all();
     }
 }
 
@@ -4017,17 +4070,18 @@ mod tests {
         h.assert_loads(&keys(7..8));
     }
 
-    /// A store of 16 segments full, one chunk each (keys 0 to 15), and then a store that evicts
-    /// the oldest chunk for its segment, opens it and fails: its source cannot be read (a device
-    /// error), so nothing is written. Key 0's record is left stale in the active segment.
+    /// A store of `segments` segments full, one chunk each (keys from 0), and then a store that
+    /// evicts the oldest chunk for its segment, opens it and fails: its source cannot be read (a
+    /// device error), so nothing is written. Key 0's record is left stale in the active segment.
     fn with_a_stale_record_in_the_active_segment(
         dir: &Path,
+        segments: u64,
     ) -> (Arc<DiskStore>, tierkv_testkit::contract::Harness) {
         use tierkv_testkit::contract::keys;
 
-        let store = lru_store(dir, 16);
+        let store = lru_store(dir, segments);
         let mut h = harness(&store);
-        for n in 0..16 {
+        for n in 0..segments {
             h.store(&keys(n..n + 1)).unwrap();
         }
         struct Broken;
@@ -4045,7 +4099,7 @@ mod tests {
             Completion::Stored { result, .. } => assert!(result.is_err()),
             _ => panic!("not a store completion"),
         }
-        assert_eq!(h.present(&keys(0..16)).count_ones(), 15);
+        assert_eq!(h.present(&keys(0..segments)).count_ones(), segments as usize - 1);
         (store, h)
     }
 
@@ -4054,7 +4108,7 @@ mod tests {
         use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
-        let (store, h) = with_a_stale_record_in_the_active_segment(dir.path());
+        let (store, h) = with_a_stale_record_in_the_active_segment(dir.path(), 16);
         store.clear();
         drop((h, store));
         // The chunk evicted comes back with a restart no more than those cleared.
@@ -4211,7 +4265,7 @@ mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         let killed = tempfile::tempdir().unwrap();
-        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path());
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path(), 16);
         // The next store reuses the active segment: its first record, which ends key 0's stale
         // record, is handed over and held.
         let held = store.shared.faults.hold_writes();
@@ -4245,7 +4299,7 @@ mod tests {
         use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
-        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path());
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path(), 16);
         let active = store.shared.index.lock().active.unwrap();
         assert_eq!(store.shared.index.lock().segments[active as usize].stale.len(), 1);
         h.store(&keys(200..201)).unwrap();
@@ -4253,5 +4307,73 @@ mod tests {
         assert!(index.segments[active as usize].stale.is_empty());
         assert!(!index.segments[active as usize].superseding);
         assert!(index.stale.is_empty());
+    }
+
+    #[test]
+    fn a_store_waits_for_the_marks_of_its_segments_stale_records_without_holding_loads() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, h) = with_a_stale_record_in_the_active_segment(dir.path(), 24);
+        let completions = store.completions();
+        // A delete marks key 0's stale record, held as behind a disk that hangs.
+        let marks = store.shared.faults.marks.hold();
+        let deleting = std::thread::spawn({
+            let store = Arc::clone(&store);
+            move || store.delete(&keys(0..1))
+        });
+        store.shared.faults.marks.wait_for(1);
+        // The next store reuses the active segment: its first record waits for the mark.
+        let task = h.submit_store(&keys(200..201));
+        while !store.shared.queue.state.lock().storing {
+            std::thread::yield_now();
+        }
+        // Two loads of `READ_AHEAD` chunks each: the second is past the loads' turn, and waits
+        // for the store only until it has waited `TURN_WAIT`.
+        let first = h.submit_load(&keys(1..1 + READ_AHEAD));
+        let second = h.submit_load(&keys(1 + READ_AHEAD..1 + 2 * READ_AHEAD));
+        for _ in 0..2 {
+            match completions.recv_timeout(DEADLINE).expect("nothing completed") {
+                Completion::Loaded { task, loaded, mut sinks } => {
+                    assert!(task == first || task == second);
+                    assert_loaded_whole(&loaded, &mut sinks);
+                }
+                Completion::Stored { .. } => panic!("a first record written under a mark"),
+                _ => panic!("not a load completion"),
+            }
+        }
+        assert!(
+            completions.recv_timeout(Duration::from_millis(200)).is_err(),
+            "a first record written under a mark"
+        );
+        drop(marks);
+        deleting.join().unwrap();
+        match completions.recv_timeout(DEADLINE).expect("the store never completed") {
+            Completion::Stored { task: done, result, .. } => {
+                assert_eq!(done, task);
+                result.expect("the store failed");
+            }
+            _ => panic!("not a store completion"),
+        }
+        drop((h, store));
+        let store = lru_store(dir.path(), 24);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..1)).count_ones(), 0, "deleted, back after a restart");
+        assert_eq!(h.present(&keys(200..201)).count_ones(), 1);
+    }
+
+    #[test]
+    fn a_delete_that_panics_marking_stale_records_leaves_their_segment_reusable() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path(), 16);
+        store.shared.faults.marking.store(true, Ordering::SeqCst);
+        let deleted = catch_unwind(AssertUnwindSafe(|| store.delete(&keys(0..1))));
+        assert!(deleted.is_err(), "the injected panic did not fire");
+        // The next store reuses the active segment: no mark is left in progress to wait for.
+        let active = store.shared.index.lock().active.unwrap();
+        assert_eq!(store.shared.index.lock().segments[active as usize].marking, 0);
+        h.store(&keys(200..201)).unwrap();
     }
 }
