@@ -970,7 +970,8 @@ const READ_AHEAD: u64 = 8;
 /// How long the store being prepared may wait for a record buffer before loads stop taking turns
 /// with it. A healthy disk hands a buffer back within a write (milliseconds; a sync at most);
 /// a store that waits longer is behind a write that hangs, up to `BUFFER_WAIT`, and loads then
-/// start as if no store waited until it is prepared or failed.
+/// start as if no store waited until that buffer comes or the store fails. A store that waits
+/// for the marks of its segment's stale records (`Shared::supersede`) is held the same way.
 const TURN_WAIT: Duration = Duration::from_secs(1);
 
 /// The store being prepared has waited for a record buffer longer than [`TURN_WAIT`]: loads do
