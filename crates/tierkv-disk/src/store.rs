@@ -4071,6 +4071,29 @@ mod tests {
         h.assert_loads(&keys(7..8));
     }
 
+    /// Submits two loads of `READ_AHEAD` chunks each, from key `from`, and checks that both
+    /// complete whole, before any store.
+    fn two_loads_complete_before_the_store(
+        h: &tierkv_testkit::contract::Harness,
+        completions: &Receiver<Completion>,
+        from: u64,
+    ) {
+        use tierkv_testkit::contract::keys;
+
+        let first = h.submit_load(&keys(from..from + READ_AHEAD));
+        let second = h.submit_load(&keys(from + READ_AHEAD..from + 2 * READ_AHEAD));
+        for _ in 0..2 {
+            match completions.recv_timeout(DEADLINE).expect("nothing completed") {
+                Completion::Loaded { task, loaded, mut sinks } => {
+                    assert!(task == first || task == second);
+                    assert_loaded_whole(&loaded, &mut sinks);
+                }
+                Completion::Stored { .. } => panic!("a store completed before the loads"),
+                _ => panic!("not a load completion"),
+            }
+        }
+    }
+
     /// A store of `segments` segments full, one chunk each (keys from 0), and then a store that
     /// evicts the oldest chunk for its segment, opens it and fails: its source cannot be read (a
     /// device error), so nothing is written. Key 0's record is left stale in the active segment.
@@ -4232,20 +4255,9 @@ mod tests {
         } {
             std::thread::yield_now();
         }
-        // Two loads of `READ_AHEAD` chunks each: the second is past the loads' turn, and waits
-        // for the store only until it has waited `TURN_WAIT`, not until its wait runs out.
-        let first = h.submit_load(&keys(0..READ_AHEAD));
-        let second = h.submit_load(&keys(READ_AHEAD..2 * READ_AHEAD));
-        for _ in 0..2 {
-            match completions.recv_timeout(DEADLINE).expect("nothing completed") {
-                Completion::Loaded { task, loaded, mut sinks } => {
-                    assert!(task == first || task == second);
-                    assert_loaded_whole(&loaded, &mut sinks);
-                }
-                Completion::Stored { .. } => panic!("a store completed before the loads"),
-                _ => panic!("not a load completion"),
-            }
-        }
+        // The second load is past the loads' turn, and waits for the store only until it has
+        // waited `TURN_WAIT`, not until its wait runs out.
+        two_loads_complete_before_the_store(&h, &completions, 0);
         release_held_stores(held, &completions, &mut h, stores);
     }
 
@@ -4329,20 +4341,9 @@ mod tests {
         while !store.shared.queue.state.lock().storing {
             std::thread::yield_now();
         }
-        // Two loads of `READ_AHEAD` chunks each: the second is past the loads' turn, and waits
-        // for the store only until it has waited `TURN_WAIT`.
-        let first = h.submit_load(&keys(1..1 + READ_AHEAD));
-        let second = h.submit_load(&keys(1 + READ_AHEAD..1 + 2 * READ_AHEAD));
-        for _ in 0..2 {
-            match completions.recv_timeout(DEADLINE).expect("nothing completed") {
-                Completion::Loaded { task, loaded, mut sinks } => {
-                    assert!(task == first || task == second);
-                    assert_loaded_whole(&loaded, &mut sinks);
-                }
-                Completion::Stored { .. } => panic!("a first record written under a mark"),
-                _ => panic!("not a load completion"),
-            }
-        }
+        // The second load is past the loads' turn, and waits for the store only until it has
+        // waited `TURN_WAIT`; the store writes nothing while the mark is held.
+        two_loads_complete_before_the_store(&h, &completions, 1);
         assert!(
             completions.recv_timeout(Duration::from_millis(200)).is_err(),
             "a first record written under a mark"
