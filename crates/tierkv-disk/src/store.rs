@@ -4339,6 +4339,7 @@ mod tests {
         // The next store reuses the active segment: its first record waits for the mark.
         let task = h.submit_store(&keys(200..201));
         while !store.shared.queue.state.lock().storing {
+            assert!(completions.try_recv().is_err(), "a first record written under a mark");
             std::thread::yield_now();
         }
         // The second load is past the loads' turn, and waits for the store only until it has
