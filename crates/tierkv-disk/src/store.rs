@@ -127,11 +127,13 @@ struct Segment {
     /// record is not handed to the write thread (a mark must not land on it).
     marking: u32,
     /// The life's first record is with the write thread, stale records behind it: none is
-    /// marked until it is written, which ends them. A write that fails leaves them, unmarkable
-    /// until the life's writes are over, so until the segment is evicted again.
+    /// marked until it is written, which ends them (under `FsyncPolicy::Always` once its task's
+    /// sync covers it). A write that fails leaves them, unmarkable until the life's writes are
+    /// over, so until the segment is evicted again.
     superseding: bool,
     /// The write of the life's first record ended without ending the stale records behind it
-    /// (the write or its sync failed): a delete or a clear does not wait for it any more.
+    /// yet (it failed, or its task's sync is still to come): a delete or a clear does not wait
+    /// for it any more.
     unsuperseded: bool,
 }
 
@@ -2327,35 +2329,30 @@ impl Shared {
 
     /// The write of the record at `loc` in life `epoch` ended (`written` or failed). If it was
     /// the life's first, its superblock ends the stale records behind it once it is on disk for
-    /// good: written, and synced (unless [`FsyncPolicy::Never`]) before they are dropped, for a
-    /// restart after a power loss would find them again under the old superblock. If the write
-    /// or the sync failed they stay, unmarkable until the life's writes are over
-    /// (`Segment::superseding`). Either way the deletes and clears waiting for it go on.
+    /// good. Under [`FsyncPolicy::Always`] that is when its task's sync covers it: they are
+    /// dropped then ([`Shared::publish_records`]), and the deletes and clears waiting for the
+    /// write go on now, leaving them to that sync (a kill finds the superblock written; only a
+    /// power loss before the sync, which would lose the task's own records too, could bring
+    /// them back). Under the other policies they are dropped now: as any write, the superblock
+    /// is on disk for good by the next periodic sync, or not promised to be. If the write failed
+    /// they stay, unmarkable until the life's writes are over (`Segment::superseding`). Either
+    /// way the deletes and clears waiting for it go on. No sync here: one on the write thread
+    /// for every segment reused cost the stream of stores a fifth of its speed.
     fn superseded(&self, loc: Loc, epoch: u64, written: bool) {
         if loc.offset != self.layout.base(loc.segment) + BLOCK {
             return;
         }
-        let file = {
-            let index = self.index.lock();
-            let segment = &index.segments[loc.segment as usize];
-            if !segment.superseding || segment.epoch != epoch {
-                return;
-            }
-            segment.file.clone()
-        };
-        let durable = written
-            && (self.config.fsync == FsyncPolicy::Never
-                || file.is_some_and(|file| file.sync().is_ok()));
         let mut index = self.index.lock();
         let segment = &mut index.segments[loc.segment as usize];
-        if segment.superseding && segment.epoch == epoch {
-            if durable {
-                segment.superseding = false;
-                segment.stale = Vec::new();
-                index.stale.remove(&loc.segment);
-            } else {
-                segment.unsuperseded = true;
-            }
+        if !segment.superseding || segment.epoch != epoch {
+            return;
+        }
+        if written && self.config.fsync != FsyncPolicy::Always {
+            segment.superseding = false;
+            segment.stale = Vec::new();
+            index.stale.remove(&loc.segment);
+        } else {
+            segment.unsuperseded = true;
         }
         drop(index);
         self.marked.notify_all();
@@ -2499,6 +2496,22 @@ impl Shared {
             self.sync_segments(records.iter().map(|(_, loc)| loc.segment))?;
         }
         let mut index = self.index.lock();
+        if self.config.fsync == FsyncPolicy::Always {
+            // Synced, the superblocks of the lives these records began end the stale records
+            // behind them for good (`superseded`): every write of the task succeeded. A life
+            // another task began is that task's to end, at its own sync.
+            for (_, loc) in records {
+                if loc.offset != self.layout.base(loc.segment) + BLOCK {
+                    continue;
+                }
+                let segment = &mut index.segments[loc.segment as usize];
+                if segment.superseding {
+                    segment.superseding = false;
+                    segment.stale = Vec::new();
+                    index.stale.remove(&loc.segment);
+                }
+            }
+        }
         let mut losers = Vec::new();
         for (key, loc) in records {
             if let Some(old) = index.map.get(key).copied()
