@@ -117,8 +117,9 @@ struct Segment {
     unpublished: u64,
     /// The records of its earlier lives that were indexed when it was evicted, each with its
     /// life's epoch: no longer indexed, but still on disk, and found again by a restart, until the
-    /// first record of a new life is written with its superblock, and synced (or each is marked
-    /// deleted). An eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there
+    /// first record of a new life is written with its superblock, and synced (under
+    /// `FsyncPolicy::Always` by its store task's sync, or at the task's end should it publish
+    /// nothing; under `Periodic` at once; `superseded`), or each is marked deleted. An eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there
     /// until a store reuses the segment, for good if none does; a store that fails before its
     /// first record is written leaves them too. A delete or a clear marks those of its keys
     /// deleted.
@@ -135,6 +136,10 @@ struct Segment {
     /// yet (it failed, or its task's sync is still to come): a delete or a clear does not wait
     /// for it any more.
     unsuperseded: bool,
+    /// The life's first record was written, under `FsyncPolicy::Always`: its task's sync ends
+    /// the stale records behind it, or, should the task publish nothing, a sync at its end
+    /// ([`Shared::end_unpublished_lives`]).
+    first_written: bool,
 }
 
 impl Segment {
@@ -153,6 +158,7 @@ impl Segment {
             marking: 0,
             superseding: false,
             unsuperseded: false,
+            first_written: false,
         }
     }
 
@@ -338,6 +344,7 @@ impl Index {
         // Evictable: no write of its life is in flight or to come, a failed first one included.
         segment.superseding = false;
         segment.unsuperseded = false;
+        segment.first_written = false;
         segment.stale.extend(evicted);
         if !segment.stale.is_empty() {
             self.stale.insert(id);
@@ -780,6 +787,7 @@ impl InFlight<'_> {
                         s.collect_all();
                         s.failed_tasks.remove(&task);
                         s.lives.forget(task);
+                        s.shared.end_unpublished_lives(&records);
                         s.shared.settle(&records);
                     },
                     |s| s.forget(task),
@@ -849,6 +857,9 @@ impl InFlight<'_> {
                 .unwrap_or_else(|| Err(TierError::Io("internal panic while publishing".into()))),
         };
         self.lives.forget(task);
+        if result.is_err() {
+            let _ = self.shared.contained(|| self.shared.end_unpublished_lives(records));
+        }
         if self.shared.contained(|| self.shared.settle(records)).is_none() {
             // The records' segments may stay unevictable (space lost until a restart), never
             // evictable under an unpublished record.
@@ -2308,6 +2319,7 @@ impl Shared {
         let segment = &mut index.segments[id];
         segment.superseding = !segment.stale.is_empty();
         segment.unsuperseded = false;
+        segment.first_written = false;
         while index.segments[id].marking > 0 {
             let until = if stalled.is_none() { turn_over.min(deadline) } else { deadline };
             if !self.marked.wait_until(&mut index, until).timed_out() {
@@ -2329,33 +2341,91 @@ impl Shared {
 
     /// The write of the record at `loc` in life `epoch` ended (`written` or failed). If it was
     /// the life's first, its superblock ends the stale records behind it once it is on disk for
-    /// good. Under [`FsyncPolicy::Always`] that is when its task's sync covers it: they are
-    /// dropped then ([`Shared::publish_records`]), and the deletes and clears waiting for the
-    /// write go on now, leaving them to that sync (a kill finds the superblock written; only a
-    /// power loss before the sync, which would lose the task's own records too, could bring
-    /// them back). Under the other policies they are dropped now: as any write, the superblock
-    /// is on disk for good by the next periodic sync, or not promised to be. If the write failed
-    /// they stay, unmarkable until the life's writes are over (`Segment::superseding`). Either
-    /// way the deletes and clears waiting for it go on. No sync here: one on the write thread
-    /// for every segment reused cost the stream of stores a fifth of its speed.
+    /// good. Under [`FsyncPolicy::Always`] that is when its task's sync covers it
+    /// ([`Shared::publish_records`], or [`Shared::end_unpublished_lives`] for a task that
+    /// publishes nothing): the deletes and clears waiting for the write go on now, leaving them
+    /// to that sync (a kill finds the superblock written; only a power loss before the sync,
+    /// which would lose the task's own records too, could bring them back). No sync of its own
+    /// there: one on the write thread for every segment reused cost the stream of stores a fifth
+    /// of its speed. Under `Periodic` the file is synced here, as a delete's own mark is; under
+    /// `Never` nothing is. If the write or the sync failed they stay, unmarkable until the
+    /// life's writes are over (`Segment::superseding`). Either way the deletes and clears
+    /// waiting for it go on.
     fn superseded(&self, loc: Loc, epoch: u64, written: bool) {
         if loc.offset != self.layout.base(loc.segment) + BLOCK {
             return;
         }
+        let file = {
+            let mut index = self.index.lock();
+            let segment = &mut index.segments[loc.segment as usize];
+            if !segment.superseding || segment.epoch != epoch {
+                return;
+            }
+            if !written || self.config.fsync == FsyncPolicy::Always {
+                segment.unsuperseded = true;
+                segment.first_written = written;
+                drop(index);
+                self.marked.notify_all();
+                return;
+            }
+            segment.file.clone()
+        };
+        let durable = match self.config.fsync {
+            FsyncPolicy::Never => true,
+            _ => file.is_some_and(|file| file.sync().is_ok()),
+        };
+        self.end_stale(loc.segment, epoch, durable);
+    }
+
+    /// Ends the stale records of `segment`'s life `epoch` once its first record is on disk for
+    /// good (`durable`); otherwise leaves them unmarkable until the life's writes are over. Wakes
+    /// the deletes and clears waiting for it.
+    fn end_stale(&self, segment: u32, epoch: u64, durable: bool) {
         let mut index = self.index.lock();
-        let segment = &mut index.segments[loc.segment as usize];
-        if !segment.superseding || segment.epoch != epoch {
-            return;
-        }
-        if written && self.config.fsync != FsyncPolicy::Always {
-            segment.superseding = false;
-            segment.stale = Vec::new();
-            index.stale.remove(&loc.segment);
-        } else {
-            segment.unsuperseded = true;
+        let reused = &mut index.segments[segment as usize];
+        if reused.superseding && reused.epoch == epoch {
+            if durable {
+                reused.superseding = false;
+                reused.first_written = false;
+                reused.stale = Vec::new();
+                index.stale.remove(&segment);
+            } else {
+                reused.unsuperseded = true;
+            }
         }
         drop(index);
         self.marked.notify_all();
+    }
+
+    /// Under [`FsyncPolicy::Always`], ends the stale records behind the first records of
+    /// `records` that were written though their task publishes nothing (it failed, or was
+    /// abandoned, after them): their files are synced, as the task's sync would have, so a
+    /// power loss cannot bring back what a delete meanwhile skipped. Called before the task's
+    /// records are settled, so each segment is still in the life they began.
+    fn end_unpublished_lives(&self, records: &[(ObjectKey, Loc)]) {
+        if self.config.fsync != FsyncPolicy::Always {
+            return;
+        }
+        let lives: Vec<(u32, u64, Arc<SegmentFile>)> = {
+            let index = self.index.lock();
+            records
+                .iter()
+                .filter(|(_, loc)| loc.offset == self.layout.base(loc.segment) + BLOCK)
+                .filter_map(|(_, loc)| {
+                    let segment = &index.segments[loc.segment as usize];
+                    let file = segment.file.clone()?;
+                    (segment.superseding && segment.first_written).then_some((
+                        loc.segment,
+                        segment.epoch,
+                        file,
+                    ))
+                })
+                .collect()
+        };
+        for (segment, epoch, file) in lives {
+            let durable = file.sync().is_ok();
+            self.end_stale(segment, epoch, durable);
+        }
     }
 
     /// Hands a message to the write thread.
@@ -2507,6 +2577,7 @@ impl Shared {
                 let segment = &mut index.segments[loc.segment as usize];
                 if segment.superseding {
                     segment.superseding = false;
+                    segment.first_written = false;
                     segment.stale = Vec::new();
                     index.stale.remove(&loc.segment);
                 }
@@ -2768,9 +2839,10 @@ impl Shared {
 
     /// Marks deleted the stale records (`Segment::stale`) of `keys`, or all of them. Those behind
     /// a first record on its way to disk are not marked (the mark could land on it) but waited
-    /// for, at most `BUFFER_WAIT`: once that record is on disk for good it ends them, and a
-    /// delete that returned before would be undone by a restart that finds them under the old
-    /// superblock. Those still behind it then (its write failed, or hangs) are left. Each
+    /// for, at most `BUFFER_WAIT`: once that record is written it ends them (for good once its
+    /// sync comes, `superseded`), and a delete that returned before would be undone by a kill
+    /// that leaves them under the old superblock. Those still behind it then (its write failed,
+    /// or hangs, or its sync is still to come) are left. Each
     /// segment marked is kept meanwhile from having its next life's first record handed over
     /// (`Segment::marking`); it stays free or active as it was, counted as before by stores and
     /// lookups. A record whose mark failed stays stale, to be marked again by the next delete or
@@ -4107,6 +4179,50 @@ mod tests {
         }
     }
 
+    /// A 4 KiB chunk that cannot be read (a device error).
+    struct Unreadable;
+
+    impl tierkv_core::ChunkSource for Unreadable {
+        fn len(&self) -> u64 {
+            4096
+        }
+        fn copy_to_host(&self, _: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
+            Err(tierkv_core::BufferError::Device("the device fell off the bus".into()))
+        }
+    }
+
+    #[test]
+    fn a_task_that_publishes_nothing_still_ends_the_stale_records_behind_its_first_record() {
+        use tierkv_testkit::contract::{key, payload};
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path(), 16);
+        let active = store.shared.index.lock().active.unwrap();
+        // The task's first record begins the active segment's next life and is written; its
+        // second cannot be read, so the task publishes nothing.
+        let good = tierkv_core::VecChunk(payload(&key(200), 4096));
+        let task = store.submit_store(vec![
+            StoreItem { key: key(200), source: Box::new(good) },
+            StoreItem { key: key(201), source: Box::new(Unreadable) },
+        ]);
+        match h.wait(task) {
+            Completion::Stored { result, .. } => assert!(result.is_err()),
+            _ => panic!("not a store completion"),
+        }
+        // The task fails as soon as its copy does; the write thread abandons it after.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let index = store.shared.index.lock();
+            let segment = &index.segments[active as usize];
+            if segment.stale.is_empty() && !segment.superseding {
+                break;
+            }
+            drop(index);
+            assert!(Instant::now() < deadline, "left stale, and no delete can mark them");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// A store of `segments` segments full, one chunk each (keys from 0), and then a store that
     /// evicts the oldest chunk for its segment, opens it and fails: its source cannot be read (a
     /// device error), so nothing is written. Key 0's record is left stale in the active segment.
@@ -4121,17 +4237,8 @@ mod tests {
         for n in 0..segments {
             h.store(&keys(n..n + 1)).unwrap();
         }
-        struct Broken;
-        impl tierkv_core::ChunkSource for Broken {
-            fn len(&self) -> u64 {
-                4096
-            }
-            fn copy_to_host(&self, _: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
-                Err(tierkv_core::BufferError::Device("the device fell off the bus".into()))
-            }
-        }
         let key = tierkv_testkit::contract::key(100);
-        let task = store.submit_store(vec![StoreItem { key, source: Box::new(Broken) }]);
+        let task = store.submit_store(vec![StoreItem { key, source: Box::new(Unreadable) }]);
         match h.wait(task) {
             Completion::Stored { result, .. } => assert!(result.is_err()),
             _ => panic!("not a store completion"),
