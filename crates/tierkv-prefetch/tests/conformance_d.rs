@@ -870,6 +870,15 @@ fn a_request_whose_tier_answers_step_by_step_within_its_timeout_is_not_given_up(
 /// given up: L2 answered its lookup at 0.9 of the timeout (it holds keys 0-1), and the disk,
 /// asked for the rest then, still holds that lookup, 0.2 of a timeout later.
 fn disk_left_holding_a_given_up_lookup() -> (Rig, Arc<FakeTier>, Arc<FakeTier>, Arc<ManualClock>) {
+    disk_left_holding(TIMEOUT * 9 / 10, TIMEOUT * 2 / 10)
+}
+
+/// As [`disk_left_holding_a_given_up_lookup`], L2 answering `l2_after` from submission and the
+/// request given up `disk_for` after the disk was asked.
+fn disk_left_holding(
+    l2_after: Duration,
+    disk_for: Duration,
+) -> (Rig, Arc<FakeTier>, Arc<FakeTier>, Arc<ManualClock>) {
     let clock = Arc::new(ManualClock::new());
     let (l2, disk) = (fake_holding("l2", keys(0..2)), fake_holding("disk", keys(0..4)));
     l2.hold();
@@ -878,12 +887,26 @@ fn disk_left_holding_a_given_up_lookup() -> (Rig, Arc<FakeTier>, Arc<FakeTier>, 
     let rig = rig_with_clock(vec![l2.clone(), disk.clone()], config, clock.clone());
     let id = submit_prefix(&rig, keys(0..4));
     eventually("L2 is asked", || l2.held_tasks() == 1);
-    clock.advance(TIMEOUT * 9 / 10);
+    clock.advance(l2_after);
     l2.run_held();
     eventually("the disk is asked what L2 did not find", || disk.held_tasks() == 1);
-    clock.advance(TIMEOUT * 2 / 10);
+    clock.advance(disk_for);
     given_up(&rig, id);
     (rig, l2, disk, clock)
+}
+
+/// Submits a request of `keys(2..4)`, which only L2 answers (a miss): the disk, holding
+/// `disk_holds` tasks, is not asked (`why` if it is). Then it lets the disk's lookups go and
+/// checks every lock came back.
+fn only_l2_answers(rig: &Rig, l2: &FakeTier, disk: &FakeTier, disk_holds: usize, why: &str) {
+    let request = submit_prefix(rig, keys(2..4));
+    eventually("L2 is asked again", || l2.held_tasks() == 1);
+    l2.run_held();
+    assert_eq!(rig.prefetch.wait(request, WAIT).unwrap().hit_chunks, 0);
+    assert_eq!(disk.held_tasks(), disk_holds, "{why}");
+    disk.release_held();
+    eventually("the late lookups' locks come back", || disk.usage().locks == 0);
+    rig.l1.audit().unwrap();
 }
 
 #[test]
@@ -912,14 +935,7 @@ fn a_tier_is_left_out_of_later_requests_only_once_it_was_slow_itself() {
     // This one it keeps a whole timeout: the next request leaves it out, and misses there.
     clock.advance(TIMEOUT + Duration::from_millis(1));
     given_up(&rig, second);
-    let third = submit_prefix(&rig, keys(2..4));
-    eventually("L2 is asked a third time", || l2.held_tasks() == 1);
-    l2.run_held();
-    assert_eq!(rig.prefetch.wait(third, WAIT).unwrap().hit_chunks, 0);
-    assert_eq!(disk.held_tasks(), 2, "a tier that did not answer for a timeout was asked");
-    disk.release_held();
-    eventually("the late lookups' locks come back", || disk.usage().locks == 0);
-    rig.l1.audit().unwrap();
+    only_l2_answers(&rig, &l2, &disk, 2, "a tier that did not answer for a timeout was asked");
 }
 
 #[test]
@@ -927,27 +943,8 @@ fn a_tier_that_had_a_task_half_a_timeout_when_its_request_was_given_up_is_left_o
     // L2 answers at 0.4 of the timeout; the disk then keeps its lookup for the remaining 0.6
     // and more: past half a timeout, it was slow itself, and the next request, submitted right
     // after, does not ask it (it would wait for a tier that does not answer).
-    let clock = Arc::new(ManualClock::new());
-    let (l2, disk) = (fake_holding("l2", keys(0..2)), fake_holding("disk", keys(0..4)));
-    l2.hold();
-    disk.hold();
-    let config = PrefetchConfig { request_timeout: TIMEOUT, ..PrefetchConfig::default() };
-    let rig = rig_with_clock(vec![l2.clone(), disk.clone()], config, clock.clone());
-    let first = submit_prefix(&rig, keys(0..4));
-    eventually("L2 is asked", || l2.held_tasks() == 1);
-    clock.advance(TIMEOUT * 4 / 10);
-    l2.run_held();
-    eventually("the disk is asked", || disk.held_tasks() == 1);
-    clock.advance(TIMEOUT * 7 / 10);
-    given_up(&rig, first);
-    let second = submit_prefix(&rig, keys(2..4));
-    eventually("L2 is asked again", || l2.held_tasks() == 1);
-    l2.run_held();
-    assert_eq!(rig.prefetch.wait(second, WAIT).unwrap().hit_chunks, 0);
-    assert_eq!(disk.held_tasks(), 1, "a tier slow for most of a timeout was asked again");
-    disk.release_held();
-    eventually("the late lookup's locks come back", || disk.usage().locks == 0);
-    rig.l1.audit().unwrap();
+    let (rig, l2, disk, _) = disk_left_holding(TIMEOUT * 4 / 10, TIMEOUT * 7 / 10);
+    only_l2_answers(&rig, &l2, &disk, 1, "a tier slow for most of a timeout was asked again");
 }
 
 #[test]
