@@ -7,9 +7,9 @@ engine B loads it through node B, served by the remote tier, answering with engi
 tokens. With the cluster hung (SIGSTOP), then killed, node B's lookups miss and engine B
 recomputes, its tokens equal to a cold answer, while what node B holds itself still loads.
 
-The tests run in file order and share the cluster, the daemons and the engines (an engine takes
-about a minute to start on CPU). Chunks are vLLM's 128-token CPU blocks: a 1,000-token prompt
-loads 896 tokens, seven chunks.
+The tests share the cluster, the daemons and the engines (an engine takes about a minute to start
+on CPU), and engine A's cold answer to the shared prompt; each also runs alone. Chunks are vLLM's
+128-token CPU blocks: a 1,000-token prompt loads 896 tokens, seven chunks.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ REMOTE = 3  # the remote tier's index in a status report's tiers: L1, L2, disk, 
 P1 = prompt(61, 1000)
 #: The prompts asked for with the cluster hung, then gone: five chunks each.
 P2, P3 = prompt(62, 700), prompt(63, 700)
-#: Engine A's cold answers, by prompt.
-COLD: dict[str, list[int]] = {}
 
 
 def chunks(tokens: int) -> int:
@@ -147,14 +145,15 @@ def cold_on_node_a(engine_a: Engine, node_a: Daemon, prompts: list[list[int]]) -
     return [o["tokens"] for o in outputs]
 
 
+@pytest.fixture(scope="module")
+def cold_p1(engine_a: Engine, node_a: Daemon) -> list[int]:
+    """Engine A's cold answer to P1, every chunk of it in the remote tier."""
+    return cold_on_node_a(engine_a, node_a, [P1])[0]
+
+
 def test_node_b_loads_what_node_a_computed_from_the_remote_tier(
-    engine_a: Engine,
-    engine_b: Engine,
-    node_a: Daemon,
-    node_b: Daemon,
-    cluster: RedisCluster,
+    cold_p1: list[int], engine_b: Engine, node_b: Daemon, cluster: RedisCluster
 ) -> None:
-    COLD["p1"] = cold_on_node_a(engine_a, node_a, [P1])[0]
     assert cluster.values() >= chunks(1000), "the chunks are in Redis"
 
     before = node_b.status()
@@ -165,7 +164,7 @@ def test_node_b_loads_what_node_a_computed_from_the_remote_tier(
 
     # Engine B never computed P1: identical tokens prove the KV came from node A's computation,
     # byte-exact, through the cluster and node B.
-    assert loaded["tokens"] == COLD["p1"]
+    assert loaded["tokens"] == cold_p1
     assert loaded["cached"] == chunks(1000) * CHUNK == 896
     gained = [x - y for x, y in zip(hits_by_tier(after), hits_by_tier(before), strict=True)]
     assert gained == [0, 0, 0, chunks(1000)], "node B's hit was served by the remote tier"
@@ -202,6 +201,7 @@ def lookup_missed_at_node_b(
 
 
 def test_with_the_cluster_hung_then_gone_node_b_misses_and_engine_b_recomputes(
+    cold_p1: list[int],
     engine_a: Engine,
     engine_b: Engine,
     node_a: Daemon,
@@ -211,6 +211,10 @@ def test_with_the_cluster_hung_then_gone_node_b_misses_and_engine_b_recomputes(
     # P2 and P3 are in the cluster when it hangs, then dies: engine B's misses are the cluster's
     # failure, not an absence.
     cold = cold_on_node_a(engine_a, node_a, [P2, P3])
+    # Node B holds P1 (loaded from the cluster here, or by the test before, then from its L1).
+    engine_b.reset()
+    held = engine_b.generate([P1])[0]
+    assert (held["tokens"], held["cached"]) == (cold_p1, 896)
 
     # Hung (SIGSTOP: connections accepted, nothing answered): calls end at their deadline.
     cluster.pause()
@@ -224,6 +228,6 @@ def test_with_the_cluster_hung_then_gone_node_b_misses_and_engine_b_recomputes(
     # What node B promoted from the cluster stays in its L1: P1 still loads, from L1.
     engine_b.reset()
     again = engine_b.generate([P1], timeout_s=120)[0]
-    assert again["tokens"] == COLD["p1"]
+    assert again["tokens"] == cold_p1
     assert again["cached"] == 896
     assert hits_by_tier(node_b.status())[0] - hits_by_tier(dead)[0] == chunks(1000), "served by L1"
