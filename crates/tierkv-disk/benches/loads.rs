@@ -3,7 +3,8 @@
 //! cascade writes L1's and L2's victims to disk all the time.
 //!
 //! `cargo bench -p tierkv-disk --bench loads` (set `TIERKV_BENCH_DIR` to measure another
-//! filesystem; the default is the system temporary directory).
+//! filesystem; the default is the system temporary directory; `TIERKV_BENCH_FSYNC` to `never` or
+//! an interval such as `1s` or `500ms` for the periodic sync, `always` by default).
 //!
 //! The store is the daemon's default (`DiskStoreConfig::new`: fsync always, four I/O threads,
 //! direct reads, one-record segments) for 2 MiB chunks. Each sample is a lookup-and-lock of 8
@@ -40,8 +41,8 @@ use tierkv_core::{
     Namespace, ObjectKey, StoreItem, TaskId, TierAdapter, VecChunk,
 };
 use tierkv_disk::{
-    BLOCK, DiskStore, DiskStoreConfig, FILE_BYTES, WRITES_IN_FLIGHT, auto_segment_bytes,
-    record_bytes,
+    BLOCK, DiskStore, DiskStoreConfig, FILE_BYTES, FsyncPolicy, WRITES_IN_FLIGHT,
+    auto_segment_bytes, record_bytes,
 };
 
 const CHUNK: u64 = 2 << 20;
@@ -188,6 +189,22 @@ fn percentiles(samples: &[f64]) -> (f64, f64) {
     (rank(0.50) * 1e3, rank(0.99) * 1e3)
 }
 
+/// The store's fsync policy, from `TIERKV_BENCH_FSYNC` (`always` when unset).
+fn fsync_policy() -> FsyncPolicy {
+    let named = std::env::var("TIERKV_BENCH_FSYNC").unwrap_or_else(|_| "always".into());
+    let interval = if let Some(ms) = named.strip_suffix("ms") {
+        ms.parse().ok().map(Duration::from_millis)
+    } else {
+        named.strip_suffix('s').and_then(|s| s.parse().ok()).map(Duration::from_secs)
+    };
+    match (named.as_str(), interval) {
+        ("always", _) => FsyncPolicy::Always,
+        ("never", _) => FsyncPolicy::Never,
+        (_, Some(interval)) => FsyncPolicy::Periodic(interval),
+        _ => panic!("TIERKV_BENCH_FSYNC: always, never or an interval (1s, 500ms), not {named}"),
+    }
+}
+
 fn main() {
     let parent = std::env::var_os("TIERKV_BENCH_DIR")
         .map(std::path::PathBuf::from)
@@ -197,7 +214,12 @@ fn main() {
     let on_disk = (2 * SAMPLES * PER_LOAD) as u64;
     let capacity = (on_disk + STREAM_ROOM) * segment_bytes;
     assert!(capacity <= FILE_BYTES, "the raw reads assume one segment file");
-    let store = DiskStore::open(DiskStoreConfig::new(dir.path(), capacity, CHUNK)).unwrap();
+    let fsync = fsync_policy();
+    let store = DiskStore::open(DiskStoreConfig {
+        fsync,
+        ..DiskStoreConfig::new(dir.path(), capacity, CHUNK)
+    })
+    .unwrap();
     let routes = route(store.completions());
 
     // The chunks loaded, stored one task at a time into a fresh directory: chunk `i` is in
@@ -293,8 +315,8 @@ fn main() {
     let write = (write_before + write_after) / 2.0;
 
     println!(
-        "{SAMPLES} samples a phase of {PER_LOAD} x {} MiB chunks on disk, {} (fsync always, 4 I/O \
-         threads, O_DIRECT)",
+        "{SAMPLES} samples a phase of {PER_LOAD} x {} MiB chunks on disk, {} (fsync {fsync:?}, 4 \
+         I/O threads, O_DIRECT)",
         CHUNK >> 20,
         parent.display()
     );
