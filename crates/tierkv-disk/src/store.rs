@@ -119,7 +119,8 @@ struct Segment {
     /// life's epoch: no longer indexed, but still on disk, and found again by a restart, until the
     /// first record of a new life is written with its superblock, and synced (under
     /// `FsyncPolicy::Always` by its store task's sync, or at the task's end should it publish
-    /// nothing; under `Periodic` at once; `superseded`), or each is marked deleted. An eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there
+    /// nothing; under `Periodic` by the flusher's next sync; by a delete or a clear of one of
+    /// them before either; `superseded`), or each is marked deleted. An eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there
     /// until a store reuses the segment, for good if none does; a store that fails before its
     /// first record is written leaves them too. A delete or a clear marks those of its keys
     /// deleted.
@@ -136,9 +137,11 @@ struct Segment {
     /// yet (it failed, or its task's sync is still to come): a delete or a clear does not wait
     /// for it any more.
     unsuperseded: bool,
-    /// The life's first record was written, under `FsyncPolicy::Always`: its task's sync ends
-    /// the stale records behind it, or, should the task publish nothing, a sync at its end
-    /// ([`Shared::end_unpublished_lives`]).
+    /// The life's first record was written, not yet synced: under `FsyncPolicy::Always` its
+    /// task's sync ends the stale records behind it, or, should the task publish nothing, a sync
+    /// at its end ([`Shared::end_unpublished_lives`]); under `Periodic` the flusher's next sync
+    /// ([`Shared::sync_dirty`]); a delete or a clear of one of them syncs it first
+    /// ([`Shared::mark_stale`]).
     first_written: bool,
 }
 
@@ -218,7 +221,28 @@ struct Index {
     stale: BTreeSet<u32>,
 }
 
+/// A segment's life whose first record is written and not yet synced (`Segment::first_written`):
+/// the segment, the life's epoch, its file.
+type WrittenLife = (u32, u64, Arc<SegmentFile>);
+
 impl Index {
+    /// The lives among `segments` whose first record is written and not yet synced, with stale
+    /// records behind it that `wanted` accepts.
+    fn written_lives(
+        &self,
+        segments: impl Iterator<Item = u32>,
+        wanted: impl Fn(&[(u64, ObjectKey, Loc)]) -> bool,
+    ) -> Vec<WrittenLife> {
+        segments
+            .filter_map(|id| {
+                let segment = &self.segments[id as usize];
+                let written = segment.superseding && segment.first_written;
+                let file = segment.file.clone().filter(|_| written && wanted(&segment.stale))?;
+                Some((id, segment.epoch, file))
+            })
+            .collect()
+    }
+
     /// The next life's serial.
     fn next_serial(&mut self) -> u64 {
         self.lives += 1;
@@ -2341,40 +2365,33 @@ impl Shared {
 
     /// The write of the record at `loc` in life `epoch` ended (`written` or failed). If it was
     /// the life's first, its superblock ends the stale records behind it once it is on disk for
-    /// good. Under [`FsyncPolicy::Always`] that is when its task's sync covers it
+    /// good: under [`FsyncPolicy::Always`] when its task's sync covers it
     /// ([`Shared::publish_records`], or [`Shared::end_unpublished_lives`] for a task that
-    /// publishes nothing): the deletes and clears waiting for the write go on now, leaving them
-    /// to that sync (a kill finds the superblock written; only a power loss before the sync,
-    /// which would lose the task's own records too, could bring them back). No sync of its own
-    /// there: one on the write thread for every segment reused cost the stream of stores a fifth
-    /// of its speed. Under `Periodic` the file is synced here, as a delete's own mark is; under
-    /// `Never` nothing is. If the write or the sync failed they stay, unmarkable until the
-    /// life's writes are over (`Segment::superseding`). Either way the deletes and clears
-    /// waiting for it go on.
+    /// publishes nothing), under `Periodic` at the flusher's next sync ([`Shared::sync_dirty`]),
+    /// under `Never` now. The deletes and clears waiting for the write go on now; one of its
+    /// stale keys syncs the file itself before returning ([`Shared::mark_stale`]), so it is not
+    /// undone by a power loss either. No sync of its own here: one on the write thread for
+    /// every segment reused cost the stream of stores a fifth of its speed under `Always`, and
+    /// made `Periodic` sync nearly every record. If the write failed they stay, unmarkable
+    /// until the life's writes are over (`Segment::superseding`).
     fn superseded(&self, loc: Loc, epoch: u64, written: bool) {
         if loc.offset != self.layout.base(loc.segment) + BLOCK {
             return;
         }
-        let file = {
-            let mut index = self.index.lock();
-            let segment = &mut index.segments[loc.segment as usize];
-            if !segment.superseding || segment.epoch != epoch {
-                return;
-            }
-            if !written || self.config.fsync == FsyncPolicy::Always {
-                segment.unsuperseded = true;
-                segment.first_written = written;
-                drop(index);
-                self.marked.notify_all();
-                return;
-            }
-            segment.file.clone()
-        };
-        let durable = match self.config.fsync {
-            FsyncPolicy::Never => true,
-            _ => file.is_some_and(|file| file.sync().is_ok()),
-        };
-        self.end_stale(loc.segment, epoch, durable);
+        let mut index = self.index.lock();
+        let segment = &mut index.segments[loc.segment as usize];
+        if !segment.superseding || segment.epoch != epoch {
+            return;
+        }
+        if !written || self.config.fsync != FsyncPolicy::Never {
+            segment.unsuperseded = true;
+            segment.first_written = written;
+            drop(index);
+            self.marked.notify_all();
+            return;
+        }
+        drop(index);
+        self.end_stale(loc.segment, epoch, true);
     }
 
     /// Ends the stale records of `segment`'s life `epoch` once its first record is on disk for
@@ -2406,26 +2423,28 @@ impl Shared {
         if self.config.fsync != FsyncPolicy::Always {
             return;
         }
-        let lives: Vec<(u32, u64, Arc<SegmentFile>)> = {
+        let lives = {
             let index = self.index.lock();
-            records
+            let firsts = records
                 .iter()
                 .filter(|(_, loc)| loc.offset == self.layout.base(loc.segment) + BLOCK)
-                .filter_map(|(_, loc)| {
-                    let segment = &index.segments[loc.segment as usize];
-                    let file = segment.file.clone()?;
-                    (segment.superseding && segment.first_written).then_some((
-                        loc.segment,
-                        segment.epoch,
-                        file,
-                    ))
-                })
-                .collect()
+                .map(|(_, loc)| loc.segment);
+            index.written_lives(firsts, |_| true)
         };
+        self.end_written_lives(lives);
+    }
+
+    /// Syncs the file of each of `lives` ([`Index::written_lives`]), each file once, and ends
+    /// the stale records behind each life's first record if its file synced. Returns the files
+    /// that synced, by number.
+    fn end_written_lives(&self, lives: Vec<WrittenLife>) -> HashSet<u32> {
+        let mut synced: HashMap<u32, bool> = HashMap::new();
         for (segment, epoch, file) in lives {
-            let durable = file.sync().is_ok();
+            let durable =
+                *synced.entry(self.layout.file_of(segment)).or_insert_with(|| file.sync().is_ok());
             self.end_stale(segment, epoch, durable);
         }
+        synced.into_iter().filter_map(|(file, synced)| synced.then_some(file)).collect()
     }
 
     /// Hands a message to the write thread.
@@ -2839,10 +2858,11 @@ impl Shared {
 
     /// Marks deleted the stale records (`Segment::stale`) of `keys`, or all of them. Those behind
     /// a first record on its way to disk are not marked (the mark could land on it) but waited
-    /// for, at most `BUFFER_WAIT`: once that record is written it ends them (for good once its
-    /// sync comes, `superseded`), and a delete that returned before would be undone by a kill
-    /// that leaves them under the old superblock. Those still behind it then (its write failed,
-    /// or hangs, or its sync is still to come) are left. Each
+    /// for, at most `BUFFER_WAIT`: once that record is written it ends them, for good once its
+    /// file is synced (`superseded`), which is done here if no sync did it yet; a delete that
+    /// returned before would be undone by a kill, or by a power loss, that leaves them under the
+    /// old superblock. Those still behind it then (its write failed, or hangs, or the sync
+    /// failed) are left. Each
     /// segment marked is kept meanwhile from having its next life's first record handed over
     /// (`Segment::marking`); it stays free or active as it was, counted as before by stores and
     /// lookups. A record whose mark failed stays stale, to be marked again by the next delete or
@@ -2852,15 +2872,27 @@ impl Shared {
             stale.iter().any(|(_, key, _)| keys.is_none_or(|keys| keys.contains(key)))
         };
         let deadline = Instant::now() + BUFFER_WAIT;
+        // The lives whose file this call synced (or tried to): not tried again.
+        let mut synced: HashSet<(u32, u64)> = HashSet::new();
         let (ids, marks) = {
             let mut index = self.index.lock();
-            while index.stale.iter().any(|&id| {
-                let segment = &index.segments[id as usize];
-                segment.superseding && !segment.unsuperseded && wanted(&segment.stale)
-            }) {
-                if self.marked.wait_until(&mut index, deadline).timed_out() {
+            loop {
+                while index.stale.iter().any(|&id| {
+                    let segment = &index.segments[id as usize];
+                    segment.superseding && !segment.unsuperseded && wanted(&segment.stale)
+                }) {
+                    if self.marked.wait_until(&mut index, deadline).timed_out() {
+                        break;
+                    }
+                }
+                let mut written = index.written_lives(index.stale.iter().copied(), wanted);
+                written.retain(|&(id, epoch, _)| synced.insert((id, epoch)));
+                if written.is_empty() {
                     break;
                 }
+                // Unlocked, another first record may set off over stale records of these keys:
+                // waited for again above.
+                parking_lot::MutexGuard::unlocked(&mut index, || self.end_written_lives(written));
             }
             let index = &mut *index;
             let mut ids = Vec::new();
@@ -2937,10 +2969,18 @@ impl Shared {
         synced
     }
 
-    /// The periodic flusher's step: syncs the segments written since the last one.
+    /// The periodic flusher's step: syncs the segments written since the last one, and those
+    /// whose life's first record is written and not yet synced, which ends the stale records
+    /// behind it (taken before the sync, so it covers their writes).
     fn sync_dirty(&self) {
+        let lives = {
+            let index = self.index.lock();
+            index.written_lives(index.stale.iter().copied(), |_| true)
+        };
+        let synced = self.end_written_lives(lives);
         let dirty = std::mem::take(&mut *self.dirty.lock());
-        if self.sync_segments(dirty.into_iter()).is_err() {
+        let dirty = dirty.into_iter().filter(|&id| !synced.contains(&self.layout.file_of(id)));
+        if self.sync_segments(dirty).is_err() {
             self.metrics.failed(Failure::Io);
         }
     }
@@ -3832,9 +3872,13 @@ mod tests {
 
     /// A store of one 4 KiB chunk in one-record segments, evicting least recently used first.
     fn lru_store(dir: &Path, segments: u64) -> Arc<DiskStore> {
+        lru_store_syncing(dir, segments, FsyncPolicy::Always)
+    }
+
+    fn lru_store_syncing(dir: &Path, segments: u64, fsync: FsyncPolicy) -> Arc<DiskStore> {
         let config = DiskStoreConfig::new(dir, 0, 4096);
         let capacity_bytes = segments * config.segment_bytes;
-        let config = DiskStoreConfig { capacity_bytes, policy: PolicyKind::Lru, ..config };
+        let config = DiskStoreConfig { capacity_bytes, policy: PolicyKind::Lru, fsync, ..config };
         Arc::new(DiskStore::open(config).unwrap())
     }
 
@@ -4230,9 +4274,18 @@ mod tests {
         dir: &Path,
         segments: u64,
     ) -> (Arc<DiskStore>, tierkv_testkit::contract::Harness) {
+        with_a_stale_record_in_the_active_segment_syncing(dir, segments, FsyncPolicy::Always)
+    }
+
+    /// [`with_a_stale_record_in_the_active_segment`] under another fsync policy.
+    fn with_a_stale_record_in_the_active_segment_syncing(
+        dir: &Path,
+        segments: u64,
+        fsync: FsyncPolicy,
+    ) -> (Arc<DiskStore>, tierkv_testkit::contract::Harness) {
         use tierkv_testkit::contract::keys;
 
-        let store = lru_store(dir, segments);
+        let store = lru_store_syncing(dir, segments, fsync);
         let mut h = harness(&store);
         for n in 0..segments {
             h.store(&keys(n..n + 1)).unwrap();
@@ -4440,6 +4493,61 @@ mod tests {
         assert!(index.segments[active as usize].stale.is_empty());
         assert!(!index.segments[active as usize].superseding);
         assert!(index.stale.is_empty());
+    }
+
+    /// Periodic syncs far apart: none runs during a test.
+    const RARE_SYNCS: FsyncPolicy = FsyncPolicy::Periodic(Duration::from_secs(3600));
+
+    /// [`with_a_stale_record_in_the_active_segment`] under rare periodic syncs, then a store of
+    /// key 200 that reuses the active segment: the first record of its next life is written,
+    /// not synced, key 0's stale record behind it. Returns the store, its harness and the
+    /// segment.
+    fn with_a_first_record_not_yet_synced_over_a_stale_one(
+        dir: &Path,
+    ) -> (Arc<DiskStore>, tierkv_testkit::contract::Harness, u32) {
+        let (store, mut h) = with_a_stale_record_in_the_active_segment_syncing(dir, 16, RARE_SYNCS);
+        let active = store.shared.index.lock().active.unwrap();
+        // Written with no sync of its own (one a record would make `periodic` sync nearly every
+        // store).
+        h.store(&tierkv_testkit::contract::keys(200..201)).unwrap();
+        {
+            let index = store.shared.index.lock();
+            let segment = &index.segments[active as usize];
+            assert!(!segment.stale.is_empty() && segment.superseding && segment.first_written);
+        }
+        (store, h, active)
+    }
+
+    #[test]
+    fn under_periodic_syncs_a_reused_segment_waits_for_the_flusher_to_end_its_stale_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _h, active) = with_a_first_record_not_yet_synced_over_a_stale_one(dir.path());
+        // The flusher's sync ends the stale records behind the first record.
+        store.shared.sync_dirty();
+        let index = store.shared.index.lock();
+        assert!(index.segments[active as usize].stale.is_empty());
+        assert!(!index.segments[active as usize].superseding);
+        assert!(index.stale.is_empty());
+    }
+
+    #[test]
+    fn a_delete_of_a_stale_record_behind_a_first_record_not_yet_synced_syncs_it() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, h, active) = with_a_first_record_not_yet_synced_over_a_stale_one(dir.path());
+        // Key 0's record cannot be marked (the segment's next life began over it), and a power
+        // loss before the next periodic sync would bring it back: the delete syncs the file.
+        store.delete(&keys(0..1));
+        let index = store.shared.index.lock();
+        assert!(index.segments[active as usize].stale.is_empty(), "left to a power loss");
+        assert!(!index.segments[active as usize].superseding);
+        drop(index);
+        drop((h, store));
+        let store = lru_store_syncing(dir.path(), 16, RARE_SYNCS);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..1)).count_ones(), 0, "deleted, back after a restart");
+        assert_eq!(h.present(&keys(200..201)).count_ones(), 1);
     }
 
     #[test]
