@@ -146,6 +146,10 @@ struct Segment {
     /// could bring back the earlier lives' records the life's writes overwrote, so a mark that
     /// finds one overwritten is settled only after it.
     unsynced: Option<u64>,
+    /// A sync meant to cover `unsynced` failed: no later one is trusted for it (after a failed
+    /// sync the kernel may report the next one clean without the pages on disk), so its stale
+    /// records stay unmarked until the segment's next life is written and synced.
+    sync_failed: bool,
 }
 
 impl Segment {
@@ -165,6 +169,7 @@ impl Segment {
             superseding: false,
             unsuperseded: false,
             unsynced: None,
+            sync_failed: false,
         }
     }
 
@@ -230,7 +235,7 @@ type WrittenLife = (u32, u64, Arc<SegmentFile>);
 
 impl Index {
     /// The lives among `segments` whose first record is written and not yet synced, with stale
-    /// records behind it that `wanted` accepts.
+    /// records behind it that `wanted` accepts; none whose sync failed.
     fn written_lives(
         &self,
         segments: impl Iterator<Item = u32>,
@@ -239,7 +244,8 @@ impl Index {
         segments
             .filter_map(|id| {
                 let segment = &self.segments[id as usize];
-                let epoch = segment.unsynced.filter(|_| wanted(&segment.stale))?;
+                let epoch =
+                    segment.unsynced.filter(|_| !segment.sync_failed && wanted(&segment.stale))?;
                 Some((id, epoch, segment.file.clone()?))
             })
             .collect()
@@ -1294,7 +1300,8 @@ struct Shared {
     faults: WriteFaults,
 }
 
-/// Panics the tests inject on the write thread, each armed for one shot.
+/// Faults the tests inject (panics on the write thread, each armed for one shot; held threads;
+/// failing syncs), and the syncs they count.
 #[cfg(test)]
 #[derive(Default)]
 struct WriteFaults {
@@ -1312,6 +1319,11 @@ struct WriteFaults {
     marks: Gate,
     /// Once a delete or a clear has counted itself in `Segment::marking`.
     marking: AtomicBool,
+    /// While set (not a single shot), the syncs of lives' first records
+    /// (`Shared::end_written_lives`) fail.
+    failing_syncs: AtomicBool,
+    /// The syncs of lives' first records made (`Shared::end_written_lives`).
+    life_syncs: AtomicU64,
 }
 
 #[cfg(test)]
@@ -2388,6 +2400,7 @@ impl Shared {
             segment.unsuperseded = true;
             if written {
                 segment.unsynced = Some(epoch);
+                segment.sync_failed = false;
             }
             drop(index);
             self.marked.notify_all();
@@ -2398,15 +2411,21 @@ impl Shared {
     }
 
     /// A sync of `segment`'s file that covered the first record of its life `epoch` ended. If
-    /// it succeeded (`durable`) and the segment is still in that life, the stale records behind
-    /// the record end; if it failed, they stay, unmarkable until the life's writes are over. No
-    /// later sync is trusted for it either way (after a failed sync the kernel may report the next
-    /// one clean without the pages on disk). Wakes the deletes and clears waiting for it.
+    /// it succeeded (`durable`), and none failed for that life before, the life is synced and, if
+    /// the segment is still in it, the stale records behind the record end; if it failed, the
+    /// life is left unsynced for good (`Segment::sync_failed`) and they stay, unmarkable until
+    /// the segment's next life. Wakes the deletes and clears waiting for it.
     fn end_stale(&self, segment: u32, epoch: u64, durable: bool) {
         let mut index = self.index.lock();
         let reused = &mut index.segments[segment as usize];
-        if reused.unsynced == Some(epoch) {
-            reused.unsynced = None;
+        let ours = reused.unsynced == Some(epoch);
+        let durable = durable && !(ours && reused.sync_failed);
+        if ours {
+            if durable {
+                reused.unsynced = None;
+            } else {
+                reused.sync_failed = true;
+            }
         }
         if reused.superseding && reused.epoch == epoch {
             if durable {
@@ -2448,6 +2467,14 @@ impl Shared {
         let mut synced: HashMap<u32, bool> = HashMap::new();
         for (segment, epoch, file) in lives {
             let durable = *synced.entry(self.layout.file_of(segment)).or_insert_with(|| {
+                #[cfg(test)]
+                {
+                    self.faults.life_syncs.fetch_add(1, Ordering::SeqCst);
+                    if self.faults.failing_syncs.load(Ordering::SeqCst) {
+                        self.metrics.failed(Failure::Io);
+                        return false;
+                    }
+                }
                 let durable = file.sync().is_ok();
                 if !durable {
                     self.metrics.failed(Failure::Io);
@@ -2593,20 +2620,32 @@ impl Shared {
     /// the new one replaces it. The record that loses is marked deleted on disk, so that a
     /// restart finds only the one indexed (a key deleted or cleared since stays gone).
     fn publish_records(&self, records: &[(ObjectKey, Loc)]) -> Result<(), TierError> {
-        if self.config.fsync == FsyncPolicy::Always {
-            self.sync_segments(records.iter().map(|(_, loc)| loc.segment))?;
+        if self.config.fsync == FsyncPolicy::Always
+            && let Err(e) = self.sync_segments(records.iter().map(|(_, loc)| loc.segment))
+        {
+            // The lives these records began are not trusted to a later sync
+            // (`Shared::end_unpublished_lives` comes next).
+            let mut index = self.index.lock();
+            for (_, loc) in records {
+                let segment = &mut index.segments[loc.segment as usize];
+                if segment.unsynced == Some(segment.epoch) {
+                    segment.sync_failed = true;
+                }
+            }
+            return Err(e);
         }
         let mut index = self.index.lock();
         if self.config.fsync == FsyncPolicy::Always {
             // Synced, the superblocks of the lives these records began end the stale records
-            // behind them for good (`superseded`): every write of the task succeeded. A life
-            // another task began is that task's to end, at its own sync.
+            // behind them for good (`superseded`): every write of the task succeeded, unless a
+            // delete's sync of the life failed before. A life another task began is that task's
+            // to end, at its own sync.
             for (_, loc) in records {
                 if loc.offset != self.layout.base(loc.segment) + BLOCK {
                     continue;
                 }
                 let segment = &mut index.segments[loc.segment as usize];
-                if segment.superseding {
+                if segment.superseding && !segment.sync_failed {
                     segment.superseding = false;
                     segment.unsynced = None;
                     segment.stale = Vec::new();
@@ -4565,7 +4604,9 @@ mod tests {
         let (store, h, active) = with_a_first_record_not_yet_synced_over_a_stale_one(dir.path());
         // Key 0's record cannot be marked (the segment's next life began over it), and a power
         // loss before the next periodic sync would bring it back: the delete syncs the file.
+        let syncs = life_syncs(&store);
         store.delete(&keys(0..1));
+        assert_eq!(life_syncs(&store), syncs + 1);
         let index = store.shared.index.lock();
         let segment = &index.segments[active as usize];
         assert_eq!(segment.unsynced, None, "left to a power loss");
@@ -4580,12 +4621,28 @@ mod tests {
         use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
-        let (store, mut h, active) =
-            with_a_first_record_not_yet_synced_over_a_stale_one(dir.path());
-        // The next store seals the segment; then its life is evicted before any sync (ahead of
-        // stores, as a lookup does): key 200's record joins key 0's among the stale ones, and
-        // the life stays unsynced.
-        h.store(&keys(201..202)).unwrap();
+        let (store, h, active) = with_an_unsynced_life_evicted_over_a_stale_record(dir.path());
+        // A mark of key 0 finds key 200's record over it: that settles it only once key 200's
+        // life is on disk for good, so the delete syncs it first.
+        let syncs = life_syncs(&store);
+        store.delete(&keys(0..1));
+        assert_eq!(life_syncs(&store), syncs + 1);
+        let index = store.shared.index.lock();
+        let segment = &index.segments[active as usize];
+        assert_eq!(segment.unsynced, None, "settled while a power loss could bring it back");
+        assert!(segment.stale.iter().all(|(_, key, _)| *key != keys(0..1)[0]));
+        drop(index);
+        drop(h);
+    }
+
+    /// [`with_a_first_record_not_yet_synced_over_a_stale_one`], then a store that seals the
+    /// segment, and its life evicted before any sync (ahead of stores, as a lookup does): key
+    /// 200's record joins key 0's among the stale ones, and the life stays unsynced.
+    fn with_an_unsynced_life_evicted_over_a_stale_record(
+        dir: &Path,
+    ) -> (Arc<DiskStore>, tierkv_testkit::contract::Harness, u32) {
+        let (store, mut h, active) = with_a_first_record_not_yet_synced_over_a_stale_one(dir);
+        h.store(&tierkv_testkit::contract::keys(201..202)).unwrap();
         {
             let mut index = store.shared.index.lock();
             while !index.segments[active as usize].keys.is_empty() {
@@ -4596,14 +4653,36 @@ mod tests {
             assert_eq!(segment.stale.len(), 2);
             assert!(segment.unsynced.is_some());
         }
-        // A mark of key 0 finds key 200's record over it: that settles it only once key 200's
-        // life is on disk for good, so the delete syncs it first.
+        (store, h, active)
+    }
+
+    fn life_syncs(store: &DiskStore) -> u64 {
+        store.shared.faults.life_syncs.load(Ordering::SeqCst)
+    }
+
+    #[test]
+    fn after_a_failed_sync_of_a_life_no_mark_is_settled_against_it_and_no_sync_trusted() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, h, active) = with_an_unsynced_life_evicted_over_a_stale_record(dir.path());
+        let key0 = keys(0..1)[0];
+        let unmarked = |store: &DiskStore| {
+            let index = store.shared.index.lock();
+            let segment = &index.segments[active as usize];
+            segment.unsynced.is_some() && segment.stale.iter().any(|(_, key, _)| *key == key0)
+        };
+        store.shared.faults.failing_syncs.store(true, Ordering::SeqCst);
         store.delete(&keys(0..1));
-        let index = store.shared.index.lock();
-        let segment = &index.segments[active as usize];
-        assert_eq!(segment.unsynced, None, "settled while a power loss could bring it back");
-        assert!(segment.stale.iter().all(|(_, key, _)| *key != keys(0..1)[0]));
-        drop(index);
+        assert!(unmarked(&store), "settled against a life whose sync failed");
+        // A later sync could report clean without the pages on disk: none is tried for it.
+        store.shared.faults.failing_syncs.store(false, Ordering::SeqCst);
+        store.shared.sync_dirty();
+        assert!(unmarked(&store), "the flusher trusted a sync after a failed one");
+        let syncs = life_syncs(&store);
+        store.delete(&keys(0..1));
+        assert_eq!(life_syncs(&store), syncs, "the delete tried the sync again");
+        assert!(unmarked(&store));
         drop(h);
     }
 
