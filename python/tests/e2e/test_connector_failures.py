@@ -435,6 +435,39 @@ def test_a_store_over_blocks_a_failed_load_left_unwritten_is_dropped_however_lat
     assert worker.stored_chunks == before + 3
 
 
+@pytest.mark.parametrize("how", ["preempted", "aborted"])
+def test_a_request_let_go_before_its_loading_step_runs_still_loads(
+    halves: Halves, how: str
+) -> None:
+    # Under async scheduling vLLM plans the next step while the last one is in flight, and may
+    # preempt a request there (or abort it between the two) whose synchronous load that step
+    # has yet to make. Its lookup's release waits until the step has run: the daemon refuses a
+    # retrieve through a lookup released first (unknown lookup), a load vLLM recomputes for
+    # nothing. The releases are made here, when the test says, not on the background thread.
+    scheduler, worker = halves.scheduler, halves.worker
+    scheduler.releases.put(None)
+    scheduler.releaser.join()
+
+    def release_queued() -> None:
+        while not scheduler.releases.empty():
+            item = scheduler.releases.get()
+            assert isinstance(item, tuple)
+            scheduler._release_one(*item, 0, [])  # noqa: SLF001
+
+    a = _hit(halves, "a")
+    scheduler.update_state_after_alloc(a, 3 * BLOCK)
+    in_flight = scheduler.build_connector_meta(scheduler_output([(a, [4, 5, 6, 7], 3 * BLOCK, 1)]))
+    assert [op.req_id for op in in_flight.loads] == ["a"]
+    if how == "aborted":
+        assert scheduler.request_finished(a), "its blocks wait for the workers"
+    scheduler.build_connector_meta(scheduler_output([], preempted=(how == "preempted") * ("a",)))
+    release_queued()
+    worker.start_load_kv(in_flight)
+    worker.wait_for_save(in_flight)
+    assert worker.take_load_errors() == set(), "its lookup was released before it loaded"
+    assert halves.holds([4, 5, 6], like=[0, 1, 2])
+
+
 def test_a_request_preempted_and_resumed_in_one_step_still_loads(halves: Halves) -> None:
     # vLLM's reset of its prefix cache (reset_running_requests) preempts every running request
     # outside a schedule and resumes them in the next step, whose output names them preempted

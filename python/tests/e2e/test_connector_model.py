@@ -51,10 +51,11 @@ made-up daemon, whose touch lookups fail at random (leasing nothing) and whose r
 the session busy at random (tried again); each such request is touched once per rank, from the
 root, deferred, never loaded through, and its lookups returned exactly once. A load fills
 exactly the blocks vLLM allocated for the external tokens it accepted (none of its own hit's).
-The daemon refuses a retrieve through a lookup already returned (a failed load): under
-synchronous scheduling, where nothing runs between a step's plan and its loads, that is a
-broken promise; under async scheduling the next step's preemption or an abort may return it
-first.
+The daemon refuses a retrieve through a lookup already returned (a failed load): that is a
+broken promise under either scheduling. Under async scheduling the next step's plan (a
+preemption) or an abort comes before the step in flight loads, and the scheduler half holds
+such a release back until that step has run. After the scheduler half's shutdown every lookup
+made was returned, those it held back included.
 
 A third of the runs use ``async_loads``, under sync or async scheduling in turn. vLLM then
 answers a hit ``(n, True)``: it allocates the request's blocks for its local and external
@@ -493,12 +494,12 @@ class Engine:
         blocks = [b for _, held in op.chunks for b in held]
         lookup = op.lookups[rank] if len(op.lookups) > 1 else op.lookups[0]
         assert lookup in self.lookups, f"{op.req_id} loads through unknown lookup {lookup}"
-        # The daemon refuses a retrieve through a lookup already returned: a failed load. Under
-        # synchronous scheduling a step runs right after it is planned, so nothing returns the
-        # lookup in between. Under async scheduling the next step is planned first, and its
-        # preemption (or an abort between them) returns it while this step's load waits to run.
+        # The daemon refuses a retrieve through a lookup already returned: a failed load, which
+        # vLLM recomputes for nothing. Under async scheduling the next step is planned first,
+        # and its preemption (or an abort between them) must not return the lookup before this
+        # step's load has run.
         refused = lookup in self.releases.released
-        if refused and not self.asynchronous:
+        if refused:
             self.violations.append(
                 f"step {self.step}: rank {rank} {op.req_id} loads through lookup {lookup}, "
                 "already released"
@@ -1372,11 +1373,11 @@ class Engine:
         it; every kept miss is a known request's; no request vLLM finished is still known."""
         states = self.scheduler.requests
         held = {lookup for state in states.values() for lookup in state.lookups or ()}
+        # Releases held back until the step that loads through their lookup has run.
+        held |= {release[2] for _, release in self.scheduler.held_back}
         leaked = self.lookups - self.releases.released - held
         if leaked:
             self.leaks.append(f"lookups never returned: {sorted(leaked)}")
-        if self.releases.twice:
-            self.leaks.append(f"lookups returned twice: {sorted(self.releases.twice)}")
         reused = held & self.releases.released
         if held & self.touch_lookups:
             self.leaks.append(f"touches' lookups held by requests: {held & self.touch_lookups}")
@@ -1405,6 +1406,14 @@ class Engine:
                     self.leaks.append(
                         f"rank {rank} keeps freed requests {sorted(rids & freed)} ({what})"
                     )
+
+    def check_returned(self) -> None:
+        """After the scheduler half's shutdown, every lookup made was returned, and none twice."""
+        left = self.lookups - self.releases.released
+        if left:
+            self.leaks.append(f"lookups not returned at shutdown: {sorted(left)}")
+        if self.releases.twice:
+            self.leaks.append(f"lookups returned twice: {sorted(self.releases.twice)}")
 
     def in_daemon(self, chunk: int) -> bool:
         return all(chunk in held for held in self.daemon)
@@ -1457,6 +1466,7 @@ def run_seed(seed: int, asynchronous: bool, socket: str, async_loads: bool = Fal
             engine.run()
     finally:
         engine.close()
+    engine.check_returned()
     return engine
 
 

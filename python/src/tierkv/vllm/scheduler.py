@@ -4,7 +4,9 @@ Per request it keeps the prompt's chunk ids (hashed once), the open lookup (one 
 one with MLA, one per TP rank otherwise) and how far the prompt has been stored. The lookup's
 lease is what guarantees the hit stays readable: it is taken in ``get_num_new_matched_tokens``,
 consumed by the workers' retrieves in the step that loads, and returned by ``release`` when vLLM
-decides not to load, preempts the request, or finishes it. A request vLLM's own prefix cache
+decides not to load, preempts the request, or finishes it (a lookup a step's synchronous load goes
+through only once that step has run: under async scheduling vLLM may preempt or finish the
+request while the step is still in flight). A request vLLM's own prefix cache
 holds whole is not looked up but touched (:class:`_Touch`: a deferred lookup released at once,
 on the background thread that returns leases), so the daemon sees its chunks used. Any failure
 to reach the daemon is a miss (0 tokens): vLLM computes the prefix itself.
@@ -284,6 +286,16 @@ class SchedulerSide:
         self.async_planned: dict[str, tuple[LoadOp | None, list[int]]] = {}
         #: Requests finished while vLLM waited for their load (``TierKVMetadata.freed_on_recv``).
         self.freed_on_recv: list[str] = []
+        #: Steps planned (``build_connector_meta`` calls).
+        self.planned_steps = 0
+        #: The lookups a step's synchronous loads go through, with that step's number
+        #: (``planned_steps``), while it may not have run: under async scheduling vLLM plans the
+        #: next step, and may preempt or abort the loading request, before the step in flight
+        #: loads, and the daemon refuses a retrieve through a lookup released first.
+        self.loading_through: dict[int, int] = {}
+        #: Releases of such lookups, held back until their step has run: that step's number,
+        #: and the release (the lookup's link, its session generation, the lookup).
+        self.held_back: list[tuple[int, tuple[Link, int, int]]] = []
         #: The background thread's work: leases to return (a lookup, on the link that made it
         #: in that session generation), touches, and ``None`` to stop.
         self.releases: queue.SimpleQueue[tuple[Link, int, int] | _Touch | None] = (
@@ -340,6 +352,8 @@ class SchedulerSide:
         that it does not load is ``unloadable``; should even that fail, the exception reaches
         vLLM: its step would read blocks nobody wrote."""
         promised, self.promised = self.promised, {}
+        self.planned_steps += 1
+        self._steps_run(self.planned_steps - 2)
         meta = TierKVMetadata(
             preempted=sorted(out.preempted_req_ids or ()),
             idle=getattr(out, "total_num_scheduled_tokens", 1) == 0,
@@ -350,6 +364,8 @@ class SchedulerSide:
             lambda: self._build(meta, out, promised),
             lambda _e: self._settle(meta, scheduled_requests(out), promised),
         )
+        for op in meta.loads:
+            self.loading_through.update(dict.fromkeys(op.lookups, self.planned_steps))
         scheduled = scheduled_requests(out)
         return self.guard.run(
             "finding what the step's stores were computed over (its stores are dropped)",
@@ -444,6 +460,8 @@ class SchedulerSide:
                 "returning leases at shutdown", lambda s=state: self._release(s), nothing
             )
         self.requests.clear()
+        # No step runs any more: the releases held back for one go too.
+        self._steps_run(self.planned_steps)
         self.releases.put(None)
         self.releaser.join(timeout=2 * self.settings.timeout_s)
         for link in self.links:
@@ -1048,13 +1066,33 @@ class SchedulerSide:
     def _release(self, state: _Request) -> None:
         """Returns the request's lookups, each on its own link's session as long as that session
         is the one that made it (a session that is gone returned its lookups itself): one rank's
-        reconnect does not keep the other ranks' leases to their deadline."""
+        reconnect does not keep the other ranks' leases to their deadline. A lookup that a step
+        not known to have run loads through is held back until it has (``loading_through``)."""
         lookups, state.lookups = state.lookups, None
         state.outcomes = []
         if lookups is None:
             return
         for link, generation, lookup in zip(self.links, state.generations, lookups, strict=True):
-            self.releases.put((link, generation, lookup))
+            step = self.loading_through.get(lookup)
+            if step is None:
+                self.releases.put((link, generation, lookup))
+            else:
+                self.held_back.append((step, (link, generation, lookup)))
+
+    def _steps_run(self, last: int) -> None:
+        """Every step up to ``last`` (a ``planned_steps`` number) has run, its loads with it:
+        the releases held back for their lookups go out. vLLM plans a step only once it has the
+        output of the step two before it (async scheduling runs one step while it plans the
+        next; without it, a step is over before the next is planned)."""
+        self.loading_through = {
+            lookup: step for lookup, step in self.loading_through.items() if step > last
+        }
+        held, self.held_back = self.held_back, []
+        for step, release in held:
+            if step <= last:
+                self.releases.put(release)
+            else:
+                self.held_back.append((step, release))
 
     def _release_in_background(self) -> None:
         """Returns leases off the scheduler's loop: a release is needed only where a lookup was
