@@ -40,22 +40,22 @@ makes every rank's later KV garbage; vLLM hears of the union of the ranks' faile
 the worker halves agree on failed loads through ``dist.all_reduce`` (a thread per rank).
 
 Lookups go through ``get_num_new_matched_tokens`` into a made-up daemon (``SchedulerSide._hit``
-replaced): per rank, the chunk ids it holds (some prompts' first chunks from the start, then
-every chunk a worker stores), so this engine's stores grow later requests' hits; an open lookup
-is used again or redone as the real one is, returning the old one. Misses are kept
-(``miss_refresh_s`` past the run) or not. At the end every lookup made must have been returned
-(``release``) unless a request the scheduler half still knows holds it, and no finished request
-is still known (nor waiting on a kept miss). A request vLLM's own hit covers whole is not looked
-up but touched: the scheduler half's background work (``_touch_now``) runs at once over the
-made-up daemon, whose touch lookups fail at random (leasing nothing) and whose releases find
-the session busy at random (tried again); each such request is touched once per rank, from the
-root, deferred, never loaded through, and its lookups returned exactly once. A load fills
-exactly the blocks vLLM allocated for the external tokens it accepted (none of its own hit's).
-The daemon refuses a retrieve through a lookup already returned (a failed load): that is a
-broken promise under either scheduling. Under async scheduling the next step's plan (a
-preemption) or an abort comes before the step in flight loads, and the scheduler half holds
-such a release back until that step has run. After the scheduler half's shutdown every lookup
-made was returned, those it held back included.
+replaced): per rank, the chunk ids it holds (some prompts' first chunks from the start, then every
+chunk a worker stores), so this engine's stores grow later requests' hits; an open lookup is used
+again or redone as the real one is, returning the old one. Misses are kept (``miss_refresh_s`` past
+the run) or not. At the end every lookup made must have been returned (``release``) unless a
+request the scheduler half still knows holds it, and no finished request is still known (nor
+waiting on a kept miss). A request vLLM's own hit covers whole is not looked up but touched: the
+scheduler half's background work (``_touch_now``) runs at once over the made-up daemon, on the
+touches' own sessions (never the scheduler thread's), whose touch lookups fail at random (leasing
+nothing) and whose releases find the session busy at random (tried again); each such request is
+touched once per rank, from the root, deferred, never loaded through, and its lookups returned
+exactly once. A load fills exactly the blocks vLLM allocated for the external tokens it accepted
+(none of its own hit's). The daemon refuses a retrieve through a lookup already returned (a failed
+load): that is a broken promise under either scheduling. Under async scheduling the next step's
+plan (a preemption) or an abort comes before the step in flight loads, and the scheduler half holds
+such a release back until that step has run. After the scheduler half's shutdown every lookup made
+was returned, those it held back included.
 
 A third of the runs use ``async_loads``, under sync or async scheduling in turn. vLLM then
 answers a hit ``(n, True)``: it allocates the request's blocks for its local and external
@@ -333,11 +333,15 @@ class Engine:
         self.scheduler._look_up = self._lookup  # type: ignore[method-assign]  # noqa: SLF001
         self.releases = _Releases(self.scheduler.releases, self._touch_prompt)
         self.scheduler.releases = self.releases  # type: ignore[assignment]
-        # The background thread's calls (a touch's lookups and releases) reach the made-up
-        # daemon: each rank's link answers with its own session.
-        for rank, link in enumerate(self.scheduler.links):
+        # The background thread's touch calls (their lookups and releases) reach the made-up
+        # daemon: each rank's touch link answers with its own session.
+        for rank, link in enumerate(self.scheduler.touch_links):
             client = _TouchClient(self, rank)
             link.call = lambda fn, client=client: fn(client)  # type: ignore[method-assign]
+        # Nothing else here reaches the scheduler's own sessions (its lookups are made up, their
+        # releases recorded): a touch there would hold up the scheduler thread's lookups.
+        for link in self.scheduler.links:
+            link.call = self._on_scheduler_session  # type: ignore[method-assign]
         #: How often a touch's lookup fails (the daemon down, or refusing it), and how often its
         #: release finds the session busy (tried again).
         self.touch_fails = rng.choice([0.0, 0.3])
@@ -794,6 +798,10 @@ class Engine:
         self.scheduler._touch_now(touch, again)  # noqa: SLF001
         while again:
             self.scheduler._release_one(*again.pop(0), again)  # noqa: SLF001
+
+    def _on_scheduler_session(self, _fn: Any) -> Any:
+        self.violations.append(f"step {self.step}: a call on a scheduler thread's session")
+        raise Unavailable("not the touches' session")
 
     def _touch_lookup(self, rank: int, wanted: list[int], defer: bool) -> Any:
         """A touch's lookup on ``rank``'s session: only of a request vLLM's own hit covers whole,

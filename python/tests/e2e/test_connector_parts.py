@@ -943,6 +943,51 @@ def test_a_prompt_vllm_holds_whole_is_touched_once_and_its_lease_returned(
         daemon.stop()
 
 
+def test_a_touch_in_progress_does_not_hold_up_a_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A touch runs on the background thread while the scheduler's thread looks up other
+    requests. Its call must not hold the session that lookup needs: the lookup would wait for
+    it, and past its deadline be a miss. Here the touch's call stays in flight (its client
+    held) until the other request's lookup has answered."""
+    setup = _beside_a_client(tmp_path, _four_slot_config)
+    daemon, scheduler, client, number = setup.daemon, setup.scheduler, setup.client, setup.number
+    request, state, touched = setup.request, setup.state, setup.touched
+    touching, go_on = threading.Event(), threading.Event()
+    lookup = Client.lookup
+
+    def held(self: Client, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is scheduler.releaser:
+            with self._lock:  # noqa: SLF001 (a call in flight holds its client)
+                touching.set()
+                go_on.wait(10)
+        return lookup(self, *args, **kwargs)
+
+    monkeypatch.setattr(Client, "lookup", held)
+    try:
+        assert client.store(0, number, [(c, i) for i, c in enumerate(state.chunks[:3])]).stored
+        daemon.eventually("L1 holds the chunks", lambda s: s["tiers"][0]["objects"] == 3)
+        # vLLM holds the request's chunks: touched, and the touch is held in flight.
+        assert scheduler.get_num_new_matched_tokens(request, 3 * 32) == (0, False)
+        assert touching.wait(10), "the request was not touched"
+        other = _plain_request("other", list(range(100)))
+        answer = scheduler.get_num_new_matched_tokens(other, 0)
+        go_on.set()
+        assert answer == (3 * 32, False), "the lookup waited for the touch, and missed"
+        assert touched.acquire(timeout=10), "the touch never ended"
+        scheduler.update_state_after_alloc(other, 0)
+        daemon.eventually(
+            "the touch's and the lookup's leases are returned",
+            lambda s: s["open_lookups"] == 0 and s["l1_leased_chunks"] == 0,
+        )
+    finally:
+        go_on.set()
+        client.close()
+        scheduler.shutdown()
+        setup.buffer.close()
+        daemon.stop()
+
+
 def test_kv_another_request_computed_over_a_failed_load_is_never_stored(tmp_path: Path) -> None:
     """Async scheduling: R's load into blocks 10-11 is planned in one step; in the next, before
     vLLM hears that it failed, R2 (sharing 10-11 through vLLM's prefix cache) computes block

@@ -1,15 +1,15 @@
 """The connector's scheduler half: how many tokens tierkv holds, and which chunks move when.
 
-Per request it keeps the prompt's chunk ids (hashed once), the open lookup (one per rank key:
-one with MLA, one per TP rank otherwise) and how far the prompt has been stored. The lookup's
-lease is what guarantees the hit stays readable: it is taken in ``get_num_new_matched_tokens``,
-consumed by the workers' retrieves in the step that loads, and returned by ``release`` when vLLM
-decides not to load, preempts the request, or finishes it (a lookup a step's synchronous load goes
-through only once that step has run: under async scheduling vLLM may preempt or finish the
-request while the step is still in flight). A request vLLM's own prefix cache
-holds whole is not looked up but touched (:class:`_Touch`: a deferred lookup released at once,
-on the background thread that returns leases), so the daemon sees its chunks used. Any failure
-to reach the daemon is a miss (0 tokens): vLLM computes the prefix itself.
+Per request it keeps the prompt's chunk ids (hashed once), the open lookup (one per rank key: one
+with MLA, one per TP rank otherwise) and how far the prompt has been stored. The lookup's lease is
+what guarantees the hit stays readable: it is taken in ``get_num_new_matched_tokens``, consumed by
+the workers' retrieves in the step that loads, and returned by ``release`` when vLLM decides not to
+load, preempts the request, or finishes it (a lookup a step's synchronous load goes through only
+once that step has run: under async scheduling vLLM may preempt or finish the request while the
+step is still in flight). A request vLLM's own prefix cache holds whole is not looked up but
+touched (:class:`_Touch`: a deferred lookup released at once, on the background thread that returns
+leases, over sessions of its own), so the daemon sees its chunks used. Any failure to reach the
+daemon is a miss (0 tokens): vLLM computes the prefix itself.
 
 Every hook runs under the connector's :class:`~tierkv.vllm.guard.Guard`, so nothing that fails
 here raises into vLLM's scheduler. Once vLLM has accepted external tokens
@@ -106,7 +106,7 @@ class _Touch:
     touched in the daemon: no lookup of it is made, since none could load anything, and a store
     of a chunk the daemon holds touches nothing, so the daemon's eviction would see a hot prompt
     unused and let it go, and it would miss once vLLM lets it go too. The background thread
-    looks up ``chunks[:count]`` with ``defer_prefetch`` on every rank's session and releases
+    looks up ``chunks[:count]`` with ``defer_prefetch`` on every rank's touch session and releases
     each lookup at once: the L1 hits are leased, which touches them (leaf first, so the root
     ends newest), nothing is prefetched from below L1, and nobody waits for the answer."""
 
@@ -233,22 +233,27 @@ class SchedulerSide:
         self.chunk_tokens = block_size * settings.chunk_blocks
         # One session per rank key: a lookup is of one rank's KV (MLA: the shared copy).
         ranks = [0] if mla else list(range(tp_size))
-        self.links = [
-            Link(
-                settings.socket,
-                wire.hello(
-                    rank=r,
-                    tp_size=tp_size,
-                    world_size=tp_size,
-                    mla=mla,
-                    namespaces=[(namespace, "")],
-                    chunk_bytes=chunk_bytes,
-                    chunk_tokens=self.chunk_tokens,
-                ),
-                settings.timeout_s,
-                settings.retry_s,
+        hellos = [
+            wire.hello(
+                rank=r,
+                tp_size=tp_size,
+                world_size=tp_size,
+                mla=mla,
+                namespaces=[(namespace, "")],
+                chunk_bytes=chunk_bytes,
+                chunk_tokens=self.chunk_tokens,
             )
             for r in ranks
+        ]
+        self.links = [
+            Link(settings.socket, h, settings.timeout_s, settings.retry_s) for h in hellos
+        ]
+        #: The background thread's sessions for touches (:class:`_Touch`), one per rank key,
+        #: opened on the first touch: a touch's lookup and release never hold the session a
+        #: lookup of the scheduler's thread needs, nor count against its leases. Leases are per
+        #: session, so the releases of the scheduler's lookups stay on ``links``.
+        self.touch_links = [
+            Link(settings.socket, h, settings.timeout_s, settings.retry_s) for h in hellos
         ]
         self.requests: dict[str, _Request] = {}
         #: Blocks that loads planned in this step or the last fill (or that KV computed over
@@ -464,7 +469,7 @@ class SchedulerSide:
         self._steps_run(self.planned_steps)
         self.releases.put(None)
         self.releaser.join(timeout=2 * self.settings.timeout_s)
-        for link in self.links:
+        for link in self.links + self.touch_links:
             self.guard.run("closing a session at shutdown", link.close, nothing)
 
     # -- the hooks' bodies -------------------------------------------------------------------
@@ -1099,7 +1104,7 @@ class SchedulerSide:
         not (entirely) consumed by the workers' retrieves, and vLLM should not wait for it. One
         that found the session busy with the scheduler thread's call is tried again a little
         later (a few times), since the session, and the lease, are still there. Touches
-        (:class:`_Touch`) are made here too, for the same reason."""
+        (:class:`_Touch`) are made here too, for the same reason, on sessions of their own."""
         again: list[tuple[Link, int, int, int]] = []
         while True:
             if again:
@@ -1118,12 +1123,13 @@ class SchedulerSide:
                 self._release_one(*item, 0, again)
 
     def _touch_now(self, touch: _Touch, again: list[tuple[Link, int, int, int]]) -> None:
-        """Looks up the touch's chunks on every rank's session, deferred (no prefetch), and
-        releases each lookup made, once (a release that finds the session busy is tried again
-        like any other). A lookup that fails leased nothing, or its session is gone with its
-        leases: it is skipped, as a miss would be."""
+        """Looks up the touch's chunks on every rank's touch session (``touch_links``), deferred
+        (no prefetch), and releases each lookup made on the session that made it, once (a
+        release that finds the session busy is tried again like any other). A lookup that
+        fails leased nothing, or its session is gone with its leases: it is skipped, as a miss
+        would be."""
         wanted = touch.chunks[: touch.count]
-        for link in self.links:
+        for link in self.touch_links:
             try:
                 started = link.call(lambda c: c.lookup(0, wanted, True))
             except (Unavailable, DaemonError):
