@@ -445,6 +445,7 @@ def test_a_request_let_go_before_its_loading_step_runs_still_loads(
     # retrieve through a lookup released first (unknown lookup), a load vLLM recomputes for
     # nothing. The releases are made here, when the test says, not on the background thread.
     scheduler, worker = halves.scheduler, halves.worker
+    scheduler.steps_in_flight = 2  # async scheduling's max_concurrent_batches
     scheduler.releases.put(None)
     scheduler.releaser.join()
 

@@ -328,7 +328,9 @@ class Engine:
         #: often a request's open lookup is found older than ``lookup_refresh_s``.
         self.evict = rng.choice([0.0, 0.3, 0.6])
         self.stale = rng.choice([0.0, 0.3])
-        self.scheduler = SchedulerSide(settings, "m", 4096, BLOCK, self.tp, False)
+        self.scheduler = SchedulerSide(
+            settings, "m", 4096, BLOCK, self.tp, False, steps_in_flight=2 if asynchronous else 1
+        )
         # The scheduler half's own bookkeeping runs; only the daemon's lookups are made up.
         self.scheduler._look_up = self._lookup  # type: ignore[method-assign]  # noqa: SLF001
         self.releases = _Releases(self.scheduler.releases, self._touch_prompt)

@@ -150,6 +150,7 @@ class TierKVConnector(KVConnectorBase_V1):
                 block_size,
                 tp_size,
                 mla,
+                steps_in_flight=vllm_config.max_concurrent_batches,
             )
         else:
             from vllm.distributed.parallel_state import (

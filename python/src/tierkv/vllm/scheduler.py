@@ -217,7 +217,11 @@ def request_salt(request: Request) -> bytes:
 
 
 class SchedulerSide:
-    """Lookups, leases and the per-step load and store plan."""
+    """Lookups, leases and the per-step load and store plan.
+
+    ``steps_in_flight`` is how many steps vLLM runs at once (``max_concurrent_batches``: 2
+    under async scheduling, else 1): it plans a step only once it has the output of the step
+    that many before, so that step's loads are over then."""
 
     def __init__(
         self,
@@ -227,8 +231,10 @@ class SchedulerSide:
         block_size: int,
         tp_size: int,
         mla: bool,
+        steps_in_flight: int = 2,
     ) -> None:
         self.settings = settings
+        self.steps_in_flight = steps_in_flight
         self.block_size = block_size
         self.chunk_tokens = block_size * settings.chunk_blocks
         # One session per rank key: a lookup is of one rank's KV (MLA: the shared copy).
@@ -358,7 +364,7 @@ class SchedulerSide:
         vLLM: its step would read blocks nobody wrote."""
         promised, self.promised = self.promised, {}
         self.planned_steps += 1
-        self._steps_run(self.planned_steps - 2)
+        self._steps_run(self.planned_steps - self.steps_in_flight)
         meta = TierKVMetadata(
             preempted=sorted(out.preempted_req_ids or ()),
             idle=getattr(out, "total_num_scheduled_tokens", 1) == 0,
@@ -1086,9 +1092,7 @@ class SchedulerSide:
 
     def _steps_run(self, last: int) -> None:
         """Every step up to ``last`` (a ``planned_steps`` number) has run, its loads with it:
-        the releases held back for their lookups go out. vLLM plans a step only once it has the
-        output of the step two before it (async scheduling runs one step while it plans the
-        next; without it, a step is over before the next is planned)."""
+        the releases held back for their lookups go out."""
         self.loading_through = {
             lookup: step for lookup, step in self.loading_through.items() if step > last
         }
