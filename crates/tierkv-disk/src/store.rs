@@ -641,7 +641,9 @@ impl Write {
 /// and a store acknowledged durable would be lost. Records written after a failed or torn one are
 /// harmless: nothing indexes a record of an unpublished task at run time, and after a restart the
 /// scan indexes only records whose header matches, and a load verifies epoch, key and checksum
-/// before serving one.
+/// before serving one. A task that publishes nothing marks the records it wrote deleted at its
+/// end ([`Shared::mark_unpublished`]), so a restart does not bring back a key deleted or cleared
+/// meanwhile.
 ///
 /// The thread runs no caller code, but a bug in this crate (or in a policy it calls) that panics
 /// here costs the task whose message (or finished write) it was handling, never the thread:
@@ -819,6 +821,7 @@ impl InFlight<'_> {
                         s.collect_all();
                         s.failed_tasks.remove(&task);
                         s.lives.forget(task);
+                        s.shared.mark_unpublished(&records);
                         s.shared.end_unpublished_lives(&records);
                         s.shared.settle(&records);
                     },
@@ -890,6 +893,7 @@ impl InFlight<'_> {
         };
         self.lives.forget(task);
         if result.is_err() {
+            let _ = self.shared.contained(|| self.shared.mark_unpublished(records));
             let _ = self.shared.contained(|| self.shared.end_unpublished_lives(records));
         }
         if self.shared.contained(|| self.shared.settle(records)).is_none() {
@@ -2438,6 +2442,26 @@ impl Shared {
         }
         drop(index);
         self.marked.notify_all();
+    }
+
+    /// Marks deleted on disk the records of `records` that were written though their task
+    /// publishes nothing (it failed, or was abandoned, after them). Never indexed, they would be
+    /// indexed by a restart, and a delete or a clear of their keys meanwhile, which found nothing
+    /// to mark, would be undone. Called before the task's records are settled, so each segment is
+    /// still in the life they were written in; a record that was never written (its write failed,
+    /// or was skipped) holds no header of that life and key, and is left as it is.
+    fn mark_unpublished(&self, records: &[(ObjectKey, Loc)]) {
+        let marks: Vec<_> = {
+            let index = self.index.lock();
+            records
+                .iter()
+                .filter_map(|(key, loc)| {
+                    let segment = &index.segments[loc.segment as usize];
+                    Some((segment.file.clone()?, segment.epoch, *key, *loc))
+                })
+                .collect()
+        };
+        self.mark_deleted(&marks);
     }
 
     /// Under [`FsyncPolicy::Always`], ends the stale records behind the first records of

@@ -1570,6 +1570,35 @@ fn a_source_that_fails_mid_task_leaves_no_hole_before_later_records() {
 }
 
 #[test]
+fn a_key_deleted_or_cleared_after_its_failed_store_wrote_it_stays_gone_across_a_restart() {
+    // A task whose second source fails writes the first record and publishes nothing: the key
+    // is not indexed, so a delete or a clear finds nothing of it to mark. The record must not
+    // come back with a restart all the same.
+    for clear in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut h, _) = open(config(dir.path(), 4, 8));
+            let items = vec![
+                tierkv_core::StoreItem {
+                    key: key(0),
+                    source: Box::new(tierkv_core::VecChunk(tierkv_core_payload(&key(0)))),
+                },
+                tierkv_core::StoreItem { key: key(1), source: Box::new(RefusingSource) },
+            ];
+            let task = h.tier.submit_store(items);
+            match h.wait(task) {
+                tierkv_core::Completion::Stored { result, .. } => assert!(result.is_err()),
+                _ => panic!("not a store completion"),
+            }
+            let deleted = if clear { h.tier.clear() } else { h.tier.delete(&[key(0)]) };
+            assert_eq!(deleted, 0, "nothing indexed to delete");
+        }
+        let (mut h, _) = open(config(dir.path(), 4, 8));
+        assert_eq!(h.present(&keys(0..2)).count_ones(), 0, "back after a restart (clear: {clear})");
+    }
+}
+
+#[test]
 fn pipelined_stores_of_many_tasks_survive_a_restart_byte_exact() {
     let dir = tempfile::tempdir().unwrap();
     {
