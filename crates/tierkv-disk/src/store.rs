@@ -130,8 +130,9 @@ struct Segment {
     marking: u32,
     /// The life's first record is with the write thread, stale records behind it: none is
     /// marked until it is written, which ends them once a sync covers it (`unsynced`). A write
-    /// or a sync that fails leaves them, unmarkable until the life's writes are over, so until
-    /// the segment is evicted again.
+    /// that fails (or is skipped) leaves them, unmarkable until the life's writes are over: until
+    /// the segment is sealed with no record unpublished ([`Shared::settle`]), or evicted again; a
+    /// sync that fails, until the segment's next life (`sync_failed`).
     superseding: bool,
     /// The write of the life's first record ended without ending the stale records behind it
     /// yet (it failed, or no sync covered it yet): a delete or a clear does not wait for it any
@@ -171,6 +172,17 @@ impl Segment {
             unsynced: None,
             sync_failed: false,
         }
+    }
+
+    /// Whether a delete or a clear waits before marking the stale records: the life's first
+    /// record is on its way (its write ends them, `Shared::superseded`), or it was not written
+    /// (its write failed, or was skipped) and the writes of the sealed life are not over yet
+    /// (once they are, they can be marked, `Shared::settle`). Neither takes long.
+    fn waits_to_end_stale(&self) -> bool {
+        let written = self.unsynced == Some(self.epoch);
+        self.superseding
+            && (!self.unsuperseded
+                || (!written && self.unpublished > 0 && self.status == Status::Sealed))
     }
 
     fn evictable(&self) -> bool {
@@ -967,7 +979,14 @@ impl InFlight<'_> {
                         WriteFaults::fire(&s.shared.faults.collecting, "collecting a write");
                         s.finish(written);
                     },
-                    |s| s.write_failed(task, loc, epoch, internal_panic()),
+                    |s| {
+                        // Its outcome lost, the write counts as failed for the stale records
+                        // behind it too: were it the first of a life, a delete or a clear of
+                        // those would otherwise wait for it (`BUFFER_WAIT`) until the segment is
+                        // evicted again.
+                        let _ = s.shared.contained(|| s.shared.superseded(loc, epoch, false));
+                        s.write_failed(task, loc, epoch, internal_panic());
+                    },
                 );
                 self.held += outer;
             }
@@ -2708,13 +2727,28 @@ impl Shared {
     }
 
     /// Gives a store task's segments back to eviction once its records are published or
-    /// abandoned.
+    /// abandoned. A segment sealed with none unpublished left has no write of its life in flight
+    /// or to come: the stale records behind a first record of that life that was not written
+    /// for good (its write failed, or was skipped behind an earlier failed write) can be marked
+    /// from now on, a mark racing no write.
     fn settle(&self, records: &[(ObjectKey, Loc)]) {
         let mut index = self.index.lock();
         for (_, loc) in records {
             let segment = &mut index.segments[loc.segment as usize];
             segment.unpublished = segment.unpublished.saturating_sub(1);
+            // A first record written and not yet synced ends them at its sync (`unsynced`).
+            if segment.unpublished == 0
+                && segment.status == Status::Sealed
+                && segment.superseding
+                && segment.unsuperseded
+                && segment.unsynced != Some(segment.epoch)
+            {
+                segment.superseding = false;
+                segment.unsuperseded = false;
+            }
         }
+        drop(index);
+        self.marked.notify_all();
     }
 
     /// Counts a store task's outcome.
@@ -2936,8 +2970,10 @@ impl Shared {
     /// for, at most `BUFFER_WAIT`: once that record is written it ends them, for good once its
     /// file is synced (`superseded`), which is done here if no sync did it yet (so too for a life
     /// evicted before any sync: `Segment::unsynced`); a delete that returned before would be
-    /// undone by a kill, or by a power loss, that leaves them under the old superblock. Those
-    /// still behind it then (its write failed, or hangs, or the sync failed) are left. Each
+    /// undone by a kill, or by a power loss, that leaves them under the old superblock. So are
+    /// those behind a first record that was not written, until the writes of its life are over
+    /// (`settle`), when they can be marked. Those still behind it then (its write hangs, or the
+    /// sync failed) are left. Each
     /// segment marked is kept meanwhile from having its next life's first record handed over
     /// (`Segment::marking`); it stays free or active as it was, counted as before by stores and
     /// lookups. A record whose mark failed stays stale, to be marked again by the next delete or
@@ -2960,7 +2996,7 @@ impl Shared {
             loop {
                 while targets.iter().any(|&id| {
                     let segment = &index.segments[id as usize];
-                    segment.superseding && !segment.unsuperseded && wanted(&segment.stale)
+                    segment.waits_to_end_stale() && wanted(&segment.stale)
                 }) {
                     if self.marked.wait_until(&mut index, deadline).timed_out() {
                         break;
@@ -4751,6 +4787,99 @@ mod tests {
         let mut h = harness(&store);
         assert_eq!(h.present(&keys(0..1)).count_ones(), 0, "deleted, back after a restart");
         assert_eq!(h.present(&keys(200..201)).count_ones(), 1);
+    }
+
+    #[test]
+    fn a_panic_collecting_the_first_write_of_a_life_leaves_no_delete_waiting_for_it() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path(), 16);
+        let active = store.shared.index.lock().active.unwrap();
+        // The next store's first record, which would end key 0's stale record, is written, and
+        // the write thread panics collecting it: its outcome is lost, and the task fails.
+        store.shared.faults.collecting.store(true, Ordering::SeqCst);
+        assert!(h.store(&keys(200..201)).is_err());
+        assert!(!store.shared.faults.collecting.load(Ordering::SeqCst), "the fault fired");
+        // A delete or a clear of key 0 must not wait for that write any more (up to
+        // `BUFFER_WAIT` each, until the segment is evicted again).
+        let index = store.shared.index.lock();
+        let segment = &index.segments[active as usize];
+        assert!(
+            !segment.superseding || segment.unsuperseded,
+            "a delete of its stale records waits for a write that is over"
+        );
+    }
+
+    #[test]
+    fn a_delete_reaches_the_stale_records_behind_a_first_record_never_written() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        // A task of two records, each the first of a new life of the segment evicted for it
+        // (key 0's, then key 1's). The write thread panics once the first is handed over: the
+        // task fails, and its second record is skipped, never written, key 1's record left
+        // stale behind it under the segment's old superblock.
+        store.shared.faults.handed_over.store(true, Ordering::SeqCst);
+        assert!(h.store(&keys(200..202)).is_err());
+        assert!(!store.shared.faults.handed_over.load(Ordering::SeqCst), "the fault fired");
+        // The task is over, and nothing more of that life will be written: a delete of key 1
+        // reaches its record.
+        assert_eq!(store.delete(&keys(1..2)), 0, "not indexed, so not counted");
+        drop((h, store));
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(1..2)).count_ones(), 0, "deleted, back after a restart");
+    }
+
+    #[test]
+    fn a_delete_waits_for_the_writes_of_a_life_whose_first_record_was_never_written() {
+        use tierkv_testkit::contract::{key, keys};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        for n in 0..16 {
+            h.store(&keys(n..n + 1)).unwrap();
+        }
+        // As above, but the first record's write is held: its task cannot end, and the second
+        // record, skipped, leaves key 1's record stale behind it while the life's writes are
+        // not over.
+        let held = store.shared.faults.hold_writes();
+        store.shared.faults.handed_over.store(true, Ordering::SeqCst);
+        let task = h.submit_store(&keys(200..202));
+        let skipped = |index: &Index| {
+            index.stale.iter().any(|&id| {
+                let segment = &index.segments[id as usize];
+                segment.stale.iter().any(|(_, k, _)| *k == key(1))
+                    && segment.superseding
+                    && segment.unsuperseded
+            })
+        };
+        while !skipped(&store.shared.index.lock()) {
+            std::thread::yield_now();
+        }
+        // A delete of key 1 now must not return without reaching its record.
+        let deleting = std::thread::spawn({
+            let store = Arc::clone(&store);
+            move || store.delete(&keys(1..2))
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        drop(held);
+        deleting.join().unwrap();
+        match h.wait(task) {
+            Completion::Stored { result, .. } => assert!(result.is_err()),
+            _ => panic!("not a store completion"),
+        }
+        drop((h, store));
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(1..2)).count_ones(), 0, "deleted, back after a restart");
     }
 
     #[test]
