@@ -3595,6 +3595,8 @@ impl Drop for DiskStore {
 mod tests {
     use super::*;
 
+    mod model;
+
     fn at(segment: u32, offset: u64) -> Loc {
         Loc::written(segment, offset, 1)
     }
