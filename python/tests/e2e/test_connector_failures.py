@@ -467,6 +467,11 @@ def test_a_request_let_go_before_its_loading_step_runs_still_loads(
     worker.wait_for_save(in_flight)
     assert worker.take_load_errors() == set(), "its lookup was released before it loaded"
     assert halves.holds([4, 5, 6], like=[0, 1, 2])
+    # The step that loaded has run once the plan after the next is made: the release goes out.
+    scheduler.build_connector_meta(scheduler_output([]))
+    assert not scheduler.held_back
+    assert not scheduler.releases.empty(), "the release held back is never sent"
+    release_queued()
 
 
 def test_a_request_preempted_and_resumed_in_one_step_still_loads(halves: Halves) -> None:

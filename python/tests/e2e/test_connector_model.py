@@ -1383,8 +1383,10 @@ class Engine:
         it; every kept miss is a known request's; no request vLLM finished is still known."""
         states = self.scheduler.requests
         held = {lookup for state in states.values() for lookup in state.lookups or ()}
-        # Releases held back until the step that loads through their lookup has run.
-        held |= {release[2] for _, release in self.scheduler.held_back}
+        # Releases held back until the step that loads through their lookup has run: only while
+        # that step may still be in flight (a later plan sends them).
+        ran = self.scheduler.planned_steps - self.scheduler.steps_in_flight
+        held |= {release[2] for step, release in self.scheduler.held_back if step > ran}
         leaked = self.lookups - self.releases.released - held
         if leaked:
             self.leaks.append(f"lookups never returned: {sorted(leaked)}")
