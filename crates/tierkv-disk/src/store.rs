@@ -176,13 +176,25 @@ impl Segment {
 
     /// Whether a delete or a clear waits before marking the stale records: the life's first
     /// record is on its way (its write ends them, `Shared::superseded`), or it was not written
-    /// (its write failed, or was skipped) and the writes of the sealed life are not over yet
-    /// (once they are, they can be marked, `Shared::settle`). Neither takes long.
+    /// (its write failed, or was skipped) and the life's writes are not over yet (once they are,
+    /// they can be marked: [`Segment::end_unwritten_life`]). Neither takes long.
     fn waits_to_end_stale(&self) -> bool {
-        let written = self.unsynced == Some(self.epoch);
-        self.superseding
-            && (!self.unsuperseded
-                || (!written && self.unpublished > 0 && self.status == Status::Sealed))
+        self.superseding && (!self.unsuperseded || self.unsynced != Some(self.epoch))
+    }
+
+    /// The life's first record was not written (its write failed, or was skipped behind an
+    /// earlier failed write) and its writes are over: the segment is sealed (a failed write
+    /// seals it) with no record unpublished, so no write of the life can land under a mark any
+    /// more, and the stale records behind that record can be marked. Returns whether it ended
+    /// the wait for it (`superseding`); the caller wakes the deletes and clears waiting.
+    fn end_unwritten_life(&mut self) -> bool {
+        let unwritten = self.superseding && self.unsuperseded && self.unsynced != Some(self.epoch);
+        if unwritten && self.unpublished == 0 && self.status == Status::Sealed {
+            self.superseding = false;
+            self.unsuperseded = false;
+            return true;
+        }
+        false
     }
 
     fn evictable(&self) -> bool {
@@ -1869,10 +1881,16 @@ fn scan(
         segment.serial = serial;
         segment.status = Status::Sealed;
         for (key, loc) in found.records {
-            // One object per key: a second copy (written again after a delete) is redundant.
+            // One object per key: a second copy (a chunk stored again after its first record
+            // was evicted, still on disk) is redundant. It stays on disk, so it is kept as a
+            // stale record (`Segment::stale`): a delete or a clear of its key marks it too, or
+            // the next restart would find it.
             if index.index_record(key, loc) {
                 recovered.records += 1;
                 recovered.bytes += loc.len;
+            } else {
+                index.segments[id as usize].stale.push((epoch, key, loc));
+                index.stale.insert(id);
             }
         }
         index.track_sealed(id);
@@ -2736,16 +2754,7 @@ impl Shared {
         for (_, loc) in records {
             let segment = &mut index.segments[loc.segment as usize];
             segment.unpublished = segment.unpublished.saturating_sub(1);
-            // A first record written and not yet synced ends them at its sync (`unsynced`).
-            if segment.unpublished == 0
-                && segment.status == Status::Sealed
-                && segment.superseding
-                && segment.unsuperseded
-                && segment.unsynced != Some(segment.epoch)
-            {
-                segment.superseding = false;
-                segment.unsuperseded = false;
-            }
+            segment.end_unwritten_life();
         }
         drop(index);
         self.marked.notify_all();
@@ -2770,7 +2779,12 @@ impl Shared {
         let seg = &mut index.segments[segment as usize];
         if seg.status == Status::Active && seg.epoch == epoch {
             seg.status = Status::Sealed;
+            let ended = seg.end_unwritten_life();
             index.track_sealed(segment);
+            if ended {
+                drop(index);
+                self.marked.notify_all();
+            }
         }
     }
 
@@ -4882,6 +4896,75 @@ mod tests {
         let store = lru_store(dir.path(), 16);
         let mut h = harness(&store);
         assert_eq!(h.present(&keys(1..2)).count_ones(), 0, "deleted, back after a restart");
+    }
+
+    #[test]
+    fn a_second_copy_of_a_key_found_by_a_restart_is_deleted_with_it() {
+        use tierkv_testkit::contract::{key, keys};
+
+        let dir = tempfile::tempdir().unwrap();
+        let open = |dir: &Path| {
+            let segment_bytes = BLOCK + 2 * record_bytes(4096);
+            let config = DiskStoreConfig {
+                segment_bytes,
+                policy: PolicyKind::Lru,
+                ..DiskStoreConfig::new(dir, 8 * segment_bytes, 4096)
+            };
+            Arc::new(DiskStore::open(config).unwrap())
+        };
+        let store = open(dir.path());
+        let mut h = harness(&store);
+        // Keys 0 and 1 fill a segment; key 2 begins the next, which has room for one more.
+        h.store(&keys(0..2)).unwrap();
+        h.store(&keys(2..3)).unwrap();
+        // Key 0's segment evicted ahead of the stores (as a lookup does) and not reused: its
+        // record stays on disk. Stored again, key 0 lands in the room left beside key 2.
+        {
+            let mut index = store.shared.index.lock();
+            while index.map.contains_key(&key(0)) {
+                index.evict_one().unwrap();
+            }
+        }
+        h.store(&keys(0..1)).unwrap();
+        drop((h, store));
+        // The restart finds both copies; a delete of the key must reach both.
+        let store = open(dir.path());
+        store.delete(&keys(0..1));
+        drop(store);
+        let store = open(dir.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..1)).count_ones(), 0, "deleted, its second copy back");
+        assert_eq!(h.present(&keys(2..3)).count_ones(), 1);
+    }
+
+    #[test]
+    fn a_delete_waits_for_a_life_whose_first_record_failed_until_its_segment_is_sealed() {
+        // The first record's write failed (`superseded`) and the write thread has yet to seal
+        // the segment (`seal_failed`): a delete that did not wait then left the stale records
+        // unmarked for good, the life ending after it.
+        let mut segment = Segment::free();
+        segment.status = Status::Active;
+        segment.epoch = 7;
+        segment.stale.push((3, tierkv_testkit::contract::key(0), Loc::written(0, BLOCK, 4096)));
+        segment.superseding = true;
+        segment.unsuperseded = true;
+        segment.unpublished = 2;
+        assert!(segment.waits_to_end_stale());
+        assert!(!segment.end_unwritten_life());
+        segment.status = Status::Sealed;
+        assert!(segment.waits_to_end_stale(), "records of the life still unpublished");
+        segment.unpublished = 0;
+        assert!(segment.end_unwritten_life());
+        assert!(!segment.waits_to_end_stale() && !segment.superseding);
+        // A first record written, not yet synced, is no such life: its sync ends them.
+        let mut written = Segment::free();
+        written.status = Status::Sealed;
+        written.epoch = 7;
+        written.superseding = true;
+        written.unsuperseded = true;
+        written.unsynced = Some(7);
+        assert!(!written.waits_to_end_stale());
+        assert!(!written.end_unwritten_life());
     }
 
     #[test]

@@ -439,11 +439,7 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
-    // Ignored while it still finds, about one run in three, a key that a delete and later clears
-    // did not reach, back after a restart (undiagnosed; the failing case is in
-    // `proptest-regressions/store/tests/model.txt`). Run it with `--ignored`.
     #[test]
-    #[ignore = "finds an undiagnosed case of a deleted key back after a restart"]
     fn deletes_clears_and_failed_stores_stay_gone_across_restarts(
         segments in 4u64..=6,
         per_segment in 1u64..=3,
