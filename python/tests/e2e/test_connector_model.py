@@ -1387,6 +1387,9 @@ class Engine:
         # that step may still be in flight (a later plan sends them).
         ran = self.scheduler.planned_steps - self.scheduler.steps_in_flight
         held |= {release[2] for step, release in self.scheduler.held_back if step > ran}
+        # Finished requests' lookups their asynchronous load still goes through.
+        finished = self.scheduler.release_on_recv.values()
+        held |= {lookup for state in finished for lookup in state.lookups or ()}
         leaked = self.lookups - self.releases.released - held
         if leaked:
             self.leaks.append(f"lookups never returned: {sorted(leaked)}")

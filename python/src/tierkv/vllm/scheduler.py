@@ -297,6 +297,10 @@ class SchedulerSide:
         self.async_planned: dict[str, tuple[LoadOp | None, list[int]]] = {}
         #: Requests finished while vLLM waited for their load (``TierKVMetadata.freed_on_recv``).
         self.freed_on_recv: list[str] = []
+        #: Those requests, by id, until vLLM hears their load is over: the loading thread's
+        #: retrieve goes through their lookups, which are returned then (the daemon refuses a
+        #: retrieve through a lookup released first).
+        self.release_on_recv: dict[str, _Request] = {}
         #: Steps planned (``build_connector_meta`` calls).
         self.planned_steps = 0
         #: The lookups a step's synchronous loads go through, with that step's number
@@ -417,6 +421,14 @@ class SchedulerSide:
             state = self.requests.get(req_id)
             if state is not None:
                 state.loading = False
+        for req_id in load_failed.union(finished_recving):
+            finished = self.release_on_recv.pop(req_id, None)
+            if finished is not None:
+                self.guard.run(
+                    "returning a finished request's leases once its load is over",
+                    lambda s=finished: self._release(s),
+                    nothing,
+                )
         if not invalid_block_ids:
             return
         spoiled = set(invalid_block_ids)
@@ -471,6 +483,11 @@ class SchedulerSide:
                 "returning leases at shutdown", lambda s=state: self._release(s), nothing
             )
         self.requests.clear()
+        for state in self.release_on_recv.values():
+            self.guard.run(
+                "returning leases at shutdown", lambda s=state: self._release(s), nothing
+            )
+        self.release_on_recv.clear()
         # No step runs any more: the releases held back for one go too.
         self._steps_run(self.planned_steps)
         self.releases.put(None)
@@ -595,7 +612,10 @@ class SchedulerSide:
 
     def _finished(self, req_id: str, state: _Request) -> None:
         self._forget_miss(req_id, state)
-        self._release(state)
+        if state.loading:
+            self.release_on_recv[req_id] = state
+        else:
+            self._release(state)
 
     def _after_alloc(self, request: Request, num_external_tokens: int) -> None:
         state = self.requests.get(request.request_id)
