@@ -594,15 +594,25 @@ enum WriteMsg {
     /// Every record of store task `task` has been handed over: publish them (unless one failed)
     /// and complete the caller's task with its sources.
     End { task: u64, id: TaskId, records: Vec<(ObjectKey, Loc)>, sources: Vec<StoreItem> },
-    /// Store task `task` failed before handing over all its records: what it handed over
-    /// (`records`) is written and never published; the write thread forgets the task.
-    Abandon { task: u64, records: Vec<(ObjectKey, Loc)> },
+    /// Store task `task` failed (`error`) before handing over all its records: what it handed
+    /// over (`records`) is written and never published. The write thread marks those written
+    /// deleted, forgets the task and only then completes the caller's task, with its sources: a
+    /// caller that deletes a key once told of the failure must find nothing of it to come back.
+    Abandon {
+        task: u64,
+        id: TaskId,
+        records: Vec<(ObjectKey, Loc)>,
+        error: TierError,
+        sources: Vec<StoreItem>,
+    },
 }
 
 /// What a store task handed to the write thread.
 struct Queued {
     task: u64,
     records: Vec<(ObjectKey, Loc)>,
+    /// Why the task failed after handing `records` over (some, not all): they are abandoned.
+    failed: Option<TierError>,
 }
 
 /// Record writes in flight at once. Two let one record's hand-over and wake-up overlap the
@@ -836,9 +846,11 @@ impl InFlight<'_> {
                     |s| s.write_failed(task, loc, epoch, internal_panic()),
                 );
             }
-            WriteMsg::Abandon { task, records } => {
+            WriteMsg::Abandon { task, id, records, error, sources } => {
                 // On a panic, the records' segments may stay unevictable (space lost until a
-                // restart), never evictable under an unpublished record.
+                // restart), never evictable under an unpublished record. The sources stay out
+                // of the step, and the task completes (failed) whatever happens, once its
+                // written records are marked.
                 self.step(
                     "abandoning a task",
                     |s| {
@@ -851,6 +863,9 @@ impl InFlight<'_> {
                     },
                     |s| s.forget(task),
                 );
+                let result = Err(error);
+                let _ = self.shared.done.send(Completion::Stored { task: id, result, sources });
+                let _ = self.shared.contained(|| self.shared.publish());
             }
             WriteMsg::End { task, id, records, sources } => {
                 // The sources stay out of the step: they go back whatever happens.
@@ -2142,29 +2157,41 @@ impl Shared {
                     .unwrap_or_else(|| Err(TierError::Io("internal panic while storing".into())));
                 // Records handed over are written whatever happens; only a task whose every
                 // record was handed over is published, by the write thread, which completes it.
-                // (Records of a failed task are written but never indexed.)
-                let Queued { task: number, records } = match queued {
+                // A task that failed after handing some over is completed by the write thread
+                // too, once it has marked those written deleted: a delete of their keys after
+                // the failure is reported finds nothing to mark, and a restart must find nothing
+                // either. (Records of a failed task are written but never indexed.)
+                let Queued { task: number, records, failed } = match queued {
                     Ok(queued) => queued,
                     Err(e) => return Some(Completion::Stored { task, result: Err(e), sources }),
                 };
-                let end = WriteMsg::End { task: number, id: task, records, sources };
+                let message = match failed {
+                    None => WriteMsg::End { task: number, id: task, records, sources },
+                    Some(error) => {
+                        WriteMsg::Abandon { task: number, id: task, records, error, sources }
+                    }
+                };
                 let sent = match self.writer.lock().pipe.as_ref() {
-                    Some(pipe) => pipe.messages.send(end).map_err(|refused| refused.0),
-                    None => Err(end),
+                    Some(pipe) => pipe.messages.send(message).map_err(|refused| refused.0),
+                    None => Err(message),
                 };
                 match sent {
                     Ok(()) => return None,
                     Err(unsent) => {
-                        self.metrics.failed(Failure::Io);
-                        let sources = match unsent {
-                            WriteMsg::End { sources, records, .. } => {
-                                // Never published: their segments may go.
-                                self.settle(&records);
-                                sources
+                        let gone = || TierError::Io("the disk write thread is gone".into());
+                        let (records, result, sources) = match unsent {
+                            WriteMsg::End { records, sources, .. } => {
+                                self.metrics.failed(Failure::Io);
+                                (records, Err(gone()), sources)
                             }
-                            WriteMsg::Record { .. } | WriteMsg::Abandon { .. } => Vec::new(),
+                            // Counted when it failed.
+                            WriteMsg::Abandon { records, error, sources, .. } => {
+                                (records, Err(error), sources)
+                            }
+                            WriteMsg::Record { .. } => (Vec::new(), Err(gone()), Vec::new()),
                         };
-                        let result = Err(TierError::Io("the disk write thread is gone".into()));
+                        // Never published: their segments may go.
+                        self.settle(&records);
                         Completion::Stored { task, result, sources }
                     }
                 }
@@ -2287,20 +2314,20 @@ impl Shared {
             }))
             .unwrap_or_else(|_| Err(TierError::Io("internal panic while storing".into())));
             if let Err(e) = submitted {
-                if !records.is_empty() {
-                    // Without a write thread `send` settles the records itself.
-                    let records = std::mem::take(&mut records);
-                    let _ = self.send(&mut writer, WriteMsg::Abandon { task, records });
-                }
                 let failure = match &e {
                     TierError::NoSpace(_) => Failure::NoSpace,
                     TierError::Buffer(_) => Failure::Copy,
                     _ => Failure::Io,
                 };
-                return refused(failure, e);
+                if records.is_empty() {
+                    return refused(failure, e);
+                }
+                // Those handed over are abandoned, by the write thread (`Shared::run`).
+                self.metrics.failed(failure);
+                return Ok(Queued { task, records, failed: Some(e) });
             }
         }
-        Ok(Queued { task, records })
+        Ok(Queued { task, records, failed: None })
     }
 
     /// Copies one record into a free buffer (header, payload, checksum, zero padding; the first
@@ -4394,7 +4421,7 @@ mod tests {
             Completion::Stored { result, .. } => assert!(result.is_err()),
             _ => panic!("not a store completion"),
         }
-        // The task fails as soon as its copy does; the write thread abandons it after.
+        // The write thread completes the task once it has abandoned it.
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let index = store.shared.index.lock();
@@ -4453,6 +4480,40 @@ mod tests {
         let store = lru_store(dir.path(), 16);
         let mut h = harness(&store);
         assert_eq!(h.present(&keys(0..16)).count_ones(), 0);
+    }
+
+    #[test]
+    fn a_store_that_fails_after_handing_records_over_completes_once_they_are_marked() {
+        use tierkv_testkit::contract::{key, payload};
+
+        let dir = tempfile::tempdir().unwrap();
+        let killed = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let completions = store.completions();
+        // Key 0's record is handed over and its write held; the next source cannot be read, so
+        // the task fails with key 0's record on its way.
+        let held = store.shared.faults.hold_writes();
+        let good = tierkv_core::VecChunk(payload(&key(0), 4096));
+        let task = store.submit_store(vec![
+            StoreItem { key: key(0), source: Box::new(good) },
+            StoreItem { key: key(1), source: Box::new(Unreadable) },
+        ]);
+        store.shared.faults.writes.wait_for(1);
+        // Told of the failure now, a caller could delete key 0 (nothing indexed to mark), the
+        // write land and a kill follow before the record is marked: key 0 back.
+        assert!(
+            completions.recv_timeout(Duration::from_millis(300)).is_err(),
+            "the store completed before the record it wrote was marked"
+        );
+        drop(held);
+        let done = completions.recv_timeout(DEADLINE).expect("the store never completed");
+        failed_with_its_sources(done, task, 2, "source could not be read");
+        assert_eq!(store.delete(&[key(0)]), 0, "nothing indexed");
+        copy_segment_files(dir.path(), killed.path());
+        drop(store);
+        let store = small_store(killed.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&[key(0)]).count_ones(), 0, "deleted, back after a kill");
     }
 
     /// Holds back the stores queued on `store` from the I/O threads while `f` runs (as if one
