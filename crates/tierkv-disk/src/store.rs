@@ -123,7 +123,10 @@ struct Segment {
     /// them before either; `superseded`), or each is marked deleted. An eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there
     /// until a store reuses the segment, for good if none does; a store that fails before its
     /// first record is written leaves them too. A delete or a clear marks those of its keys
-    /// deleted.
+    /// deleted. With them, records of this life or an earlier one that no index entry names and
+    /// whose mark did not settle ([`Index::keep_unmarked`]: a delete's, a failed task's, a
+    /// publish's loser's), and a key's second copy found by a restart: a life's own records stay
+    /// when its first record ends the earlier lives' ones.
     stale: Vec<(u64, ObjectKey, Loc)>,
     /// Deletes and clears marking stale records now: until they are done, the life's first
     /// record is not handed to the write thread (a mark must not land on it).
@@ -257,6 +260,10 @@ struct Index {
 /// segment, the life's epoch, its file.
 type WrittenLife = (u32, u64, Arc<SegmentFile>);
 
+/// A record to mark deleted ([`Shared::mark_deleted`]): its segment's file, the epoch of the life
+/// it was written in, its key and place.
+type Mark = (Arc<SegmentFile>, u64, ObjectKey, Loc);
+
 impl Index {
     /// The lives among `segments` whose first record is written and not yet synced, with stale
     /// records behind it that `wanted` accepts; none whose sync failed.
@@ -273,6 +280,20 @@ impl Index {
                 Some((id, epoch, segment.file.clone()?))
             })
             .collect()
+    }
+
+    /// Keeps the records of `marks` whose mark did not settle (`settled`, from
+    /// [`Shared::mark_deleted`]: its read or write failed) among their segments' stale records, in
+    /// the life each was written in, so that the next delete of its key, or a clear, marks it
+    /// again: neither indexed nor marked, it would come back with a restart and nothing would
+    /// reach it meanwhile. Each segment must still be in (or past) that life.
+    fn keep_unmarked(&mut self, marks: &[Mark], settled: &[bool]) {
+        for ((_, epoch, key, loc), settled) in marks.iter().zip(settled) {
+            if !settled {
+                self.segments[loc.segment as usize].stale.push((*epoch, *key, *loc));
+                self.stale.insert(loc.segment);
+            }
+        }
     }
 
     /// The next life's serial.
@@ -1374,6 +1395,9 @@ struct WriteFaults {
     failing_syncs: AtomicBool,
     /// The syncs of lives' first records made (`Shared::end_written_lives`).
     life_syncs: AtomicU64,
+    /// While set (not a single shot), every mark of a record deleted fails, as one whose read
+    /// failed (`Shared::mark_deleted`).
+    failing_marks: AtomicBool,
 }
 
 #[cfg(test)]
@@ -2498,8 +2522,11 @@ impl Shared {
         if reused.superseding && reused.epoch == epoch {
             if durable {
                 reused.superseding = false;
-                reused.stale = Vec::new();
-                index.stale.remove(&segment);
+                // The life's own records (`Segment::stale`) stay.
+                reused.stale.retain(|(of, _, _)| *of == epoch);
+                if reused.stale.is_empty() {
+                    index.stale.remove(&segment);
+                }
             } else {
                 reused.unsuperseded = true;
             }
@@ -2513,7 +2540,9 @@ impl Shared {
     /// indexed by a restart, and a delete or a clear of their keys meanwhile, which found nothing
     /// to mark, would be undone. Called before the task's records are settled, so each segment is
     /// still in the life they were written in; a record that was never written (its write failed,
-    /// or was skipped) holds no header of that life and key, and is left as it is.
+    /// or was skipped) holds no header of that life and key, and is left as it is. A record whose
+    /// mark did not settle stays stale, for the next delete or clear of its key
+    /// ([`Index::keep_unmarked`]).
     fn mark_unpublished(&self, records: &[(ObjectKey, Loc)]) {
         let marks: Vec<_> = {
             let index = self.index.lock();
@@ -2525,7 +2554,11 @@ impl Shared {
                 })
                 .collect()
         };
-        self.mark_deleted(&marks);
+        if marks.is_empty() {
+            return;
+        }
+        let settled = self.mark_deleted(&marks);
+        self.index.lock().keep_unmarked(&marks, &settled);
     }
 
     /// Under [`FsyncPolicy::Always`], ends the stale records behind the first records of
@@ -2736,8 +2769,11 @@ impl Shared {
                 if segment.superseding && !segment.sync_failed {
                     segment.superseding = false;
                     segment.unsynced = None;
-                    segment.stale = Vec::new();
-                    index.stale.remove(&loc.segment);
+                    let life = segment.epoch;
+                    segment.stale.retain(|(of, _, _)| *of == life);
+                    if segment.stale.is_empty() {
+                        index.stale.remove(&loc.segment);
+                    }
                 }
             }
         }
@@ -2967,16 +3003,21 @@ impl Shared {
 
     /// Sets the deleted flag in the header of each record (of a segment kept from reuse
     /// meanwhile, in the epoch it was written in). A mark that cannot be written leaves the record
-    /// to be found again after a restart, with its key's correct bytes: the delete is then only
-    /// not persistent. Returns, for each, whether it is settled: marked, or not that record any
+    /// to be found again after a restart, with its key's correct bytes: the caller keeps it stale
+    /// ([`Index::keep_unmarked`]), so that the next delete of its key, or a clear, tries again.
+    /// Returns, for each, whether it is settled: marked, or not that record any
     /// more (a later life's, or marked before); not if reading or writing it failed.
-    fn mark_deleted(&self, marks: &[(Arc<SegmentFile>, u64, ObjectKey, Loc)]) -> Vec<bool> {
+    fn mark_deleted(&self, marks: &[Mark]) -> Vec<bool> {
         let mut settled = vec![false; marks.len()];
         let Some(mut block) = AlignedBuf::new(BLOCK as usize) else {
             return settled;
         };
         let mut written: Vec<&Arc<SegmentFile>> = Vec::new();
         for ((file, epoch, key, loc), settled) in marks.iter().zip(&mut settled) {
+            #[cfg(test)]
+            if self.faults.failing_marks.load(Ordering::SeqCst) {
+                continue;
+            }
             let head = block.as_mut_slice();
             if file.read_at(head, loc.offset).is_err() {
                 continue;
@@ -3063,16 +3104,19 @@ impl Shared {
                 let Some(file) = segment.file.clone() else { continue };
                 // A mark that finds its record overwritten by a life no sync covered (one written
                 // since the syncs above) would be settled while a power loss could bring the
-                // record back: left for the next delete or clear.
-                if segment.superseding || segment.unsynced.is_some() {
-                    continue;
-                }
+                // record back: left for the next delete or clear. The life's own records are
+                // behind no first record: they are marked.
+                let behind = segment.superseding || segment.unsynced.is_some();
+                let life = segment.epoch;
                 let before = marks.len();
                 marks.extend(
                     segment
                         .stale
                         .iter()
-                        .filter(|(_, key, _)| keys.is_none_or(|keys| keys.contains(key)))
+                        .filter(|(epoch, key, _)| {
+                            (!behind || *epoch == life)
+                                && keys.is_none_or(|keys| keys.contains(key))
+                        })
                         .map(|&(epoch, key, loc)| (Arc::clone(&file), epoch, key, loc)),
                 );
                 if marks.len() > before {
@@ -3100,13 +3144,16 @@ impl Shared {
             .collect();
     }
 
-    /// Marks the records of `marks` deleted, each in a segment pinned for it, then unpins them.
-    fn mark_deleted_and_unpin(&self, marks: &[(Arc<SegmentFile>, u64, ObjectKey, Loc)]) {
+    /// Marks the records of `marks` deleted, each in a segment pinned for it, then unpins them;
+    /// those whose mark did not settle stay stale, for the next delete or clear of their keys
+    /// ([`Index::keep_unmarked`]).
+    fn mark_deleted_and_unpin(&self, marks: &[Mark]) {
         if marks.is_empty() {
             return;
         }
-        let _ = self.mark_deleted(marks);
+        let settled = self.mark_deleted(marks);
         let mut index = self.index.lock();
+        index.keep_unmarked(marks, &settled);
         for (_, _, _, loc) in marks {
             index.segments[loc.segment as usize].pins -= 1;
         }
@@ -4514,6 +4561,97 @@ mod tests {
         let store = small_store(killed.path());
         let mut h = harness(&store);
         assert_eq!(h.present(&[key(0)]).count_ones(), 0, "deleted, back after a kill");
+    }
+
+    /// Runs `f` with every mark of a record deleted failing (`WriteFaults::failing_marks`).
+    fn with_marks_failing<T>(store: &DiskStore, f: impl FnOnce() -> T) -> T {
+        store.shared.faults.failing_marks.store(true, Ordering::SeqCst);
+        let out = f();
+        store.shared.faults.failing_marks.store(false, Ordering::SeqCst);
+        out
+    }
+
+    #[test]
+    fn a_failed_tasks_record_whose_mark_failed_is_marked_by_a_later_delete() {
+        use tierkv_testkit::contract::{key, payload};
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        // Key 0's record is written; the task fails on the next source, and the mark of key 0's
+        // record (`mark_unpublished`) fails.
+        let good = tierkv_core::VecChunk(payload(&key(0), 4096));
+        let task = with_marks_failing(&store, || {
+            let task = store.submit_store(vec![
+                StoreItem { key: key(0), source: Box::new(good) },
+                StoreItem { key: key(1), source: Box::new(Unreadable) },
+            ]);
+            h.wait(task)
+        });
+        match task {
+            Completion::Stored { result, .. } => assert!(result.is_err()),
+            _ => panic!("not a store completion"),
+        }
+        assert_eq!(store.delete(&[key(0)]), 0, "nothing indexed");
+        drop((h, store));
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&[key(0)]).count_ones(), 0, "deleted, back after a restart");
+    }
+
+    #[test]
+    fn a_replaced_record_whose_mark_failed_is_marked_by_a_later_delete() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        h.store(&keys(0..1)).unwrap();
+        drop((h, store));
+        // After a restart key 0's record is vouched for by the scan only: a store of the key
+        // replaces it, and the mark of the record replaced fails.
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        with_marks_failing(&store, || h.store(&keys(0..1))).unwrap();
+        assert_eq!(store.delete(&keys(0..1)), 1);
+        drop((h, store));
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..1)).count_ones(), 0, "deleted, back after a restart");
+    }
+
+    #[test]
+    fn a_record_whose_delete_mark_failed_is_marked_by_the_next_clear() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        h.store(&keys(0..2)).unwrap();
+        assert_eq!(with_marks_failing(&store, || store.delete(&keys(0..1))), 1);
+        store.clear();
+        drop((h, store));
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..2)).count_ones(), 0, "deleted, back after a restart");
+    }
+
+    #[test]
+    fn a_lifes_own_unmarked_record_stays_stale_when_its_first_record_ends_the_earlier_ones() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, h, _) = with_a_first_record_not_yet_synced_over_a_stale_one(dir.path());
+        // Key 200's record begins its segment's life over key 0's stale record. Its delete's mark
+        // fails, and the sync of its life (the delete's own, then the flusher's) ends the
+        // earlier life's records: not key 200's, of this life.
+        assert_eq!(with_marks_failing(&store, || store.delete(&keys(200..201))), 1);
+        store.shared.sync_dirty();
+        store.delete(&keys(200..201));
+        drop((h, store));
+        let store = lru_store_syncing(dir.path(), 16, RARE_SYNCS);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(200..201)).count_ones(), 0, "deleted, back after a restart");
     }
 
     /// Holds back the stores queued on `store` from the I/O threads while `f` runs (as if one
