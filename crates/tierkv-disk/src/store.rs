@@ -787,6 +787,9 @@ struct LifeFailures {
     failed: HashMap<u32, (u64, u64)>,
     /// The records each task in flight has handed over, with their lives' epochs.
     handed_over: HashMap<u64, Vec<(Loc, u64)>>,
+    /// The records of each task in flight whose write failed or was skipped, by segment and
+    /// offset: a task that fails marks deleted only its other records (`Shared::mark_unpublished`).
+    unwritten: HashMap<u64, HashSet<(u32, u64)>>,
 }
 
 impl LifeFailures {
@@ -829,10 +832,29 @@ impl LifeFailures {
         })
     }
 
-    /// Forgets a task that ended.
-    fn forget(&mut self, task: u64) {
-        self.handed_over.remove(&task);
+    /// Notes that the write of `task`'s record at `loc` failed, or was skipped.
+    fn unwritten(&mut self, task: u64, loc: Loc) {
+        self.unwritten.entry(task).or_default().insert((loc.segment, loc.offset));
     }
+
+    /// Forgets a task that ended; returns which of its records were not written (`unwritten`).
+    fn forget(&mut self, task: u64) -> HashSet<(u32, u64)> {
+        self.handed_over.remove(&task);
+        self.unwritten.remove(&task).unwrap_or_default()
+    }
+}
+
+/// The records of `records` not known unwritten (`unwritten`, from [`LifeFailures::forget`]):
+/// written, or whose write's outcome a panic lost.
+fn written_of(
+    records: &[(ObjectKey, Loc)],
+    unwritten: &HashSet<(u32, u64)>,
+) -> Vec<(ObjectKey, Loc)> {
+    records
+        .iter()
+        .filter(|(_, loc)| !unwritten.contains(&(loc.segment, loc.offset)))
+        .copied()
+        .collect()
 }
 
 impl InFlight<'_> {
@@ -877,8 +899,8 @@ impl InFlight<'_> {
                     |s| {
                         s.collect_all();
                         s.failed_tasks.remove(&task);
-                        s.lives.forget(task);
-                        s.shared.mark_unpublished(&records);
+                        let unwritten = s.lives.forget(task);
+                        s.shared.mark_unpublished(&written_of(&records, &unwritten));
                         s.shared.end_unpublished_lives(&records);
                         s.shared.settle(&records);
                     },
@@ -906,7 +928,7 @@ impl InFlight<'_> {
     /// Forgets a task whose handling panicked.
     fn forget(&mut self, task: u64) {
         self.failed_tasks.remove(&task);
-        self.lives.forget(task);
+        let _ = self.lives.forget(task);
     }
 
     /// Hands one record to a writer thread, or fails it at once.
@@ -951,9 +973,10 @@ impl InFlight<'_> {
                 .contained(|| self.shared.publish_records(records))
                 .unwrap_or_else(|| Err(TierError::Io("internal panic while publishing".into()))),
         };
-        self.lives.forget(task);
+        let unwritten = self.lives.forget(task);
         if result.is_err() {
-            let _ = self.shared.contained(|| self.shared.mark_unpublished(records));
+            let written = written_of(records, &unwritten);
+            let _ = self.shared.contained(|| self.shared.mark_unpublished(&written));
             let _ = self.shared.contained(|| self.shared.end_unpublished_lives(records));
         }
         if self.shared.contained(|| self.shared.settle(records)).is_none() {
@@ -995,6 +1018,7 @@ impl InFlight<'_> {
         match result {
             Ok(()) => self.shared.superseded(loc, epoch, true),
             Err(e) => {
+                self.lives.unwritten(task, loc);
                 self.shared.superseded(loc, epoch, false);
                 self.write_failed(task, loc, epoch, e);
             }
@@ -1398,6 +1422,8 @@ struct WriteFaults {
     /// While set (not a single shot), every mark of a record deleted fails, as one whose read
     /// failed (`Shared::mark_deleted`).
     failing_marks: AtomicBool,
+    /// The marks of records deleted tried (`Shared::mark_deleted`).
+    marks_tried: AtomicU64,
 }
 
 #[cfg(test)]
@@ -2535,12 +2561,14 @@ impl Shared {
         self.marked.notify_all();
     }
 
-    /// Marks deleted on disk the records of `records` that were written though their task
-    /// publishes nothing (it failed, or was abandoned, after them). Never indexed, they would be
-    /// indexed by a restart, and a delete or a clear of their keys meanwhile, which found nothing
-    /// to mark, would be undone. Called before the task's records are settled, so each segment is
-    /// still in the life they were written in; a record that was never written (its write failed,
-    /// or was skipped) holds no header of that life and key, and is left as it is. A record whose
+    /// Marks deleted on disk `records`, written though their task publishes nothing (it failed, or
+    /// was abandoned, after them). Never indexed, they would be indexed by a restart, and a delete
+    /// or a clear of their keys meanwhile, which found nothing to mark, would be undone. Called
+    /// before the task's records are settled, so each segment is still in the life they were
+    /// written in. The write thread passes only the records not known unwritten: one whose write
+    /// failed or was skipped holds no whole record of that life and key (a torn one is never
+    /// served), and reading its header would cost a read each, in turn, before the task completes
+    /// and the stores behind it go on. A record whose
     /// mark did not settle stays stale, for the next delete or clear of its key
     /// ([`Index::keep_unmarked`]).
     fn mark_unpublished(&self, records: &[(ObjectKey, Loc)]) {
@@ -3015,8 +3043,11 @@ impl Shared {
         let mut written: Vec<&Arc<SegmentFile>> = Vec::new();
         for ((file, epoch, key, loc), settled) in marks.iter().zip(&mut settled) {
             #[cfg(test)]
-            if self.faults.failing_marks.load(Ordering::SeqCst) {
-                continue;
+            {
+                self.faults.marks_tried.fetch_add(1, Ordering::SeqCst);
+                if self.faults.failing_marks.load(Ordering::SeqCst) {
+                    continue;
+                }
             }
             let head = block.as_mut_slice();
             if file.read_at(head, loc.offset).is_err() {
@@ -4652,6 +4683,26 @@ mod tests {
         let store = lru_store_syncing(dir.path(), 16, RARE_SYNCS);
         let mut h = harness(&store);
         assert_eq!(h.present(&keys(200..201)).count_ones(), 0, "deleted, back after a restart");
+    }
+
+    #[test]
+    fn a_failed_task_marks_only_the_records_it_wrote() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        // The write thread panics once key 0's record has gone to a writer: the task fails, and
+        // its later records are skipped, never written. Only key 0's record needs a mark.
+        store.shared.faults.handed_over.store(true, Ordering::SeqCst);
+        let tried = store.shared.faults.marks_tried.load(Ordering::SeqCst);
+        assert!(h.store(&keys(0..3)).is_err());
+        assert!(!store.shared.faults.handed_over.load(Ordering::SeqCst), "the fault fired");
+        assert_eq!(store.shared.faults.marks_tried.load(Ordering::SeqCst) - tried, 1);
+        drop((h, store));
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..3)).count_ones(), 0, "a failed store's record found");
     }
 
     /// Holds back the stores queued on `store` from the I/O threads while `f` runs (as if one
