@@ -882,11 +882,16 @@ impl InFlight<'_> {
                 self.held += 1;
                 let write = Write { task, file, buf, bytes, loc, epoch };
                 // Whether it was written is not known: its life is failed as after a failed
-                // write (the task fails, and so does any behind it in the life).
+                // write (the task fails, and so does any behind it in the life), and so is the
+                // write for the stale records behind it, as when collecting a write panics
+                // (should it still land, its outcome then ends them as usual).
                 self.step(
                     "handing over a record",
                     |s| s.record(write, writes, writers),
-                    |s| s.write_failed(task, loc, epoch, internal_panic()),
+                    |s| {
+                        let _ = s.shared.contained(|| s.shared.superseded(loc, epoch, false));
+                        s.write_failed(task, loc, epoch, internal_panic());
+                    },
                 );
             }
             WriteMsg::Abandon { task, id, records, error, sources } => {
@@ -933,6 +938,8 @@ impl InFlight<'_> {
 
     /// Hands one record to a writer thread, or fails it at once.
     fn record(&mut self, write: Write, writes: &Sender<Write>, writers: usize) {
+        #[cfg(test)]
+        WriteFaults::fire(&self.shared.faults.handing_over, "handing a record over");
         let Write { task, loc, epoch, .. } = write;
         self.lives.handed_over(task, loc, epoch);
         if self.failed_tasks.contains_key(&task) || self.lives.failed(loc, epoch) {
@@ -1404,6 +1411,10 @@ struct WriteFaults {
     collecting: AtomicBool,
     /// Once a record has gone to a writer thread, its buffer with it.
     handed_over: AtomicBool,
+    /// Before a record goes to a writer thread (it is not written).
+    handing_over: AtomicBool,
+    /// While a segment whose write failed is sealed (`Shared::seal_failed`).
+    sealing_failed: AtomicBool,
     /// While set (not a single shot), no record buffer can be allocated.
     no_memory: AtomicBool,
     /// While held, the writer threads start no write: they wait, as behind a disk that hangs.
@@ -2866,6 +2877,8 @@ impl Shared {
     /// record is ever appended after one the scan would stop at. The writer notices at its next
     /// reservation and opens another.
     fn seal_failed(&self, segment: u32, epoch: u64) {
+        #[cfg(test)]
+        WriteFaults::fire(&self.faults.sealing_failed, "sealing a segment whose write failed");
         let mut index = self.index.lock();
         let seg = &mut index.segments[segment as usize];
         if seg.status == Status::Active && seg.epoch == epoch {
@@ -2904,17 +2917,25 @@ impl Shared {
         Ok((id, BLOCK, index.segments[id as usize].epoch, file))
     }
 
-    /// Stops appending to `segment`; it becomes evictable.
+    /// Stops appending to `segment`; it becomes evictable. A life whose first record was not
+    /// written and whose writes are over ends here too ([`Segment::end_unwritten_life`]), as in
+    /// `seal_failed`, should that have panicked.
     fn seal(&self, writer: &mut Writer, segment: u32) {
         let mut index = self.index.lock();
         let seg = &mut index.segments[segment as usize];
+        let mut ended = false;
         if seg.status == Status::Active {
             seg.status = Status::Sealed;
+            ended = seg.end_unwritten_life();
             index.track_sealed(segment);
         }
         if writer.active == Some(segment) {
             writer.active = None;
             index.active = None;
+        }
+        if ended {
+            drop(index);
+            self.marked.notify_all();
         }
     }
 
@@ -5074,6 +5095,53 @@ mod tests {
         assert!(
             !segment.superseding || segment.unsuperseded,
             "a delete of its stale records waits for a write that is over"
+        );
+    }
+
+    #[test]
+    fn a_panic_handing_over_the_first_record_of_a_life_leaves_no_delete_waiting_for_it() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path(), 16);
+        let active = store.shared.index.lock().active.unwrap();
+        // The next store's first record, which would end key 0's stale record, is never
+        // written: the write thread panics handing it over, and the task fails.
+        store.shared.faults.handing_over.store(true, Ordering::SeqCst);
+        assert!(h.store(&keys(200..201)).is_err());
+        assert!(!store.shared.faults.handing_over.load(Ordering::SeqCst), "the fault fired");
+        // The life's writes are over: a delete of key 0 marks it, and waits for nothing.
+        let waits = store.shared.index.lock().segments[active as usize].waits_to_end_stale();
+        assert!(!waits, "a delete of its stale records waits for a write that never comes");
+        store.delete(&keys(0..1));
+        drop((h, store));
+        let store = lru_store(dir.path(), 16);
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..1)).count_ones(), 0, "deleted, back after a restart");
+    }
+
+    #[test]
+    fn a_segment_whose_failed_seal_panicked_ends_its_unwritten_life_when_sealed_later() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (store, mut h) = with_a_stale_record_in_the_active_segment(dir.path(), 16);
+        let active = store.shared.index.lock().active.unwrap();
+        // The first record of the active segment's next life is lost to a panic collecting it,
+        // and sealing the segment for it panics too: it stays active.
+        store.shared.faults.collecting.store(true, Ordering::SeqCst);
+        store.shared.faults.sealing_failed.store(true, Ordering::SeqCst);
+        assert!(h.store(&keys(200..201)).is_err());
+        assert!(!store.shared.faults.sealing_failed.load(Ordering::SeqCst), "the fault fired");
+        assert_eq!(store.shared.index.lock().segments[active as usize].status, Status::Active);
+        // The next store finds it full and seals it: its life's writes are over.
+        h.store(&keys(201..202)).unwrap();
+        let index = store.shared.index.lock();
+        let segment = &index.segments[active as usize];
+        assert_eq!(segment.status, Status::Sealed);
+        assert!(
+            !segment.waits_to_end_stale(),
+            "a delete of its stale records waits for a write that never comes"
         );
     }
 
