@@ -112,8 +112,9 @@ struct Segment {
     locked: u64,
     /// Loads reading from this segment now.
     pins: u64,
-    /// Records handed to the write thread whose store task is not yet published or abandoned:
-    /// until it is, the segment's space is theirs even though the index does not name them.
+    /// Records handed to the write thread (counted just before) whose store task is not yet
+    /// published or abandoned: until it is, the segment's space is theirs even though the index
+    /// does not name them.
     unpublished: u64,
     /// The records of its earlier lives that were indexed when it was evicted, each with its
     /// life's epoch: no longer indexed, but still on disk, and found again by a restart, until the
@@ -1421,6 +1422,8 @@ struct WriteFaults {
     writes: Gate,
     /// While held, a segment being opened waits before its initialisation (its file and epoch).
     opening: Gate,
+    /// While held, a store waits once a record has gone to the write thread.
+    sent: Gate,
     /// While held, a delete or a clear waits before writing its marks of stale records.
     marks: Gate,
     /// Once a delete or a clear has counted itself in `Segment::marking`.
@@ -2453,18 +2456,28 @@ impl Shared {
             None => false,
         };
         let message = WriteMsg::Record { task, file, buf, bytes, loc, epoch };
+        // Counted before it is sent: the write thread may fail it at once, and a life whose
+        // first record failed ends (its stale records markable) only once none of its records is
+        // unpublished (`Segment::end_unwritten_life`), this one included.
+        self.index.lock().segments[segment as usize].unpublished += 1;
         if let Err(e) = self.send(writer, message) {
+            let mut index = self.index.lock();
+            let reserved = &mut index.segments[segment as usize];
+            reserved.unpublished -= 1;
             if superseding {
                 // Nothing was handed over: its stale records are still to be marked.
-                self.index.lock().segments[segment as usize].superseding = false;
-                self.marked.notify_all();
+                reserved.superseding = false;
             }
+            reserved.end_unwritten_life();
+            drop(index);
+            self.marked.notify_all();
             return Err(e);
         }
+        #[cfg(test)]
+        self.faults.sent.pass();
         let mut index = self.index.lock();
         let reserved = &mut index.segments[segment as usize];
         reserved.end = offset + size;
-        reserved.unpublished += 1;
         index.preparing.pop_front();
         drop(index);
         records.push((item.key, loc));
@@ -5143,6 +5156,31 @@ mod tests {
             !segment.waits_to_end_stale(),
             "a delete of its stale records waits for a write that never comes"
         );
+    }
+
+    #[test]
+    fn a_record_is_unpublished_from_the_moment_the_write_thread_has_it() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let h = harness(&store);
+        // The write thread may write (or fail) the record before the store goes on: a life
+        // whose first record failed must not count as over (`end_unwritten_life`) meanwhile.
+        let sent = store.shared.faults.sent.hold();
+        let task = h.submit_store(&keys(0..1));
+        store.shared.faults.sent.wait_for(1);
+        let unpublished: u64 =
+            store.shared.index.lock().segments.iter().map(|segment| segment.unpublished).sum();
+        drop(sent);
+        assert_eq!(unpublished, 1, "a record with the write thread not counted unpublished");
+        match store.completions().recv_timeout(DEADLINE).expect("the store never completed") {
+            Completion::Stored { task: done, result, .. } => {
+                assert_eq!(done, task);
+                result.unwrap();
+            }
+            _ => panic!("not a store completion"),
+        }
     }
 
     #[test]
