@@ -13,12 +13,17 @@
 //! may be there, not what must). A store and a delete or clear in flight together are applied
 //! delete first: every order they may really take ends in a subset of that.
 //!
+//! A kill is a copy of the segment files taken while stores may be in flight, reopened: the keys
+//! of those stores may or may not be there (their generations are allowed in the copy, whatever
+//! their stores' outcome), and nothing else the model disallows may come back.
+//!
 //! Checked along the way: every byte loaded is a generation the model allows for its key (a
-//! deleted or cleared key, or a failed store, is never served, before or after a restart); a key a
-//! lookup found and locked loads; a delete or a clear counts no more keys than could be there;
-//! after a clean close and reopen every key found is one the model allows, with allowed bytes; and
-//! once closed the store holds no lock, pin, unpublished record or mark in progress, and the close
-//! returned.
+//! deleted or cleared key, or a failed store, is never served, before or after a restart or a
+//! kill); a key a lookup found and locked loads; a delete or a clear counts no more keys than could
+//! be there; after a clean close and reopen every key found is one the model allows, with allowed
+//! bytes, and every key found just before the close is found again (a mark that landed on a live
+//! record would lose it); and once closed the store holds no lock, pin, unpublished record or mark
+//! in progress, and the close returned.
 
 use std::collections::BTreeSet;
 
@@ -105,6 +110,9 @@ enum Op {
     Clear,
     /// Closes the store and opens it again on its directory.
     Restart,
+    /// Submits the stores and, while they may be in flight, copies the segment files (what a
+    /// kill leaves on disk); then goes on with a store opened on the copy.
+    Kill(Vec<Batch>),
 }
 
 fn some_keys() -> impl Strategy<Value = Vec<u8>> {
@@ -154,6 +162,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => some_keys().prop_map(Op::Delete),
         1 => Just(Op::Clear),
         2 => Just(Op::Restart),
+        1 => prop::collection::vec(batch(), 0..=2).prop_map(Op::Kill),
     ]
 }
 
@@ -232,11 +241,13 @@ struct Rig {
     config: DiskStoreConfig,
     store: Option<(Arc<DiskStore>, Harness)>,
     model: Model,
+    /// The directories of the copies a kill left, the store's now the last.
+    copies: Vec<tempfile::TempDir>,
 }
 
 impl Rig {
     fn open(config: DiskStoreConfig) -> Self {
-        let mut rig = Rig { config, store: None, model: Model::new() };
+        let mut rig = Rig { config, store: None, model: Model::new(), copies: Vec::new() };
         rig.reopen();
         rig
     }
@@ -260,7 +271,9 @@ impl Rig {
             Op::Stores { stores, held, lookup, then, panic } => {
                 self.stores(stores, *held, lookup.as_deref(), then, *panic);
             }
-            Op::Lookup(keys) => self.check_found(keys, "a lookup"),
+            Op::Lookup(keys) => {
+                self.check_found(keys, "a lookup");
+            }
             Op::Load(keys) => {
                 let (loaded, bytes) = self.h().load(&object_keys(keys));
                 for i in loaded.iter_ones() {
@@ -270,16 +283,65 @@ impl Rig {
             Op::Delete(keys) => self.delete(keys, &BTreeSet::new()),
             Op::Clear => self.clear(&BTreeSet::new()),
             Op::Restart => {
+                let all: Vec<u8> = (0..KEYS).collect();
+                let before = self.check_found(&all, "before a restart");
                 self.close();
                 self.reopen();
-                self.check_found(&(0..KEYS).collect::<Vec<_>>(), "after a restart");
+                let after = self.check_found(&all, "after a restart");
+                let lost: Vec<u8> = before.into_iter().filter(|k| !after.contains(k)).collect();
+                assert!(lost.is_empty(), "keys {lost:?} found before a clean restart, not after");
             }
+            Op::Kill(stores) => self.kill(stores),
         }
     }
 
+    /// Submits `stores`, copies the segment files while they may be in flight, and goes on with
+    /// a store opened on the copy, the keys of those stores allowed whatever their outcome.
+    fn kill(&mut self, stores: &[Batch]) {
+        let store = Arc::clone(self.store());
+        let mut submitted = Vec::new();
+        for batch in stores {
+            let (items, made) = self.items(batch);
+            submitted.push(store.submit_store(items));
+            for (k, generation) in made {
+                self.model.allowed[k as usize].insert(generation);
+            }
+        }
+        let copy = tempfile::tempdir().unwrap();
+        copy_segment_files(&self.config.dir, copy.path());
+        for task in submitted {
+            match self.h().wait(task) {
+                Completion::Stored { .. } => {}
+                _ => panic!("a store completed as something else"),
+            }
+        }
+        self.close();
+        self.config.dir = copy.path().to_owned();
+        self.copies.push(copy);
+        self.reopen();
+        self.check_found(&(0..KEYS).collect::<Vec<_>>(), "after a kill");
+    }
+
+    /// The items of `batch`, each of a fresh generation, and each key with its generation.
+    fn items(&mut self, batch: &Batch) -> (Vec<StoreItem>, Vec<(u8, u32)>) {
+        let mut items = Vec::new();
+        let mut made = Vec::new();
+        for (i, &k) in batch.keys.iter().enumerate() {
+            let generation = self.model.next_generation();
+            let source: Box<dyn tierkv_core::ChunkSource> = if batch.refused == Some(i) {
+                Box::new(Unreadable)
+            } else {
+                Box::new(VecChunk(payload(k, generation)))
+            };
+            items.push(StoreItem { key: key(u64::from(k)), source });
+            made.push((k, generation));
+        }
+        (items, made)
+    }
+
     /// Looks up and locks `keys`, checks each found is one the model allows and loads with
-    /// allowed bytes, and unlocks them.
-    fn check_found(&mut self, keys: &[u8], what: &str) {
+    /// allowed bytes, and unlocks them; returns those found.
+    fn check_found(&mut self, keys: &[u8], what: &str) -> Vec<u8> {
         let found = self.h().lookup(&object_keys(keys));
         let found: Vec<u8> = found.iter_ones().map(|i| keys[i]).collect();
         for &k in &found {
@@ -293,6 +355,7 @@ impl Rig {
             self.model.check_loaded(*k, bytes, what);
         }
         self.h().tier.unlock(&locked);
+        found
     }
 
     /// Deletes `keys`; `coming` are keys of stores in flight.
@@ -329,19 +392,8 @@ impl Rig {
         let mut submitted = Vec::new();
         let mut coming = BTreeSet::new();
         for batch in stores {
-            let mut items = Vec::new();
-            let mut made = Vec::new();
-            for (i, &k) in batch.keys.iter().enumerate() {
-                let generation = self.model.next_generation();
-                let source: Box<dyn tierkv_core::ChunkSource> = if batch.refused == Some(i) {
-                    Box::new(Unreadable)
-                } else {
-                    Box::new(VecChunk(payload(k, generation)))
-                };
-                items.push(StoreItem { key: key(u64::from(k)), source });
-                made.push((k, generation));
-                coming.insert(k);
-            }
+            let (items, made) = self.items(batch);
+            coming.extend(batch.keys.iter().copied());
             submitted.push((store.submit_store(items), made));
         }
         if let Some(keys) = lookup {
@@ -408,7 +460,8 @@ impl Rig {
 
 /// Runs `f`, which must not hang: a delete or a clear waits for a write on its way (a few
 /// milliseconds), never for one that is over, which it would wait for as long as a store waits for
-/// a hung write (`BUFFER_WAIT`, 10 s outside tests).
+/// a hung write (`BUFFER_WAIT`: 10 s outside tests, 120 s in the tests' build, so such a case takes
+/// that long to fail here, and each shrinking step of it as long: `max_shrink_time` bounds them).
 fn within<T>(what: &str, f: impl FnOnce() -> T) -> T {
     let started = Instant::now();
     let out = f();
@@ -436,6 +489,8 @@ proptest! {
     #![proptest_config(ProptestConfig {
         cases: 192,
         max_shrink_iters: 400,
+        // A case that hangs takes `BUFFER_WAIT` (120 s) a run: shrinking stops after 5 minutes.
+        max_shrink_time: 300_000,
         ..ProptestConfig::default()
     })]
 
