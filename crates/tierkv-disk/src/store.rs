@@ -684,6 +684,17 @@ impl Write {
         };
         Written { task, buf, loc, epoch, result }
     }
+
+    /// The write as a disk failing part way leaves it (`write_all_at` can): all but its last
+    /// block (the superblock of a life's first record, the header) written, then an error.
+    #[cfg(test)]
+    fn torn(self) -> Written {
+        let Write { task, file, buf, bytes, loc, epoch } = self;
+        let header = &buf.as_slice()[bytes.start..bytes.start + bytes.len - BLOCK as usize];
+        file.write_at(header, bytes.at).unwrap();
+        let result = Err(TierError::Io("injected: torn write".into()));
+        Written { task, buf, loc, epoch, result }
+    }
 }
 
 /// The write thread's loop. It hands records to `WRITES_IN_FLIGHT` writer threads in order,
@@ -788,7 +799,7 @@ struct LifeFailures {
     failed: HashMap<u32, (u64, u64)>,
     /// The records each task in flight has handed over, with their lives' epochs.
     handed_over: HashMap<u64, Vec<(Loc, u64)>>,
-    /// The records of each task in flight whose write failed or was skipped, by segment and
+    /// The records of each task in flight whose write was skipped, by segment and
     /// offset: a task that fails marks deleted only its other records (`Shared::mark_unpublished`).
     unwritten: HashMap<u64, HashSet<(u32, u64)>>,
 }
@@ -833,7 +844,7 @@ impl LifeFailures {
         })
     }
 
-    /// Notes that the write of `task`'s record at `loc` failed, or was skipped.
+    /// Notes that `task`'s record at `loc` was skipped, never written.
     fn unwritten(&mut self, task: u64, loc: Loc) {
         self.unwritten.entry(task).or_default().insert((loc.segment, loc.offset));
     }
@@ -846,7 +857,7 @@ impl LifeFailures {
 }
 
 /// The records of `records` not known unwritten (`unwritten`, from [`LifeFailures::forget`]):
-/// written, or whose write's outcome a panic lost.
+/// written, failed (a failed write may have left its header), or whose outcome a panic lost.
 fn written_of(
     records: &[(ObjectKey, Loc)],
     unwritten: &HashSet<(u32, u64)>,
@@ -944,8 +955,15 @@ impl InFlight<'_> {
         let Write { task, loc, epoch, .. } = write;
         self.lives.handed_over(task, loc, epoch);
         if self.failed_tasks.contains_key(&task) || self.lives.failed(loc, epoch) {
+            // Never written: nothing of it to mark (`mark_unpublished`).
+            self.lives.unwritten(task, loc);
             let e = TierError::Io("skipped: an earlier write to its segment failed".into());
             self.finish(Written { task, buf: write.buf, loc, epoch, result: Err(e) });
+            return;
+        }
+        #[cfg(test)]
+        if self.shared.faults.torn_write.swap(false, Ordering::SeqCst) {
+            self.finish(write.torn());
             return;
         }
         if writers == 0 {
@@ -1026,7 +1044,8 @@ impl InFlight<'_> {
         match result {
             Ok(()) => self.shared.superseded(loc, epoch, true),
             Err(e) => {
-                self.lives.unwritten(task, loc);
+                // A write that failed may have left its header on disk (`write_all_at` can fail
+                // part way): it is marked like a written one.
                 self.shared.superseded(loc, epoch, false);
                 self.write_failed(task, loc, epoch, e);
             }
@@ -1438,6 +1457,9 @@ struct WriteFaults {
     failing_marks: AtomicBool,
     /// The marks of records deleted tried (`Shared::mark_deleted`).
     marks_tried: AtomicU64,
+    /// Once armed (a single shot), the next record handed over is written torn: its header
+    /// only, then a failure (`Write::torn`).
+    torn_write: AtomicBool,
 }
 
 #[cfg(test)]
@@ -2590,9 +2612,9 @@ impl Shared {
     /// or a clear of their keys meanwhile, which found nothing to mark, would be undone. Called
     /// before the task's records are settled, so each segment is still in the life they were
     /// written in. The write thread passes only the records not known unwritten: one whose write
-    /// failed or was skipped holds no whole record of that life and key (a torn one is never
-    /// served), and reading its header would cost a read each, in turn, before the task completes
-    /// and the stores behind it go on. A record whose
+    /// was skipped holds nothing of that life and key, and reading its header would cost a read
+    /// each, in turn, before the task completes and the stores behind it go on (a write that
+    /// failed may have left its header: it is marked). A record whose
     /// mark did not settle stays stale, for the next delete or clear of its key
     /// ([`Index::keep_unmarked`]).
     fn mark_unpublished(&self, records: &[(ObjectKey, Loc)]) {
@@ -4717,6 +4739,24 @@ mod tests {
         let store = lru_store_syncing(dir.path(), 16, RARE_SYNCS);
         let mut h = harness(&store);
         assert_eq!(h.present(&keys(200..201)).count_ones(), 0, "deleted, back after a restart");
+    }
+
+    #[test]
+    fn a_record_whose_write_failed_part_way_is_marked_deleted() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        // The disk fails writing key 0's record after its header landed: the task fails, and
+        // the header must not let a restart find the key.
+        store.shared.faults.torn_write.store(true, Ordering::SeqCst);
+        assert!(h.store(&keys(0..1)).is_err());
+        assert!(!store.shared.faults.torn_write.load(Ordering::SeqCst), "the fault fired");
+        drop((h, store));
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..1)).count_ones(), 0, "a torn record of a failed store found");
     }
 
     #[test]
