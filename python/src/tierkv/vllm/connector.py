@@ -295,6 +295,11 @@ class TierKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request), None
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM keeps stepping while this is true: releases held back for a step still in flight
+        # go out at a later plan, not at the lease deadline of an engine gone idle.
+        return self._scheduler is not None and self._scheduler.has_held_back_releases()
+
     def reset_cache(self) -> bool | None:
         # The daemon is shared by every engine on the node: one engine's reset does not clear it.
         return False

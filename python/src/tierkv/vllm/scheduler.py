@@ -1110,6 +1110,11 @@ class SchedulerSide:
             else:
                 self.held_back.append((step, (link, generation, lookup)))
 
+    def has_held_back_releases(self) -> bool:
+        """Whether releases wait for a step to run (``held_back``): they go out at a later
+        plan, so the engine should keep planning steps (vLLM's ``has_pending_push_work``)."""
+        return bool(self.held_back)
+
     def _steps_run(self, last: int) -> None:
         """Every step up to ``last`` (a ``planned_steps`` number) has run, its loads with it:
         the releases held back for their lookups go out."""
