@@ -116,18 +116,18 @@ struct Segment {
     /// published or abandoned: until it is, the segment's space is theirs even though the index
     /// does not name them.
     unpublished: u64,
-    /// The records of its earlier lives that were indexed when it was evicted, each with its
-    /// life's epoch: no longer indexed, but still on disk, and found again by a restart, until the
-    /// first record of a new life is written with its superblock, and synced (under
+    /// Records on disk that no index entry names, each with its life's epoch, which a restart
+    /// would find again: those of its earlier lives indexed when it was evicted; records of this
+    /// life or an earlier one whose mark did not settle ([`Index::keep_unmarked`]: a delete's, a
+    /// failed task's, a publish's loser's); a key's second copy found by a restart. A delete or a
+    /// clear marks those of its keys deleted. The earlier lives' records end once the first
+    /// record of a new life is written with its superblock and synced (under
     /// `FsyncPolicy::Always` by its store task's sync, or at the task's end should it publish
-    /// nothing; under `Periodic` by the flusher's next sync; by a delete or a clear of one of
-    /// them before either; `superseded`), or each is marked deleted. An eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there
-    /// until a store reuses the segment, for good if none does; a store that fails before its
-    /// first record is written leaves them too. A delete or a clear marks those of its keys
-    /// deleted. With them, records of this life or an earlier one that no index entry names and
-    /// whose mark did not settle ([`Index::keep_unmarked`]: a delete's, a failed task's, a
-    /// publish's loser's), and a key's second copy found by a restart: a life's own records stay
-    /// when its first record ends the earlier lives' ones.
+    /// nothing; under `Periodic` by the flusher's next sync, or by a delete or a clear of one of
+    /// them before it; under `Never` once written; `superseded`); a life's own records stay. An
+    /// eviction ahead of the stores ([`Index::make_room_ahead`]) leaves them there until a store
+    /// reuses the segment, for good if none does; a store that fails before its first record is
+    /// written leaves them too.
     stale: Vec<(u64, ObjectKey, Loc)>,
     /// Deletes and clears marking stale records now: until they are done, the life's first
     /// record is not handed to the write thread (a mark must not land on it).
@@ -139,8 +139,9 @@ struct Segment {
     /// sync that fails, until the segment's next life (`sync_failed`).
     superseding: bool,
     /// The write of the life's first record ended without ending the stale records behind it
-    /// yet (it failed, or no sync covered it yet): a delete or a clear does not wait for it any
-    /// more.
+    /// yet: it failed (a delete or a clear then waits for the life's writes to be over,
+    /// [`Segment::waits_to_end_stale`]), or no sync covered it yet (it waits no more, and syncs
+    /// the file itself).
     unsuperseded: bool,
     /// The epoch of the life whose first record, written over stale records, no sync has
     /// covered yet: under `FsyncPolicy::Always` its task's sync ([`Shared::publish_records`]),
@@ -294,6 +295,18 @@ impl Index {
                 self.segments[loc.segment as usize].stale.push((*epoch, *key, *loc));
                 self.stale.insert(loc.segment);
             }
+        }
+    }
+
+    /// The first record of segment `id`'s life is on disk for good: the stale records of its
+    /// earlier lives end (`Segment::stale`; the life's own stay), and so does the wait for it.
+    fn end_earlier_lives(&mut self, id: u32) {
+        let segment = &mut self.segments[id as usize];
+        let life = segment.epoch;
+        segment.superseding = false;
+        segment.stale.retain(|(of, _, _)| *of == life);
+        if segment.stale.is_empty() {
+            self.stale.remove(&id);
         }
     }
 
@@ -2540,19 +2553,26 @@ impl Shared {
         Ok(index.segments[id].superseding)
     }
 
+    /// Whether the record at `loc` is its segment's first, the one written with the superblock
+    /// of the segment's life.
+    fn is_first(&self, loc: Loc) -> bool {
+        loc.offset == self.layout.base(loc.segment) + BLOCK
+    }
+
     /// The write of the record at `loc` in life `epoch` ended (`written` or failed). If it was
     /// the life's first, its superblock ends the stale records behind it once it is on disk for
     /// good: under [`FsyncPolicy::Always`] when its task's sync covers it
     /// ([`Shared::publish_records`], or [`Shared::end_unpublished_lives`] for a task that
     /// publishes nothing), under `Periodic` at the flusher's next sync ([`Shared::sync_dirty`]),
-    /// under `Never` now. The deletes and clears waiting for the write go on now; one of its
-    /// stale keys syncs the file itself before returning ([`Shared::mark_stale`]), so it is not
-    /// undone by a power loss either. No sync of its own here: one on the write thread for
-    /// every segment reused cost the stream of stores a fifth of its speed under `Always`, and
-    /// made `Periodic` sync nearly every record. If the write failed they stay, unmarkable
-    /// until the life's writes are over (`Segment::superseding`).
+    /// under `Never` now. Written, the deletes and clears waiting for it go on now, and a delete
+    /// or a clear of one of its stale keys syncs the file itself before returning
+    /// ([`Shared::mark_stale`]), so it is not undone by a power loss either. No sync of its own
+    /// here: one on the write thread for every segment reused cost the stream of stores a fifth
+    /// of its speed under `Always`, and made `Periodic` sync nearly every record. If the write
+    /// failed they stay, and deletes and clears wait, until the life's writes are over
+    /// ([`Segment::end_unwritten_life`]).
     fn superseded(&self, loc: Loc, epoch: u64, written: bool) {
-        if loc.offset != self.layout.base(loc.segment) + BLOCK {
+        if !self.is_first(loc) {
             return;
         }
         let mut index = self.index.lock();
@@ -2593,12 +2613,7 @@ impl Shared {
         }
         if reused.superseding && reused.epoch == epoch {
             if durable {
-                reused.superseding = false;
-                // The life's own records (`Segment::stale`) stay.
-                reused.stale.retain(|(of, _, _)| *of == epoch);
-                if reused.stale.is_empty() {
-                    index.stale.remove(&segment);
-                }
+                index.end_earlier_lives(segment);
             } else {
                 reused.unsuperseded = true;
             }
@@ -2646,10 +2661,8 @@ impl Shared {
         }
         let lives = {
             let index = self.index.lock();
-            let firsts = records
-                .iter()
-                .filter(|(_, loc)| loc.offset == self.layout.base(loc.segment) + BLOCK)
-                .map(|(_, loc)| loc.segment);
+            let firsts =
+                records.iter().filter(|(_, loc)| self.is_first(*loc)).map(|(_, loc)| loc.segment);
             index.written_lives(firsts, |_| true)
         };
         self.end_written_lives(lives);
@@ -2836,18 +2849,13 @@ impl Shared {
             // delete's sync of the life failed before. A life another task began is that task's
             // to end, at its own sync.
             for (_, loc) in records {
-                if loc.offset != self.layout.base(loc.segment) + BLOCK {
+                if !self.is_first(*loc) {
                     continue;
                 }
                 let segment = &mut index.segments[loc.segment as usize];
                 if segment.superseding && !segment.sync_failed {
-                    segment.superseding = false;
                     segment.unsynced = None;
-                    let life = segment.epoch;
-                    segment.stale.retain(|(of, _, _)| *of == life);
-                    if segment.stale.is_empty() {
-                        index.stale.remove(&loc.segment);
-                    }
+                    index.end_earlier_lives(loc.segment);
                 }
             }
         }
@@ -5146,7 +5154,7 @@ mod tests {
         let index = store.shared.index.lock();
         let segment = &index.segments[active as usize];
         assert!(
-            !segment.superseding || segment.unsuperseded,
+            !segment.waits_to_end_stale(),
             "a delete of its stale records waits for a write that is over"
         );
     }
@@ -5336,7 +5344,7 @@ mod tests {
     #[test]
     fn a_delete_waits_for_a_life_whose_first_record_failed_until_its_segment_is_sealed() {
         // The first record's write failed (`superseded`) and the write thread has yet to seal
-        // the segment (`seal_failed`): a delete that did not wait then left the stale records
+        // the segment (`seal_failed`): a delete must wait, or it would leave the stale records
         // unmarked for good, the life ending after it.
         let mut segment = Segment::free();
         segment.status = Status::Active;

@@ -281,13 +281,11 @@ class TierKVConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        recving = connector_output.finished_recving or ()
-        if self._scheduler is not None and (connector_output.invalid_block_ids or recving):
-            self._scheduler.update_connector_output(
-                set(connector_output.invalid_block_ids or ()),
-                recving,
-                getattr(connector_output, "failed_recving", None) or (),
-            )
+        recving = set(connector_output.finished_recving or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        invalid = set(connector_output.invalid_block_ids or ())
+        if self._scheduler is not None and (invalid or recving or failed):
+            self._scheduler.update_connector_output(invalid, recving, failed)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

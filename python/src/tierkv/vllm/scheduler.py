@@ -400,6 +400,7 @@ class SchedulerSide:
         failed loads' blocks: vLLM recomputes the loading request, but keeps another request's
         blocks computed over them as they are (they stay in its prefix cache, never written
         again), so whatever reads them is never stored."""
+        finished_recving = set(finished_recving)
         load_failed = set(failed_recving)
         if invalid_block_ids:
             # A rank may report its failed blocks a step before the last rank reports the load
