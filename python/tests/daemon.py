@@ -124,6 +124,16 @@ def in_background(call: Callable[[], object]) -> tuple[threading.Thread, list[Ba
     return thread, raised
 
 
+def is_idle(status: dict) -> bool:
+    """Whether a status report shows no lookup open, no L1 share held and no store copy in
+    flight: every lease and write reservation returned."""
+    return (
+        status["open_lookups"] == 0
+        and status["l1_leased_chunks"] == 0
+        and status["store_in_flight"] == 0
+    )
+
+
 def free_port() -> int:
     """A TCP port on loopback nobody listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

