@@ -12,14 +12,14 @@ pub enum RemoteMode {
     /// follows failovers and resharding.
     #[default]
     Cluster,
-    /// One server: the first URL.
+    /// One server, the one URL.
     Standalone,
 }
 
 /// How a RemoteStore is built.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RemoteConfig {
-    /// `redis://host:port` URLs: seed nodes of a cluster, or the one server.
+    /// `redis://host:port` (or `valkey://`) URLs: seed nodes of a cluster, or the one server.
     pub urls: Vec<String>,
     /// Cluster or one server.
     pub mode: RemoteMode,
@@ -53,7 +53,7 @@ pub struct RemoteConfig {
 pub const MAX_CHUNK_BYTES: u64 = (512 << 20) - HEADER_BYTES as u64;
 
 /// `url` with any user and password masked, for messages.
-fn without_secrets(url: &str) -> String {
+pub(crate) fn without_secrets(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
             format!("\"{}***{}\"", &url[..scheme + 3], &url[at..])
@@ -88,7 +88,7 @@ impl RemoteConfig {
         }
         for url in &self.urls {
             match redis::parse_redis_url(url) {
-                Some(parsed) if parsed.scheme() == "redis" => {}
+                Some(parsed) if matches!(parsed.scheme(), "redis" | "valkey") => {}
                 // The redis crate is built without TLS: such a URL would fail every connection.
                 Some(parsed) if matches!(parsed.scheme(), "rediss" | "valkeys") => {
                     return bad(
@@ -101,6 +101,32 @@ impl RemoteConfig {
                     );
                 }
                 _ => return bad("urls", format!("{} is not a redis:// URL", without_secrets(url))),
+            }
+            // What a connection is opened with (no network): a database that is not a number,
+            // or no host, would fail every connection.
+            if let Err(e) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
+                return bad("urls", format!("{}: {e}", without_secrets(url)));
+            }
+        }
+        match self.mode {
+            // Only one would be used: more are likely a cluster's nodes in the wrong mode.
+            RemoteMode::Standalone if self.urls.len() > 1 => {
+                return bad(
+                    "urls",
+                    format!(
+                        "mode \"standalone\" talks to one server, and urls lists {}: list \
+                         that one, or set mode = \"cluster\" for the nodes of a Redis Cluster",
+                        self.urls.len()
+                    ),
+                );
+            }
+            RemoteMode::Standalone => {}
+            // The cluster client's own checks (no network): seeds with different passwords,
+            // users or databases would fail every connection.
+            RemoteMode::Cluster => {
+                if let Err(e) = redis::cluster::ClusterClient::new(self.urls.clone()) {
+                    return bad("urls", format!("the cluster's seed nodes do not agree: {e}"));
+                }
             }
         }
         if self.key_prefix.is_empty() || self.key_prefix.contains(char::is_whitespace) {
@@ -210,7 +236,20 @@ mod tests {
         );
         // TLS is not built in: refused at start, not failing every connection later. A password
         // in a refused URL is not repeated.
-        let tls = err(RemoteConfig { urls: vec!["rediss://u:hunter2@h:6380".into()], ..good });
+        let tls =
+            err(RemoteConfig { urls: vec!["rediss://u:hunter2@h:6380".into()], ..good.clone() });
         assert!(tls.contains("TLS") && !tls.contains("hunter2"), "{tls}");
+        // URLs that parse but could never connect are refused at start, secrets masked.
+        let db =
+            err(RemoteConfig { urls: vec!["redis://u:hunter2@h:6379/x".into()], ..good.clone() });
+        assert!(db.contains("database") && !db.contains("hunter2"), "{db}");
+        let seeds = vec!["redis://:a@h1:7000".to_string(), "redis://:b@h2:7000".to_string()];
+        let differ = err(RemoteConfig { urls: seeds, ..good.clone() });
+        assert!(differ.contains("do not agree") && differ.contains("password"), "{differ}");
+        let nodes = vec!["redis://h1:7000".to_string(), "redis://h2:7000".to_string()];
+        RemoteConfig { urls: nodes.clone(), ..good.clone() }.validate().unwrap();
+        let one = err(RemoteConfig { urls: nodes, mode: RemoteMode::Standalone, ..good.clone() });
+        assert!(one.contains("standalone") && one.contains("cluster"), "{one}");
+        RemoteConfig { urls: vec!["valkey://h:6379".into()], ..good }.validate().unwrap();
     }
 }

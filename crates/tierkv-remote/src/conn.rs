@@ -56,7 +56,7 @@ use redis::{
     IntoConnectionInfo, Value,
 };
 
-use crate::config::{RemoteConfig, RemoteMode};
+use crate::config::{RemoteConfig, RemoteMode, without_secrets};
 use crate::error::{CallError, is_link};
 
 #[derive(Clone)]
@@ -814,7 +814,24 @@ async fn open(c: &RemoteConfig) -> redis::RedisResult<Conn> {
             let config = AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(c.connect_timeout))
                 .set_response_timeout(Some(c.op_timeout));
-            let conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+            let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
+            // A node of a Redis Cluster answers every key of another master's slots with
+            // `MOVED`: as one server it would serve a third of the keys (with three masters)
+            // and fail the rest, and the tier would flap between degraded and healthy. It is
+            // refused here, saying which setting is wrong. A server that does not let us ask
+            // (an ACL without `INFO`) is taken as it is.
+            let info: redis::RedisResult<String> =
+                redis::cmd("INFO").arg("cluster").query_async(&mut conn).await;
+            if info.is_ok_and(|info| info.lines().any(|l| l.trim() == "cluster_enabled:1")) {
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "a Redis Cluster node",
+                    format!(
+                        "{} is a node of a Redis Cluster: set remote.mode = \"cluster\"",
+                        without_secrets(url)
+                    ),
+                )));
+            }
             Ok(Conn::Single(conn))
         }
         RemoteMode::Cluster => {

@@ -134,11 +134,16 @@ pub fn verify<'a>(
     if decode_key(h) != *key {
         return Err(Invalid::WrongKey);
     }
+    // The announced length first: a load reads at most the expected length and a byte more,
+    // so a whole value of a larger chunk arrives cut short, and is not a truncated one.
     let len = u64::from_le_bytes(le(h, 40));
+    if len != expected_len {
+        return Err(Invalid::Length);
+    }
     if (payload.len() as u64) < len {
         return Err(Invalid::Truncated);
     }
-    if len != expected_len || payload.len() as u64 != len {
+    if payload.len() as u64 != len {
         return Err(Invalid::Length);
     }
     if xxh3_64(payload) != u64::from_le_bytes(le(h, 48)) {
@@ -168,6 +173,17 @@ mod tests {
         let shared = ObjectKey { rank: KvRank::Shared, ..key(7) };
         assert_eq!(verify(&shared, &value, 1000), Err(Invalid::WrongKey));
         assert_eq!(verify(&key(7), &value, 999), Err(Invalid::Length));
+    }
+
+    /// A load reads the expected length and one byte more: a whole value of a larger chunk
+    /// (another build's, a stray copy) arrives cut at that, and is a wrong length, not damage.
+    #[test]
+    fn a_larger_chunks_value_read_as_far_as_a_load_reads_is_a_wrong_length() {
+        let value = encode(&key(7), &[3u8; 2000]);
+        assert_eq!(verify(&key(7), &value[..HEADER_BYTES + 1001], 1000), Err(Invalid::Length));
+        assert_eq!(verify(&key(7), &value[..HEADER_BYTES + 500], 1000), Err(Invalid::Length));
+        let own = encode(&key(7), &[3u8; 1000]);
+        assert_eq!(verify(&key(7), &own[..HEADER_BYTES + 999], 1000), Err(Invalid::Truncated));
     }
 
     #[test]

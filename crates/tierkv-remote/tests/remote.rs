@@ -503,6 +503,28 @@ fn a_server_that_is_not_what_the_configuration_says_is_a_degraded_tier_saying_wh
     assert!(why.contains("cluster"), "{why}");
 }
 
+/// The opposite mistake: a node of a cluster configured as one server. Each key of another
+/// master's slots would be answered `MOVED`, so it used to serve a third of the keys and flap
+/// between degraded and healthy; it is refused whole, and the reason names the setting.
+#[test]
+fn a_cluster_node_configured_as_one_server_is_a_degraded_tier_naming_the_mode() {
+    require_redis!();
+    let node = shared_cluster().urls().remove(0);
+    let store = Arc::new(
+        RemoteStore::open(config(vec![node], RemoteMode::Standalone, &unique_prefix("moved")))
+            .unwrap(),
+    );
+    let tier = SharedTier::new(store.clone(), CHUNK);
+    for round in 0..3 {
+        assert!(tier.store(&keys(0..8)).is_err(), "round {round}: a store went through");
+        assert_eq!(tier.lookup(&keys(0..8)).count_ones(), 0);
+        let why = store.degraded().expect("degraded");
+        assert!(why.contains("remote.mode = \"cluster\""), "{why}");
+        // Past the reconnect interval it tries again, and is refused again: it never heals.
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// A load submitted behind a long backlog of stores does not wait for the backlog: loads and
 /// stores have their own `max_in_flight` slots. What the server holds when the load completes
 /// says how far the backlog had got.

@@ -445,12 +445,12 @@ fn the_remote_section_maps_onto_the_remote_tier_and_its_checks_name_the_key() {
     assert!(defaults.storage.remote.is_none(), "the remote tier is off by default");
     let config = parse(
         "[l1]\nslot = \"4MiB\"\n[remote]\nenabled = true\n\
-         urls = [\"redis://10.0.0.1:7000\", \"redis://10.0.0.2:7000\"]\nmode = \"standalone\"\n\
+         urls = [\"redis://10.0.0.1:7000\"]\nmode = \"standalone\"\n\
          op_timeout = \"250ms\"\nttl = \"0s\"\nadmission = \"after_reads\"\nadmission_min_reads = 3\n",
     )
     .unwrap();
     let remote = config.storage.remote.unwrap();
-    assert_eq!(remote.urls.len(), 2);
+    assert_eq!(remote.urls, ["redis://10.0.0.1:7000"]);
     assert_eq!(remote.mode, tierkv_remote::RemoteMode::Standalone);
     assert_eq!(remote.op_timeout, std::time::Duration::from_millis(250));
     assert_eq!(remote.ttl, None, "0s: no expiry");
@@ -460,6 +460,14 @@ fn the_remote_section_maps_onto_the_remote_tier_and_its_checks_name_the_key() {
         tierkv_storage::RemoteAdmission::AfterReads { min_reads: 3 }
     );
     assert_refused("[remote]\nenabled = true\nurls = [\"http://x\"]\n", "remote.urls", 3);
+    // One server is one URL: more are likely a cluster's nodes under the wrong mode.
+    let message = assert_refused(
+        "[remote]\nenabled = true\nmode = \"standalone\"\n\
+         urls = [\"redis://10.0.0.1:7000\", \"redis://10.0.0.2:7000\"]\n",
+        "remote.urls",
+        4,
+    );
+    assert!(message.contains("mode = \"cluster\""), "{message}");
     assert_refused("[remote]\nenabled = true\nmax_in_flight = 0\n", "remote.max_in_flight", 3);
     // Each duration blamed by its own name and line, not the first named in the message.
     assert_refused("[remote]\nenabled = true\nop_timeout = \"0s\"\n", "remote.op_timeout", 3);
