@@ -235,6 +235,22 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
         Some(ErrorCode::BadRequest)
     );
 
+    // A hello the daemon cannot take is `bad_request`, and the connection stays for a corrected
+    // one (docs/protocol.md); one of another version closes it.
+    let mut stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    let mut say = |id: u64, hello: Hello| {
+        let mut frame = Vec::new();
+        let request = Request { id, body: RequestBody::Hello(hello) };
+        tierkv_client::proto::encode(&request, &mut frame).unwrap();
+        stream.write_all(&frame).unwrap();
+        let reply = tierkv_client::proto::read_frame(&mut stream, 1 << 20).unwrap().unwrap();
+        tierkv_client::proto::decode::<tierkv_client::proto::Reply>(&reply).unwrap().body
+    };
+    let refused = say(1, Hello { rank: 2, tp_size: 2, world_size: Some(2), ..hello() });
+    assert!(matches!(refused, ReplyBody::Error { code: ErrorCode::BadRequest, .. }), "{refused:?}");
+    let welcome = say(2, hello());
+    assert!(matches!(welcome, ReplyBody::Welcome { .. }), "{welcome:?}");
+
     // A request before the hello.
     let mut stream = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
     let mut frame = Vec::new();

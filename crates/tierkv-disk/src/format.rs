@@ -28,7 +28,7 @@ const HEADER_BODY: usize = 72;
 /// What a segment's first block says about it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Superblock {
-    /// The segment's number (its file is `seg-{id:08}.tkv`).
+    /// The segment's number: which file holds it, and where in the file, follow from it.
     pub id: u32,
     /// Changes every time the segment is reused; records must carry the same epoch.
     pub epoch: u64,

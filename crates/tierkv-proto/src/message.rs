@@ -559,9 +559,11 @@ pub struct LookupOutcome {
 pub struct TierReport {
     /// "l1", "l2", "disk", "remote".
     pub name: String,
-    /// Bytes in use (cached, being written, or held).
+    /// Bytes of every chunk the tier holds, in any state (cached, being written, or held), as
+    /// `tierkv_tier_used_bytes` counts them.
     pub used_bytes: u64,
-    /// Bytes of cached chunks that eviction may take.
+    /// Bytes of cached chunks that eviction may take: `used_bytes - cached_bytes` are pinned
+    /// (in L1: chunks being written, leased, or still being copied from).
     pub cached_bytes: u64,
     /// Bytes the tier may use.
     pub capacity_bytes: u64,
@@ -668,7 +670,7 @@ pub enum ErrorCode {
     Stopped,
     /// The daemon serves `server.max_connections` connections already; the connection closes.
     TooManyConnections,
-    /// The session's lookups hold `server.max_leased_bytes_per_session` bytes of leases already;
+    /// The session's lookups hold `server.max_leased_per_session` bytes of leases already;
     /// release or retrieve some first.
     LeaseLimit,
     /// Something failed inside the daemon; the message says what.

@@ -189,7 +189,9 @@ impl Daemon {
         let l1 = &status.l1;
         let mut tiers = vec![TierReport {
             name: "l1".into(),
-            used_bytes: l1.used_bytes,
+            // Every state, as below L1 and as `tierkv_tier_used_bytes` counts: L1's own usage
+            // keeps its cached bytes apart.
+            used_bytes: l1.used_bytes + l1.cached_bytes,
             cached_bytes: l1.cached_bytes,
             capacity_bytes: l1.capacity_bytes,
             objects: l1.writing + l1.leased + l1.cached,

@@ -193,7 +193,7 @@ def test_aborted_and_preempted_requests_leave_no_leases_or_reservations(
         lambda s: (
             s["open_lookups"] == 0
             and s["l1_leased_chunks"] == 0
-            and s["tiers"][0]["used_bytes"] == 0
+            and s["tiers"][0]["used_bytes"] == s["tiers"][0]["cached_bytes"]
             and s["store_in_flight"] == 0
         ),
     )

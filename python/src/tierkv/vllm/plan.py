@@ -84,7 +84,8 @@ class Settings:
     #: vLLM blocks in one tierkv chunk.
     chunk_blocks: int = 1
     #: The namespace's model name; chunks of different names never match. Defaults to the
-    #: model, its KV dtype and the block size, so incompatible KV never meets.
+    #: model, its KV dtype, dtype, block size, quantization and revision, so incompatible KV
+    #: never meets.
     namespace: str = ""
     #: A lookup older than this is redone before it is used (leases expire in the daemon after
     #: ``l1.lease_ttl``, 30 s by default).
