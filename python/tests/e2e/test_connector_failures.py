@@ -158,6 +158,39 @@ def test_a_worker_whose_kv_cannot_be_registered_runs_without_the_daemon(halves: 
     worker.shutdown()
 
 
+def test_the_kv_is_registered_when_vllm_registers_it_or_at_the_first_call_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from harness import start_daemon
+
+    daemon = start_daemon(tmp_path / "daemon")
+    # retry_s 0: a daemon that refused the connection is tried again at the next call.
+    settings = Settings.from_extra({"socket": str(daemon.socket), "timeout_s": 2.0, "retry_s": 0.0})
+    layers = {"model.layers.0.self_attn.attn": torch.zeros(6, 2, BLOCK, 8)}
+    chunk = prefix_hashes(list(range(BLOCK)), BLOCK)[0]
+    worker = WorkerSide(settings, "m", BLOCK, 0, 1, False, num_blocks=6)
+    late = WorkerSide(settings, "m", BLOCK, 0, 1, False, num_blocks=6)
+    try:
+        # At registration: the session is open before any step, its KV registered on it.
+        worker.register_kv_caches(layers)
+        assert worker.link is not None and worker.link.generation == 1
+        assert daemon.status()["connected_workers"] == 1
+        # A daemon not there yet: the engine starts all the same, and the first store after
+        # the daemon came registers the KV and goes through.
+        daemon.stop()
+        with caplog.at_level(logging.WARNING, logger="tierkv.vllm.worker"):
+            late.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(6, 2, BLOCK, 8)})
+        assert late.link is not None and late.link.generation == 0
+        assert "no session with the daemon yet" in caplog.text
+        daemon.start()
+        late.wait_for_save(TierKVMetadata(stores=[StoreOp("s", [(chunk, [1])])]))
+        assert late.stored_chunks == 1 and late.link.generation == 1
+    finally:
+        worker.shutdown()
+        late.shutdown()
+        daemon.stop()
+
+
 def test_kv_tensors_left_half_moved_stop_the_engine(tmp_path: Path) -> None:
     from tierkv.vllm.guard import EngineStateUnknown
 

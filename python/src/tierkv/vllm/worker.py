@@ -205,6 +205,17 @@ class WorkerSide:
         )
         self._hello = hello
         self.link = self._link(self._register)
+        # The session and the registration now, not in the first step that loads or stores,
+        # which would pay for them (a second a GiB of KV, on a memfd), and so that a daemon that
+        # refuses the registration says so at start. One not there yet is tried again then.
+        try:
+            self.link.client()
+        except Unavailable as e:
+            log.warning(
+                "tierkv: no session with the daemon yet (%s); it is tried again at the first "
+                "load or store",
+                e,
+            )
         where = (
             f"{len(self.memory.regions)} CUDA IPC regions"
             if isinstance(self.memory, DeviceKv)
