@@ -312,6 +312,25 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
 }
 
 #[test]
+fn f4_another_ranks_lookup_is_forbidden_open_or_over() {
+    let daemon = Daemon::start();
+    let rank = |rank: u16| Hello { rank, tp_size: 2, world_size: Some(2), ..hello() };
+    let mut zero = Client::connect_unix(&daemon.socket, rank(0)).unwrap();
+    let mut one = Client::connect_unix(&daemon.socket, rank(1)).unwrap();
+    let buffer = SharedBuffer::new(CHUNK, 2).unwrap();
+    let (id0, id1) =
+        (zero.register_buffer(&buffer).unwrap(), one.register_buffer(&buffer).unwrap());
+    let chunk = vec![ChunkBlocks::one(chunk_id(7, 0), 0)];
+    zero.store(0, id0, chunk.clone()).unwrap();
+    let lookup = zero.lookup(0, vec![chunk_id(7, 0)]).unwrap().id;
+    assert_eq!(code(one.retrieve(lookup, id1, chunk.clone())), ErrorCode::Forbidden, "open");
+    zero.retrieve(lookup, id0, chunk.clone()).unwrap();
+    // Over (its one reader returned its share): still rank 0's, not `share_returned` to rank 1.
+    assert_eq!(code(one.retrieve(lookup, id1, chunk.clone())), ErrorCode::Forbidden, "over");
+    assert_eq!(code(zero.retrieve(lookup, id0, chunk)), ErrorCode::ShareReturned);
+}
+
+#[test]
 fn f4_a_refused_release_or_a_query_of_another_sessions_lookup_leaves_the_owner_its_share() {
     // Another session of the same model and rank sees the witness's lookup: the release it is
     // refused and the query it may make change nothing, not even once that session has gone.

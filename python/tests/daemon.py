@@ -50,6 +50,7 @@ def config(
     l2_memory: str = "plain",
     metrics_listen: str | None = None,
     l1_extra: str = "",
+    lease_ttl: str = "30s",
 ) -> str:
     """A daemon config: an L1 (emulated by default; ``l1_extra`` adds lines to its section), L2
     (in plain memory by default), a disk tier, and a metrics endpoint only where
@@ -69,7 +70,7 @@ socket = "{socket_path}"
 device = "{device}"
 capacity = "{l1}"
 slot = "{slot}"
-lease_ttl = "30s"
+lease_ttl = "{lease_ttl}"
 {l1_extra}
 
 [l2]

@@ -1038,3 +1038,22 @@ def test_the_largest_status_a_daemon_sends_is_read_whole() -> None:
         theirs.sendall(_reply_frame({"id": 1, "body": {"status": status}}))
         assert client.status()["sessions"] == sessions
         assert not client.closed
+
+
+def test_a_deferred_lookup_nobody_starts_is_over_at_its_deadline(tierkv_bin, tmp_path):
+    """Deferred, and never queried or waited on within ``l1.lease_ttl``: the client's timing, so
+    ``unknown_lookup`` saying why (it was ``internal``, counted as the daemon's failure)."""
+    daemon = Daemon(
+        tierkv_bin, tmp_path, make_config=lambda s, d, e: config(s, d, e, lease_ttl="2s")
+    )
+    try:
+        client = connect(daemon)
+        # Nothing of it in L1: not complete at once, so nothing starts until it is asked.
+        started = client.lookup(0, prefix_hashes(prompt(12, 2), CHUNK_TOKENS), defer_prefetch=True)
+        assert started.outcome is None
+        # Failed at its deadline (2 s), and kept to say why for one more lease time.
+        time.sleep(2.8)
+        with pytest.raises(UnknownLookup, match="not started"):
+            client.query(started.lookup)
+    finally:
+        daemon.stop()

@@ -59,7 +59,9 @@ fn fail<T>(code: ErrorCode, message: impl Into<String>) -> Result<T, Fail> {
 impl From<StorageError> for Fail {
     fn from(e: StorageError) -> Self {
         let code = match &e {
-            StorageError::UnknownLookup(_) | StorageError::Expired(_) => ErrorCode::UnknownLookup,
+            StorageError::UnknownLookup(_)
+            | StorageError::Expired(_)
+            | StorageError::NotStarted(_) => ErrorCode::UnknownLookup,
             StorageError::NotCovered { .. } | StorageError::Below(BelowError::NotHeld) => {
                 ErrorCode::NotInHit
             }
@@ -1009,6 +1011,11 @@ impl Session {
         if let Some(info) = ended
             && self.opened().namespaces.contains(&info.namespace)
         {
+            // As while it was open (`visible_lookup`): another rank's lookup is not this
+            // session's to read, over or not.
+            if info.rank != self.opened().rank {
+                return fail(ErrorCode::Forbidden, "the lookup was made for another rank's KV");
+            }
             // Every reader, this one included, returned its share already.
             return fail(
                 ErrorCode::ShareReturned,

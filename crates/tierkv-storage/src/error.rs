@@ -54,6 +54,13 @@ pub enum StorageError {
     /// the lower tiers: its tier locks went back, and it is over.
     #[error("lookup {0} passed its deadline; its chunks held below L1 were let go")]
     Expired(LookupId),
+    /// The lookup was deferred (`defer_prefetch`) and nobody started it (a query, a wait or
+    /// `start_prefetch`) within `l1.lease_ttl`: its shares went back, and it is over.
+    #[error(
+        "lookup {0} was deferred and not started (query, wait or start) within l1.lease_ttl; \
+         its shares went back"
+    )]
+    NotStarted(LookupId),
     /// The reader has already returned its share of the lookup.
     #[error("reader {reader} already returned its share of lookup {lookup}")]
     ShareReturned {

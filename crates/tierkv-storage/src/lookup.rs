@@ -7,7 +7,9 @@ use std::time::Duration;
 use foldhash::HashMap;
 use tierkv_core::{ExtraCount, Layout, ObjectKey};
 use tierkv_l1::{LeaseId, OwnerId, ReadAccess};
-use tierkv_prefetch::{GroupKind, HeldBelow, RequestId};
+use tierkv_prefetch::{GroupKind, HeldBelow, PrefetchError, RequestId};
+
+use crate::StorageError;
 
 /// Identifies a lookup; never reused within one manager.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -102,6 +104,25 @@ impl HitChunk {
     }
 }
 
+/// Why a lookup failed.
+pub(crate) enum Failure {
+    /// Deferred, and not started (by a query, a wait or `start_prefetch`) within
+    /// `l1.lease_ttl`: the client's timing, not the tiers'.
+    NotStarted,
+    /// Its prefetch failed: why.
+    Prefetch(String),
+}
+
+impl Failure {
+    /// The error a request about lookup `id` gets.
+    pub(crate) fn error(&self, id: LookupId) -> StorageError {
+        match self {
+            Failure::NotStarted => StorageError::NotStarted(id),
+            Failure::Prefetch(why) => StorageError::Prefetch(PrefetchError::Failed(why.clone())),
+        }
+    }
+}
+
 /// Where a lookup stands.
 pub(crate) enum Stage {
     /// Its L1 hits leased, its prefetch not started (`defer_prefetch`): started by the first
@@ -118,8 +139,9 @@ pub(crate) enum Stage {
         below: Option<Arc<HeldBelow>>,
         expires: Duration,
     },
-    /// The prefetch failed; the L1 shares were returned. Kept, to tell why, until `expires`.
-    Failed { why: String, expires: Duration },
+    /// The prefetch failed, or never started; the L1 shares were returned. Kept, to tell why,
+    /// until `expires`.
+    Failed { why: Failure, expires: Duration },
 }
 
 pub(crate) struct Lookup {

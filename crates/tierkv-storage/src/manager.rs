@@ -31,7 +31,7 @@ use tierkv_remote::RemoteStore;
 
 use crate::config::{RemoteAdmission, StorageConfig, StorePolicy};
 use crate::error::StorageError;
-use crate::lookup::{HitChunk, Lookup, LookupId, LookupRequest, LookupResult, Stage};
+use crate::lookup::{Failure, HitChunk, Lookup, LookupId, LookupRequest, LookupResult, Stage};
 use crate::metrics::{LookupTotals, StorageMetrics};
 use crate::reads::ReadCounts;
 use crate::store::{
@@ -53,10 +53,6 @@ type ConfiguredTiers = (Option<Arc<HostStore>>, Option<Arc<DiskStore>>, Option<A
 /// How often the maintenance thread probes a degraded remote tier (a `PING` on the tier's own
 /// runtime; the thread does not wait for it).
 const REMOTE_PROBE: Duration = Duration::from_secs(1);
-
-/// Why a deferred lookup failed when nobody started it within `l1.lease_ttl`.
-const NOT_STARTED: &str = "its prefetch was deferred and not started (query, wait or start) \
-                           within l1.lease_ttl";
 
 /// Reads counted per chunk for disk admission, at most; beyond this the counts start over.
 const READ_COUNTS: usize = 1 << 20;
@@ -747,7 +743,7 @@ impl StorageManager {
             request,
             l1_lease: grant.lease,
             in_l1,
-            stage: Stage::Failed { why: String::new(), expires: Duration::ZERO },
+            stage: Stage::Failed { why: Failure::NotStarted, expires: Duration::ZERO },
             returned: 0,
         };
         if from_l1 == possible || self.inner.router.is_empty() {
@@ -771,9 +767,7 @@ impl StorageManager {
         let lookup = lookups.get_mut(&id).ok_or(StorageError::UnknownLookup(id))?;
         self.inner.start_deferred(lookup);
         match &lookup.stage {
-            Stage::Failed { why, .. } => {
-                Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())))
-            }
+            Stage::Failed { why, .. } => Err(why.error(id)),
             _ => Ok(()),
         }
     }
@@ -784,9 +778,7 @@ impl StorageManager {
         let lookups = self.inner.lookups.lock();
         match &lookups.get(&id).ok_or(StorageError::UnknownLookup(id))?.stage {
             Stage::Done { result, .. } => Ok(Some(result.clone())),
-            Stage::Failed { why, .. } => {
-                Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())))
-            }
+            Stage::Failed { why, .. } => Err(why.error(id)),
             Stage::Deferred { .. } | Stage::Prefetching(_) => Ok(None),
         }
     }
@@ -809,14 +801,12 @@ impl StorageManager {
             match self.inner.prefetch.query(request) {
                 None => return Ok(None),
                 Some(Ok(prefetched)) => self.inner.complete(lookup, Some(prefetched)),
-                Some(Err(e)) => self.inner.fail(lookup, e.to_string()),
+                Some(Err(e)) => self.inner.fail(lookup, Failure::Prefetch(e.to_string())),
             }
         }
         match &lookup.stage {
             Stage::Done { result, .. } => Ok(Some(result.clone())),
-            Stage::Failed { why, .. } => {
-                Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())))
-            }
+            Stage::Failed { why, .. } => Err(why.error(id)),
             Stage::Deferred { .. } | Stage::Prefetching(_) => Ok(None),
         }
     }
@@ -854,7 +844,7 @@ impl StorageManager {
                     // Another waiter (another reader's session) took the outcome first: it
                     // completes the lookup as soon as it has this lock.
                     Err(PrefetchError::Invalid(_)) => taken_by_another = true,
-                    Err(e) => self.inner.fail(lookup, e.to_string()),
+                    Err(e) => self.inner.fail(lookup, Failure::Prefetch(e.to_string())),
                 }
             }
             drop(lookups);
@@ -1012,9 +1002,7 @@ impl StorageManager {
             Stage::Deferred { .. } | Stage::Prefetching(_) => {
                 return Err(StorageError::Pending(id));
             }
-            Stage::Failed { why, .. } => {
-                return Err(StorageError::Prefetch(PrefetchError::Failed(why.clone())));
-            }
+            Stage::Failed { why, .. } => return Err(why.error(id)),
         };
         let all = all_readers(readers_of);
         let mask = match readers {
@@ -1451,7 +1439,7 @@ impl Inner {
                 Ok(())
             }
             Err(e) => {
-                self.fail(lookup, e.to_string());
+                self.fail(lookup, Failure::Prefetch(e.to_string()));
                 Err(e.into())
             }
         }
@@ -1462,7 +1450,7 @@ impl Inner {
     fn start_deferred(&self, lookup: &mut Lookup) {
         if let Stage::Deferred { expires } = lookup.stage {
             if self.clock.now() >= expires {
-                self.fail(lookup, NOT_STARTED.to_owned());
+                self.fail(lookup, Failure::NotStarted);
             } else {
                 let _ = self.start(lookup);
             }
@@ -1470,7 +1458,7 @@ impl Inner {
     }
 
     /// A lookup that cannot complete: its L1 shares go back.
-    fn fail(&self, lookup: &mut Lookup, why: String) {
+    fn fail(&self, lookup: &mut Lookup, why: Failure) {
         if let Some(lease) = lookup.l1_lease.take() {
             let _ = self.l1.release_lease(lease);
         }
@@ -1617,13 +1605,13 @@ impl Inner {
             if let Stage::Deferred { expires } = lookup.stage
                 && self.clock.now() >= expires
             {
-                self.fail(lookup, NOT_STARTED.to_owned());
+                self.fail(lookup, Failure::NotStarted);
             }
             if let Stage::Prefetching(request) = lookup.stage {
                 match self.prefetch.query(request) {
                     None => {}
                     Some(Ok(prefetched)) => self.complete(lookup, Some(prefetched)),
-                    Some(Err(e)) => self.fail(lookup, e.to_string()),
+                    Some(Err(e)) => self.fail(lookup, Failure::Prefetch(e.to_string())),
                 }
             }
             match &lookup.stage {

@@ -454,8 +454,10 @@ fn e12_a_deferred_lookup_starts_at_its_first_query_and_fails_unstarted_at_its_de
         std::thread::sleep(Duration::from_millis(1));
     }
     let failed = rig.s.start_prefetch(forgotten).unwrap_err();
+    assert!(matches!(failed, StorageError::NotStarted(id) if id == forgotten), "{failed}");
     assert!(failed.to_string().contains("not started"), "{failed}");
-    assert!(rig.s.query(forgotten).is_err());
+    assert!(matches!(rig.s.query(forgotten), Err(StorageError::NotStarted(_))));
+    assert!(matches!(rig.s.result_if_complete(forgotten), Err(StorageError::NotStarted(_))));
     assert_eq!(rig.s.status().tiers[0].1.objects, 3, "nothing was lost");
     rig.s.l1().audit().unwrap();
 }
