@@ -266,7 +266,7 @@ fn h16_3_a_restart_on_a_full_filesystem_is_reported_and_recovers_when_space_retu
     let tmpfs = match mounted {
         Ok(tmpfs) => tmpfs,
         Err(why) => {
-            eprintln!("skipped: cannot mount a tmpfs here ({why})");
+            tierkv_testkit::cannot_mount(&format!("cannot mount a tmpfs here ({why})"));
             return;
         }
     };

@@ -449,7 +449,7 @@ impl Mounted {
         match run("mount", &["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs", &path]) {
             Ok(_) => Some(Mounted { dir, loop_device: None, image: None, _one_at_a_time: turn }),
             Err(why) => {
-                eprintln!("skipped: cannot mount a tmpfs here ({why})");
+                tierkv_testkit::cannot_mount(&format!("cannot mount a tmpfs here ({why})"));
                 None
             }
         }
@@ -479,7 +479,9 @@ impl Mounted {
                 _one_at_a_time: turn,
             }),
             Err(why) => {
-                eprintln!("skipped: cannot mount an ext4 image on a loop device here ({why})");
+                tierkv_testkit::cannot_mount(&format!(
+                    "cannot mount an ext4 image on a loop device here ({why})"
+                ));
                 None
             }
         }
@@ -585,11 +587,11 @@ fn c12_eio_on_read_is_a_counted_miss_and_other_keys_keep_loading() {
     let (Some(first), Some(second)) =
         (physical_start(&segment(mount.path(), 0)), physical_start(&segment(mount.path(), 1)))
     else {
-        eprintln!("skipped: filefrag could not locate the segments");
+        tierkv_testkit::cannot_mount("filefrag could not locate the segments");
         return;
     };
     if second <= first {
-        eprintln!("skipped: the filesystem placed segment 1 before segment 0");
+        tierkv_testkit::cannot_mount("the filesystem placed segment 1 before segment 0");
         return;
     }
     // Cut the device short inside segment 1's first record (two blocks in: its superblock and

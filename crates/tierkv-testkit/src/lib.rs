@@ -9,6 +9,8 @@
 //! - [`redis`]: a real Redis Cluster (3 masters, 3 replicas) or standalone server on loopback
 //!   ports, for the remote tier's tests.
 //! - [`eventually`]: waits for a condition another thread makes true, a hang being a failure.
+//! - [`cannot_mount`]: what a test that needs mounts (a tmpfs, an ext4 image on a loop device)
+//!   does where it cannot have them.
 //!
 //! Test code only: nothing outside `[dev-dependencies]` may depend on this crate.
 
@@ -26,6 +28,17 @@ pub use fake::FakeTier;
 
 #[doc(hidden)]
 pub use tierkv_core::TierAdapter;
+
+/// A test that needs mounts (root's tmpfs, an ext4 image on a loop device, `filefrag`) cannot
+/// have them here, for `why`: it skips, saying so, unless `TIERKV_MOUNTS=1` (which `.ci/run`
+/// sets where a probe mount works) makes that a failure, so such tests never pass untested
+/// where they could run.
+pub fn cannot_mount(why: &str) {
+    if std::env::var("TIERKV_MOUNTS").is_ok_and(|v| v == "1") {
+        panic!("TIERKV_MOUNTS=1, but {why}");
+    }
+    eprintln!("SKIPPED: {why}");
+}
 
 /// How long [`eventually`] waits: far past anything a healthy test waits for, so reaching it
 /// means a hang.

@@ -268,8 +268,7 @@ impl<K: Hash + Eq + Clone + Send + SampleKey> Shadows<K> {
         if hits[0] {
             self.lru.touch(key);
         } else {
-            let over = (self.lru.len() + 1).saturating_sub(capacity);
-            self.lru.evict(over, &mut |_| true);
+            while self.lru.len() >= capacity && self.lru.evict_oldest().is_some() {}
             self.lru.insert(key.clone());
         }
         if hits[1] {

@@ -38,6 +38,15 @@ impl<K: Hash + Eq + Clone> Lru<K> {
         self.member.as_mut().map_or(0, Member::tick)
     }
 
+    /// Drops the least recently used key, if any, and returns it: [`EvictionPolicy::evict`] of
+    /// one key without its `Vec`, for callers on a hot path (the adaptive policy's shadows).
+    pub(super) fn evict_oldest(&mut self) -> Option<K> {
+        let id = self.keys.back(RECENCY)?;
+        let key = self.keys.remove_node(id).0;
+        self.publish();
+        Some(key)
+    }
+
     /// Tells the group, if any, where this shard's next victim stands.
     fn publish(&self) {
         if let Some(member) = &self.member {
