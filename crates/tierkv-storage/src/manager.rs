@@ -520,34 +520,57 @@ impl StorageManager {
 
     // ----- writes -----
 
-    /// Reserves L1 slots for new chunks (invisible until finished).
-    ///
-    /// Backpressure: when L1 has no room because its chunks are still being copied down by the
-    /// store pipeline (they cannot be evicted before the tiers their policy names have them),
-    /// the writer waits for the pipeline, up to `StorageConfig::store_backpressure`, and the
-    /// keys that found no room are tried again each time a copy finishes.
+    /// Reserves L1 slots for new chunks (invisible until finished), waiting for room up to
+    /// `StorageConfig::store_backpressure` from now ([`StorageManager::reserve_write_until`]).
     pub fn reserve_write(
         &self,
         owner: OwnerId,
         keys: &[ObjectKey],
         layout: &Layout,
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
+        self.reserve_write_until(owner, keys, layout, self.store_deadline())
+    }
+
+    /// When a store that starts now stops waiting for room in L1:
+    /// `StorageConfig::store_backpressure` from now. A store that reserves in windows
+    /// ([`StorageManager::store_window`]) reserves every window by this one deadline, so the
+    /// whole store waits that long at most, however many windows it has.
+    pub fn store_deadline(&self) -> Instant {
+        deadline_after(Instant::now(), self.inner.config.store_backpressure)
+    }
+
+    /// Reserves L1 slots for new chunks (invisible until finished), waiting for room until
+    /// `deadline` at most ([`StorageManager::store_deadline`]).
+    ///
+    /// Backpressure: when L1 has no room because its chunks are still being copied down by the
+    /// store pipeline (they cannot be evicted before the tiers their policy names have them),
+    /// the writer waits for the pipeline, and the keys that found no room are tried again each
+    /// time a job holding L1 shares gives them back. It waits only while such jobs are under
+    /// way: the pipeline's other jobs (the cascade's demotions, which carry copies of their
+    /// bytes) free no room in L1, and a writer that finds L1 full of chunks held otherwise (by
+    /// lookups, by other writers) is refused at once.
+    pub fn reserve_write_until(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        layout: &Layout,
+        deadline: Instant,
+    ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
         let l1 = &self.inner.l1;
-        let queue = self.inner.store.queue();
-        let mut seen = queue.progress();
+        let holds = self.inner.store.queue().l1_holds();
+        let mut seen = holds.returned();
         let mut results = self.reserve_write_now(owner, keys, layout)?;
-        let deadline = deadline_after(Instant::now(), self.inner.config.store_backpressure);
         // Reservations go root first and stop at the first key without room: retry from it.
         while let Some(first) = results.iter().position(|r| r == &Err(KeyError::OutOfMemory)) {
-            // `outstanding` is read before `progress`: a job returns its shares, then counts as
-            // progress, then stops being outstanding. So a pipeline that went idle after this
-            // writer's last try shows progress here, and the writer tries once more.
-            let idle = queue.outstanding() == 0;
-            if Instant::now() >= deadline || (idle && queue.progress() == seen) {
+            // `holding` is read before `returned`: a job gives its shares back, then counts as
+            // returned, then stops holding. So a job that gave its shares back after this
+            // writer's last try shows here, and the writer tries once more.
+            let none_held = holds.holding() == 0;
+            if Instant::now() >= deadline || (none_held && holds.returned() == seen) {
                 break;
             }
-            queue.wait_progress(seen, deadline);
-            seen = queue.progress();
+            holds.wait_returned(seen, deadline);
+            seen = holds.returned();
             let retried = l1.reserve_write(
                 owner,
                 &keys[first..],
@@ -594,10 +617,11 @@ impl StorageManager {
         tierkv_core::store_window(self.inner.config.l1.slot_count() as usize)
     }
 
-    /// Whether a store made now might wait: the store pipeline has copies outstanding, and a
-    /// writer that finds L1 full of chunks still being copied waits for it (`reserve_write`).
+    /// Whether a store made now might wait: the store pipeline has jobs that hold L1 shares, and
+    /// a writer that finds L1 full of chunks still being copied waits for them
+    /// (`reserve_write`).
     pub fn store_may_wait(&self) -> bool {
-        self.inner.store.queue().outstanding() > 0
+        self.inner.store.queue().l1_holds().holding() > 0
     }
 
     /// Whether a read of the lookup may load from a tier below L1 (a wait of up to the lease
@@ -1715,6 +1739,7 @@ mod tests {
         assert!(results.iter().all(|r| r.is_ok()));
         assert!(matches!(storage.l1().presence(&k), tierkv_l1::Presence::Ready { shares: 0, .. }));
         assert_eq!(storage.l1().active_leases(), 0, "the copy's lease went back");
+        assert!(!storage.store_may_wait(), "the refused copy still counts as holding L1 room");
         assert_eq!(ticket.outcome().map(|d| d.not_durable), Some(1), "nothing reached the disk");
     }
 

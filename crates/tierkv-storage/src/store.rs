@@ -63,6 +63,68 @@ pub(crate) enum StoreJob {
     Demoted { tier: usize, items: Vec<(ObjectKey, Box<dyn ChunkSource>)> },
 }
 
+impl StoreJob {
+    /// Whether the job is queued holding L1 shares (its lease), rather than taking them when it
+    /// starts or holding none.
+    fn leased(&self) -> bool {
+        matches!(
+            self,
+            StoreJob::WriteBack { .. }
+                | StoreJob::HandDown { .. }
+                | StoreJob::Finished { lease: Some(_), .. }
+        )
+    }
+}
+
+/// The store pipeline's jobs that hold L1 shares: copies read out of L1 (finished writes,
+/// admissions) and write-back and hand-down victims, freed once written. Only the end of such a
+/// job can make room in L1, so a writer that finds L1 full waits for these and not for the
+/// pipeline's other jobs: the cascade's demotions carry copies of their bytes and hold no slot.
+#[derive(Default)]
+pub(crate) struct L1Holds {
+    /// Jobs holding shares now, or queued with them.
+    jobs: AtomicU64,
+    /// Bumped (and waiters woken) whenever such a job has given its shares back.
+    returned: Mutex<u64>,
+    cv: Condvar,
+}
+
+impl L1Holds {
+    /// A job holds shares from now on: counted before it takes them, so a writer refused room
+    /// for them finds the job counted.
+    fn take(&self) {
+        self.jobs.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A job gave its shares back. It counts as returned before it stops holding, so a writer
+    /// that finds no job holding also finds the return of the last one.
+    fn gave_back(&self) {
+        *self.returned.lock() += 1;
+        let _ = self.jobs.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        self.cv.notify_all();
+    }
+
+    /// Jobs holding L1 shares now.
+    pub(crate) fn holding(&self) -> u64 {
+        self.jobs.load(Ordering::Acquire)
+    }
+
+    /// How many jobs have given their shares back so far.
+    pub(crate) fn returned(&self) -> u64 {
+        *self.returned.lock()
+    }
+
+    /// Waits until a job gives its shares back after `seen` had, or `deadline` passes.
+    pub(crate) fn wait_returned(&self, seen: u64, deadline: Instant) {
+        let mut returned = self.returned.lock();
+        while *returned == seen {
+            if self.cv.wait_until(&mut returned, deadline).timed_out() {
+                return;
+            }
+        }
+    }
+}
+
 /// What became of the chunks of one `finish_write`: how many reached the disk tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Durability {
@@ -118,9 +180,11 @@ impl StoreTicket {
 pub(crate) struct StoreQueue {
     sender: Sender<StoreJob>,
     outstanding: Arc<AtomicU64>,
-    /// Bumped (and waiters woken) whenever a job ends, so writers held back by a full L1 can
-    /// try again when the pipeline has returned shares.
+    /// Bumped (and waiters woken) whenever a job ends, so a stop handing L1 down can send the
+    /// next batch once the pipeline caught up.
     progress: Arc<(Mutex<u64>, Condvar)>,
+    /// The jobs among them that hold L1 shares: what writers held back by a full L1 wait for.
+    l1_holds: Arc<L1Holds>,
     /// Bytes of demoted chunks queued or being written: their copies live in memory until then.
     demoted_bytes: Arc<AtomicU64>,
     /// Whether the pipeline takes jobs. A send holds the read lock while it queues, and a stop
@@ -137,6 +201,7 @@ impl StoreQueue {
             sender,
             outstanding: Arc::new(AtomicU64::new(0)),
             progress: Arc::new((Mutex::new(0), Condvar::new())),
+            l1_holds: Arc::new(L1Holds::default()),
             demoted_bytes: Arc::new(AtomicU64::new(0)),
             open: Arc::new(RwLock::new(true)),
         };
@@ -172,6 +237,11 @@ impl StoreQueue {
     /// nothing will copy it then, and what it holds is the caller's to return
     /// ([`release_unstarted`]).
     pub(crate) fn send(&self, job: StoreJob) -> Result<(), StoreJob> {
+        // Counted before anything can refuse it: a refused job's shares go back, and are
+        // counted back, in `release_unstarted`.
+        if job.leased() {
+            self.l1_holds.take();
+        }
         let open = self.open.read();
         if !*open {
             return Err(job);
@@ -207,6 +277,11 @@ impl StoreQueue {
     /// Jobs queued or being copied.
     pub(crate) fn outstanding(&self) -> u64 {
         self.outstanding.load(Ordering::Acquire)
+    }
+
+    /// The jobs that hold L1 shares, for writers waiting for room in L1.
+    pub(crate) fn l1_holds(&self) -> &L1Holds {
+        &self.l1_holds
     }
 
     /// Bytes of demoted chunks queued or being written.
@@ -274,6 +349,7 @@ impl StorePipeline {
             next_batch: 0,
             outstanding: Arc::clone(&queue.outstanding),
             progress: Arc::clone(&queue.progress),
+            l1_holds: Arc::clone(&queue.l1_holds),
             demoted_bytes: Arc::clone(&queue.demoted_bytes),
             metrics,
             timeout,
@@ -303,7 +379,8 @@ impl StorePipeline {
     pub(crate) fn submit(&self, job: StoreJob) {
         if let Err(job) = self.queue.send(job) {
             // Sent after the pipeline stopped: nothing will copy it.
-            release_unstarted(&self.l1, &self.queue.demoted_bytes, job);
+            let queue = &self.queue;
+            release_unstarted(&self.l1, &queue.demoted_bytes, &queue.l1_holds, job);
         }
     }
 
@@ -349,12 +426,13 @@ fn demoted_len(items: &[(ObjectKey, Box<dyn ChunkSource>)]) -> u64 {
 /// Returns what a job that will not be started holds: its lease's shares, its demoted bytes
 /// (counted on their way until now), and its writer's ticket, which learns that nothing of it
 /// reached the disk.
-fn release_unstarted(l1: &L1Manager, demoted_bytes: &AtomicU64, job: StoreJob) {
+fn release_unstarted(l1: &L1Manager, demoted_bytes: &AtomicU64, l1_holds: &L1Holds, job: StoreJob) {
     match &job {
         StoreJob::WriteBack { lease, .. }
         | StoreJob::HandDown { lease, .. }
         | StoreJob::Finished { lease: Some(lease), .. } => {
             let _ = l1.release_lease(*lease);
+            l1_holds.gave_back();
         }
         StoreJob::Demoted { items, .. } => {
             demoted_bytes.fetch_sub(demoted_len(items), Ordering::AcqRel);
@@ -388,6 +466,8 @@ struct Worker {
     /// Jobs sent and not yet done, shared with the queue.
     outstanding: Arc<AtomicU64>,
     progress: Arc<(Mutex<u64>, Condvar)>,
+    /// The jobs holding L1 shares, shared with the queue.
+    l1_holds: Arc<L1Holds>,
     /// Bytes of demoted chunks queued or being written, shared with the queue.
     demoted_bytes: Arc<AtomicU64>,
     metrics: Arc<StorageMetrics>,
@@ -437,6 +517,7 @@ impl Worker {
         for (_, batch) in std::mem::take(&mut self.batches) {
             if let Some(lease) = batch.lease {
                 let _ = self.l1.release_lease(lease);
+                self.l1_holds.gave_back();
             }
             self.demoted_bytes.fetch_sub(batch.demoted_bytes, Ordering::AcqRel);
             for _ in 0..batch.jobs {
@@ -451,13 +532,13 @@ impl Worker {
     /// A job that will not be started (the pipeline is stopping): its shares go back, its
     /// writer learns that nothing of it reached the disk.
     fn drop_job(&self, job: StoreJob) {
-        release_unstarted(&self.l1, &self.demoted_bytes, job);
+        release_unstarted(&self.l1, &self.demoted_bytes, &self.l1_holds, job);
         self.done_with_job();
     }
 
     /// One job is over: copied, or dropped. Its shares are back already; it counts as progress
-    /// before it stops being outstanding, so a writer that finds the pipeline idle also finds
-    /// the progress of its last job (`StorageManager::reserve_write`).
+    /// before it stops being outstanding, so a waiter that finds the pipeline idle also finds
+    /// the progress of its last job (`Inner::wait_for_store_jobs`).
     fn done_with_job(&self) {
         let (count, cv) = &*self.progress;
         *count.lock() += 1;
@@ -593,9 +674,12 @@ impl Worker {
             StoreJob::Finished { keys, lease: None, ticket: _ }
             | StoreJob::Admit(keys)
             | StoreJob::AdmitRemote(keys) => {
-                // One share per key while copying; keys already gone are skipped.
+                // One share per key while copying; keys already gone are skipped. Counted as
+                // holding before the shares are taken (`L1Holds::take`).
+                self.l1_holds.take();
                 let grant = self.l1.reserve_read(STORE_OWNER, &keys, ExtraCount::ZERO);
                 let Some(lease) = grant.lease else {
+                    self.l1_holds.gave_back();
                     self.done_with_job();
                     return;
                 };
@@ -788,6 +872,10 @@ impl Worker {
         if returned.is_err() {
             // Only an expired lease can be refused here: its shares came back when it expired.
             self.metrics.store_lease_expired();
+        }
+        if batch.lease.is_some() {
+            // Every batch with a lease was counted holding: queued with it, or as it took it.
+            self.l1_holds.gave_back();
         }
         self.demoted_bytes.fetch_sub(batch.demoted_bytes, Ordering::AcqRel);
         for _ in 0..batch.jobs {

@@ -250,6 +250,51 @@ fn h16_02_past_the_backpressure_limit_a_full_l1_refuses_rather_than_dropping_a_c
     eventually("every chunk is down", || keys(0..4).iter().all(|k| disk.contains(k)));
 }
 
+#[test]
+fn a_store_into_an_l1_full_of_lookup_leases_is_refused_at_once_under_the_cascade() {
+    // Under the cascade the store pipeline's jobs are L1's victims on their way down: copies of
+    // their bytes, which hold no room in L1. A store that finds L1 full of chunks lookups hold
+    // waits for none of them, since nothing the pipeline finishes makes room. The wait is
+    // endless: a writer that waited for the pipeline would wait until the tier answered.
+    let below = Arc::new(FakeTier::new("disk", 64, CHUNK));
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
+    let l1 = L1Config { watermark: Watermark { high: 1.0, low: 1.0 }, ..l1_config(2) };
+    let config = StorageConfig {
+        store_policy: StorePolicy::Cascade,
+        store_backpressure: Duration::MAX,
+        ..StorageConfig::new(l1)
+    };
+    let s = Arc::new(
+        StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap(),
+    );
+    below.hold();
+    write(&s, &keys(0..2));
+    write(&s, &keys(2..3)); // evicts a chunk: its copy goes down, and the tier holds it
+    eventually("the victim's store is held", || below.held_tasks() == 1);
+    assert_eq!(s.status().store_in_flight, 1, "the pipeline is busy with the victim");
+    let (kept, victim): (Vec<ObjectKey>, Vec<ObjectKey>) = keys(0..3)
+        .into_iter()
+        .partition(|k| matches!(s.l1().presence(k), tierkv_l1::Presence::Ready { .. }));
+    let id = s.submit_prefetch(OWNER, kept, ExtraCount::ZERO, layout()).unwrap();
+    assert_eq!(s.wait(id, WAIT).unwrap().hit_chunks, 2, "the lookup holds all of L1");
+    assert!(!s.store_may_wait(), "nothing on its way down holds room in L1");
+    let (answer, answered) = mpsc::channel();
+    let writer = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || {
+            let _ = answer.send(s.reserve_write(OWNER, &keys(3..4), &layout()).unwrap());
+        })
+    };
+    let reserved =
+        answered.recv_timeout(WAIT).expect("the writer waited for a copy that frees no room in L1");
+    assert_eq!(reserved[0].as_ref().err(), Some(&tierkv_core::KeyError::OutOfMemory));
+    assert_eq!(below.held_tasks(), 1, "answered while the victim's copy was still held");
+    below.release_held();
+    writer.join().unwrap();
+    eventually("the victim is down", || below.contains(&victim[0]));
+    s.release_all(id).unwrap();
+}
+
 fn lookup_rig(slots: u64) -> (StorageManager, Arc<FakeTier>, Arc<ManualClock>) {
     let l2 = Arc::new(FakeTier::new("l2", 64, CHUNK));
     let tiers: Vec<Arc<dyn TierAdapter>> = vec![l2.clone()];
