@@ -522,7 +522,7 @@ async fn serve_connection(
             }
         };
         // A small copy runs inline, unless it may wait: a store while the store pipeline has
-        // copies outstanding (backpressure) or behind the engine's CUDA event (its kernels may
+        // copies that hold L1 shares (backpressure) or behind the engine's CUDA event (its kernels may
         // still be writing the blocks), a retrieve of a lookup with chunks held below L1 (loaded
         // from their tier). A registration maps the worker's memory, populating the page tables
         // of a buffer of any size: it may take seconds.

@@ -620,7 +620,10 @@ impl Session {
     /// visible before the next is reserved, so L1 can pass it down (cascade) or copy it down and
     /// free it (write-through) while the rest arrives, and the chain becomes visible leaf first
     /// as a one-window store does. A window that finds no room ends the store: the windows
-    /// before it are refused (stored later, by the next request of the chain).
+    /// before it are refused (stored later, by the next request of the chain). The windows
+    /// share one deadline for room (`storage.store_backpressure` from when the first is
+    /// reserved), so a store waits that long at most however many windows it has: a client
+    /// whose deadline is longer (the vLLM connector's `timeout_s`) gets its answer in time.
     fn store(
         &mut self,
         namespace: u32,
@@ -642,6 +645,7 @@ impl Session {
         let keys: Vec<ObjectKey> =
             chunks.iter().map(|c| self.key(ns, opened.rank, c.chunk)).collect();
         let window = self.daemon.storage.store_window().max(1);
+        let deadline = self.daemon.storage.store_deadline();
         let mut total = StoredPart::default();
         let mut tickets = Vec::new();
         // The last window first: each window's chunks become visible leaf first, so the whole
@@ -659,6 +663,7 @@ impl Session {
                 &keys[start..end],
                 start,
                 peer,
+                deadline,
             ) {
                 Ok(part) => part,
                 Err(e) => {
@@ -701,8 +706,9 @@ impl Session {
     }
 
     /// Stores one window of a request: `chunks` with their `keys`, the first at request index
-    /// `offset`. Reserves, copies in, and makes visible what was copied whole, unless the client
-    /// gave up on the request before the copies were over: then nothing of the window is.
+    /// `offset`. Reserves (waiting for room until the request's `deadline` at most), copies in,
+    /// and makes visible what was copied whole, unless the client gave up on the request before
+    /// the copies were over: then nothing of the window is.
     fn store_part(
         &self,
         source: &RegisteredKv,
@@ -710,11 +716,12 @@ impl Session {
         keys: &[ObjectKey],
         offset: usize,
         peer: Peer,
+        deadline: Instant,
     ) -> Result<StoredPart, Fail> {
         let storage = &self.daemon.storage;
         let opened = self.opened();
         let reserved = if peer.may_wait() {
-            storage.reserve_write(self.owner(), keys, &opened.layout)?
+            storage.reserve_write_until(self.owner(), keys, &opened.layout, deadline)?
         } else {
             storage.reserve_write_now(self.owner(), keys, &opened.layout)?
         };
@@ -1533,6 +1540,127 @@ mod tests {
             .count() as u64;
         assert_eq!(written, GIVE_UP_CHECK_BYTES / CHUNK, "copies past the first check");
         assert!((written..CHUNKS).all(|b| shared.block(b).unwrap()[0] == 1));
+    }
+
+    /// A store of several windows waits for room once, not once per window: its windows share
+    /// one deadline, `storage.store_backpressure` from its start, so a client whose own
+    /// deadline is longer gets its answer in time. L1 is full of chunks three lookups hold, and
+    /// of two whose copy the disk never answers (a store waits while such copies are under
+    /// way). The room for the first window reserved comes within the wait, the room for the
+    /// second after it: the second is refused, where a deadline per window stored it.
+    #[test]
+    fn a_store_of_two_windows_waits_for_room_one_store_backpressure_in_all() {
+        use tierkv_core::{ManualClock, TierAdapter};
+        use tierkv_l1::{DeviceKind, L1Config, Watermark};
+        use tierkv_storage::{StorageConfig, StorePolicy};
+        use tierkv_testkit::contract::{keys, payload};
+        use tierkv_testkit::{FakeTier, eventually};
+
+        const CHUNK: u64 = 4 << 10;
+        const SLOTS: u64 = 16; // windows of two chunks
+        const BACKPRESSURE: Duration = Duration::from_millis(600);
+        let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
+        let l1 = L1Config {
+            device: DeviceKind::Emulated,
+            watermark: Watermark { high: 1.0, low: 1.0 },
+            ..L1Config::new(SLOTS * CHUNK, CHUNK)
+        };
+        let config = StorageConfig {
+            store_policy: StorePolicy::WriteThrough,
+            store_backpressure: BACKPRESSURE,
+            ..StorageConfig::new(l1)
+        };
+        let clock = Arc::new(ManualClock::new());
+        let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+        assert_eq!(storage.store_window(), 2);
+        let (other, layout) = (OwnerId(1000), Layout::bytes(CHUNK).unwrap());
+        let fill = |chunks: &[ObjectKey]| {
+            let reserved = storage.reserve_write(other, chunks, &layout).unwrap();
+            assert!(reserved.iter().all(|r| r.is_ok()));
+            for k in chunks {
+                storage.write_access(other, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
+            }
+            assert!(storage.finish_write(other, chunks).unwrap().iter().all(|r| r.is_ok()));
+        };
+        fill(&keys(0..14));
+        eventually("the first copies are down", || storage.status().store_in_flight == 0);
+        let lookup = |chunks: Vec<ObjectKey>| {
+            let id = storage.submit_prefetch(other, chunks, ExtraCount::ZERO, layout.clone());
+            let id = id.unwrap();
+            assert!(storage.wait(id, MAX_WAIT).unwrap().hit_chunks > 0);
+            id
+        };
+        let (first, second) = (lookup(keys(0..2)), lookup(keys(2..4)));
+        lookup(keys(4..14));
+        disk.hold();
+        fill(&keys(14..16));
+        eventually("a copy is held", || disk.held_tasks() == 1);
+
+        let daemon = Arc::new(Daemon::new(storage, None, None));
+        let mut session = Session::new(Arc::clone(&daemon), Transport::Unix);
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            role: Role::Worker,
+            rank: 0,
+            tp_size: 1,
+            world_size: None,
+            mla: false,
+            namespaces: vec![tierkv_proto::NamespaceDecl {
+                model: "m".into(),
+                cache_salt: String::new(),
+            }],
+            chunk_bytes: CHUNK,
+            chunk_tokens: 16,
+            token: None,
+        };
+        let peer = Peer::detached();
+        let welcomed = session.handle(RequestBody::Hello(hello), &mut || None, peer);
+        assert!(matches!(welcomed.reply, ReplyBody::Welcome { .. }));
+        let shared = SharedBuffer::new(CHUNK, 4).unwrap();
+        let mut fd = Some(shared.fd().try_clone_to_owned().unwrap());
+        let register = RequestBody::RegisterKv {
+            regions: vec![RegionSource::Memfd { bytes: 4 * CHUNK }],
+            layout: KvLayout {
+                blocks: 4,
+                block_bytes: CHUNK,
+                block_stride: CHUNK,
+                blocks_per_chunk: 1,
+                segments: vec![Segment { region: 0, offset: 0 }],
+            },
+        };
+        let registered = session.handle(register, &mut || fd.take(), peer);
+        assert!(matches!(registered.reply, ReplyBody::BufferRegistered { buffer: 0 }));
+
+        let releaser = {
+            let daemon = Arc::clone(&daemon);
+            std::thread::spawn(move || {
+                std::thread::sleep(BACKPRESSURE / 2);
+                daemon.storage().release_all(first).unwrap();
+                std::thread::sleep(BACKPRESSURE);
+                daemon.storage().release_all(second).unwrap();
+            })
+        };
+        let chunks: Vec<ChunkBlocks> = (0..4)
+            .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
+            .collect();
+        let store = RequestBody::Store { namespace: 0, buffer: 0, chunks, ready_event: None };
+        let started = Instant::now();
+        let answer = session.handle(store, &mut || None, peer);
+        let took = started.elapsed();
+        releaser.join().unwrap();
+        let ReplyBody::Stored { stored, refused, .. } = answer.reply else {
+            panic!("{:?}", answer.reply)
+        };
+        let refused: Vec<(u32, RefusalReason)> =
+            refused.iter().map(|r| (r.index, r.reason)).collect();
+        assert_eq!(
+            (stored, refused),
+            (2, vec![(0, RefusalReason::NoSpace), (1, RefusalReason::NoSpace)]),
+            "the second window waited a store_backpressure of its own"
+        );
+        assert!(took < BACKPRESSURE * 3 / 2, "the store took {took:?}");
+        disk.release_held();
     }
 
     #[test]

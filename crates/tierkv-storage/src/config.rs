@@ -70,9 +70,11 @@ pub struct StorageConfig {
     pub l2_watermark: Watermark,
     /// How often the background work (lease expiry, watermark eviction, gauges) runs.
     pub maintenance_interval: Duration,
-    /// How long a write waits for room when L1 is full of chunks the store pipeline is still
+    /// How long a store waits for room when L1 is full of chunks the store pipeline is still
     /// copying down (they cannot be evicted before their tiers have them); past it, the chunks
-    /// without room are refused.
+    /// without room are refused. One wait for a whole store, all its windows together
+    /// (`StorageManager::store_deadline`); short enough (2 s) to answer within a client's
+    /// deadline (the vLLM connector's `timeout_s`, 5 s).
     pub store_backpressure: Duration,
     /// Under the cascade, how long a stop may spend handing what L1 and L2 hold down to the disk
     /// tier, the one a restart keeps; what is not down by then is lost with the process.
@@ -96,7 +98,7 @@ impl StorageConfig {
             store_policy: StorePolicy::default(),
             l2_watermark: Watermark::default(),
             maintenance_interval: Duration::from_millis(50),
-            store_backpressure: Duration::from_secs(10),
+            store_backpressure: Duration::from_secs(2),
             stop_drain_timeout: Duration::from_secs(20),
             store_timeout: Duration::from_secs(60),
         }

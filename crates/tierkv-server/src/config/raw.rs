@@ -282,7 +282,7 @@ impl Default for Storage {
             store_policy: StoreMode::Cascade,
             disk_admission_min_reads: 2,
             maintenance_interval: Duration::from_millis(50),
-            store_backpressure: Duration::from_secs(10),
+            store_backpressure: Duration::from_secs(2),
             prefetch_max_in_flight: prefetch.max_in_flight,
             prefetch_drain_timeout: prefetch.drain_timeout,
             prefetch_timeout: prefetch.request_timeout,
