@@ -120,7 +120,7 @@ fn f4_blocks_outside_the_registered_buffer_are_refused_before_any_copy() {
     let daemon = Daemon::start();
     let mut witness = Witness::new(&daemon);
     let mut client = connect(&daemon);
-    let buffer = SharedBuffer::new(CHUNK, 4).unwrap();
+    let mut buffer = SharedBuffer::new(CHUNK, 4).unwrap();
     let id = client.register_buffer(&buffer).unwrap();
     let chunk = ChunkId(1);
     let outside = vec![ChunkBlocks::one(chunk, 0), ChunkBlocks::one(ChunkId(2), 4)];
@@ -133,12 +133,17 @@ fn f4_blocks_outside_the_registered_buffer_are_refused_before_any_copy() {
     );
     assert_eq!(daemon.status().tiers[0].objects, 16, "the refused store stored nothing");
 
+    tierkv_client::payload::fill(buffer.block_mut(0).unwrap(), chunk, 7);
     client.store(0, id, vec![ChunkBlocks::one(chunk, 0)]).unwrap();
     let lookup = client.lookup(0, vec![chunk]).unwrap();
-    let bad = vec![ChunkBlocks::one(chunk, 9)];
+    // A copy into block 1 the daemon could make, then one out of range: refused whole, before
+    // the first is copied.
+    let bad = vec![ChunkBlocks::one(chunk, 1), ChunkBlocks::one(chunk, 9)];
     assert_eq!(code(client.retrieve(lookup.id, id, bad)), ErrorCode::BlockOutOfRange);
+    assert!(buffer.block(1).unwrap().iter().all(|b| *b == 0), "block 1 was written");
     // The refused retrieve returned nothing: the share is still there to read.
     client.retrieve(lookup.id, id, vec![ChunkBlocks::one(chunk, 1)]).unwrap();
+    assert_eq!(buffer.block(1), buffer.block(0), "the chunk, read into block 1 this time");
     // (The store pipeline holds a share of each new chunk while it copies it down.)
     daemon.eventually("no shares left", |s| s.l1_leased_chunks == 0);
     witness.check();
@@ -229,6 +234,18 @@ fn f4_session_rules_hello_first_versions_tokens_roles_and_buffers() {
         Client::connect_unix(&daemon.socket, bad_rank).err().unwrap().code(),
         Some(ErrorCode::BadRequest)
     );
+    // A8 on the wire: an MLA group's extra_count is tp_size - 1, at most 127; one more (or
+    // none at all) is refused naming the bound, and the bound itself is taken.
+    for tp_size in [0, 129] {
+        let mla = Hello { mla: true, tp_size, world_size: Some(tp_size), ..hello() };
+        let refused = Client::connect_unix(&daemon.socket, mla).err().unwrap();
+        assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "tp_size {tp_size}");
+        assert!(refused.to_string().contains("1..=128"), "{refused}");
+    }
+    let widest = Hello { mla: true, tp_size: 128, world_size: Some(128), ..hello() };
+    let widest = Client::connect_unix(&daemon.socket, widest).unwrap();
+    assert_eq!(widest.session().readers, 128, "one share per rank of the group");
+    drop(widest);
     let too_big = Hello { chunk_bytes: 1 << 40, ..hello() };
     assert_eq!(
         Client::connect_unix(&daemon.socket, too_big).err().unwrap().code(),

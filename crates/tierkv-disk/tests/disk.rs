@@ -1683,7 +1683,7 @@ fn a_closed_store_frees_its_directory_at_once_while_the_process_starts_children(
 /// A lookup that locked a chunk on its way here holds it after its write lands too: a delete
 /// skips it (C3) rather than drop the record its lock is on.
 #[test]
-fn c3_a_key_locked_on_its_way_here_is_not_deleted_once_it_landed() {
+fn a_key_locked_on_its_way_here_is_not_deleted_once_it_landed() {
     let dir = tempfile::tempdir().unwrap();
     let (mut h, store) = open(config(dir.path(), 4, 2));
     let on_its_way = store.depart(key(0), payload(&key(0), CHUNK).into());

@@ -225,14 +225,16 @@ fn e8_l2_alone_with_a_gap_and_l1_plus_l2_in_full() {
     let gap = rig(16, false);
     gap.write(&[key(0), key(1), key(3), key(4)]);
     gap.settle(0, 4);
-    gap.s.clear_l1(false);
-    assert_eq!(gap.lookup(keys(0..5), 0).1.hit_chunks, 2);
+    assert_eq!(gap.s.clear_l1(false).removed, 4, "L1 empty");
+    let found = gap.lookup(keys(0..5), 0).1;
+    assert_eq!((found.hit_chunks, found.per_tier), (2, vec![0, 2]), "both from L2");
 
     let both = rig(16, false);
     both.write(&keys(0..5));
     both.settle(0, 5);
     both.s.l1().delete(&keys(2..5), false);
-    assert_eq!(both.lookup(keys(0..5), 0).1.hit_chunks, 5);
+    let found = both.lookup(keys(0..5), 0).1;
+    assert_eq!((found.hit_chunks, found.per_tier), (5, vec![2, 3]), "k0, k1 from L1");
 }
 
 #[test]
@@ -405,7 +407,7 @@ fn two_ranks_look_up(deferred: bool) -> [LookupResult; 2] {
 }
 
 #[test]
-fn e12_the_lookups_of_a_requests_ranks_lease_every_ranks_l1_hits_before_any_load_evicts() {
+fn the_lookups_of_a_requests_ranks_lease_every_ranks_l1_hits_before_any_load_evicts() {
     // Made one after the other, rank 0's load of its third chunk takes the slot of the least
     // recently used chunk: rank 1's first, the hit rank 1's lookup was about to lease. This is
     // the case deferred lookups exist for; if it stops evicting, the test below proves nothing.
@@ -421,7 +423,7 @@ fn e12_the_lookups_of_a_requests_ranks_lease_every_ranks_l1_hits_before_any_load
 }
 
 #[test]
-fn e12_a_deferred_lookup_starts_at_its_first_query_and_fails_unstarted_at_its_deadline() {
+fn a_deferred_lookup_starts_at_its_first_query_and_fails_unstarted_at_its_deadline() {
     let clock = Arc::new(ManualClock::new());
     let rig = rig_with(l1_config(8), false, clock.clone());
     rig.write(&keys(0..3));

@@ -139,12 +139,13 @@ fn load(name: &str) -> Option<Vec<Vec<u64>>> {
 
 #[test]
 fn the_cascade_is_the_default_store_policy_by_trace_replay() {
+    assert_eq!(tierkv_storage::StorePolicy::default(), tierkv_storage::StorePolicy::Cascade);
     let traces: Vec<(&str, Vec<Vec<u64>>)> = ["conversation_trace.jsonl", "synthetic_trace.jsonl"]
         .into_iter()
         .filter_map(|name| load(name).map(|t| (name, t)))
         .collect();
     if traces.is_empty() {
-        println!("skipped: ../shared/traces/mooncake is absent");
+        eprintln!("SKIPPED: ../shared/traces/mooncake is absent");
         return;
     }
     // (L1, L2, disk) capacities in 512-token blocks: a GPU slice, host memory ten times that,

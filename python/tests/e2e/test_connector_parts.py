@@ -709,7 +709,7 @@ def _four_slot_config(socket_path: Path, disk: Path, extra: str = "", l1_extra: 
     )
 
 
-def test_e12_no_ranks_prefetch_evicts_the_l1_hits_another_ranks_lookup_leases(
+def test_no_ranks_prefetch_evicts_the_l1_hits_another_ranks_lookup_leases(
     tmp_path: Path,
 ) -> None:
     """TP 2 without MLA: each rank has its own copy of a request's chunks. The first two of
