@@ -1558,7 +1558,7 @@ mod tests {
 
         const CHUNK: u64 = 4 << 10;
         const SLOTS: u64 = 16; // windows of two chunks
-        const BACKPRESSURE: Duration = Duration::from_millis(600);
+        const BACKPRESSURE: Duration = Duration::from_secs(2);
         let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
         let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
         let l1 = L1Config {
@@ -1635,9 +1635,12 @@ mod tests {
         let releaser = {
             let daemon = Arc::clone(&daemon);
             std::thread::spawn(move || {
+                // Room for the first window half way to the store's deadline; for the second
+                // half a second after that deadline, and half a second before the deadline a
+                // second window of its own would have had (1.5 x the backpressure).
                 std::thread::sleep(BACKPRESSURE / 2);
                 daemon.storage().release_all(first).unwrap();
-                std::thread::sleep(BACKPRESSURE);
+                std::thread::sleep(BACKPRESSURE * 3 / 4);
                 daemon.storage().release_all(second).unwrap();
             })
         };

@@ -187,10 +187,20 @@ fn run(policy: StorePolicy, l1_chunks: u64, ops: Vec<Op>) -> Result<(), TestCase
                     continue;
                 };
                 // A chunk of the hit is pinned in L1 or, where L1 had no room, read from the tier
-                // holding it: either way its bytes are its own.
+                // holding it: either way its bytes are its own. A reader the ledger says still
+                // holds its share of a lookup of this epoch must be let read.
+                let live = ledger.get(id).is_some_and(|(n, returned, _, made)| {
+                    u32::from(reader) < *n && returned & (1u128 << reader) == 0 && *made == epoch
+                });
                 for k in &keys[..*hit] {
-                    let Ok(mut chunks) = s.read_hit(*id, reader, std::slice::from_ref(k), CHUNK)
-                    else {
+                    let read = s.read_hit(*id, reader, std::slice::from_ref(k), CHUNK);
+                    prop_assert!(
+                        read.is_ok() || !live,
+                        "{:?}: a live reader was refused its hit: {:?}",
+                        k,
+                        read.as_ref().err()
+                    );
+                    let Ok(mut chunks) = read else {
                         continue;
                     };
                     let bytes = match chunks.pop() {
