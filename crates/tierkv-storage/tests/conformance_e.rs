@@ -298,7 +298,11 @@ fn e11_a_prefetch_promotion_is_not_stored_again() {
     let (id, result) = rig.lookup(keys(0..4), 0);
     assert_eq!(result.per_tier, vec![0, 4], "promoted from L2");
     rig.s.release(id, Readers::All).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    // A store of the promotion would have been submitted by now (finishing it is what would
+    // submit one): once the pipeline is idle, it would have been counted.
+    tierkv_testkit::eventually("the store pipeline is idle", || {
+        rig.s.status().store_in_flight == 0
+    });
     let stored: u64 = snapshotter
         .snapshot()
         .into_vec()
