@@ -299,8 +299,12 @@ class TierKVConnector(KVConnectorBase_V1):
         return self._scheduler is not None and self._scheduler.has_held_back_releases()
 
     def reset_cache(self) -> bool | None:
-        # The daemon is shared by every engine on the node: one engine's reset does not clear it.
-        return False
+        # vLLM's reset_prefix_cache(reset_connector=True): what was computed before (the weights
+        # may have changed since) is never served after. The daemon is shared by every engine
+        # of the node, so nothing is cleared there: the scheduler half starts a new cache epoch.
+        if self._scheduler is None:
+            return True
+        return self._scheduler.reset_cache()
 
 
 def _extra_of(transfer: object) -> dict[str, Any]:

@@ -67,6 +67,10 @@ class TierKVMetadata(KVConnectorMetadata):
     #: frees their blocks on the finished-recving report, so the workers must not report them
     #: again in finished-sending.
     freed_on_recv: list[str] = field(default_factory=list)
+    #: Requests whose asynchronous load went out before vLLM reset the connector's cache and
+    #: was not yet reported over: the workers report every block of it failed whatever the
+    #: retrieve did (it read what was computed before the reset), and vLLM recomputes them.
+    stale_loads: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

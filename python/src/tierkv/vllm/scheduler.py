@@ -22,6 +22,7 @@ failed loads and vLLM recomputes.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -98,6 +99,9 @@ class _Request:
     #: Its chunks were touched in the daemon (:class:`_Touch`): once in the request's life, not
     #: at every step vLLM keeps it waiting.
     touched: bool = False
+    #: Known when vLLM reset the connector's cache (:meth:`SchedulerSide.reset_cache`): its
+    #: chunk ids are of the epoch before, so it is never looked up, touched or stored again.
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ class _Touch:
 
     chunks: list[int]
     count: int
+    #: The cache epoch it was queued in: one queued before a reset is dropped.
+    epoch: int = 0
 
 
 #: A load, as the scheduler half tells them apart: its request, and the step that planned it.
@@ -190,6 +196,16 @@ def chunk_ids(tokens: list[int], chunk_tokens: int, salt: bytes) -> list[int]:
         )
         ids.append(parent)
     return ids
+
+
+def epoch_salt(salt: bytes, epoch: bytes) -> bytes:
+    """A request's ``salt`` (:func:`request_salt`) in the cache epoch ``epoch`` (empty before
+    the first reset, so that engines that never reset share chunks): the epoch, length-prefixed,
+    then the salt. No salt of one epoch can pass for another's: every epoch's starts with its own
+    length-prefixed bytes, and a request salt with ``tierkv-salt``."""
+    if not epoch:
+        return salt
+    return b"tierkv-epoch" + len(epoch).to_bytes(4, "little") + epoch + salt
 
 
 def not_from_tokens_alone(request: Request) -> bool:
@@ -311,6 +327,14 @@ class SchedulerSide:
         #: Releases of such lookups, held back until their step has run: that step's number,
         #: and the release (the lookup's link, its session generation, the lookup).
         self.held_back: list[tuple[int, tuple[Link, int, int]]] = []
+        #: The cache epoch (:meth:`reset_cache`): how many resets, and the salt every request met
+        #: since the last one mixes into its first chunk (empty before the first).
+        self.epoch = 0
+        self.epoch_salt = b""
+        #: Requests whose asynchronous load went to the workers before a reset and was not yet
+        #: heard over: the next step's metadata has the workers report it failed
+        #: (``TierKVMetadata.stale_loads``).
+        self.stale_loads: list[str] = []
         #: The background thread's work: leases to return (a lookup, on the link that made it
         #: in that session generation), touches, and ``None`` to stop.
         self.releases: queue.SimpleQueue[tuple[Link, int, int] | _Touch | None] = (
@@ -478,6 +502,52 @@ class SchedulerSide:
             return False
         return state.planned
 
+    def reset_cache(self) -> bool:
+        """vLLM reset the connector's cache (``reset_prefix_cache(reset_connector=True)``: it
+        sleeps, pauses to update the weights, or frees its KV memory): nothing computed before
+        must be served after. The daemon is shared by every engine of the node, and holds what
+        other engines computed, so nothing is cleared there: a new cache epoch starts instead.
+        Every request met from now on mixes a fresh random salt into its first chunk
+        (:func:`epoch_salt`), so that it never finds a chunk stored before, and no engine that
+        has not reset finds what it stores. Every request known now keeps its old ids, so it is
+        frozen: its lookups are returned, it is never looked up, touched or stored again, and no
+        load planned for it goes out (every block vLLM was promised is reported failed instead,
+        and vLLM recomputes it); an asynchronous load already at the workers is reported failed
+        by them (``stale_loads``). Always True: nothing here needs the daemon."""
+        self.epoch += 1
+        self.epoch_salt = os.urandom(16)
+        for state in self.requests.values():
+            # Marked first, and nothing here can fail: a request left unfrozen would go on
+            # loading and storing under ids of the epoch before.
+            state.frozen = True
+            state.load_from = None
+        # Asynchronous loads planned but not yet in a step's metadata: every block of them
+        # is listed for the workers to report failed (vLLM already waits for them).
+        self.async_planned = {
+            req_id: (
+                None,
+                [b for _, held in op.chunks for b in held] + unloadable if op else unloadable,
+            )
+            for req_id, (op, unloadable) in self.async_planned.items()
+        }
+        self.stale_loads.extend(req_id for req_id, state in self.requests.items() if state.loading)
+        self.guard.run(
+            "returning the leases of the requests known at a reset", self._freeze, nothing
+        )
+        log.info(
+            "tierkv: cache reset (epoch %d): what was stored before is not loaded again", self.epoch
+        )
+        return True
+
+    def _freeze(self) -> None:
+        """Returns the lookups of every request known at a reset (those a step in flight loads
+        through once that step has run, those of an asynchronous load at the workers once it is
+        heard over) and forgets their kept misses."""
+        for req_id, state in self.requests.items():
+            self._forget_miss(req_id, state)
+            if not state.loading:
+                self._release(state)
+
     def shutdown(self) -> None:
         for state in self.requests.values():
             self.guard.run(
@@ -510,7 +580,7 @@ class SchedulerSide:
             self._preempted(req_id)
             state.preemptions = preemptions
             self.settled_preemptions.add(req_id)
-        if state.lookup_chunks == 0 or state.load_failed:
+        if state.lookup_chunks == 0 or state.load_failed or state.frozen:
             return 0, False
         if num_computed_tokens >= state.lookup_chunks * self.chunk_tokens:
             # vLLM's own prefix cache holds every chunk a lookup could find: no hit can pass it,
@@ -622,7 +692,9 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is None:
             return
-        if num_external_tokens == 0:
+        if num_external_tokens == 0 or state.frozen:
+            # Frozen (a reset came between the answer and the allocation): no load is planned,
+            # and the step's metadata reports every block vLLM was promised failed.
             self._release(state)
             state.load_from = None
             return
@@ -643,7 +715,9 @@ class SchedulerSide:
         ]
         per = self.settings.chunk_blocks
         chunks: list[ChunkBlocks] = []
-        if state.lookups is not None and end <= state.hit_chunks:
+        # Frozen (a reset came between the answer and the allocation), nothing is loaded: every
+        # block of the external tokens is reported failed.
+        if state.lookups is not None and end <= state.hit_chunks and not state.frozen:
             for c in range(first, end):
                 held = block_ids[c * per : (c + 1) * per]
                 if len(held) != per:
@@ -662,6 +736,7 @@ class SchedulerSide:
         promised, self.async_promised = self.async_promised, {}
         planned, self.async_planned = self.async_planned, {}
         meta.freed_on_recv, self.freed_on_recv = self.freed_on_recv, []
+        meta.stale_loads, self.stale_loads = self.stale_loads, []
         for req_id, blocks in promised.items():
             state = self.requests.get(req_id)
             if state is not None:
@@ -978,7 +1053,9 @@ class SchedulerSide:
             ids = (
                 []
                 if not_from_tokens_alone(request)
-                else chunk_ids(tokens, self.chunk_tokens, request_salt(request))
+                else chunk_ids(
+                    tokens, self.chunk_tokens, epoch_salt(request_salt(request), self.epoch_salt)
+                )
             )
             lookup = min(max(len(tokens) - 1, 0) // self.chunk_tokens, len(ids))
             state = _Request(chunks=ids, lookup_chunks=lookup)
@@ -1074,6 +1151,10 @@ class SchedulerSide:
             # The workers' retrieves return the lease; request_finished releases what is left.
             state.stored = max(state.stored, state.hit_chunks)
         state.load_from = None
+        if state.frozen:
+            # Its chunk ids are of the epoch before the reset: nothing computed since is stored
+            # under them.
+            return
         complete = min(computed // self.chunk_tokens, len(state.chunks))
         stores: list[ChunkBlocks] = []
         for c in range(state.stored, complete):
@@ -1093,7 +1174,7 @@ class SchedulerSide:
         if state.touched:
             return
         state.touched = True
-        self.releases.put(_Touch(state.chunks, state.lookup_chunks))
+        self.releases.put(_Touch(state.chunks, state.lookup_chunks, self.epoch))
 
     def _release(self, state: _Request) -> None:
         """Returns the request's lookups, each on its own link's session as long as that session
@@ -1158,6 +1239,8 @@ class SchedulerSide:
         release that finds the session busy is tried again like any other). A lookup that
         fails leased nothing, or its session is gone with its leases: it is skipped, as a miss
         would be."""
+        if touch.epoch != self.epoch:
+            return  # queued before a reset: its chunks are of the epoch before
         wanted = touch.chunks[: touch.count]
         for link in self.touch_links:
             try:

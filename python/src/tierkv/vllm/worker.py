@@ -156,6 +156,11 @@ class WorkerSide:
         # still unanswered.
         self._loaded: list[tuple[str, list[int], bool, float]] = []
         self._freed_on_recv: set[str] = set()
+        # The blocks of each load handed to the loading thread and not yet reported over, and
+        # those of them that went out before vLLM reset the connector's cache
+        # (``TierKVMetadata.stale_loads``): every block of one is reported failed.
+        self._async_blocks: dict[str, list[int]] = {}
+        self._stale: set[str] = set()
         self._loads: queue.SimpleQueue[tuple[LoadOp, torch.cuda.Event | None, float] | None] = (
             queue.SimpleQueue()
         )
@@ -310,6 +315,7 @@ class WorkerSide:
         for op in meta.async_loads:
             with self._lock:
                 self._loading.add(op.req_id)
+                self._async_blocks[op.req_id] = [b for _, held in op.chunks for b in held]
             self._loads.put((op, ready, deadline))
             started.add(op.req_id)
 
@@ -451,6 +457,12 @@ class WorkerSide:
                 )
             self._freed_on_recv.discard(req_id)
             self.load_errors.update(blocks)
+            with self._lock:
+                loaded_into = self._async_blocks.pop(req_id, [])
+            if req_id in self._stale:
+                # It read what was stored before the reset: vLLM recomputes every block of it.
+                self._stale.discard(req_id)
+                self.load_errors.update(loaded_into)
             finished.add(req_id)
             if failed_whole:
                 whole.add(req_id)
@@ -577,6 +589,7 @@ class WorkerSide:
                 for req_id in meta.freed_on_recv
                 if req_id in self._loading or req_id in loaded
             )
+            self._stale.update(r for r in meta.stale_loads if r in self._async_blocks)
         self._planned.difference_update(meta.freed_on_recv)
         self._finishing.difference_update(meta.freed_on_recv)
 
