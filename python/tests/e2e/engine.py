@@ -8,6 +8,9 @@ Each command is one JSON object per line; each answer is one line on stdout pref
   wall time of the whole call;
 - ``{"op": "ttft", "prompt": [ids...]}`` -> the wall time of ``generate(max_tokens=1)``;
 - ``{"op": "reset"}`` -> ``reset_prefix_cache()``: only a connector can supply KV afterwards;
+  ``"running": true`` and ``"connector": true`` pass ``reset_running_requests`` and
+  ``reset_connector`` (the connector's cache reset too, as vLLM's sleep and pause do); vLLM's
+  refusal, raised or returned, is ``{"reset": false}`` (with the ``error`` raised);
 - ``{"op": "abort", "prompts": [...], "steps": k}`` -> adds the requests, runs k engine steps,
   aborts every one that is unfinished, and steps until the engine is idle;
 - ``{"op": "preemptions"}`` -> vLLM's count of preempted requests (needs ``--stats``);
@@ -138,7 +141,15 @@ def main() -> None:
             elapsed = time.perf_counter() - started
             answer({"seconds": elapsed, "cached": out[0].num_cached_tokens or 0})
         elif op == "reset":
-            answer({"reset": bool(llm.reset_prefix_cache())})
+            try:
+                done = llm.reset_prefix_cache(
+                    reset_running_requests=command.get("running", False),
+                    reset_connector=command.get("connector", False),
+                )
+            except RuntimeError as e:
+                answer({"reset": False, "error": str(e)})
+            else:
+                answer({"reset": bool(done)})
         elif op == "abort":
             params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
             ids = []

@@ -127,13 +127,14 @@ class Engine:
             "outputs"
         ]
 
-    def reset(self, within_s: float = 10.0) -> None:
+    def reset(self, within_s: float = 10.0, **flags: bool) -> None:
         """``reset_prefix_cache``, asked again while vLLM refuses it for up to ``within_s``: a
         finished request's blocks wait for the workers' report that its calls are over, which
-        under async scheduling may come a step after ``generate`` returned."""
+        under async scheduling may come a step after ``generate`` returned. ``flags``: the
+        engine's ``running`` and ``connector`` (``reset_running_requests``, ``reset_connector``)."""
         deadline = time.monotonic() + within_s
-        while not self.call(op="reset")["reset"]:
-            assert time.monotonic() < deadline, "reset_prefix_cache refused (requests running?)"
+        while not (answer := self.call(op="reset", **flags))["reset"]:
+            assert time.monotonic() < deadline, f"reset_prefix_cache refused: {answer}"
             time.sleep(0.05)
 
     def stop(self) -> None:
