@@ -32,7 +32,10 @@ scheduling; its blocks held for the workers if ``request_finished`` says so, els
 step in flight), and vLLM may reset its prefix cache (``reset_prefix_cache`` with
 ``reset_running_requests``: every running request preempted outside a schedule, listed in the
 next step's ``preempted_req_ids`` and resumed in it where it fits; the hashes dropped only if
-no block is in use, else vLLM raises and the requests stay preempted).
+no block is in use, else vLLM raises and the requests stay preempted). Half of the resets that
+drop the hashes reset the connector's cache too (``reset_connector``, what vLLM's sleep and
+pause do): every request the scheduler half knows then is frozen, and from then on none of them
+is looked up, and no step plans a load or store for one.
 
 Runs have one or two TP ranks. Each rank keeps its own KV and its own lookups; a rank's load
 fails on its own, leaving only that rank's blocks garbage, but the attention output's all-reduce
@@ -406,6 +409,11 @@ class Engine:
         self.held: dict[str, _Req] = {}
         self.reported = -1
         self.preemptions = self.reused = self.aborted = self.resets = 0
+        #: Resets of the connector's cache, and the requests the scheduler half knew then: no
+        #: step planned after is to load or store for them (their chunk ids are of the epoch
+        #: before), so they are left out of the checks that every chunk is stored.
+        self.connector_resets = 0
+        self.frozen: set[str] = set()
         #: Aborts of a request a step in flight computes; loads that failed on some ranks
         #: only; lookups whose hit includes a chunk this engine stored; kept misses answered.
         self.aborted_in_flight = self.partial = self.grown = self.kept = 0
@@ -710,6 +718,13 @@ class Engine:
             return
         self.cache.clear()
         self.hash_of.clear()
+        if self.rng.random() < 0.5:
+            # vLLM resets the connector only once its own cache is reset.
+            self.trace.append("  RESET of the connector's cache")
+            self.connector_resets += 1
+            if self.scheduler.reset_cache() is not True:
+                self.violations.append(f"step {self.step}: the connector refused a reset")
+            self.frozen |= set(self.scheduler.requests)
 
     def _tick(self) -> int:
         self.ticks += 1
@@ -764,6 +779,8 @@ class Engine:
         vLLM holds included: the daemon's eviction sees them used only so."""
         rid = next(rid for rid, known in self.scheduler.requests.items() if known is state)
         r = self.requests[int(rid[1:])]
+        if rid in self.frozen:
+            self.violations.append(f"step {self.step}: {rid} looked up after a reset")
         if wanted != r.chunks[: len(wanted)] or len(wanted) != state.lookup_chunks:
             self.violations.append(
                 f"step {self.step}: {rid} looked up {len(wanted)} chunks, not the "
@@ -1041,6 +1058,11 @@ class Engine:
         )
         meta = self.scheduler.build_connector_meta(out)
         assert not self.scheduler.promised, "accepted external tokens left unplanned"
+        for op in meta.loads + meta.async_loads + meta.stores:
+            if op.req_id in self.frozen:
+                self.violations.append(
+                    f"step {self.step}: a load or store of {op.req_id} after a reset"
+                )
         # A load fills only blocks after vLLM's own hit: those are its prefix cache's, maybe
         # other requests' too.
         for op in meta.loads + meta.async_loads:
@@ -1373,6 +1395,8 @@ class Engine:
         daemon let it go after the request's last lookup (the request could not know), or the
         request computed over garbage (its stores were dropped whole)."""
         for r, c in self.finished_holding:
+            if r.rid in self.frozen:
+                continue
             chunk = r.chunks[c]
             since = 0 if r.rid in self.over_garbage else r.looked
             if not self.in_daemon(chunk) and self.lost.get(chunk, -1) < since:
@@ -1463,6 +1487,7 @@ class Engine:
         valid = {
             chunk
             for r in self.requests
+            if r.rid not in self.frozen
             for c, chunk in enumerate(r.chunks)
             if len(held := r.blocks[c * CHUNK_BLOCKS : (c + 1) * CHUNK_BLOCKS]) == CHUNK_BLOCKS
             and self._chunk_valid(held)
@@ -1553,6 +1578,7 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
             "aborted",
             "aborted in flight",
             "resets",
+            "connector resets",
             "tp2 runs",
             "partial failures",
             "grown hits",
@@ -1592,6 +1618,7 @@ def test_kv_computed_over_a_failed_load_is_never_stored_randomized(tmp_path: Any
             totals["aborted"] += engine.aborted
             totals["aborted in flight"] += engine.aborted_in_flight
             totals["resets"] += engine.resets
+            totals["connector resets"] += engine.connector_resets
             totals["tp2 runs"] += engine.tp > 1
             totals["partial failures"] += engine.partial
             totals["grown hits"] += engine.grown

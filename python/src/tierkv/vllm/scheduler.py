@@ -9,7 +9,9 @@ once that step has run: under async scheduling vLLM may preempt or finish the re
 step is still in flight). A request vLLM's own prefix cache holds whole is not looked up but
 touched (:class:`_Touch`: a deferred lookup released at once, on the background thread that returns
 leases, over sessions of its own), so the daemon sees its chunks used. Any failure to reach the
-daemon is a miss (0 tokens): vLLM computes the prefix itself.
+daemon is a miss (0 tokens): vLLM computes the prefix itself. vLLM's reset of the connector's
+cache starts a new cache epoch (:meth:`SchedulerSide.reset_cache`): a fresh salt in every later
+request's chunk ids, and the requests known then frozen.
 
 Every hook runs under the connector's :class:`~tierkv.vllm.guard.Guard`, so nothing that fails
 here raises into vLLM's scheduler. Once vLLM has accepted external tokens

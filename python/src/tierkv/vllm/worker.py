@@ -41,7 +41,9 @@ their blocks until this half reports the request in ``get_finished``'s finished-
 which it does once the load is over, ok or failed, with a failed load's blocks in
 ``get_block_ids_with_load_errors`` in the same step. A load that cannot even start is
 reported at once. Every TP rank reports each request: vLLM waits for all of them and hears of
-the union of their failed blocks, so a failure on any rank is a failure.
+the union of their failed blocks, so a failure on any rank is a failure. One that went out
+before vLLM reset the connector's cache (``TierKVMetadata.stale_loads``) read what was computed
+before the reset: every block of it is reported failed, whatever its retrieve did.
 """
 
 from __future__ import annotations
