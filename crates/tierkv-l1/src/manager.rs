@@ -1330,7 +1330,9 @@ impl L1Manager {
         let occupied = || u64::from(self.slots.count()) - self.slots.free_count();
         let mut victims = Vec::new();
         if occupied() as f64 > self.config.watermark.high * slots {
-            let target = (self.config.watermark.low * slots).floor() as u64;
+            // At least one chunk stays: below ten slots `low` rounds down a whole slot, and a
+            // tier of one would keep nothing.
+            let target = ((self.config.watermark.low * slots).floor() as u64).max(1);
             while occupied() > target {
                 match self.evict_one(&mut victims) {
                     Some(slot) => self.slots.give_back(slot),

@@ -876,3 +876,13 @@ fn an_enormous_lease_ttl_means_never_not_a_panic() {
     assert_eq!(f.l1.expire_leases(), 0);
     f.release(lease, 0);
 }
+
+#[test]
+fn background_eviction_keeps_a_one_slot_l1s_chunk() {
+    // The low watermark of one slot rounds down to none: L1 would hold nothing.
+    let f = l1(1);
+    f.write(&keys(0..1));
+    assert!(f.l1.evict_to_watermark().is_empty(), "its only chunk was evicted");
+    assert_eq!(f.l1.usage().cached_bytes, SLOT, "the chunk is still cached");
+    f.assert_consistent();
+}

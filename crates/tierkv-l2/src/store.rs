@@ -286,7 +286,9 @@ impl HostStore {
         if (occupied as f64) <= high * slots {
             return 0;
         }
-        let target = (low * slots).floor() as u64;
+        // At least one chunk stays: below ten slots `low` rounds down a whole slot, and a tier
+        // of one would keep nothing.
+        let target = ((low * slots).floor() as u64).max(1);
         self.evict_locked(index, occupied.saturating_sub(target) as usize)
     }
 

@@ -306,6 +306,17 @@ fn background_eviction_brings_occupancy_to_the_low_watermark_and_spares_locked_k
     h.tier.unlock(&keys(0..2));
 }
 
+#[test]
+fn background_eviction_keeps_a_one_slot_tiers_chunk() {
+    // The low watermark of one slot rounds down to none: the tier would hold nothing.
+    let store = Arc::new(HostStore::open(plain(1, 1)).unwrap());
+    let mut h =
+        Harness::new(OpenTier { tier: store.clone(), chunk_bytes: CHUNK, keep: Box::new(()) });
+    h.store(&keys(0..1)).unwrap();
+    assert_eq!(store.evict_to_watermark(0.95, 0.9), 0);
+    h.assert_loads(&keys(0..1));
+}
+
 /// A sink that announces its load is under way, then waits (at most ten seconds) to be let go
 /// before it copies, holding the load in flight.
 struct GatedSink {

@@ -153,6 +153,10 @@ pub enum PrefetchError {
     /// The controller failed; the message says how.
     #[error("the prefetch controller failed: {0}")]
     Failed(String),
+    /// No answer from the lower tiers within the request timeout of its submission: a miss,
+    /// and what it held has been let go.
+    #[error("no answer from the lower tiers within {0:?} of the request")]
+    NoAnswer(Duration),
     /// The wait ended before the request did; its result stays claimable.
     #[error("the prefetch did not finish in time; its result can still be waited for")]
     Timeout,
@@ -640,8 +644,7 @@ impl Worker {
             let Some(active) = self.active.remove(&id) else { continue };
             self.release_everything(&active, &BTreeSet::new());
             self.shared.metrics.failed();
-            let why = format!("no answer from the lower tiers within {timeout:?} of the request");
-            self.shared.deliver(id, Err(PrefetchError::Failed(why)));
+            self.shared.deliver(id, Err(PrefetchError::NoAnswer(timeout)));
         }
         self.start_pending();
     }

@@ -585,6 +585,13 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
     file.ensure(!s.maintenance_interval.is_zero(), &["storage.maintenance_interval"], || {
         "must be positive".into()
     })?;
+    // The tick is what revokes leases past their deadline: a longer one lets them pin L1 that
+    // long (stores refused for room) and `l1.lease_ttl` would not hold.
+    file.ensure(
+        s.maintenance_interval <= raw.l1.lease_ttl,
+        &["storage.maintenance_interval"],
+        || format!("must be at most l1.lease_ttl ({:?}), which it enforces", raw.l1.lease_ttl),
+    )?;
     file.ensure(s.prefetch_max_in_flight > 0, &["storage.prefetch_max_in_flight"], || {
         "must be positive".into()
     })?;

@@ -69,7 +69,9 @@ impl From<StorageError> for Fail {
             StorageError::Stopped | StorageError::Prefetch(PrefetchError::Stopped) => {
                 ErrorCode::Stopped
             }
-            StorageError::Prefetch(PrefetchError::Timeout) => ErrorCode::Timeout,
+            StorageError::Prefetch(PrefetchError::Timeout | PrefetchError::NoAnswer(_)) => {
+                ErrorCode::Timeout
+            }
             StorageError::Invalid(_) | StorageError::Prefetch(PrefetchError::Invalid(_)) => {
                 ErrorCode::BadRequest
             }

@@ -595,3 +595,14 @@ maintenance_interval = \"soon\"
     }
     assert!(stderr.contains("8 errors"), "{stderr}");
 }
+
+#[test]
+fn the_maintenance_tick_is_no_longer_than_the_lease_deadline_it_enforces() {
+    let message = assert_refused(
+        "[l1]\nlease_ttl = \"1s\"\n[storage]\nmaintenance_interval = \"1h\"\n",
+        "storage.maintenance_interval",
+        4,
+    );
+    assert!(message.contains("l1.lease_ttl"), "{message}");
+    parse("[l1]\nlease_ttl = \"1s\"\n[storage]\nmaintenance_interval = \"1s\"\n").unwrap();
+}

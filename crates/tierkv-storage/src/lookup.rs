@@ -109,8 +109,8 @@ pub(crate) enum Failure {
     /// Deferred, and not started (by a query, a wait or `start_prefetch`) within
     /// `l1.lease_ttl`: the client's timing, not the tiers'.
     NotStarted,
-    /// Its prefetch failed: why.
-    Prefetch(String),
+    /// Its prefetch failed.
+    Prefetch(PrefetchError),
 }
 
 impl Failure {
@@ -118,7 +118,7 @@ impl Failure {
     pub(crate) fn error(&self, id: LookupId) -> StorageError {
         match self {
             Failure::NotStarted => StorageError::NotStarted(id),
-            Failure::Prefetch(why) => StorageError::Prefetch(PrefetchError::Failed(why.clone())),
+            Failure::Prefetch(error) => StorageError::Prefetch(error.clone()),
         }
     }
 }

@@ -825,7 +825,7 @@ impl StorageManager {
             match self.inner.prefetch.query(request) {
                 None => return Ok(None),
                 Some(Ok(prefetched)) => self.inner.complete(lookup, Some(prefetched)),
-                Some(Err(e)) => self.inner.fail(lookup, Failure::Prefetch(e.to_string())),
+                Some(Err(e)) => self.inner.fail(lookup, Failure::Prefetch(e)),
             }
         }
         match &lookup.stage {
@@ -868,7 +868,7 @@ impl StorageManager {
                     // Another waiter (another reader's session) took the outcome first: it
                     // completes the lookup as soon as it has this lock.
                     Err(PrefetchError::Invalid(_)) => taken_by_another = true,
-                    Err(e) => self.inner.fail(lookup, Failure::Prefetch(e.to_string())),
+                    Err(e) => self.inner.fail(lookup, Failure::Prefetch(e)),
                 }
             }
             drop(lookups);
@@ -1463,7 +1463,7 @@ impl Inner {
                 Ok(())
             }
             Err(e) => {
-                self.fail(lookup, Failure::Prefetch(e.to_string()));
+                self.fail(lookup, Failure::Prefetch(e.clone()));
                 Err(e.into())
             }
         }
@@ -1635,7 +1635,7 @@ impl Inner {
                 match self.prefetch.query(request) {
                     None => {}
                     Some(Ok(prefetched)) => self.complete(lookup, Some(prefetched)),
-                    Some(Err(e)) => self.fail(lookup, Failure::Prefetch(e.to_string())),
+                    Some(Err(e)) => self.fail(lookup, Failure::Prefetch(e)),
                 }
             }
             match &lookup.stage {
@@ -1795,7 +1795,7 @@ mod tests {
         let id = storage.submit_lookup(lookup).unwrap();
         assert!(matches!(
             storage.wait(id, Duration::from_secs(5)),
-            Err(StorageError::Prefetch(PrefetchError::Failed(_)))
+            Err(StorageError::Prefetch(PrefetchError::NoAnswer(_)))
         ));
         assert_eq!(storage.inner.lookups.lock()[&id].request.groups[0].keys.len(), 0);
         storage.inner.tick();

@@ -566,6 +566,37 @@ def test_one_ranks_reconnect_does_not_keep_the_other_ranks_leases(tmp_path: Path
         daemon.stop()
 
 
+def test_a_tp_groups_sessions_end_together_at_shutdown_whatever_the_daemon(
+    tmp_path: Path,
+) -> None:
+    from tierkv.vllm.scheduler import SchedulerSide
+
+    daemon = start_daemon(tmp_path / "daemon")
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 1.0, "chunk_blocks": 2}
+    )
+    # Four ranks without MLA: four sessions, each connected by a lookup.
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 4, False)
+    try:
+        state = scheduler._state(_plain_request("r", list(range(100))))  # noqa: SLF001
+        deadline = time.monotonic() + 5
+        while scheduler._hit(state) is None:  # noqa: SLF001
+            assert time.monotonic() < deadline, "the lookups never completed"
+            time.sleep(0.02)
+        scheduler._release(state)  # noqa: SLF001
+        assert all(link.generation == 1 for link in scheduler.links)
+        # Hung: no session's bye is answered. Ended one after the other, the four cost a
+        # deadline each, past the releaser's two; together, one.
+        daemon.pause()
+        started = time.monotonic()
+        scheduler.shutdown()
+        took = time.monotonic() - started
+        assert took < 2 * 1.0 + 2 * 1.0, f"shutdown took {took:.1f} s"
+    finally:
+        daemon.resume()
+        daemon.stop()
+
+
 def _free_port() -> int:
     import socket
 

@@ -565,8 +565,24 @@ class SchedulerSide:
         self._steps_run(self.planned_steps)
         self.releases.put(None)
         self.releaser.join(timeout=2 * self.settings.timeout_s)
-        for link in self.links + self.touch_links:
-            self.guard.run("closing a session at shutdown", link.close, nothing)
+        # Each session is ended with a deadline of its own (a hung daemon never answers the
+        # bye): all at once, so that a TP group's sessions cost one deadline, not one each.
+        # Whatever is not over by then is left to the daemon, which returns a session's leases
+        # when its connection closes (at the process's exit at the latest).
+        closers = [
+            threading.Thread(
+                target=self.guard.run,
+                args=("closing a session at shutdown", link.close, nothing),
+                name="tierkv-close",
+                daemon=True,
+            )
+            for link in self.links + self.touch_links
+        ]
+        for closer in closers:
+            closer.start()
+        deadline = time.monotonic() + 2 * self.settings.timeout_s
+        for closer in closers:
+            closer.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     # -- the hooks' bodies -------------------------------------------------------------------
 
