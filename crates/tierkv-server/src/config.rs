@@ -513,12 +513,48 @@ fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, Stop> {
     }))
 }
 
-/// A group given by name or number, as its id; refused when the system knows no such group.
+/// A group given by name or number, as its id; refused when the system knows no such group, or
+/// when this process may not give its files that group (it is not root and not a member): the
+/// daemon would fail to hand its socket or its disk files to the group.
 fn group(file: &File<'_>, key: &str, name: Option<&str>) -> Result<Option<u32>, Stop> {
     let Some(name) = name else { return Ok(None) };
     let gid = name.parse::<u32>().ok().or_else(|| group_id(name));
     file.ensure(gid.is_some(), &[key], || format!("no group named {name:?} on this system"))?;
-    Ok(gid)
+    let Some(gid) = gid else { return Ok(None) };
+    file.ensure(may_give_group(gid, &Credentials::of_process()), &[key], || {
+        format!(
+            "this user is not a member of group {name:?}, so it cannot give its files that \
+             group: add the daemon's user to the group, or run it as root"
+        )
+    })?;
+    Ok(Some(gid))
+}
+
+/// Who a process is, as far as giving files a group goes.
+struct Credentials {
+    euid: u32,
+    egid: u32,
+    groups: Vec<u32>,
+}
+
+impl Credentials {
+    fn of_process() -> Self {
+        // SAFETY: plain calls without pointers, and getgroups writes at most `n` ids into a
+        // buffer of `n` (a count that changed in between is an error, taken as no groups).
+        unsafe {
+            let n = libc::getgroups(0, std::ptr::null_mut()).max(0);
+            let mut groups = vec![0 as libc::gid_t; n as usize];
+            let got = libc::getgroups(n, groups.as_mut_ptr());
+            groups.truncate(usize::try_from(got).unwrap_or(0));
+            Credentials { euid: libc::geteuid(), egid: libc::getegid(), groups }
+        }
+    }
+}
+
+/// Whether a process of `who` may chown its files to `gid`: root may, others only to a group
+/// of theirs.
+fn may_give_group(gid: u32, who: &Credentials) -> bool {
+    who.euid == 0 || who.egid == gid || who.groups.contains(&gid)
 }
 
 /// The id of the group `name`, from the system's group database.
@@ -636,6 +672,19 @@ fn storage(file: &File<'_>, raw: &Raw) -> Result<StorageConfig, Stop> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A user who may not give its files a group would run with its disk tier storing nothing
+    /// (every segment file refused) and its socket unusable: `disk.group` and
+    /// `server.socket_group` must be groups of its own, unless it is root.
+    #[test]
+    fn a_group_is_taken_only_if_the_user_may_give_it() {
+        let user = |euid, egid, groups: &[u32]| Credentials { euid, egid, groups: groups.to_vec() };
+        assert!(may_give_group(4, &user(0, 0, &[])), "root gives any group");
+        assert!(may_give_group(4, &user(1000, 4, &[])), "its own primary group");
+        assert!(may_give_group(4, &user(1000, 1000, &[27, 4])), "a supplementary group");
+        assert!(!may_give_group(4, &user(1000, 1000, &[27])), "not a member");
+        assert!(!may_give_group(4, &user(65534, 65534, &[])), "nobody");
+    }
 
     #[test]
     fn positions_count_lines_and_characters() {
