@@ -543,8 +543,11 @@ class SchedulerSide:
 
     def _freeze(self) -> None:
         """Returns the lookups of every request known at a reset (those a step in flight loads
-        through once that step has run, those of an asynchronous load at the workers once it is
-        heard over) and forgets their kept misses."""
+        through once that step has run) and forgets their kept misses. A request with an
+        asynchronous load at the workers keeps its lookup until that load is heard failed (its
+        stale load is reported so) or the request finishes; should its load be heard over first
+        (a report of the step in flight at the reset), until it finishes, or the lease's
+        deadline."""
         for req_id, state in self.requests.items():
             self._forget_miss(req_id, state)
             if not state.loading:
