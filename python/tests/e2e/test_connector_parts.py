@@ -566,6 +566,50 @@ def test_one_ranks_reconnect_does_not_keep_the_other_ranks_leases(tmp_path: Path
         daemon.stop()
 
 
+def test_one_ranks_failed_blocks_leave_the_lookups_to_the_other_ranks_loads(
+    tmp_path: Path,
+) -> None:
+    from tierkv.vllm.scheduler import SchedulerSide
+
+    daemon = start_daemon(tmp_path / "daemon")
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 2.0, "chunk_blocks": 2}
+    )
+    scheduler = SchedulerSide(settings, "m", 4096, 16, 2, False)
+    watcher = daemon.admin()
+
+    def open_lookups() -> list[int]:
+        sessions = watcher.status()["sessions"]
+        return sorted(s["open_lookups"] for s in sessions if s["role"] == "worker")
+
+    try:
+        state = scheduler._state(_plain_request("r", list(range(100))))  # noqa: SLF001
+        deadline = time.monotonic() + 5
+        while scheduler._hit(state) is None:  # noqa: SLF001
+            assert time.monotonic() < deadline, "the lookups never completed"
+            time.sleep(0.02)
+        # An asynchronous load of it is at both ranks' workers.
+        state.loading, state.block_ids = True, [4, 5, 6, 7]
+        # Rank 0 reports a failed block before rank 1 has loaded: rank 1's retrieve still goes
+        # through its lookup (released now, it would be refused, and vLLM would recompute from
+        # rank 1's first block instead of the failed one).
+        scheduler.update_connector_output({5})
+        assert state.load_failed
+        # (A release takes the lookups off the request at once, and queues them.)
+        assert state.lookups is not None, "a rank's lookup went back before its load was over"
+        assert open_lookups() == [1, 1]
+        # Every rank's report is in: the lookups go back.
+        scheduler.update_connector_output(set(), finished_recving=["r"])
+        deadline = time.monotonic() + 5
+        while open_lookups() != [0, 0]:
+            assert time.monotonic() < deadline, "the lookups were never returned"
+            time.sleep(0.02)
+    finally:
+        watcher.close()
+        scheduler.shutdown()
+        daemon.stop()
+
+
 def test_a_tp_groups_sessions_end_together_at_shutdown_whatever_the_daemon(
     tmp_path: Path,
 ) -> None:

@@ -437,10 +437,15 @@ class SchedulerSide:
                 for req_id, state in self.requests.items()
                 if state.loading and not invalid_block_ids.isdisjoint(state.block_ids)
             )
+        over = finished_recving.union(failed_recving)
         for req_id in load_failed:
             state = self.requests.get(req_id)
             if state is not None and not state.load_failed:
                 state.load_failed = True
+                # One rank's failed blocks, the others' loads still to come: they go through
+                # the same lookups, which are returned once every rank's report is in (below).
+                if state.loading and req_id not in over:
+                    continue
                 self.guard.run(
                     "returning a failed load's leases", lambda s=state: self._release(s), nothing
                 )
@@ -448,6 +453,12 @@ class SchedulerSide:
             state = self.requests.get(req_id)
             if state is not None:
                 state.loading = False
+                if state.load_failed:
+                    self.guard.run(
+                        "returning a failed load's leases once every rank's load is over",
+                        lambda s=state: self._release(s),
+                        nothing,
+                    )
         for req_id in load_failed.union(finished_recving):
             finished = self.release_on_recv.pop(req_id, None)
             if finished is not None:
