@@ -21,6 +21,40 @@ fn which(tool: &str) -> Option<std::path::PathBuf> {
 }
 
 #[test]
+fn status_and_clear_give_up_on_a_socket_that_never_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("silent.sock");
+    // Takes connections into its backlog and never answers: a stopped or stuck daemon.
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    for args in [&["status", "--timeout", "1"][..], &["clear", "--timeout", "1"]] {
+        let mut child = Command::new(artifact("bin", "tierkv"))
+            .args(args)
+            .arg("--socket")
+            .arg(&socket)
+            .env("TIERKV_TOKEN", "a-token-for-the-silent-socket")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Far past the timeout: a command that hangs is killed and fails the test.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                panic!("tierkv {args:?} still waits on a socket that never answers");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        let expected = format!("no daemon answered on {} within 1 s", socket.display());
+        assert!(stderr.contains(&expected), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
 fn tierkv_status_reports_tiers_hits_and_workers() {
     let daemon = Daemon::start();
     let mut worker = daemon.worker(&["--chunk-bytes", "65536"]);

@@ -18,7 +18,7 @@ use std::io::{self, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use shm::{SharedBuffer, memfd};
@@ -54,6 +54,15 @@ pub enum ClientError {
     /// The daemon closed the connection.
     #[error("the daemon closed the connection")]
     Closed,
+    /// The socket took the connection but nothing answered the hello in time: a daemon that
+    /// is stopped or stuck, or a listener that is not a daemon.
+    #[error("no daemon answered on {} within {seconds} s", path.display())]
+    NoAnswer {
+        /// The socket.
+        path: PathBuf,
+        /// The timeout, in seconds.
+        seconds: f64,
+    },
 }
 
 impl ClientError {
@@ -64,6 +73,22 @@ impl ClientError {
             _ => None,
         }
     }
+
+    /// Whether a read or write ran past its timeout ([`Client::connect_unix_within`],
+    /// [`Client::set_timeout`]).
+    pub fn is_timeout(&self) -> bool {
+        match self {
+            ClientError::NoAnswer { .. } => true,
+            ClientError::Io(e) => is_timeout(e),
+            ClientError::Frame(FrameError::Io(e)) => is_timeout(e),
+            _ => false,
+        }
+    }
+}
+
+/// A socket timeout reads as `WouldBlock` (or `TimedOut`).
+fn is_timeout(error: &io::Error) -> bool {
+    matches!(error.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
 
 enum Transport {
@@ -122,10 +147,37 @@ pub struct Client {
 pub struct Pending(pub u64);
 
 impl Client {
-    /// Connects over the Unix socket at `path` and opens a session.
+    /// Connects over the Unix socket at `path` and opens a session, waiting as long as the
+    /// daemon takes to answer. [`Client::connect_unix_within`] gives up instead: what a command
+    /// that a person waits for should use.
     pub fn connect_unix(path: impl AsRef<Path>, hello: Hello) -> Result<Self, ClientError> {
         let stream = UnixStream::connect(path)?;
         Self::open(Transport::Unix(stream), hello)
+    }
+
+    /// Connects over the Unix socket at `path` and opens a session, with `timeout` on every
+    /// read and write, set before the hello: a socket that takes the connection and never
+    /// answers (a stopped daemon, or a listener that is not one) fails with
+    /// [`ClientError::NoAnswer`] instead of blocking for ever. The timeouts stay set for the
+    /// session's calls; [`Client::set_timeout`] changes the read timeout.
+    pub fn connect_unix_within(
+        path: impl AsRef<Path>,
+        hello: Hello,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let path = path.as_ref();
+        let stream = UnixStream::connect(path)?;
+        // A zero timeout is refused by the socket; the least one waits a microsecond.
+        let timeout = timeout.max(Duration::from_micros(1));
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        Self::open(Transport::Unix(stream), hello).map_err(|e| {
+            if e.is_timeout() {
+                ClientError::NoAnswer { path: path.to_path_buf(), seconds: timeout.as_secs_f64() }
+            } else {
+                e
+            }
+        })
     }
 
     /// Connects over TCP and opens a session (the hello must carry the daemon's token).
@@ -644,6 +696,23 @@ mod tests {
             drop(client);
             prop_assert_eq!(server.join().unwrap(), sent);
         }
+    }
+
+    #[test]
+    fn a_socket_that_never_answers_the_hello_fails_within_the_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("silent.sock");
+        // Connections wait in the backlog and are never answered.
+        let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let timeout = Duration::from_millis(200);
+        let started = std::time::Instant::now();
+        let err = Client::connect_unix_within(&path, Client::admin_hello(), timeout).err().unwrap();
+        assert!(started.elapsed() >= timeout);
+        assert!(err.is_timeout(), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!("no daemon answered on {} within 0.2 s", path.display())
+        );
     }
 
     #[test]

@@ -3,11 +3,12 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 mod replay;
 
 use clap::{Parser, Subcommand};
-use tierkv_client::Client;
+use tierkv_client::{Client, ClientError};
 use tierkv_proto::StatusReport;
 
 use crate::config::{DEFAULT_TOML, DaemonConfig};
@@ -39,6 +40,9 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Seconds to wait for each of the daemon's answers before giving up.
+        #[arg(long, default_value_t = 10.0, value_parser = seconds)]
+        timeout: f64,
     },
     /// Empties every tier of what nobody holds. Needs the daemon's token: from --config (its
     /// server.token) or the environment variable TIERKV_TOKEN.
@@ -49,6 +53,10 @@ enum Command {
         /// The configuration the daemon runs with (its socket and token).
         #[arg(long, short)]
         config: Option<PathBuf>,
+        /// Seconds to wait for each of the daemon's answers (the clear's included) before
+        /// giving up.
+        #[arg(long, default_value_t = 60.0, value_parser = seconds)]
+        timeout: f64,
     },
     /// Configuration files.
     Config {
@@ -79,8 +87,12 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve { config } => serve(config.as_deref()),
-        Command::Status { socket, config, json } => status(socket, config.as_deref(), json),
-        Command::Clear { socket, config } => clear(socket, config.as_deref()),
+        Command::Status { socket, config, json, timeout } => {
+            status(socket, config.as_deref(), json, Duration::from_secs_f64(timeout))
+        }
+        Command::Clear { socket, config, timeout } => {
+            clear(socket, config.as_deref(), Duration::from_secs_f64(timeout))
+        }
         Command::Config { action: ConfigAction::Check { file } } => check(&file),
         Command::Config { action: ConfigAction::Default } => print(DEFAULT_TOML),
         Command::Replay(args) => replay::replay(*args).and_then(|text| print(&text)),
@@ -163,14 +175,49 @@ fn serve(path: Option<&Path>) -> Result<(), String> {
     served
 }
 
-fn status(socket: Option<PathBuf>, config: Option<&Path>, json: bool) -> Result<(), String> {
+/// `--timeout`: a positive number of seconds that a `Duration` holds.
+fn seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if s > 0.0 && Duration::try_from_secs_f64(s).is_ok() => Ok(s),
+        _ => Err(format!("{text:?} is not a positive number of seconds")),
+    }
+}
+
+/// An admin session on `socket`, every answer waited for at most `timeout`.
+fn admin(socket: &Path, hello: tierkv_proto::Hello, timeout: Duration) -> Result<Client, String> {
+    Client::connect_unix_within(socket, hello, timeout).map_err(|e| match e {
+        ClientError::NoAnswer { .. } => e.to_string(),
+        e => format!("no daemon answers on {}: {e}", socket.display()),
+    })
+}
+
+/// A failed call of an admin session, saying which and, past its timeout, that it was one.
+fn failed(what: &str, socket: &Path, timeout: Duration) -> impl Fn(ClientError) -> String {
+    move |e| {
+        if e.is_timeout() {
+            format!(
+                "the daemon on {} did not answer {what} within {} s",
+                socket.display(),
+                timeout.as_secs_f64()
+            )
+        } else {
+            format!("{what}: {e}")
+        }
+    }
+}
+
+fn status(
+    socket: Option<PathBuf>,
+    config: Option<&Path>,
+    json: bool,
+    timeout: Duration,
+) -> Result<(), String> {
     let socket = match socket {
         Some(socket) => socket,
         None => load(config)?.server.socket,
     };
-    let mut client = Client::connect_unix(&socket, Client::admin_hello())
-        .map_err(|e| format!("no daemon answers on {}: {e}", socket.display()))?;
-    let report = client.status().map_err(|e| e.to_string())?;
+    let mut client = admin(&socket, Client::admin_hello(), timeout)?;
+    let report = client.status().map_err(failed("status", &socket, timeout))?;
     let _ = client.end();
     if json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
@@ -179,18 +226,16 @@ fn status(socket: Option<PathBuf>, config: Option<&Path>, json: bool) -> Result<
     print(&render(&report))
 }
 
-fn clear(socket: Option<PathBuf>, config: Option<&Path>) -> Result<(), String> {
+fn clear(socket: Option<PathBuf>, config: Option<&Path>, timeout: Duration) -> Result<(), String> {
     let loaded = load(config)?;
     let socket = socket.unwrap_or(loaded.server.socket);
     let token = std::env::var("TIERKV_TOKEN").ok().or(loaded.server.token).ok_or(
         "clear needs the daemon's token: give --config with its server.token, or set TIERKV_TOKEN",
     )?;
     let hello = tierkv_proto::Hello { token: Some(token), ..Client::admin_hello() };
-    let mut client = Client::connect_unix(&socket, hello).map_err(|e| {
-        format!("no daemon accepts this admin session on {}: {e}", socket.display())
-    })?;
-    let tiers = client.status().map_err(|e| e.to_string())?.tiers;
-    let removed = client.clear().map_err(|e| e.to_string())?;
+    let mut client = admin(&socket, hello, timeout)?;
+    let tiers = client.status().map_err(failed("status", &socket, timeout))?.tiers;
+    let removed = client.clear().map_err(failed("clear", &socket, timeout))?;
     let _ = client.end();
     let parts: Vec<String> = removed
         .iter()
