@@ -180,7 +180,7 @@ fn an_mla_group_shares_one_copy_and_every_rank_reads_it() {
 }
 
 #[test]
-fn ranks_with_their_own_kv_each_store_and_load_it() {
+fn ranks_with_their_own_kv_each_store_and_load_it_and_each_request_counts_once() {
     let Some(path) = trace("synthetic_trace.jsonl") else { return };
     let path = path.to_str().unwrap();
     // Room for every chunk of both ranks: each rank then hits exactly what one cache would.
@@ -198,8 +198,16 @@ fn ranks_with_their_own_kv_each_store_and_load_it() {
         "--capacity",
         "20000",
     ])[0];
-    assert_eq!(field(run, "chunks"), 2 * field(sim, "chunks"), "each rank asks for its own");
-    assert_eq!(field(run, "hit_chunks"), 2 * field(sim, "hit_chunks"));
+    // The trace's requests, chunks and tokens, and the group's hit, as one rank counts them.
+    assert_eq!(field(run, "requests"), 150);
+    for name in ["requests", "chunks", "tokens", "hit_chunks", "hit_tokens"] {
+        assert_eq!(field(run, name), field(sim, name), "{name}: TP=2 {run} one cache {sim}");
+    }
+    let tier_hits: u64 =
+        run["tiers"].as_array().unwrap().iter().map(|t| t["hit_chunks"].as_u64().unwrap()).sum();
+    assert_eq!(tier_hits, field(run, "hit_chunks"), "the tiers of the group's hit: {run}");
+    // Each rank stores and loads its own KV.
+    assert_eq!(moved(run, "chunks_retrieved"), 2 * field(sim, "hit_chunks"));
     assert_eq!(moved(run, "chunks_stored"), 2 * (field(sim, "chunks") - field(sim, "hit_chunks")));
 }
 
@@ -383,6 +391,8 @@ fn a_running_daemon_is_replayed_in_a_namespace_of_its_own() {
     let second = &replay(&args)[0];
     for run in [first, second] {
         assert_eq!(run["policy"], "daemon's");
+        // L1's capacity: 4 MiB of 64 KiB slots (integration-tests' small_config).
+        assert_eq!(run["capacity_chunks"], 64, "{run}");
         let tiers: Vec<&str> =
             run["tiers"].as_array().unwrap().iter().map(|t| t["tier"].as_str().unwrap()).collect();
         assert_eq!(tiers, ["l1", "l2", "disk"], "{run}");
@@ -455,9 +465,18 @@ fn bad_replays_are_refused_with_a_reason() {
         "{\"timestamp_ms\": 0, \"chunks\": [1]}\n{\"timestamp_ms\": 1000, \"chunks\": [2]}\n",
     )
     .unwrap();
+    // The same stem as `good.jsonl`, in another directory.
+    std::fs::create_dir(dir.path().join("other")).unwrap();
+    let twin = dir.path().join("other/good.jsonl");
+    std::fs::write(&twin, "{\"chunks\": [3]}\n").unwrap();
     let out = dir.path().join("out");
-    let (broken, good, timed) =
-        (broken.to_str().unwrap(), good.to_str().unwrap(), timed.to_str().unwrap());
+    let (broken, good, timed, twin) = (
+        broken.to_str().unwrap(),
+        good.to_str().unwrap(),
+        timed.to_str().unwrap(),
+        twin.to_str().unwrap(),
+    );
+    let both = format!("{good} and {twin} are both named \"good\"");
     for (args, needle) in [
         (vec!["replay", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
         (vec!["replay", broken, "--simulate"], "broken.jsonl:2"),
@@ -479,6 +498,12 @@ fn bad_replays_are_refused_with_a_reason() {
         (vec!["replay", good, "--chunk-bytes", "2GiB"], "--chunk-bytes"),
         (vec!["replay", good, "--chunk-tokens", "0"], "--chunk-tokens"),
         (vec!["replay", good, "--simulate", "--out", "/proc/tierkv-replay"], "cannot create"),
+        (vec!["replay", good, twin, "--simulate"], both.as_str()),
+        (vec!["replay", good, "--simulate", "--limit", "0"], "--limit 0"),
+        (vec!["replay", good, "--simulate", "--capacity", "0", "--l2", "10"], "--l2 and --disk"),
+        (vec!["replay", good, "--simulate", "--capacity", "0", "--disk", "10"], "--l2 and --disk"),
+        (vec!["replay", good, "--simulate", "--capacity", "1KiB"], "holds no chunk"),
+        (vec!["replay", good, "--capacity", "10", "--l2", "1KiB"], "holds no chunk"),
         (
             vec!["replay", good, "--simulate", "--disk", "10", "--disk-policy", "fifo"],
             "unknown --disk-policy",
@@ -496,6 +521,21 @@ fn bad_replays_are_refused_with_a_reason() {
         // Refused before anything is written: not even the output directory.
         assert!(!out.exists(), "{args:?} created {}", out.display());
     }
+}
+
+#[test]
+fn an_output_directory_that_cannot_be_written_is_refused_before_the_replay_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.jsonl");
+    std::fs::write(&good, "{\"chunks\": [1, 2]}\n").unwrap();
+    // A directory that exists and takes no file, even from root (the tests run as root, which
+    // permissions do not stop).
+    let output = tierkv(&["replay", good.to_str().unwrap(), "--simulate", "--out", "/proc"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("cannot write to /proc"), "{stderr}");
+    // Nothing ran: the table is printed after the replay, before its files are written.
+    assert!(output.stdout.is_empty(), "{}", String::from_utf8_lossy(&output.stdout));
 }
 
 #[test]
@@ -537,4 +577,109 @@ fn an_interrupted_replay_stops_its_daemon_and_leaves_nothing_behind() {
         .filter(|name| name.to_string_lossy().starts_with("tierkv-replay-"))
         .collect();
     assert!(left.is_empty(), "the daemon's directory was left behind: {left:?}");
+}
+
+/// A long trace (200,000 requests of two chunks) in `dir`, and `tierkv replay` of it started
+/// through a daemon of its own, with TMPDIR in `dir`.
+fn a_long_replay(dir: &Path) -> std::process::Child {
+    let path = dir.join("long.jsonl");
+    let lines: Vec<String> =
+        (0..200_000).map(|i| format!("{{\"chunks\": [{i}, {}]}}", i + 1_000_000)).collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    Command::new(artifact("bin", "tierkv"))
+        .args(["replay", path.to_str().unwrap(), "--capacity", "100", "--chunk-bytes", "4KiB"])
+        .args(["--quiet", "--out"])
+        .arg(dir.join("out"))
+        .env("TMPDIR", dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Sends `sig` to `pid`: the test's own child, or one of the replay's children.
+fn signal(pid: i32, sig: libc::c_int) {
+    // SAFETY: kill(2) on a process of the test's own making.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// The pid of `parent`'s child whose command line holds `word` (`replay-worker`, `serve`),
+/// once there is one.
+fn child_process(parent: u32, word: &str) -> i32 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        assert!(std::time::Instant::now() < deadline, "no child process says {word}");
+        let found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let ppid: u32 = stat.rsplit(')').next()?.split_whitespace().nth(1)?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            (ppid == parent && cmdline.split(|b| *b == 0).any(|arg| arg == word.as_bytes()))
+                .then_some(pid)
+        });
+        if let Some(pid) = found {
+            return pid;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Waits for `child` to exit, at most 40 s (far past the replay's 0.1 s poll and its stops'
+/// grace): one that hangs is killed, with `stopped`, and fails the test.
+fn exits_within_40_s(mut child: std::process::Child, stopped: i32) -> Output {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            signal(stopped, libc::SIGKILL);
+            panic!("the replay ignored its signals while a process it waits for was stopped");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn an_interrupt_stops_a_replay_whose_worker_does_not_answer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let child = a_long_replay(tmp.path());
+    let worker = child_process(child.id(), "replay-worker");
+    // Let it take a few steps, then stop it: the replay waits for an answer that never comes.
+    std::thread::sleep(std::time::Duration::from_millis(1_000));
+    signal(worker, libc::SIGSTOP);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    signal(child.id() as i32, libc::SIGINT);
+    let output = exits_within_40_s(child, worker);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|name| name.to_string_lossy().starts_with("tierkv-replay-"))
+        .collect();
+    assert!(left.is_empty(), "the daemon's directory was left behind: {left:?}");
+}
+
+#[test]
+fn a_second_interrupt_ends_a_replay_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let child = a_long_replay(tmp.path());
+    let daemon = child_process(child.id(), "serve");
+    // Wait for a worker: the replay is under way.
+    child_process(child.id(), "replay-worker");
+    std::thread::sleep(std::time::Duration::from_millis(1_000));
+    // A stopped daemon: the first signal's clean stop waits out its grace for it (10 s).
+    signal(daemon, libc::SIGSTOP);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    signal(child.id() as i32, libc::SIGINT);
+    std::thread::sleep(std::time::Duration::from_millis(1_000));
+    signal(child.id() as i32, libc::SIGINT);
+    let output = exits_within_40_s(child, daemon);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    // Gone before the clean stop ended, which prints `interrupted`.
+    assert!(!stderr.contains("interrupted"), "{stderr}");
 }

@@ -6,6 +6,7 @@ use std::io;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tierkv_core::policy::PolicyKind;
@@ -109,12 +110,14 @@ pub struct SpawnedDaemon {
 
 impl SpawnedDaemon {
     /// Starts `program serve` on a configuration with `tiers` of `chunk_bytes` chunks evicted by
-    /// `policy`, and waits until it accepts connections.
+    /// `policy`, and waits until it accepts connections, or until `interrupt` is set
+    /// ([`ReplayError::Interrupted`]: the daemon is stopped and its directory removed).
     pub fn start(
         program: &Path,
         chunk_bytes: u64,
         tiers: TierChunks,
         policy: PolicyKind,
+        interrupt: Option<&AtomicBool>,
     ) -> Result<SpawnedDaemon, ReplayError> {
         let dir = tempfile::Builder::new()
             .prefix("tierkv-replay-")
@@ -153,6 +156,9 @@ impl SpawnedDaemon {
         loop {
             if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
                 break;
+            }
+            if interrupt.is_some_and(|flag| flag.load(Ordering::Relaxed)) {
+                return Err(ReplayError::Interrupted);
             }
             let exited = process.0.try_wait().ok().flatten();
             if exited.is_some() || Instant::now() > deadline {

@@ -111,7 +111,9 @@ pub struct RunResult {
     pub mode: Mode,
     /// The eviction policy.
     pub policy: String,
-    /// The cache's capacity in chunks (`None`: unbounded). For a daemon: all its tiers.
+    /// The cache's capacity in chunks (`None`: unbounded). With tiers below it, and for a
+    /// daemon, L1's: a daemon's L1 in its slots, one chunk each (an unbounded capacity is a
+    /// simulation's only).
     pub capacity_chunks: Option<u64>,
     /// Requests replayed.
     pub requests: u64,

@@ -15,6 +15,9 @@ use crate::sim::{LowerTiers, Policy, SimCounts, simulate, simulate_cascade};
 use crate::trace::{Trace, TraceRequest};
 use crate::worker::{Done, Step, WorkerProcess, WorkerSpec};
 
+/// How long a replay waits for each answer of its admin session (the hello and a status).
+const ADMIN_WITHIN: Duration = Duration::from_secs(10);
+
 /// The largest chunk a daemon replay moves: far above any KV chunk, and low enough that the
 /// memcpy limit and the workers' buffers stay allocatable.
 pub const MAX_CHUNK_BYTES: u64 = 1 << 30;
@@ -175,8 +178,10 @@ pub struct DaemonPlan {
     /// The model name of the replay's namespace; `None`: a fresh one per replay. Replays
     /// through several daemons that share a remote tier name one, as the nodes of one model do.
     pub model: Option<String>,
-    /// Set (by a signal handler) to stop the replay between requests; its processes and
-    /// directories are then cleaned up as after a normal end.
+    /// Set (by a signal handler) to stop the replay: between requests, or within a tenth of a
+    /// second while it waits for a worker or for its daemon to start, or at the end of its
+    /// admin session's timeout. Its processes and directories are then cleaned up as after a
+    /// normal end.
     pub interrupt: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
@@ -195,23 +200,35 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         usize::try_from(plan.chunk_bytes).unwrap_or(usize::MAX),
         Duration::from_millis(300),
     );
-    let (spawned, socket, policy, capacity) = match &plan.target {
+    let interrupted = || plan.interrupt.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed));
+    // A failure while interrupted is the interrupt's doing (Ctrl-C reaches the workers too, a
+    // wait gives up on it), not a fault.
+    let or_interrupted = |e: ReplayError| if interrupted() { ReplayError::Interrupted } else { e };
+    let (spawned, socket, policy) = match &plan.target {
         Target::Spawn { tiers, policy } => {
-            let daemon = SpawnedDaemon::start(&plan.program, plan.chunk_bytes, *tiers, *policy)?;
+            let daemon = SpawnedDaemon::start(
+                &plan.program,
+                plan.chunk_bytes,
+                *tiers,
+                *policy,
+                plan.interrupt.as_deref(),
+            )?;
             let socket = daemon.socket().to_path_buf();
-            (Some(daemon), socket, policy.as_str().to_string(), Some(tiers.l1))
+            (Some(daemon), socket, policy.as_str().to_string())
         }
-        Target::Socket(path) => (None, path.clone(), "daemon's".into(), None),
+        Target::Socket(path) => (None, path.clone(), "daemon's".into()),
     };
-    let mut admin = Client::connect_unix(&socket, Client::admin_hello())
-        .map_err(|e| ReplayError::Daemon(format!("cannot reach {}: {e}", socket.display())))?;
-    let tier_names: Vec<String> = admin
-        .status()
-        .map_err(|e| ReplayError::Daemon(format!("status: {e}")))?
-        .tiers
-        .into_iter()
-        .map(|t| t.name)
-        .collect();
+    let mut admin = Client::connect_unix_within(&socket, Client::admin_hello(), ADMIN_WITHIN)
+        .map_err(|e| {
+            or_interrupted(ReplayError::Daemon(format!("cannot reach {}: {e}", socket.display())))
+        })?;
+    let status =
+        admin.status().map_err(|e| or_interrupted(ReplayError::Daemon(format!("status: {e}"))))?;
+    // L1's capacity in chunks: its bytes over its slot's (each chunk takes a slot), which the
+    // daemon's welcome names as the largest chunk it stores.
+    let slot = admin.session().max_chunk_bytes.max(1);
+    let capacity = status.tiers.iter().find(|t| t.name == "l1").map(|l1| l1.capacity_bytes / slot);
+    let tier_names: Vec<String> = status.tiers.into_iter().map(|t| t.name).collect();
     let _ = admin.end();
 
     let max_chunks = trace.requests.iter().map(|r| r.chunks.len() as u64).max().unwrap_or(1);
@@ -237,14 +254,14 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
                 chunk_tokens: trace.chunk_tokens,
                 max_chunks,
             };
-            WorkerProcess::start(&plan.program, &spec)
+            WorkerProcess::start(&plan.program, &spec, plan.interrupt.clone())
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(or_interrupted)?;
 
     let bar = progress_bar(trace.requests.len() as u64, plan.progress, "requests");
     let mut tally = Tally::default();
     let started = Instant::now();
-    let interrupted = || plan.interrupt.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed));
     for request in &trace.requests {
         // In short naps, so an interrupt is noticed while waiting for a late request.
         let due = due(request)?;
@@ -257,26 +274,22 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         if interrupted() {
             return Err(ReplayError::Interrupted);
         }
-        // Ctrl-C reaches the workers too; their failure is then the interrupt, not a fault.
-        if let Err(e) =
-            replay_request(&mut workers, request, trace.chunk_tokens, plan.mla, &mut tally)
-        {
-            return Err(if interrupted() { ReplayError::Interrupted } else { e });
-        }
+        replay_request(&mut workers, request, trace.chunk_tokens, plan.mla, &mut tally)
+            .map_err(or_interrupted)?;
         bar.inc(1);
         if bar.position().is_multiple_of(64) {
             bar.set_message(format!("hit {:.3}", tally.counts.hit_ratio()));
         }
     }
     // Stores go without waiting; the last ones are counted (and timed) when the workers drain.
-    workers.iter_mut().try_for_each(|w| w.send(&Step::Drain))?;
+    workers.iter_mut().try_for_each(|w| w.send(&Step::Drain)).map_err(or_interrupted)?;
     for worker in workers.iter_mut() {
-        tally.stored(&worker.receive()?);
+        tally.stored(&worker.receive().map_err(or_interrupted)?);
     }
     let seconds = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     for worker in workers {
-        worker.close()?;
+        worker.close().map_err(or_interrupted)?;
     }
     if let Some(daemon) = spawned {
         daemon.stop();
@@ -372,13 +385,21 @@ fn replay_request(
     } else {
         let step = Step::Request { chunks: chunks.clone() };
         workers.iter_mut().try_for_each(|w| w.send(&step))?;
+        // The request counts once, as in a run of one rank. Its hit is the group's: the fewest
+        // chunks any rank hit, since the group recomputes what one rank lacks; its tiers are
+        // that rank's. Every rank's retrieve, store and latency count.
+        let mut group: Option<Done> = None;
         for worker in workers.iter_mut() {
             let done = worker.receive()?;
             tally.lookup(&done, chunks.len())?;
-            tally.count(&done, request.tokens, chunks.len(), chunk_tokens);
             tally.retrieved(&done, done.hit as usize)?;
             tally.stored(&done);
+            if group.as_ref().is_none_or(|g| done.hit < g.hit) {
+                group = Some(done);
+            }
         }
+        let group = group.ok_or_else(no_workers)?;
+        tally.count(&group, request.tokens, chunks.len(), chunk_tokens);
     }
     Ok(())
 }
@@ -400,7 +421,8 @@ struct Tally {
 }
 
 impl Tally {
-    /// A lookup's answer; its tiers must account for its whole hit.
+    /// A lookup's answer, from any rank: its tiers must account for its whole hit. Its latency
+    /// is kept.
     fn lookup(&mut self, done: &Done, chunks: usize) -> Result<(), ReplayError> {
         let per_tier: u32 = done.per_tier.iter().sum();
         if per_tier != done.hit || done.hit as usize > chunks {
@@ -409,18 +431,20 @@ impl Tally {
                 done.lookup, done.hit
             )));
         }
+        self.lookup_us.push(done.lookup_us);
+        Ok(())
+    }
+
+    /// Counts a request, once whatever the ranks: `done` is the lookup that stands for the
+    /// group's hit, and its tiers are counted.
+    fn count(&mut self, done: &Done, tokens: u64, chunks: usize, chunk_tokens: u64) {
+        self.counts.add_request(chunks, tokens, done.hit as usize, chunk_tokens);
         if self.per_tier.len() < done.per_tier.len() {
             self.per_tier.resize(done.per_tier.len(), 0);
         }
         for (total, n) in self.per_tier.iter_mut().zip(&done.per_tier) {
             *total += u64::from(*n);
         }
-        self.lookup_us.push(done.lookup_us);
-        Ok(())
-    }
-
-    fn count(&mut self, done: &Done, tokens: u64, chunks: usize, chunk_tokens: u64) {
-        self.counts.add_request(chunks, tokens, done.hit as usize, chunk_tokens);
     }
 
     /// A retrieve's answer: every chunk of the hit, checked.

@@ -21,9 +21,12 @@
 //! the store sent while the daemon copies the hit, then collected and checked. Its time is the
 //! time blocked on it: sending it and waiting for its reply after the store is sent.
 
-use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::io::{BufRead, BufWriter, Read, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -38,6 +41,17 @@ use crate::process::{Reaped, die_with_parent};
 
 /// How long a worker waits for a lookup's prefetch from the lower tiers.
 const WAIT: Duration = Duration::from_secs(60);
+
+/// How long a worker waits for the daemon to answer its hello.
+pub const HELLO_WITHIN: Duration = Duration::from_secs(30);
+
+/// How long the replay waits for a worker's answer to one step: a step makes a few calls, each
+/// of which the worker gives up on after `WAIT` and a half minute, so a worker this late is
+/// stopped or stuck itself.
+const ANSWER_WITHIN: Duration = Duration::from_secs(300);
+
+/// How often the replay, waiting for a worker, looks whether it was interrupted.
+const INTERRUPT_POLL: Duration = Duration::from_millis(100);
 
 /// Who a worker is: the hello it sends and the buffer it registers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -182,7 +196,7 @@ impl Worker {
             chunk_tokens: u32::try_from(spec.chunk_tokens).unwrap_or(u32::MAX),
             token: None,
         };
-        let mut client = Client::connect_unix(&spec.socket, hello)?;
+        let mut client = Client::connect_unix_within(&spec.socket, hello, HELLO_WITHIN)?;
         client.set_timeout(Some(WAIT + Duration::from_secs(30)))?;
         let max_chunks = spec.max_chunks.max(1);
         let mut buffer = SharedBuffer::new(spec.chunk_bytes, max_chunks.saturating_mul(2))?;
@@ -377,6 +391,22 @@ fn micros(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
+/// Whether `pipe` has something to read (or was closed) within `timeout`; a signal ends the
+/// wait early, with `false`.
+fn readable(pipe: &impl AsRawFd, timeout: Duration) -> std::io::Result<bool> {
+    let mut fd = libc::pollfd { fd: pipe.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one pollfd, alive for the call.
+    match unsafe { libc::poll(&mut fd, 1, ms) } {
+        n if n > 0 => Ok(true),
+        0 => Ok(false),
+        _ => {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted { Ok(false) } else { Err(err) }
+        }
+    }
+}
+
 /// Runs a worker on stdin and stdout until stdin closes: the body of `tierkv replay-worker`.
 pub fn serve_worker(spec: &WorkerSpec) -> Result<(), ReplayError> {
     let mut worker = Worker::open(spec)
@@ -412,14 +442,25 @@ pub fn serve_worker(spec: &WorkerSpec) -> Result<(), ReplayError> {
 pub struct WorkerProcess {
     rank: u16,
     stdin: BufWriter<ChildStdin>,
-    stdout: BufReader<ChildStdout>,
+    stdout: ChildStdout,
+    /// What the worker wrote past the last answer read.
+    unread: Vec<u8>,
     line: String,
     process: Reaped,
+    /// Set (by a signal handler) to stop waiting for the worker's answers.
+    interrupt: Option<Arc<AtomicBool>>,
 }
 
 impl WorkerProcess {
-    /// Starts `program replay-worker` for `spec` and waits until its session is open.
-    pub fn start(program: &Path, spec: &WorkerSpec) -> Result<WorkerProcess, ReplayError> {
+    /// Starts `program replay-worker` for `spec` and waits until its session is open. Every
+    /// wait for its answers ends within [`ANSWER_WITHIN`], or as soon as `interrupt` is set
+    /// ([`ReplayError::Interrupted`]), even if the worker (or the daemon it waits for) is
+    /// stopped.
+    pub fn start(
+        program: &Path,
+        spec: &WorkerSpec,
+        interrupt: Option<Arc<AtomicBool>>,
+    ) -> Result<WorkerProcess, ReplayError> {
         let mut child = die_with_parent(
             Command::new(program)
                 .arg("replay-worker")
@@ -436,9 +477,11 @@ impl WorkerProcess {
         let mut worker = WorkerProcess {
             rank: spec.rank,
             stdin: BufWriter::new(stdin),
-            stdout: BufReader::new(stdout),
+            stdout,
+            unread: Vec::new(),
             line: String::new(),
             process: Reaped(child),
+            interrupt,
         };
         worker.read_line()?;
         if !worker.line.contains("\"ready\":true") {
@@ -477,12 +520,38 @@ impl WorkerProcess {
         }
     }
 
+    /// Reads the worker's next line into `line`. It waits in short polls, not in a blocking
+    /// read: a read of a pipe is restarted after a signal, so a replay blocked in one would not
+    /// see its interrupt while the worker (or the daemon it waits for) does not answer.
     fn read_line(&mut self) -> Result<(), ReplayError> {
-        self.line.clear();
-        match self.stdout.read_line(&mut self.line) {
-            Ok(0) => Err(self.fail("exited".into())),
-            Ok(_) => Ok(()),
-            Err(e) => Err(self.fail(format!("read its answer: {e}"))),
+        let deadline = Instant::now() + ANSWER_WITHIN;
+        loop {
+            if let Some(end) = self.unread.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = self.unread.drain(..=end).collect();
+                self.line = String::from_utf8_lossy(&line).into_owned();
+                return Ok(());
+            }
+            if self.interrupt.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed)) {
+                return Err(ReplayError::Interrupted);
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return Err(self.fail(format!(
+                    "did not answer within {} s (stopped, or stuck)",
+                    ANSWER_WITHIN.as_secs()
+                )));
+            };
+            match readable(&self.stdout, left.min(INTERRUPT_POLL)) {
+                Ok(false) => continue,
+                Ok(true) => {}
+                Err(e) => return Err(self.fail(format!("wait for its answer: {e}"))),
+            }
+            let mut chunk = [0u8; 4096];
+            match self.stdout.read(&mut chunk) {
+                Ok(0) => return Err(self.fail("exited".into())),
+                Ok(n) => self.unread.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.fail(format!("read its answer: {e}"))),
+            }
         }
     }
 

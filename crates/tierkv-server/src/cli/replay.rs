@@ -163,7 +163,15 @@ fn capacity(text: &str, chunk_bytes: u64) -> Result<Option<u64>, String> {
     }
     let bytes = ByteSize::from_str(text)
         .map_err(|e| format!("capacity {text:?}: neither a chunk count nor a size: {e}"))?;
-    Ok(Some(bytes.0 / chunk_bytes.max(1)))
+    let chunks = bytes.0 / chunk_bytes.max(1);
+    if chunks == 0 {
+        // A size means a cache: one that holds no chunk is a slip, not a request for none.
+        return Err(format!(
+            "capacity {text:?} holds no chunk of {chunk_bytes} bytes (--chunk-bytes); give 0 to \
+             mean none"
+        ));
+    }
+    Ok(Some(chunks))
 }
 
 /// Runs `tierkv replay`: prints the summary table, writes the files, and returns the lines that
@@ -176,11 +184,25 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
     if args.chunk_tokens == 0 {
         return Err("--chunk-tokens must be positive".into());
     }
-    let mut traces = Vec::new();
+    if args.limit == Some(0) {
+        return Err("--limit 0 leaves no requests to replay".into());
+    }
+    let mut traces: Vec<Trace> = Vec::new();
     for path in &args.traces {
         let mut trace = Trace::read(path, args.chunk_tokens).map_err(|e| e.to_string())?;
         if let Some(limit) = args.limit {
             trace.truncate(limit);
+        }
+        // Results are named, grouped and plotted by the trace's name: two of one name would
+        // be counted as one.
+        if let Some(i) = traces.iter().position(|t| t.name == trace.name) {
+            return Err(format!(
+                "{} and {} are both named {:?} (a trace is named by its file's stem): rename \
+                 one, or replay them one at a time",
+                args.traces[i].display(),
+                path.display(),
+                trace.name
+            ));
         }
         traces.push(trace);
     }
@@ -239,7 +261,13 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         }
     }
     let (targets, lower) = if args.simulate {
-        (Vec::new(), lower_tiers(&args)?)
+        let lower = lower_tiers(&args)?;
+        if lower.is_some() && capacities.contains(&Some(0)) {
+            // The online policies' cascade needs an L1 to evict from (a daemon refuses an L1 of
+            // none too); the optimum would count the tiers below alone.
+            return Err("--l2 and --disk need an L1 of at least one chunk (--capacity)".into());
+        }
+        (Vec::new(), lower)
     } else {
         for trace in &traces {
             pace(&args).check(trace).map_err(|e| e.to_string())?;
@@ -248,8 +276,7 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
     };
     // Once every option is known good, and before any replay runs, so a directory that cannot
     // be written loses no results.
-    std::fs::create_dir_all(&args.out)
-        .map_err(|e| format!("cannot create {}: {e}", args.out.display()))?;
+    writable(&args.out)?;
     let results: Vec<RunResult> = if args.simulate {
         tierkv_replay::sweep_simulation(
             &traces,
@@ -275,6 +302,16 @@ pub fn replay(args: ReplayArgs) -> Result<String, String> {
         text.push_str(&format!("plot: {}\n", plot.display()));
     }
     Ok(text)
+}
+
+/// Makes `dir` if need be and checks that a file can be written in it (created and removed),
+/// so that an unwritable directory is found before the replay rather than after.
+fn writable(dir: &std::path::Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let probe = dir.join(format!(".tierkv-replay-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .map_err(|e| format!("cannot write to {}: {e}", dir.display()))
 }
 
 /// The daemons to replay through, one per capacity and policy (or the one at `--socket`), all
@@ -379,11 +416,15 @@ fn daemon_runs(
     let program =
         std::env::current_exe().map_err(|e| format!("cannot find the tierkv executable: {e}"))?;
     let pace = pace(args);
-    // Ctrl-C and SIGTERM stop the replay between requests, so the daemon it started, its
-    // workers and their directories are cleaned up rather than left behind.
+    // Ctrl-C and SIGTERM stop the replay (between requests, or within a wait's poll or
+    // timeout), so the daemon it started, its workers and their directories are cleaned up
+    // rather than left behind. A second signal exits at once with 1, as the daemon's own
+    // second signal does, whatever the first is still waiting for: the conditional exit is
+    // registered first, so it sees the flag the first signal set, not the one this signal sets.
     let interrupt = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, Arc::clone(&interrupt))
+        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&interrupt))
+            .and_then(|_| signal_hook::flag::register(signal, Arc::clone(&interrupt)))
             .map_err(|e| format!("cannot handle signal {signal}: {e}"))?;
     }
     let mut results = Vec::new();
