@@ -538,6 +538,21 @@ fn an_output_directory_that_cannot_be_written_is_refused_before_the_replay_runs(
     assert!(output.stdout.is_empty(), "{}", String::from_utf8_lossy(&output.stdout));
 }
 
+/// A replay that was interrupted exited 1 with `interrupted`, and its daemon's directory in
+/// `tmpdir` (its TMPDIR) is gone.
+fn stopped_cleanly(output: &Output, tmpdir: &Path) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    let left: Vec<_> = std::fs::read_dir(tmpdir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|name| name.to_string_lossy().starts_with("tierkv-replay-"))
+        .collect();
+    assert!(left.is_empty(), "the daemon's directory was left behind: {left:?}");
+}
+
 #[test]
 fn an_interrupted_replay_stops_its_daemon_and_leaves_nothing_behind() {
     let Some(path) = trace("conversation_trace.jsonl") else { return };
@@ -567,16 +582,7 @@ fn an_interrupted_replay_stops_its_daemon_and_leaves_nothing_behind() {
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     let output = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("interrupted"), "{stderr}");
-    let left: Vec<_> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .filter(|name| name.to_string_lossy().starts_with("tierkv-replay-"))
-        .collect();
-    assert!(left.is_empty(), "the daemon's directory was left behind: {left:?}");
+    stopped_cleanly(&output, tmp.path());
 }
 
 /// A long trace (200,000 requests of two chunks) in `dir`, and `tierkv replay` of it started
@@ -651,16 +657,7 @@ fn an_interrupt_stops_a_replay_whose_worker_does_not_answer() {
     std::thread::sleep(std::time::Duration::from_millis(300));
     signal(child.id() as i32, libc::SIGINT);
     let output = exits_within_40_s(child, worker);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("interrupted"), "{stderr}");
-    let left: Vec<_> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .filter(|name| name.to_string_lossy().starts_with("tierkv-replay-"))
-        .collect();
-    assert!(left.is_empty(), "the daemon's directory was left behind: {left:?}");
+    stopped_cleanly(&output, tmp.path());
 }
 
 #[test]

@@ -224,10 +224,16 @@ pub fn replay_daemon(trace: &Trace, plan: &DaemonPlan) -> Result<RunResult, Repl
         })?;
     let status =
         admin.status().map_err(|e| or_interrupted(ReplayError::Daemon(format!("status: {e}"))))?;
-    // L1's capacity in chunks: its bytes over its slot's (each chunk takes a slot), which the
-    // daemon's welcome names as the largest chunk it stores.
-    let slot = admin.session().max_chunk_bytes.max(1);
-    let capacity = status.tiers.iter().find(|t| t.name == "l1").map(|l1| l1.capacity_bytes / slot);
+    // L1's capacity in chunks: as asked of a daemon the replay started; of one already running,
+    // its bytes over its slot's (each chunk takes a slot), which the daemon's welcome names as
+    // the largest chunk it stores.
+    let capacity = match &plan.target {
+        Target::Spawn { tiers, .. } => Some(tiers.l1),
+        Target::Socket(_) => {
+            let slot = admin.session().max_chunk_bytes.max(1);
+            status.tiers.iter().find(|t| t.name == "l1").map(|l1| l1.capacity_bytes / slot)
+        }
+    };
     let tier_names: Vec<String> = status.tiers.into_iter().map(|t| t.name).collect();
     let _ = admin.end();
 
