@@ -166,9 +166,14 @@ impl Client {
         timeout: Duration,
     ) -> Result<Self, ClientError> {
         let path = path.as_ref();
-        let stream = UnixStream::connect(path)?;
         // A zero timeout is refused by the socket; the least one waits a microsecond.
         let timeout = timeout.max(Duration::from_micros(1));
+        let no_answer =
+            || ClientError::NoAnswer { path: path.to_path_buf(), seconds: timeout.as_secs_f64() };
+        let stream = connect_unix_bounded(path, timeout).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => no_answer(),
+            _ => e.into(),
+        })?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
         Self::open(Transport::Unix(stream), hello).map_err(|e| {
@@ -239,11 +244,12 @@ impl Client {
         self.session
     }
 
-    /// Sets how long a call may wait for its reply before failing with a timeout.
+    /// Sets how long a call may wait for its reply, and its request to be sent, before failing
+    /// with a timeout (`None`: for ever).
     pub fn set_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         match &self.transport {
-            Transport::Unix(s) => s.set_read_timeout(timeout),
-            Transport::Tcp(s) => s.set_read_timeout(timeout),
+            Transport::Unix(s) => s.set_read_timeout(timeout).and(s.set_write_timeout(timeout)),
+            Transport::Tcp(s) => s.set_read_timeout(timeout).and(s.set_write_timeout(timeout)),
         }
     }
 
@@ -580,6 +586,68 @@ fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> i
     }
 }
 
+/// Connects to the Unix socket at `path`, waiting at most `timeout` for the connection to be
+/// taken: a daemon that accepts nothing fills its listen backlog, and a plain `connect` then
+/// waits for ever. The socket's send timeout, set before the connect, bounds it (on Linux a
+/// Unix-socket connect waits that long at most, then fails with `EAGAIN`); it stays set for the
+/// session's writes.
+fn connect_unix_bounded(path: &Path, timeout: Duration) -> io::Result<UnixStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+
+    let bytes = path.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is plain data, for which all zeroes is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} cannot name a Unix socket", path.display()),
+        ));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: a plain call; a descriptor it returns is owned below.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let wait = libc::timeval {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_usec: libc::suseconds_t::from(timeout.subsec_micros()),
+    };
+    // SAFETY: `wait` is a timeval of the size passed, alive for the call.
+    let set = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&raw const wait).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if set != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    loop {
+        // SAFETY: `addr` holds a NUL-terminated path of `len` bytes with its family.
+        let rc = unsafe {
+            libc::connect(fd.as_raw_fd(), (&raw const addr).cast(), len as libc::socklen_t)
+        };
+        if rc == 0 {
+            return Ok(UnixStream::from(fd));
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
@@ -713,6 +781,70 @@ mod tests {
             err.to_string(),
             format!("no daemon answered on {} within 0.2 s", path.display())
         );
+    }
+
+    /// A daemon that accepts nothing fills its listen backlog; a connect then waits in the
+    /// kernel, before any hello, and must give up at the deadline too.
+    #[test]
+    fn a_socket_whose_backlog_is_full_fails_within_the_timeout() {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("full.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        // SAFETY: a plain call on the listener's own descriptor.
+        assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0, "a backlog of none");
+        // Fill it: non-blocking connects until the kernel refuses one for want of room.
+        let mut queued = Vec::new();
+        loop {
+            // SAFETY: a plain call; the descriptor is owned at once.
+            let fd =
+                unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0) };
+            assert!(fd >= 0);
+            // SAFETY: just opened, owned by nothing else.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let stream = UnixStream::from(fd);
+            let addr = std::os::unix::net::SocketAddr::from_pathname(&path).unwrap();
+            match connect_nonblocking(&stream, &addr) {
+                Ok(()) => queued.push(stream),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("{e}"),
+            }
+            assert!(queued.len() < 64, "the backlog never filled");
+        }
+        let timeout = Duration::from_millis(300);
+        let (done, finished) = std::sync::mpsc::channel();
+        let waiting = path.clone();
+        std::thread::spawn(move || {
+            let result = Client::connect_unix_within(&waiting, Client::admin_hello(), timeout);
+            let _ = done.send(result.err().map(|e| (e.is_timeout(), e.to_string())));
+        });
+        // A bound on a hang, not a speed: ten times the timeout.
+        let outcome = finished.recv_timeout(10 * timeout).expect("the connect never gave up");
+        let (timed_out, message) = outcome.expect("connected to a full backlog");
+        assert!(timed_out, "{message}");
+        assert!(message.starts_with("no daemon answered on"), "{message}");
+        drop(queued);
+    }
+
+    /// `connect(2)` of a non-blocking Unix socket: `WouldBlock` when the backlog is full.
+    fn connect_nonblocking(
+        stream: &UnixStream,
+        addr: &std::os::unix::net::SocketAddr,
+    ) -> io::Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        let path = addr.as_pathname().unwrap().as_os_str().as_bytes();
+        // SAFETY: plain data, all zeroes valid.
+        let mut raw: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        raw.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (dst, src) in raw.sun_path.iter_mut().zip(path) {
+            *dst = *src as libc::c_char;
+        }
+        let len = std::mem::size_of::<libc::sa_family_t>() + path.len() + 1;
+        // SAFETY: `raw` holds a NUL-terminated path of `len` bytes.
+        let rc = unsafe {
+            libc::connect(stream.as_raw_fd(), (&raw const raw).cast(), len as libc::socklen_t)
+        };
+        if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
     }
 
     #[test]

@@ -45,10 +45,11 @@ const WAIT: Duration = Duration::from_secs(60);
 /// How long a worker waits for the daemon to answer its hello.
 pub const HELLO_WITHIN: Duration = Duration::from_secs(30);
 
-/// How long the replay waits for a worker's answer to one step: a step makes a few calls, each
-/// of which the worker gives up on after `WAIT` and a half minute, so a worker this late is
-/// stopped or stuck itself.
-const ANSWER_WITHIN: Duration = Duration::from_secs(300);
+/// How long the replay waits for a worker's answer to one step: a step makes at most four calls
+/// that wait (a store's collection, a lookup and its wait, a release, a retrieve's collection),
+/// each of which the worker gives up on after `WAIT` and a half minute, so a worker later than
+/// all four and a minute more is stopped or stuck itself.
+const ANSWER_WITHIN: Duration = Duration::from_secs(4 * (WAIT.as_secs() + 30) + 60);
 
 /// How often the replay, waiting for a worker, looks whether it was interrupted.
 const INTERRUPT_POLL: Duration = Duration::from_millis(100);
