@@ -528,6 +528,17 @@ def test_kv_the_token_ids_do_not_determine_is_not_cached_and_the_namespace_names
     assert namespace_of(config(None), settings) != namespace_of(config("fp8"), settings)
 
 
+def _looked_up(scheduler: Any, req_id: str) -> Any:
+    """``req_id``'s state (a 100-token prompt) once its lookups, one per rank key, completed: as
+    vLLM's steps ask, again while a prefetch still runs."""
+    state = scheduler._state(_plain_request(req_id, list(range(100))))  # noqa: SLF001
+    deadline = time.monotonic() + 5
+    while scheduler._hit(state) is None:  # noqa: SLF001
+        assert time.monotonic() < deadline, "the lookups never completed"
+        time.sleep(0.02)
+    return state
+
+
 def test_one_ranks_reconnect_does_not_keep_the_other_ranks_leases(tmp_path: Path) -> None:
     from tierkv.vllm.scheduler import SchedulerSide
 
@@ -543,14 +554,8 @@ def test_one_ranks_reconnect_does_not_keep_the_other_ranks_leases(tmp_path: Path
         return {s["rank"]: s["open_lookups"] for s in sessions if s["role"] == "worker"}
 
     try:
-        request = _plain_request("r", list(range(100)))
-        state = scheduler._state(request)  # noqa: SLF001 (the lookups themselves are the subject)
-        # As vLLM's steps ask: None while a lookup's prefetch still runs.
-        deadline = time.monotonic() + 5
-        while (hit := scheduler._hit(state)) is None:  # noqa: SLF001
-            assert time.monotonic() < deadline, "the lookups never completed"
-            time.sleep(0.02)
-        assert hit == 0
+        state = _looked_up(scheduler, "r")
+        assert scheduler._hit(state) == 0  # noqa: SLF001
         assert open_by_rank() == {0: 1, 1: 1}
         # Rank 1's session is replaced (its lookups go with the old session); rank 0's stays.
         scheduler.links[1].generation += 1
@@ -583,11 +588,7 @@ def test_one_ranks_failed_blocks_leave_the_lookups_to_the_other_ranks_loads(
         return sorted(s["open_lookups"] for s in sessions if s["role"] == "worker")
 
     try:
-        state = scheduler._state(_plain_request("r", list(range(100))))  # noqa: SLF001
-        deadline = time.monotonic() + 5
-        while scheduler._hit(state) is None:  # noqa: SLF001
-            assert time.monotonic() < deadline, "the lookups never completed"
-            time.sleep(0.02)
+        state = _looked_up(scheduler, "r")
         # An asynchronous load of it is at both ranks' workers.
         state.loading, state.block_ids = True, [4, 5, 6, 7]
         # Rank 0 reports a failed block before rank 1 has loaded: rank 1's retrieve still goes
@@ -622,11 +623,7 @@ def test_a_tp_groups_sessions_end_together_at_shutdown_whatever_the_daemon(
     # Four ranks without MLA: four sessions, each connected by a lookup.
     scheduler = SchedulerSide(settings, "m", 4096, 16, 4, False)
     try:
-        state = scheduler._state(_plain_request("r", list(range(100))))  # noqa: SLF001
-        deadline = time.monotonic() + 5
-        while scheduler._hit(state) is None:  # noqa: SLF001
-            assert time.monotonic() < deadline, "the lookups never completed"
-            time.sleep(0.02)
+        state = _looked_up(scheduler, "r")
         scheduler._release(state)  # noqa: SLF001
         assert all(link.generation == 1 for link in scheduler.links)
         # Hung: no session's bye is answered. Ended one after the other, the four cost a
