@@ -454,9 +454,9 @@ pub struct WorkerProcess {
 
 impl WorkerProcess {
     /// Starts `program replay-worker` for `spec` and waits until its session is open. Every
-    /// wait for its answers ends within [`ANSWER_WITHIN`], or as soon as `interrupt` is set
-    /// ([`ReplayError::Interrupted`]), even if the worker (or the daemon it waits for) is
-    /// stopped.
+    /// wait for its answers ends within seven minutes (four of its own calls' deadlines and a
+    /// minute), or as soon as `interrupt` is set ([`ReplayError::Interrupted`]), even if the
+    /// worker (or the daemon it waits for) is stopped.
     pub fn start(
         program: &Path,
         spec: &WorkerSpec,
