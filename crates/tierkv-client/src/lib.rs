@@ -158,8 +158,9 @@ impl Client {
     /// Connects over the Unix socket at `path` and opens a session, with `timeout` on every
     /// read and write, set before the hello: a socket that takes the connection and never
     /// answers (a stopped daemon, or a listener that is not one) fails with
-    /// [`ClientError::NoAnswer`] instead of blocking for ever. The timeouts stay set for the
-    /// session's calls; [`Client::set_timeout`] changes the read timeout.
+    /// [`ClientError::NoAnswer`] instead of blocking for ever; so does a connect the daemon's
+    /// full backlog holds up. The timeouts stay set for the session's calls;
+    /// [`Client::set_timeout`] changes them.
     pub fn connect_unix_within(
         path: impl AsRef<Path>,
         hello: Hello,
@@ -176,13 +177,8 @@ impl Client {
         })?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
-        Self::open(Transport::Unix(stream), hello).map_err(|e| {
-            if e.is_timeout() {
-                ClientError::NoAnswer { path: path.to_path_buf(), seconds: timeout.as_secs_f64() }
-            } else {
-                e
-            }
-        })
+        Self::open(Transport::Unix(stream), hello)
+            .map_err(|e| if e.is_timeout() { no_answer() } else { e })
     }
 
     /// Connects over TCP and opens a session (the hello must carry the daemon's token).
