@@ -4,6 +4,7 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -306,6 +307,28 @@ pub(crate) fn probe(dir: &Path) -> io::Result<IoMode> {
     };
     let _ = std::fs::remove_file(&path);
     Ok(mode)
+}
+
+/// Bytes of `dir`'s filesystem an unprivileged writer may still take (`statvfs`'s `f_bavail`).
+pub(crate) fn available_bytes(dir: &Path) -> io::Result<u64> {
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `path` is a NUL-terminated string and `stat` a buffer statvfs fills on success.
+    if unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it filled the buffer (which started zeroed anyway).
+    let stat = unsafe { stat.assume_init() };
+    let (blocks, block_bytes): (u64, u64) = (stat.f_bavail, stat.f_frsize);
+    Ok(blocks.saturating_mul(block_bytes))
+}
+
+/// Bytes the segment files of `layout` in `dir` take now (those that exist).
+pub(crate) fn files_bytes(dir: &Path, layout: Layout) -> u64 {
+    (0..layout.files())
+        .filter_map(|n| std::fs::metadata(file_path(dir, n)).ok())
+        .map(|meta| meta.len())
+        .sum()
 }
 
 #[cfg(test)]

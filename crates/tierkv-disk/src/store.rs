@@ -43,7 +43,8 @@ use tierkv_tier_metrics::{DepartingMetrics, TierMetrics};
 
 use crate::metrics::{self, Failure, ReadOnlyGauge};
 use crate::segment::{
-    DirLock, IoMode, Layout, SegmentFile, file_number, file_path, probe, secure, sync_dir,
+    DirLock, IoMode, Layout, SegmentFile, available_bytes, file_number, file_path, files_bytes,
+    probe, secure, sync_dir,
 };
 
 /// How often a read-only store tries to become writable again (`DiskStore::maintain`).
@@ -1614,6 +1615,9 @@ impl DiskStore {
             );
         }
         let (index, mut recovered) = scan(&config, layout, io, read_only.is_none())?;
+        if let Some(warning) = read_only.is_none().then(|| space_warning(&dir, layout)).flatten() {
+            tracing::warn!("{warning}");
+        }
         recovered.elapsed = started.elapsed();
         let spare = (0..RECORD_BUFFERS)
             .map(|_| AlignedBuf::new((BLOCK + record_bytes(config.max_chunk_bytes)) as usize))
@@ -3630,6 +3634,24 @@ enum ReadFailure {
     Sink,
 }
 
+/// A warning when the filesystem cannot hold the capacity: the segment files grow a segment at
+/// a time, so past the free space each new segment's writes fail (`NoSpace`, a store refused)
+/// and the store keeps reusing the segments it has, a smaller tier than configured.
+fn space_warning(dir: &Path, layout: Layout) -> Option<String> {
+    let capacity = u64::from(layout.segments).saturating_mul(layout.segment_bytes);
+    let held = files_bytes(dir, layout);
+    match available_bytes(dir) {
+        Ok(available) if held.saturating_add(available) < capacity => Some(format!(
+            "disk.capacity ({capacity} bytes) is more than {} can hold: its segment files take \
+             {held} bytes and {available} bytes are free; the tier will stop growing there \
+             (lower disk.capacity, or free space)",
+            dir.display()
+        )),
+        Ok(_) => None,
+        Err(e) => Some(format!("cannot read the free space of {}: {e}", dir.display())),
+    }
+}
+
 fn io_error(path: &Path, action: &str, error: &std::io::Error) -> TierError {
     let message = format!("{action} {}: {error}", path.display());
     if error.raw_os_error() == Some(libc::ENOSPC) {
@@ -3813,6 +3835,26 @@ mod tests {
         {
             None
         }
+    }
+
+    #[test]
+    fn a_capacity_past_the_free_space_is_warned_of_and_one_within_it_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let segment_bytes = 1 << 20;
+        let free = available_bytes(dir.path()).unwrap();
+        let layout = |segments: u64| Layout {
+            segment_bytes,
+            segments: u32::try_from(segments).unwrap(),
+            per_file: 4,
+        };
+        assert_eq!(space_warning(dir.path(), layout(2)), None);
+        let past = free / segment_bytes + 2;
+        let warning = space_warning(dir.path(), layout(past)).unwrap();
+        assert!(warning.contains("disk.capacity"), "{warning}");
+        // The files the store holds already count as room it has.
+        std::fs::write(file_path(dir.path(), 0), vec![0u8; 3 << 20]).unwrap();
+        let held = files_bytes(dir.path(), layout(past));
+        assert_eq!(held, 3 << 20);
     }
 
     #[test]
