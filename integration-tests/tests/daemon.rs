@@ -235,6 +235,51 @@ fn a_signal_during_start_up_stops_the_daemon_cleanly_once_it_has_started() {
 }
 
 #[test]
+fn a_tier_that_cannot_open_names_the_keys_to_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("tierkv.sock");
+    let not_a_dir = dir.path().join("a-file");
+    std::fs::write(&not_a_dir, b"").unwrap();
+    // Each passes the configuration's checks and fails only as the tier opens: an arena past
+    // any address space, and a disk directory that is a file.
+    let cases = [
+        ("[l1]\ncapacity = \"4000TiB\"\nslot = \"1GiB\"\n[l2]\nenabled = false\n", "l1.capacity"),
+        (
+            "[l1]\ncapacity = \"1GiB\"\nslot = \"1GiB\"\n[l2]\ncapacity = \"4000TiB\"\n",
+            "l2.memory and l2.capacity",
+        ),
+        (&format!("[disk]\nenabled = true\ndir = \"{}\"\n", not_a_dir.display()), "disk.dir"),
+    ];
+    for (tiers, keys) in cases {
+        let config = dir.path().join("tierkv.toml");
+        let disk_off = if tiers.contains("[disk]") { "" } else { "[disk]\nenabled = false\n" };
+        std::fs::write(
+            &config,
+            format!(
+                "[server]\nsocket = \"{}\"\n[metrics]\nenabled = false\n{tiers}{disk_off}",
+                socket.display()
+            ),
+        )
+        .unwrap();
+        let out = Command::new(artifact("bin", "tierkv"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("TIERKV_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{tiers}: the daemon started");
+        assert!(
+            stderr.contains("cannot open the storage tiers")
+                && stderr.contains(&format!("(check {keys}")),
+            "{tiers}: the refusal names no key: {stderr}"
+        );
+        assert!(!socket.exists(), "{tiers}: a refused start binds nothing");
+    }
+}
+
+#[test]
 fn a_deferred_lookup_prefetches_nothing_before_its_first_wait() {
     let mut daemon = Daemon::start();
     let plain = ["--chunk-bytes", "65536"];

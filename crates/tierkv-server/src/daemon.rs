@@ -9,8 +9,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use tierkv_disk::DiskError;
+use tierkv_l1::{DeviceError, L1Error};
+use tierkv_l2::L2Error;
 use tierkv_proto::{ErrorCode, Reply, ReplyBody, Request, RequestBody, RequestHeader};
-use tierkv_storage::{LookupId, StorageManager};
+use tierkv_storage::{LookupId, StorageError, StorageManager};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -65,14 +68,17 @@ pub enum ServeError {
     /// The descriptor limit leaves no room for connections.
     #[error(
         "the limit on open files (RLIMIT_NOFILE, {limit}) leaves no room for connections: the \
-         daemon keeps {reserved} for itself (the disk tier's segment files included); raise it \
-         (ulimit -n, LimitNOFILE= in systemd)"
+         daemon keeps {reserved} for itself, {disk_files} of them the disk tier's segment files \
+         (one per 4 GiB of disk.capacity); raise it (ulimit -n, LimitNOFILE= in systemd), or \
+         lower disk.capacity"
     )]
     FdLimit {
         /// The limit.
         limit: u64,
         /// What the daemon needs beside connections.
         reserved: u64,
+        /// The disk tier's segment files among `reserved`.
+        disk_files: u64,
     },
     /// A listener could not be set up.
     #[error("cannot listen on {what}: {source}")]
@@ -83,8 +89,13 @@ pub enum ServeError {
         source: std::io::Error,
     },
     /// The tiers could not be opened.
-    #[error("cannot open the storage tiers: {0}")]
-    Storage(#[from] tierkv_storage::StorageError),
+    #[error("cannot open the storage tiers{}: {source}", keys.map(|k| format!(" (check {k})")).unwrap_or_default())]
+    Storage {
+        /// The configuration keys behind the failure, where the error tells them.
+        keys: Option<&'static str>,
+        /// Why.
+        source: StorageError,
+    },
     /// The metrics endpoint could not start.
     #[error(transparent)]
     Exporter(#[from] crate::metrics::ExporterError),
@@ -117,7 +128,8 @@ pub async fn serve(
     let storage_config = config.storage.clone();
     let storage = tokio::task::spawn_blocking(move || StorageManager::start(storage_config))
         .await
-        .map_err(|e| std::io::Error::other(format!("the storage start-up thread failed: {e}")))??;
+        .map_err(|e| std::io::Error::other(format!("the storage start-up thread failed: {e}")))?
+        .map_err(|source| ServeError::Storage { keys: keys_behind(&source), source })?;
     let daemon = Arc::new(Daemon::new(
         storage,
         config.server.token.clone(),
@@ -273,6 +285,22 @@ impl AcceptBackoff {
     }
 }
 
+/// The configuration keys to look at when the tiers fail to open with `error`: those the error
+/// itself does not name (a disk path or a remote URL it does).
+fn keys_behind(error: &StorageError) -> Option<&'static str> {
+    match error {
+        StorageError::L1(L1Error::Device(DeviceError::CudaUnavailable(_))) => {
+            Some("l1.device and l1.cuda_device")
+        }
+        StorageError::L1(L1Error::Device(DeviceError::Alloc { .. })) => {
+            Some("l1.capacity and l1.device")
+        }
+        StorageError::L2(L2Error::Memory { .. }) => Some("l2.memory and l2.capacity"),
+        StorageError::Disk(DiskError::Io { .. }) => Some("disk.dir"),
+        _ => None,
+    }
+}
+
 /// What the configuration asks of the descriptor limit: `server.max_connections`, lowered
 /// (with a warning) to what `RLIMIT_NOFILE` leaves after the daemon's own descriptors. The soft
 /// limit is raised to the hard one first.
@@ -298,7 +326,7 @@ fn fit_connections(config: &DaemonConfig) -> Result<usize, ServeError> {
     }
     let available = limit.rlim_cur.saturating_sub(reserved);
     if available == 0 {
-        return Err(ServeError::FdLimit { limit: limit.rlim_cur, reserved });
+        return Err(ServeError::FdLimit { limit: limit.rlim_cur, reserved, disk_files });
     }
     let fits = usize::try_from(available).unwrap_or(usize::MAX);
     if fits < wanted {
