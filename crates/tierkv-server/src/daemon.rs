@@ -569,6 +569,9 @@ async fn serve_connection(
             }
             // A clear marks every record on disk deleted: a write per record, a sync per file.
             RequestBody::Wait { .. } | RequestBody::Flush { .. } | RequestBody::Clear => true,
+            // Returns every lease and reservation, unmaps the buffers (the worker's whole KV)
+            // and closes its CUDA regions after their copies: as long as a disconnect's close.
+            RequestBody::EndSession => true,
             _ => false,
         };
         let answer = if blocks {
