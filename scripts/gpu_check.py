@@ -1143,6 +1143,7 @@ def ready_event_check(torch, daemon: Daemon, memory: Memory) -> Session:
     late = int((got != 0x5A).any(dim=1).sum())
     if late:
         fail(f"done_event: {late} of {n} chunks were not in place when the event fired")
+    given_up_check(torch, daemon, memory)
     print(
         f"  ready_event: {n} chunks stored while their kernels ran, every byte the kernels "
         f"wrote; without the event {stale['control']} of {n} held stale bytes"
@@ -1152,6 +1153,56 @@ def ready_event_check(torch, daemon: Daemon, memory: Memory) -> Session:
         f"(at the reply the copies were {'still running' if running else 'done'})"
     )
     return s
+
+
+#: GPU clock cycles of a kernel that outlasts a client's deadline (about 3 s).
+LONG_SPIN_CYCLES = 30 * SPIN_CYCLES
+
+
+def given_up_check(torch, daemon: Daemon, memory: Memory) -> None:
+    """A store whose ``ready_event`` waits behind kernels that outlast the client's deadline (a
+    worker hung in a collective, say): the daemon waits for the event on its host, so once the
+    client gives up (its writing side shut) the daemon ends the request, stores nothing of it,
+    and closes the connection while the kernels still run, instead of leaving a copy stream
+    waiting on the GPU and the session stuck in its copies."""
+    from tierkv.errors import ConnectionLost
+
+    n = 8
+    blocks, s = contiguous_session(daemon, memory, n, "given-up")
+    s.client._timeout = 0.5  # noqa: SLF001  (registered at the usual deadline; this call at 0.5 s)
+    event = torch.cuda.Event(interprocess=True)
+    blocks.fill_(0x3C)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(LONG_SPIN_CYCLES)  # kernels that will not finish in time
+    event.record()
+    chunks = [(0x6000 + i, [i]) for i in range(n)]
+    started = time.perf_counter()
+    try:
+        s.store(chunks, ready_event=bytes(event.ipc_handle()))
+        fail("given up: a store behind a 3 s kernel answered within a 0.5 s deadline")
+    except ConnectionLost:
+        pass
+    unanswered = s.client.take_unanswered()
+    settled = unanswered is None or unanswered.wait(2.0)
+    elapsed = time.perf_counter() - started
+    still_running = not event.query()
+    torch.cuda.synchronize()
+    if not settled:
+        fail("given up: the daemon did not close the session of a store given up on within 2 s")
+    if not still_running:
+        print("  note: the kernel ended before the daemon let the store go; nothing proven")
+    # The same namespace (the label's): it would find the chunks, had any been stored.
+    _, fresh = contiguous_session(daemon, memory, n, "given-up")
+    started_lookup = fresh.client.lookup(0, [c for c, _ in chunks])
+    outcome = started_lookup.outcome or fresh.client.wait(started_lookup.lookup, 60.0)
+    fresh.client.release(started_lookup.lookup)
+    fresh.close()
+    if outcome.hit_chunks:
+        fail(f"given up: {outcome.hit_chunks} of {n} chunks of a store given up on were stored")
+    print(
+        f"  given up: a store waiting on a 3 s kernel's event let go {elapsed:.2f} s after it "
+        "was sent (0.5 s deadline), nothing stored"
+    )
 
 
 def connector_check(torch, daemon: Daemon, gpu: bool) -> Session:

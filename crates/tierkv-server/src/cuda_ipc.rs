@@ -86,6 +86,22 @@ impl std::fmt::Debug for CudaEvent {
     }
 }
 
+impl CudaEvent {
+    /// Whether the event's latest record has completed (an event never recorded has); the host
+    /// does not wait.
+    pub fn is_complete(&self) -> Result<bool, CudaIpcError> {
+        bind_context(&self.context).map_err(driver("cannot bind the device"))?;
+        // SAFETY: the event is live while borrowed, and its context is bound to this thread.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            error => {
+                Err(CudaIpcError::Driver { what: "cuEventQuery failed", error: DriverError(error) })
+            }
+        }
+    }
+}
+
 impl Drop for CudaEvent {
     fn drop(&mut self) {
         if bind_context(&self.context).is_ok() {
@@ -240,14 +256,6 @@ impl CudaRegion {
             "cuIpcOpenEventHandle failed (the event must be made with CU_EVENT_INTERPROCESS and CU_EVENT_DISABLE_TIMING, e.g. torch.cuda.Event(interprocess=True))",
         ))?;
         Ok(CudaEvent { context: Arc::clone(self.stream.context()), event })
-    }
-
-    /// Makes every copy enqueued on the region's stream from now on wait, on the device, until
-    /// `event`'s latest record (as of this call) has completed. The host does not wait.
-    pub fn wait_for(&self, event: &CudaEvent) -> Result<(), CudaIpcError> {
-        // SAFETY: `event` is live while borrowed; a stream may wait for an event of another
-        // context or device.
-        Ok(unsafe { self.stream.wait_cuda_event(event.event) }?)
     }
 
     /// Records `event` on the region's stream: it completes once everything enqueued before it

@@ -24,6 +24,7 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
+use std::time::{Duration, Instant};
 
 use memmap2::{MmapOptions, MmapRaw};
 use parking_lot::Mutex;
@@ -43,6 +44,14 @@ pub const MAX_PIECES_PER_CHUNK: u64 = 1 << 16;
 /// Worker events a registration keeps open (a worker records the same one or two events again
 /// and again; the oldest is closed past this).
 pub const MAX_OPEN_EVENTS: usize = 8;
+
+/// The first pause between two polls of a worker's event ([`RegisteredKv::await_event`]); the
+/// pauses double from here to [`EVENT_POLL_MAX`], so an event that completes at once costs a few
+/// tens of microseconds and one that takes a forward pass a poll a millisecond.
+pub const EVENT_POLL_MIN: Duration = Duration::from_micros(20);
+
+/// The longest pause between two polls of a worker's event.
+pub const EVENT_POLL_MAX: Duration = Duration::from_millis(1);
 
 /// Memfd regions one registration may carry (their descriptors ride on one `sendmsg`).
 pub const MAX_MEMFD_REGIONS: usize = 8;
@@ -457,14 +466,32 @@ impl RegisteredKv {
         self.with_event(handle, |_, _| Ok(()))
     }
 
-    /// Orders this registration's next copies after the worker's CUDA event `handle` (recorded
-    /// on the stream that wrote the blocks): every region's stream waits for it on the device.
-    pub fn wait_for_event(&self, handle: &[u8]) -> Result<(), KvError> {
+    /// Waits, on the host, until the worker's CUDA event `handle` (recorded on the stream that
+    /// wrote the blocks) has completed: polled, from [`EVENT_POLL_MIN`] apart to
+    /// [`EVENT_POLL_MAX`], until `deadline` or until `stop` says to (the client gave up).
+    /// Nothing is enqueued behind the event, so a worker whose kernels never finish (a hung
+    /// collective, a process killed before its record ran) costs the request its deadline, and
+    /// leaves no daemon stream waiting on the GPU for ever. `Ok(false)` if it did not complete.
+    pub fn await_event(
+        &self,
+        handle: &[u8],
+        deadline: Instant,
+        stop: impl Fn() -> bool,
+    ) -> Result<bool, KvError> {
         self.with_event(handle, |event, cuda| {
-            for &(i, region) in cuda {
-                region.wait_for(event).map_err(|e| KvError::Cuda(i, e))?;
+            let region = cuda.first().map_or(0, |&(i, _)| i);
+            let mut pause = EVENT_POLL_MIN;
+            loop {
+                if event.is_complete().map_err(|e| KvError::Cuda(region, e))? {
+                    return Ok(true);
+                }
+                let now = Instant::now();
+                if now >= deadline || stop() {
+                    return Ok(false);
+                }
+                std::thread::sleep(pause.min(deadline - now));
+                pause = (pause * 2).min(EVENT_POLL_MAX);
             }
-            Ok(())
         })
     }
 

@@ -33,6 +33,10 @@ const MAX_BUFFERS: usize = 64;
 const MAX_OPEN_LOOKUPS: usize = 4096;
 /// The longest wait a client may ask for; longer asks wait this long.
 const MAX_WAIT: Duration = Duration::from_secs(60);
+/// The longest a store waits for its worker's `ready_event`, unless the client gives up first:
+/// past it the kernels writing the blocks are taken as never finishing, and the store is refused.
+/// Longer than any forward pass, shorter than a hang.
+const READY_EVENT_WAIT: Duration = Duration::from_secs(30);
 /// Lookups remembered after their last reader returned its share, so a late `release` by their
 /// owner is answered `released` and a late retrieve `share_returned`, not `unknown_lookup`.
 const ENDED_LOOKUPS: usize = 4096;
@@ -637,11 +641,26 @@ impl Session {
         let ns = self.namespace(namespace)?;
         let source = self.buffer(buffer, chunks)?;
         if let Some(handle) = ready_event {
-            // Before any copy is enqueued: every one of them waits for the worker's event.
-            source.wait_for_event(handle).map_err(|e| Fail {
-                code: ErrorCode::BadBuffer,
-                message: format!("ready_event: {e}"),
-            })?;
+            // Before any copy is enqueued, and on the host: a copy stream waiting on the GPU
+            // for an event that never completes could never be waited for, nor its slots freed.
+            let completed = source
+                .await_event(handle, Instant::now() + READY_EVENT_WAIT, || peer.gave_up())
+                .map_err(|e| Fail {
+                    code: ErrorCode::BadBuffer,
+                    message: format!("ready_event: {e}"),
+                })?;
+            if !completed {
+                if peer.gave_up() {
+                    return Err(self.gave_up("store", chunks.len()));
+                }
+                return Err(Fail {
+                    code: ErrorCode::Timeout,
+                    message: format!(
+                        "ready_event: the worker's event did not complete within {READY_EVENT_WAIT:?} \
+                         (its kernels never finished?); nothing was stored"
+                    ),
+                });
+            }
         }
         let opened = self.opened();
         let keys: Vec<ObjectKey> =

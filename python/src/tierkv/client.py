@@ -291,7 +291,8 @@ class Client:
         """Stores chunks, root first, from blocks of a registered buffer: ``(chunk_id,
         [block, ...])`` with one block per ``blocks_per_chunk`` of its layout. For a buffer in
         GPU memory, ``ready_event`` is the IPC handle of a CUDA event recorded after the blocks
-        were written: the daemon's copies wait for it, so the caller need not synchronize."""
+        were written: the daemon waits for it before its copies (at most 30 s; the store is refused
+        with ``WaitTimeout`` past that), so the caller need not synchronize."""
         return self._expect(Stored, wire.store(namespace, buffer, chunks, ready_event))
 
     def lookup(

@@ -137,10 +137,8 @@ class WorkerSide:
         self._failed_before: set[str] = set()
         self.loaded_chunks = 0
         self.stored_chunks = 0
-        # The interprocess CUDA events of the GPU path (made on first use): the one a store's
-        # copies wait for, and the one the daemon records after a retrieve's.
+        # The interprocess CUDA event a store's copies wait for (made on first use).
         self._ready: torch.cuda.Event | None = None
-        self._done: torch.cuda.Event | None = None
         # Requests that had a load or store here: the scheduler half delays freeing their blocks
         # until this half reports them finished.
         self._planned: set[str] = set()
@@ -495,12 +493,12 @@ class WorkerSide:
         if self.link is None:
             raise Unavailable("the KV caches were never registered")
         lookup = op.lookups[0] if self.mla or len(op.lookups) == 1 else op.lookups[self.rank]
-        done = self._done_event() if isinstance(self.memory, DeviceKv) else None
-        self.link.call(lambda c: c.retrieve(lookup, self.buffer, op.chunks, done_event=done))
-        if done is not None and self._done is not None:
-            # The reply comes before the copies are done: the engine's stream waits for the
-            # daemon's record of the event, on the GPU.
-            torch.cuda.current_stream().wait_event(self._done)
+        # No done event: the reply comes once the daemon's copies are over, on a GPU as in host
+        # memory. The engine's stream is never made to wait for an event only the daemon
+        # records, which a daemon that died between its reply and its copies never would. (On
+        # an H100 the reply came after the copies even with the event: the driver takes as long
+        # to enqueue copies into IPC-opened memory as to run them.)
+        self.link.call(lambda c: c.retrieve(lookup, self.buffer, op.chunks))
         self.loaded_chunks += len(op.chunks)
 
     def _load_failed(self, op: LoadOp, error: Exception) -> None:
@@ -546,7 +544,7 @@ class WorkerSide:
             return
         ready = None
         if meta.stores and isinstance(self.memory, DeviceKv):
-            # The daemon's copies wait, on the GPU, for the engine's kernels that wrote the
+            # The daemon waits, before its copies, for the engine's kernels that wrote the
             # blocks: an event recorded on the engine's stream, shared by CUDA IPC.
             ready = self._ready_event()
         for op in meta.stores:
@@ -677,17 +675,16 @@ class WorkerSide:
         pending[:] = [u for u in pending if not u.wait(max(deadline - time.monotonic(), 0.0))]
         if pending:
             return False
-        # On the GPU the daemon's copies of a retrieve end with its record of the done event
-        # (the step's, or the loading thread's for an asynchronous load); its connection closes
-        # once they are enqueued, so they must land too. They get a wait of
+        # On the GPU the daemon's copies of an asynchronous retrieve end with its record of the
+        # loading thread's done event; its connection closes once they are enqueued, so they
+        # must land too (a synchronous retrieve's are over before its reply). They get a wait of
         # their own, as long as the caller's (calls answered at the end of it must not leave
         # the copies none), and the event is polled: one whose recorder died may never
         # complete, and the engine must not wait on it for ever (the request then stays
         # unsettled, its blocks held, and is asked about again).
         landed = max(deadline, time.monotonic() + wait_s)
-        for done in (self._done, self._async_done):
-            if done is not None and not _completes(done, landed):
-                return False
+        if self._async_done is not None and not _completes(self._async_done, landed):
+            return False
         del self._unanswered[req_id]
         log.info("tierkv: the calls given up on for %s are over; its blocks may be reused", req_id)
         return True
@@ -698,15 +695,6 @@ class WorkerSide:
             self._ready = torch.cuda.Event(interprocess=True)
         self._ready.record(torch.cuda.current_stream())
         return bytes(self._ready.ipc_handle())
-
-    def _done_event(self) -> bytes:
-        """The IPC handle of the worker's interprocess event the daemon records after a
-        retrieve's copies."""
-        if self._done is None:
-            self._done = torch.cuda.Event(interprocess=True)
-            # Recorded once here so that the event exists before its handle is taken.
-            self._done.record(torch.cuda.current_stream())
-        return bytes(self._done.ipc_handle())
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
