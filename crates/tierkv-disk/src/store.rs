@@ -683,20 +683,30 @@ struct Written {
     loc: Loc,
     epoch: u64,
     result: Result<(), TierError>,
+    /// The OS failed the write (not a skip, a panic or an injected fault): the directory may
+    /// have turned unwritable ([`Shared::notice_unwritable`]).
+    refused: bool,
 }
 
 impl Write {
     fn run(self) -> Written {
         let Write { task, file, buf, bytes, loc, epoch } = self;
+        let mut refused = false;
         let result = match buf.as_slice().get(bytes.start..bytes.start + bytes.len) {
             // A panic (a bug) fails this write, reported as any failed write is; the buffer,
             // outside the call, still goes back, and the writer thread lives on.
-            Some(record) => catch_unwind(AssertUnwindSafe(|| file.write_at(record, bytes.at)))
-                .unwrap_or_else(|_| Err(std::io::Error::other("internal panic while writing")))
-                .map_err(|e| io_error(&file.path, "writing", &e)),
+            Some(record) => {
+                match catch_unwind(AssertUnwindSafe(|| file.write_at(record, bytes.at))) {
+                    Ok(written) => written.map_err(|e| {
+                        refused = true;
+                        io_error(&file.path, "writing", &e)
+                    }),
+                    Err(_) => Err(TierError::Io("internal panic while writing".into())),
+                }
+            }
             None => Err(TierError::Io("a record larger than its buffer".into())),
         };
-        Written { task, buf, loc, epoch, result }
+        Written { task, buf, loc, epoch, result, refused }
     }
 
     /// The write as a disk failing part way leaves it (`write_all_at` can): all but its last
@@ -707,7 +717,7 @@ impl Write {
         let header = &buf.as_slice()[bytes.start..bytes.start + bytes.len - BLOCK as usize];
         file.write_at(header, bytes.at).unwrap();
         let result = Err(TierError::Io("injected: torn write".into()));
-        Written { task, buf, loc, epoch, result }
+        Written { task, buf, loc, epoch, result, refused: false }
     }
 }
 
@@ -972,7 +982,8 @@ impl InFlight<'_> {
             // Never written: nothing of it to mark (`mark_unpublished`).
             self.lives.unwritten(task, loc);
             let e = TierError::Io("skipped: an earlier write to its segment failed".into());
-            self.finish(Written { task, buf: write.buf, loc, epoch, result: Err(e) });
+            let buf = write.buf;
+            self.finish(Written { task, buf, loc, epoch, result: Err(e), refused: false });
             return;
         }
         #[cfg(test)]
@@ -1050,7 +1061,7 @@ impl InFlight<'_> {
 
     /// Hands a write's buffer back and records its outcome.
     fn finish(&mut self, written: Written) {
-        let Written { task, buf, loc, epoch, result } = written;
+        let Written { task, buf, loc, epoch, result, refused } = written;
         // First, so that a panic recording the outcome costs no buffer. The store thread may be
         // gone (closing): the buffer is then simply freed.
         let _ = self.free.send(Freed::Buffer(buf));
@@ -1061,6 +1072,10 @@ impl InFlight<'_> {
                 // A write that failed may have left its header on disk (`write_all_at` can fail
                 // part way): it is marked like a written one.
                 self.shared.superseded(loc, epoch, false);
+                // Before the task completes: the stores after it find the store read-only.
+                if refused {
+                    self.shared.notice_unwritable(&e);
+                }
                 self.write_failed(task, loc, epoch, e);
             }
         }
@@ -1600,10 +1615,7 @@ impl DiskStore {
         let (io, read_only) = match probe(&dir) {
             Ok(mode) if lock.is_some() => (mode, None),
             Ok(mode) => (mode, Some(format!("the lock file in {} cannot be made", dir.display()))),
-            Err(e) => (
-                Self::read_mode_of_existing(&dir),
-                Some(format!("the directory {} is not writable: {e}", dir.display())),
-            ),
+            Err(e) => (Self::read_mode_of_existing(&dir), Some(not_writable(&dir, &e))),
         };
         if read_only.is_none()
             && let Err(e) = secure(&dir, config.dir_mode(), config.group)
@@ -1677,10 +1689,7 @@ impl DiskStore {
             recovered.elapsed,
         );
         if let Some(why) = &read_only {
-            tracing::warn!(
-                "the disk tier is read-only: {why}; stores to disk are refused, loads still \
-                 work; retrying every {WRITABLE_RETRY:?}"
-            );
+            warn_read_only(why);
         }
         store.shared.read_only_gauge.set(read_only.is_some());
         store.start_threads()?;
@@ -2365,11 +2374,8 @@ impl Shared {
             self.metrics.failed(failure);
             Err(e)
         };
-        if let Some(why) = self.state.lock().read_only.clone() {
-            return refused(
-                Failure::ReadOnly,
-                TierError::Io(format!("{why}; stores are refused, loads still work")),
-            );
+        if let Some(e) = self.refusal() {
+            return refused(Failure::ReadOnly, e);
         }
         if let Some(&bytes) = lens.iter().find(|&&len| len > self.config.max_chunk_bytes) {
             let e = TierError::TooLarge { bytes, limit: self.config.max_chunk_bytes };
@@ -2989,13 +2995,22 @@ impl Shared {
     /// A segment initialised for a new epoch: a free one, or the policy's evictable victim. When
     /// the disk is too full to create a segment file, an existing segment is reused instead, so a
     /// capacity larger than the disk degrades into a smaller cache rather than failing.
+    /// A store that turned read-only meanwhile (another task's write failed) opens none: that
+    /// would evict the policy's victim first.
     fn open_segment(&self) -> Result<(u32, Arc<SegmentFile>), TierError> {
-        match self.open_segment_from(true) {
+        if let Some(e) = self.refusal() {
+            return Err(e);
+        }
+        let opened = match self.open_segment_from(true) {
             Err(TierError::NoSpace(full)) => {
                 self.open_segment_from(false).map_err(|_| TierError::NoSpace(full))
             }
             other => other,
+        };
+        if let Err(e) = &opened {
+            self.notice_unwritable(e);
         }
+        opened
     }
 
     /// Like `open_segment`; free segments whose space is not yet allocated are used only if
@@ -3467,7 +3482,45 @@ impl Shared {
         }
     }
 
-    // ----- becoming writable -----
+    // ----- becoming read-only, and writable again -----
+
+    /// The error a store answers while stores are refused (read-only), if they are.
+    fn refusal(&self) -> Option<TierError> {
+        let why = self.state.lock().read_only.clone()?;
+        Some(TierError::Io(format!("{why}; stores are refused, loads still work")))
+    }
+
+    /// A write, an allocation or a creation in the directory failed with `failure`. Unless the
+    /// disk is full (`NoSpace`: segments are reused instead) or the store is read-only already,
+    /// the directory is probed; if it takes no probe file (a filesystem remounted read-only, by
+    /// an admin or by ext4's `errors=remount-ro`; a directory made unwritable), the store turns
+    /// read-only as at open, so the stores after it are refused before they evict anything (a
+    /// store opening a segment evicts the policy's victim before it can find the write refused:
+    /// the tier would lose a readable segment to every store). `maintain` then tries to become
+    /// writable again.
+    fn notice_unwritable(&self, failure: &TierError) {
+        if !matches!(failure, TierError::Io(_)) || self.state.lock().read_only.is_some() {
+            return;
+        }
+        let dir = &self.config.dir;
+        match probe(dir) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {}
+            Err(e) => self.enter_read_only(not_writable(dir, &e)),
+        }
+    }
+
+    /// Refuses stores from now on, for `why`, until `retry_writable` succeeds.
+    fn enter_read_only(&self, why: String) {
+        let mut state = self.state.lock();
+        if state.read_only.is_some() {
+            return;
+        }
+        warn_read_only(&why);
+        state.read_only = Some(why);
+        state.last_try = Instant::now();
+        self.read_only_gauge.set(true);
+    }
 
     fn retry_writable(&self) -> bool {
         let mut state = self.state.lock();
@@ -3495,7 +3548,7 @@ impl Shared {
 
     fn become_writable(&self, state: &mut WriteState) -> Result<(), String> {
         let dir = &self.config.dir;
-        probe(dir).map_err(|e| format!("the directory {} is not writable: {e}", dir.display()))?;
+        probe(dir).map_err(|e| not_writable(dir, &e))?;
         if state.lock.is_none() {
             state.lock = DirLock::take(dir, self.config.file_mode()).map_err(|e| e.to_string())?;
             if state.lock.is_none() {
@@ -3650,6 +3703,19 @@ fn space_warning(dir: &Path, layout: Layout) -> Option<String> {
         Ok(_) => None,
         Err(e) => Some(format!("cannot read the free space of {}: {e}", dir.display())),
     }
+}
+
+/// Why a directory that takes no probe file is read-only.
+fn not_writable(dir: &Path, error: &std::io::Error) -> String {
+    format!("the directory {} is not writable: {error}", dir.display())
+}
+
+/// Logs that the store is read-only, and why.
+fn warn_read_only(why: &str) {
+    tracing::warn!(
+        "the disk tier is read-only: {why}; stores to disk are refused, loads still work; \
+         retrying every {WRITABLE_RETRY:?}"
+    );
 }
 
 fn io_error(path: &Path, action: &str, error: &std::io::Error) -> TierError {

@@ -456,6 +456,11 @@ impl Mounted {
     }
 
     fn ext4_on_loop(mebibytes: u64) -> Option<Self> {
+        Self::ext4_on_loop_with(mebibytes, "defaults")
+    }
+
+    /// An ext4 image on a loop device, mounted with `options`.
+    fn ext4_on_loop_with(mebibytes: u64, options: &str) -> Option<Self> {
         let turn = mount_turn();
         let image = tempfile::NamedTempFile::new().ok()?;
         image.as_file().set_len(mebibytes << 20).ok()?;
@@ -465,7 +470,7 @@ impl Mounted {
         let attempt = || -> Result<String, String> {
             run("mkfs.ext4", &["-q", "-F", &image_path])?;
             let device = run("losetup", &["-f", "--show", &image_path])?;
-            if let Err(why) = run("mount", &[&device, &path]) {
+            if let Err(why) = run("mount", &["-o", options, &device, &path]) {
                 let _ = run("losetup", &["-d", &device]);
                 return Err(why);
             }
@@ -493,6 +498,21 @@ impl Mounted {
 
     fn remount_read_only(&self) -> Result<String, String> {
         run("mount", &["-o", "remount,ro", self.path().to_str().unwrap_or_default()])
+    }
+
+    /// Makes ext4 report an error (its sysfs `trigger_fs_error`), as a corrupted block found
+    /// while running does: mounted `errors=remount-ro`, the filesystem turns read-only at once,
+    /// files open for writing included (a remount read-only is refused while any is open).
+    /// Returns false, having said why, where it cannot.
+    fn trigger_ext4_error(&self) -> bool {
+        let device = self.loop_device.as_deref().unwrap_or_default();
+        let name = Path::new(device).file_name().unwrap_or_default();
+        let trigger = Path::new("/sys/fs/ext4").join(name).join("trigger_fs_error");
+        if let Err(e) = std::fs::write(&trigger, "1") {
+            tierkv_testkit::cannot_mount(&format!("cannot write {}: {e}", trigger.display()));
+            return false;
+        }
+        true
     }
 }
 
@@ -1425,17 +1445,9 @@ fn h16_3_a_store_opened_on_a_full_filesystem_becomes_writable_when_space_returns
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(&dir, 4, 2)));
-    let gauge = |snapshotter: &Snapshotter| {
-        snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .find(|(k, ..)| k.key().name() == "tierkv_disk_read_only")
-            .map(|(.., v)| if let DebugValue::Gauge(g) = v { g.into_inner() } else { -1.0 })
-    };
     let why = store.read_only().expect("a full filesystem must be reported");
     assert!(why.contains("No space left"), "{why}");
-    assert_eq!(gauge(&snapshotter), Some(1.0));
+    assert_eq!(read_only_gauge(&snapshotter), Some(1.0));
     h.assert_loads(&keys(0..2));
     assert!(h.store(&[key(7)]).is_err(), "stores are refused while read-only");
     assert!(!store.retry_writable(), "still full");
@@ -1443,10 +1455,89 @@ fn h16_3_a_store_opened_on_a_full_filesystem_becomes_writable_when_space_returns
     std::fs::remove_file(&filler).unwrap();
     assert!(metrics::with_local_recorder(&recorder, || store.retry_writable()));
     assert_eq!(store.read_only(), None);
-    assert_eq!(gauge(&snapshotter), Some(0.0));
+    assert_eq!(read_only_gauge(&snapshotter), Some(0.0));
     // Writable again, in every segment: fill them all so old files are reused too.
     h.store(&keys(10..18)).unwrap();
     h.assert_loads(&keys(16..18));
+}
+
+fn read_only_gauge(snapshotter: &Snapshotter) -> Option<f64> {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .find(|(k, ..)| k.key().name() == "tierkv_disk_read_only")
+        .map(|(.., v)| if let DebugValue::Gauge(g) = v { g.into_inner() } else { -1.0 })
+}
+
+#[test]
+fn c12_a_filesystem_that_turns_read_only_while_running_refuses_stores_and_keeps_its_chunks() {
+    let Some(mount) = Mounted::ext4_on_loop_with(48, "errors=remount-ro") else {
+        return;
+    };
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // Eight segments of one record, all used: a store must reuse one.
+    let (mut h, store) =
+        metrics::with_local_recorder(&recorder, || open(config(mount.path(), 8, 1)));
+    h.store(&keys(0..8)).unwrap();
+    if !mount.trigger_ext4_error() {
+        return;
+    }
+    // The first store evicts the policy's victim and then fails to write over it; that failure
+    // turns the store read-only, so the stores after it are refused before they evict anything.
+    for n in 100..110 {
+        assert!(h.store(&[key(n)]).is_err(), "a store into a read-only filesystem succeeded");
+    }
+    assert_eq!(h.tier.usage().objects, 7, "only the first failed store's victim is gone");
+    assert_eq!(h.load(&keys(0..8)).0.count_ones(), 7, "the chunks kept all load");
+    let why = store.read_only().expect("a filesystem turned read-only must be reported");
+    assert!(why.contains("Read-only file system"), "{why}");
+    assert_eq!(read_only_gauge(&snapshotter), Some(1.0));
+    match h.store(&[key(200)]) {
+        Err(TierError::Io(message)) => assert!(message.contains("refused"), "{message}"),
+        other => panic!("a store into a read-only store answered {other:?}"),
+    }
+    assert!(!store.retry_writable(), "ext4 stays read-only until it is mounted again");
+}
+
+/// Sets or clears the immutable attribute of `dir` and everything in it: even root can then
+/// neither create files there nor write to those it holds open.
+fn immutable(dir: &Path, on: bool) {
+    run("chattr", &["-R", if on { "+i" } else { "-i" }, dir.to_str().unwrap()]).unwrap();
+}
+
+#[test]
+fn c12_a_directory_made_unwritable_while_running_turns_read_only_and_recovers() {
+    let Some(mount) = Mounted::ext4_on_loop(48) else {
+        return;
+    };
+    let dir = mount.path().join("tier");
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(&dir, 8, 1)));
+    h.store(&keys(0..4)).unwrap();
+    immutable(&dir, true);
+    for n in 100..106 {
+        assert!(h.store(&[key(n)]).is_err(), "a store into an unwritable directory succeeded");
+    }
+    h.assert_loads(&keys(0..4));
+    let why = store.read_only().expect("a directory made unwritable must be reported");
+    assert!(why.contains("not writable") && why.contains("not permitted"), "{why}");
+    assert_eq!(read_only_gauge(&snapshotter), Some(1.0));
+    assert!(!store.retry_writable(), "still unwritable");
+
+    immutable(&dir, false);
+    assert!(metrics::with_local_recorder(&recorder, || store.retry_writable()));
+    assert_eq!(store.read_only(), None);
+    assert_eq!(read_only_gauge(&snapshotter), Some(0.0));
+    // Writable again in every segment: eight more keys fill the free segments (new files) and
+    // reuse the four the store wrote before (files it held open across the read-only time).
+    h.store(&keys(10..18)).unwrap();
+    h.assert_loads(&keys(10..18));
+    drop((h, store));
+    let (mut h, _) = open(config(&dir, 8, 1));
+    h.assert_loads(&keys(10..18));
 }
 
 #[test]
