@@ -120,7 +120,8 @@ struct Segment {
     /// Records on disk that no index entry names, each with its life's epoch, which a restart
     /// would find again: those of its earlier lives indexed when it was evicted; records of this
     /// life or an earlier one whose mark did not settle ([`Index::keep_unmarked`]: a delete's, a
-    /// failed task's, a publish's loser's); a key's second copy found by a restart. A delete or a
+    /// failed task's, a publish's loser's, a damaged record's found by a load); records a load could
+    /// not read (an I/O error); a key's second copy found by a restart. A delete or a
     /// clear marks those of its keys deleted. The earlier lives' records end once the first
     /// record of a new life is written with its superblock and synced (under
     /// `FsyncPolicy::Always` by its store task's sync, or at the task's end should it publish
@@ -293,10 +294,16 @@ impl Index {
     fn keep_unmarked(&mut self, marks: &[Mark], settled: &[bool]) {
         for ((_, epoch, key, loc), settled) in marks.iter().zip(settled) {
             if !settled {
-                self.segments[loc.segment as usize].stale.push((*epoch, *key, *loc));
-                self.stale.insert(loc.segment);
+                self.keep_stale(*epoch, *key, *loc);
             }
         }
+    }
+
+    /// Keeps a record that no index entry names, written in its segment's life `epoch`, among
+    /// the segment's stale records (`Segment::stale`): a delete of its key, or a clear, marks it.
+    fn keep_stale(&mut self, epoch: u64, key: ObjectKey, loc: Loc) {
+        self.segments[loc.segment as usize].stale.push((epoch, key, loc));
+        self.stale.insert(loc.segment);
     }
 
     /// The first record of segment `id`'s life is on disk for good: the stale records of its
@@ -1489,6 +1496,9 @@ struct WriteFaults {
     /// Once armed (a single shot), the next record handed over is written torn: its header
     /// only, then a failure (`Write::torn`).
     torn_write: AtomicBool,
+    /// While set (not a single shot), every read of a record by a load fails, as one the OS
+    /// refused (`Shared::read_record`).
+    failing_reads: AtomicBool,
 }
 
 #[cfg(test)]
@@ -3367,6 +3377,7 @@ impl Shared {
         let mut departing = 0;
         let mut damaged = Vec::new();
         let mut marks = Vec::new();
+        let mut unreadable = Vec::new();
         let mut verified = Vec::new();
         for (i, (item, plan)) in items.iter_mut().zip(&planned).enumerate() {
             let (loc, epoch, file, unverified) = match plan {
@@ -3401,21 +3412,29 @@ impl Shared {
                 Err(ReadFailure::Io) => {
                     self.metrics.failed(Failure::Io);
                     damaged.push((item.key, *loc));
+                    unreadable.push((*epoch, item.key, *loc));
                 }
             }
         }
         // A record that failed verification or could not be read is never served again. (It is
         // dropped while its segment is still pinned, so `loc` cannot name a reused segment.) One
         // that failed verification is marked deleted on disk too: a restart would find it again,
-        // and take it for the key's record instead of a good copy stored later. A record no
-        // longer indexed where it was read (deleted or replaced meanwhile) is a plain miss: the
-        // mark of its delete may have been written under the read (a torn header, not damage).
+        // and take it for the key's record instead of a good copy stored later; kept stale if
+        // its mark does not settle. One that could not be read (the error may pass) stays on
+        // disk as it was, kept stale: a delete of its key or a clear marks it, or a restart
+        // would bring a deleted key back. A record no longer indexed where it was read (deleted
+        // or replaced meanwhile) is a plain miss: the mark of its delete may have been written
+        // under the read (a torn header, not damage), and the delete saw to the record.
         if !damaged.is_empty() || !verified.is_empty() {
             let mut index = self.index.lock();
             marks.retain(|(_, _, key, loc)| index.map.get(key) == Some(loc));
+            unreadable.retain(|(_, key, loc)| index.map.get(key) == Some(loc));
             self.metrics.checksum_failed(marks.len() as u64);
             for (key, loc) in damaged {
                 index.drop_record(&key, loc);
+            }
+            for (epoch, key, loc) in unreadable {
+                index.keep_stale(epoch, key, loc);
             }
             for (key, loc) in verified {
                 if let Some(indexed) = index.map.get_mut(&key).filter(|indexed| **indexed == loc) {
@@ -3424,7 +3443,8 @@ impl Shared {
             }
         }
         if !marks.is_empty() {
-            self.mark_deleted(&marks);
+            let settled = self.mark_deleted(&marks);
+            self.index.lock().keep_unmarked(&marks, &settled);
         }
         drop(pins);
         self.metrics.loaded(loaded.count_ones() as u64, bytes);
@@ -3444,6 +3464,10 @@ impl Shared {
     ) -> Result<(), ReadFailure> {
         if sink.len() != loc.len {
             return Err(ReadFailure::Sink);
+        }
+        #[cfg(test)]
+        if self.faults.failing_reads.load(Ordering::SeqCst) {
+            return Err(ReadFailure::Io);
         }
         let size = record_bytes(loc.len) as usize;
         let record: &[u8] = match self.config.read_mode {
@@ -4772,6 +4796,48 @@ mod tests {
         let out = f();
         store.shared.faults.failing_marks.store(false, Ordering::SeqCst);
         out
+    }
+
+    #[test]
+    fn a_record_whose_read_failed_is_marked_by_a_later_clear() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        h.store(&keys(0..2)).unwrap();
+        store.shared.faults.failing_reads.store(true, Ordering::SeqCst);
+        assert_eq!(h.load(&keys(0..1)).0.count_ones(), 0, "a read that fails is a miss");
+        store.shared.faults.failing_reads.store(false, Ordering::SeqCst);
+        assert_eq!(h.present(&keys(0..2)).count_ones(), 1, "it left the index");
+        store.clear();
+        drop((h, store));
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..2)).count_ones(), 0, "cleared, back after a restart");
+    }
+
+    #[test]
+    fn a_damaged_record_whose_mark_failed_is_marked_by_a_later_clear() {
+        use std::os::unix::fs::FileExt;
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        h.store(&keys(0..2)).unwrap();
+        let loc = store.shared.index.lock().map[&keys(0..1)[0]];
+        let path = file_path(dir.path(), store.shared.layout.file_of(loc.segment));
+        let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        file.write_all_at(&[0x5a], loc.offset + BLOCK).unwrap();
+        file.sync_all().unwrap();
+        let loaded = with_marks_failing(&store, || h.load(&keys(0..1)).0);
+        assert_eq!(loaded.count_ones(), 0, "a damaged record is a miss");
+        store.clear();
+        drop((h, store));
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        assert_eq!(h.present(&keys(0..2)).count_ones(), 0, "cleared, back after a restart");
     }
 
     #[test]
