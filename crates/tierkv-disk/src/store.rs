@@ -1493,6 +1493,9 @@ struct WriteFaults {
     failing_marks: AtomicBool,
     /// The marks of records deleted tried (`Shared::mark_deleted`).
     marks_tried: AtomicU64,
+    /// While set (not a single shot), the syncs of the marks of records deleted fail
+    /// (`Shared::mark_deleted`).
+    failing_mark_syncs: AtomicBool,
     /// Once armed (a single shot), the next record handed over is written torn: its header
     /// only, then a failure (`Write::torn`).
     torn_write: AtomicBool,
@@ -3126,15 +3129,20 @@ impl Shared {
     /// meanwhile, in the epoch it was written in). A mark that cannot be written leaves the record
     /// to be found again after a restart, with its key's correct bytes: the caller keeps it stale
     /// ([`Index::keep_unmarked`]), so that the next delete of its key, or a clear, tries again.
-    /// Returns, for each, whether it is settled: marked, or not that record any
-    /// more (a later life's, or marked before); not if reading or writing it failed.
+    /// Returns, for each, whether it is settled: marked (now or before) and synced, unless
+    /// `fsync` is `never`, or not that record any more (a later life's); not if reading, writing
+    /// or syncing it failed (a power loss could undo a mark whose sync failed).
     fn mark_deleted(&self, marks: &[Mark]) -> Vec<bool> {
         let mut settled = vec![false; marks.len()];
         let Some(mut block) = AlignedBuf::new(BLOCK as usize) else {
             return settled;
         };
         let mut written: Vec<&Arc<SegmentFile>> = Vec::new();
-        for ((file, epoch, key, loc), settled) in marks.iter().zip(&mut settled) {
+        // Which marks were written (each then to be synced with its file).
+        let mut wrote = vec![false; marks.len()];
+        for (((file, epoch, key, loc), settled), wrote) in
+            marks.iter().zip(&mut settled).zip(&mut wrote)
+        {
             #[cfg(test)]
             {
                 self.faults.marks_tried.fetch_add(1, Ordering::SeqCst);
@@ -3150,14 +3158,19 @@ impl Shared {
                 *settled = true;
                 continue;
             };
-            if header.epoch != *epoch || header.key != *key || header.deleted {
+            if header.epoch != *epoch || header.key != *key {
                 *settled = true;
                 continue;
             }
-            header.deleted = true;
-            header.encode(head);
-            if file.write_at(block.as_slice(), loc.offset).is_ok() {
+            // Marked before: maybe by a mark whose sync failed, so it is synced like a new one.
+            let marked = header.deleted || {
+                header.deleted = true;
+                header.encode(head);
+                file.write_at(block.as_slice(), loc.offset).is_ok()
+            };
+            if marked {
                 *settled = true;
+                *wrote = true;
                 if !written.iter().any(|f| Arc::ptr_eq(f, file)) {
                     written.push(file);
                 }
@@ -3165,7 +3178,23 @@ impl Shared {
         }
         if self.config.fsync != FsyncPolicy::Never {
             for file in written {
-                let _ = file.sync();
+                #[cfg(test)]
+                let synced = if self.faults.failing_mark_syncs.load(Ordering::SeqCst) {
+                    Err(std::io::Error::other("injected: a failing sync"))
+                } else {
+                    file.sync()
+                };
+                #[cfg(not(test))]
+                let synced = file.sync();
+                if synced.is_err() {
+                    for ((marked, _, _, _), (settled, wrote)) in
+                        marks.iter().zip(settled.iter_mut().zip(&wrote))
+                    {
+                        if *wrote && Arc::ptr_eq(marked, file) {
+                            *settled = false;
+                        }
+                    }
+                }
             }
         }
         settled
@@ -4838,6 +4867,25 @@ mod tests {
         let store = small_store(dir.path());
         let mut h = harness(&store);
         assert_eq!(h.present(&keys(0..2)).count_ones(), 0, "cleared, back after a restart");
+    }
+
+    #[test]
+    fn a_mark_whose_sync_failed_is_written_again_by_the_next_clear() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        h.store(&keys(0..2)).unwrap();
+        let faults = &store.shared.faults;
+        faults.failing_mark_syncs.store(true, Ordering::SeqCst);
+        assert_eq!(store.delete(&keys(0..1)), 1);
+        faults.failing_mark_syncs.store(false, Ordering::SeqCst);
+        let tried = faults.marks_tried.load(Ordering::SeqCst);
+        store.clear();
+        // Key 1's record, indexed, and key 0's, whose mark a power loss could still undo.
+        assert_eq!(faults.marks_tried.load(Ordering::SeqCst) - tried, 2);
+        assert!(store.shared.index.lock().stale.is_empty(), "both marks settled");
     }
 
     #[test]
