@@ -1989,20 +1989,7 @@ fn scan(
         for (n, file) in &files {
             cut_file(file, layout.file_bytes(*n));
         }
-        // What the scan found may still be only in the page cache (a process killed between a
-        // write and its sync): it is synced before any store can count on it as durable. A file
-        // that cannot be synced is still served (its records verify on every load); only the
-        // promise for what it holds is weaker, which the log says.
-        if config.fsync != FsyncPolicy::Never {
-            for (_, file) in &files {
-                if let Err(e) = file.sync() {
-                    tracing::warn!(
-                        "cannot sync {}: {e}; records found in it may not survive a power loss",
-                        file.path.display()
-                    );
-                }
-            }
-        }
+        sync_found(config, files.iter().map(|(_, file)| file.as_ref()));
     }
     for Scanned { id, found } in scanned {
         // A segment without a valid superblock holds nothing; its space is reused as is.
@@ -2036,6 +2023,25 @@ fn scan(
         index.track_sealed(id);
     }
     Ok((index, recovered))
+}
+
+/// Syncs the segment files whose records the scan found, unless `fsync` is `never`, before a
+/// store can count on them: they may still be only in the page cache (a process killed between
+/// a write and its sync). Done at open when writable, else when the store becomes writable. A
+/// file that cannot be synced is still served (its records verify on every load); only the
+/// promise for what it holds is weaker, which the log says.
+fn sync_found<'a>(config: &DiskStoreConfig, files: impl Iterator<Item = &'a SegmentFile>) {
+    if config.fsync == FsyncPolicy::Never {
+        return;
+    }
+    for file in files {
+        if let Err(e) = file.sync() {
+            tracing::warn!(
+                "cannot sync {}: {e}; records found in it may not survive a power loss",
+                file.path.display()
+            );
+        }
+    }
 }
 
 /// Opens segment file `n`; when writable, gives it the configured mode.
@@ -3633,6 +3639,9 @@ impl Shared {
             cut_file(&file, self.layout.file_bytes(n));
             reopened.push((n, file));
         }
+        // A store opened read-only did not sync what its scan found: a store that skips a key
+        // found there counts it durable.
+        sync_found(&self.config, reopened.iter().map(|(_, file)| file.as_ref()));
         let mut index = self.index.lock();
         for (n, file) in reopened {
             for id in self.layout.segments_of(n) {
@@ -4007,6 +4016,30 @@ mod tests {
         assert!(!board.unlock(&keys[2]), "the board holds no lock on the departing key");
         drop(board);
         drop(departing);
+    }
+
+    #[test]
+    fn a_store_that_becomes_writable_syncs_its_files_unless_told_never_to() {
+        use crate::segment::SYNCS;
+        use tierkv_testkit::contract::keys;
+
+        for fsync in [FsyncPolicy::Never, FsyncPolicy::Always] {
+            let dir = tempfile::tempdir().unwrap();
+            let config =
+                DiskStoreConfig { fsync, ..DiskStoreConfig::new(dir.path(), 1 << 22, 4096) };
+            let store = Arc::new(DiskStore::open(config).unwrap());
+            harness(&store).store(&keys(0..3)).unwrap();
+            // As a store opened read-only is: its scan did not sync what it found.
+            store.shared.enter_read_only("read-only for the test".into());
+            let before = SYNCS.with(|s| s.get());
+            assert!(store.retry_writable());
+            let synced = SYNCS.with(|s| s.get()) - before;
+            if fsync == FsyncPolicy::Never {
+                assert_eq!(synced, 0, "told never to sync");
+            } else {
+                assert!(synced >= 1, "the files reopened are synced before a store counts on them");
+            }
+        }
     }
 
     #[test]
