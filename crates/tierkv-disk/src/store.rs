@@ -2145,7 +2145,12 @@ fn scan_superblock(
     }
     let bytes = buf.as_mut_slice();
     file.read_at(&mut bytes[..first as usize], base).ok()?;
-    let superblock = Superblock::decode(bytes).ok().filter(|sb| sb.id == id)?;
+    // A superblock of another segment or of another segment size is an earlier layout's (its
+    // segment lay elsewhere), or bytes of an earlier layout's payload, which a client chose:
+    // the segment holds nothing.
+    let superblock = Superblock::decode(bytes)
+        .ok()
+        .filter(|sb| sb.id == id && sb.segment_bytes == layout.segment_bytes)?;
     // `scan_segment` finds the first header where it reads its blocks.
     bytes.copy_within(BLOCK as usize..first as usize, 0);
     Some((superblock.epoch, scan_segment(file, id, base, superblock.epoch, limit, config, buf)))
