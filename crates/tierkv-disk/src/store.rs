@@ -4865,18 +4865,20 @@ mod tests {
         out
     }
 
-    #[test]
-    fn a_record_whose_read_failed_is_marked_by_a_later_clear() {
+    /// Stores keys 0 and 1, makes a load of key 0 fail with `fail` (a miss, the record left on
+    /// disk), clears the store, and checks that no key comes back with a restart.
+    fn a_key_whose_load_failed_stays_cleared(
+        fail: impl FnOnce(&Arc<DiskStore>, &mut tierkv_testkit::contract::Harness, Loc),
+    ) {
         use tierkv_testkit::contract::keys;
 
         let dir = tempfile::tempdir().unwrap();
         let store = small_store(dir.path());
         let mut h = harness(&store);
         h.store(&keys(0..2)).unwrap();
-        store.shared.faults.failing_reads.store(true, Ordering::SeqCst);
-        assert_eq!(h.load(&keys(0..1)).0.count_ones(), 0, "a read that fails is a miss");
-        store.shared.faults.failing_reads.store(false, Ordering::SeqCst);
-        assert_eq!(h.present(&keys(0..2)).count_ones(), 1, "it left the index");
+        let loc = store.shared.index.lock().map[&keys(0..1)[0]];
+        fail(&store, &mut h, loc);
+        assert_eq!(h.present(&keys(0..2)).count_ones(), 1, "the failed record left the index");
         store.clear();
         drop((h, store));
         let store = small_store(dir.path());
@@ -4885,26 +4887,29 @@ mod tests {
     }
 
     #[test]
+    fn a_record_whose_read_failed_is_marked_by_a_later_clear() {
+        a_key_whose_load_failed_stays_cleared(|store, h, _| {
+            store.shared.faults.failing_reads.store(true, Ordering::SeqCst);
+            let loaded = h.load(&tierkv_testkit::contract::keys(0..1)).0;
+            store.shared.faults.failing_reads.store(false, Ordering::SeqCst);
+            assert_eq!(loaded.count_ones(), 0, "a read that fails is a miss");
+        });
+    }
+
+    #[test]
     fn a_damaged_record_whose_mark_failed_is_marked_by_a_later_clear() {
         use std::os::unix::fs::FileExt;
-        use tierkv_testkit::contract::keys;
 
-        let dir = tempfile::tempdir().unwrap();
-        let store = small_store(dir.path());
-        let mut h = harness(&store);
-        h.store(&keys(0..2)).unwrap();
-        let loc = store.shared.index.lock().map[&keys(0..1)[0]];
-        let path = file_path(dir.path(), store.shared.layout.file_of(loc.segment));
-        let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
-        file.write_all_at(&[0x5a], loc.offset + BLOCK).unwrap();
-        file.sync_all().unwrap();
-        let loaded = with_marks_failing(&store, || h.load(&keys(0..1)).0);
-        assert_eq!(loaded.count_ones(), 0, "a damaged record is a miss");
-        store.clear();
-        drop((h, store));
-        let store = small_store(dir.path());
-        let mut h = harness(&store);
-        assert_eq!(h.present(&keys(0..2)).count_ones(), 0, "cleared, back after a restart");
+        a_key_whose_load_failed_stays_cleared(|store, h, loc| {
+            let path =
+                file_path(&store.shared.config.dir, store.shared.layout.file_of(loc.segment));
+            let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+            file.write_all_at(&[0x5a], loc.offset + BLOCK).unwrap();
+            file.sync_all().unwrap();
+            let loaded =
+                with_marks_failing(store, || h.load(&tierkv_testkit::contract::keys(0..1)).0);
+            assert_eq!(loaded.count_ones(), 0, "a damaged record is a miss");
+        });
     }
 
     #[test]
