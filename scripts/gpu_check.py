@@ -1098,7 +1098,7 @@ SPIN_CYCLES = 200_000_000
 
 def ready_event_check(torch, daemon: Daemon, memory: Memory) -> Session:
     """A store sent while the kernels that write its blocks still run, naming the worker's
-    interprocess event recorded after them: the daemon's copies wait for it on the GPU, so the
+    interprocess event recorded after them: the daemon waits for it before its copies, so the
     stored chunks hold what the kernels wrote. Then the control, the same store of fresh chunks
     without the event: the daemon copies at once, before the kernels wrote, and gets the stale
     bytes (the check says how many chunks did; their bytes prove the ordering was exercised)."""

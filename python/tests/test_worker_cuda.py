@@ -1,5 +1,5 @@
 """The connector's worker half with the engine's KV on a GPU, against a daemon with L1 on the
-same GPU: the CUDA IPC regions, the store's ready event, the retrieve's done event, and the hold
+same GPU: the CUDA IPC regions, the store's ready event, the asynchronous retrieve's done event, and the hold
 on a request's blocks while a call given up on may still land in them. They need a CUDA device
 (the GPU session runs them through ``scripts/gpu-all.sh``) and skip, saying so, where there is
 none."""
@@ -109,8 +109,8 @@ def test_cuda_worker_stores_after_the_engines_kernels_and_loads_before_its_next(
         lookup = gpu.lookup()
         gpu.load_into_4_5(lookup)
         assert gpu.worker.take_load_errors() == set()
-        # No host-side wait: the current stream waits for the daemon's done event, so the
-        # comparison (a kernel on that stream) runs after the retrieve's copies.
+        # No event: the retrieve's reply comes after its copies, so the comparison (a kernel
+        # launched after it) runs after them.
         assert gpu.landed(), "the engine's stream read the blocks before the copies landed"
         assert gpu.worker.get_finished({"a", "b"}) == {"a", "b"}
     finally:

@@ -443,7 +443,7 @@ pub enum RequestBody {
         chunks: Vec<ChunkBlocks>,
         /// For a buffer in GPU memory: the 64-byte handle of a CUDA IPC event
         /// (`cuIpcGetEventHandle`) the worker recorded on the stream that wrote the blocks. The
-        /// daemon's copies wait for it on the device, so the worker need not synchronize first.
+        /// daemon waits for it before its copies, so the worker need not synchronize first.
         #[serde(default, skip_serializing_if = "Option::is_none", with = "serde_bytes")]
         ready_event: Option<Vec<u8>>,
     },

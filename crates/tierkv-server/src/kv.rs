@@ -47,11 +47,12 @@ pub const MAX_OPEN_EVENTS: usize = 8;
 
 /// The first pause between two polls of a worker's event ([`RegisteredKv::await_event`]); the
 /// pauses double from here to [`EVENT_POLL_MAX`], so an event that completes at once costs a few
-/// tens of microseconds and one that takes a forward pass a poll a millisecond.
+/// tens of microseconds and one that takes a forward pass at most 100 µs past its end (the
+/// store's reply, which the engine's step waits for, is that much later).
 pub const EVENT_POLL_MIN: Duration = Duration::from_micros(20);
 
 /// The longest pause between two polls of a worker's event.
-pub const EVENT_POLL_MAX: Duration = Duration::from_millis(1);
+pub const EVENT_POLL_MAX: Duration = Duration::from_micros(100);
 
 /// Memfd regions one registration may carry (their descriptors ride on one `sendmsg`).
 pub const MAX_MEMFD_REGIONS: usize = 8;

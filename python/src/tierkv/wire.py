@@ -606,7 +606,7 @@ def store(
 
     ``ready_event``, for a buffer in GPU memory: the 64-byte IPC handle of a CUDA event the
     worker recorded on the stream that wrote the blocks (``torch.cuda.Event(interprocess=True)
-    .ipc_handle()``); the daemon's copies wait for it on the device."""
+    .ipc_handle()``); the daemon waits for it before its copies."""
     body: dict[str, Any] = {
         "namespace": _uint(namespace, _U32, "namespace"),
         "buffer": _uint(buffer, _U32, "buffer"),
