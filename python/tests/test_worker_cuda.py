@@ -1,8 +1,8 @@
 """The connector's worker half with the engine's KV on a GPU, against a daemon with L1 on the
-same GPU: the CUDA IPC regions, the store's ready event, the asynchronous retrieve's done event, and the hold
-on a request's blocks while a call given up on may still land in them. They need a CUDA device
-(the GPU session runs them through ``scripts/gpu-all.sh``) and skip, saying so, where there is
-none."""
+same GPU: the CUDA IPC regions, the store's ready event, the asynchronous retrieve's done event,
+and the hold on a request's blocks while a call given up on may still land in them. They need a
+CUDA device (the GPU session runs them through ``scripts/gpu-all.sh``) and skip, saying so, where
+there is none."""
 
 from __future__ import annotations
 

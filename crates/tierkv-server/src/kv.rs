@@ -468,8 +468,8 @@ impl RegisteredKv {
     }
 
     /// Waits, on the host, until the worker's CUDA event `handle` (recorded on the stream that
-    /// wrote the blocks) has completed: polled, from [`EVENT_POLL_MIN`] apart to
-    /// [`EVENT_POLL_MAX`], until `deadline` or until `stop` says to (the client gave up).
+    /// wrote the blocks) has completed: polled, from `EVENT_POLL_MIN` apart to
+    /// `EVENT_POLL_MAX`, until `deadline` or until `stop` says to (the client gave up).
     /// Nothing is enqueued behind the event, so a worker whose kernels never finish (a hung
     /// collective, a process killed before its record ran) costs the request its deadline, and
     /// leaves no daemon stream waiting on the GPU for ever. `Ok(false)` if it did not complete.

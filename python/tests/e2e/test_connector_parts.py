@@ -382,10 +382,11 @@ def test_a_load_given_up_on_holds_the_requests_blocks_until_the_daemon_is_done(
 
 def test_a_done_event_that_never_completes_does_not_hang_the_engine(tmp_path: Path) -> None:
     """With KV on a GPU an asynchronous retrieve's copies end with the daemon's record of the
-    loading thread's done event. A request whose given-up calls are over still waits for that event before its blocks
-    are freed; an event whose recorder died may never complete, and the wait has the caller's
-    deadline: the request stays unsettled (its blocks held), and is settled once it completes.
-    (An event stand-in: this machine has no GPU; the GPU session runs the real one.)"""
+    loading thread's done event. A request whose given-up calls are over still waits for that
+    event before its blocks are freed; an event whose recorder died may never complete, and the
+    wait has the caller's deadline: the request stays unsettled (its blocks held), and is settled
+    once it completes. (An event stand-in: this machine has no GPU; the GPU session runs the real
+    one.)"""
 
     class Event:
         def __init__(self) -> None:
