@@ -285,6 +285,44 @@ fn h16_protocol_past_max_connections_the_refusal_has_its_own_code() {
 }
 
 #[test]
+fn h16_protocol_silent_tcp_connections_cannot_take_the_unix_sockets_places() {
+    // Anyone who reaches the TCP port may connect before showing the token. TCP holds a
+    // quarter of the places at most (one of four here), so the node's workers still connect.
+    let tcp = tierkv_integration_tests::free_port();
+    let daemon = Daemon::start_with(|dir| {
+        small_config(dir, None, "").replace(
+            "[server]\n",
+            &format!(
+                "[server]\nmax_connections = 4\ntcp = \"127.0.0.1:{tcp}\"\n\
+                 token = \"a-token-of-sixteen-chars\"\n"
+            ),
+        )
+    });
+    let _silent = std::net::TcpStream::connect(("127.0.0.1", tcp)).unwrap();
+    let mut second = std::net::TcpStream::connect(("127.0.0.1", tcp)).unwrap();
+    // Refused at once, not after the hello's deadline (10 s) as a served connection would be.
+    second.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let body = tierkv_client::proto::read_frame(&mut second, 1 << 20).unwrap().unwrap();
+    let reply: tierkv_client::proto::Reply = tierkv_client::proto::decode(&body).unwrap();
+    match reply.body {
+        ReplyBody::Error { code, .. } => assert_eq!(code, ErrorCode::TooManyConnections),
+        other => panic!("a second TCP connection was served: {other:?}"),
+    }
+    // The three other places are the Unix socket's (the start-up probe's connection may still
+    // hold one for a moment).
+    let workers: Vec<Client> = (0..3)
+        .map(|_| {
+            (0..1000)
+                .find_map(|_| {
+                    Client::connect_unix(&daemon.socket, Client::worker_hello("m", CHUNK)).ok()
+                })
+                .expect("a worker connects beside a silent TCP connection")
+        })
+        .collect();
+    assert_eq!(workers.len(), 3);
+}
+
+#[test]
 fn h16_protocol_trailing_bytes_make_a_bad_frame() {
     let daemon = Daemon::start();
     let mut client =

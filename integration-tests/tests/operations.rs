@@ -116,6 +116,22 @@ fn tcp_needs_the_token_and_cannot_register_buffers() {
     client.release(lookup.id).unwrap();
     let buffer = tierkv_client::SharedBuffer::new(65536, 1).unwrap();
     assert!(client.register_buffer(&buffer).is_err(), "descriptors do not cross TCP");
+    // Nor GPU memory, which needs no descriptor: a TCP session never registers a buffer.
+    let region = tierkv_client::proto::RegionSource::CudaIpc {
+        handle: vec![0; 64],
+        device: "0000:00:00.0".into(),
+        bytes: 65536,
+    };
+    let layout = tierkv_client::proto::KvLayout {
+        blocks: 1,
+        block_bytes: 65536,
+        block_stride: 65536,
+        blocks_per_chunk: 1,
+        segments: vec![tierkv_client::proto::Segment { region: 0, offset: 0 }],
+    };
+    let err = client.register_kv(&[(region, None)], layout).unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::BadBuffer), "{err}");
+    assert!(err.to_string().contains("over the Unix socket only"), "{err}");
     assert_eq!(daemon.status().connected_workers, 1);
     // Over the Unix socket no token is needed.
     Client::connect_unix(&daemon.socket, hello(None)).unwrap().end().unwrap();

@@ -154,10 +154,11 @@ pub async fn serve(
 
     let (shutdown_tx, shutdown) = watch::channel(false);
     let mut connections = JoinSet::new();
-    let open = Arc::new(AtomicUsize::new(0));
+    let (open, open_tcp) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let limits = Limits {
         frame: config.server.max_frame_bytes,
         connections: config.server.max_connections,
+        tcp: tcp_connections(config.server.max_connections),
         hello: config.server.hello_timeout,
     };
     let mut backoff = AcceptBackoff::default();
@@ -191,7 +192,10 @@ pub async fn serve(
             }
         };
         let conn = Conn::new(stream, limits.frame);
-        let slot = Slot::take(&open, limits.connections);
+        let slot = match transport {
+            Transport::Unix => Slot::take(&[(&open, limits.connections)]),
+            Transport::Tcp => Slot::take(&[(&open, limits.connections), (&open_tcp, limits.tcp)]),
+        };
         connections.spawn(serve_connection(
             daemon.clone(),
             conn,
@@ -235,6 +239,8 @@ pub async fn serve(
 struct Limits {
     frame: u32,
     connections: usize,
+    /// Of `connections`, how many TCP may hold ([`tcp_connections`]).
+    tcp: usize,
     /// How long a connection may take to say hello.
     hello: Duration,
 }
@@ -341,23 +347,39 @@ fn fit_connections(config: &DaemonConfig) -> Result<usize, ServeError> {
     Ok(wanted)
 }
 
-/// A place among the open connections; `None` when the daemon is full.
-struct Slot(Option<Arc<AtomicUsize>>);
+/// The TCP connections served at once, out of `max_connections`: a quarter (at least one).
+/// Anyone who can reach the port may open connections before it shows the token, each holding
+/// its place for `hello_timeout`; with a share of its own TCP can never fill the places the
+/// node's own workers connect to over the Unix socket.
+fn tcp_connections(max_connections: usize) -> usize {
+    (max_connections / 4).max(1)
+}
+
+/// A place among the open connections, and among those of its transport's share: counted in
+/// each of its counts; `None` when any of them was full.
+struct Slot(Option<Vec<Arc<AtomicUsize>>>);
 
 impl Slot {
-    fn take(open: &Arc<AtomicUsize>, limit: usize) -> Self {
-        if open.fetch_add(1, Ordering::AcqRel) < limit {
-            Slot(Some(open.clone()))
-        } else {
-            open.fetch_sub(1, Ordering::AcqRel);
-            Slot(None)
+    /// Takes a place in every `(count, limit)`, or in none.
+    fn take(counts: &[(&Arc<AtomicUsize>, usize)]) -> Self {
+        let mut taken: Vec<Arc<AtomicUsize>> = Vec::with_capacity(counts.len());
+        for &(open, limit) in counts {
+            if open.fetch_add(1, Ordering::AcqRel) >= limit {
+                open.fetch_sub(1, Ordering::AcqRel);
+                for count in taken {
+                    count.fetch_sub(1, Ordering::AcqRel);
+                }
+                return Slot(None);
+            }
+            taken.push(Arc::clone(open));
         }
+        Slot(Some(taken))
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        if let Some(open) = &self.0 {
+        for open in self.0.iter().flatten() {
             open.fetch_sub(1, Ordering::AcqRel);
         }
     }

@@ -599,6 +599,17 @@ impl Session {
         // The descriptors are taken first, whatever happens next, so a refused registration
         // leaves none queued for the next one to pick up by mistake.
         let fds = RegisteredKv::take_descriptors(regions, descriptor);
+        if self.transport == Transport::Tcp {
+            // A memfd's descriptor cannot cross TCP, and a CUDA IPC handle names memory only a
+            // process on this node can map: a worker registers over the Unix socket, whose
+            // permissions say who may.
+            return Err(Fail {
+                code: ErrorCode::BadBuffer,
+                message: "KV buffers are registered over the Unix socket only; a TCP session may \
+                          look up, release and read status"
+                    .into(),
+            });
+        }
         let opened = self.opened();
         let held: u64 = opened.buffers.iter().map(RegisteredKv::mapped_bytes).sum();
         let asked = RegisteredKv::memfd_bytes(regions);
