@@ -346,6 +346,29 @@ def test_an_unsealed_memfd_is_bad_buffer(daemon, buf):
         client.register_kv([(MemfdRegion(buf.nbytes), None)], KvLayout(1, 1, 1, 1, []))
 
 
+def test_memfds_made_here_are_allocated_and_a_sparse_one_is_bad_buffer(daemon, buf):
+    # Every page allocated by the client: the daemon's reads of a hole would allocate the page,
+    # charged to the daemon, so it refuses a memfd with holes.
+    fd = sealed_memfd(CHUNK_BYTES * 4 + 1)
+    try:
+        assert os.fstat(fd).st_blocks * 512 >= CHUNK_BYTES * 4 + 1
+    finally:
+        os.close(fd)
+    assert os.fstat(buf.fd).st_blocks * 512 >= buf.nbytes
+    client = connect(daemon)
+    fd = os.memfd_create("tierkv-sparse", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, CHUNK_BYTES * 4)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        layout = KvLayout(4, CHUNK_BYTES, CHUNK_BYTES, 1, [Segment(0, 0)])
+        with pytest.raises(BadBuffer, match="fallocate"):
+            client.register_kv([(MemfdRegion(CHUNK_BYTES * 4), fd)], layout)
+        os.posix_fallocate(fd, 0, CHUNK_BYTES * 4)
+        assert client.register_kv([(MemfdRegion(CHUNK_BYTES * 4), fd)], layout) == 0
+    finally:
+        os.close(fd)
+
+
 def test_a_cuda_ipc_region_without_a_cuda_driver_is_bad_buffer_saying_why(daemon, buf):
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("this machine has an NVIDIA driver: scripts/gpu-check.sh covers CUDA IPC")

@@ -25,11 +25,12 @@ impl SharedBuffer {
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "buffer size overflows"))?;
         let file = memfd(c"tierkv-kv-buffer", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)?;
         file.set_len(len)?;
-        // Its pages allocated now, as an engine's KV is: the daemon maps a resident buffer with
-        // every page in place, and leaves a sparse one to fault in as it is used. Best effort: a
-        // filesystem without fallocate leaves it sparse.
+        // Its pages allocated now, as an engine's KV is: the daemon refuses a memfd with holes
+        // (its reads of one would allocate the page, charged to the daemon).
         // SAFETY: fallocate on a descriptor we own, within its length.
-        let _ = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
         // SAFETY: plain fcntl on a descriptor we own.
         let sealed = unsafe {
             libc::fcntl(

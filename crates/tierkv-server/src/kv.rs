@@ -73,6 +73,20 @@ pub enum KvError {
         "region {0}: the memfd must be sealed with F_SEAL_SHRINK (so it cannot be truncated under the daemon's mapping)"
     )]
     NotSealed(usize),
+    /// A region's memfd has pages not allocated yet (a sparse file).
+    #[error(
+        "region {region}: its memfd has {size} bytes of which {allocated} are allocated; allocate \
+         all of it (fallocate, or write every page) before registering it: the daemon's reads of \
+         a hole would allocate the page, charged to the daemon"
+    )]
+    Sparse {
+        /// The region.
+        region: usize,
+        /// The memfd's size.
+        size: u64,
+        /// Bytes of pages it has (`st_blocks` x 512).
+        allocated: u64,
+    },
     /// A request named blocks the layout does not have.
     #[error("{0}")]
     OutOfRange(String),
@@ -91,15 +105,17 @@ enum Region {
     Cuda(CudaRegion),
 }
 
-/// Bytes of workers' memfds the daemon maps at once, at most, over every session: a client can
-/// name any size of a sparse memfd, which costs it nothing but takes the daemon's address space,
-/// and a daemon out of address space cannot allocate (and aborts). Far above what a node's
-/// engines hold, far below what a 47-bit address space has.
+/// Bytes of workers' memfds the daemon maps at once, at most, over every session: a memfd is
+/// mapped again by every registration that names it, so a client can make the daemon map far
+/// more than it allocated, which takes the daemon's address space, and a daemon out of address
+/// space cannot allocate (and aborts). Far above what a node's engines hold, far below what a
+/// 47-bit address space has.
 const MAX_MAPPED_BYTES: u64 = 16 << 40;
 
 /// Bytes of memfds one session may have mapped at once: a sixteenth of
-/// [`MAX_MAPPED_BYTES`], so that one client's mistake (a sparse memfd of any size) is refused
-/// on its own and leaves the rest to the other sessions. Far above one engine worker's KV.
+/// [`MAX_MAPPED_BYTES`], so that one client's mistake (one memfd registered over and over) is
+/// refused on its own and leaves the rest to the other sessions. Far above one engine worker's
+/// KV.
 pub const MAX_SESSION_MAPPED_BYTES: u64 = MAX_MAPPED_BYTES / 16;
 
 /// Bytes of workers' memfds mapped now, in every session.
@@ -776,21 +792,27 @@ fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<HostMap, KvError> {
         )));
     }
     let file = File::from(fd);
-    let size = file.metadata().map_err(|e| KvError::Io(i, e))?.len();
+    let metadata = file.metadata().map_err(|e| KvError::Io(i, e))?;
+    let size = metadata.len();
     if size < bytes {
         return Err(KvError::Shape(format!(
             "region {i} should have {bytes} bytes; its memfd has {size}"
         )));
     }
+    // Every page allocated, by the client and charged to it: a read through a shared mapping of
+    // a shmem hole allocates the page, charged to the reader, so the daemon's gathers from a
+    // sparse memfd (a terabyte costs its client nothing) would grow the daemon's memory without
+    // bound. A tmpfs file of `size` bytes has at most `size` rounded up to a page in pages, so
+    // `st_blocks` (512-byte units, swapped-out pages included) reaching `size` means no hole
+    // anywhere, in the region or past it. A memfd larger than its region is checked whole: where
+    // its holes are cannot be told from the count.
+    let allocated = metadata.blocks().saturating_mul(512);
+    if allocated < size {
+        return Err(KvError::Sparse { region: i, size, allocated });
+    }
     let len = usize::try_from(bytes).map_err(|_| {
         KvError::Shape(format!("region {i}: {bytes} bytes do not fit the address space"))
     })?;
-    // Populated when the client's pages exist already (an engine's KV is resident): mapping
-    // every page into the daemon's page table now, once, keeps minor faults (about a third of a
-    // retrieve's time when a load lands in blocks the daemon had not touched yet) off the
-    // copies. A sparse memfd is mapped as it is: populating would allocate its holes, charged to
-    // the daemon, so a client could make it allocate any size it names.
-    let resident = file.metadata().map_err(|e| KvError::Io(i, e))?.blocks().saturating_mul(512);
     let counted = MAPPED_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::AcqRel);
     if counted.saturating_add(bytes) > MAX_MAPPED_BYTES {
         MAPPED_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::AcqRel);
@@ -800,12 +822,10 @@ fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<HostMap, KvError> {
             MAX_MAPPED_BYTES >> 40
         )));
     }
-    let mut options = MmapOptions::new();
-    options.len(len);
-    if resident >= bytes {
-        options.populate();
-    }
-    match options.map_raw(&file) {
+    // Populated, its pages all allocated (checked above): mapping every page into the daemon's
+    // page table now, once, keeps minor faults (about a third of a retrieve's time when a load
+    // lands in blocks the daemon had not touched yet) off the copies.
+    match MmapOptions::new().len(len).populate().map_raw(&file) {
         Ok(map) => Ok(HostMap { map, counted: bytes }),
         Err(e) => {
             MAPPED_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::AcqRel);
@@ -819,6 +839,7 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
 
     use super::*;
+    use std::os::fd::AsFd;
     use tierkv_client::{SharedBuffer, memfd};
     use tierkv_proto::Segment;
 
@@ -1011,6 +1032,38 @@ mod tests {
         bad_region.segments[0].region = 1;
         let err = register(&shared, &bad_region, 64).err().unwrap();
         assert!(err.to_string().contains("names region 1"), "{err}");
+    }
+
+    #[test]
+    fn a_memfd_with_a_hole_is_refused_and_an_allocated_one_mapped() {
+        // Sealed against shrinking, 4 pages long, none of them allocated yet.
+        let file = memfd(c"t", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING).unwrap();
+        file.set_len(4 * 4096).unwrap();
+        // SAFETY: fcntl on a descriptor we own.
+        let sealed =
+            unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) };
+        assert_eq!(sealed, 0);
+        let l = layout(4, 64, 64, 1, &[0]);
+        let region = [RegionSource::Memfd { bytes: 256 }];
+        let map = |file: &File| {
+            let fd = file.as_fd().try_clone_to_owned().unwrap();
+            RegisteredKv::map(&region, vec![Some(fd)], &l, 64)
+        };
+        let allocate = |offset: i64, len: i64| {
+            // SAFETY: fallocate on a descriptor we own, within its length.
+            assert_eq!(unsafe { libc::fallocate(file.as_raw_fd(), 0, offset, len) }, 0);
+        };
+        let err = map(&file).err().unwrap();
+        assert!(matches!(err, KvError::Sparse { region: 0, size: 16384, allocated: 0 }), "{err}");
+        assert!(err.to_string().contains("fallocate"), "{err}");
+        // The pages the region spans allocated, a page past them not: a hole is a hole wherever
+        // it is (its place cannot be told from the count).
+        allocate(0, 3 * 4096);
+        let err = map(&file).err().unwrap();
+        assert!(matches!(err, KvError::Sparse { allocated: 12288, .. }), "{err}");
+        allocate(3 * 4096, 4096);
+        let kv = map(&file).unwrap();
+        assert_eq!(kv.mapped_bytes(), 256);
     }
 
     #[test]

@@ -2,9 +2,11 @@
 
 The daemon maps a registered region only when its memfd is sealed against shrinking
 (``F_SEAL_SHRINK``): an unsealed file could be truncated under the daemon's mapping, and its
-next copy would fault. :func:`sealed_memfd` makes such a file (sealed against growing too, and
-then against further sealing); :class:`SharedBuffer` maps one as equal blocks, the simplest KV
-buffer (one chunk per block, see :meth:`tierkv.client.Client.register_buffer`).
+next copy would fault; and only when every page of it is allocated (no holes), since the
+daemon's reads of a hole would allocate the page, charged to the daemon. :func:`sealed_memfd`
+makes such a file (allocated, sealed against growing too, and then against further sealing);
+:class:`SharedBuffer` maps one as equal blocks, the simplest KV buffer (one chunk per block, see
+:meth:`tierkv.client.Client.register_buffer`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,19 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def sealed_memfd(nbytes: int, name: str = "tierkv") -> int:
-    """A new memfd of ``nbytes`` bytes (zeroed), close-on-exec, sealed against shrinking, growing
-    and further sealing. Returns the descriptor; the caller owns it (``os.close``)."""
+    """A new memfd of ``nbytes`` bytes (zeroed), its pages allocated, close-on-exec, sealed
+    against shrinking, growing and further sealing. Returns the descriptor; the caller owns it
+    (``os.close``).
+
+    The pages are allocated here, charged to the caller: the daemon refuses a memfd with holes,
+    since its reads of a hole would allocate the page, charged to the daemon."""
     nbytes = operator.index(nbytes)
     if nbytes <= 0:
         raise ValueError(f"a memfd region needs a positive size, got {nbytes}")
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except BaseException:
         os.close(fd)
