@@ -207,6 +207,41 @@ fn h16_08_one_lookup_loads_no_more_of_its_hit_into_l1_than_its_sessions_allowanc
 }
 
 #[test]
+fn h16_08_a_chunk_smaller_than_a_slot_counts_a_whole_slot_of_the_allowance() {
+    // L1 of 64 slots of 64 KiB; a session may hold leases on 4 slots. Its chunks are an eighth of
+    // a slot, and each takes a whole slot all the same: 4 chunks are its allowance, not 32.
+    let daemon = daemon_with_lease_cap(4 * 64);
+    let small = CHUNK / 8;
+    let mut client =
+        Client::connect_unix(&daemon.socket, Client::worker_hello("m", small)).unwrap();
+    let mut buffer = SharedBuffer::new(small, 4 * BATCH).unwrap();
+    assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
+    // Three L1s' worth of chunks: the first batches pass down to L2 and the disk.
+    for prompt in 1..=24 {
+        let ids = fill_batch(&mut buffer, prompt);
+        assert_eq!(client.store(0, 0, blocks(&ids)).unwrap().stored, BATCH as u32);
+    }
+    daemon.settled();
+    // A lookup of 32 of them, all below L1: the hit is whole, 4 chunks of it loaded into L1.
+    let ids: Vec<ChunkId> = (1..=4).flat_map(chain).collect();
+    let lookup = client.lookup(0, ids.clone()).unwrap();
+    let outcome = client.wait(lookup.id, Duration::from_secs(30)).unwrap();
+    assert_eq!(outcome.hit_chunks, ids.len() as u32);
+    assert_eq!(daemon.status().l1_leased_chunks, 4, "L1 slots this lookup holds");
+    client.retrieve(lookup.id, 0, blocks(&ids)).unwrap();
+    for (i, id) in ids.iter().enumerate() {
+        assert!(holds(buffer.block_mut(i as u64).unwrap(), *id, 0), "chunk {i}");
+    }
+    assert_eq!(daemon.settled().open_lookups, 0);
+    // A lookup of 8 chunks holds at least the 4 slots of the allowance (8 eighths of a slot are
+    // only a quarter of it in bytes): the next lookup is refused until it is returned.
+    let held = client.lookup(0, chain(24)).unwrap();
+    assert_eq!(code(client.lookup(0, chain(23))), ErrorCode::LeaseLimit);
+    client.release(held.id).unwrap();
+    client.lookup(0, chain(23)).unwrap();
+}
+
+#[test]
 fn h16_10_every_reader_of_an_empty_mla_hit_returns_its_share_without_an_error() {
     let daemon = Daemon::start();
     let mla = |rank: u16| mla_hello(rank, 3);

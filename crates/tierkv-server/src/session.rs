@@ -179,6 +179,11 @@ impl Daemon {
         }
     }
 
+    /// Bytes of an L1 slot: what a chunk of any size takes of L1, and the largest chunk.
+    fn slot_bytes(&self) -> u64 {
+        self.max_chunk_bytes.max(1)
+    }
+
     /// The storage below.
     pub fn storage(&self) -> &StorageManager {
         &self.storage
@@ -887,8 +892,8 @@ impl Session {
         Ok(ReplyBody::Flushed { durable, not_durable })
     }
 
-    /// Bytes of leases this session's open lookups hold (a lookup still prefetching counts
-    /// every chunk it asked for), and how many are open. Forgets lookups that are over, here
+    /// Bytes of L1 this session's open lookups hold in leases, a whole slot a chunk whatever its
+    /// size (a lookup still prefetching counts every chunk it asked for), and how many are open. Forgets lookups that are over, here
     /// and in the registry.
     fn open_lookups(&mut self) -> (u64, usize) {
         let Some(opened) = &mut self.opened else { unreachable_hello() };
@@ -912,7 +917,7 @@ impl Session {
                 registry.remove(id);
             }
         }
-        (chunks.saturating_mul(opened.hello.chunk_bytes), opened.made.len())
+        (chunks.saturating_mul(self.daemon.slot_bytes()), opened.made.len())
     }
 
     fn lookup(
@@ -942,8 +947,8 @@ impl Session {
             return fail(
                 ErrorCode::LeaseLimit,
                 format!(
-                    "this session's open lookups hold {held} bytes of leases, the limit is {} \
-                     (server.max_leased_per_session): retrieve or release some first",
+                    "this session's open lookups hold {held} bytes of L1 slots in leases, the \
+                     limit is {} (server.max_leased_per_session): retrieve or release some first",
                     self.daemon.max_leased_per_session
                 ),
             );
@@ -959,8 +964,9 @@ impl Session {
         );
         request.chunk_tokens = u64::from(opened.hello.chunk_tokens);
         // What is left of the session's allowance bounds the L1 slots this lookup may load its
-        // hit into; the rest of the hit is read from the tier that holds it.
-        let left = (self.daemon.max_leased_per_session - held) / opened.hello.chunk_bytes.max(1);
+        // hit into (a slot a chunk, however small); the rest of the hit is read from the tier
+        // that holds it.
+        let left = (self.daemon.max_leased_per_session - held) / self.daemon.slot_bytes();
         request.max_promoted = usize::try_from(left).unwrap_or(usize::MAX);
         request.defer_prefetch = defer_prefetch;
         let id = storage.submit_lookup(request)?;
