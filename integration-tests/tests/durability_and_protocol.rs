@@ -177,24 +177,22 @@ fn h16_08_misses_a_session_never_returns_are_bounded_too() {
     hog.lookup(0, vec![ChunkId(1)]).unwrap();
 }
 
-#[test]
-fn h16_08_one_lookup_loads_no_more_of_its_hit_into_l1_than_its_sessions_allowance() {
-    // L1 of 64 slots; a session may hold leases on 4 chunks.
-    let daemon = daemon_with_lease_cap(4 * 64);
-    let (mut writer, mut buffer) = worker(&daemon, Client::worker_hello("m", CHUNK));
-    // Three L1s' worth of chunks: the first batches pass down to L2 and the disk.
+/// On a daemon whose sessions may lease 4 slots of its 64 (`daemon_with_lease_cap(4 * 64)`): a
+/// session of `chunk_bytes` chunks stores three L1s' worth of them (the first batches pass down
+/// to L2 and the disk), looks up 32 of them, all below L1, and reads them back. The hit is whole,
+/// but only 4 chunks of it are loaded into L1 for the session; the rest is read from the tiers at
+/// the retrieve. Returns the session.
+fn load_past_the_allowance(daemon: &Daemon, chunk_bytes: u64) -> Client {
+    let mut client =
+        Client::connect_unix(&daemon.socket, Client::worker_hello("m", chunk_bytes)).unwrap();
+    let mut buffer = SharedBuffer::new(chunk_bytes, 4 * BATCH).unwrap();
+    assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
     for prompt in 1..=24 {
         let ids = fill_batch(&mut buffer, prompt);
-        assert_eq!(writer.store(0, 0, blocks(&ids)).unwrap().stored, BATCH as u32);
+        assert_eq!(client.store(0, 0, blocks(&ids)).unwrap().stored, BATCH as u32);
     }
     daemon.settled();
-    // A lookup of 32 of them, all below L1: the hit is whole, but only 4 chunks of it are loaded
-    // into L1 for the session; the rest is read from the tiers at the retrieve.
     let ids: Vec<ChunkId> = (1..=4).flat_map(chain).collect();
-    let mut client =
-        Client::connect_unix(&daemon.socket, Client::worker_hello("m", CHUNK)).unwrap();
-    let mut buffer = SharedBuffer::new(CHUNK, ids.len() as u64).unwrap();
-    assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
     let lookup = client.lookup(0, ids.clone()).unwrap();
     let outcome = client.wait(lookup.id, Duration::from_secs(30)).unwrap();
     assert_eq!(outcome.hit_chunks, ids.len() as u32);
@@ -204,6 +202,13 @@ fn h16_08_one_lookup_loads_no_more_of_its_hit_into_l1_than_its_sessions_allowanc
         assert!(holds(buffer.block_mut(i as u64).unwrap(), *id, 0), "chunk {i}");
     }
     assert_eq!(daemon.settled().open_lookups, 0);
+    client
+}
+
+#[test]
+fn h16_08_one_lookup_loads_no_more_of_its_hit_into_l1_than_its_sessions_allowance() {
+    // L1 of 64 slots; a session may hold leases on 4 chunks.
+    load_past_the_allowance(&daemon_with_lease_cap(4 * 64), CHUNK);
 }
 
 #[test]
@@ -211,28 +216,7 @@ fn h16_08_a_chunk_smaller_than_a_slot_counts_a_whole_slot_of_the_allowance() {
     // L1 of 64 slots of 64 KiB; a session may hold leases on 4 slots. Its chunks are an eighth of
     // a slot, and each takes a whole slot all the same: 4 chunks are its allowance, not 32.
     let daemon = daemon_with_lease_cap(4 * 64);
-    let small = CHUNK / 8;
-    let mut client =
-        Client::connect_unix(&daemon.socket, Client::worker_hello("m", small)).unwrap();
-    let mut buffer = SharedBuffer::new(small, 4 * BATCH).unwrap();
-    assert_eq!(client.register_buffer(&buffer).unwrap(), 0);
-    // Three L1s' worth of chunks: the first batches pass down to L2 and the disk.
-    for prompt in 1..=24 {
-        let ids = fill_batch(&mut buffer, prompt);
-        assert_eq!(client.store(0, 0, blocks(&ids)).unwrap().stored, BATCH as u32);
-    }
-    daemon.settled();
-    // A lookup of 32 of them, all below L1: the hit is whole, 4 chunks of it loaded into L1.
-    let ids: Vec<ChunkId> = (1..=4).flat_map(chain).collect();
-    let lookup = client.lookup(0, ids.clone()).unwrap();
-    let outcome = client.wait(lookup.id, Duration::from_secs(30)).unwrap();
-    assert_eq!(outcome.hit_chunks, ids.len() as u32);
-    assert_eq!(daemon.status().l1_leased_chunks, 4, "L1 slots this lookup holds");
-    client.retrieve(lookup.id, 0, blocks(&ids)).unwrap();
-    for (i, id) in ids.iter().enumerate() {
-        assert!(holds(buffer.block_mut(i as u64).unwrap(), *id, 0), "chunk {i}");
-    }
-    assert_eq!(daemon.settled().open_lookups, 0);
+    let mut client = load_past_the_allowance(&daemon, CHUNK / 8);
     // A lookup of 8 chunks holds at least the 4 slots of the allowance (8 eighths of a slot are
     // only a quarter of it in bytes): the next lookup is refused until it is returned.
     let held = client.lookup(0, chain(24)).unwrap();
