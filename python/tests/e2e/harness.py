@@ -127,6 +127,10 @@ class Engine:
             "outputs"
         ]
 
+    def counters(self) -> dict[str, float]:
+        """Every counter of vLLM's metrics by name (the engine needs ``--stats``)."""
+        return self.call(op="counters")["counters"]
+
     def reset(self, within_s: float = 10.0, **flags: bool) -> None:
         """``reset_prefix_cache``, asked again while vLLM refuses it for up to ``within_s``: a
         finished request's blocks wait for the workers' report that its calls are over, which
@@ -147,6 +151,21 @@ class Engine:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
+
+
+#: vLLM's speculative-decoding counters (``Engine.counters``): draft tokens proposed, accepted.
+DRAFTS, ACCEPTED = "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"
+
+
+def repeated(seed: int, length: int, period: int = 40) -> list[int]:
+    """``length`` tokens repeating a random phrase of ``period`` tokens (ngram drafts find it)."""
+    phrase = prompt(seed, period)
+    return [phrase[i % period] for i in range(length)]
+
+
+def loadable(tokens: int, chunk: int = 128) -> int:
+    """The tokens a prompt of ``tokens`` can load: whole chunks, short of its last token."""
+    return (tokens - 1) // chunk * chunk
 
 
 def prompt(seed: int, length: int, prefix: list[int] | None = None) -> list[int]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from daemon import is_idle
-from harness import Daemon, Engine, prompt
+from harness import ACCEPTED, DRAFTS, Daemon, Engine, loadable, prompt, repeated
 
 CHUNK = 128
 NGRAM: dict[str, Any] = {
@@ -31,7 +31,6 @@ NGRAM: dict[str, Any] = {
     "prompt_lookup_max": 3,
     "prompt_lookup_min": 1,
 }
-DRAFTS, ACCEPTED = "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +60,6 @@ def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     engine.stop()
 
 
-def repeated(seed: int, length: int, period: int = 40) -> list[int]:
-    """``length`` tokens repeating a random phrase of ``period`` tokens."""
-    phrase = prompt(seed, period)
-    return [phrase[i % period] for i in range(length)]
-
-
-def loadable(tokens: int) -> int:
-    return (tokens - 1) // CHUNK * CHUNK
-
-
-def counters(engine: Engine) -> dict[str, float]:
-    return engine.call(op="counters")["counters"]
-
-
 P1 = repeated(1, 1000)
 #: A longer prompt sharing P1's seven full chunks, then going on otherwise.
 P2 = P1 + prompt(2, 300)
@@ -84,9 +69,9 @@ P2 = P1 + prompt(2, 300)
 def cold_p1(engine: Engine, daemon: Daemon) -> dict[str, Any]:
     """P1 computed cold by the engine, and stored: its output, vLLM's spec-decode counters
     before and after, and the daemon's status once the chunks are stored."""
-    before = counters(engine)
+    before = engine.counters()
     cold = engine.generate([P1], max_tokens=32)[0]
-    after = counters(engine)
+    after = engine.counters()
     stored = daemon.eventually(
         "the prompt's chunks are stored",
         lambda s: s["tiers"][0]["objects"] == 1000 // CHUNK and s["store_in_flight"] == 0,
@@ -139,10 +124,10 @@ def test_long_generations_store_prompt_chunks_only_and_their_blocks_serve_a_long
     cold = reference.generate(prompts, max_tokens=400)
     engine.reset()
     objects = daemon.settled()["tiers"][0]["objects"]
-    accepted = counters(engine)[ACCEPTED]
+    accepted = engine.counters()[ACCEPTED]
     outs = engine.generate(prompts, max_tokens=400)
     assert [o["tokens"] for o in outs] == [o["tokens"] for o in cold]
-    assert counters(engine)[ACCEPTED] > accepted
+    assert engine.counters()[ACCEPTED] > accepted
     stored = daemon.eventually("both prompts' chunks are stored", is_idle)
     assert stored["tiers"][0]["objects"] - objects == 2 * 7, (
         "the prompts' seven chunks each, nothing of the tokens generated"
@@ -187,10 +172,10 @@ def test_tp2_each_rank_stores_and_loads_its_shard_under_speculative_decoding(
     try:
         prompts = [repeated(5, 1000), repeated(6, 1000, period=24)]
         before = daemon.settled()
-        drafts = counters(tp2)
+        drafts = tp2.counters()
         cold = tp2.generate(prompts, max_tokens=200)
         assert [o["cached"] for o in cold] == [0, 0]
-        after = counters(tp2)
+        after = tp2.counters()
         assert after[DRAFTS] > drafts[DRAFTS], "ngram proposed drafts"
         assert after[ACCEPTED] > drafts[ACCEPTED], "and vLLM accepted some"
         stored = daemon.eventually(

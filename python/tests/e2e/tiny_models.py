@@ -2,7 +2,8 @@
 
 Three architectures: a Llama (every layer full attention), the model of most tests; a Gemma-3
 whose layers are each full attention or a sliding window, as ``layer_types`` says; and a
-DeepSeek-V2, whose attention is MLA (one latent KV per token, the same on every TP rank).
+DeepSeek-V2, whose attention is MLA (one latent KV per token, the same on every TP rank). And an
+EAGLE draft for the Llama (``make_eagle``): speculative decoding's draft model, one decoder layer.
 
 Token ids 3..vocab-1 are the words "t3", "t4", ...; tests pass token ids directly. Weights are
 saved in float32: in bf16 a random model has near-tied logits, and greedy tokens could differ
@@ -52,6 +53,44 @@ def make(
     )
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
     _save_tokenizer(out, vocab, max_positions)
+    return out
+
+
+def make_eagle(out: Path, target: Path) -> Path:
+    """An EAGLE draft (EAGLE-1) for the Llama in ``target``, in ``out`` (kept if it is there
+    already), in the checkpoint format vLLM's ``EagleLlamaForCausalLM`` loads (as
+    ``yuhuili/EAGLE-LLaMA3-Instruct-8B`` ships it): a Llama config of one decoder layer the
+    target's size, and weights without the ``model.`` prefix: that layer (no
+    ``input_layernorm``: EAGLE skips it), and ``fc``, which maps the token's embedding and the
+    target's hidden state ``[2 x hidden]`` to ``hidden``. Without ``embed_tokens`` and
+    ``lm_head`` vLLM shares the target's.
+
+    vLLM names the draft's attention layer after the target's (``model.layers.4.self_attn.attn``
+    under a 4-layer target): it is one more layer in the KV cache. Its random weights make drafts
+    that are seldom accepted, but vLLM proposes them and verifies them all the same."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(1)
+    config = LlamaConfig.from_pretrained(target)
+    config.num_hidden_layers = 1
+    config.architectures = ["LlamaForCausalLM"]
+    layer = LlamaForCausalLM(config).to(torch.float32).state_dict()
+    weights = {
+        name.removeprefix("model."): tensor.contiguous()
+        for name, tensor in layer.items()
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name
+    }
+    hidden = config.hidden_size
+    weights["fc.weight"] = torch.randn(hidden, 2 * hidden) * config.initializer_range
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     return out
 
 
