@@ -518,15 +518,29 @@ def test_kv_the_token_ids_do_not_determine_is_not_cached_and_the_namespace_names
     assert not_from_tokens_alone(SimpleNamespace(mm_features=[object()], prompt_embeds=None))
     assert not_from_tokens_alone(SimpleNamespace(mm_features=[], prompt_embeds=torch.zeros(1)))
 
-    def config(quantization: str | None) -> SimpleNamespace:
+    def config(quantization: str | None, spec: SimpleNamespace | None = None) -> SimpleNamespace:
         model = SimpleNamespace(
             model="m", dtype="bfloat16", quantization=quantization, revision=None
         )
         cache = SimpleNamespace(cache_dtype="auto", block_size=16)
-        return SimpleNamespace(model_config=model, cache_config=cache)
+        return SimpleNamespace(model_config=model, cache_config=cache, speculative_config=spec)
+
+    def speculative(method: str, draft: str, draft_kv: bool) -> SimpleNamespace:
+        return SimpleNamespace(
+            method=method,
+            draft_model_config=SimpleNamespace(model=draft, revision=None),
+            uses_draft_kv_cache=lambda: draft_kv,
+        )
 
     settings = Settings.from_extra({})
-    assert namespace_of(config(None), settings) != namespace_of(config("fp8"), settings)
+    plain = namespace_of(config(None), settings)
+    assert plain != namespace_of(config("fp8"), settings)
+    # A draft whose layers have KV in the cache (EAGLE, MTP) puts them in every chunk: an engine
+    # without it, or with another draft, shares none of its chunks. ngram has no such layers.
+    d1 = namespace_of(config(None, speculative("eagle", "d1", True)), settings)
+    d2 = namespace_of(config(None, speculative("eagle", "d2", True)), settings)
+    assert len({plain, d1, d2}) == 3
+    assert namespace_of(config(None, speculative("ngram", "m", False)), settings) == plain
 
 
 def _looked_up(scheduler: Any, req_id: str) -> Any:

@@ -12,7 +12,9 @@ of that step. The draft's random weights make drafts that are almost never accep
 output tokens are the target's; vLLM's spec-decode counters (``--stats``) show drafts proposed.
 
 As in ``test_vllm_spec.py``, ``reference`` (the same speculative config, no connector) computes
-every output cold.
+every output cold. A chunk holding a draft's KV is not what an engine without that draft, or
+with another, computes: the namespace names the draft, and the last test checks that an engine
+without it neither loads the EAGLE engine's chunks nor is kept from storing its own.
 """
 
 from __future__ import annotations
@@ -155,3 +157,32 @@ def test_chunks_filled_while_drafting_are_stored_from_vllms_blocks_and_load_as_c
     assert daemon.status()["hit_tokens"] - grown["hit_tokens"] == 1280
     assert loaded["tokens"] == reference_out["tokens"]
 
+
+def test_an_engine_without_the_draft_neither_loads_the_eagle_chunks_nor_is_kept_from_its_own(
+    model: Path, engine: Engine, daemon: Daemon, tmp_path: Path
+) -> None:
+    # The EAGLE engine stores a prompt's seven chunks of five layers each.
+    p = prompt(4, 1000)
+    engine.generate([p], max_tokens=8)
+    eagle_stored = daemon.eventually("the EAGLE engine's chunks are stored", is_idle)
+    bytes_before = stored_bytes()
+    # The same model without a draft: four layers a chunk, its own namespace.
+    plain = Engine(model, socket=daemon.socket, log=tmp_path / "engine-plain.log")
+    try:
+        first = plain.generate([p], max_tokens=8)[0]
+        assert first["cached"] == 0
+        stored = daemon.eventually(
+            "the engine without a draft stores the prompt's chunks of its own",
+            lambda s: (
+                is_idle(s) and s["tiers"][0]["objects"] - eagle_stored["tiers"][0]["objects"] == 7
+            ),
+        )
+        assert stored_bytes() - bytes_before == 7 * 4 * LAYER_BLOCK_BYTES, "of four layers"
+        plain.reset()
+        loaded = plain.generate([p], max_tokens=8)[0]
+        assert loaded["cached"] == 896
+        assert loaded["tokens"] == first["tokens"]
+        assert daemon.status()["hit_tokens"] - stored["hit_tokens"] == 896
+    finally:
+        plain.stop()
+    daemon.eventually("every lease and write reservation returned", is_idle)

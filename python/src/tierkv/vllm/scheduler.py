@@ -1324,5 +1324,19 @@ def namespace_of(vllm_config: Any, settings: Settings, block_size: int | None = 
     revision = getattr(model, "revision", None) or "default"
     return (
         f"{model.model}|{cache.cache_dtype}|{model.dtype}|block={block_size or cache.block_size}"
-        f"|quant={quantization}|rev={revision}"
+        f"|quant={quantization}|rev={revision}{_draft_of(vllm_config)}"
     )
+
+
+def _draft_of(vllm_config: Any) -> str:
+    """The namespace's part for a speculative draft whose layers have KV in the engine's cache
+    (EAGLE, MTP, a draft model): every chunk holds those layers' KV too, so an engine without
+    the draft (a chunk of other bytes: the daemon refuses to load it) or with another (another
+    draft's KV, silently) must not share chunks with it. Empty without one (none, ngram)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)
+    if spec is None or uses_draft_kv is None or not uses_draft_kv():
+        return ""
+    draft = spec.draft_model_config
+    revision = getattr(draft, "revision", None) or "default"
+    return f"|draft={spec.method}:{draft.model}|draft_rev={revision}"
