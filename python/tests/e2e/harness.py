@@ -14,12 +14,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon import Daemon, engine_config, tierkv_binary  # noqa: E402
+from daemon import Daemon, engine_config, is_idle, tierkv_binary  # noqa: E402
 
 ENGINE = Path(__file__).with_name("engine.py")
 PREFIX = "@@tierkv@@ "
@@ -153,6 +154,21 @@ class Engine:
             self.process.wait(30)
 
 
+def speculative_engine(
+    model: Path, speculative: dict[str, Any], log: Path, socket: Path | None = None
+) -> Iterator[Engine]:
+    """A speculative-decoding engine, stopped when the generator ends: with the connector on
+    ``socket`` and vLLM's metrics (``--stats``), or with no connector where no socket is given
+    (the reference: outputs computed cold)."""
+    engine = (
+        Engine(model, socket=socket, log=log, speculative=speculative, extra_args=("--stats",))
+        if socket is not None
+        else Engine(model, connector="none", log=log, speculative=speculative)
+    )
+    yield engine
+    engine.stop()
+
+
 #: vLLM's speculative-decoding counters (``Engine.counters``): draft tokens proposed, accepted.
 DRAFTS, ACCEPTED = "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"
 
@@ -166,6 +182,35 @@ def repeated(seed: int, length: int, period: int = 40) -> list[int]:
 def loadable(tokens: int, chunk: int = 128) -> int:
     """The tokens a prompt of ``tokens`` can load: whole chunks, short of its last token."""
     return (tokens - 1) // chunk * chunk
+
+
+def decoded_chunks_load_as_cold(
+    engine: Engine,
+    reference: Engine,
+    daemon: Daemon,
+    longer: list[int],
+    stored: dict[str, Any],
+    local_hit: int,
+) -> None:
+    """``longer`` is a prompt ``engine`` stored (``stored``: the daemon's status after) and 300
+    of the tokens it generated: vLLM's own prefix cache holds its ten full chunks, three of them
+    filled by decode steps. It is served ``local_hit`` tokens from there, and the chunks tierkv
+    lacks are stored from vLLM's blocks; after a reset all ten load from tierkv. Its output must
+    equal ``reference``'s (no connector) every time: only if those blocks held every verified
+    token's KV and nothing of a rejected draft."""
+    reference_out = reference.generate([longer], max_tokens=32)[0]
+    first = engine.generate([longer], max_tokens=32)[0]
+    assert first["cached"] == local_hit, "vLLM's own hit"
+    assert first["tokens"] == reference_out["tokens"]
+    grown = daemon.eventually(
+        "the three chunks computed while decoding are stored",
+        lambda s: is_idle(s) and s["tiers"][0]["objects"] - stored["tiers"][0]["objects"] == 3,
+    )
+    engine.reset()
+    loaded = engine.generate([longer], max_tokens=32)[0]
+    assert loaded["cached"] == loadable(len(longer)) == 1280
+    assert daemon.status()["hit_tokens"] - grown["hit_tokens"] == 1280
+    assert loaded["tokens"] == reference_out["tokens"]
 
 
 def prompt(seed: int, length: int, prefix: list[int] | None = None) -> list[int]:

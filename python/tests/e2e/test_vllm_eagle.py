@@ -27,7 +27,17 @@ from typing import Any
 
 import pytest
 from daemon import engine_config, free_port, is_idle
-from harness import DRAFTS, Daemon, Engine, loadable, prompt, repeated, start_daemon
+from harness import (
+    DRAFTS,
+    Daemon,
+    Engine,
+    decoded_chunks_load_as_cold,
+    loadable,
+    prompt,
+    repeated,
+    speculative_engine,
+    start_daemon,
+)
 from tiny_models import make_eagle
 
 #: Bytes of one layer's KV of a 128-token block of the tiny Llama (4 KV heads of 64, K and V,
@@ -70,29 +80,16 @@ def eagle(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 def engine(
     model: Path, eagle: dict[str, Any], daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    engine = Engine(
-        model,
-        socket=daemon.socket,
-        log=tmp_path_factory.mktemp("logs") / "engine-eagle.log",
-        speculative=eagle,
-        extra_args=("--stats",),
-    )
-    yield engine
-    engine.stop()
+    log = tmp_path_factory.mktemp("logs") / "engine-eagle.log"
+    yield from speculative_engine(model, eagle, log, socket=daemon.socket)
 
 
 @pytest.fixture(scope="module")
 def reference(
     model: Path, eagle: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    engine = Engine(
-        model,
-        connector="none",
-        log=tmp_path_factory.mktemp("logs") / "reference-eagle.log",
-        speculative=eagle,
-    )
-    yield engine
-    engine.stop()
+    log = tmp_path_factory.mktemp("logs") / "reference-eagle.log"
+    yield from speculative_engine(model, eagle, log)
 
 
 P1 = prompt(1, 1000)
@@ -141,21 +138,10 @@ def test_chunks_filled_while_drafting_are_stored_from_vllms_blocks_and_load_as_c
     # chunks, three filled by decode steps, and for an EAGLE drafter it drops the last block
     # of its hit (the draft's KV at the hit's last token depends on the token after it), so its
     # hit is nine chunks. tierkv holds seven: no load; the request stores the other three.
-    longer = p + cold["tokens"][:300]
-    reference_out = reference.generate([longer], max_tokens=32)[0]
-    first = engine.generate([longer], max_tokens=32)[0]
-    assert first["cached"] == loadable(len(longer)) - 128 == 1152, "vLLM's own hit"
-    assert first["tokens"] == reference_out["tokens"]
-    grown = daemon.eventually(
-        "the three chunks computed while decoding are stored",
-        lambda s: is_idle(s) and s["tiers"][0]["objects"] - stored["tiers"][0]["objects"] == 3,
-    )
     # After a reset all ten load from tierkv: the connector does not drop the last chunk.
-    engine.reset()
-    loaded = engine.generate([longer], max_tokens=32)[0]
-    assert loaded["cached"] == 1280
-    assert daemon.status()["hit_tokens"] - grown["hit_tokens"] == 1280
-    assert loaded["tokens"] == reference_out["tokens"]
+    decoded_chunks_load_as_cold(
+        engine, reference, daemon, p + cold["tokens"][:300], stored, local_hit=9 * 128
+    )
 
 
 def test_an_engine_without_the_draft_neither_loads_the_eagle_chunks_nor_is_kept_from_its_own(

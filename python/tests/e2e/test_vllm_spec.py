@@ -22,7 +22,17 @@ from typing import Any
 
 import pytest
 from daemon import is_idle
-from harness import ACCEPTED, DRAFTS, Daemon, Engine, loadable, prompt, repeated
+from harness import (
+    ACCEPTED,
+    DRAFTS,
+    Daemon,
+    Engine,
+    decoded_chunks_load_as_cold,
+    loadable,
+    prompt,
+    repeated,
+    speculative_engine,
+)
 
 CHUNK = 128
 NGRAM: dict[str, Any] = {
@@ -37,27 +47,14 @@ NGRAM: dict[str, Any] = {
 def engine(
     model: Path, daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    engine = Engine(
-        model,
-        socket=daemon.socket,
-        log=tmp_path_factory.mktemp("logs") / "engine-spec.log",
-        speculative=NGRAM,
-        extra_args=("--stats",),
-    )
-    yield engine
-    engine.stop()
+    log = tmp_path_factory.mktemp("logs") / "engine-spec.log"
+    yield from speculative_engine(model, NGRAM, log, socket=daemon.socket)
 
 
 @pytest.fixture(scope="module")
 def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    engine = Engine(
-        model,
-        connector="none",
-        log=tmp_path_factory.mktemp("logs") / "reference-spec.log",
-        speculative=NGRAM,
-    )
-    yield engine
-    engine.stop()
+    log = tmp_path_factory.mktemp("logs") / "reference-spec.log"
+    yield from speculative_engine(model, NGRAM, log)
 
 
 P1 = repeated(1, 1000)
@@ -138,20 +135,9 @@ def test_long_generations_store_prompt_chunks_only_and_their_blocks_serve_a_long
     # They are stored from vLLM's blocks (tierkv lacks them), and after a reset they load from
     # tierkv: the output equals a cold run's only if those blocks held every verified token's
     # KV and nothing of a rejected draft.
-    longer = prompts[0] + cold[0]["tokens"][:300]
-    reference_out = reference.generate([longer], max_tokens=32)[0]
-    first = engine.generate([longer], max_tokens=32)[0]
-    assert first["cached"] == loadable(len(longer)) == 1280, "vLLM's own hit"
-    assert first["tokens"] == reference_out["tokens"]
-    grown = daemon.eventually(
-        "the three chunks computed while decoding are stored",
-        lambda s: is_idle(s) and s["tiers"][0]["objects"] - stored["tiers"][0]["objects"] == 3,
+    decoded_chunks_load_as_cold(
+        engine, reference, daemon, prompts[0] + cold[0]["tokens"][:300], stored, local_hit=1280
     )
-    engine.reset()
-    loaded = engine.generate([longer], max_tokens=32)[0]
-    assert loaded["cached"] == 1280
-    assert daemon.status()["hit_tokens"] - grown["hit_tokens"] == 1280
-    assert loaded["tokens"] == reference_out["tokens"]
 
 
 def test_tp2_each_rank_stores_and_loads_its_shard_under_speculative_decoding(
