@@ -542,6 +542,15 @@ def test_kv_the_token_ids_do_not_determine_is_not_cached_and_the_namespace_names
     assert len({plain, d1, d2}) == 3
     assert namespace_of(config(None, speculative("ngram", "m", False)), settings) == plain
 
+    # A vLLM without SpeculativeConfig.uses_draft_kv_cache: known by the method.
+    def older(method: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            method=method, draft_model_config=SimpleNamespace(model="d1", revision=None)
+        )
+
+    assert namespace_of(config(None, older("eagle")), settings) == d1
+    assert namespace_of(config(None, older("ngram")), settings) == plain
+
 
 def _looked_up(scheduler: Any, req_id: str) -> Any:
     """``req_id``'s state (a 100-token prompt) once its lookups, one per rank key, completed: as

@@ -1328,15 +1328,27 @@ def namespace_of(vllm_config: Any, settings: Settings, block_size: int | None = 
     )
 
 
+#: Speculative methods whose drafts come from the tokens alone: no draft layers, no draft KV.
+_TOKENS_ONLY_DRAFTS = frozenset({"ngram", "ngram_gpu", "suffix"})
+
+
 def _draft_of(vllm_config: Any) -> str:
     """The namespace's part for a speculative draft whose layers have KV in the engine's cache
     (EAGLE, MTP, a draft model): every chunk holds those layers' KV too, so an engine without
     the draft (a chunk of other bytes: the daemon refuses to load it) or with another (another
-    draft's KV, silently) must not share chunks with it. Empty without one (none, ngram)."""
+    draft's KV, silently) must not share chunks with it. Empty without one (none, ngram).
+    A vLLM older than ``SpeculativeConfig.uses_draft_kv_cache`` names the draft of every method
+    but those that propose from the tokens alone."""
     spec = getattr(vllm_config, "speculative_config", None)
-    uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)
-    if spec is None or uses_draft_kv is None or not uses_draft_kv():
+    if spec is None:
         return ""
-    draft = spec.draft_model_config
+    uses_draft_kv = getattr(spec, "uses_draft_kv_cache", None)
+    if uses_draft_kv is not None:
+        has_draft_kv = bool(uses_draft_kv())
+    else:
+        has_draft_kv = spec.method not in _TOKENS_ONLY_DRAFTS
+    draft = getattr(spec, "draft_model_config", None)
+    if not has_draft_kv or draft is None:
+        return ""
     revision = getattr(draft, "revision", None) or "default"
     return f"|draft={spec.method}:{draft.model}|draft_rev={revision}"
