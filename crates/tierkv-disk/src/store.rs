@@ -3173,12 +3173,12 @@ impl Shared {
                 *settled = true;
                 continue;
             }
-            // Marked before: maybe by a mark whose sync failed, so it is synced like a new one.
-            let marked = header.deleted || {
-                header.deleted = true;
-                header.encode(head);
-                file.write_at(block.as_slice(), loc.offset).is_ok()
-            };
+            // Marked before, maybe by a mark whose sync failed: written again all the same, since
+            // a failed writeback leaves the page clean in the cache, and a sync alone would then
+            // write nothing.
+            header.deleted = true;
+            header.encode(head);
+            let marked = file.write_at(block.as_slice(), loc.offset).is_ok();
             if marked {
                 *settled = true;
                 *wrote = true;
@@ -3912,12 +3912,13 @@ impl TierAdapter for DiskStore {
             drop(stop);
             let _ = flusher.join();
         }
-        // Whatever the policy, a clean close leaves everything written on stable storage.
-        if self.shared.state.lock().read_only.is_none() {
-            let all: Vec<u32> = (0..self.shared.index.lock().segments.len() as u32).collect();
-            if self.shared.sync_segments(all.into_iter()).is_err() {
-                self.shared.metrics.failed(Failure::Io);
-            }
+        // Whatever the policy, a clean close leaves everything written on stable storage; also
+        // when the store turned read-only while running, after writing (a sync needs no write
+        // permission). Only a failure of a writable store's sync is one to count.
+        let writable = self.shared.state.lock().read_only.is_none();
+        let all: Vec<u32> = (0..self.shared.index.lock().segments.len() as u32).collect();
+        if self.shared.sync_segments(all.into_iter()).is_err() && writable {
+            self.shared.metrics.failed(Failure::Io);
         }
         self.shared.publish();
     }
