@@ -940,7 +940,14 @@ def test_what_vllm_holds_itself_is_not_looked_up(tmp_path: Path) -> None:
     root all the same (the daemon's eviction then sees the chunks vLLM holds used), and the
     hit answered is what comes after them."""
 
-    setup = _beside_a_client(tmp_path, _four_slot_config)
+    # Every slot may be leased: the lookup below leases (and prefetches) three chunks, which
+    # the default allowance (a quarter of L1, one slot of four) would not let it.
+    setup = _beside_a_client(
+        tmp_path,
+        lambda socket, disk, extra: _four_slot_config(
+            socket, disk, f'{extra}\nmax_leased_per_session = "256KiB"'
+        ),
+    )
     daemon, scheduler, client, number = setup.daemon, setup.scheduler, setup.client, setup.number
     request, state, others, touched = setup.request, setup.state, setup.others, setup.touched
     try:
