@@ -4049,6 +4049,25 @@ mod tests {
     }
 
     #[test]
+    fn a_clean_close_syncs_what_was_written_before_a_read_only_turn() {
+        use crate::segment::SYNCS;
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let config = DiskStoreConfig {
+            fsync: FsyncPolicy::Never,
+            ..DiskStoreConfig::new(dir.path(), 1 << 22, 4096)
+        };
+        let store = Arc::new(DiskStore::open(config).unwrap());
+        harness(&store).store(&keys(0..3)).unwrap();
+        // Turned read-only while running, after it wrote (a filesystem remounted read-only).
+        store.shared.enter_read_only("read-only for the test".into());
+        let before = SYNCS.with(|s| s.get());
+        store.close();
+        assert!(SYNCS.with(|s| s.get()) > before, "what was written is synced at a clean close");
+    }
+
+    #[test]
     fn a_restart_syncs_what_its_scan_found_unless_told_never_to() {
         use crate::segment::SYNCS;
         use tierkv_testkit::contract::keys;
