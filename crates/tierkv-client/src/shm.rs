@@ -27,9 +27,17 @@ impl SharedBuffer {
         file.set_len(len)?;
         // Its pages allocated now, as an engine's KV is: the daemon refuses a memfd with holes
         // (its reads of one would allocate the page, charged to the daemon).
-        // SAFETY: fallocate on a descriptor we own, within its length.
-        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
-            return Err(io::Error::last_os_error());
+        // A signal interrupts a long allocation (EINTR): it is asked for again, as Python's
+        // posix_fallocate does.
+        loop {
+            // SAFETY: fallocate on a descriptor we own, within its length.
+            if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } == 0 {
+                break;
+            }
+            let error = io::Error::last_os_error();
+            if error.kind() != io::ErrorKind::Interrupted {
+                return Err(error);
+            }
         }
         // SAFETY: plain fcntl on a descriptor we own.
         let sealed = unsafe {

@@ -3985,7 +3985,7 @@ mod tests {
         let past = free / segment_bytes + 2;
         let warning = space_warning(dir.path(), layout(past)).unwrap();
         assert!(warning.contains("disk.capacity"), "{warning}");
-        // The files the store holds already count as room it has.
+        // The room the store has already is its files' bytes, counted beside the free space.
         std::fs::write(file_path(dir.path(), 0), vec![0u8; 3 << 20]).unwrap();
         let held = files_bytes(dir.path(), layout(past));
         assert_eq!(held, 3 << 20);

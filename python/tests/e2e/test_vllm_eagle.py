@@ -19,14 +19,12 @@ without it neither loads the EAGLE engine's chunks nor is kept from storing its 
 
 from __future__ import annotations
 
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon import engine_config, free_port, is_idle
+from daemon import engine_config, free_port, is_idle, metric
 from harness import (
     DRAFTS,
     Daemon,
@@ -51,10 +49,7 @@ METRICS_PORT = free_port()
 
 def stored_bytes() -> float:
     """Bytes the daemon took in stores (the chunks' whole length, every layer)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as page:
-        text = page.read().decode()
-    found = re.search(r'^tierkv_data_bytes_total\{direction="store"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return metric(METRICS_PORT, 'tierkv_data_bytes_total{direction="store"}')
 
 
 @pytest.fixture(scope="module")

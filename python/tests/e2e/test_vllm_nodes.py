@@ -15,14 +15,12 @@ on CPU), and engine A's cold answer to the shared prompt; each also runs alone. 
 from __future__ import annotations
 
 import os
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon import engine_config, free_port
+from daemon import engine_config, free_port, metric
 from harness import Daemon, Engine, prompt, start_daemon
 from redis_cluster import RedisCluster, require_redis
 
@@ -117,10 +115,7 @@ def engine_b(
 
 def remote_hit_chunks_metric() -> float:
     """Node B's ``tierkv_lookup_hit_chunks_total{tier="remote"}`` (0 before its first hit)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as page:
-        text = page.read().decode()
-    found = re.search(r'^tierkv_lookup_hit_chunks_total\{tier="remote"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return metric(METRICS_PORT, 'tierkv_lookup_hit_chunks_total{tier="remote"}')
 
 
 def hits_by_tier(status: dict) -> list[int]:
