@@ -1434,13 +1434,14 @@ impl L1Manager {
     /// finished, non-temporary entries; no key is claimed.
     ///
     /// Expensive. For tests and for operators verifying a live daemon. Slot ownership is exact
-    /// only while no guard is alive (a guard may free a retired slot during the audit) and no
-    /// write reservation is under way (it holds slots and claims it has not yet given keys).
+    /// while guards drop (the last one frees a retired slot atomically with respect to the
+    /// audit's snapshot), but not while a write reservation is under way (it holds slots and
+    /// claims it has not yet given keys).
     pub fn audit(&self) -> Result<(), String> {
         let leases: Vec<_> = self.leases.shards().map(|s| s.lock()).collect();
         let shards: Vec<_> =
             (0..self.index.shard_count()).map(|i| self.index.shard_at(i)).collect();
-        let (free, retiring) = self.slots.snapshot();
+        let (free, retiring, retiring_count) = self.slots.snapshot();
 
         let mut held: HashMap<(ObjectKey, u64), u64> = HashMap::new();
         for shard in &leases {
@@ -1531,11 +1532,10 @@ impl L1Manager {
         if let Some(lost) = owner.iter().position(|taken| !taken) {
             return Err(format!("slot {lost} is neither owned, free nor retiring"));
         }
-        if retiring.len() as u64 != self.slots.retiring_count() {
+        if retiring.len() as u64 != retiring_count {
             return Err(format!(
-                "{} slots are retiring, the counter says {}",
+                "{} slots are retiring, the counter says {retiring_count}",
                 retiring.len(),
-                self.slots.retiring_count()
             ));
         }
         let usage = self.usage_of(totals, retiring.len() as u64);

@@ -158,19 +158,25 @@ impl Slots {
         self.state(slot).store(0, Ordering::Release);
     }
 
+    /// Frees a retired slot. Its state, the free list and the retiring count change under the
+    /// free list's lock, so a [`snapshot`](Self::snapshot) sees the slot either retiring or free,
+    /// never between the two (the last unpin runs on whichever thread dropped its pin, outside
+    /// any shard lock an audit holds).
     fn release_retired(&self, slot: SlotId) {
+        let mut free = self.free.lock();
         self.state(slot).store(0, Ordering::Release);
-        self.free.lock().push(slot);
+        free.push(slot);
         self.retiring.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// A copy of the free list and the set of retired-but-pinned slots, for audits.
-    pub(crate) fn snapshot(&self) -> (Vec<SlotId>, Vec<SlotId>) {
-        let free = self.free.lock().clone();
+    /// A copy of the free list, the set of retired-but-pinned slots and the retiring count, taken
+    /// together, for audits.
+    pub(crate) fn snapshot(&self) -> (Vec<SlotId>, Vec<SlotId>, u64) {
+        let free = self.free.lock();
         let retiring = (0..self.count())
             .map(SlotId)
             .filter(|s| self.state(*s).load(Ordering::Acquire) & RETIRED != 0)
             .collect();
-        (free, retiring)
+        (free.clone(), retiring, self.retiring_count())
     }
 }

@@ -325,3 +325,31 @@ fn a_batch_reservation_over_many_shards_answers_as_key_by_key_would() {
     assert_eq!(results[1], Err(KeyError::AlreadyPresent));
     f.assert_consistent();
 }
+
+#[test]
+fn an_audit_racing_the_last_unpin_of_aborted_writes_sees_each_slot_retiring_or_free() {
+    // A write aborted while its guard is alive leaves the slot retiring; the guard's drop, on
+    // whatever thread holds it and under no shard lock, frees it. An audit running meanwhile
+    // must see every slot either retiring or free: the release once cleared the slot's state
+    // before it reached the free list, and an audit between the two found the slot lost.
+    const SLOTS: u64 = 32;
+    let f = l1(SLOTS);
+    for round in 0..300 {
+        let batch = keys(round * SLOTS..(round + 1) * SLOTS);
+        assert!(f.try_reserve(&batch).iter().all(|r| r.is_ok()));
+        let guards: Vec<_> = batch.iter().map(|k| f.l1.write_access(OWNER, k).unwrap()).collect();
+        assert!(f.l1.abort_write(OWNER, &batch).iter().all(|r| r.is_ok()));
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                drop(guards);
+                done.store(true, std::sync::atomic::Ordering::Release);
+            });
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                f.assert_consistent();
+            }
+        });
+        f.assert_consistent();
+        assert_eq!(f.usage().free_bytes, f.usage().capacity_bytes);
+    }
+}
