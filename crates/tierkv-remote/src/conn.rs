@@ -114,6 +114,10 @@ struct State {
     /// the lock every call takes anyway, where a scan of `slots` took as long as the map is
     /// fragmented (16,384 ranges at worst).
     silent_slots: Vec<u16>,
+    /// The last connection (its generation) a call found busy: it timed out while the
+    /// connection answered others. Calls on it that run out of time after it was replaced
+    /// waited behind the same backlog.
+    busy: Option<u64>,
 }
 
 /// Which connection a call used, and when it sent its command on it.
@@ -148,6 +152,7 @@ impl Link {
                 slots: Vec::new(),
                 silent: Vec::new(),
                 silent_slots: Vec::new(),
+                busy: None,
             })),
             opened: Arc::new(tokio::sync::watch::channel(0).0),
         }
@@ -448,8 +453,15 @@ impl Link {
             && Some(used.generation) != current
         {
             // The connection this call used is gone (dropped after another call's failure, or
-            // renewed): what happened on it says nothing about the one calls use now.
-            return result;
+            // renewed): what happened on it says nothing about the one calls use now. A call that
+            // ran out of time on one found busy (and so renewed) waited behind its backlog: it
+            // is `busy` too, not a failure of the link.
+            return match result {
+                Err(e) if e.is_timeout() && state.busy == Some(used.generation) => {
+                    Err(CallError::Busy(self.config.op_timeout))
+                }
+                other => other,
+            };
         }
         match &result {
             Ok(_) => {
@@ -492,6 +504,7 @@ impl Link {
                     self.link_failed(&mut state, used.is_some(), e);
                     return result;
                 }
+                state.busy = used.map(|u| u.generation);
                 if self.config.mode == RemoteMode::Cluster {
                     self.renew(&mut state, "a remote call timed out on a busy connection");
                 }
@@ -1053,6 +1066,50 @@ mod tests {
         let hung = link.call::<redis::Value>(&cmd(&["BLPOP", "tierkv-test-empty", "0"])).await;
         assert!(matches!(hung, Err(ref e) if e.is_timeout()), "{hung:?}");
         assert!(link.degraded().is_some());
+    }
+
+    /// A cluster connection found busy is renewed; calls that were queued on it and run out of
+    /// time after the new one replaced it waited behind the same backlog: busy too, not
+    /// timeouts of the link (which the metrics count as the link's failures).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_timeout_on_a_busy_connection_judged_after_its_renewal_is_still_busy() {
+        require_redis!();
+        let cluster = cluster().await;
+        let link = Arc::new(cluster_link(cluster.urls(), Duration::from_millis(350)));
+        link.call::<redis::Value>(&cmd(&["EXISTS", "tierkv-test-empty"])).await.unwrap();
+        // Twelve BLPOPs of 100 ms on one key, so on one master's connection: answered one
+        // after the other, the later ones past the deadline. Sent now, judged below in order.
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..12 {
+            let link = Arc::clone(&link);
+            calls.spawn(async move {
+                link.send::<redis::Value>(&cmd(&["BLPOP", "tierkv-test-empty", "0.1"])).await
+            });
+        }
+        let (mut answered, mut timed_out) = (Vec::new(), Vec::new());
+        while let Some(sent) = calls.join_next().await {
+            let sent = sent.unwrap();
+            if sent.1.is_ok() { answered.push(sent) } else { timed_out.push(sent) }
+        }
+        assert!(!answered.is_empty() && timed_out.len() >= 2, "{answered:?} {timed_out:?}");
+        for (used, result) in answered {
+            assert!(link.settle(used, result).is_ok());
+        }
+        let generation = || link.state.lock().conn.as_ref().map(|c| c.generation);
+        let first = generation();
+        let mut timed_out = timed_out.into_iter();
+        let (used, result) = timed_out.next().unwrap();
+        assert!(matches!(link.settle(used, result), Err(CallError::Busy(_))));
+        // The busy connection is renewed by a task of its own.
+        let renewed = Instant::now();
+        while generation() == first || generation().is_none() {
+            assert!(renewed.elapsed() < Duration::from_secs(5), "the connection was not renewed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for (used, result) in timed_out {
+            let judged = link.settle(used, result);
+            assert!(matches!(judged, Err(CallError::Busy(_))), "judged {judged:?}, not busy");
+        }
     }
 
     /// Under load `CLUSTER SLOTS` may answer late; the masters it names then get the whole

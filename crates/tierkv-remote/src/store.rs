@@ -243,7 +243,8 @@ impl Shared {
                             match &e {
                                 StoreFailure::Call(e) => self.count_error(e),
                                 StoreFailure::Tier(TierError::Abandoned) => abandoned += 1,
-                                StoreFailure::Tier(_) => {}
+                                // The source's bytes could not be read (a failed device copy).
+                                StoreFailure::Tier(_) => self.metrics.failed("copy"),
                             }
                             failure.get_or_insert(e);
                         }

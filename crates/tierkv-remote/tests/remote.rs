@@ -202,6 +202,40 @@ fn a_load_whose_sink_panics_still_names_each_sink_handed_back_by_its_own_bit() {
     }
 }
 
+/// A source whose bytes cannot be read: a device copy that failed.
+struct UnreadableSource;
+
+impl tierkv_core::ChunkSource for UnreadableSource {
+    fn len(&self) -> u64 {
+        CHUNK
+    }
+
+    fn copy_to_host(&self, _dst: &mut [u8]) -> Result<(), tierkv_core::BufferError> {
+        Err(tierkv_core::BufferError::Device("the copy failed".into()))
+    }
+}
+
+#[test]
+fn a_store_whose_source_cannot_be_read_fails_counted_as_copy_and_stores_nothing_of_it() {
+    require_redis!();
+    let server = RedisStandalone::start(&[]);
+    let prefix = unique_prefix("unreadable");
+    let (open, snapshotter) =
+        recorded(|| open_tier(config(vec![server.url()], RemoteMode::Standalone, &prefix)));
+    let tier = SharedTier::new(open.tier, CHUNK);
+    let items = vec![
+        StoreItem { key: key(0), source: Box::new(VecChunk(payload(&key(0), CHUNK))) },
+        StoreItem { key: key(1), source: Box::new(UnreadableSource) },
+    ];
+    let completion = tier.call(|t| t.submit_store(items));
+    let Completion::Stored { result, .. } = completion else { panic!("not a store") };
+    assert!(result.is_err(), "a store with an unreadable source succeeded");
+    assert_eq!(server.node.cli(&["EXISTS", &redis_key(&prefix, &key(1))]), "0");
+    let seen = Seen::take(&snapshotter);
+    assert_eq!(seen.get("tierkv_errors_total", "copy"), 1.0);
+    assert_eq!(tier.load_verified(&keys(0..2)), Bitmap::from_bools([true, false]));
+}
+
 #[test]
 fn two_namespaces_never_see_each_other() {
     require_redis!();
