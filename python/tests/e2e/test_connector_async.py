@@ -15,7 +15,7 @@ from halves import BLOCK, Halves, request, scheduler_connector, scheduler_output
 from vllm.v1.request import Request
 
 from tierkv.vllm.plan import LoadOp, TierKVMetadata
-from tierkv.vllm.worker import WorkerSide
+from tierkv.vllm.worker import IDLE_SETTLE_WAIT_S, WorkerSide
 
 TOKENS = list(range(1, 4 * BLOCK + 2))
 STORED = [0, 1, 2, 3, 4]
@@ -46,6 +46,31 @@ def _waiting(
     assert [op.req_id for op in meta.async_loads] == [req_id]
     assert [held for _, held in meta.async_loads[0].chunks] == [[b] for b in allocated[:4]]
     return r, meta
+
+
+def test_a_plan_that_fails_reports_only_the_external_tokens_blocks_failed(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM holds the first block itself (its prefix cache, which running requests may read);
+    tierkv's hit covers the next three. Should planning their load fail, the workers report
+    those three failed, never the local block: vLLM would rewind every running request that
+    reads it (vLLM 0.32's engine core does not survive that rewind)."""
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("a planning bug")
+
+    r = request("r", TOKENS)
+    deadline = time.monotonic() + 5
+    while (answer := halves.scheduler.get_num_new_matched_tokens(r, BLOCK))[0] is None:
+        assert time.monotonic() < deadline, "the lookup never completed"
+        time.sleep(0.01)
+    assert answer == (3 * BLOCK, True)
+    monkeypatch.setattr(halves.scheduler, "_plan_async", broken)
+    halves.scheduler.update_state_after_alloc(r, 3 * BLOCK, ALLOCATED)
+    meta = halves.scheduler.build_connector_meta(scheduler_output([]))
+    assert meta.async_loads == []
+    assert meta.async_unloadable == {"r": ALLOCATED[1:4]}, "a local block was reported failed"
+    halves.scheduler.update_connector_output(set(ALLOCATED[1:4]), {"r"})
 
 
 def _recved(worker: WorkerSide, req_id: str) -> set[int]:
@@ -339,6 +364,35 @@ def test_a_load_whose_retrieve_was_given_up_on_is_reported_once_that_call_is_ove
     time.sleep(halves.settings.timeout_s + 0.1)
     assert worker.take_finished_recving() == ({"s"}, set())
     daemons.close()
+
+
+def test_an_idle_step_waits_a_little_for_a_load_held_by_a_call_given_up_on(
+    halves: Halves,
+) -> None:
+    """A request whose retrieve was given up on waits in the worker until that call is over;
+    vLLM keeps it (and steps with nothing scheduled, back to back) until the workers report it.
+    Each such idle step waits a little for the call, as ``get_finished``'s do, so that a daemon
+    that stopped does not have the engine and every worker spin; a busy step does not wait."""
+    import socket
+
+    from tierkv.client import Unanswered
+    from tierkv.vllm.link import Unavailable
+
+    worker = halves.worker
+    ours, daemons = socket.socketpair()
+    try:
+        worker._watch("r", Unavailable("a retrieve past its deadline", Unanswered(ours)))  # noqa: SLF001
+        worker._async_over("r", [5, 6])  # noqa: SLF001
+        start = time.monotonic()
+        assert worker.take_finished_recving() == (set(), set())
+        assert time.monotonic() - start < IDLE_SETTLE_WAIT_S / 2, "a busy step does not wait"
+        start = time.monotonic()
+        assert worker.take_finished_recving(idle=True) == (set(), set())
+        assert time.monotonic() - start >= IDLE_SETTLE_WAIT_S * 0.9, "an idle step spins"
+        daemons.close()
+        assert worker.take_finished_recving(idle=True) == ({"r"}, set())
+    finally:
+        daemons.close()
 
 
 class _Event:

@@ -368,8 +368,14 @@ class SchedulerSide:
         included) and accepted ``num_external_tokens`` of the hit."""
         if self.settings.async_loads and num_external_tokens > 0:
             # vLLM waits for the workers to report this request: recorded first, so that the
-            # step's metadata loads it or has the workers report every block of it failed.
-            self.async_promised[request.request_id] = list(block_ids or [])
+            # step's metadata loads it or has the workers report every block of its external
+            # tokens failed. Those only: its local hit's blocks are vLLM's prefix cache, maybe
+            # read by running requests, which a report of them would rewind.
+            blocks = list(block_ids or [])
+            state = self.requests.get(request.request_id)
+            if state is not None:
+                blocks = self._external_blocks(state, num_external_tokens, blocks)
+            self.async_promised[request.request_id] = blocks
             self.guard.run(
                 "planning an asynchronous load (vLLM recomputes its blocks)",
                 lambda: self._plan_async(request, num_external_tokens, list(block_ids or [])),
@@ -742,9 +748,7 @@ class SchedulerSide:
         state.load_from = None
         first = state.asked_at // self.chunk_tokens
         end = first + num_external_tokens // self.chunk_tokens
-        external = block_ids[state.asked_at // self.block_size :][
-            : -(-num_external_tokens // self.block_size)
-        ]
+        external = self._external_blocks(state, num_external_tokens, block_ids)
         per = self.settings.chunk_blocks
         chunks: list[ChunkBlocks] = []
         # Frozen (a reset came between the answer and the allocation), nothing is loaded: every
@@ -760,6 +764,15 @@ class SchedulerSide:
         # The workers' retrieves return the lease; request_finished releases what is left.
         state.stored = max(state.stored, end)
         self.async_planned[req_id] = (op, [b for b in external if b not in filled])
+
+    def _external_blocks(
+        self, state: _Request, num_external_tokens: int, block_ids: list[int]
+    ) -> list[int]:
+        """The blocks of ``block_ids`` (all of a request's) that hold the hit's external tokens,
+        which start where the lookup was asked (vLLM's own hit ends there)."""
+        return block_ids[state.asked_at // self.block_size :][
+            : -(-num_external_tokens // self.block_size)
+        ]
 
     def _async_meta(self, meta: TierKVMetadata) -> None:
         """Puts the asynchronous loads planned since the last step in ``meta``: every request

@@ -423,7 +423,9 @@ class WorkerSide:
         """The requests whose asynchronous load is over since the last call, and of those the
         ones vLLM must take as failed whole; their failed blocks join the load errors (taken
         right after, in the same step). In an idle step with loads under way it waits up to
-        :data:`IDLE_SETTLE_WAIT_S` for one to end.
+        :data:`IDLE_SETTLE_WAIT_S` for one to end, and, with loads held for a call given up on
+        (below), up to as long for those calls, so that a stopped daemon does not have the engine
+        spin (vLLM runs idle steps back to back while a request waits for this report).
 
         A request with a call given up on (a retrieve past its deadline: the daemon may still be
         copying into its blocks) is reported only once that call is over: vLLM frees the blocks
@@ -440,11 +442,14 @@ class WorkerSide:
         whole: set[str] = set()
         held: list[tuple[str, list[int], bool, float]] = []
         now = time.monotonic()
+        deadline = now + (IDLE_SETTLE_WAIT_S if idle else 0.0)
         for req_id, blocks, failed_whole, latest in loaded:
             freed = req_id in self._freed_on_recv
             if (freed or now < latest) and not self.guard.run(
                 "checking whether a load's calls given up on are over (asked again next step)",
-                lambda req_id=req_id: self._settled(req_id),
+                lambda req_id=req_id: self._settled(
+                    req_id, wait_s=max(deadline - time.monotonic(), 0.0)
+                ),
                 lambda _e: False,
             ):
                 held.append((req_id, blocks, failed_whole, latest))
