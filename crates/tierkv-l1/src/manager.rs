@@ -289,7 +289,28 @@ impl L1Manager {
     /// evicted for a reservation is replaced by one of its keys, never evicted for a key that
     /// another writer reserved meanwhile, and no writer hears `WriteInFlight` (which a store
     /// counts as present) for a key nobody then writes.
+    ///
+    /// Every refusal, of a key or of the request, counts in `tierkv_errors_total`.
     pub fn reserve_write(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        layout: &Layout,
+        mode: WriteMode,
+        lifetime: Lifetime,
+    ) -> Result<Vec<Result<SlotHandle, KeyError>>, L1Error> {
+        let reserved = self.reserve_write_uncounted(owner, keys, layout, mode, lifetime);
+        self.count_refused(&reserved);
+        reserved
+    }
+
+    /// [`L1Manager::reserve_write`], counting no refusal: for a caller whose refusal is no
+    /// client's final answer. A writer that waits for room tries again (it counts what it is
+    /// refused in the end, with [`L1Manager::count_refused`]), and a lookup that promotes a
+    /// hit into L1 reads a chunk that finds no room from the tier that holds it. Counted per
+    /// try, `tierkv_errors_total{reason="out_of_memory"}` grew by every key of every try of a
+    /// store that then got its room, and by every chunk of a hit held below L1 by design.
+    pub fn reserve_write_uncounted(
         &self,
         owner: OwnerId,
         keys: &[ObjectKey],
@@ -299,10 +320,8 @@ impl L1Manager {
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, L1Error> {
         let len = layout.size_bytes();
         if len > self.slots.slot_bytes() {
-            let error =
-                L1Error::LayoutTooLarge { layout_bytes: len, slot_bytes: self.slots.slot_bytes() };
-            self.metrics.request_error(&error);
-            return Err(error);
+            let slot_bytes = self.slots.slot_bytes();
+            return Err(L1Error::LayoutTooLarge { layout_bytes: len, slot_bytes });
         }
         let temporary = lifetime == Lifetime::Temporary;
         let mut evicted = Vec::new();
@@ -310,7 +329,6 @@ impl L1Manager {
             && keys.len() > 1
             && let Some(results) = self.create_batch(owner, keys, len, temporary, &mut evicted)
         {
-            results.iter().for_each(|result| self.count_refusal(result));
             self.announce_evictions(&evicted, EvictionReason::OnDemand);
             return Ok(results);
         }
@@ -327,7 +345,6 @@ impl L1Manager {
                     }
                 };
                 out_of_memory |= result == Err(KeyError::OutOfMemory);
-                self.count_refusal(&result);
                 result
             })
             .collect();
@@ -1559,6 +1576,16 @@ impl L1Manager {
             KeyError::WrongState
         } else {
             KeyError::NotFound
+        }
+    }
+
+    /// Counts in `tierkv_errors_total` what a reservation was refused: each refused key, or the
+    /// whole request. For the caller of [`L1Manager::reserve_write_uncounted`] that answers a
+    /// client, once, with its final answer.
+    pub fn count_refused(&self, reserved: &Result<Vec<Result<SlotHandle, KeyError>>, L1Error>) {
+        match reserved {
+            Ok(results) => results.iter().for_each(|result| self.count_refusal(result)),
+            Err(error) => self.metrics.request_error(error),
         }
     }
 

@@ -886,9 +886,12 @@ impl Worker {
                 }
                 let keys: Vec<ObjectKey> = wanted.iter().map(|at| active.key(*at)).collect();
                 let layout = &active.request.groups[g].layout;
+                // Uncounted: a key refused here is no client's refusal (it is read from its
+                // tier, or trims the hit), so it is no error in `tierkv_errors_total`.
+                let owner = active.request.owner;
                 let results = self
                     .l1
-                    .reserve_write(active.request.owner, &keys, layout, WriteMode::Create, lifetime)
+                    .reserve_write_uncounted(owner, &keys, layout, WriteMode::Create, lifetime)
                     .unwrap_or_else(|_| vec![Err(KeyError::OutOfMemory); keys.len()]);
                 for (at, result) in wanted.iter().zip(results) {
                     match result {

@@ -549,6 +549,9 @@ impl StorageManager {
     /// way: the pipeline's other jobs (the cascade's demotions, which carry copies of their
     /// bytes) free no room in L1, and a writer that finds L1 full of chunks held otherwise (by
     /// lookups, by other writers) is refused at once.
+    ///
+    /// What the writer is refused in the end counts in `tierkv_errors_total`, once per key;
+    /// the tries before it count nothing.
     pub fn reserve_write_until(
         &self,
         owner: OwnerId,
@@ -556,10 +559,27 @@ impl StorageManager {
         layout: &Layout,
         deadline: Instant,
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
+        self.check(owner)?;
+        let reserved = self.reserve_waiting(owner, keys, layout, deadline);
+        self.inner.l1.count_refused(&reserved);
+        Ok(reserved?)
+    }
+
+    /// [`StorageManager::reserve_write_until`], counting no refusal.
+    fn reserve_waiting(
+        &self,
+        owner: OwnerId,
+        keys: &[ObjectKey],
+        layout: &Layout,
+        deadline: Instant,
+    ) -> Result<Vec<Result<SlotHandle, KeyError>>, tierkv_l1::L1Error> {
         let l1 = &self.inner.l1;
         let holds = self.inner.store.queue().l1_holds();
         let mut seen = holds.returned();
-        let mut results = self.reserve_write_now(owner, keys, layout)?;
+        let reserve = |keys: &[ObjectKey]| {
+            l1.reserve_write_uncounted(owner, keys, layout, WriteMode::Create, Lifetime::Cached)
+        };
+        let mut results = reserve(keys)?;
         // Reservations go root first and stop at the first key without room: retry from it.
         while let Some(first) = results.iter().position(|r| r == &Err(KeyError::OutOfMemory)) {
             // `holding` is read before `returned`: a job gives its shares back, then counts as
@@ -571,13 +591,7 @@ impl StorageManager {
             }
             holds.wait_returned(seen, deadline);
             seen = holds.returned();
-            let retried = l1.reserve_write(
-                owner,
-                &keys[first..],
-                layout,
-                WriteMode::Create,
-                Lifetime::Cached,
-            )?;
+            let retried = reserve(&keys[first..])?;
             for (i, result) in retried.into_iter().enumerate() {
                 let slot = &mut results[first + i];
                 if slot == &Err(KeyError::OutOfMemory) {

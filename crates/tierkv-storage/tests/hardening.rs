@@ -250,6 +250,50 @@ fn h16_02_past_the_backpressure_limit_a_full_l1_refuses_rather_than_dropping_a_c
     eventually("every chunk is down", || keys(0..4).iter().all(|k| disk.contains(k)));
 }
 
+/// `tierkv_errors_total{tier="l1",reason="out_of_memory"}` counts what a store is refused, once
+/// per refused key: not each try of a writer that waits for the store pipeline to free room in
+/// L1 (every try counted each key still without room, though the store then got it all).
+#[test]
+fn a_store_that_waits_for_room_counts_only_the_keys_it_is_refused_in_the_end() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
+    disk.hold();
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
+    let config = StorageConfig {
+        store_policy: StorePolicy::WriteThrough,
+        store_backpressure: WAIT,
+        ..StorageConfig::new(l1_config(4))
+    };
+    let s = metrics::with_local_recorder(&recorder, || {
+        StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers)
+    })
+    .unwrap();
+    let s = Arc::new(s);
+    write(&s, &keys(0..4));
+    eventually("the copies are in flight", || disk.held_tasks() == 1);
+    let out_of_memory = || common::l1_out_of_memory(&snapshotter.snapshot().into_vec());
+    // Refused in the end: tried at once, and again at the deadline. Each key counts once.
+    let soon = Instant::now() + Duration::from_millis(50);
+    let refused = s.reserve_write_until(OWNER, &keys(4..6), &layout(), soon).unwrap();
+    assert!(refused.iter().all(|r| r.as_ref().err() == Some(&tierkv_core::KeyError::OutOfMemory)));
+    assert_eq!(out_of_memory(), 2, "the refused keys, once each");
+    let now = s.reserve_write_now(OWNER, &keys(4..5), &layout()).unwrap();
+    assert_eq!(now[0].as_ref().err(), Some(&tierkv_core::KeyError::OutOfMemory));
+    assert_eq!(out_of_memory(), 1, "a writer that may not wait is refused, and counted, at once");
+    // Waits, then gets room: refused nothing, counted nothing. (The pause lets the writer try
+    // and wait before the copies end; without it the test checks less, never wrongly.)
+    let writer = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || s.reserve_write(OWNER, &keys(4..6), &layout()).unwrap())
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    disk.release_held();
+    let reserved = writer.join().unwrap();
+    assert!(reserved.iter().all(|r| r.is_ok()), "room once the copies finished: {reserved:?}");
+    assert_eq!(out_of_memory(), 0, "a store that got room was counted as refused");
+}
+
 #[test]
 fn a_store_into_an_l1_full_of_lookup_leases_is_refused_at_once_under_the_cascade() {
     // Under the cascade the store pipeline's jobs are L1's victims on their way down: copies of
