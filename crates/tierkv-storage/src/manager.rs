@@ -1172,9 +1172,17 @@ impl StorageManager {
         std::iter::once(l1).chain(self.inner.router.tiers().map(|t| t.delete(keys))).collect()
     }
 
-    /// Empties L1 of everything no one holds (with `force`, of everything).
+    /// Empties L1 of everything no one holds (with `force`, of everything). A clear of the node
+    /// is this, then [`StorageManager::clear_tier`] of every tier below. The chunks it keeps
+    /// because L1 leased them to the store pipeline for the tiers below (write-back and
+    /// hand-down victims) are withdrawn: not written below, or deleted there once written, and
+    /// freed in L1 as ever, so the cleared node does not fill up again from them. A chunk the
+    /// pipeline is copying down that L1 keeps (a write-through store's, a disk admission) stays
+    /// where it lands: L1 keeps it too, and a clear that races a store may keep what it stores.
     pub fn clear_l1(&self, force: bool) -> Cleared {
-        self.inner.l1.clear(force)
+        let cleared = self.inner.l1.clear(force);
+        self.inner.store.queue().clears().cleared();
+        cleared
     }
 
     /// Empties lower tier `tier` (fastest first) of everything not locked; `None` if there is no
@@ -1266,10 +1274,11 @@ impl Inner {
         self.wait_for_store_jobs(0, deadline);
         let mut from_l1 = 0;
         while Instant::now() < deadline && self.wait_for_store_jobs(1, deadline) {
+            let clears = self.store.queue().clears().seen();
             let leased = self.l1.lease_eviction_candidates(WRITEBACK_OWNER, STOP_BATCH);
             let Some(lease) = leased.lease else { break };
             from_l1 += leased.keys.len();
-            self.store.submit(StoreJob::HandDown { lease, keys: leased.keys });
+            self.store.submit(StoreJob::HandDown { lease, keys: leased.keys, clears });
         }
         let mut from_l2 = 0;
         let cascade = self.config.store_policy == StorePolicy::Cascade;
@@ -1601,11 +1610,13 @@ impl Inner {
             if self.store.in_flight() == 0 && occupied as f64 > watermark.high * usage.slots as f64
             {
                 let target = (watermark.low * usage.slots as f64).floor() as u64;
+                // Read before the lease: a clear after it withdraws the victims (`Clears`).
+                let clears = self.store.queue().clears().seen();
                 let victims = self
                     .l1
                     .lease_eviction_candidates(WRITEBACK_OWNER, (occupied - target) as usize);
                 if let Some(lease) = victims.lease {
-                    self.store.submit(StoreJob::WriteBack { lease, keys: victims.keys });
+                    self.store.submit(StoreJob::WriteBack { lease, keys: victims.keys, clears });
                 }
             }
         } else {
@@ -2231,5 +2242,76 @@ mod tests {
         assert!(below.contains(&k1), "a victim not deleted lands below");
         assert!(!below.contains(&k2), "a chunk deleted on its way was written below");
         assert_eq!(below.usage().objects, 1);
+    }
+
+    /// A write-back over one fake tier below L1 (an L2) that holds tasks when told to; L1 of
+    /// eight chunks writes back past half full, down to a quarter. The maintenance thread
+    /// ticks once an hour: the tests tick.
+    fn write_back_over_one_tier() -> (StorageManager, Arc<tierkv_testkit::FakeTier>) {
+        let below = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
+        let l1 = L1Config {
+            device: DeviceKind::Emulated,
+            watermark: tierkv_l1::Watermark { high: 0.5, low: 0.25 },
+            ..L1Config::new(8 * CHUNK, CHUNK)
+        };
+        let config = StorageConfig {
+            store_policy: StorePolicy::WriteBack,
+            maintenance_interval: Duration::from_secs(3600),
+            ..StorageConfig::new(l1)
+        };
+        let tiers: Vec<Arc<dyn TierAdapter>> = vec![below.clone()];
+        let clock = Arc::new(tierkv_core::ManualClock::new());
+        (StorageManager::start_with_tiers(config, clock, tiers).unwrap(), below)
+    }
+
+    /// A clear does not fill the tiers below again from the write-back victims on their way
+    /// down when it came: L1's clear keeps them (leased to the pipeline), the tier's clear
+    /// misses them (not there yet), and once written they are deleted there again. L1 frees
+    /// them once written, as ever: the node holds none of them.
+    #[test]
+    fn write_back_victims_on_their_way_at_a_clear_do_not_stay_below() {
+        let (storage, below) = write_back_over_one_tier();
+        let chunks = keys(0..6);
+        write(&storage, &chunks);
+        below.hold();
+        storage.inner.tick(); // leases four victims (six to two) and sends them down
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while below.held_tasks() == 0 {
+            assert!(Instant::now() < deadline, "the pipeline never took the victims");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(storage.clear_l1(false).kept, 4, "the victims on their way are kept");
+        assert_eq!(storage.clear_tier(0), Some(0), "the tier has none of them yet");
+        below.release_held();
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        let stayed: Vec<&ObjectKey> = chunks.iter().filter(|k| below.contains(k)).collect();
+        assert!(stayed.is_empty(), "cleared chunks filled the tier below again: {stayed:?}");
+        assert_eq!(storage.l1().usage().used_bytes, 0, "L1 kept a victim once written");
+    }
+
+    /// Victims leased before a clear and sent down after it are never written below.
+    #[test]
+    fn write_back_victims_leased_before_a_clear_are_not_written_after_it() {
+        let (storage, below) = write_back_over_one_tier();
+        let chunks = keys(0..4);
+        write(&storage, &chunks);
+        let clears = storage.inner.store.queue().clears().seen();
+        let victims = storage.l1().lease_eviction_candidates(WRITEBACK_OWNER, 2);
+        assert_eq!(storage.clear_l1(false).kept, 2);
+        below.hold();
+        let lease = victims.lease.unwrap();
+        storage.inner.store.submit(StoreJob::WriteBack { lease, keys: victims.keys, clears });
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        assert_eq!(below.held_tasks(), 0, "a victim withdrawn before its write was sent below");
+        assert_eq!(storage.l1().usage().used_bytes, 0, "the victims stayed in L1");
+        // Leased after the clear: written as ever.
+        below.release_held();
+        write(&storage, &chunks);
+        let clears = storage.inner.store.queue().clears().seen();
+        let victims = storage.l1().lease_eviction_candidates(WRITEBACK_OWNER, 2);
+        let (lease, sent) = (victims.lease.unwrap(), victims.keys.clone());
+        storage.inner.store.submit(StoreJob::WriteBack { lease, keys: victims.keys, clears });
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        assert!(sent.iter().all(|k| below.contains(k)), "a victim after the clear was not written");
     }
 }

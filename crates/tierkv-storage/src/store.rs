@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use parking_lot::{Mutex, RwLock};
-use tierkv_core::{ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, TaskId};
-use tierkv_l1::{L1Manager, LeaseId, OwnerId, Readers};
+use tierkv_core::{BufferError, ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, TaskId};
+use tierkv_l1::{L1Manager, LeaseId, OwnerId, ReadAccess, Readers};
 use tierkv_prefetch::{TierEvent, TierRouter};
 
 use crate::config::{RemoteAdmission, StorePolicy};
@@ -50,12 +50,13 @@ pub(crate) enum StoreJob {
     Admit(Vec<ObjectKey>),
     /// Objects read often enough to be admitted to the remote tier.
     AdmitRemote(Vec<ObjectKey>),
-    /// Eviction victims leased for write-back; the lease is the pipeline's to return.
-    WriteBack { lease: LeaseId, keys: Vec<ObjectKey> },
+    /// Eviction victims leased for write-back; the lease is the pipeline's to return. `clears`
+    /// is what [`Clears::seen`] said before they were leased.
+    WriteBack { lease: LeaseId, keys: Vec<ObjectKey>, clears: u64 },
     /// L1's chunks leased at a clean stop, for the tiers that outlive the daemon's memory: the
     /// disk, and under write-back a remote tier that takes unread chunks. The lease is the
-    /// pipeline's to return.
-    HandDown { lease: LeaseId, keys: Vec<ObjectKey> },
+    /// pipeline's to return; `clears` as for `WriteBack`.
+    HandDown { lease: LeaseId, keys: Vec<ObjectKey>, clears: u64 },
     /// Chunks a tier above evicted under the cascade policy, with their bytes, for lower tier
     /// `tier` (fastest first): the cascade sends [`tierkv_core::Departing`] copies. The bytes
     /// are dropped once the tier answered (or the job was dropped); until then the tier whose
@@ -125,6 +126,59 @@ impl L1Holds {
     }
 }
 
+/// How many times this node was cleared (`StorageManager::clear_l1`). A clear keeps in L1 the
+/// chunks L1 leased to the pipeline for the tiers below (write-back and hand-down victims), and
+/// the clears of those tiers miss them (not there yet); once written there they would fill the
+/// cleared node again, then leave L1. So a victim leased before a clear is withdrawn by it
+/// ([`LeasedVictim`]), as a cascade victim deleted on its way is: the pipeline drops it before
+/// its write, or deletes it below once written (`Worker::take_back_withdrawn`). This rather
+/// than a clear that waits for the victims: that wait would hold an admin's request for as
+/// long as the slowest tier takes (up to `storage.store_timeout`), and the maintenance tick
+/// would have to be kept from leasing more meanwhile.
+#[derive(Default)]
+pub(crate) struct Clears(AtomicU64);
+
+impl Clears {
+    /// The clears so far; read before leasing victims for the pipeline.
+    pub(crate) fn seen(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// L1 was cleared: counted after L1's clear and before the clears of the tiers below.
+    /// Counted before L1's clear, a victim the maintenance tick leased in between would carry
+    /// the new count, and so land below although the clear found it and kept it.
+    pub(crate) fn cleared(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// A write-back or hand-down victim, read out of its L1 slot: withdrawn once the node was
+/// cleared after it was leased ([`Clears`]).
+struct LeasedVictim {
+    access: ReadAccess,
+    clears: Arc<Clears>,
+    /// [`Clears::seen`] before it was leased.
+    seen: u64,
+}
+
+impl ChunkSource for LeasedVictim {
+    fn len(&self) -> u64 {
+        ChunkSource::len(&self.access)
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BufferError> {
+        self.access.copy_to_host(dst)
+    }
+
+    fn host_bytes(&self) -> Option<&[u8]> {
+        ChunkSource::host_bytes(&self.access)
+    }
+
+    fn withdrawn(&self) -> bool {
+        self.clears.seen() != self.seen
+    }
+}
+
 /// What became of the chunks of one `finish_write`: how many reached the disk tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Durability {
@@ -187,6 +241,8 @@ pub(crate) struct StoreQueue {
     l1_holds: Arc<L1Holds>,
     /// Bytes of demoted chunks queued or being written: their copies live in memory until then.
     demoted_bytes: Arc<AtomicU64>,
+    /// The node's clears, which withdraw the victims leased before them.
+    clears: Arc<Clears>,
     /// Whether the pipeline takes jobs. A send holds the read lock while it queues, and a stop
     /// closes the queue under the write lock before it drains it: every job sent is either in
     /// the channel before the drain or refused, never queued to a pipeline that stopped
@@ -203,6 +259,7 @@ impl StoreQueue {
             progress: Arc::new((Mutex::new(0), Condvar::new())),
             l1_holds: Arc::new(L1Holds::default()),
             demoted_bytes: Arc::new(AtomicU64::new(0)),
+            clears: Arc::default(),
             open: Arc::new(RwLock::new(true)),
         };
         (queue, inbox)
@@ -284,6 +341,11 @@ impl StoreQueue {
         &self.l1_holds
     }
 
+    /// The node's clears, for whoever leases victims for the pipeline and for the clear.
+    pub(crate) fn clears(&self) -> &Clears {
+        &self.clears
+    }
+
     /// Bytes of demoted chunks queued or being written.
     #[cfg(test)]
     pub(crate) fn demoted_bytes(&self) -> u64 {
@@ -351,6 +413,7 @@ impl StorePipeline {
             progress: Arc::clone(&queue.progress),
             l1_holds: Arc::clone(&queue.l1_holds),
             demoted_bytes: Arc::clone(&queue.demoted_bytes),
+            clears: Arc::clone(&queue.clears),
             metrics,
             timeout,
             next_late_check: Instant::now(),
@@ -470,6 +533,8 @@ struct Worker {
     l1_holds: Arc<L1Holds>,
     /// Bytes of demoted chunks queued or being written, shared with the queue.
     demoted_bytes: Arc<AtomicU64>,
+    /// The node's clears, shared with the queue.
+    clears: Arc<Clears>,
     metrics: Arc<StorageMetrics>,
     /// How long a batch may wait for its tiers' answers (`StorageConfig::store_timeout`).
     timeout: Duration,
@@ -658,12 +723,13 @@ impl Worker {
             job => job,
         };
         let targets = self.targets(&job);
-        let (lease, keys, write_back, ticket) = match job {
-            StoreJob::WriteBack { lease, keys } | StoreJob::HandDown { lease, keys } => {
-                (lease, keys, true, None)
-            }
+        // `clears`: what `Clears::seen` said before the victims of a write-back or a hand-down
+        // were leased.
+        let (lease, keys, write_back, ticket, clears) = match job {
+            StoreJob::WriteBack { lease, keys, clears }
+            | StoreJob::HandDown { lease, keys, clears } => (lease, keys, true, None, Some(clears)),
             StoreJob::Finished { keys, lease: Some(lease), ticket } if !targets.is_empty() => {
-                (lease, keys, false, ticket)
+                (lease, keys, false, ticket, None)
             }
             job @ (StoreJob::Finished { .. } | StoreJob::Admit(_) | StoreJob::AdmitRemote(_))
                 if targets.is_empty() =>
@@ -689,9 +755,9 @@ impl Worker {
                     .filter(|(_, r)| r.is_ok())
                     .map(|(k, _)| k)
                     .collect();
-                (lease, granted, false, None)
+                (lease, granted, false, None, None)
             }
-            StoreJob::Finished { lease: Some(lease), .. } => (lease, Vec::new(), false, None),
+            StoreJob::Finished { lease: Some(lease), .. } => (lease, Vec::new(), false, None, None),
             StoreJob::Demoted { .. } => {
                 self.done_with_job();
                 return;
@@ -716,8 +782,16 @@ impl Worker {
                 .iter()
                 .filter(|key| !self.remote_holds(tier, key))
                 .filter_map(|key| {
-                    let source = self.l1.read_access(lease, 0, key).ok()?;
-                    Some(StoreItem { key: *key, source: Box::new(source) as Box<dyn ChunkSource> })
+                    let access = self.l1.read_access(lease, 0, key).ok()?;
+                    let source: Box<dyn ChunkSource> = match clears {
+                        Some(seen) => {
+                            let clears = Arc::clone(&self.clears);
+                            Box::new(LeasedVictim { access, clears, seen })
+                        }
+                        None => Box::new(access),
+                    };
+                    // A victim a clear withdrew before its write is not written.
+                    (!source.withdrawn()).then_some(StoreItem { key: *key, source })
                 })
                 .collect();
             self.submit_to(tier, id, items);
@@ -800,7 +874,8 @@ impl Worker {
     }
 
     /// Deletes from `tier` the demoted chunks it just stored that the tier above deleted while
-    /// the write was under way (each was checked before it, in `start_demoted`): a delete
+    /// the write was under way (each was checked before it, in `start_demoted`), and the
+    /// write-back and hand-down victims a clear withdrew meanwhile ([`Clears`]): a delete
     /// above that came after the check and before the chunk was in `tier` would otherwise not
     /// reach it. One that comes later finds the chunk in `tier` itself. A later departure of the
     /// same key that landed meanwhile goes too: a miss, never wrong bytes.
