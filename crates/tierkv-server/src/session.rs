@@ -5,7 +5,7 @@
 //! owned by its `OwnerId`; [`Session::close`] returns all of them, and the shares the session
 //! took on lookups other ranks of its TP group made. A request that fails changes nothing.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -37,9 +37,16 @@ const MAX_WAIT: Duration = Duration::from_secs(60);
 /// past it the kernels writing the blocks are taken as never finishing, and the store is refused.
 /// Longer than any forward pass, shorter than a hang.
 const READY_EVENT_WAIT: Duration = Duration::from_secs(30);
-/// Lookups remembered after their last reader returned its share, so a late `release` by their
-/// owner is answered `released` and a late retrieve `share_returned`, not `unknown_lookup`.
+/// Lookups remembered after their last reader returned its share, the daemon's newest: so that
+/// a late retrieve by a reader in another session than the owner's is answered `share_returned`,
+/// not `unknown_lookup`.
 const ENDED_LOOKUPS: usize = 4096;
+/// A session's own lookups remembered after their last reader returned its share, until it
+/// releases them or closes: so that its late `release` is answered `released` and its late
+/// retrieve `share_returned`, however many lookups the rest of the daemon ended meanwhile. An
+/// engine releases each of its lookups when its request finishes, so no more than its requests
+/// in flight wait here; past this many, the session's oldest are forgotten.
+const ENDED_PER_SESSION: usize = MAX_OPEN_LOOKUPS;
 /// The error message of a lookup, store or retrieve the client gave up on before the daemon
 /// carried it out (the client has shut its writing side or closed the connection).
 const GAVE_UP: &str = "the client gave up on this request before the daemon carried it out; \
@@ -108,14 +115,22 @@ struct LookupInfo {
     owner_reader: u16,
 }
 
-/// Lookups that ended (every reader returned its share), oldest forgotten first.
+/// Lookups that ended (every reader returned its share).
 #[derive(Default)]
 struct Ended {
+    /// The daemon's newest [`ENDED_LOOKUPS`], oldest forgotten first: for readers of other
+    /// sessions than the owner's.
     lookups: HashMap<u64, LookupInfo>,
     order: VecDeque<u64>,
+    /// Each open session's own that it has not released, [`ENDED_PER_SESSION`] at most (ids
+    /// grow, so the first is the oldest): for the owner.
+    by_owner: HashMap<u64, BTreeSet<u64>>,
 }
 
 impl Ended {
+    /// Called with the registry locked, as the lookup leaves it: its owner's session is open
+    /// ([`Session::close`] takes its lookups out of the registry and its entry out of here in
+    /// one step), so no entry is made for a session gone.
     fn insert(&mut self, id: u64, info: LookupInfo) {
         if self.order.len() == ENDED_LOOKUPS
             && let Some(old) = self.order.pop_front()
@@ -124,6 +139,17 @@ impl Ended {
         }
         self.lookups.insert(id, info);
         self.order.push_back(id);
+        let own = self.by_owner.entry(info.owner).or_default();
+        own.insert(id);
+        if own.len() > ENDED_PER_SESSION {
+            own.pop_first();
+        }
+    }
+
+    /// Whether `session` made `lookup` and it ended.
+    fn owned_by(&self, session: u64, lookup: u64) -> bool {
+        self.by_owner.get(&session).is_some_and(|own| own.contains(&lookup))
+            || self.lookups.get(&lookup).is_some_and(|info| info.owner == session)
     }
 }
 
@@ -267,6 +293,17 @@ impl Daemon {
             *open.entry(info.owner).or_default() += 1;
         }
         open
+    }
+}
+
+#[cfg(test)]
+impl Daemon {
+    /// A daemon over an emulated L1 of 16 slots of `slot` bytes and no tier below, for tests.
+    pub(crate) fn small(slot: u64) -> Arc<Self> {
+        use tierkv_l1::{DeviceKind, L1Config};
+        let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(16 * slot, slot) };
+        let storage = StorageManager::start(tierkv_storage::StorageConfig::new(l1));
+        Arc::new(Daemon::new(storage.unwrap_or_else(|e| panic!("{e}")), None, None))
     }
 }
 
@@ -1052,7 +1089,17 @@ impl Session {
         done_event: Option<&[u8]>,
         peer: Peer,
     ) -> Result<ReplyBody, Fail> {
-        let ended = self.daemon.ended.lock().lookups.get(&lookup).copied();
+        let (own, ended) = {
+            let ended = self.daemon.ended.lock();
+            (ended.owned_by(self.id, lookup), ended.lookups.get(&lookup).copied())
+        };
+        if own {
+            // Its owner's reader returned its share with the rest.
+            return fail(
+                ErrorCode::ShareReturned,
+                format!("every reader returned its share of lookup {lookup}; it is over"),
+            );
+        }
         if let Some(info) = ended
             && self.opened().namespaces.contains(&info.namespace)
         {
@@ -1137,8 +1184,8 @@ impl Session {
             }
             Err(e) => return Err(e),
         };
-        let ended = match storage.release(id, Readers::One(reader)) {
-            Ok(ended) => ended,
+        match self.daemon.return_share(lookup, reader) {
+            Ok(_) => {}
             Err(e) => {
                 // Refused now (the owner released the lookup meanwhile, or its deadline
                 // passed): an error tells the engine the blocks are its own again, to recompute
@@ -1157,9 +1204,6 @@ impl Session {
         {
             let joined = opened.joined.len();
             self.report_joined(joined);
-        }
-        if ended {
-            self.daemon.end_lookup(lookup);
         }
         self.daemon.metrics.data_bytes("retrieve", bytes);
         Ok(ReplyBody::Retrieved { chunks: chunks.len() as u32, bytes })
@@ -1180,23 +1224,36 @@ impl Session {
     }
 
     fn release(&mut self, lookup: u64) -> Result<ReplyBody, Fail> {
-        let ended = self.daemon.ended.lock().lookups.get(&lookup).copied();
-        if let Some(info) = ended
-            && info.owner == self.id
-        {
-            // Every reader returned its share already: there is nothing left to release.
+        let unknown = match self.visible_lookup(lookup) {
+            Ok((_, _, info)) if info.owner != self.id => {
+                return fail(
+                    ErrorCode::Forbidden,
+                    "only the session that made a lookup may release it",
+                );
+            }
+            Ok(_) => {
+                if self.daemon.release_open(lookup)? {
+                    return Ok(ReplyBody::Released);
+                }
+                // Its last reader ended it since: in the ended ones now.
+                Fail {
+                    code: ErrorCode::UnknownLookup,
+                    message: format!("no lookup {lookup} is open for this session"),
+                }
+            }
+            Err(e) if e.code == ErrorCode::UnknownLookup => e,
+            Err(e) => return Err(e),
+        };
+        let mut ended = self.daemon.ended.lock();
+        if ended.owned_by(self.id, lookup) {
+            // Every reader returned its share already: there is nothing left to release, and
+            // the session's record of it goes.
+            if let Some(own) = ended.by_owner.get_mut(&self.id) {
+                own.remove(&lookup);
+            }
             return Ok(ReplyBody::Released);
         }
-        let (id, _, info) = self.visible_lookup(lookup)?;
-        if info.owner != self.id {
-            return fail(
-                ErrorCode::Forbidden,
-                "only the session that made a lookup may release it",
-            );
-        }
-        self.daemon.lookups.lock().remove(&lookup);
-        self.daemon.storage.release_all(id)?;
-        Ok(ReplyBody::Released)
+        Err(unknown)
     }
 
     fn clear(&self) -> ReplyBody {
@@ -1220,15 +1277,19 @@ impl Session {
         if let Some(opened) = self.opened.take() {
             for (lookup, reader) in opened.joined {
                 // The owner may have released it already; nothing is left to return then.
-                if let Ok(true) = storage.release(LookupId(lookup), Readers::One(reader)) {
-                    self.daemon.end_lookup(lookup);
-                }
+                let _ = self.daemon.return_share(lookup, reader);
             }
             if opened.hello.role == Role::Worker {
                 self.daemon.metrics.worker_connected(-1.0);
             }
         }
-        self.daemon.lookups.lock().retain(|_, info| info.owner != self.id);
+        {
+            // In one step, so that no lookup of this session ends into the ended ones after
+            // its record there is gone (`Ended::insert`).
+            let mut registry = self.daemon.lookups.lock();
+            registry.retain(|_, info| info.owner != self.id);
+            self.daemon.ended.lock().by_owner.remove(&self.id);
+        }
         let released = storage.release_owner(self.owner());
         if released.leases + released.aborted_writes > 0 {
             tracing::debug!(session = self.id, ?released, "returned what a departed session held");
@@ -1259,11 +1320,30 @@ impl Daemon {
         }
     }
 
-    /// A lookup's last reader returned its share: it leaves the registry for the ended list.
-    fn end_lookup(&self, lookup: u64) {
-        if let Some(info) = self.lookups.lock().remove(&lookup) {
+    /// Returns `reader`'s share of `lookup`; returns whether that ended it. A lookup that ends
+    /// leaves the registry for the ended ones in the same step, under the registry's lock, as
+    /// its storage record goes: its owner's `release` ([`Daemon::release_open`]) finds it in
+    /// one or the other, never in neither.
+    fn return_share(&self, lookup: u64, reader: u8) -> Result<bool, StorageError> {
+        let mut registry = self.lookups.lock();
+        let ended = self.storage.release(LookupId(lookup), Readers::One(reader))?;
+        if ended && let Some(info) = registry.remove(&lookup) {
             self.ended.lock().insert(lookup, info);
         }
+        Ok(ended)
+    }
+
+    /// The owner releases `lookup`: out of the registry and every share it holds returned, in
+    /// one step under the registry's lock (so a retrieve cannot end it in between, leaving it
+    /// in neither the registry nor the ended ones). `false` when it is no longer in the
+    /// registry: its last reader ended it since it was looked up.
+    fn release_open(&self, lookup: u64) -> Result<bool, StorageError> {
+        let mut registry = self.lookups.lock();
+        if registry.remove(&lookup).is_none() {
+            return Ok(false);
+        }
+        self.storage.release_all(LookupId(lookup))?;
+        Ok(true)
     }
 }
 
@@ -1534,6 +1614,121 @@ mod tests {
     use tierkv_client::SharedBuffer;
     use tierkv_proto::{KvLayout, Segment};
 
+    /// A worker's hello: one namespace ("m"), rank 0 of 1, chunks of `chunk` bytes.
+    fn worker_hello(chunk: u64) -> Hello {
+        Hello {
+            version: PROTOCOL_VERSION,
+            role: Role::Worker,
+            rank: 0,
+            tp_size: 1,
+            world_size: None,
+            mla: false,
+            namespaces: vec![tierkv_proto::NamespaceDecl {
+                model: "m".into(),
+                cache_salt: String::new(),
+            }],
+            chunk_bytes: chunk,
+            chunk_tokens: 16,
+            token: None,
+        }
+    }
+
+    /// A session of `daemon` that said [`worker_hello`] and registered buffer 0: `blocks`
+    /// blocks of one chunk each, in the memory returned with it.
+    fn worker(
+        daemon: &Arc<Daemon>,
+        chunk: u64,
+        blocks: u64,
+        peer: Peer,
+    ) -> (Session, SharedBuffer) {
+        let mut session = Session::new(Arc::clone(daemon), Transport::Unix);
+        let hello = RequestBody::Hello(worker_hello(chunk));
+        let welcomed = session.handle(hello, &mut || None, peer);
+        assert!(matches!(welcomed.reply, ReplyBody::Welcome { .. }), "{:?}", welcomed.reply);
+        let shared = SharedBuffer::new(chunk, blocks).unwrap();
+        let mut fd = Some(shared.fd().try_clone_to_owned().unwrap());
+        let register = RequestBody::RegisterKv {
+            regions: vec![RegionSource::Memfd { bytes: blocks * chunk }],
+            layout: KvLayout {
+                blocks,
+                block_bytes: chunk,
+                block_stride: chunk,
+                blocks_per_chunk: 1,
+                segments: vec![Segment { region: 0, offset: 0 }],
+            },
+        };
+        let registered = session.handle(register, &mut || fd.take(), peer);
+        assert!(matches!(registered.reply, ReplyBody::BufferRegistered { buffer: 0 }));
+        (session, shared)
+    }
+
+    /// A daemon whose L1 (16 slots, windows of two chunks, write-through to a fake disk) is
+    /// full: 14 chunks are held by three lookups (`first` holds keys 0 and 1, `second` keys 2
+    /// and 3), and two are under a copy the disk holds (a store waits while such copies are
+    /// under way, for `store_backpressure` at most). Releasing `first` or `second` makes room
+    /// for a window.
+    struct FullL1 {
+        daemon: Arc<Daemon>,
+        first: LookupId,
+        second: LookupId,
+        disk: Arc<tierkv_testkit::FakeTier>,
+    }
+
+    impl FullL1 {
+        const CHUNK: u64 = 4 << 10;
+
+        fn new(store_backpressure: Duration) -> Self {
+            use tierkv_core::{ManualClock, TierAdapter};
+            use tierkv_l1::{DeviceKind, L1Config, Watermark};
+            use tierkv_storage::{StorageConfig, StorePolicy};
+            use tierkv_testkit::contract::{keys, payload};
+            use tierkv_testkit::{FakeTier, eventually};
+
+            const CHUNK: u64 = FullL1::CHUNK;
+            const SLOTS: u64 = 16; // windows of two chunks
+            let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
+            let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
+            let l1 = L1Config {
+                device: DeviceKind::Emulated,
+                watermark: Watermark { high: 1.0, low: 1.0 },
+                ..L1Config::new(SLOTS * CHUNK, CHUNK)
+            };
+            let config = StorageConfig {
+                store_policy: StorePolicy::WriteThrough,
+                store_backpressure,
+                ..StorageConfig::new(l1)
+            };
+            let clock = Arc::new(ManualClock::new());
+            let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+            assert_eq!(storage.store_window(), 2);
+            let (other, layout) = (OwnerId(1000), Layout::bytes(CHUNK).unwrap());
+            let fill = |chunks: &[ObjectKey]| {
+                let reserved = storage.reserve_write(other, chunks, &layout).unwrap();
+                assert!(reserved.iter().all(|r| r.is_ok()));
+                for k in chunks {
+                    let mut access = storage.write_access(other, k).unwrap();
+                    access.write_at(0, &payload(k, CHUNK)).unwrap();
+                }
+                assert!(storage.finish_write(other, chunks).unwrap().iter().all(|r| r.is_ok()));
+            };
+            fill(&keys(0..14));
+            eventually("the first copies are down", || storage.status().store_in_flight == 0);
+            let lookup = |chunks: Vec<ObjectKey>| {
+                let id = storage.submit_prefetch(other, chunks, ExtraCount::ZERO, layout.clone());
+                let id = id.unwrap();
+                assert!(storage.wait(id, MAX_WAIT).unwrap().hit_chunks > 0);
+                id
+            };
+            let (first, second) = (lookup(keys(0..2)), lookup(keys(2..4)));
+            lookup(keys(4..14));
+            disk.hold();
+            fill(&keys(14..16));
+            eventually("a copy is held", || disk.held_tasks() == 1);
+            let daemon = Arc::new(Daemon::new(storage, None, None));
+            FullL1 { daemon, first, second, disk }
+        }
+    }
+
     /// A retrieve's host copies after the client gave up: at most `GIVE_UP_CHECK_BYTES` more are
     /// written, then the scatter stops with `timeout`. While it has not, all are.
     #[tokio::test]
@@ -1588,87 +1783,10 @@ mod tests {
     /// second after it: the second is refused, where a deadline per window stored it.
     #[test]
     fn a_store_of_two_windows_waits_for_room_one_store_backpressure_in_all() {
-        use tierkv_core::{ManualClock, TierAdapter};
-        use tierkv_l1::{DeviceKind, L1Config, Watermark};
-        use tierkv_storage::{StorageConfig, StorePolicy};
-        use tierkv_testkit::contract::{keys, payload};
-        use tierkv_testkit::{FakeTier, eventually};
-
-        const CHUNK: u64 = 4 << 10;
-        const SLOTS: u64 = 16; // windows of two chunks
         const BACKPRESSURE: Duration = Duration::from_secs(2);
-        let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
-        let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
-        let l1 = L1Config {
-            device: DeviceKind::Emulated,
-            watermark: Watermark { high: 1.0, low: 1.0 },
-            ..L1Config::new(SLOTS * CHUNK, CHUNK)
-        };
-        let config = StorageConfig {
-            store_policy: StorePolicy::WriteThrough,
-            store_backpressure: BACKPRESSURE,
-            ..StorageConfig::new(l1)
-        };
-        let clock = Arc::new(ManualClock::new());
-        let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
-        assert_eq!(storage.store_window(), 2);
-        let (other, layout) = (OwnerId(1000), Layout::bytes(CHUNK).unwrap());
-        let fill = |chunks: &[ObjectKey]| {
-            let reserved = storage.reserve_write(other, chunks, &layout).unwrap();
-            assert!(reserved.iter().all(|r| r.is_ok()));
-            for k in chunks {
-                storage.write_access(other, k).unwrap().write_at(0, &payload(k, CHUNK)).unwrap();
-            }
-            assert!(storage.finish_write(other, chunks).unwrap().iter().all(|r| r.is_ok()));
-        };
-        fill(&keys(0..14));
-        eventually("the first copies are down", || storage.status().store_in_flight == 0);
-        let lookup = |chunks: Vec<ObjectKey>| {
-            let id = storage.submit_prefetch(other, chunks, ExtraCount::ZERO, layout.clone());
-            let id = id.unwrap();
-            assert!(storage.wait(id, MAX_WAIT).unwrap().hit_chunks > 0);
-            id
-        };
-        let (first, second) = (lookup(keys(0..2)), lookup(keys(2..4)));
-        lookup(keys(4..14));
-        disk.hold();
-        fill(&keys(14..16));
-        eventually("a copy is held", || disk.held_tasks() == 1);
-
-        let daemon = Arc::new(Daemon::new(storage, None, None));
-        let mut session = Session::new(Arc::clone(&daemon), Transport::Unix);
-        let hello = Hello {
-            version: PROTOCOL_VERSION,
-            role: Role::Worker,
-            rank: 0,
-            tp_size: 1,
-            world_size: None,
-            mla: false,
-            namespaces: vec![tierkv_proto::NamespaceDecl {
-                model: "m".into(),
-                cache_salt: String::new(),
-            }],
-            chunk_bytes: CHUNK,
-            chunk_tokens: 16,
-            token: None,
-        };
+        let FullL1 { daemon, first, second, disk } = FullL1::new(BACKPRESSURE);
         let peer = Peer::detached();
-        let welcomed = session.handle(RequestBody::Hello(hello), &mut || None, peer);
-        assert!(matches!(welcomed.reply, ReplyBody::Welcome { .. }));
-        let shared = SharedBuffer::new(CHUNK, 4).unwrap();
-        let mut fd = Some(shared.fd().try_clone_to_owned().unwrap());
-        let register = RequestBody::RegisterKv {
-            regions: vec![RegionSource::Memfd { bytes: 4 * CHUNK }],
-            layout: KvLayout {
-                blocks: 4,
-                block_bytes: CHUNK,
-                block_stride: CHUNK,
-                blocks_per_chunk: 1,
-                segments: vec![Segment { region: 0, offset: 0 }],
-            },
-        };
-        let registered = session.handle(register, &mut || fd.take(), peer);
-        assert!(matches!(registered.reply, ReplyBody::BufferRegistered { buffer: 0 }));
+        let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, peer);
 
         let releaser = {
             let daemon = Arc::clone(&daemon);
@@ -1702,6 +1820,49 @@ mod tests {
         );
         assert!(took < BACKPRESSURE * 3 / 2, "the store took {took:?}");
         disk.release_held();
+    }
+
+    /// A lookup's owner releases it when its request finishes, often long after its retrieves
+    /// ended it: however many lookups other sessions ended meanwhile, the owner's late release
+    /// is `released` and its late retrieve `share_returned`, not `unknown_lookup`.
+    #[test]
+    fn a_late_release_of_a_lookup_that_ended_is_released_however_many_ended_since() {
+        const CHUNK: u64 = 4 << 10;
+        let daemon = Daemon::small(CHUNK);
+        let peer = Peer::detached();
+        let (mut owner, _owner_kv) = worker(&daemon, CHUNK, 1, peer);
+        let (mut busy, _busy_kv) = worker(&daemon, CHUNK, 1, peer);
+        let lookup = |session: &mut Session| {
+            let lookup = RequestBody::Lookup {
+                namespace: 0,
+                chunks: vec![ChunkId(7)],
+                defer_prefetch: false,
+            };
+            match session.handle(lookup, &mut || None, peer).reply {
+                ReplyBody::LookupStarted { lookup, .. } => lookup,
+                other => panic!("{other:?}"),
+            }
+        };
+        // A miss: its retrieve names no chunks and returns the reader's share, which ends it.
+        let retrieve = |session: &mut Session, lookup: u64| {
+            let retrieve =
+                RequestBody::Retrieve { lookup, buffer: 0, chunks: vec![], done_event: None };
+            session.handle(retrieve, &mut || None, peer).reply
+        };
+        let ended = lookup(&mut owner);
+        assert!(matches!(retrieve(&mut owner, ended), ReplyBody::Retrieved { .. }));
+        for _ in 0..=ENDED_LOOKUPS {
+            let other = lookup(&mut busy);
+            assert!(matches!(retrieve(&mut busy, other), ReplyBody::Retrieved { .. }));
+        }
+        let again = retrieve(&mut owner, ended);
+        assert!(
+            matches!(again, ReplyBody::Error { code: ErrorCode::ShareReturned, .. }),
+            "{again:?}"
+        );
+        let release = RequestBody::Release { lookup: ended };
+        let released = owner.handle(release, &mut || None, peer).reply;
+        assert!(matches!(released, ReplyBody::Released), "{released:?}");
     }
 
     #[test]
