@@ -683,6 +683,9 @@ impl Session {
     /// share one deadline for room (`storage.store_backpressure` from when the first is
     /// reserved), so a store waits that long at most however many windows it has: a client
     /// whose deadline is longer (the vLLM connector's `timeout_s`) gets its answer in time.
+    /// The client giving up ends the store too, before a window or after its copies: the
+    /// windows finished before stay (their copies were over while the client still held the
+    /// blocks), nothing more is made visible, and the `timeout` reply says how much stayed.
     fn store(
         &mut self,
         namespace: u32,
@@ -728,8 +731,13 @@ impl Session {
         let starts: Vec<usize> = (0..chunks.len()).step_by(window).collect();
         // A window that fails ends the request with its error, but the windows before it are
         // stored: their tickets are still kept, so the session's durability report counts them.
-        let mut failed = None;
+        let (mut failed, mut gave_up) = (None, false);
         for start in starts.into_iter().rev() {
+            if peer.gave_up() {
+                // Nothing more is reserved, copied or waited for.
+                gave_up = true;
+                break;
+            }
             let end = (start + window).min(chunks.len());
             let part = match self.store_part(
                 source,
@@ -750,6 +758,10 @@ impl Session {
             total.bytes += part.bytes;
             total.refused.extend(part.refused);
             tickets.extend(part.ticket);
+            if part.gave_up {
+                gave_up = true;
+                break;
+            }
             if part.out_of_room {
                 total.refused.extend((0..start).map(|i| refusal(i, KeyError::OutOfMemory)));
                 break;
@@ -769,6 +781,9 @@ impl Session {
             });
         }
         self.daemon.metrics.data_bytes("store", total.bytes);
+        if gave_up {
+            return Err(self.gave_up_after("store", chunks.len(), total.stored));
+        }
         if let Some(e) = failed {
             return Err(e);
         }
@@ -782,7 +797,7 @@ impl Session {
     /// Stores one window of a request: `chunks` with their `keys`, the first at request index
     /// `offset`. Reserves (waiting for room until the request's `deadline` at most), copies in,
     /// and makes visible what was copied whole, unless the client gave up on the request before
-    /// the copies were over: then nothing of the window is.
+    /// the copies were over: then nothing of the window is (`StoredPart::gave_up`).
     fn store_part(
         &self,
         source: &RegisteredKv,
@@ -855,7 +870,7 @@ impl Session {
             // so a window that passes read blocks the client still held for this store.
             broken.append(&mut written);
             storage.abort_write(self.owner(), &broken)?;
-            return Err(self.gave_up("store", broken.len()));
+            return Ok(StoredPart { gave_up: true, ..StoredPart::default() });
         }
         storage.abort_write(self.owner(), &broken)?;
         let (finished, ticket) = storage.finish_write_tracked(self.owner(), &written)?;
@@ -1212,15 +1227,33 @@ impl Session {
     /// The error of a request of `op` (over `chunks` chunks) the client gave up on before the
     /// daemon carried it out: logged and counted.
     fn gave_up(&self, op: &'static str, chunks: usize) -> Fail {
+        self.gave_up_after(op, chunks, 0)
+    }
+
+    /// [`Session::gave_up`], of a store whose windows finished before the client gave up made
+    /// `kept` chunks visible: those stay (whole, read while the client still held their
+    /// blocks), and the error says so.
+    fn gave_up_after(&self, op: &'static str, chunks: usize, kept: u32) -> Fail {
         tracing::warn!(
             session = self.id,
             op,
             chunks,
+            kept,
             "the client gave up on a request (its deadline passed) before the daemon carried it \
-             out; none of it is done"
+             out; none of it is done but the chunks kept, stored before it gave up"
         );
         self.daemon.metrics.given_up(op);
-        Fail { code: ErrorCode::Timeout, message: GAVE_UP.into() }
+        let message = if kept == 0 {
+            GAVE_UP.into()
+        } else {
+            format!(
+                "the client gave up on this store before the daemon finished it: the {kept} \
+                 chunks stored before it gave up (whole windows of the chain's tail, copied \
+                 while the client still held their blocks) stay cached; nothing more of it was \
+                 stored"
+            )
+        };
+        Fail { code: ErrorCode::Timeout, message }
     }
 
     fn release(&mut self, lookup: u64) -> Result<ReplyBody, Fail> {
@@ -1540,6 +1573,8 @@ struct StoredPart {
     ticket: Option<Arc<StoreTicket>>,
     /// A chunk found no room in L1.
     out_of_room: bool,
+    /// The client gave up before the copies were over: nothing of the window was kept.
+    gave_up: bool,
 }
 
 /// What `copy_in` did with a chunk.
@@ -1820,6 +1855,59 @@ mod tests {
         );
         assert!(took < BACKPRESSURE * 3 / 2, "the store took {took:?}");
         disk.release_held();
+    }
+
+    /// A store of two windows given up on while its second window waited for room: the first
+    /// window (the chain's tail, stored first) was finished before the client gave up, read
+    /// while the client still held its blocks, and stays; the second is never made visible;
+    /// the reply says what stayed rather than that nothing did.
+    #[tokio::test]
+    async fn a_store_given_up_on_between_windows_keeps_the_windows_before_and_says_so() {
+        use tierkv_l1::Presence;
+        // The second window waits out the backpressure (a lookup released frees room, but
+        // wakes no waiter), then finds the room `first` left.
+        let FullL1 { daemon, first, second, disk } = FullL1::new(Duration::from_secs(2));
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
+        let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, conn.peer());
+        // Room for one window now; for the other once the client has given up.
+        daemon.storage().release_all(second).unwrap();
+        let gives_up = {
+            let daemon = Arc::clone(&daemon);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(500));
+                theirs.shutdown(std::net::Shutdown::Write).unwrap();
+                daemon.storage().release_all(first).unwrap();
+                theirs
+            })
+        };
+        let chunks: Vec<ChunkBlocks> = (0..4)
+            .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
+            .collect();
+        let store = RequestBody::Store { namespace: 0, buffer: 0, chunks, ready_event: None };
+        let answer = session.handle(store, &mut || None, conn.peer());
+        let _theirs = gives_up.join().unwrap();
+        disk.release_held();
+        let ReplyBody::Error { code: ErrorCode::Timeout, message } = answer.reply else {
+            panic!("{:?}", answer.reply)
+        };
+        let presence = |chunk: u64| {
+            let key = ObjectKey::new(
+                Namespace::new("m", ""),
+                ChunkHash(chunk.into()),
+                KvRank::Rank { rank: 0, world: 1 },
+            );
+            daemon.storage().l1().presence(&key)
+        };
+        assert!(matches!(presence(1002), Presence::Ready { .. }), "{:?}", presence(1002));
+        assert!(matches!(presence(1003), Presence::Ready { .. }), "{:?}", presence(1003));
+        assert_eq!(presence(1000), Presence::Absent);
+        assert_eq!(presence(1001), Presence::Absent);
+        assert!(
+            message.contains("the 2 chunks stored before") && !message.contains("nothing of it"),
+            "the reply does not say what stayed: {message}"
+        );
     }
 
     /// A lookup's owner releases it when its request finishes, often long after its retrieves
