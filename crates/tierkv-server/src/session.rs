@@ -1453,17 +1453,28 @@ fn scatter_all(
     }
     let per = pinned.len().div_ceil(threads);
     std::thread::scope(|scope| {
-        let parts: Vec<_> = pinned
-            .chunks(per)
-            .map(|part| scope.spawn(move || scatter_part(target, part, peer)))
-            .collect();
-        for part in parts {
-            part.join().map_err(|_| Fail {
+        let (mut spawned, mut refused) = (Vec::new(), Vec::new());
+        for part in pinned.chunks(per) {
+            let copy = move || scatter_part(target, part, peer);
+            match std::thread::Builder::new().spawn_scoped(scope, copy) {
+                Ok(thread) => spawned.push(thread),
+                // The OS refused a thread (`EAGAIN`: the user's process limit, a cgroup's
+                // `pids.max`): this thread copies the part itself, after the rest started.
+                Err(_) => refused.push(part),
+            }
+        }
+        let mut copied = Ok(());
+        for part in refused {
+            copied = copied.and_then(|()| scatter_part(target, part, peer));
+        }
+        for thread in spawned {
+            let joined = thread.join().map_err(|_| Fail {
                 code: ErrorCode::Internal,
                 message: "a copy thread panicked".into(),
-            })??;
+            });
+            copied = copied.and(joined.and_then(|part| part));
         }
-        Ok(bytes)
+        copied.map(|()| bytes)
     })
 }
 
@@ -1808,6 +1819,72 @@ mod tests {
             .count() as u64;
         assert_eq!(written, GIVE_UP_CHECK_BYTES / CHUNK, "copies past the first check");
         assert!((written..CHUNKS).all(|b| shared.block(b).unwrap()[0] == 1));
+    }
+
+    /// A large retrieve's host copies are split over threads; where the OS refuses a thread
+    /// (`EAGAIN`: the user's process limit, a cgroup's `pids.max`), the calling thread copies
+    /// that part itself, and the retrieve is whole. The OS is made to refuse threads for real,
+    /// in a process of its own (this test run again): `RLIMIT_NPROC` of 0, under an
+    /// unprivileged user when run as root (the limit does not bind root).
+    #[test]
+    fn a_large_scatter_copies_on_the_calling_thread_when_the_os_refuses_threads() {
+        const CHILD: &str = "TIERKV_TEST_THREADS_REFUSED";
+        const NAME: &str = "session::tests::a_large_scatter_copies_on_the_calling_thread_when_the_os_refuses_threads";
+        if std::env::var_os(CHILD).is_none() {
+            let run = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .output()
+                .unwrap();
+            let said = format!(
+                "{}{}",
+                String::from_utf8_lossy(&run.stdout),
+                String::from_utf8_lossy(&run.stderr)
+            );
+            assert!(run.status.success(), "the copy with threads refused failed:\n{said}");
+            assert!(
+                said.contains("threads refused") || said.contains("one core"),
+                "the test did not run in the child:\n{said}"
+            );
+            return;
+        }
+        const CHUNK: u64 = 256 << 10;
+        const CHUNKS: u64 = 2 * PARALLEL_SCATTER_BYTES / CHUNK;
+        let shared = SharedBuffer::new(CHUNK, CHUNKS).unwrap();
+        let layout = KvLayout {
+            blocks: CHUNKS,
+            block_bytes: CHUNK,
+            block_stride: CHUNK,
+            blocks_per_chunk: 1,
+            segments: vec![Segment { region: 0, offset: 0 }],
+        };
+        let regions = [RegionSource::Memfd { bytes: CHUNK * CHUNKS }];
+        let fd = shared.fd().try_clone_to_owned().unwrap();
+        let kv = RegisteredKv::map(&regions, vec![Some(fd)], &layout, CHUNK).unwrap();
+        let blocks: Vec<[u64; 1]> = (0..CHUNKS).map(|b| [b]).collect();
+        let hit: Vec<(&[u64], HitChunk)> = blocks
+            .iter()
+            .map(|b| (&b[..], HitChunk::Loaded(Arc::new(vec![b[0] as u8 + 1; CHUNK as usize]))))
+            .collect();
+        if scatter_threads() < 2 {
+            println!("one core: a scatter uses no threads here");
+            return;
+        }
+        // SAFETY: plain system calls on this process's own credentials and limits.
+        unsafe {
+            if libc::geteuid() == 0 {
+                assert_eq!(libc::setuid(65534), 0, "{}", std::io::Error::last_os_error());
+            }
+            let none = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NPROC, &none), 0);
+        }
+        assert!(std::thread::Builder::new().spawn(|| ()).is_err(), "the OS still gives threads");
+        println!("threads refused");
+        let copied = scatter_all(&kv, &hit, Peer::detached()).unwrap();
+        assert_eq!(copied, CHUNK * CHUNKS);
+        for b in 0..CHUNKS {
+            assert!(shared.block(b).unwrap().iter().all(|&x| x == b as u8 + 1), "block {b}");
+        }
     }
 
     /// A store of several windows waits for room once, not once per window: its windows share
