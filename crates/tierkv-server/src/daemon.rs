@@ -519,12 +519,14 @@ async fn serve_connection(
     // Until it says hello, a connection is anyone's: it holds a connection slot, so it must say
     // it soon, and its frames are kept small (`Conn::hello_said`).
     let hello_by = tokio::time::Instant::now() + hello_timeout;
-    loop {
+    // Whether the connection closes after a final reply (a refusal, `bye`): then it lingers, so
+    // what the client sent meanwhile does not make the kernel reset the reply away.
+    let linger = loop {
         // Descriptors the last frame brought and did not use are closed, not left for the next.
         conn.drop_used_fds();
         let frame = tokio::select! {
             frame = conn.next_frame() => frame,
-            _ = shutdown.changed() => break,
+            _ = shutdown.changed() => break false,
             _ = tokio::time::sleep_until(hello_by), if !session.said_hello() => {
                 daemon.metrics().error(ErrorCode::Timeout);
                 let refusal = ReplyBody::Error {
@@ -545,12 +547,11 @@ async fn serve_connection(
         let send_by = (!session.said_hello()).then_some(hello_by);
         let body = match frame {
             Ok(Some(body)) => body,
-            Ok(None) => break,
+            Ok(None) => break false,
             Err(e) => {
                 daemon.metrics().error(ErrorCode::BadFrame);
                 let reply = ReplyBody::Error { code: ErrorCode::BadFrame, message: e.to_string() };
-                let _ = send_before(&mut conn, &mut out, 0, reply, send_by).await;
-                break;
+                break send_before(&mut conn, &mut out, 0, reply, send_by).await.is_ok();
             }
         };
         let (id, request) = match tierkv_proto::decode::<Request>(&body) {
@@ -563,10 +564,9 @@ async fn serve_connection(
                 daemon.metrics().error(code);
                 let id = header.map(|h| h.id).unwrap_or(0);
                 let reply = ReplyBody::Error { code, message: e.to_string() };
-                if send_before(&mut conn, &mut out, id, reply, send_by).await.is_err()
-                    || code == ErrorCode::BadFrame
-                {
-                    break;
+                let sent = send_before(&mut conn, &mut out, id, reply, send_by).await.is_ok();
+                if !sent || code == ErrorCode::BadFrame {
+                    break sent;
                 }
                 continue;
             }
@@ -607,13 +607,16 @@ async fn serve_connection(
         if session.said_hello() {
             conn.hello_said();
         }
-        if send_before(&mut conn, &mut out, id, answer.reply, send_by).await.is_err()
-            || answer.close
-        {
-            break;
+        let sent = send_before(&mut conn, &mut out, id, answer.reply, send_by).await.is_ok();
+        if !sent || answer.close {
+            break sent;
         }
-    }
+    };
     tokio::task::block_in_place(|| session.close());
+    if linger {
+        // Holding its connection slot meanwhile: `server.max_connections` bounds these.
+        conn.close_after_reply(REFUSAL_LINGER).await;
+    }
 }
 
 /// [`send`], given up (an error) if it has not gone by `deadline`, where there is one.
@@ -649,6 +652,48 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
 
     use super::*;
+
+    /// A frame over the limit, sent over TCP whole (as a client sends it) before its reply is
+    /// read: the daemon reads the rest and drops it before it closes, so the client's write
+    /// completes and it reads `bad_frame`, where a close with the frame unread would reset the
+    /// connection under it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_oversized_frame_over_tcp_gets_its_bad_frame_reply_and_no_reset() {
+        use std::io::Write;
+        // Past what loopback holds between the two ends (the client's send buffer, pinned small
+        // here, the daemon's 128 KiB receive buffer while it reads nothing, and its one read),
+        // so the daemon closes before it is all sent; and little enough to drain in a moment.
+        const SENT: usize = 2 << 20;
+        let daemon = Daemon::small(64 << 10);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_send_buffer_size(64 << 10).unwrap();
+        let client = socket.connect(listener.local_addr().unwrap()).await.unwrap();
+        let (stream, _) = listener.accept().await.unwrap();
+        let mut client = client.into_std().unwrap();
+        client.set_nonblocking(false).unwrap();
+        let client = tokio::task::spawn_blocking(move || {
+            client.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            client.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+            let mut frame = ((SENT - 4) as u32).to_le_bytes().to_vec();
+            frame.resize(SENT, 0);
+            let written = client.write_all(&frame);
+            (written, tierkv_proto::read_frame(&mut client, 1 << 20))
+        });
+        let conn = Conn::new(Stream::Tcp(stream), 1 << 20);
+        let (_stop, shutdown) = watch::channel(false);
+        let open = Arc::new(AtomicUsize::new(0));
+        let slot = Slot::take(&[(&open, 1)]);
+        let hello = Duration::from_secs(10);
+        serve_connection(daemon, conn, (Transport::Tcp, hello), shutdown, slot).await;
+        let (written, reply) = client.await.unwrap();
+        written.expect("the frame was sent whole");
+        let reply: Reply = tierkv_proto::decode(&reply.unwrap().unwrap()).unwrap();
+        assert!(
+            matches!(reply.body, ReplyBody::Error { code: ErrorCode::BadFrame, .. }),
+            "{reply:?}"
+        );
+    }
 
     #[test]
     fn the_sockets_mode_is_set_on_the_path_itself_never_through_a_symlink() {
