@@ -34,6 +34,11 @@ const ACCEPT_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a connection refused past `max_connections` is read and dropped before it closes (so
 /// the refusal is not overtaken by a reset); short, since it holds a descriptor meanwhile.
 const REFUSAL_LINGER: Duration = Duration::from_millis(200);
+/// Connections refused past `max_connections` lingering at once, at most: no connection slot
+/// counts their descriptors (they are among the [`RESERVED_FDS`]), so a flood of connections
+/// would otherwise hold one each for [`REFUSAL_LINGER`] and could take every descriptor the
+/// daemon has. Past them a refusal closes as soon as it is sent.
+const MAX_LINGERING_REFUSALS: usize = 16;
 /// Descriptors the daemon keeps for itself beside its connections: the runtime, listeners,
 /// the metrics endpoint, logs, descriptors riding on frames, a refused connection's own.
 /// The disk tier's segment files are counted on top.
@@ -155,6 +160,7 @@ pub async fn serve(
     let (shutdown_tx, shutdown) = watch::channel(false);
     let mut connections = JoinSet::new();
     let (open, open_tcp) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let lingering = Arc::new(AtomicUsize::new(0));
     let limits = Limits {
         frame: config.server.max_frame_bytes,
         connections: config.server.max_connections,
@@ -196,6 +202,10 @@ pub async fn serve(
             Transport::Unix => Slot::take(&[(&open, limits.connections)]),
             Transport::Tcp => Slot::take(&[(&open, limits.connections), (&open_tcp, limits.tcp)]),
         };
+        if slot.0.is_none() {
+            connections.spawn(refuse(daemon.clone(), conn, lingering.clone(), REFUSAL_LINGER));
+            continue;
+        }
         connections.spawn(serve_connection(
             daemon.clone(),
             conn,
@@ -494,24 +504,37 @@ fn chmod_no_follow(path: &Path, mode: libc::mode_t) -> std::io::Result<()> {
     if changed == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
 }
 
+/// Answers a connection past `server.max_connections` with `too_many_connections` and closes
+/// it: lingering for `linger` ([`Conn::close_after_reply`]) while it holds a place among the
+/// [`MAX_LINGERING_REFUSALS`] counted in `lingering`, at once without one.
+async fn refuse(
+    daemon: Arc<Daemon>,
+    mut conn: Conn,
+    lingering: Arc<AtomicUsize>,
+    linger: Duration,
+) {
+    daemon.metrics().error(ErrorCode::TooManyConnections);
+    let refusal = ReplyBody::Error {
+        code: ErrorCode::TooManyConnections,
+        message: "the daemon serves server.max_connections connections already".into(),
+    };
+    let _ = send(&mut conn, &mut Vec::new(), 0, refusal).await;
+    let place = Slot::take(&[(&lingering, MAX_LINGERING_REFUSALS)]);
+    if place.0.is_some() {
+        conn.close_after_reply(linger).await;
+    }
+}
+
+/// Serves one connection, holding its place among the open connections (`_slot`) until it is
+/// closed.
 async fn serve_connection(
     daemon: Arc<Daemon>,
     mut conn: Conn,
     (transport, hello_timeout): (Transport, Duration),
     mut shutdown: watch::Receiver<bool>,
-    slot: Slot,
+    _slot: Slot,
 ) {
     let mut out = Vec::new();
-    if slot.0.is_none() {
-        daemon.metrics().error(ErrorCode::TooManyConnections);
-        let refusal = ReplyBody::Error {
-            code: ErrorCode::TooManyConnections,
-            message: "the daemon serves server.max_connections connections already".into(),
-        };
-        let _ = send(&mut conn, &mut out, 0, refusal).await;
-        conn.close_after_reply(REFUSAL_LINGER).await;
-        return;
-    }
     let mut session = Session::new(daemon.clone(), transport);
     let peer = conn.peer();
     // No chunk is larger than a slot, so this many chunks copy at most INLINE_COPY_BYTES.
@@ -693,6 +716,60 @@ mod tests {
             matches!(reply.body, ReplyBody::Error { code: ErrorCode::BadFrame, .. }),
             "{reply:?}"
         );
+    }
+
+    /// A flood of connections past `server.max_connections`: each gets its refusal, but no more
+    /// than [`MAX_LINGERING_REFUSALS`] linger at once (each holds a descriptor no connection
+    /// slot counts); the rest are closed as soon as their refusal is sent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refusals_past_max_connections_linger_a_few_at_a_time() {
+        const FLOOD: usize = MAX_LINGERING_REFUSALS + 8;
+        let daemon = Daemon::small(64 << 10);
+        let lingering = Arc::new(AtomicUsize::new(0));
+        let (mut clients, mut refusals) = (Vec::new(), JoinSet::new());
+        for _ in 0..FLOOD {
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+            ours.set_nonblocking(true).unwrap();
+            theirs.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let conn =
+                Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
+            // Lingering far longer than the test: a refusal still lingering is seen so.
+            let linger = Duration::from_secs(600);
+            refusals.spawn(refuse(daemon.clone(), conn, lingering.clone(), linger));
+            clients.push(theirs);
+        }
+        for client in &mut clients {
+            let reply: Reply =
+                tierkv_proto::decode(&tierkv_proto::read_frame(client, 1024).unwrap().unwrap())
+                    .unwrap();
+            assert!(matches!(
+                reply.body,
+                ReplyBody::Error { code: ErrorCode::TooManyConnections, .. }
+            ));
+        }
+        // Closed by the daemon: both directions down (`POLLHUP`), where a lingering refusal has
+        // shut only its writing side.
+        let closed = |clients: &[std::os::unix::net::UnixStream]| {
+            clients
+                .iter()
+                .filter(|c| {
+                    use std::os::fd::AsRawFd;
+                    let mut probe = libc::pollfd { fd: c.as_raw_fd(), events: 0, revents: 0 };
+                    // SAFETY: one valid pollfd, no wait.
+                    unsafe {
+                        libc::poll(&mut probe, 1, 0) == 1 && probe.revents & libc::POLLHUP != 0
+                    }
+                })
+                .count()
+        };
+        tierkv_testkit::eventually("the refusals past the lingering ones are closed", || {
+            closed(&clients) >= FLOOD - MAX_LINGERING_REFUSALS
+        });
+        assert_eq!(closed(&clients), FLOOD - MAX_LINGERING_REFUSALS, "too few linger");
+        // The clients leave: the lingering ones end, and give their places back.
+        drop(clients);
+        while refusals.join_next().await.is_some() {}
+        assert_eq!(lingering.load(Ordering::Acquire), 0);
     }
 
     #[test]
