@@ -1679,6 +1679,26 @@ mod tests {
         }
     }
 
+    /// A buffer's layout: `blocks` blocks of one chunk of `chunk` bytes each, in one region.
+    fn chunk_blocks(chunk: u64, blocks: u64) -> KvLayout {
+        KvLayout {
+            blocks,
+            block_bytes: chunk,
+            block_stride: chunk,
+            blocks_per_chunk: 1,
+            segments: vec![Segment { region: 0, offset: 0 }],
+        }
+    }
+
+    /// Such a buffer in host memory, mapped as `register_kv` maps it, with the memory behind it.
+    fn host_kv(chunk: u64, blocks: u64) -> (RegisteredKv, SharedBuffer) {
+        let shared = SharedBuffer::new(chunk, blocks).unwrap();
+        let regions = [RegionSource::Memfd { bytes: chunk * blocks }];
+        let fd = shared.fd().try_clone_to_owned().unwrap();
+        let kv = RegisteredKv::map(&regions, vec![Some(fd)], &chunk_blocks(chunk, blocks), chunk);
+        (kv.unwrap(), shared)
+    }
+
     /// A session of `daemon` that said [`worker_hello`] and registered buffer 0: `blocks`
     /// blocks of one chunk each, in the memory returned with it.
     fn worker(
@@ -1695,13 +1715,7 @@ mod tests {
         let mut fd = Some(shared.fd().try_clone_to_owned().unwrap());
         let register = RequestBody::RegisterKv {
             regions: vec![RegionSource::Memfd { bytes: blocks * chunk }],
-            layout: KvLayout {
-                blocks,
-                block_bytes: chunk,
-                block_stride: chunk,
-                blocks_per_chunk: 1,
-                segments: vec![Segment { region: 0, offset: 0 }],
-            },
+            layout: chunk_blocks(chunk, blocks),
         };
         let registered = session.handle(register, &mut || fd.take(), peer);
         assert!(matches!(registered.reply, ReplyBody::BufferRegistered { buffer: 0 }));
@@ -1781,21 +1795,7 @@ mod tests {
     async fn a_scatter_stops_within_a_check_of_the_client_giving_up() {
         const CHUNK: u64 = 256 << 10;
         const CHUNKS: u64 = 16;
-        let shared = SharedBuffer::new(CHUNK, CHUNKS).unwrap();
-        let layout = KvLayout {
-            blocks: CHUNKS,
-            block_bytes: CHUNK,
-            block_stride: CHUNK,
-            blocks_per_chunk: 1,
-            segments: vec![Segment { region: 0, offset: 0 }],
-        };
-        let kv = RegisteredKv::map(
-            &[RegionSource::Memfd { bytes: CHUNK * CHUNKS }],
-            vec![Some(shared.fd().try_clone_to_owned().unwrap())],
-            &layout,
-            CHUNK,
-        )
-        .unwrap();
+        let (kv, shared) = host_kv(CHUNK, CHUNKS);
         let blocks: Vec<[u64; 1]> = (0..CHUNKS).map(|b| [b]).collect();
         let hit = |value: u8| -> Vec<(&[u64], HitChunk)> {
             blocks
@@ -1850,17 +1850,7 @@ mod tests {
         }
         const CHUNK: u64 = 256 << 10;
         const CHUNKS: u64 = 2 * PARALLEL_SCATTER_BYTES / CHUNK;
-        let shared = SharedBuffer::new(CHUNK, CHUNKS).unwrap();
-        let layout = KvLayout {
-            blocks: CHUNKS,
-            block_bytes: CHUNK,
-            block_stride: CHUNK,
-            blocks_per_chunk: 1,
-            segments: vec![Segment { region: 0, offset: 0 }],
-        };
-        let regions = [RegionSource::Memfd { bytes: CHUNK * CHUNKS }];
-        let fd = shared.fd().try_clone_to_owned().unwrap();
-        let kv = RegisteredKv::map(&regions, vec![Some(fd)], &layout, CHUNK).unwrap();
+        let (kv, shared) = host_kv(CHUNK, CHUNKS);
         let blocks: Vec<[u64; 1]> = (0..CHUNKS).map(|b| [b]).collect();
         let hit: Vec<(&[u64], HitChunk)> = blocks
             .iter()
