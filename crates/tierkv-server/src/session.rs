@@ -1199,21 +1199,18 @@ impl Session {
             }
             Err(e) => return Err(e),
         };
-        match self.daemon.return_share(lookup, reader) {
-            Ok(_) => {}
-            Err(e) => {
-                // Refused now (the owner released the lookup meanwhile, or its deadline
-                // passed): an error tells the engine the blocks are its own again, to recompute
-                // or to hand to another request, so not while copies into them may still run
-                // (device to device with a `done_event`, the reply does not wait for them).
-                if done_event.is_some()
-                    && let Err(copies) = target.sync_all()
-                {
-                    tracing::error!("copies of a refused retrieve failed: {copies}");
-                }
-                return Err(e.into());
+        if let Err(e) = self.daemon.return_share(lookup, reader) {
+            // Refused now (the owner released the lookup meanwhile, or its deadline passed): an
+            // error tells the engine the blocks are its own again, to recompute or to hand to
+            // another request, so not while copies into them may still run (device to device
+            // with a `done_event`, the reply does not wait for them).
+            if done_event.is_some()
+                && let Err(copies) = target.sync_all()
+            {
+                tracing::error!("copies of a refused retrieve failed: {copies}");
             }
-        };
+            return Err(e.into());
+        }
         if let Some(opened) = &mut self.opened
             && opened.joined.remove(&(lookup, reader))
         {
