@@ -29,14 +29,17 @@ impl EvictionReason {
     }
 }
 
-/// Request-level error reasons, registered up front so every counter exists from the start.
-const REQUEST_ERRORS: [&str; 9] = [
+/// Request-level error reasons, registered up front so every counter exists from the start:
+/// every [`L1Error::reason`] but `config` (refused at construction, before the L1 counts
+/// anything) and the key errors' own (counted as those).
+const REQUEST_ERRORS: [&str; 10] = [
     "layout_too_large",
     "unknown_lease",
     "lease_expired",
     "lease_released",
     "no_such_reader",
     "already_released",
+    "empty_release",
     "not_leased",
     "out_of_range",
     "device",
@@ -173,6 +176,71 @@ impl L1Metrics {
         let reason = error.reason();
         if let Some((_, c)) = self.request_errors.iter().find(|(r, _)| *r == reason) {
             c.increment(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tierkv_core::{ChunkHash, KvRank, Namespace, ObjectKey};
+
+    use super::*;
+    use crate::device::DeviceError;
+    use crate::lease::LeaseId;
+
+    /// One error of every kind. `kind` numbers the kinds with a match that stops compiling when
+    /// one is added, and the test checks each number has its example: a new kind cannot be
+    /// missed here.
+    fn one_of_each() -> Vec<L1Error> {
+        let key = ObjectKey::new(Namespace::new("m", ""), ChunkHash(1), KvRank::Shared);
+        let lease = LeaseId(1);
+        vec![
+            L1Error::Config(String::new()),
+            L1Error::Device(DeviceError::CudaUnavailable(String::new())),
+            L1Error::LayoutTooLarge { layout_bytes: 2, slot_bytes: 1 },
+            L1Error::UnknownLease(lease),
+            L1Error::LeaseExpired(lease),
+            L1Error::LeaseReleased(lease),
+            L1Error::NoSuchReader { lease, reader: 1, readers: 1 },
+            L1Error::AlreadyReleased { lease, reader: 0, key },
+            L1Error::EmptyRelease(lease),
+            L1Error::NotLeased { lease, key, error: KeyError::NotFound },
+            L1Error::Key { key, error: KeyError::NotFound },
+            L1Error::OutOfRange { offset: 0, len: 2, object: 1 },
+        ]
+    }
+
+    fn kind(error: &L1Error) -> usize {
+        match error {
+            L1Error::Config(_) => 0,
+            L1Error::Device(_) => 1,
+            L1Error::LayoutTooLarge { .. } => 2,
+            L1Error::UnknownLease(_) => 3,
+            L1Error::LeaseExpired(_) => 4,
+            L1Error::LeaseReleased(_) => 5,
+            L1Error::NoSuchReader { .. } => 6,
+            L1Error::AlreadyReleased { .. } => 7,
+            L1Error::EmptyRelease(_) => 8,
+            L1Error::NotLeased { .. } => 9,
+            L1Error::Key { .. } => 10,
+            L1Error::OutOfRange { .. } => 11,
+        }
+    }
+
+    #[test]
+    fn every_reason_an_l1_request_is_refused_for_has_a_counter() {
+        let errors = one_of_each();
+        let kinds: std::collections::BTreeSet<usize> = errors.iter().map(kind).collect();
+        assert_eq!(kinds, (0..12).collect(), "one example of every kind");
+        for error in &errors {
+            let reason = error.reason();
+            match error {
+                // Refused at construction, before the L1 counts anything.
+                L1Error::Config(_) => {}
+                // Counted as the key's own refusal.
+                L1Error::Key { error, .. } => assert!(KeyError::ALL.contains(error), "{reason}"),
+                _ => assert!(REQUEST_ERRORS.contains(&reason), "{reason} has no counter"),
+            }
         }
     }
 }

@@ -850,6 +850,19 @@ fn metrics_report_usage_evictions_and_refusals() {
 }
 
 #[test]
+fn a_release_naming_no_key_is_counted_by_its_reason() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let f = metrics::with_local_recorder(&recorder, || l1(2));
+    f.write(&keys(0..1));
+    let lease = f.lease(&key(0), 0);
+    let error = f.l1.finish_read(lease, Readers::One(0), Some(&[])).unwrap_err();
+    assert_eq!(error, L1Error::EmptyRelease(lease));
+    let snapshot = snapshotter.snapshot().into_vec();
+    assert_eq!(metric(&snapshot, "tierkv_errors_total", Some(("reason", "empty_release"))), 1.0);
+}
+
+#[test]
 fn used_bytes_count_every_state_and_pinned_bytes_what_eviction_cannot_free() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
