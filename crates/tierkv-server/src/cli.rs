@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use tierkv_client::{Client, ClientError};
 use tierkv_proto::StatusReport;
 
-use crate::config::{DEFAULT_TOML, DaemonConfig};
+use crate::config::{ConfigError, DEFAULT_TOML, DaemonConfig, ServerConfig};
 
 /// tierkv: a per-node, multi-tier KV-cache offload service for LLM inference.
 #[derive(Parser, Debug)]
@@ -34,7 +34,8 @@ enum Command {
         /// The daemon's socket; taken from --config, or the default's, without it.
         #[arg(long)]
         socket: Option<PathBuf>,
-        /// The configuration the daemon runs with (to find its socket).
+        /// The configuration the daemon runs with (to find its socket; only its [server]
+        /// section is read).
         #[arg(long, short)]
         config: Option<PathBuf>,
         /// Print the report as JSON.
@@ -50,7 +51,8 @@ enum Command {
         /// The daemon's socket; taken from --config, or the default's, without it.
         #[arg(long)]
         socket: Option<PathBuf>,
-        /// The configuration the daemon runs with (its socket and token).
+        /// The configuration the daemon runs with (its socket and token; only its [server]
+        /// section is read).
         #[arg(long, short)]
         config: Option<PathBuf>,
         /// Seconds to wait for the daemon to take the session and report its tiers before
@@ -74,7 +76,9 @@ enum Command {
 
 #[derive(Subcommand, Debug)]
 enum ConfigAction {
-    /// Checks a configuration file and says what is wrong, with the key and line.
+    /// Checks a configuration file as `tierkv serve` would and says what is wrong, with the key
+    /// and line. Run it as the daemon's user: whether that user may give its files the groups
+    /// server.socket_group and disk.group name is checked for the user who runs it.
     Check {
         /// The file.
         file: PathBuf,
@@ -108,26 +112,50 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn load(path: Option<&Path>) -> Result<DaemonConfig, String> {
+/// The configuration at `path` as `read` reads it, or the embedded default's as `embedded`
+/// does.
+fn load<T>(
+    path: Option<&Path>,
+    read: impl FnOnce(&Path) -> Result<T, ConfigError>,
+    embedded: impl FnOnce() -> Result<T, ConfigError>,
+) -> Result<T, String> {
     match path {
-        Some(path) => DaemonConfig::from_file(path).map_err(|e| e.to_string()),
-        None => DaemonConfig::embedded_default()
-            .map_err(|e| format!("the embedded default configuration is broken: {e}")),
+        Some(path) => read(path).map_err(|e| e.to_string()),
+        None => {
+            embedded().map_err(|e| format!("the embedded default configuration is broken: {e}"))
+        }
+    }
+}
+
+/// The log filter `TIERKV_LOG` gives, `info` without it; a filter that does not parse is
+/// reported on stderr (else a typo would silently log at `info`) and `info` is taken instead.
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    let info = || tracing_subscriber::EnvFilter::new("info");
+    match std::env::var("TIERKV_LOG") {
+        Ok(text) => tracing_subscriber::EnvFilter::try_new(&text).unwrap_or_else(|e| {
+            let _ = writeln!(
+                std::io::stderr(),
+                "tierkv: TIERKV_LOG={text:?} is not a log filter ({e}); logging at info"
+            );
+            info()
+        }),
+        Err(std::env::VarError::NotPresent) => info(),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "tierkv: TIERKV_LOG: {e}; logging at info");
+            info()
+        }
     }
 }
 
 fn serve(path: Option<&Path>) -> Result<(), String> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TIERKV_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(log_filter())
         .with_writer(std::io::stderr)
         // Colours are escape codes: only a terminal shows them; a file or a journal keeps
         // them as noise.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let config = load(path)?;
+    let config = load(path, DaemonConfig::from_file, DaemonConfig::embedded_default)?;
     let source =
         path.map_or_else(|| "the embedded default".to_string(), |p| p.display().to_string());
     tracing::info!("configuration: {source}");
@@ -215,7 +243,7 @@ fn status(
 ) -> Result<(), String> {
     let socket = match socket {
         Some(socket) => socket,
-        None => load(config)?.server.socket,
+        None => load(config, ServerConfig::from_file, ServerConfig::embedded_default)?.socket,
     };
     let mut client = admin(&socket, Client::admin_hello(), timeout)?;
     let report = client.status().map_err(failed("status", &socket, timeout))?;
@@ -228,9 +256,11 @@ fn status(
 }
 
 fn clear(socket: Option<PathBuf>, config: Option<&Path>, timeout: Duration) -> Result<(), String> {
-    let loaded = load(config)?;
-    let socket = socket.unwrap_or(loaded.server.socket);
-    let token = std::env::var("TIERKV_TOKEN").ok().or(loaded.server.token).ok_or(
+    // The `[server]` section alone: neither the other sections nor the groups the daemon's user
+    // must belong to are checked for whoever runs this.
+    let loaded = load(config, ServerConfig::from_file, ServerConfig::embedded_default)?;
+    let socket = socket.unwrap_or(loaded.socket);
+    let token = std::env::var("TIERKV_TOKEN").ok().or(loaded.token).ok_or(
         "clear needs the daemon's token: give --config with its server.token, or set TIERKV_TOKEN",
     )?;
     let hello = tierkv_proto::Hello { token: Some(token), ..Client::admin_hello() };

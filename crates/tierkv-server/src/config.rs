@@ -15,7 +15,7 @@ mod raw;
 mod size;
 
 use std::cell::RefCell;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -165,66 +165,125 @@ pub struct MetricsConfig {
 impl DaemonConfig {
     /// The embedded default ([`DEFAULT_TOML`]).
     pub fn embedded_default() -> Result<Self, ConfigError> {
-        Self::parse(DEFAULT_TOML, "config/default.toml (embedded)")
+        Self::parse(DEFAULT_TOML, EMBEDDED)
     }
 
-    /// Reads and checks the file at `path`.
+    /// Reads and checks the file at `path`, as [`DaemonConfig::parse`] does.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        Self::parse(&text, &path.display().to_string())
+        Self::parse(&read_text(path)?, &path.display().to_string())
     }
 
-    /// Parses and checks `text`; `origin` (a file name) starts every error message.
+    /// Parses and checks `text` as the daemon reads it: every section, and whether the user of
+    /// this process may give its files the groups `server.socket_group` and `disk.group` name
+    /// (the daemon must, to hand its socket and disk files to them; checked for anyone else, the
+    /// verdict is about the wrong user). `origin` (a file name) starts every error message.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let syntax = |e: toml::de::Error| ConfigError::Syntax {
-            origin: origin.to_string(),
-            at: e.span().map(|span| position(text, span.start)),
-            message: e.message().trim_end().to_string(),
-        };
-        let doc = DeTable::parse(text).map_err(syntax)?;
-        let file = File {
-            origin,
-            text,
-            doc: doc.get_ref(),
-            errors: RefCell::new(Vec::new()),
-            unreadable: RefCell::new(Vec::new()),
-        };
-        // serde stops at the first unknown key or unreadable value: note it, drop the key (it
-        // takes its default) and read again, until the rest reads.
-        let mut readable = doc.clone();
-        let raw = loop {
-            match Raw::deserialize(toml::de::Deserializer::from(readable.clone())) {
-                Ok(raw) => break raw,
-                Err(e) => {
-                    let error = file.refused(e);
-                    let key = match &error {
-                        ConfigError::Invalid { key, .. } => Some(key.clone()),
-                        _ => None,
-                    };
-                    file.errors.borrow_mut().push(error);
-                    match key {
-                        Some(key) if remove_key(readable.get_mut(), &key) => {
-                            file.unreadable.borrow_mut().push(key);
-                        }
-                        _ => return Err(ConfigError::from_all(file.errors.take())),
+        read(text, origin, Reader::Daemon, |file, raw| {
+            let server = server(file, &raw.server);
+            let storage = storage(file, raw);
+            let metrics = metrics(file, raw);
+            Ok(DaemonConfig { server: server?, metrics: metrics?, storage: storage? })
+        })
+    }
+}
+
+impl ServerConfig {
+    /// The `[server]` section of the embedded default ([`DEFAULT_TOML`]).
+    pub fn embedded_default() -> Result<Self, ConfigError> {
+        Self::parse(DEFAULT_TOML, EMBEDDED)
+    }
+
+    /// Reads the `[server]` section of the file at `path`, as [`ServerConfig::parse`] does.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        Self::parse(&read_text(path)?, &path.display().to_string())
+    }
+
+    /// Parses and checks the `[server]` section of `text` alone, as a command that talks to the
+    /// daemon reads it ([`Reader::Admin`]): `tierkv status` needs the socket, `tierkv clear` the
+    /// token too. The other sections are not read, so an operator's command is not refused over
+    /// a tier's setting, nor over the daemon's user's groups.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        read(text, origin, Reader::Admin, |file, raw| server(file, &raw.server))
+    }
+}
+
+/// How errors in [`DEFAULT_TOML`] name it.
+const EMBEDDED: &str = "config/default.toml (embedded)";
+
+/// The text of the file at `path`.
+fn read_text(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path)
+        .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })
+}
+
+/// Who reads a configuration, which decides what is checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reader {
+    /// `tierkv serve` and `tierkv config check`: every section, and whether this process's user
+    /// may give its files the groups `server.socket_group` and `disk.group` name (the daemon
+    /// must, to hand its socket and disk files to them). Run as another user than the daemon's,
+    /// that check is about the wrong user.
+    Daemon,
+    /// A command that talks to a running daemon: the `[server]` section only, and no check of
+    /// who runs it (its user is not the daemon's).
+    Admin,
+}
+
+/// Parses `text` for `reader` and makes the configuration with `make`, which records every
+/// error in the [`File`]; one error or [`ConfigError::Many`] when any was recorded.
+fn read<T>(
+    text: &str,
+    origin: &str,
+    reader: Reader,
+    make: impl FnOnce(&File<'_>, &Raw) -> Result<T, Stop>,
+) -> Result<T, ConfigError> {
+    let syntax = |e: toml::de::Error| ConfigError::Syntax {
+        origin: origin.to_string(),
+        at: e.span().map(|span| position(text, span.start)),
+        message: e.message().trim_end().to_string(),
+    };
+    let mut doc = DeTable::parse(text).map_err(syntax)?;
+    if reader == Reader::Admin {
+        let others: Vec<String> = doc.get_ref().keys().map(|k| k.get_ref().to_string()).collect();
+        for section in others.iter().filter(|s| *s != "server") {
+            remove_key(doc.get_mut(), section);
+        }
+    }
+    let file = File {
+        origin,
+        text,
+        doc: doc.get_ref(),
+        reader,
+        errors: RefCell::new(Vec::new()),
+        unreadable: RefCell::new(Vec::new()),
+    };
+    // serde stops at the first unknown key or unreadable value: note it, drop the key (it
+    // takes its default) and read again, until the rest reads.
+    let mut readable = doc.clone();
+    let raw = loop {
+        match Raw::deserialize(toml::de::Deserializer::from(readable.clone())) {
+            Ok(raw) => break raw,
+            Err(e) => {
+                let error = file.refused(e);
+                let key = match &error {
+                    ConfigError::Invalid { key, .. } => Some(key.clone()),
+                    _ => None,
+                };
+                file.errors.borrow_mut().push(error);
+                match key {
+                    Some(key) if remove_key(readable.get_mut(), &key) => {
+                        file.unreadable.borrow_mut().push(key);
                     }
+                    _ => return Err(ConfigError::from_all(file.errors.take())),
                 }
             }
-        };
-        let server = server(&file, &raw.server);
-        let storage = storage(&file, &raw);
-        let errors = file.errors.take();
-        match (server, storage) {
-            (Ok(server), Ok(storage)) if errors.is_empty() => Ok(DaemonConfig {
-                server,
-                metrics: MetricsConfig {
-                    listen: raw.metrics.enabled.then_some(raw.metrics.listen),
-                },
-                storage,
-            }),
-            _ => Err(ConfigError::from_all(errors)),
         }
+    };
+    let made = make(&file, &raw);
+    let errors = file.errors.take();
+    match made {
+        Ok(config) if errors.is_empty() => Ok(config),
+        _ => Err(ConfigError::from_all(errors)),
     }
 }
 
@@ -253,6 +312,8 @@ struct File<'a> {
     origin: &'a str,
     text: &'a str,
     doc: &'a DeTable<'a>,
+    /// Who reads it.
+    reader: Reader,
     errors: RefCell<Vec<ConfigError>>,
     /// Keys whose values could not be read: they took their defaults, and checks that involve
     /// them are skipped (their verdict would be about a value the file does not hold).
@@ -380,6 +441,32 @@ fn server(file: &File<'_>, s: &raw::Server) -> Result<ServerConfig, Stop> {
         max_leased_per_session: s.max_leased_per_session.map(|b| b.0),
         hello_timeout: s.hello_timeout,
     })
+}
+
+/// The metrics endpoint; refused on an address `server.tcp` takes too, where one of the two
+/// listeners would fail to bind when the daemon starts.
+fn metrics(file: &File<'_>, raw: &Raw) -> Result<MetricsConfig, Stop> {
+    let listen = raw.metrics.enabled.then_some(raw.metrics.listen);
+    if let (Some(tcp), Some(listen)) = (raw.server.tcp, listen) {
+        file.ensure(!overlap(tcp, listen), &["server.tcp", "metrics.listen"], || {
+            format!(
+                "server.tcp ({tcp}) and metrics.listen ({listen}) take the same port on the \
+                 same address: give each a port of its own"
+            )
+        })?;
+    }
+    Ok(MetricsConfig { listen })
+}
+
+/// Whether TCP listeners on `a` and `b` cannot both bind: the same port (not 0, which the
+/// system picks) on the same address, or on an address the other's wildcard covers (`0.0.0.0`
+/// covers IPv4; `::` IPv6 and, dual-stack as Linux has it by default, IPv4 too).
+fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    let covers =
+        |wide: IpAddr, other: IpAddr| wide.is_unspecified() && (wide.is_ipv6() || other.is_ipv4());
+    a.port() != 0
+        && a.port() == b.port()
+        && (a.ip() == b.ip() || covers(a.ip(), b.ip()) || covers(b.ip(), a.ip()))
 }
 
 /// Background eviction thresholds: `0 < low <= high <= 1`, as the tiers require.
@@ -513,20 +600,27 @@ fn disk(file: &File<'_>, raw: &Raw) -> Result<Option<DiskStoreConfig>, Stop> {
     }))
 }
 
-/// A group given by name or number, as its id; refused when the system knows no such group, or
-/// when this process may not give its files that group (it is not root and not a member): the
-/// daemon would fail to hand its socket or its disk files to the group.
+/// A group given by name or number, as its id; refused when the system knows no such group, or,
+/// read as the daemon's ([`Reader::Daemon`]), when this process may not give its files that
+/// group (it is not root and not a member): the daemon would fail to hand its socket or its disk
+/// files to the group.
 fn group(file: &File<'_>, key: &str, name: Option<&str>) -> Result<Option<u32>, Stop> {
     let Some(name) = name else { return Ok(None) };
     let gid = name.parse::<u32>().ok().or_else(|| group_id(name));
     file.ensure(gid.is_some(), &[key], || format!("no group named {name:?} on this system"))?;
     let Some(gid) = gid else { return Ok(None) };
-    file.ensure(may_give_group(gid, &Credentials::of_process()), &[key], || {
-        format!(
-            "this user is not a member of group {name:?}, so it cannot give its files that \
-             group: add the daemon's user to the group, or run it as root"
-        )
-    })?;
+    if file.reader == Reader::Daemon {
+        let who = Credentials::of_process();
+        file.ensure(may_give_group(gid, &who), &[key], || {
+            format!(
+                "this user (uid {}) is not a member of group {name:?}, so it cannot give its \
+                 files that group: add the daemon's user to the group, or run it as root (the \
+                 check is for the user who reads the file: run `tierkv config check` as the \
+                 daemon's user)",
+                who.euid
+            )
+        })?;
+    }
     Ok(Some(gid))
 }
 

@@ -130,6 +130,15 @@ pub async fn serve(
     check_socket(&config.server.socket)?;
     config.server.max_connections = fit_connections(&config)?;
     let _exporter = crate::metrics::install_exporter(config.metrics.listen)?;
+    // Before the tiers open (seconds, a disk scan): a port another process holds fails the start
+    // at once, and before the Unix socket is bound, which would otherwise be left behind.
+    let tcp = match config.server.tcp {
+        Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| ServeError::Listen {
+            what: format!("{addr} (server.tcp)"),
+            source,
+        })?),
+        None => None,
+    };
     let storage_config = config.storage.clone();
     let storage = tokio::task::spawn_blocking(move || StorageManager::start(storage_config))
         .await
@@ -142,14 +151,6 @@ pub async fn serve(
     ));
     let unix = bind_unix(&config.server.socket, config.server.socket_group)?;
     let bound = file_id(&config.server.socket);
-    let tcp = match config.server.tcp {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| ServeError::Listen { what: addr.to_string(), source })?,
-        ),
-        None => None,
-    };
     let endpoints = Endpoints {
         socket: config.server.socket.clone(),
         tcp: tcp.as_ref().and_then(|l| l.local_addr().ok()),
@@ -484,11 +485,18 @@ fn bind_unix(path: &Path, group: Option<u32>) -> Result<UnixListener, ServeError
     // SAFETY: as above, restoring the previous mask.
     unsafe { libc::umask(umask) };
     let listener = bound.map_err(listen)?;
-    if let Some(gid) = group {
-        std::os::unix::fs::lchown(path, None, Some(gid)).map_err(listen)?;
-    }
     let mode = if group.is_some() { 0o660 } else { 0o600 };
-    chmod_no_follow(path, mode).map_err(listen)?;
+    let owned = match group {
+        Some(gid) => std::os::unix::fs::lchown(path, None, Some(gid)),
+        None => Ok(()),
+    };
+    if let Err(source) = owned.and_then(|()| chmod_no_follow(path, mode)) {
+        // The daemon does not start: the socket file it bound a moment ago is not left behind
+        // (unlinked, so a symlink put in its place is removed, never what it points to).
+        drop(listener);
+        let _ = std::fs::remove_file(path);
+        return Err(listen(source));
+    }
     Ok(listener)
 }
 

@@ -185,7 +185,9 @@ pub fn install_exporter(listen: Option<SocketAddr>) -> Result<PrometheusHandle, 
             std::net::TcpListener::bind(addr)
                 .and_then(|l| l.set_nonblocking(true).map(|()| l))
                 .and_then(tokio::net::TcpListener::from_std)
-                .map_err(|e| ExporterError(format!("cannot listen on {addr}: {e}")))?,
+                .map_err(|e| {
+                    ExporterError(format!("cannot listen on {addr} (metrics.listen): {e}"))
+                })?,
         ),
         None => None,
     };

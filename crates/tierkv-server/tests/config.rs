@@ -13,7 +13,7 @@ use tierkv_disk::{DiskStoreConfig, FsyncPolicy, ReadMode};
 use tierkv_l1::{DeviceKind, L1Config, Watermark};
 use tierkv_l2::{HostMemory, HostStoreConfig};
 use tierkv_prefetch::PrefetchConfig;
-use tierkv_server::config::{ConfigError, DEFAULT_TOML, DaemonConfig};
+use tierkv_server::config::{ConfigError, DEFAULT_TOML, DaemonConfig, ServerConfig};
 use tierkv_storage::StorePolicy;
 
 const SECTIONS: [&str; 7] = ["server", "metrics", "l1", "l2", "disk", "remote", "storage"];
@@ -605,4 +605,49 @@ fn the_maintenance_tick_is_no_longer_than_the_lease_deadline_it_enforces() {
     );
     assert!(message.contains("l1.lease_ttl"), "{message}");
     parse("[l1]\nlease_ttl = \"1s\"\n[storage]\nmaintenance_interval = \"1s\"\n").unwrap();
+}
+
+#[test]
+fn server_tcp_and_metrics_listen_on_one_address_are_refused_naming_both_keys() {
+    let both = |tcp: &str, metrics: &str| {
+        format!(
+            "[server]\ntcp = \"{tcp}\"\ntoken = \"a-token-of-sixteen-or-more\"\n[metrics]\n{metrics}\n"
+        )
+    };
+    // The same address, or one the other's wildcard covers: one of the two would fail to bind.
+    for (tcp, listen) in [
+        ("127.0.0.1:9464", "listen = \"127.0.0.1:9464\""),
+        ("127.0.0.1:9464", ""),
+        ("0.0.0.0:7070", "listen = \"127.0.0.1:7070\""),
+        ("127.0.0.1:7070", "listen = \"[::]:7070\""),
+        ("[::1]:7070", "listen = \"[::]:7070\""),
+    ] {
+        let message = assert_refused(&both(tcp, listen), "server.tcp", 2);
+        assert!(message.contains("metrics.listen"), "{tcp} {listen}: {message}");
+    }
+    // Other ports, other addresses, port 0 (the system picks two), or no metrics endpoint.
+    for (tcp, listen) in [
+        ("127.0.0.1:7070", "listen = \"127.0.0.1:9464\""),
+        ("127.0.0.2:9464", "listen = \"127.0.0.1:9464\""),
+        ("[::1]:9464", "listen = \"0.0.0.0:9464\""),
+        ("127.0.0.1:0", "listen = \"127.0.0.1:0\""),
+        ("127.0.0.1:9464", "enabled = false"),
+    ] {
+        parse(&both(tcp, listen)).unwrap_or_else(|e| panic!("{tcp} {listen}: {e}"));
+    }
+}
+
+#[test]
+fn the_admin_commands_read_the_server_section_alone() {
+    let text = "[server]\nsocket = \"/run/tierkv.sock\"\ntoken = \"a-token-of-sixteen-or-more\"\n\
+                [l1]\ncapacity = \"1KiB\"\nbogus = 1\n[nonsense]\n";
+    assert!(parse(text).is_err(), "the daemon refuses it");
+    let server = ServerConfig::parse(text, "test.toml").unwrap();
+    assert_eq!(server, parse(&text[..text.find("[l1]").unwrap()]).unwrap().server);
+    let err = ServerConfig::parse("[server]\nmax_connections = 0\n", "test.toml").unwrap_err();
+    assert!(err.to_string().starts_with("test.toml:2:1: server.max_connections: "), "{err}");
+    assert_eq!(
+        ServerConfig::embedded_default().unwrap(),
+        DaemonConfig::embedded_default().unwrap().server
+    );
 }
