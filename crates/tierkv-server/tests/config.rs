@@ -329,7 +329,7 @@ fn wrong_types_and_names_are_refused_with_the_line() {
         ("[l1]\n\ncapacity = true\n", "l1.capacity", 3, "a size"),
         ("[server]\nmax_connections = -1\n", "server.max_connections", 2, "-1"),
         ("[server]\nmax_connections = \"many\"\n", "server.max_connections", 2, "string"),
-        ("[server]\ntcp = \"localhost\"\n", "server.tcp", 2, "socket address"),
+        ("[server]\ntcp = \"localhost\"\n", "server.tcp", 2, "IP address and port"),
         ("[metrics]\nenabled = \"yes\"\n", "metrics.enabled", 2, "bool"),
         ("[l1]\ndevice = \"tpu\"\n", "l1.device", 2, "`cuda`"),
         ("[l1]\npolicy = \"lfu\"\n", "l1.policy", 2, "`s3fifo`"),
@@ -650,4 +650,19 @@ fn the_admin_commands_read_the_server_section_alone() {
         ServerConfig::embedded_default().unwrap(),
         DaemonConfig::embedded_default().unwrap().server
     );
+}
+
+#[test]
+fn listeners_take_an_ip_address_and_port_and_no_host_name() {
+    let token = "token = \"a-token-of-sixteen-or-more\"";
+    for (text, key, line) in [
+        ("[metrics]\nlisten = \"localhost:9464\"\n".to_string(), "metrics.listen", 2),
+        (format!("[server]\n{token}\ntcp = \"localhost:7070\"\n"), "server.tcp", 3),
+        ("[metrics]\nlisten = \"127.0.0.1\"\n".to_string(), "metrics.listen", 2),
+    ] {
+        let message = assert_refused(&text, key, line);
+        assert!(message.contains("is not an IP address and port such as"), "{message}");
+    }
+    let config = parse(&format!("[server]\n{token}\ntcp = \"[::1]:7070\"\n")).unwrap();
+    assert_eq!(config.server.tcp, Some("[::1]:7070".parse().unwrap()));
 }

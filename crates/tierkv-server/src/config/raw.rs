@@ -33,6 +33,7 @@ pub(super) struct Raw {
 #[serde(deny_unknown_fields, default)]
 pub(super) struct Server {
     pub socket: PathBuf,
+    #[serde(deserialize_with = "some_address")]
     pub tcp: Option<SocketAddr>,
     pub token: Option<String>,
     pub max_frame: ByteSize,
@@ -62,6 +63,7 @@ impl Default for Server {
 #[serde(deny_unknown_fields, default)]
 pub(super) struct Metrics {
     pub enabled: bool,
+    #[serde(deserialize_with = "address")]
     pub listen: SocketAddr,
 }
 
@@ -322,6 +324,25 @@ enum ReadModeName {
 /// The longest duration a setting takes: longer ones are mistakes (a timeout of a year would
 /// hang a stop, one near `u64::MAX` seconds would overflow the clock it is added to).
 const LONGEST: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// An IP address and a port, such as "127.0.0.1:9464" or "[::1]:9464". A host name is refused,
+/// not resolved: what a listener binds is then what the file says, whatever the resolver answers.
+fn address<'de, D: Deserializer<'de>>(deserializer: D) -> Result<SocketAddr, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    text.parse().map_err(|_| {
+        de::Error::custom(format!(
+            "{text:?} is not an IP address and port such as \"127.0.0.1:9464\" or \"[::1]:9464\" \
+             (a host name such as localhost is not resolved)"
+        ))
+    })
+}
+
+/// [`address`], for a key that is off unless written.
+fn some_address<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<SocketAddr>, D::Error> {
+    address(deserializer).map(Some)
+}
 
 /// A duration such as "30s", "50ms" or "1m", at most a day.
 fn duration<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
