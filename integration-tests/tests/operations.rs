@@ -186,6 +186,17 @@ fn prometheus_scrapes_the_daemon_and_computes_the_hit_ratio() {
             "the dashboard charts {name}, which /metrics lacks"
         );
     }
+    // Every label the dashboard groups by is one the series carry (or Prometheus adds): a
+    // label no series has makes a panel of one unnamed line.
+    for clause in dashboard.split("by (").skip(1) {
+        let labels = clause.split(')').next().unwrap_or_default();
+        for label in labels.split(',').map(str::trim) {
+            assert!(
+                ["instance", "job"].contains(&label) || body.contains(&format!("{label}=\"")),
+                "the dashboard groups by {label}, which no series of /metrics carries"
+            );
+        }
+    }
     // The README's metric table is what /metrics exports, no more and no less.
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
     let documented = documented_metrics(&readme);
