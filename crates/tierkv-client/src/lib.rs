@@ -9,6 +9,13 @@
 //! [`Client::MAX_IN_FLIGHT`] requests are in flight; a submit past that first reads the oldest
 //! reply (and keeps it for its collector). Everything the session holds is returned by the
 //! daemon when the client ends or disconnects.
+//!
+//! On the Unix socket the client checks who listens there (`SO_PEERCRED`) right after
+//! connecting, before it sends anything: the daemon must run as the client's own effective user,
+//! as root, or as a user named in [`UnixOptions::daemon_uids`]. Any local user may bind a socket
+//! at a path in a world-writable directory such as `/tmp` (the default's) before the daemon does;
+//! the hello, a token and the memfd of the KV memory must never reach such a listener, so
+//! anything else is refused with [`ClientError::UntrustedDaemon`].
 
 pub mod payload;
 mod shm;
@@ -62,6 +69,23 @@ pub enum ClientError {
         path: PathBuf,
         /// The timeout, in seconds.
         seconds: f64,
+    },
+    /// The process listening on the Unix socket runs as a user this client does not trust (not
+    /// its own, not root, not one of [`UnixOptions::daemon_uids`]); nothing was sent to it.
+    #[error(
+        "the process listening on {} runs as uid {uid}, which this client does not trust (its \
+         own uid is {own}; root is trusted too): nothing was sent. Another user may have bound \
+         this path before the daemon. If the daemon runs as uid {uid} on purpose, trust it: \
+         UnixOptions::daemon_uids",
+        path.display()
+    )]
+    UntrustedDaemon {
+        /// The socket.
+        path: PathBuf,
+        /// The listener's user.
+        uid: u32,
+        /// This process's effective user.
+        own: u32,
     },
 }
 
@@ -141,6 +165,20 @@ pub struct Client {
     arrived: HashMap<u64, ReplyBody>,
 }
 
+/// How [`Client::connect_unix_with`] connects to the Unix socket.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnixOptions {
+    /// A timeout on every read and write, set before the connect and the hello: a daemon that
+    /// does not take the connection or answer the hello within it fails with
+    /// [`ClientError::NoAnswer`]. It stays set for the session's calls. `None`: wait as long as
+    /// the daemon takes.
+    pub timeout: Option<Duration>,
+    /// Users the daemon may run as besides this process's effective user and root (a daemon run
+    /// as a service user of its own, its socket shared through `server.socket_group`). A
+    /// listener of any other user is refused with [`ClientError::UntrustedDaemon`].
+    pub daemon_uids: Vec<u32>,
+}
+
 /// A request sent and not yet collected: its id, and what kind of reply it expects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[must_use = "a submitted request's reply must be collected"]
@@ -149,10 +187,10 @@ pub struct Pending(pub u64);
 impl Client {
     /// Connects over the Unix socket at `path` and opens a session, waiting as long as the
     /// daemon takes to answer. [`Client::connect_unix_within`] gives up instead: what a command
-    /// that a person waits for should use.
+    /// that a person waits for should use. The daemon must run as this process's user or root
+    /// ([`Client::connect_unix_with`] trusts others).
     pub fn connect_unix(path: impl AsRef<Path>, hello: Hello) -> Result<Self, ClientError> {
-        let stream = UnixStream::connect(path)?;
-        Self::open(Transport::Unix(stream), hello)
+        Self::connect_unix_with(path, hello, &UnixOptions::default())
     }
 
     /// Connects over the Unix socket at `path` and opens a session, with `timeout` on every
@@ -166,7 +204,27 @@ impl Client {
         hello: Hello,
         timeout: Duration,
     ) -> Result<Self, ClientError> {
+        Self::connect_unix_with(
+            path,
+            hello,
+            &UnixOptions { timeout: Some(timeout), ..Default::default() },
+        )
+    }
+
+    /// Connects over the Unix socket at `path` as `options` say and opens a session. Before
+    /// anything is sent, the process listening there must run as this process's effective user,
+    /// as root, or as one of `options.daemon_uids`: [`ClientError::UntrustedDaemon`] otherwise.
+    pub fn connect_unix_with(
+        path: impl AsRef<Path>,
+        hello: Hello,
+        options: &UnixOptions,
+    ) -> Result<Self, ClientError> {
         let path = path.as_ref();
+        let Some(timeout) = options.timeout else {
+            let stream = UnixStream::connect(path)?;
+            check_peer(&stream, path, &options.daemon_uids)?;
+            return Self::open(Transport::Unix(stream), hello);
+        };
         // A zero timeout is refused by the socket; the least one waits a microsecond.
         let timeout = timeout.max(Duration::from_micros(1));
         let no_answer =
@@ -175,6 +233,7 @@ impl Client {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => no_answer(),
             _ => e.into(),
         })?;
+        check_peer(&stream, path, &options.daemon_uids)?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
         Self::open(Transport::Unix(stream), hello)
@@ -542,6 +601,39 @@ impl Client {
 
 fn unexpected(body: &ReplyBody) -> ClientError {
     ClientError::Unexpected(format!("{body:?}"))
+}
+
+/// Refuses the connected Unix socket `stream` unless the process listening at its other end (the
+/// kernel keeps its credentials from its `listen`) runs as this process's effective user, root,
+/// or one of `trusted`.
+fn check_peer(stream: &UnixStream, path: &Path, trusted: &[u32]) -> Result<(), ClientError> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a ucred of the size passed, alive for the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(
+            e.kind(),
+            format!("cannot tell who listens on {} (SO_PEERCRED): {e}", path.display()),
+        )
+        .into());
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let own = unsafe { libc::geteuid() };
+    if cred.uid == own || cred.uid == 0 || trusted.contains(&cred.uid) {
+        Ok(())
+    } else {
+        Err(ClientError::UntrustedDaemon { path: path.to_path_buf(), uid: cred.uid, own })
+    }
 }
 
 /// Sends `bytes` with `fds` attached as `SCM_RIGHTS`; returns how many bytes went.

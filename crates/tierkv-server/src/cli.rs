@@ -8,7 +8,7 @@ use std::time::Duration;
 mod replay;
 
 use clap::{Parser, Subcommand};
-use tierkv_client::{Client, ClientError};
+use tierkv_client::{Client, ClientError, UnixOptions};
 use tierkv_proto::StatusReport;
 
 use crate::config::{ConfigError, DEFAULT_TOML, DaemonConfig, ServerConfig};
@@ -41,6 +41,10 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// A user the daemon may run as besides yours and root (repeatable): a listener of any
+        /// other user on the socket is refused before anything is sent to it.
+        #[arg(long = "daemon-uid", value_name = "UID")]
+        daemon_uid: Vec<u32>,
         /// Seconds to wait for each of the daemon's answers before giving up.
         #[arg(long, default_value_t = 10.0, value_parser = seconds)]
         timeout: f64,
@@ -55,6 +59,10 @@ enum Command {
         /// section is read).
         #[arg(long, short)]
         config: Option<PathBuf>,
+        /// A user the daemon may run as besides yours and root (repeatable): a listener of any
+        /// other user on the socket is refused before anything is sent to it.
+        #[arg(long = "daemon-uid", value_name = "UID")]
+        daemon_uid: Vec<u32>,
         /// Seconds to wait for the daemon to take the session and report its tiers before
         /// giving up. The clear itself is waited for as long as it takes (a large disk tier
         /// marks each of its records deleted).
@@ -92,11 +100,13 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve { config } => serve(config.as_deref()),
-        Command::Status { socket, config, json, timeout } => {
-            status(socket, config.as_deref(), json, Duration::from_secs_f64(timeout))
+        Command::Status { socket, config, json, daemon_uid, timeout } => {
+            let timeout = Duration::from_secs_f64(timeout);
+            status(socket, config.as_deref(), json, Trust { timeout, daemon_uids: daemon_uid })
         }
-        Command::Clear { socket, config, timeout } => {
-            clear(socket, config.as_deref(), Duration::from_secs_f64(timeout))
+        Command::Clear { socket, config, daemon_uid, timeout } => {
+            let timeout = Duration::from_secs_f64(timeout);
+            clear(socket, config.as_deref(), Trust { timeout, daemon_uids: daemon_uid })
         }
         Command::Config { action: ConfigAction::Check { file } } => check(&file),
         Command::Config { action: ConfigAction::Default } => print(DEFAULT_TOML),
@@ -212,10 +222,19 @@ fn seconds(text: &str) -> Result<f64, String> {
     }
 }
 
-/// An admin session on `socket`, every answer waited for at most `timeout`.
-fn admin(socket: &Path, hello: tierkv_proto::Hello, timeout: Duration) -> Result<Client, String> {
-    Client::connect_unix_within(socket, hello, timeout).map_err(|e| match e {
+/// How an admin command connects: each answer waited for at most `timeout`, and the daemon
+/// trusted as one of `daemon_uids` besides this user and root.
+struct Trust {
+    timeout: Duration,
+    daemon_uids: Vec<u32>,
+}
+
+/// An admin session on `socket`, connected as `trust` says.
+fn admin(socket: &Path, hello: tierkv_proto::Hello, trust: Trust) -> Result<Client, String> {
+    let options = UnixOptions { timeout: Some(trust.timeout), daemon_uids: trust.daemon_uids };
+    Client::connect_unix_with(socket, hello, &options).map_err(|e| match e {
         ClientError::NoAnswer { .. } => e.to_string(),
+        ClientError::UntrustedDaemon { uid, .. } => format!("{e} (here: --daemon-uid {uid})"),
         e => format!("no daemon answers on {}: {e}", socket.display()),
     })
 }
@@ -239,13 +258,14 @@ fn status(
     socket: Option<PathBuf>,
     config: Option<&Path>,
     json: bool,
-    timeout: Duration,
+    trust: Trust,
 ) -> Result<(), String> {
     let socket = match socket {
         Some(socket) => socket,
         None => load(config, ServerConfig::from_file, ServerConfig::embedded_default)?.socket,
     };
-    let mut client = admin(&socket, Client::admin_hello(), timeout)?;
+    let timeout = trust.timeout;
+    let mut client = admin(&socket, Client::admin_hello(), trust)?;
     let report = client.status().map_err(failed("status", &socket, timeout))?;
     let _ = client.end();
     if json {
@@ -255,7 +275,8 @@ fn status(
     print(&render(&report))
 }
 
-fn clear(socket: Option<PathBuf>, config: Option<&Path>, timeout: Duration) -> Result<(), String> {
+fn clear(socket: Option<PathBuf>, config: Option<&Path>, trust: Trust) -> Result<(), String> {
+    let timeout = trust.timeout;
     // The `[server]` section alone: neither the other sections nor the groups the daemon's user
     // must belong to are checked for whoever runs this.
     let loaded = load(config, ServerConfig::from_file, ServerConfig::embedded_default)?;
@@ -264,7 +285,7 @@ fn clear(socket: Option<PathBuf>, config: Option<&Path>, timeout: Duration) -> R
         "clear needs the daemon's token: give --config with its server.token, or set TIERKV_TOKEN",
     )?;
     let hello = tierkv_proto::Hello { token: Some(token), ..Client::admin_hello() };
-    let mut client = admin(&socket, hello, timeout)?;
+    let mut client = admin(&socket, hello, trust)?;
     let tiers = client.status().map_err(failed("status", &socket, timeout))?.tiers;
     // A daemon that answered is there: its clear may take minutes on a large disk tier, and
     // one given up on would go on all the same (reported as failed, though it is not).
