@@ -15,11 +15,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tierkv import Client, wire
@@ -31,6 +32,61 @@ STOP_DEADLINE_S = 10.0
 MAX_SOCKET_PATH = 100
 #: The token of every test daemon: TCP sessions and ``clear`` need it (at least 16 characters).
 TCP_TOKEN = "python-client-test-token"
+
+
+#: The other user of the peer-credential tests: ``nobody``.
+OTHER_UID = 65534
+
+#: A listener of :data:`OTHER_UID`: started as root (the interpreter may lie where only root
+#: reads), it drops to that user before it binds ``argv[1]``, says ``listening``, takes one
+#: connection, reads it to its end and says how many bytes came.
+_OTHER_USERS_LISTENER = f"""
+import os, socket, sys
+os.setgroups([])
+os.setgid({OTHER_UID})
+os.setuid({OTHER_UID})
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    s.bind(sys.argv[1])
+    s.listen(1)
+    print("listening", flush=True)
+    s.settimeout(30)
+    conn, _ = s.accept()
+    conn.settimeout(30)
+    received = 0
+    while chunk := conn.recv(1 << 16):
+        received += len(chunk)
+    print(received, flush=True)
+"""
+
+
+@contextlib.contextmanager
+def other_users_dir() -> Iterator[Path]:
+    """A directory of :data:`OTHER_UID`'s own (pytest's ``tmp_path`` lies under one only root
+    may enter), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="tierkv-peer-"))
+    try:
+        os.chown(path, OTHER_UID, OTHER_UID)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def other_users_listener() -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A socket :data:`OTHER_UID` listens on, and the listener: it takes one connection and,
+    once that closes, says on its stdout how many bytes it received (``communicate``)."""
+    with other_users_dir() as where:
+        path = str(where / "tierkv.sock")
+        listener = subprocess.Popen(
+            [sys.executable, "-c", _OTHER_USERS_LISTENER, path], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert listener.stdout is not None
+            assert listener.stdout.readline().strip() == "listening"
+            yield path, listener
+        finally:
+            listener.kill()
+            listener.wait()
 
 
 def small_config(socket_path: Path, disk: Path, extra: str = "") -> str:
@@ -190,9 +246,12 @@ class Daemon:
         extra_config: str = "",
         tcp_port=None,
         make_config=small_config,
+        user: int | None = None,
     ):
-        """Starts ``binary`` on ``make_config(socket, disk_dir, extra_config)``."""
+        """Starts ``binary`` on ``make_config(socket, disk_dir, extra_config)``, as ``user``
+        (a uid; ``workdir`` must then be that user's) where one is given."""
         self.binary = binary
+        self.user = user
         self.dir = workdir
         # Every test daemon has a token: admin sessions need it to clear (over TCP, for all).
         self.token = TCP_TOKEN
@@ -223,6 +282,8 @@ class Daemon:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                user=self.user,
+                group=self.user,
             )
         try:
             self._wait_until_serving()

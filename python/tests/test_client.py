@@ -7,6 +7,7 @@ import fcntl
 import gc
 import mmap
 import os
+import pickle
 import re
 import resource
 import signal
@@ -20,7 +21,16 @@ import warnings
 
 import msgpack
 import pytest
-from daemon import Daemon, admin_hello, config, free_port, in_background
+from daemon import (
+    OTHER_UID,
+    Daemon,
+    admin_hello,
+    config,
+    free_port,
+    in_background,
+    other_users_dir,
+    other_users_listener,
+)
 
 from tierkv import (
     BadBuffer,
@@ -44,6 +54,7 @@ from tierkv import (
     ShareReturned,
     Stored,
     UnknownLookup,
+    UntrustedDaemon,
     VersionMismatch,
     Welcome,
     prefix_hashes,
@@ -1080,3 +1091,53 @@ def test_a_deferred_lookup_nobody_starts_is_over_at_its_deadline(tierkv_bin, tmp
             client.query(started.lookup)
     finally:
         daemon.stop()
+
+
+def test_a_socket_another_user_listens_on_is_refused_before_anything_is_sent() -> None:
+    """Anyone may bind the default socket's path in /tmp before the daemon: the client must not
+    send such a listener its hello, let alone the KV memory it registers."""
+    with other_users_listener() as (path, listener):
+        # Trusting some other user changes nothing.
+        with pytest.raises(UntrustedDaemon) as refused:
+            Client.connect(path, worker_hello(), daemon_uids=[1000])
+        said, _ = listener.communicate(timeout=10)
+    assert listener.returncode == 0
+    assert said.split() == ["0"], "the client sent something to another user's listener"
+    error = refused.value
+    assert isinstance(error, ConnectionLost)
+    assert (error.path, error.uid) == (path, OTHER_UID)
+    for words in (path, f"uid {OTHER_UID}", f"daemon_uids=[{OTHER_UID}]"):
+        assert words in str(error)
+    again = pickle.loads(pickle.dumps(error))
+    assert (type(again), again.path, again.uid, str(again)) == (
+        UntrustedDaemon,
+        path,
+        OTHER_UID,
+        str(error),
+    )
+
+
+def test_a_daemon_of_a_trusted_user_serves_the_session(tierkv_bin) -> None:
+    """A daemon run as another user on purpose: refused until its uid is trusted, then a session
+    like any other, its KV memory registered and used."""
+    with other_users_dir() as where:
+        daemon = Daemon(tierkv_bin, where, user=OTHER_UID)
+        try:
+            with pytest.raises(UntrustedDaemon, match=f"uid {OTHER_UID}"):
+                Client.connect(str(daemon.socket), worker_hello())
+            with Client.connect(
+                str(daemon.socket), worker_hello(), daemon_uids=[OTHER_UID]
+            ) as client:
+                buf = SharedBuffer(block_bytes=CHUNK_BYTES, blocks=1)
+                fill(buf.block(0), 7)
+                buffer = client.register_buffer(buf)
+                chunks = prefix_hashes(prompt(31, 1), CHUNK_TOKENS)
+                assert client.store(0, buffer, [(chunks[0], 0)]).stored == 1
+        finally:
+            daemon.stop()
+
+
+def test_daemon_uids_must_be_user_ids() -> None:
+    for bad in ("1000", [-1], [True], [1 << 32], 1000):
+        with pytest.raises((TypeError, ValueError)):
+            Client.connect("/nonexistent/tierkv.sock", worker_hello(), daemon_uids=bad)

@@ -11,8 +11,8 @@ side of that protocol (version 6, ``docs/protocol.md``):
 * :class:`SharedBuffer` and :func:`sealed_memfd`: KV memory the daemon can map.
 * :func:`prefix_hashes` and :func:`chain`: the chained chunk hash that names chunks.
 * :mod:`tierkv.errors`: :class:`ConnectionLost` (:class:`BadReply` for a reply that breaks the
-  protocol), and one :class:`DaemonError` subclass per
-  error code.
+  protocol, :class:`UntrustedDaemon` for a socket another user listens on), and one
+  :class:`DaemonError` subclass per error code.
 
 Example::
 
@@ -52,6 +52,7 @@ from .errors import (
     TierKVError,
     TooManyConnections,
     UnknownLookup,
+    UntrustedDaemon,
     VersionMismatch,
     WaitTimeout,
     error_for,
@@ -122,6 +123,7 @@ __all__ = [
     "TierKVError",
     "TooManyConnections",
     "UnknownLookup",
+    "UntrustedDaemon",
     "VersionMismatch",
     "WaitTimeout",
     "Welcome",

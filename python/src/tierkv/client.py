@@ -16,6 +16,12 @@ client keeps the connection as an :class:`Unanswered` (:meth:`Client.take_unansw
 says when the daemon is done with it, and the caller reuses that memory only then.
 
 One lock per client keeps calls from several threads from interleaving their frames.
+
+On the Unix socket the client checks, right after connecting and before it sends anything, who
+listens there (``SO_PEERCRED``): the daemon must run as the client's own user, as root, or as a
+user named in ``daemon_uids``. A socket in ``/tmp`` (the default) can be bound by any local user
+before the daemon starts; the session's KV memory must never reach such a listener, so anything
+else is refused with :class:`~tierkv.errors.UntrustedDaemon`.
 """
 
 from __future__ import annotations
@@ -25,13 +31,22 @@ import math
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import wire
-from .errors import BadFrame, BadReply, ClientBusy, ConnectionLost, DaemonError, TierKVError
+from .errors import (
+    BadFrame,
+    BadReply,
+    ClientBusy,
+    ConnectionLost,
+    DaemonError,
+    TierKVError,
+    UntrustedDaemon,
+)
 from .shm import SharedBuffer
 from .wire import (
     BufferRegistered,
@@ -52,7 +67,7 @@ from .wire import (
     Welcome,
 )
 
-__all__ = ["DEFAULT_TIMEOUT", "Client", "Unanswered"]
+__all__ = ["DEFAULT_TIMEOUT", "Client", "Unanswered", "trusted_uids"]
 
 #: Seconds a call may take by default.
 DEFAULT_TIMEOUT = 5.0
@@ -75,6 +90,35 @@ def _fileno(fd: Any) -> int:
     except OSError as e:
         raise ValueError(f"descriptor {number} is not open: {e}") from e
     return number
+
+
+#: ``struct ucred`` of ``SO_PEERCRED``: pid, uid, gid.
+_UCRED = struct.Struct("=iII")
+
+
+def trusted_uids(uids: Iterable[int]) -> frozenset[int]:
+    """``uids`` checked as the ``daemon_uids`` of :meth:`Client.connect`: user ids (ints from
+    0); ``TypeError`` or ``ValueError`` if they are not."""
+    if isinstance(uids, (str, bytes)) or not isinstance(uids, Iterable):
+        raise TypeError(f"daemon_uids is a collection of user ids, got {uids!r}")
+    checked = frozenset(uids)
+    for uid in checked:
+        if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < 1 << 32:
+            raise ValueError(f"daemon_uids holds user ids (ints from 0), got {uid!r}")
+    return checked
+
+
+def _check_peer(sock: socket.socket, path: str | bytes, trusted: frozenset[int]) -> None:
+    """Raises :class:`UntrustedDaemon` unless the process listening at the other end of the
+    connected Unix socket ``sock`` runs as this process's effective user, root, or a user in
+    ``trusted``. The kernel records the listener's credentials when it called ``listen``."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError as e:
+        raise ConnectionLost(f"cannot tell who listens on {path!r} (SO_PEERCRED): {e}") from e
+    _, uid, _ = _UCRED.unpack(raw)
+    if uid not in trusted and uid not in (0, os.geteuid()):
+        raise UntrustedDaemon(os.fsdecode(path), uid)
 
 
 def _check_timeout(timeout: float) -> None:
@@ -157,12 +201,21 @@ class Client:
 
     @classmethod
     def connect(
-        cls, path: str | bytes, hello_body: dict[str, Any], timeout: float = DEFAULT_TIMEOUT
+        cls,
+        path: str | bytes,
+        hello_body: dict[str, Any],
+        timeout: float = DEFAULT_TIMEOUT,
+        daemon_uids: Iterable[int] = (),
     ) -> Client:
         """Connects to the daemon's Unix socket at ``path`` and opens a session with
-        ``hello_body`` (from :func:`tierkv.wire.hello`)."""
+        ``hello_body`` (from :func:`tierkv.wire.hello`).
+
+        Before anything is sent, the process listening there must run as this process's user,
+        as root, or as one of ``daemon_uids`` (a daemon run as a service user of its own);
+        :class:`~tierkv.errors.UntrustedDaemon` otherwise."""
+        trusted = trusted_uids(daemon_uids)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        return cls._open(sock, path, hello_body, timeout, unix=True)
+        return cls._open(sock, path, hello_body, timeout, unix=True, trusted=trusted)
 
     @classmethod
     def connect_tcp(
@@ -191,6 +244,7 @@ class Client:
         timeout: float,
         *,
         unix: bool,
+        trusted: frozenset[int] = frozenset(),
     ) -> Client:
         if not (isinstance(hello_body, dict) and set(hello_body) == {"hello"}):
             sock.close()
@@ -207,6 +261,11 @@ class Client:
             except OSError as e:
                 sock.close()
                 raise ConnectionLost(f"cannot connect to {path!r}: {e}") from e
+            try:
+                _check_peer(sock, path, trusted)
+            except ConnectionLost:
+                sock.close()
+                raise
         client = cls(sock, timeout=timeout, unix=unix)
         try:
             reply = client._call(hello_body)

@@ -6,7 +6,8 @@ Three kinds of failure reach a caller:
   missed its deadline, or the daemon answered something that is not a reply to the request.
   The client is closed when this is raised; open a new one. A reply that breaks the protocol
   (a frame over the reply limit, not MessagePack, past the limits of ``tierkv.wire``, or no
-  answer to the request) is its subclass :class:`BadReply`.
+  answer to the request) is its subclass :class:`BadReply`; a Unix socket whose listener runs as
+  a user the client does not trust, refused before anything is sent, is :class:`UntrustedDaemon`.
 * :class:`DaemonError`: the daemon refused the request (an ``error`` reply). A refused request
   changed nothing and the session goes on, except where ``docs/protocol.md`` says the daemon
   closes the connection (a failed hello, ``bad_frame``). There is one subclass per error code,
@@ -16,6 +17,8 @@ Three kinds of failure reach a caller:
 """
 
 from __future__ import annotations
+
+import os
 
 __all__ = [
     "BadBuffer",
@@ -39,6 +42,7 @@ __all__ = [
     "TierKVError",
     "TooManyConnections",
     "UnknownLookup",
+    "UntrustedDaemon",
     "VersionMismatch",
     "WaitTimeout",
     "error_for",
@@ -65,6 +69,33 @@ class BadReply(ConnectionLost):
     The client that raised it is closed (nothing of the frame is left to be read as the next
     call's reply) and must not be used again.
     """
+
+
+class UntrustedDaemon(ConnectionLost):
+    """The process listening on the Unix socket runs as a user the client does not trust: not the
+    client's own (effective) user, not root, and not one of the ``daemon_uids`` it was given.
+    Anyone may bind a socket at a path in a world-writable directory such as ``/tmp`` before the
+    daemon does, and would then receive the session's hello and the KV memory it registers, so
+    the client refused the connection before sending anything.
+
+    ``path`` is the socket, ``uid`` the listener's user. A daemon that runs as another user on
+    purpose is trusted by passing its uid in ``daemon_uids`` (the vLLM connector's
+    ``daemon_uids`` setting). The client that raised it is closed.
+    """
+
+    def __init__(self, path: str, uid: int) -> None:
+        super().__init__(
+            f"the process listening on {path} runs as uid {uid}, which this client does not "
+            f"trust (its own uid is {os.geteuid()}; root is trusted too): nothing was sent. "
+            "Another user may have bound this path before the daemon. If the daemon runs as uid "
+            f"{uid} on purpose, trust it with daemon_uids=[{uid}]"
+        )
+        self.path = path
+        self.uid = uid
+
+    def __reduce__(self) -> tuple[type[UntrustedDaemon], tuple[str, int]]:
+        # Pickling (e.g. across a multiprocessing boundary) rebuilds it from the path and uid.
+        return (UntrustedDaemon, (self.path, self.uid))
 
 
 class ClientBusy(TierKVError):
