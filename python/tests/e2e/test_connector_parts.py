@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemon import config, in_background
+from daemon import OTHER_UID, config, in_background, other_users_listener
 from harness import start_daemon
 
 from tierkv import wire
@@ -40,6 +40,33 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         Settings.from_extra({"retry_s": -1})
     # 0 retries a refused connect at once; a hung daemon still backs off (the link's floor).
     assert Settings.from_extra({"retry_s": 0}).retry_s == 0.0
+
+
+def test_daemon_uids_are_trusted_by_the_links_and_named_when_a_listener_is_refused() -> None:
+    assert Settings.from_extra({"daemon_uids": [998, 65534]}).daemon_uids == (998, 65534)
+    assert Settings.from_extra({"daemon_uids": 998}).daemon_uids == (998,)
+    for bad in ("998", [-1], [True], [1.5]):
+        with pytest.raises(ValueError, match="daemon_uids"):
+            Settings.from_extra({"daemon_uids": bad})
+    hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4096, chunk_tokens=16)
+    # Another user's listener on the socket: a miss whose words say what to set, nothing sent.
+    with other_users_listener() as (path, listener):
+        link = Settings.from_extra({"socket": path, "daemon_uids": [998]}).link(hello)
+        with pytest.raises(Unavailable) as refused:
+            link.call(lambda client: client.status())
+        said, _ = listener.communicate(timeout=10)
+    assert said.split() == ["0"]
+    assert f'"daemon_uids": [{OTHER_UID}] in kv_connector_extra_config' in str(refused.value)
+    assert f"uid {OTHER_UID}" in str(refused.value)
+    # Trusted, the link sends its hello (the listener is no daemon: the hello is not answered).
+    with other_users_listener() as (path, listener):
+        trusting = {"socket": path, "daemon_uids": [OTHER_UID], "timeout_s": 0.5}
+        link = Settings.from_extra(trusting).link(hello)
+        with pytest.raises(Unavailable) as lost:
+            link.call(lambda client: client.status())
+        said, _ = listener.communicate(timeout=10)
+    assert int(said) > 0
+    assert "daemon_uids" not in str(lost.value)
 
 
 def test_chunk_ids_are_tierkv_prefix_hashes_and_a_salt_separates_them() -> None:

@@ -22,11 +22,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tierkv.client import Client, Unanswered
-from tierkv.errors import ClientBusy, ConnectionLost, DaemonError
+from tierkv.errors import ClientBusy, ConnectionLost, DaemonError, UntrustedDaemon
 from tierkv.vllm.throttle import Throttle
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,10 @@ class Link:
         retry_s: float,
         on_connect: Callable[[Client], None] | None = None,
         watch_unanswered: bool = False,
+        daemon_uids: Iterable[int] = (),
     ) -> None:
         self._path = socket_path
+        self._daemon_uids = tuple(daemon_uids)
         self._hello = hello
         self._timeout = timeout_s
         self._retry = retry_s
@@ -101,7 +103,15 @@ class Link:
             if now < self._down_until:
                 raise Unavailable(f"the tierkv daemon at {self._path} is down; retrying later")
             try:
-                client = Client.connect(self._path, self._hello, timeout=self._timeout)
+                client = Client.connect(
+                    self._path, self._hello, timeout=self._timeout, daemon_uids=self._daemon_uids
+                )
+            except UntrustedDaemon as e:
+                # Another user's socket, or a daemon run as another user on purpose: the warning
+                # says which connector setting trusts it.
+                said = f'{e} ("daemon_uids": [{e.uid}] in kv_connector_extra_config)'
+                self._down(e, said)
+                raise Unavailable(said) from e
             except (OSError, ConnectionLost, DaemonError) as e:
                 self._down(e)
                 raise Unavailable(str(e)) from e
@@ -164,13 +174,15 @@ class Link:
         client.close()
         return unanswered
 
-    def _down(self, why: BaseException) -> None:
+    def _down(self, why: BaseException, said: str | None = None) -> None:
+        """Marks the link down after ``why``; the warning says ``said`` (``why`` without it)."""
         self.failures += 1
         wait = self._retry
-        if _timed_out(why) or isinstance(why, DaemonError):
-            # A hung daemon costs a deadline per try, and a daemon that refuses the session (a
-            # chunk larger than its slot, say) will refuse it again: both back off. A refused
-            # connect (the daemon is not there) is free to repeat.
+        if _timed_out(why) or isinstance(why, (DaemonError, UntrustedDaemon)):
+            # A hung daemon costs a deadline per try, a daemon that refuses the session (a chunk
+            # larger than its slot, say) will refuse it again, and a listener of an untrusted
+            # user is refused again: all back off. A refused connect (the daemon is not there)
+            # is free to repeat.
             self._in_a_row += 1
             base = max(self._retry, MIN_BACKOFF_S)
             wait = min(base * 2 ** min(self._in_a_row - 1, 16), max(MAX_DOWN_S, self._retry))
@@ -179,7 +191,7 @@ class Link:
             "down",
             "tierkv: daemon at %s unavailable (%s); misses until it is back",
             self._path,
-            why,
+            why if said is None else said,
         )
 
     def close(self) -> None:

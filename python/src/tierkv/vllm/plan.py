@@ -12,6 +12,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from tierkv.client import trusted_uids
+from tierkv.vllm.link import Link
+
 #: A chunk as the daemon names it: its id and the engine blocks that hold it, in token order.
 ChunkBlocks = tuple[int, list[int]]
 
@@ -79,6 +82,10 @@ class Settings:
 
     #: The daemon's Unix socket.
     socket: str = "/tmp/tierkv.sock"
+    #: Users the daemon may run as besides the engine's own and root: the client refuses a
+    #: socket any other user listens on (``tierkv.errors.UntrustedDaemon``) before it sends
+    #: anything, since anyone may bind a path in ``/tmp`` before the daemon does.
+    daemon_uids: tuple[int, ...] = ()
     #: Deadline of every call to the daemon, in seconds.
     timeout_s: float = 5.0
     #: How long a daemon that failed a call is left alone before the next try, in seconds; 0 tries
@@ -106,6 +113,13 @@ class Settings:
     #: ("auto", the default): on exactly when vLLM schedules asynchronously
     #: (:meth:`resolved`); true or false wins over that.
     async_loads: bool | None = None
+
+    def link(self, hello: dict[str, Any], **kw: Any) -> Link:
+        """A link to the daemon these settings name, opening its sessions with ``hello``;
+        keywords go to :class:`~tierkv.vllm.link.Link`."""
+        return Link(
+            self.socket, hello, self.timeout_s, self.retry_s, daemon_uids=self.daemon_uids, **kw
+        )
 
     def resolved(self, async_scheduling: bool | None) -> Settings:
         """These settings with ``async_loads`` decided: "auto" follows vLLM's
@@ -142,9 +156,19 @@ class Settings:
 AUTO_FLAGS = ("async_loads",)
 
 
+def _uids(raw: Any) -> tuple[int, ...]:
+    """``daemon_uids`` from a list of user ids (or one)."""
+    try:
+        return tuple(sorted(trusted_uids([raw] if isinstance(raw, int) else raw)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"daemon_uids must be a list of user ids, not {raw!r}: {e}") from e
+
+
 def _value(key: str, raw: Any) -> Any:
     """``raw`` as the type of the setting ``key`` (a flag from a bool, 0/1 or true/false;
     one of :data:`AUTO_FLAGS` also from "auto" or null)."""
+    if key == "daemon_uids":
+        return _uids(raw)
     if key in AUTO_FLAGS:
         if raw is None or (isinstance(raw, str) and raw.strip().lower() == "auto"):
             return None

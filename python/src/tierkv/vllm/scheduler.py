@@ -269,16 +269,12 @@ class SchedulerSide:
             )
             for r in ranks
         ]
-        self.links = [
-            Link(settings.socket, h, settings.timeout_s, settings.retry_s) for h in hellos
-        ]
+        self.links = [settings.link(h) for h in hellos]
         #: The background thread's sessions for touches (:class:`_Touch`), one per rank key,
         #: opened on the first touch: a touch's lookup and release never hold the session a
         #: lookup of the scheduler's thread needs, nor count against its leases. Leases are per
         #: session, so the releases of the scheduler's lookups stay on ``links``.
-        self.touch_links = [
-            Link(settings.socket, h, settings.timeout_s, settings.retry_s) for h in hellos
-        ]
+        self.touch_links = [settings.link(h) for h in hellos]
         self.requests: dict[str, _Request] = {}
         #: Blocks that loads planned in this step or the last fill (or that KV computed over
         #: such blocks went to): the step that planned it and the loads they depend on (each a

@@ -236,14 +236,7 @@ class WorkerSide:
     def _link(self, on_connect: Callable[[Client], None]) -> Link:
         """A session of this worker (its hello), which registers the KV memory on connecting."""
         assert self._hello is not None
-        return Link(
-            self.settings.socket,
-            self._hello,
-            self.settings.timeout_s,
-            self.settings.retry_s,
-            on_connect=on_connect,
-            watch_unanswered=True,
-        )
+        return self.settings.link(self._hello, on_connect=on_connect, watch_unanswered=True)
 
     def _register(self, client: Client) -> None:
         self.buffer = self._register_kv(client)
