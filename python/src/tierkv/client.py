@@ -15,7 +15,9 @@ Only a daemon that stops *during* a retrieve's copies can still finish the MiB u
 client keeps the connection as an :class:`Unanswered` (:meth:`Client.take_unanswered`), which
 says when the daemon is done with it, and the caller reuses that memory only then.
 
-One lock per client keeps calls from several threads from interleaving their frames.
+One lock per client keeps calls from several threads from interleaving their frames. A
+:meth:`Client.close` from another thread ends a call in flight the way a missed deadline does,
+leaving its connection as an :class:`Unanswered`: the daemon may still be carrying it out.
 
 On the Unix socket the client checks, right after connecting and before it sends anything, who
 listens there (``SO_PEERCRED``): the daemon must run as the client's own user, as root, or as a
@@ -34,6 +36,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -67,13 +70,27 @@ from .wire import (
     Welcome,
 )
 
-__all__ = ["DEFAULT_TIMEOUT", "Client", "Unanswered", "trusted_uids"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "READY_EVENT_WAIT_S",
+    "STORE_BACKPRESSURE_S",
+    "Client",
+    "Unanswered",
+    "trusted_uids",
+]
 
 #: Seconds a call may take by default.
 DEFAULT_TIMEOUT = 5.0
 
-#: The longest wait the daemon grants, whatever a client asks.
+#: The longest wait the daemon grants, whatever a client asks (its ``MAX_WAIT``).
 _MAX_DAEMON_WAIT_S = 60.0
+
+#: The longest the daemon waits for a store's ``ready_event`` (its ``READY_EVENT_WAIT``).
+READY_EVENT_WAIT_S = 30.0
+
+#: The daemon's default ``storage.store_backpressure``: the longest a store waits for room in L1,
+#: counted once its ``ready_event`` has completed.
+STORE_BACKPRESSURE_S = 2.0
 
 
 def _fileno(fd: Any) -> int:
@@ -124,6 +141,20 @@ def _check_peer(sock: socket.socket, path: str | bytes, trusted: frozenset[int])
 def _check_timeout(timeout: float) -> None:
     if isinstance(timeout, bool) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout}")
+
+
+def _wait_ms(timeout_s: float) -> int:
+    """A wait's ``timeout_s`` as the daemon's milliseconds. Infinity asks for the longest wait the
+    daemon grants (:data:`_MAX_DAEMON_WAIT_S`), as any ask past it gets."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s is a number of seconds, got {timeout_s!r}")
+    if not timeout_s >= 0:
+        raise ValueError(f"timeout_s must be non-negative, got {timeout_s}")
+    return math.ceil(min(timeout_s, _MAX_DAEMON_WAIT_S) * 1000)
+
+
+class _Closed(Exception):
+    """:meth:`Client.close` was called while this thread's call was in flight."""
 
 
 class Unanswered:
@@ -190,6 +221,7 @@ class Client:
         self._timeout = float(timeout)
         self._unix = unix
         self._lock = threading.Lock()
+        self._wake = _Wake(self)
         self._next_id = 1
         self._session: Welcome | None = None
         self._unanswered: Unanswered | None = None
@@ -346,13 +378,24 @@ class Client:
         buffer: int,
         chunks: Iterable[tuple[int, Sequence[int] | int]],
         ready_event: bytes | None = None,
+        timeout: float | None = None,
     ) -> Stored:
         """Stores chunks, root first, from blocks of a registered buffer: ``(chunk_id,
         [block, ...])`` with one block per ``blocks_per_chunk`` of its layout. For a buffer in
         GPU memory, ``ready_event`` is the IPC handle of a CUDA event recorded after the blocks
-        were written: the daemon waits for it before its copies (at most 30 s; the store is refused
-        with ``WaitTimeout`` past that), so the caller need not synchronize."""
-        return self._expect(Stored, wire.store(namespace, buffer, chunks, ready_event))
+        were written: the daemon waits for it before its copies (at most
+        :data:`READY_EVENT_WAIT_S`; the store is refused with ``WaitTimeout`` past that), so the
+        caller need not synchronize.
+
+        ``timeout`` replaces the client's deadline for this call. With a ``ready_event`` it is by
+        default long enough for the daemon's answer: the client's deadline, plus the event's wait
+        and then the wait for room (:data:`STORE_BACKPRESSURE_S`, the daemon's default)."""
+        if timeout is not None:
+            _check_timeout(timeout)
+        elif ready_event is not None:
+            timeout = self._timeout + READY_EVENT_WAIT_S + STORE_BACKPRESSURE_S
+        body = wire.store(namespace, buffer, chunks, ready_event)
+        return self._expect(Stored, body, timeout=timeout)
 
     def lookup(
         self, namespace: int, chunks: Iterable[int], defer_prefetch: bool = False
@@ -374,11 +417,10 @@ class Client:
 
     def wait(self, lookup: int, timeout_s: float) -> LookupOutcome:
         """Waits up to ``timeout_s`` (the daemon grants at most 60 s) for the lookup to
-        complete; :class:`~tierkv.errors.WaitTimeout` if it does not (the lookup stays open)."""
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s must be non-negative, got {timeout_s}")
-        timeout_ms = math.ceil(timeout_s * 1000)
-        deadline = self._timeout + min(timeout_ms / 1000, _MAX_DAEMON_WAIT_S)
+        complete; :class:`~tierkv.errors.WaitTimeout` if it does not (the lookup stays open).
+        ``math.inf`` asks for the daemon's longest wait."""
+        timeout_ms = _wait_ms(timeout_s)
+        deadline = self._timeout + timeout_ms / 1000
         return self._expect(Done, wire.wait(lookup, timeout_ms), timeout=deadline).outcome
 
     def retrieve(
@@ -410,11 +452,10 @@ class Client:
         """Waits up to ``timeout_s`` (the daemon grants at most 60 s) until every chunk this
         session stored since its last flush is through the store pipeline: ``durable`` of them
         are on the disk tier (they survive a daemon crash), ``not_durable`` are not.
-        :class:`~tierkv.errors.WaitTimeout` if some are still on their way (flush again)."""
-        if not timeout_s >= 0:
-            raise ValueError(f"timeout_s must be non-negative, got {timeout_s}")
-        timeout_ms = math.ceil(timeout_s * 1000)
-        deadline = self._timeout + min(timeout_ms / 1000, _MAX_DAEMON_WAIT_S)
+        :class:`~tierkv.errors.WaitTimeout` if some are still on their way (flush again).
+        ``math.inf`` asks for the daemon's longest wait."""
+        timeout_ms = _wait_ms(timeout_s)
+        deadline = self._timeout + timeout_ms / 1000
         return self._expect(Flushed, wire.flush(timeout_ms), timeout=deadline)
 
     def status(self) -> dict[str, Any]:
@@ -439,25 +480,28 @@ class Client:
     def close(self) -> None:
         """Closes the connection; the daemon then returns everything the session held.
 
-        Idempotent, and safe from another thread: a call in flight then fails with
-        :class:`~tierkv.errors.ConnectionLost`.
+        Idempotent, and safe from another thread. A call in flight then ends as one that missed
+        its deadline does (:class:`~tierkv.errors.ConnectionLost`, saying the client was closed):
+        its request may still be carried out, so its connection is left to
+        :meth:`take_unanswered`, not shut down. An :class:`Unanswered` left from before this
+        close and never taken is closed.
         """
-        sock = self._sock
-        if sock is not None:
-            # Wakes a call blocked on this socket in another thread, which then lets go of the
-            # lock.
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        earlier = self._unanswered
+        # Wakes a call in flight in another thread, which then lets go of the lock.
+        self._wake.signal()
         with self._lock:
             self._close_locked()
-            unanswered, self._unanswered = self._unanswered, None
+            self._wake.close()
+            unanswered = None
+            if earlier is not None and self._unanswered is earlier:
+                unanswered, self._unanswered = earlier, None
         if unanswered is not None:
             unanswered.close()
 
     def take_unanswered(self) -> Unanswered | None:
-        """The connection of a call that missed its deadline (the daemon may still carry its
-        request out), handed to the caller to watch; ``None`` if the client closed otherwise.
-        Taken once: a closed client that still holds it closes it."""
+        """The connection of a call that missed its deadline or was in flight when the client was
+        closed (the daemon may still carry its request out), handed to the caller to watch;
+        ``None`` if the client closed otherwise. Taken once."""
         with self._lock:
             unanswered, self._unanswered = self._unanswered, None
         return unanswered
@@ -507,7 +551,7 @@ class Client:
             )
         try:
             sock = self._sock
-            if sock is None:
+            if sock is None or self._wake.signalled:
                 if self._timed_out:
                     raise ConnectionLost(
                         "the client is closed: a call missed its deadline"
@@ -517,6 +561,8 @@ class Client:
             self._next_id += 1
             frame = wire.encode_frame(request_id, body)
             try:
+                if sock.gettimeout() != 0.0:
+                    sock.setblocking(False)  # every wait is a poll beside the wake-up's
                 self._send(sock, frame, fds, deadline)
                 reply_id, reply_body = wire.unpack_reply(self._read_frame(sock, deadline))
                 if reply_id not in (request_id, 0):
@@ -532,6 +578,14 @@ class Client:
             except ConnectionLost:
                 self._close_locked()
                 raise
+            except _Closed:
+                # As a missed deadline: the request may still be carried out.
+                self._sock = None
+                self._unanswered = Unanswered(sock)
+                raise ConnectionLost(
+                    "the client was closed while the call was in flight; the daemon may still "
+                    "carry it out (take_unanswered)"
+                ) from None
             except OSError as e:
                 if isinstance(e, TimeoutError):
                     # The request may still be carried out: keep the connection to learn when.
@@ -548,30 +602,46 @@ class Client:
         finally:
             self._lock.release()
 
-    @staticmethod
-    def _remaining(sock: socket.socket, deadline: float) -> None:
+    def _ready(self, sock: socket.socket, events: int, deadline: float) -> None:
+        """Waits until ``sock`` may be ready for ``events``: ``TimeoutError`` past the deadline,
+        ``_Closed`` once :meth:`close` is called (the socket is left as it is)."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("deadline passed")
-        sock.settimeout(left)
+        # poll, not select: an engine's process may hold descriptors past select's 1024.
+        waiting = select.poll()
+        waiting.register(sock, events)
+        waiting.register(self._wake.fd, select.POLLIN)
+        ready = waiting.poll(math.ceil(left * 1000))
+        if self._wake.signalled:
+            raise _Closed
+        if not ready and deadline <= time.monotonic():
+            raise TimeoutError("deadline passed")
 
     def _send(self, sock: socket.socket, frame: bytes, fds: Sequence[int], deadline: float) -> None:
-        self._remaining(sock, deadline)
-        if fds:
-            sent = socket.send_fds(sock, [frame], list(fds))
-            frame = frame[sent:]
-            if frame:
-                self._remaining(sock, deadline)
-        if frame:
-            sock.sendall(frame)
+        view = memoryview(frame)
+        while view:
+            self._ready(sock, select.POLLOUT, deadline)
+            try:
+                if fds:
+                    sent = socket.send_fds(sock, [view], list(fds))
+                    fds = ()  # the descriptors went with the first byte sent
+                else:
+                    sent = sock.send(view)
+            except BlockingIOError:
+                continue
+            view = view[sent:]
 
     def _read_exactly(self, sock: socket.socket, n: int, deadline: float) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
         while got < n:
-            self._remaining(sock, deadline)
-            k = sock.recv_into(view[got:])
+            self._ready(sock, select.POLLIN, deadline)
+            try:
+                k = sock.recv_into(view[got:])
+            except BlockingIOError:
+                continue
             if k == 0:
                 raise ConnectionLost(
                     "the daemon closed the connection"
@@ -590,3 +660,33 @@ class Client:
                 f"{wire.MAX_REPLY_BYTES} bytes)"
             )
         return self._read_exactly(sock, length, deadline)
+
+
+class _Wake:
+    """The eventfd :meth:`Client.close` signals to end a call in flight in another thread. The
+    call polls it beside the socket, so the socket is never shut down under the call: the call
+    hands it, intact, to an :class:`Unanswered`. Closed with the client, or when the client is
+    collected unclosed."""
+
+    def __init__(self, owner: Client) -> None:
+        self._fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        # Kept apart from the client's lock, which a call holds while it waits: a signal never
+        # waits for the call, and never writes to a descriptor closed (and maybe reused) since.
+        self._lock = threading.Lock()
+        self.signalled = False
+        self._finalizer = weakref.finalize(owner, os.close, self._fd)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def signal(self) -> None:
+        with self._lock:
+            self.signalled = True
+            if self._finalizer.alive:
+                os.eventfd_write(self._fd, 1)
+
+    def close(self) -> None:
+        """Closes the eventfd; only with no call in flight (under the client's lock)."""
+        with self._lock:
+            self._finalizer()
