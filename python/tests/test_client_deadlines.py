@@ -4,6 +4,7 @@ here that answers when a test says (no daemon needed)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import struct
 import threading
@@ -186,3 +187,30 @@ def test_a_close_with_no_call_in_flight_leaves_nothing_unanswered(tmp_path):
         assert client.take_unanswered() is None
         with pytest.raises(ConnectionLost, match="the client is closed"):
             client.release(5)
+
+
+def test_an_infinite_wait_asks_for_the_daemons_longest(tmp_path):
+    """``math.inf`` is the daemon's cap (60 s), not an OverflowError; what is not a number of
+    seconds is a TypeError, a negative one a ValueError, and none of them sends anything."""
+    outcome = {"hit_chunks": 0, "hit_tokens": 0, "readers": 1, "per_tier": [0, 0, 0, 0]}
+    flushed = {"durable": 0, "not_durable": 0}
+
+    def answer(body: Any) -> Any:
+        return {"done": outcome} if "wait" in body else {"flushed": flushed}
+
+    with serving(tmp_path / "a.sock", answer) as (server, client):
+        assert client.wait(9, math.inf).hit_chunks == 0
+        assert client.flush(math.inf).durable == 0
+        assert client.wait(9, 1e9).hit_chunks == 0
+        assert server.requests == [
+            {"wait": {"lookup": 9, "timeout_ms": 60_000}},
+            {"flush": {"timeout_ms": 60_000}},
+            {"wait": {"lookup": 9, "timeout_ms": 60_000}},
+        ]
+        for bad, error in ((-1.0, ValueError), (math.nan, ValueError), ("1", TypeError)):
+            with pytest.raises(error, match="timeout_s"):
+                client.wait(9, bad)
+            with pytest.raises(error, match="timeout_s"):
+                client.flush(bad)
+        assert len(server.requests) == 3
+        assert not client.closed

@@ -106,6 +106,9 @@ def test_edges():
     assert chain(ROOT, [1], struct.pack("<I", 2)) != chain(ROOT, [1, 2])
     with pytest.raises(ValueError):
         prefix_hashes([1, 2], 0)
+    for not_a_count in (2.0, "2", True, None):
+        with pytest.raises(TypeError, match="chunk_tokens must be an integer"):
+            prefix_hashes([1, 2], not_a_count)
     with pytest.raises(OverflowError):
         prefix_hashes([-1], 1)
     with pytest.raises(OverflowError):

@@ -10,6 +10,7 @@ hashes.
 
 from __future__ import annotations
 
+import operator
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -75,6 +76,9 @@ def prefix_hashes(tokens: Sequence[int], chunk_tokens: int, extra: Extra = None)
     A trailing partial chunk is not hashed. ``extra`` gives chunk ``i`` its extra key bytes:
     a sequence (chunks past its end get none) or a function of ``i``.
     """
+    if isinstance(chunk_tokens, bool) or not hasattr(chunk_tokens, "__index__"):
+        raise TypeError(f"chunk_tokens must be an integer, got {chunk_tokens!r}")
+    chunk_tokens = operator.index(chunk_tokens)
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     chunks = len(tokens) // chunk_tokens
