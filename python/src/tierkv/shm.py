@@ -16,6 +16,7 @@ import fcntl
 import mmap
 import operator
 import os
+import weakref
 
 __all__ = ["SEALS", "SharedBuffer", "sealed_memfd"]
 
@@ -48,7 +49,8 @@ class SharedBuffer:
     """``blocks`` blocks of ``block_bytes`` bytes in a sealed memfd, mapped here.
 
     Register it with :meth:`tierkv.client.Client.register_buffer`; the daemon then copies chunks
-    between its blocks and the cache. :meth:`block` gives a writable view of one block.
+    between its blocks and the cache. :meth:`block` gives a writable view of one block. Close it
+    (:meth:`close`, or ``with``); one dropped unclosed closes its descriptor when collected.
     """
 
     def __init__(self, block_bytes: int, blocks: int, name: str = "tierkv") -> None:
@@ -65,6 +67,9 @@ class SharedBuffer:
             os.close(self._fd)
             raise
         self._view: memoryview | None = memoryview(self._map)
+        # A buffer dropped unclosed gives its memory back when it is collected: the descriptor
+        # closes here, and the mapping with the last view of it.
+        self._finalizer = weakref.finalize(self, os.close, self._fd)
 
     @property
     def fd(self) -> int:
@@ -129,7 +134,7 @@ class SharedBuffer:
                 self._map.close()
             self._map = None
         if self._fd >= 0:
-            os.close(self._fd)
+            self._finalizer()  # closes the descriptor, once
             self._fd = -1
 
     def __enter__(self) -> SharedBuffer:
