@@ -55,9 +55,22 @@ def _hello():
     )
 
 
+#: A lookup id past 32 bits, as the daemon's are (counted from a random point below 2**52).
+LARGE_LOOKUP = (1 << 52) - 3
+
 # Each request of wire_vectors.rs, built with the Python constructors.
 REQUESTS = {
     "hello": _hello,
+    "hello_mla": lambda: wire.hello(
+        version=wire.PROTOCOL_VERSION,
+        role="worker",
+        rank=1,
+        tp_size=2,
+        mla=True,
+        namespaces=[("tiny-llama", "t1")],
+        chunk_bytes=1 << 20,
+        chunk_tokens=128,
+    ),
     "hello_admin_token": lambda: wire.hello(
         version=wire.PROTOCOL_VERSION,
         role="admin",
@@ -93,20 +106,29 @@ REQUESTS = {
     "store_ready_event": lambda: wire.store(0, 0, [(CHUNK, [3])], ready_event=bytes(range(64))),
     "lookup": lambda: wire.lookup(1, [CHUNK, U128_MAX]),
     "lookup_deferred": lambda: wire.lookup(1, [CHUNK], defer_prefetch=True),
+    "store_no_chunks": lambda: wire.store(0, 0, []),
+    "store_chunks_of_no_blocks": lambda: wire.store(0, 0, [(CHUNK, []), (7, ())]),
+    "lookup_no_chunks": lambda: wire.lookup(1, []),
     "query": lambda: wire.query(17),
+    "query_large_id": lambda: wire.query(LARGE_LOOKUP),
     "wait": lambda: wire.wait(17, 2500),
+    "wait_large_id": lambda: wire.wait(LARGE_LOOKUP, 60000),
     "retrieve": lambda: wire.retrieve(17, 0, [(CHUNK, [70000, 1])]),
     "retrieve_done_event": lambda: wire.retrieve(
         17, 0, [(CHUNK, [1])], done_event=bytes(range(63, -1, -1))
     ),
+    "retrieve_large_id": lambda: wire.retrieve(LARGE_LOOKUP, 63, [(CHUNK, [(1 << 32) + 5])]),
+    "retrieve_no_chunks": lambda: wire.retrieve(17, 0, []),
     "release": lambda: wire.release(17),
+    "release_large_id": lambda: wire.release(LARGE_LOOKUP),
     "flush": lambda: wire.flush(30000),
     "end_session": lambda: wire.END_SESSION,
     "status": lambda: wire.STATUS,
     "clear": lambda: wire.CLEAR,
 }
 
-OUTCOME = LookupOutcome(hit_chunks=3, hit_tokens=384, readers=2, per_tier=[1, 1, 1])
+# Always four tiers, [l1, l2, disk, remote], as the daemon sends them.
+OUTCOME = LookupOutcome(hit_chunks=3, hit_tokens=384, readers=2, per_tier=[1, 1, 1, 0])
 
 STATUS_REPORT = {
     "version": "0.1.0",
@@ -153,6 +175,7 @@ REPLIES = {
     "stored": Stored(stored=2, present=1, refused=[(3, "no_space", "out of memory")]),
     "lookup_started_done": LookupStarted(lookup=9, l1_hit_chunks=3, outcome=OUTCOME),
     "lookup_started_pending": LookupStarted(lookup=10, l1_hit_chunks=0, outcome=None),
+    "lookup_started_large_id": LookupStarted(lookup=LARGE_LOOKUP, l1_hit_chunks=0, outcome=None),
     "pending": Pending(),
     "done": Done(OUTCOME),
     "retrieved": Retrieved(chunks=2, bytes=2 << 20),

@@ -43,10 +43,15 @@ fn hello() -> Hello {
     }
 }
 
+/// A lookup id past 32 bits, as the daemon's are (each run counts them from a random point below
+/// 2^52): it travels as a msgpack `uint 64`.
+const LARGE_LOOKUP: u64 = (1 << 52) - 3;
+
 fn requests() -> Vec<(&'static str, RequestBody)> {
     let chunk = ChunkId(0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10);
     vec![
         ("hello", RequestBody::Hello(hello())),
+        ("hello_mla", RequestBody::Hello(Hello { mla: true, world_size: None, ..hello() })),
         (
             "hello_admin_token",
             RequestBody::Hello(Hello {
@@ -127,8 +132,30 @@ fn requests() -> Vec<(&'static str, RequestBody)> {
             "lookup_deferred",
             RequestBody::Lookup { namespace: 1, chunks: vec![chunk], defer_prefetch: true },
         ),
+        (
+            "store_no_chunks",
+            RequestBody::Store { namespace: 0, buffer: 0, chunks: Vec::new(), ready_event: None },
+        ),
+        (
+            "store_chunks_of_no_blocks",
+            RequestBody::Store {
+                namespace: 0,
+                buffer: 0,
+                chunks: vec![
+                    ChunkBlocks { chunk, blocks: Vec::new() },
+                    ChunkBlocks { chunk: ChunkId(7), blocks: Vec::new() },
+                ],
+                ready_event: None,
+            },
+        ),
+        (
+            "lookup_no_chunks",
+            RequestBody::Lookup { namespace: 1, chunks: Vec::new(), defer_prefetch: false },
+        ),
         ("query", RequestBody::Query { lookup: 17 }),
+        ("query_large_id", RequestBody::Query { lookup: LARGE_LOOKUP }),
         ("wait", RequestBody::Wait { lookup: 17, timeout_ms: 2500 }),
+        ("wait_large_id", RequestBody::Wait { lookup: LARGE_LOOKUP, timeout_ms: 60000 }),
         (
             "retrieve",
             RequestBody::Retrieve {
@@ -147,7 +174,21 @@ fn requests() -> Vec<(&'static str, RequestBody)> {
                 done_event: Some((0..64).rev().collect()),
             },
         ),
+        (
+            "retrieve_large_id",
+            RequestBody::Retrieve {
+                lookup: LARGE_LOOKUP,
+                buffer: 63,
+                chunks: vec![ChunkBlocks { chunk, blocks: vec![(1 << 32) + 5] }],
+                done_event: None,
+            },
+        ),
+        (
+            "retrieve_no_chunks",
+            RequestBody::Retrieve { lookup: 17, buffer: 0, chunks: Vec::new(), done_event: None },
+        ),
         ("release", RequestBody::Release { lookup: 17 }),
+        ("release_large_id", RequestBody::Release { lookup: LARGE_LOOKUP }),
         ("flush", RequestBody::Flush { timeout_ms: 30000 }),
         ("end_session", RequestBody::EndSession),
         ("status", RequestBody::Status),
@@ -156,8 +197,9 @@ fn requests() -> Vec<(&'static str, RequestBody)> {
 }
 
 fn replies() -> Vec<(&'static str, ReplyBody)> {
+    // Always four tiers, `[l1, l2, disk, remote]`, as the daemon sends them.
     let outcome =
-        LookupOutcome { hit_chunks: 3, hit_tokens: 384, readers: 2, per_tier: vec![1, 1, 1] };
+        LookupOutcome { hit_chunks: 3, hit_tokens: 384, readers: 2, per_tier: vec![1, 1, 1, 0] };
     let mut all = vec![
         (
             "welcome",
@@ -192,6 +234,10 @@ fn replies() -> Vec<(&'static str, ReplyBody)> {
         (
             "lookup_started_pending",
             ReplyBody::LookupStarted { lookup: 10, l1_hit_chunks: 0, outcome: None },
+        ),
+        (
+            "lookup_started_large_id",
+            ReplyBody::LookupStarted { lookup: LARGE_LOOKUP, l1_hit_chunks: 0, outcome: None },
         ),
         ("pending", ReplyBody::Pending),
         ("done", ReplyBody::Done(outcome)),
