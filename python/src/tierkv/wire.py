@@ -25,7 +25,7 @@ import reprlib
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -892,7 +892,7 @@ def _buffer_registered(v: Any) -> BufferRegistered:
 
 _UNIT_REPLIES: dict[str, Reply] = {"pending": Pending(), "released": Released(), "bye": Bye()}
 
-_REPLIES = {
+_REPLIES: dict[str, Callable[[Any], Reply]] = {
     "welcome": _welcome,
     "buffer_registered": _buffer_registered,
     "stored": _stored,

@@ -29,9 +29,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from tierkv import wire
+from tierkv.client import Client
 from tierkv.errors import ClientBusy, DaemonError
 from tierkv.hashing import ROOT, chain
 from tierkv.vllm.guard import Guard, nothing
@@ -449,7 +451,7 @@ class SchedulerSide:
                 if state.loading and req_id not in over:
                     continue
                 self.guard.run(
-                    "returning a failed load's leases", lambda s=state: self._release(s), nothing
+                    "returning a failed load's leases", partial(self._release, state), nothing
                 )
         for req_id in finished_recving:
             state = self.requests.get(req_id)
@@ -458,7 +460,7 @@ class SchedulerSide:
                 if state.load_failed:
                     self.guard.run(
                         "returning a failed load's leases once every rank's load is over",
-                        lambda s=state: self._release(s),
+                        partial(self._release, state),
                         nothing,
                     )
         for req_id in load_failed.union(finished_recving):
@@ -466,7 +468,7 @@ class SchedulerSide:
             if finished is not None:
                 self.guard.run(
                     "returning a finished request's leases once its load is over",
-                    lambda s=finished: self._release(s),
+                    partial(self._release, finished),
                     nothing,
                 )
         if not invalid_block_ids:
@@ -568,14 +570,10 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         for state in self.requests.values():
-            self.guard.run(
-                "returning leases at shutdown", lambda s=state: self._release(s), nothing
-            )
+            self.guard.run("returning leases at shutdown", partial(self._release, state), nothing)
         self.requests.clear()
         for state in self.release_on_recv.values():
-            self.guard.run(
-                "returning leases at shutdown", lambda s=state: self._release(s), nothing
-            )
+            self.guard.run("returning leases at shutdown", partial(self._release, state), nothing)
         self.release_on_recv.clear()
         # No step runs any more: the releases held back for one go too.
         self._steps_run(self.planned_steps)
@@ -806,7 +804,7 @@ class SchedulerSide:
                 continue
             self.guard.run(
                 "returning a preempted request's leases",
-                lambda req_id=req_id: self._preempted(req_id),
+                partial(self._preempted, req_id),
                 nothing,
             )
         scheduled = scheduled_requests(out)
@@ -816,7 +814,7 @@ class SchedulerSide:
                 continue
             self.guard.run(
                 "planning a request's loads and stores (what it leaves unloaded is recomputed)",
-                lambda request=request, state=state: self._plan(meta, request, state),
+                partial(self._plan, meta, request, state),
                 nothing,
             )
         return self._settle(meta, scheduled, promised)
@@ -843,35 +841,35 @@ class SchedulerSide:
         # Every block computed this step over a fresh one (a request's own load, or another's
         # block through vLLM's prefix cache) depends on its load.
         for request in scheduled:
-            blocks = self._computing(request)
-            if blocks is None:
+            computing = self._computing(request)
+            if computing is None:
                 continue
-            read, written, _ = blocks
-            loads = self._fresh_loads(read)
+            reads, written, _ = computing
+            loads = self._fresh_loads(reads)
             if loads:
                 for block in written:
                     earlier = self.derived.get(block, (step, frozenset()))[1]
                     self.derived[block] = (step, earlier | loads)
         per = self.settings.chunk_blocks
-        for op in meta.stores:
-            state = self.requests.get(op.req_id)
+        for store in meta.stores:
+            state = self.requests.get(store.req_id)
             read = state.block_ids[: state.stored * per] if state is not None else []
-            after = self._fresh_loads(read + [b for _, held in op.chunks for b in held])
+            after = self._fresh_loads(read + [b for _, held in store.chunks for b in held])
             if after:
-                op.after = sorted({req_id for req_id, _ in after})
+                store.after = sorted({req_id for req_id, _ in after})
                 # A request may load in two steps in a row (resumed at once after vLLM reset
                 # its prefix cache): a store that depends on one of its loads only does not wait
                 # on the other.
-                steps = {r: {s for loader, s in after if loader == r} for r in op.after}
-                op.this_step = [r for r in op.after if steps[r] == {step}]
-                op.earlier = [r for r in op.after if step not in steps[r]]
+                steps = {r: {s for loader, s in after if loader == r} for r in store.after}
+                store.this_step = [r for r in store.after if steps[r] == {step}]
+                store.earlier = [r for r in store.after if step not in steps[r]]
                 # What it computed over them is as good as those loads, for whoever reads it
                 # next. Only that: a chunk of blocks computed before the loads (this request's
                 # prefix hit, stored by it for the first time) holds KV as good as it was,
                 # and tainted should one of the loads fail, it would be for as long as vLLM
                 # keeps it, and with it every chunk after it of every request sharing it.
                 made = (step, after)
-                for _, held in op.chunks:
+                for _, held in store.chunks:
                     for block in held:
                         if block in self.derived:
                             self.fresh.setdefault(block, made)
@@ -958,13 +956,15 @@ class SchedulerSide:
         self.tainted = tainted
         self.rewritten = {b: n for b, n in rewritten.items() if b in tainted and n > 0}
         per = self.settings.chunk_blocks
-        for op in meta.stores:
-            state = self.requests.get(op.req_id)
+        for store in meta.stores:
+            state = self.requests.get(store.req_id)
             read = state.block_ids[: state.stored * per] if state is not None else []
-            written = [b for _, held in op.chunks for b in held]
+            written = [b for _, held in store.chunks for b in held]
             if not self.tainted.isdisjoint(read + written):
-                log.debug("tierkv: not storing %s: computed over blocks never rewritten", op.req_id)
-                self._unplan(op)
+                log.debug(
+                    "tierkv: not storing %s: computed over blocks never rewritten", store.req_id
+                )
+                self._unplan(store)
         return meta
 
     def _after_step(self, steps: list[_Writes], over: set[int]) -> tuple[set[int], dict[int, int]]:
@@ -1119,7 +1119,7 @@ class SchedulerSide:
         for i, (link, lookup) in enumerate(zip(self.links, state.lookups, strict=True)):
             if state.outcomes[i] is None:
                 try:
-                    outcome = link.call(lambda c, lookup=lookup: c.query(lookup))
+                    outcome = link.call(partial(Client.query, lookup=lookup))
                 except DaemonError as e:
                     log.debug("tierkv: lookup %d failed: %s", lookup, e)
                     state.outcomes[i] = 0

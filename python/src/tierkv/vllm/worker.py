@@ -54,6 +54,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -440,9 +441,7 @@ class WorkerSide:
             freed = req_id in self._freed_on_recv
             if (freed or now < latest) and not self.guard.run(
                 "checking whether a load's calls given up on are over (asked again next step)",
-                lambda req_id=req_id: self._settled(
-                    req_id, wait_s=max(deadline - time.monotonic(), 0.0)
-                ),
+                partial(self._settled_by, req_id, deadline),
                 lambda _e: False,
             ):
                 held.append((req_id, blocks, failed_whole, latest))
@@ -483,8 +482,8 @@ class WorkerSide:
         for op in meta.loads:
             self.guard.run(
                 "a load (vLLM recomputes its blocks)",
-                lambda op=op: self._load(op),
-                lambda e, op=op: self._load_failed(op, e),
+                partial(self._load, op),
+                partial(self._load_failed, op),
             )
 
     def _load(self, op: LoadOp) -> None:
@@ -561,8 +560,8 @@ class WorkerSide:
                 continue
             self.guard.run(
                 "a store (dropped)",
-                lambda op=op: self._store(op, ready),
-                lambda e, op=op: self._watch(op.req_id, e),
+                partial(self._store, op, ready),
+                partial(self._watch, op.req_id),
             )
 
     def _store(self, op: StoreOp, ready: bytes | None) -> None:
@@ -630,9 +629,7 @@ class WorkerSide:
             for req_id in list(self._finishing)
             if self.guard.run(
                 "checking whether a finished request's calls are over (asked again next step)",
-                lambda req_id=req_id: self._settled(
-                    req_id, wait_s=max(deadline - time.monotonic(), 0.0)
-                ),
+                partial(self._settled_by, req_id, deadline),
                 lambda _e: False,
             )
         }
@@ -646,9 +643,7 @@ class WorkerSide:
         for req_id in meta.preempted:
             settled = self.guard.run(
                 "waiting for a preempted request's calls",
-                lambda req_id=req_id: self._settled(
-                    req_id, wait_s=max(deadline - time.monotonic(), 0.0)
-                ),
+                partial(self._settled_by, req_id, deadline),
                 lambda _e: False,
             )
             if settled:
@@ -663,6 +658,10 @@ class WorkerSide:
         unanswered = error.unanswered if isinstance(error, Unavailable) else None
         if unanswered is not None:
             self._unanswered.setdefault(req_id, []).append(unanswered)
+
+    def _settled_by(self, req_id: str, deadline: float) -> bool:
+        """:meth:`_settled`, waiting until ``deadline`` (a ``time.monotonic()``) at most."""
+        return self._settled(req_id, wait_s=max(deadline - time.monotonic(), 0.0))
 
     def _settled(self, req_id: str, wait_s: float = 0.0) -> bool:
         """Whether every call given up on for ``req_id`` is over (waiting up to ``wait_s``)."""
