@@ -40,19 +40,21 @@ CHUNK = 0x0102_0304_0506_0708_090A_0B0C_0D0E_0F10
 U128_MAX = (1 << 128) - 1
 
 
-def _hello():
-    return wire.hello(
-        version=wire.PROTOCOL_VERSION,
-        role="worker",
-        rank=1,
-        tp_size=2,
-        world_size=2,
-        mla=False,
-        namespaces=[("tiny-llama", "t1")],
-        chunk_bytes=1 << 20,
-        chunk_tokens=128,
-        token=None,
-    )
+def _hello(**changes):
+    """The worker hello of wire_vectors.rs's ``hello()``; keywords change it."""
+    fields = {
+        "version": wire.PROTOCOL_VERSION,
+        "role": "worker",
+        "rank": 1,
+        "tp_size": 2,
+        "world_size": 2,
+        "mla": False,
+        "namespaces": [("tiny-llama", "t1")],
+        "chunk_bytes": 1 << 20,
+        "chunk_tokens": 128,
+        "token": None,
+    }
+    return wire.hello(**(fields | changes))
 
 
 #: A lookup id past 32 bits, as the daemon's are (counted from a random point below 2**52).
@@ -61,16 +63,7 @@ LARGE_LOOKUP = (1 << 52) - 3
 # Each request of wire_vectors.rs, built with the Python constructors.
 REQUESTS = {
     "hello": _hello,
-    "hello_mla": lambda: wire.hello(
-        version=wire.PROTOCOL_VERSION,
-        role="worker",
-        rank=1,
-        tp_size=2,
-        mla=True,
-        namespaces=[("tiny-llama", "t1")],
-        chunk_bytes=1 << 20,
-        chunk_tokens=128,
-    ),
+    "hello_mla": lambda: _hello(mla=True, world_size=None),
     "hello_admin_token": lambda: wire.hello(
         version=wire.PROTOCOL_VERSION,
         role="admin",
