@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import select
 import socket
@@ -146,7 +147,7 @@ def _check_timeout(timeout: float) -> None:
 def _wait_ms(timeout_s: float) -> int:
     """A wait's ``timeout_s`` as the daemon's milliseconds. Infinity asks for the longest wait the
     daemon grants (:data:`_MAX_DAEMON_WAIT_S`), as any ask past it gets."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
         raise TypeError(f"timeout_s is a number of seconds, got {timeout_s!r}")
     if not timeout_s >= 0:
         raise ValueError(f"timeout_s must be non-negative, got {timeout_s}")
