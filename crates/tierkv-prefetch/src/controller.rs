@@ -135,7 +135,8 @@ pub struct Prefetched {
     pub leased: Vec<Vec<bool>>,
     /// The order in which requests started (0 for the first ever started).
     pub started: u64,
-    /// Chunks in the lease, by the tier (index, fastest first) they were loaded from.
+    /// Chunks of the hit, one per group and position, by the tier (index, fastest first) they
+    /// come from: loaded into the lease or held below.
     pub per_tier: Vec<usize>,
     /// Per group, per key: the tier (index, fastest first) a chunk of the hit comes from, loaded
     /// into the lease or held below.
@@ -259,11 +260,20 @@ impl PrefetchController {
     /// Queues a request. Fails at once if the controller stopped or the request is malformed.
     pub fn submit(&self, request: PrefetchRequest) -> Result<RequestId, PrefetchError> {
         validate(&request)?;
-        if !self.shared.accepting.load(Ordering::Acquire) {
-            return Err(PrefetchError::Stopped);
-        }
         let id = RequestId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
-        self.shared.results.lock().insert(id, None);
+        {
+            // Checked and recorded under the results' lock: a stop's last pass over the results
+            // (`fail_everything`, under the same lock, after it stopped accepting) either comes
+            // after, and fails this request, or came before, and this one is refused. Checked
+            // outside it, a submission could pass the check, then record its request after that
+            // pass, and queue it to a worker that no longer reads its inbox: accepted, and never
+            // ended.
+            let mut results = self.shared.results.lock();
+            if !self.shared.accepting.load(Ordering::Acquire) {
+                return Err(PrefetchError::Stopped);
+            }
+            results.insert(id, None);
+        }
         let submitted = self.clock.now();
         if self.commands.send(Command::Submit(id, request, submitted)).is_err() {
             self.shared.results.lock().remove(&id);
