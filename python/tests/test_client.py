@@ -10,6 +10,7 @@ import os
 import pickle
 import re
 import resource
+import select
 import signal
 import socket
 import struct
@@ -1142,3 +1143,35 @@ def test_daemon_uids_must_be_user_ids() -> None:
     for bad in ("1000", [-1], [True], [1 << 32], 1000):
         with pytest.raises((TypeError, ValueError)):
             Client.connect("/nonexistent/tierkv.sock", worker_hello(), daemon_uids=bad)
+
+
+def test_a_deadline_longer_than_poll_can_wait_is_waited_for_in_parts(daemon):
+    # poll takes at most 2^31-1 ms (~24.8 days); a caller who means "no deadline" by a huge
+    # number must get its call, not an OverflowError that closes the client.
+    client = connect(daemon, timeout=3e6)
+    try:
+        assert client.status() is not None
+        assert not client.closed
+    finally:
+        client.close()
+
+
+def test_a_forked_child_that_closes_an_inherited_client_leaves_the_parents_calls_alone(daemon):
+    # The eventfd that wakes a call in flight survives fork. A child closing its copy of the
+    # client must not signal it: never drained, it would stay readable, and every later call of
+    # the parent's would spin on it.
+    client = connect(daemon)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                client.close()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        wake = client._wake.fd  # noqa: SLF001
+        assert select.select([wake], [], [], 0)[0] == [], "the child's close woke the parent"
+        assert client.status() is not None
+    finally:
+        client.close()

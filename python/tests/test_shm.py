@@ -38,6 +38,7 @@ def test_a_closed_buffer_closes_its_memfd_once():
     # of the buffer may close.
     other = os.open("/dev/null", os.O_RDONLY)
     try:
+        assert other == fd, "the lowest free number is the memfd's: the check below needs it"
         buf.close()
         del buf
         gc.collect()

@@ -613,7 +613,8 @@ class Client:
         waiting = select.poll()
         waiting.register(sock, events)
         waiting.register(self._wake.fd, select.POLLIN)
-        ready = waiting.poll(math.ceil(left * 1000))
+        # At most poll's limit at a time (~24.8 days); the caller waits again if it is not over.
+        ready = waiting.poll(min(math.ceil(left * 1000), _POLL_MAX_MS))
         if self._wake.signalled:
             raise _Closed
         if not ready and deadline <= time.monotonic():
@@ -663,6 +664,10 @@ class Client:
         return self._read_exactly(sock, length, deadline)
 
 
+#: The longest wait ``poll`` takes, in milliseconds (a C int).
+_POLL_MAX_MS = 2**31 - 1
+
+
 class _Wake:
     """The eventfd :meth:`Client.close` signals to end a call in flight in another thread. The
     call polls it beside the socket, so the socket is never shut down under the call: the call
@@ -675,6 +680,9 @@ class _Wake:
         # waits for the call, and never writes to a descriptor closed (and maybe reused) since.
         self._lock = threading.Lock()
         self.signalled = False
+        # A forked child shares the eventfd: its close of an inherited client must not wake the
+        # parent's calls (the eventfd, never drained, would stay readable for good).
+        self._pid = os.getpid()
         self._finalizer = weakref.finalize(owner, os.close, self._fd)
 
     @property
@@ -684,7 +692,7 @@ class _Wake:
     def signal(self) -> None:
         with self._lock:
             self.signalled = True
-            if self._finalizer.alive:
+            if self._finalizer.alive and os.getpid() == self._pid:
                 os.eventfd_write(self._fd, 1)
 
     def close(self) -> None:

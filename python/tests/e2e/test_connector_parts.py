@@ -407,6 +407,36 @@ def test_a_load_given_up_on_holds_the_requests_blocks_until_the_daemon_is_done(
         given_up.close()
 
 
+def test_a_store_with_a_ready_event_to_a_hung_daemon_costs_the_step_one_deadline(
+    tmp_path: Path,
+) -> None:
+    """With KV on a GPU every store names the engine's event, which the worker has waited for
+    already (``wait_for_save``). Its call keeps the link's deadline: given the client's longer
+    default for a store with an event (the daemon's whole event wait on top), a hung daemon
+    would hold the step some 37 s each time the link tried it, not 5. (On this machine the
+    event is only named: the paused daemon never reads it.)"""
+    daemon = start_daemon(tmp_path / "daemon")
+    settings = Settings.from_extra(
+        {"socket": str(daemon.socket), "timeout_s": 0.5, "chunk_blocks": 2}
+    )
+    worker = WorkerSide(settings, "m", 32, 0, 1, False, num_blocks=6)
+    try:
+        worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.randn(6, 2, 4, 8)})
+        chunks = prefix_hashes(list(range(64)), 32)
+        worker.wait_for_save(TierKVMetadata(stores=[StoreOp("a", [(chunks[0], [0, 1])])]))
+        assert worker.stored_chunks == 1, "the session is up"
+        daemon.pause()
+        start = time.monotonic()
+        with pytest.raises(Unavailable):
+            worker._store(StoreOp("b", [(chunks[1], [2, 3])]), bytes(64))  # noqa: SLF001
+        took = time.monotonic() - start
+        assert took < 10, f"a store to a hung daemon held the step {took:.1f} s"
+    finally:
+        daemon.resume()
+        worker.shutdown()
+        daemon.stop()
+
+
 def test_a_done_event_that_never_completes_does_not_hang_the_engine(tmp_path: Path) -> None:
     """With KV on a GPU an asynchronous retrieve's copies end with the daemon's record of the
     loading thread's done event. A request whose given-up calls are over still waits for that

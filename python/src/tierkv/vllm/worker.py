@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from tierkv import wire
-from tierkv.client import Client, Unanswered
+from tierkv.client import READY_EVENT_WAIT_S, Client, Unanswered
 from tierkv.vllm.guard import Guard, nothing
 from tierkv.vllm.link import Link, Unavailable
 from tierkv.vllm.memory import DeviceKv, KvMemory, export_device_kv, move_to_memfd
@@ -542,8 +542,20 @@ class WorkerSide:
         ready = None
         if meta.stores and isinstance(self.memory, DeviceKv):
             # The daemon waits, before its copies, for the engine's kernels that wrote the
-            # blocks: an event recorded on the engine's stream, shared by CUDA IPC.
+            # blocks: an event recorded on the engine's stream, shared by CUDA IPC. It is waited
+            # for here first, as long as the daemon would (the step waits for the stores'
+            # replies anyway): sent unfinished, a store's call would need the daemon's whole
+            # event wait on top of its deadline, and a hung daemon would cost every step that
+            # tries it that much, not the deadline.
             ready = self._ready_event()
+            assert self._ready is not None
+            if not _completes(self._ready, time.monotonic() + READY_EVENT_WAIT_S):
+                log.warning(
+                    "tierkv: the step's kernels did not finish within %.0f s; its stores are "
+                    "dropped",
+                    READY_EVENT_WAIT_S,
+                )
+                return
         for op in meta.stores:
             # A request's failed load of the last step does not concern a store computed over
             # its loads of this step only (``StoreOp.this_step``), nor its failed load of this
@@ -566,7 +578,12 @@ class WorkerSide:
 
     def _store(self, op: StoreOp, ready: bytes | None) -> None:
         assert self.link is not None
-        stored = self.link.call(lambda c: c.store(0, self.buffer, op.chunks, ready_event=ready))
+        # The deadline of any call: the blocks' event is complete (above), so the daemon's wait
+        # for it is over at once.
+        timeout = self.settings.timeout_s
+        stored = self.link.call(
+            lambda c: c.store(0, self.buffer, op.chunks, ready_event=ready, timeout=timeout)
+        )
         self.stored_chunks += stored.stored
 
     def _note(self, meta: TierKVMetadata) -> None:
