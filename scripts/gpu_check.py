@@ -660,8 +660,8 @@ class Session:
             self.client.close()
             fail(f"register_kv of CUDA IPC regions ({label}) was refused: {e}")
 
-    def store(self, chunks, ready_event: bytes | None = None) -> None:
-        out = self.client.store(0, self.buffer, chunks, ready_event=ready_event)
+    def store(self, chunks, ready_event: bytes | None = None, timeout: float | None = None) -> None:
+        out = self.client.store(0, self.buffer, chunks, ready_event=ready_event, timeout=timeout)
         if out.refused or out.stored + out.present != len(chunks):
             fail(f"store: {out}")
 
@@ -1169,7 +1169,6 @@ def given_up_check(torch, daemon: Daemon, memory: Memory) -> None:
 
     n = 8
     blocks, s = contiguous_session(daemon, memory, n, "given-up")
-    s.client._timeout = 0.5  # noqa: SLF001  (registered at the usual deadline; this call at 0.5 s)
     event = torch.cuda.Event(interprocess=True)
     blocks.fill_(0x3C)
     torch.cuda.synchronize()
@@ -1178,7 +1177,8 @@ def given_up_check(torch, daemon: Daemon, memory: Memory) -> None:
     chunks = [(0x6000 + i, [i]) for i in range(n)]
     started = time.perf_counter()
     try:
-        s.store(chunks, ready_event=bytes(event.ipc_handle()))
+        # A deadline of its own: by default a store with an event waits as long as the daemon may.
+        s.store(chunks, ready_event=bytes(event.ipc_handle()), timeout=0.5)
         fail("given up: a store behind a 3 s kernel answered within a 0.5 s deadline")
     except ConnectionLost:
         pass
