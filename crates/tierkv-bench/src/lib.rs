@@ -6,9 +6,10 @@
 //!
 //! - [`memcpy_bandwidth`]: single-core host copy bandwidth, over buffers larger than the last
 //!   level cache (the bound of every host-memory copy path); [`memcpy_bandwidth_threads`], the
-//!   same on every core at once;
+//!   same on several cores at once (the bound of a path that copies on that many threads);
 //! - [`direct_read_bandwidth`]: sequential read bandwidth of a freshly written file read with
-//!   `O_DIRECT`, so the page cache cannot flatter it (the bound of disk loads).
+//!   `O_DIRECT`, so the page cache cannot flatter it (the bound of disk loads); [`bracketed`]
+//!   measures a limit that drifts within a run right before and right after the work it bounds.
 //!
 //! [`Table`] prints the figures and their ratios in one format across benchmarks, and [`Pump`]
 //! keeps a tier busy the same way in every tier bandwidth benchmark.
@@ -18,8 +19,8 @@ mod pump;
 mod table;
 
 pub use limits::{
-    direct_file_bandwidth, direct_read_bandwidth, direct_write_bandwidth, memcpy_bandwidth,
-    memcpy_bandwidth_threads,
+    bracketed, direct_file_bandwidth, direct_read_bandwidth, direct_write_bandwidth,
+    memcpy_bandwidth, memcpy_bandwidth_threads,
 };
 pub use pump::Pump;
 pub use table::Table;

@@ -46,6 +46,16 @@ pub fn memcpy_bandwidth_threads(chunk: usize, time: Duration, threads: usize) ->
     })
 }
 
+/// Runs `work` between two measurements of a limit and returns its result and the limit's mean:
+/// for limits that drift within a run (the virtio disk's bandwidth moves 2-4x), so a figure is set
+/// against the limit as it stood while the figure was measured, not at start-up.
+pub fn bracketed<T>(mut limit: impl FnMut() -> f64, work: impl FnOnce() -> T) -> (T, f64) {
+    let before = limit();
+    let result = work();
+    let after = limit();
+    (result, (before + after) / 2.0)
+}
+
 /// Sequential read bandwidth, in bytes per second, of a fresh `file_bytes` file in `dir` read with
 /// `O_DIRECT` in blocks of `block` bytes: what the disk delivers when the page cache cannot help.
 pub fn direct_read_bandwidth(dir: &Path, file_bytes: usize, block: usize) -> io::Result<f64> {
@@ -174,6 +184,21 @@ fn direct(path: &Path, write: bool) -> io::Result<File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bracketed_limit_is_the_mean_of_before_and_after() {
+        let mut measured = [4.0, 8.0].into_iter();
+        let mut order = Vec::new();
+        let (done, limit) = bracketed(
+            || {
+                order.push("limit");
+                measured.next().unwrap()
+            },
+            || 7,
+        );
+        assert_eq!((done, limit), (7, 6.0));
+        assert_eq!(order, ["limit", "limit"]);
+    }
 
     #[test]
     fn limits_measure_something_plausible() {
