@@ -129,7 +129,8 @@ add(
 )
 n = next((k.rsplit("_x", 1)[1] for k in tk if k.startswith("prefetch_l2_256KiB_x")), "1000")
 for kib, size in ((4, "4 KiB"), (256, "256 KiB")):
-    mem = lim.get("memcpy_256KiB_GBps")
+    # tierkv's L2 splits the lookup's loads over its two workers: the bound is two threads' memcpy.
+    mem = lim.get("memcpy_256KiB_x2_GBps")
     add(
         f"prefetch {n} x {size} from L2 (peer: mock), 4 readers, round trip",
         f"prefetch_mock_{kib}KiB_x{n}",
@@ -137,7 +138,7 @@ for kib, size in ((4, "4 KiB"), (256, "256 KiB")):
         f"prefetch_l2_{kib}KiB_x{n}",
         "ms_round_trip",
         "ms",
-        ("memcpy 256 KiB", mem) if kib == 256 else None,
+        ("memcpy 256 KiB x 2 threads", mem) if kib == 256 else None,
         higher_better=False,
     )
 for kib, size in ((4, "4 KiB"), (256, "256 KiB")):
@@ -161,6 +162,7 @@ for kib, size in ((4, "4 KiB"), (256, "256 KiB")):
 
 limits = [
     ("memcpy 256 KiB (one core)", lim.get("memcpy_256KiB_GBps")),
+    ("memcpy 256 KiB (2 threads at once)", lim.get("memcpy_256KiB_x2_GBps")),
     ("memcpy 2 MiB (one core)", lim.get("memcpy_2048KiB_GBps")),
     ("memcpy 16 MiB (one core)", lim.get("memcpy_16384KiB_GBps")),
     ("disk O_DIRECT read, 4 KiB x 4 in flight", lim.get("disk_read_4KiB_x4_GBps")),
