@@ -1,7 +1,10 @@
 //! Round trips through the daemon over the Unix socket: lookup of 64 chunks, and retrieve of 64
 //! chunks (256 KiB and 2 MiB) into a worker's shared-memory buffer, with 1, 4 and 8 client
-//! processes. Prints p50/p99 and GB/s beside single-core memcpy bandwidth measured in the same
-//! run.
+//! processes. Prints p50/p99 and GB/s beside memcpy bandwidth measured in the same run, right
+//! before and right after each round: one core's, and that of as many threads at once as the
+//! round copies on (a retrieve is split over a thread per core, and several clients retrieve at
+//! once). GB/s are the bytes all clients retrieved within the window in which every
+//! client was timing, over that window's length.
 //!
 //! Then stores from one client, one request at a time against several in flight
 //! (`Client::submit_store`), at 64 KiB and 2 MiB, beside memcpy.
@@ -14,9 +17,9 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use tierkv_bench::{Table, memcpy_bandwidth, memcpy_bandwidth_threads};
+use tierkv_bench::{Table, bracketed, memcpy_bandwidth, memcpy_bandwidth_threads};
 use tierkv_client::proto::{ChunkBlocks, ChunkId};
 use tierkv_client::{Client, SharedBuffer};
 use tierkv_integration_tests::Daemon;
@@ -31,7 +34,13 @@ fn refs() -> Vec<ChunkBlocks> {
     (0..CHUNKS).map(|i| ChunkBlocks::one(chunk(i), i)).collect()
 }
 
-/// A client process: `rounds` of lookup then retrieve; prints each latency in ns.
+/// Nanoseconds since the Unix epoch: a clock every client process reads alike.
+fn epoch_ns() -> u128 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+}
+
+/// A client process: `rounds` of lookup then retrieve; prints each latency in ns, the epoch time
+/// at which each retrieve finished, and the epoch times its timed loop began and ended.
 fn client(socket: &str, chunk_bytes: u64, seconds: f64) {
     let mut client =
         Client::connect_unix(socket, Client::worker_hello("bench", chunk_bytes)).unwrap();
@@ -45,7 +54,8 @@ fn client(socket: &str, chunk_bytes: u64, seconds: f64) {
     let ids: Vec<ChunkId> = (0..CHUNKS).map(chunk).collect();
     let warm = client.lookup(0, ids.clone()).unwrap();
     client.retrieve(warm.id, id, refs()).unwrap();
-    let (mut lookups, mut retrieves) = (Vec::new(), Vec::new());
+    let (mut lookups, mut retrieves, mut finished) = (Vec::new(), Vec::new(), Vec::new());
+    let began = epoch_ns();
     let start = Instant::now();
     while start.elapsed().as_secs_f64() < seconds || lookups.len() < 5 {
         let t = Instant::now();
@@ -55,8 +65,12 @@ fn client(socket: &str, chunk_bytes: u64, seconds: f64) {
         let t = Instant::now();
         client.retrieve(lookup.id, id, refs()).unwrap();
         retrieves.push(t.elapsed().as_nanos());
+        finished.push(epoch_ns());
     }
+    let ended = epoch_ns();
     let line = |v: &[u128]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" ");
+    println!("window {began} {ended}");
+    println!("finished {}", line(&finished));
     println!("lookup {}", line(&lookups));
     println!("retrieve {}", line(&retrieves));
     client.end().unwrap();
@@ -65,7 +79,9 @@ fn client(socket: &str, chunk_bytes: u64, seconds: f64) {
 /// One client storing fresh chunks, `per_request` a request, into a daemon whose L1 holds 1,000
 /// chunks (so stores evict, as in the replay), for `seconds`: with `depth` requests in flight
 /// (1: each store waits for its reply). The blocks of a request in flight are not touched again
-/// until its reply is in. Returns bytes stored per second of wall time.
+/// until its reply is in, and requests take their blocks in turn from at least 128 MiB of
+/// sources (as much as the memcpy limit rotates over), so neither stays in cache. Returns bytes
+/// stored per second of wall time.
 fn store_rate(chunk_bytes: u64, per_request: u64, depth: usize, seconds: f64) -> f64 {
     let daemon = Daemon::start_with(|dir| {
         format!(
@@ -77,7 +93,9 @@ fn store_rate(chunk_bytes: u64, per_request: u64, depth: usize, seconds: f64) ->
     });
     let mut client =
         Client::connect_unix(&daemon.socket, Client::worker_hello("bench", chunk_bytes)).unwrap();
-    let groups = depth as u64 + 1;
+    // Until 2026-11-30 the sources were depth + 1 requests' blocks (3-80 MiB), partly in cache
+    // while the limit copied from memory.
+    let groups = (depth as u64 + 1).max((128u64 << 20).div_ceil(per_request * chunk_bytes));
     let mut buffer = SharedBuffer::new(chunk_bytes, groups * per_request).unwrap();
     for i in 0..groups * per_request {
         buffer.block_mut(i).unwrap().fill(i as u8);
@@ -124,18 +142,19 @@ fn stores(seconds: f64) {
     println!("\nstores from one client, fresh chunks, L1 of 1,000 chunks (evicting)\n");
     for (chunk_bytes, per_request, depth) in [(64u64 << 10, 25u64, 8usize), (2 << 20, 8, 4)] {
         let mut table = Table::new("GB/s", 1e9);
-        table.limit(
-            "memcpy, one core",
-            memcpy_bandwidth(chunk_bytes as usize, Duration::from_millis(500)),
-        );
         let kib = chunk_bytes >> 10;
         for d in [1, depth] {
-            let rate = store_rate(chunk_bytes, per_request, d, seconds);
+            // One core's memcpy, right before and right after the figure.
+            let copy = || memcpy_bandwidth(chunk_bytes as usize, Duration::from_millis(250));
+            let (rate, limit) =
+                bracketed(copy, || store_rate(chunk_bytes, per_request, d, seconds));
             let how = if d == 1 { "one at a time".to_string() } else { format!("{d} in flight") };
+            let name = format!("memcpy, one core, around {how} (mean)");
+            table.limit(&name, limit);
             table.figure(
                 &format!("store {kib} KiB chunks, {per_request} a request, {how}"),
                 rate,
-                "memcpy, one core",
+                &name,
             );
         }
         println!("{}", table.render());
@@ -166,12 +185,18 @@ fn main() {
     println!("daemon round trips over the Unix socket, {CHUNKS} chunks per request, L1 hits\n");
     let mut lines = Vec::new();
     for chunk_bytes in [256u64 << 10, 2 << 20] {
-        let memcpy = memcpy_bandwidth(chunk_bytes as usize, Duration::from_millis(500));
-        // A large retrieve is split over up to 4 threads (session.rs): one client can use every
-        // core, so its figure is also set against all cores copying at once.
+        // A large retrieve is split over a thread per core, up to 4 (session.rs), and several
+        // clients retrieve at once: each round is set against memcpy on as many threads as it
+        // copies on (clients x threads per retrieve; on cores shared with other work, more
+        // threads take a larger share of them), one client's also against one core, each limit
+        // measured right before and right after the round it bounds (the other sessions on this
+        // machine move memcpy by as much as rounds differ).
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let memcpy_all =
-            memcpy_bandwidth_threads(chunk_bytes as usize, Duration::from_millis(500), cores);
+        let time = Duration::from_millis(250);
+        let one_core = || memcpy_bandwidth(chunk_bytes as usize, time);
+        let threads = |clients: usize| clients * cores.min(4);
+        let all_threads =
+            |clients| memcpy_bandwidth_threads(chunk_bytes as usize, time, threads(clients));
         let daemon = Daemon::start_with(|dir| {
             format!(
                 "[server]\nsocket = \"{}\"\n[metrics]\nenabled = false\n[l1]\ndevice = \"emulated\"\ncapacity = \"{}\"\nslot = \"{}\"\n[l2]\nenabled = false\n[disk]\nenabled = false\n",
@@ -191,9 +216,8 @@ fn main() {
         let buffer_id = writer.register_buffer(&buffer).unwrap();
         assert_eq!(writer.store(0, buffer_id, refs()).unwrap().stored as u64, CHUNKS);
         let mut table = Table::new("GB/s", 1e9);
-        table.limit("memcpy, one core", memcpy);
-        table.limit(&format!("memcpy, all {cores} cores at once"), memcpy_all);
         for clients in [1usize, 4, 8] {
+            let before = (one_core(), all_threads(clients));
             let spec = format!("{},{chunk_bytes},{seconds}", daemon.socket.display());
             let started = Instant::now();
             let children: Vec<_> = (0..clients)
@@ -205,7 +229,8 @@ fn main() {
                         .unwrap()
                 })
                 .collect();
-            let (mut lookups, mut retrieves) = (Vec::new(), Vec::new());
+            let (mut lookups, mut retrieves, mut finished) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut window_start, mut window_end) = (0u128, u128::MAX);
             for child in children {
                 let output = child.wait_with_output().unwrap();
                 assert!(output.status.success());
@@ -213,6 +238,13 @@ fn main() {
                     let line = line.unwrap();
                     let mut words = line.split_whitespace();
                     let target = match words.next() {
+                        Some("window") => {
+                            let mut at = words.map(|w| w.parse::<u128>().unwrap());
+                            window_start = window_start.max(at.next().unwrap());
+                            window_end = window_end.min(at.next().unwrap());
+                            continue;
+                        }
+                        Some("finished") => &mut finished,
                         Some("lookup") => &mut lookups,
                         Some("retrieve") => &mut retrieves,
                         _ => continue,
@@ -221,12 +253,29 @@ fn main() {
                 }
             }
             let wall = started.elapsed().as_secs_f64();
+            let after = (one_core(), all_threads(clients));
+            let (one_name, all_name) = (
+                format!("memcpy, one core, around {clients} client(s) (mean)"),
+                format!(
+                    "memcpy, {} threads on {cores} cores, around {clients} client(s) (mean)",
+                    threads(clients)
+                ),
+            );
+            if clients == 1 {
+                table.limit(&one_name, (before.0 + after.0) / 2.0);
+            }
+            table.limit(&all_name, (before.1 + after.1) / 2.0);
             lookups.sort_unstable();
             retrieves.sort_unstable();
-            let moved = retrieves.len() as f64 * (CHUNKS * chunk_bytes) as f64;
-            // Throughput over the time spent retrieving, summed per client: the data plane's
-            // rate, not diluted by process start-up.
-            let busy: f64 = retrieves.iter().map(|&n| n as f64 / 1e9).sum::<f64>() / clients as f64;
+            // Throughput over the window in which every client was timing (not diluted by process
+            // start-up or by clients that finished early): the retrieves that finished in it.
+            // Until 2026-11-30 it was over the time inside retrieve calls, averaged per client,
+            // which left out the time a client spent looking up while others retrieved: it
+            // overstated the rate of several clients.
+            assert!(window_end > window_start, "the clients' timed windows do not overlap");
+            let in_window = finished.iter().filter(|&&t| t > window_start && t <= window_end);
+            let moved = in_window.count() as f64 * (CHUNKS * chunk_bytes) as f64;
+            let busy = (window_end - window_start) as f64 / 1e9;
             let line = format!(
                 "{:>4} KiB x{clients}: lookup p50 {:>6.0} us p99 {:>6.0} us | retrieve p50 {:>7.0} us p99 {:>7.0} us | {:.2} GB/s ({} rounds, {wall:.1} s)",
                 chunk_bytes >> 10,
@@ -239,18 +288,21 @@ fn main() {
             );
             println!("{line}");
             lines.push(line);
-            table.figure(
-                &format!("retrieve {} KiB chunks, {clients} client(s)", chunk_bytes >> 10),
-                moved / busy,
-                "memcpy, one core",
-            );
+            // One client's figure against one core as well, as it was first reported; every
+            // figure against memcpy on as many threads as it copies on.
+            let kib = chunk_bytes >> 10;
             if clients == 1 {
                 table.figure(
-                    &format!("retrieve {} KiB chunks, 1 client, vs all cores", chunk_bytes >> 10),
+                    &format!("retrieve {kib} KiB chunks, 1 client, vs one core"),
                     moved / busy,
-                    &format!("memcpy, all {cores} cores at once"),
+                    &one_name,
                 );
             }
+            table.figure(
+                &format!("retrieve {kib} KiB chunks, {clients} client(s)"),
+                moved / busy,
+                &all_name,
+            );
         }
         println!("\n{}", table.render());
         writer.end().unwrap();
