@@ -22,6 +22,7 @@ from tierkv import wire
 from tierkv.client import Client
 from tierkv.errors import ConnectionLost
 from tierkv.hashing import prefix_hashes
+from tierkv.vllm import link as link_module
 from tierkv.vllm.link import MIN_BACKOFF_S, Link, Unavailable
 from tierkv.vllm.memory import LayoutError, _layout, export_device_kv, move_to_memfd
 from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
@@ -254,33 +255,39 @@ def test_a_link_call_behind_another_threads_keeps_its_deadline_and_the_session(
 
 @pytest.mark.parametrize("retry_s", [0.0, 1e-6])
 def test_a_zero_or_tiny_retry_still_backs_off_from_a_hung_daemon(
-    tmp_path: Path, retry_s: float
+    tmp_path: Path, retry_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A floor and a deadline five times the defaults', so each wait below has a quarter of a
+    # second of slack either way under load (with the default 0.1 s floor, a sleep meant to end
+    # between one floor and two had 0.05 s).
+    floor = 5 * MIN_BACKOFF_S
+    monkeypatch.setattr(link_module, "MIN_BACKOFF_S", floor)
+    timeout_s = 0.6
     daemon = start_daemon(tmp_path / "daemon")
     hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4096, chunk_tokens=16)
-    link = Link(str(daemon.socket), hello, timeout_s=0.3, retry_s=retry_s)
+    link = Link(str(daemon.socket), hello, timeout_s=timeout_s, retry_s=retry_s)
     try:
         assert link.call(lambda c: c.status())["connected_workers"] == 1
         daemon.pause()
         try:
             with pytest.raises(Unavailable):
-                link.call(lambda c: c.status())  # a deadline missed: down MIN_BACKOFF_S
+                link.call(lambda c: c.status())  # a deadline missed: down `floor`
             with pytest.raises(Unavailable, match="down"):
                 link.call(lambda c: c.status())  # within the floor: no connect at all
-            time.sleep(MIN_BACKOFF_S + 0.05)
+            time.sleep(floor * 1.5)
             with pytest.raises(Unavailable):
                 link.call(lambda c: c.status())  # tried again: a second deadline missed
             # Down for twice the floor now: the call fails at once instead of waiting out
             # another deadline (with no floor, retry_s * 2 is still about nothing).
-            time.sleep(MIN_BACKOFF_S + 0.05)
+            time.sleep(floor * 1.5)
             started = time.monotonic()
             with pytest.raises(Unavailable, match="down"):
                 link.call(lambda c: c.status())
-            assert time.monotonic() - started < 0.1
+            assert time.monotonic() - started < timeout_s / 2
             assert link.failures == 2
         finally:
             daemon.resume()
-        time.sleep(MIN_BACKOFF_S + 0.05)
+        time.sleep(floor * 1.5)
         assert link.call(lambda c: c.status())["connected_workers"] >= 1
     finally:
         link.close()
