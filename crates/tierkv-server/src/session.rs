@@ -1882,28 +1882,34 @@ mod tests {
     /// second after it: the second is refused, where a deadline per window stored it.
     #[test]
     fn a_store_of_two_windows_waits_for_room_one_store_backpressure_in_all() {
-        const BACKPRESSURE: Duration = Duration::from_secs(2);
+        // Long enough that a second of scheduling delay under load (the test thread starting the
+        // store late, a release late) changes no outcome: the margins below are a quarter of it.
+        const BACKPRESSURE: Duration = Duration::from_secs(4);
         let FullL1 { daemon, first, second, disk } = FullL1::new(BACKPRESSURE);
         let peer = Peer::detached();
         let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, peer);
-
-        let releaser = {
-            let daemon = Arc::clone(&daemon);
-            std::thread::spawn(move || {
-                // Room for the first window half way to the store's deadline; for the second
-                // half a second after that deadline, and half a second before the deadline a
-                // second window of its own would have had (1.5 x the backpressure).
-                std::thread::sleep(BACKPRESSURE / 2);
-                daemon.storage().release_all(first).unwrap();
-                std::thread::sleep(BACKPRESSURE * 3 / 4);
-                daemon.storage().release_all(second).unwrap();
-            })
-        };
         let chunks: Vec<ChunkBlocks> = (0..4)
             .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
             .collect();
         let store = RequestBody::Store { namespace: 0, buffer: 0, chunks, ready_event: None };
+
+        // The releases are timed from `started`, taken before the store starts (its deadline
+        // can only start later): room for the first window half way to the store's deadline;
+        // for the second a quarter of the backpressure after that deadline, and a quarter before
+        // the deadline a second window of its own would have had (1.5 x the backpressure).
         let started = Instant::now();
+        let releaser = {
+            let daemon = Arc::clone(&daemon);
+            std::thread::spawn(move || {
+                std::thread::sleep(
+                    (started + BACKPRESSURE / 2).saturating_duration_since(Instant::now()),
+                );
+                daemon.storage().release_all(first).unwrap();
+                let second_at = started + BACKPRESSURE * 5 / 4;
+                std::thread::sleep(second_at.saturating_duration_since(Instant::now()));
+                daemon.storage().release_all(second).unwrap();
+            })
+        };
         let answer = session.handle(store, &mut || None, peer);
         let took = started.elapsed();
         releaser.join().unwrap();
