@@ -138,6 +138,16 @@ impl LeaseShard {
         self.bury(id, Tomb::Revoked);
     }
 
+    /// Records the lease `id` ([`LeaseTable::mint`]) with its shares, if it has any; returns
+    /// it then.
+    pub(crate) fn open(&mut self, id: LeaseId, record: LeaseRecord) -> Option<LeaseId> {
+        if record.keys.is_empty() {
+            return None;
+        }
+        self.live.insert(id.0, record);
+        Some(id)
+    }
+
     /// The error for a lease that is not live.
     pub(crate) fn gone(&self, id: LeaseId) -> L1Error {
         match self.tombs.get(&id.0) {
@@ -178,10 +188,13 @@ impl LeaseTable {
         self.shards.iter()
     }
 
-    pub(crate) fn insert(&self, record: LeaseRecord) -> LeaseId {
+    /// A new lease id with its shard locked. The caller takes the lease's shares in the index
+    /// while it holds the lock and records them with [`LeaseShard::open`] before it lets go, so
+    /// an audit (which locks every lease shard, then every index shard) never sees shares the
+    /// ledger does not hold. An id minted for a lease that gets no key is never used.
+    pub(crate) fn mint(&self) -> (LeaseId, MutexGuard<'_, LeaseShard>) {
         let id = LeaseId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        self.shard(id).live.insert(id.0, record);
-        id
+        (id, self.shard(id))
     }
 }
 

@@ -771,7 +771,9 @@ impl L1Manager {
 
     /// Takes `1 + extra` shares of every key that `admit` accepts (it may change the entry's
     /// state, e.g. finish it), under the key's shard lock, and records them in one new lease
-    /// that expires after `ttl` (never for `None`).
+    /// that expires after `ttl` (never for `None`). The new lease's shard is locked first (the
+    /// lock order) and held until the lease is recorded, so no audit sees an entry's shares
+    /// before the ledger holds them.
     fn lease_keys(
         &self,
         owner: OwnerId,
@@ -789,6 +791,7 @@ impl L1Manager {
         // Saturating: a TTL near `Duration::MAX` means "never", not a panic.
         let deadline = self.clock.now().saturating_add(ttl.unwrap_or(Duration::MAX));
         let mut record = LeaseRecord::new(owner, readers, deadline, keys.len());
+        let (id, mut ledger) = self.leases.mint();
         let mut results = vec![Err(KeyError::NotFound); keys.len()];
         self.index.visit_grouped(
             keys,
@@ -815,9 +818,10 @@ impl L1Manager {
                 })();
             },
         );
-        results.iter().for_each(|result| self.count_refusal(result));
         let granted = record.keys.len() as u64;
-        let lease = (granted > 0).then(|| self.leases.insert(record));
+        let lease = ledger.open(id, record);
+        drop(ledger);
+        results.iter().for_each(|result| self.count_refusal(result));
         self.metrics.read_shares(granted * u64::from(readers));
         ReadGrant { lease, readers, results }
     }
@@ -1313,6 +1317,8 @@ impl L1Manager {
         // victims that were never copied, and under write-back they are the only copy.
         let deadline = Duration::MAX;
         let mut record = LeaseRecord::new(owner, readers, deadline, n);
+        // The lease's shard first, held until the victims' shares are recorded (as `lease_keys`).
+        let (id, mut ledger) = self.leases.mint();
         let mut keys = Vec::with_capacity(n);
         for _ in 0..n {
             let leased = self.with_victim(|shard, key| {
@@ -1334,7 +1340,8 @@ impl L1Manager {
                 None => break,
             }
         }
-        let lease = (!record.keys.is_empty()).then(|| self.leases.insert(record));
+        let lease = ledger.open(id, record);
+        drop(ledger);
         self.metrics.read_shares(keys.len() as u64);
         EvictionLease { lease, keys }
     }
