@@ -13,6 +13,7 @@ use tierkv_core::ObjectKey;
 use tierkv_core::policy::{EvictionPolicy, PolicyGroup, PolicyKind, shard_of};
 
 use crate::lease::OwnerId;
+use crate::metrics::EvictionReason;
 use crate::slots::{SlotId, Slots};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,8 +31,12 @@ pub(crate) struct Entry {
     /// Bytes of the object (its layout's size), at most the slot size.
     pub(crate) len: u64,
     pub(crate) state: EntryState,
-    /// Freed when its last share returns instead of staying cached (prefetch promotions).
+    /// Freed when its last share returns instead of staying cached (prefetch promotions, and
+    /// eviction victims leased to be copied down first).
     pub(crate) temporary: bool,
+    /// Why an eviction victim was leased instead of evicted (`lease_eviction_candidates`): it
+    /// is counted as evicted for this reason when its last share frees it. `None` otherwise.
+    pub(crate) leaving: Option<EvictionReason>,
     /// Read shares outstanding, over every lease.
     pub(crate) shares: u64,
 }
@@ -54,7 +59,8 @@ impl Entry {
         owner: OwnerId,
         temporary: bool,
     ) -> Self {
-        Entry { slot, generation, len, state: EntryState::Writing { owner }, temporary, shares: 0 }
+        let state = EntryState::Writing { owner };
+        Entry { slot, generation, len, state, temporary, leaving: None, shares: 0 }
     }
 
     pub(crate) fn class(&self) -> Class {

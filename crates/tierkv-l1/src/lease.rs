@@ -138,16 +138,6 @@ impl LeaseShard {
         self.bury(id, Tomb::Revoked);
     }
 
-    /// Records the lease `id` ([`LeaseTable::mint`]) with its shares, if it has any; returns
-    /// it then.
-    pub(crate) fn open(&mut self, id: LeaseId, record: LeaseRecord) -> Option<LeaseId> {
-        if record.keys.is_empty() {
-            return None;
-        }
-        self.live.insert(id.0, record);
-        Some(id)
-    }
-
     /// The error for a lease that is not live.
     pub(crate) fn gone(&self, id: LeaseId) -> L1Error {
         match self.tombs.get(&id.0) {
@@ -189,12 +179,31 @@ impl LeaseTable {
     }
 
     /// A new lease id with its shard locked. The caller takes the lease's shares in the index
-    /// while it holds the lock and records them with [`LeaseShard::open`] before it lets go, so
+    /// while it holds the lock and records them with [`LeaseTable::open`] before it lets go, so
     /// an audit (which locks every lease shard, then every index shard) never sees shares the
-    /// ledger does not hold. An id minted for a lease that gets no key is never used.
+    /// ledger does not hold.
     pub(crate) fn mint(&self) -> (LeaseId, MutexGuard<'_, LeaseShard>) {
         let id = LeaseId(self.next_id.fetch_add(1, Ordering::Relaxed));
         (id, self.shard(id))
+    }
+
+    /// Records the lease `id` minted with `shard` ([`LeaseTable::mint`]) with its shares, and
+    /// returns it; `None` for a lease that got no key. Such an id is handed back unless another
+    /// was minted since, so ids stay consecutive where leases do not race (a gap is harmless:
+    /// an unused id was never told to anyone).
+    pub(crate) fn open(
+        &self,
+        mut shard: MutexGuard<'_, LeaseShard>,
+        id: LeaseId,
+        record: LeaseRecord,
+    ) -> Option<LeaseId> {
+        if record.keys.is_empty() {
+            let _ =
+                self.next_id.compare_exchange(id.0 + 1, id.0, Ordering::Relaxed, Ordering::Relaxed);
+            return None;
+        }
+        shard.live.insert(id.0, record);
+        Some(id)
     }
 }
 

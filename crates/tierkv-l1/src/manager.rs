@@ -791,7 +791,7 @@ impl L1Manager {
         // Saturating: a TTL near `Duration::MAX` means "never", not a panic.
         let deadline = self.clock.now().saturating_add(ttl.unwrap_or(Duration::MAX));
         let mut record = LeaseRecord::new(owner, readers, deadline, keys.len());
-        let (id, mut ledger) = self.leases.mint();
+        let (id, ledger) = self.leases.mint();
         let mut results = vec![Err(KeyError::NotFound); keys.len()];
         self.index.visit_grouped(
             keys,
@@ -819,8 +819,7 @@ impl L1Manager {
             },
         );
         let granted = record.keys.len() as u64;
-        let lease = ledger.open(id, record);
-        drop(ledger);
+        let lease = self.leases.open(ledger, id, record);
         results.iter().for_each(|result| self.count_refusal(result));
         self.metrics.read_shares(granted * u64::from(readers));
         ReadGrant { lease, readers, results }
@@ -1081,18 +1080,28 @@ impl L1Manager {
         }
         shard.counts.moved(before, Class::Cached);
         if entry.temporary {
+            // A victim leased for write-back or a stop leaves L1 now: an eviction, counted as
+            // the others are (it is no deletion, nor a prefetch promotion read and done with).
+            let leaving = entry.leaving;
             self.remove_entry(shard, key);
+            if let Some(reason) = leaving {
+                self.metrics.evicted(reason, 1);
+            }
         }
         true
     }
 
     /// Revokes a lease whose deadline passed: returns every share, remembers why, counts it.
-    fn revoke(&self, shard: &mut LeaseShard, lease: LeaseId) {
-        if let Some(mut record) = shard.live.remove(&lease.0) {
-            self.return_shares(&mut record, None, |outstanding| outstanding);
-            shard.bury_revoked(lease);
-            self.metrics.lease_expired();
-        }
+    /// Returns what it returned (nothing for a lease that is not live).
+    fn revoke(&self, shard: &mut LeaseShard, lease: LeaseId) -> Released {
+        let Some(mut record) = shard.live.remove(&lease.0) else {
+            return Released::default();
+        };
+        let mut released = self.return_shares(&mut record, None, |outstanding| outstanding);
+        released.lease_ended = true;
+        shard.bury_revoked(lease);
+        self.metrics.lease_expired();
+        released
     }
 
     /// Revokes every lease past its deadline. Returns how many. The storage layer calls this
@@ -1157,15 +1166,27 @@ impl L1Manager {
     }
 
     /// Returns everything `owner` holds: ends its leases (every share) and aborts its write
-    /// reservations. Called when a client disconnects.
+    /// reservations. Called when a client disconnects. A lease past its deadline is revoked, as
+    /// any call that finds one does: counted as an expiry, and a late release is told so.
     pub fn release_owner(&self, owner: OwnerId) -> OwnerReleased {
         let mut report = OwnerReleased::default();
+        let now = self.clock.now();
         for shard in self.leases.shards() {
             let mut shard = shard.lock();
-            let owned: Vec<u64> =
-                shard.live.iter().filter(|(_, r)| r.owner == owner).map(|(id, _)| *id).collect();
-            for id in owned {
-                if let Ok(released) = self.release(&mut shard, LeaseId(id), Selection::Everything) {
+            let owned: Vec<(u64, bool)> = shard
+                .live
+                .iter()
+                .filter(|(_, r)| r.owner == owner)
+                .map(|(id, r)| (*id, r.deadline <= now))
+                .collect();
+            for (id, expired) in owned {
+                let lease = LeaseId(id);
+                let released = if expired {
+                    Ok(self.revoke(&mut shard, lease))
+                } else {
+                    self.release(&mut shard, lease, Selection::Everything)
+                };
+                if let Ok(released) = released {
                     report.leases += 1;
                     report.shares += released.shares;
                 }
@@ -1309,8 +1330,16 @@ impl L1Manager {
     /// of evicting them: each becomes temporary, so it is freed when its last share returns.
     ///
     /// This is how write-back works: the caller copies the victims to the next tier and then
-    /// returns the shares. Readers may still lease a victim meanwhile; it goes when they are done.
-    pub fn lease_eviction_candidates(&self, owner: OwnerId, n: usize) -> EvictionLease {
+    /// returns the shares. Readers may still lease a victim meanwhile; it goes when they are done,
+    /// and is then counted in `tierkv_evictions_total` by `reason` (a victim deleted first is
+    /// not). The observer is not told: it hears of evictions outside every L1 lock, and a victim
+    /// goes inside the release that returns its last share; the caller chose the victims.
+    pub fn lease_eviction_candidates(
+        &self,
+        owner: OwnerId,
+        n: usize,
+        reason: EvictionReason,
+    ) -> EvictionLease {
         let readers = ExtraCount::ZERO.readers();
         // No deadline: the caller always returns the lease once the victims are copied down.
         // Revoked on a deadline, a write-back slower than the lease's time to live would free
@@ -1318,13 +1347,14 @@ impl L1Manager {
         let deadline = Duration::MAX;
         let mut record = LeaseRecord::new(owner, readers, deadline, n);
         // The lease's shard first, held until the victims' shares are recorded (as `lease_keys`).
-        let (id, mut ledger) = self.leases.mint();
+        let (id, ledger) = self.leases.mint();
         let mut keys = Vec::with_capacity(n);
         for _ in 0..n {
             let leased = self.with_victim(|shard, key| {
                 let entry = shard.map.get_mut(&key)?;
                 let before = entry.class();
                 entry.temporary = true;
+                entry.leaving = Some(reason);
                 entry.shares += u64::from(readers);
                 shard.counts.moved(before, entry.class());
                 let shares = KeyShares {
@@ -1340,8 +1370,7 @@ impl L1Manager {
                 None => break,
             }
         }
-        let lease = ledger.open(id, record);
-        drop(ledger);
+        let lease = self.leases.open(ledger, id, record);
         self.metrics.read_shares(keys.len() as u64);
         EvictionLease { lease, keys }
     }

@@ -16,6 +16,8 @@ pub enum EvictionReason {
     Watermark,
     /// The storage layer is stopping and hands what L1 holds down to the tiers that outlive it.
     Stop,
+    /// Write-back copied the victim to the next tier down before its slot was freed.
+    WriteBack,
 }
 
 impl EvictionReason {
@@ -25,6 +27,7 @@ impl EvictionReason {
             EvictionReason::OnDemand => "on_demand",
             EvictionReason::Watermark => "watermark",
             EvictionReason::Stop => "stop",
+            EvictionReason::WriteBack => "write_back",
         }
     }
 }
@@ -58,6 +61,7 @@ pub(crate) struct L1Metrics {
     evicted_on_demand: Counter,
     evicted_watermark: Counter,
     evicted_stop: Counter,
+    evicted_write_back: Counter,
     lease_expiries: Counter,
     writes_finished: Counter,
     read_shares: Counter,
@@ -115,6 +119,7 @@ impl L1Metrics {
             evicted_on_demand: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "on_demand"),
             evicted_watermark: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "watermark"),
             evicted_stop: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "stop"),
+            evicted_write_back: counter!("tierkv_evictions_total", "tier" => TIER, "reason" => "write_back"),
             lease_expiries: counter!("tierkv_lease_expiries_total", "tier" => TIER),
             writes_finished: counter!("tierkv_l1_writes_finished_total"),
             read_shares: counter!("tierkv_l1_read_shares_total"),
@@ -144,6 +149,7 @@ impl L1Metrics {
             EvictionReason::OnDemand => self.evicted_on_demand.increment(n as u64),
             EvictionReason::Watermark => self.evicted_watermark.increment(n as u64),
             EvictionReason::Stop => self.evicted_stop.increment(n as u64),
+            EvictionReason::WriteBack => self.evicted_write_back.increment(n as u64),
         }
     }
 

@@ -261,6 +261,29 @@ fn a15_lease_past_its_deadline_is_revoked_counted_and_reported() {
     f.assert_consistent();
 }
 
+#[test]
+fn a15_a_lease_past_its_deadline_is_revoked_when_its_owner_goes_too() {
+    // A client that disconnects holding a lease nobody swept yet: its release must count the
+    // expiry, as a sweep or a late release of its own would, not pass it off as a release.
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let f = metrics::with_local_recorder(&recorder, || l1(2));
+    f.write(&keys(0..2));
+    let expired = f.lease(&key(0), 1);
+    f.clock.advance(LEASE_TTL);
+    let live = f.lease(&key(1), 0);
+    let report = f.l1.release_owner(OWNER);
+    assert_eq!((report.leases, report.shares), (2, 3), "both leases end, every share returns");
+    assert_eq!(
+        f.l1.finish_read(expired, Readers::One(0), None),
+        Err(L1Error::LeaseExpired(expired))
+    );
+    assert_eq!(f.l1.finish_read(live, Readers::One(0), None), Err(L1Error::LeaseReleased(live)));
+    let snapshot = snapshotter.snapshot().into_vec();
+    assert_eq!(metric(&snapshot, "tierkv_lease_expiries_total", None), 1.0);
+    f.assert_consistent();
+}
+
 // ----- reserve_write / finish_write / abort -----
 
 #[test]
@@ -847,6 +870,34 @@ fn metrics_report_usage_evictions_and_refusals() {
     assert_eq!(value("tierkv_evictions_total", Some(("reason", "on_demand"))), 1.0);
     assert_eq!(value("tierkv_errors_total", Some(("reason", "not_found"))), 1.0);
     assert_eq!(value("tierkv_l1_writes_finished_total", None), 2.0);
+}
+
+#[test]
+fn victims_leased_for_write_back_count_as_evicted_when_their_slots_are_freed() {
+    // Write-back and a stop's hand-down lease their victims, copy them down, then return the
+    // shares: the last share frees the slot, and that is when the object leaves L1.
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let f = metrics::with_local_recorder(&recorder, || l1(8));
+    f.write(&keys(0..5));
+    let written_back = f.l1.lease_eviction_candidates(OWNER, 2, EvictionReason::WriteBack);
+    let handed_down = f.l1.lease_eviction_candidates(OWNER, 2, EvictionReason::Stop);
+    let read = f.lease(&written_back.keys[0], 0);
+    // Evictions since the last call: a snapshot drains the debugging recorder's counters.
+    let evicted = |reason| {
+        let snapshot = snapshotter.snapshot().into_vec();
+        metric(&snapshot, "tierkv_evictions_total", Some(("reason", reason)))
+    };
+    f.l1.release_lease(written_back.lease.unwrap()).unwrap();
+    assert_eq!(evicted("write_back"), 1.0, "the victim no reader holds goes with the lease");
+    f.release(read, 0);
+    assert_eq!(evicted("write_back"), 1.0, "the other when its reader is done");
+    // A victim deleted before its lease returns was deleted, not evicted.
+    assert_eq!(f.l1.delete(&handed_down.keys[..1], true), vec![Ok(())]);
+    f.l1.release_lease(handed_down.lease.unwrap()).unwrap();
+    assert_eq!(evicted("stop"), 1.0);
+    assert_eq!(f.usage().cached, 1, "the one object never leased stays");
+    f.assert_consistent();
 }
 
 #[test]

@@ -610,7 +610,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             expect_eq!(f.l1.expire_leases(), due.len());
         }
         Op::LeaseForEviction { n, owner: o } => {
-            let grant = f.l1.lease_eviction_candidates(owner(*o), *n);
+            let grant = f.l1.lease_eviction_candidates(owner(*o), *n, EvictionReason::WriteBack);
             let mut victims = Vec::new();
             while victims.len() < *n {
                 let Some(k) = m.lru.iter().copied().find(|k| m.entries[k].shares == 0) else {
@@ -647,7 +647,9 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                 let mut record = m.leases.remove(id).unwrap_or_else(|| unreachable!());
                 let keys: Vec<u8> = record.keys.keys().copied().collect();
                 shares += m.give_back(&mut record, &keys, None).shares;
-                m.ended.insert(*id, Ended::Released);
+                // One past its deadline is revoked, as any call that finds it is.
+                let ended = if record.deadline <= m.now { Ended::Revoked } else { Ended::Released };
+                m.ended.insert(*id, ended);
             }
             let writes: Vec<u8> =
                 m.entries.iter().filter(|(_, e)| e.writer == Some(*o)).map(|(k, _)| *k).collect();

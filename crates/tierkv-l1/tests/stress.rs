@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::*;
 use tierkv_core::KeyError;
 use tierkv_core::policy::PolicyKind;
-use tierkv_l1::{L1Config, L1Error, Lifetime, OwnerId, Readers, WriteMode};
+use tierkv_l1::{EvictionReason, L1Config, L1Error, Lifetime, OwnerId, Readers, WriteMode};
 
 const THREADS: u64 = 8;
 const CYCLES: u64 = 1_000;
@@ -395,7 +395,7 @@ fn an_audit_racing_a_write_back_lease_sees_its_shares_in_the_ledger() {
         for k in keys(0..8) {
             f.write(&[k]);
         }
-        let leased = f.l1.lease_eviction_candidates(OWNER, 8);
+        let leased = f.l1.lease_eviction_candidates(OWNER, 8, EvictionReason::WriteBack);
         assert_eq!(leased.keys.len(), 8);
         f.l1.release_lease(leased.lease.unwrap()).unwrap();
     });

@@ -1275,7 +1275,11 @@ impl Inner {
         let mut from_l1 = 0;
         while Instant::now() < deadline && self.wait_for_store_jobs(1, deadline) {
             let clears = self.store.queue().clears().seen();
-            let leased = self.l1.lease_eviction_candidates(WRITEBACK_OWNER, STOP_BATCH);
+            let leased = self.l1.lease_eviction_candidates(
+                WRITEBACK_OWNER,
+                STOP_BATCH,
+                EvictionReason::Stop,
+            );
             let Some(lease) = leased.lease else { break };
             from_l1 += leased.keys.len();
             self.store.submit(StoreJob::HandDown { lease, keys: leased.keys, clears });
@@ -1612,9 +1616,11 @@ impl Inner {
                 let target = (watermark.low * usage.slots as f64).floor() as u64;
                 // Read before the lease: a clear after it withdraws the victims (`Clears`).
                 let clears = self.store.queue().clears().seen();
-                let victims = self
-                    .l1
-                    .lease_eviction_candidates(WRITEBACK_OWNER, (occupied - target) as usize);
+                let victims = self.l1.lease_eviction_candidates(
+                    WRITEBACK_OWNER,
+                    (occupied - target) as usize,
+                    EvictionReason::WriteBack,
+                );
                 if let Some(lease) = victims.lease {
                     self.store.submit(StoreJob::WriteBack { lease, keys: victims.keys, clears });
                 }
@@ -2296,7 +2302,8 @@ mod tests {
         let chunks = keys(0..4);
         write(&storage, &chunks);
         let clears = storage.inner.store.queue().clears().seen();
-        let victims = storage.l1().lease_eviction_candidates(WRITEBACK_OWNER, 2);
+        let victims =
+            storage.l1().lease_eviction_candidates(WRITEBACK_OWNER, 2, EvictionReason::WriteBack);
         assert_eq!(storage.clear_l1(false).kept, 2);
         below.hold();
         let lease = victims.lease.unwrap();
@@ -2308,7 +2315,8 @@ mod tests {
         below.release_held();
         write(&storage, &chunks);
         let clears = storage.inner.store.queue().clears().seen();
-        let victims = storage.l1().lease_eviction_candidates(WRITEBACK_OWNER, 2);
+        let victims =
+            storage.l1().lease_eviction_candidates(WRITEBACK_OWNER, 2, EvictionReason::WriteBack);
         let (lease, sent) = (victims.lease.unwrap(), victims.keys.clone());
         storage.inner.store.submit(StoreJob::WriteBack { lease, keys: victims.keys, clears });
         assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
