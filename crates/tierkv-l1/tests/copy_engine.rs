@@ -149,10 +149,11 @@ fn a_failed_copy_is_a_miss_never_a_visible_half_chunk() {
     let layout = Layout::bytes(CHUNK).unwrap();
     l1.reserve_write(owner, &[key], &layout, WriteMode::Create, Lifetime::Cached).unwrap()[0]
         .unwrap();
-    let slot = {
-        let mut access = l1.write_access(owner, &key).unwrap();
-        access.host_bytes_mut().unwrap().as_mut_ptr() as u64
-    };
+    // The guard pins the slot until the copy into it has completed, so nothing (a forced
+    // delete, a disconnect) can free the slot under the copy, and the write cannot be finished
+    // before its bytes are in.
+    let mut access = l1.write_access(owner, &key).unwrap();
+    let slot = access.host_bytes_mut().unwrap().as_mut_ptr() as u64;
     let pieces = sources
         .iter()
         .enumerate()
@@ -161,15 +162,23 @@ fn a_failed_copy_is_a_miss_never_a_visible_half_chunk() {
             Piece::contiguous(At::Host(s.as_ptr() as u64), dst, CHUNK / 4)
         })
         .collect();
-    // SAFETY: the sources outlive the event; the slot is reserved (Writing) by `owner`, so no
-    // one else touches it until the callback finishes or aborts the write.
+    // The engine's kernels: the copy waits for them, so the checks below run during it.
+    let producer = Event::new();
+    stream.wait(&producer).unwrap();
+    // SAFETY: the sources outlive the event; `access` pins the slot (a `Writing` reservation of
+    // `owner`) until the callback drops it, after the copy.
     unsafe { stream.copy(pieces) }.unwrap();
     let copied = stream.record().unwrap();
     let visible_during = l1.reserve_read(owner, &[key], ExtraCount::ZERO).results[0];
     assert_eq!(visible_during.err(), Some(KeyError::NotReadable));
+    assert_eq!(l1.finish_write(owner, &[key]), vec![Err(KeyError::Busy)], "the guard lives on");
+    producer.fire(Ok(()));
     let finished = Arc::new(AtomicBool::new(false));
     let (l1_cb, done) = (Arc::clone(&l1), Arc::clone(&finished));
     copied.on_complete(move |result| {
+        // The copy is over: the guard goes first, since `finish_write` refuses (`Busy`) a slot
+        // a writer pins.
+        drop(access);
         if result.is_ok() {
             l1_cb.finish_write(owner, &[key]);
         } else {

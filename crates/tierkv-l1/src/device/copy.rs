@@ -20,6 +20,12 @@
 //!
 //! How callers keep the rules (tested in this module on the emulated engine):
 //! - a store reads an engine's block only after the engine's event: `wait(producer)` first;
+//! - the guard of every slot a copy touches ([`crate::WriteAccess`] into a slot,
+//!   [`crate::ReadAccess`] out of one) lives until that copy's event fires, dropped in its
+//!   callback (or after `sync`), never when the copy is enqueued: the pin is what keeps a forced
+//!   delete, an abort or a disconnect from freeing the slot, and another object from taking it,
+//!   while the copy still moves bytes in or out of it. A store drops its write guard in the
+//!   callback before `finish_write`, which refuses (`Busy`) a slot a writer pins;
 //! - a chunk becomes visible only when its copy's event fired `Ok`: `finish_write` in the
 //!   callback, `abort_write` on an error, so a failed copy is a miss, never a half chunk;
 //! - a retrieve hands the engine an event that fires only after the last byte.
