@@ -10,6 +10,11 @@
 //! evictions and finished writes the model predicts; and every byte read back is the byte
 //! written. A share that was released or revoked can never be released again because the model
 //! answers such a release with an error and the manager must agree.
+//!
+//! A read or write guard may outlive its step (`keep`, until a `DropGuard`): the model then
+//! refuses another writer and `finish_write` with `Busy`, keeps pinned objects from eviction and
+//! updates, and counts the slot of an entry removed under a guard (a forced delete, an abort, a
+//! disconnect, a temporary object's last share) as retiring, not free, until its last guard drops.
 
 #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
@@ -32,22 +37,74 @@ const TTL: Duration = Duration::from_millis(10);
 
 #[derive(Clone, Debug)]
 enum Op {
-    ReserveWrite { keys: Vec<u8>, update: bool, temporary: bool, owner: u8 },
-    Fill { key: u8, owner: u8 },
-    FinishWrite { keys: Vec<u8>, owner: u8 },
-    AbortWrite { keys: Vec<u8>, owner: u8 },
-    ReserveRead { keys: Vec<u8>, extra: u8, owner: u8 },
-    Promote { keys: Vec<u8>, extra: u8, owner: u8 },
-    FinishRead { lease: usize, readers: Readers, keys: Option<Vec<u8>> },
-    ReleaseLease { lease: usize },
-    Read { lease: usize, reader: u8, key: u8 },
-    Delete { keys: Vec<u8>, force: bool },
-    Clear { force: bool },
+    ReserveWrite {
+        keys: Vec<u8>,
+        update: bool,
+        temporary: bool,
+        owner: u8,
+    },
+    /// Copies into a reserved key; with `keep`, the write guard stays open after the step.
+    Fill {
+        key: u8,
+        owner: u8,
+        keep: bool,
+    },
+    FinishWrite {
+        keys: Vec<u8>,
+        owner: u8,
+    },
+    AbortWrite {
+        keys: Vec<u8>,
+        owner: u8,
+    },
+    ReserveRead {
+        keys: Vec<u8>,
+        extra: u8,
+        owner: u8,
+    },
+    Promote {
+        keys: Vec<u8>,
+        extra: u8,
+        owner: u8,
+    },
+    FinishRead {
+        lease: usize,
+        readers: Readers,
+        keys: Option<Vec<u8>>,
+    },
+    ReleaseLease {
+        lease: usize,
+    },
+    /// Reads a leased key; with `keep`, the read guard stays open after the step.
+    Read {
+        lease: usize,
+        reader: u8,
+        key: u8,
+        keep: bool,
+    },
+    /// Drops a guard kept open (one pick among them).
+    DropGuard {
+        pick: usize,
+    },
+    Delete {
+        keys: Vec<u8>,
+        force: bool,
+    },
+    Clear {
+        force: bool,
+    },
     EvictWatermark,
-    Advance { millis: u64 },
+    Advance {
+        millis: u64,
+    },
     ExpireLeases,
-    ReleaseOwner { owner: u8 },
-    LeaseForEviction { n: usize, owner: u8 },
+    ReleaseOwner {
+        owner: u8,
+    },
+    LeaseForEviction {
+        n: usize,
+        owner: u8,
+    },
 }
 
 fn key_list() -> impl Strategy<Value = Vec<u8>> {
@@ -68,7 +125,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (key_list(), prop::bool::weighted(0.15), prop::bool::weighted(0.2), owner.clone())
             .prop_map(|(keys, update, temporary, owner)| Op::ReserveWrite { keys, update, temporary, owner }),
-        3 => (0..KEYS, owner.clone()).prop_map(|(key, owner)| Op::Fill { key, owner }),
+        3 => (0..KEYS, owner.clone(), prop::bool::weighted(0.25))
+            .prop_map(|(key, owner, keep)| Op::Fill { key, owner, keep }),
         4 => (key_list(), owner.clone()).prop_map(|(keys, owner)| Op::FinishWrite { keys, owner }),
         1 => (key_list(), owner.clone()).prop_map(|(keys, owner)| Op::AbortWrite { keys, owner }),
         4 => (key_list(), extra.clone(), owner.clone()).prop_map(|(keys, extra, owner)| Op::ReserveRead { keys, extra, owner }),
@@ -76,7 +134,9 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (0usize..64, readers(), prop::option::weighted(0.4, prop::collection::vec(0u8..16, 1..5)))
             .prop_map(|(lease, readers, keys)| Op::FinishRead { lease, readers, keys }),
         1 => (0usize..64).prop_map(|lease| Op::ReleaseLease { lease }),
-        2 => (0usize..64, 0u8..5, 0u8..16).prop_map(|(lease, reader, key)| Op::Read { lease, reader, key }),
+        2 => (0usize..64, 0u8..5, 0u8..16, prop::bool::weighted(0.5))
+            .prop_map(|(lease, reader, key, keep)| Op::Read { lease, reader, key, keep }),
+        1 => (0usize..8).prop_map(|pick| Op::DropGuard { pick }),
         1 => (key_list(), prop::bool::weighted(0.3)).prop_map(|(keys, force)| Op::Delete { keys, force }),
         1 => prop::bool::weighted(0.3).prop_map(|force| Op::Clear { force }),
         1 => Just(Op::EvictWatermark),
@@ -118,7 +178,9 @@ struct Model {
     entries: BTreeMap<u8, MEntry>,
     /// Finished, non-temporary entries, least recently used first.
     lru: Vec<u8>,
-    free: u64,
+    /// The guards kept open, as (key, generation of the entry pinned, writer): each pins its
+    /// entry's slot, which stays retiring after the entry goes until its last guard drops.
+    pins: Vec<(u8, u64, bool)>,
     leases: BTreeMap<u64, MLease>,
     ended: BTreeMap<u64, Ended>,
     issued: Vec<u64>,
@@ -139,7 +201,7 @@ fn all(readers: u32) -> u128 {
 
 impl Model {
     fn new() -> Self {
-        Model { free: SLOTS, next_lease: 1, ..Model::default() }
+        Model { next_lease: 1, ..Model::default() }
     }
 
     fn touch(&mut self, k: u8) {
@@ -156,13 +218,42 @@ impl Model {
     fn remove(&mut self, k: u8) {
         if self.entries.remove(&k).is_some() {
             self.untrack(k);
-            self.free += 1;
         }
+    }
+
+    /// Whether a guard (a write guard, for `writer`) pins the live entry of `k`.
+    fn pinned(&self, k: u8, writer: bool) -> bool {
+        let Some(entry) = self.entries.get(&k) else { return false };
+        self.pins.iter().any(|&(key, generation, w)| {
+            key == k && generation == entry.generation && (w || !writer)
+        })
+    }
+
+    /// Slots whose entry is gone while a guard still pins them.
+    fn retiring(&self) -> u64 {
+        let gone: BTreeSet<(u8, u64)> = self
+            .pins
+            .iter()
+            .filter(|(key, generation, _)| {
+                self.entries.get(key).is_none_or(|e| e.generation != *generation)
+            })
+            .map(|&(key, generation, _)| (key, generation))
+            .collect();
+        gone.len() as u64
+    }
+
+    fn free(&self) -> u64 {
+        SLOTS - self.entries.len() as u64 - self.retiring()
+    }
+
+    /// Evictable: finished, unleased and no guard pins it.
+    fn evictable(&self, k: u8) -> bool {
+        self.entries[&k].shares == 0 && !self.pinned(k, false)
     }
 
     /// Evicts the least recently used cached entry; false when none is evictable.
     fn evict_one(&mut self, reason: EvictionReason) -> bool {
-        let victim = self.lru.iter().copied().find(|k| self.entries[k].shares == 0);
+        let victim = self.lru.iter().copied().find(|k| self.evictable(*k));
         match victim {
             Some(k) => {
                 self.remove(k);
@@ -278,6 +369,7 @@ impl Model {
                         Ok(())
                     }
                     Some(e) => match e.writer {
+                        Some(w) if w == owner && self.pinned(k, true) => Err(KeyError::Busy),
                         Some(w) if w == owner => {
                             if !e.temporary {
                                 self.lru.push(k);
@@ -346,12 +438,15 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         ..config(SLOTS)
     });
     let mut m = Model::new();
+    let mut held = Vec::new();
     for (step, op) in ops.into_iter().enumerate() {
-        apply(&f, &mut m, &op)
+        apply(&f, &mut m, &mut held, &op)
             .map_err(|e| TestCaseError::fail(format!("step {step} {op:?}: {e}")))?;
         check(&f, &m).map_err(|e| TestCaseError::fail(format!("after step {step} {op:?}: {e}")))?;
     }
-    // Quiescence: returning every lease and aborting every write leaves used == 0.
+    // Quiescence: dropping every guard, returning every lease and aborting every write leaves
+    // used == 0.
+    drop(held);
     f.l1.release_owner(owner(0));
     f.l1.release_owner(owner(1));
     let u = f.usage();
@@ -360,7 +455,13 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
+/// `held` keeps the guards that outlive their step, in the order of `Model::pins`.
+fn apply(
+    f: &Fixture,
+    m: &mut Model,
+    held: &mut Vec<Box<dyn std::any::Any>>,
+    op: &Op,
+) -> Result<(), String> {
     macro_rules! expect_eq {
         ($actual:expr, $expected:expr) => {{
             let (a, e) = ($actual, $expected);
@@ -390,7 +491,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                     match m.entries.get(&key).cloned() {
                         None => Err(KeyError::NotFound),
                         Some(e) if e.writer.is_some() => Err(KeyError::WriteInFlight),
-                        Some(e) if e.shares > 0 => Err(KeyError::Locked),
+                        Some(e) if e.shares > 0 || m.pinned(key, false) => Err(KeyError::Locked),
                         Some(_) => {
                             m.untrack(key);
                             m.next_generation += 1;
@@ -405,11 +506,10 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                     match m.entries.get(&key).map(|e| e.writer.is_some()) {
                         Some(true) => Err(KeyError::WriteInFlight),
                         Some(_) => Err(KeyError::AlreadyPresent),
-                        None if m.free == 0 && !m.evict_one(EvictionReason::OnDemand) => {
+                        None if m.free() == 0 && !m.evict_one(EvictionReason::OnDemand) => {
                             Err(KeyError::OutOfMemory)
                         }
                         None => {
-                            m.free -= 1;
                             m.next_generation += 1;
                             let entry = MEntry {
                                 writer: Some(*o),
@@ -428,10 +528,11 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             }
             expect_eq!(unit(actual), expected);
         }
-        Op::Fill { key, owner: o } => {
+        Op::Fill { key, owner: o, keep } => {
             let expected = match m.entries.get(key) {
                 None => Err(KeyError::NotFound),
                 Some(e) => match e.writer {
+                    Some(w) if w == *o && m.pinned(*key, true) => Err(KeyError::Busy),
                     Some(w) if w == *o => Ok(()),
                     Some(_) => Err(KeyError::Locked),
                     None => Err(KeyError::WrongState),
@@ -444,8 +545,12 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                     guard
                         .write_at(0, &payload(&k(*key), m.next_version))
                         .map_err(|e| e.to_string())?;
-                    m.entries.get_mut(key).unwrap_or_else(|| unreachable!()).content =
-                        Some(m.next_version);
+                    let entry = m.entries.get_mut(key).unwrap_or_else(|| unreachable!());
+                    entry.content = Some(m.next_version);
+                    if *keep {
+                        m.pins.push((*key, entry.generation, true));
+                        held.push(Box::new(guard));
+                    }
                 }
                 Err(L1Error::Key { error, .. }) => expect_eq!(Err::<(), KeyError>(error), expected),
                 Err(other) => return Err(format!("unexpected {other}")),
@@ -460,6 +565,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                     Some(e) => match e.writer {
                         Some(w) if w != *o => Err(KeyError::Locked),
                         None => Err(KeyError::WrongState),
+                        Some(_) if m.pinned(key, true) => Err(KeyError::Busy),
                         Some(_) if e.temporary => Err(KeyError::WrongState),
                         Some(_) => {
                             m.entries.get_mut(&key).unwrap_or_else(|| unreachable!()).writer = None;
@@ -530,7 +636,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             });
             expect_eq!(actual, expected);
         }
-        Op::Read { lease, reader, key } => {
+        Op::Read { lease, reader, key, keep } => {
             let id = m.lease_id(*lease);
             let key = &m.lease_key(id, *key);
             let expected = model_read(m, id, *reader, *key);
@@ -544,6 +650,11 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
                         if bytes != payload(&k(*key), version) {
                             return Err(format!("bytes of {key} differ from version {version}"));
                         }
+                    }
+                    if *keep {
+                        let generation = m.entries[key].generation;
+                        m.pins.push((*key, generation, false));
+                        held.push(Box::new(guard));
                     }
                 }
                 Err(actual) => match expected {
@@ -588,7 +699,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
         Op::EvictWatermark => {
             let victims = f.l1.evict_to_watermark();
             let before = m.evicted.len();
-            let occupied = |m: &Model| SLOTS - m.free;
+            let occupied = |m: &Model| SLOTS - m.free();
             if occupied(m) as f64 > 0.75 * SLOTS as f64 {
                 let target = (0.5 * SLOTS as f64).floor() as u64;
                 while occupied(m) > target && m.evict_one(EvictionReason::Watermark) {}
@@ -596,6 +707,13 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             let expected: Vec<ObjectKey> =
                 m.evicted[before..].iter().map(|(key, _)| k(*key)).collect();
             expect_eq!(victims, expected);
+        }
+        Op::DropGuard { pick } => {
+            if !held.is_empty() {
+                let i = pick % held.len();
+                drop(held.remove(i));
+                m.pins.remove(i);
+            }
         }
         Op::Advance { millis } => {
             f.clock.advance(Duration::from_millis(*millis));
@@ -613,7 +731,7 @@ fn apply(f: &Fixture, m: &mut Model, op: &Op) -> Result<(), String> {
             let grant = f.l1.lease_eviction_candidates(owner(*o), *n, EvictionReason::WriteBack);
             let mut victims = Vec::new();
             while victims.len() < *n {
-                let Some(k) = m.lru.iter().copied().find(|k| m.entries[k].shares == 0) else {
+                let Some(k) = m.lru.iter().copied().find(|k| m.evictable(*k)) else {
                     break;
                 };
                 m.untrack(k);
@@ -746,18 +864,21 @@ fn check(f: &Fixture, m: &Model) -> Result<(), String> {
     let writing = m.entries.values().filter(|e| e.writer.is_some()).count() as u64;
     let leased = m.entries.values().filter(|e| e.writer.is_none() && e.shares > 0).count() as u64;
     let cached = m.entries.values().filter(|e| e.writer.is_none() && e.shares == 0).count() as u64;
-    if (u.writing, u.leased, u.cached, u.free_bytes / SLOT) != (writing, leased, cached, m.free) {
+    let (free, retiring) = (m.free(), m.retiring());
+    if (u.writing, u.leased, u.cached, u.free_bytes / SLOT, u.retiring)
+        != (writing, leased, cached, free, retiring)
+    {
         return Err(format!(
-            "usage {u:?}, model writing {writing} leased {leased} cached {cached} free {}",
-            m.free
+            "usage {u:?}, model writing {writing} leased {leased} cached {cached} free {free} \
+             retiring {retiring}"
         ));
     }
     if u.used_bytes + u.cached_bytes + u.free_bytes != u.capacity_bytes {
         return Err(format!("A35: used + cached + free != capacity: {u:?}"));
     }
-    if m.leases.is_empty() && u.used_bytes != writing * SLOT {
+    if m.leases.is_empty() && u.used_bytes != (writing + retiring) * SLOT {
         return Err(format!(
-            "A36: no lease is live, yet used bytes {} != writing bytes",
+            "A36: no lease is live, yet used bytes {} != bytes written or retiring",
             u.used_bytes
         ));
     }
@@ -785,5 +906,39 @@ proptest! {
     #[test]
     fn a35_model_agrees_and_accounting_holds_after_every_step(ops in prop::collection::vec(op(), 1..80)) {
         run(ops)?;
+    }
+}
+
+/// Guards that outlive their step, in the sequences the random ones reach only rarely: a read
+/// guard keeps an unleased object from an update and from eviction, a write guard keeps its
+/// write from finishing, and a slot freed under a guard is free only once the guard drops.
+#[test]
+fn guards_kept_open_across_steps_pin_their_slots() {
+    let o = 0;
+    let write = |key| {
+        [
+            Op::ReserveWrite { keys: vec![key], update: false, temporary: false, owner: o },
+            Op::Fill { key, owner: o, keep: false },
+            Op::FinishWrite { keys: vec![key], owner: o },
+        ]
+    };
+    let mut ops: Vec<Op> = write(0).into();
+    ops.extend([
+        Op::ReserveRead { keys: vec![0], extra: 0, owner: o },
+        Op::Read { lease: 0, reader: 0, key: 0, keep: true },
+        Op::ReleaseLease { lease: 0 },
+        Op::ReserveWrite { keys: vec![0], update: true, temporary: false, owner: o },
+    ]);
+    ops.extend((1..5).flat_map(write));
+    ops.extend([
+        Op::ReserveWrite { keys: vec![5], update: false, temporary: false, owner: o },
+        Op::Fill { key: 5, owner: o, keep: true },
+        Op::FinishWrite { keys: vec![5], owner: o },
+        Op::Delete { keys: vec![0, 5], force: true },
+        Op::DropGuard { pick: 0 },
+        Op::DropGuard { pick: 0 },
+    ]);
+    if let Err(e) = run(ops) {
+        panic!("{e}");
     }
 }
