@@ -199,7 +199,7 @@ impl ServerConfig {
     }
 
     /// Parses and checks the `[server]` section of `text` alone, as a command that talks to the
-    /// daemon reads it ([`Reader::Admin`]): `tierkv status` needs the socket, `tierkv clear` the
+    /// daemon reads it (as an admin reader): `tierkv status` needs the socket, `tierkv clear` the
     /// token too. The other sections are not read, so an operator's command is not refused over
     /// a tier's setting, nor over the daemon's user's groups.
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
