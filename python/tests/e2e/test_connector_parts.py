@@ -172,6 +172,113 @@ def test_the_device_export_takes_only_gpu_tensors_and_lays_blocks_out_by_region(
     ]
 
 
+def _lying(order: str, blocks: int = 6, heads: int = 2, tokens: int = 4, content: int = 8):
+    """A layer's KV as vLLM 0.32 views it, ``[blocks, heads, tokens, content]``, its blocks lying
+    in memory in ``order`` (``"HNC"`` or ``"NHC"``), or with heads outside the blocks
+    (``"H|BNC"``: vLLM's ``LHBNC``, a block in pieces)."""
+    sizes = {"B": blocks, "H": heads, "N": tokens, "C": content}
+    physical = {"HNC": "BHNC", "NHC": "BNHC", "H|BNC": "HBNC"}[order]
+    t = torch.arange(blocks * heads * tokens * content, dtype=torch.float32)
+    t = t.reshape([sizes[d] for d in physical])
+    return t.permute([physical.index(d) for d in "BHNC"])
+
+
+def test_blocks_must_lie_as_vllms_layout_says_and_may_have_tokens_before_heads() -> None:
+    def locate(ptr: int, base: int) -> tuple[int, int]:
+        return 0, ptr - base
+
+    block_bytes = 2 * 4 * 8 * 4
+    for order in ("HNC", "NHC"):
+        t = _lying(order)
+        layout = _layout([t], 6, 2, partial(locate, base=t.data_ptr()), order)
+        assert (layout.block_bytes, layout.block_stride) == (block_bytes, block_bytes)
+        assert [s.offset for s in layout.segments] == [0]
+        other = "NHC" if order == "HNC" else "HNC"
+        with pytest.raises(LayoutError, match=f"lie {order} .* not {other}"):
+            _layout([t], 6, 2, partial(locate, base=t.data_ptr()), other)
+    # Without a layout from vLLM, only blocks contiguous as shaped are taken.
+    t = _lying("NHC")
+    with pytest.raises(LayoutError, match="not contiguous"):
+        _layout([t], 6, 2, partial(locate, base=t.data_ptr()))
+    # A block in pieces (heads outside the blocks) cannot move as one run.
+    t = _lying("H|BNC")
+    with pytest.raises(LayoutError, match="not one run"):
+        _layout([t], 6, 2, partial(locate, base=t.data_ptr()), "HNC")
+    # One head per rank (MLA, or GQA under TP): both orders are the same bytes.
+    for order in ("HNC", "NHC"):
+        t = _lying("NHC", heads=1)
+        layout = _layout([t], 6, 1, partial(locate, base=t.data_ptr()), order)
+        assert layout.block_bytes == 4 * 8 * 4
+    with pytest.raises(LayoutError, match="not \\[heads, tokens, content\\]"):
+        _layout([torch.zeros(6, 4, 8)], 6, 1, partial(locate, base=0), "HNC")
+
+
+def test_the_namespace_names_the_order_of_a_blocks_bytes() -> None:
+    from types import SimpleNamespace
+
+    from tierkv.vllm.scheduler import block_interior_of, namespace_of
+
+    def config(layout: object = None) -> SimpleNamespace:
+        model = SimpleNamespace(model="m", dtype="bfloat16", quantization=None, revision=None)
+        cache = SimpleNamespace(cache_dtype="auto", block_size=16, kv_cache_layout=layout)
+        return SimpleNamespace(model_config=model, cache_config=cache, speculative_config=None)
+
+    def kv_config(layout: object) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_layout=layout)
+
+    settings = Settings.from_extra({})
+    assert block_interior_of(config()) is None
+    assert "|kv=" not in namespace_of(config(), settings), "a vLLM that resolves no layout"
+    assert block_interior_of(config("LBHNC")) == "HNC"
+    assert block_interior_of(config(), kv_config("LBNHC")) == "NHC"
+    assert block_interior_of(config(), kv_config(SimpleNamespace(name="BLNHC"))) == "NHC"
+    heads_first = namespace_of(config(), settings, 16, kv_config("LBHNC"))
+    tokens_first = namespace_of(config(), settings, 16, kv_config("LBNHC"))
+    assert "|kv=HNC|" in heads_first and "|kv=NHC|" in tokens_first
+    # How layers and blocks nest outside a block changes none of its bytes.
+    assert namespace_of(config(), settings, 16, kv_config("BLHNC")) == heads_first
+    for split in ("LHBNC", "BHLNC"):
+        with pytest.raises(ValueError, match=f"layout {split} splits it"):
+            block_interior_of(config(split))
+
+
+def test_a_chunk_of_blocks_lying_tokens_first_goes_and_comes_back_whole(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path / "daemon")
+    try:
+        blocks, heads, tokens, content = 8, 2, 16, 64
+        layers = {
+            f"model.layers.{i}.self_attn.attn": _lying("NHC", blocks, heads, tokens, content)
+            for i in range(2)
+        }
+        for i, t in enumerate(layers.values()):
+            t.mul_(i + 1)
+        memory = move_to_memfd(layers, num_blocks=blocks, blocks_per_chunk=2, interior="NHC")
+        hello = wire.hello(
+            rank=0,
+            tp_size=1,
+            world_size=1,
+            mla=False,
+            namespaces=[("lying|kv=NHC", "")],
+            chunk_bytes=memory.chunk_bytes(),
+            chunk_tokens=2 * tokens,
+        )
+        with Client.connect(str(daemon.socket), hello) as client:
+            buffer = client.register_kv([(memory.region, memory.fd)], memory.layout)
+            (chunk,) = prefix_hashes(list(range(2 * tokens)), 2 * tokens)
+            assert client.store(0, buffer, [(chunk, [5, 2])]).stored == 1
+            stored = {name: (t[5].clone(), t[2].clone()) for name, t in layers.items()}
+            for t in layers.values():
+                t[[0, 7]] = -1.0
+            started = client.lookup(0, [chunk])
+            outcome = client.wait(started.lookup, 5.0)
+            assert outcome.hit_chunks == 1
+            client.retrieve(started.lookup, buffer, [(chunk, [0, 7])])
+        for name, t in layers.items():
+            assert torch.equal(t[0], stored[name][0]) and torch.equal(t[7], stored[name][1])
+    finally:
+        daemon.stop()
+
+
 def test_the_memory_module_imports_without_vllm() -> None:
     # The GPU check imports it on machines that have torch and no vLLM.
     code = "import sys, tierkv.vllm.memory; sys.exit('vllm' in sys.modules)"

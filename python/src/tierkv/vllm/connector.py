@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tierkv.vllm.guard import nothing
 from tierkv.vllm.plan import Settings, TierKVMetadata
-from tierkv.vllm.scheduler import SchedulerSide, namespace_of
+from tierkv.vllm.scheduler import SchedulerSide, block_interior_of, namespace_of
 from tierkv.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class TierKVConnector(KVConnectorBase_V1):
         block_size = block_size_of(vllm_config, kv_cache_config)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         mla = bool(vllm_config.model_config.use_mla)
-        namespace = namespace_of(vllm_config, settings, block_size)
+        namespace = namespace_of(vllm_config, settings, block_size, kv_cache_config)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             # Each stage holds other layers under the same model and TP rank: their chunks
@@ -167,6 +167,7 @@ class TierKVConnector(KVConnectorBase_V1):
                 mla,
                 kv_cache_config.num_blocks,
                 tp_group=get_tp_group().cpu_group if tp_size > 1 else None,
+                interior=block_interior_of(vllm_config, kv_cache_config),
             )
 
     # -- worker side -------------------------------------------------------------------------

@@ -92,9 +92,11 @@ def move_to_memfd(
     num_blocks: int,
     blocks_per_chunk: int,
     bound_views: Iterable[torch.Tensor] = (),
+    interior: str | None = None,
 ) -> KvMemory:
     """Moves the storages behind ``kv_caches`` into one sealed memfd and re-points every tensor
-    that used them; returns the memfd and the layout of the KV blocks in it.
+    that used them; returns the memfd and the layout of the KV blocks in it. ``interior``: the
+    order of a block's bytes vLLM's layout names, checked against the tensors (:func:`_layout`).
 
     ``bound_views`` are tensors the engine reads through (the attention layers' caches): each
     must end up inside the memfd, or the move is refused, since bytes the daemon writes where the
@@ -122,7 +124,7 @@ def move_to_memfd(
 
     # Described before anything moves: a layout the daemon cannot take leaves the engine's
     # tensors where they are, and no memfd behind.
-    layout = _layout(tensors, num_blocks, blocks_per_chunk, in_memfd)
+    layout = _layout(tensors, num_blocks, blocks_per_chunk, in_memfd, interior)
     fd = sealed_memfd(total, "tierkv-vllm-kv")
     replacements: dict[int, torch.UntypedStorage] = {}
     try:
@@ -153,11 +155,15 @@ def move_to_memfd(
 
 
 def export_device_kv(
-    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    blocks_per_chunk: int,
+    interior: str | None = None,
 ) -> DeviceKv:
     """Exports the GPU allocations behind ``kv_caches`` by CUDA IPC, where they are, and
-    describes the KV blocks over them. Every tensor must be on the same device; the CUDA
-    context of that device must be current (any torch work on it makes it so)."""
+    describes the KV blocks over them (``interior`` as in :func:`move_to_memfd`). Every tensor
+    must be on the same device; the CUDA context of that device must be current (any torch
+    work on it makes it so)."""
     from tierkv.cuda import ipc_region
 
     tensors = _ordered(kv_caches)
@@ -179,7 +185,7 @@ def export_device_kv(
         bases.append(ptr - offset)
         return len(regions) - 1, offset
 
-    layout = _layout(tensors, num_blocks, blocks_per_chunk, locate)
+    layout = _layout(tensors, num_blocks, blocks_per_chunk, locate, interior)
     return DeviceKv(regions=regions, layout=layout)
 
 
@@ -211,9 +217,17 @@ def _layout(
     num_blocks: int,
     blocks_per_chunk: int,
     locate: Callable[[int], tuple[int, int]],
+    interior: str | None = None,
 ) -> KvLayout:
     """The layout of the KV blocks of ``tensors``; ``locate`` maps an address to its region and
-    the offset in it."""
+    the offset in it.
+
+    A block moves as one run of bytes, so the chunk's bytes are the blocks' bytes as they lie.
+    With ``interior`` (vLLM's resolved layout, which the namespace names) the tensors are vLLM's
+    ``[blocks, heads, tokens, content]`` views, and a block must lie in that order (``"HNC"``
+    or ``"NHC"``, dimensions of size one aside): an engine whose blocks lie otherwise than its
+    namespace says would store chunks another engine reads in the wrong order. Without it, a
+    block must be contiguous as the tensor is shaped."""
     segments: list[Segment] = []
     seen: set[int] = set()
     shape: tuple[int, int] | None = None
@@ -232,7 +246,9 @@ def _layout(
             )
         for plane in planes:
             block = plane[0]
-            if not block.is_contiguous():
+            if interior is not None:
+                _check_interior(block, interior)
+            elif not block.is_contiguous():
                 raise LayoutError("a block of a KV tensor is not contiguous")
             this = (block.numel() * block.element_size(), plane.stride(0) * plane.element_size())
             if shape is not None and this != shape:
@@ -252,3 +268,28 @@ def _layout(
         blocks_per_chunk=blocks_per_chunk,
         segments=segments,
     )
+
+
+def _check_interior(block: torch.Tensor, interior: str) -> None:
+    """Refuses a ``[heads, tokens, content]`` block that is not one run of bytes in the order
+    ``interior`` names. Dimensions of size one are left out of both orders: they move no byte."""
+    dims = "HNC"
+    if block.dim() != 3:
+        raise LayoutError(
+            f"a KV block of shape {tuple(block.shape)} is not [heads, tokens, content], as vLLM's "
+            f"KV cache layout (block interior {interior}) says"
+        )
+    sized = [d for d in range(3) if block.shape[d] > 1]
+    lying = sorted(sized, key=block.stride, reverse=True)
+    run = 1
+    for d in reversed(lying):
+        if block.stride(d) != run:
+            raise LayoutError("a block of a KV tensor is not one run of bytes")
+        run *= block.shape[d]
+    found = "".join(dims[d] for d in lying)
+    said = "".join(c for c in interior if block.shape[dims.index(c)] > 1)
+    if found != said:
+        raise LayoutError(
+            f"the KV blocks lie {found} (heads H, tokens N, content C), not {said} as vLLM's KV "
+            f"cache layout says; their chunks would be read in the wrong order"
+        )

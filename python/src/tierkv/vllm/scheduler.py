@@ -1321,9 +1321,15 @@ class SchedulerSide:
             log.warning("tierkv: release of lookup %d failed", lookup, exc_info=True)
 
 
-def namespace_of(vllm_config: Any, settings: Settings, block_size: int | None = None) -> str:
+def namespace_of(
+    vllm_config: Any,
+    settings: Settings,
+    block_size: int | None = None,
+    kv_cache_config: Any = None,
+) -> str:
     """The namespace name: chunks match only between engines whose KV bytes are the same.
-    ``block_size`` is the one the KV is laid out in (``cache_config``'s if not given)."""
+    ``block_size`` is the one the KV is laid out in (``cache_config``'s if not given);
+    ``kv_cache_config`` may carry the KV cache layout vLLM resolved (:func:`block_interior_of`)."""
     if settings.namespace:
         return settings.namespace
     model = vllm_config.model_config
@@ -1331,10 +1337,43 @@ def namespace_of(vllm_config: Any, settings: Settings, block_size: int | None = 
     # The same model id served quantized or not, or at another revision, has other KV bytes.
     quantization = getattr(model, "quantization", None) or "none"
     revision = getattr(model, "revision", None) or "default"
+    # So has a block whose tokens come before its heads rather than after.
+    interior = block_interior_of(vllm_config, kv_cache_config)
+    layout = f"|kv={interior}" if interior else ""
     return (
         f"{model.model}|{cache.cache_dtype}|{model.dtype}|block={block_size or cache.block_size}"
-        f"|quant={quantization}|rev={revision}{_draft_of(vllm_config)}"
+        f"{layout}|quant={quantization}|rev={revision}{_draft_of(vllm_config)}"
     )
+
+
+#: The orders of a block's bytes the worker can describe to the daemon: each block of a layer one
+#: run of bytes, heads before tokens (``HNC``) or tokens before heads (``NHC``).
+BLOCK_INTERIORS = ("HNC", "NHC")
+
+
+def block_interior_of(vllm_config: Any, kv_cache_config: Any = None) -> str | None:
+    """The order of the bytes inside one layer's KV block, ``"HNC"`` (heads, tokens, content) or
+    ``"NHC"``, from the KV cache layout vLLM resolved at start (``KVCacheLayout``, vLLM 0.32 on:
+    its name's last three letters; how layers and blocks nest outside a block changes no block's
+    bytes). ``None`` from a vLLM that resolves no layout: each attention backend then shapes its
+    tensors its own way, and the worker takes only blocks contiguous as shaped.
+
+    A layout that splits a layer's block into pieces (heads outside blocks, ``LHBNC``; layers
+    between heads and tokens, ``BHLNC``) is refused: the daemon moves a block as one run."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        name = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if name is None:
+        return None
+    name = str(getattr(name, "name", name))  # the enum member, or its name as vLLM records it
+    interior = name[-3:]
+    if interior not in BLOCK_INTERIORS:
+        raise ValueError(
+            f"TierKVConnector needs each layer's KV block to be one run of bytes, and the KV "
+            f"cache layout {name} splits it; use one of LBHNC, LBNHC, BLHNC or BLNHC "
+            "(VLLM_KV_CACHE_LAYOUT)"
+        )
+    return interior
 
 
 #: Speculative methods whose drafts come from the tokens alone: no draft layers, no draft KV.

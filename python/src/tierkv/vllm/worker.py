@@ -114,6 +114,7 @@ class WorkerSide:
         mla: bool,
         num_blocks: int,
         tp_group: dist.ProcessGroup | None = None,
+        interior: str | None = None,
     ) -> None:
         self.settings = settings
         self.namespace = namespace
@@ -122,6 +123,9 @@ class WorkerSide:
         self.tp_size = tp_size
         self.mla = mla
         self.num_blocks = num_blocks
+        # The order of a KV block's bytes vLLM's layout names (``block_interior_of``), which the
+        # namespace carries: the KV tensors are checked to lie that way.
+        self.interior = interior
         # The TP group's CPU (gloo) group, through which the ranks agree on failed loads.
         self.tp_group = tp_group
         self.memory: KvMemory | DeviceKv | None = None
@@ -199,10 +203,12 @@ class WorkerSide:
         self, kv_caches: dict[str, torch.Tensor], bound_views: list[torch.Tensor]
     ) -> None:
         if any(t.device.type == "cuda" for t in kv_caches.values()):
-            self.memory = export_device_kv(kv_caches, self.num_blocks, self.settings.chunk_blocks)
+            self.memory = export_device_kv(
+                kv_caches, self.num_blocks, self.settings.chunk_blocks, self.interior
+            )
         else:
             self.memory = move_to_memfd(
-                kv_caches, self.num_blocks, self.settings.chunk_blocks, bound_views
+                kv_caches, self.num_blocks, self.settings.chunk_blocks, bound_views, self.interior
             )
         hello = wire.hello(
             rank=self.rank,
