@@ -142,7 +142,8 @@ impl DirLock {
         let (file, writable) = match opened {
             Ok(file) => (file, true),
             Err(e)
-                if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EROFS | libc::ENOSPC)) =>
+                if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EROFS))
+                    || is_no_space(&e) =>
             {
                 match OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path) {
                     Ok(file) => (file, false),
@@ -277,6 +278,13 @@ impl SegmentFile {
         // Another reader may have mapped the file meanwhile: its mapping is kept, this one goes.
         Ok(self.map.get_or_init(|| map))
     }
+}
+
+/// Whether `error` says there is no room to write: the filesystem is full (`ENOSPC`), or the
+/// user or group the daemon runs as is over its disk quota (`EDQUOT`). The tier's own files are
+/// what fill a quota, so both mean the same to the store: reuse a segment instead of growing.
+pub(crate) fn is_no_space(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
 }
 
 /// Syncs a directory, so files created in it survive a crash.

@@ -44,7 +44,7 @@ use tierkv_tier_metrics::{DepartingMetrics, TierMetrics};
 use crate::metrics::{self, Failure, ReadOnlyGauge};
 use crate::segment::{
     DirLock, IoMode, Layout, SegmentFile, available_bytes, file_number, file_path, files_bytes,
-    probe, secure, sync_dir,
+    is_no_space, probe, secure, sync_dir,
 };
 
 /// How often a read-only store tries to become writable again (`DiskStore::maintain`).
@@ -3555,13 +3555,13 @@ impl Shared {
     }
 
     /// A write, an allocation or a creation in the directory failed with `failure`. Unless the
-    /// disk is full (`NoSpace`: segments are reused instead) or the store is read-only already,
-    /// the directory is probed; if it takes no probe file (a filesystem remounted read-only, by
-    /// an admin or by ext4's `errors=remount-ro`; a directory made unwritable), the store turns
-    /// read-only as at open, so the stores after it are refused before they evict anything (a
-    /// store opening a segment evicts the policy's victim before it can find the write refused:
-    /// the tier would lose a readable segment to every store). `maintain` then tries to become
-    /// writable again.
+    /// disk is full or the quota reached (`NoSpace`: segments are reused instead) or the store is
+    /// read-only already, the directory is probed; if it takes no probe file (a filesystem
+    /// remounted read-only, by an admin or by ext4's `errors=remount-ro`; a directory made
+    /// unwritable), the store turns read-only as at open, so the stores after it are refused
+    /// before they evict anything (a store opening a segment evicts the policy's victim before it
+    /// can find the write refused: the tier would lose a readable segment to every store).
+    /// `maintain` then tries to become writable again.
     fn notice_unwritable(&self, failure: &TierError) {
         if !matches!(failure, TierError::Io(_)) || self.state.lock().read_only.is_some() {
             return;
@@ -3569,7 +3569,7 @@ impl Shared {
         let dir = &self.config.dir;
         match probe(dir) {
             Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {}
+            Err(e) if is_no_space(&e) => {}
             Err(e) => self.enter_read_only(not_writable(dir, &e)),
         }
     }
@@ -3787,11 +3787,7 @@ fn warn_read_only(why: &str) {
 
 fn io_error(path: &Path, action: &str, error: &std::io::Error) -> TierError {
     let message = format!("{action} {}: {error}", path.display());
-    if error.raw_os_error() == Some(libc::ENOSPC) {
-        TierError::NoSpace(message)
-    } else {
-        TierError::Io(message)
-    }
+    if is_no_space(error) { TierError::NoSpace(message) } else { TierError::Io(message) }
 }
 
 impl TierAdapter for DiskStore {
