@@ -1,9 +1,9 @@
 //! The disk tier's own scenarios: CONFORMANCE C9-C12, a restart with thousands of records, a
 //! reopen after corruption in several segments, real I/O failures, and concurrency.
 //!
-//! Failures are real where the machine allows: a tiny tmpfs for a full disk, a read-only
-//! remount for an unwritable directory, an ext4 image on a loop device whose backing file is cut
-//! short for EIO. Tests that cannot mount (not root, no loop devices) say so and return.
+//! Failures are real where the machine allows: a tiny tmpfs for a full disk, a btrfs quota group
+//! for a disk quota exceeded, a read-only remount for an unwritable directory, an ext4 image on a
+//! loop device whose backing file is cut short for EIO. Tests that cannot mount (not root, no loop devices) say so and return.
 
 #![allow(clippy::unwrap_used, reason = "test code: a failed unwrap is a failed test")]
 
@@ -425,6 +425,9 @@ struct Mounted {
     _one_at_a_time: std::sync::MutexGuard<'static, ()>,
 }
 
+/// The subvolume of a [`Mounted::btrfs_with_quota`] mount that the quota limits.
+const QUOTA_DIR: &str = "tier";
+
 static MOUNTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The mount tests' turn; a test that failed while holding it does not block the others.
@@ -461,35 +464,72 @@ impl Mounted {
 
     /// An ext4 image on a loop device, mounted with `options`.
     fn ext4_on_loop_with(mebibytes: u64, options: &str) -> Option<Self> {
-        let turn = mount_turn();
-        let image = tempfile::NamedTempFile::new().ok()?;
-        image.as_file().set_len(mebibytes << 20).ok()?;
-        let image_path = image.path().to_str()?.to_string();
-        let dir = tempfile::tempdir().ok()?;
-        let path = dir.path().to_str()?.to_string();
-        let attempt = || -> Result<String, String> {
-            run("mkfs.ext4", &["-q", "-F", &image_path])?;
-            let device = run("losetup", &["-f", "--show", &image_path])?;
-            if let Err(why) = run("mount", &["-o", options, &device, &path]) {
-                let _ = run("losetup", &["-d", &device]);
-                return Err(why);
-            }
-            Ok(device)
-        };
-        match attempt() {
-            Ok(device) => Some(Mounted {
-                dir,
-                loop_device: Some(device),
-                image: Some(image),
-                _one_at_a_time: turn,
-            }),
-            Err(why) => {
+        Self::on_loop(mebibytes, &["mkfs.ext4", "-q", "-F"], options, |_| Ok(()))
+            .map_err(|why| {
                 tierkv_testkit::cannot_mount(&format!(
                     "cannot mount an ext4 image on a loop device here ({why})"
-                ));
-                None
-            }
-        }
+                ))
+            })
+            .ok()
+    }
+
+    /// A btrfs image on a loop device whose subvolume `tier` (see [`Mounted::quota_dir`]) may
+    /// hold `quota` bytes at most (a size as `btrfs qgroup limit` reads it): a write past it fails
+    /// with `EDQUOT`, as a write by a user over an ext4 or XFS user quota does. A btrfs quota
+    /// group binds root too, where a user quota lets root (`CAP_SYS_RESOURCE`) through, and needs
+    /// no quota format in the kernel (ext4's quotas need `CONFIG_QFMT_V2`). Files made in `tier`
+    /// are written in place (`chattr +C`, no copy-on-write), as on ext4: a segment written over
+    /// then needs no room for a second copy until the first is freed.
+    fn btrfs_with_quota(mebibytes: u64, quota: &str) -> Option<Self> {
+        let limit = |mounted: &str| {
+            let tier = format!("{mounted}/{QUOTA_DIR}");
+            run("btrfs", &["quota", "enable", mounted])?;
+            run("btrfs", &["subvolume", "create", &tier])?;
+            run("chattr", &["+C", &tier])?;
+            run("btrfs", &["qgroup", "limit", quota, &tier]).map(drop)
+        };
+        Self::on_loop(mebibytes, &["mkfs.btrfs", "-q", "-f"], "defaults", limit)
+            .map_err(|why| {
+                tierkv_testkit::cannot_mount(&format!(
+                    "cannot mount a btrfs image with a quota on a loop device here ({why})"
+                ))
+            })
+            .ok()
+    }
+
+    /// An image of `mebibytes` made by `mkfs` (the program and its arguments, the image's path
+    /// last), on a loop device, mounted with `options`, then given to `prepare` (the mount
+    /// point).
+    fn on_loop(
+        mebibytes: u64,
+        mkfs: &[&str],
+        options: &str,
+        prepare: impl FnOnce(&str) -> Result<(), String>,
+    ) -> Result<Self, String> {
+        let turn = mount_turn();
+        let made = |e: std::io::Error| e.to_string();
+        let image = tempfile::NamedTempFile::new().map_err(made)?;
+        image.as_file().set_len(mebibytes << 20).map_err(made)?;
+        let image_path = image.path().to_str().ok_or("a temporary path that is not UTF-8")?;
+        let dir = tempfile::tempdir().map_err(made)?;
+        let path = dir.path().to_str().ok_or("a temporary path that is not UTF-8")?.to_string();
+        let (program, args) = mkfs.split_first().ok_or("no mkfs")?;
+        run(program, &[args, &[image_path]].concat())?;
+        let device = run("losetup", &["-f", "--show", image_path])?;
+        let mounted = Mounted {
+            dir,
+            loop_device: Some(device.clone()),
+            image: Some(image),
+            _one_at_a_time: turn,
+        };
+        run("mount", &["-o", options, &device, &path])?;
+        prepare(&path)?;
+        Ok(mounted)
+    }
+
+    /// The directory of [`Mounted::btrfs_with_quota`]'s mount that its quota limits.
+    fn quota_dir(&self) -> PathBuf {
+        self.path().join(QUOTA_DIR)
     }
 
     fn path(&self) -> &Path {
@@ -580,6 +620,44 @@ fn c12_a_full_disk_fails_stores_cleanly_and_keeps_loading() {
         store.close();
         drop(store);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn c12_a_disk_quota_exceeded_reuses_segments_like_a_full_disk() {
+    // Twenty segments configured, room for about four under the quota (the subvolume's metadata
+    // counts too) on a filesystem with room to spare: in a file each (creating a file fails),
+    // and all in one file (growing it fails).
+    for per_file in [1, 20] {
+        let Some(mount) = Mounted::btrfs_with_quota(128, "1m") else {
+            return;
+        };
+        let dir = mount.quota_dir();
+        let (mut h, store) = open(shared_files(&dir, 20, 3, per_file));
+        for first in (0..60).step_by(3) {
+            let stored = h.store(&keys(first..first + 3));
+            assert_eq!(store.read_only(), None, "the quota turned the store read-only");
+            assert!(stored.is_ok(), "a store past the quota was refused: {stored:?}");
+        }
+        // The store outgrew the quota by evicting, as on a full disk: it holds the newest keys.
+        let held = h.lookup(&keys(0..60));
+        let held_keys: Vec<_> = held.iter_ones().map(|i| key(i as u64)).collect();
+        assert!((3..20).contains(&held_keys.len()), "{} keys held", held_keys.len());
+        assert!(held.get(59), "the newest key is held: {held:?}");
+        h.assert_loads(&held_keys);
+        // With every segment locked, a store has nowhere to go and says why.
+        match h.store(&[key(60)]) {
+            Err(TierError::NoSpace(message)) => {
+                assert!(message.contains("quota exceeded"), "{message}")
+            }
+            other => panic!("a store past the quota with every segment locked answered {other:?}"),
+        }
+        assert_eq!(store.read_only(), None, "the quota turned the store read-only");
+        h.tier.unlock(&held_keys);
+        h.store(&keys(60..63)).unwrap();
+        h.assert_loads(&keys(60..63));
+        drop(h);
+        store.close();
     }
 }
 
