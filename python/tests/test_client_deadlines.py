@@ -214,3 +214,35 @@ def test_an_infinite_wait_asks_for_the_daemons_longest(tmp_path):
                 client.flush(bad)
         assert len(server.requests) == 3
         assert not client.closed
+
+
+def test_a_tcp_connect_whose_name_lookup_hangs_ends_at_its_deadline(monkeypatch):
+    """A resolver that never answers costs ``connect_tcp`` its deadline, not the caller's thread
+    for as long as the resolver takes: ``ConnectionLost`` caused by a ``TimeoutError``, naming the
+    host and the deadline."""
+    looked_up = socket.getaddrinfo
+    asked = threading.Event()
+    never = threading.Event()
+
+    def hung(host: Any, *args: Any, **kw: Any) -> Any:
+        if kw.get("flags", 0) & socket.AI_NUMERICHOST:
+            return looked_up(host, *args, **kw)  # no resolver asked: a name fails at once
+        asked.set()
+        never.wait()
+        raise socket.gaierror(socket.EAI_AGAIN, "the resolver gave up")
+
+    monkeypatch.setattr(socket, "getaddrinfo", hung)
+    hello = wire.hello(namespaces=[("m", "")], token="t" * 16)
+    connecting, raised = in_background(
+        lambda: Client.connect_tcp("tierkv.invalid", 7070, hello, timeout=TIMEOUT)
+    )
+    # Generous: the connect is over within its deadline, and only a hang takes this long.
+    connecting.join(timeout=30)
+    hung_up = connecting.is_alive()
+    never.set()  # lets the lookup (and a connect that waits for it) end
+    connecting.join(timeout=5)
+    assert not hung_up, "connect_tcp waited for the name lookup past its deadline"
+    assert asked.is_set()
+    assert len(raised) == 1 and isinstance(raised[0], ConnectionLost), raised
+    assert isinstance(raised[0].__cause__, TimeoutError), raised[0].__cause__
+    assert "tierkv.invalid:7070" in str(raised[0]) and f"{TIMEOUT} s" in str(raised[0])

@@ -139,6 +139,69 @@ def _check_peer(sock: socket.socket, path: str | bytes, trusted: frozenset[int])
         raise UntrustedDaemon(os.fsdecode(path), uid)
 
 
+#: What ``socket.getaddrinfo`` gives for each address: family, type, protocol, canonical name
+#: and the address to connect to.
+_AddrInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]
+
+
+def _addresses(host: str, port: int, deadline: float, timeout: float) -> Sequence[_AddrInfo]:
+    """The TCP addresses of ``host``, looked up by ``deadline`` (a ``time.monotonic()``).
+
+    ``getaddrinfo`` takes no timeout, and a resolver that does not answer holds its caller for
+    as long as it retries (seconds to minutes): a name is looked up on a daemon thread, which is
+    left to finish by itself past the deadline (its answer then goes unused). ``timeout`` is what
+    the error says the deadline was."""
+    with contextlib.suppress(socket.gaierror):
+        # A numeric address needs no resolver; a name fails here at once.
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    answer: list[Sequence[_AddrInfo] | Exception] = []
+    answered = threading.Event()
+
+    def look_up() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except Exception as e:  # noqa: BLE001 (raised on the caller's thread, below)
+            answer.append(e)
+        finally:
+            answered.set()
+
+    threading.Thread(target=look_up, name="tierkv-resolve", daemon=True).start()
+    if not answered.wait(max(deadline - time.monotonic(), 0.0)):
+        raise ConnectionLost(
+            f"cannot connect to {host}:{port}: looking up {host!r} took longer than the "
+            f"{timeout} s deadline"
+        ) from TimeoutError("the name lookup missed the deadline")
+    (found,) = answer
+    if isinstance(found, OSError):
+        raise ConnectionLost(f"cannot connect to {host}:{port}: {found}") from found
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def _connect_tcp(
+    host: str, port: int, addresses: Sequence[_AddrInfo], deadline: float
+) -> socket.socket:
+    """A socket connected to the first of ``addresses`` that takes the connection before
+    ``deadline`` (as ``socket.create_connection`` tries them, but within one deadline for all)."""
+    failure: OSError = OSError(f"no address for {host!r}")
+    for family, kind, proto, _, address in addresses:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            failure = TimeoutError("the connect missed the deadline")
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(address)
+        except OSError as e:
+            sock.close()
+            failure = e
+            continue
+        return sock
+    raise ConnectionLost(f"cannot connect to {host}:{port}: {failure}") from failure
+
+
 def _check_timeout(timeout: float) -> None:
     if isinstance(timeout, bool) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout}")
@@ -259,11 +322,15 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
     ) -> Client:
         """Connects over TCP (the hello must carry the daemon's token). No file descriptor can
-        travel over TCP, so such a session cannot register memfd regions."""
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as e:
-            raise ConnectionLost(f"cannot connect to {host}:{port}: {e}") from e
+        travel over TCP, so such a session cannot register memfd regions.
+
+        Looking ``host`` up and connecting to its addresses take ``timeout`` at most together
+        (then the hello has a deadline of its own, as every call): a resolver that does not
+        answer in time is :class:`~tierkv.errors.ConnectionLost`, caused by a ``TimeoutError``,
+        as a connect that does not get through is. A numeric address is not looked up."""
+        _check_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        sock = _connect_tcp(host, port, _addresses(host, port, deadline, timeout), deadline)
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls._open(sock, None, hello_body, timeout, unix=False)
