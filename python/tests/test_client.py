@@ -857,7 +857,8 @@ def test_tcp_sessions_need_the_token_and_carry_no_descriptors(tcp_daemon, buf):
         assert client.status()["connected_workers"] == 1
     finally:
         client.end()
-    admin = Client.connect_tcp("127.0.0.1", port, admin_hello(token=tcp_daemon.token))
+    # A name is looked up (on a thread of its own, within the connect's deadline).
+    admin = Client.connect_tcp("localhost", port, admin_hello(token=tcp_daemon.token))
     assert len(admin.clear()) >= 1
     admin.end()
 
