@@ -22,11 +22,12 @@ mod shm;
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 pub use shm::{SharedBuffer, memfd};
 pub use tierkv_proto as proto;
@@ -70,6 +71,15 @@ pub enum ClientError {
         /// The timeout, in seconds.
         seconds: f64,
     },
+    /// Nothing answered at `host:port` over TCP in time ([`Client::connect_tcp_within`]): the
+    /// name lookup, the connect or the hello missed the timeout.
+    #[error("no daemon answered at {addr} within {seconds} s")]
+    NoTcpAnswer {
+        /// The host and port, as given.
+        addr: String,
+        /// The timeout, in seconds.
+        seconds: f64,
+    },
     /// The process listening on the Unix socket runs as a user this client does not trust (not
     /// its own, not root, not one of [`UnixOptions::daemon_uids`]); nothing was sent to it.
     #[error(
@@ -99,10 +109,10 @@ impl ClientError {
     }
 
     /// Whether a read or write ran past its timeout ([`Client::connect_unix_within`],
-    /// [`Client::set_timeout`]).
+    /// [`Client::connect_tcp_within`], [`Client::set_timeout`]).
     pub fn is_timeout(&self) -> bool {
         match self {
-            ClientError::NoAnswer { .. } => true,
+            ClientError::NoAnswer { .. } | ClientError::NoTcpAnswer { .. } => true,
             ClientError::Io(e) => is_timeout(e),
             ClientError::Frame(FrameError::Io(e)) => is_timeout(e),
             _ => false,
@@ -240,11 +250,66 @@ impl Client {
             .map_err(|e| if e.is_timeout() { no_answer() } else { e })
     }
 
-    /// Connects over TCP and opens a session (the hello must carry the daemon's token).
+    /// Connects over TCP and opens a session (the hello must carry the daemon's token), waiting
+    /// as long as the name lookup, the connect and the daemon take.
+    /// [`Client::connect_tcp_within`] gives up instead.
     pub fn connect_tcp(addr: impl ToSocketAddrs, hello: Hello) -> Result<Self, ClientError> {
         let stream = TcpStream::connect(addr)?;
         stream.set_nodelay(true)?;
         Self::open(Transport::Tcp(stream), hello)
+    }
+
+    /// Connects over TCP to `host` (a name or an IP address) and opens a session, within
+    /// `timeout`: looking `host` up and connecting to its addresses take `timeout` at most
+    /// together, and every read and write of the hello, and of the session's calls, has it too
+    /// ([`Client::set_timeout`] changes that). A resolver, a host or a daemon that does not
+    /// answer in time fails with [`ClientError::NoTcpAnswer`] instead of blocking for minutes.
+    pub fn connect_tcp_within(
+        host: &str,
+        port: u16,
+        hello: Hello,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        Self::connect_tcp_resolved(host, port, hello, timeout, |host, port| {
+            (host, port).to_socket_addrs().map(Iterator::collect)
+        })
+    }
+
+    /// [`Client::connect_tcp_within`], with the name lookup `resolve` (a test's stands in for
+    /// the system's).
+    fn connect_tcp_resolved(
+        host: &str,
+        port: u16,
+        hello: Hello,
+        timeout: Duration,
+        resolve: fn(&str, u16) -> io::Result<Vec<SocketAddr>>,
+    ) -> Result<Self, ClientError> {
+        // A zero timeout is refused by the socket; the least one waits a microsecond.
+        let timeout = timeout.max(Duration::from_micros(1));
+        let deadline = Instant::now() + timeout;
+        let no_answer = || ClientError::NoTcpAnswer {
+            addr: format!("{host}:{port}"),
+            seconds: timeout.as_secs_f64(),
+        };
+        let addrs = resolve_within(host, port, timeout, resolve).ok_or_else(no_answer)??;
+        let mut failure = io::Error::new(io::ErrorKind::NotFound, format!("no address for {host}"));
+        for addr in addrs {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(no_answer());
+            }
+            match TcpStream::connect_timeout(&addr, left) {
+                Ok(stream) => {
+                    stream.set_nodelay(true)?;
+                    stream.set_read_timeout(Some(timeout))?;
+                    stream.set_write_timeout(Some(timeout))?;
+                    return Self::open(Transport::Tcp(stream), hello)
+                        .map_err(|e| if e.is_timeout() { no_answer() } else { e });
+                }
+                Err(e) => failure = e,
+            }
+        }
+        Err(if is_timeout(&failure) { no_answer() } else { failure.into() })
     }
 
     fn open(transport: Transport, hello: Hello) -> Result<Self, ClientError> {
@@ -674,6 +739,32 @@ fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> i
     }
 }
 
+/// The addresses `resolve` gives for `host:port`, or `None` if it has not answered within
+/// `timeout`. `getaddrinfo` takes no timeout, and a resolver that does not answer holds its caller
+/// for as long as it retries (seconds to minutes): a name is looked up on a thread of its own,
+/// left to finish by itself past the timeout (its answer then goes unused). An IP address needs
+/// no lookup.
+fn resolve_within(
+    host: &str,
+    port: u16,
+    timeout: Duration,
+    resolve: fn(&str, u16) -> io::Result<Vec<SocketAddr>>,
+) -> Option<io::Result<Vec<SocketAddr>>> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Some(Ok(vec![SocketAddr::new(ip, port)]));
+    }
+    let (answer, answered) = mpsc::channel();
+    let name = host.to_owned();
+    let spawned = std::thread::Builder::new().name("tierkv-resolve".into()).spawn(move || {
+        // The caller may have given up: the answer then goes unused.
+        let _ = answer.send(resolve(&name, port));
+    });
+    if let Err(e) = spawned {
+        return Some(Err(e));
+    }
+    answered.recv_timeout(timeout).ok()
+}
+
 /// Connects to the Unix socket at `path`, waiting at most `timeout` for the connection to be
 /// taken: a daemon that accepts nothing fills its listen backlog, and a plain `connect` then
 /// waits for ever. The socket's send timeout, set before the connect, bounds it (on Linux a
@@ -912,6 +1003,63 @@ mod tests {
         assert!(timed_out, "{message}");
         assert!(message.starts_with("no daemon answered on"), "{message}");
         drop(queued);
+    }
+
+    /// A name lookup that never answers, as from a resolver that is down.
+    fn never_resolved(_host: &str, _port: u16) -> io::Result<Vec<SocketAddr>> {
+        loop {
+            std::thread::park();
+        }
+    }
+
+    /// A TCP connect whose name lookup never ends gives up at the timeout, naming the host.
+    #[test]
+    fn a_tcp_connect_whose_name_lookup_hangs_fails_within_the_timeout() {
+        let timeout = Duration::from_millis(200);
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let hello = Client::admin_hello();
+            let result = Client::connect_tcp_resolved(
+                "tierkv.invalid",
+                7070,
+                hello,
+                timeout,
+                never_resolved,
+            );
+            let _ = done.send(result.err().map(|e| (e.is_timeout(), e.to_string())));
+        });
+        // A bound on a hang, not a speed: fifty times the timeout.
+        let outcome =
+            finished.recv_timeout(50 * timeout).expect("the connect waited for the lookup");
+        let (timed_out, message) = outcome.expect("connected without an address");
+        assert!(timed_out, "{message}");
+        assert_eq!(message, "no daemon answered at tierkv.invalid:7070 within 0.2 s");
+    }
+
+    /// A name looked up connects to its address, and a listener there that never answers the
+    /// hello fails at the timeout too.
+    #[test]
+    fn a_tcp_listener_that_never_answers_the_hello_fails_within_the_timeout() {
+        fn here(_host: &str, port: u16) -> io::Result<Vec<SocketAddr>> {
+            Ok(vec![SocketAddr::from(([127, 0, 0, 1], port))])
+        }
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let timeout = Duration::from_millis(200);
+        let err =
+            Client::connect_tcp_resolved("daemon.test", port, Client::admin_hello(), timeout, here)
+                .err()
+                .unwrap();
+        assert!(err.is_timeout(), "{err}");
+        assert_eq!(
+            err.to_string(),
+            format!("no daemon answered at daemon.test:{port} within 0.2 s")
+        );
+        // An IP address is not looked up.
+        let err = Client::connect_tcp_within("127.0.0.1", port, Client::admin_hello(), timeout)
+            .err()
+            .unwrap();
+        assert!(err.is_timeout(), "{err}");
     }
 
     /// `connect(2)` of a non-blocking Unix socket: `WouldBlock` when the backlog is full.
