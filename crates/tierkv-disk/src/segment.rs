@@ -293,7 +293,9 @@ pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// Decides the I/O mode for `dir` by writing a probe file with `O_DIRECT`. Returns `Err` when the
-/// directory cannot be written at all.
+/// directory takes no probe file: it cannot be written (`EROFS`, `EACCES`, `EPERM`), or it can
+/// but has no room for the file (`is_no_space`: the kernel checks the mount and the permissions
+/// before it looks for space). The probe file is removed either way.
 pub(crate) fn probe(dir: &Path) -> io::Result<IoMode> {
     let path = dir.join(format!(".tierkv-probe-{}", std::process::id()));
     let attempt = |mode: IoMode| -> io::Result<()> {
@@ -302,19 +304,16 @@ pub(crate) fn probe(dir: &Path) -> io::Result<IoMode> {
             AlignedBuf::new(BLOCK as usize).ok_or_else(|| io::Error::other("cannot allocate"))?;
         file.write_all_at(block.as_slice(), 0)
     };
-    let mode = match attempt(IoMode::Direct) {
-        Ok(()) => IoMode::Direct,
+    let probed = match attempt(IoMode::Direct) {
+        Ok(()) => Ok(IoMode::Direct),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            attempt(IoMode::Buffered)?;
-            IoMode::Buffered
+            attempt(IoMode::Buffered).map(|()| IoMode::Buffered)
         }
-        Err(e) => {
-            let _ = std::fs::remove_file(&path);
-            return Err(e);
-        }
+        Err(e) => Err(e),
     };
+    // A file left behind by a write that failed (a full disk) would take yet more of the space.
     let _ = std::fs::remove_file(&path);
-    Ok(mode)
+    probed
 }
 
 /// Bytes of `dir`'s filesystem an unprivileged writer may still take (`statvfs`'s `f_bavail`).
