@@ -1612,7 +1612,9 @@ impl DiskStore {
     /// headers. The directory is locked (`flock` on `.tierkv.lock`, which holds the owner's
     /// pid): a second store on it, in this process or another, is refused with
     /// [`DiskError::Locked`]. A directory that cannot be written opens read-only: loads work,
-    /// stores fail, and [`DiskStore::maintain`] retries becoming writable.
+    /// stores fail, and [`DiskStore::maintain`] retries becoming writable. A full one (or one
+    /// over its quota) opens writable: stores reuse its segments, as when the store fills the
+    /// disk while running.
     pub fn open(config: DiskStoreConfig) -> Result<Self, DiskError> {
         let started = Instant::now();
         let layout = config.layout()?;
@@ -1625,11 +1627,11 @@ impl DiskStore {
                 .map_err(DiskError::io("creating directory", &dir))?;
         }
         let lock = DirLock::take(&dir, config.file_mode())?;
-        let (io, read_only) = match probe(&dir) {
-            Ok(mode) if lock.is_some() => (mode, None),
-            Ok(mode) => (mode, Some(format!("the lock file in {} cannot be made", dir.display()))),
-            Err(e) => (Self::read_mode_of_existing(&dir), Some(not_writable(&dir, &e))),
-        };
+        let probed = probe(&dir);
+        let read_only = unwritable(&dir, &probed, lock.is_some());
+        // A directory that takes no probe file (full, or read-only) tells no mode: its segment
+        // files do.
+        let io = probed.unwrap_or_else(|_| Self::read_mode_of_existing(&dir));
         if read_only.is_none()
             && let Err(e) = secure(&dir, config.dir_mode(), config.group)
         {
@@ -1792,8 +1794,9 @@ impl DiskStore {
         }
     }
 
-    /// Tries now to become writable (when read-only): the directory must accept a probe file,
-    /// its lock must be ours, and every segment file must open for writing. Returns whether
+    /// Tries now to become writable (when read-only): the directory must accept a probe file
+    /// (or refuse it only for want of space: a full disk is writable), its lock must be ours,
+    /// and every segment file must open for writing. Returns whether
     /// the store is writable.
     pub fn retry_writable(&self) -> bool {
         self.shared.retry_writable()
@@ -3612,12 +3615,12 @@ impl Shared {
 
     fn become_writable(&self, state: &mut WriteState) -> Result<(), String> {
         let dir = &self.config.dir;
-        probe(dir).map_err(|e| not_writable(dir, &e))?;
-        if state.lock.is_none() {
+        let probed = probe(dir);
+        if state.lock.is_none() && probed.as_ref().err().is_none_or(is_no_space) {
             state.lock = DirLock::take(dir, self.config.file_mode()).map_err(|e| e.to_string())?;
-            if state.lock.is_none() {
-                return Err(format!("the lock file in {} cannot be made", dir.display()));
-            }
+        }
+        if let Some(why) = unwritable(dir, &probed, state.lock.is_some()) {
+            return Err(why);
         }
         if let Err(e) = secure(dir, self.config.dir_mode(), self.config.group) {
             tracing::warn!(
@@ -3775,6 +3778,22 @@ fn space_warning(dir: &Path, layout: Layout) -> Option<String> {
 /// Why a directory that takes no probe file is read-only.
 fn not_writable(dir: &Path, error: &std::io::Error) -> String {
     format!("the directory {} is not writable: {error}", dir.display())
+}
+
+/// Why the store must be read-only in `dir`, given what its probe found (`probed`) and whether it
+/// holds the directory's lock; `None` when it may write. A probe refused for want of space
+/// (`is_no_space`: the filesystem is full, or the quota reached) passed what the probe guards
+/// against, a filesystem remounted read-only or a directory made unwritable (the kernel refuses
+/// those before it looks for space): such a directory is writable, and the store reuses its
+/// segments there as it does when it fills the disk while running. Read-only would refuse every
+/// store for as long as the disk stays full, even one the tier's own segments filled.
+fn unwritable(dir: &Path, probed: &std::io::Result<IoMode>, locked: bool) -> Option<String> {
+    match probed {
+        Err(e) if !is_no_space(e) => Some(not_writable(dir, e)),
+        _ if locked => None,
+        Ok(_) => Some(format!("the lock file in {} cannot be made", dir.display())),
+        Err(e) => Some(format!("the lock file in {} cannot be made: {e}", dir.display())),
+    }
 }
 
 /// Logs that the store is read-only, and why.

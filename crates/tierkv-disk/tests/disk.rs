@@ -536,6 +536,19 @@ impl Mounted {
         self.dir.path()
     }
 
+    /// Writes a file at the mount's root until the filesystem is full (to the last byte root
+    /// may take); returns its path.
+    fn fill(&self) -> PathBuf {
+        let path = self.path().join("filler");
+        let mut file = std::fs::File::create(&path).unwrap();
+        let chunk = vec![1u8; 64 << 10];
+        while std::io::Write::write_all(&mut file, &chunk).is_ok() {}
+        while std::io::Write::write_all(&mut file, &chunk[..512]).is_ok() {}
+        // Blocks the kernel only reserved for the write become the file's for good.
+        let _ = file.sync_all();
+        path
+    }
+
     fn remount_read_only(&self) -> Result<String, String> {
         run("mount", &["-o", "remount,ro", self.path().to_str().unwrap_or_default()])
     }
@@ -1521,41 +1534,95 @@ fn h16_6_the_directory_and_segment_files_are_private() {
     assert_eq!((mode(&dir), mode(&segment(&dir, 0))), (0o750, 0o640));
 }
 
+/// Whether a probe file (`.tierkv-probe-PID`) was left in `dir`.
+fn probe_left(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .any(|entry| entry.file_name().to_string_lossy().starts_with(".tierkv-probe-"))
+}
+
 #[test]
-fn h16_3_a_store_opened_on_a_full_filesystem_becomes_writable_when_space_returns() {
-    let Some(mount) = Mounted::tmpfs("2m") else {
+fn h16_3_a_store_opened_on_a_full_filesystem_reuses_its_segments() {
+    // A tmpfs, and ext4 on a loop device (direct I/O over `fallocate`d extents).
+    let mounts: [fn() -> Option<Mounted>; 2] =
+        [|| Mounted::tmpfs("2m"), || Mounted::ext4_on_loop(48)];
+    for mount in mounts {
+        let Some(mount) = mount() else {
+            return;
+        };
+        // Two of four segments written, then the store stops (a daemon restarted) and something
+        // else takes the rest of the filesystem.
+        let dir = mount.path().join("tier");
+        let empty = mount.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        {
+            let (mut h, _) = open(config(&dir, 4, 2));
+            store_in_pairs(&mut h, 0..4);
+        }
+        let filler = mount.fill();
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(&dir, 4, 2)));
+        assert_eq!(store.read_only(), None, "a full filesystem turned the store read-only");
+        assert_eq!(read_only_gauge(&snapshotter), Some(0.0));
+        assert!(!probe_left(&dir), "the probe left its file on the full filesystem");
+        h.assert_loads(&keys(0..4));
+        // No segment file can be made or grown: stores reuse the two segments, as when the
+        // store fills the disk while running, and the newest keys load as stored.
+        for first in (10..16).step_by(2) {
+            let stored = h.store(&keys(first..first + 2));
+            assert!(stored.is_ok(), "a store into the full filesystem failed: {stored:?}");
+        }
+        assert_eq!(store.read_only(), None);
+        assert_eq!(h.present(&keys(0..16)).count_ones(), 4, "more than the two segments hold");
+        h.assert_loads(&keys(14..16));
+
+        // An empty store on the full filesystem has nothing to reuse: its stores say so.
+        let (mut e, empty_store) = open(config(&empty, 4, 2));
+        assert_eq!(empty_store.read_only(), None, "a full filesystem turned the store read-only");
+        match e.store(&keys(0..2)) {
+            Err(TierError::NoSpace(message)) => {
+                assert!(message.contains("No space left"), "{message}")
+            }
+            other => panic!("a store into an empty store on a full disk answered {other:?}"),
+        }
+        drop((e, empty_store));
+
+        // Space back: the store grows into its other segments again.
+        std::fs::remove_file(&filler).unwrap();
+        store_in_pairs(&mut h, 20..28);
+        assert_eq!(h.present(&keys(0..28)).count_ones(), 8, "the store did not grow again");
+        h.assert_loads(&keys(26..28));
+        drop(h);
+        store.close();
+    }
+}
+
+#[test]
+fn h16_3_a_read_only_store_becomes_writable_on_a_full_filesystem() {
+    let Some(mount) = Mounted::ext4_on_loop(48) else {
         return;
     };
     let dir = mount.path().join("tier");
-    {
-        let (mut h, _) = open(config(&dir, 4, 2));
-        h.store(&keys(0..2)).unwrap();
+    let (mut h, store) = open(config(&dir, 4, 2));
+    store_in_pairs(&mut h, 0..4);
+    // Read-only for a while; meanwhile something else fills the filesystem.
+    immutable(&dir, true);
+    assert!(h.store(&keys(4..6)).is_err(), "a store into an unwritable directory succeeded");
+    assert!(store.read_only().is_some());
+    mount.fill();
+    immutable(&dir, false);
+    // Writable, though full: stores reuse the segments.
+    assert!(store.retry_writable(), "still read-only: {:?}", store.read_only());
+    assert!(!probe_left(&dir), "the probe left its file on the full filesystem");
+    for first in (10..16).step_by(2) {
+        let stored = h.store(&keys(first..first + 2));
+        assert!(stored.is_ok(), "a store into the full filesystem failed: {stored:?}");
     }
-    // Fill the filesystem to the last byte.
-    let filler = mount.path().join("filler");
-    let chunk = vec![1u8; 64 << 10];
-    let mut file = std::fs::File::create(&filler).unwrap();
-    while std::io::Write::write_all(&mut file, &chunk).is_ok() {}
-    while std::io::Write::write_all(&mut file, &chunk[..512]).is_ok() {}
-    drop(file);
-
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let (mut h, store) = metrics::with_local_recorder(&recorder, || open(config(&dir, 4, 2)));
-    let why = store.read_only().expect("a full filesystem must be reported");
-    assert!(why.contains("No space left"), "{why}");
-    assert_eq!(read_only_gauge(&snapshotter), Some(1.0));
-    h.assert_loads(&keys(0..2));
-    assert!(h.store(&[key(7)]).is_err(), "stores are refused while read-only");
-    assert!(!store.retry_writable(), "still full");
-
-    std::fs::remove_file(&filler).unwrap();
-    assert!(metrics::with_local_recorder(&recorder, || store.retry_writable()));
     assert_eq!(store.read_only(), None);
-    assert_eq!(read_only_gauge(&snapshotter), Some(0.0));
-    // Writable again, in every segment: fill them all so old files are reused too.
-    h.store(&keys(10..18)).unwrap();
-    h.assert_loads(&keys(16..18));
+    h.assert_loads(&keys(14..16));
 }
 
 fn read_only_gauge(snapshotter: &Snapshotter) -> Option<f64> {

@@ -572,8 +572,8 @@ pub struct TierReport {
     /// Chunks of lookup hits this tier served.
     pub hit_chunks: u64,
     /// Why the tier refuses stores, while it does (the disk tier, when its directory cannot be
-    /// written: full, read-only, or unwritable; it retries and clears this when it can write
-    /// again); `None` (nil) otherwise.
+    /// written: read-only, or unwritable; a full disk is not a reason, its segments are reused;
+    /// it retries and clears this when it can write again); `None` (nil) otherwise.
     #[serde(default)]
     pub read_only: Option<String>,
     /// Why the tier is degraded, while it is (the remote tier, when Redis cannot be reached:
