@@ -1427,6 +1427,10 @@ struct Shared {
     layout: Layout,
     io: IoMode,
     state: Mutex<WriteState>,
+    /// Held by the retry of a read-only store to become writable ([`Shared::retry_writable`]),
+    /// one at a time, so that its probe, reopens and syncs need not hold `state`, which lookups
+    /// and stores read. Taken before `state` and `index`, never while holding either.
+    retrying: Mutex<()>,
     index: Mutex<Index>,
     /// Signalled (with `index`) when a delete or a clear is done marking stale records.
     marked: parking_lot::Condvar,
@@ -1477,6 +1481,8 @@ struct WriteFaults {
     writes: Gate,
     /// While held, a segment being opened waits before its initialisation (its file and epoch).
     opening: Gate,
+    /// While held, a store becoming writable waits before it syncs the files its scan found.
+    found_syncs: Gate,
     /// While held, a store waits once a record has gone to the write thread.
     sent: Gate,
     /// While held, a delete or a clear waits before writing its marks of stale records.
@@ -1659,6 +1665,7 @@ impl DiskStore {
                 last_try: Instant::now(),
                 lock,
             }),
+            retrying: Mutex::new(()),
             index: Mutex::new(index),
             marked: parking_lot::Condvar::new(),
             stuck: AtomicBool::new(false),
@@ -1789,8 +1796,9 @@ impl DiskStore {
             let state = self.shared.state.lock();
             state.read_only.is_some() && state.last_try.elapsed() >= WRITABLE_RETRY
         };
-        if due {
-            self.retry_writable();
+        // A retry still under way (behind slow syncs) is not waited for: the tick has other work.
+        if due && let Some(retrying) = self.shared.retrying.try_lock() {
+            self.shared.retry_writable(retrying);
         }
     }
 
@@ -1799,7 +1807,7 @@ impl DiskStore {
     /// and every segment file must open for writing. Returns whether
     /// the store is writable.
     pub fn retry_writable(&self) -> bool {
-        self.shared.retry_writable()
+        self.shared.retry_writable(self.shared.retrying.lock())
     }
 
     /// What the scan at open found.
@@ -3589,13 +3597,23 @@ impl Shared {
         self.read_only_gauge.set(true);
     }
 
-    fn retry_writable(&self) -> bool {
-        let mut state = self.state.lock();
-        if state.read_only.is_none() {
-            return true;
+    /// Tries to become writable, the only retry under way (`retrying` held). The state lock is
+    /// held only to read and set the state, never across the probe, the reopens and the syncs of
+    /// [`Shared::become_writable`]: lookups read it (`make_room_ahead`) and would wait behind the
+    /// disk. That opens no window: until the state says writable, here, after those syncs, every
+    /// store is refused (`refusal`); nothing else makes a read-only store writable, and a turn
+    /// to read-only meanwhile finds it read-only already.
+    fn retry_writable(&self, _retrying: parking_lot::MutexGuard<'_, ()>) -> bool {
+        {
+            let mut state = self.state.lock();
+            if state.read_only.is_none() {
+                return true;
+            }
+            state.last_try = Instant::now();
         }
-        state.last_try = Instant::now();
-        match self.become_writable(&mut state) {
+        let became = self.become_writable();
+        let mut state = self.state.lock();
+        match became {
             Ok(()) => {
                 state.read_only = None;
                 self.read_only_gauge.set(false);
@@ -3613,13 +3631,17 @@ impl Shared {
         }
     }
 
-    fn become_writable(&self, state: &mut WriteState) -> Result<(), String> {
+    fn become_writable(&self) -> Result<(), String> {
         let dir = &self.config.dir;
         let probed = probe(dir);
-        if state.lock.is_none() && probed.as_ref().err().is_none_or(is_no_space) {
-            state.lock = DirLock::take(dir, self.config.file_mode()).map_err(|e| e.to_string())?;
+        // Only a retry sets the lock, and this is the only one under way.
+        let mut locked = self.state.lock().lock.is_some();
+        if !locked && probed.as_ref().err().is_none_or(is_no_space) {
+            let lock = DirLock::take(dir, self.config.file_mode()).map_err(|e| e.to_string())?;
+            locked = lock.is_some();
+            self.state.lock().lock = lock;
         }
-        if let Some(why) = unwritable(dir, &probed, state.lock.is_some()) {
+        if let Some(why) = unwritable(dir, &probed, locked) {
             return Err(why);
         }
         if let Err(e) = secure(dir, self.config.dir_mode(), self.config.group) {
@@ -3649,6 +3671,8 @@ impl Shared {
         }
         // A store opened read-only did not sync what its scan found: a store that skips a key
         // found there counts it durable.
+        #[cfg(test)]
+        self.faults.found_syncs.pass();
         sync_found(&self.config, reopened.iter().map(|(_, file)| file.as_ref()));
         let mut index = self.index.lock();
         for (n, file) in reopened {
@@ -4061,6 +4085,36 @@ mod tests {
                 assert!(synced >= 1, "the files reopened are synced before a store counts on them");
             }
         }
+    }
+
+    #[test]
+    fn lookups_do_not_wait_for_the_syncs_of_a_store_becoming_writable() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        h.store(&keys(0..2)).unwrap();
+        store.shared.enter_read_only("read-only for the test".into());
+        // The retry's syncs held, as behind a slow disk.
+        let syncs = store.shared.faults.found_syncs.hold();
+        let retrying = std::thread::spawn({
+            let store = Arc::clone(&store);
+            move || store.retry_writable()
+        });
+        store.shared.faults.found_syncs.wait_for(1);
+        assert_eq!(h.present(&keys(0..2)).count_ones(), 2, "a lookup waited for the syncs");
+        assert!(store.read_only().is_some());
+        // Stores are still refused: the records found are not synced yet.
+        assert!(h.store(&keys(2..3)).is_err(), "a store before the syncs of its retry");
+        // A second retry (the maintenance tick) neither waits nor gets ahead of the first.
+        store.shared.state.lock().last_try -= WRITABLE_RETRY;
+        store.maintain();
+        assert!(store.read_only().is_some());
+        drop(syncs);
+        assert!(retrying.join().unwrap());
+        assert_eq!(store.read_only(), None);
+        h.store(&keys(2..3)).unwrap();
     }
 
     #[test]
