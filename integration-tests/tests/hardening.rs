@@ -238,6 +238,19 @@ impl Tmpfs {
         Ok(Tmpfs(path.to_path_buf()))
     }
 
+    /// Remounts it with `options` (`ro`, `rw`).
+    fn remount(&self, options: &str) -> Result<(), String> {
+        let out = Command::new("mount")
+            .args(["-o", &format!("remount,{options}")])
+            .arg(&self.0)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        Ok(())
+    }
+
     /// Writes a file until the filesystem is full.
     fn fill(&self) -> std::path::PathBuf {
         let path = self.0.join("filler");
@@ -256,7 +269,7 @@ impl Drop for Tmpfs {
 }
 
 #[test]
-fn h16_3_a_restart_on_a_full_filesystem_is_reported_and_recovers_when_space_returns() {
+fn h16_3_a_restart_on_a_read_only_filesystem_is_reported_and_one_on_a_full_one_stores() {
     let mut mounted = Err(String::new());
     let mut daemon = Daemon::start_with(|dir| {
         mounted = Tmpfs::mount(&dir.join("disk"), "16m");
@@ -271,17 +284,19 @@ fn h16_3_a_restart_on_a_full_filesystem_is_reported_and_recovers_when_space_retu
         }
     };
     let disk = |daemon: &Daemon| daemon.status().tiers[2].clone();
-    let mut worker = daemon.worker(&["--chunk-bytes", "65536"]);
+    let plain = ["--chunk-bytes", "65536"];
+    let mut worker = daemon.worker(&plain);
     worker.run("store 1 4");
     daemon.eventually("the chunks reach disk", |s| s.tiers[2].objects == 4);
     assert_eq!(disk(&daemon).read_only, None);
     worker.exit();
     daemon.stop();
 
-    let filler = tmpfs.fill();
+    // A restart on a filesystem remounted read-only: reported, and writable once it is again.
+    tmpfs.remount("ro").unwrap();
     daemon.restart();
     let why = disk(&daemon).read_only.expect("status shows a read-only disk tier");
-    assert!(why.contains("No space left"), "{why}");
+    assert!(why.contains("Read-only file system"), "{why}");
     assert!(daemon.log().contains("the disk tier is read-only"), "{}", daemon.log());
     assert_eq!(disk(&daemon).objects, 4, "what was on disk still loads");
     let out = Command::new(artifact("bin", "tierkv"))
@@ -291,12 +306,28 @@ fn h16_3_a_restart_on_a_full_filesystem_is_reported_and_recovers_when_space_retu
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("disk is READ-ONLY"), "{text}");
-
-    std::fs::remove_file(filler).unwrap();
+    tmpfs.remount("rw").unwrap();
     daemon.eventually("the disk tier is writable again", |s| s.tiers[2].read_only.is_none());
-    let mut worker = daemon.worker(&["--chunk-bytes", "65536"]);
+    daemon.stop();
+
+    // A restart on a full filesystem: the directory is writable, only its space is taken, so
+    // stores reuse the tier's segment, as when the tier fills the disk while running.
+    let _filler = tmpfs.fill();
+    daemon.restart();
+    assert_eq!(disk(&daemon).read_only, None, "a full filesystem turned the disk tier read-only");
+    assert_eq!(disk(&daemon).objects, 4, "what was on disk still loads");
+    let mut worker = daemon.worker(&plain);
     worker.run("store 2 4");
-    daemon.eventually("new chunks reach disk", |s| s.tiers[2].objects == 8);
+    daemon.settled();
+    worker.exit();
+    daemon.stop();
+    // Restarted once more, only the disk holds chunks: prompt 2's, in the reused segment.
+    daemon.restart();
+    let mut worker = daemon.worker(&plain);
+    let id = worker.run("lookup-deferred 2 4")["lookup"].as_u64().unwrap();
+    let done = worker.run(&format!("wait {id}"));
+    assert_eq!(done["per_tier"], serde_json::json!([0, 0, 4, 0]));
+    assert_eq!(worker.run(&format!("retrieve {id} 2 4"))["verified"], 4);
     worker.exit();
     drop(daemon);
     drop(tmpfs);
