@@ -75,8 +75,10 @@ def ipc_region(ptr: int, ordinal: int = 0) -> tuple[CudaIpcRegion, int]:
         raise CudaIpcError(
             f"cuIpcGetMemHandle failed (CUresult {rc}) for the allocation at {base.value:#x}: "
             "memory from the CUDA VMM API, such as PyTorch's expandable segments "
-            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), cannot be shared by CUDA IPC; "
-            "allocate the KV cache with cudaMalloc (expandable segments off)"
+            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or vLLM's sleep mode "
+            "(enable_sleep_mode, whose allocator maps the KV cache that way), cannot be shared "
+            "by CUDA IPC; allocate the KV cache with cudaMalloc (expandable segments and sleep "
+            "mode off)"
         )
     region = CudaIpcRegion(handle=handle.raw, device=pci_bus_id(ordinal), bytes=size.value)
     return region, ptr - base.value

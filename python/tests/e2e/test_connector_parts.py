@@ -172,10 +172,20 @@ def test_the_device_export_takes_only_gpu_tensors_and_lays_blocks_out_by_region(
     ]
 
 
-def _lying(order: str, blocks: int = 6, heads: int = 2, tokens: int = 4, content: int = 8):
+def _lying(
+    order: str,
+    blocks: int = 6,
+    heads: int = 2,
+    tokens: int = 4,
+    content: int = 8,
+    kernel_blocks: int = 1,
+) -> torch.Tensor:
     """A layer's KV as vLLM 0.32 views it, ``[blocks, heads, tokens, content]``, its blocks lying
     in memory in ``order`` (``"HNC"`` or ``"NHC"``), or with heads outside the blocks
-    (``"H|BNC"``: vLLM's ``LHBNC``, a block in pieces)."""
+    (``"H|BNC"``: vLLM's ``LHBNC``, a block in pieces). With ``kernel_blocks``, vLLM split each
+    block into that many of ``tokens / kernel_blocks`` tokens, back to back, and the view has
+    that many times the blocks."""
+    blocks, tokens = blocks * kernel_blocks, tokens // kernel_blocks
     sizes = {"B": blocks, "H": heads, "N": tokens, "C": content}
     physical = {"HNC": "BHNC", "NHC": "BNHC", "H|BNC": "HBNC"}[order]
     t = torch.arange(blocks * heads * tokens * content, dtype=torch.float32)
@@ -212,6 +222,20 @@ def test_blocks_must_lie_as_vllms_layout_says_and_may_have_tokens_before_heads()
     with pytest.raises(LayoutError, match="not \\[heads, tokens, content\\]"):
         _layout([torch.zeros(6, 4, 8)], 6, 1, partial(locate, base=0), "HNC")
 
+    # vLLM split each 4-token block into two kernel blocks of 2: tokens first, the two lie as
+    # the one block would (its tokens in order, each with every head), and move as it.
+    t = _lying("NHC", kernel_blocks=2)
+    assert t.shape == (12, 2, 2, 8)
+    layout = _layout([t], 6, 2, partial(locate, base=t.data_ptr()), "NHC")
+    assert (layout.block_bytes, layout.block_stride) == (block_bytes, block_bytes)
+    # Heads first, each kernel block holds every head's share of its own two tokens: not the
+    # block's bytes, and which depends on the kernel's block size.
+    t = _lying("HNC", kernel_blocks=2)
+    with pytest.raises(LayoutError, match="--block-size 2 or a tokens-first"):
+        _layout([t], 6, 2, partial(locate, base=t.data_ptr()), "HNC")
+    t = _lying("HNC", heads=1, kernel_blocks=2)
+    assert _layout([t], 6, 2, partial(locate, base=t.data_ptr()), "HNC").block_bytes == 4 * 8 * 4
+
 
 def test_the_namespace_names_the_order_of_a_blocks_bytes() -> None:
     from types import SimpleNamespace
@@ -241,18 +265,34 @@ def test_the_namespace_names_the_order_of_a_blocks_bytes() -> None:
         with pytest.raises(ValueError, match=f"layout {split} splits it"):
             block_interior_of(config(split))
 
+    # A backend that packs a block otherwise (K and V as two head slots of 8 heads' bytes, where
+    # FlashAttention keeps 8 heads of K and V side by side) keeps its size, not its namespace.
+    def packed(heads: int, content: int) -> SimpleNamespace:
+        spec = SimpleNamespace(num_heads=heads, state_content_size_bytes=content)
+        group = SimpleNamespace(kv_cache_spec=spec)
+        return SimpleNamespace(kv_cache_layout="LBHNC", kv_cache_groups=[group])
 
-def test_a_chunk_of_blocks_lying_tokens_first_goes_and_comes_back_whole(tmp_path: Path) -> None:
+    per_head = namespace_of(config(), settings, 16, packed(8, 2 * 128 * 2))
+    per_slot = namespace_of(config(), settings, 16, packed(2, 8 * 128 * 2))
+    assert "|page=8x512B" in per_head and "|page=2x2048B" in per_slot
+
+
+@pytest.mark.parametrize("kernel_blocks", [1, 4])
+def test_a_chunk_of_blocks_lying_tokens_first_goes_and_comes_back_whole(
+    tmp_path: Path, kernel_blocks: int
+) -> None:
     daemon = start_daemon(tmp_path / "daemon")
     try:
         blocks, heads, tokens, content = 8, 2, 16, 64
+        split = partial(_lying, "NHC", blocks, heads, tokens, content, kernel_blocks)
         layers = {
-            f"model.layers.{i}.self_attn.attn": _lying("NHC", blocks, heads, tokens, content)
-            for i in range(2)
+            f"model.layers.{i}.self_attn.attn": split().unflatten(0, (blocks, -1)) for i in range(2)
         }
         for i, t in enumerate(layers.values()):
             t.mul_(i + 1)
-        memory = move_to_memfd(layers, num_blocks=blocks, blocks_per_chunk=2, interior="NHC")
+        # What vLLM registers: the kernel blocks' view.
+        registered = {name: t.flatten(0, 1) for name, t in layers.items()}
+        memory = move_to_memfd(registered, num_blocks=blocks, blocks_per_chunk=2, interior="NHC")
         hello = wire.hello(
             rank=0,
             tp_size=1,

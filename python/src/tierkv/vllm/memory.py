@@ -237,6 +237,10 @@ def _layout(
         seen.add(t.data_ptr())
         if t.dim() >= 1 and t.shape[0] == num_blocks:
             planes = [t]
+        elif interior is not None and t.dim() == 4 and t.shape[0] % num_blocks == 0:
+            # vLLM split each block into kernel blocks of fewer tokens, a block's back to back
+            # (it refuses to split blocks that are not): one block is those kernel blocks.
+            planes = [t.unflatten(0, (num_blocks, -1))]
         elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
             planes = [t[0], t[1]]
         else:
@@ -272,14 +276,16 @@ def _layout(
 
 def _check_interior(block: torch.Tensor, interior: str) -> None:
     """Refuses a ``[heads, tokens, content]`` block that is not one run of bytes in the order
-    ``interior`` names. Dimensions of size one are left out of both orders: they move no byte."""
-    dims = "HNC"
-    if block.dim() != 3:
+    ``interior`` names, or a ``[kernel blocks, heads, tokens, content]`` one (vLLM split the
+    block) whose bytes do not lie as the unsplit block's would. Dimensions of size one are left
+    out of the orders: they move no byte."""
+    dims = "KHNC" if block.dim() == 4 else "HNC"
+    if block.dim() not in (3, 4):
         raise LayoutError(
             f"a KV block of shape {tuple(block.shape)} is not [heads, tokens, content], as vLLM's "
             f"KV cache layout (block interior {interior}) says"
         )
-    sized = [d for d in range(3) if block.shape[d] > 1]
+    sized = [d for d in range(block.dim()) if block.shape[d] > 1]
     lying = sorted(sized, key=block.stride, reverse=True)
     run = 1
     for d in reversed(lying):
@@ -287,9 +293,19 @@ def _check_interior(block: torch.Tensor, interior: str) -> None:
             raise LayoutError("a block of a KV tensor is not one run of bytes")
         run *= block.shape[d]
     found = "".join(dims[d] for d in lying)
-    said = "".join(c for c in interior if block.shape[dims.index(c)] > 1)
+    said = "".join(c for c in "K" + interior if c in found)
     if found != said:
         raise LayoutError(
-            f"the KV blocks lie {found} (heads H, tokens N, content C), not {said} as vLLM's KV "
-            f"cache layout says; their chunks would be read in the wrong order"
+            f"the KV blocks lie {found} (heads H, tokens N, content C, kernel blocks K), not "
+            f"{said} as vLLM's KV cache layout says; their chunks would be read in the wrong order"
+        )
+    if found.startswith("KH"):
+        # Each kernel block holds every head's share of its own tokens: the block's bytes then
+        # depend on the kernel's block size, which an engine with another backend may not share.
+        kernel_tokens = block.shape[dims.index("N")]
+        raise LayoutError(
+            f"vLLM splits each {block.shape[0] * kernel_tokens}-token block into kernel blocks of "
+            f"{kernel_tokens}, which heads-first ({interior}) lie otherwise than one block would; "
+            f"use --block-size {kernel_tokens} or a tokens-first KV cache layout "
+            "(VLLM_KV_CACHE_LAYOUT=LBNHC)"
         )

@@ -1337,13 +1337,30 @@ def namespace_of(
     # The same model id served quantized or not, or at another revision, has other KV bytes.
     quantization = getattr(model, "quantization", None) or "none"
     revision = getattr(model, "revision", None) or "default"
-    # So has a block whose tokens come before its heads rather than after.
+    # So has a block whose tokens come before its heads rather than after, or one an attention
+    # backend packs otherwise (K and V as two head slots rather than halves of each head's).
     interior = block_interior_of(vllm_config, kv_cache_config)
     layout = f"|kv={interior}" if interior else ""
+    layout += _page_of(kv_cache_config)
     return (
         f"{model.model}|{cache.cache_dtype}|{model.dtype}|block={block_size or cache.block_size}"
         f"{layout}|quant={quantization}|rev={revision}{_draft_of(vllm_config)}"
     )
+
+
+def _page_of(kv_cache_config: Any) -> str:
+    """The namespace's part for how a KV block is packed: its head slots and the bytes each token
+    of a slot holds, from the KV cache spec (vLLM 0.32 on). An attention backend may change
+    both (``customize_spec``: B12X and ROCm's attention keep K and V as two slots of every
+    head's bytes, where FlashAttention keeps each head's K and V side by side) and keep the
+    block's size: the same bytes read the other way are wrong KV. Empty from an older vLLM."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    spec = getattr(groups[0], "kv_cache_spec", None) if groups else None
+    heads = getattr(spec, "num_heads", None)
+    content = getattr(spec, "state_content_size_bytes", None)
+    if not isinstance(heads, int) or not isinstance(content, int):
+        return ""
+    return f"|page={heads}x{content}B"
 
 
 #: The orders of a block's bytes the worker can describe to the daemon: each block of a layer one
