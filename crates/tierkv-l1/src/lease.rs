@@ -154,7 +154,7 @@ pub(crate) struct LeaseTable {
     next_id: AtomicU64,
 }
 
-const LEASE_SHARDS: usize = 16;
+pub(crate) const LEASE_SHARDS: usize = 16;
 
 impl LeaseTable {
     pub(crate) fn new() -> Self {

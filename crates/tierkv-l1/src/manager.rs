@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use parking_lot::MutexGuard;
 use tierkv_core::policy::Order;
 use tierkv_core::{
     ChunkSource, Clock, ExtraCount, KeyError, Layout, LogLimit, ObjectKey, SystemClock,
@@ -25,6 +26,11 @@ use crate::lease::{
 };
 use crate::metrics::{EvictionReason, L1Metrics};
 use crate::slots::{SlotId, Slots};
+
+/// Victims `lease_eviction_candidates` leases per hold of its lease shard: enough that the
+/// lock is not taken per victim, few enough that a release of another lease of that shard
+/// waits for one batch (tens of microseconds), not for a write-back tick of thousands.
+const VICTIMS_PER_HOLD: usize = 64;
 
 /// Hears about L1 events that other components act on. Called outside every L1 lock.
 pub trait L1Observer: Send + Sync {
@@ -1334,6 +1340,13 @@ impl L1Manager {
     /// and is then counted in `tierkv_evictions_total` by `reason` (a victim deleted first is
     /// not). The observer is not told: it hears of evictions outside every L1 lock, and a victim
     /// goes inside the release that returns its last share; the caller chose the victims.
+    ///
+    /// A tick may lease thousands of victims, so the lease's shard is held for
+    /// `VICTIMS_PER_HOLD` of them at a time, not for the whole grant: the lease is live from its
+    /// first batch (each batch recorded in the same hold that takes its shares, so the audit
+    /// never sees a share the ledger lacks), and the other leases of its shard are served
+    /// between batches. Should the lease end between two batches (its owner released
+    /// everything), the grant stops there.
     pub fn lease_eviction_candidates(
         &self,
         owner: OwnerId,
@@ -1346,9 +1359,38 @@ impl L1Manager {
         // victims that were never copied, and under write-back they are the only copy.
         let deadline = Duration::MAX;
         let mut record = LeaseRecord::new(owner, readers, deadline, n);
-        // The lease's shard first, held until the victims' shares are recorded (as `lease_keys`).
-        let (id, ledger) = self.leases.mint();
         let mut keys = Vec::with_capacity(n);
+        // The lease's shard first, held until the first batch is recorded (as `lease_keys`).
+        let (id, ledger) = self.leases.mint();
+        let mut more = self.lease_victims(&mut record, n.min(VICTIMS_PER_HOLD), reason, &mut keys);
+        let lease = self.leases.open(ledger, id, record);
+        while more
+            && keys.len() < n
+            && let Some(id) = lease
+        {
+            #[cfg(test)]
+            tests::between_holds(self);
+            let mut ledger = self.leases.shard(id);
+            let Some(record) = ledger.live.get_mut(&id.0) else { break };
+            let batch = (n - keys.len()).min(VICTIMS_PER_HOLD);
+            more = self.lease_victims(record, batch, reason, &mut keys);
+            // Fair: a release waiting for the shard gets it before the next batch does.
+            MutexGuard::unlock_fair(ledger);
+        }
+        self.metrics.read_shares(keys.len() as u64);
+        EvictionLease { lease, keys }
+    }
+
+    /// Leases up to `n` eviction victims into `record` (whose shard the caller holds) and appends
+    /// them to `keys`. Returns whether it found all `n`.
+    fn lease_victims(
+        &self,
+        record: &mut LeaseRecord,
+        n: usize,
+        reason: EvictionReason,
+        keys: &mut Vec<ObjectKey>,
+    ) -> bool {
+        let readers = record.readers;
         for _ in 0..n {
             let leased = self.with_victim(|shard, key| {
                 let entry = shard.map.get_mut(&key)?;
@@ -1367,12 +1409,10 @@ impl L1Manager {
             });
             match leased.flatten() {
                 Some(key) => keys.push(key),
-                None => break,
+                None => return false,
             }
         }
-        let lease = self.leases.open(ledger, id, record);
-        self.metrics.read_shares(keys.len() as u64);
-        EvictionLease { lease, keys }
+        true
     }
 
     /// Evicts cached objects while more than the high watermark of slots is occupied, down to the
@@ -1649,5 +1689,85 @@ fn create_conflict(shard: &Shard, key: &ObjectKey) -> Option<KeyError> {
     match shard.map.get(key) {
         Some(entry) => Some(write_conflict(entry)),
         None => shard.claims.contains(key).then_some(KeyError::WriteInFlight),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use tierkv_core::{ChunkHash, KvRank, Namespace};
+
+    use super::*;
+    use crate::device::DeviceKind;
+    use crate::lease::LEASE_SHARDS;
+
+    /// What another thread does while `lease_eviction_candidates` on this one is between two
+    /// holds of its lease shard.
+    type Hook = Box<dyn FnMut(&L1Manager)>;
+
+    thread_local! {
+        static BETWEEN_HOLDS: RefCell<Option<Hook>> = const { RefCell::new(None) };
+    }
+
+    /// Called by `lease_eviction_candidates` between two holds of its lease shard.
+    pub(super) fn between_holds(l1: &L1Manager) {
+        BETWEEN_HOLDS.with(|hook| {
+            if let Some(hook) = hook.borrow_mut().as_mut() {
+                hook(l1);
+            }
+        });
+    }
+
+    fn key(i: u64) -> ObjectKey {
+        ObjectKey::new(Namespace::new("t", ""), ChunkHash(u128::from(i)), KvRank::Shared)
+    }
+
+    #[test]
+    fn a_large_write_back_grant_lets_other_leases_of_its_shard_go_between_batches() {
+        const OWNER: OwnerId = OwnerId(1);
+        const SLOTS: u64 = 256;
+        let config = L1Config { device: DeviceKind::Emulated, ..L1Config::new(SLOTS * 64, 64) };
+        let l1 = L1Manager::build(config, L1Context::default()).unwrap();
+        let keys: Vec<ObjectKey> = (0..SLOTS).map(key).collect();
+        let layout = Layout::bytes(64).unwrap();
+        let reserved = l1.reserve_write(OWNER, &keys, &layout, WriteMode::Create, Lifetime::Cached);
+        assert!(reserved.unwrap().iter().all(|r| r.is_ok()));
+        assert!(l1.finish_write(OWNER, &keys).iter().all(|r| r.is_ok()));
+        // Another lease in the shard the grant's lease will have: ids are consecutive.
+        let other = l1.reserve_read(OWNER, &keys[..1], ExtraCount::ZERO).lease.unwrap();
+        for _ in 1..LEASE_SHARDS {
+            let burnt = l1.reserve_read(OWNER, &keys[..1], ExtraCount::ZERO).lease.unwrap();
+            l1.release_lease(burnt).unwrap();
+        }
+        let shard = (other.0 % LEASE_SHARDS as u64) as usize;
+        let seen = std::rc::Rc::new(RefCell::new(Vec::new()));
+        let log = std::rc::Rc::clone(&seen);
+        BETWEEN_HOLDS.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move |l1: &L1Manager| {
+                // Only with the shard free can another lease of it be released (or the audit
+                // run) here; a held shard would wait for the whole grant.
+                let free = l1.leases.shards().nth(shard).is_some_and(|s| s.try_lock().is_some());
+                let released = free && l1.finish_read(other, Readers::All, None).is_ok();
+                let audit = if free { l1.audit() } else { Err("not run".into()) };
+                log.borrow_mut().push((free, released, audit));
+            }));
+        });
+        let n = 3 * VICTIMS_PER_HOLD + 1;
+        let granted = l1.lease_eviction_candidates(OWNER, n, EvictionReason::WriteBack);
+        BETWEEN_HOLDS.with(|hook| hook.borrow_mut().take());
+
+        let lease = granted.lease.unwrap();
+        assert_eq!(lease.0 % LEASE_SHARDS as u64, other.0 % LEASE_SHARDS as u64);
+        assert_eq!(granted.keys.len(), n);
+        let seen = seen.borrow();
+        // Three holds after the first, each after the shard was let go; the other lease was
+        // released after the first batch, and the audit found the grant live and whole there.
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        assert!(seen.iter().all(|(free, _, audit)| *free && audit.is_ok()), "{seen:?}");
+        assert!(seen[0].1, "{seen:?}");
+        assert_eq!(l1.finish_read(other, Readers::All, None), Err(L1Error::LeaseReleased(other)));
+        assert_eq!(l1.release_lease(lease).unwrap().shares, n as u64);
+        l1.audit().unwrap();
     }
 }

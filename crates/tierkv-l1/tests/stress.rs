@@ -400,3 +400,21 @@ fn an_audit_racing_a_write_back_lease_sees_its_shares_in_the_ledger() {
         f.l1.release_lease(leased.lease.unwrap()).unwrap();
     });
 }
+
+#[test]
+fn an_audit_racing_a_write_back_lease_granted_in_batches_sees_every_batch_in_the_ledger() {
+    // A write-back tick of more victims than one hold of the lease shard takes (64) records its
+    // lease with the first batch and adds each later batch under a hold of its own: the audit,
+    // which can now run between two batches, must find the lease live with exactly the shares
+    // taken so far.
+    let f = l1(160);
+    audit_while(&f, 30, || {
+        for k in keys(0..160) {
+            f.write(&[k]);
+        }
+        let leased = f.l1.lease_eviction_candidates(OWNER, 150, EvictionReason::WriteBack);
+        assert_eq!(leased.keys.len(), 150);
+        f.l1.release_lease(leased.lease.unwrap()).unwrap();
+        f.l1.delete(&keys(0..160), false);
+    });
+}
