@@ -1,5 +1,6 @@
 //! L1 metadata and copy throughput: lease + release of a 64-chunk prefix, reserve_write +
-//! finish_write of 64 chunks, on one thread and on two, and the slot copy path.
+//! finish_write of 64 chunks, on one thread and on two, and the slot copy path; and the latency
+//! of a release while a write-back tick leases its victims in the same lease shard.
 //!
 //! Each figure is printed at the end next to a limit measured in the same run: for metadata, a
 //! bare `HashMap` lookup-and-increment per chunk (the least any index must do, no locks, no
@@ -14,13 +15,15 @@
 use std::collections::HashMap;
 use std::hint::black_box;
 use std::sync::Barrier;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group};
 use parking_lot::Mutex;
 use tierkv_core::{ChunkHash, ExtraCount, KvRank, Layout, Namespace, ObjectKey};
 use tierkv_l1::{
-    DeviceKind, L1Config, L1Context, L1Manager, Lifetime, OwnerId, Readers, WriteMode,
+    DeviceKind, EvictionLease, EvictionReason, L1Config, L1Context, L1Manager, LeaseId, Lifetime,
+    OwnerId, Readers, WriteMode,
 };
 
 const PREFIX: usize = 64;
@@ -209,6 +212,150 @@ fn reserve_finish(c: &mut Criterion) {
     group.finish();
 }
 
+/// Victims of one write-back tick in the benchmark: a tick leases every victim down to the low
+/// watermark at once, thousands on a full L1.
+const WRITE_BACK_VICTIMS: usize = 4096;
+
+/// The rows of the write-back figures: the grant alone, and the grant with releases in its shard.
+const GRANT_ALONE: &str = "write-back grant of 4096 victims, alone";
+const GRANT_RELEASED: &str = "write-back grant of 4096 victims, releases in its shard";
+
+/// Each `finish_read` that started while a write-back grant was under way: the grant's number
+/// and how long the release took.
+static DURING_GRANT: Mutex<Vec<(u64, Duration)>> = Mutex::new(Vec::new());
+
+/// An L1 full of cached chunks, the first `held` of which are never evicted (an anchor lease
+/// holds them), for a write-back to lease its victims from.
+fn write_back_l1(held: usize) -> (L1Manager, Vec<ObjectKey>) {
+    const SLOTS: u64 = 16384;
+    let l1 = l1(SLOTS, 4096);
+    let keys: Vec<ObjectKey> = (0..SLOTS).map(|i| key(3 << 40 | i)).collect();
+    write(&l1, &keys, &Layout::bytes(4096).unwrap());
+    l1.reserve_read(OWNER, &keys[..held], ExtraCount::ZERO).lease.unwrap();
+    (l1, keys)
+}
+
+/// Leases `WRITE_BACK_VICTIMS` victims as a write-back tick does; returns them with how long
+/// that took.
+fn write_back_grant(l1: &L1Manager) -> (EvictionLease, Duration) {
+    let start = Instant::now();
+    let victims =
+        l1.lease_eviction_candidates(OWNER, WRITE_BACK_VICTIMS, EvictionReason::WriteBack);
+    let elapsed = start.elapsed();
+    assert_eq!(victims.keys.len(), WRITE_BACK_VICTIMS);
+    (victims, elapsed)
+}
+
+/// Returns a write-back's victims (which frees them) and writes them again.
+fn write_back_done(l1: &L1Manager, victims: EvictionLease, layout: &Layout) {
+    l1.release_lease(victims.lease.unwrap()).unwrap();
+    write(l1, &victims.keys, layout);
+}
+
+/// A write-back tick's grant (`lease_eviction_candidates`), alone; then one reader's share of
+/// one key returned (`finish_read`) while another thread grants, over and over, under a lease in
+/// the same lease shard: the latency a lookup's release sees during a write-back tick. Only
+/// releases that start while a grant is under way are timed (some of them before the grant has
+/// taken its shard: the summary also gives each grant's longest wait).
+///
+/// The granting thread does everything that mints lease ids, so it can place each grant in the
+/// measured lease's shard (ids are consecutive, 16 shards): between grants it renews the measured
+/// lease when its shares run out and takes throwaway leases until the next id falls there.
+fn release_during_write_back(c: &mut Criterion) {
+    const HELD: usize = 128;
+    let layout = Layout::bytes(4096).unwrap();
+    let (l1, keys) = write_back_l1(HELD);
+    let held = &keys[..HELD];
+    let mut group = c.benchmark_group("write-back");
+    group.throughput(Throughput::Elements(WRITE_BACK_VICTIMS as u64));
+    group.bench_function(GRANT_ALONE, |b| {
+        b.iter_custom(|iters| {
+            let mut elapsed = Duration::ZERO;
+            for _ in 0..iters {
+                let (victims, took) = write_back_grant(&l1);
+                elapsed += took;
+                write_back_done(&l1, victims, &layout);
+            }
+            record(GRANT_ALONE, iters * WRITE_BACK_VICTIMS as u64, elapsed)
+        });
+    });
+    let readers = ExtraCount::new(i64::from(ExtraCount::MAX)).unwrap();
+    // The measured lease (0: spent, the granting thread takes another), and the number of the
+    // grant under way (0: none).
+    let measured = AtomicU64::new(0);
+    let granting = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let name = "finish_read during a write-back grant, same lease shard";
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for round in 1.. {
+                if stop.load(Ordering::Acquire) {
+                    break;
+                }
+                let mut current = measured.load(Ordering::Acquire);
+                if current == 0 {
+                    current = l1.reserve_read(OWNER, held, readers).lease.unwrap().0;
+                    measured.store(current, Ordering::Release);
+                }
+                loop {
+                    let burnt = l1.reserve_read(OWNER, &held[..1], ExtraCount::ZERO);
+                    let burnt = burnt.lease.unwrap();
+                    l1.release_lease(burnt).unwrap();
+                    if (burnt.0 + 1) % 16 == current % 16 {
+                        break;
+                    }
+                }
+                granting.store(round, Ordering::Release);
+                let (victims, elapsed) = write_back_grant(&l1);
+                granting.store(0, Ordering::Release);
+                let lease = victims.lease.unwrap();
+                assert_eq!(lease.0 % 16, current % 16, "the grant left the measured lease's shard");
+                record(GRANT_RELEASED, WRITE_BACK_VICTIMS as u64, elapsed);
+                write_back_done(&l1, victims, &layout);
+            }
+        });
+        group.throughput(Throughput::Elements(1));
+        // The measured lease and the next share of it to return: (key, reader).
+        let mut shares = (0u64, HELD, 0u8);
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut timed = 0;
+                while timed < iters {
+                    let lease = measured.load(Ordering::Acquire);
+                    let round = granting.load(Ordering::Acquire);
+                    if lease == 0 || round == 0 {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    if shares.0 != lease {
+                        shares = (lease, 0, 0);
+                    }
+                    let (_, k, reader) = shares;
+                    let start = Instant::now();
+                    l1.finish_read(LeaseId(lease), Readers::One(reader), Some(&held[k..=k]))
+                        .unwrap();
+                    let elapsed = start.elapsed();
+                    DURING_GRANT.lock().push((round, elapsed));
+                    total += elapsed;
+                    timed += 1;
+                    shares = match (k + 1, reader) {
+                        (next, _) if next < HELD => (lease, next, reader),
+                        (_, ExtraCount::MAX) => {
+                            measured.store(0, Ordering::Release);
+                            (lease, HELD, 0)
+                        }
+                        _ => (lease, 0, reader + 1),
+                    };
+                }
+                record(name, iters, total)
+            });
+        });
+        stop.store(true, Ordering::Release);
+    });
+    group.finish();
+}
+
 /// The floor for metadata: a plain map lookup and counter bump per chunk, one thread, no locks.
 fn baseline(c: &mut Criterion) {
     let keys: Vec<ObjectKey> = (0..PREFIX as u64).map(key).collect();
@@ -341,6 +488,35 @@ fn rate(name: &str) -> Option<f64> {
     Some(*ops as f64 / time.as_secs_f64())
 }
 
+/// The latency of a release during a write-back grant in its shard: over every release timed,
+/// and each grant's longest (the wait a release that meets the grant's hold sees).
+fn write_back_summary() {
+    let during = DURING_GRANT.lock();
+    if during.is_empty() {
+        return;
+    }
+    let mut each: Vec<Duration> = during.iter().map(|(_, d)| *d).collect();
+    let mut worst: HashMap<u64, Duration> = HashMap::new();
+    for (round, d) in during.iter() {
+        let w = worst.entry(*round).or_default();
+        *w = (*w).max(*d);
+    }
+    let mut worst: Vec<Duration> = worst.into_values().collect();
+    let quantiles = |v: &mut Vec<Duration>, qs: &[f64]| -> String {
+        v.sort_unstable();
+        let at = |q: f64| v[((v.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e6;
+        let label = |q: f64| if q < 1.0 { format!("p{}", q * 100.0) } else { "max".into() };
+        let shown: Vec<String> =
+            qs.iter().map(|q| format!("{} {:.1}", label(*q), at(*q))).collect();
+        format!("{} us ({})", shown.join(", "), v.len())
+    };
+    println!(
+        "finish_read during a write-back grant of {WRITE_BACK_VICTIMS}, same lease shard: each release {}; each grant's longest {}",
+        quantiles(&mut each, &[0.5, 0.99, 0.999, 1.0]),
+        quantiles(&mut worst, &[0.5, 0.9, 1.0]),
+    );
+}
+
 fn summary() {
     const ONE: &str = "bare HashMap lookup+increment, 1 thread";
     const TWO: &str = "bare HashMap lookup+increment, 2 threads, own maps";
@@ -364,6 +540,8 @@ fn summary() {
         (OWN_L1S, 2.0, TWO),
         ("reserve+finish evicting, 1 thread, 16x L1, 64 shards", 1.0, ONE),
         ("reserve+finish evicting, 1 thread, 16x L1, 1 shard", 1.0, ONE),
+        (GRANT_ALONE, 1.0, ""),
+        (GRANT_RELEASED, 1.0, ""),
         (ONE, 1.0, ""),
         (TWO, 2.0, ONE),
         ("mutex + HashMap lookup+increment, 1 thread", 1.0, ONE),
@@ -388,6 +566,7 @@ fn summary() {
             per_core / scale
         );
     }
+    write_back_summary();
     println!(
         "limits measured in this run: metadata = bare HashMap per chunk (no lock), on one thread and on two with a map each; two evicting writers = the same on an L1 each; copies = memcpy of 2 MiB over 128 MiB"
     );
@@ -396,7 +575,7 @@ fn summary() {
 criterion_group! {
     name = benches;
     config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
-    targets = baseline, lease_release, reserve_finish, copies
+    targets = baseline, lease_release, reserve_finish, release_during_write_back, copies
 }
 
 fn main() {
