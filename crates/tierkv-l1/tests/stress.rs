@@ -385,20 +385,32 @@ fn an_audit_racing_a_lease_being_granted_sees_its_shares_in_the_ledger() {
     });
 }
 
+/// Fills an L1 of `slots` slots, leases `victims` of them for write-back and returns them
+/// (freeing them), `rounds` times, while audits run. Each key is written alone: a batch
+/// reservation holds slots it has not yet given keys, which the audit does not allow for.
+fn audit_write_backs(slots: u64, victims: usize, rounds: u64) {
+    let f = l1(slots);
+    let all = keys(0..slots);
+    audit_while(&f, rounds, || {
+        for k in &all {
+            f.write(&[*k]);
+        }
+        let leased = f.l1.lease_eviction_candidates(OWNER, victims, EvictionReason::WriteBack);
+        assert_eq!(leased.keys.len(), victims);
+        f.l1.release_lease(leased.lease.unwrap()).unwrap();
+        // The keys that were not victims, so the next round writes every key again.
+        let kept: Vec<_> = all.iter().filter(|k| !leased.keys.contains(k)).copied().collect();
+        if !kept.is_empty() {
+            f.l1.delete(&kept, false);
+        }
+    });
+}
+
 #[test]
 fn an_audit_racing_a_write_back_lease_sees_its_shares_in_the_ledger() {
     // The same window in `lease_eviction_candidates`: the victims' shares counted in the index
-    // before the lease that holds them is in the ledger. Each key is written alone: a batch
-    // reservation holds slots it has not yet given keys, which the audit does not allow for.
-    let f = l1(8);
-    audit_while(&f, 5_000, || {
-        for k in keys(0..8) {
-            f.write(&[k]);
-        }
-        let leased = f.l1.lease_eviction_candidates(OWNER, 8, EvictionReason::WriteBack);
-        assert_eq!(leased.keys.len(), 8);
-        f.l1.release_lease(leased.lease.unwrap()).unwrap();
-    });
+    // before the lease that holds them is in the ledger.
+    audit_write_backs(8, 8, 5_000);
 }
 
 #[test]
@@ -407,14 +419,5 @@ fn an_audit_racing_a_write_back_lease_granted_in_batches_sees_every_batch_in_the
     // lease with the first batch and adds each later batch under a hold of its own: the audit,
     // which can now run between two batches, must find the lease live with exactly the shares
     // taken so far.
-    let f = l1(160);
-    audit_while(&f, 30, || {
-        for k in keys(0..160) {
-            f.write(&[k]);
-        }
-        let leased = f.l1.lease_eviction_candidates(OWNER, 150, EvictionReason::WriteBack);
-        assert_eq!(leased.keys.len(), 150);
-        f.l1.release_lease(leased.lease.unwrap()).unwrap();
-        f.l1.delete(&keys(0..160), false);
-    });
+    audit_write_backs(160, 150, 30);
 }
