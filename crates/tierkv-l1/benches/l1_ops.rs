@@ -285,7 +285,7 @@ fn release_during_write_back(c: &mut Criterion) {
     let measured = AtomicU64::new(0);
     let granting = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
-    let name = "finish_read during a write-back grant, same lease shard";
+    let name = "finish_read during a write-back grant, same ledger shard";
     std::thread::scope(|s| {
         s.spawn(|| {
             for round in 1.. {
@@ -511,7 +511,7 @@ fn write_back_summary() {
         format!("{} us ({})", shown.join(", "), v.len())
     };
     println!(
-        "finish_read during a write-back grant of {WRITE_BACK_VICTIMS}, same lease shard: each release {}; each grant's longest {}",
+        "finish_read during a write-back grant of {WRITE_BACK_VICTIMS}, same ledger shard: each release {}; each grant's longest {}",
         quantiles(&mut each, &[0.5, 0.99, 0.999, 1.0]),
         quantiles(&mut worst, &[0.5, 0.9, 1.0]),
     );
