@@ -235,6 +235,13 @@ def test_blocks_must_lie_as_vllms_layout_says_and_may_have_tokens_before_heads()
         _layout([t], 6, 2, partial(locate, base=t.data_ptr()), "HNC")
     t = _lying("HNC", heads=1, kernel_blocks=2)
     assert _layout([t], 6, 2, partial(locate, base=t.data_ptr()), "HNC").block_bytes == 4 * 8 * 4
+    # Kernel blocks of one token, tokens first: the block's tokens in order, as unsplit; heads
+    # first, they are the same tokens-first bytes, not the heads-first block's.
+    t = _lying("NHC", kernel_blocks=4)
+    assert _layout([t], 6, 2, partial(locate, base=t.data_ptr()), "NHC").block_bytes == block_bytes
+    t = _lying("HNC", kernel_blocks=4)
+    with pytest.raises(LayoutError, match="--block-size 1 or a tokens-first"):
+        _layout([t], 6, 2, partial(locate, base=t.data_ptr()), "HNC")
 
 
 def test_the_namespace_names_the_order_of_a_blocks_bytes() -> None:
@@ -267,14 +274,24 @@ def test_the_namespace_names_the_order_of_a_blocks_bytes() -> None:
 
     # A backend that packs a block otherwise (K and V as two head slots of 8 heads' bytes, where
     # FlashAttention keeps 8 heads of K and V side by side) keeps its size, not its namespace.
-    def packed(heads: int, content: int) -> SimpleNamespace:
-        spec = SimpleNamespace(num_heads=heads, state_content_size_bytes=content)
+    # Two KV heads a rank: the same slots and bytes per token either way, packed otherwise.
+    def packed(slots: int | None, content: int | None, quant: str = "NONE") -> SimpleNamespace:
+        spec = SimpleNamespace(
+            num_kv_heads=2,
+            num_head_slots=slots,
+            state_content_bytes=content,
+            kv_quant_mode=SimpleNamespace(name=quant),
+        )
         group = SimpleNamespace(kv_cache_spec=spec)
         return SimpleNamespace(kv_cache_layout="LBHNC", kv_cache_groups=[group])
 
-    per_head = namespace_of(config(), settings, 16, packed(8, 2 * 128 * 2))
-    per_slot = namespace_of(config(), settings, 16, packed(2, 8 * 128 * 2))
-    assert "|page=8x512B" in per_head and "|page=2x2048B" in per_slot
+    per_head = namespace_of(config(), settings, 16, packed(None, None))
+    per_slot = namespace_of(config(), settings, 16, packed(2, 2 * 128 * 2))
+    quantized = namespace_of(config(), settings, 16, packed(None, None, "FP8_PER_TOKEN_HEAD"))
+    assert "|page=heads|" in per_head and "|page=2slotsx512B|" in per_slot
+    assert len({per_head, per_slot, quantized}) == 3
+    # vLLM's legacy names for the layouts it still takes.
+    assert block_interior_of(config("NHD")) == "NHC" and block_interior_of(config("HND")) == "HNC"
 
 
 @pytest.mark.parametrize("kernel_blocks", [1, 4])

@@ -299,9 +299,12 @@ def _check_interior(block: torch.Tensor, interior: str) -> None:
             f"the KV blocks lie {found} (heads H, tokens N, content C, kernel blocks K), not "
             f"{said} as vLLM's KV cache layout says; their chunks would be read in the wrong order"
         )
-    if found.startswith("KH"):
-        # Each kernel block holds every head's share of its own tokens: the block's bytes then
-        # depend on the kernel's block size, which an engine with another backend may not share.
+    split, heads = block.dim() == 4 and block.shape[0] > 1, block.shape[dims.index("H")]
+    if split and heads > 1 and interior.index("H") < interior.index("N"):
+        # Each kernel block holds every head's share of its own tokens, not each head its share
+        # of the block's: the bytes depend on the kernel's block size, which an engine with
+        # another backend may not share. Tokens first, the kernel blocks are the block's tokens
+        # in order, whatever their size.
         kernel_tokens = block.shape[dims.index("N")]
         raise LayoutError(
             f"vLLM splits each {block.shape[0] * kernel_tokens}-token block into kernel blocks of "

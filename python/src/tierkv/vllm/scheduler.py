@@ -1349,18 +1349,29 @@ def namespace_of(
 
 
 def _page_of(kv_cache_config: Any) -> str:
-    """The namespace's part for how a KV block is packed: its head slots and the bytes each token
-    of a slot holds, from the KV cache spec (vLLM 0.32 on). An attention backend may change
-    both (``customize_spec``: B12X and ROCm's attention keep K and V as two slots of every
-    head's bytes, where FlashAttention keeps each head's K and V side by side) and keep the
-    block's size: the same bytes read the other way are wrong KV. Empty from an older vLLM."""
+    """The namespace's part for how a KV block is packed, from the KV cache spec (vLLM 0.32 on):
+    one slot per KV head holding its K and V side by side (``heads``, FlashAttention's,
+    FlashInfer's, Triton's), or the slots and their bytes an attention backend published
+    (``customize_spec``: B12X keeps K and V as two slots of every head's bytes), and a KV
+    quantization mode other than none. Two backends can pack a block of the same size
+    otherwise, and the same bytes read the other way are wrong KV. Empty from an older vLLM.
+
+    What the spec does not say, the namespace cannot: two backends that publish the same slots
+    and arrange them otherwise inside (vLLM's ROCm backends; tierkv's GPU path is CUDA's)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     spec = getattr(groups[0], "kv_cache_spec", None) if groups else None
-    heads = getattr(spec, "num_heads", None)
-    content = getattr(spec, "state_content_size_bytes", None)
-    if not isinstance(heads, int) or not isinstance(content, int):
+    if spec is None or not hasattr(spec, "num_head_slots"):
         return ""
-    return f"|page={heads}x{content}B"
+    slots = spec.num_head_slots
+    page = "heads" if slots is None else f"{slots}slots"
+    content = getattr(spec, "state_content_bytes", None)
+    if content is not None:
+        page += f"x{content}B"
+    quant = getattr(spec, "kv_quant_mode", None)
+    quant_name = str(getattr(quant, "name", quant)) if quant is not None else "NONE"
+    if quant_name != "NONE":
+        page += f"|kvq={quant_name}"
+    return f"|page={page}"
 
 
 #: The orders of a block's bytes the worker can describe to the daemon: each block of a layer one
@@ -1383,6 +1394,8 @@ def block_interior_of(vllm_config: Any, kv_cache_config: Any = None) -> str | No
     if name is None:
         return None
     name = str(getattr(name, "name", name))  # the enum member, or its name as vLLM records it
+    # vLLM's legacy names, which it still takes where a layout is set beforehand.
+    name = {"NHD": "LBNHC", "HND": "LBHNC"}.get(name, name)
     interior = name[-3:]
     if interior not in BLOCK_INTERIORS:
         raise ValueError(
