@@ -25,38 +25,56 @@ from tierkv.vllm.worker import WorkerSide  # noqa: E402
 BLOCKS = 6
 BLOCK_TOKENS = 16
 CHUNK_TOKENS = 2 * BLOCK_TOKENS
-# vLLM's FlashAttention layout per layer: (K/V, blocks, block tokens, KV heads, head dim).
+# vLLM's FlashAttention layout per layer before 0.32: (K/V, blocks, block tokens, KV heads, head
+# dim).
 SHAPE = (2, BLOCKS, BLOCK_TOKENS, 8, 128)
+
+
+def vllm_032_layer() -> torch.Tensor:
+    """A layer as vLLM 0.32 views it on a GPU by default (``LBNHC``): ``[blocks, heads, tokens,
+    K|V]``, each block lying tokens first."""
+    lying = torch.zeros((BLOCKS, BLOCK_TOKENS, 8, 2 * 128), dtype=torch.bfloat16, device="cuda")
+    return lying.permute(0, 2, 1, 3)
 
 
 class GpuWorker:
     """A worker whose KV (four bf16 layers on GPU 0) is registered with a CUDA daemon, and one
     chunk stored from blocks 0-1: written by a kernel the store's copies must wait for."""
 
-    def __init__(self, directory: Path, timeout_s: float = 5.0) -> None:
+    def __init__(self, directory: Path, timeout_s: float = 5.0, vllm_032: bool = False) -> None:
+        """``vllm_032``: the layers as vLLM 0.32 views them (:func:`vllm_032_layer`), blocks
+        first, registered as lying tokens first; else the layout before it, K/V first."""
         directory.mkdir(parents=True, exist_ok=True)
+        self.vllm_032 = vllm_032
         self.daemon = Daemon(tierkv_binary(), directory, make_config=cuda_config)
         settings = Settings.from_extra(
             {"socket": str(self.daemon.socket), "timeout_s": timeout_s, "chunk_blocks": 2}
         )
         self.layers = {
-            f"model.layers.{i}.self_attn.attn": torch.zeros(
-                SHAPE, dtype=torch.bfloat16, device="cuda"
-            )
+            f"model.layers.{i}.self_attn.attn": vllm_032_layer()
+            if vllm_032
+            else torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda")
             for i in range(4)
         }
-        self.worker = WorkerSide(settings, "m", CHUNK_TOKENS, 0, 1, False, num_blocks=BLOCKS)
+        interior = "NHC" if vllm_032 else None
+        self.worker = WorkerSide(
+            settings, "m", CHUNK_TOKENS, 0, 1, False, num_blocks=BLOCKS, interior=interior
+        )
         self.worker.register_kv_caches(self.layers)
         self.chunk = prefix_hashes(list(range(CHUNK_TOKENS)), CHUNK_TOKENS)[0]
         # Written on the engine's stream, not synchronized: only the ready event orders the
         # daemon's copies after these kernels. A long kernel first, so that they are late.
         torch.cuda._sleep(50_000_000)
         for t in self.layers.values():
-            t[:, 0:2].view(torch.int16).random_(-(1 << 15), 1 << 15)
+            self.blocks(t, 0, 2).view(torch.int16).random_(-(1 << 15), 1 << 15)
         self.worker.wait_for_save(TierKVMetadata(stores=[StoreOp("a", [(self.chunk, [0, 1])])]))
         assert self.worker.stored_chunks == 1
         # Compared as int16: random bits make bfloat16 NaNs, which never equal themselves.
-        self.stored = [t[:, 0:2].view(torch.int16).clone() for t in self.layers.values()]
+        self.stored = [self.blocks(t, 0, 2).view(torch.int16).clone() for t in self.layers.values()]
+
+    def blocks(self, layer: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Blocks ``first`` to ``end`` of a layer (every plane's)."""
+        return layer[first:end] if self.vllm_032 else layer[:, first:end]
 
     def lookup(self) -> int:
         """The scheduler half's lookup of the chunk, on its own session: its lookup id."""
@@ -78,7 +96,7 @@ class GpuWorker:
         them before. A load into them must wait for both."""
         torch.cuda._sleep(50_000_000)
         for t in self.layers.values():
-            t[:, 4:6].zero_()
+            self.blocks(t, 4, 6).zero_()
 
     def load_into_4_5(self, lookup: int) -> None:
         self.worker.start_load_kv(
@@ -88,22 +106,25 @@ class GpuWorker:
     def landed(self) -> bool:
         """Whether blocks 4-5 hold the stored chunk (compared on the current stream)."""
         return all(
-            torch.equal(t[:, 4:6].view(torch.int16), s)
+            torch.equal(self.blocks(t, 4, 6).view(torch.int16), s)
             for t, s in zip(self.layers.values(), self.stored, strict=True)
         )
 
     def untouched(self) -> bool:
-        return all(bool((t[:, 4:6].view(torch.int16) == 0).all()) for t in self.layers.values())
+        return all(
+            bool((self.blocks(t, 4, 6).view(torch.int16) == 0).all()) for t in self.layers.values()
+        )
 
     def close(self) -> None:
         self.worker.shutdown()
         self.daemon.stop()
 
 
+@pytest.mark.parametrize("vllm_032", [False, True], ids=["kv-first", "vllm-0.32-LBNHC"])
 def test_cuda_worker_stores_after_the_engines_kernels_and_loads_before_its_next(
-    tmp_path: Path,
+    tmp_path: Path, vllm_032: bool
 ) -> None:
-    gpu = GpuWorker(tmp_path / "daemon")
+    gpu = GpuWorker(tmp_path / "daemon", vllm_032=vllm_032)
     try:
         assert all(bool(s.any()) for s in gpu.stored), "the chunk holds the kernel's bytes"
         lookup = gpu.lookup()
