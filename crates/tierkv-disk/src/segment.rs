@@ -191,6 +191,11 @@ impl SegmentFile {
     pub(crate) fn create(path: PathBuf, bytes: u64, mode: IoMode) -> io::Result<Self> {
         let existed = path.exists();
         let file = options(true, true, mode).open(&path)?;
+        if !existed && let Err(e) = no_copy_on_write(&file) {
+            // Not fatal: a reused segment then needs new room on a full disk, which the store
+            // finds at its first write there and turns read-only for (docs/disk-format.md).
+            tracing::warn!("cannot turn copy-on-write off for {}: {e}", path.display());
+        }
         let created = SegmentFile { path, file, map: OnceLock::new() };
         if let Err(e) = created.allocate(bytes) {
             if !existed {
@@ -280,6 +285,42 @@ impl SegmentFile {
     }
 }
 
+/// The inode flag `chattr +C` sets (`FS_NOCOW_FL` in `linux/fs.h`; the libc crate lacks it).
+const FS_NOCOW_FL: libc::c_int = 0x0080_0000;
+
+/// Turns copy-on-write off for `file`, still empty (the flag takes effect on no other), as
+/// `chattr +C` does, where the filesystem copies on write (btrfs): a segment reused is then
+/// written in place, as on ext4, and needs no room for a second copy, so reusing segments makes
+/// room on a full disk or over a quota there too. Records carry their own checksums, so the data
+/// checksums btrfs keeps only for copied-on-write files are not missed. Filesystems without the
+/// flag (ext4, XFS, tmpfs) refuse it (`ENOTTY`, `EOPNOTSUPP`, `EINVAL`): nothing to do there.
+fn no_copy_on_write(file: &File) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    let mut flags: libc::c_int = 0;
+    // SAFETY: FS_IOC_GETFLAGS writes one int through the pointer, to a local that outlives it,
+    // on a descriptor we own.
+    if unsafe { libc::ioctl(fd, libc::FS_IOC_GETFLAGS, &mut flags) } != 0 {
+        return unsupported_is_fine(io::Error::last_os_error());
+    }
+    if flags & FS_NOCOW_FL != 0 {
+        return Ok(());
+    }
+    flags |= FS_NOCOW_FL;
+    // SAFETY: FS_IOC_SETFLAGS reads one int through the pointer, on a descriptor we own.
+    if unsafe { libc::ioctl(fd, libc::FS_IOC_SETFLAGS, &flags) } != 0 {
+        return unsupported_is_fine(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `Ok` where `error` only says the filesystem has no inode flags, or not that one.
+fn unsupported_is_fine(error: io::Error) -> io::Result<()> {
+    match error.raw_os_error() {
+        Some(libc::ENOTTY | libc::EOPNOTSUPP | libc::EINVAL) => Ok(()),
+        _ => Err(error),
+    }
+}
+
 /// Whether `error` says there is no room to write: the filesystem is full (`ENOSPC`), or the
 /// user or group the daemon runs as is over its disk quota (`EDQUOT`). The tier's own files are
 /// what fill a quota, so both mean the same to the store: reuse a segment instead of growing.
@@ -297,7 +338,7 @@ pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
 /// but has no room for the file (`is_no_space`: the kernel checks the mount and the permissions
 /// before it looks for space). The probe file is removed either way.
 pub(crate) fn probe(dir: &Path) -> io::Result<IoMode> {
-    let path = dir.join(format!(".tierkv-probe-{}", std::process::id()));
+    let path = probe_path(dir);
     let attempt = |mode: IoMode| -> io::Result<()> {
         let file = options(true, true, mode).open(&path)?;
         let block =
@@ -314,6 +355,20 @@ pub(crate) fn probe(dir: &Path) -> io::Result<IoMode> {
     // A file left behind by a write that failed (a full disk) would take yet more of the space.
     let _ = std::fs::remove_file(&path);
     probed
+}
+
+/// Whether `dir`'s filesystem has room for `bytes` more of the store's: a probe file is
+/// allocated that long (`fallocate`: nothing is written), then removed.
+pub(crate) fn room(dir: &Path, bytes: u64) -> io::Result<()> {
+    let path = probe_path(dir);
+    let allocated = SegmentFile::create(path.clone(), bytes, IoMode::Buffered).map(drop);
+    let _ = std::fs::remove_file(&path);
+    allocated
+}
+
+/// The probe file of `dir`, this process's.
+fn probe_path(dir: &Path) -> PathBuf {
+    dir.join(format!(".tierkv-probe-{}", std::process::id()))
 }
 
 /// Bytes of `dir`'s filesystem an unprivileged writer may still take (`statvfs`'s `f_bavail`).

@@ -44,7 +44,7 @@ use tierkv_tier_metrics::{DepartingMetrics, TierMetrics};
 use crate::metrics::{self, Failure, ReadOnlyGauge};
 use crate::segment::{
     DirLock, IoMode, Layout, SegmentFile, available_bytes, file_number, file_path, files_bytes,
-    is_no_space, probe, secure, sync_dir,
+    is_no_space, probe, room, secure, sync_dir,
 };
 
 /// How often a read-only store tries to become writable again (`DiskStore::maintain`).
@@ -107,6 +107,10 @@ struct Segment {
     serial: u64,
     /// End of the last record written, from the segment's start (appends go here).
     end: u64,
+    /// This life writes over space its file held before (the segment was used before, in this
+    /// process or an earlier one), not over space allocated for it: on a filesystem that copies
+    /// on write such a write needs new room all the same ([`Shared::notice_refused`]).
+    overwrites: bool,
     /// Keys whose records were published into this segment (some may since be deleted).
     keys: Vec<ObjectKey>,
     /// Distinct keys of this segment that lookups hold locked.
@@ -168,6 +172,7 @@ impl Segment {
             epoch: 0,
             serial: 0,
             end: BLOCK,
+            overwrites: false,
             keys: Vec::new(),
             locked: 0,
             pins: 0,
@@ -1081,7 +1086,7 @@ impl InFlight<'_> {
                 self.shared.superseded(loc, epoch, false);
                 // Before the task completes: the stores after it find the store read-only.
                 if refused {
-                    self.shared.notice_unwritable(&e);
+                    self.shared.notice_refused(&e, loc, epoch);
                 }
                 self.write_failed(task, loc, epoch, e);
             }
@@ -1415,6 +1420,10 @@ impl Queue {
 struct WriteState {
     /// Why stores are refused, when the directory cannot be written.
     read_only: Option<String>,
+    /// Read-only because a reused segment found no room to be written over
+    /// ([`Shared::notice_refused`]): a writable directory is not enough to write again, the
+    /// filesystem must have room for a segment.
+    needs_room: bool,
     /// When `maintain` last tried to become writable.
     last_try: Instant,
     /// The directory's lock; `None` only while read-only (a directory that cannot be written
@@ -1662,6 +1671,7 @@ impl DiskStore {
             io,
             state: Mutex::new(WriteState {
                 read_only: read_only.clone(),
+                needs_room: false,
                 last_try: Instant::now(),
                 lock,
             }),
@@ -3075,7 +3085,7 @@ impl Shared {
         let mut index = self.index.lock();
         let serial = if initialised.is_ok() { index.next_serial() } else { 0 };
         match initialised {
-            Ok((file, epoch)) => {
+            Ok((file, epoch, overwrites)) => {
                 // A file just created holds the other segments of its file too.
                 for other in self.layout.segments_of(self.layout.file_of(id)) {
                     let segment = &mut index.segments[other as usize];
@@ -3086,6 +3096,7 @@ impl Shared {
                 let segment = &mut index.segments[id as usize];
                 segment.epoch = epoch;
                 segment.serial = serial;
+                segment.overwrites = overwrites;
                 segment.status = Status::Active;
                 Ok((id, file))
             }
@@ -3102,22 +3113,23 @@ impl Shared {
     /// written with the life's first record (`submit_record`), in the same write: until it lands,
     /// a crash leaves the segment's previous life, whose records are still their keys' bytes. It
     /// is not synced on its own: under `FsyncPolicy::Always` the sync that publishes the record
-    /// covers it.
+    /// covers it. Returns the file, the epoch, and whether the life writes over space the file
+    /// held before ([`Segment::overwrites`]).
     fn initialise(
         &self,
         id: u32,
         existing: Option<Arc<SegmentFile>>,
-    ) -> Result<(Arc<SegmentFile>, u64), TierError> {
+    ) -> Result<(Arc<SegmentFile>, u64, bool), TierError> {
         #[cfg(test)]
         self.faults.opening.pass();
         let n = self.layout.file_of(id);
         // The file as far as this segment's end: files grow a segment at a time.
         let bytes = self.layout.base(id) + self.layout.segment_bytes;
-        let file = match existing {
-            Some(file) if file.len().is_ok_and(|len| len >= bytes) => file,
+        let (file, overwrites) = match existing {
+            Some(file) if file.len().is_ok_and(|len| len >= bytes) => (file, true),
             Some(file) => {
                 file.allocate(bytes).map_err(|e| io_error(&file.path, "allocating", &e))?;
-                file
+                (file, false)
             }
             None => {
                 let path = file_path(&self.config.dir, n);
@@ -3130,10 +3142,10 @@ impl Shared {
                     sync_dir(&self.config.dir)
                         .map_err(|e| io_error(&self.config.dir, "syncing", &e))?;
                 }
-                Arc::new(created)
+                (Arc::new(created), false)
             }
         };
-        Ok((file, self.new_epoch(id)))
+        Ok((file, self.new_epoch(id), overwrites))
     }
 
     /// An epoch no earlier life of any segment had: random per process, so a payload can never be
@@ -3585,14 +3597,49 @@ impl Shared {
         }
     }
 
+    /// The OS refused the write of a record at `loc`, of life `epoch`, with `failure`. Refused
+    /// for want of room in a life that writes over space its file held before
+    /// ([`Segment::overwrites`]: a segment reused), the filesystem copies on write (btrfs, for a
+    /// segment file whose copy-on-write could not be turned off, or was made before that was
+    /// done) and is full or over its quota: reusing a segment makes no room there, and every
+    /// store would evict a readable segment for a write that fails. So the store turns read-only
+    /// (loads go on, the stores after this one are refused before they evict anything), and its
+    /// retry waits for room for a segment (`needs_room`), not just a writable directory: a store
+    /// let through before would lose one more segment every retry. Anything else:
+    /// `notice_unwritable`.
+    fn notice_refused(&self, failure: &TierError, loc: Loc, epoch: u64) {
+        let TierError::NoSpace(message) = failure else {
+            return self.notice_unwritable(failure);
+        };
+        let overwrote = {
+            let index = self.index.lock();
+            let segment = &index.segments[loc.segment as usize];
+            segment.epoch == epoch && segment.overwrites
+        };
+        if overwrote {
+            let why = format!(
+                "the filesystem of {} is full or over its quota and copies on write: a reused \
+                 segment needs new room, so reusing segments makes none ({message})",
+                self.config.dir.display()
+            );
+            self.enter_read_only_as(why, true);
+        }
+    }
+
     /// Refuses stores from now on, for `why`, until `retry_writable` succeeds.
     fn enter_read_only(&self, why: String) {
+        self.enter_read_only_as(why, false);
+    }
+
+    /// `enter_read_only`, for a retry that needs room for a segment when `needs_room`.
+    fn enter_read_only_as(&self, why: String, needs_room: bool) {
         let mut state = self.state.lock();
         if state.read_only.is_some() {
             return;
         }
         warn_read_only(&why);
         state.read_only = Some(why);
+        state.needs_room = needs_room;
         state.last_try = Instant::now();
         self.read_only_gauge.set(true);
     }
@@ -3616,6 +3663,7 @@ impl Shared {
         match became {
             Ok(()) => {
                 state.read_only = None;
+                state.needs_room = false;
                 self.read_only_gauge.set(false);
                 tracing::info!(
                     "the disk tier in {} is writable again; stores to disk resume",
@@ -3643,6 +3691,17 @@ impl Shared {
         }
         if let Some(why) = unwritable(dir, &probed, locked) {
             return Err(why);
+        }
+        // Read-only for want of room to write a reused segment over: that room, or nothing.
+        if self.state.lock().needs_room
+            && let Err(e) = room(dir, self.layout.segment_bytes)
+        {
+            return Err(format!(
+                "the filesystem of {} has no room for a segment of {} bytes ({e}), which a reused \
+                 segment needs where the filesystem copies on write",
+                dir.display(),
+                self.layout.segment_bytes
+            ));
         }
         if let Err(e) = secure(dir, self.config.dir_mode(), self.config.group) {
             tracing::warn!(

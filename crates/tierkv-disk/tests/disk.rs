@@ -478,14 +478,12 @@ impl Mounted {
     /// with `EDQUOT`, as a write by a user over an ext4 or XFS user quota does. A btrfs quota
     /// group binds root too, where a user quota lets root (`CAP_SYS_RESOURCE`) through, and needs
     /// no quota format in the kernel (ext4's quotas need `CONFIG_QFMT_V2`). Files made in `tier`
-    /// are written in place (`chattr +C`, no copy-on-write), as on ext4: a segment written over
-    /// then needs no room for a second copy until the first is freed.
+    /// are copied on write, btrfs's default: the store turns that off for its segment files.
     fn btrfs_with_quota(mebibytes: u64, quota: &str) -> Option<Self> {
         let limit = |mounted: &str| {
             let tier = format!("{mounted}/{QUOTA_DIR}");
             run("btrfs", &["quota", "enable", mounted])?;
             run("btrfs", &["subvolume", "create", &tier])?;
-            run("chattr", &["+C", &tier])?;
             run("btrfs", &["qgroup", "limit", quota, &tier]).map(drop)
         };
         Self::on_loop(mebibytes, &["mkfs.btrfs", "-q", "-f"], "defaults", limit)
@@ -672,6 +670,76 @@ fn c12_a_disk_quota_exceeded_reuses_segments_like_a_full_disk() {
         drop(h);
         store.close();
     }
+}
+
+#[test]
+fn c12_a_quota_exceeded_with_copy_on_write_segments_turns_read_only_and_keeps_loading() {
+    // Segment files that copy on write: written elsewhere and copied into the quota's subvolume
+    // (as a restored backup is, or files made before the store turned copy-on-write off), so
+    // the store finds them made and cannot turn it off. A segment written over there needs new
+    // room, which a full quota does not have.
+    let Some(mount) = Mounted::btrfs_with_quota(128, "4m") else {
+        return;
+    };
+    let dir = mount.quota_dir();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let (mut h, store) = open(config(elsewhere.path(), 4, 3));
+    for first in (0..12).step_by(3) {
+        h.store(&keys(first..first + 3)).unwrap();
+    }
+    drop(h);
+    store.close();
+    drop(store);
+    for id in 0..4 {
+        std::fs::copy(segment(elsewhere.path(), id), segment(&dir, id)).unwrap();
+        let attributes = run("lsattr", &[segment(&dir, id).to_str().unwrap()]).unwrap();
+        let flags = attributes.split_whitespace().next().unwrap_or_default();
+        assert!(!flags.contains('C'), "the copy does not copy on write: {attributes}");
+    }
+    let (mut h, store) = open(config(&dir, 4, 3));
+    assert_eq!(h.present(&keys(0..12)).count_ones(), 12);
+    let filler = fill_quota(&dir);
+
+    // The store evicts a segment to reuse it; writing over it fails: the store turns read-only
+    // instead of evicting another segment for every store.
+    let stored = h.store(&keys(12..15));
+    assert!(
+        stored.as_ref().is_err_and(|e| format!("{e:?}").contains("quota exceeded")),
+        "a store over copy-on-write segments past the quota answered {stored:?}"
+    );
+    let why = store.read_only().expect("the store stays writable where reuse makes no room");
+    assert!(why.contains("copies on write"), "{why}");
+    let held = h.present(&keys(0..12));
+    let held_keys: Vec<_> = held.iter_ones().map(|i| key(i as u64)).collect();
+    assert_eq!(held_keys.len(), 9, "more than the one segment reused was lost: {held:?}");
+    h.assert_loads(&held_keys);
+    assert!(h.store(&keys(15..18)).is_err(), "a read-only store took a store");
+    // The retry, while the quota is still full, stays read-only: becoming writable would lose
+    // one more segment to the next store, every retry.
+    assert!(!store.retry_writable(), "writable again on a full quota");
+    assert!(h.store(&keys(18..21)).is_err(), "a read-only store took a store");
+    assert_eq!(h.present(&held_keys).count_ones(), 9, "a refused store evicted a segment");
+    h.assert_loads(&held_keys);
+
+    // Room again: the retry makes it writable, and stores resume.
+    std::fs::remove_file(filler).unwrap();
+    run("btrfs", &["filesystem", "sync", dir.to_str().unwrap()]).unwrap();
+    assert!(store.retry_writable(), "still read-only with room: {:?}", store.read_only());
+    h.store(&keys(21..24)).unwrap();
+    h.assert_loads(&keys(21..24));
+    drop(h);
+    store.close();
+}
+
+/// Writes a file in `dir` until its filesystem or quota refuses more; returns its path.
+fn fill_quota(dir: &Path) -> PathBuf {
+    let path = dir.join("filler");
+    let mut file = std::fs::File::create(&path).unwrap();
+    let chunk = vec![1u8; 64 << 10];
+    while std::io::Write::write_all(&mut file, &chunk).is_ok() {}
+    while std::io::Write::write_all(&mut file, &chunk[..512]).is_ok() {}
+    let _ = file.sync_all();
+    path
 }
 
 /// The physical byte offset of a file's first extent, from `filefrag`.
