@@ -425,6 +425,15 @@ struct Mounted {
     _one_at_a_time: std::sync::MutexGuard<'static, ()>,
 }
 
+/// Whether the kernel can mount btrfs: built in or loaded, or loaded now (as root).
+fn kernel_has_btrfs() -> bool {
+    let listed = || {
+        std::fs::read_to_string("/proc/filesystems")
+            .is_ok_and(|all| all.lines().any(|line| line.split_whitespace().any(|w| w == "btrfs")))
+    };
+    listed() || (run("modprobe", &["btrfs"]).is_ok() && listed())
+}
+
 /// The subvolume of a [`Mounted::btrfs_with_quota`] mount that the quota limits.
 const QUOTA_DIR: &str = "tier";
 
@@ -479,7 +488,16 @@ impl Mounted {
     /// group binds root too, where a user quota lets root (`CAP_SYS_RESOURCE`) through, and needs
     /// no quota format in the kernel (ext4's quotas need `CONFIG_QFMT_V2`). Files made in `tier`
     /// are copied on write, btrfs's default: the store turns that off for its segment files.
+    /// A kernel without btrfs skips these tests, saying so, even under `TIERKV_MOUNTS=1`
+    /// (`.ci/run` does not ask for btrfs there either): mounts work, this filesystem is not in it.
     fn btrfs_with_quota(mebibytes: u64, quota: &str) -> Option<Self> {
+        if !kernel_has_btrfs() {
+            eprintln!(
+                "SKIPPED: the kernel has no btrfs (not in /proc/filesystems, and `modprobe btrfs` \
+                 failed): the btrfs quota tests cannot run here"
+            );
+            return None;
+        }
         let limit = |mounted: &str| {
             let tier = format!("{mounted}/{QUOTA_DIR}");
             run("btrfs", &["quota", "enable", mounted])?;
