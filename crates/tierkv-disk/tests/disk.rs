@@ -555,14 +555,7 @@ impl Mounted {
     /// Writes a file at the mount's root until the filesystem is full (to the last byte root
     /// may take); returns its path.
     fn fill(&self) -> PathBuf {
-        let path = self.path().join("filler");
-        let mut file = std::fs::File::create(&path).unwrap();
-        let chunk = vec![1u8; 64 << 10];
-        while std::io::Write::write_all(&mut file, &chunk).is_ok() {}
-        while std::io::Write::write_all(&mut file, &chunk[..512]).is_ok() {}
-        // Blocks the kernel only reserved for the write become the file's for good.
-        let _ = file.sync_all();
-        path
+        fill(self.path())
     }
 
     fn remount_read_only(&self) -> Result<String, String> {
@@ -716,7 +709,7 @@ fn c12_a_quota_exceeded_with_copy_on_write_segments_turns_read_only_and_keeps_lo
     }
     let (mut h, store) = open(config(&dir, 4, 3));
     assert_eq!(h.present(&keys(0..12)).count_ones(), 12);
-    let filler = fill_quota(&dir);
+    let filler = fill(&dir);
 
     // The store evicts a segment to reuse it; writing over it fails: the store turns read-only
     // instead of evicting another segment for every store.
@@ -749,13 +742,14 @@ fn c12_a_quota_exceeded_with_copy_on_write_segments_turns_read_only_and_keeps_lo
     store.close();
 }
 
-/// Writes a file in `dir` until its filesystem or quota refuses more; returns its path.
-fn fill_quota(dir: &Path) -> PathBuf {
+/// Writes a file in `dir` until its filesystem, or its quota, refuses more; returns its path.
+fn fill(dir: &Path) -> PathBuf {
     let path = dir.join("filler");
     let mut file = std::fs::File::create(&path).unwrap();
     let chunk = vec![1u8; 64 << 10];
     while std::io::Write::write_all(&mut file, &chunk).is_ok() {}
     while std::io::Write::write_all(&mut file, &chunk[..512]).is_ok() {}
+    // Blocks the kernel only reserved for the write become the file's for good.
     let _ = file.sync_all();
     path
 }
