@@ -61,9 +61,10 @@ pub trait ChunkSource: Send {
         }
     }
 
-    /// Whether the tier the chunk was evicted from deleted it while it was on its way down:
-    /// the tier below must then not keep it (it drops it before the write, or deletes it once
-    /// written). Only a demoted chunk can be withdrawn.
+    /// Whether the chunk was withdrawn while it was on its way down: deleted by the tier it was
+    /// evicted from (a demoted chunk), or cleared from the node (a write-back or hand-down
+    /// victim of L1 when a `clear` ran). The tier below must then not keep it (it drops it before
+    /// the write, or deletes it once written). A chunk stored from its source stays.
     fn withdrawn(&self) -> bool {
         false
     }

@@ -357,9 +357,13 @@ pub(crate) fn probe(dir: &Path) -> io::Result<IoMode> {
     probed
 }
 
-/// Whether `dir`'s filesystem has room for `bytes` more of the store's: a probe file is
-/// allocated that long (`fallocate`: nothing is written), then removed.
+/// Whether `dir`'s filesystem has room for `bytes` more of the store's: as much free as
+/// `statvfs` tells (which a filesystem without `fallocate` leaves as the only sign) and a probe
+/// file allocated that long (`fallocate`: nothing is written; a quota shows here), then removed.
 pub(crate) fn room(dir: &Path, bytes: u64) -> io::Result<()> {
+    if available_bytes(dir)? < bytes {
+        return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+    }
     let path = probe_path(dir);
     let allocated = SegmentFile::create(path.clone(), bytes, IoMode::Buffered).map(drop);
     let _ = std::fs::remove_file(&path);

@@ -1424,6 +1424,9 @@ struct WriteState {
     /// ([`Shared::notice_refused`]): a writable directory is not enough to write again, the
     /// filesystem must have room for a segment.
     needs_room: bool,
+    /// Turns to read-only so far, those that found the store read-only already included: a
+    /// retry that saw a turn while it ran without this lock stays read-only.
+    turns: u64,
     /// When `maintain` last tried to become writable.
     last_try: Instant,
     /// The directory's lock; `None` only while read-only (a directory that cannot be written
@@ -1672,6 +1675,7 @@ impl DiskStore {
             state: Mutex::new(WriteState {
                 read_only: read_only.clone(),
                 needs_room: false,
+                turns: 0,
                 last_try: Instant::now(),
                 lock,
             }),
@@ -3631,17 +3635,19 @@ impl Shared {
         self.enter_read_only_as(why, false);
     }
 
-    /// `enter_read_only`, for a retry that needs room for a segment when `needs_room`.
+    /// `enter_read_only`, for a retry that needs room for a segment when `needs_room`. A store
+    /// read-only already takes the newer reason, and keeps needing room once it does, so that a
+    /// write failing while a retry runs (without the state lock) is not forgotten by it.
     fn enter_read_only_as(&self, why: String, needs_room: bool) {
         let mut state = self.state.lock();
-        if state.read_only.is_some() {
-            return;
+        state.turns += 1;
+        state.needs_room |= needs_room;
+        if state.read_only.is_none() {
+            warn_read_only(&why);
+            self.read_only_gauge.set(true);
         }
-        warn_read_only(&why);
         state.read_only = Some(why);
-        state.needs_room = needs_room;
         state.last_try = Instant::now();
-        self.read_only_gauge.set(true);
     }
 
     /// Tries to become writable, the only retry under way (`retrying` held). The state lock is
@@ -3649,17 +3655,22 @@ impl Shared {
     /// [`Shared::become_writable`]: lookups read it (`make_room_ahead`) and would wait behind the
     /// disk. That opens no window: until the state says writable, here, after those syncs, every
     /// store is refused (`refusal`); nothing else makes a read-only store writable, and a turn
-    /// to read-only meanwhile finds it read-only already.
+    /// to read-only meanwhile (a write in flight that failed) keeps it read-only, with that
+    /// turn's reason, until the next retry.
     fn retry_writable(&self, _retrying: parking_lot::MutexGuard<'_, ()>) -> bool {
-        {
+        let turns = {
             let mut state = self.state.lock();
             if state.read_only.is_none() {
                 return true;
             }
             state.last_try = Instant::now();
-        }
+            state.turns
+        };
         let became = self.become_writable();
         let mut state = self.state.lock();
+        if state.turns != turns {
+            return false;
+        }
         match became {
             Ok(()) => {
                 state.read_only = None;
@@ -4162,10 +4173,22 @@ mod tests {
             move || store.retry_writable()
         });
         store.shared.faults.found_syncs.wait_for(1);
-        assert_eq!(h.present(&keys(0..2)).count_ones(), 2, "a lookup waited for the syncs");
+        // On a thread of its own, so that a lookup that waits for the syncs fails the test
+        // rather than hangs it (the syncs go on only once this thread lets them).
+        let (answer, answered) = std::sync::mpsc::channel();
+        std::thread::spawn({
+            let store = Arc::clone(&store);
+            move || {
+                let mut h = harness(&store);
+                let _ = answer.send((h.present(&keys(0..2)).count_ones(), h.store(&keys(2..3))));
+            }
+        });
+        let (present, stored) =
+            answered.recv_timeout(Duration::from_secs(10)).expect("a lookup waited for the syncs");
+        assert_eq!(present, 2);
         assert!(store.read_only().is_some());
         // Stores are still refused: the records found are not synced yet.
-        assert!(h.store(&keys(2..3)).is_err(), "a store before the syncs of its retry");
+        assert!(stored.is_err(), "a store before the syncs of its retry");
         // A second retry (the maintenance tick) neither waits nor gets ahead of the first.
         store.shared.state.lock().last_try -= WRITABLE_RETRY;
         store.maintain();
@@ -4174,6 +4197,34 @@ mod tests {
         assert!(retrying.join().unwrap());
         assert_eq!(store.read_only(), None);
         h.store(&keys(2..3)).unwrap();
+    }
+
+    #[test]
+    fn a_turn_to_read_only_while_a_retry_runs_keeps_the_store_read_only_and_needing_room() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        harness(&store).store(&keys(0..2)).unwrap();
+        store.shared.enter_read_only("read-only for the test".into());
+        // A reused segment of a copy-on-write filesystem found no room, the store read-only
+        // already: it needs room from now on, not just a writable directory.
+        store.shared.enter_read_only_as("no room to write a reused segment over".into(), true);
+        assert!(store.shared.state.lock().needs_room);
+        assert_eq!(store.read_only().as_deref(), Some("no room to write a reused segment over"));
+        store.shared.state.lock().needs_room = false;
+        // The same turn while a retry runs, between its probe and its "writable".
+        let syncs = store.shared.faults.found_syncs.hold();
+        let retrying = std::thread::spawn({
+            let store = Arc::clone(&store);
+            move || store.retry_writable()
+        });
+        store.shared.faults.found_syncs.wait_for(1);
+        store.shared.enter_read_only_as("no room to write a reused segment over".into(), true);
+        drop(syncs);
+        assert!(!retrying.join().unwrap(), "the retry forgot a turn made while it ran");
+        assert!(store.read_only().is_some());
+        assert!(store.shared.state.lock().needs_room);
     }
 
     #[test]
