@@ -37,15 +37,12 @@ fn open_dir() -> tempfile::TempDir {
     dir
 }
 
-/// Whether this process may run commands as another user (the tests run as root; elsewhere the
-/// tests that need it say so and skip).
+/// Whether this process may run the `tierkv` binary as [`NOBODY`] here (the tests run as root;
+/// elsewhere the tests that need it say so and skip: `tierkv_testkit::may_run_as`).
 fn may_switch_users() -> bool {
-    // SAFETY: geteuid only reads the process's credentials.
-    let root = unsafe { libc::geteuid() } == 0;
-    if !root {
-        eprintln!("SKIPPED: not root, so no command can be run as another user");
-    }
-    root
+    let mut probe = tierkv();
+    probe.arg("--version");
+    tierkv_testkit::may_run_as(NOBODY, probe)
 }
 
 #[test]
