@@ -864,10 +864,11 @@ impl Session {
                 }
             }
         }
-        if !written.is_empty() && peer.gave_up() {
+        if (!written.is_empty() || part.out_of_room) && peer.gave_up() {
             // The client gave up at its deadline and may have handed the blocks to another
             // request since: what was copied may be another prompt's KV. Asked after the copies,
-            // so a window that passes read blocks the client still held for this store.
+            // so a window that passes read blocks the client still held for this store; and
+            // after a wait for room that found none, which may have outlasted the client.
             broken.append(&mut written);
             storage.abort_write(self.owner(), &broken)?;
             return Ok(StoredPart { gave_up: true, ..StoredPart::default() });
@@ -1659,21 +1660,7 @@ mod tests {
 
     /// A worker's hello: one namespace ("m"), rank 0 of 1, chunks of `chunk` bytes.
     fn worker_hello(chunk: u64) -> Hello {
-        Hello {
-            version: PROTOCOL_VERSION,
-            role: Role::Worker,
-            rank: 0,
-            tp_size: 1,
-            world_size: None,
-            mla: false,
-            namespaces: vec![tierkv_proto::NamespaceDecl {
-                model: "m".into(),
-                cache_salt: String::new(),
-            }],
-            chunk_bytes: chunk,
-            chunk_tokens: 16,
-            token: None,
-        }
+        Hello { chunk_tokens: 16, ..tierkv_client::Client::worker_hello("m", chunk) }
     }
 
     /// A buffer's layout: `blocks` blocks of one chunk of `chunk` bytes each, in one region.
@@ -1978,6 +1965,35 @@ mod tests {
             message.contains("the 2 chunks stored before") && !message.contains("nothing of it"),
             "the reply does not say what stayed: {message}"
         );
+    }
+
+    /// The same, the second window's wait for room ending with none: the client gave up during
+    /// it, so the reply is the give-up saying what stayed, not the second window's refusals.
+    #[tokio::test]
+    async fn a_store_given_up_on_while_its_window_waited_in_vain_for_room_says_what_stayed() {
+        let FullL1 { daemon, first, disk, .. } = FullL1::new(Duration::from_secs(1));
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
+        let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, conn.peer());
+        // Room for one window, never for the other.
+        daemon.storage().release_all(first).unwrap();
+        let gives_up = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            theirs.shutdown(std::net::Shutdown::Write).unwrap();
+            theirs
+        });
+        let chunks: Vec<ChunkBlocks> = (0..4)
+            .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
+            .collect();
+        let store = RequestBody::Store { namespace: 0, buffer: 0, chunks, ready_event: None };
+        let answer = session.handle(store, &mut || None, conn.peer());
+        let _theirs = gives_up.join().unwrap();
+        disk.release_held();
+        let ReplyBody::Error { code: ErrorCode::Timeout, message } = answer.reply else {
+            panic!("{:?}", answer.reply)
+        };
+        assert!(message.contains("the 2 chunks stored before"), "{message}");
     }
 
     /// A lookup's owner releases it when its request finishes, often long after its retrieves
