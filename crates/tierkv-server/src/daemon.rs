@@ -130,13 +130,15 @@ pub async fn serve(
     check_socket(&config.server.socket)?;
     config.server.max_connections = fit_connections(&config)?;
     let _exporter = crate::metrics::install_exporter(config.metrics.listen)?;
-    // Before the tiers open (seconds, a disk scan): a port another process holds fails the start
-    // at once, and before the Unix socket is bound, which would otherwise be left behind.
+    // Bound before the tiers open (seconds, a disk scan): a port another process holds fails the
+    // start at once, and before the Unix socket is bound, which would otherwise be left behind.
+    // It listens only once they are open: a client that connected meanwhile would wait unheard
+    // in the backlog, where it is now refused at once.
+    let tcp_listen_error = |addr: SocketAddr| {
+        move |source| ServeError::Listen { what: format!("{addr} (server.tcp)"), source }
+    };
     let tcp = match config.server.tcp {
-        Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| ServeError::Listen {
-            what: format!("{addr} (server.tcp)"),
-            source,
-        })?),
+        Some(addr) => Some((addr, bind_tcp(addr).map_err(tcp_listen_error(addr))?)),
         None => None,
     };
     let storage_config = config.storage.clone();
@@ -149,6 +151,10 @@ pub async fn serve(
         config.server.token.clone(),
         config.server.max_leased_per_session,
     ));
+    let tcp = match tcp {
+        Some((addr, socket)) => Some(socket.listen(1024).map_err(tcp_listen_error(addr))?),
+        None => None,
+    };
     let unix = bind_unix(&config.server.socket, config.server.socket_group)?;
     let bound = file_id(&config.server.socket);
     let endpoints = Endpoints {
@@ -462,6 +468,18 @@ fn remove_if_same(path: &Path, bound: Option<FileId>) {
     if bound.is_some() && file_id(path) == bound {
         let _ = std::fs::remove_file(path);
     }
+}
+
+/// A TCP socket bound to `addr`, not yet listening (`SO_REUSEADDR`, as a listener binds).
+fn bind_tcp(addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    Ok(socket)
 }
 
 fn bind_unix(path: &Path, group: Option<u32>) -> Result<UnixListener, ServeError> {
