@@ -11,6 +11,7 @@ import pickle
 import re
 import resource
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -19,6 +20,7 @@ import time
 import tracemalloc
 import urllib.request
 import warnings
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -1124,7 +1126,10 @@ def test_a_daemon_of_a_trusted_user_serves_the_session(tierkv_bin) -> None:
     """A daemon run as another user on purpose: refused until its uid is trusted, then a session
     like any other, its KV memory registered and used."""
     with other_users_dir() as where:
-        daemon = Daemon(tierkv_bin, where, user=OTHER_UID)
+        # A copy that user can run wherever the checkout lies (under /root, say).
+        binary = Path(shutil.copy(tierkv_bin, where / "tierkv"))
+        binary.chmod(0o755)
+        daemon = Daemon(binary, where, user=OTHER_UID)
         try:
             with pytest.raises(UntrustedDaemon, match=f"uid {OTHER_UID}"):
                 Client.connect(str(daemon.socket), worker_hello())

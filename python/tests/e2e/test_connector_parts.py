@@ -417,6 +417,35 @@ def test_a_link_call_behind_another_threads_keeps_its_deadline_and_the_session(
         daemon.stop()
 
 
+def test_a_call_a_close_ends_from_another_thread_hands_its_connection_to_the_caller(
+    tmp_path: Path,
+) -> None:
+    """A worker shutting down closes its link while its loading thread's retrieve waits on a
+    hung daemon: that call's connection (the daemon may still carry the call out) comes back
+    with its ``Unavailable``, for the worker to watch, not left to the garbage collector."""
+    daemon = start_daemon(tmp_path / "daemon")
+    hello = wire.hello(namespaces=[("m", "")], chunk_bytes=4096, chunk_tokens=16)
+    link = Link(str(daemon.socket), hello, timeout_s=5.0, retry_s=0.2, watch_unanswered=True)
+    try:
+        link.call(lambda c: c.status())
+        daemon.pause()
+        caller, outcome = in_background(lambda: link.call(lambda c: c.wait(1, 4.0)))
+        try:
+            time.sleep(0.2)
+            link.close()
+            caller.join(timeout=20)
+        finally:
+            daemon.resume()
+        assert [type(e).__name__ for e in outcome] == ["Unavailable"], outcome
+        (unavailable,) = outcome
+        assert isinstance(unavailable, Unavailable)
+        assert unavailable.unanswered is not None, "the call's connection was dropped"
+        unavailable.unanswered.close()
+    finally:
+        link.close()
+        daemon.stop()
+
+
 @pytest.mark.parametrize("retry_s", [0.0, 1e-6])
 def test_a_zero_or_tiny_retry_still_backs_off_from_a_hung_daemon(
     tmp_path: Path, retry_s: float, monkeypatch: pytest.MonkeyPatch

@@ -153,7 +153,12 @@ class Link:
             if _timed_out(e):
                 self._down(e)
                 raise Unavailable(str(e), unanswered) from e
-            client = self.client()
+            try:
+                client = self.client()
+            except Unavailable as again:
+                # Closed meanwhile (a shutdown ended this call from another thread): the call's
+                # connection goes to the caller all the same.
+                raise Unavailable(str(again), unanswered) from e
             try:
                 result = fn(client)
             except ClientBusy as e:
@@ -202,5 +207,8 @@ class Link:
                 # Busy: another thread's call holds the client; closing it ends the session.
                 with contextlib.suppress(OSError, ConnectionLost, DaemonError, ClientBusy):
                     self._client.end()
-                self._client.close()
+                # Once: a second close would close the connection of the call in flight that
+                # the first left to that call's thread, which takes it (`_drop`) to watch.
+                if not self._client.closed:
+                    self._client.close()
                 self._client = None
