@@ -62,8 +62,9 @@ class GpuWorker:
         )
         self.worker.register_kv_caches(self.layers)
         self.chunk = prefix_hashes(list(range(CHUNK_TOKENS)), CHUNK_TOKENS)[0]
-        # Written on the engine's stream, not synchronized: only the ready event orders the
-        # daemon's copies after these kernels. A long kernel first, so that they are late.
+        # Written on the engine's stream, not synchronized: only the ready event (the worker's
+        # wait for it, and the daemon's check of it) orders the daemon's copies after these
+        # kernels. A long kernel first, so that they are late.
         torch.cuda._sleep(50_000_000)
         for t in self.layers.values():
             self.blocks(t, 0, 2).view(torch.int16).random_(-(1 << 15), 1 << 15)
