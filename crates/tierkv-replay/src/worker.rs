@@ -395,7 +395,17 @@ fn micros(since: Instant) -> u64 {
 /// Whether `pipe` has something to read (or was closed) within `timeout`; a signal ends the
 /// wait early, with `false`.
 fn readable(pipe: &impl AsRawFd, timeout: Duration) -> std::io::Result<bool> {
-    let mut fd = libc::pollfd { fd: pipe.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    ready(pipe, libc::POLLIN, timeout)
+}
+
+/// Whether `pipe` has room to write into (or its reader is gone) within `timeout`; a signal
+/// ends the wait early, with `false`.
+fn writable(pipe: &impl AsRawFd, timeout: Duration) -> std::io::Result<bool> {
+    ready(pipe, libc::POLLOUT, timeout)
+}
+
+fn ready(pipe: &impl AsRawFd, events: libc::c_short, timeout: Duration) -> std::io::Result<bool> {
+    let mut fd = libc::pollfd { fd: pipe.as_raw_fd(), events, revents: 0 };
     let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
     // SAFETY: one pollfd, alive for the call.
     match unsafe { libc::poll(&mut fd, 1, ms) } {
@@ -442,7 +452,8 @@ pub fn serve_worker(spec: &WorkerSpec) -> Result<(), ReplayError> {
 /// The replay's handle on a worker process.
 pub struct WorkerProcess {
     rank: u16,
-    stdin: BufWriter<ChildStdin>,
+    /// Non-blocking: a step is written in polls, as answers are read.
+    stdin: ChildStdin,
     stdout: ChildStdout,
     /// What the worker wrote past the last answer read.
     unread: Vec<u8>,
@@ -475,9 +486,11 @@ impl WorkerProcess {
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             return Err(ReplayError::Worker { rank: spec.rank, message: "no pipes".into() });
         };
+        set_nonblocking(&stdin)
+            .map_err(|e| ReplayError::io("make the pipe to replay-worker non-blocking", e))?;
         let mut worker = WorkerProcess {
             rank: spec.rank,
-            stdin: BufWriter::new(stdin),
+            stdin,
             stdout,
             unread: Vec::new(),
             line: String::new(),
@@ -491,12 +504,30 @@ impl WorkerProcess {
         Ok(worker)
     }
 
-    /// Sends a step without waiting for its answer (so ranks work at once).
+    /// Sends a step without waiting for its answer (so ranks work at once). A step longer than
+    /// the pipe holds is written as the worker reads it, within the wait for an answer, and an
+    /// interrupt ends the write as it ends that wait: a stopped worker never holds the replay
+    /// in a blocked write.
     pub fn send(&mut self, step: &Step) -> Result<(), ReplayError> {
-        let text = serde_json::to_string(step).map_err(|e| self.fail(e.to_string()))?;
-        writeln!(self.stdin, "{text}")
-            .and_then(|()| self.stdin.flush())
-            .map_err(|e| self.fail(format!("send a step: {e}")))
+        let mut text = serde_json::to_vec(step).map_err(|e| self.fail(e.to_string()))?;
+        text.push(b'\n');
+        let deadline = Instant::now() + ANSWER_WITHIN;
+        let mut rest = text.as_slice();
+        while !rest.is_empty() {
+            self.check_interrupt()?;
+            match self.stdin.write(rest) {
+                Ok(0) => return Err(self.fail("send a step: the pipe took nothing".into())),
+                Ok(n) => rest = &rest[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    let left = self.left(deadline, "did not read its step")?;
+                    writable(&self.stdin, left.min(INTERRUPT_POLL))
+                        .map_err(|e| self.fail(format!("wait to send a step: {e}")))?;
+                }
+                Err(e) => return Err(self.fail(format!("send a step: {e}"))),
+            }
+        }
+        Ok(())
     }
 
     /// Reads the answer to the oldest step sent; a failed step is an error.
@@ -532,15 +563,8 @@ impl WorkerProcess {
                 self.line = String::from_utf8_lossy(&line).into_owned();
                 return Ok(());
             }
-            if self.interrupt.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed)) {
-                return Err(ReplayError::Interrupted);
-            }
-            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                return Err(self.fail(format!(
-                    "did not answer within {} s (stopped, or stuck)",
-                    ANSWER_WITHIN.as_secs()
-                )));
-            };
+            self.check_interrupt()?;
+            let left = self.left(deadline, "did not answer")?;
             match readable(&self.stdout, left.min(INTERRUPT_POLL)) {
                 Ok(false) => continue,
                 Ok(true) => {}
@@ -556,7 +580,89 @@ impl WorkerProcess {
         }
     }
 
+    fn check_interrupt(&self) -> Result<(), ReplayError> {
+        match &self.interrupt {
+            Some(flag) if flag.load(Ordering::Relaxed) => Err(ReplayError::Interrupted),
+            _ => Ok(()),
+        }
+    }
+
+    /// The time left before `deadline`; past it, the worker `did` what the error says.
+    fn left(&self, deadline: Instant, did: &str) -> Result<Duration, ReplayError> {
+        deadline.checked_duration_since(Instant::now()).ok_or_else(|| {
+            self.fail(format!("{did} within {} s (stopped, or stuck)", ANSWER_WITHIN.as_secs()))
+        })
+    }
+
     fn fail(&self, message: String) -> ReplayError {
         ReplayError::Worker { rank: self.rank, message }
+    }
+}
+
+/// Sets `O_NONBLOCK` on `pipe`.
+fn set_nonblocking(pipe: &impl AsRawFd) -> std::io::Result<()> {
+    let fd = pipe.as_raw_fd();
+    // SAFETY: fcntl on a descriptor the caller owns, with no pointers.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::mpsc;
+
+    use super::*;
+
+    /// A `replay-worker` that says it is ready and then reads nothing: stopped, as far as the
+    /// replay can tell.
+    fn deaf_worker(dir: &Path) -> PathBuf {
+        let program = dir.join("deaf-worker");
+        std::fs::write(&program, "#!/bin/sh\necho '{\"ready\":true}'\nexec sleep 600\n")
+            .expect("write the script");
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755))
+            .expect("make it executable");
+        program
+    }
+
+    fn spec() -> WorkerSpec {
+        WorkerSpec {
+            socket: PathBuf::from("/nonexistent"),
+            model: "deaf".into(),
+            rank: 0,
+            tp: 1,
+            mla: false,
+            chunk_bytes: 4096,
+            chunk_tokens: 16,
+            max_chunks: 1 << 20,
+        }
+    }
+
+    /// A step longer than the pipe holds, sent to a worker that never reads it: the send waits
+    /// as an answer would, and the interrupt ends it. A blocking write would hold the replay
+    /// (and its Ctrl-C) until the worker read.
+    #[test]
+    fn an_interrupt_ends_a_send_to_a_worker_that_reads_nothing() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let interrupt = Arc::new(AtomicBool::new(false));
+        let mut worker =
+            WorkerProcess::start(&deaf_worker(dir.path()), &spec(), Some(interrupt.clone()))
+                .expect("the worker starts");
+        // 200,000 chunk ids: over 2 MB of JSON, far past a pipe's 64 KiB.
+        let step = Step::Request { chunks: (u64::MAX - 200_000..u64::MAX).collect() };
+        let (sent, outcome) = mpsc::channel();
+        let sender = std::thread::spawn(move || {
+            let _ = sent.send(worker.send(&step));
+        });
+        // The write is stuck on a full pipe: no outcome yet.
+        assert!(outcome.recv_timeout(Duration::from_millis(300)).is_err(), "the send returned");
+        interrupt.store(true, Ordering::Relaxed);
+        let result = outcome.recv_timeout(Duration::from_secs(30)).expect("the send stays blocked");
+        assert!(matches!(result, Err(ReplayError::Interrupted)), "{result:?}");
+        sender.join().expect("the sending thread");
     }
 }
