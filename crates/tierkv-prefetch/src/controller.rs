@@ -184,7 +184,11 @@ struct Shared {
 }
 
 impl Shared {
+    /// Hands `outcome` to the request's waiter. A request that ends in an error counts in
+    /// `prefetch_failed` here, whichever path ended it, unless a stop ended it: the daemon
+    /// stopping is no failure of the request.
     fn deliver(&self, id: RequestId, outcome: Outcome) {
+        self.metrics.ended(&outcome);
         let mut results = self.results.lock();
         if let Some(slot) = results.get_mut(&id) {
             *slot = Some(outcome);
@@ -591,12 +595,13 @@ impl Worker {
             let _ = catch_unwind(AssertUnwindSafe(|| {
                 self.release_everything(&active, &BTreeSet::new())
             }));
-            self.shared.metrics.failed();
             self.shared.deliver(id, Err(error.clone()));
         }
         let mut results = self.shared.results.lock();
         for outcome in results.values_mut().filter(|o| o.is_none()) {
-            *outcome = Some(Err(error.clone()));
+            let failed = Err(error.clone());
+            self.shared.metrics.ended(&failed);
+            *outcome = Some(failed);
         }
         self.shared.ready.notify_all();
         drop(results);
@@ -620,7 +625,6 @@ impl Worker {
             queued.extend(self.pending.pop_front());
         }
         for (id, ..) in queued {
-            self.shared.metrics.failed();
             let why = format!("not started within {timeout:?}: the lower tiers were busy");
             self.shared.deliver(id, Err(PrefetchError::Failed(why)));
         }
@@ -653,7 +657,6 @@ impl Worker {
         for id in overdue {
             let Some(active) = self.active.remove(&id) else { continue };
             self.release_everything(&active, &BTreeSet::new());
-            self.shared.metrics.failed();
             self.shared.deliver(id, Err(PrefetchError::NoAnswer(timeout)));
         }
         self.start_pending();

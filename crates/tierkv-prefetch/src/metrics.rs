@@ -2,6 +2,8 @@
 
 use metrics::{Counter, Gauge, Unit, counter, describe_counter, describe_gauge, gauge};
 
+use crate::PrefetchError;
+
 pub(crate) struct PrefetchMetrics {
     queue_depth: Gauge,
     in_flight: Gauge,
@@ -65,8 +67,11 @@ impl PrefetchMetrics {
         self.loaded_chunks.increment(loaded);
     }
 
-    pub(crate) fn failed(&self) {
-        self.failed.increment(1);
+    /// Counts a request that ended in an error other than the controller's stop.
+    pub(crate) fn ended<T>(&self, outcome: &Result<T, PrefetchError>) {
+        if matches!(outcome, Err(e) if *e != PrefetchError::Stopped) {
+            self.failed.increment(1);
+        }
     }
 
     pub(crate) fn panicked(&self) {

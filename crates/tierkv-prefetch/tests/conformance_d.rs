@@ -680,6 +680,71 @@ fn the_loaded_chunks_counter_counts_promotions_not_chunks_held_below() {
     drop((held, fake));
 }
 
+/// `tierkv_errors_total{reason="prefetch_failed"}` as `recorder` counted it.
+fn prefetch_failures(snapshotter: &metrics_util::debugging::Snapshotter) -> u64 {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(k, ..)| {
+            k.key().name() == "tierkv_errors_total"
+                && k.key().labels().any(|l| l.value() == "prefetch_failed")
+        })
+        .map(|(.., v)| match v {
+            metrics_util::debugging::DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Every request that ends in an error counts once, however it ended: given up in flight or
+/// given up still queued. A stop ends requests without failing them, in flight (past the
+/// drain timeout) or queued alike: it counted the first and not the second.
+#[test]
+fn prefetch_failed_counts_each_failed_request_once_and_none_a_stop_ended() {
+    let layout = Layout::bytes(CHUNK).unwrap();
+    let request =
+        |range| PrefetchRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), keys(range));
+
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let stuck = fake_holding("stuck", keys(0..4));
+    stuck.hold();
+    let config = PrefetchConfig {
+        max_in_flight: 1,
+        request_timeout: Duration::from_millis(200),
+        ..PrefetchConfig::default()
+    };
+    let rig =
+        metrics::with_local_recorder(&recorder, || rig_with(vec![stuck.clone()], vec![], config));
+    let in_flight = rig.prefetch.submit(request(0..2)).unwrap();
+    let queued = rig.prefetch.submit(request(2..4)).unwrap();
+    assert!(matches!(rig.prefetch.wait(in_flight, WAIT), Err(PrefetchError::NoAnswer(_))));
+    assert!(matches!(rig.prefetch.wait(queued, WAIT), Err(PrefetchError::Failed(_))));
+    assert_eq!(prefetch_failures(&snapshotter), 2, "two requests given up");
+    stuck.release_held();
+
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let held = fake_holding("held", keys(0..4));
+    held.hold_loads();
+    let config = PrefetchConfig {
+        max_in_flight: 1,
+        drain_timeout: Duration::from_millis(200),
+        ..PrefetchConfig::default()
+    };
+    let rig =
+        metrics::with_local_recorder(&recorder, || rig_with(vec![held.clone()], vec![], config));
+    let in_flight = rig.prefetch.submit(request(0..2)).unwrap();
+    eventually("the load is in flight", || held.held_tasks() > 0);
+    let queued = rig.prefetch.submit(request(2..4)).unwrap();
+    rig.prefetch.stop();
+    assert_eq!(rig.prefetch.wait(in_flight, WAIT), Err(PrefetchError::Stopped));
+    assert_eq!(rig.prefetch.wait(queued, WAIT), Err(PrefetchError::Stopped));
+    assert_eq!(prefetch_failures(&snapshotter), 0, "a stop fails no request");
+    held.close();
+}
+
 #[test]
 fn a_tier_that_panics_taking_a_load_of_a_chunk_held_below_fails_each_reader_at_once() {
     let fake = fake_holding("fake", keys(0..2));
