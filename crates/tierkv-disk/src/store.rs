@@ -1416,10 +1416,34 @@ impl Queue {
     }
 }
 
+/// Why a read-only store refuses stores.
+struct ReadOnly {
+    /// What [`DiskStore::read_only`] says.
+    why: String,
+    /// For want of room (a reused segment found none to be written over, and no retry has
+    /// found room for a segment since): stores are refused with `NoSpace`, as the write that
+    /// turned the store read-only failed, and not with `Io`, which a directory that cannot be
+    /// written answers. One cause, one answer, for the store that found it and those after.
+    full: bool,
+}
+
+impl ReadOnly {
+    /// Read-only because the directory cannot be written.
+    fn unwritable(why: String) -> Self {
+        ReadOnly { why, full: false }
+    }
+
+    /// What a store is answered while the store is read-only for this.
+    fn refusal(&self) -> TierError {
+        let message = format!("{}; stores are refused, loads still work", self.why);
+        if self.full { TierError::NoSpace(message) } else { TierError::Io(message) }
+    }
+}
+
 /// Whether stores are accepted, and what a read-only store needs to become writable.
 struct WriteState {
-    /// Why stores are refused, when the directory cannot be written.
-    read_only: Option<String>,
+    /// Why stores are refused, while they are.
+    read_only: Option<ReadOnly>,
     /// Read-only because a reused segment found no room to be written over
     /// ([`Shared::notice_refused`]): a writable directory is not enough to write again, the
     /// filesystem must have room for a segment.
@@ -1673,7 +1697,7 @@ impl DiskStore {
             layout,
             io,
             state: Mutex::new(WriteState {
-                read_only: read_only.clone(),
+                read_only: read_only.clone().map(ReadOnly::unwritable),
                 needs_room: false,
                 turns: 0,
                 last_try: Instant::now(),
@@ -1800,7 +1824,7 @@ impl DiskStore {
 
     /// Why stores are refused, while the directory cannot be written.
     pub fn read_only(&self) -> Option<String> {
-        self.shared.state.lock().read_only.clone()
+        self.shared.state.lock().read_only.as_ref().map(|r| r.why.clone())
     }
 
     /// Background upkeep, called periodically (the StorageManager's maintenance tick): a
@@ -3577,8 +3601,7 @@ impl Shared {
 
     /// The error a store answers while stores are refused (read-only), if they are.
     fn refusal(&self) -> Option<TierError> {
-        let why = self.state.lock().read_only.clone()?;
-        Some(TierError::Io(format!("{why}; stores are refused, loads still work")))
+        self.state.lock().read_only.as_ref().map(ReadOnly::refusal)
     }
 
     /// A write, an allocation or a creation in the directory failed with `failure`. Unless the
@@ -3635,9 +3658,10 @@ impl Shared {
         self.enter_read_only_as(why, false);
     }
 
-    /// `enter_read_only`, for a retry that needs room for a segment when `needs_room`. A store
-    /// read-only already takes the newer reason, and keeps needing room once it does, so that a
-    /// write failing while a retry runs (without the state lock) is not forgotten by it.
+    /// `enter_read_only`, for want of room (`needs_room`: stores are refused with `NoSpace`,
+    /// and the retry needs room for a segment). A store read-only already takes the newer
+    /// reason, and keeps needing room once it does, so that a write failing while a retry runs
+    /// (without the state lock) is not forgotten by it.
     fn enter_read_only_as(&self, why: String, needs_room: bool) {
         let mut state = self.state.lock();
         state.turns += 1;
@@ -3646,7 +3670,7 @@ impl Shared {
             warn_read_only(&why);
             self.read_only_gauge.set(true);
         }
-        state.read_only = Some(why);
+        state.read_only = Some(ReadOnly { why, full: needs_room });
         state.last_try = Instant::now();
     }
 
@@ -3682,37 +3706,40 @@ impl Shared {
                 );
                 true
             }
-            Err(why) => {
-                tracing::debug!("the disk tier is still read-only: {why}");
-                state.read_only = Some(why);
+            Err(still) => {
+                tracing::debug!("the disk tier is still read-only: {}", still.why);
+                state.read_only = Some(still);
                 false
             }
         }
     }
 
-    fn become_writable(&self) -> Result<(), String> {
+    /// Makes the directory writable for the store again, or says why it stays read-only.
+    fn become_writable(&self) -> Result<(), ReadOnly> {
         let dir = &self.config.dir;
         let probed = probe(dir);
         // Only a retry sets the lock, and this is the only one under way.
         let mut locked = self.state.lock().lock.is_some();
         if !locked && probed.as_ref().err().is_none_or(is_no_space) {
-            let lock = DirLock::take(dir, self.config.file_mode()).map_err(|e| e.to_string())?;
+            let lock = DirLock::take(dir, self.config.file_mode())
+                .map_err(|e| ReadOnly::unwritable(e.to_string()))?;
             locked = lock.is_some();
             self.state.lock().lock = lock;
         }
         if let Some(why) = unwritable(dir, &probed, locked) {
-            return Err(why);
+            return Err(ReadOnly::unwritable(why));
         }
         // Read-only for want of room to write a reused segment over: that room, or nothing.
         if self.state.lock().needs_room
             && let Err(e) = room(dir, self.layout.segment_bytes)
         {
-            return Err(format!(
+            let why = format!(
                 "the filesystem of {} has no room for a segment of {} bytes ({e}), which a reused \
                  segment needs where the filesystem copies on write",
                 dir.display(),
                 self.layout.segment_bytes
-            ));
+            );
+            return Err(ReadOnly { why, full: true });
         }
         if let Err(e) = secure(dir, self.config.dir_mode(), self.config.group) {
             tracing::warn!(
@@ -3734,7 +3761,8 @@ impl Shared {
         let mut reopened = Vec::with_capacity(files.len());
         for n in files {
             let file = open_file(&self.config, n, self.io, true).map_err(|e| {
-                format!("cannot open {} for writing: {e}", file_path(&self.config.dir, n).display())
+                let path = file_path(&self.config.dir, n);
+                ReadOnly::unwritable(format!("cannot open {} for writing: {e}", path.display()))
             })?;
             cut_file(&file, self.layout.file_bytes(n));
             reopened.push((n, file));
@@ -4225,6 +4253,28 @@ mod tests {
         assert!(!retrying.join().unwrap(), "the retry forgot a turn made while it ran");
         assert!(store.read_only().is_some());
         assert!(store.shared.state.lock().needs_room);
+    }
+
+    #[test]
+    fn stores_refused_for_want_of_room_say_no_space_and_those_refused_as_unwritable_io() {
+        use tierkv_testkit::contract::keys;
+
+        let dir = tempfile::tempdir().unwrap();
+        let store = small_store(dir.path());
+        let mut h = harness(&store);
+        // A reused segment of a copy-on-write filesystem found no room: its store failed with
+        // `NoSpace`, and so do the stores refused after it.
+        store.shared.enter_read_only_as("no room to write a reused segment over".into(), true);
+        match h.store(&keys(0..1)) {
+            Err(TierError::NoSpace(why)) => assert!(why.contains("reused segment"), "{why}"),
+            other => panic!("a store refused for want of room answered {other:?}"),
+        }
+        // The directory turned unwritable since: that is the reason now, answered as at open.
+        store.shared.enter_read_only("not writable".into());
+        match h.store(&keys(0..1)) {
+            Err(TierError::Io(why)) => assert!(why.contains("not writable"), "{why}"),
+            other => panic!("a store refused as unwritable answered {other:?}"),
+        }
     }
 
     #[test]
