@@ -63,7 +63,8 @@ impl Layout {
     }
 }
 
-/// How the store does file I/O, decided once at open.
+/// How the store does file I/O, decided once: at open, or, in a directory that could tell none
+/// then (full, or read-only, and holding no segment file), when its first segment file is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoMode {
     /// `O_DIRECT`: the page cache is bypassed.

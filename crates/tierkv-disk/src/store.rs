@@ -23,8 +23,8 @@ use std::hash::BuildHasher;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -1461,7 +1461,8 @@ struct WriteState {
 struct Shared {
     config: DiskStoreConfig,
     layout: Layout,
-    io: IoMode,
+    /// How file I/O is done, once decided ([`Shared::decided_io`]).
+    io: OnceLock<IoMode>,
     state: Mutex<WriteState>,
     /// Held by the retry of a read-only store to become writable ([`Shared::retry_writable`]),
     /// one at a time, so that its probe, reopens and syncs need not hold `state`, which lookups
@@ -1672,8 +1673,11 @@ impl DiskStore {
         let probed = probe(&dir);
         let read_only = unwritable(&dir, &probed, lock.is_some());
         // A directory that takes no probe file (full, or read-only) tells no mode: its segment
-        // files do.
-        let io = probed.unwrap_or_else(|_| Self::read_mode_of_existing(&dir));
+        // files do, and where it holds none, the first one made (`Shared::decided_io`).
+        let io = match probed {
+            Ok(mode) => Some(mode),
+            Err(_) => Self::read_mode_of_existing(&dir),
+        };
         if read_only.is_none()
             && let Err(e) = secure(&dir, config.dir_mode(), config.group)
         {
@@ -1683,7 +1687,9 @@ impl DiskStore {
                 config.dir_mode()
             );
         }
-        let (index, mut recovered) = scan(&config, layout, io, read_only.is_none())?;
+        // Without a mode there is no segment file to open.
+        let scan_io = io.unwrap_or(IoMode::Buffered);
+        let (index, mut recovered) = scan(&config, layout, scan_io, read_only.is_none())?;
         if let Some(warning) = read_only.is_none().then(|| space_warning(&dir, layout)).flatten() {
             tracing::warn!("{warning}");
         }
@@ -1695,7 +1701,7 @@ impl DiskStore {
         let (done, completions) = unbounded();
         let shared = Arc::new(Shared {
             layout,
-            io,
+            io: io.map(OnceLock::from).unwrap_or_default(),
             state: Mutex::new(WriteState {
                 read_only: read_only.clone().map(ReadOnly::unwritable),
                 needs_room: false,
@@ -1757,21 +1763,20 @@ impl DiskStore {
         Ok(store)
     }
 
-    /// For a read-only directory: direct I/O if an existing segment accepts it.
-    fn read_mode_of_existing(dir: &Path) -> IoMode {
+    /// For a directory that takes no probe file: direct I/O if an existing segment accepts it;
+    /// `None` where there is none to ask.
+    fn read_mode_of_existing(dir: &Path) -> Option<IoMode> {
         let first = std::fs::read_dir(dir).ok().and_then(|entries| {
             entries
                 .flatten()
                 .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
                 .find(|e| e.file_name().to_str().and_then(file_number).is_some())
                 .map(|e| e.path())
-        });
-        match first {
-            Some(path) if SegmentFile::open(path.clone(), false, IoMode::Direct).is_ok() => {
-                IoMode::Direct
-            }
-            _ => IoMode::Buffered,
-        }
+        })?;
+        Some(match SegmentFile::open(first, false, IoMode::Direct) {
+            Ok(_) => IoMode::Direct,
+            Err(_) => IoMode::Buffered,
+        })
     }
 
     fn start_threads(&self) -> Result<(), DiskError> {
@@ -1818,8 +1823,10 @@ impl DiskStore {
     }
 
     /// How file I/O is done: direct, or buffered where the filesystem refuses direct I/O.
-    pub fn io_mode(&self) -> IoMode {
-        self.shared.io
+    /// `None` until it is decided: a directory that took no probe file at open (full, or
+    /// read-only) and held no segment file decides it when its first segment file is made.
+    pub fn io_mode(&self) -> Option<IoMode> {
+        self.shared.io.get().copied()
     }
 
     /// Why stores are refused, while the directory cannot be written.
@@ -3161,7 +3168,9 @@ impl Shared {
             }
             None => {
                 let path = file_path(&self.config.dir, n);
-                let created = SegmentFile::create(path.clone(), bytes, self.io)
+                let io =
+                    self.decided_io().map_err(|e| io_error(&self.config.dir, "probing", &e))?;
+                let created = SegmentFile::create(path.clone(), bytes, io)
                     .map_err(|e| io_error(&path, "creating", &e))?;
                 created
                     .secure(self.config.file_mode(), self.config.group)
@@ -3174,6 +3183,18 @@ impl Shared {
             }
         };
         Ok((file, self.new_epoch(id), overwrites))
+    }
+
+    /// The I/O mode of the segment files, decided now if it is not yet. A directory that took no
+    /// probe file at open (full, or read-only) and held no segment file had nothing to tell it:
+    /// its first segment file is made in the mode a probe file finds then, as at an open with
+    /// room, not in buffered I/O for the rest of the process.
+    fn decided_io(&self) -> std::io::Result<IoMode> {
+        if let Some(mode) = self.io.get() {
+            return Ok(*mode);
+        }
+        let probed = probe(&self.config.dir)?;
+        Ok(*self.io.get_or_init(|| probed))
     }
 
     /// An epoch no earlier life of any segment had: random per process, so a payload can never be
@@ -3758,9 +3779,11 @@ impl Shared {
                 })
                 .collect()
         };
+        // Files the scan opened, or the store made, in the mode decided then.
+        let io = self.io.get().copied().unwrap_or(IoMode::Buffered);
         let mut reopened = Vec::with_capacity(files.len());
         for n in files {
-            let file = open_file(&self.config, n, self.io, true).map_err(|e| {
+            let file = open_file(&self.config, n, io, true).map_err(|e| {
                 let path = file_path(&self.config.dir, n);
                 ReadOnly::unwritable(format!("cannot open {} for writing: {e}", path.display()))
             })?;
