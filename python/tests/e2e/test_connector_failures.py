@@ -8,14 +8,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from halves import BLOCK, Halves, request, scheduler_output
 from vllm.v1.request import Request
 
+from tierkv.client import Client
+from tierkv.errors import BadBuffer
 from tierkv.hashing import prefix_hashes
 from tierkv.vllm.plan import LoadOp, Settings, StoreOp, TierKVMetadata
+from tierkv.vllm.scheduler import SchedulerSide
 from tierkv.vllm.worker import WorkerSide
 
 #: 3 chunks and one token: a lookup asks for all 3 chunks (vLLM computes the last token).
@@ -151,11 +155,82 @@ def test_a_worker_whose_kv_cannot_be_registered_runs_without_the_daemon(halves: 
     # No dimension of 16 blocks: the layout cannot be described to the daemon.
     worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(5, 4)})
     assert worker.link is None
+    assert worker.without_daemon is not None and "LayoutError" in worker.without_daemon
     worker.start_load_kv(TierKVMetadata(loads=[LoadOp("r", [1], [(chunk, [3])])]))
     assert worker.take_load_errors() == {3}
     worker.wait_for_save(TierKVMetadata(stores=[StoreOp("s", [(chunk, [4])])]))
     assert worker.stored_chunks == 0
     worker.shutdown()
+
+
+def test_a_worker_whose_registration_the_daemon_refuses_runs_without_it(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a daemon answers memory it cannot map (a GPU's VMM memory, sleep mode's): it would
+    # answer it again at every try, so the worker does not try again.
+    def refused(*_args: object, **_kwargs: object) -> int:
+        raise BadBuffer("cuda_ipc region 0: the driver will not open this handle")
+
+    monkeypatch.setattr(Client, "register_kv", refused)
+    worker = WorkerSide(halves.settings, "m", BLOCK, 0, 1, False, num_blocks=6)
+    try:
+        worker.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(6, 2, BLOCK, 8)})
+        assert worker.link is None and worker.memory is None
+        assert worker.without_daemon is not None and "BadBuffer" in worker.without_daemon
+    finally:
+        worker.shutdown()
+
+
+def _connector(scheduler: SchedulerSide | None = None, worker: WorkerSide | None = None) -> Any:
+    """A ``TierKVConnector`` over these halves (its constructor needs a whole engine)."""
+    from tierkv.vllm.connector import TierKVConnector
+
+    connector = TierKVConnector.__new__(TierKVConnector)
+    connector._scheduler, connector._worker = scheduler, worker  # noqa: SLF001
+    return connector
+
+
+def test_once_a_worker_runs_without_the_daemon_the_scheduler_reports_no_hits(
+    halves: Halves, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    first = _hit(halves, "first")
+    halves.scheduler.update_state_after_alloc(first, 0)
+    # TP ranks 1 and 2 could not register their KV (rank 0, the healthy one, says nothing).
+    workers = [halves.worker]
+    for rank in (1, 2):
+        broken = WorkerSide(halves.settings, "m", BLOCK, rank, 3, False, num_blocks=16)
+        broken.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(5, 4)})
+        workers.append(broken)
+    try:
+        metas = [_connector(worker=w).build_connector_worker_meta() for w in workers]
+        assert metas[0] is None and all(m is not None for m in metas[1:])
+        # vLLM's own aggregation of the ranks' step outputs, and its call of the scheduler's.
+        outputs = [
+            ModelRunnerOutput.with_kv_conn_output_only(
+                KVConnectorOutput(kv_connector_worker_meta=meta)
+            )
+            for meta in metas
+        ]
+        merged = KVOutputAggregator(len(workers)).aggregate(outputs)
+        assert merged is not None and merged.kv_connector_output is not None
+        said = merged.kv_connector_output.kv_connector_worker_meta
+        assert sorted(said.without_daemon) == [1, 2]
+        scheduler = _connector(scheduler=halves.scheduler)
+        before = int(halves.daemon.status()["lookups"])
+        with caplog.at_level(logging.WARNING, logger="tierkv.vllm.scheduler"):
+            for _ in range(3):
+                scheduler.update_connector_output(merged.kv_connector_output)
+        warnings = [r for r in caplog.records if "run without the daemon" in r.getMessage()]
+        assert len(warnings) == 1 and "LayoutError" in warnings[0].getMessage()
+        # The daemon holds the prefix, but no rank could load it: no hit, and no lookup made.
+        assert halves.scheduler.get_num_new_matched_tokens(request("r", PROMPT), 0) == (0, False)
+        assert int(halves.daemon.status()["lookups"]) == before
+    finally:
+        for w in workers[1:]:
+            w.shutdown()
 
 
 def test_the_kv_is_registered_when_vllm_registers_it_or_at_the_first_call_after(
@@ -182,6 +257,7 @@ def test_the_kv_is_registered_when_vllm_registers_it_or_at_the_first_call_after(
             late.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(6, 2, BLOCK, 8)})
         assert late.link is not None and late.link.generation == 0
         assert "no session with the daemon yet" in caplog.text
+        assert late.without_daemon is None, "a daemon not there yet is waited for"
         daemon.start()
         late.wait_for_save(TierKVMetadata(stores=[StoreOp("s", [(chunk, [1])])]))
         assert late.stored_chunks == 1 and late.link.generation == 1

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tierkv.vllm.guard import nothing
-from tierkv.vllm.plan import Settings, TierKVMetadata
+from tierkv.vllm.plan import WORKER_METADATA, Settings, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.vllm.scheduler import SchedulerSide, block_interior_of, namespace_of
 from tierkv.vllm.worker import WorkerSide
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -256,6 +257,15 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    def build_connector_worker_meta(self) -> TierKVWorkerMetadata | None:
+        """After every step, a worker that runs without the daemon says so (with why), so that
+        the scheduler half stops reporting the daemon's hits, which would all fail here. Every
+        step, not once: it costs a few bytes, and no step's output is then the one that must
+        arrive. ``None`` otherwise, and from a vLLM without this channel."""
+        if not WORKER_METADATA or self._worker is None or self._worker.without_daemon is None:
+            return None
+        return TierKVWorkerMetadata({self._worker.rank: self._worker.without_daemon})
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -281,7 +291,23 @@ class TierKVConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The external tokens vLLM accepted, split by the tier of the daemon that held them
+        (:meth:`SchedulerSide.hit_sources`)."""
+        # Imported here: a vLLM without it never calls this hook.
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        assert self._scheduler is not None
+        split = self._scheduler.hit_sources(request, num_external_tokens)
+        return {CacheHitSource(source): tokens for source, tokens in split.items()}
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, TierKVWorkerMetadata) and meta.without_daemon:
+                self._scheduler.without_daemon(meta.without_daemon)
         recving = set(connector_output.finished_recving or ())
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         invalid = set(connector_output.invalid_block_ids or ())

@@ -15,6 +15,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from tierkv.client import trusted_uids
 from tierkv.vllm.link import Link
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorWorkerMetadata as _WorkerMetadataBase,
+    )
+except ImportError:  # an older vLLM, without the workers' channel to the scheduler
+    _WorkerMetadataBase = object
+
+#: Whether this vLLM carries what the workers tell the scheduler after a step
+#: (``KVConnectorWorkerMetadata``): without it the scheduler half never hears that a worker runs
+#: without the daemon, and goes on reporting the daemon's hits (each a failed load).
+WORKER_METADATA = _WorkerMetadataBase is not object
+
 #: A chunk as the daemon names it: its id and the engine blocks that hold it, in token order.
 ChunkBlocks = tuple[int, list[int]]
 
@@ -74,6 +86,23 @@ class TierKVMetadata(KVConnectorMetadata):
     #: was not yet reported over: the workers report every block of it failed whatever the
     #: retrieve did (it read what was computed before the reset), and vLLM recomputes them.
     stale_loads: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TierKVWorkerMetadata(_WorkerMetadataBase):
+    """What the workers tell the scheduler half after a step (vLLM aggregates every TP rank's):
+    the ranks that run without the daemon, each with why (their KV memory could not be
+    registered). One such rank fails every load of the engine, so the scheduler half then
+    reports no hits."""
+
+    without_daemon: dict[int, str] = field(default_factory=dict)
+
+    def aggregate(self, other: Any) -> TierKVWorkerMetadata:
+        """Any rank's word: the union of both."""
+        ranks = dict(self.without_daemon)
+        if isinstance(other, TierKVWorkerMetadata):
+            ranks.update(other.without_daemon)
+        return TierKVWorkerMetadata(ranks)
 
 
 @dataclass(frozen=True)

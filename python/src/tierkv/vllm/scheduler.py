@@ -54,6 +54,16 @@ log = logging.getLogger(__name__)
 _RELEASE_RETRY_S = 0.2
 _RELEASE_TRIES = 3
 
+#: vLLM's name of where a hit's tokens came from (``CacheHitSource``) when it is not known.
+UNSPECIFIED = "external_unspecified"
+
+#: vLLM's names (``CacheHitSource`` values) of the daemon's tiers, in ``per_tier``'s order: L1
+#: and L2 are host memory, the disk tier disk, and the remote tier (Redis, shared with other
+#: nodes) unspecified, as vLLM names a remote store. The daemon does not say where its L1 is
+#: (``l1.device``: the GPU when it has one), so an L1 on a GPU counts as host memory too; vLLM's
+#: ``device`` is the engine's own prefix cache.
+TIER_SOURCES = ("host", "host", "disk", UNSPECIFIED)
+
 
 @dataclass
 class _Request:
@@ -70,6 +80,12 @@ class _Request:
     lookups: list[int] | None = None
     #: Each lookup's hit, in chunks from the root (``None``: still prefetching).
     outcomes: list[int | None] = field(default_factory=list)
+    #: Each lookup's hit chunks per tier of the daemon (``LookupOutcome.per_tier``: L1, L2,
+    #: disk, remote), once known (empty for one that failed).
+    per_tier: list[list[int]] = field(default_factory=list)
+    #: Those of the lookups whose hit was last reported to vLLM: where its tokens came from
+    #: (:meth:`SchedulerSide.hit_sources`).
+    hit_tiers: list[list[int]] = field(default_factory=list)
     #: Each link's session generation when the lookups were made (one per link).
     generations: list[int] = field(default_factory=list)
     looked_at: float = 0.0
@@ -301,6 +317,10 @@ class SchedulerSide:
         #: fail, so that the step's metadata loads them or reports their blocks.
         self.promised: dict[str, int] = {}
         self.guard = Guard(log)
+        #: The TP ranks whose workers run without the daemon (their KV memory could not be
+        #: registered), each with why, as the workers told it (:meth:`without_daemon`): no hit
+        #: is reported once there is one.
+        self.workers_without_daemon: dict[int, str] = {}
         #: Requests whose preemption was settled when they were looked up again, before the
         #: step that reports it (which then leaves them alone).
         self.settled_preemptions: set[str] = set()
@@ -388,6 +408,32 @@ class SchedulerSide:
             "planning a load (vLLM recomputes its blocks)",
             lambda: self._after_alloc(request, num_external_tokens),
             nothing,
+        )
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """The ``num_external_tokens`` vLLM accepted of the request's last hit, split by the
+        tier of the daemon that held them (vLLM's ``CacheHitSource`` values, :data:`TIER_SOURCES`):
+        only non-zero counts, adding up to ``num_external_tokens``. A failure reports them all
+        unspecified."""
+        return self.guard.run(
+            "splitting a hit by tier (reported unspecified)",
+            lambda: self._hit_sources(request, num_external_tokens),
+            lambda _e: {UNSPECIFIED: num_external_tokens} if num_external_tokens > 0 else {},
+        )
+
+    def without_daemon(self, ranks: dict[int, str]) -> None:
+        """The workers of these TP ranks run without the daemon for the rest of their process
+        (``ranks``: each one's reason): every load of the engine would fail there, and be
+        recomputed, so from now on no hit is reported. Said once, as a warning."""
+        if not ranks or self.workers_without_daemon:
+            return
+        self.workers_without_daemon = dict(ranks)
+        log.warning(
+            "tierkv: the workers of TP ranks %s run without the daemon (their KV memory could "
+            "not be registered: %s); no hit is reported from now on, and nothing is stored (a "
+            "new engine process registers again)",
+            sorted(ranks),
+            "; ".join(f"rank {rank}: {why}" for rank, why in sorted(ranks.items())),
         )
 
     def build_connector_meta(self, out: SchedulerOutput) -> TierKVMetadata:
@@ -601,6 +647,10 @@ class SchedulerSide:
     # -- the hooks' bodies -------------------------------------------------------------------
 
     def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.workers_without_daemon:
+            # A worker runs without the daemon: it could load nothing. Nothing is looked up,
+            # and a request not known yet is not either (no store would be made of it).
+            return 0, False
         req_id = request.request_id
         state = self._state(request)
         preemptions = getattr(request, "num_preemptions", 0)
@@ -643,8 +693,49 @@ class SchedulerSide:
             self._keep_miss(req_id, state, num_computed_tokens, hit)
             return 0, False
         state.hit_chunks = hit
+        state.hit_tiers = list(state.per_tier)
         state.asked_at = num_computed_tokens
         return hit_tokens - num_computed_tokens, False
+
+    def _hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """The tokens ``[asked_at, asked_at + num_external_tokens)`` of the request's hit (those
+        vLLM accepted: the hit is a prefix from the root, and vLLM's own hit ends where the
+        lookup was asked), by tier.
+
+        The daemon gives each lookup's count of chunks per tier, not which positions each tier
+        held, so the split assumes that every tier holds its part of a hit root first, in
+        ``per_tier``'s order: L1 the first chunks, L2 the next, then the disk, then the remote
+        tier. That is what the daemon's eviction leaves (every tier lets a chain's tail go
+        before its parents, so each holds a prefix of it) as long as no tier lost a parent and
+        kept its child. With TP > 1 each rank's lookup counts its own copy; a position counts
+        for the slowest tier any rank needed it from, as the daemon counts one chunk over KV
+        groups. What no count covers (a hit known by none, or past it) is unspecified."""
+        split: dict[str, int] = {}
+        if num_external_tokens <= 0:
+            return split
+        state = self.requests.get(request.request_id)
+        if state is None:
+            return {UNSPECIFIED: num_external_tokens}
+        start = state.asked_at
+        end = start + num_external_tokens
+        # Where each tier's part ends, in chunks from the root: a position is past tier t on
+        # some rank once it is past it on the rank whose first t + 1 tiers hold the fewest.
+        ends: list[int] = []
+        if state.hit_tiers and all(state.hit_tiers):
+            ends = [
+                min(sum(counts[: t + 1]) for counts in state.hit_tiers)
+                for t in range(len(TIER_SOURCES))
+            ]
+        begin = 0
+        for source, tier_end in zip(TIER_SOURCES, ends, strict=False):
+            lo, hi = max(start, begin * self.chunk_tokens), min(end, tier_end * self.chunk_tokens)
+            if hi > lo:
+                split[source] = split.get(source, 0) + hi - lo
+            begin = tier_end
+        known = sum(split.values())
+        if known < num_external_tokens:
+            split[UNSPECIFIED] = split.get(UNSPECIFIED, 0) + num_external_tokens - known
+        return split
 
     def _miss_holds(self, req_id: str, state: _Request, num_computed_tokens: int) -> bool:
         """Whether the request's kept miss still answers: vLLM computed no fewer tokens than when
@@ -1123,14 +1214,17 @@ class SchedulerSide:
                 except DaemonError as e:
                     log.debug("tierkv: lookup %d failed: %s", lookup, e)
                     state.outcomes[i] = 0
+                    state.per_tier[i] = []
                     continue
                 if outcome is None:
                     if time.monotonic() - state.looked_at > self.settings.timeout_s:
                         state.outcomes[i] = 0  # a prefetch past the deadline is a miss
+                        state.per_tier[i] = []
                         continue
                     prefetching = True
                     continue
                 state.outcomes[i] = outcome.hit_chunks
+                state.per_tier[i] = list(outcome.per_tier)
         if prefetching:
             return None
         # Never more than was asked for: vLLM must compute at least the prompt's last token.
@@ -1160,6 +1254,7 @@ class SchedulerSide:
             raise
         state.lookups = [s.lookup for s, _ in started]
         state.outcomes = [s.outcome.hit_chunks if s.outcome else None for s, _ in started]
+        state.per_tier = [list(s.outcome.per_tier) if s.outcome else [] for s, _ in started]
         state.generations = [generation for _, generation in started]
         state.looked_at = time.monotonic()
 
@@ -1224,6 +1319,7 @@ class SchedulerSide:
         not known to have run loads through is held back until it has (``loading_through``)."""
         lookups, state.lookups = state.lookups, None
         state.outcomes = []
+        state.per_tier = []
         if lookups is None:
             return
         for link, generation, lookup in zip(self.links, state.generations, lookups, strict=True):

@@ -12,7 +12,11 @@ recomputes them (``kv_load_failure_policy="recompute"``); a failed store is only
 Every hook runs under the connector's :class:`~tierkv.vllm.guard.Guard`: whatever fails in it, a
 load's blocks are reported (so are the blocks the scheduler half could not plan a load for,
 ``TierKVMetadata.unloadable``), a store is dropped, and vLLM's step goes on. A worker whose KV
-memory could not be registered runs without the daemon: every load fails, no store is made.
+memory could not be registered (it could not be exported, or the daemon refused it) runs without
+the daemon for the rest of the process: every load fails, no store is made, and every step's
+output says so to the scheduler half (``without_daemon``, in vLLM's worker metadata), which
+then reports no hits. One whose daemon is merely not there yet at start is not: it connects, and
+registers, at its first load or store.
 
 What the forward pass computed over a failed load's blocks is wrong too, and must not be stored:
 every later token's KV depends on the earlier ones. With TP > 1 one rank's failed load reaches
@@ -62,6 +66,7 @@ import torch.distributed as dist
 
 from tierkv import wire
 from tierkv.client import READY_EVENT_WAIT_S, Client, Unanswered
+from tierkv.errors import DaemonError
 from tierkv.vllm.guard import Guard, nothing
 from tierkv.vllm.link import Link, Unavailable
 from tierkv.vllm.memory import DeviceKv, KvMemory, export_device_kv, move_to_memfd
@@ -130,6 +135,12 @@ class WorkerSide:
         self.tp_group = tp_group
         self.memory: KvMemory | DeviceKv | None = None
         self.link: Link | None = None
+        #: Why this worker runs without the daemon (its KV memory could not be registered), or
+        #: ``None``: told to the scheduler half after every step (``TierKVWorkerMetadata``).
+        self.without_daemon: str | None = None
+        # The daemon's last refusal of the registration: the link reports it as unavailable,
+        # and the session opened at start tells it apart.
+        self._refused: DaemonError | None = None
         self.buffer = 0
         # The loading thread's own session (``async_loads``), opened on its first load, so that
         # the step's stores never wait behind a long retrieve; its own number for the KV
@@ -195,9 +206,10 @@ class WorkerSide:
             self._unregistered,
         )
 
-    def _unregistered(self, _error: Exception) -> None:
+    def _unregistered(self, error: Exception) -> None:
         self.memory = None
         self.link = None
+        self.without_daemon = f"{type(error).__name__}: {error}"
 
     def _register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], bound_views: list[torch.Tensor]
@@ -223,10 +235,14 @@ class WorkerSide:
         self.link = self._link(self._register)
         # The session and the registration now, not in the first step that loads or stores,
         # which would pay for them (a second a GiB of KV, on a memfd), and so that a daemon that
-        # refuses the registration says so at start. One not there yet is tried again then.
+        # refuses the registration says so at start: it would refuse it again (memory it cannot
+        # open, a layout it does not take), so the worker runs without it. One not there yet
+        # is tried again then.
         try:
             self.link.client()
         except Unavailable as e:
+            if self._refused is not None and e.__cause__ is self._refused:
+                raise self._refused from None
             log.warning(
                 "tierkv: no session with the daemon yet (%s); it is tried again at the first "
                 "load or store",
@@ -250,7 +266,11 @@ class WorkerSide:
         return self.settings.link(self._hello, on_connect=on_connect, watch_unanswered=True)
 
     def _register(self, client: Client) -> None:
-        self.buffer = self._register_kv(client)
+        try:
+            self.buffer = self._register_kv(client)
+        except DaemonError as e:
+            self._refused = e
+            raise
 
     def _register_async(self, client: Client) -> None:
         self._async_buffer = self._register_kv(client)
