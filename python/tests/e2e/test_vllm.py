@@ -10,6 +10,7 @@ prompt can load 896.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +111,38 @@ def test_a_second_vllm_process_loads_what_the_first_stored(
     out = engine_b.generate([P1])[0]
     assert out["cached"] == 896
     assert out["tokens"] == REFERENCE[1]
+
+
+def test_an_engine_whose_worker_cannot_register_its_kv_reports_no_hits(
+    model: Path, engine_a: Engine, daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The daemon holds P's chunks, but refuses this engine's worker its KV memory (as it refuses
+    # a GPU's VMM memory): the worker runs without the daemon, and tells the scheduler.
+    p = prompt(350, 1000)
+    cold = engine_a.generate([p])[0]["tokens"]
+    daemon.eventually("P is stored", lambda s: s["tiers"][0]["objects"] >= 1000 // CHUNK)
+    inject = Path(__file__).parent / "inject"
+    path = os.pathsep.join(x for x in (str(inject), os.environ.get("PYTHONPATH", "")) if x)
+    refused = Engine(
+        model,
+        socket=daemon.socket,
+        log=tmp_path_factory.mktemp("logs") / "engine-refused.log",
+        env={"PYTHONPATH": path, "TIERKV_REFUSE_REGISTRATION": "1"},
+    )
+    try:
+        # Its first request may still be answered the daemon's hit (a failed load, recomputed).
+        assert refused.generate([p])[0]["tokens"] == cold
+        lookups = daemon.status()["lookups"]
+        refused.reset()
+        again = refused.generate([p])[0]
+        assert again["tokens"] == cold
+        assert again["cached"] == 0, "no hit once the scheduler heard"
+        assert daemon.status()["lookups"] == lookups, "nor any lookup"
+        assert refused.log_path is not None
+        log = refused.log_path.read_text()
+        assert "run without the daemon" in log and "BadBuffer" in log
+    finally:
+        refused.stop()
 
 
 def test_daemon_killed_restarted_and_hung_the_engine_keeps_answering(

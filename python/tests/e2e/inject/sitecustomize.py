@@ -10,6 +10,8 @@
   The platform hook runs in every process that builds the config, so this one wraps it in each.
   The scheduler class vLLM picks is printed as ``tierkv-test: scheduler <name>``, so that a test
   can check the engine core really schedules asynchronously.
+- ``TIERKV_REFUSE_REGISTRATION=1``: every ``register_kv`` is refused with ``bad_buffer``, as the
+  daemon refuses memory it cannot map (a GPU's VMM memory, which vLLM's sleep mode allocates).
 """
 
 from __future__ import annotations
@@ -56,3 +58,12 @@ if os.environ.get("TIERKV_ASYNC_SCHEDULING") == "1":
         return cls
 
     SchedulerConfig.get_scheduler_cls = _announced  # type: ignore[method-assign]
+
+if os.environ.get("TIERKV_REFUSE_REGISTRATION") == "1":
+    from tierkv.client import Client
+    from tierkv.errors import BadBuffer
+
+    def _refused(self: Client, *args: Any, **kwargs: Any) -> int:
+        raise BadBuffer("an injected refusal of the registration")
+
+    Client.register_kv = _refused  # type: ignore[method-assign]
