@@ -17,6 +17,7 @@ mod index;
 mod lease;
 mod manager;
 mod metrics;
+mod room;
 mod slots;
 
 pub use access::{ReadAccess, SlotHandle, WriteAccess};
@@ -29,4 +30,5 @@ pub use manager::{
     OwnerReleased, Presence, ReadGrant, Released, Usage, WriteMode,
 };
 pub use metrics::EvictionReason;
+pub use room::RoomWatch;
 pub use slots::SlotId;

@@ -2,7 +2,8 @@
 //!
 //! Lock order, everywhere: a lease shard, then index shards one at a time (only the audit holds
 //! several), then the free list. No lock is held across a byte copy: copies happen through
-//! guards after the locks are released.
+//! guards after the locks are released. Writers waiting for room are woken once the locks that
+//! freed it are let go (`Room`), but for a lease revoked where a call found it expired.
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -25,6 +26,7 @@ use crate::lease::{
     KeyShares, LeaseId, LeaseRecord, LeaseShard, LeaseTable, OwnerId, Readers, all_readers,
 };
 use crate::metrics::{EvictionReason, L1Metrics};
+use crate::room::RoomWatch;
 use crate::slots::{SlotId, Slots};
 
 /// Victims `lease_eviction_candidates` leases per hold of its lease shard: enough that the
@@ -413,6 +415,7 @@ impl L1Manager {
                 // Free slots were taken since they were counted: the key-by-key path claims
                 // each key before it evicts for it.
                 self.slots.give_back_many(slots);
+                self.slots.room.freed();
                 return None;
             }
             self.evict_many(keys.len() - slots.len(), evicted, &mut slots);
@@ -478,7 +481,10 @@ impl L1Manager {
                 None => results[i] = Ok(insert(&mut shard, i, slot)),
             }
         }
-        self.slots.give_back_many(leftover);
+        if !leftover.is_empty() {
+            self.slots.give_back_many(leftover);
+            self.slots.room.freed();
+        }
         Some(results)
     }
 
@@ -521,6 +527,7 @@ impl L1Manager {
         if let Some(refusal) = create_conflict(&shard, key) {
             drop(shard);
             self.slots.give_back(slot);
+            self.slots.room.freed();
             return Err(refusal);
         }
         Ok(self.insert_writing(&mut shard, key, slot, len, owner, temporary))
@@ -609,6 +616,8 @@ impl L1Manager {
         let finished: Vec<ObjectKey> =
             keys.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(k, _)| *k).collect();
         if !finished.is_empty() {
+            // Finished without a lease, the objects are cached: room a waiting writer may evict.
+            self.slots.room.freed();
             self.metrics.writes_finished(finished.len());
             self.observer.writes_finished(&finished);
         }
@@ -642,7 +651,7 @@ impl L1Manager {
     /// Drops write reservations. Nothing of an aborted write was ever visible; its slot is freed
     /// as soon as no copy pins it.
     pub fn abort_write(&self, owner: OwnerId, keys: &[ObjectKey]) -> Vec<Result<(), KeyError>> {
-        keys.iter().map(|key| self.abort_one(owner, key, None)).collect()
+        self.freed_if_any(keys.iter().map(|key| self.abort_one(owner, key, None)).collect())
     }
 
     /// [`abort_write`](Self::abort_write) of reservations, each named with the generation it was
@@ -652,10 +661,12 @@ impl L1Manager {
         owner: OwnerId,
         reservations: &[(ObjectKey, u64)],
     ) -> Vec<Result<(), KeyError>> {
-        reservations
-            .iter()
-            .map(|(key, generation)| self.abort_one(owner, key, Some(*generation)))
-            .collect()
+        self.freed_if_any(
+            reservations
+                .iter()
+                .map(|(key, generation)| self.abort_one(owner, key, Some(*generation)))
+                .collect(),
+        )
     }
 
     fn abort_one(
@@ -883,6 +894,7 @@ impl L1Manager {
             let mask = readers.mask(lease, record.readers)?;
             self.release(&mut shard, lease, Selection::Strict { mask, keys })
         })();
+        self.freed_by(&result);
         result.map_err(|e| self.refuse(e))
     }
 
@@ -921,6 +933,7 @@ impl L1Manager {
             self.live_lease(&mut shard, lease)?;
             self.release(&mut shard, lease, Selection::Everything)
         })();
+        self.freed_by(&result);
         result.map_err(|e| self.refuse(e))
     }
 
@@ -934,7 +947,12 @@ impl L1Manager {
         match shard.live.get(&lease.0) {
             None => return Err(shard.gone(lease)),
             Some(record) if record.deadline <= now => {
-                self.revoke(shard, lease);
+                // The one wake-up under a lock: it would otherwise have to travel out through
+                // every caller's error. It is rare (the tick revokes most expired leases), paid
+                // only while a writer waits, and a woken writer takes no lease shard.
+                if self.revoke(shard, lease).unleased > 0 {
+                    self.slots.room.freed();
+                }
                 return Err(L1Error::LeaseExpired(lease));
             }
             Some(_) => {}
@@ -1114,15 +1132,18 @@ impl L1Manager {
     /// periodically; a late release of a revoked lease is answered `LeaseExpired`.
     pub fn expire_leases(&self) -> usize {
         let now = self.clock.now();
-        let mut expired = 0;
+        let (mut expired, mut unleased) = (0, 0);
         for shard in self.leases.shards() {
             let mut shard = shard.lock();
             let due: Vec<u64> =
                 shard.live.iter().filter(|(_, r)| r.deadline <= now).map(|(id, _)| *id).collect();
             for id in due {
-                self.revoke(&mut shard, LeaseId(id));
+                unleased += self.revoke(&mut shard, LeaseId(id)).unleased;
                 expired += 1;
             }
+        }
+        if unleased > 0 {
+            self.slots.room.freed();
         }
         expired
     }
@@ -1133,7 +1154,8 @@ impl L1Manager {
     /// unless `force`; a forced delete leaves the leases in place, but their shares no longer
     /// touch anything, and a copy under way finishes on the old slot before it is reused.
     pub fn delete(&self, keys: &[ObjectKey], force: bool) -> Vec<Result<(), KeyError>> {
-        keys.iter()
+        let deleted = keys
+            .iter()
             .map(|key| {
                 let result = (|| {
                     let mut shard = self.index.shard(key);
@@ -1147,7 +1169,8 @@ impl L1Manager {
                 self.count_refusal(&result);
                 result
             })
-            .collect()
+            .collect();
+        self.freed_if_any(deleted)
     }
 
     /// Deletes every cached object, or with `force` every object.
@@ -1168,6 +1191,9 @@ impl L1Manager {
                 false
             });
         }
+        if cleared.removed > 0 {
+            self.slots.room.freed();
+        }
         cleared
     }
 
@@ -1176,6 +1202,7 @@ impl L1Manager {
     /// any call that finds one does: counted as an expiry, and a late release is told so.
     pub fn release_owner(&self, owner: OwnerId) -> OwnerReleased {
         let mut report = OwnerReleased::default();
+        let mut unleased = 0;
         let now = self.clock.now();
         for shard in self.leases.shards() {
             let mut shard = shard.lock();
@@ -1195,6 +1222,7 @@ impl L1Manager {
                 if let Ok(released) = released {
                     report.leases += 1;
                     report.shares += released.shares;
+                    unleased += released.unleased;
                 }
             }
         }
@@ -1210,6 +1238,9 @@ impl L1Manager {
                 report.aborted_writes += 1;
                 false
             });
+        }
+        if unleased > 0 || report.aborted_writes > 0 {
+            self.slots.room.freed();
         }
         report
     }
@@ -1433,6 +1464,11 @@ impl L1Manager {
                 }
             }
         }
+        // A writer that looked while a victim was between its shard and the free list found it
+        // in neither.
+        if !victims.is_empty() {
+            self.slots.room.freed();
+        }
         self.announce_evictions(&victims, EvictionReason::Watermark);
         victims
     }
@@ -1447,6 +1483,9 @@ impl L1Manager {
                 None => break,
             }
         }
+        if !victims.is_empty() {
+            self.slots.room.freed();
+        }
         self.announce_evictions(&victims, reason);
         victims
     }
@@ -1455,6 +1494,45 @@ impl L1Manager {
         if !victims.is_empty() {
             self.metrics.evicted(reason, victims.len());
             self.observer.evicted(victims, reason);
+        }
+    }
+
+    // ----- room -----
+
+    /// Starts watching for room in L1, for a writer that waits for it when a reservation found
+    /// none: taken before the first try, the watch's [`RoomWatch::wait_until`] returns once
+    /// anything may have freed room since (a lease's last share returned or revoked, a
+    /// reservation aborted, a write finished without a lease, an object deleted, cleared or
+    /// evicted, the last copy out of a slot ended). While no writer watches, each of those
+    /// pays one atomic load for it.
+    pub fn watch_room(&self) -> RoomWatch<'_> {
+        self.slots.room.watch()
+    }
+
+    /// Wakes the writers watching for room, to look again: for a caller whose own bookkeeping
+    /// tells them whether to go on waiting (the store pipeline, done with a job that held L1
+    /// shares). One atomic load while none watches.
+    pub fn wake_room_watchers(&self) {
+        self.slots.room.freed();
+    }
+
+    /// Writers watching for room now ([`L1Manager::watch_room`]).
+    pub fn room_watchers(&self) -> usize {
+        self.slots.room.watchers()
+    }
+
+    /// Wakes the writers watching for room if any of `results` removed an entry; returns them.
+    fn freed_if_any(&self, results: Vec<Result<(), KeyError>>) -> Vec<Result<(), KeyError>> {
+        if results.iter().any(|r| r.is_ok()) {
+            self.slots.room.freed();
+        }
+        results
+    }
+
+    /// Wakes the writers watching for room if a release returned some key's last share.
+    fn freed_by(&self, released: &Result<Released, L1Error>) {
+        if released.as_ref().is_ok_and(|r| r.unleased > 0) {
+            self.slots.room.freed();
         }
     }
 

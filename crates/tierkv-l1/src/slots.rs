@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use crate::device::DeviceArena;
+use crate::room::Room;
 
 const RETIRED: u32 = 1 << 31;
 const WRITER: u32 = 1 << 30;
@@ -35,6 +36,9 @@ pub(crate) struct Slots {
     free: Mutex<Vec<SlotId>>,
     /// Slots whose entry is gone but which a copy still pins.
     retiring: AtomicU64,
+    /// Writers waiting for room: a slot's last pin dropped may give them some (a retired slot
+    /// freed, or a cached object evictable again).
+    pub(crate) room: Room,
 }
 
 impl Slots {
@@ -42,7 +46,14 @@ impl Slots {
         let states = (0..count).map(|_| AtomicU32::new(0)).collect();
         // Pop from the end: hand out low slots first, which keeps small tests readable.
         let free = (0..count).rev().map(SlotId).collect();
-        Slots { arena, slot_bytes, states, free: Mutex::new(free), retiring: AtomicU64::new(0) }
+        Slots {
+            arena,
+            slot_bytes,
+            states,
+            free: Mutex::new(free),
+            retiring: AtomicU64::new(0),
+            room: Room::default(),
+        }
     }
 
     pub(crate) fn arena(&self) -> &dyn DeviceArena {
@@ -127,12 +138,16 @@ impl Slots {
     }
 
     /// Drops a pin taken by `pin_read` (or `pin_write` with `writer`). The last pin of a retired
-    /// slot frees it.
+    /// slot frees it. Guards drop their pins outside every lock of L1, so the last pin tells the
+    /// writers waiting for room (if any) here.
     pub(crate) fn unpin(&self, slot: SlotId, writer: bool) {
         let delta = if writer { WRITER + 1 } else { 1 };
         let before = self.state(slot).fetch_sub(delta, Ordering::AcqRel);
-        if before & RETIRED != 0 && before & PINS == 1 {
-            self.release_retired(slot);
+        if before & PINS == 1 {
+            if before & RETIRED != 0 {
+                self.release_retired(slot);
+            }
+            self.room.freed();
         }
     }
 

@@ -810,10 +810,21 @@ impl Session {
         let storage = &self.daemon.storage;
         let opened = self.opened();
         let reserved = if peer.may_wait() {
-            storage.reserve_write_until(self.owner(), keys, &opened.layout, deadline)?
+            // The wait for room ends when the client gives up, rather than holding what the
+            // window reserved until the deadline.
+            let gave_up = || peer.gave_up();
+            storage.reserve_write_until(self.owner(), keys, &opened.layout, deadline, gave_up)?
         } else {
             storage.reserve_write_now(self.owner(), keys, &opened.layout)?
         };
+        if peer.gave_up() {
+            // Given up on while the window waited for room (or before): nothing is copied from
+            // blocks the client may have handed to another request since.
+            let held: Vec<ObjectKey> =
+                keys.iter().zip(&reserved).filter(|(_, r)| r.is_ok()).map(|(k, _)| *k).collect();
+            storage.abort_write(self.owner(), &held)?;
+            return Ok(StoredPart { gave_up: true, ..StoredPart::default() });
+        }
         let mut part = StoredPart::default();
         let (mut written, mut broken) = (Vec::new(), Vec::new());
         // Device-to-device copies still in flight: their slots stay pinned until the wait.
@@ -1914,6 +1925,37 @@ mod tests {
         disk.release_held();
     }
 
+    /// A store whose window waits for room (L1 full of chunks lookups hold and of copies on
+    /// their way down) is stored as soon as a lookup is released, not when the copies end or
+    /// the store's deadline (30 s away) passes: the release wakes the wait. (The vLLM
+    /// connector's stores run inside the engine's step, which a needless wait stalls.)
+    #[test]
+    fn a_store_waiting_for_room_is_stored_as_soon_as_a_lookup_is_released() {
+        const BACKPRESSURE: Duration = Duration::from_secs(30);
+        let FullL1 { daemon, first, disk, .. } = FullL1::new(BACKPRESSURE);
+        let peer = Peer::detached();
+        let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 2, peer);
+        let releases = {
+            let daemon = Arc::clone(&daemon);
+            std::thread::spawn(move || {
+                let l1 = daemon.storage().l1();
+                tierkv_testkit::eventually("the store waits for room", || l1.room_watchers() == 1);
+                daemon.storage().release_all(first).unwrap();
+            })
+        };
+        let chunks: Vec<ChunkBlocks> = (0..2)
+            .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
+            .collect();
+        let store = RequestBody::Store { namespace: 0, buffer: 0, chunks, ready_event: None };
+        let deadline = Instant::now() + BACKPRESSURE;
+        let answer = session.handle(store, &mut || None, peer);
+        assert!(Instant::now() < deadline, "the store waited out its deadline");
+        releases.join().unwrap();
+        assert!(matches!(answer.reply, ReplyBody::Stored { stored: 2, .. }), "{:?}", answer.reply);
+        assert_eq!(disk.held_tasks(), 1, "the room came before the copies ended");
+        disk.release_held();
+    }
+
     /// A store of two windows given up on while its second window waited for room: the first
     /// window (the chain's tail, stored first) was finished before the client gave up, read
     /// while the client still held its blocks, and stays; the second is never made visible;
@@ -1921,9 +1963,9 @@ mod tests {
     #[tokio::test]
     async fn a_store_given_up_on_between_windows_keeps_the_windows_before_and_says_so() {
         use tierkv_l1::Presence;
-        // The second window waits out the backpressure (a lookup released frees room, but
-        // wakes no waiter), then finds the room `first` left.
-        let FullL1 { daemon, first, second, disk } = FullL1::new(Duration::from_secs(2));
+        // The second window waits for room; the client gives up, and `first` leaves room,
+        // which wakes the wait (if the give-up did not end it first).
+        let FullL1 { daemon, first, second, disk } = FullL1::new(Duration::from_secs(30));
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
         let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
@@ -1933,7 +1975,8 @@ mod tests {
         let gives_up = {
             let daemon = Arc::clone(&daemon);
             std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(500));
+                let l1 = daemon.storage().l1();
+                tierkv_testkit::eventually("a window waits for room", || l1.room_watchers() == 1);
                 theirs.shutdown(std::net::Shutdown::Write).unwrap();
                 daemon.storage().release_all(first).unwrap();
                 theirs
@@ -1967,27 +2010,36 @@ mod tests {
         );
     }
 
-    /// The same, the second window's wait for room ending with none: the client gave up during
-    /// it, so the reply is the give-up saying what stayed, not the second window's refusals.
+    /// The same, the second window's wait for room finding none: the client gave up during it,
+    /// which ends the wait then, not at the store's deadline (30 s away), and the window holds
+    /// nothing it reserved; the reply is the give-up saying what stayed, not the second
+    /// window's refusals.
     #[tokio::test]
     async fn a_store_given_up_on_while_its_window_waited_in_vain_for_room_says_what_stayed() {
-        let FullL1 { daemon, first, disk, .. } = FullL1::new(Duration::from_secs(1));
+        const BACKPRESSURE: Duration = Duration::from_secs(30);
+        let FullL1 { daemon, first, disk, .. } = FullL1::new(BACKPRESSURE);
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
         let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
         let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, conn.peer());
         // Room for one window, never for the other.
         daemon.storage().release_all(first).unwrap();
-        let gives_up = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
-            theirs.shutdown(std::net::Shutdown::Write).unwrap();
-            theirs
-        });
+        let gives_up = {
+            let daemon = Arc::clone(&daemon);
+            std::thread::spawn(move || {
+                let l1 = daemon.storage().l1();
+                tierkv_testkit::eventually("a window waits for room", || l1.room_watchers() == 1);
+                theirs.shutdown(std::net::Shutdown::Write).unwrap();
+                theirs
+            })
+        };
         let chunks: Vec<ChunkBlocks> = (0..4)
             .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
             .collect();
         let store = RequestBody::Store { namespace: 0, buffer: 0, chunks, ready_event: None };
+        let deadline = Instant::now() + BACKPRESSURE;
         let answer = session.handle(store, &mut || None, conn.peer());
+        assert!(Instant::now() < deadline, "the window waited out the store's deadline");
         let _theirs = gives_up.join().unwrap();
         disk.release_held();
         let ReplyBody::Error { code: ErrorCode::Timeout, message } = answer.reply else {

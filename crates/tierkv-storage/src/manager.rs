@@ -20,7 +20,7 @@ use tierkv_core::{
 use tierkv_disk::DiskStore;
 use tierkv_l1::{
     Cleared, Demoter, EvictionReason, L1Context, L1Manager, L1Observer, LeaseId, Lifetime, OwnerId,
-    ReadAccess, Readers, SlotHandle, Usage, WriteAccess, WriteMode,
+    ReadAccess, Readers, RoomWatch, SlotHandle, Usage, WriteAccess, WriteMode,
 };
 use tierkv_l2::HostStore;
 use tierkv_prefetch::{
@@ -59,6 +59,27 @@ const READ_COUNTS: usize = 1 << 20;
 
 /// Chunks a stop hands down at a time under the cascade (`Inner::hand_down_to_disk`).
 const STOP_BATCH: usize = 32;
+
+/// How often a writer waiting for room in L1 asks whether its client gave up
+/// ([`StorageManager::reserve_write_until`]): a client learns of it only by asking (a socket
+/// poll of a fraction of a microsecond), and a store given up on keeps what it reserved until it
+/// notices, at most this much longer.
+const GIVE_UP_POLL: Duration = Duration::from_millis(5);
+
+/// Waits until room may have come free in L1 since `watch` began or last waited, or until
+/// `deadline` (`true`: try again, at the deadline a last time), asking `gave_up` every
+/// [`GIVE_UP_POLL`]; `false` once it says the client gave up.
+fn wait_for_room(watch: &mut RoomWatch<'_>, deadline: Instant, gave_up: impl Fn() -> bool) -> bool {
+    loop {
+        if gave_up() {
+            return false;
+        }
+        let now = Instant::now();
+        if now >= deadline || watch.wait_until(deadline.min(now + GIVE_UP_POLL)) {
+            return true;
+        }
+    }
+}
 
 /// Tells the store pipeline of writes finished by a plain `L1Manager::finish_write` (the
 /// manager's own `finish_write` hands the pipeline its jobs, already pinned, itself).
@@ -528,7 +549,7 @@ impl StorageManager {
         keys: &[ObjectKey],
         layout: &Layout,
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
-        self.reserve_write_until(owner, keys, layout, self.store_deadline())
+        self.reserve_write_until(owner, keys, layout, self.store_deadline(), || false)
     }
 
     /// When a store that starts now stops waiting for room in L1:
@@ -540,15 +561,20 @@ impl StorageManager {
     }
 
     /// Reserves L1 slots for new chunks (invisible until finished), waiting for room until
-    /// `deadline` at most ([`StorageManager::store_deadline`]).
+    /// `deadline` at most ([`StorageManager::store_deadline`]), or until `gave_up` says the
+    /// client gave up on the store (asked every few milliseconds while it waits): then the keys
+    /// still without room are refused (`OutOfMemory`), and the caller, which asks `gave_up`
+    /// again, aborts what was reserved.
     ///
     /// Backpressure: when L1 has no room because its chunks are still being copied down by the
     /// store pipeline (they cannot be evicted before the tiers their policy names have them),
-    /// the writer waits for the pipeline, and the keys that found no room are tried again each
-    /// time a job holding L1 shares gives them back. It waits only while such jobs are under
-    /// way: the pipeline's other jobs (the cascade's demotions, which carry copies of their
-    /// bytes) free no room in L1, and a writer that finds L1 full of chunks held otherwise (by
-    /// lookups, by other writers) is refused at once.
+    /// the writer waits, and the keys that found no room are tried again each time room may
+    /// have come free: a job of the pipeline holding L1 shares gave them back, and as well a
+    /// lookup released or expired, a reservation aborted, a chunk evicted
+    /// ([`L1Manager::watch_room`]). It waits only while such jobs are under way: the pipeline's
+    /// other jobs (the cascade's demotions, which carry copies of their bytes) free no room in
+    /// L1, and a writer that finds L1 full of chunks held otherwise (by lookups, by other
+    /// writers) is refused at once, and stops waiting once the last such job is over.
     ///
     /// What the writer is refused in the end counts in `tierkv_errors_total`, once per key;
     /// the tries before it count nothing.
@@ -558,9 +584,10 @@ impl StorageManager {
         keys: &[ObjectKey],
         layout: &Layout,
         deadline: Instant,
+        gave_up: impl Fn() -> bool,
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, StorageError> {
         self.check(owner)?;
-        let reserved = self.reserve_waiting(owner, keys, layout, deadline);
+        let reserved = self.reserve_waiting(owner, keys, layout, deadline, gave_up);
         self.inner.l1.count_refused(&reserved);
         Ok(reserved?)
     }
@@ -572,10 +599,13 @@ impl StorageManager {
         keys: &[ObjectKey],
         layout: &Layout,
         deadline: Instant,
+        gave_up: impl Fn() -> bool,
     ) -> Result<Vec<Result<SlotHandle, KeyError>>, tierkv_l1::L1Error> {
         let l1 = &self.inner.l1;
         let holds = self.inner.store.queue().l1_holds();
         let mut seen = holds.returned();
+        // Taken at the first refusal, so a writer that finds room watches nothing.
+        let mut room: Option<RoomWatch<'_>> = None;
         let reserve = |keys: &[ObjectKey]| {
             l1.reserve_write_uncounted(owner, keys, layout, WriteMode::Create, Lifetime::Cached)
         };
@@ -589,7 +619,16 @@ impl StorageManager {
             if Instant::now() >= deadline || (none_held && holds.returned() == seen) {
                 break;
             }
-            holds.wait_returned(seen, deadline);
+            match &mut room {
+                // Watching from now on, it tries once more at once: for room freed between its
+                // try and its watch, which wakes no wait.
+                None => room = Some(l1.watch_room()),
+                Some(watch) => {
+                    if !wait_for_room(watch, deadline, &gave_up) {
+                        break;
+                    }
+                }
+            }
             seen = holds.returned();
             let retried = reserve(&keys[first..])?;
             for (i, result) in retried.into_iter().enumerate() {

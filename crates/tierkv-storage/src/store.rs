@@ -78,16 +78,17 @@ impl StoreJob {
 }
 
 /// The store pipeline's jobs that hold L1 shares: copies read out of L1 (finished writes,
-/// admissions) and write-back and hand-down victims, freed once written. Only the end of such a
-/// job can make room in L1, so a writer that finds L1 full waits for these and not for the
-/// pipeline's other jobs: the cascade's demotions carry copies of their bytes and hold no slot.
+/// admissions) and write-back and hand-down victims, freed once written. A writer that finds
+/// L1 full waits for room only while such jobs are under way (their ends free room for sure),
+/// not for the pipeline's other jobs: the cascade's demotions carry copies of their bytes and
+/// hold no slot. Whatever frees room meanwhile wakes it (`L1Manager::watch_room`), and so does
+/// the end of each such job, after which it may stop waiting.
 #[derive(Default)]
 pub(crate) struct L1Holds {
     /// Jobs holding shares now, or queued with them.
     jobs: AtomicU64,
-    /// Bumped (and waiters woken) whenever such a job has given its shares back.
-    returned: Mutex<u64>,
-    cv: Condvar,
+    /// Bumped whenever such a job has given its shares back.
+    returned: AtomicU64,
 }
 
 impl L1Holds {
@@ -97,12 +98,14 @@ impl L1Holds {
         self.jobs.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// A job gave its shares back. It counts as returned before it stops holding, so a writer
-    /// that finds no job holding also finds the return of the last one.
-    fn gave_back(&self) {
-        *self.returned.lock() += 1;
+    /// A job gave its shares back to `l1`. It counts as returned before it stops holding, so a
+    /// writer that finds no job holding also finds the return of the last one; and the writers
+    /// waiting for room are woken even where the shares freed none (lookups hold the chunks
+    /// too), to find no job holding and stop waiting.
+    fn gave_back(&self, l1: &L1Manager) {
+        self.returned.fetch_add(1, Ordering::AcqRel);
         let _ = self.jobs.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-        self.cv.notify_all();
+        l1.wake_room_watchers();
     }
 
     /// Jobs holding L1 shares now.
@@ -112,17 +115,7 @@ impl L1Holds {
 
     /// How many jobs have given their shares back so far.
     pub(crate) fn returned(&self) -> u64 {
-        *self.returned.lock()
-    }
-
-    /// Waits until a job gives its shares back after `seen` had, or `deadline` passes.
-    pub(crate) fn wait_returned(&self, seen: u64, deadline: Instant) {
-        let mut returned = self.returned.lock();
-        while *returned == seen {
-            if self.cv.wait_until(&mut returned, deadline).timed_out() {
-                return;
-            }
-        }
+        self.returned.load(Ordering::Acquire)
     }
 }
 
@@ -495,7 +488,7 @@ fn release_unstarted(l1: &L1Manager, demoted_bytes: &AtomicU64, l1_holds: &L1Hol
         | StoreJob::HandDown { lease, .. }
         | StoreJob::Finished { lease: Some(lease), .. } => {
             let _ = l1.release_lease(*lease);
-            l1_holds.gave_back();
+            l1_holds.gave_back(l1);
         }
         StoreJob::Demoted { items, .. } => {
             demoted_bytes.fetch_sub(demoted_len(items), Ordering::AcqRel);
@@ -582,7 +575,7 @@ impl Worker {
         for (_, batch) in std::mem::take(&mut self.batches) {
             if let Some(lease) = batch.lease {
                 let _ = self.l1.release_lease(lease);
-                self.l1_holds.gave_back();
+                self.l1_holds.gave_back(&self.l1);
             }
             self.demoted_bytes.fetch_sub(batch.demoted_bytes, Ordering::AcqRel);
             for _ in 0..batch.jobs {
@@ -745,7 +738,7 @@ impl Worker {
                 self.l1_holds.take();
                 let grant = self.l1.reserve_read(STORE_OWNER, &keys, ExtraCount::ZERO);
                 let Some(lease) = grant.lease else {
-                    self.l1_holds.gave_back();
+                    self.l1_holds.gave_back(&self.l1);
                     self.done_with_job();
                     return;
                 };
@@ -950,7 +943,7 @@ impl Worker {
         }
         if batch.lease.is_some() {
             // Every batch with a lease was counted holding: queued with it, or as it took it.
-            self.l1_holds.gave_back();
+            self.l1_holds.gave_back(&self.l1);
         }
         self.demoted_bytes.fetch_sub(batch.demoted_bytes, Ordering::AcqRel);
         for _ in 0..batch.jobs {

@@ -275,7 +275,7 @@ fn a_store_that_waits_for_room_counts_only_the_keys_it_is_refused_in_the_end() {
     let out_of_memory = || common::l1_out_of_memory(&snapshotter.snapshot().into_vec());
     // Refused in the end: tried at once, and again at the deadline. Each key counts once.
     let soon = Instant::now() + Duration::from_millis(50);
-    let refused = s.reserve_write_until(OWNER, &keys(4..6), &layout(), soon).unwrap();
+    let refused = s.reserve_write_until(OWNER, &keys(4..6), &layout(), soon, || false).unwrap();
     assert!(refused.iter().all(|r| r.as_ref().err() == Some(&tierkv_core::KeyError::OutOfMemory)));
     assert_eq!(out_of_memory(), 2, "the refused keys, once each");
     let now = s.reserve_write_now(OWNER, &keys(4..5), &layout()).unwrap();
@@ -613,4 +613,108 @@ fn a_store_a_lower_tier_never_answers_is_given_up_not_durable_and_its_shares_ret
     assert_eq!((outcome.durable, outcome.not_durable), (2, 0), "the disk works on");
     assert!(keys(0..4).iter().all(|k| shares(&s, k) == 0));
     s.l1().audit().unwrap();
+}
+
+/// How far the deadline of a store waiting for room lies in the tests below: a store that
+/// returns before it was answered by what freed the room (or by its client giving up), not by
+/// the deadline.
+const FAR: Duration = Duration::from_secs(30);
+
+/// A write-through node whose L1 of four chunks is full: two held by a lookup (returned), two
+/// by copies the disk holds (so a store waits for room).
+fn full_of_a_lookup_and_copies_held() -> (Arc<StorageManager>, LookupId, Arc<FakeTier>) {
+    let disk = Arc::new(FakeTier::new("disk", 64, CHUNK));
+    let tiers: Vec<Arc<dyn TierAdapter>> = vec![disk.clone()];
+    let l1 = L1Config { watermark: Watermark { high: 1.0, low: 1.0 }, ..l1_config(4) };
+    let config = StorageConfig {
+        store_policy: StorePolicy::WriteThrough,
+        store_backpressure: FAR,
+        ..StorageConfig::new(l1)
+    };
+    let s = Arc::new(
+        StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap(),
+    );
+    write(&s, &keys(0..2));
+    eventually("the first copies are down", || s.status().store_in_flight == 0);
+    let lookup = s.submit_prefetch(OWNER, keys(0..2), ExtraCount::ZERO, layout()).unwrap();
+    assert_eq!(s.wait(lookup, WAIT).unwrap().hit_chunks, 2);
+    disk.hold();
+    write(&s, &keys(2..4));
+    eventually("the copies are held", || disk.held_tasks() == 1);
+    assert!(s.store_may_wait());
+    (s, lookup, disk)
+}
+
+/// A store waiting for room (L1 full of chunks a lookup holds and chunks still being copied
+/// down) gets it as soon as the lookup is released, not when the copies end or its deadline
+/// passes: the release wakes it.
+#[test]
+fn a_store_waiting_for_room_gets_it_when_a_lookup_is_released() {
+    let (s, lookup, disk) = full_of_a_lookup_and_copies_held();
+    let deadline = Instant::now() + FAR;
+    let writer = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || {
+            let reserved = s.reserve_write_until(OWNER, &keys(4..6), &layout(), deadline, || false);
+            (reserved.unwrap(), Instant::now())
+        })
+    };
+    eventually("the store waits for room", || s.l1().room_watchers() == 1);
+    s.release_all(lookup).unwrap();
+    let (reserved, answered) = writer.join().unwrap();
+    assert!(answered < deadline, "the store waited out its deadline");
+    assert!(reserved.iter().all(|r| r.is_ok()), "{reserved:?}");
+    assert_eq!(disk.held_tasks(), 1, "the room came before the copies ended");
+    disk.release_held();
+}
+
+/// A store waiting for room whose client gives up stops waiting then, and holds nothing:
+/// the keys without room are refused, and the caller (which asks again) aborts the rest.
+#[test]
+fn a_store_waiting_for_room_stops_when_its_client_gives_up() {
+    let (s, lookup, disk) = full_of_a_lookup_and_copies_held();
+    let gave_up = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let deadline = Instant::now() + FAR;
+    let writer = {
+        let (s, gave_up) = (Arc::clone(&s), Arc::clone(&gave_up));
+        std::thread::spawn(move || {
+            let asked = || gave_up.load(std::sync::atomic::Ordering::Acquire);
+            let reserved = s.reserve_write_until(OWNER, &keys(4..6), &layout(), deadline, asked);
+            (reserved.unwrap(), Instant::now())
+        })
+    };
+    eventually("the store waits for room", || s.l1().room_watchers() == 1);
+    gave_up.store(true, std::sync::atomic::Ordering::Release);
+    let (reserved, answered) = writer.join().unwrap();
+    assert!(answered < deadline, "the store waited out its deadline");
+    assert!(reserved.iter().all(|r| r.as_ref().err() == Some(&tierkv_core::KeyError::OutOfMemory)));
+    assert_eq!(s.l1().room_watchers(), 0);
+    s.release_all(lookup).unwrap();
+    disk.release_held();
+}
+
+/// A store that finds L1 full of chunks lookups hold, while the pipeline's copies hold the rest,
+/// waits; once the last copy is over with the lookups still holding, it stops waiting at once
+/// (nothing the pipeline does can free room any more), not at its deadline.
+#[test]
+fn a_store_waiting_for_room_stops_once_no_copy_holds_room_and_lookups_hold_the_rest() {
+    let (s, lookup, disk) = full_of_a_lookup_and_copies_held();
+    // The chunks being copied are leased by a lookup too: the copies' end frees no room.
+    let held = s.submit_prefetch(OWNER, keys(2..4), ExtraCount::ZERO, layout()).unwrap();
+    assert_eq!(s.wait(held, WAIT).unwrap().hit_chunks, 2);
+    let deadline = Instant::now() + FAR;
+    let writer = {
+        let s = Arc::clone(&s);
+        std::thread::spawn(move || {
+            let reserved = s.reserve_write_until(OWNER, &keys(4..6), &layout(), deadline, || false);
+            (reserved.unwrap(), Instant::now())
+        })
+    };
+    eventually("the store waits for room", || s.l1().room_watchers() == 1);
+    disk.release_held();
+    let (reserved, answered) = writer.join().unwrap();
+    assert!(answered < deadline, "the store waited out its deadline");
+    assert!(reserved.iter().all(|r| r.as_ref().err() == Some(&tierkv_core::KeyError::OutOfMemory)));
+    s.release_all(lookup).unwrap();
+    s.release_all(held).unwrap();
 }
