@@ -683,9 +683,10 @@ impl Session {
     /// share one deadline for room (`storage.store_backpressure` from when the first is
     /// reserved), so a store waits that long at most however many windows it has: a client
     /// whose deadline is longer (the vLLM connector's `timeout_s`) gets its answer in time.
-    /// The client giving up ends the store too, before a window or after its copies: the
-    /// windows finished before stay (their copies were over while the client still held the
-    /// blocks), nothing more is made visible, and the `timeout` reply says how much stayed.
+    /// The client giving up ends the store too, before a window, during its wait for room or
+    /// after its copies: the windows finished before stay (their copies were over while the
+    /// client still held the blocks), nothing more is made visible, and the `timeout` reply
+    /// says how much stayed.
     fn store(
         &mut self,
         namespace: u32,
