@@ -1785,6 +1785,19 @@ mod tests {
         }
     }
 
+    /// Does `then` on a thread of its own once a store of `daemon` waits for room in L1.
+    fn once_a_store_waits<T: Send + 'static>(
+        daemon: &Arc<Daemon>,
+        then: impl FnOnce(&Daemon) -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<T> {
+        let daemon = Arc::clone(daemon);
+        std::thread::spawn(move || {
+            let l1 = daemon.storage().l1();
+            tierkv_testkit::eventually("a store waits for room", || l1.room_watchers() == 1);
+            then(&daemon)
+        })
+    }
+
     /// A retrieve's host copies after the client gave up: at most `GIVE_UP_CHECK_BYTES` more are
     /// written, then the scatter stops with `timeout`. While it has not, all are.
     #[tokio::test]
@@ -1936,14 +1949,9 @@ mod tests {
         let FullL1 { daemon, first, disk, .. } = FullL1::new(BACKPRESSURE);
         let peer = Peer::detached();
         let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 2, peer);
-        let releases = {
-            let daemon = Arc::clone(&daemon);
-            std::thread::spawn(move || {
-                let l1 = daemon.storage().l1();
-                tierkv_testkit::eventually("the store waits for room", || l1.room_watchers() == 1);
-                daemon.storage().release_all(first).unwrap();
-            })
-        };
+        let releases = once_a_store_waits(&daemon, move |daemon| {
+            daemon.storage().release_all(first).unwrap();
+        });
         let chunks: Vec<ChunkBlocks> = (0..2)
             .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
             .collect();
@@ -1973,16 +1981,11 @@ mod tests {
         let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, conn.peer());
         // Room for one window now; for the other once the client has given up.
         daemon.storage().release_all(second).unwrap();
-        let gives_up = {
-            let daemon = Arc::clone(&daemon);
-            std::thread::spawn(move || {
-                let l1 = daemon.storage().l1();
-                tierkv_testkit::eventually("a window waits for room", || l1.room_watchers() == 1);
-                theirs.shutdown(std::net::Shutdown::Write).unwrap();
-                daemon.storage().release_all(first).unwrap();
-                theirs
-            })
-        };
+        let gives_up = once_a_store_waits(&daemon, move |daemon| {
+            theirs.shutdown(std::net::Shutdown::Write).unwrap();
+            daemon.storage().release_all(first).unwrap();
+            theirs
+        });
         let chunks: Vec<ChunkBlocks> = (0..4)
             .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
             .collect();
@@ -2025,15 +2028,10 @@ mod tests {
         let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, conn.peer());
         // Room for one window, never for the other.
         daemon.storage().release_all(first).unwrap();
-        let gives_up = {
-            let daemon = Arc::clone(&daemon);
-            std::thread::spawn(move || {
-                let l1 = daemon.storage().l1();
-                tierkv_testkit::eventually("a window waits for room", || l1.room_watchers() == 1);
-                theirs.shutdown(std::net::Shutdown::Write).unwrap();
-                theirs
-            })
-        };
+        let gives_up = once_a_store_waits(&daemon, move |_| {
+            theirs.shutdown(std::net::Shutdown::Write).unwrap();
+            theirs
+        });
         let chunks: Vec<ChunkBlocks> = (0..4)
             .map(|i| ChunkBlocks { chunk: ChunkId(1000 + i), blocks: vec![i as u64] })
             .collect();

@@ -645,6 +645,27 @@ fn full_of_a_lookup_and_copies_held() -> (Arc<StorageManager>, LookupId, Arc<Fak
     (s, lookup, disk)
 }
 
+/// What a store reserved, and when it answered.
+type Answered = (Vec<Result<tierkv_l1::SlotHandle, tierkv_core::KeyError>>, Instant);
+
+/// A store of keys 4 and 5 on a thread of its own, with `deadline` and `gave_up`, returned once
+/// it waits for room in L1.
+fn store_waiting(
+    s: &Arc<StorageManager>,
+    deadline: Instant,
+    gave_up: impl Fn() -> bool + Send + 'static,
+) -> std::thread::JoinHandle<Answered> {
+    let writer = {
+        let s = Arc::clone(s);
+        std::thread::spawn(move || {
+            let reserved = s.reserve_write_until(OWNER, &keys(4..6), &layout(), deadline, gave_up);
+            (reserved.unwrap(), Instant::now())
+        })
+    };
+    eventually("the store waits for room", || s.l1().room_watchers() == 1);
+    writer
+}
+
 /// A store waiting for room (L1 full of chunks a lookup holds and chunks still being copied
 /// down) gets it as soon as the lookup is released, not when the copies end or its deadline
 /// passes: the release wakes it.
@@ -652,14 +673,7 @@ fn full_of_a_lookup_and_copies_held() -> (Arc<StorageManager>, LookupId, Arc<Fak
 fn a_store_waiting_for_room_gets_it_when_a_lookup_is_released() {
     let (s, lookup, disk) = full_of_a_lookup_and_copies_held();
     let deadline = Instant::now() + FAR;
-    let writer = {
-        let s = Arc::clone(&s);
-        std::thread::spawn(move || {
-            let reserved = s.reserve_write_until(OWNER, &keys(4..6), &layout(), deadline, || false);
-            (reserved.unwrap(), Instant::now())
-        })
-    };
-    eventually("the store waits for room", || s.l1().room_watchers() == 1);
+    let writer = store_waiting(&s, deadline, || false);
     s.release_all(lookup).unwrap();
     let (reserved, answered) = writer.join().unwrap();
     assert!(answered < deadline, "the store waited out its deadline");
@@ -675,15 +689,9 @@ fn a_store_waiting_for_room_stops_when_its_client_gives_up() {
     let (s, lookup, disk) = full_of_a_lookup_and_copies_held();
     let gave_up = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let deadline = Instant::now() + FAR;
-    let writer = {
-        let (s, gave_up) = (Arc::clone(&s), Arc::clone(&gave_up));
-        std::thread::spawn(move || {
-            let asked = || gave_up.load(std::sync::atomic::Ordering::Acquire);
-            let reserved = s.reserve_write_until(OWNER, &keys(4..6), &layout(), deadline, asked);
-            (reserved.unwrap(), Instant::now())
-        })
-    };
-    eventually("the store waits for room", || s.l1().room_watchers() == 1);
+    let asked = Arc::clone(&gave_up);
+    let writer =
+        store_waiting(&s, deadline, move || asked.load(std::sync::atomic::Ordering::Acquire));
     gave_up.store(true, std::sync::atomic::Ordering::Release);
     let (reserved, answered) = writer.join().unwrap();
     assert!(answered < deadline, "the store waited out its deadline");
@@ -703,14 +711,7 @@ fn a_store_waiting_for_room_stops_once_no_copy_holds_room_and_lookups_hold_the_r
     let held = s.submit_prefetch(OWNER, keys(2..4), ExtraCount::ZERO, layout()).unwrap();
     assert_eq!(s.wait(held, WAIT).unwrap().hit_chunks, 2);
     let deadline = Instant::now() + FAR;
-    let writer = {
-        let s = Arc::clone(&s);
-        std::thread::spawn(move || {
-            let reserved = s.reserve_write_until(OWNER, &keys(4..6), &layout(), deadline, || false);
-            (reserved.unwrap(), Instant::now())
-        })
-    };
-    eventually("the store waits for room", || s.l1().room_watchers() == 1);
+    let writer = store_waiting(&s, deadline, || false);
     disk.release_held();
     let (reserved, answered) = writer.join().unwrap();
     assert!(answered < deadline, "the store waited out its deadline");
