@@ -231,6 +231,9 @@ impl Shared {
         }
         let mut back: Vec<Option<StoreItem>> = (0..n).map(|_| None).collect();
         let (mut stored, mut bytes, mut failure, mut abandoned) = (0u64, 0u64, None, 0u64);
+        // One count per failed store task and reason, not per value, as for lookups and loads:
+        // a dead cluster is one event per call.
+        let (mut call_failed, mut copy_failed) = (None, false);
         while let Some(joined) = set.join_next().await {
             match joined {
                 Ok((i, result, item)) => {
@@ -241,10 +244,12 @@ impl Shared {
                         }
                         Err(e) => {
                             match &e {
-                                StoreFailure::Call(e) => self.count_error(e),
+                                StoreFailure::Call(e) => {
+                                    call_failed.get_or_insert(e.reason());
+                                }
                                 StoreFailure::Tier(TierError::Abandoned) => abandoned += 1,
                                 // The source's bytes could not be read (a failed device copy).
-                                StoreFailure::Tier(_) => self.metrics.failed("copy"),
+                                StoreFailure::Tier(_) => copy_failed = true,
                             }
                             failure.get_or_insert(e);
                         }
@@ -259,6 +264,12 @@ impl Shared {
             }
         }
         let items = back.into_iter().flatten().collect();
+        if let Some(reason) = call_failed {
+            self.metrics.failed(reason);
+        }
+        if copy_failed {
+            self.metrics.failed("copy");
+        }
         if abandoned > 0 {
             // One count per task given up on, as for any failed task.
             self.metrics.failed("abandoned");

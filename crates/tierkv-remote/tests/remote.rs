@@ -236,6 +236,24 @@ fn a_store_whose_source_cannot_be_read_fails_counted_as_copy_and_stores_nothing_
     assert_eq!(tier.load_verified(&keys(0..2)), Bitmap::from_bools([true, false]));
 }
 
+/// A store task whose values all fail counts one error, as a lookup's or a load's does: a
+/// server gone is one event per call, not one per value.
+#[test]
+fn a_store_of_many_values_to_a_server_gone_counts_one_error() {
+    require_redis!();
+    let mut server = RedisStandalone::start(&[]);
+    let prefix = unique_prefix("gone");
+    let (open, snapshotter) =
+        recorded(|| open_tier(config(vec![server.url()], RemoteMode::Standalone, &prefix)));
+    let tier = SharedTier::new(open.tier, CHUNK);
+    tier.store(&keys(0..1)).unwrap();
+    Seen::take(&snapshotter);
+    server.node.kill();
+    assert!(tier.store(&keys(1..17)).is_err(), "a store to a server gone succeeded");
+    let seen = Seen::take(&snapshotter);
+    assert_eq!(seen.total("tierkv_errors_total"), 1.0, "{seen:?}");
+}
+
 #[test]
 fn two_namespaces_never_see_each_other() {
     require_redis!();

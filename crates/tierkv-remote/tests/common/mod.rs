@@ -30,6 +30,7 @@ pub fn open_recorded(config: RemoteConfig) -> (Arc<RemoteStore>, Snapshotter) {
 
 /// The remote tier's counters and gauges in one snapshot (a snapshot drains the counters), by
 /// name and `reason` label ("" where there is none).
+#[derive(Debug)]
 pub struct Seen(std::collections::HashMap<(String, String), f64>);
 
 impl Seen {
@@ -56,5 +57,11 @@ impl Seen {
 
     pub fn get(&self, name: &str, reason: &str) -> f64 {
         self.0.get(&(name.to_string(), reason.to_string())).copied().unwrap_or(0.0)
+    }
+
+    /// `name` over every reason.
+    #[allow(dead_code, reason = "not every test binary sums over reasons")]
+    pub fn total(&self, name: &str) -> f64 {
+        self.0.iter().filter(|((n, _), _)| n == name).map(|(_, v)| v).sum()
     }
 }
