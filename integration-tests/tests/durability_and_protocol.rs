@@ -416,6 +416,25 @@ fn pipelined_stores_each_get_their_own_reply_and_store_exact_bytes() {
 }
 
 #[test]
+fn an_mla_reader_that_retrieves_twice_answers_for_no_share_after_the_first() {
+    let daemon = Daemon::start();
+    let (mut owner, _owners) = worker(&daemon, mla_hello(0, 2));
+    let (mut other, _others) = worker(&daemon, mla_hello(1, 2));
+    let joined = || daemon.status().sessions.iter().find(|s| s.rank == 1).unwrap().joined_lookups;
+    let open = owner.lookup(0, vec![chunk_id(7, 0)]).unwrap();
+    owner.wait(open.id, Duration::from_secs(10)).unwrap();
+    other.retrieve(open.id, 0, Vec::new()).unwrap();
+    assert_eq!(joined(), 0, "rank 1 returned its share");
+    // The lookup is still open (rank 0's share): a second retrieve is refused, and rank 1 still
+    // answers for nothing.
+    let again = other.retrieve(open.id, 0, Vec::new()).unwrap_err();
+    assert_eq!(again.code(), Some(ErrorCode::ShareReturned), "{again}");
+    assert_eq!(joined(), 0, "a share returned already is owed no more");
+    owner.retrieve(open.id, 0, Vec::new()).unwrap();
+    daemon.eventually("the lookup ends with its last share", |s| s.open_lookups == 0);
+}
+
+#[test]
 fn an_mla_reader_that_asked_about_many_ended_lookups_answers_only_for_the_open_ones() {
     let daemon = Daemon::start();
     let mla = |rank: u16| mla_hello(rank, 2);

@@ -1143,6 +1143,33 @@ impl Session {
             );
         }
         let (id, reader, info) = self.visible_lookup(lookup)?;
+        let answer = self.retrieve_visible((id, reader, info), buffer, chunks, done_event, peer);
+        // The reader's share is owed no more once returned: by this retrieve, or by one before
+        // it (a second retrieve of the same reader, which `visible_lookup` joined again).
+        let returned = match &answer {
+            Ok(_) => true,
+            Err(refused) => refused.code == ErrorCode::ShareReturned,
+        };
+        if returned
+            && let Some(opened) = &mut self.opened
+            && opened.joined.remove(&(lookup, reader))
+        {
+            let joined = opened.joined.len();
+            self.report_joined(joined);
+        }
+        answer
+    }
+
+    /// [`Session::retrieve`] of a lookup this session may read, as this reader.
+    fn retrieve_visible(
+        &mut self,
+        (id, reader, info): (LookupId, u8, LookupInfo),
+        buffer: u32,
+        chunks: &[ChunkBlocks],
+        done_event: Option<&[u8]>,
+        peer: Peer,
+    ) -> Result<ReplyBody, Fail> {
+        let lookup = id.0;
         let target = self.buffer(buffer, chunks)?;
         if let Some(handle) = done_event {
             // Refused before the hit is read: the reader's share stays for another try.
@@ -1223,12 +1250,6 @@ impl Session {
                 tracing::error!("copies of a refused retrieve failed: {copies}");
             }
             return Err(e.into());
-        }
-        if let Some(opened) = &mut self.opened
-            && opened.joined.remove(&(lookup, reader))
-        {
-            let joined = opened.joined.len();
-            self.report_joined(joined);
         }
         self.daemon.metrics.data_bytes("retrieve", bytes);
         Ok(ReplyBody::Retrieved { chunks: chunks.len() as u32, bytes })
