@@ -50,6 +50,13 @@ const RESERVED_FDS: u64 = 64;
 /// the 64 KiB replay (issue 13): 0.48-0.72 of memcpy with it, 0.39-0.53 handing off every copy.
 const INLINE_COPY_BYTES: u64 = 1 << 20;
 
+/// The most chunks a lookup may name and still run on the runtime thread that read it. A
+/// lookup costs a lease per L1 hit and a plan for the rest, under a microsecond a chunk: this
+/// many is a few hundred microseconds, about the hand-off's cost several times over. A frame
+/// may name a million chunks, seconds of work, which inline would hold up every connection
+/// that shares the thread.
+const INLINE_LOOKUP_CHUNKS: usize = 1024;
+
 /// Why the daemon could not start or stop cleanly.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -624,7 +631,7 @@ async fn serve_connection(
         // copies that hold L1 shares (backpressure) or behind the engine's CUDA event (its kernels may
         // still be writing the blocks), a retrieve of a lookup with chunks held below L1 (loaded
         // from their tier). A registration maps the worker's memory, populating the page tables
-        // of a buffer of any size: it may take seconds.
+        // of a buffer of any size: it may take seconds. So may a lookup of a million chunks.
         let storage = daemon.storage();
         let blocks = match &request {
             RequestBody::Store { chunks, ready_event, .. } => {
@@ -633,6 +640,7 @@ async fn serve_connection(
                     || storage.store_may_wait()
             }
             RequestBody::RegisterKv { .. } => true,
+            RequestBody::Lookup { chunks, .. } => chunks.len() > INLINE_LOOKUP_CHUNKS,
             RequestBody::Retrieve { lookup, chunks, .. } => {
                 // Not `holds_below`: the lookup may complete (with chunks below L1) between
                 // this answer and the retrieve's own, which would then read a tier here.
