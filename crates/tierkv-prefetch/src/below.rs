@@ -255,7 +255,7 @@ impl HeldBelow {
         deadline: Instant,
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>, BelowError> {
-        let landed: Arc<Mutex<Vec<Option<Vec<u8>>>>> = Arc::new(Mutex::new(vec![None; keys.len()]));
+        let landed: Landed = Arc::new(Mutex::new(vec![None; keys.len()]));
         let (reply, answers) = unbounded();
         let mut waiting = 0;
         // Sinks handed to each tier: a whole load hands every one back, each loaded.
@@ -349,16 +349,23 @@ impl PartialEq for HeldBelow {
 
 impl Eq for HeldBelow {}
 
-/// A load's buffer that hands its bytes to the reader's table when the tier gives it back.
-struct Landing {
+/// Where a load's chunks land: entry `i` takes the bytes of the load's sink `i` once the tier
+/// gave that sink back (`None` until then, or if nothing was written into it).
+pub type Landed = Arc<Mutex<Vec<Option<Vec<u8>>>>>;
+
+/// A load's buffer that hands its bytes to its entry of a [`Landed`] table when the tier gives
+/// it back. Whether the load was whole is the completion's to say: a sink the tier wrote only
+/// part of hands its bytes over too.
+pub struct Landing {
     bytes: Vec<u8>,
     index: usize,
     written: bool,
-    table: Arc<Mutex<Vec<Option<Vec<u8>>>>>,
+    table: Landed,
 }
 
 impl Landing {
-    fn new(len: u64, index: usize, table: Arc<Mutex<Vec<Option<Vec<u8>>>>>) -> Self {
+    /// A buffer of `len` bytes for entry `index` of `table`.
+    pub fn new(len: u64, index: usize, table: Landed) -> Self {
         Landing { bytes: vec![0; len as usize], index, written: false, table }
     }
 }

@@ -14,7 +14,7 @@ mod hit;
 mod metrics;
 mod router;
 
-pub use below::{BelowError, HeldBelow};
+pub use below::{BelowError, HeldBelow, Landed, Landing};
 pub use controller::{
     GroupRequest, LOAD_FLOOR_BYTES_PER_S, PrefetchConfig, PrefetchController, PrefetchError,
     PrefetchRequest, Prefetched, RequestId,
