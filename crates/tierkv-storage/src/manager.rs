@@ -323,6 +323,8 @@ struct Inner {
     remote: Option<Arc<RemoteStore>>,
     /// The remote tier's place among the lower tiers (fastest first), if there is one.
     remote_tier: Option<usize>,
+    /// The disk tier's place among them, if there is one: where disk admission writes.
+    disk_tier: Option<usize>,
     /// When the maintenance thread last probed a degraded remote tier.
     remote_probed: Mutex<Option<Instant>>,
     prefetch: PrefetchController,
@@ -488,6 +490,7 @@ impl StorageManager {
             disk,
             remote,
             remote_tier: remote_index.map(|(index, _)| index),
+            disk_tier: disk_index,
             remote_probed: Mutex::new(None),
             prefetch,
             store,
@@ -1399,6 +1402,9 @@ impl Inner {
         // Chunks the remote tier served: admission after reads does not send them back to it.
         let remote_tier = self.remote_tier.map(|t| 1 + t);
         let mut from_remote = HashSet::new();
+        // Chunks of the hit read straight from their tier: each one's tier (fastest first) and
+        // length. Their reads count toward admission as those of the chunks leased in L1.
+        let mut read_below: HashMap<ObjectKey, (usize, u64)> = HashMap::new();
         for (g, group) in request.groups.iter().enumerate() {
             let needed = group.kind.needed(n, request.chunk_tokens);
             for (i, key) in group.keys.iter().enumerate() {
@@ -1407,12 +1413,14 @@ impl Inner {
                     Some(0)
                 } else if needed.contains(&i) && (from_below(g, i) || held_below(g, i)) {
                     let p = prefetched.as_ref();
+                    let below =
+                        p.and_then(|p| p.sources.get(g)?.get(i).copied().flatten()).unwrap_or(0);
                     if from_below(g, i) {
                         covered.extend(p.and_then(|p| p.lease).map(|lease| (*key, lease)));
+                    } else {
+                        read_below.insert(*key, (below, group.layout.size_bytes()));
                     }
-                    let tier = 1 + p
-                        .and_then(|p| p.sources.get(g)?.get(i).copied().flatten())
-                        .unwrap_or(0);
+                    let tier = 1 + below;
                     if Some(tier) == remote_tier {
                         from_remote.insert(*key);
                     }
@@ -1456,7 +1464,8 @@ impl Inner {
         let hits: Vec<u64> = per_tier.iter().map(|n| *n as u64).collect();
         let held = below.as_ref().map_or(0, |b| b.len() as u64);
         self.metrics.lookup(possible as u64, &hits, held, request.chunk_tokens);
-        self.count_reads(covered.keys().copied(), &from_remote);
+        read_below.retain(|key, _| !covered.contains_key(key));
+        self.count_reads(covered.keys().copied(), &read_below, &from_remote);
         let readers = request.extra.readers();
         let result = LookupResult {
             hit_chunks: n,
@@ -1597,9 +1606,16 @@ impl Inner {
         }
     }
 
-    /// Disk and remote admission: counts reads, and sends chunks that reached a threshold to
-    /// that tier; never a chunk back to the remote tier that served it.
-    fn count_reads(&self, keys: impl Iterator<Item = ObjectKey>, from_remote: &HashSet<ObjectKey>) {
+    /// Disk and remote admission: counts the reads of a hit's chunks, those leased in L1
+    /// (`in_l1`) and those read straight from the lower tier holding them (`below`: the tier and
+    /// the chunk's length), and sends chunks that reached a threshold to that tier, from L1 or
+    /// from the tier that holds them; never a chunk back to the remote tier that served it.
+    fn count_reads(
+        &self,
+        in_l1: impl Iterator<Item = ObjectKey>,
+        below: &HashMap<ObjectKey, (usize, u64)>,
+        from_remote: &HashSet<ObjectKey>,
+    ) {
         let disk = match self.config.store_policy {
             StorePolicy::DiskAdmission { min_reads } => Some(min_reads),
             _ => None,
@@ -1624,7 +1640,7 @@ impl Inner {
         let mut reads = self.reads.lock();
         reads.bound();
         let (mut to_disk, mut to_remote) = (Vec::new(), Vec::new());
-        for key in keys {
+        for key in in_l1 {
             let admit = reads.read(key, from_remote.contains(&key), disk, remote);
             if admit.disk {
                 to_disk.push(key);
@@ -1633,12 +1649,25 @@ impl Inner {
                 to_remote.push(key);
             }
         }
+        // Chunks held below go from their tier to each tier they are admitted to: by (from, to).
+        let mut copies: HashMap<(usize, usize), Vec<(ObjectKey, u64)>> = HashMap::new();
+        for (key, &(from, len)) in below {
+            let admit = reads.read(*key, from_remote.contains(key), disk, remote);
+            let targets =
+                [self.disk_tier.filter(|_| admit.disk), self.remote_tier.filter(|_| admit.remote)];
+            for to in targets.into_iter().flatten().filter(|&to| to != from) {
+                copies.entry((from, to)).or_default().push((*key, len));
+            }
+        }
         drop(reads);
         if !to_disk.is_empty() {
             self.store.submit(StoreJob::Admit(to_disk));
         }
         if !to_remote.is_empty() {
             self.store.submit(StoreJob::AdmitRemote(to_remote));
+        }
+        for ((from, to), items) in copies {
+            self.store.submit(StoreJob::AdmitBelow { from, to, items });
         }
     }
 

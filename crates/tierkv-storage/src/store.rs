@@ -10,7 +10,7 @@
 //! A [`StoreTicket`] tells the writer which of its chunks reached the disk tier.
 
 use parking_lot::Condvar;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,9 +19,12 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, select, unbounded};
 use parking_lot::{Mutex, RwLock};
-use tierkv_core::{BufferError, ChunkSource, Completion, ExtraCount, ObjectKey, StoreItem, TaskId};
+use tierkv_core::{
+    BufferError, ChunkSource, Completion, ExtraCount, LoadItem, ObjectKey, StoreItem, TaskId,
+    VecChunk,
+};
 use tierkv_l1::{L1Manager, LeaseId, OwnerId, ReadAccess, Readers};
-use tierkv_prefetch::{TierEvent, TierRouter};
+use tierkv_prefetch::{Landed, Landing, TierEvent, TierRouter};
 
 use crate::config::{RemoteAdmission, StorePolicy};
 use crate::metrics::StorageMetrics;
@@ -50,6 +53,12 @@ pub(crate) enum StoreJob {
     Admit(Vec<ObjectKey>),
     /// Objects read often enough to be admitted to the remote tier.
     AdmitRemote(Vec<ObjectKey>),
+    /// Chunks read often enough to be admitted to lower tier `to` that L1 had no room for: each
+    /// (with its length in bytes) held in lower tier `from`, where their lookups read them.
+    /// They are copied from there, holding no L1 room: locked in `from` under the pipeline's
+    /// own lock, loaded into memory, unlocked, then stored into `to` as a demotion is
+    /// ([`Fetch`]).
+    AdmitBelow { from: usize, to: usize, items: Vec<(ObjectKey, u64)> },
     /// Eviction victims leased for write-back; the lease is the pipeline's to return. `clears`
     /// is what [`Clears::seen`] said before they were leased.
     WriteBack { lease: LeaseId, keys: Vec<ObjectKey>, clears: u64 },
@@ -365,6 +374,40 @@ struct Batch {
     started: Instant,
 }
 
+/// An admission's copy out of the lower tier that holds its chunks ([`StoreJob::AdmitBelow`]):
+/// first the tier's lock on them, then their load. Every lock the tier granted goes back exactly
+/// once: when the load answers, when it cannot be submitted, or when the copy is given up
+/// (`Worker::give_up_late`; a lock granted after that goes back when it is).
+struct Fetch {
+    /// The lower tier the chunks go to.
+    to: usize,
+    /// The chunks and their lengths: all of the job's while locking, the locked ones since.
+    items: Vec<(ObjectKey, u64)>,
+    /// Where their load lands, once they are locked and loading.
+    landed: Option<Landed>,
+    /// When the job started: past `Worker::timeout`, given up.
+    started: Instant,
+}
+
+/// The chunks of `fetch` that loaded `whole`, with their bytes, taken out of its table.
+fn landed_whole(
+    fetch: &Fetch,
+    whole: &HashSet<ObjectKey>,
+) -> Vec<(ObjectKey, Box<dyn ChunkSource>)> {
+    let Some(landed) = &fetch.landed else { return Vec::new() };
+    let mut landed = landed.lock();
+    fetch
+        .items
+        .iter()
+        .zip(landed.iter_mut())
+        .filter(|((key, _), _)| whole.contains(key))
+        .filter_map(|((key, len), bytes)| {
+            let bytes = bytes.take().filter(|bytes| bytes.len() as u64 == *len)?;
+            Some((*key, Box::new(VecChunk(bytes)) as Box<dyn ChunkSource>))
+        })
+        .collect()
+}
+
 /// The store pipeline's thread and queue.
 pub(crate) struct StorePipeline {
     queue: StoreQueue,
@@ -401,6 +444,8 @@ impl StorePipeline {
             events_tx,
             batches: HashMap::new(),
             tasks: HashMap::new(),
+            fetches: HashMap::new(),
+            late_locks: HashMap::new(),
             next_batch: 0,
             outstanding: Arc::clone(&queue.outstanding),
             progress: Arc::clone(&queue.progress),
@@ -518,6 +563,11 @@ struct Worker {
     events_tx: Sender<TierEvent>,
     batches: HashMap<u64, Batch>,
     tasks: HashMap<(usize, TaskId), u64>,
+    /// Admissions copying out of a lower tier, by the task there they wait for.
+    fetches: HashMap<(usize, TaskId), Fetch>,
+    /// The keys of lock tasks whose admission was given up before the tier answered: the locks
+    /// the answer grants go back when it comes.
+    late_locks: HashMap<(usize, TaskId), Vec<ObjectKey>>,
     next_batch: u64,
     /// Jobs sent and not yet done, shared with the queue.
     outstanding: Arc<AtomicU64>,
@@ -548,7 +598,8 @@ impl Worker {
                 while let Ok(job) = inbox.try_recv() {
                     self.drop_job(job);
                 }
-                if self.batches.is_empty() || since.elapsed() > DRAIN {
+                let idle = self.batches.is_empty() && self.fetches.is_empty();
+                if idle || since.elapsed() > DRAIN {
                     break;
                 }
             }
@@ -570,8 +621,13 @@ impl Worker {
                 self.metrics.store_panic();
             }
         }
-        // Past the drain timeout: return every share still held. The tiers hand the sources back
-        // (and so drop their pins) when they answer or close.
+        // Past the drain timeout: return every share and lock still held. The tiers hand the
+        // sources back (and so drop their pins) when they answer or close; a lock a tier grants
+        // from now on is one its close lets go of.
+        for ((tier, _), fetch) in std::mem::take(&mut self.fetches) {
+            self.end_fetch(tier, &fetch);
+            self.done_with_job();
+        }
         for (_, batch) in std::mem::take(&mut self.batches) {
             if let Some(lease) = batch.lease {
                 let _ = self.l1.release_lease(lease);
@@ -608,8 +664,12 @@ impl Worker {
 
     /// The tiers a job's objects go to.
     fn targets(&self, job: &StoreJob) -> Vec<usize> {
-        if let StoreJob::AdmitRemote(_) = job {
-            return self.remote.map(|(index, _)| index).into_iter().collect();
+        match job {
+            StoreJob::AdmitRemote(_) => {
+                return self.remote.map(|(index, _)| index).into_iter().collect();
+            }
+            StoreJob::AdmitBelow { to, .. } => return vec![*to],
+            _ => {}
         }
         let at_write = || copied_unread(self.router.len(), self.remote);
         match (job, self.policy) {
@@ -634,7 +694,7 @@ impl Worker {
                 _ => Vec::new(),
             },
             (StoreJob::Admit(_), _) => self.disk.into_iter().collect(),
-            (StoreJob::AdmitRemote(_), _) => Vec::new(),
+            (StoreJob::AdmitRemote(_) | StoreJob::AdmitBelow { .. }, _) => Vec::new(),
             (StoreJob::Demoted { tier, .. }, _) => {
                 (0..self.router.len()).filter(|t| t == tier).collect()
             }
@@ -713,6 +773,10 @@ impl Worker {
                 self.start_demoted(tier, items, 1);
                 return;
             }
+            StoreJob::AdmitBelow { from, to, items } => {
+                self.start_fetch(from, to, items);
+                return;
+            }
             job => job,
         };
         let targets = self.targets(&job);
@@ -751,7 +815,7 @@ impl Worker {
                 (lease, granted, false, None, None)
             }
             StoreJob::Finished { lease: Some(lease), .. } => (lease, Vec::new(), false, None, None),
-            StoreJob::Demoted { .. } => {
+            StoreJob::Demoted { .. } | StoreJob::AdmitBelow { .. } => {
                 self.done_with_job();
                 return;
             }
@@ -791,6 +855,128 @@ impl Worker {
         }
         if self.batches.get(&id).is_some_and(|b| b.waiting == 0) {
             self.finish(id);
+        }
+    }
+
+    /// Starts an admission's copy of `items` out of lower tier `from` into `to`: locks them in
+    /// `from` (`on_fetched` loads what it locked). Nothing goes back to the remote tier that
+    /// served it, nor to the tier the chunks are in already.
+    fn start_fetch(&mut self, from: usize, to: usize, items: Vec<(ObjectKey, u64)>) {
+        let items: Vec<(ObjectKey, u64)> =
+            items.into_iter().filter(|(key, _)| !self.remote_holds(to, key)).collect();
+        if from == to || to >= self.router.len() || items.is_empty() {
+            self.done_with_job();
+            return;
+        }
+        let keys: Vec<ObjectKey> = items.iter().map(|(key, _)| *key).collect();
+        let fetch = Fetch { to, items, landed: None, started: Instant::now() };
+        if !self.submit_fetch(from, fetch, |t| t.submit_lookup_and_lock(keys)) {
+            self.done_with_job();
+        }
+    }
+
+    /// Submits a task of `fetch` to tier `from` with `submit` and records the fetch under it;
+    /// `false` when the tier took no task (it does not exist, or it panicked: counted).
+    fn submit_fetch(
+        &mut self,
+        from: usize,
+        fetch: Fetch,
+        submit: impl FnOnce(&dyn tierkv_core::TierAdapter) -> TaskId,
+    ) -> bool {
+        let submitted =
+            catch_unwind(AssertUnwindSafe(|| self.router.submit(from, &self.events_tx, submit)));
+        match submitted {
+            Ok(Some(task)) => {
+                self.fetches.insert((from, task), fetch);
+                true
+            }
+            Ok(None) => false,
+            Err(_) => {
+                tracing::error!(tier = from, "a tier panicked taking an admission's copy");
+                self.metrics.store_panic();
+                false
+            }
+        }
+    }
+
+    /// The answer of `fetch`'s task in tier `from`: once locked, its chunks are loaded; once
+    /// loaded, their locks go back and what loaded whole is stored into the target tier, from
+    /// memory, as a demotion.
+    fn on_fetched(&mut self, from: usize, fetch: Fetch, completion: Completion) {
+        match completion {
+            Completion::LookedUp { locked, .. } if fetch.landed.is_none() => {
+                let items: Vec<(ObjectKey, u64)> = fetch
+                    .items
+                    .into_iter()
+                    .enumerate()
+                    .filter(|(i, _)| locked.get(*i))
+                    .map(|(_, item)| item)
+                    .collect();
+                if items.is_empty() {
+                    self.done_with_job();
+                    return;
+                }
+                let landed: Landed = Arc::new(Mutex::new(vec![None; items.len()]));
+                let loads: Vec<LoadItem> = items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (key, len))| LoadItem {
+                        key: *key,
+                        sink: Box::new(Landing::new(*len, i, Arc::clone(&landed))),
+                    })
+                    .collect();
+                let fetch = Fetch { items, landed: Some(landed), ..fetch };
+                let keys: Vec<ObjectKey> = fetch.items.iter().map(|(key, _)| *key).collect();
+                if !self.submit_fetch(from, fetch, |t| t.submit_load(loads)) {
+                    // Not loading: the locks it took go back now.
+                    self.unlock(from, &keys);
+                    self.done_with_job();
+                }
+            }
+            Completion::Loaded { loaded, sinks, .. } => {
+                // Only whole loads count: the sinks handed back with their bits set. Dropped,
+                // the sinks hand their bytes to the table.
+                let whole: HashSet<ObjectKey> = sinks
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| loaded.get(*i))
+                    .map(|(_, item)| item.key)
+                    .collect();
+                drop(sinks);
+                self.end_fetch(from, &fetch);
+                let items = landed_whole(&fetch, &whole);
+                if items.is_empty() {
+                    self.done_with_job();
+                    return;
+                }
+                // Counted as the demoted bytes they now are: the batch counts them out.
+                self.demoted_bytes.fetch_add(demoted_len(&items), Ordering::AcqRel);
+                self.start_demoted(fetch.to, items, 1);
+            }
+            // Not an answer this fetch waits for (a tier's bug): it ends.
+            _ => {
+                self.end_fetch(from, &fetch);
+                self.done_with_job();
+            }
+        }
+    }
+
+    /// `fetch`, waiting on tier `from`, ends: the locks it holds there (once loading) go back.
+    /// Its job is the caller's to count done.
+    fn end_fetch(&self, from: usize, fetch: &Fetch) {
+        if fetch.landed.is_some() {
+            let keys: Vec<ObjectKey> = fetch.items.iter().map(|(key, _)| *key).collect();
+            self.unlock(from, &keys);
+        }
+    }
+
+    /// Returns the pipeline's locks on `keys` in `tier`.
+    fn unlock(&self, tier: usize, keys: &[ObjectKey]) {
+        let Some(target) = self.router.tier(tier) else { return };
+        // A tier that panics keeps the locks (its bug); the pipeline goes on.
+        if catch_unwind(AssertUnwindSafe(|| target.unlock(keys))).is_err() {
+            tracing::error!(tier, "a tier panicked returning an admission's locks");
+            self.metrics.store_panic();
         }
     }
 
@@ -835,6 +1021,26 @@ impl Worker {
 
     fn on_event(&mut self, event: TierEvent) {
         let TierEvent { tier, completion } = event;
+        let task = (tier, completion.task());
+        if let Some(fetch) = self.fetches.remove(&task) {
+            self.on_fetched(tier, fetch, completion);
+            return;
+        }
+        if let Some(keys) = self.late_locks.remove(&task) {
+            // The lock of an admission given up on: whatever it locked goes back.
+            if let Completion::LookedUp { locked, .. } = completion {
+                let locked: Vec<ObjectKey> = keys
+                    .into_iter()
+                    .enumerate()
+                    .filter(|(i, _)| locked.get(*i))
+                    .map(|(_, k)| k)
+                    .collect();
+                if !locked.is_empty() {
+                    self.unlock(tier, &locked);
+                }
+            }
+            return;
+        }
         // A task of a batch given up on (`give_up_late`) is no longer known: its answer counts
         // for nothing, but what it stored that was deleted above meanwhile still goes.
         let id = self.tasks.remove(&(tier, completion.task()));
@@ -901,6 +1107,7 @@ impl Worker {
             return;
         }
         self.next_late_check = now + (self.timeout / 4).min(Duration::from_secs(1));
+        self.give_up_late_fetches();
         let late: Vec<u64> = self
             .batches
             .iter()
@@ -927,6 +1134,27 @@ impl Worker {
         for id in late {
             self.metrics.store_timed_out();
             self.finish(id);
+        }
+    }
+
+    /// Gives up on every admission whose source tier has not answered within the timeout: a
+    /// loading one returns its locks now (its late load lands nowhere), a locking one when its
+    /// tier answers at last ([`Worker::late_locks`]).
+    fn give_up_late_fetches(&mut self) {
+        let late: Vec<(usize, TaskId)> = self
+            .fetches
+            .iter()
+            .filter(|(_, fetch)| fetch.started.elapsed() > self.timeout)
+            .map(|(task, _)| *task)
+            .collect();
+        for task in late {
+            let Some(fetch) = self.fetches.remove(&task) else { continue };
+            if fetch.landed.is_none() {
+                self.late_locks.insert(task, fetch.items.iter().map(|(key, _)| *key).collect());
+            }
+            self.end_fetch(task.0, &fetch);
+            self.metrics.store_timed_out();
+            self.done_with_job();
         }
     }
 

@@ -728,6 +728,123 @@ fn a_hit_held_below_is_loaded_once_for_all_its_readers_reading_at_once() {
 }
 
 #[test]
+fn disk_admission_counts_the_reads_of_chunks_held_below_l1_and_copies_them_from_their_tier() {
+    // Twelve chunks over an L1 of four: a lookup leases the four L1 holds, and the eight L1 has
+    // no room for are read straight from L2, where they stay. Read twice, every chunk of the
+    // hit reaches the disk: those eight copied there from L2, not from L1.
+    let dir = tempfile::tempdir().unwrap();
+    let policy = StorePolicy::DiskAdmission { min_reads: 2 };
+    let s = StorageManager::start(tiered(4, 16, Some(&dir), policy)).unwrap();
+    write_in_windows(&s, &keys(0..12));
+    eventually("L2 has the writes", || {
+        s.status().tiers[0].1.objects == 12 && s.status().store_in_flight == 0
+    });
+    assert_eq!(lookup_all(&s, keys(0..12)).per_tier, vec![4, 8, 0]);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(s.status().tiers[1].1.objects, 0, "read once: not on disk yet");
+    assert_eq!(lookup_all(&s, keys(0..12)).per_tier, vec![4, 8, 0]);
+    eventually("every chunk read twice reaches the disk", || {
+        s.status().tiers[1].1.objects == 12 && s.status().store_in_flight == 0
+    });
+    assert!(s.status().tiers.iter().all(|(_, t)| t.locks == 0), "every lock went back");
+    // What reached the disk is each chunk's own bytes (`lookup_all` reads them from there).
+    assert_eq!(s.clear_tier(0), Some(12));
+    assert_eq!(lookup_all(&s, keys(0..12)).per_tier, vec![4, 0, 8]);
+    s.l1().audit().unwrap();
+}
+
+#[test]
+fn remote_admission_counts_the_reads_of_chunks_held_below_and_never_sends_back_its_own() {
+    use tierkv_storage::RemoteAdmission;
+    use tierkv_testkit::FakeTier;
+    let (l2, remote) =
+        (Arc::new(FakeTier::new("l2", 64, CHUNK)), Arc::new(FakeTier::new("remote", 64, CHUNK)));
+    let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![l2.clone(), remote.clone()];
+    let config = StorageConfig {
+        remote_admission: RemoteAdmission::AfterReads { min_reads: 2 },
+        l2: None,
+        ..tiered(4, 16, None, StorePolicy::WriteThrough)
+    };
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let s = metrics::with_local_recorder(&recorder, || {
+        StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers)
+    })
+    .unwrap();
+    // This node's chunks, in L2 and L1's last four: the eight L1 has no room for are read
+    // from L2, and reach the remote tier at their second read as the other four do.
+    let local = keys(0..12);
+    write_in_windows(&s, &local);
+    eventually("L2 has the writes", || s.status().store_in_flight == 0);
+    assert_eq!(lookup_all(&s, local.clone()).per_tier, vec![4, 8, 0]);
+    assert_eq!(lookup_all(&s, local.clone()).per_tier, vec![4, 8, 0]);
+    eventually("every chunk read twice reaches the remote tier", || {
+        local.iter().all(|k| remote.contains(k)) && s.status().store_in_flight == 0
+    });
+    // Chunks the remote tier served, most of them read from it where they stay: read as
+    // often, none is stored back there (nor anywhere: write-through stores only writes).
+    // Each snapshot counts what was stored since the one before.
+    let stored = || counter(&snapshotter.snapshot().into_vec(), "tierkv_store_chunks_total", &[]);
+    assert!(stored() >= 24, "this node's chunks went to L2, then to the remote tier");
+    let served = keys(100..112);
+    for key in &served {
+        remote.insert(*key, payload(key, CHUNK));
+    }
+    for _ in 0..3 {
+        let result = lookup_all(&s, served.clone());
+        assert!(result.per_tier[2] >= 8, "held in the remote tier: {:?}", result.per_tier);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(s.status().store_in_flight, 0);
+    assert_eq!(stored(), 0, "a chunk the remote tier served was stored back");
+    assert!(s.status().tiers.iter().all(|(_, t)| t.locks == 0), "every lock went back");
+}
+
+#[test]
+fn an_admission_from_below_returns_its_locks_whether_its_load_fails_hangs_or_lands() {
+    use tierkv_core::TierAdapter as _;
+    use tierkv_storage::LookupRequest;
+    use tierkv_testkit::FakeTier;
+    for (case, admitted) in [("fails", false), ("hangs", false), ("lands", true)] {
+        let (l2, disk) =
+            (Arc::new(FakeTier::new("l2", 64, CHUNK)), Arc::new(FakeTier::new("disk", 64, CHUNK)));
+        let held = keys(0..4);
+        for key in &held {
+            l2.insert(*key, payload(key, CHUNK));
+        }
+        let tiers: Vec<Arc<dyn tierkv_core::TierAdapter>> = vec![l2.clone(), disk.clone()];
+        let config = StorageConfig {
+            l2: None,
+            store_timeout: Duration::from_millis(100),
+            ..tiered(4, 16, None, StorePolicy::DiskAdmission { min_reads: 1 })
+        };
+        let s =
+            StorageManager::start_with_tiers(config, Arc::new(ManualClock::new()), tiers).unwrap();
+        // Promoted into L1 nothing: the whole hit is read from L2 and admitted from there.
+        let layout = Layout::bytes(CHUNK).unwrap();
+        let lookup = LookupRequest {
+            max_promoted: 0,
+            ..LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout, held.clone())
+        };
+        match case {
+            "fails" => l2.fail_loads_of(&held),
+            "hangs" => l2.hold_loads(),
+            _ => {}
+        }
+        let id = s.submit_lookup(lookup).unwrap();
+        assert_eq!(s.wait(id, WAIT).unwrap().per_tier, vec![0, 4, 0], "{case}");
+        s.release(id, Readers::All).unwrap();
+        eventually("the admission ended", || s.status().store_in_flight == 0);
+        assert_eq!(l2.usage().locks, 0, "{case}: a lock of the admission stayed");
+        l2.release_held();
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(l2.usage().locks, 0, "{case}: a late answer took a lock for good");
+        assert!(held.iter().all(|k| disk.contains(k) == admitted), "{case}");
+        drop(s);
+    }
+}
+
+#[test]
 fn a_load_below_that_fails_fails_every_reader_at_once_and_serves_no_bytes() {
     let dir = tempfile::tempdir().unwrap();
     // L2 holds one chunk: what L1 has no room for is held on disk.
