@@ -1666,8 +1666,37 @@ impl Inner {
         if !to_remote.is_empty() {
             self.store.submit(StoreJob::AdmitRemote(to_remote));
         }
+        // Their bytes are held in memory from their load until their store, as a cascade
+        // victim's are: they count with those, within the same cap, in jobs of a quarter of it.
+        let cap = demoted_cap(self.config.l1.slot_bytes);
         for ((from, to), items) in copies {
-            self.store.submit(StoreJob::AdmitBelow { from, to, items });
+            let mut job = Vec::new();
+            let mut job_bytes = 0;
+            for (key, len) in items {
+                if !job.is_empty() && job_bytes + len > cap / 4 {
+                    let items = std::mem::take(&mut job);
+                    self.admit_below(from, to, items, cap);
+                    job_bytes = 0;
+                }
+                job.push((key, len));
+                job_bytes += len;
+            }
+            if !job.is_empty() {
+                self.admit_below(from, to, job, cap);
+            }
+        }
+    }
+
+    /// Sends an admission's copy of `items` from lower tier `from` to `to`, unless `cap` bytes
+    /// are already on their way down: then it is dropped (the chunks stay where they are, and
+    /// their reads count again towards a later admission).
+    fn admit_below(&self, from: usize, to: usize, items: Vec<(ObjectKey, u64)>, cap: u64) {
+        if !self.store.queue().send_admit_below(from, to, items, cap) {
+            tracing::debug!(
+                from,
+                to,
+                "an admission's copy from a lower tier waits: {cap} bytes are on their way down"
+            );
         }
     }
 
@@ -2003,6 +2032,74 @@ mod tests {
         assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
         let kept: Vec<bool> = chunks.iter().map(|k| below.contains(k)).collect();
         assert_eq!(kept, [true, true, false, true]);
+    }
+
+    /// An admission's copy out of a lower tier holds its chunks' bytes in memory between their
+    /// load and their store: counted with the demoted bytes from when it is sent, within their
+    /// cap, and counted out however it ends (its load failed or hung, or it stored them).
+    #[test]
+    fn an_admission_from_below_counts_its_bytes_on_their_way_down_until_it_ends() {
+        for (case, admitted) in [("fails", false), ("hangs", false), ("lands", true)] {
+            let l2 = Arc::new(tierkv_testkit::FakeTier::new("l2", 64, CHUNK));
+            let disk = Arc::new(tierkv_testkit::FakeTier::new("disk", 64, CHUNK));
+            let held = keys(0..4);
+            for key in &held {
+                l2.insert(*key, payload(key, CHUNK));
+            }
+            let l1 = L1Config { device: DeviceKind::Emulated, ..L1Config::new(4 * CHUNK, CHUNK) };
+            let config = StorageConfig {
+                store_policy: StorePolicy::DiskAdmission { min_reads: 1 },
+                store_timeout: Duration::from_millis(100),
+                maintenance_interval: Duration::from_millis(5),
+                ..StorageConfig::new(l1)
+            };
+            let tiers: Vec<Arc<dyn TierAdapter>> = vec![l2.clone(), disk.clone()];
+            let clock = Arc::new(tierkv_core::ManualClock::new());
+            let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
+            let queue = storage.inner.store.queue();
+            match case {
+                "fails" => l2.fail_loads_of(&held),
+                "hangs" => l2.hold_loads(),
+                _ => {}
+            }
+            let layout = Layout::bytes(CHUNK).unwrap();
+            let lookup = LookupRequest {
+                max_promoted: 0,
+                ..LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout, held.clone())
+            };
+            let id = storage.submit_lookup(lookup).unwrap();
+            assert_eq!(storage.wait(id, Duration::from_secs(10)).unwrap().per_tier, [0, 4, 0]);
+            storage.release(id, Readers::All).unwrap();
+            assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+            assert_eq!(queue.demoted_bytes(), 0, "{case}: the admission's bytes stayed counted");
+            assert!(held.iter().all(|k| disk.contains(k) == admitted), "{case}");
+            l2.release_held();
+        }
+    }
+
+    /// Past the cap of bytes on their way down, an admission's copy is not sent, unless nothing
+    /// else is on its way.
+    #[test]
+    fn an_admission_from_below_past_the_cap_of_bytes_on_their_way_is_not_sent() {
+        let (storage, below) = cascade_over_one_tier();
+        let queue = storage.inner.store.queue();
+        let chunks = keys(0..3);
+        below.hold();
+        // A victim on its way down, held by the tier.
+        let victim: Box<dyn ChunkSource> = Box::new(VecChunk(payload(&chunks[0], CHUNK)));
+        assert!(queue.send_demoted(0, chunks[0], victim, 2 * CHUNK));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while below.held_tasks() == 0 {
+            assert!(Instant::now() < deadline, "the pipeline never took the victim");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!queue.send_admit_below(0, 0, vec![(chunks[1], CHUNK)], CHUNK), "past the cap");
+        assert_eq!(queue.demoted_bytes(), CHUNK, "the refused copy stayed counted");
+        // Within it, it goes (to the tier the chunk is in: nothing to copy, and it ends).
+        assert!(queue.send_admit_below(0, 0, vec![(chunks[2], CHUNK)], 2 * CHUNK));
+        below.release_held();
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        assert_eq!(queue.demoted_bytes(), 0);
     }
 
     /// `tierkv_errors_total` of `reason`, as `snapshotter` finds it (a snapshot drains it).

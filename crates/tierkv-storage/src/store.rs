@@ -292,6 +292,27 @@ impl StoreQueue {
         true
     }
 
+    /// Sends an admission's copy of `items` out of lower tier `from` into `to`
+    /// ([`StoreJob::AdmitBelow`]), their bytes counted with the demoted ones from now (they
+    /// will be held in memory between their load and their store), unless that would pass
+    /// `cap` (a job always goes when nothing else is on its way). Returns whether it was sent.
+    pub(crate) fn send_admit_below(
+        &self,
+        from: usize,
+        to: usize,
+        items: Vec<(ObjectKey, u64)>,
+        cap: u64,
+    ) -> bool {
+        let len = admitted_len(&items);
+        let before = self.demoted_bytes.fetch_add(len, Ordering::AcqRel);
+        if before > 0 && before.saturating_add(len) > cap {
+            self.demoted_bytes.fetch_sub(len, Ordering::AcqRel);
+            return false;
+        }
+        // A stopped pipeline hands the job back, and `release_unstarted` counts its bytes out.
+        self.send(StoreJob::AdmitBelow { from, to, items }).is_ok()
+    }
+
     /// Queues `job`, or hands it back when the pipeline has stopped (or was never started):
     /// nothing will copy it then, and what it holds is the caller's to return
     /// ([`release_unstarted`]).
@@ -387,6 +408,9 @@ struct Fetch {
     landed: Option<Landed>,
     /// When the job started: past `Worker::timeout`, given up.
     started: Instant,
+    /// The bytes counted with the demoted ones for it (`StoreQueue::send_admit_below`): all of
+    /// the job's chunks, until it ends ([`Worker::fetch_over`]).
+    reserved: u64,
 }
 
 /// The chunks of `fetch` that loaded `whole`, with their bytes, taken out of its table.
@@ -519,6 +543,11 @@ impl Drop for StorePipeline {
     }
 }
 
+/// The bytes of an admission's chunks ([`StoreJob::AdmitBelow`]).
+fn admitted_len(items: &[(ObjectKey, u64)]) -> u64 {
+    items.iter().map(|(_, len)| len).sum()
+}
+
 /// The bytes of demoted chunks.
 fn demoted_len(items: &[(ObjectKey, Box<dyn ChunkSource>)]) -> u64 {
     items.iter().map(|(_, bytes)| bytes.len()).sum()
@@ -537,6 +566,9 @@ fn release_unstarted(l1: &L1Manager, demoted_bytes: &AtomicU64, l1_holds: &L1Hol
         }
         StoreJob::Demoted { items, .. } => {
             demoted_bytes.fetch_sub(demoted_len(items), Ordering::AcqRel);
+        }
+        StoreJob::AdmitBelow { items, .. } => {
+            demoted_bytes.fetch_sub(admitted_len(items), Ordering::AcqRel);
         }
         _ => {}
     }
@@ -626,6 +658,7 @@ impl Worker {
         // from now on is one its close lets go of.
         for ((tier, _), fetch) in std::mem::take(&mut self.fetches) {
             self.end_fetch(tier, &fetch);
+            self.fetch_over(fetch.reserved, 0);
             self.done_with_job();
         }
         for (_, batch) in std::mem::take(&mut self.batches) {
@@ -862,15 +895,18 @@ impl Worker {
     /// `from` (`on_fetched` loads what it locked). Nothing goes back to the remote tier that
     /// served it, nor to the tier the chunks are in already.
     fn start_fetch(&mut self, from: usize, to: usize, items: Vec<(ObjectKey, u64)>) {
+        let reserved = admitted_len(&items);
         let items: Vec<(ObjectKey, u64)> =
             items.into_iter().filter(|(key, _)| !self.remote_holds(to, key)).collect();
         if from == to || to >= self.router.len() || items.is_empty() {
+            self.demoted_bytes.fetch_sub(reserved, Ordering::AcqRel);
             self.done_with_job();
             return;
         }
         let keys: Vec<ObjectKey> = items.iter().map(|(key, _)| *key).collect();
-        let fetch = Fetch { to, items, landed: None, started: Instant::now() };
+        let fetch = Fetch { to, items, landed: None, started: Instant::now(), reserved };
         if !self.submit_fetch(from, fetch, |t| t.submit_lookup_and_lock(keys)) {
+            self.demoted_bytes.fetch_sub(reserved, Ordering::AcqRel);
             self.done_with_job();
         }
     }
@@ -913,6 +949,7 @@ impl Worker {
                     .map(|(_, item)| item)
                     .collect();
                 if items.is_empty() {
+                    self.fetch_over(fetch.reserved, 0);
                     self.done_with_job();
                     return;
                 }
@@ -927,9 +964,11 @@ impl Worker {
                     .collect();
                 let fetch = Fetch { items, landed: Some(landed), ..fetch };
                 let keys: Vec<ObjectKey> = fetch.items.iter().map(|(key, _)| *key).collect();
+                let reserved = fetch.reserved;
                 if !self.submit_fetch(from, fetch, |t| t.submit_load(loads)) {
                     // Not loading: the locks it took go back now.
                     self.unlock(from, &keys);
+                    self.fetch_over(reserved, 0);
                     self.done_with_job();
                 }
             }
@@ -945,20 +984,28 @@ impl Worker {
                 drop(sinks);
                 self.end_fetch(from, &fetch);
                 let items = landed_whole(&fetch, &whole);
+                // What loaded stays counted, as the demoted bytes it now is (the batch counts
+                // it out); what did not is counted out now.
+                self.fetch_over(fetch.reserved, demoted_len(&items));
                 if items.is_empty() {
                     self.done_with_job();
                     return;
                 }
-                // Counted as the demoted bytes they now are: the batch counts them out.
-                self.demoted_bytes.fetch_add(demoted_len(&items), Ordering::AcqRel);
                 self.start_demoted(fetch.to, items, 1);
             }
             // Not an answer this fetch waits for (a tier's bug): it ends.
             _ => {
                 self.end_fetch(from, &fetch);
+                self.fetch_over(fetch.reserved, 0);
                 self.done_with_job();
             }
         }
+    }
+
+    /// An admission's copy is over: of the bytes counted for it (`reserved`), all but those of
+    /// the chunks it goes on to store (`kept`, counted out by their batch) are counted out.
+    fn fetch_over(&self, reserved: u64, kept: u64) {
+        self.demoted_bytes.fetch_sub(reserved.saturating_sub(kept), Ordering::AcqRel);
     }
 
     /// `fetch`, waiting on tier `from`, ends: the locks it holds there (once loading) go back.
@@ -1153,6 +1200,7 @@ impl Worker {
                 self.late_locks.insert(task, fetch.items.iter().map(|(key, _)| *key).collect());
             }
             self.end_fetch(task.0, &fetch);
+            self.fetch_over(fetch.reserved, 0);
             self.metrics.store_timed_out();
             self.done_with_job();
         }
