@@ -1391,6 +1391,9 @@ impl Inner {
                     && p.sources.get(g).is_some_and(|s| s[i].is_some())
             })
         };
+        if let Some(p) = &prefetched {
+            self.remember_promoted_from_remote(request, p);
+        }
         let n = hit_of(request, |g, i| from_l1(g, i) || from_below(g, i) || held_below(g, i));
         let n = prefetched.as_ref().map_or(n, |p| n.min(p.hit_chunks));
         let mut covered = HashMap::with_capacity(n);
@@ -1606,6 +1609,31 @@ impl Inner {
         }
     }
 
+    /// Remembers the chunks `prefetched` promoted into L1 out of the remote tier, read or not
+    /// (a hit trimmed after the prefetch, a lookup abandoned while it prefetched): L1 keeps them
+    /// cached, and nothing may send them back to the tier that holds them already (a
+    /// write-back, a demotion, remote admission after reads).
+    fn remember_promoted_from_remote(&self, request: &LookupRequest, prefetched: &Prefetched) {
+        let Some(remote) = self.remote_tier else { return };
+        let mut served = Vec::new();
+        for (g, group) in request.groups.iter().enumerate() {
+            for (i, key) in group.keys.iter().enumerate() {
+                let promoted = prefetched.leased.get(g).is_some_and(|l| l.get(i) == Some(&true));
+                let source = prefetched.sources.get(g).and_then(|s| s.get(i).copied().flatten());
+                if promoted && source == Some(remote) {
+                    served.push(*key);
+                }
+            }
+        }
+        if served.is_empty() {
+            return;
+        }
+        let mut reads = self.reads.lock();
+        for key in served {
+            reads.served_by_remote(key);
+        }
+    }
+
     /// Disk and remote admission: counts the reads of a hit's chunks, those leased in L1
     /// (`in_l1`) and those read straight from the lower tier holding them (`below`: the tier and
     /// the chunk's length), and sends chunks that reached a threshold to that tier, from L1 or
@@ -1781,8 +1809,11 @@ impl Inner {
                 // Still loading; or claimed by a waiter, who settled it.
                 None => self.prefetch.is_known(request),
                 Some(outcome) => {
-                    if let Ok(Prefetched { lease: Some(lease), .. }) = outcome {
-                        let _ = self.l1.release_lease(lease);
+                    if let Ok(prefetched) = outcome {
+                        self.remember_promoted_from_remote(&lookup.request, &prefetched);
+                        if let Some(lease) = prefetched.lease {
+                            let _ = self.l1.release_lease(lease);
+                        }
                     }
                     false
                 }
@@ -2213,6 +2244,42 @@ mod tests {
         let clock = Arc::new(tierkv_core::ManualClock::new());
         let storage = StorageManager::start_with_tiers(config, clock, tiers).unwrap();
         (storage, remote, served)
+    }
+
+    /// A lookup released while it prefetched leaves what it promoted out of
+    /// the remote tier cached in L1: remembered as the remote tier's all the same, so its later
+    /// reads do not admit it back there.
+    #[test]
+    fn a_chunk_promoted_from_the_remote_tier_by_an_abandoned_lookup_is_not_stored_back() {
+        let (storage, remote, served) =
+            served_by_remote(RemoteAdmission::AfterReads { min_reads: 1 });
+        let layout = Layout::bytes(CHUNK).unwrap();
+        remote.hold_loads();
+        let lookup = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout.clone(), vec![served]);
+        let id = storage.submit_lookup(lookup).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while remote.held_tasks() == 0 {
+            assert!(Instant::now() < deadline, "the load never reached the remote tier");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        storage.release_all(id).unwrap();
+        remote.release_held();
+        while !storage.inner.abandoned.lock().is_empty() {
+            assert!(Instant::now() < deadline, "the abandoned lookup was never settled");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            matches!(storage.l1().presence(&served), tierkv_l1::Presence::Ready { .. }),
+            "the promotion stays in L1"
+        );
+        // Redis let it go meanwhile: a store back to it would show.
+        assert_eq!(remote.delete(&[served]), 1);
+        let lookup = LookupRequest::prefix(OWNER, ExtraCount::ZERO, layout, vec![served]);
+        let id = storage.submit_lookup(lookup).unwrap();
+        assert_eq!(storage.wait(id, Duration::from_secs(5)).unwrap().hit_chunks, 1);
+        storage.release_all(id).unwrap();
+        assert!(storage.inner.wait_for_store_jobs(0, Instant::now() + Duration::from_secs(10)));
+        assert!(!remote.contains(&served), "a chunk the remote tier served was stored back to it");
     }
 
     /// Remote admission after reads never sends a chunk back to the remote tier that served
