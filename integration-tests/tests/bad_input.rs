@@ -407,6 +407,55 @@ fn f4_sparse_memfds_are_refused_so_the_daemon_never_allocates_a_clients_pages() 
     witness.check();
 }
 
+/// Mappings the process `pid` has of the file whose inode is `inode` (its `/proc/PID/maps`
+/// lines naming it).
+fn mappings_of(pid: u32, inode: u64) -> usize {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("read /proc/PID/maps");
+    maps.lines().filter(|line| line.split_whitespace().nth(4) == Some(&inode.to_string())).count()
+}
+
+#[test]
+fn f4_one_memfd_registered_over_and_over_is_mapped_once_while_any_session_holds_it() {
+    // A worker registers its KV on two sessions (the vLLM connector's step and loading
+    // threads), a client may register one memfd many times: each mapping would cost the daemon
+    // page tables and a populate of the whole memfd. It is mapped once, shared, and unmapped
+    // with its last registration.
+    let daemon = Daemon::start();
+    let mut buffer = SharedBuffer::new(CHUNK, 4).unwrap();
+    let inode = std::fs::File::from(buffer.fd().try_clone_to_owned().unwrap())
+        .metadata()
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap();
+    let (mut first, mut second) = (connect(&daemon), connect(&daemon));
+    let a = first.register_buffer(&buffer).unwrap();
+    first.register_buffer(&buffer).unwrap();
+    let b = second.register_buffer(&buffer).unwrap();
+    assert_eq!(mappings_of(daemon.pid(), inode), 1);
+    // Stored through one session's registration, retrieved through the other's, byte for byte.
+    let round_trip = |from: (&mut Client, u32), to: (&mut Client, u32), chunk, block| {
+        from.0.store(0, from.1, vec![ChunkBlocks::one(chunk, block)]).unwrap();
+        let hit = to.0.lookup(0, vec![chunk]).unwrap();
+        to.0.retrieve(hit.id, to.1, vec![ChunkBlocks::one(chunk, block + 1)]).unwrap();
+    };
+    tierkv_client::payload::fill(buffer.block_mut(0).unwrap(), chunk_id(5, 0), 0);
+    round_trip((&mut first, a), (&mut second, b), chunk_id(5, 0), 0);
+    assert!(tierkv_client::payload::holds(buffer.block(1).unwrap(), chunk_id(5, 0), 0));
+    // One session ends; the other's registration keeps the mapping and goes on working.
+    first.end().unwrap();
+    assert_eq!(mappings_of(daemon.pid(), inode), 1);
+    tierkv_client::payload::fill(buffer.block_mut(2).unwrap(), chunk_id(6, 0), 0);
+    let mut third = connect(&daemon);
+    let c = third.register_buffer(&buffer).unwrap();
+    round_trip((&mut second, b), (&mut third, c), chunk_id(6, 0), 2);
+    assert!(tierkv_client::payload::holds(buffer.block(3).unwrap(), chunk_id(6, 0), 0));
+    assert_eq!(mappings_of(daemon.pid(), inode), 1);
+    // The last ones end (one says so, one disconnects): unmapped.
+    second.end().unwrap();
+    drop(third);
+    daemon.eventually("no worker connected", |s| s.connected_workers == 0);
+    assert_eq!(mappings_of(daemon.pid(), inode), 0);
+}
+
 #[test]
 fn f4_a_descriptor_whose_close_blocks_never_blocks_the_daemon() {
     // A TCP socket whose peer never reads, its send buffer full, lingering on close: its last

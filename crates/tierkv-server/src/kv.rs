@@ -12,7 +12,12 @@
 //! segment is checked against its region once, at registration, and every block id against
 //! `blocks` on each request, so no request can reach outside a mapping. A region is accepted
 //! only when its memfd is sealed against shrinking; otherwise the worker could truncate the file
-//! under the daemon's mapping and the next copy would be a `SIGBUS`.
+//! under the daemon's mapping and the next copy would be a `SIGBUS`. A memfd is mapped whole
+//! and once, however many registrations name it on however many sessions ([`HostMaps`], keyed by
+//! the file's device and inode): a worker registers its KV on two sessions, and a mapping per
+//! registration would cost a populate of the whole memfd and its page tables each time. The
+//! registrations share the mapping (each holds an `Arc` of it), and the last one dropped unmaps
+//! it.
 //!
 //! A CUDA region is opened once, at registration, and closed when the registration is dropped
 //! (the session ends). Its pieces move with the driver: device to device into an L1 slot on the
@@ -21,9 +26,12 @@
 //! registration: a block's pieces across a run are one strided copy. Device-to-device copies of a
 //! whole request are collected in a [`DeviceCopies`] and enqueued together, then waited for once.
 
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -101,43 +109,214 @@ pub enum KvError {
 
 /// A region, mapped or opened.
 enum Region {
-    Host(HostMap),
+    Host(Arc<HostMap>),
     Cuda(CudaRegion),
 }
 
-/// Bytes of workers' memfds the daemon maps at once, at most, over every session: a memfd is
-/// mapped again by every registration that names it, so a client can make the daemon map far
-/// more than it allocated, which takes the daemon's address space, and a daemon out of address
-/// space cannot allocate (and aborts). Far above what a node's engines hold, far below what a
-/// 47-bit address space has.
+/// Bytes of workers' memfds the daemon maps at once, at most, over every session, each memfd
+/// counted once however many registrations share its mapping ([`HostMaps`]): a client can send
+/// many memfds, and a daemon out of address space cannot allocate (and aborts). Far above what a
+/// node's engines hold, far below what a 47-bit address space has.
 const MAX_MAPPED_BYTES: u64 = 16 << 40;
 
-/// Bytes of memfds one session may have mapped at once: a sixteenth of
-/// [`MAX_MAPPED_BYTES`], so that one client's mistake (one memfd registered over and over) is
-/// refused on its own and leaves the rest to the other sessions. Far above one engine worker's
-/// KV.
+/// Bytes of memfds one session's registrations may reference at once, each memfd counted once
+/// however many of them name it: a sixteenth of [`MAX_MAPPED_BYTES`], so that one client's
+/// mistake is refused on its own and leaves the rest to the other sessions. Far above one engine
+/// worker's KV.
 pub const MAX_SESSION_MAPPED_BYTES: u64 = MAX_MAPPED_BYTES / 16;
 
-/// Bytes of workers' memfds mapped now, in every session.
-static MAPPED_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// A worker's memfd, mapped, its bytes counted in [`MAPPED_BYTES`] while it is.
-struct HostMap {
-    map: MmapRaw,
-    counted: u64,
+/// A file's identity: the same memfd, however many times and on whichever session its
+/// descriptor arrives, has one. A mapped file stays open (its mapping holds it), and tmpfs
+/// numbers inodes with a 64-bit counter, so no other file takes its identity while it is mapped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct FileId {
+    dev: u64,
+    ino: u64,
 }
 
-impl std::ops::Deref for HostMap {
-    type Target = MmapRaw;
+/// One file's place in [`HostMaps`]: its mapping while any registration holds it. A registration
+/// holds the lock from looking the mapping up to making one, so two registrations of one file at
+/// once map it once.
+type Slot = Arc<Mutex<Weak<HostMap>>>;
 
-    fn deref(&self) -> &MmapRaw {
-        &self.map
+/// Workers' memfds mapped into the daemon: one mapping per file, made (and populated) by the
+/// first registration that names it, shared by every later one on any session, and unmapped
+/// when the last registration holding it is dropped (its session ends). The daemon has one;
+/// clones share it.
+#[derive(Clone, Default)]
+pub struct HostMaps(Arc<Files>);
+
+#[derive(Default)]
+struct Files {
+    slots: Mutex<HashMap<FileId, Slot>>,
+    /// Bytes of the files mapped now.
+    bytes: AtomicU64,
+    /// Files mapped now.
+    count: AtomicU64,
+}
+
+impl HostMaps {
+    /// Bytes of workers' memfds mapped now, each file once.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.0.bytes.load(Ordering::Acquire)
+    }
+
+    /// Workers' memfds mapped now.
+    pub fn mapped_files(&self) -> u64 {
+        self.0.count.load(Ordering::Acquire)
+    }
+
+    /// The mapping of region `i`'s file `id`, `size` bytes long, which the registration needs
+    /// `bytes` of: the one already made if there is one, else a new one, if the session (what it
+    /// references already) may reference it.
+    fn share(
+        &self,
+        i: usize,
+        file: &File,
+        id: FileId,
+        (bytes, size): (u64, u64),
+        session: &Referenced,
+    ) -> Result<Arc<HostMap>, KvError> {
+        let slot = Arc::clone(self.0.slots.lock().entry(id).or_default());
+        let shared = self.share_in(&slot, i, file, id, (bytes, size), session);
+        if shared.is_err() {
+            drop(slot);
+            self.0.forget(id);
+        }
+        shared
+    }
+
+    fn share_in(
+        &self,
+        slot: &Slot,
+        i: usize,
+        file: &File,
+        id: FileId,
+        (bytes, size): (u64, u64),
+        session: &Referenced,
+    ) -> Result<Arc<HostMap>, KvError> {
+        let mut mapped = slot.lock();
+        if let Some(map) = mapped.upgrade() {
+            if map.len() < bytes {
+                // Only a memfd not sealed against growing can be longer than when it was mapped;
+                // a mapping per length would let a client that grows one a page at a time have
+                // it mapped over and over.
+                return Err(KvError::Shape(format!(
+                    "region {i} should have {bytes} bytes; its memfd has grown since the daemon \
+                     mapped its {} bytes for a registration still open (seal it with \
+                     F_SEAL_GROW before registering it)",
+                    map.len()
+                )));
+            }
+            session.admit(i, Some(&map), map.len())?;
+            return Ok(map);
+        }
+        session.admit(i, None, size)?;
+        let len = usize::try_from(size).map_err(|_| {
+            KvError::Shape(format!("region {i}: {size} bytes do not fit the address space"))
+        })?;
+        let counted = self.0.bytes.fetch_add(size, Ordering::AcqRel);
+        if counted.saturating_add(size) > MAX_MAPPED_BYTES {
+            self.0.bytes.fetch_sub(size, Ordering::AcqRel);
+            return Err(KvError::Shape(format!(
+                "region {i}: its memfd's {size} bytes more would pass the {} TiB of workers' \
+                 memory the daemon maps at most ({counted} bytes are mapped)",
+                MAX_MAPPED_BYTES >> 40
+            )));
+        }
+        // Populated, its pages all allocated (checked by the caller): mapping every page into
+        // the daemon's page table now, once, keeps minor faults (about a third of a retrieve's
+        // time when a load lands in blocks the daemon had not touched yet) off the copies. The
+        // mapping keeps the file open; the descriptor is closed once the registration is done.
+        match MmapOptions::new().len(len).populate().map_raw(file) {
+            Ok(map) => {
+                self.0.count.fetch_add(1, Ordering::AcqRel);
+                let map = Arc::new(HostMap { map, id, files: Arc::clone(&self.0) });
+                *mapped = Arc::downgrade(&map);
+                Ok(map)
+            }
+            Err(e) => {
+                self.0.bytes.fetch_sub(size, Ordering::AcqRel);
+                Err(KvError::Io(i, e))
+            }
+        }
+    }
+}
+
+impl Files {
+    /// Removes file `id`'s slot if no mapping and no registration holds it.
+    fn forget(&self, id: FileId) {
+        let mut slots = self.slots.lock();
+        // Held by the map alone, so no one can be holding its lock.
+        if let Some(slot) = slots.get(&id)
+            && Arc::strong_count(slot) == 1
+            && slot.lock().strong_count() == 0
+        {
+            slots.remove(&id);
+        }
+    }
+}
+
+/// The memfd mappings one session's registrations reference, and their bytes, each counted
+/// once however many registrations share it.
+struct Referenced {
+    maps: HashSet<*const HostMap>,
+    bytes: u64,
+}
+
+impl Referenced {
+    fn of(buffers: &[RegisteredKv]) -> Self {
+        let mut referenced = Referenced { maps: HashSet::new(), bytes: 0 };
+        for map in buffers.iter().flat_map(RegisteredKv::host_maps) {
+            referenced.add(map);
+        }
+        referenced
+    }
+
+    /// Whether region `i` may reference `map` (`None`: a new mapping) of `len` bytes.
+    fn admit(&self, i: usize, map: Option<&Arc<HostMap>>, len: u64) -> Result<(), KvError> {
+        if map.is_some_and(|map| self.maps.contains(&Arc::as_ptr(map))) {
+            return Ok(());
+        }
+        if self.bytes.saturating_add(len) > MAX_SESSION_MAPPED_BYTES {
+            return Err(KvError::Shape(format!(
+                "region {i}: its memfd's {len} bytes more would pass the {} TiB one session maps \
+                 at most ({} bytes of memfds are mapped for it)",
+                MAX_SESSION_MAPPED_BYTES >> 40,
+                self.bytes
+            )));
+        }
+        Ok(())
+    }
+
+    fn add(&mut self, map: &Arc<HostMap>) {
+        if self.maps.insert(Arc::as_ptr(map)) {
+            self.bytes += map.len();
+        }
+    }
+}
+
+/// A worker's memfd, mapped whole, shared by every registration of it; its bytes counted in
+/// [`HostMaps`] while it is.
+struct HostMap {
+    map: MmapRaw,
+    id: FileId,
+    files: Arc<Files>,
+}
+
+impl HostMap {
+    fn len(&self) -> u64 {
+        self.map.len() as u64
     }
 }
 
 impl Drop for HostMap {
     fn drop(&mut self) {
-        MAPPED_BYTES.fetch_sub(self.counted, std::sync::atomic::Ordering::AcqRel);
+        self.files.bytes.fetch_sub(self.len(), Ordering::AcqRel);
+        self.files.count.fetch_sub(1, Ordering::AcqRel);
+        // The file's slot goes with its last mapping, unless a registration holds it (it will
+        // map the file again) or a later mapping of the file took its place.
+        self.files.forget(self.id);
     }
 }
 
@@ -236,27 +415,12 @@ pub struct RegisteredKv {
 }
 
 impl RegisteredKv {
-    /// Bytes of memfd regions a registration asks to map (saturating: a sum past `u64::MAX` is
-    /// refused like any other past the limits).
-    pub fn memfd_bytes(regions: &[RegionSource]) -> u64 {
-        regions
-            .iter()
-            .map(|region| match region {
-                RegionSource::Memfd { bytes } => *bytes,
-                RegionSource::CudaIpc { .. } => 0,
-            })
-            .fold(0, u64::saturating_add)
-    }
-
-    /// Bytes of workers' memfds this registration has mapped.
-    pub fn mapped_bytes(&self) -> u64 {
-        self.regions
-            .iter()
-            .map(|region| match region {
-                Region::Host(map) => map.counted,
-                Region::Cuda(_) => 0,
-            })
-            .sum()
+    /// The memfd mappings this registration holds.
+    fn host_maps(&self) -> impl Iterator<Item = &Arc<HostMap>> {
+        self.regions.iter().filter_map(|region| match region {
+            Region::Host(map) => Some(map),
+            Region::Cuda(_) => None,
+        })
     }
 
     /// Takes the descriptors a registration's memfd regions need, one per memfd region, in
@@ -282,12 +446,16 @@ impl RegisteredKv {
 
     /// Checks the layout against the regions and maps them. `fds` are the regions' descriptors
     /// ([`RegisteredKv::take_descriptors`]); `chunk_bytes` is the session's chunk size, which a
-    /// chunk of this layout must equal.
+    /// chunk of this layout must equal. A memfd already mapped (`maps`) is shared, not mapped
+    /// again; the memfds the session's registrations (`session`) and this one reference count
+    /// once each against [`MAX_SESSION_MAPPED_BYTES`].
     pub fn map(
         regions: &[RegionSource],
         fds: Vec<Option<OwnedFd>>,
         layout: &KvLayout,
         chunk_bytes: u64,
+        maps: &HostMaps,
+        session: &[RegisteredKv],
     ) -> Result<Self, KvError> {
         let shape = |why: String| Err(KvError::Shape(why));
         if regions.is_empty() || regions.len() > MAX_REGIONS {
@@ -333,12 +501,16 @@ impl RegisteredKv {
                 layout.block_bytes
             ));
         }
+        let mut referenced = Referenced::of(session);
         let mut sizes = Vec::with_capacity(regions.len());
-        let mut maps = Vec::with_capacity(regions.len());
+        let mut mapped = Vec::with_capacity(regions.len());
         for (i, (region, fd)) in regions.iter().zip(fds).enumerate() {
             match (region, fd) {
                 (RegionSource::Memfd { bytes }, Some(fd)) => {
-                    maps.push(Region::Host(map_memfd(i, fd, *bytes)?));
+                    let (file, id, size) = check_memfd(i, fd, *bytes)?;
+                    let map = maps.share(i, &file, id, (*bytes, size), &referenced)?;
+                    referenced.add(&map);
+                    mapped.push(Region::Host(map));
                     sizes.push(*bytes);
                 }
                 (RegionSource::Memfd { .. }, None) => return Err(KvError::NoDescriptor(i)),
@@ -348,7 +520,7 @@ impl RegisteredKv {
                     }
                     let region = CudaRegion::open(handle, device, *bytes)
                         .map_err(|e| KvError::Cuda(i, e))?;
-                    maps.push(Region::Cuda(region));
+                    mapped.push(Region::Cuda(region));
                     sizes.push(*bytes);
                 }
             }
@@ -385,7 +557,7 @@ impl RegisteredKv {
         }
         let runs = segment_runs(&segments, layout.block_bytes as usize);
         Ok(RegisteredKv {
-            regions: maps,
+            regions: mapped,
             segments,
             runs,
             events: Mutex::new(Vec::new()),
@@ -685,13 +857,13 @@ impl RegisteredKv {
                 ));
             };
             // SAFETY: `offset` lies inside the mapping (segments checked at registration, block
-            // ids on each request), which stays mapped while `self` lives and cannot shrink
-            // (sealed); `p` has room for the chunk, so for the piece. The worker may write its
-            // memory concurrently; the copy then holds whatever bytes were there, which is the
-            // worker's own business.
+            // ids on each request), which stays mapped while `self` holds it (shared, it is
+            // unmapped when its last holder is dropped) and cannot shrink (sealed); `p` has room
+            // for the chunk, so for the piece. The worker may write its memory concurrently; the
+            // copy then holds whatever bytes were there, which is the worker's own business.
             unsafe {
                 let p = (p as usize as *mut u8).add(piece * self.block_bytes);
-                let here = map.as_mut_ptr().add(offset);
+                let here = map.map.as_mut_ptr().add(offset);
                 if to_region {
                     std::ptr::copy_nonoverlapping(p, here, self.block_bytes)
                 } else {
@@ -771,9 +943,17 @@ impl RegisteredKv {
     }
 }
 
-fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<HostMap, KvError> {
+/// Checks region `i`'s memfd, which the registration says has `bytes` bytes: its file, its
+/// identity and its size.
+fn check_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<(File, FileId, u64), KvError> {
     if bytes == 0 {
         return Err(KvError::Shape(format!("region {i} has 0 bytes")));
+    }
+    if bytes > MAX_SESSION_MAPPED_BYTES {
+        return Err(KvError::Shape(format!(
+            "region {i}: {bytes} bytes are more than the {} TiB one session maps at most",
+            MAX_SESSION_MAPPED_BYTES >> 40
+        )));
     }
     // SAFETY: fcntl on a descriptor we own.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
@@ -805,33 +985,13 @@ fn map_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<HostMap, KvError> {
     // bound. A tmpfs file of `size` bytes has at most `size` rounded up to a page in pages, so
     // `st_blocks` (512-byte units, swapped-out pages included) reaching `size` means no hole
     // anywhere, in the region or past it. A memfd larger than its region is checked whole: where
-    // its holes are cannot be told from the count.
+    // its holes are cannot be told from the count (and it is mapped whole).
     let allocated = metadata.blocks().saturating_mul(512);
     if allocated < size {
         return Err(KvError::Sparse { region: i, size, allocated });
     }
-    let len = usize::try_from(bytes).map_err(|_| {
-        KvError::Shape(format!("region {i}: {bytes} bytes do not fit the address space"))
-    })?;
-    let counted = MAPPED_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::AcqRel);
-    if counted.saturating_add(bytes) > MAX_MAPPED_BYTES {
-        MAPPED_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::AcqRel);
-        return Err(KvError::Shape(format!(
-            "region {i}: {bytes} bytes more would pass the {} TiB of workers' memory the daemon \
-             maps at most ({counted} bytes are mapped)",
-            MAX_MAPPED_BYTES >> 40
-        )));
-    }
-    // Populated, its pages all allocated (checked above): mapping every page into the daemon's
-    // page table now, once, keeps minor faults (about a third of a retrieve's time when a load
-    // lands in blocks the daemon had not touched yet) off the copies.
-    match MmapOptions::new().len(len).populate().map_raw(&file) {
-        Ok(map) => Ok(HostMap { map, counted: bytes }),
-        Err(e) => {
-            MAPPED_BYTES.fetch_sub(bytes, std::sync::atomic::Ordering::AcqRel);
-            Err(KvError::Io(i, e))
-        }
-    }
+    let id = FileId { dev: metadata.dev(), ino: metadata.ino() };
+    Ok((file, id, size))
 }
 
 #[cfg(test)]
@@ -874,6 +1034,8 @@ mod tests {
             vec![Some(owned(buffer))],
             layout,
             chunk,
+            &HostMaps::default(),
+            &[],
         )
     }
 
@@ -1045,9 +1207,10 @@ mod tests {
         assert_eq!(sealed, 0);
         let l = layout(4, 64, 64, 1, &[0]);
         let region = [RegionSource::Memfd { bytes: 256 }];
+        let maps = HostMaps::default();
         let map = |file: &File| {
             let fd = file.as_fd().try_clone_to_owned().unwrap();
-            RegisteredKv::map(&region, vec![Some(fd)], &l, 64)
+            RegisteredKv::map(&region, vec![Some(fd)], &l, 64, &maps, &[])
         };
         let allocate = |offset: i64, len: i64| {
             // SAFETY: fallocate on a descriptor we own, within its length.
@@ -1063,7 +1226,10 @@ mod tests {
         assert!(matches!(err, KvError::Sparse { allocated: 12288, .. }), "{err}");
         allocate(3 * 4096, 4096);
         let kv = map(&file).unwrap();
-        assert_eq!(kv.mapped_bytes(), 256);
+        // The memfd is mapped whole, past the region it holds.
+        assert_eq!(maps.mapped_bytes(), 4 * 4096);
+        drop(kv);
+        assert_eq!(maps.mapped_bytes(), 0);
     }
 
     #[test]
@@ -1078,7 +1244,10 @@ mod tests {
         let refusal = |regions: &[RegionSource]| {
             let mut one = || None;
             let fds = RegisteredKv::take_descriptors(regions, &mut one);
-            RegisteredKv::map(regions, fds, &l, 64).err().unwrap().to_string()
+            RegisteredKv::map(regions, fds, &l, 64, &HostMaps::default(), &[])
+                .err()
+                .unwrap()
+                .to_string()
         };
         // Nine memfds do not ride on one sendmsg; 257 regions of any kind are too many.
         let nine = vec![memfd_region; MAX_MEMFD_REGIONS + 1];
@@ -1105,17 +1274,18 @@ mod tests {
         unsealed.set_len(4096).unwrap();
         let l = layout(4, 64, 64, 1, &[0]);
         let memfd_region = [RegionSource::Memfd { bytes: 256 }];
-        let err = RegisteredKv::map(&memfd_region, vec![Some(OwnedFd::from(unsealed))], &l, 64)
-            .err()
-            .unwrap();
+        let maps = HostMaps::default();
+        let map =
+            |regions: &[RegionSource], fds| RegisteredKv::map(regions, fds, &l, 64, &maps, &[]);
+        let err = map(&memfd_region, vec![Some(OwnedFd::from(unsealed))]).err().unwrap();
         assert!(matches!(err, KvError::NotSealed(0)), "{err}");
         let shared = SharedBuffer::new(64, 4).unwrap();
         let big = [RegionSource::Memfd { bytes: 512 }];
-        let err = RegisteredKv::map(&big, vec![Some(owned(&shared))], &l, 64).err().unwrap();
+        let err = map(&big, vec![Some(owned(&shared))]).err().unwrap();
         assert!(err.to_string().contains("its memfd has 256"), "{err}");
         let mut none = || None;
         let fds = RegisteredKv::take_descriptors(&memfd_region, &mut none);
-        let err = RegisteredKv::map(&memfd_region, fds, &l, 64).err().unwrap();
+        let err = map(&memfd_region, fds).err().unwrap();
         assert!(matches!(err, KvError::NoDescriptor(0)), "{err}");
         let cuda = RegionSource::CudaIpc {
             handle: vec![0; 64],
@@ -1126,8 +1296,129 @@ mod tests {
             eprintln!("SKIPPED: the refusal without a CUDA driver (a device is present)");
             return;
         }
-        let err = RegisteredKv::map(&[cuda], vec![None], &l, 64).err().unwrap();
+        let err = map(&[cuda], vec![None]).err().unwrap();
         assert!(matches!(err, KvError::Cuda(0, CudaIpcError::Unavailable(_))), "{err}");
         assert!(err.to_string().contains("cuda_ipc region 0: CUDA is unavailable"), "{err}");
+    }
+
+    #[test]
+    fn one_memfd_registered_on_two_sessions_and_twice_on_one_is_mapped_once() {
+        let maps = HostMaps::default();
+        let shared = SharedBuffer::new(64, 4).unwrap();
+        let l = layout(4, 64, 64, 1, &[0]);
+        let region = [RegionSource::Memfd { bytes: 256 }];
+        let map = |session: &[RegisteredKv]| {
+            RegisteredKv::map(&region, vec![Some(owned(&shared))], &l, 64, &maps, session)
+        };
+        let first = vec![map(&[]).unwrap()];
+        let second = map(&[]).unwrap();
+        let again = map(&first).unwrap();
+        assert_eq!((maps.mapped_files(), maps.mapped_bytes()), (1, 256));
+        // One mapping: what one registration scatters, another gathers.
+        let chunk: Vec<u8> = (0..64).collect();
+        first[0].scatter(&[2], &chunk).unwrap();
+        let mut out = vec![0; 64];
+        second.gather(&[2], &mut out).unwrap();
+        assert_eq!(out, chunk);
+        // A session counts the memfd once against its cap, however many of its buffers name it.
+        let both = [first.into_iter().next().unwrap(), again];
+        assert_eq!(Referenced::of(&both).bytes, 256);
+        // The first session ends: the other's registration still reads and writes the memfd.
+        drop(both);
+        assert_eq!((maps.mapped_files(), maps.mapped_bytes()), (1, 256));
+        second.scatter(&[3], &chunk).unwrap();
+        second.gather(&[3], &mut out).unwrap();
+        assert_eq!(out, chunk);
+        drop(second);
+        assert_eq!((maps.mapped_files(), maps.mapped_bytes()), (0, 0));
+        assert!(maps.0.slots.lock().is_empty(), "no slot outlives its file's mapping");
+        // Registered again, it is mapped again.
+        let kv = map(&[]).unwrap();
+        assert_eq!(maps.mapped_files(), 1);
+        drop(kv);
+        assert_eq!(maps.mapped_bytes(), 0);
+    }
+
+    #[test]
+    fn a_memfd_a_session_already_maps_costs_its_cap_nothing_and_a_new_one_its_whole_size() {
+        let maps = HostMaps::default();
+        let shared = SharedBuffer::new(64, 4).unwrap();
+        let other = SharedBuffer::new(64, 4).unwrap();
+        let l = layout(4, 64, 64, 1, &[0]);
+        let region = [RegionSource::Memfd { bytes: 256 }];
+        let map = |buffer: &SharedBuffer, session: &[RegisteredKv]| {
+            RegisteredKv::map(&region, vec![Some(owned(buffer))], &l, 64, &maps, session)
+        };
+        let session = vec![map(&shared, &[]).unwrap()];
+        let mut referenced = Referenced::of(&session);
+        // A session just short of its cap: the memfd it maps already is admitted, another not.
+        referenced.bytes = MAX_SESSION_MAPPED_BYTES - 100;
+        let mapped = session[0].host_maps().next();
+        assert!(referenced.admit(0, mapped, 256).is_ok());
+        let err = referenced.admit(1, None, 256).err().unwrap();
+        assert!(err.to_string().contains("one session maps at most"), "{err}");
+        // Two distinct memfds are two mappings, counted apart.
+        let apart = map(&other, &session).unwrap();
+        assert_eq!((maps.mapped_files(), maps.mapped_bytes()), (2, 512));
+        assert_eq!(Referenced::of(&[apart]).bytes, 256);
+    }
+
+    #[test]
+    fn a_memfd_grown_since_it_was_mapped_is_refused_past_its_mapping() {
+        // Sealed against shrinking only: it can grow after the daemon mapped it.
+        let file = memfd(c"t", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING).unwrap();
+        // SAFETY: fallocate and fcntl on a descriptor we own.
+        unsafe {
+            assert_eq!(libc::fallocate(file.as_raw_fd(), 0, 0, 4096), 0);
+            assert_eq!(libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+        }
+        let maps = HostMaps::default();
+        let map = |bytes: u64| {
+            let fd = file.as_fd().try_clone_to_owned().unwrap();
+            let l = layout(bytes / 64, 64, 64, 1, &[0]);
+            RegisteredKv::map(&[RegionSource::Memfd { bytes }], vec![Some(fd)], &l, 64, &maps, &[])
+        };
+        let small = map(4096).unwrap();
+        // SAFETY: fallocate on a descriptor we own.
+        assert_eq!(unsafe { libc::fallocate(file.as_raw_fd(), 0, 4096, 4096) }, 0);
+        let err = map(8192).err().unwrap();
+        assert!(err.to_string().contains("F_SEAL_GROW"), "{err}");
+        // A region within the mapping shares it; once no registration holds it, the grown
+        // memfd is mapped anew, whole.
+        let within = map(4096).unwrap();
+        assert_eq!(maps.mapped_bytes(), 4096);
+        drop((small, within));
+        let grown = map(8192).unwrap();
+        assert_eq!((maps.mapped_files(), maps.mapped_bytes()), (1, 8192));
+        drop(grown);
+    }
+
+    #[test]
+    fn registrations_of_one_memfd_made_and_dropped_at_once_share_a_live_mapping() {
+        // Each thread's registrations are made while others' are dropped, the mapping's last
+        // holder going and a new one coming at any moment: each copies through a live mapping,
+        // none waits forever, and the file is unmapped once all are gone.
+        let maps = HostMaps::default();
+        let shared = SharedBuffer::new(64, 4).unwrap();
+        let l = layout(4, 64, 64, 1, &[0]);
+        let region = [RegionSource::Memfd { bytes: 256 }];
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                let (maps, shared, l, region) = (&maps, &shared, &l, &region);
+                s.spawn(move || {
+                    let chunk = vec![t; 64];
+                    let mut out = vec![0; 64];
+                    for _ in 0..200 {
+                        let fd = vec![Some(owned(shared))];
+                        let kv = RegisteredKv::map(region, fd, l, 64, maps, &[]).unwrap();
+                        kv.scatter(&[u64::from(t)], &chunk).unwrap();
+                        kv.gather(&[u64::from(t)], &mut out).unwrap();
+                        assert_eq!(out, chunk);
+                    }
+                });
+            }
+        });
+        assert_eq!((maps.mapped_files(), maps.mapped_bytes()), (0, 0));
+        assert!(maps.0.slots.lock().is_empty());
     }
 }

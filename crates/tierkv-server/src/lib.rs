@@ -17,4 +17,4 @@ pub mod session;
 
 pub use conn::Peer;
 pub use cuda_ipc::CudaIpcError;
-pub use kv::{KvError, MAX_MEMFD_REGIONS, MAX_REGIONS, RegisteredKv};
+pub use kv::{HostMaps, KvError, MAX_MEMFD_REGIONS, MAX_REGIONS, RegisteredKv};

@@ -23,7 +23,7 @@ use tierkv_proto::{
 use tierkv_storage::{HitChunk, LookupId, LookupResult, StorageError, StorageManager, StoreTicket};
 
 use crate::conn::Peer;
-use crate::kv::{DeviceCopies, KvError, MAX_SESSION_MAPPED_BYTES, RegisteredKv};
+use crate::kv::{DeviceCopies, HostMaps, KvError, RegisteredKv};
 use crate::metrics::ServerMetrics;
 
 /// Buffers one session may register.
@@ -170,6 +170,8 @@ pub struct Daemon {
     next_session: AtomicU64,
     started: Instant,
     metrics: ServerMetrics,
+    /// Workers' memfds mapped, each once for every registration of it on any session.
+    host_maps: HostMaps,
 }
 
 impl Daemon {
@@ -202,6 +204,7 @@ impl Daemon {
             next_session: AtomicU64::new(1),
             started: Instant::now(),
             metrics: ServerMetrics::register(),
+            host_maps: HostMaps::default(),
         }
     }
 
@@ -653,18 +656,17 @@ impl Session {
             });
         }
         let opened = self.opened();
-        let held: u64 = opened.buffers.iter().map(RegisteredKv::mapped_bytes).sum();
-        let asked = RegisteredKv::memfd_bytes(regions);
         let mapped = if opened.buffers.len() >= MAX_BUFFERS {
             Err(KvError::Shape(format!("at most {MAX_BUFFERS} buffers per session")))
-        } else if held.saturating_add(asked) > MAX_SESSION_MAPPED_BYTES {
-            Err(KvError::Shape(format!(
-                "{asked} bytes of memfds more would pass the {} TiB one session maps at most \
-                 ({held} bytes are mapped for it)",
-                MAX_SESSION_MAPPED_BYTES >> 40
-            )))
         } else {
-            RegisteredKv::map(regions, fds, layout, opened.hello.chunk_bytes)
+            RegisteredKv::map(
+                regions,
+                fds,
+                layout,
+                opened.hello.chunk_bytes,
+                &self.daemon.host_maps,
+                &opened.buffers,
+            )
         };
         let buffer =
             mapped.map_err(|e| Fail { code: ErrorCode::BadBuffer, message: e.to_string() })?;
@@ -1712,7 +1714,9 @@ mod tests {
         let shared = SharedBuffer::new(chunk, blocks).unwrap();
         let regions = [RegionSource::Memfd { bytes: chunk * blocks }];
         let fd = shared.fd().try_clone_to_owned().unwrap();
-        let kv = RegisteredKv::map(&regions, vec![Some(fd)], &chunk_blocks(chunk, blocks), chunk);
+        let layout = chunk_blocks(chunk, blocks);
+        let kv =
+            RegisteredKv::map(&regions, vec![Some(fd)], &layout, chunk, &HostMaps::default(), &[]);
         (kv.unwrap(), shared)
     }
 
@@ -1737,6 +1741,39 @@ mod tests {
         let registered = session.handle(register, &mut || fd.take(), peer);
         assert!(matches!(registered.reply, ReplyBody::BufferRegistered { buffer: 0 }));
         (session, shared)
+    }
+
+    /// Registers `shared` whole on `session`, as [`worker`] registers its buffer.
+    fn register(session: &mut Session, shared: &SharedBuffer) -> ReplyBody {
+        let mut fd = Some(shared.fd().try_clone_to_owned().unwrap());
+        let register = RequestBody::RegisterKv {
+            regions: vec![RegionSource::Memfd { bytes: shared.blocks() * shared.block_bytes() }],
+            layout: chunk_blocks(shared.block_bytes(), shared.blocks()),
+        };
+        session.handle(register, &mut || fd.take(), Peer::detached()).reply
+    }
+
+    #[test]
+    fn a_memfd_registered_on_two_sessions_stays_mapped_until_both_end() {
+        const CHUNK: u64 = 4 << 10;
+        let daemon = Daemon::small(CHUNK);
+        let peer = Peer::detached();
+        let (mut first, shared) = worker(&daemon, CHUNK, 2, peer);
+        let (mut second, _other) = worker(&daemon, CHUNK, 2, peer);
+        let mapped = || (daemon.host_maps.mapped_files(), daemon.host_maps.mapped_bytes());
+        assert_eq!(mapped(), (2, 4 * CHUNK));
+        // The first session's memfd, registered again on both: no new mapping.
+        assert!(matches!(register(&mut first, &shared), ReplyBody::BufferRegistered { buffer: 1 }));
+        assert!(matches!(
+            register(&mut second, &shared),
+            ReplyBody::BufferRegistered { buffer: 1 }
+        ));
+        assert_eq!(mapped(), (2, 4 * CHUNK));
+        let reply = first.handle(RequestBody::EndSession, &mut || None, peer).reply;
+        assert!(matches!(reply, ReplyBody::Bye), "{reply:?}");
+        assert_eq!(mapped(), (2, 4 * CHUNK), "the second session still holds both memfds");
+        drop(second);
+        assert_eq!(mapped(), (0, 0));
     }
 
     /// A daemon whose L1 (16 slots, windows of two chunks, write-through to a fake disk) is
