@@ -166,22 +166,14 @@ impl HostMaps {
         self.0.count.load(Ordering::Acquire)
     }
 
-    /// The mapping of region `i`'s file `id`, `size` bytes long, which the registration needs
-    /// `bytes` of: the one already made if there is one, else a new one, if the session (what it
-    /// references already) may reference it.
-    fn share(
-        &self,
-        i: usize,
-        file: &File,
-        id: FileId,
-        (bytes, size): (u64, u64),
-        session: &Referenced,
-    ) -> Result<Arc<HostMap>, KvError> {
-        let slot = Arc::clone(self.0.slots.lock().entry(id).or_default());
-        let shared = self.share_in(&slot, i, file, id, (bytes, size), session);
+    /// The mapping of `memfd`: the one already made if there is one, else a new one, if the
+    /// session (what it references already) may reference it.
+    fn share(&self, memfd: &Memfd, session: &Referenced) -> Result<Arc<HostMap>, KvError> {
+        let slot = Arc::clone(self.0.slots.lock().entry(memfd.id).or_default());
+        let shared = self.share_in(&slot, memfd, session);
         if shared.is_err() {
             drop(slot);
-            self.0.forget(id);
+            self.0.forget(memfd.id);
         }
         shared
     }
@@ -189,12 +181,10 @@ impl HostMaps {
     fn share_in(
         &self,
         slot: &Slot,
-        i: usize,
-        file: &File,
-        id: FileId,
-        (bytes, size): (u64, u64),
+        memfd: &Memfd,
         session: &Referenced,
     ) -> Result<Arc<HostMap>, KvError> {
+        let Memfd { region: i, ref file, id, bytes, size } = *memfd;
         let mut mapped = slot.lock();
         if let Some(map) = mapped.upgrade() {
             if map.len() < bytes {
@@ -507,8 +497,7 @@ impl RegisteredKv {
         for (i, (region, fd)) in regions.iter().zip(fds).enumerate() {
             match (region, fd) {
                 (RegionSource::Memfd { bytes }, Some(fd)) => {
-                    let (file, id, size) = check_memfd(i, fd, *bytes)?;
-                    let map = maps.share(i, &file, id, (*bytes, size), &referenced)?;
+                    let map = maps.share(&check_memfd(i, fd, *bytes)?, &referenced)?;
                     referenced.add(&map);
                     mapped.push(Region::Host(map));
                     sizes.push(*bytes);
@@ -943,9 +932,19 @@ impl RegisteredKv {
     }
 }
 
-/// Checks region `i`'s memfd, which the registration says has `bytes` bytes: its file, its
-/// identity and its size.
-fn check_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<(File, FileId, u64), KvError> {
+/// A registration's memfd region, checked.
+struct Memfd {
+    region: usize,
+    file: File,
+    id: FileId,
+    /// The region's bytes.
+    bytes: u64,
+    /// The file's.
+    size: u64,
+}
+
+/// Checks region `i`'s memfd, which the registration says has `bytes` bytes.
+fn check_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<Memfd, KvError> {
     if bytes == 0 {
         return Err(KvError::Shape(format!("region {i} has 0 bytes")));
     }
@@ -991,7 +990,7 @@ fn check_memfd(i: usize, fd: OwnedFd, bytes: u64) -> Result<(File, FileId, u64),
         return Err(KvError::Sparse { region: i, size, allocated });
     }
     let id = FileId { dev: metadata.dev(), ino: metadata.ino() };
-    Ok((file, id, size))
+    Ok(Memfd { region: i, file, id, bytes, size })
 }
 
 #[cfg(test)]
@@ -1301,15 +1300,34 @@ mod tests {
         assert!(err.to_string().contains("cuda_ipc region 0: CUDA is unavailable"), "{err}");
     }
 
+    /// Registrations of 256-byte memfds (four blocks of 64 bytes, a block a chunk) whole, in
+    /// maps of their own.
+    struct Memfds {
+        maps: HostMaps,
+        layout: KvLayout,
+    }
+
+    impl Memfds {
+        fn new() -> Self {
+            Memfds { maps: HostMaps::default(), layout: layout(4, 64, 64, 1, &[0]) }
+        }
+
+        fn register(
+            &self,
+            buffer: &SharedBuffer,
+            session: &[RegisteredKv],
+        ) -> Result<RegisteredKv, KvError> {
+            let region = [RegionSource::Memfd { bytes: 256 }];
+            let fd = vec![Some(owned(buffer))];
+            RegisteredKv::map(&region, fd, &self.layout, 64, &self.maps, session)
+        }
+    }
+
     #[test]
     fn one_memfd_registered_on_two_sessions_and_twice_on_one_is_mapped_once() {
-        let maps = HostMaps::default();
-        let shared = SharedBuffer::new(64, 4).unwrap();
-        let l = layout(4, 64, 64, 1, &[0]);
-        let region = [RegionSource::Memfd { bytes: 256 }];
-        let map = |session: &[RegisteredKv]| {
-            RegisteredKv::map(&region, vec![Some(owned(&shared))], &l, 64, &maps, session)
-        };
+        let memfds = Memfds::new();
+        let (maps, shared) = (&memfds.maps, SharedBuffer::new(64, 4).unwrap());
+        let map = |session: &[RegisteredKv]| memfds.register(&shared, session);
         let first = vec![map(&[]).unwrap()];
         let second = map(&[]).unwrap();
         let again = map(&first).unwrap();
@@ -1341,14 +1359,12 @@ mod tests {
 
     #[test]
     fn a_memfd_a_session_already_maps_costs_its_cap_nothing_and_a_new_one_its_whole_size() {
-        let maps = HostMaps::default();
+        let memfds = Memfds::new();
+        let maps = &memfds.maps;
         let shared = SharedBuffer::new(64, 4).unwrap();
         let other = SharedBuffer::new(64, 4).unwrap();
-        let l = layout(4, 64, 64, 1, &[0]);
-        let region = [RegionSource::Memfd { bytes: 256 }];
-        let map = |buffer: &SharedBuffer, session: &[RegisteredKv]| {
-            RegisteredKv::map(&region, vec![Some(owned(buffer))], &l, 64, &maps, session)
-        };
+        let map =
+            |buffer: &SharedBuffer, session: &[RegisteredKv]| memfds.register(buffer, session);
         let session = vec![map(&shared, &[]).unwrap()];
         let mut referenced = Referenced::of(&session);
         // A session just short of its cap: the memfd it maps already is admitted, another not.
@@ -1398,19 +1414,16 @@ mod tests {
         // Each thread's registrations are made while others' are dropped, the mapping's last
         // holder going and a new one coming at any moment: each copies through a live mapping,
         // none waits forever, and the file is unmapped once all are gone.
-        let maps = HostMaps::default();
+        let memfds = Memfds::new();
         let shared = SharedBuffer::new(64, 4).unwrap();
-        let l = layout(4, 64, 64, 1, &[0]);
-        let region = [RegionSource::Memfd { bytes: 256 }];
         std::thread::scope(|s| {
             for t in 0..4u8 {
-                let (maps, shared, l, region) = (&maps, &shared, &l, &region);
+                let (memfds, shared) = (&memfds, &shared);
                 s.spawn(move || {
                     let chunk = vec![t; 64];
                     let mut out = vec![0; 64];
                     for _ in 0..200 {
-                        let fd = vec![Some(owned(shared))];
-                        let kv = RegisteredKv::map(region, fd, l, 64, maps, &[]).unwrap();
+                        let kv = memfds.register(shared, &[]).unwrap();
                         kv.scatter(&[u64::from(t)], &chunk).unwrap();
                         kv.gather(&[u64::from(t)], &mut out).unwrap();
                         assert_eq!(out, chunk);
@@ -1418,6 +1431,7 @@ mod tests {
                 });
             }
         });
+        let maps = &memfds.maps;
         assert_eq!((maps.mapped_files(), maps.mapped_bytes()), (0, 0));
         assert!(maps.0.slots.lock().is_empty());
     }
