@@ -126,8 +126,11 @@ const MAX_MAPPED_BYTES: u64 = 16 << 40;
 pub const MAX_SESSION_MAPPED_BYTES: u64 = MAX_MAPPED_BYTES / 16;
 
 /// A file's identity: the same memfd, however many times and on whichever session its
-/// descriptor arrives, has one. A mapped file stays open (its mapping holds it), and tmpfs
-/// numbers inodes with a 64-bit counter, so no other file takes its identity while it is mapped.
+/// descriptor arrives, has one. A mapped file stays open (its mapping holds it), and the kernel
+/// numbers memfds' inodes from a counter, never reusing a live one's number short of the
+/// counter wrapping: never with 64-bit inode numbers, and with 32-bit ones (kernels without
+/// `inode64` for the internal tmpfs) only after four billion memfds made while this one is
+/// mapped. That bound is what keeps another file's registration off this mapping.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct FileId {
     dev: u64,
