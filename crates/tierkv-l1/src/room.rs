@@ -19,7 +19,11 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
+/// On cache lines of its own: `watchers` is read by every release and every reservation that
+/// frees room, and written only while a writer waits, so it must not share a line with what
+/// they write (the free list's lock beside it in `Slots`).
 #[derive(Default)]
+#[repr(align(128))]
 pub(crate) struct Room {
     /// Writers watching now ([`RoomWatch`]).
     watchers: AtomicUsize,
