@@ -50,11 +50,11 @@ const RESERVED_FDS: u64 = 64;
 /// the 64 KiB replay (issue 13): 0.48-0.72 of memcpy with it, 0.39-0.53 handing off every copy.
 const INLINE_COPY_BYTES: u64 = 1 << 20;
 
-/// The most chunks a lookup may name and still run on the runtime thread that read it. A
-/// lookup costs a lease per L1 hit and a plan for the rest, under a microsecond a chunk: this
-/// many is a few hundred microseconds, about the hand-off's cost several times over. A frame
-/// may name a million chunks, seconds of work, which inline would hold up every connection
-/// that shares the thread.
+/// The most chunks a lookup may name and still run on the runtime thread that read it (its
+/// release too). A lookup costs a lease per L1 hit and a plan for the rest, under a microsecond
+/// a chunk: this many is a few hundred microseconds, about the hand-off's cost several times
+/// over. A frame may name a million chunks, seconds of work, which inline would hold up every
+/// connection that shares the thread.
 const INLINE_LOOKUP_CHUNKS: usize = 1024;
 
 /// Why the daemon could not start or stop cleanly.
@@ -641,6 +641,8 @@ async fn serve_connection(
             }
             RequestBody::RegisterKv { .. } => true,
             RequestBody::Lookup { chunks, .. } => chunks.len() > INLINE_LOOKUP_CHUNKS,
+            // Returns a share of each chunk of the hit: as long as the lookup, nearly.
+            RequestBody::Release { lookup } => daemon.lookup_chunks(*lookup) > INLINE_LOOKUP_CHUNKS,
             RequestBody::Retrieve { lookup, chunks, .. } => {
                 // Not `holds_below`: the lookup may complete (with chunks below L1) between
                 // this answer and the retrieve's own, which would then read a tier here.

@@ -113,6 +113,8 @@ struct LookupInfo {
     readers: u32,
     /// The owner's reader number: its share goes back with the owner's session.
     owner_reader: u16,
+    /// Chunks it asked for: what its release has to return, at most.
+    chunks: usize,
 }
 
 /// Lookups that ended (every reader returned its share).
@@ -211,6 +213,12 @@ impl Daemon {
     /// Bytes of an L1 slot: what a chunk of any size takes of L1, and the largest chunk.
     fn slot_bytes(&self) -> u64 {
         self.max_chunk_bytes.max(1)
+    }
+
+    /// Chunks open lookup `lookup` asked for (0 for one not open): what its release returns,
+    /// at most.
+    pub fn lookup_chunks(&self, lookup: u64) -> usize {
+        self.lookups.lock().get(&lookup).map_or(0, |info| info.chunks)
     }
 
     /// The storage below.
@@ -1043,6 +1051,7 @@ impl Session {
             rank: opened.rank,
             readers: opened.extra.readers(),
             owner_reader: opened.reader_of(opened.rank),
+            chunks: chunks.len(),
         };
         self.daemon.lookups.lock().insert(id.0, info);
         if let Some(opened) = &mut self.opened {
