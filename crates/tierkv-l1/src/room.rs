@@ -46,6 +46,9 @@ impl Room {
     /// Starts a watch: room freed from now on wakes it.
     pub(crate) fn watch(&self) -> RoomWatch<'_> {
         self.watchers.fetch_add(1, Ordering::SeqCst);
+        // Orders the count before the writer's next try, which reads slots' pin words with
+        // acquire loads only (see `Slots::unpin`).
+        std::sync::atomic::fence(Ordering::SeqCst);
         let seen = *self.freed.lock();
         RoomWatch { room: self, seen }
     }

@@ -142,7 +142,10 @@ impl Slots {
     /// writers waiting for room (if any) here.
     pub(crate) fn unpin(&self, slot: SlotId, writer: bool) {
         let delta = if writer { WRITER + 1 } else { 1 };
-        let before = self.state(slot).fetch_sub(delta, Ordering::AcqRel);
+        // Sequentially consistent, as the watchers' count the wake-up reads after it and a
+        // writer's watch before its try (`Room`): either the writer's try sees this pin gone or
+        // this sees the writer watching. (The same instruction as `AcqRel` on x86.)
+        let before = self.state(slot).fetch_sub(delta, Ordering::SeqCst);
         if before & PINS == 1 {
             if before & RETIRED != 0 {
                 self.release_retired(slot);
