@@ -911,8 +911,9 @@ impl StorageManager {
             let Some(lookup) = lookups.get_mut(&id) else {
                 // Abandoned while we waited (released, or its owner left). The outcome is ours
                 // now and nobody else will see it: settle it, or its lease would stay taken.
-                if let Ok(Prefetched { lease: Some(lease), .. }) = outcome {
-                    let _ = self.inner.l1.release_lease(lease);
+                drop(lookups);
+                if let Ok(prefetched) = outcome {
+                    self.inner.settle_abandoned(request, &prefetched);
                 }
                 return Err(StorageError::UnknownLookup(id));
             };
@@ -1609,6 +1610,24 @@ impl Inner {
         }
     }
 
+    /// Settles the outcome of an abandoned lookup's prefetch `request` that a waiter claimed:
+    /// what it promoted out of the remote tier is remembered (the lookup's request is still in
+    /// `abandoned`, which the maintenance tick clears once the outcome is claimed), and its lease
+    /// returned.
+    fn settle_abandoned(&self, request: tierkv_prefetch::RequestId, prefetched: &Prefetched) {
+        let abandoned = self.abandoned.lock();
+        let lookup = abandoned
+            .iter()
+            .find(|lookup| matches!(lookup.stage, Stage::Prefetching(r) if r == request));
+        if let Some(lookup) = lookup {
+            self.remember_promoted_from_remote(&lookup.request, prefetched);
+        }
+        drop(abandoned);
+        if let Some(lease) = prefetched.lease {
+            let _ = self.l1.release_lease(lease);
+        }
+    }
+
     /// Remembers the chunks `prefetched` promoted into L1 out of the remote tier, read or not
     /// (a hit trimmed after the prefetch, a lookup abandoned while it prefetched): L1 keeps them
     /// cached, and nothing may send them back to the tier that holds them already (a
@@ -1695,8 +1714,9 @@ impl Inner {
             self.store.submit(StoreJob::AdmitRemote(to_remote));
         }
         // Their bytes are held in memory from their load until their store, as a cascade
-        // victim's are: they count with those, within the same cap, in jobs of a quarter of it.
-        let cap = demoted_cap(self.config.l1.slot_bytes);
+        // victim's are: they count with those, within half the cap (the cascade's victims,
+        // which have no other copy, keep the other half), in jobs of an eighth of it.
+        let cap = demoted_cap(self.config.l1.slot_bytes) / 2;
         for ((from, to), items) in copies {
             let mut job = Vec::new();
             let mut job_bytes = 0;
@@ -1716,15 +1736,20 @@ impl Inner {
     }
 
     /// Sends an admission's copy of `items` from lower tier `from` to `to`, unless `cap` bytes
-    /// are already on their way down: then it is dropped (the chunks stay where they are, and
-    /// their reads count again towards a later admission).
+    /// are already on their way down: then it is not sent, the chunks stay where they are, and
+    /// the read that admitted them is taken back, so that their next read admits them again.
     fn admit_below(&self, from: usize, to: usize, items: Vec<(ObjectKey, u64)>, cap: u64) {
+        let keys: Vec<ObjectKey> = items.iter().map(|(key, _)| *key).collect();
         if !self.store.queue().send_admit_below(from, to, items, cap) {
             tracing::debug!(
                 from,
                 to,
-                "an admission's copy from a lower tier waits: {cap} bytes are on their way down"
+                "an admission's copy from a lower tier waits for room below {cap} bytes on their way down"
             );
+            let mut reads = self.reads.lock();
+            for key in &keys {
+                reads.unread(key);
+            }
         }
     }
 

@@ -67,6 +67,14 @@ impl ReadCounts {
         Admit { disk: Some(*count) == disk, remote: Some(*count) == remote && !came_from_remote }
     }
 
+    /// Takes back one read of `key`: the admission it reached was not carried out (no room for
+    /// its copy), so that its next read reaches the threshold again.
+    pub(crate) fn unread(&mut self, key: &ObjectKey) {
+        if let Some(count) = self.counts.get_mut(key) {
+            *count = count.saturating_sub(1);
+        }
+    }
+
     /// Remembers that the remote tier served `key` (a lookup that counts no reads).
     pub(crate) fn served_by_remote(&mut self, key: ObjectKey) {
         self.remember_remote(key, true);
@@ -108,6 +116,20 @@ impl ReadCounts {
 mod tests {
     use super::*;
     use tierkv_testkit::contract::keys;
+
+    /// A read taken back (its admission found no room) leaves the count one short of the
+    /// threshold, so the next read admits the chunk: the counts admit only on reaching it, and
+    /// one left at it would never admit again.
+    #[test]
+    fn an_admission_taken_back_is_reached_again_at_the_next_read() {
+        let mut reads = ReadCounts::new(16);
+        let key = keys(0..1)[0];
+        assert!(!reads.read(key, false, Some(2), None).disk);
+        assert!(reads.read(key, false, Some(2), None).disk);
+        reads.unread(&key);
+        assert!(reads.read(key, false, Some(2), None).disk, "the next read does not admit it");
+        assert!(!reads.read(key, false, Some(2), None).disk, "admitted twice");
+    }
 
     /// Reads `steps` (a key's number, and whether the remote tier served it) into counts of
     /// `cap` chunks, a lookup each, and returns the numbers of those admitted to the remote tier

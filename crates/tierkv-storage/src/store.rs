@@ -309,8 +309,12 @@ impl StoreQueue {
             self.demoted_bytes.fetch_sub(len, Ordering::AcqRel);
             return false;
         }
-        // A stopped pipeline hands the job back, and `release_unstarted` counts its bytes out.
-        self.send(StoreJob::AdmitBelow { from, to, items }).is_ok()
+        if self.send(StoreJob::AdmitBelow { from, to, items }).is_err() {
+            // The pipeline has stopped: nothing will copy them.
+            self.demoted_bytes.fetch_sub(len, Ordering::AcqRel);
+            return false;
+        }
+        true
     }
 
     /// Queues `job`, or hands it back when the pipeline has stopped (or was never started):
