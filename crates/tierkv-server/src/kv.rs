@@ -126,15 +126,45 @@ const MAX_MAPPED_BYTES: u64 = 16 << 40;
 pub const MAX_SESSION_MAPPED_BYTES: u64 = MAX_MAPPED_BYTES / 16;
 
 /// A file's identity: the same memfd, however many times and on whichever session its
-/// descriptor arrives, has one. A mapped file stays open (its mapping holds it), and the kernel
-/// numbers memfds' inodes from a counter, never reusing a live one's number short of the
-/// counter wrapping: never with 64-bit inode numbers, and with 32-bit ones (kernels without
-/// `inode64` for the internal tmpfs) only after four billion memfds made while this one is
-/// mapped. That bound is what keeps another file's registration off this mapping.
+/// descriptor arrives, has one. A mapped file stays open (its mapping holds it), and since Linux
+/// 5.9 the kernel numbers the inodes of its internal shared-memory mount (memfds) with a 64-bit
+/// counter that never comes back to a live file's number, so no other file takes its identity
+/// while it is mapped. Before 5.9 they came from `get_next_ino`, a 32-bit counter shared with
+/// every socket and pipe, which a process could wrap in hours: there memfds are not shared
+/// ([`inode_numbers_unique`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct FileId {
     dev: u64,
     ino: u64,
+}
+
+/// Whether a live memfd's device and inode name it alone: on Linux 5.9 and later
+/// ([`FileId`]). Read once.
+fn inode_numbers_unique() -> bool {
+    static UNIQUE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *UNIQUE.get_or_init(|| kernel_at_least(&kernel_release(), (5, 9)))
+}
+
+/// The running kernel's release (`uname -r`), or "" where it cannot be read.
+fn kernel_release() -> String {
+    // SAFETY: `utsname` is arrays of `c_char`, for which all zeroes is a valid value.
+    let mut name: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `uname` fills the struct it is given, NUL-terminating each field.
+    if unsafe { libc::uname(&mut name) } != 0 {
+        return String::new();
+    }
+    // SAFETY: as above, `release` is NUL-terminated within its array.
+    unsafe { std::ffi::CStr::from_ptr(name.release.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+/// Whether kernel `release` ("6.18.0-1-amd64") is `major.minor` or later; `false` where it
+/// cannot be read.
+fn kernel_at_least(release: &str, (major, minor): (u32, u32)) -> bool {
+    let mut numbers = release.split(|c: char| !c.is_ascii_digit()).map(str::parse::<u32>);
+    match (numbers.next(), numbers.next()) {
+        (Some(Ok(have_major)), Some(Ok(have_minor))) => (have_major, have_minor) >= (major, minor),
+        _ => false,
+    }
 }
 
 /// One file's place in [`HostMaps`]: its mapping while any registration holds it. A registration
@@ -172,6 +202,10 @@ impl HostMaps {
     /// The mapping of `memfd`: the one already made if there is one, else a new one, if the
     /// session (what it references already) may reference it.
     fn share(&self, memfd: &Memfd, session: &Referenced) -> Result<Arc<HostMap>, KvError> {
+        if !inode_numbers_unique() {
+            // A mapping of its own, which no later registration finds.
+            return self.share_in(&Slot::default(), memfd, session);
+        }
         let slot = Arc::clone(self.0.slots.lock().entry(memfd.id).or_default());
         let shared = self.share_in(&slot, memfd, session);
         if shared.is_err() {
@@ -1001,6 +1035,16 @@ mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
 
     use super::*;
+
+    #[test]
+    fn a_kernel_release_is_compared_by_its_major_and_minor_numbers() {
+        assert!(kernel_at_least("6.18.0-1-amd64", (5, 9)));
+        assert!(kernel_at_least("5.9.0", (5, 9)));
+        assert!(!kernel_at_least("5.4.0-150-generic", (5, 9)));
+        assert!(!kernel_at_least("4.18.0-513.el8.x86_64", (5, 9)));
+        assert!(!kernel_at_least("", (5, 9)), "unreadable: not shared");
+        assert!(!kernel_at_least("garbage", (5, 9)));
+    }
     use std::os::fd::AsFd;
     use tierkv_client::{SharedBuffer, memfd};
     use tierkv_proto::Segment;
@@ -1380,6 +1424,28 @@ mod tests {
         let apart = map(&other, &session).unwrap();
         assert_eq!((maps.mapped_files(), maps.mapped_bytes()), (2, 512));
         assert_eq!(Referenced::of(&[apart]).bytes, 256);
+    }
+
+    /// A memfd is mapped whole: a new one costs a session's cap its file's size, however few
+    /// of its bytes the region names.
+    #[test]
+    fn a_new_memfd_costs_a_session_its_whole_size_not_its_regions_bytes() {
+        let file = memfd(c"t", libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING).unwrap();
+        // SAFETY: fallocate and fcntl on a descriptor we own.
+        unsafe {
+            assert_eq!(libc::fallocate(file.as_raw_fd(), 0, 0, 4096), 0);
+            let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+            assert_eq!(libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals), 0);
+        }
+        let maps = HostMaps::default();
+        let memfd = check_memfd(0, OwnedFd::from(file), 256).unwrap();
+        let mut referenced =
+            Referenced { maps: HashSet::new(), bytes: MAX_SESSION_MAPPED_BYTES - 300 };
+        let err = maps.share(&memfd, &referenced).err().unwrap();
+        assert!(err.to_string().contains("one session maps at most"), "{err}");
+        referenced.bytes = MAX_SESSION_MAPPED_BYTES - 4096;
+        let map = maps.share(&memfd, &referenced).unwrap();
+        assert_eq!(map.len(), 4096);
     }
 
     #[test]
