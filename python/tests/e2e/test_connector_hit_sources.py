@@ -86,9 +86,15 @@ def test_the_accepted_tokens_are_split_by_tier_root_first(
     assert sum(sources.values()) == accepted and all(sources.values())
 
 
-def test_a_split_that_fails_is_unspecified_not_an_exception(halves: Halves) -> None:
+def test_a_split_that_fails_is_unspecified_not_an_exception(
+    halves: Halves, monkeypatch: pytest.MonkeyPatch
+) -> None:
     r = _hit(halves, 0, [[3, 0, 0, 0]])
-    halves.scheduler.requests[r.request_id].hit_tiers = None  # type: ignore[assignment]
+
+    def broken(*_args: object) -> dict[str, int]:
+        raise RuntimeError("a bug in the split")
+
+    monkeypatch.setattr(halves.scheduler, "_hit_sources", broken)
     assert _connector(halves).get_external_cache_hit_sources(r, 3 * BLOCK) == {
         CacheHitSource.EXTERNAL_UNSPECIFIED: 3 * BLOCK
     }
