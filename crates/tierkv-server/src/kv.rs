@@ -475,7 +475,7 @@ impl RegisteredKv {
     /// ([`RegisteredKv::take_descriptors`]); `chunk_bytes` is the session's chunk size, which a
     /// chunk of this layout must equal. A memfd already mapped (`maps`) is shared, not mapped
     /// again; the memfds the session's registrations (`session`) and this one reference count
-    /// once each against [`MAX_SESSION_MAPPED_BYTES`].
+    /// once each against `MAX_SESSION_MAPPED_BYTES` (1 TiB).
     pub fn map(
         regions: &[RegionSource],
         fds: Vec<Option<OwnedFd>>,
