@@ -18,6 +18,7 @@ use tierkv_prefetch::{
     PrefetchConfig, PrefetchController, PrefetchError, PrefetchRequest, Prefetched, TierRouter,
 };
 use tierkv_testkit::contract::{key, keys, payload};
+use tierkv_testkit::metrics::counter;
 use tierkv_testkit::{FakeTier, eventually};
 
 const CHUNK: u64 = 16 << 10;
@@ -680,21 +681,10 @@ fn the_loaded_chunks_counter_counts_promotions_not_chunks_held_below() {
     drop((held, fake));
 }
 
-/// `tierkv_errors_total{reason="prefetch_failed"}` as `recorder` counted it.
+/// `tierkv_errors_total{reason="prefetch_failed"}` as `snapshotter` counted it.
 fn prefetch_failures(snapshotter: &metrics_util::debugging::Snapshotter) -> u64 {
-    snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .filter(|(k, ..)| {
-            k.key().name() == "tierkv_errors_total"
-                && k.key().labels().any(|l| l.value() == "prefetch_failed")
-        })
-        .map(|(.., v)| match v {
-            metrics_util::debugging::DebugValue::Counter(n) => n,
-            _ => 0,
-        })
-        .sum()
+    let seen = snapshotter.snapshot().into_vec();
+    counter(&seen, "tierkv_errors_total", &[("reason", "prefetch_failed")])
 }
 
 /// Every request that ends in an error counts once, however it ended: given up in flight or

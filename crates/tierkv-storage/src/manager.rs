@@ -2160,19 +2160,8 @@ mod tests {
 
     /// `tierkv_errors_total` of `reason`, as `snapshotter` finds it (a snapshot drains it).
     fn errors_counted(snapshotter: &metrics_util::debugging::Snapshotter, reason: &str) -> u64 {
-        snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .filter(|(k, ..)| {
-                k.key().name() == "tierkv_errors_total"
-                    && k.key().labels().any(|l| l.value() == reason)
-            })
-            .map(|(.., v)| match v {
-                metrics_util::debugging::DebugValue::Counter(n) => n,
-                _ => 0,
-            })
-            .sum()
+        let seen = snapshotter.snapshot().into_vec();
+        tierkv_testkit::metrics::counter(&seen, "tierkv_errors_total", &[("reason", reason)])
     }
 
     /// L1 outlives a stop (the daemon's data plane holds it), and what it evicts then still goes

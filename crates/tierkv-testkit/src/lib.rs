@@ -8,6 +8,7 @@
 //!   [`tier_contract_tests!`] to run it against an implementation.
 //! - [`redis`]: a real Redis Cluster (3 masters, 3 replicas) or standalone server on loopback
 //!   ports, for the remote tier's tests.
+//! - [`metrics::counter`]: a counter as a test's debugging recorder saw it.
 //! - [`eventually`]: waits for a condition another thread makes true, a hang being a failure.
 //! - [`may_run_as`]: whether a test may start a process as another user, skipping where not.
 //! - [`cannot_mount`]: what a test that needs mounts (a tmpfs, an ext4 image on a loop device)
@@ -23,6 +24,7 @@
 
 pub mod contract;
 mod fake;
+pub mod metrics;
 pub mod redis;
 
 pub use fake::FakeTier;
