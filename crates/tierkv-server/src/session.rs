@@ -1852,6 +1852,15 @@ mod tests {
         }
     }
 
+    /// A connection the daemon's side of which is `Conn` (in the test's runtime), and the
+    /// client's end: shutting its writing side is the client giving up.
+    fn connected() -> (Conn, std::os::unix::net::UnixStream) {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
+        (conn, theirs)
+    }
+
     /// Does `then` on a thread of its own once a store of `daemon` waits for room in L1.
     fn once_a_store_waits<T: Send + 'static>(
         daemon: &Arc<Daemon>,
@@ -1879,9 +1888,7 @@ mod tests {
                 .map(|b| (&b[..], HitChunk::Loaded(Arc::new(vec![value; CHUNK as usize]))))
                 .collect()
         };
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
-        ours.set_nonblocking(true).unwrap();
-        let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
+        let (conn, theirs) = connected();
         let peer = conn.peer();
 
         scatter_part(&kv, &hit(1), peer).unwrap();
@@ -2043,9 +2050,7 @@ mod tests {
         // The second window waits for room; the client gives up, and `first` leaves room,
         // which wakes the wait (if the give-up did not end it first).
         let FullL1 { daemon, first, second, disk } = FullL1::new(Duration::from_secs(30));
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
-        ours.set_nonblocking(true).unwrap();
-        let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
+        let (conn, theirs) = connected();
         let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, conn.peer());
         // Room for one window now; for the other once the client has given up.
         daemon.storage().release_all(second).unwrap();
@@ -2090,9 +2095,7 @@ mod tests {
     async fn a_store_given_up_on_while_its_window_waited_in_vain_for_room_says_what_stayed() {
         const BACKPRESSURE: Duration = Duration::from_secs(30);
         let FullL1 { daemon, first, disk, .. } = FullL1::new(BACKPRESSURE);
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
-        ours.set_nonblocking(true).unwrap();
-        let conn = Conn::new(Stream::Unix(tokio::net::UnixStream::from_std(ours).unwrap()), 1024);
+        let (conn, theirs) = connected();
         let (mut session, _kv) = worker(&daemon, FullL1::CHUNK, 4, conn.peer());
         // Room for one window, never for the other.
         daemon.storage().release_all(first).unwrap();
